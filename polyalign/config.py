@@ -1,0 +1,112 @@
+"""Configuration loading: YAML (safe loader only) into dataclasses, with unknown keys rejected and the
+closest known key suggested, and dotted `key=value` overrides from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the key."""
+
+
+def load_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
+
+
+def _unknown_key_message(key: str, known: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
+    return f"{where}: unknown key {key!r}{hint}"
+
+
+def _convert(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return from_mapping(annotation, value, where)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item_type, *_) = typing.get_args(annotation) or (Any,)
+        items = [_convert(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return dict(value)
+    if annotation is Any:
+        return value
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (str, int, float, bool) and not isinstance(value, annotation) or (
+        annotation is int and isinstance(value, bool)
+    ):
+        raise ConfigError(f"{where}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_mapping(cls: type[T], mapping: Any, where: str) -> T:
+    """Build dataclass `cls` from a mapping, checking keys and simple types."""
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(mapping).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in mapping.items():
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(str(key), list(fields), where))
+        kwargs[key] = _convert(value, hints[key], f"{where}.{key}")
+    missing = [name for name, f in fields.items() if name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing key {missing[0]!r}")
+    return cls(**kwargs)
+
+
+def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = "override") -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping, in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{where}: expected key=value, got {item!r}")
+        node = mapping
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: {key!r} goes through a value that is not a mapping")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return mapping

@@ -1,0 +1,105 @@
+"""Exact deduplication and train/test near-duplicate detection (METHOD.md section 3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from datasketch import MinHash, MinHashLSH
+
+from polyalign.data.records import SPLIT_PRIORITY, Record
+
+
+def exact_key(record: Record) -> str:
+    """Identity of a record's content: language, track, family, question, context, response and history,
+    lower-cased (the texts are already normalised)."""
+    content = [
+        record.language, record.track, record.family, record.question.lower(), record.context.lower(),
+        record.response.lower(), [[turn["role"], turn["text"].lower()] for turn in record.history],
+    ]
+    return hashlib.sha1(json.dumps(content, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    record: Record
+    kept_id: str
+    kind: str  # "within_<split>" or "<split>_vs_<split of the kept record>"
+
+
+def exact_dedup(records: Sequence[Record]) -> tuple[list[Record], list[Duplicate]]:
+    """Keep the first occurrence of every content key, visiting test, then val, then train (each in
+    source order), so a train row that repeats a test row is the one removed. Source order is kept."""
+    order = sorted(range(len(records)), key=lambda i: (SPLIT_PRIORITY[records[i].split], i))
+    first: dict[str, Record] = {}
+    removed: dict[int, Duplicate] = {}
+    for i in order:
+        record = records[i]
+        key = exact_key(record)
+        kept = first.setdefault(key, record)
+        if kept is not record:
+            kind = f"within_{record.split}" if kept.split == record.split else f"{record.split}_vs_{kept.split}"
+            removed[i] = Duplicate(record, kept.id, kind)
+    kept_records = [r for i, r in enumerate(records) if i not in removed]
+    return kept_records, [removed[i] for i in sorted(removed)]
+
+
+def count_kinds(duplicates: Sequence[Duplicate]) -> dict[str, int]:
+    return dict(sorted(Counter(d.kind for d in duplicates).items()))
+
+
+@dataclass(frozen=True)
+class NearDuplicateOptions:
+    enabled: bool = True
+    threshold: float = 0.8
+    shingle_size: int = 5
+    num_perm: int = 128
+    remove: bool = False
+    seed: int = 1
+
+
+def _shingles(text: str, size: int) -> list[bytes]:
+    text = " ".join(text.lower().split())
+    if len(text) <= size:
+        return [text.encode("utf-8")]
+    return list({text[i:i + size].encode("utf-8") for i in range(len(text) - size + 1)})
+
+
+def _signature_text(record: Record) -> str:
+    # The response alone would flag every "Yes." pair; the question alone would flag paraphrased answers
+    # to a shared prompt. Together they identify one interaction.
+    return f"{record.question}\n{record.response}"
+
+
+def _minhashes(records: Sequence[Record], options: NearDuplicateOptions) -> list[MinHash]:
+    return MinHash.bulk(
+        (_shingles(_signature_text(r), options.shingle_size) for r in records),
+        num_perm=options.num_perm, seed=options.seed, hashfunc=zlib.crc32,
+    )
+
+
+def near_duplicates(
+    train: Sequence[Record], test: Sequence[Record], options: NearDuplicateOptions
+) -> list[tuple[str, str, float]]:
+    """(train id, test id, estimated Jaccard) for every train record whose character-shingle MinHash
+    collides with a test record above `threshold` (MinHash LSH from datasketch). Pairs are verified
+    against the estimated Jaccard, so LSH false positives are dropped."""
+    if not train or not test:
+        return []
+    lsh = MinHashLSH(threshold=options.threshold, num_perm=options.num_perm)
+    test_hashes = _minhashes(test, options)
+    for record, minhash in zip(test, test_hashes):
+        lsh.insert(record.id, minhash)
+    by_id = dict(zip((r.id for r in test), test_hashes))
+    pairs = []
+    for record, minhash in zip(train, _minhashes(train, options)):
+        for test_id in lsh.query(minhash):
+            similarity = float(np.mean(minhash.hashvalues == by_id[test_id].hashvalues))
+            if similarity >= options.threshold:
+                pairs.append((record.id, test_id, round(similarity, 4)))
+    return sorted(pairs, key=lambda p: (p[0], -p[2], p[1]))

@@ -1,0 +1,242 @@
+"""Reading helpers shared by the importers: file discovery, JSON and JSONL with precise error locations,
+typed field access and multi-turn projection."""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
+
+
+_DOCUMENTATION = re.compile(r"^(readme|provenance|licen[cs]e|notice|copying)\b", re.IGNORECASE)
+
+
+def source_files(path: Path, patterns: Sequence[str]) -> list[Path]:
+    """The files of a source: `path` itself, the data files under a directory matching `patterns`
+    (recursively, sorted; README/LICENSE/PROVENANCE files are not data), or the matches of a glob.
+    An empty result is an error."""
+    if any(ch in str(path) for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        files = sorted({f for pattern in patterns for f in path.rglob(pattern)
+                        if f.is_file() and not _DOCUMENTATION.match(f.name)})
+    elif path.is_file():
+        files = [path]
+    else:
+        raise InputError(f"{path}: no such file or directory")
+    if not files:
+        raise InputError(f"{path}: no input files (looked for {', '.join(patterns)})")
+    return files
+
+
+def _line_of_offset(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def decode_document(data: bytes, name: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise InputError(
+            f"{name}:{_line_of_offset(data, err.start)}: undecodable bytes (not UTF-8): {err.reason}"
+        ) from None
+
+
+def parse_json_document(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{name}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno})") from None
+
+
+def load_json(path: Path) -> Any:
+    return parse_json_document(decode_document(path.read_bytes(), str(path)), str(path))
+
+
+def load_json_from_zip(path: Path, member_suffix: str = ".json") -> Iterator[tuple[str, Any]]:
+    """Every JSON member of a zip archive, in archive order, as (display name, parsed document)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise InputError(f"{path}: not a zip archive") from None
+    with archive:
+        members = [m for m in archive.namelist() if m.endswith(member_suffix) and not m.startswith("__MACOSX")]
+        if not members:
+            raise InputError(f"{path}: the archive holds no *{member_suffix} file")
+        for member in members:
+            name = f"{path}!{member}"
+            yield member, parse_json_document(decode_document(archive.read(member), name), name)
+
+
+def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
+    """JSONL rows with their 1-based line numbers. Blank lines, a byte-order mark and CRLF are valid;
+    an undecodable or unparsable line is reported as Malformed and reading goes on."""
+    row = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            location = Location(str(path), line=number, row=row)
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                row += 1
+                yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}", raw.decode("utf-8", "replace"))
+                continue
+            if not line.strip():
+                continue
+            row += 1
+            try:
+                yield location, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield Malformed(location, f"invalid JSON: {err.msg} (column {err.colno})", line.rstrip("\r\n"))
+
+
+def iter_json_rows(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
+    """Rows of a JSON array file (1-based element numbers) or, for *.jsonl, of a JSON Lines file."""
+    if path.suffix == ".jsonl":
+        yield from iter_json_lines(path)
+        return
+    document = load_json(path)
+    if not isinstance(document, list):
+        raise InputError(f"{path}: expected a JSON array of rows, got {type(document).__name__}")
+    for number, row in enumerate(document, start=1):
+        yield Location(str(path), element=number, row=number - 1), row
+
+
+def type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def require_dict(value: Any, what: str = "row") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise RowProblem(f"{what} must be a JSON object, got {type_name(value)}")
+    return value
+
+
+def text_field(obj: dict[str, Any], key: str, *, default: str | None = None, what: str | None = None) -> str:
+    """A string field. Missing uses `default` when given; null or a non-string is always an error."""
+    label = what or f"field {key!r}"
+    if key not in obj:
+        if default is not None:
+            return default
+        raise RowProblem(f"missing {label}")
+    value = obj[key]
+    if value is None:
+        if default is not None:
+            return default
+        raise RowProblem(f"{label} is null")
+    if not isinstance(value, str):
+        raise RowProblem(f"{label} must be a string, got {type_name(value)}")
+    return value
+
+
+def list_field(obj: dict[str, Any], key: str, *, optional: bool = False) -> list[Any]:
+    if key not in obj or (optional and obj[key] is None):
+        if optional:
+            return []
+        raise RowProblem(f"missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, list):
+        raise RowProblem(f"field {key!r} must be a list, got {type_name(value)}")
+    return value
+
+
+def string_labels(obj: dict[str, Any], names: dict[str, str]) -> dict[str, str]:
+    """The row's own bucket labels, renamed to record field names (e.g. style_bucket -> style)."""
+    labels: dict[str, str] = {}
+    for source_name, field_name in names.items():
+        value = obj.get(source_name)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise RowProblem(f"label {source_name!r} must be a string, got {type_name(value)}")
+        labels[field_name] = value
+    return labels
+
+
+def map_role(role: Any, roles: dict[str, str], where: str) -> str:
+    if not isinstance(role, str):
+        raise RowProblem(f"{where}: role must be a string, got {type_name(role)}")
+    try:
+        return roles[role.strip().lower()]
+    except KeyError:
+        raise RowProblem(f"{where}: unknown role {role!r} (expected one of {', '.join(sorted(roles))})") from None
+
+
+def dump_raw(row: Any) -> str:
+    try:
+        return json.dumps(row, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(row)
+
+
+def parse_rows(
+    rows: Iterator[tuple[Location, Any] | Malformed],
+    parse: Callable[[Any, Location], Iterator[ImportItem]],
+) -> Iterator[ImportItem]:
+    """Apply a row parser; a RowProblem anywhere in a row (or a dialogue) makes the whole row Malformed."""
+    for item in rows:
+        if isinstance(item, Malformed):
+            yield item
+            continue
+        location, row = item
+        try:
+            parsed = list(parse(row, location))
+        except RowProblem as problem:
+            yield Malformed(location, str(problem), dump_raw(row))
+            continue
+        yield from parsed
+
+
+Turn = dict[str, str]
+
+
+def project_dialogue(
+    turns: Sequence[Turn],
+    dialogue_id: str,
+    location: Location,
+    *,
+    group: str | None = None,
+    split: str | None = None,
+    labels: dict[str, str] | None = None,
+    meta: dict[str, Any] | None = None,
+    context_of: Callable[[int], str] | None = None,
+) -> Iterator[Example]:
+    """Multi-turn projection (METHOD.md section 1): every assistant turn with at least one earlier turn
+    becomes a record; question = the latest user turn before it; history = every turn before that user
+    turn. Task-dialogue importers map the system agent to `assistant`, so only its turns are targets."""
+    for k, turn in enumerate(turns):
+        if turn["role"] != "assistant" or k == 0:
+            continue
+        user_index = next((i for i in range(k - 1, -1, -1) if turns[i]["role"] == "user"), None)
+        question = turns[user_index]["text"] if user_index is not None else ""
+        history = [dict(t) for t in turns[: user_index if user_index is not None else k]]
+        yield Example(
+            question=question,
+            response=turn["text"],
+            context=context_of(k) if context_of else "",
+            history=history,
+            key=f"{dialogue_id}-turn-{k}",
+            location=location,
+            labels=dict(labels or {}),
+            split=split,
+            group=group if group is not None else dialogue_id,
+            meta={**(meta or {}), "dialogue_id": dialogue_id, "turn": k},
+        )
+
+
+def alternating_turns(utterances: Sequence[Any], where: str) -> list[Turn]:
+    """Human-human chat without speaker labels: the first speaker is the user, then turns alternate."""
+    turns = []
+    for i, utterance in enumerate(utterances):
+        if not isinstance(utterance, str):
+            raise RowProblem(f"{where}: utterance {i + 1} must be a string, got {type_name(utterance)}")
+        turns.append({"role": "user" if i % 2 == 0 else "assistant", "text": utterance})
+    return turns

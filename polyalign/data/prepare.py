@@ -1,0 +1,422 @@
+"""`polyalign prepare`: native corpora -> normalised, bucketed, deduplicated, group-safe splits + manifest.
+
+Every row read is accounted for: kept in a split, or dropped with a reason (malformed rows that went to
+quarantine, rows the format excludes, languages outside the scheme, duplicates). The manifest states
+`read = kept + sum(dropped)` per source, and prepare checks it before writing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+import polyalign
+from polyalign.bucketing import LABEL_FIELDS, Scheme, load_scheme
+from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.data.dedup import NearDuplicateOptions, count_kinds, exact_dedup, near_duplicates
+from polyalign.data.importers import get_format, read_source
+from polyalign.data.importers._io import source_files
+from polyalign.data.language import detect_language
+from polyalign.data.records import (
+    SPLITS, Example, InputError, Malformed, Record, RowProblem, Skipped,
+)
+from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
+from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize
+
+ON_ERROR_MODES = ("fail", "quarantine")
+SOURCE_SPLITS = (*SPLITS, "auto")
+AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
+
+
+class PrepareError(Exception):
+    """Stops `prepare` with one line that names the file, the row and the problem."""
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    name: str
+    format: str
+    path: str
+    split: str = "auto"
+    language: str | None = None
+    track: str | None = None
+    family: str | None = None
+    style: str | None = None
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    seed: int = 42
+    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SPLIT_WEIGHTS))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    scheme: str
+    sources: list[SourceConfig]
+    length_unit: str | None = None
+    dedup: bool = True
+    near_dedup: NearDuplicateOptions = field(default_factory=NearDuplicateOptions)
+    split: SplitOptions = field(default_factory=SplitOptions)
+
+
+def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataConfig, dict[str, Any]]:
+    raw = load_yaml(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'scheme' and 'sources'")
+    apply_overrides(raw, list(overrides))
+    config = from_mapping(DataConfig, raw, str(path))
+    if not config.sources:
+        raise ConfigError(f"{path}: 'sources' is empty")
+    if config.length_unit is not None and config.length_unit not in LENGTH_UNIT_PATTERNS:
+        raise ConfigError(f"{path}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}")
+    for i, source in enumerate(config.sources):
+        if source.split not in SOURCE_SPLITS:
+            raise ConfigError(f"{path}: sources[{i}] ({source.name}): split must be one of {', '.join(SOURCE_SPLITS)}")
+        try:
+            get_format(source.format)
+        except InputError as err:
+            raise ConfigError(f"{path}: sources[{i}] ({source.name}): {err}") from None
+    bad = {k: v for k, v in config.split.weights.items() if k not in SPLITS or not isinstance(v, (int, float)) or v < 0}
+    if bad or sum(config.split.weights.values()) <= 0:
+        raise ConfigError(f"{path}: split.weights must give non-negative weights to train/val/test")
+    return config, raw
+
+
+def resolve(path: str, base: Path) -> Path:
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else (base / candidate)
+
+
+@dataclass
+class SourceTally:
+    config: SourceConfig
+    files: list[str] = field(default_factory=list)
+    read: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    kept_by_split: Counter = field(default_factory=Counter)
+    dropped_by_split: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    empty_responses: int = 0
+    detected_languages: Counter = field(default_factory=Counter)
+    agreement: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+
+    def drop(self, reason: str, split: str | None = None) -> None:
+        self.dropped[reason] += 1
+        if split is not None:
+            self.dropped_by_split[split][reason] += 1
+
+    def to_json(self) -> dict[str, Any]:
+        kept = sum(self.kept_by_split.values())
+        return {
+            **{k: v for k, v in asdict(self.config).items() if v is not None},
+            "files": self.files,
+            "read": self.read,
+            "kept": kept,
+            "dropped": dict(sorted(self.dropped.items())),
+            "kept_by_split": {s: self.kept_by_split[s] for s in SPLITS},
+            "dropped_by_split": {s: dict(sorted(c.items())) for s, c in sorted(self.dropped_by_split.items())},
+            "empty_responses": self.empty_responses,
+            **({"detected_languages": dict(self.detected_languages)} if self.detected_languages else {}),
+        }
+
+
+class ErrorSink:
+    """Malformed rows: stop the run (`fail`) or append them to quarantine.jsonl with their reason."""
+
+    def __init__(self, mode: str, path: Path):
+        if mode not in ON_ERROR_MODES:
+            raise ConfigError(f"--on-error must be one of {', '.join(ON_ERROR_MODES)}, got {mode!r}")
+        self.mode, self.path, self.count = mode, path, 0
+        self.handle = path.open("w", encoding="utf-8") if mode == "quarantine" else None
+
+    def __call__(self, source: str, malformed: Malformed) -> None:
+        if self.handle is None:
+            raise PrepareError(f"{malformed.location}: {malformed.problem}")
+        self.count += 1
+        self.handle.write(json.dumps({
+            "source": source, "location": str(malformed.location), "where": malformed.location.to_json(),
+            "problem": malformed.problem, "raw": malformed.raw,
+        }, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+class RecordBuilder:
+    """Turns an importer Example into a Record: normalisation, labels by precedence, language, length,
+    bucket, split and id."""
+
+    def __init__(self, scheme: Scheme, length_unit: str, split_options: SplitOptions):
+        self.scheme, self.length_unit, self.split_options = scheme, length_unit, split_options
+
+    def labels(self, example: Example, source: SourceConfig) -> dict[str, str]:
+        """track/family/style from, in order: the row, the source config, the scheme, the format."""
+        layers = [
+            example.labels,
+            {k: getattr(source, k) for k in LABEL_FIELDS if getattr(source, k)},
+            self.scheme.sources.get(source.name, {}),
+            get_format(source.format).defaults,
+        ]
+        labels = {}
+        for name in LABEL_FIELDS:
+            value = next((layer[name] for layer in layers if layer.get(name)), None)
+            if value is None:
+                raise RowProblem(
+                    f"no {name} for source {source.name!r}: set `{name}:` on the source in the data config "
+                    "or carry it in the rows"
+                )
+            if problem := self.scheme.check_value(name, value):
+                raise RowProblem(problem)
+            labels[name] = value
+        return labels
+
+    def split_of(self, example: Example, source: SourceConfig, group: str) -> str:
+        if source.split != "auto":
+            return source.split
+        if example.split is not None:
+            return example.split
+        return hash_split(group, self.split_options.seed, self.split_options.weights)
+
+    def build(self, key: str, example: Example, source: SourceConfig, tally: SourceTally) -> Record | Skipped:
+        question, context, response = normalize(example.question), normalize(example.context), normalize(example.response)
+        history = [{"role": t["role"], "text": normalize(t["text"])} for t in example.history]
+        labels = self.labels(example, source)
+        language = example.labels.get("language") or source.language
+        if language is None:
+            language = detect_language(f"{question}\n{response}")
+            tally.detected_languages[language] += 1
+        if language not in self.scheme.values["language"]:
+            return Skipped(example.location, f"language_not_in_scheme:{language}")
+        length = length_units(response, self.length_unit)
+        values = {"language": language, **labels, "length_bin": self.scheme.length_bin(length)}
+        # Rows without a conversation/passage id are their own group; the declared split is part of the
+        # key so that one corpus configured as separate val and test sources keeps them apart.
+        group = f"{source.name}:{example.group}" if example.group else f"{source.name}:{source.split}:{key}"
+        split = self.split_of(example, source, group)
+        meta: dict[str, Any] = {"source_file": example.location.file, "source_row": str(example.location), "group": group}
+        if example.labels:
+            meta["source_labels"] = dict(example.labels)
+        meta.update(example.meta)
+        return Record(
+            id=f"{source.name}-{split}-{key}", dataset=source.name, split=split, language=language,
+            track=labels["track"], family=labels["family"], style=labels["style"], question=question,
+            context=context, history=history, response=response, length_tokens=length,
+            length_bin=values["length_bin"], bucket_id=self.scheme.bucket_id(values), meta=meta,
+        )
+
+
+def _agreement(tally: SourceTally, record: Record, labels: dict[str, str]) -> None:
+    computed = {"language": record.language, "track": record.track, "family": record.family,
+                "style": record.style, "length_bin": record.length_bin, "bucket_id": record.bucket_id}
+    for name in AGREEMENT_FIELDS:
+        if name in labels:
+            counts = tally.agreement[name]
+            counts[0] += int(labels[name] == computed[name])
+            counts[1] += 1
+
+
+def _unit_agreement(records: list[Record], scheme: Scheme) -> dict[str, dict[str, float]]:
+    """How well each length unit reproduces a source's own length_bin/bucket_id labels."""
+    result: dict[str, dict[str, float]] = {}
+    labelled = [r for r in records if "length_bin" in r.meta.get("source_labels", {})]
+    if not labelled:
+        return result
+    for unit in LENGTH_UNIT_PATTERNS:
+        agree_bin = agree_bucket = 0
+        for record in labelled:
+            labels = record.meta["source_labels"]
+            length_bin = scheme.length_bin(length_units(record.response, unit))
+            agree_bin += int(length_bin == labels["length_bin"])
+            bucket = scheme.bucket_id({"language": record.language, "track": record.track,
+                                       "family": record.family, "length_bin": length_bin})
+            agree_bucket += int(bucket == labels.get("bucket_id", bucket))
+        result[unit] = {"length_bin": round(agree_bin / len(labelled), 6), "bucket_id": round(agree_bucket / len(labelled), 6)}
+    return result
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    count = 0
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
+            progress: bool = True) -> dict[str, Any]:
+    """Run the data pipeline; returns the manifest (also written to OUT/data/manifest.json)."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    config_path = Path(config_path)
+    config, raw_config = load_data_config(config_path, overrides)
+    base = config_path.parent
+    scheme = load_scheme(resolve(config.scheme, base))
+    length_unit = config.length_unit or scheme.length_unit
+    builder = RecordBuilder(scheme, length_unit, config.split)
+
+    # Fail fast on missing inputs before reading anything.
+    tallies = []
+    for source in config.sources:
+        fmt = get_format(source.format)
+        tally = SourceTally(source)
+        tally.files = [str(f) for f in source_files(resolve(source.path, base), fmt.module.PATTERNS)]
+        tallies.append(tally)
+
+    data_dir = out / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
+    records: list[Record] = []
+    tally_of: dict[str, SourceTally] = {}
+    first_seen: dict[str, str] = {}
+    try:
+        bar = tqdm(total=len(tallies), desc="import", unit="source", disable=not progress or None)
+        for tally in tallies:
+            source = tally.config
+            bar.set_postfix_str(source.name)
+            for key, item in read_source(source.format, resolve(source.path, base)):
+                tally.read += 1
+                if isinstance(item, Malformed):
+                    sink(source.name, item)
+                    tally.drop("malformed")
+                    continue
+                if isinstance(item, Skipped):
+                    tally.drop(item.reason)
+                    continue
+                try:
+                    built = builder.build(key, item, source, tally)
+                except RowProblem as problem:
+                    sink(source.name, Malformed(item.location, str(problem)))
+                    tally.drop("malformed")
+                    continue
+                if isinstance(built, Skipped):
+                    tally.drop(built.reason)
+                    continue
+                if built.id in first_seen:
+                    raise PrepareError(
+                        f"{item.location}: record id {built.id!r} is also produced by {first_seen[built.id]}; "
+                        "give each source a distinct name or split"
+                    )
+                first_seen[built.id] = str(item.location)
+                if item.labels:
+                    _agreement(tally, built, item.labels)
+                tally.empty_responses += int(built.response == "")
+                records.append(built)
+                tally_of[built.id] = tally
+            bar.update(1)
+        bar.close()
+    finally:
+        sink.close()
+    timings["import"] = time.perf_counter() - started
+
+    # Group protection: a conversation, dialogue or passage lives in one split only.
+    t0 = time.perf_counter()
+    target = protected_splits((r.meta["group"], r.split) for r in records)
+    moved = Counter()
+    for i, record in enumerate(records):
+        best = target[record.meta["group"]]
+        if best != record.split:
+            moved[f"{record.split}_to_{best}"] += 1
+            records[i] = replace(record, split=best)
+
+    dedup_report: dict[str, Any] = {"enabled": config.dedup, "group_protection": {"moved": dict(moved)}}
+    if config.dedup:
+        records, duplicates = exact_dedup(records)
+        for duplicate in duplicates:
+            tally_of[duplicate.record.id].drop("exact_duplicate", duplicate.record.split)
+        dedup_report["exact"] = {"removed": len(duplicates), "by_kind": count_kinds(duplicates)}
+    timings["split_and_dedup"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    near_pairs: list[tuple[str, str, float]] = []
+    near = config.near_dedup
+    if config.dedup and near.enabled:
+        train = [r for r in records if r.split == "train"]
+        test = [r for r in records if r.split == "test"]
+        near_pairs = near_duplicates(train, test, near)
+        flagged = sorted({train_id for train_id, _, _ in near_pairs})
+        if near.remove:
+            flagged_set = set(flagged)
+            for record in records:
+                if record.id in flagged_set:
+                    tally_of[record.id].drop("near_duplicate_of_test", "train")
+            records = [r for r in records if r.id not in flagged_set]
+        _write_jsonl(data_dir / "near_duplicates.jsonl",
+                     ({"train_id": a, "test_id": b, "jaccard": s} for a, b, s in near_pairs))
+        dedup_report["near_duplicates"] = {
+            **asdict(near), "pairs": len(near_pairs), "train_records": len(flagged),
+            "removed": len(flagged) if near.remove else 0, "file": "near_duplicates.jsonl",
+            "examples": [{"train_id": a, "test_id": b, "jaccard": s} for a, b, s in near_pairs[:20]],
+        }
+    else:
+        dedup_report["near_duplicates"] = {"enabled": False}
+    timings["near_duplicates"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    by_split: dict[str, list[Record]] = {s: [] for s in SPLITS}
+    for record in records:
+        by_split[record.split].append(record)
+        tally_of[record.id].kept_by_split[record.split] += 1
+    for split, rows in by_split.items():
+        _write_jsonl(data_dir / f"{split}.jsonl", (r.to_json() for r in rows))
+    timings["write"] = time.perf_counter() - t0
+
+    sources_json = [t.to_json() for t in tallies]
+    for entry in sources_json:
+        accounted = entry["kept"] + sum(entry["dropped"].values())
+        if accounted != entry["read"]:
+            raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
+    agreement = {
+        t.config.name: {name: round(a / n, 6) for name, (a, n) in sorted(t.agreement.items())}
+        for t in tallies if t.agreement
+    }
+    agreement_counts = {
+        t.config.name: {name: {"agree": a, "total": n} for name, (a, n) in sorted(t.agreement.items())}
+        for t in tallies if t.agreement
+    }
+    unit_agreement = {}
+    for tally in tallies:
+        if tally.agreement:
+            own = [r for r in records if tally_of[r.id] is tally]
+            unit_agreement[tally.config.name] = _unit_agreement(own, scheme)
+
+    timings["total"] = time.perf_counter() - started
+    manifest = {
+        "polyalign_version": polyalign.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config_path": str(config_path.resolve()),
+        "config": raw_config,
+        "scheme": {"path": scheme.path, "name": scheme.name, "length_unit": length_unit},
+        "on_error": on_error,
+        "totals": {
+            "read": sum(e["read"] for e in sources_json),
+            "kept": len(records),
+            "dropped": sum(sum(e["dropped"].values()) for e in sources_json),
+            "by_split": {s: len(by_split[s]) for s in SPLITS},
+            "empty_responses": sum(e["empty_responses"] for e in sources_json),
+        },
+        "sources": sources_json,
+        "dedup": dedup_report,
+        "quarantine": {"enabled": on_error == "quarantine", "rows": sink.count,
+                       **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},
+        "label_agreement": agreement,
+        "label_agreement_counts": agreement_counts,
+        "length_unit_agreement": unit_agreement,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+    (data_dir / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+def read_records(path: Path) -> list[Record]:
+    with path.open(encoding="utf-8") as handle:
+        return [Record.from_json(json.loads(line)) for line in handle if line.strip()]

@@ -1,0 +1,119 @@
+"""The record schema (METHOD.md section 1) and what importers hand to the pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+SPLITS = ("train", "val", "test")
+# Group protection and dedup keep a record in the highest-priority split it appears in.
+SPLIT_PRIORITY = {"test": 0, "val": 1, "train": 2}
+ROLES = ("user", "assistant", "system")
+RECORD_FIELDS = (
+    "id", "dataset", "split", "language", "track", "family", "style", "question", "context", "history",
+    "response", "length_tokens", "length_bin", "bucket_id", "meta",
+)
+
+
+class InputError(Exception):
+    """A problem with a whole input (missing file, unreadable JSON document, bad config). The message
+    names the file and, where known, the line."""
+
+
+class RowProblem(Exception):
+    """A problem with one row; the importer attaches the row's location."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a row lives: a JSONL line, a JSON array element, a SQuAD question or a dialogue."""
+
+    file: str
+    line: int | None = None
+    element: int | None = None
+    question: int | None = None
+    dialogue: str | None = None
+    # 0-based position of the row in its file; row sources number their records from it.
+    row: int | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        if self.line is not None:
+            return f"{self.file}:{self.line}"
+        if self.element is not None:
+            return f"{self.file}: element {self.element}"
+        if self.question is not None:
+            return f"{self.file}: question {self.question}"
+        if self.dialogue is not None:
+            return f"{self.file}: dialogue {self.dialogue}"
+        return self.file
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "row"}
+
+
+@dataclass
+class Example:
+    """One candidate record as an importer reads it, before normalisation and bucketing.
+
+    `key` is None for row sources (the pipeline numbers rows) and `<dialogue id>-turn-<k>` for
+    dialogue sources. `labels` are the row's own track/family/style/language/length_bin/bucket_id.
+    `split` is an official split carried by the data itself (ConvLab's data_split, LCCC's JSON keys).
+    """
+
+    question: str
+    response: str
+    location: Location
+    context: str = ""
+    history: list[dict[str, str]] = field(default_factory=list)
+    key: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    split: str | None = None
+    group: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Malformed:
+    """A row that cannot be read; it stops the run or goes to quarantine with its reason."""
+
+    location: Location
+    problem: str
+    raw: str | None = None
+
+
+@dataclass
+class Skipped:
+    """A well-formed row the format itself excludes (e.g. an LLM-written COIG answer); counted by reason."""
+
+    location: Location
+    reason: str
+
+
+ImportItem = Union[Example, Malformed, Skipped]
+
+
+@dataclass
+class Record:
+    id: str
+    dataset: str
+    split: str
+    language: str
+    track: str
+    family: str
+    style: str
+    question: str
+    context: str
+    history: list[dict[str, str]]
+    response: str
+    length_tokens: int
+    length_bin: str
+    bucket_id: str
+    meta: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Record":
+        return cls(**{name: obj[name] for name in RECORD_FIELDS})

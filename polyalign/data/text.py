@@ -1,0 +1,53 @@
+"""Text normalisation, length units and script-level helpers shared by every stage.
+
+The rules are those of METHOD.md sections 1 and 2. Every stored record and every feature is computed on
+`normalize` output, so a raw model output and a stored record give the same numbers.
+"""
+
+from __future__ import annotations
+
+import re
+
+# CJK Unified Ideographs, Extension A and the Compatibility Ideographs: the ranges the v2 unit counts
+# one by one.
+CJK_IDEOGRAPH = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+# CJK symbols and punctuation plus half/full-width forms (，。！？「」 ...).
+CJK_PUNCT = "\u3000-\u303f\uff00-\uffef"
+
+_WHITESPACE_RUN = re.compile(r"\s+")
+
+LENGTH_UNIT_PATTERNS = {
+    "v2": re.compile(rf"[A-Za-z]+(?:'[A-Za-z]+)?|\d+|[{CJK_IDEOGRAPH}]|[^\w\s]"),
+    "v1": re.compile(r"\w+|[^\w\s]"),
+}
+
+_SPACE_NEXT_TO_CJK = re.compile(
+    rf"(?<=[{CJK_IDEOGRAPH}{CJK_PUNCT}]) +| +(?=[{CJK_IDEOGRAPH}{CJK_PUNCT}])"
+)
+
+
+def normalize(text: str) -> str:
+    """Canonical form of a text: LF line ends, one space for any whitespace run inside a line,
+    at most one blank line in a row, no leading or trailing whitespace. No case folding."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
+    lines: list[str] = []
+    for raw_line in text.split("\n"):
+        line = _WHITESPACE_RUN.sub(" ", raw_line.strip())
+        if line or (lines and lines[-1]):
+            lines.append(line)
+    return "\n".join(lines).strip()
+
+
+def remove_cjk_spacing(text: str) -> str:
+    """Undo character-level tokenisation (LCCC): a space next to a CJK character carries no information.
+    Spaces between two non-CJK characters (English words, numbers) are kept."""
+    return _SPACE_NEXT_TO_CJK.sub("", text)
+
+
+def length_units(text: str, unit: str = "v2") -> int:
+    """Number of length units in an already normalised text (METHOD.md section 2)."""
+    try:
+        pattern = LENGTH_UNIT_PATTERNS[unit]
+    except KeyError:
+        raise ValueError(f"unknown length unit {unit!r}; expected one of {sorted(LENGTH_UNIT_PATTERNS)}") from None
+    return sum(1 for _ in pattern.finditer(text))
