@@ -1,0 +1,96 @@
+"""PNG plots for the bucket statistics report (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SPLIT_COLORS = {"train": "#4C72B0", "val": "#DD8452", "test": "#55A868"}
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[str], path: Path) -> Path:
+    """Stacked horizontal bars of records per bucket and split, one panel per language."""
+    panels = [lang for lang in languages if any(b.startswith(f"{lang}|") for b in counts)] or list(languages)
+    heights = [max(1, sum(1 for b in counts if b.startswith(f"{lang}|"))) for lang in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.32 * sum(heights)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, lang in zip(axes[:, 0], panels):
+        buckets = sorted(b for b in counts if b.startswith(f"{lang}|"))
+        left = [0] * len(buckets)
+        for split, color in SPLIT_COLORS.items():
+            values = [counts[b].get(split, 0) for b in buckets]
+            ax.barh(buckets, values, left=left, color=color, label=split)
+            left = [a + b for a, b in zip(left, values)]
+        for y, total in enumerate(left):
+            ax.text(total, y, f" {total}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"records per bucket ({lang})", fontsize=10, loc="left")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
+def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int], path: Path) -> Path:
+    """Response length (units) histogram per bucket, log-spaced bins, bin boundaries dashed."""
+    buckets = sorted(lengths)
+    columns = 4
+    rows = max(1, math.ceil(len(buckets) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(13, 2.3 * rows), squeeze=False)
+    for ax, bucket in zip(axes.flat, buckets):
+        values = [max(1, v) for v in lengths[bucket]]
+        top = max(values + [2])
+        edges = [10 ** (i * math.log10(top * 1.05) / 30) for i in range(31)]
+        ax.hist(values, bins=edges, color="#4C72B0")
+        ax.set_xscale("log")
+        for bound in bounds:
+            ax.axvline(bound + 0.5, color="#C44E52", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{bucket} (n={len(values)})", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(buckets):]:
+        ax.axis("off")
+    fig.suptitle("response length in units (log scale); dashed: bin bounds", fontsize=10)
+    return _save(fig, path)
+
+
+def weights(weights_by_bucket: Mapping[str, float], train_counts: Mapping[str, int], path: Path) -> Path:
+    buckets = sorted(weights_by_bucket)
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.28 * len(buckets)))
+    values = [weights_by_bucket[b] for b in buckets]
+    ax.barh(buckets, values, color="#8172B3")
+    for y, (bucket, value) in enumerate(zip(buckets, values)):
+        ax.text(value, y, f" {value:.2f} (n={train_counts.get(bucket, 0)})", va="center", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel("Bucket-SFT weight per record (train; mean over records = 1)")
+    ax.tick_params(axis="y", labelsize=8)
+    return _save(fig, path)
+
+
+def feature_boxes(values: Mapping[str, Mapping[str, Sequence[float]]], features: Sequence[str], path: Path) -> Path:
+    """One box plot per feature across buckets (train human responses, outliers hidden)."""
+    buckets = sorted(values)
+    columns = 2
+    rows = max(1, math.ceil(len(features) / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(14, 0.9 + rows * (0.6 + 0.2 * len(buckets))), squeeze=False)
+    for ax, feature in zip(axes.flat, features):
+        ax.boxplot([values[b][feature] for b in buckets], vert=False, showfliers=False, widths=0.6)
+        ax.set_yticks(range(1, len(buckets) + 1), buckets, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(feature, fontsize=9, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+    for ax in list(axes.flat)[len(features):]:
+        ax.axis("off")
+    return _save(fig, path)

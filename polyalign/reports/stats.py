@@ -1,0 +1,237 @@
+"""`polyalign stats RUN`: the bucket statistics report users read before training.
+
+Writes RUN/stats/stats.json (counts, length quantiles, Bucket-SFT weights, feature summaries),
+RUN/stats/references.json (train-only human support per bucket), PNG plots, report.html and report.md.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+import polyalign
+from polyalign.bucketing import Scheme, bucket_weights, load_scheme
+from polyalign.data.prepare import read_records
+from polyalign.data.records import SPLITS, Record
+from polyalign.features import text_features
+from polyalign.references import build_references, summarize
+from polyalign.reports import plots
+
+MAIN_FEATURES = (
+    "token_count", "sentence_count", "avg_tokens_per_sentence", "type_token_ratio",
+    "punctuation_density", "question_sentence_ratio", "shannon_entropy", "newline_count",
+)
+LENGTH_QUANTILES = ("min", "q10", "q25", "q50", "q75", "q90", "max", "mean")
+
+
+class StatsError(Exception):
+    pass
+
+
+def _load_run(run: Path) -> tuple[dict[str, Any], dict[str, list[Record]]]:
+    data = run / "data"
+    manifest_path = data / "manifest.json"
+    if not manifest_path.is_file():
+        raise StatsError(f"{run}: no data/manifest.json; run `polyalign prepare --config CONFIG --out {run}` first")
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    records = {}
+    for split in SPLITS:
+        path = data / f"{split}.jsonl"
+        if not path.is_file():
+            raise StatsError(f"{path}: missing; the run directory is incomplete, rerun prepare")
+        records[split] = read_records(path)
+    return manifest, records
+
+
+def _nested_counts(records: Sequence[Record], key) -> dict[str, dict[str, int]]:
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for record in records:
+        counts[key(record)][record.split] += 1
+    return {name: {**{s: c[s] for s in SPLITS}, "total": sum(c.values())} for name, c in sorted(counts.items())}
+
+
+def _scheme_of(manifest: dict[str, Any]) -> Scheme:
+    path = Path(manifest["scheme"]["path"])
+    if not path.is_file():
+        raise StatsError(f"{path}: the run's bucket scheme is missing")
+    return load_scheme(path)
+
+
+def compute_stats(run: Path, progress: bool = True) -> dict[str, Any]:
+    started = time.perf_counter()
+    run = Path(run)
+    manifest, by_split = _load_run(run)
+    scheme = _scheme_of(manifest)
+    records = [r for split in SPLITS for r in by_split[split]]
+    train = by_split["train"]
+
+    train_features = [
+        text_features(r.response)
+        for r in tqdm(train, desc="features (train)", unit="resp", disable=not progress or None, mininterval=1.0)
+    ]
+    references = build_references(
+        ((r.bucket_id, f) for r, f in zip(train, train_features)), min_bucket_size=scheme.reference_min_bucket_size,
+    )
+
+    lengths: dict[str, list[int]] = defaultdict(list)
+    for record in records:
+        lengths[record.bucket_id].append(record.length_tokens)
+    length_quantiles = {
+        bucket: {k: v for k, v in summarize(values).items() if k in LENGTH_QUANTILES or k == "count"}
+        for bucket, values in sorted(lengths.items())
+    }
+
+    train_counts = Counter(r.bucket_id for r in train)
+    weights = bucket_weights(train_counts, scheme.weights)
+    mean_weight = sum(weights[r.bucket_id] for r in train) / len(train) if train else 0.0
+
+    feature_values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for record, features in zip(train, train_features):
+        for name in MAIN_FEATURES:
+            feature_values[record.bucket_id][name].append(features[name])
+    feature_summary = {
+        bucket: {name: {k: s[k] for k in ("mean", "std", "q10", "q50", "q90")}
+                 for name, s in ((n, summarize(v)) for n, v in values.items())}
+        for bucket, values in sorted(feature_values.items())
+    }
+
+    bucket_counts = _nested_counts(records, lambda r: r.bucket_id)
+    stats = {
+        "polyalign_version": polyalign.__version__,
+        "run": str(run.resolve()),
+        "scheme": manifest["scheme"],
+        "total": len(records),
+        "counts": {
+            "by_split": {s: len(by_split[s]) for s in SPLITS},
+            "by_language": _nested_counts(records, lambda r: r.language),
+            "by_source": _nested_counts(records, lambda r: r.dataset),
+            "by_bucket": bucket_counts,
+            "by_style": _nested_counts(records, lambda r: r.style),
+            "empty_responses": sum(1 for r in records if r.response == ""),
+        },
+        "length_quantiles": length_quantiles,
+        "weights": {
+            "split": "train",
+            "options": {"temperature": scheme.weights.temperature, "min_bucket_size": scheme.weights.min_bucket_size,
+                        "clip": scheme.weights.clip},
+            "train_counts": dict(sorted(train_counts.items())),
+            "by_bucket": {b: round(w, 6) for b, w in sorted(weights.items())},
+            "mean_weight_per_record": round(mean_weight, 6),
+        },
+        "features": {"set": references["feature_set"], "split": "train", "main": list(MAIN_FEATURES),
+                     "by_bucket": feature_summary},
+        "references": {"buckets": len(references["buckets"]), "skipped_buckets": references["skipped_buckets"],
+                       "min_bucket_size": references["min_bucket_size"]},
+    }
+
+    out = run / "stats"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "references.json").write_text(json.dumps(references, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    figures = {
+        "counts": plots.bucket_counts(bucket_counts, scheme.values["language"], out / "counts.png"),
+        "lengths": plots.length_histograms(lengths, [b.max for b in scheme.length_bins if b.max], out / "lengths.png"),
+        "weights": plots.weights(weights, train_counts, out / "weights.png"),
+        "features": plots.feature_boxes(feature_values, MAIN_FEATURES, out / "features.png"),
+    }
+    stats["figures"] = {name: path.name for name, path in figures.items()}
+    stats["timings_s"] = {"total": round(time.perf_counter() - started, 3)}
+    (out / "stats.json").write_text(json.dumps(stats, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(stats, manifest), encoding="utf-8")
+    (out / "report.html").write_text(render_html(stats, manifest), encoding="utf-8")
+    return stats
+
+
+def _bucket_rows(stats: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    weights = stats["weights"]["by_bucket"]
+    for bucket, counts in stats["counts"]["by_bucket"].items():
+        q = stats["length_quantiles"][bucket]
+        rows.append([bucket, *(str(counts[s]) for s in SPLITS), str(counts["total"]),
+                     f"{q['q10']:g} / {q['q50']:g} / {q['q90']:g}", f"{weights.get(bucket, 0.0):.3f}"])
+    return rows
+
+
+BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / q90", "SFT weight"]
+
+
+def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
+    return [[s["name"], s["format"], str(s["read"]), str(s["kept"]),
+             ", ".join(f"{k}: {v}" for k, v in s["dropped"].items()) or "-"] for s in manifest["sources"]]
+
+
+SOURCE_HEADER = ["source", "format", "read", "kept", "dropped"]
+
+
+def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+    counts = stats["counts"]
+    near = manifest["dedup"].get("near_duplicates", {})
+    lines = [
+        f"{stats['total']} records: " + ", ".join(f"{s} {counts['by_split'][s]}" for s in SPLITS),
+        "languages: " + ", ".join(f"{lang} {c['total']}" for lang, c in counts["by_language"].items()),
+        f"{len(counts['by_bucket'])} buckets; length unit {stats['scheme']['length_unit']}; "
+        f"{counts['empty_responses']} empty responses (unanswerable QA)",
+        f"exact duplicates removed: {manifest['dedup'].get('exact', {}).get('removed', 'dedup off')}; "
+        f"train/test near-duplicates: {near.get('pairs', 'off')}"
+        + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
+        f"quarantined rows: {manifest['quarantine']['rows']}",
+    ]
+    if stats["references"]["skipped_buckets"]:
+        lines.append("buckets without a reference (< "
+                     f"{stats['references']['min_bucket_size']} train responses): "
+                     + ", ".join(stats["references"]["skipped_buckets"]))
+    return lines
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(stats: dict[str, Any], manifest: dict[str, Any]) -> str:
+    parts = [f"# Bucket statistics: {Path(stats['run']).name}", ""]
+    parts += [f"- {line}" for line in _summary_lines(stats, manifest)]
+    parts += ["", "## Buckets", "", _md_table(BUCKET_HEADER, _bucket_rows(stats)), "",
+              "## Sources", "", _md_table(SOURCE_HEADER, _source_rows(manifest)), "",
+              "## Plots", ""]
+    parts += [f"![{name}]({file})" for name, file in stats["figures"].items()]
+    return "\n".join(parts) + "\n"
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(stats: dict[str, Any], manifest: dict[str, Any]) -> str:
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(stats, manifest))
+    figures = "".join(
+        f'<figure><img src="{html.escape(file)}" alt="{html.escape(name)}"><figcaption>{html.escape(name)}</figcaption></figure>'
+        for name, file in stats["figures"].items()
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>polyalign bucket statistics</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; font-family: monospace; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
+</style></head><body>
+<h1>Bucket statistics: {html.escape(Path(stats['run']).name)}</h1>
+<ul>{summary}</ul>
+<h2>Buckets</h2>{_html_table(BUCKET_HEADER, _bucket_rows(stats))}
+<h2>Sources</h2>{_html_table(SOURCE_HEADER, _source_rows(manifest))}
+<h2>Plots</h2>{figures}
+<p><small>polyalign {html.escape(stats['polyalign_version'])}; references: train split only, feature set
+{html.escape(stats['features']['set'])}.</small></p>
+</body></html>
+"""
