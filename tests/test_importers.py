@@ -1,0 +1,161 @@
+"""Each importer on the real files bundled in polyalign/demo_data, checked against the raw documents."""
+
+import json
+import re
+import zipfile
+from collections import Counter
+
+import pytest
+
+from polyalign.data.importers import get_format, read_source
+from polyalign.data.records import Example, InputError, Skipped
+from tests.conftest import DEMO_DATA
+
+
+def examples(fmt, path):
+    return [(key, item) for key, item in read_source(fmt, path) if isinstance(item, Example)]
+
+
+def test_llamafactory_reads_every_row_with_history_and_labels():
+    path = DEMO_DATA / "en/polyalign-sample/dist_sft_val.json"
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    items = examples("llamafactory", path)
+    assert len(items) == len(raw) == 2000
+    assert [k for k, _ in items[:3]] == ["000000", "000001", "000002"]
+    for (key, example), row in zip(items, raw):
+        assert example.question == row["instruction"] and example.response == row["output"]
+        assert example.context == row["input"]
+        assert len(example.history) == 2 * len(row.get("history") or [])
+        assert example.labels["style"] == row["style_bucket"] and example.labels["bucket_id"] == row["bucket_id"]
+    with_history = next(e for _, e in items if e.history)
+    assert [t["role"] for t in with_history.history[:2]] == ["user", "assistant"]
+
+
+def test_squad_one_record_per_question_with_all_answers():
+    path = DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json"
+    document = json.loads(path.read_text(encoding="utf-8"))
+    questions = [qa for article in document["data"] for p in article["paragraphs"] for qa in p["qas"]]
+    items = examples("squad", path)
+    assert len(items) == len(questions) == 1002
+    key, first = items[0]
+    assert key == "000000"
+    assert first.question == questions[0]["question"]
+    assert first.response == questions[0]["answers"][0]["text"]
+    assert first.meta["answers"] == list(dict.fromkeys(a["text"] for a in questions[0]["answers"]))
+    assert first.group == document["data"][0]["paragraphs"][0]["id"]
+
+
+def test_kdconv_projects_every_second_turn_with_its_knowledge():
+    path = DEMO_DATA / "zh/kdconv/travel/dev.json"
+    dialogues = json.loads(path.read_text(encoding="utf-8"))
+    items = examples("kdconv", path)
+    assert len(items) == sum(len(d["messages"]) // 2 for d in dialogues)
+    key, first = items[0]
+    messages = dialogues[0]["messages"]
+    assert key == "dev-000000-turn-1"
+    assert first.question == messages[0]["message"] and first.response == messages[1]["message"]
+    assert first.history == []
+    third = items[2][1]  # turn 5: history is turns 0..3
+    assert third.key == "dev-000000-turn-5" and len(third.history) == 4
+    attrs = messages[1].get("attrs", [])
+    assert first.context == "\n".join(" | ".join(v for v in (a["name"], a["attrname"], a["attrvalue"]) if v) for a in attrs)
+
+
+def test_crosswoz_targets_only_system_turns():
+    path = DEMO_DATA / "zh/crosswoz/val.json.zip"
+    document = json.loads(zipfile.ZipFile(path).read("val.json"))
+    items = examples("crosswoz", path)
+    expected = sum(1 for d in document.values() for k, m in enumerate(d["messages"]) if m["role"] == "sys" and k > 0)
+    assert len(items) == expected
+    dialogue_id, dialogue = next(iter(document.items()))
+    key, first = items[0]
+    assert key == f"{dialogue_id}-turn-1"
+    assert first.question == dialogue["messages"][0]["content"] and first.response == dialogue["messages"][1]["content"]
+    assert all(t["role"] in ("user", "assistant") for _, e in items for t in e.history)
+
+
+def test_lccc_pairs_are_despaced_and_json_keys_are_official_splits():
+    pairs = examples("lccc", DEMO_DATA / "zh/lccc-toy/toy_valid.txt")
+    assert len(pairs) == 2000
+    raw_line = (DEMO_DATA / "zh/lccc-toy/toy_valid.txt").read_text(encoding="utf-8").splitlines()[0]
+    context, response = raw_line.split("\t")
+    assert pairs[0][1].question == context.replace(" ", "")
+    assert pairs[0][1].response == response.replace(" ", "")
+    spaced_cjk = re.compile(r"[\u4e00-\u9fff] [\u4e00-\u9fff]")
+    assert not any(spaced_cjk.search(e.question + e.response) for _, e in pairs)
+    dialogues = examples("lccc", DEMO_DATA / "zh/lccc-toy/toy_data.json")
+    document = json.loads((DEMO_DATA / "zh/lccc-toy/toy_data.json").read_text(encoding="utf-8"))
+    expected = Counter()
+    for split, items in document.items():
+        expected[{"train": "train", "valid": "val", "test": "test"}[split]] += sum(len(d) // 2 for d in items)
+    assert Counter(e.split for _, e in dialogues) == expected
+    first_valid = document["valid"][0]
+    key, first = next((k, e) for k, e in dialogues if e.split == "val")
+    assert key == "toy_data-valid-000000-turn-1"
+    assert first.question == first_valid[0].replace(" ", "")
+
+
+def test_coig_keeps_human_answers_and_counts_llm_answers():
+    items = list(read_source("coig", DEMO_DATA / "zh/coig-cqia"))
+    skipped = Counter(item.reason for _, item in items if isinstance(item, Skipped))
+    kept = [item for _, item in items if isinstance(item, Example)]
+    rows = [json.loads(line) for f in sorted((DEMO_DATA / "zh/coig-cqia").rglob("*.jsonl"))
+            for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(items) == len(rows)
+    assert skipped == Counter(f"answer_not_human_written:{r['answer_from']}" for r in rows
+                              if r["answer_from"] not in ("human", "expert"))
+    assert skipped["answer_not_human_written:llm"] == 240
+    assert len(kept) == sum(1 for r in rows if r["answer_from"] in ("human", "expert"))
+    assert all(e.meta["answer_from"] in ("human", "expert") for e in kept)
+
+
+def test_convlab_uses_system_turns_and_official_splits():
+    path = DEMO_DATA / "en/camrest676/data.zip"
+    dialogues = json.loads(zipfile.ZipFile(path).read("data/dialogues.json"))
+    items = examples("convlab", path)
+    assert len(items) == sum(1 for d in dialogues for t in d["turns"][1:] if t["speaker"] == "system")
+    by_split = Counter(e.split for _, e in items)
+    assert set(by_split) == {"train", "val", "test"}
+    key, first = items[0]
+    assert key == f"{dialogues[0]['dialogue_id']}-turn-1"
+    assert first.response == dialogues[0]["turns"][1]["utterance"]
+
+
+def _camrest_dialogues(n):
+    dialogues = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))
+    return dialogues[:n]
+
+
+def test_chat_and_sharegpt_read_real_conversations(tmp_path):
+    dialogues = _camrest_dialogues(3)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"id": d["dialogue_id"], "messages": [
+        {"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]} for t in d["turns"]]})
+        + "\n" for d in dialogues), encoding="utf-8")
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([{"conversations": [
+        {"from": "human" if t["speaker"] == "user" else "gpt", "value": t["utterance"]} for t in d["turns"]]}
+        for d in dialogues]), encoding="utf-8")
+    expected = sum(1 for d in dialogues for t in d["turns"][1:] if t["speaker"] == "system")
+    chat_items = examples("chat", chat)
+    share_items = examples("sharegpt", sharegpt)
+    assert len(chat_items) == len(share_items) == expected
+    assert chat_items[0][0] == f"{dialogues[0]['dialogue_id']}-turn-1"
+    assert share_items[0][0] == "000000-turn-1"
+    assert [e.response for _, e in chat_items] == [e.response for _, e in share_items]
+    second = chat_items[1][1]
+    assert second.question == dialogues[0]["turns"][2]["utterance"]
+    assert [t["text"] for t in second.history] == [t["utterance"] for t in dialogues[0]["turns"][:2]]
+
+
+def test_multi_file_row_sources_number_rows_in_source_order():
+    items = list(read_source("coig", DEMO_DATA / "zh/coig-cqia"))
+    keys = [key for key, _ in items]
+    assert keys == [f"{i:06d}" for i in range(len(items))]
+    files = [item.location.file for _, item in items]
+    assert files == sorted(files)
+
+
+def test_unknown_format_suggests_the_closest_name():
+    with pytest.raises(InputError, match="did you mean 'sharegpt'"):
+        get_format("sharegtp")

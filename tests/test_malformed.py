@@ -1,0 +1,171 @@
+"""Bad input never passes silently: one clear line naming file, location and problem, or quarantine."""
+
+import json
+import zipfile
+
+import pytest
+
+from polyalign.cli import main
+from polyalign.config import ConfigError
+from polyalign.data.prepare import PrepareError, prepare
+from polyalign.data.records import InputError
+from tests.conftest import DEMO_DATA, read_jsonl, write_config
+
+SAMPLE = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:4]
+CAMREST = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:3]
+CMRC_PARAGRAPH = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json").read_text(encoding="utf-8"))["data"][0]["paragraphs"][0]
+KDCONV_TURNS = [m["message"] for m in json.loads((DEMO_DATA / "zh/kdconv/travel/dev.json").read_text(encoding="utf-8"))[0]["messages"]]
+COIG_ROW = json.loads((DEMO_DATA / "zh/coig-cqia/zhihu/zhihu_expansion.jsonl").read_text(encoding="utf-8").splitlines()[0])
+LCCC_LINE = (DEMO_DATA / "zh/lccc-toy/toy_valid.txt").read_text(encoding="utf-8").splitlines()[1]
+EN_TURNS = [t["utterance"] for t in CAMREST[0]["turns"]]
+
+
+def squad_without_second_answer():
+    qas = [dict(q) for q in CMRC_PARAGRAPH["qas"][:2]]
+    qas[1]["answers"] = []
+    return {"data": [{"title": "", "paragraphs": [{**CMRC_PARAGRAPH, "qas": qas}]}]}
+
+
+def chat_row(dialogue, **extra):
+    return {"messages": [{"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]}
+                         for t in dialogue["turns"]], "track": "multi", "family": "dialogue", "style": "task_dialogue",
+            **extra}
+
+
+def sample_rows():
+    return [dict(row) for row in SAMPLE]
+
+
+def run(tmp_path, fmt, filename, content, on_error="fail", **source):
+    path = tmp_path / filename
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": fmt, "path": filename,
+                                                      "split": "train", "language": "en", **source}], dedup=False)
+    return prepare(config, tmp_path / "run", on_error=on_error, progress=False)
+
+
+def jsonl(rows):
+    return "".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows)
+
+
+def lines_with(bad_line, position=1):
+    rows = [json.dumps(chat_row(d)) for d in CAMREST]
+    rows.insert(position, bad_line)
+    return jsonl(rows)
+
+
+CASES = [
+    # (id, format, file name, content, expected message fragment)
+    ("invalid-json-line", "chat", "c.jsonl", lines_with('{"messages": [}'), "c.jsonl:2: invalid JSON"),
+    ("undecodable-line", "chat", "c.jsonl", jsonl([json.dumps(chat_row(CAMREST[0]))]).encode() + b'{"messages": "\xff\xfe"}\n',
+     "c.jsonl:2: undecodable bytes"),
+    ("messages-not-a-list", "chat", "c.jsonl", lines_with(json.dumps({"messages": "hello"})),
+     "c.jsonl:2: field 'messages' must be a list, got str"),
+    ("unknown-role", "chat", "c.jsonl", lines_with(json.dumps({"messages": [
+        {"role": "user", "content": CAMREST[0]["turns"][0]["utterance"]},
+        {"role": "robot", "content": CAMREST[0]["turns"][1]["utterance"]}]})), "c.jsonl:2: message 2: unknown role 'robot'"),
+    ("content-wrong-type", "chat", "c.jsonl", lines_with(json.dumps({"messages": [
+        {"role": "user", "content": 42}, {"role": "assistant", "content": "Yes."}]})),
+     "c.jsonl:2: message 1 'content' must be a string, got int"),
+    ("output-wrong-type", "llamafactory", "a.json", json.dumps(sample_rows()[:1] + [{**SAMPLE[1], "output": 7}]),
+     "a.json: element 2: response 'output' must be a string, got int"),
+    ("output-null", "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "output": None}]),
+     "a.json: element 1: response 'output' is null"),
+    ("output-missing", "llamafactory", "a.json", json.dumps([{k: v for k, v in SAMPLE[0].items() if k != "output"}]),
+     "a.json: element 1: missing response 'output'"),
+    ("instruction-missing", "llamafactory", "a.json",
+     json.dumps([SAMPLE[0], {k: v for k, v in SAMPLE[1].items() if k != "instruction"}]),
+     "a.json: element 2: missing field 'instruction'"),
+    ("malformed-history", "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "history": [["only one turn"]]}]),
+     "a.json: element 1: malformed history: entry 1 must be a [user, assistant] pair"),
+    ("invalid-json-document", "llamafactory", "a.json", json.dumps(SAMPLE[:2], indent=1)[:-3] + "\n,,]",
+     "a.json:"),
+    ("undecodable-document", "llamafactory", "a.json", b'[\n{"instruction": "\xc3\x28"}\n]', "a.json:2: undecodable bytes"),
+    ("not-an-array", "llamafactory", "a.json", json.dumps(SAMPLE[0]), "expected a JSON array of rows"),
+    ("unknown-label-value", "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "family": "poetry"}]),
+     "a.json: element 1: unknown family 'poetry'"),
+    ("squad-missing-answers", "squad", "s.json", json.dumps(squad_without_second_answer()),
+     "s.json: question 2: missing answers"),
+    ("sharegpt-function-role", "sharegpt", "g.json", json.dumps([{"conversations": [
+        {"from": "human", "value": EN_TURNS[0]}, {"from": "function_call", "value": EN_TURNS[1]}]}]), "g.json: element 1: turn 2: unknown role 'function_call'"),
+    ("coig-instruction-type", "coig", "q.jsonl", jsonl([{**COIG_ROW, "instruction": [COIG_ROW["instruction"]]}]),
+     "q.jsonl:1: field 'instruction' must be a string, got list"),
+    ("lccc-no-tab", "lccc", "l.txt", LCCC_LINE.split("\t")[0] + "\n", "l.txt:1: expected at least two tab-separated utterances"),
+    ("kdconv-non-string-message", "kdconv", "k.json", json.dumps([{"messages": [{"message": KDCONV_TURNS[0]}, {"message": 3}]}]),
+     "k.json: element 1: message 2 'message' must be a string, got int"),
+    ("convlab-unknown-speaker", "convlab", "dialogues.json", json.dumps([{"dialogue_id": "d1", "turns": [
+        {"speaker": "user", "utterance": EN_TURNS[0]}, {"speaker": "wizard", "utterance": EN_TURNS[1]}]}]),
+     "dialogues.json: element 1: turn 2: unknown role 'wizard'"),
+    ("crosswoz-unknown-role", "crosswoz", "w.json", json.dumps({"7": {"messages": [
+        {"role": "usr", "content": KDCONV_TURNS[0]}, {"role": "bot", "content": KDCONV_TURNS[1]}]}}), "w.json: dialogue 7: message 2: unknown role 'bot'"),
+]
+
+
+@pytest.mark.parametrize("name,fmt,filename,content,fragment", CASES, ids=[c[0] for c in CASES])
+def test_malformed_input_stops_with_one_clear_line(tmp_path, name, fmt, filename, content, fragment):
+    with pytest.raises((PrepareError, InputError)) as info:
+        run(tmp_path, fmt, filename, content)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text(lines_with('{"messages": [}'), encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl", "split": "train"}])
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("polyalign prepare: error: ") and "c.jsonl:2: invalid JSON" in err[0]
+
+
+def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
+    content = lines_with('{"messages": [}', 1) + "\n" + json.dumps({"messages": [{"role": "robot", "content": EN_TURNS[0]}]}) + "\n"
+    manifest = run(tmp_path, "chat", "c.jsonl", content, on_error="quarantine")
+    quarantined = read_jsonl(tmp_path / "run/data/quarantine.jsonl")
+    assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "6"]
+    assert "invalid JSON" in quarantined[0]["problem"] and quarantined[0]["raw"] == '{"messages": [}'
+    assert "unknown role 'robot'" in quarantined[1]["problem"]
+    source = manifest["sources"][0]
+    good = sum(1 for d in CAMREST for t in d["turns"][1:] if t["speaker"] == "system")
+    assert source["kept"] == good and source["dropped"] == {"malformed": 2}
+    assert source["read"] == source["kept"] + 2
+    assert manifest["quarantine"]["rows"] == 2
+
+
+@pytest.mark.parametrize("problem,fragment", [
+    ({"format": "sharegtp"}, "did you mean 'sharegpt'"),
+    ({"path": "missing.jsonl"}, "missing.jsonl: no such file or directory"),
+    ({"split": "dev"}, "split must be one of train, val, test, auto"),
+    ({"colour": "blue"}, "unknown key 'colour'"),
+])
+def test_config_problems_are_named(tmp_path, problem, fragment):
+    (tmp_path / "c.jsonl").write_text(json.dumps(chat_row(CAMREST[0])) + "\n", encoding="utf-8")
+    source = {"name": "src", "format": "chat", "path": "c.jsonl", "split": "train", **problem}
+    config = write_config(tmp_path / "config.yaml", [source])
+    with pytest.raises((ConfigError, InputError), match=fragment):
+        prepare(config, tmp_path / "run", progress=False)
+
+
+def test_bom_crlf_blank_lines_and_very_long_texts_are_valid(tmp_path):
+    long_answer = "\n".join(t["utterance"] for d in CAMREST for t in d["turns"]) * 40  # real text, ~100k characters
+    assert len(long_answer) > 50_000
+    rows = [chat_row(CAMREST[0]), chat_row(CAMREST[1]), {**chat_row(CAMREST[2])}]
+    rows[2]["messages"][1]["content"] = long_answer
+    body = "\r\n\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n"
+    manifest = run(tmp_path, "chat", "c.jsonl", b"\xef\xbb\xbf" + body.encode("utf-8"))
+    source = manifest["sources"][0]
+    assert source["dropped"] == {} and source["kept"] == source["read"] > 0
+    records = read_jsonl(tmp_path / "run/data/train.jsonl")
+    longest = max(records, key=lambda r: len(r["response"]))
+    assert longest["length_bin"] == "xlong" and "\r" not in longest["response"]
+
+
+def test_empty_response_is_kept_but_null_is_an_error(tmp_path):
+    rows = [{**SAMPLE[0], "output": ""}, SAMPLE[1]]
+    manifest = run(tmp_path, "llamafactory", "a.json", json.dumps(rows))
+    assert manifest["sources"][0]["kept"] == 2 and manifest["totals"]["empty_responses"] == 1
+    with pytest.raises(PrepareError, match="is null"):
+        run(tmp_path, "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "output": None}]))
