@@ -86,7 +86,7 @@ def feature_boxes(values: Mapping[str, Mapping[str, Sequence[float]]], features:
     rows = max(1, math.ceil(len(features) / columns))
     fig, axes = plt.subplots(rows, columns, figsize=(14, 0.9 + rows * (0.6 + 0.2 * len(buckets))), squeeze=False)
     for ax, feature in zip(axes.flat, features):
-        ax.boxplot([values[b][feature] for b in buckets], vert=False, showfliers=False, widths=0.6)
+        ax.boxplot([values[b][feature] for b in buckets], orientation="horizontal", showfliers=False, widths=0.6)
         ax.set_yticks(range(1, len(buckets) + 1), buckets, fontsize=7)
         ax.invert_yaxis()
         ax.set_title(feature, fontsize=9, loc="left")
