@@ -375,20 +375,17 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
         accounted = entry["kept"] + sum(entry["dropped"].values())
         if accounted != entry["read"]:
             raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
-    agreement = {
-        t.config.name: {name: round(a / n, 6) for name, (a, n) in sorted(t.agreement.items())}
-        for t in tallies if t.agreement
-    }
-    agreement_counts = {
-        t.config.name: {name: {"agree": a, "total": n} for name, (a, n) in sorted(t.agreement.items())}
-        for t in tallies if t.agreement
-    }
-    unit_agreement = {}
+    # A corpus may be configured as several sources (one per split); agreement is reported per corpus name.
+    agreement_counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     for tally in tallies:
-        if tally.agreement:
-            own = [r for r in records if tally_of[r.id] is tally]
-            unit_agreement[tally.config.name] = _unit_agreement(own, scheme)
-
+        for name, (agree, total) in tally.agreement.items():
+            counts = agreement_counts[tally.config.name][name]
+            counts[0] += agree
+            counts[1] += total
+    agreement = {source: {name: round(a / n, 6) for name, (a, n) in sorted(fields.items())}
+                 for source, fields in agreement_counts.items()}
+    unit_agreement = {source: _unit_agreement([r for r in records if r.dataset == source], scheme)
+                      for source in agreement_counts}
     timings["total"] = time.perf_counter() - started
     manifest = {
         "polyalign_version": polyalign.__version__,
@@ -409,7 +406,8 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
         "quarantine": {"enabled": on_error == "quarantine", "rows": sink.count,
                        **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},
         "label_agreement": agreement,
-        "label_agreement_counts": agreement_counts,
+        "label_agreement_counts": {source: {name: {"agree": a, "total": n} for name, (a, n) in sorted(fields.items())}
+                                   for source, fields in agreement_counts.items()},
         "length_unit_agreement": unit_agreement,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }

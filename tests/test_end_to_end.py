@@ -1,0 +1,127 @@
+"""prepare + stats end to end: the bundled demo data, the authors' sample labels, and all of ../shared/data."""
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from polyalign.cli import main
+from polyalign.data.prepare import prepare
+from polyalign.data.records import RECORD_FIELDS
+from polyalign.reports.stats import compute_stats
+from tests.conftest import DEMO_DATA, REPO, SHARED_DATA, read_jsonl, write_config
+
+
+def all_records(run):
+    return [r for s in ("train", "val", "test") for r in read_jsonl(run / f"data/{s}.jsonl")]
+
+
+def check_run(run, manifest):
+    records = all_records(run)
+    assert all(tuple(r) == RECORD_FIELDS for r in records)
+    assert len({r["id"] for r in records}) == len(records)
+    for source in manifest["sources"]:
+        assert source["read"] == source["kept"] + sum(source["dropped"].values())
+        assert source["kept"] == sum(source["kept_by_split"].values())
+    assert manifest["totals"]["kept"] == len(records)
+    assert Counter(r["split"] for r in records) == {s: n for s, n in manifest["totals"]["by_split"].items() if n}
+    for r in records:
+        assert r["bucket_id"] == "|".join((r["language"], r["track"], r["family"], r["length_bin"]))
+    return records
+
+
+def test_demo_prepare_and_stats(demo_run):
+    run, manifest, stats = demo_run
+    records = check_run(run, manifest)
+    assert {r["language"] for r in records} == {"en", "zh"}
+    assert {r["family"] for r in records} == {"assistant", "qa", "dialogue"}
+    assert {r["length_bin"] for r in records} == {"short", "medium", "long", "xlong"}
+    assert {s["name"] for s in manifest["sources"]} == {"polyalign_sample", "camrest676", "cmrc2018", "kdconv",
+                                                        "crosswoz", "lccc", "coig_cqia"}
+    coig = next(s for s in manifest["sources"] if s["name"] == "coig_cqia")
+    assert coig["dropped"]["answer_not_human_written:llm"] == 240
+    assert manifest["totals"]["empty_responses"] == sum(1 for r in records if r["response"] == "") > 0
+    # stats agree with the data files
+    assert stats["total"] == len(records)
+    assert stats["counts"]["by_bucket"] == {
+        b: {**{s: sum(1 for r in records if r["bucket_id"] == b and r["split"] == s) for s in ("train", "val", "test")},
+            "total": sum(1 for r in records if r["bucket_id"] == b)} for b in sorted({r["bucket_id"] for r in records})}
+    train = Counter(r["bucket_id"] for r in records if r["split"] == "train")
+    weights = stats["weights"]["by_bucket"]
+    assert stats["weights"]["mean_weight_per_record"] == pytest.approx(1.0, abs=1e-6)
+    for bucket, n in train.items():
+        assert weights[bucket] == pytest.approx(sum(train.values()) / (len(train) * n), rel=1e-5)
+    html = (run / "stats/report.html").read_text(encoding="utf-8")
+    for png in ("counts.png", "lengths.png", "weights.png", "features.png"):
+        assert f'src="{png}"' in html and (run / "stats" / png).stat().st_size > 10_000
+    assert "| zh\\|multi\\|dialogue\\|short |" in (run / "stats/report.md").read_text(encoding="utf-8")
+
+
+def test_authors_sample_labels_are_reproduced_with_v1(tmp_path):
+    """The bundled half of the sample here; the next test checks both files from ../shared/data."""
+    sample = DEMO_DATA / "en/polyalign-sample/dist_sft_val.json"
+    config = write_config(tmp_path / "c.yaml", [{"name": "polyalign_sample", "format": "llamafactory",
+                                                 "path": str(sample), "split": "val", "language": "en"}],
+                          length_unit="v1", dedup=False)
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    assert manifest["label_agreement"]["polyalign_sample"] == {
+        "bucket_id": 1.0, "family": 1.0, "length_bin": 1.0, "style": 1.0, "track": 1.0}
+    v2 = manifest["length_unit_agreement"]["polyalign_sample"]["v2"]["bucket_id"]
+    assert 0.95 < v2 < 1.0
+
+
+needs_shared = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data is not beside this checkout")
+
+
+@needs_shared
+@pytest.mark.slow
+def test_shared_sample_both_files_v1_agreement(tmp_path):
+    manifest = prepare(REPO / "configs/data/polyalign_sample_v1.yaml", tmp_path / "run", progress=False)
+    counts = manifest["label_agreement_counts"]["polyalign_sample"]
+    assert counts["bucket_id"] == {"agree": 4000, "total": 4000}
+    assert manifest["label_agreement"]["polyalign_sample"]["bucket_id"] == 1.0
+    assert manifest["totals"]["by_split"] == {"train": 0, "val": 2000, "test": 2000}
+    assert sum(1 for r in read_jsonl(tmp_path / "run/data/test.jsonl") if r["response"] == "") == 53
+
+
+@needs_shared
+@pytest.mark.slow
+def test_bilingual_config_acceptance(tmp_path):
+    started = time.perf_counter()
+    manifest = prepare(REPO / "configs/data/bilingual.yaml", tmp_path / "run", progress=False)
+    stats = compute_stats(tmp_path / "run", progress=False)
+    elapsed = time.perf_counter() - started
+    records = check_run(tmp_path / "run", manifest)
+    buckets = Counter(r["bucket_id"].split("|")[0] for r in {r["bucket_id"]: r for r in records}.values())
+    assert buckets["en"] >= 10 and buckets["zh"] >= 8
+    assert "train_vs_test" not in manifest["dedup"]["exact"]["by_kind"]
+    from polyalign.data.dedup import exact_key
+    from polyalign.data.records import Record
+    train_keys = {exact_key(Record.from_json(r)) for r in records if r["split"] == "train"}
+    assert not any(exact_key(Record.from_json(r)) in train_keys for r in records if r["split"] == "test")
+    assert stats["total"] == len(records)
+    print(f"\nbilingual prepare + stats: {len(records)} records, {elapsed:.1f} s")
+
+
+def test_cli_prepare_stats_and_demo(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "prepare"]) == 0
+    assert (tmp_path / "demo/data/manifest.json").is_file() and not (tmp_path / "demo/stats").exists()
+    assert main(["stats", str(tmp_path / "demo"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "report: " in out and (tmp_path / "demo/stats/stats.json").is_file()
+    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,sft"]) == 2
+    assert "not available in this version" in capsys.readouterr().err
+    assert main(["stats", str(tmp_path / "nothing")]) == 2
+    assert "run `polyalign prepare" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"]])
+def test_help_teaches(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "usage: polyalign" in text
+    if command == ["prepare"]:
+        assert "formats: llamafactory squad kdconv crosswoz lccc coig convlab chat sharegpt" in text
