@@ -1,6 +1,5 @@
 """prepare + stats end to end: the bundled demo data, the authors' sample labels, and all of ../shared/data."""
 
-import json
 import time
 from collections import Counter
 

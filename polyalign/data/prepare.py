@@ -26,7 +26,13 @@ from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers._io import source_files
 from polyalign.data.language import detect_language
 from polyalign.data.records import (
-    SPLITS, Example, InputError, Malformed, Record, RowProblem, Skipped,
+    SPLITS,
+    Example,
+    InputError,
+    Malformed,
+    Record,
+    RowProblem,
+    Skipped,
 )
 from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
 from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize

@@ -13,7 +13,6 @@ from typing import Any
 
 from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
 
-
 _DOCUMENTATION = re.compile(r"^(readme|provenance|licen[cs]e|notice|copying)\b", re.IGNORECASE)
 
 
@@ -74,28 +73,37 @@ def load_json_from_zip(path: Path, member_suffix: str = ".json") -> Iterator[tup
             yield member, parse_json_document(decode_document(archive.read(member), name), name)
 
 
-def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
-    """JSONL rows with their 1-based line numbers. Blank lines, a byte-order mark and CRLF are valid;
-    an undecodable or unparsable line is reported as Malformed and reading goes on."""
+def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
+    """Non-blank UTF-8 lines with their 1-based line numbers and 0-based row ordinals. A byte-order mark
+    and CRLF are valid; an undecodable line is reported as Malformed and reading goes on."""
     row = 0
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            location = Location(str(path), line=number, row=row)
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
+            location = Location(str(path), line=number, row=row)
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
                 row += 1
                 yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}", raw.decode("utf-8", "replace"))
                 continue
-            if not line.strip():
-                continue
-            row += 1
-            try:
-                yield location, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield Malformed(location, f"invalid JSON: {err.msg} (column {err.colno})", line.rstrip("\r\n"))
+            if line.strip():
+                row += 1
+                yield location, line
+
+
+def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
+    """JSONL rows (see iter_text_lines); a line that does not parse is reported as Malformed."""
+    for item in iter_text_lines(path):
+        if isinstance(item, Malformed):
+            yield item
+            continue
+        location, line = item
+        try:
+            yield location, json.loads(line)
+        except json.JSONDecodeError as err:
+            yield Malformed(location, f"invalid JSON: {err.msg} (column {err.colno})", line)
 
 
 def iter_json_rows(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
@@ -196,6 +204,19 @@ def parse_rows(
 
 
 Turn = dict[str, str]
+
+
+def labelled_turns(messages: list[Any], roles: dict[str, str], role_key: str, text_key: str,
+                   what: str = "message") -> list[Turn]:
+    """Turns of a dialogue whose messages name their speaker, e.g. {"role": "usr", "content": ...}."""
+    turns = []
+    for i, message in enumerate(messages, start=1):
+        message = require_dict(message, f"{what} {i}")
+        turns.append({
+            "role": map_role(message.get(role_key), roles, f"{what} {i}"),
+            "text": text_field(message, text_key, what=f"{what} {i} {text_key!r}"),
+        })
+    return turns
 
 
 def project_dialogue(

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
-    iter_json_rows, list_field, map_role, parse_rows, project_dialogue, require_dict, string_labels, text_field,
+    iter_json_rows,
+    labelled_turns,
+    list_field,
+    parse_rows,
+    project_dialogue,
+    require_dict,
+    string_labels,
 )
 from polyalign.data.records import ImportItem, Location, RowProblem
 
@@ -38,13 +44,7 @@ def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]]
 
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
-    turns = []
-    for i, message in enumerate(list_field(row, "messages"), start=1):
-        message = require_dict(message, f"message {i}")
-        turns.append({
-            "role": map_role(message.get("role"), ROLES, f"message {i}"),
-            "text": text_field(message, "content", what=f"message {i} 'content'"),
-        })
+    turns = labelled_turns(list_field(row, "messages"), ROLES, "role", "content", "message")
     return project(row, location, turns)
 
 

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
-    dump_raw, list_field, load_json, load_json_from_zip, map_role, project_dialogue, require_dict, text_field,
+    dump_raw,
+    labelled_turns,
+    list_field,
+    load_json,
+    load_json_from_zip,
+    project_dialogue,
+    require_dict,
+    text_field,
 )
 from polyalign.data.records import ImportItem, InputError, Location, Malformed, RowProblem
 
@@ -40,13 +47,7 @@ def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
             split_name = text_field(dialogue, "data_split", default="")
             if split_name and split_name not in OFFICIAL_SPLITS:
                 raise RowProblem(f"unknown data_split {split_name!r}")
-            turns = []
-            for i, turn in enumerate(list_field(dialogue, "turns"), start=1):
-                turn = require_dict(turn, f"turn {i}")
-                turns.append({
-                    "role": map_role(turn.get("speaker"), ROLES, f"turn {i}"),
-                    "text": text_field(turn, "utterance", what=f"turn {i} 'utterance'"),
-                })
+            turns = labelled_turns(list_field(dialogue, "turns"), ROLES, "speaker", "utterance", "turn")
             yield from list(project_dialogue(
                 turns, dialogue_id, location, split=OFFICIAL_SPLITS.get(split_name),
                 meta={"domains": dialogue.get("domains", [])},

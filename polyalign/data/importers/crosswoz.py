@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
-    dump_raw, list_field, load_json, load_json_from_zip, map_role, project_dialogue, require_dict, text_field,
+    dump_raw,
+    labelled_turns,
+    list_field,
+    load_json,
+    load_json_from_zip,
+    project_dialogue,
+    require_dict,
 )
 from polyalign.data.records import ImportItem, InputError, Location, Malformed, RowProblem
 
@@ -35,13 +41,7 @@ def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
             location = Location(name, dialogue=dialogue_id, row=index)
             try:
                 dialogue = require_dict(dialogue, "dialogue")
-                turns = []
-                for i, message in enumerate(list_field(dialogue, "messages"), start=1):
-                    message = require_dict(message, f"message {i}")
-                    turns.append({
-                        "role": map_role(message.get("role"), ROLES, f"message {i}"),
-                        "text": text_field(message, "content", what=f"message {i} 'content'"),
-                    })
+                turns = labelled_turns(list_field(dialogue, "messages"), ROLES, "role", "content", "message")
                 yield from list(project_dialogue(
                     turns, str(dialogue_id), location, meta={"task_type": str(dialogue.get("type", ""))},
                 ))

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
-    alternating_turns, dump_raw, list_field, load_json, project_dialogue, require_dict, text_field,
+    alternating_turns,
+    dump_raw,
+    list_field,
+    load_json,
+    project_dialogue,
+    require_dict,
+    text_field,
 )
 from polyalign.data.records import ImportItem, InputError, Location, Malformed, RowProblem
 

@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
-    alternating_turns, dump_raw, load_json, project_dialogue,
+    alternating_turns,
+    dump_raw,
+    iter_text_lines,
+    load_json,
+    project_dialogue,
 )
 from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
 from polyalign.data.text import remove_cjk_spacing
@@ -27,30 +31,20 @@ OFFICIAL_SPLITS = {"train": "train", "valid": "val", "validation": "val", "dev":
 
 
 def _read_pairs(path: Path) -> Iterator[ImportItem]:
-    row = 0
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            location = Location(str(path), line=number, row=row)
-            try:
-                line = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as err:
-                row += 1
-                yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}", raw.decode("utf-8", "replace"))
-                continue
-            if not line.strip():
-                continue
-            row += 1
-            utterances = [remove_cjk_spacing(u) for u in line.split("\t")]
-            if len(utterances) < 2:
-                yield Malformed(location, "expected at least two tab-separated utterances (context<TAB>response)", line)
-                continue
-            earlier = utterances[:-2]
-            # Roles alternate backwards from the question, which is always the user's.
-            history = [{"role": "assistant" if (len(earlier) - j) % 2 == 1 else "user", "text": u}
-                       for j, u in enumerate(earlier)]
-            yield Example(question=utterances[-2], response=utterances[-1], history=history, location=location)
+    for item in iter_text_lines(path):
+        if isinstance(item, Malformed):
+            yield item
+            continue
+        location, line = item
+        utterances = [remove_cjk_spacing(u) for u in line.split("\t")]
+        if len(utterances) < 2:
+            yield Malformed(location, "expected at least two tab-separated utterances (context<TAB>response)", line)
+            continue
+        earlier = utterances[:-2]
+        # Roles alternate backwards from the question, which is always the user's.
+        history = [{"role": "assistant" if (len(earlier) - j) % 2 == 1 else "user", "text": u}
+                   for j, u in enumerate(earlier)]
+        yield Example(question=utterances[-2], response=utterances[-1], history=history, location=location)
 
 
 def _dialogues(document: Any, path: Path) -> Iterator[tuple[str | None, str, int, Any]]:

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
-    iter_json_rows, list_field, parse_rows, require_dict, string_labels, text_field,
+    iter_json_rows,
+    list_field,
+    parse_rows,
+    require_dict,
+    string_labels,
+    text_field,
 )
 from polyalign.data.records import Example, ImportItem, Location, RowProblem
 

@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import iter_json_rows, list_field, map_role, parse_rows, require_dict, text_field
+from polyalign.data.importers._io import (
+    iter_json_rows,
+    labelled_turns,
+    list_field,
+    parse_rows,
+    require_dict,
+    text_field,
+)
 from polyalign.data.importers.chat import project
 from polyalign.data.records import ImportItem, Location
 
@@ -27,12 +34,7 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
     system = text_field(row, "system", default="")
     turns = [{"role": "system", "text": system}] if system else []
-    for i, message in enumerate(list_field(row, "conversations"), start=1):
-        message = require_dict(message, f"turn {i}")
-        turns.append({
-            "role": map_role(message.get("from"), ROLES, f"turn {i}"),
-            "text": text_field(message, "value", what=f"turn {i} 'value'"),
-        })
+    turns += labelled_turns(list_field(row, "conversations"), ROLES, "from", "value", "turn")
     return project(row, location, turns)
 
 
