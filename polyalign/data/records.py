@@ -10,6 +10,8 @@ SPLITS = ("train", "val", "test")
 # Group protection and dedup keep a record in the highest-priority split it appears in.
 SPLIT_PRIORITY = {"test": 0, "val": 1, "train": 2}
 ROLES = ("user", "assistant", "system")
+# Split names corpora use for their own splits, mapped to ours.
+OFFICIAL_SPLITS = {"train": "train", "valid": "val", "validation": "val", "dev": "val", "val": "val", "test": "test"}
 RECORD_FIELDS = (
     "id", "dataset", "split", "language", "track", "family", "style", "question", "context", "history",
     "response", "length_tokens", "length_bin", "bucket_id", "meta",

@@ -20,12 +20,11 @@ from polyalign.data.importers._io import (
     require_dict,
     text_field,
 )
-from polyalign.data.records import ImportItem, InputError, Location, Malformed, RowProblem
+from polyalign.data.records import OFFICIAL_SPLITS, ImportItem, InputError, Location, Malformed, RowProblem
 
 PATTERNS = ("*.zip", "dialogues.json")
 DEFAULTS = {"track": "multi", "family": "dialogue", "style": "task_dialogue"}
 ROLES = {"user": "user", "system": "assistant"}
-OFFICIAL_SPLITS = {"train": "train", "validation": "val", "val": "val", "dev": "val", "test": "test"}
 
 
 def _document(path: Path) -> tuple[str, Any]:

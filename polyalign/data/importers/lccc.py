@@ -22,12 +22,11 @@ from polyalign.data.importers._io import (
     load_json,
     project_dialogue,
 )
-from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
+from polyalign.data.records import OFFICIAL_SPLITS, Example, ImportItem, InputError, Location, Malformed, RowProblem
 from polyalign.data.text import remove_cjk_spacing
 
 PATTERNS = ("*.txt", "*.json")
 DEFAULTS = {"track": "multi", "family": "dialogue", "style": "open_chat"}
-OFFICIAL_SPLITS = {"train": "train", "valid": "val", "validation": "val", "dev": "val", "val": "val", "test": "test"}
 
 
 def _read_pairs(path: Path) -> Iterator[ImportItem]:
