@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from polyalign.data.text import LENGTH_UNIT_PATTERNS, normalize
+from polyalign.data.text import CJK_IDEOGRAPH, LENGTH_UNIT_PATTERNS, normalize
 
 FEATURE_SET = "v1"
 
 WORD_TOKEN = LENGTH_UNIT_PATTERNS["v2"]
-LEXICAL_TOKEN = re.compile(r"([A-Za-z]+(?:'[A-Za-z]+)?)|\d+|[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+LEXICAL_TOKEN = re.compile(rf"([A-Za-z]+(?:'[A-Za-z]+)?)|\d+|[{CJK_IDEOGRAPH}]")
 ALPHA_TOKEN = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
 SENTENCE_BREAK = re.compile(r"(?<=[.!?。！？；;])|\n+")
 PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
@@ -274,7 +274,3 @@ def text_features(raw_text: str) -> dict[str, float]:
     f["repeated_char_sequence_count"] = len(REPEATED_CHAR.findall(text))
 
     return {name: (round(f[name], 6) if isinstance(f[name], float) else f[name]) for name in FEATURE_NAMES}
-
-
-def feature_matrix(texts: Iterable[str]) -> list[dict[str, float]]:
-    return [text_features(t) for t in texts]

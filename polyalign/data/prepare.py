@@ -112,7 +112,6 @@ class SourceTally:
     dropped_by_split: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     empty_responses: int = 0
     detected_languages: Counter = field(default_factory=Counter)
-    agreement: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -220,12 +219,12 @@ class RecordBuilder:
         )
 
 
-def _agreement(tally: SourceTally, record: Record, labels: dict[str, str]) -> None:
+def _agreement(counts_by_field: dict[str, list[int]], record: Record, labels: dict[str, str]) -> None:
     computed = {"language": record.language, "track": record.track, "family": record.family,
                 "style": record.style, "length_bin": record.length_bin, "bucket_id": record.bucket_id}
     for name in AGREEMENT_FIELDS:
         if name in labels:
-            counts = tally.agreement[name]
+            counts = counts_by_field[name]
             counts[0] += int(labels[name] == computed[name])
             counts[1] += 1
 
@@ -283,6 +282,9 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
     records: list[Record] = []
     tally_of: dict[str, SourceTally] = {}
+    # Agreement with a source's own labels, per corpus name: one corpus may be configured as several
+    # sources (one per split), and users compare labels per corpus.
+    agreement_counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     first_seen: dict[str, str] = {}
     try:
         bar = tqdm(total=len(tallies), desc="import", unit="source", disable=not progress or None)
@@ -314,7 +316,7 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
                     )
                 first_seen[built.id] = str(item.location)
                 if item.labels:
-                    _agreement(tally, built, item.labels)
+                    _agreement(agreement_counts[source.name], built, item.labels)
                 tally.empty_responses += int(built.response == "")
                 records.append(built)
                 tally_of[built.id] = tally
@@ -381,13 +383,6 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
         accounted = entry["kept"] + sum(entry["dropped"].values())
         if accounted != entry["read"]:
             raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
-    # A corpus may be configured as several sources (one per split); agreement is reported per corpus name.
-    agreement_counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-    for tally in tallies:
-        for name, (agree, total) in tally.agreement.items():
-            counts = agreement_counts[tally.config.name][name]
-            counts[0] += agree
-            counts[1] += total
     agreement = {source: {name: round(a / n, 6) for name, (a, n) in sorted(fields.items())}
                  for source, fields in agreement_counts.items()}
     unit_agreement = {source: _unit_agreement([r for r in records if r.dataset == source], scheme)
