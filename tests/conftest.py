@@ -5,6 +5,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "polyalign" / "demo_data"
+FIXTURES = REPO / "tests" / "fixtures"
 SHARED_DATA = REPO.parent / "shared" / "data"
 SCHEME = REPO / "buckets" / "polyalign.yaml"
 

@@ -1,0 +1,292 @@
+"""Chat templates: records to messages (with the profile system prompt), messages to text exactly as
+each model family's official template renders it, and to token ids with a loss mask.
+
+A template renders a conversation as pieces. Special tokens are their own pieces and are looked up
+by id, never parsed out of text, so a user message that happens to contain "<|im_end|>" stays text.
+An assistant turn's content and its end-of-turn token are the pieces a loss may cover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from polyalign.data.records import Record
+from polyalign.tokenizer import BOS, Tokenizer
+
+PROFILE_MODES = ("oracle", "context", "none")
+PROFILE_PREAMBLE = "You are a helpful assistant. Follow the target response profile when answering."
+TRAIN_ON = ("last", "all")
+
+
+class ChatTemplateError(ValueError):
+    """A conversation a template cannot render, or an unknown template."""
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    special: bool = False
+    # Index of the assistant message this piece completes (its content or end-of-turn token), else None.
+    turn: int | None = None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # bool [T]: True where the token is a training target
+    truncated: bool = False
+
+
+# --- records to messages --------------------------------------------------------------------------
+
+def profile_prompt(record: Record, mode: str) -> str:
+    """The Bucket-SFT/HDPO system prompt (METHOD section 4). `oracle` reveals the gold length bin,
+    `context` only what a real request shows, `none` gives no system prompt."""
+    if mode not in PROFILE_MODES:
+        raise ChatTemplateError(f"profile mode {mode!r} is not one of {', '.join(PROFILE_MODES)}")
+    if mode == "none":
+        return ""
+    parts = [("family", record.family), ("track", record.track), ("style", record.style)]
+    if mode == "oracle":
+        parts.append(("length", record.length_bin))
+    profile = "; ".join(f"{key}={value}" for key, value in parts if value)
+    return f"{PROFILE_PREAMBLE} {profile}." if profile else PROFILE_PREAMBLE
+
+
+def user_turn(question: str, context: str) -> str:
+    """The current user turn: the passage or knowledge first, then the question."""
+    return f"{context}\n\n{question}" if context else question
+
+
+def record_messages(record: Record, profile: str = "context", with_response: bool = True) -> list[Message]:
+    """system (profile prompt), the history, the question with its context, and the human response.
+    Consecutive turns of one speaker are joined so that every template sees alternating roles."""
+    messages: list[Message] = []
+    system = profile_prompt(record, profile)
+    if system:
+        messages.append(Message("system", system))
+    for turn in record.history:
+        role = "user" if turn["role"] == "user" else "assistant"
+        if messages and messages[-1].role == role:
+            messages[-1] = Message(role, f"{messages[-1].content}\n{turn['text']}")
+        else:
+            messages.append(Message(role, turn["text"]))
+    question = user_turn(record.question, record.context)
+    if messages and messages[-1].role == "user":
+        messages[-1] = Message("user", f"{messages[-1].content}\n{question}")
+    else:
+        messages.append(Message("user", question))
+    if with_response:
+        messages.append(Message("assistant", record.response))
+    return messages
+
+
+# --- templates ------------------------------------------------------------------------------------
+
+class ChatTemplate:
+    """Renders messages to pieces. Subclasses give the turn layout of one family."""
+
+    name: str
+    bos: str | None = None
+    end_of_turn: str
+
+    def pieces(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> list[Piece]:
+        raise NotImplementedError
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        return "".join(p.text for p in self.pieces(messages, add_generation_prompt))
+
+    def stop_tokens(self) -> tuple[str, ...]:
+        return (self.end_of_turn,)
+
+    def _split_system(self, messages: Sequence[Message]) -> tuple[str | None, list[tuple[int, Message]]]:
+        indexed = list(enumerate(messages))
+        if indexed and indexed[0][1].role == "system":
+            return indexed[0][1].content, indexed[1:]
+        for _, message in indexed:
+            if message.role == "system":
+                raise ChatTemplateError(f"{self.name}: a system message may only come first")
+        return None, indexed
+
+
+class ChatML(ChatTemplate):
+    """<|im_start|>role\\ncontent<|im_end|>\\n turns. `default_system` is inserted when the
+    conversation has none (Qwen2.5 does this with its own identity prompt)."""
+
+    start, end_of_turn = "<|im_start|>", "<|im_end|>"
+
+    def __init__(self, name: str, bos: str | None, default_system: str | None):
+        self.name, self.bos, self.default_system = name, bos, default_system
+
+    def pieces(self, messages, add_generation_prompt=False):
+        system, rest = self._split_system(messages)
+        system = system if system is not None else self.default_system
+        out = [Piece(self.bos, special=True)] if self.bos else []
+        turns = ([(None, Message("system", system))] if system is not None else []) + rest
+        for index, message in turns:
+            out += [Piece(self.start, special=True), Piece(f"{message.role}\n")]
+            target = index if message.role == "assistant" else None
+            out += [Piece(message.content, turn=target), Piece(self.end_of_turn, special=True, turn=target),
+                    Piece("\n")]
+        if add_generation_prompt:
+            out += [Piece(self.start, special=True), Piece("assistant\n")]
+        return out
+
+
+class Llama3(ChatTemplate):
+    """Llama 3.1/3.2 Instruct: the system header always carries the knowledge-cutoff lines; contents
+    are stripped. The date is fixed (the official template takes today's date, which would make
+    training data depend on the day it was built)."""
+
+    name, bos, end_of_turn = "llama3", "<|begin_of_text|>", "<|eot_id|>"
+    header_start, header_end = "<|start_header_id|>", "<|end_header_id|>"
+
+    def __init__(self, date_string: str = "26 Jul 2024"):
+        self.date_string = date_string
+
+    def _header(self, role: str) -> list[Piece]:
+        return [Piece(self.header_start, special=True), Piece(role), Piece(self.header_end, special=True),
+                Piece("\n\n")]
+
+    def pieces(self, messages, add_generation_prompt=False):
+        system, rest = self._split_system(messages)
+        out = [Piece(self.bos, special=True), *self._header("system"),
+               Piece(f"Cutting Knowledge Date: December 2023\nToday Date: {self.date_string}\n\n"
+                     f"{(system or '').strip()}"),
+               Piece(self.end_of_turn, special=True)]
+        for index, message in rest:
+            target = index if message.role == "assistant" else None
+            out += [*self._header(message.role), Piece(message.content.strip(), turn=target),
+                    Piece(self.end_of_turn, special=True, turn=target)]
+        if add_generation_prompt:
+            out += self._header("assistant")
+        return out
+
+
+class Gemma(ChatTemplate):
+    """Gemma 2 Instruct: user/model turns, contents stripped. The official template rejects a system
+    message; like Gemma 3's template, the system text opens the first user turn instead."""
+
+    name, bos, end_of_turn = "gemma", "<bos>", "<end_of_turn>"
+    start = "<start_of_turn>"
+
+    def pieces(self, messages, add_generation_prompt=False):
+        system, rest = self._split_system(messages)
+        out = [Piece(self.bos, special=True)]
+        for position, (index, message) in enumerate(rest):
+            if (message.role == "user") != (position % 2 == 0):
+                raise ChatTemplateError("gemma: roles must alternate user/assistant, starting with user")
+            content = message.content
+            if position == 0 and system is not None:
+                content = f"{system}\n\n{content}"
+            target = index if message.role == "assistant" else None
+            role = "model" if message.role == "assistant" else "user"
+            out += [Piece(self.start, special=True), Piece(f"{role}\n"), Piece(content.strip(), turn=target),
+                    Piece(self.end_of_turn, special=True, turn=target), Piece("\n")]
+        if add_generation_prompt:
+            out += [Piece(self.start, special=True), Piece("model\n")]
+        return out
+
+
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+TEMPLATES: dict[str, ChatTemplate] = {
+    # polyalign's own tokenizer: ChatML after a BOS, and no default system prompt.
+    "polyalign": ChatML("polyalign", bos=BOS, default_system=None),
+    "qwen": ChatML("qwen", bos=None, default_system=QWEN_DEFAULT_SYSTEM),
+    "llama3": Llama3(),
+    "gemma": Gemma(),
+}
+# The special tokens a SentencePiece model needs for the polyalign template (BOS is built in).
+POLYALIGN_SPECIAL_TOKENS = (ChatML.start, ChatML.end_of_turn)
+
+
+def get_template(name: str) -> ChatTemplate:
+    try:
+        return TEMPLATES[name]
+    except KeyError:
+        raise ChatTemplateError(f"unknown chat template {name!r} (known: {', '.join(TEMPLATES)})") from None
+
+
+# --- token ids and loss masks ---------------------------------------------------------------------
+
+def truncation_lengths(source_len: int, target_len: int, cutoff: int) -> tuple[int, int]:
+    """How many prompt and response tokens survive a cutoff (METHOD section 8): a short response is
+    kept whole; else a short prompt is; else both are cut in proportion."""
+    if 2 * target_len < cutoff:
+        max_target = cutoff
+    elif 2 * source_len < cutoff:
+        max_target = cutoff - source_len
+    else:
+        max_target = int(cutoff * target_len / (source_len + target_len))
+    new_target = min(max_target, target_len)
+    new_source = min(max(cutoff - new_target, 0), source_len)
+    return new_source, new_target
+
+
+def encode_pieces(pieces: Sequence[Piece], tokenizer: Tokenizer, labelled_turns: set[int]) -> tuple[list[int], list[bool]]:
+    ids: list[int] = []
+    mask: list[bool] = []
+    texts = [p.text for p in pieces if not p.special and p.text]
+    encoded = iter(tokenizer.encode_batch(texts))
+    for piece in pieces:
+        if piece.special:
+            piece_ids = [tokenizer.special_id(piece.text)]
+        elif piece.text:
+            piece_ids = next(encoded)
+        else:
+            continue
+        ids += piece_ids
+        mask += [piece.turn is not None and piece.turn in labelled_turns] * len(piece_ids)
+    return ids, mask
+
+
+def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], *,
+                        train_on: str = "last", cutoff: int | None = None) -> Encoded:
+    """Token ids and loss mask for a conversation ending with the assistant response to learn.
+
+    The mask covers the final response and its end-of-turn token (train_on="last"), or every
+    assistant turn (train_on="all"). Whatever the template puts after the final end-of-turn token
+    is left out: nothing would learn from it. A cutoff truncates as `truncation_lengths` says:
+    the prompt loses tokens from its start, the response from its end.
+    """
+    if train_on not in TRAIN_ON:
+        raise ChatTemplateError(f"train_on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
+    if not messages or messages[-1].role != "assistant":
+        raise ChatTemplateError("the conversation must end with the assistant response to learn")
+    last = len(messages) - 1
+    assistant_turns = {i for i, m in enumerate(messages) if m.role == "assistant"}
+    labelled = assistant_turns if train_on == "all" else {last}
+    pieces = template.pieces(messages)
+    final = max(i for i, p in enumerate(pieces) if p.turn == last)  # the final end-of-turn piece
+    first = min(i for i, p in enumerate(pieces) if p.turn == last)
+    source_ids, source_mask = encode_pieces(pieces[:first], tokenizer, labelled)
+    target_ids, target_mask = encode_pieces(pieces[first:final + 1], tokenizer, labelled)
+    truncated = False
+    if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
+        keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
+        start = len(source_ids) - keep_source
+        source_ids, source_mask = source_ids[start:], source_mask[start:]
+        target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
+        truncated = True
+    return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
+                   truncated)
+
+
+def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
+                  max_tokens: int | None = None) -> np.ndarray:
+    """Token ids of a prompt that ends with the assistant header, ready for generation; a prompt
+    over `max_tokens` keeps its end."""
+    ids, _ = encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())
+    if max_tokens is not None:
+        ids = ids[-max_tokens:]
+    return np.asarray(ids, np.int32)

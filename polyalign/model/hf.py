@@ -1,0 +1,218 @@
+"""Hugging Face checkpoints in and out: config.json plus *.safetensors (single file or sharded with an
+index), read and written with safetensors' NumPy backend; torch is never needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from flax import traverse_util
+from safetensors.numpy import load_file, save_file
+
+from polyalign.model.config import ModelConfig, ModelConfigError, from_hf_config, to_hf_config
+from polyalign.model.transformer import Transformer, abstract_model
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some exporters write that carry no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory polyalign cannot read, or a destination it will not overwrite."""
+
+
+def _tensor_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
+    """(our parameter path, Hugging Face name with {i} for the layer, transpose?) for every tensor.
+
+    torch Linear weights are (out, in); nnx kernels are (in, out), hence the transposes.
+    """
+    yield "embed_tokens.embedding", "model.embed_tokens.weight", False
+    projections = [("self_attn", n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    projections += [("mlp", n) for n in ("gate_proj", "up_proj", "down_proj")]
+    for block, name in projections:
+        yield f"layers.{block}.{name}.kernel", f"model.layers.{{i}}.{block}.{name}.weight", True
+    if cfg.attention_bias:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            yield f"layers.self_attn.{name}.bias", f"model.layers.{{i}}.self_attn.{name}.bias", False
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if cfg.is_gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for name in norms:
+        yield f"layers.{name}.weight", f"model.layers.{{i}}.{name}.weight", False
+    yield "norm.weight", "model.norm.weight", False
+    if not cfg.tie_embeddings:
+        yield "lm_head.kernel", "lm_head.weight", True
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index ({err})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index}: lists shards that are not in {path}: {', '.join(absent)}")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (polyalign reads safetensors checkpoints only)")
+    return files
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory is expected")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_path}: line {err.lineno}: {err.msg}") from None
+
+
+def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_dtype: str | None = None,
+                       **policy) -> Transformer:
+    """Loads a Llama, Qwen2 or Gemma 2 checkpoint directory into a Transformer.
+
+    `dtype` is the parameter dtype, `compute_dtype` the matmul/activation dtype (default: `dtype`);
+    other keywords (scan_layers, remat, attention_impl) set the execution policy.
+    """
+    path = Path(path)
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    try:
+        cfg = from_hf_config(read_hf_config(path), where=str(path / "config.json"), param_dtype=dtype,
+                             dtype=compute_dtype or dtype, **policy)
+    except ModelConfigError as err:
+        raise CheckpointError(str(err)) from None
+    tensors: dict[str, np.ndarray] = {}
+    for file in _safetensors_files(path):
+        tensors.update(load_file(file))
+
+    model = abstract_model(cfg)
+    graphdef, state = nnx.split(model)
+    targets = traverse_util.flatten_dict(nnx.to_pure_dict(state), sep=".")
+    values, missing, mismatched, used = {}, [], [], set()
+    for ours, hf_name, transpose in _tensor_names(cfg):
+        stacked = "{i}" in hf_name
+        names = [hf_name.format(i=i) for i in range(cfg.num_layers)] if stacked else [hf_name]
+        target = targets[ours]
+        expected_shape = target.shape[1:] if stacked else target.shape
+        arrays = []
+        for name in names:
+            if name not in tensors:
+                missing.append(name)
+                continue
+            used.add(name)
+            array = tensors[name].T if transpose else tensors[name]
+            if array.shape != expected_shape:
+                mismatched.append(f"{name} {tensors[name].shape} (expected {expected_shape[::-1] if transpose else expected_shape})")
+            arrays.append(array)
+        if len(arrays) == len(names) and not mismatched:
+            values[ours] = jnp.asarray(np.stack(arrays) if stacked else arrays[0], dtype=target.dtype)
+    unexpected = sorted(n for n in set(tensors) - used if not n.endswith(_IGNORED_SUFFIXES)
+                        and not (cfg.tie_embeddings and n == "lm_head.weight"))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(_summarise(missing))}")
+    if mismatched:
+        problems.append(f"wrong shapes: {', '.join(mismatched)}")
+    if unexpected:
+        problems.append(f"tensors this {cfg.family} model has no place for: {', '.join(_summarise(unexpected))}")
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(values, sep="."))
+    return nnx.merge(graphdef, state)
+
+
+def _summarise(names: list[str], limit: int = 12) -> list[str]:
+    return names[:limit] + ([f"... {len(names) - limit} more"] if len(names) > limit else [])
+
+
+def hf_state_dict(model: Transformer, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """The model's parameters under Hugging Face names and layouts, as host arrays."""
+    cfg = model.config
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)), sep=".")
+    out = {}
+    for ours, hf_name, transpose in _tensor_names(cfg):
+        array = np.asarray(flat[ours])
+        if dtype is not None:
+            array = array.astype(_DTYPES[dtype])
+        if "{i}" in hf_name:
+            for i in range(cfg.num_layers):
+                out[hf_name.format(i=i)] = np.ascontiguousarray(array[i].T if transpose else array[i])
+        else:
+            out[hf_name] = np.ascontiguousarray(array.T if transpose else array)
+    return out
+
+
+def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, dtype: str | None = None,
+                       max_shard_bytes: int | None = None, overwrite: bool = False,
+                       extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """Writes config.json and safetensors that transformers' from_pretrained loads.
+
+    The directory is written next to its destination and renamed into place, so an interrupted save
+    never leaves a half-written checkpoint where a good one was. An existing checkpoint is replaced
+    only with `overwrite=True`. `extra_files` (name -> content) adds e.g. tokenizer files.
+    """
+    path = Path(path)
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise CheckpointError(f"{path}: exists and is not empty; pass overwrite=True to replace it")
+    dtype = dtype or model.config.param_dtype
+    tensors = hf_state_dict(model, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
+        _write_shards(tensors, staging, max_shard_bytes)
+        for name, content in (extra_files or {}).items():
+            target = staging / name
+            target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+        if path.exists():
+            retired = path.with_name(f".{path.name}.old")
+            shutil.rmtree(retired, ignore_errors=True)
+            os.replace(path, retired)
+            os.replace(staging, path)
+            shutil.rmtree(retired)
+        else:
+            os.replace(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def _write_shards(tensors: dict[str, np.ndarray], directory: Path, max_shard_bytes: int | None) -> None:
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
+    total = sum(a.nbytes for a in tensors.values())
+    if not max_shard_bytes or total <= max_shard_bytes:
+        save_file(tensors, directory / SINGLE_FILE, metadata=metadata)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file, metadata=metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,261 @@
+"""A decoder-only transformer in Flax NNX covering the Llama 3, Qwen2 and Gemma 2 families.
+
+Parameter names follow the Hugging Face modules (embed_tokens, layers.self_attn.q_proj, ...), so the
+checkpoint mapping is one-to-one. The layers are stored stacked, with a leading layer axis, whether
+the forward pass scans over them or unrolls them: one parameter layout for checkpoints and sharding.
+Every parameter and large activation carries logical axis names (polyalign.parallel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from polyalign import parallel as P
+from polyalign.model.config import ModelConfig
+
+_INIT_STD = 0.02
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+# --- pieces -------------------------------------------------------------------------------------
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, with Llama 3 scaling when configured."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.astype(np.float32)
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, and the band between the two
+    # thresholds interpolated smoothly.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the rotate-half layout of Hugging Face checkpoints: the two halves of
+    head_dim form the rotated pairs. x: [B, T, H, D], positions: [B, T]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: jax.Array | None,
+                    batch: int, sliding_window: int | None) -> tuple[jax.Array, jax.Array | None]:
+    """Boolean masks [B, 1, T, T] (True = may attend) for full and sliding-window layers.
+
+    Causal; with segment ids (packed sequences) a token sees only its own segment; with an
+    attention mask (1 = real token) padding keys are hidden. A sliding-window layer also hides keys
+    `sliding_window` or more positions back.
+    """
+    q = jnp.arange(length)[:, None]
+    k = jnp.arange(length)[None, :]
+    mask = jnp.broadcast_to((k <= q)[None, None], (batch, 1, length, length))
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask.astype(bool)[:, None, None, :]
+    local = mask & ((q - k) < sliding_window)[None, None] if sliding_window else None
+    return mask, local
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
+           softcap: float | None, implementation: str | None) -> jax.Array:
+    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K."""
+    if softcap is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    # Soft-capped scores (Gemma 2) need the softmax spelled out; XLA fuses it. Query head h uses
+    # key/value head h // (H/K), as Hugging Face's repeat_kv does.
+    b, t, h, d = q.shape
+    groups = k.shape[2]
+    scores = jnp.einsum("btgrd,bsgd->bgrts", q.reshape(b, t, groups, h // groups, d), k,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h, d)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32. Gemma scales by (1 + w) with w initialised at 0."""
+
+    def __init__(self, dim: int, eps: float, offset: float, param_dtype):
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype), **P.param((P.NORM,)))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, rngs: nnx.Rngs, din: int, dout: int, names: tuple[str, str],
+            bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                      kernel_init=nnx.initializers.normal(_INIT_STD), kernel_metadata=P.param(names),
+                      bias_metadata=P.param(names[1:]), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(cfg, rngs, d, h * hd, (P.EMBED, P.Q_HEADS), cfg.attention_bias)
+        self.k_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
+        self.v_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
+        self.o_proj = _linear(cfg, rngs, h * hd, d, (P.Q_HEADS, P.EMBED))
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.scale, self.softcap, self.implementation = cfg.attention_scale, cfg.attn_logit_softcap, cfg.attention_impl
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), positions, inv_freq)
+        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), positions, inv_freq)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = P.constrain(q, (P.BATCH, P.LENGTH, P.ACT_HEADS, P.HEAD_DIM))
+        k = P.constrain(k, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
+        v = P.constrain(v, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
+        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=self.implementation)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """Gated MLP: SwiGLU (Llama, Qwen2) or GeGLU with tanh-approximated GELU (Gemma 2)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, rngs, d, f, (P.EMBED, P.MLP))
+        self.up_proj = _linear(cfg, rngs, d, f, (P.EMBED, P.MLP))
+        self.down_proj = _linear(cfg, rngs, f, d, (P.MLP, P.EMBED))
+        self.gelu = cfg.is_gemma
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = self.gate_proj(x)
+        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        hidden = P.constrain(gate * self.up_proj(x), (P.BATCH, P.LENGTH, P.ACT_MLP))
+        return self.down_proj(hidden)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        offset = 1.0 if cfg.is_gemma else 0.0
+
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset, cfg.param_dtype)
+
+        self.self_attn = Attention(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+        self.input_layernorm = norm()
+        # Llama/Qwen2: post_attention_layernorm is the pre-MLP norm. Gemma 2 normalises the output of
+        # both blocks as well, so it has four norms and this one follows attention.
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.is_gemma
+        if cfg.is_gemma:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array) -> jax.Array:
+        attn = self.self_attn(self.input_layernorm(h), positions, mask, inv_freq)
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(attn)
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        else:
+            h = h + attn
+            h = h + self.mlp(self.post_attention_layernorm(h))
+        return P.constrain(h, (P.BATCH, P.LENGTH, P.ACT_EMBED))
+
+
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """cfg.num_layers layers whose parameters share one leading "layers" axis."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers,
+              transform_metadata={nnx.PARTITION_NAME: P.LAYERS})
+    def create(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, rngs)
+
+    return create(rngs)
+
+
+class Transformer(nnx.Module):
+    """Causal LM: `model(input_ids)` with int32 [B, T] gives float32 logits [B, T, V]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = self.config = config
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                      embedding_init=nnx.initializers.normal(_INIT_STD),
+                                      embedding_metadata=P.param((P.VOCAB, P.EMBED)), rngs=rngs)
+        self.layers = _stacked_layers(cfg, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0 if cfg.is_gemma else 0.0, cfg.param_dtype)
+        self.lm_head = None if cfg.tie_embeddings else _linear(cfg, rngs, cfg.hidden_size, cfg.vocab_size,
+                                                               (P.EMBED, P.VOCAB))
+
+    def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None) -> jax.Array:
+        hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids,
+                                    attention_mask=attention_mask)
+        return self.logits(hidden)
+
+    def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None) -> jax.Array:
+        """The final-norm hidden states [B, T, D] (the LM head's input)."""
+        cfg = self.config
+        batch, length = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        full, local = attention_masks(length, segment_ids, attention_mask, batch, cfg.sliding_window)
+        h = self.embed_tokens(input_ids)
+        if cfg.is_gemma:
+            h = h * jnp.asarray(cfg.hidden_size ** 0.5, h.dtype)
+        h = P.constrain(h, (P.BATCH, P.LENGTH, P.ACT_EMBED))
+        inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
+        graphdef, layer_state = nnx.split(self.layers)
+        sliding = jnp.asarray(cfg.sliding_layers)
+
+        def layer(h, xs):
+            state, is_sliding = xs
+            mask = full if local is None else jnp.where(is_sliding, local, full)
+            return nnx.merge(graphdef, state)(h, positions, mask, inv_freq), None
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            h, _ = jax.lax.scan(layer, h, (layer_state, sliding))
+        else:
+            for i in range(cfg.num_layers):
+                h, _ = layer(h, jax.tree.map(lambda a, i=i: a[i], (layer_state, sliding)))
+        return self.norm(h)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        cfg = self.config
+        out = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        out = out.astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            out = jnp.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return P.constrain(out, (P.BATCH, P.LENGTH, P.ACT_VOCAB))
+
+
+def create_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model on the default device, unsharded."""
+    with P.unsharded():
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model's structure with shapes and dtypes only; no memory is allocated."""
+    with P.unsharded():
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

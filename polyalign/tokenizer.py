@@ -1,0 +1,206 @@
+"""Tokenizers behind one interface: SentencePiece models (trained here or a checkpoint's
+tokenizer.model) and `tokenizers` JSON files (a checkpoint's tokenizer.json)."""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
+TOKENIZERS_FILE = "tokenizer.json"
+# Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or trained, named with its path."""
+
+
+class Tokenizer(abc.ABC):
+    """What polyalign needs from a tokenizer. `encode` never adds BOS/EOS: chat templates place them."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None  # name of a polyalign template, when the tokenizer's config names one
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a whole token (special or not); None if the vocabulary lacks it."""
+
+    def special_id(self, token: str) -> int:
+        token_id = self.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(f"{self}: has no token {token!r}")
+        return token_id
+
+    def _optional_id(self, token: str | None) -> int | None:
+        return None if token is None else self.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._optional_id(self.bos_token)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._optional_id(self.eos_token)
+
+    @property
+    def pad_id(self) -> int:
+        """Padding id: the pad token, else EOS, else 0 (padding is masked, so its id never matters)."""
+        for token in (self.pad_token, self.eos_token):
+            token_id = self._optional_id(token)
+            if token_id is not None:
+                return token_id
+        return 0
+
+    def _apply_config(self, config: dict) -> None:
+        def token(value):
+            return value.get("content") if isinstance(value, dict) else value
+
+        for field in ("bos_token", "eos_token", "pad_token"):
+            if field in config:
+                setattr(self, field, token(config[field]))
+        self.chat_template = config.get("polyalign_chat_template", self.chat_template)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, model_file: str | os.PathLike):
+        import sentencepiece as spm
+
+        self.path = Path(model_file)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (OSError, RuntimeError) as err:
+            raise TokenizerError(f"{self.path}: not a SentencePiece model ({err})") from None
+        sp = self._sp
+        self.bos_token = sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None
+        self.eos_token = sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None
+        self.pad_token = sp.id_to_piece(sp.pad_id()) if sp.pad_id() >= 0 else None
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer({self.path})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> int | None:
+        token_id = self._sp.piece_to_id(token)
+        return token_id if self._sp.id_to_piece(token_id) == token else None
+
+
+class JsonTokenizer(Tokenizer):
+    """A `tokenizers` library tokenizer.json, as Hugging Face checkpoints ship it."""
+
+    def __init__(self, json_file: str | os.PathLike):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self.path = Path(json_file)
+        try:
+            self._tok = _Tokenizer.from_file(str(self.path))
+        except Exception as err:  # the Rust side raises a bare Exception for malformed files
+            raise TokenizerError(f"{self.path}: not a tokenizer.json ({err})") from None
+
+    def __repr__(self) -> str:
+        return f"JsonTokenizer({self.path})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer from a directory (tokenizer.json preferred, else tokenizer.model, plus
+    tokenizer_config.json for the special tokens) or from one of those files directly."""
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    if path.is_dir():
+        if (path / TOKENIZERS_FILE).is_file():
+            path = path / TOKENIZERS_FILE
+        elif (path / SENTENCEPIECE_FILE).is_file():
+            path = path / SENTENCEPIECE_FILE
+        else:
+            raise TokenizerError(f"{path}: no {TOKENIZERS_FILE} or {SENTENCEPIECE_FILE}")
+    elif not path.is_file():
+        raise TokenizerError(f"{path}: no such file")
+    tokenizer: Tokenizer = JsonTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
+    config_file = directory / TOKENIZER_CONFIG
+    if config_file.is_file():
+        try:
+            tokenizer._apply_config(json.loads(config_file.read_text()))
+        except json.JSONDecodeError as err:
+            raise TokenizerError(f"{config_file}: line {err.lineno}: {err.msg}") from None
+    return tokenizer
+
+
+def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int, *,
+                        special_tokens: Sequence[str] = (), chat_template: str = "polyalign",
+                        model_type: str = "unigram", character_coverage: float = 0.9995,
+                        max_sentences: int = 2_000_000, threads: int | None = None) -> SentencePieceTokenizer:
+    """Trains a bilingual SentencePiece model into OUT/tokenizer.model (+ tokenizer_config.json).
+
+    Text is kept exactly: no NFKC (it folds full-width Chinese punctuation), no whitespace collapsing
+    and no dummy prefix, so decode(encode(x)) == x and chat-template pieces can be encoded one by one.
+    Characters outside the coverage fall back to UTF-8 bytes, so nothing maps to <unk>.
+    """
+    import sentencepiece as spm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = (line for text in texts for line in text.split("\n") if line.strip())
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines, model_prefix=str(out / "tokenizer"), model_type=model_type,
+            vocab_size=vocab_size, byte_fallback=True, character_coverage=character_coverage,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=list(special_tokens),
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=PAD, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
+            input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=1 << 16,
+            num_threads=threads or os.cpu_count() or 1, minloglevel=2)
+    except RuntimeError as err:
+        raise TokenizerError(f"SentencePiece training failed: {err}") from None
+    (out / "tokenizer.vocab").unlink(missing_ok=True)
+    config = {"tokenizer_class": "polyalign.SentencePieceTokenizer", "bos_token": BOS, "eos_token": EOS,
+              "pad_token": PAD, "unk_token": UNK, "additional_special_tokens": list(special_tokens),
+              "polyalign_chat_template": chat_template}
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return load_tokenizer(out)

@@ -1,0 +1,190 @@
+"""The decoder against transformers' own logits (fixtures made by tools/make_fixtures.py), and the
+checkpoint round trip."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from polyalign.model import (CheckpointError, ModelConfigError, create_model, family_defaults, load_hf_checkpoint,
+                             save_hf_checkpoint)
+from polyalign.model.config import from_hf_config, to_hf_config
+from polyalign.model.hf import INDEX_FILE
+from tests.conftest import FIXTURES
+
+FAMILIES = ("llama", "qwen2", "gemma2")
+TOLERANCE = 1e-4
+
+
+def expected(family):
+    return load_file(FIXTURES / "hf" / family / "expected.safetensors")
+
+
+def real_positions(mask):
+    return mask.astype(bool)
+
+
+def forward(model, ids, mask):
+    return np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_logits_match_transformers(family, scan_layers):
+    ref = expected(family)
+    model = load_hf_checkpoint(FIXTURES / "hf" / family, scan_layers=scan_layers)
+    logits = forward(model, ref["input_ids"], ref["attention_mask"])
+    assert logits.shape == ref["logits"].shape and logits.dtype == np.float32
+    diff = np.abs(logits - ref["logits"])[real_positions(ref["attention_mask"])].max()
+    assert diff <= TOLERANCE, f"{family}: max |dlogits| {diff:.2e}"
+
+
+def test_fixtures_exercise_the_family_features():
+    gemma = json.loads((FIXTURES / "hf" / "gemma2" / "config.json").read_text())
+    ref = expected("gemma2")
+    assert gemma["sliding_window"] < ref["input_ids"].shape[1]
+    # Final soft-capping bends the logits: the largest sits well into tanh's curve.
+    assert np.abs(ref["logits"]).max() > 0.8 * gemma["final_logit_softcapping"]
+    llama = from_hf_config(json.loads((FIXTURES / "hf" / "llama" / "config.json").read_text()))
+    assert llama.rope_scaling is not None and llama.num_kv_heads < llama.num_heads and not llama.tie_embeddings
+    qwen = from_hf_config(json.loads((FIXTURES / "hf" / "qwen2" / "config.json").read_text()))
+    assert qwen.attention_bias and qwen.tie_embeddings
+
+
+def test_llama3_rope_scaling_changes_the_logits():
+    ref = expected("llama")
+    model = load_hf_checkpoint(FIXTURES / "hf" / "llama")
+    unscaled = nnx.merge(nnx.graphdef(create_model(model.config.replace(rope_scaling=None))), nnx.state(model))
+    diff = np.abs(forward(unscaled, ref["input_ids"], ref["attention_mask"]) - ref["logits"]).max()
+    assert diff > 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_then_import_gives_the_same_logits(family, tmp_path):
+    ref = expected(family)
+    model = load_hf_checkpoint(FIXTURES / "hf" / family)
+    before = forward(model, ref["input_ids"], ref["attention_mask"])
+    save_hf_checkpoint(model, tmp_path / "single")
+    save_hf_checkpoint(model, tmp_path / "sharded", max_shard_bytes=100_000)
+    assert (tmp_path / "sharded" / INDEX_FILE).is_file()
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 2
+    for export in ("single", "sharded"):
+        after = forward(load_hf_checkpoint(tmp_path / export), ref["input_ids"], ref["attention_mask"])
+        np.testing.assert_array_equal(after, before)
+    # Same tensor names and values as the checkpoint transformers wrote.
+    original = load_file(FIXTURES / "hf" / family / "model.safetensors")
+    exported = load_file(tmp_path / "single" / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_config_round_trip():
+    for family in FAMILIES:
+        hf = json.loads((FIXTURES / "hf" / family / "config.json").read_text())
+        cfg = from_hf_config(hf)
+        assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+def test_packed_segments_match_separate_sequences():
+    cfg = family_defaults("gemma2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, sliding_window=3)
+    model = create_model(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 97, 7), rng.integers(0, 97, 5)
+    packed = np.concatenate([a, b])[None].astype(np.int32)
+    segments = np.array([[1] * 7 + [2] * 5], np.int32)
+    positions = np.array([list(range(7)) + list(range(5))], np.int32)
+    together = np.asarray(model(jnp.asarray(packed), positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments)))
+    alone_a = np.asarray(model(jnp.asarray(a[None].astype(np.int32))))
+    alone_b = np.asarray(model(jnp.asarray(b[None].astype(np.int32))))
+    np.testing.assert_allclose(together[0, :7], alone_a[0], atol=1e-5)
+    np.testing.assert_allclose(together[0, 7:], alone_b[0], atol=1e-5)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    ref = expected("qwen2")
+    f32 = forward(load_hf_checkpoint(FIXTURES / "hf" / "qwen2"), ref["input_ids"], ref["attention_mask"])
+    bf16_model = load_hf_checkpoint(FIXTURES / "hf" / "qwen2", compute_dtype="bfloat16", remat="full")
+    assert bf16_model.layers.self_attn.q_proj.kernel[...].dtype == jnp.float32
+    bf16 = forward(bf16_model, ref["input_ids"], ref["attention_mask"])
+    assert bf16.dtype == np.float32
+    assert 0 < np.abs(bf16 - f32).max() < 0.1
+
+
+def test_gradients_reach_every_parameter():
+    cfg = family_defaults("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, remat="dots")
+    model = create_model(cfg)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 9)), jnp.int32)
+
+    def loss(m):
+        logits = m(ids[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], axis=-1))
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    assert np.isfinite(float(value)) and abs(float(value) - np.log(64)) < 0.5
+    norms = jax.tree.leaves(jax.tree.map(lambda g: float(jnp.abs(g).max()), nnx.to_pure_dict(grads)))
+    assert len(norms) == 12 and all(n > 0 for n in norms)
+
+
+def test_every_parameter_has_logical_axis_names():
+    for family in FAMILIES:
+        cfg = family_defaults(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, **({"sliding_window": 4} if family == "gemma2" else {}))
+        state = nnx.state(create_model(cfg), nnx.Param)
+        for path, var in nnx.to_flat_state(state):
+            names = var.get_metadata().get("out_sharding")
+            assert names is not None and len(names) == var[...].ndim, path
+            assert (names[0] == "layers") == (path[0] == "layers"), path
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="unsupported model_type 'mistral'.*MistralForCausalLM"):
+        load_hf_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf_checkpoint(tmp_path / "nowhere")
+
+
+def test_missing_and_misshapen_tensors_are_listed(tmp_path):
+    from safetensors.numpy import save_file
+
+    source = FIXTURES / "hf" / "llama"
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"], tensors["model.norm.weight"]
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:, :10]
+    tensors["model.layers.0.extra.weight"] = np.zeros(3, np.float32)
+    shutil.copy(source / "config.json", tmp_path / "config.json")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_hf_checkpoint(tmp_path)
+    message = str(err.value)
+    assert "missing tensors: model.layers.1.mlp.up_proj.weight, model.norm.weight" in message
+    assert "wrong shapes: model.layers.0.self_attn.q_proj.weight (64, 10) (expected (64, 64))" in message
+    assert "no place for: model.layers.0.extra.weight" in message
+
+
+def test_rope_scaling_other_than_llama3_is_refused():
+    hf = json.loads((FIXTURES / "hf" / "llama" / "config.json").read_text())
+    hf.pop("rope_parameters", None)
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ModelConfigError, match="rope_type 'yarn' is not supported"):
+        from_hf_config(hf)
+
+
+def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
+    model = load_hf_checkpoint(FIXTURES / "hf" / "qwen2")
+    target = save_hf_checkpoint(model, tmp_path / "ckpt")
+    before = (target / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        save_hf_checkpoint(model, target)
+    assert (target / "model.safetensors").read_bytes() == before
+    save_hf_checkpoint(model, target, overwrite=True, dtype="bfloat16")
+    assert json.loads((target / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging folders left behind

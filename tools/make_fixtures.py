@@ -1,0 +1,175 @@
+"""Regenerates the test fixtures that need torch and transformers (development tools only; the tests
+read the files this writes and import neither).
+
+    pip install torch==2.13.0 transformers   # the local CPU build of torch; never an unpinned torch
+    python tools/make_fixtures.py --chat-templates DIR
+
+Writes, under tests/fixtures/:
+  hf/{llama,qwen2,gemma2}/   a tiny random checkpoint (config.json + model.safetensors) that
+                             transformers saved, and expected.safetensors: input ids, attention mask
+                             and the float32 logits transformers computes for them.
+  chat/fixtures.json         real records from the bundled demo data rendered by the official chat
+                             templates through transformers' apply_chat_template.
+
+DIR holds the official templates, copied from each model's tokenizer_config.json ("chat_template"):
+qwen.jinja (Qwen2.5 Instruct), llama3.jinja (Llama 3.2 Instruct) and gemma.jinja (Gemma 2 Instruct).
+Without --chat-templates the chat fixtures are left as they are.
+
+It also checks the other direction: each checkpoint goes through polyalign's loader and
+save_hf_checkpoint, transformers loads the export, and the logits difference is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.numpy import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+SEED = 1234
+BATCH, LENGTH, PADDED = 3, 40, 9  # the last row ends in PADDED padding tokens
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, initializer_range=0.1, max_position_embeddings=128, rms_norm_eps=1e-5)
+MODELS = {
+    # GQA, untied, Llama 3 RoPE scaling with a short original context so that all three frequency
+    # bands (kept, interpolated, slowed) occur in 40 positions.
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        num_hidden_layers=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # Tied embeddings and q/k/v biases.
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        num_hidden_layers=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Soft-capping low enough to bend the scores, a sliding window shorter than the sequence,
+    # query_pre_attn_scalar unlike head_dim, and three layers: sliding, full, sliding.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        num_hidden_layers=3, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        sliding_window=8, attn_implementation="eager")),
+}
+
+
+def make_model(family: str):
+    config_cls, model_cls, extra = MODELS[family]
+    torch.manual_seed(SEED)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    # Norm weights and biases start at constants; perturb them so a wrong mapping shows in the logits.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def inputs() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    ids = rng.integers(0, COMMON["vocab_size"], size=(BATCH, LENGTH)).astype(np.int32)
+    mask = np.ones((BATCH, LENGTH), np.int32)
+    mask[-1, -PADDED:] = 0
+    return ids, mask
+
+
+def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long())
+    return out.logits.float().numpy()
+
+
+def write_model_fixtures() -> None:
+    from polyalign.model import load_hf_checkpoint, save_hf_checkpoint
+
+    ids, mask = inputs()
+    for family in MODELS:
+        target = FIXTURES / "hf" / family
+        model = make_model(family)
+        model.save_pretrained(target, safe_serialization=True)
+        logits = hf_logits(model, ids, mask)
+        save_file({"input_ids": ids, "attention_mask": mask, "logits": logits}, target / "expected.safetensors")
+        for stray in target.glob("generation_config.json"):
+            stray.unlink()
+        ours = load_hf_checkpoint(target)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf_checkpoint(ours, Path(tmp) / "export")
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "export").eval()
+            roundtrip = hf_logits(reloaded, ids, mask)
+        real = mask.astype(bool)
+        diff = np.abs(roundtrip - logits)[real].max()
+        print(f"{family:7s} {sum(p.numel() for p in model.parameters()):>7} params  "
+              f"max|logit| {np.abs(logits).max():.3f}  polyalign export -> transformers: max|dlogits| {diff:.2e}")
+
+
+CHAT_CASES = [
+    # (template, dataset, at least this many history turns, profile): real test records of the demo data
+    ("qwen", "kdconv", 2, "oracle"),
+    ("qwen", "polyalign_sample", 0, "none"),
+    ("llama3", "camrest676", 2, "context"),
+    ("llama3", "cmrc2018", 0, "oracle"),
+    ("gemma", "crosswoz", 2, "context"),
+    ("gemma", "lccc", 0, "none"),
+    ("polyalign", "coig_cqia", 0, "context"),
+    ("polyalign", "kdconv", 2, "oracle"),
+]
+SPECIAL = {"qwen": dict(eos_token="<|im_end|>"), "llama3": dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
+           "gemma": dict(bos_token="<bos>", eos_token="<eos>")}
+
+
+def official_render(template_text: str, name: str, messages: list[dict]) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                               **SPECIAL[name])
+    if name == "gemma" and messages[0]["role"] == "system":
+        # Gemma 2's template rejects system messages; polyalign opens the first user turn with it.
+        system, first = messages[0], messages[1]
+        messages = [{"role": "user", "content": f"{system['content']}\n\n{first['content']}"}, *messages[2:]]
+    return tok.apply_chat_template(messages, tokenize=False, chat_template=template_text, date_string="26 Jul 2024")
+
+
+def write_chat_fixtures(template_dir: Path) -> None:
+    from polyalign.chat import get_template, record_messages
+    from polyalign.data.prepare import prepare, read_records
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(REPO / "configs" / "data" / "demo.yaml", Path(tmp), progress=False)
+        records = list(read_records(Path(tmp) / "data" / "test.jsonl"))
+    cases = []
+    for name, dataset, min_history, profile in CHAT_CASES:
+        record = next(r for r in records if r.dataset == dataset and r.response and len(r.history) >= min_history)
+        messages = record_messages(record, profile)
+        as_dicts = [{"role": m.role, "content": m.content} for m in messages]
+        if name == "polyalign":
+            expected = get_template(name).render(messages)  # polyalign's own template has no other source
+        else:
+            expected = official_render((template_dir / f"{name}.jinja").read_text(), name, as_dicts)
+        as_json = record.to_json()
+        as_json["meta"] = {"group": record.meta.get("group")}  # source paths would name this machine's folders
+        cases.append({"template": name, "profile": profile, "record": as_json, "expected": expected})
+        print(f"chat {name:9s} {dataset:16s} {len(messages)} messages, {len(expected)} chars")
+    out = FIXTURES / "chat" / "fixtures.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chat-templates", type=Path, help="directory with qwen.jinja, llama3.jinja, gemma.jinja")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    write_model_fixtures()
+    if args.chat_templates:
+        write_chat_fixtures(args.chat_templates)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
