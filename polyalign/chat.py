@@ -1,9 +1,9 @@
 """Chat templates: records to messages (with the profile system prompt), messages to text exactly as
 each model family's official template renders it, and to token ids with a loss mask.
 
-A template renders a conversation as pieces. Special tokens are their own pieces and are looked up
-by id, never parsed out of text, so a user message that happens to contain "<|im_end|>" stays text.
-An assistant turn's content and its end-of-turn token are the pieces a loss may cover.
+A template renders a conversation as pieces. Special tokens are their own pieces, looked up by id
+rather than parsed out of text (SentencePiece never parses its BOS out of text). An assistant turn's
+content and its end-of-turn token are the pieces a loss may cover.
 """
 
 from __future__ import annotations
@@ -208,6 +208,9 @@ TEMPLATES: dict[str, ChatTemplate] = {
 }
 # The special tokens a SentencePiece model needs for the polyalign template (BOS is built in).
 POLYALIGN_SPECIAL_TOKENS = (ChatML.start, ChatML.end_of_turn)
+# Every special token the built-in templates use.
+TEMPLATE_SPECIAL_TOKENS = (BOS, ChatML.start, ChatML.end_of_turn, Llama3.bos, Llama3.header_start,
+                           Llama3.header_end, Llama3.end_of_turn, Gemma.bos, "<eos>", Gemma.start, Gemma.end_of_turn)
 
 
 def get_template(name: str) -> ChatTemplate:

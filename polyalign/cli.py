@@ -19,6 +19,7 @@ polyalign aligns a language model to the human response distribution of each int
 Pipeline:
   polyalign prepare --config configs/data/bilingual.yaml --out RUN   import, bucket, dedup, split
   polyalign stats RUN                                                 bucket statistics report
+  polyalign tokenizer train --records RUN/data/train.jsonl --vocab-size 8000 --out RUN/tokenizer
   polyalign demo --out RUN                                            everything on the bundled data
 """
 
@@ -94,6 +95,46 @@ def _run_stats(args) -> int:
     return 0
 
 
+TOKENIZER_EPILOG = """\
+Trains a bilingual SentencePiece model on every text of the records (questions, contexts, history
+turns and responses). Text is kept exactly (no NFKC folding of full-width punctuation, no whitespace
+collapsing), characters beyond the coverage fall back to UTF-8 bytes, and the chat template's
+special tokens (<|im_start|>, <|im_end|>) are single pieces. Writes OUT/tokenizer.model,
+OUT/tokenizer_config.json and OUT/tokenizer_report.json (characters per token by language).
+
+A checkpoint's own tokenizer (tokenizer.json or tokenizer.model) needs no training: pass its
+directory wherever a tokenizer is asked for.
+"""
+
+
+def _add_tokenizer(sub) -> None:
+    p = sub.add_parser("tokenizer", help="train a bilingual SentencePiece tokenizer",
+                       description="Tokenizer tools.")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    train = actions.add_parser("train", help="train a SentencePiece model on a records file",
+                               description="Train a bilingual SentencePiece tokenizer on prepared records.",
+                               epilog=TOKENIZER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/train.jsonl")
+    train.add_argument("--vocab-size", required=True, type=int, help="vocabulary size, e.g. 8000")
+    train.add_argument("--out", required=True, type=Path, help="output directory")
+    train.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram", help="default: unigram")
+    train.add_argument("--character-coverage", type=float, default=0.9995,
+                       help="share of characters kept as pieces; the rest fall back to bytes (default 0.9995)")
+    train.set_defaults(handler=_run_tokenizer_train)
+
+
+def _run_tokenizer_train(args) -> int:
+    from polyalign.tokenizer import train_from_records
+
+    _, report = train_from_records(args.records, args.out, args.vocab_size, model_type=args.model_type,
+                                   character_coverage=args.character_coverage)
+    rates = ", ".join(f"{lang} {rate}" for lang, rate in report["chars_per_token"].items())
+    print(f"trained a {report['vocab_size']}-piece tokenizer on {report['num_records']} records in "
+          f"{report['train_seconds']} s; characters per token: {rates}")
+    print(f"tokenizer: {args.out / 'tokenizer.model'}")
+    return 0
+
+
 def _add_demo(sub) -> None:
     from polyalign.demo import STAGES
 
@@ -120,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_prepare(sub)
     _add_stats(sub)
+    _add_tokenizer(sub)
     _add_demo(sub)
     return parser
 
@@ -129,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     from polyalign.data.prepare import PrepareError
     from polyalign.data.records import InputError
     from polyalign.reports.stats import StatsError
+    from polyalign.tokenizer import TokenizerError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, InputError, PrepareError, StatsError) as err:
+    except (ConfigError, InputError, PrepareError, StatsError, TokenizerError) as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

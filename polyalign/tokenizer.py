@@ -6,6 +6,8 @@ from __future__ import annotations
 import abc
 import json
 import os
+import re
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -197,6 +199,11 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
             input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=1 << 16,
             num_threads=threads or os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as err:
+        short = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if short:
+            raise TokenizerError(f"vocab size {short[1]} cannot hold the {short[2]} characters that character "
+                                 f"coverage {character_coverage} keeps; raise the vocab size or lower the "
+                                 "coverage (rarer characters then fall back to bytes)") from None
         raise TokenizerError(f"SentencePiece training failed: {err}") from None
     (out / "tokenizer.vocab").unlink(missing_ok=True)
     config = {"tokenizer_class": "polyalign.SentencePieceTokenizer", "bos_token": BOS, "eos_token": EOS,
@@ -204,3 +211,45 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
               "polyalign_chat_template": chat_template}
     (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return load_tokenizer(out)
+
+
+def record_texts(records) -> Iterable[str]:
+    """Every text a model reads or writes in a record: question, context, history and response."""
+    for record in records:
+        yield record.question
+        if record.context:
+            yield record.context
+        for turn in record.history:
+            yield turn["text"]
+        if record.response:
+            yield record.response
+
+
+def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,
+                       **options) -> tuple[SentencePieceTokenizer, dict]:
+    """Trains on a records file (e.g. RUN/data/train.jsonl) and reports characters per token by
+    language (written to OUT/tokenizer_report.json)."""
+    from polyalign.chat import POLYALIGN_SPECIAL_TOKENS
+    from polyalign.data.prepare import read_records
+
+    records_path = Path(records_path)
+    if not records_path.is_file():
+        raise TokenizerError(f"{records_path}: no such records file")
+    records = read_records(records_path)
+    if not records:
+        raise TokenizerError(f"{records_path}: no records to train on")
+    started = time.perf_counter()
+    options.setdefault("special_tokens", POLYALIGN_SPECIAL_TOKENS)
+    tokenizer = train_sentencepiece(record_texts(records), out_dir, vocab_size, **options)
+    seconds = time.perf_counter() - started
+    chars: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for record in records:
+        texts = list(record_texts([record]))
+        chars[record.language] = chars.get(record.language, 0) + sum(len(t) for t in texts)
+        tokens[record.language] = tokens.get(record.language, 0) + sum(len(ids) for ids in tokenizer.encode_batch(texts))
+    report = {"records": str(records_path), "num_records": len(records), "vocab_size": tokenizer.vocab_size,
+              "train_seconds": round(seconds, 2),
+              "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)}}
+    (Path(out_dir) / "tokenizer_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return tokenizer, report

@@ -33,3 +33,36 @@ def demo_run(tmp_path_factory):
     manifest = prepare(REPO / "configs" / "data" / "demo.yaml", run, progress=False)
     stats = compute_stats(run, progress=False)
     return run, manifest, stats
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_run, tmp_path_factory):
+    """polyalign's SentencePiece tokenizer trained on the demo train split (8,000 pieces)."""
+    from polyalign.tokenizer import train_from_records
+
+    run, _, _ = demo_run
+    tokenizer, report = train_from_records(run / "data" / "train.jsonl", tmp_path_factory.mktemp("tokenizer"), 8000)
+    return tokenizer, report
+
+
+@pytest.fixture(scope="session")
+def json_tokenizer(demo_run, tmp_path_factory):
+    """A byte-level BPE tokenizer.json (the `tokenizers` library) trained on the demo train split, with
+    the special tokens of every built-in chat template, loaded the way a checkpoint's would be."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from polyalign.chat import TEMPLATE_SPECIAL_TOKENS
+    from polyalign.data.prepare import read_records
+    from polyalign.tokenizer import load_tokenizer, record_texts
+
+    run, _, _ = demo_run
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(record_texts(read_records(run / "data" / "train.jsonl")), trainer)
+    directory = tmp_path_factory.mktemp("json_tokenizer")
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}))
+    return load_tokenizer(directory)

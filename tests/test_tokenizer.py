@@ -1,0 +1,81 @@
+"""Tokenizers: SentencePiece trained on the demo data and a tokenizer.json, behind one interface."""
+
+import pytest
+
+from polyalign.cli import main
+from polyalign.tokenizer import JsonTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
+
+ROUND_TRIP = {
+    "simplified": "你好，世界！今天北京的天气怎么样？请问去颐和园要多久：大约两小时。",
+    "traditional": "這是繁體中文的句子，臺灣與香港常用；「引號」與『書名號』。",
+    "english": "Don't stop -- it's 2024! The café's naïve  double  spaces stay.",
+    "emoji": "🤖👍🏽 family 👨‍👩‍👧 flags 🇨🇳🇬🇧 ✔️",
+    "code": "def square(x):\n\treturn x ** 2  # 平方\n\n\nprint({'a': [1, 2]})\r\n",
+    "full_width": "ＡＢＣ１２３，：；！？　全角空格",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROUND_TRIP))
+def test_sentencepiece_round_trip(demo_tokenizer, kind):
+    tokenizer, _ = demo_tokenizer
+    text = ROUND_TRIP[kind]
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.special_id("<unk>") not in ids  # byte fallback, never <unk>
+
+
+@pytest.mark.parametrize("kind", sorted(ROUND_TRIP))
+def test_tokenizer_json_round_trip(json_tokenizer, kind):
+    text = ROUND_TRIP[kind]
+    assert json_tokenizer.decode(json_tokenizer.encode(text)) == text
+
+
+def test_sentencepiece_interface(demo_tokenizer):
+    tokenizer, report = demo_tokenizer
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    assert tokenizer.vocab_size == 8000 == report["vocab_size"]
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 2, 3)
+    assert tokenizer.chat_template == "polyalign"
+    for token in ("<|im_start|>", "<|im_end|>"):
+        assert tokenizer.encode(token) == [tokenizer.special_id(token)]
+    assert tokenizer.token_to_id("<|not_a_token|>") is None
+    # Chinese costs more tokens per character than English, and both compress.
+    rates = report["chars_per_token"]
+    assert 1.0 < rates["zh"] < rates["en"]
+    # Batched and single encoding agree.
+    texts = list(ROUND_TRIP.values())
+    assert tokenizer.encode_batch(texts) == [tokenizer.encode(t) for t in texts]
+
+
+def test_tokenizer_json_interface(json_tokenizer):
+    assert isinstance(json_tokenizer, JsonTokenizer)
+    assert json_tokenizer.bos_token == "<bos>" and json_tokenizer.eos_token == "<eos>"
+    assert json_tokenizer.bos_id == json_tokenizer.special_id("<bos>")
+    assert json_tokenizer.pad_id == json_tokenizer.eos_id  # no pad token: padding uses EOS
+    ids = json_tokenizer.encode("<|im_start|>user\n你好<|im_end|>")
+    assert ids[0] == json_tokenizer.special_id("<|im_start|>") and ids[-1] == json_tokenizer.special_id("<|im_end|>")
+
+
+def test_load_errors_name_the_path(tmp_path):
+    with pytest.raises(TokenizerError, match=f"{tmp_path}: no tokenizer.json or tokenizer.model"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes(b"not a model")
+    with pytest.raises(TokenizerError, match="tokenizer.model: not a SentencePiece model"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{")
+    with pytest.raises(TokenizerError, match="tokenizer.json: not a tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_cli_trains_and_explains_a_too_small_vocabulary(demo_run, tmp_path, capsys):
+    run, _, _ = demo_run
+    records = str(run / "data" / "train.jsonl")
+    assert main(["tokenizer", "train", "--records", records, "--vocab-size", "500", "--out", str(tmp_path)]) == 2
+    assert "vocab size 500 cannot hold the" in capsys.readouterr().err
+    code = main(["tokenizer", "train", "--records", records, "--vocab-size", "2200", "--character-coverage", "0.98",
+                 "--model-type", "bpe", "--out", str(tmp_path)])
+    assert code == 0
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.vocab_size == 2200
+    assert tokenizer.decode(tokenizer.encode(ROUND_TRIP["simplified"])) == ROUND_TRIP["simplified"]
+    assert "characters per token" in capsys.readouterr().out
