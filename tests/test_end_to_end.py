@@ -109,13 +109,16 @@ def test_cli_prepare_stats_and_demo(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "demo"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "report: " in out and (tmp_path / "demo/stats/stats.json").is_file()
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "tokenizer", "--quick"]) == 0
+    assert "tokenizer: 6000 pieces" in capsys.readouterr().out
+    assert (tmp_path / "demo/tokenizer/tokenizer.model").is_file()
     assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,sft"]) == 2
     assert "not available in this version" in capsys.readouterr().err
     assert main(["stats", str(tmp_path / "nothing")]) == 2
     assert "run `polyalign prepare" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"], ["tokenizer", "train"]])
 def test_help_teaches(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"])

@@ -188,3 +188,18 @@ def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
     save_hf_checkpoint(model, target, overwrite=True, dtype="bfloat16")
     assert json.loads((target / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging folders left behind
+
+
+# Parameter counts the model cards publish (embedding included, tied heads counted once).
+PUBLISHED_SIZES = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+                   "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "gemma2-2b": 2_614_341_888}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))
+def test_presets_have_the_published_parameter_counts(name):
+    from polyalign.model import abstract_model
+    from polyalign.model.presets import preset
+
+    cfg = preset(name)
+    shapes = jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param))  # shapes only, nothing allocated
+    assert sum(int(np.prod(s.shape)) for s in shapes) == cfg.num_parameters() == PUBLISHED_SIZES[name]
