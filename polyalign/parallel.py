@@ -1,4 +1,4 @@
-"""Logical axis names and the rules that map them onto mesh axes.
+"""Meshes, processes, and the logical axis names that map a model onto a mesh.
 
 The model names every parameter axis and every large activation axis logically ("embed", "mlp",
 "batch", ...). A rules table maps each name to a mesh axis (or to nothing, which replicates), so one
@@ -7,12 +7,15 @@ model definition runs unsharded on a laptop, over data/fsdp/tensor on a GPU node
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -23,11 +26,9 @@ BATCH, LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, HEAD_DIM, ACT_MLP, ACT_VOCAB 
     "batch", "length", "act_embed", "act_heads", "act_kv_heads", "head_dim", "act_mlp", "act_vocab")
 
 # FSDP shards the parameters' model dimension; tensor parallelism splits heads, MLP and vocabulary.
-# The vocabulary axis of the embedding goes over fsdp too (sharding its d_model over fsdp, the batch
-# axis, makes XLA rematerialise the embedding gradient).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (LAYERS, None),
-    (VOCAB, ("tensor", "fsdp")),
+    (VOCAB, "tensor"),
     (EMBED, "fsdp"),
     (MLP, "tensor"),
     (Q_HEADS, "tensor"),
@@ -75,3 +76,77 @@ def param(names: Sequence[str | None]) -> dict:
 def unsharded():
     """Context for creating a model with no mesh: sharding annotations are kept but not applied."""
     return nnx.use_eager_sharding(False)
+
+
+# --- mesh and processes -----------------------------------------------------------------------------
+
+
+class ParallelError(ValueError):
+    """A mesh that does not fit the devices, or a broken multi-process setup."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh axis sizes; -1 takes the devices the other axes leave."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+def mesh_shape(config: ParallelConfig, num_devices: int) -> tuple[int, int, int]:
+    sizes = [config.data, config.fsdp, config.tensor]
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if len(free) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ParallelError(f"parallel sizes {sizes}: each must be positive, and at most one may be -1")
+    fixed = int(np.prod([s for s in sizes if s != -1]))
+    if free:
+        if num_devices % fixed:
+            raise ParallelError(f"{num_devices} devices do not divide into fsdp x tensor x data = {sizes}")
+        sizes[free[0]] = num_devices // fixed
+    if int(np.prod(sizes)) != num_devices:
+        raise ParallelError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+                            f"{int(np.prod(sizes))} devices; there are {num_devices}")
+    return tuple(sizes)
+
+
+def make_mesh(config: ParallelConfig = ParallelConfig(), devices=None) -> Mesh:
+    devices = devices if devices is not None else jax.devices()
+    shape = mesh_shape(config, len(devices))
+    # Auto axes: the compiler propagates shardings from the annotated parameters and batches.
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def batch_sharding(mesh: Mesh, leading: int = 1) -> NamedSharding:
+    """Sharding of a batch array whose batch axis comes after `leading` - 1 unsharded axes."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * (leading - 1)), logical_spec((BATCH,))[0]))
+
+
+def param_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedShardings for an nnx State from its parameters' logical axis names."""
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(abstract_state)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def initialize_distributed() -> None:
+    """Starts jax.distributed when this is one process of several.
+
+    TPU VMs describe themselves (jax.distributed.initialize() with no arguments). Elsewhere (GPU
+    clusters, CPU processes in tests) POLYALIGN_COORDINATOR=host:port, POLYALIGN_NUM_PROCESSES and
+    POLYALIGN_PROCESS_ID say who is who. Call before anything touches a device.
+    """
+    coordinator = os.environ.get("POLYALIGN_COORDINATOR")
+    if coordinator:
+        try:
+            num_processes = int(os.environ["POLYALIGN_NUM_PROCESSES"])
+            process_id = int(os.environ["POLYALIGN_PROCESS_ID"])
+        except (KeyError, ValueError):
+            raise ParallelError("POLYALIGN_COORDINATOR is set, so POLYALIGN_NUM_PROCESSES and "
+                                "POLYALIGN_PROCESS_ID must be integers too") from None
+        if num_processes > 1:
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                       process_id=process_id, initialization_timeout=120)
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
+        jax.distributed.initialize()

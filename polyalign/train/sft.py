@@ -1,0 +1,234 @@
+"""Bucket-Aware SFT (METHOD section 4): sum_i w_i l_i / sum_i w_i over the global batch, where l_i is
+example i's mean token NLL over its response and w_i its bucket's weight (`weighting: bucket`), or
+plain SFT (`weighting: uniform`, every w_i = 1)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polyalign import parallel
+from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.inputs import pipeline
+from polyalign.inputs.build import read_manifest
+from polyalign.train.losses import example_nll
+from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
+
+WEIGHTINGS = ("bucket", "uniform")
+NORMALIZATIONS = ("global", "microbatch")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = "tiny"  # architecture for a model trained from scratch (ignored with `init`)
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    scan_layers: bool = True
+    remat: str = "none"
+    attention_impl: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    dir: str | None = None  # the run directory holding build/ (from `polyalign build`)
+    eval_batch: int = 32
+    eval_limit: int | None = None  # evaluate on at most this many validation examples
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    method: str = "sft"
+    init: str | None = None  # a Hugging Face checkpoint directory; None trains model.preset from scratch
+    weighting: str = "bucket"
+    # `microbatch` normalises inside each micro-batch, as the reference code did; only for comparison.
+    weight_normalization: str = "global"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    parallel: parallel.ParallelConfig = field(default_factory=parallel.ParallelConfig)
+
+
+def load_config(path: Path | None, overrides: list[str] = ()) -> SftConfig:
+    raw = load_yaml(path) if path is not None else {}
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+    apply_overrides(raw, list(overrides))
+    config = from_mapping(SftConfig, raw, str(path or "config"))
+    if config.weighting not in WEIGHTINGS:
+        raise ConfigError(f"{path}: weighting must be one of {', '.join(WEIGHTINGS)}, got {config.weighting!r}")
+    if config.weight_normalization not in NORMALIZATIONS:
+        raise ConfigError(f"{path}: weight_normalization must be one of {', '.join(NORMALIZATIONS)}")
+    if config.method != "sft":
+        raise ConfigError(f"{path}: method {config.method!r}: `polyalign train sft` trains method sft")
+    if config.data.dir is None:
+        raise ConfigError(f"{path}: data.dir is not set; pass data.dir=RUN (a run with a build/ folder)")
+    return config
+
+
+class SFT:
+    """The Bucket-SFT objective as a trainer method; metric sums include per-bucket losses."""
+
+    def __init__(self, num_buckets: int, weighting: str = "bucket", normalization: str = "global"):
+        self.num_buckets, self.weighting, self.normalization = num_buckets, weighting, normalization
+        self.coefficients = {"sft": 1.0}
+
+    def example_weights(self, batch) -> jax.Array:
+        weights = batch["weight"] if self.weighting == "bucket" else jnp.ones_like(batch["weight"])
+        return jnp.where(batch["valid"], weights, 0.0)
+
+    def denominators(self, batch):
+        per_micro = self.example_weights(batch).sum(axis=1)  # [micro_batches]
+        if self.normalization == "global":
+            return {"sft": jnp.broadcast_to(per_micro.sum(), per_micro.shape)}
+        # Reference behaviour: each micro-batch normalised on its own, the micro-batches averaged.
+        return {"sft": per_micro * per_micro.shape[0]}
+
+    def numerators(self, model, micro_batch):
+        nll = example_nll(model(micro_batch["input_ids"]), micro_batch["targets"], micro_batch["loss_mask"])
+        valid = micro_batch["valid"].astype(jnp.float32)
+        weights = self.example_weights(micro_batch)
+        sums = {
+            "bucket_loss": jax.ops.segment_sum(nll * valid, micro_batch["bucket"], self.num_buckets),
+            "bucket_examples": jax.ops.segment_sum(valid, micro_batch["bucket"], self.num_buckets),
+            "tokens": micro_batch["loss_mask"].sum(),
+            "examples": valid.sum(),
+        }
+        return {"sft": (weights * nll).sum()}, sums
+
+
+def per_bucket(sums: dict[str, np.ndarray], buckets: list[str], prefix: str) -> dict[str, Any]:
+    """Mean NLL per bucket (unweighted over examples) from summed metrics."""
+    out = {}
+    for i, name in enumerate(buckets):
+        if sums["bucket_examples"][i] > 0:
+            out[name] = round(float(sums["bucket_loss"][i] / sums["bucket_examples"][i]), 6)
+    return {prefix: out} if out else {}
+
+
+def make_evaluator(trainer: Trainer, run: Path, method: SFT, buckets: list[str], weights: np.ndarray,
+                   length: int, pad_id: int, data: DataSection):
+    """Validation loss overall (mean over examples), weighted by the bucket weights, and per bucket."""
+    source = pipeline.open_split(run, "val")
+    per_shard = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"] * jax.process_count()
+    batch_size = max(per_shard, data.eval_batch // per_shard * per_shard)
+
+    @jax.jit
+    def sums(params, batch):
+        model = trainer.model(params)
+        micro = jax.tree.map(lambda x: x[0], batch)
+        nll = example_nll(model(micro["input_ids"]), micro["targets"], micro["loss_mask"])
+        valid = micro["valid"].astype(jnp.float32)
+        return {"bucket_loss": jax.ops.segment_sum(nll * valid, micro["bucket"], len(buckets)),
+                "bucket_examples": jax.ops.segment_sum(valid, micro["bucket"], len(buckets))}
+
+    def evaluate() -> dict[str, Any]:
+        dataset = pipeline.eval_batches(source, batch_size, length, pad_id, jax.process_index(),
+                                        jax.process_count(), data.eval_limit)
+        total = None
+        with jax.set_mesh(trainer.mesh):
+            for local in pipeline.iterate(dataset):
+                out = sums(trainer.state["params"], trainer.global_batch(local))
+                total = out if total is None else jax.tree.map(jnp.add, total, out)
+        host = jax.device_get(total)
+        examples = host["bucket_examples"]
+        mean_by_bucket = np.divide(host["bucket_loss"], examples, out=np.zeros_like(examples), where=examples > 0)
+        present = examples > 0
+        return {
+            "val_loss": round(float(host["bucket_loss"].sum() / examples.sum()), 6),
+            "val_loss_weighted": round(float((weights * host["bucket_loss"]).sum() / (weights * examples).sum()), 6),
+            "val_worst_bucket": round(float(mean_by_bucket[present].max()), 6),
+            "val_bucket_spread": round(float(mean_by_bucket[present].std()), 6),
+            **per_bucket(host, buckets, "val_by_bucket"),
+        }
+
+    return evaluate
+
+
+def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int | None]):
+    from polyalign.model import create_model, load_hf_checkpoint
+    from polyalign.model.presets import preset
+
+    policy = dict(scan_layers=config.model.scan_layers, remat=config.model.remat,
+                  attention_impl=config.model.attention_impl)
+    if config.init:
+        model = load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, **policy)
+        if model.config.vocab_size < vocab_size:
+            raise ConfigError(f"init {config.init}: vocabulary {model.config.vocab_size} is smaller than the "
+                              f"build's tokenizer ({vocab_size}); build with the checkpoint's own tokenizer")
+        return model
+    cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=config.model.dtype, **policy, **tokenizer_ids)
+    return create_model(cfg, seed=config.model.seed)
+
+
+def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) SFT into OUT; returns a summary. OUT/model holds the final checkpoint."""
+    from polyalign.tokenizer import load_tokenizer
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.metrics import MetricsWriter
+
+    started = time.perf_counter()
+    out = Path(out)
+    run = Path(config.data.dir)
+    manifest = read_manifest(run)
+    buckets = manifest["buckets"]
+    weights = np.array([manifest["bucket_weights"][b] for b in buckets], np.float32)
+    length = manifest["options"]["max_length"]
+    pad_id = manifest["pad_id"]
+    tokenizer = load_tokenizer(manifest["tokenizer"])
+    model = build_model(config, manifest["vocab_size"],
+                        {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+                         "pad_token_id": tokenizer.pad_id})
+    mesh = parallel.make_mesh(config.parallel)
+    save_config(out, config)
+    method = SFT(len(buckets), config.weighting, config.weight_normalization)
+    metrics = MetricsWriter(out)
+    trainer = Trainer(model, method, config.optimizer, config.train, mesh, out, metrics=metrics)
+    loop = config.train
+    layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
+    train_source = pipeline.open_split(run, "train")
+    iterator = pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed))
+    evaluate = make_evaluator(trainer, run, method, buckets, weights, length, pad_id, config.data)
+    checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
+                                meta={"method": "sft", "weighting": config.weighting})
+
+    def summarize(host):
+        return {"tokens": int(host["tokens"]), **per_bucket(host, buckets, "train_by_bucket")}
+
+    result = trainer.fit(iterator, evaluate, summarize, checkpointer, progress=progress)
+    checkpointer.close()
+    metrics.close()
+    if not result["stopped_early"]:
+        export_model(trainer, tokenizer, out / "model")
+    result.update(out=str(out), seconds=round(time.perf_counter() - started, 1), mesh=dict(mesh.shape))
+    if jax.process_index() == 0:
+        (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+def export_model(trainer: Trainer, tokenizer, path: Path) -> None:
+    """The trained weights as a Hugging Face checkpoint with the tokenizer's files beside them."""
+    from polyalign.model import save_hf_checkpoint
+
+    replicated = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec()))
+    with jax.set_mesh(trainer.mesh):
+        params = replicated(trainer.state["params"])
+    if jax.process_index() != 0:
+        return
+    model = trainer.model(jax.device_get(params))
+    save_hf_checkpoint(model, path, overwrite=True)
+    source = Path(tokenizer.path)
+    directory = source if source.is_dir() else source.parent
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        if (directory / name).is_file():
+            shutil.copy(directory / name, path / name)

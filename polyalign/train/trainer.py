@@ -1,0 +1,297 @@
+"""One training loop for SFT, the critic and HDPO: a method is a loss plus its batch layout.
+
+A method splits its objective into terms, each a sum over examples (the numerator) divided by a
+normaliser that does not depend on the parameters (the denominator: a sum of weights or a count).
+The step first computes every denominator over the whole global batch (all micro-batches, devices
+and hosts), then accumulates the gradient of sum_k c_k num_k / den_k micro-batch by micro-batch. The
+update is therefore the same whatever the micro-batch size, device count or host count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from polyalign import parallel
+from polyalign.train.checkpoint import Checkpointer
+from polyalign.train.metrics import MetricsWriter
+
+Batch = dict[str, jax.Array]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (too many non-finite steps, a batch that does not fit the mesh)."""
+
+
+class Method(Protocol):
+    """A training objective: sum over terms k of coefficients[k] * numerator_k / denominator_k."""
+
+    coefficients: dict[str, float]
+
+    def denominators(self, batch: Batch) -> dict[str, jax.Array]:
+        """Per term, an array [micro_batches] of normalisers, from batch data only."""
+
+    def numerators(self, model: nnx.Module, micro_batch: Batch) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """Per term, the micro-batch's summed loss; and metric sums (added over micro-batches)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int = 100
+    global_batch: int = 16
+    micro_batches: int = 1
+    seed: int = 0
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    stop_at: int | None = None  # stop after this step as if preempted; the schedule is unchanged
+    max_nonfinite: int = 10
+    log_every: int = 1
+
+
+def make_optimizer(config: OptimizerConfig, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then cosine decay; global-norm clipping; no decay on norms and biases."""
+    warmup = max(1, int(round(config.warmup_ratio * steps))) if config.warmup_ratio > 0 else 0
+    schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(steps, warmup + 1),
+                                                  end_value=config.lr * config.min_lr_ratio)
+
+    def decayed(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: any(getattr(k, "key", None) in ("kernel", "embedding") for k in path), params)
+
+    adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                        weight_decay=config.weight_decay, mask=decayed)
+    tx = optax.chain(optax.clip_by_global_norm(config.clip), adamw) if config.clip else adamw
+    return tx, schedule
+
+
+def _tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+class Trainer:
+    """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop."""
+
+    def __init__(self, model: nnx.Module, method: Method, optimizer: OptimizerConfig, loop: LoopConfig,
+                 mesh, out: Path, *, metrics: MetricsWriter | None = None):
+        self.method, self.loop, self.mesh, self.out = method, loop, mesh, Path(out)
+        self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.param_shardings = parallel.param_shardings(params, mesh)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        with jax.set_mesh(mesh):
+            params = jax.device_put(params, self.param_shardings)
+            opt_state = jax.jit(self.tx.init)(params)
+            self.state = {
+                "params": params,
+                "opt_state": opt_state,
+                "step": jax.device_put(jnp.zeros((), jnp.int32), replicated),
+                "rng": jax.device_put(jax.random.key_data(jax.random.key(loop.seed)), replicated),
+                "nonfinite": jax.device_put(jnp.zeros((), jnp.int32), replicated),
+            }
+        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        self.batch_sharding = parallel.batch_sharding(mesh, leading=2)
+        self.metrics = metrics
+        self._accumulate = jax.jit(self._accumulate_impl)
+        self._step = jax.jit(self._step_impl, out_shardings=(self.state_shardings, None), donate_argnums=0)
+        micro = loop.global_batch // loop.micro_batches
+        shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        if loop.global_batch % loop.micro_batches or micro % shards or micro % jax.process_count():
+            raise TrainingError(f"global_batch {loop.global_batch} / micro_batches {loop.micro_batches} = {micro} "
+                                f"sequences per micro-batch must divide over {shards} batch shards (data x fsdp) "
+                                f"and {jax.process_count()} processes")
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def model(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params, self.rest)
+
+    def _accumulate_impl(self, params, batch: Batch):
+        """Gradient of the global objective and summed metrics over all micro-batches of `batch`."""
+        denominators = self.method.denominators(batch)
+        coefficients = self.method.coefficients
+
+        def objective(params, micro_batch, dens):
+            numerators, sums = self.method.numerators(self.model(params), micro_batch)
+            value = sum(coefficients[k] * jnp.where(dens[k] > 0, numerators[k] / jnp.where(dens[k] > 0, dens[k], 1.0),
+                                                    0.0) for k in numerators)
+            return value, sums
+
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+        first = jax.tree.map(lambda x: x[0], (batch, denominators))
+        sums_shape = jax.eval_shape(lambda: objective(params, *first)[1])
+        zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+
+        def body(carry, xs):
+            grads, loss, sums = carry
+            (value, micro_sums), micro_grads = grad_fn(params, *xs)
+            return (_tree_add(grads, micro_grads), loss + value, _tree_add(sums, micro_sums)), None
+
+        (grads, loss, sums), _ = jax.lax.scan(body, zero, (batch, denominators))
+        return grads, loss, sums
+
+    def _step_impl(self, state, batch: Batch):
+        grads, loss, sums = self._accumulate_impl(state["params"], batch)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+
+        def keep_if_finite(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        new_state = {
+            "params": keep_if_finite(params, state["params"]),
+            "opt_state": keep_if_finite(opt_state, state["opt_state"]),
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+            "nonfinite": state["nonfinite"] + (~finite).astype(jnp.int32),
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), "finite": finite, **sums}
+        return new_state, metrics
+
+    def global_batch(self, local: dict[str, np.ndarray]) -> Batch:
+        """Per-process [micro_batches, per_process, ...] arrays -> global arrays sharded over the batch axis."""
+        out = {}
+        for key, value in local.items():
+            shape = (value.shape[0], value.shape[1] * jax.process_count(), *value.shape[2:])
+            out[key] = jax.make_array_from_process_local_data(self.batch_sharding, value, shape)
+        return out
+
+    def gradients(self, local_batch: dict[str, np.ndarray]):
+        """The accumulated gradient and loss of one global batch, without an update (for tests)."""
+        with jax.set_mesh(self.mesh):
+            return self._accumulate(self.state["params"], self.global_batch(local_batch))
+
+    def step(self, local_batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        with jax.set_mesh(self.mesh):
+            self.state, metrics = self._step(self.state, self.global_batch(local_batch))
+        return metrics
+
+    @property
+    def step_number(self) -> int:
+        return int(self.state["step"])
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def fit(self, train_iterator, evaluate: Callable[[], dict[str, Any]] | None = None,
+            summarize: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
+            checkpointer: Checkpointer | None = None, progress: bool = True) -> dict[str, Any]:
+        """Trains to loop.steps (or loop.stop_at), resuming from the checkpointer's latest step."""
+        from tqdm import tqdm
+
+        loop = self.loop
+        if checkpointer is not None:
+            restored = checkpointer.restore_latest(self.state, self.state_shardings, train_iterator)
+            if restored is not None:
+                self.state = restored
+        start = self.step_number
+        last = loop.steps if loop.stop_at is None else min(loop.steps, loop.stop_at)
+        stop = _StopSignal()
+        bar = tqdm(total=last, initial=start, desc="train", unit="step", disable=not progress or jax.process_index() > 0)
+        result: dict[str, Any] = {"start_step": start, "interrupted": False}
+        tokens_seen, timer = 0.0, time.perf_counter()
+        try:
+            with stop:
+                while self.step_number < last:
+                    metrics = self.step(next(train_iterator))
+                    step = self.step_number
+                    host = jax.device_get(metrics)
+                    tokens_seen += float(host.get("tokens", 0.0))
+                    if int(jax.device_get(self.state["nonfinite"])) > loop.max_nonfinite:
+                        raise TrainingError(f"step {step}: more than {loop.max_nonfinite} steps had a non-finite "
+                                            "loss or gradient; stopping (lower the learning rate?)")
+                    record = {"step": step, "loss": float(host["loss"]), "lr": float(host["lr"]),
+                              "grad_norm": float(host["grad_norm"]), "skipped": not bool(host["finite"])}
+                    if summarize is not None:
+                        record.update(summarize(host))
+                    elapsed = time.perf_counter() - timer
+                    record["tokens_per_s"] = round(tokens_seen / elapsed, 1) if elapsed > 0 else None
+                    if evaluate is not None and (step % loop.eval_every == 0 or step == last):
+                        record.update(evaluate())
+                    if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
+                        self.metrics.write(record)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}")
+                    result["last"] = record
+                    if checkpointer is not None and (step % loop.checkpoint_every == 0 or step == last):
+                        checkpointer.save(step, self.state, train_iterator, force=step == last)
+                    if stop.requested(self.mesh):
+                        result["interrupted"] = True
+                        if checkpointer is not None:
+                            checkpointer.save(step, self.state, train_iterator, force=True)
+                        break
+        finally:
+            bar.close()
+            if checkpointer is not None:
+                checkpointer.wait()
+        result["end_step"] = self.step_number
+        result["stopped_early"] = self.step_number < loop.steps
+        return result
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT ask the loop to checkpoint and stop after the current step."""
+
+    def __init__(self):
+        self._flag = False
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self._flag = True
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def requested(self, mesh) -> bool:
+        if jax.process_count() == 1:
+            return self._flag
+        # Every process must stop at the same step: agree on the flag.
+        from jax.experimental import multihost_utils
+
+        return bool(np.asarray(multihost_utils.process_allgather(np.array([self._flag]))).any())
+
+
+def save_config(out: Path, config) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (out / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str) + "\n")
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
