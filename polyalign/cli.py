@@ -20,6 +20,8 @@ Pipeline:
   polyalign prepare --config configs/data/bilingual.yaml --out RUN   import, bucket, dedup, split
   polyalign stats RUN                                                 bucket statistics report
   polyalign tokenizer train --records RUN/data/train.jsonl --vocab-size 8000 --out RUN/tokenizer
+  polyalign build RUN                                                 tokenised TFDS dataset in RUN/build
+  polyalign train sft --config configs/sft_demo.yaml --out OUT data.dir=RUN   Bucket-Aware SFT
   polyalign demo --out RUN                                            everything on the bundled data
 """
 
@@ -135,6 +137,105 @@ def _run_tokenizer_train(args) -> int:
     return 0
 
 
+BUILD_EPILOG = """\
+Renders every train and val record with the chat template (the profile system prompt, history,
+context and question, then the response), tokenises it, and stores input ids, the loss mask (the
+response and its end-of-turn token), the record's Bucket-SFT weight (computed on the train split),
+its bucket index and its id as a TFDS dataset in array_record format: RUN/build/sft_examples/1.0.0.
+Sequences over --max-length are cut as METHOD section 8 says (the prompt from its start, the
+response from its end). RUN/build/manifest.json records the tokenizer, template, weights and counts.
+"""
+
+
+def _add_build(sub) -> None:
+    p = sub.add_parser("build", help="tokenise a prepared run into a TFDS dataset for training",
+                       description="Tokenise RUN/data/{train,val}.jsonl into RUN/build (TFDS, array_record).",
+                       epilog=BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", type=Path, help="run directory with data/ (and tokenizer/ unless --tokenizer is given)")
+    p.add_argument("--tokenizer", help="tokenizer directory or file (default RUN/tokenizer); a Hugging Face "
+                                       "checkpoint directory works")
+    p.add_argument("--template", choices=("polyalign", "qwen", "llama3", "gemma"),
+                   help="chat template (default: the one the tokenizer names)")
+    p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
+                   help="profile system prompt: context (family, track, style; default), oracle (+ the gold "
+                        "length bin, as the reference trained), none")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per example, the truncation cutoff (512)")
+    p.add_argument("--train-on", choices=("last", "all"), default="last",
+                   help="loss on the final response only (default) or on every assistant turn")
+    p.add_argument("--weight-temperature", type=float, default=1.0,
+                   help="w_b proportional to n_b^-t, mean 1 (t=1: every bucket gets equal total mass)")
+    p.add_argument("--min-bucket-size", type=int, default=0, help="buckets smaller than this get weight 0")
+    p.add_argument("--clip-weights", type=float, nargs=2, metavar=("LOW", "HIGH"), help="clip bucket weights")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(handler=_run_build)
+
+
+def _run_build(args) -> int:
+    from polyalign.bucketing import WeightOptions
+    from polyalign.inputs.build import BuildOptions, build
+
+    options = BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
+                           max_length=args.max_length, train_on=args.train_on,
+                           weights=WeightOptions(args.weight_temperature, args.min_bucket_size,
+                                                 list(args.clip_weights) if args.clip_weights else None))
+    manifest = build(args.run, options, progress=not args.no_progress)
+    for split, counts in manifest["splits"].items():
+        print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
+              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}")
+    print(f"dataset: {manifest['dataset']}")
+    return 0
+
+
+TRAIN_EPILOG = """\
+The config (YAML; see configs/sft_demo.yaml) has sections model, data, optimizer, train and
+parallel; key=value arguments override any field, e.g. train.steps=500 weighting=uniform
+parallel.data=4. Unknown keys are an error that names the closest known one.
+
+  weighting: bucket | uniform      Bucket-SFT weights from the build, or plain SFT
+  init: /path/to/hf/checkpoint     start from a checkpoint (build with its tokenizer) instead of
+                                   training model.preset from scratch
+  train.steps / global_batch / micro_batches / checkpoint_every / eval_every / stop_at
+
+Writes OUT/metrics.jsonl (one JSON object per step: loss, lr, grad_norm, tokens/s, per-bucket
+losses; validation losses per bucket every eval_every steps), OUT/tensorboard/, OUT/checkpoints/
+(Orbax, the last keep_checkpoints kept) and, at the end, OUT/model (safetensors + config.json + the
+tokenizer). Running the same command again resumes from the latest checkpoint; SIGTERM or Ctrl-C
+saves a checkpoint and exits. Several processes (GPU nodes, CPU tests) start with
+POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i; TPU VMs need nothing.
+"""
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model (sft)", description="Training.")
+    methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
+    sft = methods.add_parser("sft", help="Bucket-Aware SFT (or plain SFT with weighting=uniform)",
+                             description="Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.",
+                             epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sft.add_argument("--config", required=True, type=Path, help="training config (YAML)")
+    sft.add_argument("--out", required=True, type=Path, help="output directory (resumed if it has checkpoints)")
+    sft.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sft.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
+    sft.set_defaults(handler=_run_train_sft)
+
+
+def _run_train_sft(args) -> int:
+    from polyalign.parallel import initialize_distributed
+
+    initialize_distributed()
+    from polyalign.train.sft import load_config, train_sft
+
+    config = load_config(args.config, args.overrides)
+    result = train_sft(config, args.out, progress=not args.no_progress)
+    last = result.get("last", {})
+    if result["interrupted"] or result["stopped_early"]:
+        print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
+    else:
+        print(f"trained {result['end_step']} steps in {result['seconds']} s; final loss {last.get('loss', float('nan')):.4f}"
+              + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
+        print(f"model: {args.out / 'model'}")
+    return 0
+
+
 def _add_demo(sub) -> None:
     from polyalign.demo import STAGES
 
@@ -162,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_stats(sub)
     _add_tokenizer(sub)
+    _add_build(sub)
+    _add_train(sub)
     _add_demo(sub)
     return parser
 
@@ -171,13 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     from polyalign.data.prepare import PrepareError
     from polyalign.data.records import InputError
     from polyalign.reports.stats import StatsError
+    from polyalign.chat import ChatTemplateError
+    from polyalign.model import CheckpointError, ModelConfigError
+    from polyalign.parallel import ParallelError
     from polyalign.tokenizer import TokenizerError
+    from polyalign.train.trainer import TrainingError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, InputError, PrepareError, StatsError, TokenizerError) as err:
+    except (ConfigError, InputError, PrepareError, StatsError, TokenizerError, ChatTemplateError, CheckpointError,
+            ModelConfigError, ParallelError, TrainingError) as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

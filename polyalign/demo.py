@@ -37,11 +37,35 @@ def _tokenizer(run: Path, quick: bool) -> str:
     return f"{tokenizer.vocab_size} pieces, characters per token {rates} -> {run / 'tokenizer'}"
 
 
+def _build(run: Path, quick: bool) -> str:
+    from polyalign.inputs.build import BuildOptions, build
+
+    manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH))
+    train = manifest["splits"]["train"]
+    return (f"{train['examples']} train examples, {train['tokens']} tokens, {train['truncated']} cut to "
+            f"{DEMO_MAX_LENGTH} -> {run / 'build'}")
+
+
+def _sft(run: Path, quick: bool) -> str:
+    from polyalign.train.sft import load_config, train_sft
+
+    overrides = [f"data.dir={run}"] + (DEMO_QUICK_SFT if quick else [])
+    result = train_sft(load_config(DEMO_SFT_CONFIG, overrides), run / "sft")
+    last = result["last"]
+    return (f"{result['end_step']} steps, train loss {last['loss']:.3f}, validation loss {last['val_loss']:.3f} "
+            f"(worst bucket {last['val_worst_bucket']:.3f}) -> {run / 'sft' / 'model'}")
+
+
+DEMO_SFT_CONFIG = REPO_ROOT / "configs" / "sft_demo.yaml"
+DEMO_QUICK_SFT = ["train.steps=20", "train.eval_every=10", "train.checkpoint_every=10", "data.eval_limit=64"]
+DEMO_MAX_LENGTH = 256
 DEMO_VOCAB_SIZE = 8000
 DEMO_VOCAB_SIZE_QUICK = 6000  # the demo's Chinese needs ~3,700 single-character pieces at 0.9995 coverage
-STAGES: dict[str, Callable[[Path, bool], str]] = {"prepare": _prepare, "stats": _stats, "tokenizer": _tokenizer}
+STAGES: dict[str, Callable[[Path, bool], str]] = {
+    "prepare": _prepare, "stats": _stats, "tokenizer": _tokenizer, "build": _build, "sft": _sft,
+}
 # Later stages of the full pipeline, in order; they join STAGES as they land.
-PLANNED_STAGES = ("build", "sft", "generate", "critic", "hdpo", "evaluate", "report")
+PLANNED_STAGES = ("generate", "critic", "hdpo", "evaluate", "report")
 
 
 def parse_stages(text: str | None) -> list[str]:
@@ -67,3 +91,5 @@ def run_demo(out: Path, stages: Sequence[str], quick: bool = False, echo: Callab
         echo(f"[{i}/{len(stages)}] {stage}: {summary} ({time.perf_counter() - started:.1f} s)")
     if "stats" in stages:
         echo(f"\nBucket statistics report: {out / 'stats' / 'report.html'}")
+    if "sft" in stages:
+        echo(f"Bucket-SFT metrics: {out / 'sft' / 'metrics.jsonl'} (TensorBoard: {out / 'sft' / 'tensorboard'})")

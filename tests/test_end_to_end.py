@@ -112,7 +112,7 @@ def test_cli_prepare_stats_and_demo(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "tokenizer", "--quick"]) == 0
     assert "tokenizer: 6000 pieces" in capsys.readouterr().out
     assert (tmp_path / "demo/tokenizer/tokenizer.model").is_file()
-    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,sft"]) == 2
+    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,hdpo"]) == 2
     assert "not available in this version" in capsys.readouterr().err
     assert main(["stats", str(tmp_path / "nothing")]) == 2
     assert "run `polyalign prepare" in capsys.readouterr().err

@@ -7,7 +7,10 @@ end-of-turn token), its Bucket-SFT weight, its bucket index and its record id.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -130,12 +133,14 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
 
     out = run / BUILD_DIR
     if dataset_dir(run).exists():
-        import shutil
+        shutil.rmtree(dataset_dir(run))  # a rebuild replaces the dataset; TFDS would keep the old one
+    import tensorflow_datasets as tfds
 
-        shutil.rmtree(dataset_dir(run))
+    tfds.disable_progress_bar()  # ours counts records; TFDS's would count its own phases
     builder = _builder_class()(generators={s: examples(s) for s in SPLITS}, data_dir=str(out),
                                file_format="array_record")
-    builder.download_and_prepare()
+    with contextlib.redirect_stdout(io.StringIO()):  # TFDS prints download notices that do not apply
+        builder.download_and_prepare()
     manifest = {
         "dataset": str(dataset_dir(run)),
         "tokenizer": str(tokenizer_path.resolve()),
