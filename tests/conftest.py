@@ -66,3 +66,24 @@ def json_tokenizer(demo_run, tmp_path_factory):
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}))
     return load_tokenizer(directory)
+
+
+@pytest.fixture(scope="session")
+def built_run(demo_run, demo_tokenizer, tmp_path_factory):
+    """A run directory with the demo data and a build (polyalign template, 64-token examples)."""
+    from polyalign.inputs.build import BuildOptions, build
+
+    source, _, _ = demo_run
+    run = tmp_path_factory.mktemp("built_run")
+    (run / "data").symlink_to(source / "data", target_is_directory=True)
+    manifest = build(run, BuildOptions(tokenizer=str(demo_tokenizer[0].path.parent), max_length=64), progress=False)
+    return run, manifest
+
+
+def tiny_model_config(vocab_size: int, **overrides):
+    """A 2-layer Llama-structured model small enough for many compiles in one test session."""
+    from polyalign.model import family_defaults
+
+    sizes = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=8)
+    return family_defaults("llama", **{**sizes, **overrides})

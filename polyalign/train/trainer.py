@@ -158,7 +158,7 @@ class Trainer:
 
     def _step_impl(self, state, batch: Batch):
         grads, loss, sums = self._accumulate_impl(state["params"], batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)

@@ -1,0 +1,225 @@
+"""The training engine: the built dataset, the input order, exact global weighting, resume, several
+devices and several processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from polyalign.chat import encode_conversation, get_template, record_messages
+from polyalign.data.prepare import read_records
+from polyalign.inputs import pipeline
+from polyalign.train.metrics import read_metrics
+from polyalign.train.sft import load_config, train_sft
+from tests.conftest import REPO
+from tests.train_checks import first_batch, gradients_of_first_batch
+
+WORKER = REPO / "tests" / "train_worker.py"
+
+
+def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
+    run, manifest = built_run
+    records = {r.id: r for r in read_records(run / "data" / "train.jsonl")}
+    assert manifest["splits"]["train"]["examples"] == len(records)
+    source = pipeline.open_split(run, "train")
+    assert len(source) == len(records)
+    weights = manifest["bucket_weights"]
+    counts = manifest["train_bucket_counts"]
+    # Bucket-SFT weights: N / (K n_b), mean 1 over train records.
+    total, k = sum(counts.values()), len(counts)
+    for bucket, n in counts.items():
+        assert weights[bucket] == pytest.approx(total / (k * n))
+    for index in (0, 17, len(source) - 1):
+        example = source[index]
+        record = records[example["id"].decode()]
+        expected = encode_conversation(get_template("polyalign"), demo_tokenizer[0], record_messages(record, "context"),
+                                       cutoff=64)
+        np.testing.assert_array_equal(example["input_ids"], expected.ids)
+        np.testing.assert_array_equal(example["loss_mask"].astype(bool), expected.loss_mask)
+        assert manifest["buckets"][example["bucket"]] == record.bucket_id
+        assert example["weight"] == pytest.approx(weights[record.bucket_id])
+    assert "tensorflow" not in sys.modules  # read and written without TensorFlow
+
+
+def test_batches_shift_targets_and_pad():
+    example = {"input_ids": np.array([5, 6, 7, 8]), "loss_mask": np.array([0, 0, 1, 1]), "weight": 2.5, "bucket": 3}
+    arrays = pipeline.example_arrays(example, 6, pad_id=0)
+    assert arrays["input_ids"].tolist() == [5, 6, 7, 0, 0, 0]
+    assert arrays["targets"].tolist() == [6, 7, 8, 0, 0, 0]
+    assert arrays["loss_mask"].tolist() == [0, 1, 1, 0, 0, 0]
+    assert arrays["weight"] == 2.5 and arrays["bucket"] == 3 and arrays["valid"]
+    filler = pipeline.example_arrays(None, 6, pad_id=0)
+    assert not filler["valid"] and filler["weight"] == 0 and not filler["loss_mask"].any()
+
+
+def test_processes_split_each_micro_batch_into_contiguous_slices():
+    whole = pipeline.Layout(global_batch=8, micro_batches=2)
+    halves = [pipeline.Layout(8, 2, process_index=p, process_count=2) for p in range(2)]
+    # Micro-batch 0 is positions 0-3: process 0 reads 0, 1 and process 1 reads 2, 3; then 4-7.
+    assert [halves[0].global_position(k) for k in range(4)] == [0, 1, 4, 5]
+    assert [halves[1].global_position(k) for k in range(4)] == [2, 3, 6, 7]
+    assert [whole.global_position(k) for k in range(8)] == list(range(8))
+
+
+def test_epochs_visit_every_example_once_and_the_iterator_resumes(built_run):
+    run, manifest = built_run
+    source = pipeline.open_split(run, "val")
+    n = len(source)
+    order = pipeline._EpochPermutations(n, seed=3)
+    assert sorted(order(p) for p in range(n)) == list(range(n))
+    assert [order(p) for p in range(n)] != [order(n + p) for p in range(n)]  # reshuffled each epoch
+    dataset = pipeline.train_batches(source, pipeline.Layout(4, 2), 5, 64, manifest["pad_id"], seed=3)
+    straight = pipeline.iterate(dataset)
+    batches = [next(straight) for _ in range(5)]
+    assert batches[0]["input_ids"].shape == (2, 2, 64)
+    resumed = pipeline.iterate(dataset)
+    next(resumed), next(resumed)
+    state = resumed.get_state()
+    fresh = pipeline.iterate(dataset)
+    fresh.set_state(state)
+    for expected in batches[2:]:
+        np.testing.assert_array_equal(next(fresh)["input_ids"], expected["input_ids"])
+
+
+def _grads(path):
+    arrays = load_file(str(path))
+    return {k: v for k, v in arrays.items() if k != "loss"}, float(arrays["loss"][0])
+
+
+def test_global_weighting_is_exact_across_micro_batches(built_run, tmp_path):
+    run, manifest = built_run
+    batch, _ = first_batch(run, 8, 1)
+    weights = batch["weight"][0]
+    assert weights.max() / weights.min() > 2  # bucket weights really differ in this batch
+    results = {m: gradients_of_first_batch(run, tmp_path / f"m{m}.safetensors", m, 8) for m in (1, 2, 4)}
+    for m in (2, 4):
+        assert abs(float(results[m]["loss"][0]) - float(results[1]["loss"][0])) <= 1e-5
+        for name, value in results[1].items():
+            np.testing.assert_allclose(results[m][name], value, atol=1e-5, err_msg=f"{m} micro-batches: {name}")
+    # The reference normalised inside each micro-batch; with unequal weights that objective differs.
+    assert _independent_objective(run, batch, manifest) == pytest.approx(float(results[1]["loss"][0]), abs=1e-5)
+
+
+def _independent_objective(run, batch, manifest):
+    """sum_i w_i l_i / sum_i w_i recomputed in NumPy from the model's logits."""
+    import jax.numpy as jnp
+
+    from polyalign.model import create_model
+    from tests.conftest import tiny_model_config
+
+    model = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
+    ids, targets, mask = batch["input_ids"][0], batch["targets"][0], batch["loss_mask"][0]
+    logits = np.asarray(model(jnp.asarray(ids)), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    per_example = (nll * mask).sum(-1) / np.maximum(mask.sum(-1), 1)
+    w = batch["weight"][0] * batch["valid"][0]
+    return float((w * per_example).sum() / w.sum())
+
+
+@pytest.mark.slow
+def test_eight_devices_give_the_same_gradient_as_one(built_run, tmp_path):
+    run, _ = built_run
+    one = gradients_of_first_batch(run, tmp_path / "one.safetensors", 2, 16)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for sizes in (("8", "1", "1"), ("2", "2", "2")):
+        out = tmp_path / f"eight-{'-'.join(sizes)}.safetensors"
+        subprocess.run([sys.executable, str(WORKER), "grads", str(run), str(out), "--devices", "8", "--data", sizes[0],
+                        "--fsdp", sizes[1], "--tensor", sizes[2], "--micro", "2", "--global-batch", "16"],
+                       check=True, env=env, timeout=300)
+        grads, loss = _grads(out)
+        assert abs(loss - float(one["loss"][0])) <= 1e-5
+        for name, value in grads.items():
+            np.testing.assert_allclose(value, one[name], atol=1e-5, err_msg=f"mesh {sizes}: {name}")
+
+
+def _config(run, steps, *extra):
+    return load_config(REPO / "configs" / "sft_demo.yaml", [
+        f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=6",
+        "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", *extra])
+
+
+def test_resume_continues_exactly(built_run, tmp_path):
+    run, _ = built_run
+    train_sft(_config(run, 12), tmp_path / "straight", progress=False)
+    stopped = train_sft(_config(run, 12, "train.stop_at=6"), tmp_path / "resumed", progress=False)
+    assert stopped["end_step"] == 6 and stopped["stopped_early"]
+    assert not (tmp_path / "resumed" / "model").exists()
+    resumed = train_sft(_config(run, 12), tmp_path / "resumed", progress=False)
+    assert resumed["start_step"] == 6 and resumed["end_step"] == 12
+    straight = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
+    again = {r["step"]: r for r in read_metrics(tmp_path / "resumed")}
+    assert sorted(again) == list(range(1, 13))
+    for step in range(7, 13):
+        assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-5, step
+        assert again[step]["lr"] == pytest.approx(straight[step]["lr"])
+    assert again[12]["val_loss"] == pytest.approx(straight[12]["val_loss"], abs=1e-5)
+    assert (tmp_path / "resumed" / "model" / "model.safetensors").is_file()
+    # Weighting and per-bucket logging.
+    record = straight[12]
+    assert record["val_by_bucket"] and record["train_by_bucket"]
+    assert record["val_worst_bucket"] == max(record["val_by_bucket"].values())
+    assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(args, env_extra, devices):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env_extra}
+    return subprocess.Popen(["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _train_args(run, out, *extra):
+    return ["train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", str(out), "--no-progress",
+            f"data.dir={run}", "train.steps=6", "train.global_batch=8", "train.eval_every=6", "train.checkpoint_every=3",
+            "data.eval_limit=32", "data.eval_batch=16", *extra]
+
+
+def _wait(processes):
+    outputs = [p.communicate()[0] for p in processes]
+    for p, output in zip(processes, outputs):
+        assert p.returncode == 0, output[-3000:]
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
+    run, _ = built_run
+    _wait([_cli(_train_args(run, tmp_path / "one", "parallel.data=4"), {}, devices=4)])
+    port = _free_port()
+    workers = [_cli(_train_args(run, tmp_path / "two", "parallel.data=4"),
+                    {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
+                     "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)]
+    _wait(workers)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == list(range(1, 7))
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+    assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_onto_a_different_mesh(built_run, tmp_path):
+    run, _ = built_run
+    _wait([_cli(_train_args(run, tmp_path / "straight", "parallel.data=4"), {}, devices=4)])
+    _wait([_cli(_train_args(run, tmp_path / "moved", "parallel.data=4", "train.stop_at=3"), {}, devices=4)])
+    output = _wait([_cli(_train_args(run, tmp_path / "moved", "parallel.data=1", "parallel.fsdp=2",
+                                     "parallel.tensor=2"), {}, devices=4)])[0]
+    assert "trained 6 steps" in output
+    straight, moved = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "moved")
+    assert [r["step"] for r in moved] == list(range(1, 7))
+    for a, b in zip(straight[3:], moved[3:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
+    summary = json.loads((tmp_path / "moved" / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and summary["start_step"] == 3

@@ -1,0 +1,46 @@
+"""Shared by the training tests and tests/train_worker.py (which runs them under other device counts)."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import traverse_util
+from safetensors.numpy import save_file
+
+from polyalign import parallel
+from polyalign.inputs import pipeline
+from polyalign.inputs.build import read_manifest
+from polyalign.model import create_model
+from polyalign.train.sft import SFT
+from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+from tests.conftest import tiny_model_config
+
+
+def first_batch(run: Path, global_batch: int, micro_batches: int, seed: int = 0):
+    manifest = read_manifest(run)
+    layout = pipeline.Layout(global_batch, micro_batches, jax.process_index(), jax.process_count())
+    source = pipeline.open_split(run, "train")
+    dataset = pipeline.train_batches(source, layout, 1, manifest["options"]["max_length"], manifest["pad_id"], seed)
+    return next(pipeline.iterate(dataset)), manifest
+
+
+def gradients_of_first_batch(run: Path, out: Path, micro_batches: int, global_batch: int,
+                             parallel_sizes=(-1, 1, 1)) -> dict:
+    """The accumulated gradient and loss of the first global batch, saved to `out` (safetensors)."""
+    batch, manifest = first_batch(Path(run), global_batch, micro_batches)
+    model = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
+    mesh = parallel.make_mesh(parallel.ParallelConfig(*parallel_sizes))
+    trainer = Trainer(model, SFT(len(manifest["buckets"])), OptimizerConfig(),
+                      LoopConfig(steps=1, global_batch=global_batch, micro_batches=micro_batches), mesh, Path(out).parent)
+    grads, loss, sums = trainer.gradients(batch)
+    flat = traverse_util.flatten_dict(jax.device_get(nnx_pure(grads)), sep=".")
+    arrays = {name: np.asarray(value, np.float32) for name, value in flat.items()}
+    arrays["loss"] = np.asarray(loss, np.float32).reshape(1)
+    save_file(arrays, str(out))
+    return arrays
+
+
+def nnx_pure(state):
+    from flax import nnx
+
+    return nnx.to_pure_dict(state)

@@ -1,0 +1,35 @@
+"""Runs one training computation in a fresh process, so that tests can vary the device count
+(XLA_FLAGS must be set before JAX starts). Not a test module.
+
+    python tests/train_worker.py grads RUN OUT.safetensors --devices 8 --data 2 --fsdp 2 --tensor 2 --micro 2
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["grads"])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--data", type=int, default=-1)
+    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--tensor", type=int, default=1)
+    parser.add_argument("--micro", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=8)
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    from tests.train_checks import gradients_of_first_batch
+
+    gradients_of_first_batch(args.run, args.out, micro_batches=args.micro, global_batch=args.global_batch,
+                             parallel_sizes=(args.data, args.fsdp, args.tensor))
+
+
+if __name__ == "__main__":
+    main()
