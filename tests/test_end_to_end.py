@@ -109,16 +109,35 @@ def test_cli_prepare_stats_and_demo(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "demo"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "report: " in out and (tmp_path / "demo/stats/stats.json").is_file()
-    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "tokenizer", "--quick"]) == 0
-    assert "tokenizer: 6000 pieces" in capsys.readouterr().out
-    assert (tmp_path / "demo/tokenizer/tokenizer.model").is_file()
     assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,hdpo"]) == 2
     assert "not available in this version" in capsys.readouterr().err
     assert main(["stats", str(tmp_path / "nothing")]) == 2
     assert "run `polyalign prepare" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"], ["tokenizer", "train"]])
+@pytest.mark.slow
+def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
+    import math
+
+    from polyalign.train.metrics import read_metrics
+
+    run = tmp_path / "demo"
+    assert main(["demo", "--out", str(run), "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer: 6000 pieces" in out and "[5/5] sft: 20 steps" in out
+    assert (run / "tokenizer/tokenizer.model").is_file() and (run / "build/manifest.json").is_file()
+    assert (run / "sft/model/model.safetensors").is_file() and (run / "sft/model/tokenizer.model").is_file()
+    evals = [r for r in read_metrics(run / "sft") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert evals[1]["val_loss"] < evals[0]["val_loss"] < math.log(6000)
+    from polyalign.model import load_hf_checkpoint
+
+    model = load_hf_checkpoint(run / "sft" / "model")
+    assert model.config.vocab_size == 6000 and model.config.num_layers == 4
+
+
+@pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"], ["tokenizer", "train"], ["build"],
+                                     ["train", "sft"]])
 def test_help_teaches(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"])
