@@ -18,7 +18,7 @@ import numpy as np
 
 from polyalign.inputs.build import dataset_dir
 
-BATCH_KEYS = ("input_ids", "targets", "loss_mask", "weight", "bucket", "valid")
+BATCH_KEYS = ("input_ids", "targets", "loss_mask", "weight", "bucket", "valid", "length")
 
 
 def open_split(run: Path, split: str):
@@ -39,6 +39,7 @@ def example_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, 
         "weight": np.float32(0.0),
         "bucket": np.int32(0),
         "valid": np.bool_(False),
+        "length": np.int32(0),  # real (unpadded) input tokens
     }
     if example is None:
         return out
@@ -50,6 +51,7 @@ def example_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, 
     out["weight"] = np.float32(example["weight"])
     out["bucket"] = np.int32(example["bucket"])
     out["valid"] = np.bool_(True)
+    out["length"] = np.int32(n)
     return out
 
 

@@ -101,7 +101,8 @@ class SFT:
         sums = {
             "bucket_loss": jax.ops.segment_sum(nll * valid, micro_batch["bucket"], self.num_buckets),
             "bucket_examples": jax.ops.segment_sum(valid, micro_batch["bucket"], self.num_buckets),
-            "tokens": micro_batch["loss_mask"].sum(),
+            "tokens": micro_batch["length"].sum().astype(jnp.float32),
+            "target_tokens": micro_batch["loss_mask"].sum(),
             "examples": valid.sum(),
         }
         return {"sft": (weights * nll).sum()}, sums
@@ -203,7 +204,8 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
                                 meta={"method": "sft", "weighting": config.weighting})
 
     def summarize(host):
-        return {"tokens": int(host["tokens"]), **per_bucket(host, buckets, "train_by_bucket")}
+        return {"tokens": int(host["tokens"]), "target_tokens": int(host["target_tokens"]),
+                **per_bucket(host, buckets, "train_by_bucket")}
 
     result = trainer.fit(iterator, evaluate, summarize, checkpointer, progress=progress)
     checkpointer.close()

@@ -216,14 +216,14 @@ class Trainer:
         stop = _StopSignal()
         bar = tqdm(total=last, initial=start, desc="train", unit="step", disable=not progress or jax.process_index() > 0)
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
-        tokens_seen, timer = 0.0, time.perf_counter()
         try:
             with stop:
                 while self.step_number < last:
+                    timer = time.perf_counter()
                     metrics = self.step(next(train_iterator))
                     step = self.step_number
                     host = jax.device_get(metrics)
-                    tokens_seen += float(host.get("tokens", 0.0))
+                    step_seconds = time.perf_counter() - timer
                     if int(jax.device_get(self.state["nonfinite"])) > loop.max_nonfinite:
                         raise TrainingError(f"step {step}: more than {loop.max_nonfinite} steps had a non-finite "
                                             "loss or gradient; stopping (lower the learning rate?)")
@@ -231,8 +231,9 @@ class Trainer:
                               "grad_norm": float(host["grad_norm"]), "skipped": not bool(host["finite"])}
                     if summarize is not None:
                         record.update(summarize(host))
-                    elapsed = time.perf_counter() - timer
-                    record["tokens_per_s"] = round(tokens_seen / elapsed, 1) if elapsed > 0 else None
+                    # Real (unpadded) tokens per second of this step, input reading included.
+                    record["step_s"] = round(step_seconds, 4)
+                    record["tokens_per_s"] = round(float(host.get("tokens", 0.0)) / step_seconds, 1)
                     if evaluate is not None and (step % loop.eval_every == 0 or step == last):
                         record.update(evaluate())
                     if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
