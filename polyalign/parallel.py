@@ -19,8 +19,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Parameter axes.
+# Parameter axes. The embedding table has names of its own: sharding its model dimension over fsdp,
+# which also splits the batch, makes XLA fully rematerialise the token gather.
 LAYERS, VOCAB, EMBED, MLP, Q_HEADS, KV_HEADS, NORM = "layers", "vocab", "embed", "mlp", "q_heads", "kv_heads", "norm"
+TABLE_VOCAB, TABLE_EMBED = "table_vocab", "table_embed"
 # Activation axes.
 BATCH, LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, HEAD_DIM, ACT_MLP, ACT_VOCAB = (
     "batch", "length", "act_embed", "act_heads", "act_kv_heads", "head_dim", "act_mlp", "act_vocab")
@@ -29,6 +31,8 @@ BATCH, LENGTH, ACT_EMBED, ACT_HEADS, ACT_KV_HEADS, HEAD_DIM, ACT_MLP, ACT_VOCAB 
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (LAYERS, None),
     (VOCAB, "tensor"),
+    (TABLE_VOCAB, "fsdp"),
+    (TABLE_EMBED, "tensor"),
     (EMBED, "fsdp"),
     (MLP, "tensor"),
     (Q_HEADS, "tensor"),

@@ -204,6 +204,7 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     _wait(workers)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == list(range(1, 7))
+    print(f"\n2 processes vs 1: max |dloss| {max(abs(a['loss'] - b['loss']) for a, b in zip(one, two)):.2e}")
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
     assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-5
@@ -219,7 +220,69 @@ def test_a_checkpoint_restores_onto_a_different_mesh(built_run, tmp_path):
     assert "trained 6 steps" in output
     straight, moved = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "moved")
     assert [r["step"] for r in moved] == list(range(1, 7))
+    print(f"\nmesh (4,1,1) -> (1,2,2) resume: max |dloss| "
+          f"{max(abs(a['loss'] - b['loss']) for a, b in zip(straight[3:], moved[3:])):.2e}")
     for a, b in zip(straight[3:], moved[3:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-4, (a["step"], a["loss"], b["loss"])
     summary = json.loads((tmp_path / "moved" / "summary.json").read_text())
     assert summary["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and summary["start_step"] == 3
+
+
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(built_run, tmp_path):
+    import jax
+
+    from polyalign import parallel
+    from polyalign.model import create_model
+    from polyalign.train.sft import SFT
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
+    from tests.conftest import tiny_model_config
+
+    run, manifest = built_run
+    batch, _ = first_batch(run, 8, 1)
+    poisoned = {**batch, "weight": batch["weight"].copy()}
+    poisoned["weight"][0, 0] = np.nan
+    trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"])), SFT(len(manifest["buckets"])),
+                      OptimizerConfig(), LoopConfig(steps=5, global_batch=8, max_nonfinite=1),
+                      parallel.make_mesh(), tmp_path)
+    before = jax.device_get(trainer.state["params"])
+    metrics = jax.device_get(trainer.step(poisoned))
+    assert not metrics["finite"] and int(trainer.state["nonfinite"]) == 1 and trainer.step_number == 1
+    after = jax.device_get(trainer.state["params"])
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    assert jax.device_get(trainer.step(batch))["finite"]  # a good batch still trains
+    with pytest.raises(TrainingError, match="more than 1 steps had a non-finite loss"):
+        trainer.fit(iter([poisoned] * 3), progress=False)
+
+
+def test_unknown_config_keys_name_the_closest(built_run):
+    from polyalign.config import ConfigError
+
+    run, _ = built_run
+    with pytest.raises(ConfigError, match="unknown key 'micro_batch'; did you mean 'micro_batches'"):
+        _config(run, 4, "train.micro_batch=2")
+    with pytest.raises(ConfigError, match="weighting must be one of bucket, uniform"):
+        _config(run, 4, "weighting=square")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(built_run, tmp_path):
+    import signal
+    import time
+
+    run, _ = built_run
+    out = tmp_path / "preempted"
+    args = _train_args(run, out, "train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000")
+    process = _cli(args, {}, devices=1)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-2000:]
+    stopped = len(read_metrics(out))
+    assert f"stopped at step {stopped}" in output
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+    output = _wait([_cli(args + [f"train.stop_at={stopped + 2}"], {}, devices=1)])[0]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 3))

@@ -198,7 +198,7 @@ class Transformer(nnx.Module):
         cfg = self.config = config
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                       embedding_init=nnx.initializers.normal(_INIT_STD),
-                                      embedding_metadata=P.param((P.VOCAB, P.EMBED)), rngs=rngs)
+                                      embedding_metadata=P.param((P.TABLE_VOCAB, P.TABLE_EMBED)), rngs=rngs)
         self.layers = _stacked_layers(cfg, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0 if cfg.is_gemma else 0.0, cfg.param_dtype)
         self.lm_head = None if cfg.tie_embeddings else _linear(cfg, rngs, cfg.hidden_size, cfg.vocab_size,
