@@ -8,6 +8,7 @@ end-of-turn token), its Bucket-SFT weight, its bucket index and its record id.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import shutil
@@ -45,6 +46,7 @@ def dataset_dir(run: Path) -> Path:
     return Path(run) / BUILD_DIR / DATASET_NAME / DATASET_VERSION
 
 
+@functools.cache  # TFDS registers builder classes by name: define it once per process
 def _builder_class():
     import tensorflow_datasets as tfds
 
