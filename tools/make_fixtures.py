@@ -10,6 +10,7 @@ Writes, under tests/fixtures/:
                              and the float32 logits transformers computes for them.
   chat/fixtures.json         real records from the bundled demo data rendered by the official chat
                              templates through transformers' apply_chat_template.
+  losses/trl_dpo.json        DPO, cDPO and IPO losses from TRL's formulas evaluated in torch.
 
 DIR holds the official templates, copied from each model's tokenizer_config.json ("chat_template"):
 qwen.jinja (Qwen2.5 Instruct), llama3.jinja (Llama 3.2 Instruct) and gemma.jinja (Gemma 2 Instruct).
@@ -160,12 +161,34 @@ def write_chat_fixtures(template_dir: Path) -> None:
     out.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
 
 
+def write_loss_fixtures() -> None:
+    """DPO, cDPO and IPO losses from TRL's formulas (trl.DPOTrainer.dpo_loss, loss_type sigmoid / ipo),
+    evaluated in torch on fixed log-probs."""
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(SEED)
+    logps = {name: (-rng.uniform(5, 60, 16)).round(3) for name in ("pc", "pr", "rc", "rr")}
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in logps.items()}
+    logits = (t["pc"] - t["pr"]) - (t["rc"] - t["rr"])
+    cases = []
+    for beta, smoothing in [(0.1, 0.0), (0.5, 0.0), (0.1, 0.2)]:
+        losses = -F.logsigmoid(beta * logits) * (1 - smoothing) - F.logsigmoid(-beta * logits) * smoothing
+        cases.append({"loss_type": "sigmoid", "beta": beta, "label_smoothing": smoothing, "losses": losses.tolist()})
+    for beta in (0.1, 0.5):
+        cases.append({"loss_type": "ipo", "beta": beta, "losses": ((logits - 1 / (2 * beta)) ** 2).tolist()})
+    out = FIXTURES / "losses" / "trl_dpo.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"logps": {k: v.tolist() for k, v in logps.items()}, "cases": cases}, indent=1) + "\n")
+    print(f"losses: {len(cases)} TRL formula cases")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chat-templates", type=Path, help="directory with qwen.jinja, llama3.jinja, gemma.jinja")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     write_model_fixtures()
+    write_loss_fixtures()
     if args.chat_templates:
         write_chat_fixtures(args.chat_templates)
     return 0

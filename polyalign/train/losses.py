@@ -24,3 +24,70 @@ def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
     """sum_i w_i v_i / sum_i w_i, 0 when the weights sum to 0."""
     total = weights.sum()
     return jnp.where(total > 0, (weights * values).sum() / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+# --- preference losses (METHOD section 8) ------------------------------------------------------------
+
+def dpo_logits(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps) -> jax.Array:
+    """(pi_c - rho_c) - (pi_r - rho_r): how much more the policy prefers chosen than the reference does."""
+    return (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float = 0.1,
+             label_smoothing: float = 0.0) -> jax.Array:
+    """Per-pair sigmoid DPO loss -log sigmoid(beta * logits); with label smoothing eps the
+    conservative form (cDPO): (1 - eps) * that + eps * -log sigmoid(-beta * logits)."""
+    z = beta * dpo_logits(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
+
+
+def ipo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+             beta: float = 0.1) -> jax.Array:
+    """Per-pair IPO loss (logits - 1 / (2 beta))^2."""
+    logits = dpo_logits(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    return (logits - 1.0 / (2.0 * beta)) ** 2
+
+
+def preference_rewards(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                       beta: float = 0.1) -> dict[str, jax.Array]:
+    """Implicit rewards beta * (pi - rho) per pair, their margin and whether chosen wins."""
+    chosen = beta * (policy_chosen_logps - ref_chosen_logps)
+    rejected = beta * (policy_rejected_logps - ref_rejected_logps)
+    return {"chosen": chosen, "rejected": rejected, "margin": chosen - rejected,
+            "accuracy": (chosen > rejected).astype(jnp.float32)}
+
+
+def distance_regulariser(policy_chosen_logps, policy_rejected_logps, critic_chosen, critic_rejected,
+                         beta: float = 0.1) -> jax.Array:
+    """Per pair R = p c_cho + (1 - p) c_rej with p = sigmoid(beta (pi_c - pi_r)): the critic distance
+    of the response the policy leans towards (policy only, no reference)."""
+    p = jax.nn.sigmoid(beta * (policy_chosen_logps - policy_rejected_logps))
+    return p * critic_chosen + (1.0 - p) * critic_rejected
+
+
+def sft_anchor(policy_chosen_logps, chosen_token_counts) -> jax.Array:
+    """Per pair, the length-normalised NLL of the human (chosen) response."""
+    return -policy_chosen_logps / jnp.maximum(chosen_token_counts, 1.0)
+
+
+def hdpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, pair_weights,
+              critic_chosen, critic_rejected, chosen_token_counts, beta: float = 0.1, lambda_dist: float = 0.1,
+              gamma_ftx: float = 0.05, label_smoothing: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """HDPO over one batch: sum_i w_i l_i / sum_i w_i + lambda_dist mean_i R_i + gamma_ftx mean_i anchor_i.
+
+    The trainer computes the same three terms with their sums taken over the whole global batch; this
+    function is the reference for one batch.
+    """
+    per_pair = dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                        beta, label_smoothing)
+    dpo = weighted_mean(per_pair, pair_weights)
+    dist_reg = distance_regulariser(policy_chosen_logps, policy_rejected_logps, critic_chosen, critic_rejected,
+                                    beta).mean()
+    anchor = sft_anchor(policy_chosen_logps, chosen_token_counts).mean()
+    total = dpo + lambda_dist * dist_reg + gamma_ftx * anchor
+    rewards = preference_rewards(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                 beta)
+    components = {"loss": total, "dpo": dpo, "dist_reg": dist_reg, "sft_anchor": anchor,
+                  "dist_gap": (critic_rejected - critic_chosen).mean(),
+                  **{f"rewards/{k}": v.mean() for k, v in rewards.items()}}
+    return total, components

@@ -1,0 +1,106 @@
+"""Preference losses against hand-computed numbers, an independent NumPy implementation and TRL's
+formulas (tests/fixtures/losses/trl_dpo.json, evaluated in torch by tools/make_fixtures.py)."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from polyalign.train.losses import dpo_loss, example_nll, hdpo_loss, ipo_loss, preference_rewards
+from tests.conftest import FIXTURES
+
+TRL = json.loads((FIXTURES / "losses" / "trl_dpo.json").read_text())
+
+
+def test_dpo_by_hand():
+    # logits = (-10 - -12) - (-15 - -14) = 2 - (-1) = 3; beta 0.1 -> -log sigmoid(0.3)
+    loss = dpo_loss(jnp.array([-10.0]), jnp.array([-15.0]), jnp.array([-12.0]), jnp.array([-14.0]), beta=0.1)
+    assert float(loss[0]) == pytest.approx(math.log(1 + math.exp(-0.3)), abs=1e-6)  # 0.554355
+    assert float(loss[0]) == pytest.approx(0.5543552, abs=1e-6)
+    # Equal policy and reference: logits 0, loss log 2, whatever beta.
+    assert float(dpo_loss(jnp.array([-3.0]), jnp.array([-4.0]), jnp.array([-3.0]), jnp.array([-4.0]), 0.7)[0]) == \
+        pytest.approx(math.log(2), abs=1e-6)
+    # cDPO with eps 0.25 at z = 0.3: 0.75 * log(1 + e^-0.3) + 0.25 * log(1 + e^0.3)
+    smoothed = dpo_loss(jnp.array([-10.0]), jnp.array([-15.0]), jnp.array([-12.0]), jnp.array([-14.0]), 0.1, 0.25)
+    assert float(smoothed[0]) == pytest.approx(0.75 * math.log(1 + math.exp(-0.3)) + 0.25 * math.log(1 + math.exp(0.3)),
+                                               abs=1e-6)
+    # IPO: (3 - 1 / 0.2)^2 = 4
+    assert float(ipo_loss(jnp.array([-10.0]), jnp.array([-15.0]), jnp.array([-12.0]), jnp.array([-14.0]), 0.1)[0]) == \
+        pytest.approx(4.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("case", TRL["cases"], ids=lambda c: f"{c['loss_type']}-{c['beta']}-{c.get('label_smoothing', 0)}")
+def test_losses_match_trl_formulas(case):
+    logps = {k: jnp.asarray(v, jnp.float32) for k, v in TRL["logps"].items()}
+    if case["loss_type"] == "sigmoid":
+        ours = dpo_loss(logps["pc"], logps["pr"], logps["rc"], logps["rr"], case["beta"], case["label_smoothing"])
+    else:
+        ours = ipo_loss(logps["pc"], logps["pr"], logps["rc"], logps["rr"], case["beta"])
+    np.testing.assert_allclose(np.asarray(ours), case["losses"], rtol=2e-5, atol=2e-5)
+
+
+def numpy_hdpo(pc, pr, rc, rr, w, cc, cr, n, beta, lam, gamma):
+    """HDPO written out in NumPy (float64), independently of polyalign.train.losses."""
+    z = beta * ((pc - rc) - (pr - rr))
+    per_pair = np.log1p(np.exp(-z))
+    dpo = (w * per_pair).sum() / w.sum()
+    p = 1 / (1 + np.exp(-beta * (pc - pr)))
+    reg = (p * cc + (1 - p) * cr).mean()
+    anchor = (-pc / n).mean()
+    return dpo + lam * reg + gamma * anchor, dpo, reg, anchor
+
+
+def test_hdpo_matches_numpy():
+    rng = np.random.default_rng(7)
+    pc, pr, rc, rr = (-rng.uniform(5, 80, 12) for _ in range(4))
+    w = rng.uniform(0.5, 3.0, 12)
+    cc, cr = rng.uniform(0, 0.5, 12), rng.uniform(0.2, 2.0, 12)
+    n = rng.integers(1, 60, 12).astype(float)
+    total, parts = hdpo_loss(*(jnp.asarray(x, jnp.float32) for x in (pc, pr, rc, rr, w, cc, cr, n)),
+                             beta=0.1, lambda_dist=0.3, gamma_ftx=0.05)
+    expected = numpy_hdpo(pc, pr, rc, rr, w, cc, cr, n, 0.1, 0.3, 0.05)
+    assert float(total) == pytest.approx(expected[0], rel=1e-5)
+    assert float(parts["dpo"]) == pytest.approx(expected[1], rel=1e-5)
+    assert float(parts["dist_reg"]) == pytest.approx(expected[2], rel=1e-5)
+    assert float(parts["sft_anchor"]) == pytest.approx(expected[3], rel=1e-5)
+    assert float(parts["dist_gap"]) == pytest.approx((cr - cc).mean(), rel=1e-5)
+
+
+def test_hdpo_by_hand_and_its_reduction_to_dpo():
+    one = [jnp.array([v]) for v in (-10.0, -15.0, -12.0, -14.0)]
+    # Critic scores: chosen 0.2, rejected 1.0; p = sigmoid(0.1 * 5) = 0.622459; R = 0.2 p + 1.0 (1 - p)
+    total, parts = hdpo_loss(*one, jnp.array([2.0]), jnp.array([0.2]), jnp.array([1.0]), jnp.array([5.0]),
+                             beta=0.1, lambda_dist=0.1, gamma_ftx=0.05)
+    p = 1 / (1 + math.exp(-0.5))
+    expected = math.log(1 + math.exp(-0.3)) + 0.1 * (0.2 * p + 1.0 * (1 - p)) + 0.05 * (10.0 / 5.0)
+    assert float(total) == pytest.approx(expected, abs=1e-6)
+    plain, _ = hdpo_loss(*one, jnp.array([2.0]), jnp.array([0.2]), jnp.array([1.0]), jnp.array([5.0]),
+                         lambda_dist=0.0, gamma_ftx=0.0)
+    assert float(plain) == pytest.approx(float(dpo_loss(*one)[0]), abs=1e-7)
+    # Pair weights: the weighted DPO term is normalised by the sum of weights.
+    pcs, prs = jnp.array([-10.0, -10.0]), jnp.array([-15.0, -9.0])
+    refs = jnp.array([-12.0, -12.0]), jnp.array([-14.0, -14.0])
+    w = jnp.array([3.0, 1.0])
+    _, parts = hdpo_loss(pcs, prs, *refs, w, jnp.zeros(2), jnp.zeros(2), jnp.ones(2))
+    per = dpo_loss(pcs, prs, *refs)
+    assert float(parts["dpo"]) == pytest.approx(float((3 * per[0] + per[1]) / 4), abs=1e-6)
+
+
+def test_rewards():
+    r = preference_rewards(jnp.array([-10.0, -20.0]), jnp.array([-15.0, -10.0]), jnp.array([-12.0, -20.0]),
+                           jnp.array([-14.0, -12.0]), beta=0.5)
+    np.testing.assert_allclose(np.asarray(r["chosen"]), [1.0, 0.0])
+    np.testing.assert_allclose(np.asarray(r["rejected"]), [-0.5, 1.0])
+    np.testing.assert_allclose(np.asarray(r["margin"]), [1.5, -1.0])
+    np.testing.assert_allclose(np.asarray(r["accuracy"]), [1.0, 0.0])
+
+
+def test_example_nll_by_hand():
+    # Two tokens of vocabulary 2 with logits (0, 0) and (ln 3, 0): NLLs ln 2 and ln(4/3) for target 0.
+    logits = jnp.array([[[0.0, 0.0], [math.log(3), 0.0], [5.0, 5.0]]])
+    targets = jnp.array([[0, 0, 1]])
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+    assert float(example_nll(logits, targets, mask)[0]) == pytest.approx((math.log(2) + math.log(4 / 3)) / 2, abs=1e-6)
+    assert float(example_nll(logits, targets, jnp.zeros((1, 3)))[0]) == 0.0
