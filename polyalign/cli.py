@@ -22,6 +22,7 @@ Pipeline:
   polyalign tokenizer train --records RUN/data/train.jsonl --vocab-size 8000 --out RUN/tokenizer
   polyalign build RUN                                                 tokenised TFDS dataset in RUN/build
   polyalign train sft --config configs/sft_demo.yaml --out OUT data.dir=RUN   Bucket-Aware SFT
+  polyalign generate --checkpoint OUT/model --records RUN/data/test.jsonl --out P.jsonl
   polyalign demo --out RUN                                            everything on the bundled data
 """
 
@@ -236,6 +237,44 @@ def _run_train_sft(args) -> int:
     return 0
 
 
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample one response per record with a checkpoint",
+                       description="Generate one response per record (KV cache, batched). Writes JSONL rows "
+                                   "{id, prediction, model, finish_reason, new_tokens} in record order.")
+    p.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face checkpoint directory with its tokenizer")
+    p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
+    p.add_argument("--out", required=True, type=Path, help="predictions JSONL")
+    p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
+                   help="profile system prompt (default context: what a real request reveals; oracle adds the "
+                        "gold length bin and must be labelled as such in reports)")
+    p.add_argument("--template", choices=("polyalign", "qwen", "llama3", "gemma"),
+                   help="chat template (default: the tokenizer's, else the model family's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end")
+    p.add_argument("--limit", type=int, help="only the first N records")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from polyalign.generate import SamplingConfig, generate_predictions
+
+    summary = generate_predictions(
+        args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
+        sampling=SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.top_k),
+        batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit, seed=args.seed,
+        progress=not args.no_progress)
+    print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
+          f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
+    print(f"predictions: {args.out}")
+    return 0
+
+
 def _add_demo(sub) -> None:
     from polyalign.demo import STAGES
 
@@ -265,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenizer(sub)
     _add_build(sub)
     _add_train(sub)
+    _add_generate(sub)
     _add_demo(sub)
     return parser
 
@@ -273,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyalign.config import ConfigError
     from polyalign.data.prepare import PrepareError
     from polyalign.data.records import InputError
+    from polyalign.generate import GenerationError
     from polyalign.reports.stats import StatsError
     from polyalign.chat import ChatTemplateError
     from polyalign.model import CheckpointError, ModelConfigError
@@ -285,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (ConfigError, InputError, PrepareError, StatsError, TokenizerError, ChatTemplateError, CheckpointError,
-            ModelConfigError, ParallelError, TrainingError) as err:
+            ModelConfigError, ParallelError, TrainingError, GenerationError) as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

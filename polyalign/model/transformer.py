@@ -9,6 +9,7 @@ Every parameter and large activation carries logical axis names (polyalign.paral
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,39 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: 
     return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h, d)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values of one layer ([B, S, K, D] each) and the slot where the next tokens go.
+    The model stacks one per layer along a leading axis."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array  # int32 scalar
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, slots: int, dtype=None) -> KVCache:
+        shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+        dtype = dtype or cfg.dtype
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def write(self, k: jax.Array, v: jax.Array) -> KVCache:
+        k = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.index, axis=1)
+        v = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.index, axis=1)
+        return KVCache(k, v, self.index)
+
+
+def cached_attention_masks(slots: int, index: jax.Array, length: int, kv_valid: jax.Array,
+                           sliding_window: int | None) -> tuple[jax.Array, jax.Array | None]:
+    """Masks [B, 1, t, S] for `length` new tokens written at slot `index`: a query sees the filled
+    slots up to its own that hold real tokens (kv_valid [B, S]), and within the window if sliding."""
+    q = index + jnp.arange(length)[:, None]
+    k = jnp.arange(slots)[None, :]
+    mask = (k <= q)[None, None] & kv_valid.astype(bool)[:, None, None, :]
+    local = mask & ((q - k) < sliding_window)[None, None] if sliding_window else None
+    return mask, local
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32. Gemma scales by (1 + w) with w initialised at 0."""
 
@@ -121,7 +155,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.scale, self.softcap, self.implementation = cfg.attention_scale, cfg.attn_logit_softcap, cfg.attention_impl
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        """With a cache, the new keys and values are written at `cache.index` and the queries attend
+        over all cached slots (the mask says which)."""
         b, t, _ = x.shape
         q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), positions, inv_freq)
         k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), positions, inv_freq)
@@ -129,8 +166,11 @@ class Attention(nnx.Module):
         q = P.constrain(q, (P.BATCH, P.LENGTH, P.ACT_HEADS, P.HEAD_DIM))
         k = P.constrain(k, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
         v = P.constrain(v, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
+        if cache is not None:
+            cache = cache.write(k, v)
+            k, v = cache.k, cache.v
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=self.implementation)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
 class MLP(nnx.Module):
@@ -168,15 +208,16 @@ class DecoderLayer(nnx.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array) -> jax.Array:
-        attn = self.self_attn(self.input_layernorm(h), positions, mask, inv_freq)
+    def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array,
+                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+        attn, cache = self.self_attn(self.input_layernorm(h), positions, mask, inv_freq, cache)
         if self.sandwich:
             h = h + self.post_attention_layernorm(attn)
             h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         else:
             h = h + attn
             h = h + self.mlp(self.post_attention_layernorm(h))
-        return P.constrain(h, (P.BATCH, P.LENGTH, P.ACT_EMBED))
+        return P.constrain(h, (P.BATCH, P.LENGTH, P.ACT_EMBED)), cache
 
 
 def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -213,11 +254,26 @@ class Transformer(nnx.Module):
     def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None) -> jax.Array:
         """The final-norm hidden states [B, T, D] (the LM head's input)."""
-        cfg = self.config
         batch, length = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        full, local = attention_masks(length, segment_ids, attention_mask, batch, cfg.sliding_window)
+        masks = attention_masks(length, segment_ids, attention_mask, batch, self.config.sliding_window)
+        hidden, _ = self._layers(input_ids, positions, masks, None)
+        return hidden
+
+    def decode(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
+               kv_valid: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Runs `input_ids` [B, t] at `positions` through the layers with a KV cache: writes their keys
+        and values at slot cache.index (kv_valid [B, S] marks slots holding real tokens, these
+        included) and returns float32 logits [B, t, V] and the cache advanced by t."""
+        masks = cached_attention_masks(cache.k.shape[2], cache.index, input_ids.shape[1], kv_valid,
+                                       self.config.sliding_window)
+        hidden, cache = self._layers(input_ids, positions, masks, cache)
+        return self.logits(hidden), KVCache(cache.k, cache.v, cache.index + input_ids.shape[1])
+
+    def _layers(self, input_ids, positions, masks, cache: KVCache | None):
+        cfg = self.config
+        full, local = masks
         h = self.embed_tokens(input_ids)
         if cfg.is_gemma:
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, h.dtype)
@@ -225,20 +281,28 @@ class Transformer(nnx.Module):
         inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
         graphdef, layer_state = nnx.split(self.layers)
         sliding = jnp.asarray(cfg.sliding_layers)
+        per_layer_cache = None if cache is None else (cache.k, cache.v)
 
         def layer(h, xs):
-            state, is_sliding = xs
+            state, is_sliding, kv = xs
             mask = full if local is None else jnp.where(is_sliding, local, full)
-            return nnx.merge(graphdef, state)(h, positions, mask, inv_freq), None
+            layer_cache = None if kv is None else KVCache(kv[0], kv[1], cache.index)
+            h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache)
+            return h, None if layer_cache is None else (layer_cache.k, layer_cache.v)
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        xs = (layer_state, sliding, per_layer_cache)
         if cfg.scan_layers:
-            h, _ = jax.lax.scan(layer, h, (layer_state, sliding))
+            h, new_kv = jax.lax.scan(layer, h, xs)
         else:
+            outputs = []
             for i in range(cfg.num_layers):
-                h, _ = layer(h, jax.tree.map(lambda a, i=i: a[i], (layer_state, sliding)))
-        return self.norm(h)
+                h, out = layer(h, jax.tree.map(lambda a, i=i: a[i], xs))
+                outputs.append(out)
+            new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outputs)
+        new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], cache.index)
+        return self.norm(h), new_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         cfg = self.config

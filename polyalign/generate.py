@@ -1,0 +1,198 @@
+"""Batched sampling with a KV cache, and `polyalign generate` (one prediction per record, by id).
+
+Prompts are left-padded to a common length so that every row's next token goes to the same cache
+slot; positions count real tokens only, so padding never shifts the rotary embedding. The prompt is
+prefilled in one pass, then one jitted loop decodes until every row has stopped or the budget is spent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polyalign.model.transformer import KVCache, Transformer
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+class GenerationError(ValueError):
+    """Bad sampling settings or inputs."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise GenerationError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, config: SamplingConfig) -> jax.Array:
+    """Next tokens [B] from float32 logits [B, V]: greedy at temperature 0, else top-k / top-p
+    (nucleus; the most likely token always stays) and a categorical draw."""
+    if config.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / config.temperature
+    if config.top_k:
+        kth = jax.lax.top_k(logits, config.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if config.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep a token while the mass before it is below top_p.
+        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < config.top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def _left_pad(prompts: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(prompts), length), pad_id, np.int32)
+    valid = np.zeros((len(prompts), length), bool)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[row, -len(prompt):] = prompt
+            valid[row, -len(prompt):] = True
+    return ids, valid
+
+
+def _bucket(n: int, multiple: int = 32) -> int:
+    """Pad lengths to multiples so that a few compiled shapes serve every batch."""
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+class Sampler:
+    """Generates continuations for token-id prompts with one model."""
+
+    def __init__(self, model: Transformer, stop_ids: Sequence[int], pad_id: int, config: SamplingConfig):
+        from flax import nnx
+
+        self.config, self.pad_id = config, pad_id
+        self.stop_ids = jnp.asarray(sorted(set(stop_ids)), jnp.int32)
+        self.graphdef, self.state = nnx.split(model)
+        self.model_config = model.config
+        self._run = jax.jit(self._generate)
+
+    def _generate(self, state, ids, valid, rng):
+        from flax import nnx
+
+        model = nnx.merge(self.graphdef, state)
+        config = self.config
+        batch, prompt_len = ids.shape
+        slots = prompt_len + config.max_new_tokens
+        kv_valid = jnp.concatenate([valid, jnp.ones((batch, config.max_new_tokens), bool)], axis=1)
+        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+        cache = KVCache.empty(self.model_config, batch, slots)
+        logits, cache = model.decode(ids, positions, cache, kv_valid)
+        rng, first_rng = jax.random.split(rng)
+        token = sample_logits(logits[:, -1], first_rng, config)
+        next_position = positions[:, -1] + 1
+        out = jnp.full((batch, config.max_new_tokens), self.pad_id, jnp.int32).at[:, 0].set(token)
+        done = jnp.isin(token, self.stop_ids)
+        lengths = jnp.ones((batch,), jnp.int32)
+
+        def cond(carry):
+            step, _, _, done, *_ = carry
+            return (step < config.max_new_tokens) & ~done.all()
+
+        def body(carry):
+            step, token, cache, done, out, lengths, position, rng = carry
+            logits, cache = model.decode(token[:, None], position[:, None], cache, kv_valid)
+            rng, step_rng = jax.random.split(rng)
+            new = sample_logits(logits[:, 0], step_rng, config)
+            new = jnp.where(done, self.pad_id, new)
+            out = out.at[:, step].set(new)
+            lengths = lengths + (~done).astype(jnp.int32)
+            done = done | jnp.isin(new, self.stop_ids)
+            return step + 1, new, cache, done, out, lengths, position + 1, rng
+
+        carry = (jnp.int32(1), token, cache, done, out, lengths, next_position, rng)
+        _, _, _, done, out, lengths, _, _ = jax.lax.while_loop(cond, body, carry)
+        return out, lengths, done
+
+    def generate(self, prompts: Sequence[np.ndarray], seed: int = 0) -> list[tuple[list[int], str]]:
+        """For each prompt: the new tokens (without the stop token) and why generation ended."""
+        length = _bucket(max(len(p) for p in prompts))
+        ids, valid = _left_pad(prompts, length, self.pad_id)
+        out, lengths, done = jax.device_get(self._run(self.state, ids, valid, jax.random.key(seed)))
+        results = []
+        for row in range(len(prompts)):
+            tokens = out[row, :lengths[row]].tolist()
+            if done[row]:
+                results.append((tokens[:-1], FINISH_STOP))
+            else:
+                results.append((tokens, FINISH_LENGTH))
+        return results
+
+
+# --- polyalign generate ----------------------------------------------------------------------------
+
+def template_for(model: Transformer, tokenizer) -> str:
+    """The tokenizer's named template, else the model family's official one."""
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    return {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma"}[model.config.family]
+
+
+def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, profile: str = "context",
+                         sampling: SamplingConfig = SamplingConfig(), batch_size: int = 16,
+                         max_prompt_tokens: int = 512, template: str | None = None, limit: int | None = None,
+                         seed: int = 0, model_name: str | None = None, progress: bool = True) -> dict:
+    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}."""
+    from tqdm import tqdm
+
+    from polyalign.chat import encode_prompt, get_template, record_messages
+    from polyalign.data.prepare import read_records
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.tokenizer import load_tokenizer
+
+    started = time.perf_counter()
+    records = read_records(Path(records_path))[:limit]
+    if not records:
+        raise GenerationError(f"{records_path}: no records")
+    model = load_hf_checkpoint(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
+    chat = get_template(template or template_for(model, tokenizer))
+    stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
+    if tokenizer.eos_id is not None:
+        stop_ids.append(tokenizer.eos_id)
+    sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling)
+    name = model_name or Path(checkpoint).name
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    counts = {FINISH_STOP: 0, FINISH_LENGTH: 0}
+    new_tokens = 0
+    # Similar prompt lengths batch together, wasting less padding; rows are written in record order.
+    order = sorted(range(len(records)), key=lambda i: len(records[i].history) + len(records[i].context) // 200)
+    rows: dict[int, dict] = {}
+    with tqdm(total=len(records), desc="generate", unit="rec", disable=not progress) as bar:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            prompts = [encode_prompt(chat, tokenizer, record_messages(records[i], profile, with_response=False),
+                                     max_tokens=max_prompt_tokens) for i in chunk]
+            for i, (tokens, reason) in zip(chunk, sampler.generate(prompts, seed=seed + start)):
+                rows[i] = {"id": records[i].id, "prediction": tokenizer.decode(tokens).strip(), "model": name,
+                           "finish_reason": reason, "new_tokens": len(tokens)}
+                counts[reason] += 1
+                new_tokens += len(tokens)
+            bar.update(len(chunk))
+    with out.open("w", encoding="utf-8") as handle:
+        for i in range(len(records)):
+            handle.write(json.dumps(rows[i], ensure_ascii=False) + "\n")
+    seconds = time.perf_counter() - started
+    return {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
+            "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out)}
