@@ -23,6 +23,9 @@ Pipeline:
   polyalign build RUN                                                 tokenised TFDS dataset in RUN/build
   polyalign train sft --config configs/sft_demo.yaml --out OUT data.dir=RUN   Bucket-Aware SFT
   polyalign generate --checkpoint OUT/model --records RUN/data/test.jsonl --out P.jsonl
+  polyalign pairs --records RUN/data/train.jsonl --predictions P.jsonl --out PAIRS.jsonl
+  polyalign train critic --config configs/critic_demo.yaml --out CRITIC init=SFT/model ...
+  polyalign train hdpo --config configs/hdpo_demo.yaml --out OUT data.dir=RUN init=SFT/model
   polyalign demo --out RUN                                            everything on the bundled data
 """
 
@@ -207,7 +210,7 @@ POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model (sft)", description="Training.")
+    p = sub.add_parser("train", help="train a model (sft, critic, hdpo)", description="Training.")
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
     sft = methods.add_parser("sft", help="Bucket-Aware SFT (or plain SFT with weighting=uniform)",
                              description="Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.",
@@ -217,6 +220,24 @@ def _add_train(sub) -> None:
     sft.add_argument("--no-progress", action="store_true", help="no progress bar")
     sft.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
     sft.set_defaults(handler=_run_train_sft)
+    critic = methods.add_parser("critic", help="the support-distance critic (METHOD section 6)",
+                                description="Train the critic c(y, b) on the frozen SFT encoder; write its scores "
+                                            "onto the pairs (OUT/train_pairs.jsonl, OUT/val_pairs.jsonl).",
+                                epilog=CRITIC_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    critic.add_argument("--config", required=True, type=Path, help="critic config (YAML), e.g. configs/critic_demo.yaml")
+    critic.add_argument("--out", required=True, type=Path)
+    critic.add_argument("--no-progress", action="store_true")
+    critic.add_argument("overrides", nargs="*", metavar="key=value")
+    critic.set_defaults(handler=_run_train_critic)
+    hdpo = methods.add_parser("hdpo", help="HDPO (or DPO / IPO with method=dpo / ipo) from the SFT checkpoint",
+                              description="HDPO: pair-weighted DPO + lambda_dist * critic distance + gamma_ftx * "
+                                          "length-normalised NLL of the human response.",
+                              epilog=HDPO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hdpo.add_argument("--config", required=True, type=Path, help="config (YAML), e.g. configs/hdpo_demo.yaml")
+    hdpo.add_argument("--out", required=True, type=Path)
+    hdpo.add_argument("--no-progress", action="store_true")
+    hdpo.add_argument("overrides", nargs="*", metavar="key=value")
+    hdpo.set_defaults(handler=_run_train_hdpo)
 
 
 def _run_train_sft(args) -> int:
@@ -234,6 +255,76 @@ def _run_train_sft(args) -> int:
         print(f"trained {result['end_step']} steps in {result['seconds']} s; final loss {last.get('loss', float('nan')):.4f}"
               + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
         print(f"model: {args.out / 'model'}")
+    return 0
+
+
+CRITIC_EPILOG = """\
+  init=SFT_CHECKPOINT pairs=TRAIN_PAIRS val_pairs=VAL_PAIRS data.dir=RUN (for RUN/stats/references.json)
+
+Encodes every human and model response once with the frozen SFT model (mean-pooled final hidden
+states), computes its support distance to its bucket's train-only human references, and trains
+Linear(H+64, 256) GELU Dropout Linear(256, 256) GELU Dropout Linear(256, 1) over the response and a
+learned bucket embedding: mean |c - d| + mean max(0, 0.1 - c(model) + c(human)). Keeps the epoch with
+the best validation loss, reports validation L1 and pairwise ranking accuracy (OUT/critic.json), and
+refuses to score pairs when every pair ties.
+"""
+
+HDPO_EPILOG = """\
+  method: hdpo | dpo | ipo     init=SFT_CHECKPOINT data.dir=RUN (scored pairs from RUN/critic/)
+  beta, lambda_dist, gamma_ftx, label_smoothing, profile, max_length, optimizer.*, train.*, parallel.*
+
+Reference log-probs come from the initial checkpoint, computed once. Logs rewards (chosen, rejected,
+margin, accuracy), dist_reg, sft_anchor and dist_gap per step, margins per bucket, and the same on the
+validation pairs every train.eval_every steps. Writes OUT/model at the end; resumes like train sft.
+"""
+
+
+def _run_train_critic(args) -> int:
+    from polyalign.train.critic import load_config, train_critic
+
+    report = train_critic(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
+    val = report["val"]
+    print(f"critic: best epoch {report['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
+          f"{val['ranking_accuracy']:.3f} on {report['val_pairs']} held-out pairs")
+    print(f"scored pairs: {args.out / 'train_pairs.jsonl'}, {args.out / 'val_pairs.jsonl'}")
+    return 0
+
+
+def _run_train_hdpo(args) -> int:
+    from polyalign.parallel import initialize_distributed
+
+    initialize_distributed()
+    from polyalign.train.hdpo import load_config, train_preference
+
+    result = train_preference(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
+    last = result.get("last", {})
+    if result["interrupted"] or result["stopped_early"]:
+        print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
+    else:
+        print(f"{result['method']}: {result['end_step']} steps on {result['train_pairs']} pairs; reward margin "
+              f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}")
+        print(f"model: {args.out / 'model'}")
+    return 0
+
+
+def _add_pairs(sub) -> None:
+    p = sub.add_parser("pairs", help="preference pairs: human response chosen, the policy's generation rejected",
+                       description="Join records and predictions by id into weighted preference pairs "
+                                   "(METHOD section 7). Pairs with an empty side or identical sides are dropped "
+                                   "and counted.")
+    p.add_argument("--records", required=True, type=Path, help="records JSONL (the train or val split)")
+    p.add_argument("--predictions", required=True, type=Path, help="the initial policy's predictions (JSONL)")
+    p.add_argument("--out", required=True, type=Path, help="pairs JSONL")
+    p.set_defaults(handler=_run_pairs)
+
+
+def _run_pairs(args) -> int:
+    from polyalign.pairs import make_pairs
+
+    summary = make_pairs(args.records, args.predictions, args.out)
+    dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
+    print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}")
+    print(f"pairs: {args.out}")
     return 0
 
 
@@ -256,6 +347,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end")
     p.add_argument("--limit", type=int, help="only the first N records")
+    p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=_run_generate)
@@ -267,7 +359,8 @@ def _run_generate(args) -> int:
     summary = generate_predictions(
         args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
         sampling=SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.top_k),
-        batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit, seed=args.seed,
+        batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
+        sample=args.sample, seed=args.seed,
         progress=not args.no_progress)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
@@ -305,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build(sub)
     _add_train(sub)
     _add_generate(sub)
+    _add_pairs(sub)
     _add_demo(sub)
     return parser
 

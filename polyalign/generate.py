@@ -151,8 +151,10 @@ def template_for(model: Transformer, tokenizer) -> str:
 def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, profile: str = "context",
                          sampling: SamplingConfig = SamplingConfig(), batch_size: int = 16,
                          max_prompt_tokens: int = 512, template: str | None = None, limit: int | None = None,
-                         seed: int = 0, model_name: str | None = None, progress: bool = True) -> dict:
-    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}."""
+                         sample: int | None = None, seed: int = 0, model_name: str | None = None,
+                         progress: bool = True) -> dict:
+    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. `limit`
+    keeps the first records, `sample` a seeded random subset (in file order)."""
     from tqdm import tqdm
 
     from polyalign.chat import encode_prompt, get_template, record_messages
@@ -162,6 +164,9 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
 
     started = time.perf_counter()
     records = read_records(Path(records_path))[:limit]
+    if sample is not None and sample < len(records):
+        keep = np.sort(np.random.default_rng(seed).choice(len(records), sample, replace=False))
+        records = [records[i] for i in keep]
     if not records:
         raise GenerationError(f"{records_path}: no records")
     model = load_hf_checkpoint(checkpoint)
@@ -171,7 +176,8 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)
     sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling)
-    name = model_name or Path(checkpoint).name
+    checkpoint = Path(checkpoint)
+    name = model_name or (checkpoint.parent.name if checkpoint.name == "model" else checkpoint.name)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     counts = {FINISH_STOP: 0, FINISH_LENGTH: 0}

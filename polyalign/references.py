@@ -67,11 +67,18 @@ def build_references(
 
 
 def support_distance(features: Mapping[str, float], reference: Mapping[str, Any],
-                     feature_names: Sequence[str] | None = None) -> float:
+                     feature_names: Sequence[str] | None = None, skip_constant: bool = False) -> float:
     """d(x, b) = mean over features of max(0, q10 - x, x - q90) / max(q90 - q10, std, 1e-6).
-    0 means every feature lies inside the bucket's human q10-q90 band."""
+    0 means every feature lies inside the bucket's human q10-q90 band.
+
+    With skip_constant, features whose human values never vary in the bucket are left out: any
+    deviation from a constant is divided by 1e-6, and a handful of such features (v1 has constant
+    POS, stopword and sentiment features) would swamp the distance.
+    """
     stats = reference["features"]
     names = feature_names if feature_names is not None else list(stats)
+    if skip_constant:
+        names = [n for n in names if stats[n]["std"] > 1e-12] or names
     total = 0.0
     for name in names:
         s = stats[name]

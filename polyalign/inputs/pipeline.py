@@ -94,21 +94,24 @@ class _EpochPermutations:
         return int(self._permutation(epoch)[offset])
 
 
-def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, seed: int):
-    """grain dataset of per-process batches {key: [micro_batches, per_process, ...]}, one per step."""
+def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, seed: int, convert=None):
+    """grain dataset of per-process batches {key: [micro_batches, per_process, ...]}, one per step.
+    `convert(example, length, pad_id)` turns a stored example into fixed-shape arrays (default: SFT's)."""
+    convert = convert or example_arrays
     order = _EpochPermutations(len(source), seed)
     per_step = layout.micro_batches * layout.per_process
     return (grain.MapDataset.range(0, steps * per_step)
-            .map(lambda k: example_arrays(source[order(layout.global_position(k))], length, pad_id))
+            .map(lambda k: convert(source[order(layout.global_position(k))], length, pad_id))
             .batch(layout.per_process)
             .batch(layout.micro_batches))
 
 
 def eval_batches(source, batch_size: int, length: int, pad_id: int, process_index: int = 0,
-                 process_count: int = 1, limit: int | None = None):
+                 process_count: int = 1, limit: int | None = None, convert=None):
     """Every example of `source` once (or a fixed random subset of `limit` examples, so that a capped
     evaluation still covers every bucket) as per-process batches {key: [1, per_process, ...]}; the
     last batch is completed with empty examples (valid = False)."""
+    convert = convert or example_arrays
     total = len(source) if limit is None else min(limit, len(source))
     chosen = np.arange(total) if total == len(source) else np.sort(np.random.default_rng(0).permutation(len(source))[:total])
     layout = Layout(batch_size, 1, process_index, process_count)
@@ -116,7 +119,7 @@ def eval_batches(source, batch_size: int, length: int, pad_id: int, process_inde
 
     def load(k: int):
         position = layout.global_position(k)
-        return example_arrays(source[int(chosen[position])] if position < total else None, length, pad_id)
+        return convert(source[int(chosen[position])] if position < total else None, length, pad_id)
 
     return (grain.MapDataset.range(0, num_batches * layout.per_process)
             .map(load).batch(layout.per_process).batch(1))

@@ -1,0 +1,113 @@
+"""Preference pairs (METHOD section 7): the human response is chosen, the initial policy's own
+generation for the same record (joined by id) is rejected."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from polyalign.data.prepare import read_records
+from polyalign.data.records import InputError, Record
+from polyalign.data.text import normalize
+
+# Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
+BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
+
+
+def read_predictions(path: Path) -> dict[str, dict[str, Any]]:
+    """Prediction rows by id; a duplicate id or a row without id/prediction is an error naming the line."""
+    rows: dict[str, dict[str, Any]] = {}
+    with Path(path).open(encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{line_number}: not JSON ({err.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("prediction"), str):
+                raise InputError(f"{path}:{line_number}: a prediction row needs string fields id and prediction")
+            if row["id"] in rows:
+                raise InputError(f"{path}:{line_number}: duplicate id {row['id']!r}")
+            rows[row["id"]] = row
+    return rows
+
+
+def imbalance_gains(counts: Mapping[str, int]) -> dict[str, float]:
+    """g_k = raw_k / max raw, raw_k = max(0, N / (K n_k) - 1): 0 for groups at or above the mean size,
+    up to 1 for the rarest."""
+    total, k = sum(counts.values()), len(counts)
+    raw = {key: max(0.0, total / (k * n) - 1.0) for key, n in counts.items()}
+    top = max(raw.values(), default=0.0)
+    return {key: (value / top if top > 0 else 0.0) for key, value in raw.items()}
+
+
+def pair_weight(bucket_gain: float, language_gain: float, critic_chosen: float | None = None,
+                critic_rejected: float | None = None, pair_type: float = 0.0) -> float:
+    critic_term = 0.0 if critic_chosen is None else max(0.0, critic_rejected - critic_chosen)
+    raw = 1.0 + BUCKET_GAIN * bucket_gain + CRITIC_GAIN * critic_term + LANGUAGE_GAIN * language_gain \
+        + TYPE_GAIN * pair_type
+    return min(max(raw, WEIGHT_CLIP[0]), WEIGHT_CLIP[1])
+
+
+def build_pairs(records: Sequence[Record], predictions: Mapping[str, Mapping[str, Any]]) -> tuple[list[dict], dict]:
+    """Pairs for every predicted record with a usable prediction, and counts of what was dropped and
+    why. Records without a prediction (generation ran on a sample) are not pairs and not drops."""
+    pairs, dropped = [], Counter()
+    for record in records:
+        row = predictions.get(record.id)
+        if row is None:
+            continue
+        chosen, rejected = normalize(record.response), normalize(row["prediction"])
+        if not chosen or not rejected:
+            dropped["empty_side"] += 1
+            continue
+        if chosen == rejected:
+            dropped["chosen_equals_rejected"] += 1
+            continue
+        pairs.append({"id": record.id, "bucket_id": record.bucket_id, "language": record.language,
+                      "chosen": chosen, "rejected": rejected, "model": row.get("model"), "record": record.to_json()})
+    return pairs, dict(dropped)
+
+
+def assign_weights(pairs: list[dict]) -> None:
+    """Pair weights from the imbalance of buckets and languages among these pairs, and from the
+    critic scores where the pairs carry them (`critic_chosen`, `critic_rejected`)."""
+    bucket_gains = imbalance_gains(Counter(p["bucket_id"] for p in pairs))
+    language_gains = imbalance_gains(Counter(p["language"] for p in pairs))
+    for pair in pairs:
+        pair["weight"] = pair_weight(bucket_gains[pair["bucket_id"]], language_gains[pair["language"]],
+                                     pair.get("critic_chosen"), pair.get("critic_rejected"))
+
+
+def make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
+    """Joins records and predictions by id into OUT (JSONL), weighted; returns a summary."""
+    records = read_records(Path(records_path))
+    predictions = read_predictions(Path(predictions_path))
+    extra = len(set(predictions) - {r.id for r in records})
+    if extra:
+        raise InputError(f"{predictions_path}: {extra} prediction ids are not records of {records_path}")
+    pairs, dropped = build_pairs(records, predictions)
+    assign_weights(pairs)
+    write_pairs(pairs, out)
+    return {"records": len(records), "predictions": len(predictions), "pairs": len(pairs), "dropped": dropped,
+            "records_without_prediction": len(records) - (len(predictions) - extra),
+            "predictions_without_record": extra, "out": str(out)}
+
+
+def write_pairs(pairs: Sequence[dict], out: Path) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as handle:
+        for pair in pairs:
+            handle.write(json.dumps(pair, ensure_ascii=False) + "\n")
+
+
+def read_pairs(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such pairs file; run `polyalign pairs` first")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,264 @@
+"""HDPO and DPO on the shared trainer (METHOD section 8).
+
+Chosen and rejected responses of a micro-batch go through one forward pass (stacked on the batch
+axis). The reference policy is the initial checkpoint; its log-probabilities are computed once, before
+training, and travel with the pairs. HDPO's three terms are normalised over the global batch:
+sum w l / sum w (pair weights), lambda_dist * mean R and gamma_ftx * mean anchor (pair counts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from polyalign import parallel
+from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.inputs import pipeline
+from polyalign.train import losses
+from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
+
+METHODS = ("hdpo", "dpo", "ipo")
+SIDES = ("chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    method: str = "hdpo"
+    init: str | None = None  # the SFT checkpoint: the initial policy and the frozen reference
+    pairs: str | None = None  # scored train pairs (default RUN/critic/train_pairs.jsonl)
+    val_pairs: str | None = None  # scored validation pairs (default RUN/critic/val_pairs.jsonl)
+    data: dict = field(default_factory=lambda: {"dir": None})
+    profile: str = "context"
+    max_length: int = 256
+    beta: float = 0.1
+    lambda_dist: float = 0.1
+    gamma_ftx: float = 0.05
+    label_smoothing: float = 0.0
+    dtype: str = "float32"
+    remat: str = "none"
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))
+    train: LoopConfig = field(default_factory=lambda: LoopConfig(global_batch=8))
+    parallel: parallel.ParallelConfig = field(default_factory=parallel.ParallelConfig)
+
+
+def load_config(path: Path | None, overrides=()) -> PreferenceConfig:
+    raw = (load_yaml(path) if path is not None else {}) or {}
+    apply_overrides(raw, list(overrides))
+    config = from_mapping(PreferenceConfig, raw, str(path or "config"))
+    if config.method not in METHODS:
+        raise ConfigError(f"{path}: method must be one of {', '.join(METHODS)}, got {config.method!r}")
+    if config.init is None:
+        raise ConfigError(f"{path}: init is not set; pass init=SFT_CHECKPOINT")
+    run = config.data.get("dir")
+    defaults = {}
+    for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
+        if getattr(config, key) is None:
+            if run is None:
+                raise ConfigError(f"{path}: set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)")
+            defaults[key] = str(Path(run) / "critic" / name)
+    from dataclasses import replace
+
+    return replace(config, **defaults)
+
+
+# --- data ---------------------------------------------------------------------------------------------
+
+def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_length: int,
+                   buckets: list[str]) -> list[dict]:
+    from polyalign.chat import Message, encode_conversation, record_messages
+    from polyalign.data.records import Record
+
+    index = {b: i for i, b in enumerate(buckets)}
+    examples = []
+    for pair in pairs:
+        prompt = record_messages(Record.from_json(pair["record"]), profile, with_response=False)
+        example = {"id": pair["id"], "bucket": index[pair["bucket_id"]], "weight": float(pair.get("weight", 1.0)),
+                   "critic_chosen": float(pair.get("critic_chosen", 0.0)),
+                   "critic_rejected": float(pair.get("critic_rejected", 0.0))}
+        for side in SIDES:
+            encoded = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
+                                          cutoff=max_length)
+            example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
+        examples.append(example)
+    return examples
+
+
+def pair_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.ndarray]:
+    out = {"weight": np.float32(0.0), "bucket": np.int32(0), "valid": np.bool_(False),
+           "critic_chosen": np.float32(0.0), "critic_rejected": np.float32(0.0),
+           "ref_chosen": np.float32(0.0), "ref_rejected": np.float32(0.0)}
+    for side in SIDES:
+        sft_like = None if example is None else {"input_ids": example[f"{side}_ids"], "loss_mask": example[f"{side}_mask"],
+                                                 "weight": 0.0, "bucket": 0}
+        arrays = pipeline.example_arrays(sft_like, length, pad_id)
+        out[f"{side}_inputs"], out[f"{side}_targets"], out[f"{side}_mask"] = (
+            arrays["input_ids"], arrays["targets"], arrays["loss_mask"])
+    if example is not None:
+        out.update(weight=np.float32(example["weight"]), bucket=np.int32(example["bucket"]), valid=np.bool_(True),
+                   critic_chosen=np.float32(example["critic_chosen"]),
+                   critic_rejected=np.float32(example["critic_rejected"]),
+                   ref_chosen=np.float32(example.get("ref_chosen", 0.0)),
+                   ref_rejected=np.float32(example.get("ref_rejected", 0.0)))
+    return out
+
+
+def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Summed response log-probs of chosen and rejected, from one forward pass over both; and the
+    chosen token counts."""
+    inputs = jnp.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
+    targets = jnp.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
+    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+    logps = (losses.token_log_probs(model(inputs), targets) * mask).sum(-1)
+    half = batch["chosen_inputs"].shape[0]
+    return logps[:half], logps[half:], batch["chosen_mask"].sum(-1)
+
+
+def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
+                    progress: bool = True) -> None:
+    """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example."""
+    from tqdm import tqdm
+
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2])
+    for start in tqdm(range(0, len(examples), batch_size), desc="reference log-probs", unit="batch",
+                      disable=not progress):
+        chunk = examples[start:start + batch_size]
+        arrays = [pair_arrays(e, length, pad_id) for e in chunk]
+        arrays += [pair_arrays(None, length, pad_id)] * (batch_size - len(chunk))
+        batch = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+        chosen, rejected = jax.device_get(run(state, batch))
+        for i, example in enumerate(chunk):
+            example["ref_chosen"], example["ref_rejected"] = float(chosen[i]), float(rejected[i])
+
+
+# --- the method ---------------------------------------------------------------------------------------
+
+class Preference:
+    """HDPO (or DPO / IPO) as a trainer method; metric sums include rewards and per-bucket margins."""
+
+    def __init__(self, config: PreferenceConfig, num_buckets: int):
+        self.config, self.num_buckets = config, num_buckets
+        hdpo = config.method == "hdpo"
+        self.coefficients = {"dpo": 1.0, **({"dist": config.lambda_dist, "anchor": config.gamma_ftx} if hdpo else {})}
+
+    def _weights(self, batch):
+        weights = batch["weight"] if self.config.method == "hdpo" else jnp.ones_like(batch["weight"])
+        return jnp.where(batch["valid"], weights, 0.0)
+
+    def denominators(self, batch):
+        def global_sum(x):
+            total = x.sum(axis=1).sum()
+            return jnp.broadcast_to(total, x.shape[:1])
+
+        count = global_sum(batch["valid"].astype(jnp.float32))
+        return {"dpo": global_sum(self._weights(batch)), "dist": count, "anchor": count}
+
+    def numerators(self, model, mb):
+        c = self.config
+        pc, pr, n_chosen = sequence_logps(model, mb)
+        rc, rr = mb["ref_chosen"], mb["ref_rejected"]
+        valid = mb["valid"].astype(jnp.float32)
+        if c.method == "ipo":
+            per_pair = losses.ipo_loss(pc, pr, rc, rr, c.beta)
+        else:
+            per_pair = losses.dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
+        numerators = {"dpo": (self._weights(mb) * per_pair).sum()}
+        dist = losses.distance_regulariser(pc, pr, mb["critic_chosen"], mb["critic_rejected"], c.beta) * valid
+        anchor = losses.sft_anchor(pc, n_chosen) * valid
+        if c.method == "hdpo":
+            numerators.update(dist=dist.sum(), anchor=anchor.sum())
+        rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
+        sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
+        sums.update(pairs=valid.sum(), tokens=(mb["chosen_mask"].sum() + mb["rejected_mask"].sum()), dist_reg=dist.sum(), sft_anchor=anchor.sum(),
+                    dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
+                    bucket_margin=jax.ops.segment_sum(rewards["margin"] * valid, mb["bucket"], self.num_buckets),
+                    bucket_pairs=jax.ops.segment_sum(valid, mb["bucket"], self.num_buckets))
+        return numerators, sums
+
+
+def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "") -> dict[str, Any]:
+    n = max(float(host["pairs"]), 1.0)
+    out = {f"{prefix}rewards/{k}": round(float(host[f"rewards_{k}"]) / n, 6)
+           for k in ("chosen", "rejected", "margin", "accuracy")}
+    out.update({f"{prefix}dist_reg": round(float(host["dist_reg"]) / n, 6),
+                f"{prefix}sft_anchor": round(float(host["sft_anchor"]) / n, 6),
+                f"{prefix}dist_gap": round(float(host["dist_gap"]) / n, 6)})
+    margins = {b: round(float(host["bucket_margin"][i] / host["bucket_pairs"][i]), 6)
+               for i, b in enumerate(buckets) if host["bucket_pairs"][i] > 0}
+    out[f"{prefix}margin_by_bucket"] = margins
+    return out
+
+
+# --- the run ------------------------------------------------------------------------------------------
+
+def train_preference(config: PreferenceConfig, out: Path, progress: bool = True) -> dict[str, Any]:
+    from polyalign.chat import get_template
+    from polyalign.generate import template_for
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.pairs import read_pairs
+    from polyalign.tokenizer import load_tokenizer
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.metrics import MetricsWriter
+    from polyalign.train.sft import export_model
+
+    started = time.perf_counter()
+    out = Path(out)
+    model = load_hf_checkpoint(config.init, compute_dtype=config.dtype, remat=config.remat)
+    tokenizer = load_tokenizer(config.init)
+    template = get_template(template_for(model, tokenizer))
+    train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))
+    if not train_pairs:
+        raise ConfigError(f"{config.pairs}: no pairs")
+    buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
+    train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, config.max_length, buckets)
+    val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, config.max_length, buckets)
+    reference_logps(model, train_examples + val_examples, config.max_length, tokenizer.pad_id, progress=progress)
+
+    save_config(out, config)
+    mesh = parallel.make_mesh(config.parallel)
+    method = Preference(config, len(buckets))
+    metrics = MetricsWriter(out)
+    trainer = Trainer(model, method, config.optimizer, config.train, mesh, out, metrics=metrics)
+    loop = config.train
+    layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
+    iterator = pipeline.iterate(pipeline.train_batches(train_examples, layout, loop.steps, config.max_length,
+                                                       tokenizer.pad_id, loop.seed, convert=pair_arrays))
+    per_shard = mesh.shape["data"] * mesh.shape["fsdp"] * jax.process_count()
+    eval_size = max(per_shard, loop.global_batch // per_shard * per_shard)
+
+    @jax.jit
+    def eval_sums(params, batch):
+        _, sums = method.numerators(trainer.model(params), jax.tree.map(lambda x: x[0], batch))
+        return sums
+
+    def evaluate():
+        total = None
+        dataset = pipeline.eval_batches(val_examples, eval_size, config.max_length, tokenizer.pad_id,
+                                        jax.process_index(), jax.process_count(), convert=pair_arrays)
+        with jax.set_mesh(mesh):
+            for local in pipeline.iterate(dataset):
+                sums = eval_sums(trainer.state["params"], trainer.global_batch(local))
+                total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+        return summarize(jax.device_get(total), buckets, prefix="val_")
+
+    checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
+                                meta={"method": config.method})
+    result = trainer.fit(iterator, evaluate if val_examples else None, lambda host: summarize(host, buckets),
+                         checkpointer, progress=progress)
+    checkpointer.close()
+    metrics.close()
+    if not result["stopped_early"]:
+        export_model(trainer, tokenizer, out / "model")
+    result.update(out=str(out), method=config.method, train_pairs=len(train_examples), val_pairs=len(val_examples),
+                  seconds=round(time.perf_counter() - started, 1))
+    if jax.process_index() == 0:
+        (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
