@@ -109,7 +109,7 @@ def test_cli_prepare_stats_and_demo(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "demo"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "report: " in out and (tmp_path / "demo/stats/stats.json").is_file()
-    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,hdpo"]) == 2
+    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,evaluate"]) == 2
     assert "not available in this version" in capsys.readouterr().err
     assert main(["stats", str(tmp_path / "nothing")]) == 2
     assert "run `polyalign prepare" in capsys.readouterr().err

@@ -286,3 +286,30 @@ def train_critic(config: CriticConfig, out: Path, progress: bool = True) -> dict
     }
     (out / "critic.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
+
+
+class CriticScorer:
+    """A trained critic with its frozen encoder, loaded from the folder `train_critic` wrote."""
+
+    def __init__(self, directory: Path):
+        from safetensors.numpy import load_file
+
+        from polyalign.model import load_hf_checkpoint
+        from polyalign.tokenizer import load_tokenizer
+
+        directory = Path(directory)
+        info = json.loads((directory / "critic.json").read_text())
+        self.buckets = {b: i for i, b in enumerate(info["buckets"])}
+        self.max_tokens = info["config"]["max_tokens"]
+        self.encoder = load_hf_checkpoint(info["encoder"])
+        self.tokenizer = load_tokenizer(info["encoder"])
+        with parallel.unsharded():
+            self.critic = Critic(info["hidden_size"], len(self.buckets), 0.0, nnx.Rngs(0))
+        tensors = load_file(str(directory / "critic.safetensors"))
+        for path, var in nnx.to_flat_state(nnx.state(self.critic, nnx.Param)):
+            var[...] = jnp.asarray(tensors[".".join(map(str, path))])
+
+    def __call__(self, texts: list[str], buckets: list[str], progress: bool = False) -> np.ndarray:
+        pooled = encode_responses(self.encoder, self.tokenizer, texts, self.max_tokens, 16, progress)
+        unknown = len(self.buckets)
+        return score(self.critic, pooled, np.array([self.buckets.get(b, unknown) for b in buckets], np.int32))
