@@ -1,5 +1,6 @@
 """prepare + stats end to end: the bundled demo data, the authors' sample labels, and all of ../shared/data."""
 
+import json
 import time
 from collections import Counter
 
@@ -124,7 +125,7 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     run = tmp_path / "demo"
     assert main(["demo", "--out", str(run), "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer: 6000 pieces" in out and "[5/5] sft: 20 steps" in out
+    assert "tokenizer: 6000 pieces" in out and "[5/8] sft: 20 steps" in out
     assert (run / "tokenizer/tokenizer.model").is_file() and (run / "build/manifest.json").is_file()
     assert (run / "sft/model/model.safetensors").is_file() and (run / "sft/model/tokenizer.model").is_file()
     evals = [r for r in read_metrics(run / "sft") if "val_loss" in r]
@@ -134,6 +135,18 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
 
     model = load_hf_checkpoint(run / "sft" / "model")
     assert model.config.vocab_size == 6000 and model.config.num_layers == 4
+    # Generation, pairs, the critic, HDPO and DPO.
+    critic = json.loads((run / "critic" / "critic.json").read_text())
+    assert critic["val_pairs"] > 10 and 0 <= critic["val"]["ranking_accuracy"] <= 1
+    assert all("critic_chosen" in p for p in read_jsonl(run / "critic" / "train_pairs.jsonl"))
+    for method in ("hdpo", "dpo"):
+        steps = read_metrics(run / method)
+        assert [r["step"] for r in steps] == list(range(1, 9))
+        assert abs(steps[0]["rewards/margin"]) < 1e-4  # policy = reference at the first step
+        assert max(r["rewards/margin"] for r in steps[1:]) > 0
+        assert (run / method / "model" / "model.safetensors").is_file()
+    comparison = json.loads((run / "hdpo" / "comparison.json").read_text())
+    assert set(comparison["methods"]) == {"sft", "dpo", "hdpo"}
 
 
 @pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"], ["tokenizer", "train"], ["build"],
