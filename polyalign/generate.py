@@ -78,14 +78,24 @@ def _bucket(n: int, multiple: int = 32) -> int:
 class Sampler:
     """Generates continuations for token-id prompts with one model."""
 
-    def __init__(self, model: Transformer, stop_ids: Sequence[int], pad_id: int, config: SamplingConfig):
+    def __init__(self, model: Transformer, stop_ids: Sequence[int], pad_id: int, config: SamplingConfig,
+                 mesh=None):
+        """With a mesh, parameters are sharded by their logical axes and the batch over data x fsdp."""
         from flax import nnx
 
-        self.config, self.pad_id = config, pad_id
+        from polyalign import parallel
+
+        self.config, self.pad_id, self.mesh = config, pad_id, mesh
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)), jnp.int32)
         self.graphdef, self.state = nnx.split(model)
         self.model_config = model.config
         self._run = jax.jit(self._generate)
+        self.batch_multiple = 1
+        if mesh is not None:
+            with jax.set_mesh(mesh):
+                self.state = jax.device_put(self.state, parallel.param_shardings(self.state, mesh))
+            self.batch_sharding = parallel.batch_sharding(mesh)
+            self.batch_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
 
     def _generate(self, state, ids, valid, rng):
         from flax import nnx
@@ -127,8 +137,15 @@ class Sampler:
     def generate(self, prompts: Sequence[np.ndarray], seed: int = 0) -> list[tuple[list[int], str]]:
         """For each prompt: the new tokens (without the stop token) and why generation ended."""
         length = _bucket(max(len(p) for p in prompts))
-        ids, valid = _left_pad(prompts, length, self.pad_id)
-        out, lengths, done = jax.device_get(self._run(self.state, ids, valid, jax.random.key(seed)))
+        rows = -(-len(prompts) // self.batch_multiple) * self.batch_multiple  # whole shards; extra rows are empty
+        ids, valid = _left_pad(list(prompts) + [np.zeros(0, np.int32)] * (rows - len(prompts)), length, self.pad_id)
+        if self.mesh is None:
+            result = self._run(self.state, ids, valid, jax.random.key(seed))
+        else:
+            with jax.set_mesh(self.mesh):
+                ids, valid = (jax.device_put(x, self.batch_sharding) for x in (ids, valid))
+                result = self._run(self.state, ids, valid, jax.random.key(seed))
+        out, lengths, done = jax.device_get(result)
         results = []
         for row in range(len(prompts)):
             tokens = out[row, :lengths[row]].tolist()
@@ -175,7 +192,11 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)
-    sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling)
+    from polyalign import parallel
+
+    # Several devices: parameters sharded by their logical axes, the batch over data x fsdp.
+    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
+    sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling, mesh=mesh)
     checkpoint = Path(checkpoint)
     name = model_name or (checkpoint.parent.name if checkpoint.name == "model" else checkpoint.name)
     out = Path(out)

@@ -92,3 +92,18 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert [r["id"] for r in rows] == [r.id for r in records]
     assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens"} for r in rows)
     assert all(r["new_tokens"] <= 6 and r["model"] == "ckpt" for r in rows)
+
+
+@pytest.mark.slow
+def test_sharded_generation_equals_unsharded(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "result.json"
+    subprocess.run([sys.executable, str(REPO / "tests" / "train_worker.py"), "generate", str(tmp_path), str(out),
+                    "--devices", "8", "--data", "4", "--fsdp", "1", "--tensor", "2"],
+                   check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert json.loads(out.read_text()) == {"equal": True, "rows": 3}

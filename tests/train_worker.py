@@ -12,7 +12,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["grads"])
+    parser.add_argument("mode", choices=["grads", "generate"])
     parser.add_argument("run", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--devices", type=int, default=1)
@@ -25,6 +25,11 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+    if args.mode == "generate":
+        from tests.train_checks import sharded_generation_matches
+
+        sharded_generation_matches(args.out, (args.data, args.fsdp, args.tensor))
+        return
     from tests.train_checks import gradients_of_first_batch
 
     gradients_of_first_batch(args.run, args.out, micro_batches=args.micro, global_batch=args.global_batch,
