@@ -78,6 +78,14 @@ def test_critic_loss_and_collapse_guard():
     assert float(numerators["rank"]) == pytest.approx(np.maximum(0, MARGIN - m + h).sum(), rel=1e-5)
 
 
+def test_a_constant_critic_is_refused():
+    from polyalign.train.critic import CriticCollapse, check_not_collapsed
+
+    with pytest.raises(CriticCollapse, match="all 3 pairs the same"):
+        check_not_collapsed(np.full(3, 0.25), np.full(3, 0.25))
+    check_not_collapsed(np.array([0.1, 0.2, 0.3]), np.array([0.1, 0.2, 0.4]))  # one differing pair is enough
+
+
 def test_support_targets_skip_constant_features(demo_run):
     from polyalign.features import text_features
     from polyalign.references import support_distance

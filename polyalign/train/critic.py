@@ -199,6 +199,13 @@ def _batches(split: _Split, config: CriticConfig, steps: int, seed: int):
         }
 
 
+def check_not_collapsed(human: np.ndarray, generated: np.ndarray, tolerance: float = 1e-6) -> None:
+    """Raises CriticCollapse when every pair ties: such scores would only add noise to HDPO."""
+    if len(human) and np.abs(np.asarray(human) - np.asarray(generated)).max() < tolerance:
+        raise CriticCollapse(f"the critic scores both sides of all {len(human)} pairs the same (a constant "
+                             "critic); refusing to write scores onto the pairs")
+
+
 def score(critic: Critic, pooled: np.ndarray, bucket: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda p, b: critic(p, b))(pooled, bucket))
 
@@ -267,9 +274,7 @@ def train_critic(config: CriticConfig, out: Path, progress: bool = True) -> dict
     train_report = evaluate_split(critic, train)
     for split, pairs in ((train, train_pairs), (val, val_pairs)):
         human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
-        if np.abs(human - generated).max() < 1e-6:
-            raise CriticCollapse("the critic scores every pair the same (a constant critic); refusing to write "
-                                 "scores onto the pairs")
+        check_not_collapsed(human, generated)
         for pair, c_h, c_m in zip(pairs, human, generated):
             pair["critic_chosen"], pair["critic_rejected"] = round(float(c_h), 6), round(float(c_m), 6)
     assign_weights(train_pairs)
