@@ -1,0 +1,1 @@
+"""Evaluation: utility, diversity, naturalness (BNG, HCR, MAUVE), turn dynamics, frontier, aggregate."""
