@@ -26,6 +26,8 @@ Pipeline:
   polyalign pairs --records RUN/data/train.jsonl --predictions P.jsonl --out PAIRS.jsonl
   polyalign train critic --config configs/critic_demo.yaml --out CRITIC init=SFT/model ...
   polyalign train hdpo --config configs/hdpo_demo.yaml --out OUT data.dir=RUN init=SFT/model
+  polyalign evaluate --records RUN/data/test.jsonl --predictions P.jsonl --out EVAL
+  polyalign report EVAL_A EVAL_B --out CMP
   polyalign demo --out RUN                                            everything on the bundled data
 """
 
@@ -368,6 +370,64 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_evaluate(sub) -> None:
+    p = sub.add_parser("evaluate", help="utility, diversity and naturalness metrics of predictions",
+                       description="Evaluate predictions against the test records, joined by id. Writes "
+                                   "EVAL/metrics.json (layout in docs/evaluation.md) and EVAL/report.html.")
+    p.add_argument("--records", required=True, type=Path, help="test records, e.g. RUN/data/test.jsonl")
+    p.add_argument("--predictions", required=True, type=Path, help="JSONL rows {id, prediction, ...}")
+    p.add_argument("--out", required=True, type=Path, help="output folder EVAL")
+    p.add_argument("--compat", choices=("reference",), help="reproduce the authors' metrics code (tokenisation, "
+                                                          "constant features kept); default: CJK-aware")
+    p.add_argument("--references", type=Path, help="train-only bucket references (RUN/stats/references.json) "
+                                                   "for the HCR bands; default: the test human responses")
+    p.add_argument("--featurizer", type=Path, help="checkpoint whose mean-pooled hidden states feed MAUVE; "
+                                                   "without it MAUVE is reported as skipped")
+    p.add_argument("--scorer", type=Path, help="checkpoint for the LM features added to BNG and HCR")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
+    p.set_defaults(handler=_run_evaluate)
+
+
+def _run_evaluate(args) -> int:
+    from polyalign.evaluate.run import evaluate
+
+    result = evaluate(args.records, args.predictions, args.out, compat=args.compat or "cjk",
+                      references_path=args.references, featurizer=args.featurizer, scorer=args.scorer,
+                      allow_partial=args.allow_partial)
+    m = result["metrics"]
+
+    def show(value):
+        return "n/a" if value is None else f"{value:.4f}"
+
+    print(f"{result['alignment']['evaluated']} rows: F1 {show(m['utility']['overall']['qa_f1'])}, ROUGE-L "
+          f"{show(m['utility']['overall']['rouge_l_f1'])}, BNG {show(m['bng']['overall_macro'])}, HCR "
+          f"{show(m['hcr']['overall_macro'])}, TDM {show(m['tdm']['overall_macro'])}, MAUVE "
+          f"{show(m['mauve']['global']) if m['mauve']['status'] == 'computed' else 'skipped'}, aggregate "
+          f"{show(m['aggregate']['overall'])}")
+    print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
+    return 0
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser("report", help="side-by-side comparison of evaluation runs",
+                       description="Compare EVAL folders: overall table, per-bucket bars, frontier overlay, "
+                                   "and each run's settings (profile mode, test size).")
+    p.add_argument("evals", nargs="+", type=Path, help="EVAL folders written by `polyalign evaluate`")
+    p.add_argument("--out", required=True, type=Path)
+    p.set_defaults(handler=_run_report)
+
+
+def _run_report(args) -> int:
+    from polyalign.reports.evaluation import compare
+
+    summary = compare(args.evals, args.out)
+    if summary["unequal_settings"]:
+        print("note: the runs differ in test size or profile mode")
+    print(f"report: {args.out / 'report.html'}")
+    return 0
+
+
 def _add_demo(sub) -> None:
     from polyalign.demo import STAGES
 
@@ -399,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_generate(sub)
     _add_pairs(sub)
+    _add_evaluate(sub)
+    _add_report(sub)
     _add_demo(sub)
     return parser
 
@@ -407,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyalign.config import ConfigError
     from polyalign.data.prepare import PrepareError
     from polyalign.data.records import InputError
+    from polyalign.evaluate.run import EvaluationError
     from polyalign.generate import GenerationError
     from polyalign.reports.stats import StatsError
     from polyalign.chat import ChatTemplateError
@@ -420,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except (ConfigError, InputError, PrepareError, StatsError, TokenizerError, ChatTemplateError, CheckpointError,
-            ModelConfigError, ParallelError, TrainingError, GenerationError) as err:
+            ModelConfigError, ParallelError, TrainingError, GenerationError,
+            EvaluationError) as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -213,7 +213,7 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
                                      max_tokens=max_prompt_tokens) for i in chunk]
             for i, (tokens, reason) in zip(chunk, sampler.generate(prompts, seed=seed + start)):
                 rows[i] = {"id": records[i].id, "prediction": tokenizer.decode(tokens).strip(), "model": name,
-                           "finish_reason": reason, "new_tokens": len(tokens)}
+                           "finish_reason": reason, "new_tokens": len(tokens), "profile": profile}
                 counts[reason] += 1
                 new_tokens += len(tokens)
             bar.update(len(chunk))

@@ -90,7 +90,7 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     records = read_records(run / "data" / "test.jsonl")[:12]
     assert [r["id"] for r in rows] == [r.id for r in records]
-    assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens"} for r in rows)
+    assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens", "profile"} for r in rows)
     assert all(r["new_tokens"] <= 6 and r["model"] == "ckpt" for r in rows)
 
 

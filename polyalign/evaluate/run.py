@@ -1,0 +1,248 @@
+"""`polyalign evaluate`: every metric of METHOD section 9 for one predictions file, joined to the test
+records by id, written to EVAL/metrics.json and EVAL/report.html."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyalign.data.prepare import read_records
+from polyalign.data.records import InputError
+from polyalign.evaluate import naturalness as nat
+from polyalign.evaluate.dynamics import turn_dynamics
+from polyalign.evaluate.text import diversity, utility_scores
+
+COMPAT_MODES = ("cjk", "reference")
+MAUVE_MAX_TEXTS = 1000
+
+
+class EvaluationError(ValueError):
+    """Predictions that do not line up with the records, or unusable inputs."""
+
+
+def load_predictions(path: Path) -> tuple[list[dict], Counter]:
+    rows, seen = [], Counter()
+    with Path(path).open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("prediction"), str):
+                raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction")
+            seen[row["id"]] += 1
+            rows.append(row)
+    return rows, seen
+
+
+def align(records, rows: list[dict], seen: Counter, allow_partial: bool) -> tuple[list, list[str], dict]:
+    """Records and their predictions joined by id; missing, duplicate or extra ids stop the run
+    (with counts) unless allow_partial, which keeps the intersection."""
+    ids = {r.id for r in records}
+    missing = [r.id for r in records if r.id not in seen]
+    duplicate = sorted(i for i, c in seen.items() if c > 1)
+    extra = sorted(set(seen) - ids)
+    alignment = {"records": len(records), "predictions": len(rows), "missing": len(missing),
+                 "duplicate": len(duplicate), "extra": len(extra), "partial": False}
+    if (missing or duplicate or extra) and not allow_partial:
+        examples = ", ".join((missing + duplicate + extra)[:3])
+        raise EvaluationError(f"predictions do not match the records: {len(missing)} missing, {len(duplicate)} "
+                              f"duplicate, {len(extra)} extra ids (e.g. {examples}); pass --allow-partial to "
+                              "evaluate the intersection")
+    first = {}
+    for row in rows:
+        first.setdefault(row["id"], row["prediction"])
+    kept = [r for r in records if r.id in first and seen[r.id] == 1]
+    alignment["evaluated"] = len(kept)
+    alignment["partial"] = len(kept) < len(records)
+    return kept, [first[r.id] for r in kept], alignment
+
+
+def _mean_dict(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
+def _features(texts: list[str]) -> dict[str, np.ndarray]:
+    from polyalign.features import FEATURE_NAMES, text_features
+
+    table = [text_features(t) for t in texts]
+    return {name: np.array([row[name] for row in table], float) for name in FEATURE_NAMES}
+
+
+def _mauve(human: list[str], generated: list[str], featurize) -> float:
+    """MAUVE (mauve-text) on featurizer vectors; NaN with fewer than 20 texts on a side."""
+    rng = random.Random(42)
+    if len(human) > MAUVE_MAX_TEXTS:
+        human = rng.sample(human, MAUVE_MAX_TEXTS)
+    if len(generated) > MAUVE_MAX_TEXTS:
+        generated = rng.sample(generated, MAUVE_MAX_TEXTS)
+    if min(len(human), len(generated)) < nat.MIN_BUCKET_ROWS:
+        return float("nan")
+    import mauve
+
+    result = mauve.compute_mauve(p_features=featurize(human), q_features=featurize(generated), verbose=False)
+    return float(result.mauve)
+
+
+def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: str = "cjk",
+             references_path: Path | None = None, featurizer: Path | None = None, scorer: Path | None = None,
+             allow_partial: bool = False, plots: bool = True) -> dict[str, Any]:
+    if compat not in COMPAT_MODES:
+        raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
+    started = time.perf_counter()
+    tokenize = "reference" if compat == "reference" else "cjk"
+    records = read_records(Path(records_path))
+    rows, seen = load_predictions(Path(predictions_path))
+    records, predictions, alignment = align(records, rows, seen, allow_partial)
+    profiles = sorted({r.get("profile", "unknown") for r in rows})
+    models = sorted({str(r.get("model", "unknown")) for r in rows})
+    human = [r.response for r in records]
+    buckets = [r.bucket_id for r in records]
+    by_bucket_idx: dict[str, list[int]] = defaultdict(list)
+    for i, b in enumerate(buckets):
+        by_bucket_idx[b].append(i)
+
+    # Utility, per row then pooled.
+    scores = [utility_scores(p, g, tokenize) for p, g in zip(predictions, human)]
+    by_dataset_idx: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(records):
+        by_dataset_idx[r.dataset].append(i)
+    utility = {"overall": _mean_dict(scores),
+               "by_bucket": {b: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)}
+                             for b, idx in sorted(by_bucket_idx.items())},
+               "by_dataset": {d: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)}
+                              for d, idx in sorted(by_dataset_idx.items())}}
+    div = {"overall": {"human": diversity(human, tokenize), "generated": diversity(predictions, tokenize)},
+           "by_bucket": {b: {"human": diversity([human[i] for i in idx], tokenize),
+                             "generated": diversity([predictions[i] for i in idx], tokenize)}
+                         for b, idx in sorted(by_bucket_idx.items())}}
+
+    # Feature-based naturalness.
+    human_features, generated_features = _features(human), _features(predictions)
+    if scorer is not None:
+        _add_lm_features(scorer, records, predictions, human_features, generated_features)
+    references = json.loads(Path(references_path).read_text()) if references_path else None
+    bng, hcr, hcr_inside, sizes = {}, {}, {}, {}
+    for b, idx in sorted(by_bucket_idx.items()):
+        if len(idx) < nat.MIN_BUCKET_ROWS:
+            continue
+        h = {f: v[idx] for f, v in human_features.items()}
+        g = {f: v[idx] for f, v in generated_features.items()}
+        features = nat.usable_features(h, keep_constant=compat == "reference")
+        if references and b in references["buckets"]:
+            stats = references["buckets"][b]["features"]
+            bands = {f: (stats[f]["q10"], stats[f]["q90"]) if f in stats else nat.bands_from_values({f: h[f]})[f]
+                     for f in features}
+        else:
+            bands = nat.bands_from_values(h)
+        sizes[b] = len(idx)
+        bng[b] = nat.bucket_bng(h, g, features)
+        hcr[b], hcr_inside[b] = nat.bucket_hcr(bands, g, features)
+    bng_summary = nat.macro_and_weighted(bng, sizes)
+    hcr_summary = nat.macro_and_weighted(hcr, sizes)
+
+    # MAUVE and conditional MAUVE.
+    if featurizer is not None:
+        featurize = _featurizer(featurizer)
+        mauve_by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
+                           for b, idx in sorted(by_bucket_idx.items())}
+        mauve_metrics = {"status": "computed", "global": _mauve(human, predictions, featurize),
+                         "by_bucket": {b: v for b, v in mauve_by_bucket.items() if math.isfinite(v)}}
+    else:
+        mauve_metrics = {"status": "skipped", "reason": "no --featurizer model was given", "global": None,
+                         "by_bucket": {}}
+
+    # Turn dynamics over multi-turn rows.
+    multi = [i for i, r in enumerate(records) if r.track == "multi"]
+    tdm = turn_dynamics([records[i].question for i in multi], [human[i] for i in multi],
+                        [predictions[i] for i in multi], [buckets[i] for i in multi], tokenize)
+
+    # Naturalness-utility frontier and the aggregate.
+    def frontier(with_tdm: bool) -> dict[str, Any]:
+        points = {}
+        for b in bng:
+            if with_tdm and b not in tdm["by_bucket"]:
+                continue
+            extra = [tdm["by_bucket"][b]["tdm"]] if with_tdm else []
+            n = nat.naturalness_score(bng[b], mauve_metrics["by_bucket"].get(b), *extra)
+            if n is not None:
+                points[b] = (nat.clip01(utility["by_bucket"][b]["qa_f1"]), n)
+        front = nat.pareto_frontier(list(points.values()))
+        return {"hypervolume": nat.hypervolume(front) if points else None, "frontier": front,
+                "points": {b: {"utility": u, "naturalness": n} for b, (u, n) in points.items()}}
+
+    nuf = {"overall": frontier(False), "multi_turn": frontier(True),
+           "naturalness_components": ["1/(1+BNG)"] + (["C-MAUVE"] if featurizer else []) }
+    metrics = {
+        "utility": utility,
+        "diversity": div,
+        "bng": {"overall_macro": bng_summary["macro"], "overall_weighted": bng_summary["weighted"], "by_bucket": bng},
+        "hcr": {"overall_macro": hcr_summary["macro"], "overall_weighted": hcr_summary["weighted"],
+                "feature_inside_macro": nat.macro_and_weighted(hcr_inside, sizes)["macro"], "by_bucket": hcr,
+                "feature_inside_by_bucket": hcr_inside},
+        "mauve": mauve_metrics,
+        "tdm": tdm,
+        "nuf": nuf,
+    }
+    metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_summary["macro"],
+                                                      mauve_metrics["global"], nuf["overall"]["hypervolume"])}
+    result = {
+        "config": {"records": str(records_path), "predictions": str(predictions_path), "compat": compat,
+                   "tokenize": tokenize, "references": str(references_path) if references_path else None,
+                   "featurizer": str(featurizer) if featurizer else None, "scorer": str(scorer) if scorer else None,
+                   "allow_partial": allow_partial, "profile": profiles, "models": models,
+                   "test_rows": alignment["evaluated"], "min_bucket_rows": nat.MIN_BUCKET_ROWS,
+                   "seconds": None},
+        "alignment": alignment,
+        "metrics": metrics,
+    }
+    result["config"]["seconds"] = round(time.perf_counter() - started, 2)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(_finite(result), indent=2, ensure_ascii=False) + "\n")
+    if plots:
+        from polyalign.reports.evaluation import write_evaluation_report
+
+        write_evaluation_report(result, human, predictions, buckets, tokenize, out)
+    return result
+
+
+def _finite(value):
+    """NaN and infinities become null in JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _featurizer(checkpoint: Path):
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.tokenizer import load_tokenizer
+    from polyalign.train.critic import encode_responses
+
+    model, tokenizer = load_hf_checkpoint(checkpoint), load_tokenizer(checkpoint)
+    return lambda texts: encode_responses(model, tokenizer, list(texts), 512, 16, progress=False)
+
+
+def _add_lm_features(scorer: Path, records, predictions, human_features, generated_features) -> None:
+    from polyalign.lm_features import LMScorer, record_lm_features
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.tokenizer import load_tokenizer
+
+    lm = LMScorer(load_hf_checkpoint(scorer), load_tokenizer(scorer))
+    for target, rows in ((human_features, record_lm_features(lm, records)),
+                         (generated_features, record_lm_features(lm, records, predictions))):
+        for name in rows[0]:
+            target[name] = np.array([r[name] for r in rows], float)
