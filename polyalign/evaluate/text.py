@@ -16,7 +16,7 @@ from polyalign.data.text import CJK_IDEOGRAPH
 TOKENIZATIONS = ("cjk", "reference")
 _ASCII_PUNCTUATION = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_CJK_CHAR = re.compile(f"({CJK_IDEOGRAPH})")
+_CJK_CHAR = re.compile(f"([{CJK_IDEOGRAPH}])")
 
 
 def normalize_answer(text: str, tokenize: str = "cjk") -> str:

@@ -1,0 +1,211 @@
+"""Evaluation metrics by hand, against NLTK and scikit-learn, with oracle predictions, and the authors'
+published diversity values on their English sample."""
+
+import json
+import math
+import random
+import re
+
+import numpy as np
+import pytest
+
+from polyalign.evaluate import naturalness as nat
+from polyalign.evaluate.dynamics import turn_dynamics
+from polyalign.evaluate.run import EvaluationError, evaluate
+from polyalign.evaluate.text import (distinct_n, normalize_answer, rouge_l_f1, self_bleu, sentence_bleu, token_f1,
+                                     tokens, utility_scores)
+from tests.conftest import REPO, SHARED_DATA
+
+
+def test_tokenisation_modes():
+    assert normalize_answer("The Cat, a dog!", "reference") == "cat dog"
+    assert tokens("北京，是首都。", "reference") == ["北京，是首都。"]  # one token per whitespace run
+    assert tokens("北京，是首都。", "cjk") == ["北", "京", "是", "首", "都"]
+    assert tokens("An apple (苹果)!", "cjk") == ["apple", "苹", "果"]
+
+
+def test_utility_by_hand():
+    assert token_f1(["a", "b", "c"], ["b", "c", "d", "e"]) == pytest.approx(2 * (2 / 3) * (2 / 4) / (2 / 3 + 2 / 4))
+    assert token_f1([], []) == 1.0 and token_f1(["x"], []) == 0.0
+    # LCS of (a b c d) and (a c d e) is a c d: P = 3/4, R = 3/4.
+    assert rouge_l_f1(list("abcd"), list("acde")) == pytest.approx(0.75)
+    assert rouge_l_f1([], []) == 1.0 and rouge_l_f1([], ["a"]) == 0.0
+    scores = utility_scores("The answer.", "the answer", "cjk")
+    assert scores == {"raw_em": 0.0, "em": 1.0, "qa_f1": 1.0, "rouge_l_f1": 1.0}
+
+
+def test_distinct_by_hand():
+    lists = [["a", "b", "a"], ["a", "b"]]
+    assert distinct_n(lists, 1) == pytest.approx(2 / 5)
+    assert distinct_n(lists, 2) == pytest.approx(2 / 3)  # ab, ba, ab: never across texts
+    assert distinct_n([["a"]], 3) == 0.0
+
+
+def test_sentence_bleu_matches_nltk():
+    from nltk.translate.bleu_score import SmoothingFunction
+    from nltk.translate.bleu_score import sentence_bleu as nltk_bleu
+
+    rng = random.Random(0)
+    vocab = "the cat sat on a mat dog ran in park 北 京 天 气".split()
+    smooth = SmoothingFunction().method1
+    for _ in range(200):
+        hyp = [rng.choice(vocab) for _ in range(rng.randint(1, 12))]
+        refs = [[rng.choice(vocab) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 5))]
+        assert sentence_bleu(refs, hyp) == pytest.approx(nltk_bleu(refs, hyp, smoothing_function=smooth), abs=1e-12)
+
+
+def test_self_bleu_matches_nltk_under_the_same_sampling(demo_run):
+    from nltk.translate.bleu_score import SmoothingFunction
+    from nltk.translate.bleu_score import sentence_bleu as nltk_bleu
+
+    from polyalign.data.prepare import read_records
+
+    run, _, _ = demo_run
+    texts = [r.response for r in read_records(run / "data" / "test.jsonl")][:620]
+    rng = random.Random(42)
+    sample = rng.sample(texts, 500)
+    lists = [t for t in (tokens(x, "cjk") for x in sample) if t]
+    expected = []
+    for i, candidate in enumerate(lists):
+        refs = lists[:i] + lists[i + 1:]
+        refs = rng.sample(refs, 100) if len(refs) > 100 else refs
+        expected.append(nltk_bleu(refs, candidate, smoothing_function=SmoothingFunction().method1))
+    assert self_bleu(texts, "cjk") == pytest.approx(float(np.mean(expected)), abs=1e-12)
+
+
+def test_frontier_and_aggregate_by_hand():
+    front = nat.pareto_frontier([(0.9, 0.2), (0.5, 0.6), (0.4, 0.5), (0.1, 0.9), (0.5, 0.3)])
+    assert front == [(0.1, 0.9), (0.5, 0.6), (0.9, 0.2)]
+    # (0.1 - 0) 0.9 + (0.5 - 0.1) 0.6 + (0.9 - 0.5) 0.2
+    assert nat.hypervolume(front) == pytest.approx(0.09 + 0.24 + 0.08)
+    assert nat.naturalness_score(1.0, 0.25) == pytest.approx(math.sqrt(0.5 * 0.25))
+    assert nat.naturalness_score(1.0, 0.0) == 0.0
+    assert nat.aggregate(0.5, 1.0, None, None) == pytest.approx(0.5)
+    assert nat.aggregate(0.5, None, None, None) is None
+
+
+def test_bng_and_hcr_by_hand():
+    human = {"f": np.array([1.0, 2.0, 3.0, 4.0]), "g": np.array([5.0, 5.0, 5.0, 5.0])}
+    generated = {"f": np.array([2.0, 3.0, 4.0, 5.0]), "g": np.array([5.0, 5.0, 6.0, 5.0])}
+    # W1(f) = 1 (a shift by one), std(f) = sqrt(1.25); W1(g) = 0.25, std(g) = 0 counts as 1.
+    features = nat.usable_features(human, keep_constant=True)
+    assert nat.bucket_bng(human, generated, features) == pytest.approx((1 / math.sqrt(1.25) + 0.25) / 2)
+    assert nat.usable_features(human, keep_constant=False) == ["f"]
+    bands = {"f": (1.0, 4.0), "g": (5.0, 5.0)}
+    share, per_feature = nat.bucket_hcr(bands, generated, ["f", "g"])
+    assert share == pytest.approx(2 / 4) and per_feature == pytest.approx((3 / 4 + 3 / 4) / 2)
+
+
+def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
+    from scipy.stats import wasserstein_distance
+    from sklearn.decomposition import TruncatedSVD
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    from polyalign.data.prepare import read_records
+
+    run, _, _ = demo_run
+    records = [r for r in read_records(run / "data" / "test.jsonl") if r.track == "multi"][:120]
+    questions, human = [r.question for r in records], [r.response for r in records]
+    generated = [records[(i + 1) % len(records)].response for i in range(len(records))]  # another row's answer
+    bucket = ["b"] * len(records)
+    ours = turn_dynamics(questions, human, generated, bucket, "cjk")["by_bucket"]["b"]
+    vec = TfidfVectorizer(lowercase=True, token_pattern=r"\b\w+\b", norm="l2").fit(questions + human + generated)
+    Q, H, G = (vec.transform(x) for x in (questions, human, generated))
+    svd = TruncatedSVD(n_components=min(64, min(len(records) - 1, len(vec.vocabulary_) - 1)), random_state=0).fit(Q)
+    lq, lh, lg = (svd.transform(m) for m in (Q, H, G))
+
+    def cos(a, b):
+        out = []
+        for x, y in zip(a, b):
+            nx, ny = np.linalg.norm(x), np.linalg.norm(y)
+            out.append(float(x @ y / (nx * ny)) if nx > 1e-12 and ny > 1e-12 else 0.0)
+        return np.array(out)
+
+    def gap(g, h):
+        return wasserstein_distance(g, h) / (h.std() if h.std() > 1e-12 else 1.0)
+
+    qlen = np.array([max(len(tokens(q, "cjk")), 1) for q in questions])
+    ratio = {s: np.array([len(tokens(t, "cjk")) for t in texts]) / qlen for s, texts in (("h", human), ("g", generated))}
+    expected = {"length_ratio": gap(ratio["g"], ratio["h"]),
+                "lexical": gap(cos(Q.toarray(), G.toarray()), cos(Q.toarray(), H.toarray())),
+                "semantic": gap(cos(lq, lg), cos(lq, lh))}
+    qc, hc, gc = (m - m.mean(0) for m in (lq, lh, lg))
+    n = len(records)
+    expected["transition"] = np.linalg.norm(qc.T @ gc / n - qc.T @ hc / n) / np.linalg.norm(qc.T @ hc / n)
+    for key, value in expected.items():
+        assert ours["gaps"][key] == pytest.approx(value, rel=1e-9), key
+    assert ours["tdm"] == pytest.approx(np.mean([1 / (1 + v) for v in expected.values()]), rel=1e-9)
+
+
+def _write_predictions(path, records, text_of):
+    path.write_text("".join(json.dumps({"id": r.id, "prediction": text_of(r), "model": "m", "profile": "context"})
+                            + "\n" for r in records))
+
+
+def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
+    from polyalign.data.prepare import read_records
+
+    run, _, _ = demo_run
+    records_path = run / "data" / "test.jsonl"
+    records = read_records(records_path)
+    _write_predictions(tmp_path / "oracle.jsonl", records, lambda r: r.response)
+    result = evaluate(records_path, tmp_path / "oracle.jsonl", tmp_path / "eval",
+                      references_path=run / "stats" / "references.json")
+    m = result["metrics"]
+    assert m["utility"]["overall"]["em"] == 1.0 and m["utility"]["overall"]["qa_f1"] == 1.0
+    assert m["bng"]["overall_macro"] == 0.0
+    assert m["tdm"]["overall_macro"] == pytest.approx(1.0)
+    assert m["diversity"]["overall"]["human"] == m["diversity"]["overall"]["generated"]
+    assert m["mauve"]["status"] == "skipped" and m["mauve"]["global"] is None
+    assert result["alignment"] == {"records": len(records), "predictions": len(records), "missing": 0,
+                                   "duplicate": 0, "extra": 0, "partial": False, "evaluated": len(records)}
+    saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert set(saved["metrics"]) == {"utility", "diversity", "bng", "hcr", "mauve", "tdm", "nuf", "aggregate"}
+    assert (tmp_path / "eval" / "report.html").is_file() and (tmp_path / "eval" / "frontier.png").is_file()
+
+
+def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
+    from polyalign.data.prepare import read_records
+
+    run, _, _ = demo_run
+    records_path = run / "data" / "test.jsonl"
+    records = read_records(records_path)[:300]
+    subset = tmp_path / "records.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    rows = [{"id": r.id, "prediction": "ok"} for r in records[2:]] + [{"id": records[5].id, "prediction": "x"},
+                                                                      {"id": "nope", "prediction": "y"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(EvaluationError, match="2 missing, 1 duplicate, 1 extra ids"):
+        evaluate(subset, path, tmp_path / "eval")
+    result = evaluate(subset, path, tmp_path / "eval", allow_partial=True, plots=False)
+    assert result["alignment"]["evaluated"] == 297 and result["alignment"]["partial"]
+
+
+def first_sentence(text: str) -> str:
+    return re.split(r"(?<=[.!?。！？])\s+|\n+", text.strip(), maxsplit=1)[0].strip()
+
+
+@pytest.mark.slow
+def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
+    from polyalign.data.prepare import prepare, read_records
+    from tests.conftest import write_config
+
+    sample = SHARED_DATA / "en" / "polyalign-sample" / "dist_sft_test.json"
+    config = write_config(tmp_path / "data.yaml", [{"name": "polyalign_sample", "format": "llamafactory",
+                                                    "path": str(sample), "split": "test", "language": "en"}],
+                          length_unit="v1", dedup=False)
+    prepare(config, tmp_path / "run", progress=False)
+    records = read_records(tmp_path / "run" / "data" / "test.jsonl")
+    assert len(records) == 2000
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    result = evaluate(tmp_path / "run" / "data" / "test.jsonl", tmp_path / "p.jsonl", tmp_path / "eval",
+                      compat="reference", plots=False)
+    human = result["metrics"]["diversity"]["overall"]["human"]
+    published = {"distinct_1": 0.13231752307499547, "distinct_2": 0.6982111985322654,
+                 "distinct_3": 0.9440411027425648, "self_bleu_4": 0.058781246156817644}
+    for key, value in published.items():
+        assert human[key] == pytest.approx(value, rel=1e-6), key
+    print(f"\nfirst-sentence baseline: F1 {result['metrics']['utility']['overall']['qa_f1']:.4f}, ROUGE-L "
+          f"{result['metrics']['utility']['overall']['rouge_l_f1']:.4f}, TDM {result['metrics']['tdm']['overall_macro']:.4f}, "
+          f"{result['config']['seconds']} s")
