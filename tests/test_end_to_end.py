@@ -110,8 +110,8 @@ def test_cli_prepare_stats_and_demo(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "demo"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "report: " in out and (tmp_path / "demo/stats/stats.json").is_file()
-    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,evaluate"]) == 2
-    assert "not available in this version" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "x"), "--stages", "prepare,bogus"]) == 2
+    assert "unknown demo stage 'bogus'" in capsys.readouterr().err
     assert main(["stats", str(tmp_path / "nothing")]) == 2
     assert "run `polyalign prepare" in capsys.readouterr().err
 
@@ -125,7 +125,7 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     run = tmp_path / "demo"
     assert main(["demo", "--out", str(run), "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer: 6000 pieces" in out and "[5/8] sft: 20 steps" in out
+    assert "tokenizer: 6000 pieces" in out and "[5/10] sft: 20 steps" in out
     assert (run / "tokenizer/tokenizer.model").is_file() and (run / "build/manifest.json").is_file()
     assert (run / "sft/model/model.safetensors").is_file() and (run / "sft/model/tokenizer.model").is_file()
     evals = [r for r in read_metrics(run / "sft") if "val_loss" in r]
@@ -147,6 +147,12 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         assert (run / method / "model" / "model.safetensors").is_file()
     comparison = json.loads((run / "hdpo" / "comparison.json").read_text())
     assert set(comparison["methods"]) == {"sft", "dpo", "hdpo"}
+    # Evaluation of every trained method on the same test sample, and the comparison report.
+    for method in ("sft", "dpo", "hdpo"):
+        metrics = json.loads((run / "eval" / method / "metrics.json").read_text())
+        assert metrics["alignment"]["evaluated"] == 48 and metrics["alignment"]["partial"]
+        assert metrics["metrics"]["mauve"]["status"] == "computed"
+    assert (run / "report" / "report.html").is_file() and (run / "report" / "report.md").is_file()
 
 
 @pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"], ["tokenizer", "train"], ["build"],
