@@ -209,3 +209,28 @@ def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
     print(f"\nfirst-sentence baseline: F1 {result['metrics']['utility']['overall']['qa_f1']:.4f}, ROUGE-L "
           f"{result['metrics']['utility']['overall']['rouge_l_f1']:.4f}, TDM {result['metrics']['tdm']['overall_macro']:.4f}, "
           f"{result['config']['seconds']} s")
+
+
+@pytest.mark.slow
+def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenizer, tmp_path):
+    from polyalign.data.prepare import read_records
+    from polyalign.model import create_model, save_hf_checkpoint
+    from tests.conftest import tiny_model_config
+
+    run, _, _ = demo_run
+    tokenizer = demo_tokenizer[0]
+    directory = tokenizer.path.parent
+    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), tmp_path / "ckpt", extra_files={
+        name: (directory / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    records = [r for r in read_records(run / "data" / "test.jsonl") if r.bucket_id == "en|multi|dialogue|short"][:40]
+    subset = tmp_path / "records.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: r.question)
+    plain = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "plain", plots=False)
+    full = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "full", featurizer=tmp_path / "ckpt",
+                    scorer=tmp_path / "ckpt", plots=False)
+    mauve = full["metrics"]["mauve"]
+    assert mauve["status"] == "computed" and 0 < mauve["global"] <= 1
+    assert set(mauve["by_bucket"]) == {"en|multi|dialogue|short"}
+    assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
+    assert full["metrics"]["aggregate"]["overall"] is not None
