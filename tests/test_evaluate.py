@@ -180,6 +180,15 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
         evaluate(subset, path, tmp_path / "eval")
     result = evaluate(subset, path, tmp_path / "eval", allow_partial=True, plots=False)
     assert result["alignment"]["evaluated"] == 297 and result["alignment"]["partial"]
+    # A comparison names the settings and warns when runs saw different test sets.
+    _write_predictions(tmp_path / "full.jsonl", records, lambda r: r.question)
+    evaluate(subset, tmp_path / "full.jsonl", tmp_path / "eval_full", plots=False)
+    from polyalign.cli import main
+
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp")]) == 0
+    markdown = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| test rows | 297 | 300 |" in markdown and "| F1 |" in markdown
+    assert "differ in test size or profile mode" in (tmp_path / "cmp" / "report.html").read_text()
 
 
 def first_sentence(text: str) -> str:
