@@ -428,6 +428,38 @@ def _run_report(args) -> int:
     return 0
 
 
+LAUNCH_EPILOG = """\
+One node, one process per GPU (each sees one GPU through CUDA_VISIBLE_DEVICES):
+  polyalign launch --nproc 8 -- polyalign train sft --config C --out OUT data.dir=RUN parallel.data=8
+Several nodes under SLURM (one task per GPU; the first node of the job is the coordinator):
+  srun --ntasks-per-node=8 polyalign launch --slurm -- polyalign train sft ...
+CPU processes (tests, laptops): --cpu-devices K gives each process K CPU devices.
+Each process gets POLYALIGN_COORDINATOR, POLYALIGN_NUM_PROCESSES and POLYALIGN_PROCESS_ID. SIGTERM and
+Ctrl-C are forwarded; when one process fails the others are stopped. See docs/gpu.md.
+"""
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser("launch", help="run one process per accelerator (one node, or SLURM nodes)",
+                       description="Start a polyalign command as several cooperating processes.",
+                       epilog=LAUNCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=1, help="processes on this node (default 1)")
+    p.add_argument("--cpu-devices", type=int, help="give each process this many CPU devices instead of one GPU")
+    p.add_argument("--port", type=int, help="coordinator port (default: a free port; 12355 with --slurm)")
+    p.add_argument("--slurm", action="store_true", help="this is one SLURM task: map the SLURM variables")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    p.set_defaults(handler=_run_launch)
+
+
+def _run_launch(args) -> int:
+    from polyalign.launch import DEFAULT_PORT, main_command, run_local, run_slurm
+
+    command = main_command(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    if args.slurm:
+        return run_slurm(command, args.port or DEFAULT_PORT)
+    return run_local(command, args.nproc, args.port, args.cpu_devices)
+
+
 def _add_demo(sub) -> None:
     from polyalign.demo import STAGES
 
@@ -461,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pairs(sub)
     _add_evaluate(sub)
     _add_report(sub)
+    _add_launch(sub)
     _add_demo(sub)
     return parser
 
@@ -471,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     from polyalign.data.records import InputError
     from polyalign.evaluate.run import EvaluationError
     from polyalign.generate import GenerationError
+    from polyalign.launch import LaunchError
     from polyalign.reports.stats import StatsError
     from polyalign.chat import ChatTemplateError
     from polyalign.model import CheckpointError, ModelConfigError
@@ -484,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (ConfigError, InputError, PrepareError, StatsError, TokenizerError, ChatTemplateError, CheckpointError,
             ModelConfigError, ParallelError, TrainingError, GenerationError,
-            EvaluationError) as err:
+            EvaluationError, LaunchError) as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

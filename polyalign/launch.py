@@ -1,0 +1,123 @@
+"""`polyalign launch`: one process per accelerator, on one node or across SLURM nodes.
+
+Every process gets POLYALIGN_COORDINATOR, POLYALIGN_NUM_PROCESSES and POLYALIGN_PROCESS_ID, which
+`polyalign train ...` turns into jax.distributed.initialize. On one node the launcher starts the
+processes itself (one GPU each through CUDA_VISIBLE_DEVICES, or CPU devices for tests); under SLURM
+(`srun polyalign launch --slurm -- ...`) each task maps the SLURM variables and runs the command.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+DEFAULT_PORT = 12355
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start: no command, or SLURM variables missing."""
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compact host list ("gpu[01-03,07],login1") as host names."""
+    hosts = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = match.group(1), match.group(2)
+        if not ranges:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            start, _, end = part.partition("-")
+            for number in range(int(start), int(end or start) + 1):
+                hosts.append(f"{prefix}{number:0{len(start)}d}")
+    return hosts
+
+
+def slurm_environment(env: Mapping[str, str], port: int = DEFAULT_PORT) -> dict[str, str]:
+    """POLYALIGN_* start variables (and the task's GPU) from a SLURM task's environment."""
+    try:
+        process_id, num_processes = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
+    except (KeyError, ValueError):
+        raise LaunchError("--slurm needs SLURM_PROCID, SLURM_NTASKS and SLURM_JOB_NODELIST (run it under srun)") from None
+    out = {"POLYALIGN_COORDINATOR": f"{expand_nodelist(nodelist)[0]}:{port}",
+           "POLYALIGN_NUM_PROCESSES": str(num_processes), "POLYALIGN_PROCESS_ID": str(process_id)}
+    if "SLURM_LOCALID" in env and "CUDA_VISIBLE_DEVICES" not in env:
+        out["CUDA_VISIBLE_DEVICES"] = env["SLURM_LOCALID"]
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_environments(nproc: int, port: int, cpu_devices: int | None = None) -> list[dict[str, str]]:
+    """Per process: the start variables and either one GPU or `cpu_devices` CPU devices."""
+    envs = []
+    for i in range(nproc):
+        env = {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": str(nproc),
+               "POLYALIGN_PROCESS_ID": str(i)}
+        if cpu_devices:
+            env["JAX_PLATFORMS"] = "cpu"
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        envs.append(env)
+    return envs
+
+
+def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_devices: int | None = None) -> int:
+    """Starts `nproc` copies of `command`, forwards SIGTERM/SIGINT to them, and stops the others when
+    one fails (a lone survivor would wait on its peers forever). Returns the first failure's code."""
+    if not command:
+        raise LaunchError("nothing to launch: give the command after --")
+    port = port or free_port()
+    processes = [subprocess.Popen(list(command), env={**os.environ, **env})
+                 for env in local_environments(nproc, port, cpu_devices)]
+
+    def forward(signum, frame):
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = 0
+        remaining = list(processes)
+        while remaining:
+            for p in list(remaining):
+                try:
+                    result = p.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    continue
+                remaining.remove(p)
+                if result != 0 and code == 0:
+                    code = result
+                    for other in remaining:
+                        other.terminate()
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_slurm(command: Sequence[str], port: int = DEFAULT_PORT) -> int:
+    if not command:
+        raise LaunchError("nothing to launch: give the command after --")
+    env = {**os.environ, **slurm_environment(os.environ, port)}
+    return subprocess.call(list(command), env=env)
+
+
+def main_command(argv: Sequence[str]) -> list[str]:
+    """The command after `--`; a leading `polyalign` runs this interpreter's polyalign."""
+    command = list(argv)
+    if command and command[0] == "polyalign":
+        command = [sys.executable, "-m", "polyalign.cli", *command[1:]]
+    return command
