@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Copy this checkout to every worker and install polyalign with its pinned dependencies and jax[tpu].
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+usage() {
+  cat <<HELP
+usage: setup.sh --name NAME --zone ZONE --project PROJECT [--dry-run]
+
+Packs the committed checkout (git archive HEAD), copies it to all workers, and installs it into
+~/venv on each: pip install -e '~/polyalign[tpu]'.
+$COMMON_HELP
+HELP
+}
+parse_common "$@"
+((${#REST[@]} == 0)) || die "unknown argument ${REST[0]}"
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+ARCHIVE="${TMPDIR:-/tmp}/polyalign-$NAME.tar.gz"
+run git -C "$REPO" archive --format=tar.gz -o "$ARCHIVE" HEAD
+run gcloud compute tpus tpu-vm scp "$ARCHIVE" "$NAME:~/polyalign.tar.gz" --worker=all $(where)
+run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all $(where) --command \
+  "mkdir -p ~/polyalign && tar -xzf ~/polyalign.tar.gz -C ~/polyalign && python3 -m venv ~/venv && ~/venv/bin/pip install -q -e ~/polyalign[tpu]"
