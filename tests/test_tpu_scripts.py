@@ -42,7 +42,7 @@ def test_setup_copies_the_checkout_and_installs_the_tpu_extra():
     assert lines[0].startswith(f"git -C {REPO} archive --format=tar.gz -o ") and lines[0].endswith(" HEAD")
     assert lines[1].startswith("gcloud compute tpus tpu-vm scp ") and "pa-demo:\\~/polyalign.tar.gz --worker=all" in lines[1]
     assert lines[2].startswith("gcloud compute tpus tpu-vm ssh pa-demo --worker=all --zone=us-west4-a --project=my-proj")
-    assert "pip install -q -e ~/polyalign\\[tpu\\]" in lines[2]
+    assert "pip\\ install\\ -q\\ -e\\ ~/polyalign\\[tpu\\]" in lines[2]
 
 
 def test_launch_runs_the_command_on_every_worker_with_a_log_each():
