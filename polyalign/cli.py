@@ -460,6 +460,31 @@ def _run_launch(args) -> int:
     return run_local(command, args.nproc, args.port, args.cpu_devices)
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="parameter count, per-device memory and tokens per step of a config",
+                       description="Estimate what a training config costs per device before launching it: "
+                                   "parameters, gradients, AdamW moments, activations and logits, and tokens per "
+                                   "step, for the config's mesh on --devices devices.")
+    p.add_argument("--config", required=True, type=Path, help="an SFT or HDPO/DPO config")
+    p.add_argument("--devices", type=int, help="devices the mesh spans (default: the devices JAX sees)")
+    p.add_argument("--device-memory", type=float, help="GiB per device, to say whether it fits (e.g. 16, 95, 141)")
+    p.add_argument("--preset", help="plan this model preset instead of the config's model (e.g. qwen2.5-1.5b)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the config's, the build's, or 512)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from polyalign.plan import describe, plan_config
+
+    if args.devices is None:
+        import jax
+
+        args.devices = jax.device_count()
+    print(describe(plan_config(args.config, args.overrides, args.devices, args.seq, args.preset), args.device_memory))
+    return 0
+
+
 def _add_demo(sub) -> None:
     from polyalign.demo import STAGES
 
@@ -494,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_report(sub)
     _add_launch(sub)
+    _add_plan(sub)
     _add_demo(sub)
     return parser
 

@@ -1,0 +1,128 @@
+"""`polyalign plan`: what a training config will cost per device before it is launched.
+
+Estimates, not measurements: parameters, gradients and AdamW moments sharded over fsdp x tensor (and
+replicated over data); activations per device for one micro-batch from the usual transformer count
+(Korthikanti et al. 2022: about s b h (34 + 5 a s / h) bytes per layer in 16-bit, scaled to the compute
+dtype) with remat saving only layer inputs; float32 logits and their gradient over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from polyalign.config import ConfigError, load_yaml
+from polyalign.model.config import ModelConfig
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelConfig
+    parameters: int
+    mesh: tuple[int, int, int]
+    sequences_per_step: int
+    sequence_length: int
+    micro_batches: int
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    logits_bytes: float
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.sequence_length
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.logits_bytes
+
+
+def estimate(model: ModelConfig, mesh: tuple[int, int, int], global_batch: int, micro_batches: int,
+             sequence_length: int, sequences_per_example: int = 1) -> Plan:
+    data, fsdp, tensor = mesh
+    n = model.num_parameters()
+    shards = fsdp * tensor
+    param_bytes = n * BYTES[model.param_dtype] / shards
+    grad_bytes = n * 4 / shards
+    optimizer_bytes = 2 * n * 4 / shards
+    per_device = max(1, global_batch // micro_batches // (data * fsdp)) * sequences_per_example
+    s, h, a = sequence_length, model.hidden_size, model.num_heads
+    scale = BYTES[model.dtype] / 2
+    per_layer = s * per_device * h * (34 + 5 * a * s / h) * scale / tensor
+    if model.remat == "none":
+        activation_bytes = model.num_layers * per_layer
+    else:  # layer inputs kept, one layer recomputed at a time
+        activation_bytes = model.num_layers * s * per_device * h * BYTES[model.dtype] + per_layer
+    logits_bytes = 2 * per_device * s * model.vocab_size * 4 / tensor
+    return Plan(model, n, mesh, global_batch * sequences_per_example, sequence_length, micro_batches, param_bytes,
+                grad_bytes, optimizer_bytes, activation_bytes, logits_bytes)
+
+
+def plan_config(path: Path, overrides: list[str], devices: int, sequence_length: int | None = None,
+                model_preset: str | None = None) -> Plan:
+    """The plan of an SFT or HDPO/DPO config; pairs (chosen + rejected) double the sequences. The model
+    comes from `model_preset`, else the config's `init` checkpoint (its config.json), else its preset."""
+    from polyalign.config import apply_overrides, from_mapping
+    from polyalign.model.config import from_hf_config
+    from polyalign.model.hf import read_hf_config
+    from polyalign.model.presets import preset
+    from polyalign.parallel import mesh_shape
+    from polyalign.train.hdpo import METHODS, PreferenceConfig
+    from polyalign.train.sft import SftConfig
+
+    raw = load_yaml(path) or {}
+    apply_overrides(raw, list(overrides))
+    method = raw.get("method", "sft")
+    if method != "sft" and method not in METHODS:
+        raise ConfigError(f"{path}: plan knows methods sft, {', '.join(METHODS)}; not {method!r}")
+    config = from_mapping(SftConfig if method == "sft" else PreferenceConfig, raw, str(path))
+    section = getattr(config, "model", None)
+    dtype = section.dtype if section else config.dtype
+    remat = section.remat if section else config.remat
+    if model_preset:
+        model = preset(model_preset, dtype=dtype, remat=remat)
+    elif config.init:
+        model = from_hf_config(read_hf_config(config.init), str(Path(config.init) / "config.json"),
+                               dtype=dtype, remat=remat)
+    elif section:
+        model = preset(section.preset, dtype=dtype, remat=remat)
+    else:
+        raise ConfigError(f"{path}: set init= (a checkpoint) or pass --preset to plan a {method} config")
+    length = sequence_length or getattr(config, "max_length", None) or _built_length(config.data) or 512
+    return estimate(model, mesh_shape(config.parallel, devices), config.train.global_batch,
+                    config.train.micro_batches, length, sequences_per_example=1 if method == "sft" else 2)
+
+
+def _built_length(data) -> int | None:
+    run = data.dir if hasattr(data, "dir") else data.get("dir")
+    manifest = Path(run or "") / "build" / "manifest.json"
+    if run and manifest.is_file():
+        return json.loads(manifest.read_text())["options"]["max_length"]
+    return None
+
+
+def describe(plan: Plan, device_memory_gib: float | None = None) -> str:
+    gib = 1024 ** 3
+    m = plan.model
+    lines = [
+        f"model: {m.family}, {plan.parameters / 1e6:,.1f}M parameters ({m.num_layers} layers, width "
+        f"{m.hidden_size}, vocab {m.vocab_size}), parameters {m.param_dtype}, compute {m.dtype}, remat {m.remat}",
+        f"mesh: data={plan.mesh[0]} fsdp={plan.mesh[1]} tensor={plan.mesh[2]} ({plan.mesh[0] * plan.mesh[1] * plan.mesh[2]} devices)",
+        f"tokens per step: {plan.tokens_per_step:,} ({plan.sequences_per_step} sequences x {plan.sequence_length}), "
+        f"{plan.micro_batches} micro-batch(es)",
+        "per device:",
+        f"  parameters       {plan.param_bytes / gib:8.2f} GiB",
+        f"  gradients        {plan.grad_bytes / gib:8.2f} GiB",
+        f"  AdamW moments    {plan.optimizer_bytes / gib:8.2f} GiB",
+        f"  activations      {plan.activation_bytes / gib:8.2f} GiB",
+        f"  logits           {plan.logits_bytes / gib:8.2f} GiB",
+        f"  total            {plan.total_bytes / gib:8.2f} GiB",
+    ]
+    if device_memory_gib:
+        verdict = "fits" if plan.total_bytes / gib < 0.9 * device_memory_gib else "does NOT fit"
+        lines.append(f"  {verdict} in {device_memory_gib:g} GiB per device (90% budget)")
+    return "\n".join(lines)

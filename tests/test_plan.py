@@ -1,0 +1,32 @@
+"""`polyalign plan`: memory and token estimates by hand."""
+
+import pytest
+
+from polyalign.cli import main
+from polyalign.model.presets import preset
+from polyalign.plan import estimate
+from tests.conftest import REPO
+
+
+def test_estimate_by_hand():
+    model = preset("tiny")  # 6,998,272 parameters, float32
+    plan = estimate(model, (2, 2, 1), global_batch=16, micro_batches=2, sequence_length=256)
+    n = 6_998_272
+    assert plan.parameters == n
+    assert plan.param_bytes == n * 4 / 2 and plan.grad_bytes == n * 4 / 2 and plan.optimizer_bytes == n * 8 / 2
+    # 16 sequences / 2 micro-batches / (data 2 x fsdp 2) = 2 sequences per device.
+    per_layer = 256 * 2 * 256 * (34 + 5 * 8 * 256 / 256) * (4 / 2)
+    assert plan.activation_bytes == pytest.approx(4 * per_layer)
+    assert plan.logits_bytes == 2 * 2 * 256 * 8000 * 4
+    assert plan.tokens_per_step == 16 * 256
+    pairs = estimate(model, (1, 1, 1), 8, 1, 128, sequences_per_example=2)
+    assert pairs.tokens_per_step == 2 * 8 * 128
+
+
+def test_cli_plans_a_config(capsys):
+    code = main(["plan", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--devices", "8", "--preset",
+                 "qwen2.5-1.5b", "--seq", "1024", "--device-memory", "16", "parallel.fsdp=8", "parallel.data=1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "1,543.7M parameters" in out and "tokens per step: 16,384 (16 sequences x 1024)" in out
+    assert "does NOT fit in 16 GiB" in out
