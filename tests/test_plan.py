@@ -30,3 +30,21 @@ def test_cli_plans_a_config(capsys):
     out = capsys.readouterr().out
     assert "1,543.7M parameters" in out and "tokens per step: 16,384 (16 sequences x 1024)" in out
     assert "does NOT fit in 16 GiB" in out
+
+
+# configs/sizes/<name>.yaml: (devices, model preset, GiB per device, sequence length)
+SIZED = {"sft_qwen2.5-1.5b_v5e-16": (16, "qwen2.5-1.5b", 16, 3072),
+         "hdpo_qwen2.5-1.5b_8xh100": (8, "qwen2.5-1.5b", 80, 3072),
+         "sft_llama3.2-3b_v5p-8": (4, "llama3.2-3b", 95, 3072),
+         "hdpo_gemma2-2b_v5e-16": (16, "gemma2-2b", 16, 2048)}
+
+
+@pytest.mark.parametrize("name", sorted(SIZED))
+def test_sized_configs_fit_their_hardware(name):
+    from polyalign.plan import plan_config
+
+    devices, model, gib, seq = SIZED[name]
+    plan = plan_config(REPO / "configs" / "sizes" / f"{name}.yaml", [], devices, seq, model)
+    assert plan.mesh[0] * plan.mesh[1] * plan.mesh[2] == devices
+    assert plan.total_bytes < 0.9 * gib * 1024 ** 3
+    assert plan.tokens_per_step >= 32 * seq  # the reference's effective batch: 64 sequences or 32 pairs
