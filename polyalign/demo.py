@@ -47,13 +47,21 @@ def _build(run: Path, quick: bool) -> str:
 
 
 def _sft(run: Path, quick: bool) -> str:
+    """Plain SFT (RUN/sft) and Bucket-Aware SFT (RUN/bucket_sft) with the same seed and batches; the
+    Bucket-SFT model is the initial policy of everything after."""
     from polyalign.train.sft import load_config, train_sft
 
-    overrides = [f"data.dir={run}"] + (DEMO_QUICK_SFT if quick else [])
-    result = train_sft(load_config(DEMO_SFT_CONFIG, overrides), run / "sft")
-    last = result["last"]
-    return (f"{result['end_step']} steps, train loss {last['loss']:.3f}, validation loss {last['val_loss']:.3f} "
-            f"(worst bucket {last['val_worst_bucket']:.3f}) -> {run / 'sft' / 'model'}")
+    summaries = []
+    for name, weighting in (("sft", "uniform"), ("bucket_sft", "bucket")):
+        overrides = [f"data.dir={run}", f"weighting={weighting}"] + (DEMO_QUICK_SFT if quick else [])
+        result = train_sft(load_config(DEMO_SFT_CONFIG, overrides), run / name)
+        last = result["last"]
+        summaries.append(f"{name} {result['end_step']} steps, validation loss {last['val_loss']:.3f} "
+                         f"(worst bucket {last['val_worst_bucket']:.3f})")
+    return "; ".join(summaries)
+
+
+POLICY = "bucket_sft"  # the initial policy and reference of HDPO and DPO
 
 
 # Generation, pairs, critic and preference training on samples of the demo data: full / --quick.
@@ -68,18 +76,18 @@ def _generate(run: Path, quick: bool) -> str:
 
     counts = []
     for split, sizes in DEMO_PAIR_SAMPLES.items():
-        predictions = run / "generate" / f"sft_{split}.jsonl"
-        generate_predictions(run / "sft" / "model", run / "data" / f"{split}.jsonl", predictions,
+        predictions = run / "generate" / f"{POLICY}_{split}.jsonl"
+        generate_predictions(run / POLICY / "model", run / "data" / f"{split}.jsonl", predictions,
                              sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[quick], seed=0)
         summary = make_pairs(run / "data" / f"{split}.jsonl", predictions, run / "pairs" / f"{split}.jsonl")
         counts.append(f"{split} {summary['pairs']}")
-    return f"pairs from the SFT model's samples: {', '.join(counts)} -> {run / 'pairs'}"
+    return f"pairs from the Bucket-SFT model's samples: {', '.join(counts)} -> {run / 'pairs'}"
 
 
 def _critic(run: Path, quick: bool) -> str:
     from polyalign.train.critic import load_config, train_critic
 
-    config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / 'sft' / 'model'}",
+    config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
                                               f"val_pairs={run / 'pairs' / 'val.jsonl'}"])
     report = train_critic(config, run / "critic")
@@ -92,7 +100,7 @@ def _hdpo(run: Path, quick: bool) -> str:
 
     summaries = []
     for method in ("hdpo", "dpo"):
-        overrides = [f"method={method}", f"data.dir={run}", f"init={run / 'sft' / 'model'}"]
+        overrides = [f"method={method}", f"data.dir={run}", f"init={run / POLICY / 'model'}"]
         result = train_preference(load_config(DEMO_HDPO_CONFIG, overrides + (DEMO_QUICK_HDPO if quick else [])),
                                   run / method)
         summaries.append(f"{method} margin {result['last']['rewards/margin']:.3f}")
@@ -118,7 +126,7 @@ def compare_generations(run: Path, quick: bool) -> dict:
     scorer = CriticScorer(run / "critic")
     records = {r.id: r for r in read_records(run / "data" / "val.jsonl")}
     methods = {}
-    for method in ("sft", "dpo", "hdpo"):
+    for method in (POLICY, "dpo", "hdpo"):
         path = run / "generate" / f"{method}_compare.jsonl"
         generate_predictions(run / method / "model", run / "data" / "val.jsonl", path,
                              sampling=SamplingConfig(max_new_tokens=64), sample=DEMO_PAIR_SAMPLES["val"][quick],
@@ -135,7 +143,7 @@ def compare_generations(run: Path, quick: bool) -> dict:
 
 
 DEMO_TEST_SAMPLE = (256, 48)
-DEMO_METHODS = ("sft", "dpo", "hdpo")
+DEMO_METHODS = ("sft", "bucket_sft", "dpo", "hdpo")
 
 
 def _evaluate(run: Path, quick: bool) -> str:
@@ -149,7 +157,7 @@ def _evaluate(run: Path, quick: bool) -> str:
                              sampling=SamplingConfig(max_new_tokens=64), sample=DEMO_TEST_SAMPLE[quick], seed=2)
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method, allow_partial=True,
-                          references_path=run / "stats" / "references.json", featurizer=run / "sft" / "model")
+                          references_path=run / "stats" / "references.json", featurizer=run / POLICY / "model")
         bng = result["metrics"]["bng"]["overall_macro"]
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}")
@@ -202,8 +210,8 @@ def run_demo(out: Path, stages: Sequence[str], quick: bool = False, echo: Callab
     if "stats" in stages:
         echo(f"\nBucket statistics report: {out / 'stats' / 'report.html'}")
     if "sft" in stages:
-        echo(f"Bucket-SFT metrics: {out / 'sft' / 'metrics.jsonl'} (TensorBoard: {out / 'sft' / 'tensorboard'})")
+        echo(f"SFT and Bucket-SFT metrics: {out / 'sft' / 'metrics.jsonl'}, {out / 'bucket_sft' / 'metrics.jsonl'}")
     if "hdpo" in stages:
         echo(f"HDPO and DPO: {out / 'hdpo'}, {out / 'dpo'}; generations compared in {out / 'hdpo' / 'comparison.json'}")
     if "report" in stages:
-        echo(f"Comparison of SFT, DPO and HDPO: {out / 'report' / 'report.html'}")
+        echo(f"Comparison of SFT, Bucket-SFT, DPO and HDPO: {out / 'report' / 'report.html'}")

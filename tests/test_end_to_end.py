@@ -125,15 +125,19 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     run = tmp_path / "demo"
     assert main(["demo", "--out", str(run), "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer: 6000 pieces" in out and "[5/10] sft: 20 steps" in out
+    assert "tokenizer: 6000 pieces" in out and "[5/10] sft: sft 20 steps" in out
     assert (run / "tokenizer/tokenizer.model").is_file() and (run / "build/manifest.json").is_file()
-    assert (run / "sft/model/model.safetensors").is_file() and (run / "sft/model/tokenizer.model").is_file()
-    evals = [r for r in read_metrics(run / "sft") if "val_loss" in r]
-    assert [r["step"] for r in evals] == [10, 20]
-    assert evals[1]["val_loss"] < evals[0]["val_loss"] < math.log(6000)
+    for name in ("sft", "bucket_sft"):
+        assert (run / name / "model/model.safetensors").is_file() and (run / name / "model/tokenizer.model").is_file()
+        evals = [r for r in read_metrics(run / name) if "val_loss" in r]
+        assert [r["step"] for r in evals] == [10, 20]
+        assert evals[1]["val_loss"] < evals[0]["val_loss"] < math.log(6000)
+    # The same batches, weighted differently.
+    assert json.loads((run / "sft" / "config.json").read_text())["weighting"] == "uniform"
+    assert read_metrics(run / "sft")[0]["loss"] != read_metrics(run / "bucket_sft")[0]["loss"]
     from polyalign.model import load_hf_checkpoint
 
-    model = load_hf_checkpoint(run / "sft" / "model")
+    model = load_hf_checkpoint(run / "bucket_sft" / "model")
     assert model.config.vocab_size == 6000 and model.config.num_layers == 4
     # Generation, pairs, the critic, HDPO and DPO.
     critic = json.loads((run / "critic" / "critic.json").read_text())
@@ -146,9 +150,9 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         assert max(r["rewards/margin"] for r in steps[1:]) > 0
         assert (run / method / "model" / "model.safetensors").is_file()
     comparison = json.loads((run / "hdpo" / "comparison.json").read_text())
-    assert set(comparison["methods"]) == {"sft", "dpo", "hdpo"}
+    assert set(comparison["methods"]) == {"bucket_sft", "dpo", "hdpo"}
     # Evaluation of every trained method on the same test sample, and the comparison report.
-    for method in ("sft", "dpo", "hdpo"):
+    for method in ("sft", "bucket_sft", "dpo", "hdpo"):
         metrics = json.loads((run / "eval" / method / "metrics.json").read_text())
         assert metrics["alignment"]["evaluated"] == 48 and metrics["alignment"]["partial"]
         assert metrics["metrics"]["mauve"]["status"] == "computed"
