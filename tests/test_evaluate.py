@@ -14,7 +14,7 @@ from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.run import EvaluationError, evaluate
 from polyalign.evaluate.text import (distinct_n, normalize_answer, rouge_l_f1, self_bleu, sentence_bleu, token_f1,
                                      tokens, utility_scores)
-from tests.conftest import REPO, SHARED_DATA
+from tests.conftest import SHARED_DATA
 
 
 def test_tokenisation_modes():
