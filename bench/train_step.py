@@ -1,0 +1,231 @@
+"""Time polyalign's SFT and HDPO training steps (and, when torch and transformers are importable, the
+same step in PyTorch + transformers: the peer).
+
+    python bench/train_step.py --preset tiny --batch 4 --seq 128                       # CPU, seconds
+    python bench/train_step.py --preset qwen2.5-1.5b --batch 4 --seq 1024 --dtype bfloat16 \\
+        --remat dots --attention cudnn --peak-tflops 800                             # one H200
+
+A step is what the trainer runs: SFT on `batch` sequences; HDPO on `batch` pairs (chosen and
+rejected in one pass) with the reference log-probs of the batch computed by a frozen copy of the
+model (timed separately and added). MFU counts 6N FLOPs per token for the policy's forward and
+backward plus 2N for the reference forward (N = matmul parameters including the LM head), plus causal
+attention (halved). Prints a table and writes JSON to $OUT/train_step.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from polyalign import parallel  # noqa: E402
+from polyalign.model import create_model  # noqa: E402
+from polyalign.model.presets import PRESETS, preset  # noqa: E402
+from polyalign.train.hdpo import Preference, PreferenceConfig, sequence_logps  # noqa: E402
+from polyalign.train.sft import SFT  # noqa: E402
+from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
+
+
+def matmul_parameters(cfg) -> int:
+    """Parameters that take part in a matmul per token: everything but the embedding lookup and the
+    norms, plus the LM head (the tied embedding counts once, as the head)."""
+    d = cfg.hidden_size
+    norms = d * (4 if cfg.is_gemma else 2) * cfg.num_layers + d
+    untied_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return cfg.num_parameters() - norms - untied_embedding
+
+
+def step_flops(cfg, tokens: int, seq: int, reference: bool) -> float:
+    n = matmul_parameters(cfg)
+    attention = 2 * 2 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim * 0.5  # QK^T and AV, causal half
+    per_token = 6 * (n + attention) + (2 * (n + attention) if reference else 0)
+    return per_token * tokens
+
+
+def _sft_batch(rng, micro, b, seq, vocab):
+    ids = rng.integers(0, vocab, (micro, b, seq + 1)).astype(np.int32)
+    return {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((micro, b, seq), np.float32),
+            "weight": rng.uniform(0.5, 2.0, (micro, b)).astype(np.float32), "bucket": np.zeros((micro, b), np.int32),
+            "valid": np.ones((micro, b), bool), "length": np.full((micro, b), seq, np.int32)}
+
+
+def _pair_batch(rng, micro, b, seq, vocab):
+    batch = {"weight": rng.uniform(0.5, 2.0, (micro, b)).astype(np.float32), "bucket": np.zeros((micro, b), np.int32),
+             "valid": np.ones((micro, b), bool), "critic_chosen": np.zeros((micro, b), np.float32),
+             "critic_rejected": np.ones((micro, b), np.float32), "ref_chosen": np.zeros((micro, b), np.float32),
+             "ref_rejected": np.zeros((micro, b), np.float32)}
+    for side in ("chosen", "rejected"):
+        ids = rng.integers(0, vocab, (micro, b, seq + 1)).astype(np.int32)
+        batch[f"{side}_inputs"], batch[f"{side}_targets"] = ids[..., :-1], ids[..., 1:]
+        mask = np.zeros((micro, b, seq), np.float32)
+        mask[..., seq // 4:] = 1.0  # the last three quarters are the response
+        batch[f"{side}_mask"] = mask
+    return batch
+
+
+def _time(fn, steps):
+    started = time.perf_counter()
+    jax.block_until_ready(fn())
+    compile_s = time.perf_counter() - started
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - started)
+    return compile_s, statistics.median(times)
+
+
+def _peak_memory():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def bench_polyalign(args, cfg, method: str) -> dict:
+    rng = np.random.default_rng(0)
+    model = create_model(cfg)
+    mesh = parallel.make_mesh()
+    sequences = args.batch * (2 if method == "hdpo" else 1)
+    if method == "sft":
+        objective = SFT(1)
+        batch = _sft_batch(rng, 1, args.batch, args.seq, cfg.vocab_size)
+    else:
+        objective = Preference(PreferenceConfig(init="bench"), 1)
+        batch = _pair_batch(rng, 1, args.batch, args.seq, cfg.vocab_size)
+    trainer = Trainer(model, objective, OptimizerConfig(lr=1e-5), LoopConfig(steps=1000, global_batch=args.batch),
+                      mesh, Path("."))
+    compile_s, step_s = _time(lambda: trainer.step(batch)["loss"], args.steps)
+    reference_s = 0.0
+    if method == "hdpo":  # the frozen reference's forward over the same pairs
+        from flax import nnx
+
+        graphdef, state = nnx.split(create_model(cfg))
+        reference = jax.jit(lambda s, b: sequence_logps(nnx.merge(graphdef, s), b)[:2])
+        micro = jax.tree.map(lambda x: jnp.asarray(x[0]), batch)
+        _, reference_s = _time(lambda: reference(state, micro), args.steps)
+    total_s = step_s + reference_s
+    tokens = sequences * args.seq
+    flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
+    return {"stack": "polyalign (JAX)", "method": method, "compile_s": round(compile_s, 2),
+            "step_s": round(total_s, 4), "reference_s": round(reference_s, 4), "tokens": tokens,
+            "tokens_per_s": round(tokens / total_s, 1), "tflops_per_s": round(flops / total_s / 1e12, 3),
+            "mfu": round(flops / total_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
+            "peak_memory_gib": round(_peak_memory() / 2**30, 2) if _peak_memory() else None}
+
+
+def bench_peer(args, cfg, method: str) -> dict | None:
+    """The same step in PyTorch + transformers: eager, sdpa, float32 master weights with bfloat16
+    autocast on GPU (float32 on CPU)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from polyalign.model.config import to_hf_config
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in to_hf_config(cfg).items()
+                                                      if k not in ("architectures", "torch_dtype")})
+    hf_config._attn_implementation = "eager" if cfg.is_gemma else "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).to(device)
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config).to(device).eval() if method == "hdpo" else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    sequences = args.batch * (2 if method == "hdpo" else 1)
+    ids = torch.randint(0, cfg.vocab_size, (sequences, args.seq + 1), device=device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda" and args.dtype == "bfloat16")
+
+    def logps(m, inputs, targets):
+        logits = m(input_ids=inputs).logits.float()
+        return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].sum(-1)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            if method == "sft":
+                loss = torch.nn.functional.cross_entropy(model(input_ids=ids[:, :-1]).logits.float().flatten(0, 1),
+                                                         ids[:, 1:].flatten())
+            else:
+                with torch.no_grad():
+                    ref = logps(reference, ids[:, :-1], ids[:, 1:])
+                pol = logps(model, ids[:, :-1], ids[:, 1:])
+                half = args.batch
+                loss = -torch.nn.functional.logsigmoid(0.1 * ((pol[:half] - ref[:half]) - (pol[half:] - ref[half:]))).mean()
+        loss.backward()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    started = time.perf_counter()
+    step()
+    compile_s = time.perf_counter() - started
+    times = []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    step_s = statistics.median(times)
+    tokens = sequences * args.seq
+    flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return {"stack": "PyTorch + transformers", "method": method, "compile_s": round(compile_s, 2),
+            "step_s": round(step_s, 4), "reference_s": None, "tokens": tokens, "tokens_per_s": round(tokens / step_s, 1),
+            "tflops_per_s": round(flops / step_s / 1e12, 3),
+            "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
+            "peak_memory_gib": round(peak, 2) if peak else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=4, help="sequences (SFT) or pairs (HDPO) per step")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--method", choices=("sft", "hdpo", "both"), default="both")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    parser.add_argument("--remat", choices=("none", "full", "dots"), default="none")
+    parser.add_argument("--attention", choices=("xla", "cudnn"), help="jax.nn.dot_product_attention implementation")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (e.g. 800 for an H200 in bf16)")
+    parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch + transformers peer")
+    parser.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (small CPU runs)")
+    args = parser.parse_args()
+
+    overrides = {"dtype": args.dtype, "remat": args.remat, "attention_impl": args.attention}
+    if args.vocab_size:
+        overrides["vocab_size"] = args.vocab_size
+    cfg = preset(args.preset, **overrides)
+    methods = ["sft", "hdpo"] if args.method == "both" else [args.method]
+    rows = []
+    for method in methods:
+        rows.append(bench_polyalign(args, cfg, method))
+        if not args.no_peer:
+            peer = bench_peer(args, cfg, method)
+            if peer:
+                rows.append(peer)
+    print(f"{args.preset}: {cfg.num_parameters() / 1e6:,.1f}M parameters, {matmul_parameters(cfg) / 1e6:,.1f}M in "
+          f"matmuls; batch {args.batch} x seq {args.seq}, {args.dtype}, remat {args.remat}; "
+          f"{jax.devices()[0].device_kind}")
+    print(f"{'stack':24s} {'method':6s} {'compile s':>9s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+          f"{'MFU':>5s} {'peak GiB':>8s}")
+    for r in rows:
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.2f}"
+        peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
+        print(f"{r['stack']:24s} {r['method']:6s} {r['compile_s']:9.2f} {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} "
+              f"{r['tflops_per_s']:8.3f} {mfu:>5s} {peak:>8s}")
+    result = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
+              "attention": args.attention, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "rows": rows}
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "train_step.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

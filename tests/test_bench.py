@@ -1,0 +1,41 @@
+"""The training-step benchmark runs on CPU at tiny sizes and reports what it promises."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_train_step_bench_on_cpu(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "--preset", "tiny", "--batch", "2",
+                             "--seq", "64", "--steps", "2", "--vocab-size", "512", "--no-peer", "--peak-tflops", "1"],
+                            capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "polyalign (JAX)" in result.stdout and "tokens/s" in result.stdout
+    report = json.loads((tmp_path / "train_step.json").read_text())
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"sft", "hdpo"}
+    assert rows["sft"]["tokens"] == 2 * 64 and rows["hdpo"]["tokens"] == 2 * 2 * 64
+    for row in rows.values():
+        assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"], rel=1e-3)
+        assert 0 < row["mfu"] < 1
+    assert rows["hdpo"]["reference_s"] > 0
+
+
+def test_flop_count_by_hand():
+    sys.path.insert(0, str(REPO / "bench"))
+    from train_step import matmul_parameters, step_flops
+
+    from polyalign.model.presets import preset
+
+    cfg = preset("qwen2.5-0.5b")  # tied: the embedding counts once, as the LM head
+    norms = 896 * 2 * 24 + 896
+    assert matmul_parameters(cfg) == 494_032_768 - norms
+    attention = 2 * 2 * 24 * 1024 * 14 * 64 * 0.5
+    assert step_flops(cfg, 1024, 1024, reference=False) == pytest.approx(6 * (matmul_parameters(cfg) + attention) * 1024)
+    assert step_flops(cfg, 1024, 1024, reference=True) == pytest.approx(8 * (matmul_parameters(cfg) + attention) * 1024)
