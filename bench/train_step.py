@@ -116,7 +116,7 @@ def bench_polyalign(args, cfg, method: str) -> dict:
     tokens = sequences * args.seq
     flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
     return {"stack": "polyalign (JAX)", "method": method, "compile_s": round(compile_s, 2),
-            "step_s": round(total_s, 4), "reference_s": round(reference_s, 4), "tokens": tokens,
+            "step_s": round(total_s, 6), "reference_s": round(reference_s, 6), "tokens": tokens,
             "tokens_per_s": round(tokens / total_s, 1), "tflops_per_s": round(flops / total_s / 1e12, 3),
             "mfu": round(flops / total_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
             "peak_memory_gib": round(_peak_memory() / 2**30, 2) if _peak_memory() else None}
@@ -177,7 +177,7 @@ def bench_peer(args, cfg, method: str) -> dict | None:
     flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     return {"stack": "PyTorch + transformers", "method": method, "compile_s": round(compile_s, 2),
-            "step_s": round(step_s, 4), "reference_s": None, "tokens": tokens, "tokens_per_s": round(tokens / step_s, 1),
+            "step_s": round(step_s, 6), "reference_s": None, "tokens": tokens, "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_s": round(flops / step_s / 1e12, 3),
             "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
             "peak_memory_gib": round(peak, 2) if peak else None}

@@ -22,7 +22,7 @@ def test_train_step_bench_on_cpu(tmp_path):
     assert set(rows) == {"sft", "hdpo"}
     assert rows["sft"]["tokens"] == 2 * 64 and rows["hdpo"]["tokens"] == 2 * 2 * 64
     for row in rows.values():
-        assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"], rel=1e-3)
+        assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"], rel=1e-2)
         assert 0 < row["mfu"] < 1
     assert rows["hdpo"]["reference_s"] > 0
 
