@@ -211,35 +211,41 @@ POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i
 """
 
 
+def _add_config_command(parent, name: str, help: str, description: str, epilog: str, config_help: str, handler):
+    """A subcommand run as `--config C --out OUT [key=value ...]`, like every training method."""
+    p = parent.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help=config_help)
+    p.add_argument("--out", required=True, type=Path, help="output directory (resumed if it has checkpoints)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
+    p.set_defaults(handler=handler)
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model (sft, critic, hdpo)", description="Training.")
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
-    sft = methods.add_parser("sft", help="Bucket-Aware SFT (or plain SFT with weighting=uniform)",
-                             description="Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.",
-                             epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sft.add_argument("--config", required=True, type=Path, help="training config (YAML)")
-    sft.add_argument("--out", required=True, type=Path, help="output directory (resumed if it has checkpoints)")
-    sft.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sft.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
-    sft.set_defaults(handler=_run_train_sft)
-    critic = methods.add_parser("critic", help="the support-distance critic (METHOD section 6)",
-                                description="Train the critic c(y, b) on the frozen SFT encoder; write its scores "
-                                            "onto the pairs (OUT/train_pairs.jsonl, OUT/val_pairs.jsonl).",
-                                epilog=CRITIC_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    critic.add_argument("--config", required=True, type=Path, help="critic config (YAML), e.g. configs/critic_demo.yaml")
-    critic.add_argument("--out", required=True, type=Path)
-    critic.add_argument("--no-progress", action="store_true")
-    critic.add_argument("overrides", nargs="*", metavar="key=value")
-    critic.set_defaults(handler=_run_train_critic)
-    hdpo = methods.add_parser("hdpo", help="HDPO (or DPO / IPO with method=dpo / ipo) from the SFT checkpoint",
-                              description="HDPO: pair-weighted DPO + lambda_dist * critic distance + gamma_ftx * "
-                                          "length-normalised NLL of the human response.",
-                              epilog=HDPO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    hdpo.add_argument("--config", required=True, type=Path, help="config (YAML), e.g. configs/hdpo_demo.yaml")
-    hdpo.add_argument("--out", required=True, type=Path)
-    hdpo.add_argument("--no-progress", action="store_true")
-    hdpo.add_argument("overrides", nargs="*", metavar="key=value")
-    hdpo.set_defaults(handler=_run_train_hdpo)
+    _add_config_command(methods, "sft", "Bucket-Aware SFT (or plain SFT with weighting=uniform)",
+                        "Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.", TRAIN_EPILOG,
+                        "training config (YAML), e.g. configs/sft_demo.yaml", _run_train_sft)
+    _add_config_command(methods, "critic", "the support-distance critic (METHOD section 6)",
+                        "Train the critic c(y, b) on the frozen SFT encoder; write its scores onto the pairs "
+                        "(OUT/train_pairs.jsonl, OUT/val_pairs.jsonl).", CRITIC_EPILOG,
+                        "critic config (YAML), e.g. configs/critic_demo.yaml", _run_train_critic)
+    _add_config_command(methods, "hdpo", "HDPO (or DPO / IPO with method=dpo / ipo) from the SFT checkpoint",
+                        "HDPO: pair-weighted DPO + lambda_dist * critic distance + gamma_ftx * length-normalised "
+                        "NLL of the human response.", HDPO_EPILOG,
+                        "config (YAML), e.g. configs/hdpo_demo.yaml", _run_train_hdpo)
+
+
+def _report_training(result: dict, out: Path, finished: str) -> int:
+    """One line on how a training run ended, and where its model is."""
+    if result["interrupted"] or result["stopped_early"]:
+        print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
+    else:
+        print(finished)
+        print(f"model: {out / 'model'}")
+    return 0
 
 
 def _run_train_sft(args) -> int:
@@ -248,16 +254,11 @@ def _run_train_sft(args) -> int:
     initialize_distributed()
     from polyalign.train.sft import load_config, train_sft
 
-    config = load_config(args.config, args.overrides)
-    result = train_sft(config, args.out, progress=not args.no_progress)
+    result = train_sft(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
     last = result.get("last", {})
-    if result["interrupted"] or result["stopped_early"]:
-        print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
-    else:
-        print(f"trained {result['end_step']} steps in {result['seconds']} s; final loss {last.get('loss', float('nan')):.4f}"
-              + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-        print(f"model: {args.out / 'model'}")
-    return 0
+    return _report_training(result, args.out, f"trained {result['end_step']} steps in {result['seconds']} s; final "
+                            f"loss {last.get('loss', float('nan')):.4f}"
+                            + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
 
 
 CRITIC_EPILOG = """\
@@ -300,13 +301,9 @@ def _run_train_hdpo(args) -> int:
 
     result = train_preference(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
     last = result.get("last", {})
-    if result["interrupted"] or result["stopped_early"]:
-        print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
-    else:
-        print(f"{result['method']}: {result['end_step']} steps on {result['train_pairs']} pairs; reward margin "
-              f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}")
-        print(f"model: {args.out / 'model'}")
-    return 0
+    return _report_training(result, args.out, f"{result['method']}: {result['end_step']} steps on "
+                            f"{result['train_pairs']} pairs; reward margin {last.get('rewards/margin', float('nan')):.4f}, "
+                            f"accuracy {last.get('rewards/accuracy', float('nan')):.3f}")
 
 
 def _add_pairs(sub) -> None:

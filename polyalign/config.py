@@ -110,3 +110,13 @@ def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = 
                 raise ConfigError(f"{where}: {key!r} goes through a value that is not a mapping")
         node[parts[-1]] = yaml.safe_load(raw)
     return mapping
+
+
+def load_config_file(cls: type[T], path: Path | None, overrides: list[str] = ()) -> T:
+    """Dataclass `cls` from a YAML file (None or an empty file: all defaults) with `key=value`
+    overrides applied; unknown keys and wrong types are errors naming the file and key."""
+    raw = (load_yaml(path) if path is not None else None) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+    apply_overrides(raw, list(overrides))
+    return from_mapping(cls, raw, str(path or "config"))

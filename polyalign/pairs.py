@@ -12,27 +12,19 @@ from typing import Any
 from polyalign.data.prepare import read_records
 from polyalign.data.records import InputError, Record
 from polyalign.data.text import normalize
+from polyalign.predictions import iter_predictions
 
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
 BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
 
 
 def read_predictions(path: Path) -> dict[str, dict[str, Any]]:
-    """Prediction rows by id; a duplicate id or a row without id/prediction is an error naming the line."""
+    """Prediction rows by id; a duplicate id is an error naming the line."""
     rows: dict[str, dict[str, Any]] = {}
-    with Path(path).open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{line_number}: not JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("prediction"), str):
-                raise InputError(f"{path}:{line_number}: a prediction row needs string fields id and prediction")
-            if row["id"] in rows:
-                raise InputError(f"{path}:{line_number}: duplicate id {row['id']!r}")
-            rows[row["id"]] = row
+    for line_number, row in iter_predictions(path):
+        if row["id"] in rows:
+            raise InputError(f"{path}:{line_number}: duplicate id {row['id']!r}")
+        rows[row["id"]] = row
     return rows
 
 

@@ -74,6 +74,7 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
     from polyalign.train.hdpo import METHODS, PreferenceConfig
     from polyalign.train.sft import SftConfig
 
+    # The method, which an override may change, decides the config's dataclass.
     raw = load_yaml(path) or {}
     apply_overrides(raw, list(overrides))
     method = raw.get("method", "sft")

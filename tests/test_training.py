@@ -3,7 +3,6 @@ devices and several processes."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ from safetensors.numpy import load_file
 from polyalign.chat import encode_conversation, get_template, record_messages
 from polyalign.data.prepare import read_records
 from polyalign.inputs import pipeline
+from polyalign.launch import free_port
 from polyalign.train.metrics import read_metrics
 from polyalign.train.sft import load_config, train_sft
 from tests.conftest import REPO
@@ -167,12 +167,6 @@ def test_resume_continues_exactly(built_run, tmp_path):
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cli(args, env_extra, devices):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env_extra}
     return subprocess.Popen(["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],
@@ -196,7 +190,7 @@ def _wait(processes):
 def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     run, _ = built_run
     _wait([_cli(_train_args(run, tmp_path / "one", "parallel.data=4"), {}, devices=4)])
-    port = _free_port()
+    port = free_port()
     workers = [_cli(_train_args(run, tmp_path / "two", "parallel.data=4"),
                     {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
                      "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)]

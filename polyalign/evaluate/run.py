@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from polyalign.data.prepare import read_records
-from polyalign.data.records import InputError
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.text import diversity, utility_scores
+from polyalign.predictions import iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
@@ -28,20 +28,9 @@ class EvaluationError(ValueError):
 
 
 def load_predictions(path: Path) -> tuple[list[dict], Counter]:
-    rows, seen = [], Counter()
-    with Path(path).open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{number}: not JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("prediction"), str):
-                raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction")
-            seen[row["id"]] += 1
-            rows.append(row)
-    return rows, seen
+    """Every prediction row, and how often each id occurs (duplicates are counted, not refused here)."""
+    rows = [row for _, row in iter_predictions(path)]
+    return rows, Counter(row["id"] for row in rows)
 
 
 def align(records, rows: list[dict], seen: Counter, allow_partial: bool) -> tuple[list, list[str], dict]:

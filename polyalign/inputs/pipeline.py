@@ -18,8 +18,6 @@ import numpy as np
 
 from polyalign.inputs.build import dataset_dir
 
-BATCH_KEYS = ("input_ids", "targets", "loss_mask", "weight", "bucket", "valid", "length")
-
 
 def open_split(run: Path, split: str):
     """The built split as a random-access source (tfds.data_source; no TensorFlow)."""

@@ -23,7 +23,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from polyalign import parallel
-from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.config import ConfigError, load_config_file
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
 
 MARGIN = 0.1
@@ -57,9 +57,7 @@ class CriticConfig:
 
 
 def load_config(path: Path | None, overrides=()) -> CriticConfig:
-    raw = (load_yaml(path) if path is not None else {}) or {}
-    apply_overrides(raw, list(overrides))
-    config = from_mapping(CriticConfig, raw, str(path or "config"))
+    config = load_config_file(CriticConfig, path, overrides)
     if config.distance_features not in ("nonconstant", "all"):
         raise ConfigError(f"{path}: distance_features must be nonconstant or all")
     for key in ("init", "pairs", "val_pairs"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from polyalign import parallel
-from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
 from polyalign.train import losses
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
@@ -50,9 +50,7 @@ class PreferenceConfig:
 
 
 def load_config(path: Path | None, overrides=()) -> PreferenceConfig:
-    raw = (load_yaml(path) if path is not None else {}) or {}
-    apply_overrides(raw, list(overrides))
-    config = from_mapping(PreferenceConfig, raw, str(path or "config"))
+    config = load_config_file(PreferenceConfig, path, overrides)
     if config.method not in METHODS:
         raise ConfigError(f"{path}: method must be one of {', '.join(METHODS)}, got {config.method!r}")
     if config.init is None:
@@ -64,8 +62,6 @@ def load_config(path: Path | None, overrides=()) -> PreferenceConfig:
             if run is None:
                 raise ConfigError(f"{path}: set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)")
             defaults[key] = str(Path(run) / "critic" / name)
-    from dataclasses import replace
-
     return replace(config, **defaults)
 
 
@@ -231,23 +227,12 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
     layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
     iterator = pipeline.iterate(pipeline.train_batches(train_examples, layout, loop.steps, config.max_length,
                                                        tokenizer.pad_id, loop.seed, convert=pair_arrays))
-    per_shard = mesh.shape["data"] * mesh.shape["fsdp"] * jax.process_count()
-    eval_size = max(per_shard, loop.global_batch // per_shard * per_shard)
-
-    @jax.jit
-    def eval_sums(params, batch):
-        _, sums = method.numerators(trainer.model(params), jax.tree.map(lambda x: x[0], batch))
-        return sums
+    eval_size = trainer.eval_batch_size(loop.global_batch)
 
     def evaluate():
-        total = None
         dataset = pipeline.eval_batches(val_examples, eval_size, config.max_length, tokenizer.pad_id,
                                         jax.process_index(), jax.process_count(), convert=pair_arrays)
-        with jax.set_mesh(mesh):
-            for local in pipeline.iterate(dataset):
-                sums = eval_sums(trainer.state["params"], trainer.global_batch(local))
-                total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-        return summarize(jax.device_get(total), buckets, prefix="val_")
+        return summarize(trainer.metric_sums(dataset), buckets, prefix="val_")
 
     checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                 meta={"method": config.method})

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from polyalign import parallel
-from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import read_manifest
 from polyalign.train.losses import example_nll
@@ -58,13 +58,7 @@ class SftConfig:
 
 
 def load_config(path: Path | None, overrides: list[str] = ()) -> SftConfig:
-    raw = load_yaml(path) if path is not None else {}
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping")
-    apply_overrides(raw, list(overrides))
-    config = from_mapping(SftConfig, raw, str(path or "config"))
+    config = load_config_file(SftConfig, path, overrides)
     if config.weighting not in WEIGHTINGS:
         raise ConfigError(f"{path}: weighting must be one of {', '.join(WEIGHTINGS)}, got {config.weighting!r}")
     if config.weight_normalization not in NORMALIZATIONS:
@@ -117,31 +111,15 @@ def per_bucket(sums: dict[str, np.ndarray], buckets: list[str], prefix: str) -> 
     return {prefix: out} if out else {}
 
 
-def make_evaluator(trainer: Trainer, run: Path, method: SFT, buckets: list[str], weights: np.ndarray,
-                   length: int, pad_id: int, data: DataSection):
+def make_evaluator(trainer: Trainer, run: Path, buckets: list[str], weights: np.ndarray, length: int,
+                   pad_id: int, data: DataSection):
     """Validation loss overall (mean over examples), weighted by the bucket weights, and per bucket."""
     source = pipeline.open_split(run, "val")
-    per_shard = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"] * jax.process_count()
-    batch_size = max(per_shard, data.eval_batch // per_shard * per_shard)
-
-    @jax.jit
-    def sums(params, batch):
-        model = trainer.model(params)
-        micro = jax.tree.map(lambda x: x[0], batch)
-        nll = example_nll(model(micro["input_ids"]), micro["targets"], micro["loss_mask"])
-        valid = micro["valid"].astype(jnp.float32)
-        return {"bucket_loss": jax.ops.segment_sum(nll * valid, micro["bucket"], len(buckets)),
-                "bucket_examples": jax.ops.segment_sum(valid, micro["bucket"], len(buckets))}
+    batch_size = trainer.eval_batch_size(data.eval_batch)
 
     def evaluate() -> dict[str, Any]:
-        dataset = pipeline.eval_batches(source, batch_size, length, pad_id, jax.process_index(),
-                                        jax.process_count(), data.eval_limit)
-        total = None
-        with jax.set_mesh(trainer.mesh):
-            for local in pipeline.iterate(dataset):
-                out = sums(trainer.state["params"], trainer.global_batch(local))
-                total = out if total is None else jax.tree.map(jnp.add, total, out)
-        host = jax.device_get(total)
+        host = trainer.metric_sums(pipeline.eval_batches(source, batch_size, length, pad_id, jax.process_index(),
+                                                         jax.process_count(), data.eval_limit))
         examples = host["bucket_examples"]
         mean_by_bucket = np.divide(host["bucket_loss"], examples, out=np.zeros_like(examples), where=examples > 0)
         present = examples > 0
@@ -199,7 +177,7 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
     layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
     train_source = pipeline.open_split(run, "train")
     iterator = pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed))
-    evaluate = make_evaluator(trainer, run, method, buckets, weights, length, pad_id, config.data)
+    evaluate = make_evaluator(trainer, run, buckets, weights, length, pad_id, config.data)
     checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                 meta={"method": "sft", "weighting": config.weighting})
 

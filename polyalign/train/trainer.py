@@ -10,7 +10,6 @@ update is therefore the same whatever the micro-batch size, device count or host
 from __future__ import annotations
 
 import json
-import math
 import signal
 import time
 from collections.abc import Callable
@@ -118,6 +117,9 @@ class Trainer:
         self.batch_sharding = parallel.batch_sharding(mesh, leading=2)
         self.metrics = metrics
         self._accumulate = jax.jit(self._accumulate_impl)
+        # A method's metric sums for one batch without gradients: validation uses them.
+        self._metric_sums = jax.jit(
+            lambda params, batch: self.method.numerators(self.model(params), jax.tree.map(lambda x: x[0], batch))[1])
         self._step = jax.jit(self._step_impl, out_shardings=(self.state_shardings, None), donate_argnums=0)
         micro = loop.global_batch // loop.micro_batches
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -193,6 +195,23 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             self.state, metrics = self._step(self.state, self.global_batch(local_batch))
         return metrics
+
+    def eval_batch_size(self, requested: int) -> int:
+        """`requested` rounded down to whole batch shards (data x fsdp x processes), at least one each."""
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * jax.process_count()
+        return max(shards, requested // shards * shards)
+
+    def metric_sums(self, dataset) -> dict[str, np.ndarray]:
+        """The method's metric sums over every batch of a grain dataset of per-process batches
+        ([1, per_process, ...] arrays), with the current parameters, on the host."""
+        from polyalign.inputs.pipeline import iterate
+
+        total = None
+        with jax.set_mesh(self.mesh):
+            for local in iterate(dataset):
+                sums = self._metric_sums(self.state["params"], self.global_batch(local))
+                total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+        return jax.device_get(total)
 
     @property
     def step_number(self) -> int:
@@ -292,7 +311,3 @@ def save_config(out: Path, config) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (out / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str) + "\n")
-
-
-def finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
