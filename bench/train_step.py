@@ -3,18 +3,26 @@ same step in PyTorch + transformers: the peer).
 
     python bench/train_step.py --preset tiny --batch 4 --seq 128                       # CPU, seconds
     python bench/train_step.py --preset qwen2.5-1.5b --batch 4 --seq 1024 --dtype bfloat16 \\
-        --remat dots --attention cudnn --peak-tflops 800                             # one H200
+        --remat dots --attention cudnn --logprob-chunk 256 --peak-tflops 800          # one H200
+    python bench/train_step.py --preset qwen2.5-1.5b --batch 4 --seq 1024 --compile-only  # memory only
 
 A step is what the trainer runs: SFT on `batch` sequences; HDPO on `batch` pairs (chosen and
 rejected in one pass) with the reference log-probs of the batch computed by a frozen copy of the
 model (timed separately and added). MFU counts 6N FLOPs per token for the policy's forward and
 backward plus 2N for the reference forward (N = matmul parameters including the LM head), plus causal
 attention (halved). Prints a table and writes JSON to $OUT/train_step.json when OUT is set.
+
+Each polyalign row is paired with a plain JAX step of the same model: one jitted value_and_grad of the
+plain loss over full logits plus optax AdamW, nothing else (no micro-batch scan, no global
+normalisation, no NaN guard, no metric sums). Their ratio is the trainer's overhead. Both report XLA's
+compiled memory analysis (arguments + outputs - donated aliases + temporaries), which needs no
+accelerator; `--compile-only` reports only that, for shapes too large to run here.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -25,13 +33,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyalign import parallel  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import PRESETS, preset  # noqa: E402
+from polyalign.model.log_probs import token_log_probs  # noqa: E402
 from polyalign.train.hdpo import Preference, PreferenceConfig, sequence_logps  # noqa: E402
+from polyalign.train.losses import dpo_loss  # noqa: E402
 from polyalign.train.sft import SFT  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 
@@ -90,36 +102,100 @@ def _peak_memory():
     return stats.get("peak_bytes_in_use")
 
 
-def bench_polyalign(args, cfg, method: str) -> dict:
-    rng = np.random.default_rng(0)
-    model = create_model(cfg)
-    mesh = parallel.make_mesh()
-    sequences = args.batch * (2 if method == "hdpo" else 1)
-    if method == "sft":
-        objective = SFT(1)
-        batch = _sft_batch(rng, 1, args.batch, args.seq, cfg.vocab_size)
-    else:
-        objective = Preference(PreferenceConfig(init="bench"), 1)
-        batch = _pair_batch(rng, 1, args.batch, args.seq, cfg.vocab_size)
-    trainer = Trainer(model, objective, OptimizerConfig(lr=1e-5), LoopConfig(steps=1000, global_batch=args.batch),
-                      mesh, Path("."))
-    compile_s, step_s = _time(lambda: trainer.step(batch)["loss"], args.steps)
-    reference_s = 0.0
-    if method == "hdpo":  # the frozen reference's forward over the same pairs
-        from flax import nnx
+def compiled_memory(compiled) -> dict[str, float | None]:
+    """XLA's memory analysis of a compiled step, in GiB: temporaries, and the estimated peak
+    (arguments + outputs - donated aliases + temporaries)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return {"xla_temp_gib": None, "xla_peak_gib": None}
+    peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes)
+    return {"xla_temp_gib": round(analysis.temp_size_in_bytes / 2**30, 3), "xla_peak_gib": round(peak / 2**30, 3)}
 
-        graphdef, state = nnx.split(create_model(cfg))
-        reference = jax.jit(lambda s, b: sequence_logps(nnx.merge(graphdef, s), b)[:2])
-        micro = jax.tree.map(lambda x: jnp.asarray(x[0]), batch)
-        _, reference_s = _time(lambda: reference(state, micro), args.steps)
-    total_s = step_s + reference_s
+
+def _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory):
+    sequences = args.batch * (2 if method == "hdpo" else 1)
     tokens = sequences * args.seq
     flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
-    return {"stack": "polyalign (JAX)", "method": method, "compile_s": round(compile_s, 2),
-            "step_s": round(total_s, 6), "reference_s": round(reference_s, 6), "tokens": tokens,
+    row = {"stack": stack, "method": method, "compile_s": round(compile_s, 2), "tokens": tokens, **memory}
+    if step_s is None:  # --compile-only
+        return {**row, "step_s": None, "reference_s": None, "tokens_per_s": None, "tflops_per_s": None, "mfu": None,
+                "peak_memory_gib": None}
+    total_s = step_s + reference_s
+    peak = _peak_memory()
+    return {**row, "step_s": round(total_s, 6), "reference_s": round(reference_s, 6),
             "tokens_per_s": round(tokens / total_s, 1), "tflops_per_s": round(flops / total_s / 1e12, 3),
             "mfu": round(flops / total_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
-            "peak_memory_gib": round(_peak_memory() / 2**30, 2) if _peak_memory() else None}
+            "peak_memory_gib": round(peak / 2**30, 2) if peak else None}
+
+
+def _reference_seconds(args, cfg, batch) -> float:
+    """The frozen reference's forward over the same pairs (HDPO precomputes these per batch)."""
+    graphdef, state = nnx.split(create_model(cfg))
+    reference = jax.jit(lambda s, b: sequence_logps(nnx.merge(graphdef, s), b)[:2])
+    micro = jax.tree.map(lambda x: jnp.asarray(x[0]), batch)
+    return _time(lambda: reference(state, micro), args.steps)[1]
+
+
+def _batch(rng, args, cfg, method):
+    make = _sft_batch if method == "sft" else _pair_batch
+    return make(rng, 1, args.batch, args.seq, cfg.vocab_size)
+
+
+def bench_polyalign(args, cfg, method: str) -> dict:
+    batch = _batch(np.random.default_rng(0), args, cfg, method)
+    objective = SFT(1) if method == "sft" else Preference(PreferenceConfig(init="bench"), 1)
+    trainer = Trainer(create_model(cfg), objective, OptimizerConfig(lr=1e-5),
+                      LoopConfig(steps=1000, global_batch=args.batch), parallel.make_mesh(), Path("."))
+    started = time.perf_counter()
+    memory = compiled_memory(trainer.compiled_step(batch))
+    compile_s = time.perf_counter() - started
+    if args.compile_only:
+        return _row(args, cfg, "polyalign (JAX)", method, compile_s, None, None, memory)
+    step_s = _time(lambda: trainer.step(batch)["loss"], args.steps)[1]
+    reference_s = _reference_seconds(args, cfg, batch) if method == "hdpo" else 0.0
+    return _row(args, cfg, "polyalign (JAX)", method, compile_s, step_s, reference_s, memory)
+
+
+def bench_plain(args, cfg, method: str) -> dict:
+    """A plain JAX step of the same model: full logits, the plain loss, optax AdamW, donated state."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, logprob_chunk=0)
+    batch = jax.tree.map(lambda x: jnp.asarray(x[0]), _batch(np.random.default_rng(0), args, cfg, method))
+    graphdef, params = nnx.split(create_model(cfg))
+    tx = optax.adamw(1e-5)
+    opt_state = tx.init(params)
+
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params)
+        if method == "sft":
+            logps = token_log_probs(model(batch["input_ids"]), batch["targets"])
+            return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        chosen, rejected, _ = sequence_logps(model, batch)
+        return dpo_loss(chosen, rejected, batch["ref_chosen"], batch["ref_rejected"]).mean()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    started = time.perf_counter()
+    memory = compiled_memory(step.lower(params, opt_state, batch).compile())
+    compile_s = time.perf_counter() - started
+    if args.compile_only:
+        return _row(args, cfg, "plain JAX", method, compile_s, None, None, memory)
+    carry = [params, opt_state]
+
+    def run():
+        carry[0], carry[1], loss = step(carry[0], carry[1], batch)
+        return loss
+
+    step_s = _time(run, args.steps)[1]
+    reference_s = _reference_seconds(args, cfg, _batch(np.random.default_rng(0), args, cfg, method)) \
+        if method == "hdpo" else 0.0
+    return _row(args, cfg, "plain JAX", method, compile_s, step_s, reference_s, memory)
 
 
 def bench_peer(args, cfg, method: str) -> dict | None:
@@ -180,7 +256,7 @@ def bench_peer(args, cfg, method: str) -> dict | None:
             "step_s": round(step_s, 6), "reference_s": None, "tokens": tokens, "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_s": round(flops / step_s / 1e12, 3),
             "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
-            "peak_memory_gib": round(peak, 2) if peak else None}
+            "peak_memory_gib": round(peak, 2) if peak else None, "xla_temp_gib": None, "xla_peak_gib": None}
 
 
 def main() -> None:
@@ -196,9 +272,15 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (e.g. 800 for an H200 in bf16)")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch + transformers peer")
     parser.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (small CPU runs)")
+    parser.add_argument("--logprob-chunk", type=int, default=0,
+                        help="log-probs in sequence blocks of this size, never full [B, T, V] logits (0: full)")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain JAX step")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile and report XLA's memory analysis only (implies --no-peer)")
     args = parser.parse_args()
 
-    overrides = {"dtype": args.dtype, "remat": args.remat, "attention_impl": args.attention}
+    overrides = {"dtype": args.dtype, "remat": args.remat, "attention_impl": args.attention,
+                 "logprob_chunk": args.logprob_chunk}
     if args.vocab_size:
         overrides["vocab_size"] = args.vocab_size
     cfg = preset(args.preset, **overrides)
@@ -206,22 +288,34 @@ def main() -> None:
     rows = []
     for method in methods:
         rows.append(bench_polyalign(args, cfg, method))
-        if not args.no_peer:
+        if not args.no_plain:
+            rows.append(bench_plain(args, cfg, method))
+        if not args.no_peer and not args.compile_only:
             peer = bench_peer(args, cfg, method)
             if peer:
                 rows.append(peer)
     print(f"{args.preset}: {cfg.num_parameters() / 1e6:,.1f}M parameters, {matmul_parameters(cfg) / 1e6:,.1f}M in "
-          f"matmuls; batch {args.batch} x seq {args.seq}, {args.dtype}, remat {args.remat}; "
+          f"matmuls; batch {args.batch} x seq {args.seq}, {args.dtype}, remat {args.remat}, "
+          f"logprob chunk {args.logprob_chunk or 'off'}; "
           f"{jax.devices()[0].device_kind}")
     print(f"{'stack':24s} {'method':6s} {'compile s':>9s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-          f"{'MFU':>5s} {'peak GiB':>8s}")
+          f"{'MFU':>5s} {'peak GiB':>8s} {'XLA peak':>8s} {'XLA temp':>8s}")
+
+    def cell(value, spec):
+        return "-" if value is None else format(value, spec)
+
     for r in rows:
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.2f}"
-        peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
-        print(f"{r['stack']:24s} {r['method']:6s} {r['compile_s']:9.2f} {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} "
-              f"{r['tflops_per_s']:8.3f} {mfu:>5s} {peak:>8s}")
-    result = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
-              "attention": args.attention, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        print(f"{r['stack']:24s} {r['method']:6s} {r['compile_s']:9.2f} {cell(r['step_s'], '8.3f'):>8s} "
+              f"{cell(r['tokens_per_s'], '10,.0f'):>10s} {cell(r['tflops_per_s'], '8.3f'):>8s} {cell(r['mfu'], '.2f'):>5s} "
+              f"{cell(r['peak_memory_gib'], '.1f'):>8s} {cell(r['xla_peak_gib'], '.3f'):>8s} "
+              f"{cell(r['xla_temp_gib'], '.3f'):>8s}")
+    for method in methods:
+        ours = next(r for r in rows if r["stack"] == "polyalign (JAX)" and r["method"] == method)
+        plain = next((r for r in rows if r["stack"] == "plain JAX" and r["method"] == method), None)
+        if plain and ours["step_s"] and plain["step_s"]:
+            print(f"{method}: polyalign step / plain JAX step = {ours['step_s'] / plain['step_s']:.3f} (time)")
+    result = {"preset": args.preset, "parameters": cfg.num_parameters(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
+              "attention": args.attention, "logprob_chunk": args.logprob_chunk, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "rows": rows}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "train_step.json").write_text(json.dumps(result, indent=2))

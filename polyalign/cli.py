@@ -53,6 +53,15 @@ quarantine, RUN/data/quarantine.jsonl.
 """
 
 
+def _add_beam_arguments(p, what: str) -> None:
+    group = p.add_argument_group("Apache Beam (pip install 'polyalign[beam]'; see docs/scale.md)")
+    group.add_argument("--beam", action="store_true",
+                       help=f"{what} as an Apache Beam pipeline (same output as without --beam)")
+    group.add_argument("--beam-options", metavar="FLAGS",
+                       help="Beam pipeline flags in one string, e.g. \"--runner=DataflowRunner --project=P "
+                            "--region=R --temp_location=gs://B/tmp\" (default: DirectRunner)")
+
+
 def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="import corpora, bucket, dedup and split into RUN/data",
                        description="Import native corpora into normalised, bucketed, deduplicated, group-safe splits.",
@@ -63,14 +72,27 @@ def _add_prepare(sub) -> None:
                    help="malformed rows stop the run (fail, default) or go to OUT/data/quarantine.jsonl")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
+    _add_beam_arguments(p, "run prepare")
+    p.add_argument("--num-shards", type=int, default=1,
+                   help="with --beam: files per split (1, default, writes OUT/data/SPLIT.jsonl; N writes "
+                        "OUT/data/SPLIT-0000i-of-0000N.jsonl, which `polyalign build` reads too)")
     p.set_defaults(handler=_run_prepare)
 
 
 def _run_prepare(args) -> int:
-    from polyalign.data.prepare import prepare
+    if args.beam:
+        from polyalign.beam import require_beam
 
-    manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
-                       progress=not args.no_progress)
+        require_beam()
+        from polyalign.beam.prepare import prepare_beam
+
+        manifest = prepare_beam(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
+                                beam_options=args.beam_options, num_shards=args.num_shards)
+    else:
+        from polyalign.data.prepare import prepare
+
+        manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
+                           progress=not args.no_progress)
     totals = manifest["totals"]
     print(f"read {totals['read']}, kept {totals['kept']}, dropped {totals['dropped']} "
           f"(train {totals['by_split']['train']}, val {totals['by_split']['val']}, test {totals['by_split']['test']})")
@@ -173,6 +195,7 @@ def _add_build(sub) -> None:
     p.add_argument("--min-bucket-size", type=int, default=0, help="buckets smaller than this get weight 0")
     p.add_argument("--clip-weights", type=float, nargs=2, metavar=("LOW", "HIGH"), help="clip bucket weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_beam_arguments(p, "tokenise")
     p.set_defaults(handler=_run_build)
 
 
@@ -184,7 +207,15 @@ def _run_build(args) -> int:
                            max_length=args.max_length, train_on=args.train_on,
                            weights=WeightOptions(args.weight_temperature, args.min_bucket_size,
                                                  list(args.clip_weights) if args.clip_weights else None))
-    manifest = build(args.run, options, progress=not args.no_progress)
+    if args.beam:
+        from polyalign.beam import require_beam
+
+        require_beam()
+        from polyalign.beam.build import build_beam
+
+        manifest = build_beam(args.run, options, beam_options=args.beam_options)
+    else:
+        manifest = build(args.run, options, progress=not args.no_progress)
     for split, counts in manifest["splits"].items():
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
               f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}")

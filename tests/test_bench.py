@@ -18,13 +18,37 @@ def test_train_step_bench_on_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "polyalign (JAX)" in result.stdout and "tokens/s" in result.stdout
     report = json.loads((tmp_path / "train_step.json").read_text())
-    rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"sft", "hdpo"}
+    plain = {r["method"]: r for r in report["rows"] if r["stack"] == "plain JAX"}
+    rows = {r["method"]: r for r in report["rows"] if r["stack"] == "polyalign (JAX)"}
+    assert set(rows) == set(plain) == {"sft", "hdpo"}
+    assert "sft: polyalign step / plain JAX step = " in result.stdout
+    for method, row in rows.items():
+        # XLA's own memory analysis: at least the parameters, gradients and two AdamW moments (float32)
+        assert row["xla_peak_gib"] * 2**30 >= 4 * 4 * report["parameters"] * 0.99
+        assert row["xla_temp_gib"] > 0 and plain[method]["xla_peak_gib"] > 0
     assert rows["sft"]["tokens"] == 2 * 64 and rows["hdpo"]["tokens"] == 2 * 2 * 64
     for row in rows.values():
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"], rel=1e-2)
         assert 0 < row["mfu"] < 1
     assert rows["hdpo"]["reference_s"] > 0
+
+
+def test_compile_only_reports_that_chunked_log_probs_drop_the_logits(tmp_path):
+    """At a vocabulary much larger than the model, the [B, T, V] logits dominate the step's temporaries:
+    blocks of 16 positions must cut XLA's peak estimate by most of their size."""
+    def peak(chunk):
+        out = tmp_path / str(chunk)
+        out.mkdir()
+        result = subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "--preset", "tiny", "--batch",
+                                 "4", "--seq", "256", "--vocab-size", "32000", "--method", "sft", "--compile-only",
+                                 "--no-plain", "--logprob-chunk", str(chunk)],
+                                capture_output=True, text=True, env={**os.environ, "OUT": str(out)}, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads((out / "train_step.json").read_text())["rows"][0]["xla_peak_gib"] * 2**30
+
+    logits_bytes = 4 * 256 * 32000 * 4  # one float32 [B, T, V] buffer
+    full, chunked = peak(0), peak(16)
+    assert full - chunked > logits_bytes
 
 
 def test_flop_count_by_hand():

@@ -4,6 +4,7 @@ formulas (tests/fixtures/losses/trl_dpo.json, evaluated in torch by tools/make_f
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,3 +105,60 @@ def test_example_nll_by_hand():
     mask = jnp.array([[1.0, 1.0, 0.0]])
     assert float(example_nll(logits, targets, mask)[0]) == pytest.approx((math.log(2) + math.log(4 / 3)) / 2, abs=1e-6)
     assert float(example_nll(logits, targets, jnp.zeros((1, 3)))[0]) == 0.0
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_chunked_log_probs_equal_full_logits_in_value_and_gradient(softcap):
+    from polyalign.model.log_probs import chunked_token_log_probs
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    batch, length, width, vocab = 3, 37, 16, 101  # 37 positions: the last block of 8 is padded
+    hidden = jax.random.normal(keys[0], (batch, length, width))
+    weight = jax.random.normal(keys[1], (width, vocab)) * 2.0  # large logits, so the cap bites
+    targets = jax.random.randint(keys[2], (batch, length), 0, vocab)
+    cotangent = jax.random.normal(keys[3], (batch, length))
+
+    def full(h, w):
+        logits = jnp.einsum("btd,dv->btv", h, w)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        return jax.nn.log_softmax(logits)[jnp.arange(batch)[:, None], jnp.arange(length), targets]
+
+    def chunked(h, w):
+        return chunked_token_log_probs(h, w, targets, 8, softcap)
+
+    np.testing.assert_allclose(chunked(hidden, weight), full(hidden, weight), atol=2e-5, rtol=1e-5)
+    grads_full = jax.grad(lambda h, w: (full(h, w) * cotangent).sum(), argnums=(0, 1))(hidden, weight)
+    grads_chunked = jax.jit(jax.grad(lambda h, w: (chunked(h, w) * cotangent).sum(), argnums=(0, 1)))(hidden, weight)
+    for got, want in zip(grads_chunked, grads_full):
+        np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_model_log_probs_with_and_without_chunks_agree(family):
+    import dataclasses
+
+    from flax import nnx
+
+    from polyalign.model import create_model
+    from tests.conftest import tiny_model_config
+
+    overrides = {"vocab_size": 97, "tie_embeddings": family == "gemma2"}
+    if family == "gemma2":
+        overrides.update(final_logit_softcap=5.0, query_pre_attn_scalar=8)
+    cfg = tiny_model_config(**overrides) if family == "llama" else dataclasses.replace(
+        tiny_model_config(**overrides), family="gemma2", layer_types=("sliding_attention", "full_attention"),
+        sliding_window=16, attn_logit_softcap=50.0)
+    model = create_model(cfg, seed=1)
+    chunked_model = create_model(dataclasses.replace(cfg, logprob_chunk=16), seed=1)
+    ids = jax.random.randint(jax.random.key(2), (2, 40), 0, 97)
+    targets = jnp.roll(ids, -1, axis=1)
+
+    def loss(m):
+        return -m.token_log_probs(ids, targets).mean()
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    chunked_value, chunked_grads = nnx.value_and_grad(loss)(chunked_model)
+    assert float(chunked_value) == pytest.approx(float(value), rel=1e-6)
+    for got, want in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-4)

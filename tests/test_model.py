@@ -3,6 +3,7 @@ checkpoint round trip."""
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -203,3 +204,32 @@ def test_presets_have_the_published_parameter_counts(name):
     cfg = preset(name)
     shapes = jax.tree.leaves(nnx.state(abstract_model(cfg), nnx.Param))  # shapes only, nothing allocated
     assert sum(int(np.prod(s.shape)) for s in shapes) == cfg.num_parameters() == PUBLISHED_SIZES[name]
+
+
+def test_configs_models_are_the_presets_and_carry_the_published_hyperparameters():
+    from polyalign.model.presets import PRESETS, preset
+
+    repo_files = sorted(p.name for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.yaml"))
+    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 7
+    qwen, llama, gemma = preset("qwen2.5-1.5b"), preset("llama3.2-3b"), preset("gemma2-2b")
+    # values from the checkpoints' own config.json files
+    assert (qwen.rope_theta, qwen.rms_norm_eps, qwen.attention_bias, qwen.eos_token_id) == (1e6, 1e-6, True, 151645)
+    assert llama.rope_scaling.factor == 32.0 and llama.rope_theta == 500000.0 and llama.eos_token_id == (128001, 128008, 128009)
+    assert (gemma.attn_logit_softcap, gemma.final_logit_softcap, gemma.sliding_window) == (50.0, 30.0, 4096)
+    assert gemma.layer_types[:2] == ("sliding_attention", "full_attention")
+
+
+def test_an_architecture_file_of_ones_own_works_and_bad_fields_are_named(tmp_path):
+    from polyalign.model import ModelConfigError
+    from polyalign.model.presets import preset
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("family: qwen2\nvocab_size: 1000\nhidden_size: 64\nintermediate_size: 128\nnum_layers: 2\n"
+                    "num_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n")
+    cfg = preset(str(path), dtype="bfloat16")
+    assert (cfg.family, cfg.num_layers, cfg.attention_bias, cfg.dtype) == ("qwen2", 2, True, "bfloat16")
+    path.write_text(path.read_text() + "num_experts: 8\n")
+    with pytest.raises(ModelConfigError, match="mine.yaml: .*num_experts"):
+        preset(str(path))
+    with pytest.raises(ModelConfigError, match="unknown model preset 'qwen3'"):
+        preset("qwen3")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import zlib
@@ -81,6 +82,25 @@ def _minhashes(records: Sequence[Record], options: NearDuplicateOptions) -> list
         (_shingles(_signature_text(r), options.shingle_size) for r in records),
         num_perm=options.num_perm, seed=options.seed, hashfunc=zlib.crc32,
     )
+
+
+def minhash_signature(record: Record, options: NearDuplicateOptions) -> np.ndarray:
+    """One record's MinHash values, equal to what `_minhashes` computes for it in bulk."""
+    minhash = MinHash(num_perm=options.num_perm, seed=options.seed, hashfunc=zlib.crc32)
+    minhash.update_batch(_shingles(_signature_text(record), options.shingle_size))
+    return minhash.hashvalues
+
+
+@functools.cache
+def _band_ranges(threshold: float, num_perm: int) -> tuple[tuple[int, int], ...]:
+    return tuple(MinHashLSH(threshold=threshold, num_perm=num_perm).hashranges)
+
+
+def band_keys(signature: np.ndarray, options: NearDuplicateOptions) -> list[tuple[int, bytes]]:
+    """The LSH band keys of a signature, with datasketch's band layout for the threshold: two records
+    are near-duplicate candidates exactly when they share a key."""
+    return [(band, signature[start:end].tobytes())
+            for band, (start, end) in enumerate(_band_ranges(options.threshold, options.num_perm))]
 
 
 def near_duplicates(

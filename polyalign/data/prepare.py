@@ -11,7 +11,7 @@ import datetime
 import json
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,11 @@ class SourceTally:
         }
 
 
+def quarantine_row(source: str, malformed: Malformed) -> dict[str, Any]:
+    return {"source": source, "location": str(malformed.location), "where": malformed.location.to_json(),
+            "problem": malformed.problem, "raw": malformed.raw}
+
+
 class ErrorSink:
     """Malformed rows: stop the run (`fail`) or append them to quarantine.jsonl with their reason."""
 
@@ -146,10 +151,7 @@ class ErrorSink:
         if self.handle is None:
             raise PrepareError(f"{malformed.location}: {malformed.problem}")
         self.count += 1
-        self.handle.write(json.dumps({
-            "source": source, "location": str(malformed.location), "where": malformed.location.to_json(),
-            "problem": malformed.problem, "raw": malformed.raw,
-        }, ensure_ascii=False) + "\n")
+        self.handle.write(json.dumps(quarantine_row(source, malformed), ensure_ascii=False) + "\n")
 
     def close(self) -> None:
         if self.handle is not None:
@@ -219,33 +221,57 @@ class RecordBuilder:
         )
 
 
-def _agreement(counts_by_field: dict[str, list[int]], record: Record, labels: dict[str, str]) -> None:
+def label_votes(record: Record, labels: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """(field, 1 if the computed value equals the source's own label else 0) for each labelled field."""
     computed = {"language": record.language, "track": record.track, "family": record.family,
                 "style": record.style, "length_bin": record.length_bin, "bucket_id": record.bucket_id}
     for name in AGREEMENT_FIELDS:
         if name in labels:
-            counts = counts_by_field[name]
-            counts[0] += int(labels[name] == computed[name])
-            counts[1] += 1
+            yield name, int(labels[name] == computed[name])
 
 
-def _unit_agreement(records: list[Record], scheme: Scheme) -> dict[str, dict[str, float]]:
-    """How well each length unit reproduces a source's own length_bin/bucket_id labels."""
-    result: dict[str, dict[str, float]] = {}
-    labelled = [r for r in records if "length_bin" in r.meta.get("source_labels", {})]
-    if not labelled:
-        return result
+def unit_votes(record: Record, scheme: Scheme) -> Iterator[tuple[str, str, int]]:
+    """(length unit, length_bin or bucket_id, agreement) for a record whose source labels its length bin:
+    how well each length unit reproduces the source's own labels."""
+    labels = record.meta.get("source_labels", {})
+    if "length_bin" not in labels:
+        return
     for unit in LENGTH_UNIT_PATTERNS:
-        agree_bin = agree_bucket = 0
-        for record in labelled:
-            labels = record.meta["source_labels"]
-            length_bin = scheme.length_bin(length_units(record.response, unit))
-            agree_bin += int(length_bin == labels["length_bin"])
-            bucket = scheme.bucket_id({"language": record.language, "track": record.track,
-                                       "family": record.family, "length_bin": length_bin})
-            agree_bucket += int(bucket == labels.get("bucket_id", bucket))
-        result[unit] = {"length_bin": round(agree_bin / len(labelled), 6), "bucket_id": round(agree_bucket / len(labelled), 6)}
-    return result
+        length_bin = scheme.length_bin(length_units(record.response, unit))
+        bucket = scheme.bucket_id({"language": record.language, "track": record.track,
+                                   "family": record.family, "length_bin": length_bin})
+        yield unit, "length_bin", int(length_bin == labels["length_bin"])
+        yield unit, "bucket_id", int(bucket == labels.get("bucket_id", bucket))
+
+
+class AgreementCounts:
+    """Agreement tallies per corpus name (one corpus may be configured as several sources, one per split,
+    and users compare labels per corpus): label agreement at import, length-unit agreement on kept records."""
+
+    def __init__(self):
+        self.labels: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self.units: dict[str, dict[str, dict[str, list[int]]]] = defaultdict(
+            lambda: defaultdict(lambda: defaultdict(lambda: [0, 0])))
+
+    def add_label(self, corpus: str, name: str, agree: int, count: int = 1) -> None:
+        self.labels[corpus][name][0] += agree * count
+        self.labels[corpus][name][1] += count
+
+    def add_unit(self, corpus: str, unit: str, name: str, agree: int, count: int = 1) -> None:
+        self.units[corpus][unit][name][0] += agree * count
+        self.units[corpus][unit][name][1] += count
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {
+            "label_agreement": {corpus: {name: round(a / n, 6) for name, (a, n) in sorted(fields.items())}
+                                for corpus, fields in self.labels.items()},
+            "label_agreement_counts": {corpus: {name: {"agree": a, "total": n} for name, (a, n) in sorted(fields.items())}
+                                       for corpus, fields in self.labels.items()},
+            "length_unit_agreement": {
+                corpus: {unit: {name: round(a / n, 6) for name, (a, n) in self.units[corpus][unit].items()}
+                         for unit in LENGTH_UNIT_PATTERNS if unit in self.units.get(corpus, {})}
+                for corpus in self.labels},
+        }
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
@@ -257,67 +283,115 @@ def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     return count
 
 
-def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
-            progress: bool = True) -> dict[str, Any]:
-    """Run the data pipeline; returns the manifest (also written to OUT/data/manifest.json)."""
-    started = time.perf_counter()
-    timings: dict[str, float] = {}
+@dataclass(frozen=True)
+class PrepareContext:
+    """A loaded data config with its scheme and the files of every source, checked before reading."""
+
+    config_path: Path
+    config: DataConfig
+    raw_config: dict[str, Any]
+    scheme: Scheme
+    length_unit: str
+    source_roots: list[Path]
+    source_files: list[list[Path]]
+
+    @property
+    def builder(self) -> RecordBuilder:
+        return RecordBuilder(self.scheme, self.length_unit, self.config.split)
+
+
+def load_context(config_path: Path, overrides: Iterable[str] = ()) -> PrepareContext:
     config_path = Path(config_path)
     config, raw_config = load_data_config(config_path, overrides)
     base = config_path.parent
     scheme = load_scheme(resolve(config.scheme, base))
-    length_unit = config.length_unit or scheme.length_unit
-    builder = RecordBuilder(scheme, length_unit, config.split)
-
+    roots = [resolve(source.path, base) for source in config.sources]
     # Fail fast on missing inputs before reading anything.
-    tallies = []
-    for source in config.sources:
-        fmt = get_format(source.format)
-        tally = SourceTally(source)
-        tally.files = [str(f) for f in source_files(resolve(source.path, base), fmt.module.PATTERNS)]
-        tallies.append(tally)
+    files = [source_files(root, get_format(source.format).module.PATTERNS)
+             for source, root in zip(config.sources, roots)]
+    return PrepareContext(config_path, config, raw_config, scheme, config.length_unit or scheme.length_unit,
+                          roots, files)
 
-    data_dir = out / "data"
+
+def near_duplicate_report(options: NearDuplicateOptions, pairs: list[tuple[str, str, float]]) -> dict[str, Any]:
+    flagged = {train_id for train_id, _, _ in pairs}
+    return {
+        **asdict(options), "pairs": len(pairs), "train_records": len(flagged),
+        "removed": len(flagged) if options.remove else 0, "file": "near_duplicates.jsonl",
+        "examples": [{"train_id": a, "test_id": b, "jaccard": s} for a, b, s in pairs[:20]],
+    }
+
+
+def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[SourceTally], dedup_report: dict[str, Any],
+                      quarantined: int, agreement: AgreementCounts, timings: dict[str, float],
+                      engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest both engines write; checks that every row read is accounted for."""
+    sources_json = [t.to_json() for t in tallies]
+    for entry in sources_json:
+        accounted = entry["kept"] + sum(entry["dropped"].values())
+        if accounted != entry["read"]:
+            raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
+    by_split = {s: sum(e["kept_by_split"][s] for e in sources_json) for s in SPLITS}
+    return {
+        "polyalign_version": polyalign.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config_path": str(context.config_path.resolve()),
+        "config": context.raw_config,
+        "scheme": {"path": context.scheme.path, "name": context.scheme.name, "length_unit": context.length_unit},
+        "on_error": on_error,
+        **({"engine": engine} if engine else {}),
+        "totals": {
+            "read": sum(e["read"] for e in sources_json),
+            "kept": sum(by_split.values()),
+            "dropped": sum(sum(e["dropped"].values()) for e in sources_json),
+            "by_split": by_split,
+            "empty_responses": sum(e["empty_responses"] for e in sources_json),
+        },
+        "sources": sources_json,
+        "dedup": dedup_report,
+        "quarantine": {"enabled": on_error == "quarantine", "rows": quarantined,
+                       **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},
+        **agreement.to_manifest(),
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+
+
+def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
+    (data_dir / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+
+
+def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
+            progress: bool = True) -> dict[str, Any]:
+    """Run the data pipeline on this machine; returns the manifest (also written to OUT/data/manifest.json).
+    polyalign.beam.prepare runs the same steps as an Apache Beam pipeline."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    context = load_context(config_path, overrides)
+    config, builder = context.config, context.builder
+    tallies = [SourceTally(source, files=[str(f) for f in files])
+               for source, files in zip(config.sources, context.source_files)]
+
+    data_dir = Path(out) / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
     records: list[Record] = []
     tally_of: dict[str, SourceTally] = {}
-    # Agreement with a source's own labels, per corpus name: one corpus may be configured as several
-    # sources (one per split), and users compare labels per corpus.
-    agreement_counts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    agreement = AgreementCounts()
     first_seen: dict[str, str] = {}
     try:
         bar = tqdm(total=len(tallies), desc="import", unit="source", disable=not progress or None)
-        for tally in tallies:
+        for tally, root in zip(tallies, context.source_roots):
             source = tally.config
             bar.set_postfix_str(source.name)
-            for key, item in read_source(source.format, resolve(source.path, base)):
-                tally.read += 1
-                if isinstance(item, Malformed):
-                    sink(source.name, item)
-                    tally.drop("malformed")
-                    continue
-                if isinstance(item, Skipped):
-                    tally.drop(item.reason)
-                    continue
-                try:
-                    built = builder.build(key, item, source, tally)
-                except RowProblem as problem:
-                    sink(source.name, Malformed(item.location, str(problem)))
-                    tally.drop("malformed")
-                    continue
-                if isinstance(built, Skipped):
-                    tally.drop(built.reason)
+            for key, item in read_source(source.format, root):
+                built = build_item(builder, source, tally, key, item, sink)
+                if built is None:
                     continue
                 if built.id in first_seen:
-                    raise PrepareError(
-                        f"{item.location}: record id {built.id!r} is also produced by {first_seen[built.id]}; "
-                        "give each source a distinct name or split"
-                    )
+                    raise PrepareError(duplicate_id_message(built.id, [str(item.location), first_seen[built.id]]))
                 first_seen[built.id] = str(item.location)
-                if item.labels:
-                    _agreement(agreement_counts[source.name], built, item.labels)
-                tally.empty_responses += int(built.response == "")
+                for name, agree in label_votes(built, item.labels):
+                    agreement.add_label(source.name, name, agree)
                 records.append(built)
                 tally_of[built.id] = tally
             bar.update(1)
@@ -345,26 +419,20 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     timings["split_and_dedup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    near_pairs: list[tuple[str, str, float]] = []
     near = config.near_dedup
     if config.dedup and near.enabled:
         train = [r for r in records if r.split == "train"]
         test = [r for r in records if r.split == "test"]
         near_pairs = near_duplicates(train, test, near)
-        flagged = sorted({train_id for train_id, _, _ in near_pairs})
         if near.remove:
-            flagged_set = set(flagged)
+            flagged = {train_id for train_id, _, _ in near_pairs}
             for record in records:
-                if record.id in flagged_set:
+                if record.id in flagged:
                     tally_of[record.id].drop("near_duplicate_of_test", "train")
-            records = [r for r in records if r.id not in flagged_set]
+            records = [r for r in records if r.id not in flagged]
         _write_jsonl(data_dir / "near_duplicates.jsonl",
                      ({"train_id": a, "test_id": b, "jaccard": s} for a, b, s in near_pairs))
-        dedup_report["near_duplicates"] = {
-            **asdict(near), "pairs": len(near_pairs), "train_records": len(flagged),
-            "removed": len(flagged) if near.remove else 0, "file": "near_duplicates.jsonl",
-            "examples": [{"train_id": a, "test_id": b, "jaccard": s} for a, b, s in near_pairs[:20]],
-        }
+        dedup_report["near_duplicates"] = near_duplicate_report(near, near_pairs)
     else:
         dedup_report["near_duplicates"] = {"enabled": False}
     timings["near_duplicates"] = time.perf_counter() - t0
@@ -374,46 +442,45 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     for record in records:
         by_split[record.split].append(record)
         tally_of[record.id].kept_by_split[record.split] += 1
+        for unit, name, agree in unit_votes(record, context.scheme):
+            agreement.add_unit(record.dataset, unit, name, agree)
     for split, rows in by_split.items():
         _write_jsonl(data_dir / f"{split}.jsonl", (r.to_json() for r in rows))
     timings["write"] = time.perf_counter() - t0
-
-    sources_json = [t.to_json() for t in tallies]
-    for entry in sources_json:
-        accounted = entry["kept"] + sum(entry["dropped"].values())
-        if accounted != entry["read"]:
-            raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
-    agreement = {source: {name: round(a / n, 6) for name, (a, n) in sorted(fields.items())}
-                 for source, fields in agreement_counts.items()}
-    unit_agreement = {source: _unit_agreement([r for r in records if r.dataset == source], scheme)
-                      for source in agreement_counts}
     timings["total"] = time.perf_counter() - started
-    manifest = {
-        "polyalign_version": polyalign.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config_path": str(config_path.resolve()),
-        "config": raw_config,
-        "scheme": {"path": scheme.path, "name": scheme.name, "length_unit": length_unit},
-        "on_error": on_error,
-        "totals": {
-            "read": sum(e["read"] for e in sources_json),
-            "kept": len(records),
-            "dropped": sum(sum(e["dropped"].values()) for e in sources_json),
-            "by_split": {s: len(by_split[s]) for s in SPLITS},
-            "empty_responses": sum(e["empty_responses"] for e in sources_json),
-        },
-        "sources": sources_json,
-        "dedup": dedup_report,
-        "quarantine": {"enabled": on_error == "quarantine", "rows": sink.count,
-                       **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},
-        "label_agreement": agreement,
-        "label_agreement_counts": {source: {name: {"agree": a, "total": n} for name, (a, n) in sorted(fields.items())}
-                                   for source, fields in agreement_counts.items()},
-        "length_unit_agreement": unit_agreement,
-        "timings_s": {k: round(v, 3) for k, v in timings.items()},
-    }
-    (data_dir / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    manifest = assemble_manifest(context, on_error, tallies, dedup_report, sink.count, agreement, timings)
+    write_manifest(data_dir, manifest)
     return manifest
+
+
+def duplicate_id_message(record_id: str, locations: list[str]) -> str:
+    return (f"{locations[0]}: record id {record_id!r} is also produced by {', '.join(locations[1:])}; "
+            "give each source a distinct name or split")
+
+
+def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally, key: str | None,
+               item: Any, sink: Callable[[str, Malformed], None]) -> Record | None:
+    """One imported item through the record builder: a Record, or None after counting why it was dropped
+    (malformed rows also go to `sink`)."""
+    tally.read += 1
+    if isinstance(item, Malformed):
+        sink(source.name, item)
+        tally.drop("malformed")
+        return None
+    if isinstance(item, Skipped):
+        tally.drop(item.reason)
+        return None
+    try:
+        built = builder.build(key, item, source, tally)
+    except RowProblem as problem:
+        sink(source.name, Malformed(item.location, str(problem)))
+        tally.drop("malformed")
+        return None
+    if isinstance(built, Skipped):
+        tally.drop(built.reason)
+        return None
+    tally.empty_responses += int(built.response == "")
+    return built
 
 
 def read_records(path: Path) -> list[Record]:

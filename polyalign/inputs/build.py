@@ -24,12 +24,14 @@ from polyalign.bucketing import WeightOptions, bucket_weights
 from polyalign.chat import PROFILE_MODES, TRAIN_ON, encode_conversation, get_template, record_messages
 from polyalign.config import ConfigError
 from polyalign.data.prepare import read_records
+from polyalign.data.records import Record
 from polyalign.tokenizer import load_tokenizer
 
 BUILD_DIR = "build"
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
 SPLITS = ("train", "val")
+STAT_KEYS = ("examples", "tokens", "target_tokens", "truncated")
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,14 @@ def _builder_class():
     import tensorflow_datasets as tfds
 
     class SftExamples(tfds.core.GeneratorBasedBuilder):
-        """Tokenised SFT examples of one polyalign run."""
+        """Tokenised SFT examples of one polyalign run. `split_examples` gives each split's examples: a
+        generator function on one machine, or a function of the Beam pipeline returning a PCollection."""
 
         VERSION = tfds.core.Version(DATASET_VERSION)
 
-        def __init__(self, *, generators, **kwargs):
-            self._generators = generators
+        def __init__(self, *, split_examples, on_pipeline_result=None, **kwargs):
+            self._split_examples = split_examples
+            self._on_pipeline_result = on_pipeline_result
             super().__init__(**kwargs)
 
         def _info(self):
@@ -67,82 +71,118 @@ def _builder_class():
                 "bucket": np.int32,
                 "id": tfds.features.Text(),
             })
-            # Keep record order: shuffling happens at read time, from the training seed.
-            return tfds.core.DatasetInfo(builder=self, features=features, disable_shuffling=True)
+            # TFDS stores examples in the order of a salted hash of their key (the record id), on one
+            # machine and in Beam alike, so both engines write the same files. Training shuffles again
+            # at read time, from the training seed.
+            return tfds.core.DatasetInfo(builder=self, features=features)
 
         def _split_generators(self, dl_manager):
-            return {split: self._generate_examples(split) for split in self._generators}
+            return {split: examples() for split, examples in self._split_examples.items()}
 
-        def _generate_examples(self, split):
-            yield from self._generators[split]()
+        def _generate_examples(self):
+            raise NotImplementedError  # splits come from _split_generators
+
+        def _process_pipeline_result(self, pipeline_result):
+            if self._on_pipeline_result is not None:
+                self._on_pipeline_result(pipeline_result)
 
     SftExamples.name = DATASET_NAME
     return SftExamples
 
 
-def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True) -> dict[str, Any]:
-    """Builds RUN/build/sft_examples from RUN/data/{train,val}.jsonl; returns the manifest (also written
-    to RUN/build/manifest.json)."""
-    run = Path(run)
-    started = time.perf_counter()
+@functools.cache
+def _beam_builder_class():
+    class BeamSftExamples(_builder_class(), skip_registration=True):
+        """The same dataset, its splits made by a Beam pipeline that TFDS runs and writes from."""
+
+        def _split_generators(self, dl_manager, pipeline):
+            return self._split_examples(pipeline)
+
+    BeamSftExamples.name = DATASET_NAME
+    return BeamSftExamples
+
+
+def check_options(options: BuildOptions) -> None:
     if options.profile not in PROFILE_MODES:
         raise ConfigError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {options.profile!r}")
     if options.train_on not in TRAIN_ON:
         raise ConfigError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {options.train_on!r}")
     if options.max_length < 8:
         raise ConfigError(f"max_length {options.max_length} is too short for a chat template")
-    records = {}
-    for split in SPLITS:
-        path = run / "data" / f"{split}.jsonl"
-        if not path.is_file():
-            raise ConfigError(f"{path}: missing; run `polyalign prepare` (or the demo's prepare stage) first")
-        records[split] = read_records(path)
-    tokenizer_path = Path(options.tokenizer) if options.tokenizer else run / "tokenizer"
+
+
+def split_files(run: Path, split: str) -> list[Path]:
+    """A prepared split: RUN/data/SPLIT.jsonl, or the shards RUN/data/SPLIT-*-of-*.jsonl of a Beam prepare."""
+    data = Path(run) / "data"
+    files = [data / f"{split}.jsonl"] if (data / f"{split}.jsonl").is_file() else sorted(data.glob(f"{split}-*-of-*.jsonl"))
+    if not files:
+        raise ConfigError(f"{data / f'{split}.jsonl'}: missing; run `polyalign prepare` (or the demo's prepare "
+                          "stage) first")
+    return files
+
+
+def tokenizer_and_template(run: Path, options: BuildOptions):
+    tokenizer_path = Path(options.tokenizer) if options.tokenizer else Path(run) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_path)
     template_name = options.template or tokenizer.chat_template
     if template_name is None:
         raise ConfigError(f"{tokenizer_path}: the tokenizer names no chat template; pass one (polyalign, qwen, "
                           "llama3, gemma)")
-    template = get_template(template_name)
+    return tokenizer_path, tokenizer, template_name
 
-    counts = Counter(r.bucket_id for r in records["train"])
-    weights = bucket_weights(counts, options.weights)
-    buckets = sorted({r.bucket_id for split in SPLITS for r in records[split]})
-    bucket_index = {b: i for i, b in enumerate(buckets)}
-    stats = {split: Counter() for split in SPLITS}
 
-    def examples(split):
-        from tqdm import tqdm
+@dataclass(frozen=True)
+class BucketTable:
+    """Bucket-SFT weights from train counts and the bucket index over train and val."""
 
-        def generate():
-            for record in tqdm(records[split], desc=f"build {split}", unit="rec", disable=not progress, leave=False):
-                encoded = encode_conversation(template, tokenizer, record_messages(record, options.profile),
-                                              train_on=options.train_on, cutoff=options.max_length)
-                stats[split]["examples"] += 1
-                stats[split]["tokens"] += len(encoded.ids)
-                stats[split]["target_tokens"] += int(encoded.loss_mask.sum())
-                stats[split]["truncated"] += int(encoded.truncated)
-                yield record.id, {
-                    "input_ids": encoded.ids,
-                    "loss_mask": encoded.loss_mask.astype(np.uint8),
-                    # Buckets absent from train (val-only) have no Bucket-SFT weight; they count as 1.
-                    "weight": np.float32(weights.get(record.bucket_id, 1.0)),
-                    "bucket": np.int32(bucket_index[record.bucket_id]),
-                    "id": record.id,
-                }
+    train_counts: dict[str, int]
+    weights: dict[str, float]
+    index: dict[str, int]
 
-        return generate
+    @classmethod
+    def from_counts(cls, train_counts: dict[str, int], buckets: set[str], options: WeightOptions) -> BucketTable:
+        return cls(dict(sorted(train_counts.items())), bucket_weights(train_counts, options),
+                   {b: i for i, b in enumerate(sorted(buckets))})
 
-    out = run / BUILD_DIR
+    def weight(self, bucket: str) -> float:
+        return self.weights.get(bucket, 1.0)  # buckets absent from train (val-only) count as 1
+
+
+def encode_record(record: Record, tokenizer, template, options: BuildOptions, table: BucketTable
+                  ) -> tuple[str, dict[str, Any], Counter]:
+    """(key, example, counts) for one record."""
+    encoded = encode_conversation(template, tokenizer, record_messages(record, options.profile),
+                                  train_on=options.train_on, cutoff=options.max_length)
+    counts = Counter(examples=1, tokens=len(encoded.ids), target_tokens=int(encoded.loss_mask.sum()),
+                     truncated=int(encoded.truncated))
+    return record.id, {
+        "input_ids": encoded.ids,
+        "loss_mask": encoded.loss_mask.astype(np.uint8),
+        "weight": np.float32(table.weight(record.bucket_id)),
+        "bucket": np.int32(table.index[record.bucket_id]),
+        "id": record.id,
+    }, counts
+
+
+def write_dataset(run: Path, split_examples, download_config=None, on_pipeline_result=None) -> None:
+    """Writes RUN/build/sft_examples; with a download_config, `split_examples` is a function of the Beam
+    pipeline that TFDS creates from it."""
+    out = Path(run) / BUILD_DIR
     if dataset_dir(run).exists():
         shutil.rmtree(dataset_dir(run))  # a rebuild replaces the dataset; TFDS would keep the old one
     import tensorflow_datasets as tfds
 
     tfds.disable_progress_bar()  # ours counts records; TFDS's would count its own phases
-    builder = _builder_class()(generators={s: examples(s) for s in SPLITS}, data_dir=str(out),
-                               file_format="array_record")
+    builder_class = _builder_class() if download_config is None else _beam_builder_class()
+    builder = builder_class(split_examples=split_examples, on_pipeline_result=on_pipeline_result,
+                               data_dir=str(out), file_format="array_record")
     with contextlib.redirect_stdout(io.StringIO()):  # TFDS prints download notices that do not apply
-        builder.download_and_prepare()
+        builder.download_and_prepare(download_config=download_config)
+
+
+def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: str, options: BuildOptions,
+                   table: BucketTable, stats: dict[str, Counter], seconds: float,
+                   engine: dict[str, Any] | None = None) -> dict[str, Any]:
     manifest = {
         "dataset": str(dataset_dir(run)),
         "tokenizer": str(tokenizer_path.resolve()),
@@ -150,14 +190,44 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
         "pad_id": tokenizer.pad_id,
         "template": template_name,
         "options": {**asdict(options), "tokenizer": str(tokenizer_path)},
-        "buckets": buckets,
-        "bucket_weights": {b: weights.get(b, 1.0) for b in buckets},
-        "train_bucket_counts": dict(sorted(counts.items())),
-        "splits": {split: dict(stats[split]) for split in SPLITS},
-        "seconds": round(time.perf_counter() - started, 2),
+        **({"engine": engine} if engine else {}),
+        "buckets": list(table.index),
+        "bucket_weights": {b: table.weight(b) for b in table.index},
+        "train_bucket_counts": table.train_counts,
+        "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
+        "seconds": round(seconds, 2),
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
+
+
+def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True) -> dict[str, Any]:
+    """Builds RUN/build/sft_examples from RUN/data/{train,val}.jsonl on this machine; returns the manifest
+    (also written to RUN/build/manifest.json). polyalign.beam.build does the same as a Beam pipeline."""
+    run = Path(run)
+    started = time.perf_counter()
+    check_options(options)
+    records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
+    tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
+    template = get_template(template_name)
+    table = BucketTable.from_counts(Counter(r.bucket_id for r in records["train"]),
+                                    {r.bucket_id for split in SPLITS for r in records[split]}, options.weights)
+    stats = {split: Counter() for split in SPLITS}
+
+    def examples(split):
+        from tqdm import tqdm
+
+        def generate():
+            for record in tqdm(records[split], desc=f"build {split}", unit="rec", disable=not progress, leave=False):
+                key, example, counts = encode_record(record, tokenizer, template, options, table)
+                stats[split].update(counts)
+                yield key, example
+
+        return generate
+
+    write_dataset(run, {s: examples(s) for s in SPLITS})
+    return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
+                          time.perf_counter() - started)
 
 
 def read_manifest(run: Path) -> dict[str, Any]:

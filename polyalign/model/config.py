@@ -60,6 +60,9 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str | None = None  # jax.nn.dot_product_attention implementation; None lets JAX pick
+    # > 0: training log-probs come from the hidden states in sequence blocks of this many positions,
+    # never materialising [B, T, V] logits (polyalign/model/log_probs.py); 0 computes full logits.
+    logprob_chunk: int = 0
 
     def __post_init__(self) -> None:
         problems = []

@@ -18,6 +18,7 @@ from flax import nnx
 
 from polyalign import parallel as P
 from polyalign.model.config import ModelConfig
+from polyalign.model.log_probs import chunked_token_log_probs, token_log_probs
 
 _INIT_STD = 0.02
 _REMAT_POLICIES = {
@@ -303,6 +304,21 @@ class Transformer(nnx.Module):
             new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outputs)
         new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], cache.index)
         return self.norm(h), new_cache
+
+    def token_log_probs(self, input_ids: jax.Array, targets: jax.Array) -> jax.Array:
+        """float32 log p(targets) [B, T] for teacher-forced `input_ids` (padding on the right); in blocks
+        of `config.logprob_chunk` positions when set, without full [B, T, V] logits."""
+        hidden = self.hidden_states(input_ids)
+        if not self.config.logprob_chunk:
+            return token_log_probs(self.logits(hidden), targets)
+        return chunked_token_log_probs(hidden, self.head_weight(), targets, self.config.logprob_chunk,
+                                       self.config.final_logit_softcap)
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as a [D, V] matrix in the compute dtype (the transposed embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T.astype(self.config.dtype)
+        return self.lm_head.kernel[...].astype(self.config.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         cfg = self.config

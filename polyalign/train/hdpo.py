@@ -44,6 +44,7 @@ class PreferenceConfig:
     label_smoothing: float = 0.0
     dtype: str = "float32"
     remat: str = "none"
+    logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))
     train: LoopConfig = field(default_factory=lambda: LoopConfig(global_batch=8))
     parallel: parallel.ParallelConfig = field(default_factory=parallel.ParallelConfig)
@@ -112,7 +113,7 @@ def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
     inputs = jnp.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
     targets = jnp.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
     mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
-    logps = (losses.token_log_probs(model(inputs), targets) * mask).sum(-1)
+    logps = (model.token_log_probs(inputs, targets) * mask).sum(-1)
     half = batch["chosen_inputs"].shape[0]
     return logps[:half], logps[half:], batch["chosen_mask"].sum(-1)
 
@@ -207,7 +208,8 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
 
     started = time.perf_counter()
     out = Path(out)
-    model = load_hf_checkpoint(config.init, compute_dtype=config.dtype, remat=config.remat)
+    model = load_hf_checkpoint(config.init, compute_dtype=config.dtype, remat=config.remat,
+                               logprob_chunk=config.logprob_chunk)
     tokenizer = load_tokenizer(config.init)
     template = get_template(template_for(model, tokenizer))
     train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))

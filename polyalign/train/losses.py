@@ -5,18 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def token_log_probs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """log p(target) per position, in float32. logits [..., T, V], targets [..., T]."""
-    logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+from polyalign.model.log_probs import token_log_probs
 
 
 def example_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array) -> jax.Array:
     """Per-example mean NLL over its labelled tokens (METHOD section 4: l_i); 0 for an example with
     no labelled token. Returns [B]."""
-    nll = -token_log_probs(logits, targets) * loss_mask
+    return masked_mean_nll(token_log_probs(logits, targets), loss_mask)
+
+
+def masked_mean_nll(log_probs: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """Per-example mean of -log p over the labelled tokens; 0 for an example with none. Returns [B]."""
+    nll = -log_probs * loss_mask
     return nll.sum(-1) / jnp.maximum(loss_mask.sum(-1), 1.0)
 
 

@@ -19,7 +19,7 @@ from polyalign import parallel
 from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import read_manifest
-from polyalign.train.losses import example_nll
+from polyalign.train.losses import masked_mean_nll
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
 
 WEIGHTINGS = ("bucket", "uniform")
@@ -33,6 +33,7 @@ class ModelSection:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str | None = None
+    logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
     seed: int = 0
 
 
@@ -89,7 +90,8 @@ class SFT:
         return {"sft": per_micro * per_micro.shape[0]}
 
     def numerators(self, model, micro_batch):
-        nll = example_nll(model(micro_batch["input_ids"]), micro_batch["targets"], micro_batch["loss_mask"])
+        nll = masked_mean_nll(model.token_log_probs(micro_batch["input_ids"], micro_batch["targets"]),
+                              micro_batch["loss_mask"])
         valid = micro_batch["valid"].astype(jnp.float32)
         weights = self.example_weights(micro_batch)
         sums = {
@@ -139,7 +141,7 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
     from polyalign.model.presets import preset
 
     policy = dict(scan_layers=config.model.scan_layers, remat=config.model.remat,
-                  attention_impl=config.model.attention_impl)
+                  attention_impl=config.model.attention_impl, logprob_chunk=config.model.logprob_chunk)
     if config.init:
         model = load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, **policy)
         if model.config.vocab_size < vocab_size:

@@ -196,6 +196,11 @@ class Trainer:
             self.state, metrics = self._step(self.state, self.global_batch(local_batch))
         return metrics
 
+    def compiled_step(self, local_batch: dict[str, np.ndarray]):
+        """The step compiled for this batch's shapes, without running it (XLA's memory analysis, cost)."""
+        with jax.set_mesh(self.mesh):
+            return self._step.lower(self.state, self.global_batch(local_batch)).compile()
+
     def eval_batch_size(self, requested: int) -> int:
         """`requested` rounded down to whole batch shards (data x fsdp x processes), at least one each."""
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * jax.process_count()

@@ -66,19 +66,32 @@ def _file_tag(file: Path, root: Path) -> str:
     return name.replace("/", "-")
 
 
+def read_file(format_name: str, file: Path, root: Path, offset: int = 0) -> Iterator[tuple[str | None, ImportItem]]:
+    """The items of one file of a source, as (row key, item). Row keys continue the source's numbering
+    from `offset`, the number of rows in the source's earlier files."""
+    fmt = get_format(format_name)
+    for item in fmt.module.read(file, _file_tag(file, root)):
+        key = getattr(item, "key", None)
+        if key is None and item.location.row is not None:
+            key = f"{offset + item.location.row:06d}"
+        yield key, item
+
+
+def rows_in_file(format_name: str, file: Path, root: Path) -> int:
+    """How far a file advances its source's row numbering (one past its last numbered row)."""
+    return max((item.location.row + 1 for _, item in read_file(format_name, file, root)
+                if item.location.row is not None), default=0)
+
+
 def read_source(format_name: str, path: Path) -> Iterator[tuple[str | None, ImportItem]]:
     """All items of a source in source order, as (row key, item). Row sources number their rows across
     files in order (`000123`); dialogue sources carry `<dialogue id>-turn-<k>` on the Example."""
     fmt = get_format(format_name)
     offset = 0
     for file in source_files(path, fmt.module.PATTERNS):
-        rows_in_file = 0
-        for item in fmt.module.read(file, _file_tag(file, path)):
-            row = item.location.row
-            if row is not None:
-                rows_in_file = max(rows_in_file, row + 1)
-            key = getattr(item, "key", None)
-            if key is None and row is not None:
-                key = f"{offset + row:06d}"
+        rows = 0
+        for key, item in read_file(format_name, file, path, offset):
+            if item.location.row is not None:
+                rows = max(rows, item.location.row + 1)
             yield key, item
-        offset += rows_in_file
+        offset += rows

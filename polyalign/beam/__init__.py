@@ -1,0 +1,38 @@
+"""Apache Beam versions of `polyalign prepare` and `polyalign build`, for corpora that outgrow one machine.
+
+The same steps as the single-machine path, as Beam transforms: importing is a map per source file,
+group protection and exact dedup are group-bys (on the conversation key and on the content key),
+near-duplicates meet through MinHash band keys, and bucketing, splitting and tokenising are per-record
+maps. Runs on any Beam runner: DirectRunner here and in tests; Dataflow, Flink or Spark at scale
+(docs/scale.md). Needs the optional extra: `pip install 'polyalign[beam]'`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from polyalign.config import ConfigError
+
+
+def require_beam():
+    try:
+        import apache_beam
+    except ImportError:
+        raise ConfigError("--beam needs Apache Beam: pip install 'polyalign[beam]' (add apache-beam[gcp] for "
+                          "Dataflow)") from None
+    return apache_beam
+
+
+def pipeline_options(flags: str | None) -> Any:
+    """Beam PipelineOptions from a command-line string such as
+    "--runner=DataflowRunner --project=P --region=R --temp_location=gs://B/tmp"; DirectRunner by default."""
+    beam = require_beam()
+    args = shlex.split(flags or "")
+    if not any(a == "--runner" or a.startswith("--runner=") for a in args):
+        args.append("--runner=DirectRunner")
+    options = beam.options.pipeline_options.PipelineOptions(args)
+    # Elements are plain dataclasses defined in polyalign; workers import polyalign rather than unpickle
+    # the main session.
+    options.view_as(beam.options.pipeline_options.SetupOptions).save_main_session = False
+    return options

@@ -1,0 +1,119 @@
+"""`polyalign build --beam`: tokenising prepared records as an Apache Beam pipeline that TFDS runs.
+
+Reads RUN/data/{train,val}.jsonl (or the shards of a Beam prepare), computes the Bucket-SFT weights from
+the train bucket counts (a combine, given to the encoder as a side input), encodes every record with the
+chat template (a per-record map) and lets TFDS's Beam writer store the array_record dataset. The examples,
+their order (record id) and the manifest equal polyalign.inputs.build.build's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+
+from polyalign.beam import pipeline_options
+from polyalign.chat import get_template
+from polyalign.data.records import Record
+from polyalign.inputs.build import (
+    SPLITS,
+    BucketTable,
+    BuildOptions,
+    check_options,
+    encode_record,
+    split_files,
+    tokenizer_and_template,
+    write_dataset,
+    write_manifest,
+)
+from polyalign.tokenizer import load_tokenizer
+
+NAMESPACE = "polyalign.build"
+
+
+class EncodeRecord(beam.DoFn):
+    """Record -> (record id, example); counts examples, tokens and buckets in Beam metrics."""
+
+    def __init__(self, tokenizer_path: str, template_name: str, options: BuildOptions, split: str):
+        self.tokenizer_path, self.template_name = tokenizer_path, template_name
+        self.options, self.split = options, split
+
+    def setup(self):
+        self.tokenizer = load_tokenizer(Path(self.tokenizer_path))
+        self.template = get_template(self.template_name)
+
+    def process(self, record: Record, table: BucketTable):
+        key, example, counts = encode_record(record, self.tokenizer, self.template, self.options, table)
+        for name, value in counts.items():
+            Metrics.counter(NAMESPACE, f"{self.split}.{name}").inc(value)
+        Metrics.counter(NAMESPACE, f"bucket.{self.split}.{record.bucket_id}").inc()
+        yield key, example
+
+
+def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], options: BuildOptions) -> BucketTable:
+    return BucketTable.from_counts(train_counts, set(buckets), options.weights)
+
+
+def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: str | None = None) -> dict[str, Any]:
+    """Builds RUN/build/sft_examples with a Beam pipeline; returns the manifest (RUN/build/manifest.json)."""
+    run = Path(run)
+    started = time.perf_counter()
+    check_options(options)
+    tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
+    get_template(template_name)  # unknown template names fail here, not on a worker
+    files = {split: [str(f) for f in split_files(run, split)] for split in SPLITS}
+
+    def split_examples(pipeline):
+        records = {
+            split: (pipeline | f"{split} files" >> beam.Create(files[split])
+                    | f"Read {split}" >> beam.io.ReadAllFromText()
+                    | f"Parse {split}" >> beam.Map(lambda line: Record.from_json(json.loads(line))))
+            for split in SPLITS
+        }
+        train_counts = (records["train"] | "Train buckets" >> beam.Map(lambda r: r.bucket_id)
+                        | "Count train buckets" >> beam.combiners.Count.PerElement())
+        buckets = ((records["train"], records["val"]) | "All records" >> beam.Flatten()
+                   | "Buckets" >> beam.Map(lambda r: r.bucket_id) | "Distinct buckets" >> beam.Distinct())
+        table = (pipeline | "Table seed" >> beam.Create([None])
+                 | "Bucket table" >> beam.Map(_bucket_table, beam.pvalue.AsDict(train_counts),
+                                               beam.pvalue.AsList(buckets), options))
+        return {
+            split: records[split] | f"Encode {split}" >> beam.ParDo(
+                EncodeRecord(str(tokenizer_path), template_name, options, split), beam.pvalue.AsSingleton(table))
+            for split in SPLITS
+        }
+
+    counters: dict[str, int] = {}
+
+    def collect_counters(result) -> None:
+        for counter in result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]:
+            value = counter.committed if counter.committed is not None else counter.attempted
+            counters[counter.key.metric.name] = counters.get(counter.key.metric.name, 0) + value
+
+    import tensorflow_datasets as tfds
+
+    pipeline = pipeline_options(beam_options)
+    write_dataset(run, split_examples, tfds.download.DownloadConfig(beam_options=pipeline),
+                  on_pipeline_result=collect_counters)
+
+    stats = {split: Counter() for split in SPLITS}
+    train_counts: dict[str, int] = {}
+    buckets: set[str] = set()
+    for name, value in counters.items():
+        kind, rest = name.split(".", 1)
+        if kind == "bucket":
+            split, bucket = rest.split(".", 1)
+            buckets.add(bucket)
+            if split == "train":
+                train_counts[bucket] = value
+        else:
+            stats[kind][rest] = value
+    table = BucketTable.from_counts(train_counts, buckets, options.weights)
+    runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
+    return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
+                          time.perf_counter() - started, engine={"name": "beam", "runner": str(runner)})
