@@ -242,12 +242,20 @@ POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i
 """
 
 
+def _location(text: str):
+    """A local path or a bucket URI (pathlib would turn gs://b into gs:/b)."""
+    from polyalign.paths import as_path
+
+    return as_path(text)
+
+
 def _add_config_command(parent, name: str, help: str, description: str, epilog: str, config_help: str, handler):
     """A subcommand run as `--config C --out OUT [key=value ...]`, like every training method."""
     p = parent.add_parser(name, help=help, description=description, epilog=epilog,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, type=Path, help=config_help)
-    p.add_argument("--out", required=True, type=Path, help="output directory (resumed if it has checkpoints)")
+    p.add_argument("--out", required=True, type=_location,
+                   help="output directory, local or gs:// (resumed if it has checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
     p.set_defaults(handler=handler)
@@ -362,7 +370,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample one response per record with a checkpoint",
                        description="Generate one response per record (KV cache, batched). Writes JSONL rows "
                                    "{id, prediction, model, finish_reason, new_tokens} in record order.")
-    p.add_argument("--checkpoint", required=True, type=Path, help="Hugging Face checkpoint directory with its tokenizer")
+    p.add_argument("--checkpoint", required=True, type=_location,
+                   help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
     p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
     p.add_argument("--out", required=True, type=Path, help="predictions JSONL")
     p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
@@ -409,9 +418,9 @@ def _add_evaluate(sub) -> None:
                                                           "constant features kept); default: CJK-aware")
     p.add_argument("--references", type=Path, help="train-only bucket references (RUN/stats/references.json) "
                                                    "for the HCR bands; default: the test human responses")
-    p.add_argument("--featurizer", type=Path, help="checkpoint whose mean-pooled hidden states feed MAUVE; "
+    p.add_argument("--featurizer", type=_location, help="checkpoint whose mean-pooled hidden states feed MAUVE; "
                                                    "without it MAUVE is reported as skipped")
-    p.add_argument("--scorer", type=Path, help="checkpoint for the LM features added to BNG and HCR")
+    p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
     p.set_defaults(handler=_run_evaluate)

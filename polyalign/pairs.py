@@ -13,6 +13,7 @@ from polyalign.data.prepare import read_records
 from polyalign.data.records import InputError, Record
 from polyalign.data.text import normalize
 from polyalign.predictions import iter_predictions
+from polyalign.paths import as_path
 
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
 BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
@@ -90,8 +91,8 @@ def make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
             "predictions_without_record": extra, "out": str(out)}
 
 
-def write_pairs(pairs: Sequence[dict], out: Path) -> None:
-    out = Path(out)
+def write_pairs(pairs: Sequence[dict], out) -> None:
+    out = as_path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as handle:
         for pair in pairs:

@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from polyalign.paths import as_path
+
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 TOKENIZERS_FILE = "tokenizer.json"
@@ -87,9 +89,9 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str | os.PathLike):
         import sentencepiece as spm
 
-        self.path = Path(model_file)
+        self.path = as_path(model_file)
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+            self._sp = spm.SentencePieceProcessor(model_proto=self.path.read_bytes())
         except (OSError, RuntimeError) as err:
             raise TokenizerError(f"{self.path}: not a SentencePiece model ({err})") from None
         sp = self._sp
@@ -124,9 +126,9 @@ class JsonTokenizer(Tokenizer):
     def __init__(self, json_file: str | os.PathLike):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self.path = Path(json_file)
+        self.path = as_path(json_file)
         try:
-            self._tok = _Tokenizer.from_file(str(self.path))
+            self._tok = _Tokenizer.from_str(self.path.read_text(encoding="utf-8"))
         except Exception as err:  # the Rust side raises a bare Exception for malformed files
             raise TokenizerError(f"{self.path}: not a tokenizer.json ({err})") from None
 
@@ -152,8 +154,8 @@ class JsonTokenizer(Tokenizer):
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a directory (tokenizer.json preferred, else tokenizer.model, plus
-    tokenizer_config.json for the special tokens) or from one of those files directly."""
-    path = Path(path)
+    tokenizer_config.json for the special tokens) or from one of those files directly; local or gs://."""
+    path = as_path(path)
     directory = path if path.is_dir() else path.parent
     if path.is_dir():
         if (path / TOKENIZERS_FILE).is_file():

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from polyalign.bucketing import WeightOptions, bucket_weights
 from polyalign.chat import PROFILE_MODES, TRAIN_ON, encode_conversation, get_template, record_messages
@@ -26,6 +27,7 @@ from polyalign.config import ConfigError
 from polyalign.data.prepare import read_records
 from polyalign.data.records import Record
 from polyalign.tokenizer import load_tokenizer
+from polyalign.paths import as_path
 
 BUILD_DIR = "build"
 DATASET_NAME = "sft_examples"
@@ -44,8 +46,8 @@ class BuildOptions:
     weights: WeightOptions = field(default_factory=WeightOptions)
 
 
-def dataset_dir(run: Path) -> Path:
-    return Path(run) / BUILD_DIR / DATASET_NAME / DATASET_VERSION
+def dataset_dir(run) -> epath.Path:
+    return as_path(run) / BUILD_DIR / DATASET_NAME / DATASET_VERSION
 
 
 @functools.cache  # TFDS registers builder classes by name: define it once per process
@@ -230,8 +232,8 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
                           time.perf_counter() - started)
 
 
-def read_manifest(run: Path) -> dict[str, Any]:
-    path = Path(run) / BUILD_DIR / "manifest.json"
+def read_manifest(run) -> dict[str, Any]:
+    path = as_path(run) / BUILD_DIR / "manifest.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing; run `polyalign build {run}` (or the demo's build stage) first")
     return json.loads(path.read_text())

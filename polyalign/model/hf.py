@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
+import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 from flax import traverse_util
-from safetensors.numpy import load_file, save_file
+from etils import epath
+from safetensors.numpy import load, load_file, save
 
 from polyalign.model.config import ModelConfig, ModelConfigError, from_hf_config, to_hf_config
 from polyalign.model.transformer import Transformer, abstract_model
+from polyalign.paths import as_path, is_uri
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -54,7 +54,7 @@ def _tensor_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
         yield "lm_head.kernel", "lm_head.weight", True
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def _safetensors_files(path: epath.Path) -> list[epath.Path]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -75,7 +75,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
-    config_path = Path(path) / "config.json"
+    config_path = as_path(path) / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory is expected")
     try:
@@ -91,7 +91,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     `dtype` is the parameter dtype, `compute_dtype` the matmul/activation dtype (default: `dtype`);
     other keywords (scan_layers, remat, attention_impl) set the execution policy.
     """
-    path = Path(path)
+    path = as_path(path)
     if dtype not in _DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     try:
@@ -101,7 +101,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
         raise CheckpointError(str(err)) from None
     tensors: dict[str, np.ndarray] = {}
     for file in _safetensors_files(path):
-        tensors.update(load_file(file))
+        # Local files are memory-mapped; a bucket's are read whole.
+        tensors.update(load(file.read_bytes()) if is_uri(file) else load_file(os.fspath(file)))
 
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
@@ -162,20 +163,21 @@ def hf_state_dict(model: Transformer, dtype: str | None = None) -> dict[str, np.
 
 def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, dtype: str | None = None,
                        max_shard_bytes: int | None = None, overwrite: bool = False,
-                       extra_files: dict[str, str | bytes] | None = None) -> Path:
+                       extra_files: dict[str, str | bytes] | None = None) -> epath.Path:
     """Writes config.json and safetensors that transformers' from_pretrained loads.
 
     The directory is written next to its destination and renamed into place, so an interrupted save
     never leaves a half-written checkpoint where a good one was. An existing checkpoint is replaced
     only with `overwrite=True`. `extra_files` (name -> content) adds e.g. tokenizer files.
     """
-    path = Path(path)
+    path = as_path(path)
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{path}: exists and is not empty; pass overwrite=True to replace it")
     dtype = dtype or model.config.param_dtype
     tensors = hf_state_dict(model, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging = path.parent / f".{path.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
     try:
         (staging / "config.json").write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
         _write_shards(tensors, staging, max_shard_bytes)
@@ -183,23 +185,25 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, dtype: st
             target = staging / name
             target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
         if path.exists():
-            retired = path.with_name(f".{path.name}.old")
-            shutil.rmtree(retired, ignore_errors=True)
-            os.replace(path, retired)
-            os.replace(staging, path)
-            shutil.rmtree(retired)
+            retired = path.parent / f".{path.name}.old"
+            if retired.exists():
+                retired.rmtree()
+            path.rename(retired)
+            staging.rename(path)
+            retired.rmtree()
         else:
-            os.replace(staging, path)
+            staging.rename(path)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging.exists():
+            staging.rmtree()
     return path
 
 
-def _write_shards(tensors: dict[str, np.ndarray], directory: Path, max_shard_bytes: int | None) -> None:
+def _write_shards(tensors: dict[str, np.ndarray], directory: epath.Path, max_shard_bytes: int | None) -> None:
     metadata = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     total = sum(a.nbytes for a in tensors.values())
     if not max_shard_bytes or total <= max_shard_bytes:
-        save_file(tensors, directory / SINGLE_FILE, metadata=metadata)
+        (directory / SINGLE_FILE).write_bytes(save(tensors, metadata=metadata))
         return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -212,7 +216,7 @@ def _write_shards(tensors: dict[str, np.ndarray], directory: Path, max_shard_byt
     weight_map = {}
     for k, shard in enumerate(shards, start=1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / file, metadata=metadata)
+        (directory / file).write_bytes(save(shard, metadata=metadata))
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -3,17 +3,19 @@ restorable onto a different mesh."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
+from polyalign.paths import as_path
+
 
 class Checkpointer:
-    def __init__(self, directory: Path, every: int, keep: int, meta: dict[str, Any] | None = None):
-        self.directory = Path(directory).absolute()
+    def __init__(self, directory: str | os.PathLike, every: int, keep: int, meta: dict[str, Any] | None = None):
+        self.directory = as_path(directory)
         self.meta = meta or {}
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
                                                enable_async_checkpointing=True, create=True)

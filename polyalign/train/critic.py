@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from polyalign import parallel
 from polyalign.config import ConfigError, load_config_file
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
+from polyalign.paths import as_path
 
 MARGIN = 0.1
 BUCKET_DIM, HIDDEN = 64, 256
@@ -227,7 +228,7 @@ def train_critic(config: CriticConfig, out: Path, progress: bool = True) -> dict
     from polyalign.tokenizer import load_tokenizer
 
     started = time.perf_counter()
-    out = Path(out)
+    out = as_path(out)
     out.mkdir(parents=True, exist_ok=True)
     run = Path(config.data["dir"]) if config.data.get("dir") else None
     references_path = Path(config.references) if config.references else (run / "stats" / "references.json" if run else None)
@@ -280,7 +281,7 @@ def train_critic(config: CriticConfig, out: Path, progress: bool = True) -> dict
     write_pairs(train_pairs, out / "train_pairs.jsonl")
     write_pairs(val_pairs, out / "val_pairs.jsonl")
     flat = nnx.to_flat_state(nnx.state(critic, nnx.Param))
-    save_file({".".join(map(str, path)): np.asarray(v[...]) for path, v in flat}, str(out / "critic.safetensors"))
+    (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...]) for path, v in flat}))
     report = {
         "best_epoch": best["epoch"], "val": best["report"], "train": train_report,
         "train_pairs": len(train_pairs), "val_pairs": len(val_pairs), "regression_rows": regression_rows,
@@ -295,12 +296,12 @@ class CriticScorer:
     """A trained critic with its frozen encoder, loaded from the folder `train_critic` wrote."""
 
     def __init__(self, directory: Path):
-        from safetensors.numpy import load_file
+        from safetensors.numpy import load
 
         from polyalign.model import load_hf_checkpoint
         from polyalign.tokenizer import load_tokenizer
 
-        directory = Path(directory)
+        directory = as_path(directory)
         info = json.loads((directory / "critic.json").read_text())
         self.buckets = {b: i for i, b in enumerate(info["buckets"])}
         self.max_tokens = info["config"]["max_tokens"]
@@ -308,7 +309,7 @@ class CriticScorer:
         self.tokenizer = load_tokenizer(info["encoder"])
         with parallel.unsharded():
             self.critic = Critic(info["hidden_size"], len(self.buckets), 0.0, nnx.Rngs(0))
-        tensors = load_file(str(directory / "critic.safetensors"))
+        tensors = load((directory / "critic.safetensors").read_bytes())
         for path, var in nnx.to_flat_state(nnx.state(self.critic, nnx.Param)):
             var[...] = jnp.asarray(tensors[".".join(map(str, path))])
 

@@ -24,6 +24,7 @@ from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
 from polyalign.train import losses
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
+from polyalign.paths import as_path
 
 METHODS = ("hdpo", "dpo", "ipo")
 SIDES = ("chosen", "rejected")
@@ -207,7 +208,7 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
     from polyalign.train.sft import export_model
 
     started = time.perf_counter()
-    out = Path(out)
+    out = as_path(out)
     model = load_hf_checkpoint(config.init, compute_dtype=config.dtype, remat=config.remat,
                                logprob_chunk=config.logprob_chunk)
     tokenizer = load_tokenizer(config.init)

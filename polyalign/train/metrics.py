@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
+
+from polyalign.paths import as_path
 
 
 class MetricsWriter:
     """Writes on process 0 only; every other process gets a writer that does nothing."""
 
-    def __init__(self, out: Path, tensorboard: bool = True):
+    def __init__(self, out: str | os.PathLike, tensorboard: bool = True):
         self.enabled = jax.process_index() == 0
-        self.path = Path(out) / "metrics.jsonl"
+        self.path = as_path(out) / "metrics.jsonl"
         self._tb = None
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 from tensorboardX import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(out) / "tensorboard"))
+                self._tb = SummaryWriter(str(as_path(out) / "tensorboard"))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -53,6 +55,6 @@ def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_metrics(out: Path) -> list[dict[str, Any]]:
-    path = Path(out) / "metrics.jsonl"
+def read_metrics(out: str | os.PathLike) -> list[dict[str, Any]]:
+    path = as_path(out) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -5,7 +5,6 @@ plain SFT (`weighting: uniform`, every w_i = 1)."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from polyalign.inputs import pipeline
 from polyalign.inputs.build import read_manifest
 from polyalign.train.losses import masked_mean_nll
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
+from polyalign.paths import as_path
 
 WEIGHTINGS = ("bucket", "uniform")
 NORMALIZATIONS = ("global", "microbatch")
@@ -159,8 +159,8 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
     from polyalign.train.metrics import MetricsWriter
 
     started = time.perf_counter()
-    out = Path(out)
-    run = Path(config.data.dir)
+    out = as_path(out)
+    run = as_path(config.data.dir)
     manifest = read_manifest(run)
     buckets = manifest["buckets"]
     weights = np.array([manifest["bucket_weights"][b] for b in buckets], np.float32)
@@ -209,8 +209,8 @@ def export_model(trainer: Trainer, tokenizer, path: Path) -> None:
         return
     model = trainer.model(jax.device_get(params))
     save_hf_checkpoint(model, path, overwrite=True)
-    source = Path(tokenizer.path)
+    source = as_path(tokenizer.path)
     directory = source if source.is_dir() else source.parent
     for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
         if (directory / name).is_file():
-            shutil.copy(directory / name, path / name)
+            (directory / name).copy(as_path(path) / name, overwrite=True)

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from polyalign import parallel
 from polyalign.train.checkpoint import Checkpointer
 from polyalign.train.metrics import MetricsWriter
+from polyalign.paths import as_path
 
 Batch = dict[str, jax.Array]
 
@@ -98,7 +99,7 @@ class Trainer:
 
     def __init__(self, model: nnx.Module, method: Method, optimizer: OptimizerConfig, loop: LoopConfig,
                  mesh, out: Path, *, metrics: MetricsWriter | None = None):
-        self.method, self.loop, self.mesh, self.out = method, loop, mesh, Path(out)
+        self.method, self.loop, self.mesh, self.out = method, loop, mesh, as_path(out)
         self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = parallel.param_shardings(params, mesh)
@@ -312,7 +313,8 @@ class _StopSignal:
         return bool(np.asarray(multihost_utils.process_allgather(np.array([self._flag]))).any())
 
 
-def save_config(out: Path, config) -> None:
+def save_config(out, config) -> None:
+    out = as_path(out)
     out.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (out / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str) + "\n")

@@ -1,0 +1,24 @@
+"""Paths that may be local or in a bucket (gs://, s3://): etils.epath, the file layer Orbax and TFDS use.
+
+pathlib would turn "gs://bucket/run" into "gs:/bucket/run"; everything that writes training outputs or
+reads checkpoints goes through `as_path` instead, so a URI reaches the libraries intact.
+"""
+
+from __future__ import annotations
+
+import os
+
+from etils import epath
+
+URI_PREFIXES = ("gs://", "s3://", "az://")
+
+
+def is_uri(path: str | os.PathLike) -> bool:
+    return str(path).startswith(URI_PREFIXES)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """An epath.Path: a bucket URI as given, a local path with ~ expanded and made absolute."""
+    if is_uri(path):
+        return epath.Path(str(path))
+    return epath.Path(os.path.abspath(os.path.expanduser(str(path))))
