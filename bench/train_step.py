@@ -39,6 +39,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyalign import parallel  # noqa: E402
+from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import PRESETS, preset  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
@@ -65,10 +66,11 @@ def step_flops(cfg, tokens: int, seq: int, reference: bool) -> float:
 
 
 def _sft_batch(rng, micro, b, seq, vocab):
-    ids = rng.integers(0, vocab, (micro, b, seq + 1)).astype(np.int32)
-    return {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((micro, b, seq), np.float32),
-            "weight": rng.uniform(0.5, 2.0, (micro, b)).astype(np.float32), "bucket": np.zeros((micro, b), np.int32),
-            "valid": np.ones((micro, b), bool), "length": np.full((micro, b), seq, np.int32)}
+    """Random full-length examples with random bucket weights, as the input pipeline lays them out."""
+    rows = [pipeline.example_arrays({"input_ids": rng.integers(0, vocab, seq + 1), "loss_mask": np.ones(seq + 1),
+                                     "weight": rng.uniform(0.5, 2.0), "bucket": 0}, seq, 0)
+            for _ in range(micro * b)]
+    return {k: np.stack([r[k] for r in rows]).reshape(micro, b, *rows[0][k].shape) for k in rows[0]}
 
 
 def _pair_batch(rng, micro, b, seq, vocab):

@@ -26,31 +26,58 @@ def open_split(run: Path, split: str):
     return tfds.builder_from_directory(str(dataset_dir(run))).as_data_source(split=split)
 
 
-def example_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Next-token inputs and targets padded on the right to `length`. Padding needs no attention
-    mask: causal attention never lets a real token see a later pad. `None` gives an empty filler
-    example (weight 0) that completes a last, partial evaluation batch."""
+def packed_arrays(examples: list[dict], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Next-token rows of `length` positions holding `examples` one after another (packing), padded on
+    the right. Each example keeps its own positions (from 0) and segment id (1, 2, ...; padding is 0),
+    so attention never crosses examples and every example's log-probs equal its unpacked ones. Token
+    arrays carry what the SFT loss needs per position: the example's Bucket-SFT weight, its bucket, and
+    1 / (its labelled tokens) on labelled positions, which turns a sum over tokens into the sum of
+    per-example mean NLLs. An empty list gives a filler row (weight 0) for a partial evaluation batch."""
     out = {
         "input_ids": np.full(length, pad_id, np.int32),
         "targets": np.full(length, pad_id, np.int32),
         "loss_mask": np.zeros(length, np.float32),
-        "weight": np.float32(0.0),
-        "bucket": np.int32(0),
+        "positions": np.zeros(length, np.int32),
+        "segment_ids": np.zeros(length, np.int32),
+        "token_weight": np.zeros(length, np.float32),
+        "token_scale": np.zeros(length, np.float32),
+        "token_bucket": np.zeros(length, np.int32),
+        "example_start": np.zeros(length, np.float32),
+        "weight": np.float32(0.0),  # the row's total Bucket-SFT weight
+        "examples": np.float32(0.0),
+        "bucket": np.int32(0),  # the first example's bucket (per-row bookkeeping)
         "valid": np.bool_(False),
         "length": np.int32(0),  # real (unpadded) input tokens
     }
-    if example is None:
-        return out
-    ids = np.asarray(example["input_ids"], np.int32)[: length + 1]
-    n = len(ids) - 1
-    out["input_ids"][:n] = ids[:-1]
-    out["targets"][:n] = ids[1:]
-    out["loss_mask"][:n] = np.asarray(example["loss_mask"][1 : n + 1], np.float32)
-    out["weight"] = np.float32(example["weight"])
-    out["bucket"] = np.int32(example["bucket"])
-    out["valid"] = np.bool_(True)
-    out["length"] = np.int32(n)
+    start = 0
+    for segment, example in enumerate(examples, start=1):
+        ids = np.asarray(example["input_ids"], np.int32)[: length - start + 1]
+        n = len(ids) - 1
+        if n <= 0:
+            continue
+        span = slice(start, start + n)
+        mask = np.asarray(example["loss_mask"][1: n + 1], np.float32)
+        out["input_ids"][span], out["targets"][span], out["loss_mask"][span] = ids[:-1], ids[1:], mask
+        out["positions"][span] = np.arange(n)
+        out["segment_ids"][span] = segment
+        out["token_weight"][span] = example["weight"]
+        out["token_scale"][span] = mask / max(mask.sum(), 1.0)
+        out["token_bucket"][span] = example["bucket"]
+        out["example_start"][start] = 1.0
+        if segment == 1:
+            out["bucket"] = np.int32(example["bucket"])
+        out["weight"] += np.float32(example["weight"])
+        out["examples"] += np.float32(1.0)
+        start += n
+    out["valid"] = np.bool_(out["examples"] > 0)
+    out["length"] = np.int32(start)
     return out
+
+
+def example_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One example per row, padded on the right to `length` (`None`: a filler row). Padding needs no
+    attention mask: causal attention never lets a real token see a later pad."""
+    return packed_arrays([] if example is None else [example], length, pad_id)
 
 
 @dataclass(frozen=True)
@@ -92,14 +119,68 @@ class _EpochPermutations:
         return int(self._permutation(epoch)[offset])
 
 
-def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, seed: int, convert=None):
+class _PackedRows:
+    """position in the endless global order of packed rows -> the example indices in that row.
+
+    Epoch e packs the permutation drawn from (seed, e) in order: an example joins the current row while
+    it fits and otherwise opens the next one (examples longer than a row are truncated to it, as
+    unpacked). Only lengths are needed, so every process computes the same rows."""
+
+    def __init__(self, lengths: np.ndarray, length: int, seed: int):
+        self.lengths, self.length, self.seed = np.minimum(lengths, length), length, seed
+        self._epochs: list[tuple[np.ndarray, np.ndarray]] = []  # (permutation, row start offsets)
+        self._first_row = [0]  # global index of each epoch's first row
+
+    def _pack(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+        starts, used = [0], 0
+        for i, n in enumerate(self.lengths[order]):
+            if used + n > self.length and used > 0:
+                starts.append(i)
+                used = 0
+            used += n
+        return order, np.array(starts + [len(order)])
+
+    def __call__(self, row: int) -> list[int]:
+        while row >= self._first_row[-1]:
+            order, starts = self._pack(len(self._epochs))
+            self._epochs.append((order, starts))
+            self._first_row.append(self._first_row[-1] + len(starts) - 1)
+        epoch = int(np.searchsorted(self._first_row, row, side="right")) - 1
+        order, starts = self._epochs[epoch]
+        offset = row - self._first_row[epoch]
+        return [int(i) for i in order[starts[offset]:starts[offset + 1]]]
+
+    def rows_per_epoch(self) -> int:
+        self(0)
+        return self._first_row[1]
+
+
+def example_lengths(source) -> np.ndarray:
+    """Next-token positions of every stored example (its ids minus one), read once for packing."""
+    return np.array([len(source[i]["input_ids"]) - 1 for i in range(len(source))], np.int64)
+
+
+def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, seed: int, convert=None,
+                  pack: bool = False):
     """grain dataset of per-process batches {key: [micro_batches, per_process, ...]}, one per step.
-    `convert(example, length, pad_id)` turns a stored example into fixed-shape arrays (default: SFT's)."""
-    convert = convert or example_arrays
-    order = _EpochPermutations(len(source), seed)
+    `convert(example, length, pad_id)` turns a stored example into fixed-shape arrays (default: SFT's).
+    With `pack`, each of the batch's rows holds as many consecutive examples of the global order as fit
+    (SFT only); a step then takes `global_batch` rows."""
     per_step = layout.micro_batches * layout.per_process
+    if pack:
+        rows = _PackedRows(example_lengths(source), length, seed)
+
+        def load(k):
+            return packed_arrays([source[i] for i in rows(layout.global_position(k))], length, pad_id)
+    else:
+        convert = convert or example_arrays
+        order = _EpochPermutations(len(source), seed)
+
+        def load(k):
+            return convert(source[order(layout.global_position(k))], length, pad_id)
     return (grain.MapDataset.range(0, steps * per_step)
-            .map(lambda k: convert(source[order(layout.global_position(k))], length, pad_id))
+            .map(load)
             .batch(layout.per_process)
             .batch(layout.micro_batches))
 

@@ -305,10 +305,12 @@ class Transformer(nnx.Module):
         new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], cache.index)
         return self.norm(h), new_cache
 
-    def token_log_probs(self, input_ids: jax.Array, targets: jax.Array) -> jax.Array:
-        """float32 log p(targets) [B, T] for teacher-forced `input_ids` (padding on the right); in blocks
-        of `config.logprob_chunk` positions when set, without full [B, T, V] logits."""
-        hidden = self.hidden_states(input_ids)
+    def token_log_probs(self, input_ids: jax.Array, targets: jax.Array, *, positions: jax.Array | None = None,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
+        """float32 log p(targets) [B, T] for teacher-forced `input_ids` (padding on the right; packed rows
+        with their positions and segment ids); in blocks of `config.logprob_chunk` positions when set,
+        without full [B, T, V] logits."""
+        hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids)
         if not self.config.logprob_chunk:
             return token_log_probs(self.logits(hidden), targets)
         return chunked_token_log_probs(hidden, self.head_weight(), targets, self.config.logprob_chunk,

@@ -18,7 +18,6 @@ from polyalign import parallel
 from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import read_manifest
-from polyalign.train.losses import masked_mean_nll
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
 from polyalign.paths import as_path
 
@@ -42,6 +41,9 @@ class DataSection:
     dir: str | None = None  # the run directory holding build/ (from `polyalign build`)
     eval_batch: int = 32
     eval_limit: int | None = None  # evaluate on at most this many validation examples
+    # Pack consecutive examples of the global order into each max_length row (exact: segments never
+    # attend across examples); a step then takes global_batch rows. Evaluation stays unpacked.
+    pack: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,8 @@ class SFT:
         self.coefficients = {"sft": 1.0}
 
     def example_weights(self, batch) -> jax.Array:
-        weights = batch["weight"] if self.weighting == "bucket" else jnp.ones_like(batch["weight"])
-        return jnp.where(batch["valid"], weights, 0.0)
+        """Per row: the total weight of its examples (Bucket-SFT) or their number (uniform)."""
+        return batch["weight"] if self.weighting == "bucket" else batch["examples"]
 
     def denominators(self, batch):
         per_micro = self.example_weights(batch).sum(axis=1)  # [micro_batches]
@@ -90,18 +92,22 @@ class SFT:
         return {"sft": per_micro * per_micro.shape[0]}
 
     def numerators(self, model, micro_batch):
-        nll = masked_mean_nll(model.token_log_probs(micro_batch["input_ids"], micro_batch["targets"]),
-                              micro_batch["loss_mask"])
-        valid = micro_batch["valid"].astype(jnp.float32)
-        weights = self.example_weights(micro_batch)
+        """sum_i w_i l_i as a sum over positions: token_scale is 1 / (labelled tokens of the position's
+        example) on labelled positions, so the NLL summed over an example's positions is its mean NLL
+        l_i. The same code serves one example per row and packed rows."""
+        log_probs = model.token_log_probs(micro_batch["input_ids"], micro_batch["targets"],
+                                          positions=micro_batch["positions"], segment_ids=micro_batch["segment_ids"])
+        example_nll = -log_probs * micro_batch["token_scale"]  # sums to l_i over example i's positions
+        weights = micro_batch["token_weight"] if self.weighting == "bucket" else 1.0
+        buckets = micro_batch["token_bucket"].reshape(-1)
         sums = {
-            "bucket_loss": jax.ops.segment_sum(nll * valid, micro_batch["bucket"], self.num_buckets),
-            "bucket_examples": jax.ops.segment_sum(valid, micro_batch["bucket"], self.num_buckets),
+            "bucket_loss": jax.ops.segment_sum(example_nll.reshape(-1), buckets, self.num_buckets),
+            "bucket_examples": jax.ops.segment_sum(micro_batch["example_start"].reshape(-1), buckets, self.num_buckets),
             "tokens": micro_batch["length"].sum().astype(jnp.float32),
             "target_tokens": micro_batch["loss_mask"].sum(),
-            "examples": valid.sum(),
+            "examples": micro_batch["examples"].sum(),
         }
-        return {"sft": (weights * nll).sum()}, sums
+        return {"sft": (weights * example_nll).sum()}, sums
 
 
 def per_bucket(sums: dict[str, np.ndarray], buckets: list[str], prefix: str) -> dict[str, Any]:
@@ -178,7 +184,8 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
     loop = config.train
     layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
     train_source = pipeline.open_split(run, "train")
-    iterator = pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed))
+    iterator = pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
+                                                       pack=config.data.pack))
     evaluate = make_evaluator(trainer, run, buckets, weights, length, pad_id, config.data)
     checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                 meta={"method": "sft", "weighting": config.weighting})

@@ -141,8 +141,10 @@ class Trainer:
 
         def objective(params, micro_batch, dens):
             numerators, sums = self.method.numerators(self.model(params), micro_batch)
-            value = sum(coefficients[k] * jnp.where(dens[k] > 0, numerators[k] / jnp.where(dens[k] > 0, dens[k], 1.0),
-                                                    0.0) for k in numerators)
+            # A term with no weight in the whole batch is 0; a NaN denominator must stay NaN (the
+            # non-finite guard then skips the step) rather than pass for "no weight".
+            value = sum(coefficients[k] * jnp.where(dens[k] == 0, 0.0, numerators[k] / jnp.where(dens[k] == 0, 1.0, dens[k]))
+                        for k in numerators)
             return value, sums
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
