@@ -233,3 +233,31 @@ def test_an_architecture_file_of_ones_own_works_and_bad_fields_are_named(tmp_pat
         preset(str(path))
     with pytest.raises(ModelConfigError, match="unknown model preset 'qwen3'"):
         preset("qwen3")
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])  # Llama / Qwen2 structure
+def test_causal_only_attention_equals_the_explicit_mask(attention_bias):
+    """Unpacked, unpadded batches attend with is_causal and no [T, T] mask (what the fused kernels
+    want); the result equals attention under the explicit causal mask."""
+    from polyalign.model import create_model
+    from polyalign.model.transformer import attention_masks
+    from tests.conftest import tiny_model_config
+
+    model = create_model(tiny_model_config(97, attention_bias=attention_bias), seed=2)
+    ids = jax.random.randint(jax.random.key(0), (2, 24), 0, 97)
+    assert attention_masks(24, None, None, 2, None) == (None, None)
+    implicit = model(ids)
+    explicit = model(ids, attention_mask=jnp.ones_like(ids))  # forces the [B, 1, T, T] mask path
+    np.testing.assert_allclose(implicit, explicit, atol=1e-5)
+
+
+def test_default_attention_is_cudnn_only_where_it_applies():
+    from polyalign.model.presets import preset
+    from polyalign.model.transformer import default_attention_implementation
+
+    qwen_bf16, qwen_f32 = preset("qwen2.5-1.5b", dtype="bfloat16"), preset("qwen2.5-1.5b")
+    assert default_attention_implementation(qwen_bf16, "gpu") == "cudnn"
+    assert default_attention_implementation(qwen_f32, "gpu") is None  # cuDNN's kernel is half precision
+    assert default_attention_implementation(preset("gemma2-2b", dtype="bfloat16"), "gpu") is None  # soft-cap, head 256
+    assert default_attention_implementation(qwen_bf16, "cpu") is None
+    assert default_attention_implementation(qwen_bf16, "tpu") is None

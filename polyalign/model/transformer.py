@@ -57,13 +57,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: jax.Array | None,
-                    batch: int, sliding_window: int | None) -> tuple[jax.Array, jax.Array | None]:
-    """Boolean masks [B, 1, T, T] (True = may attend) for full and sliding-window layers.
+                    batch: int, sliding_window: int | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """Boolean masks [B, 1, T, T] (True = may attend) for full and sliding-window layers; (None, None)
+    when attention is causal only.
 
     Causal; with segment ids (packed sequences) a token sees only its own segment; with an
     attention mask (1 = real token) padding keys are hidden. A sliding-window layer also hides keys
     `sliding_window` or more positions back.
     """
+    if segment_ids is None and attention_mask is None and not sliding_window:
+        return None, None  # causal only: attention applies it without a [T, T] mask
     q = jnp.arange(length)[:, None]
     k = jnp.arange(length)[None, :]
     mask = jnp.broadcast_to((k <= q)[None, None], (batch, 1, length, length))
@@ -75,11 +78,25 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
     return mask, local
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
+def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
+    """What `attention_impl: null` runs for causal-only attention (no packing, padding mask or sliding
+    window): cuDNN's fused kernel on GPU when the compute dtype and head size suit it, else XLA."""
+    backend = backend or jax.default_backend()
+    if (backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
+            and cfg.head_dim <= 128 and cfg.attn_logit_softcap is None):
+        return "cudnn"
+    return None
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *, scale: float,
            softcap: float | None, implementation: str | None) -> jax.Array:
-    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K."""
+    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K. `mask`
+    None means causal only, which the fused kernels apply without a [T, S] mask."""
     if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale,
+                                            implementation=implementation)
+    if mask is None:
+        mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None, None]
     # Soft-capped scores (Gemma 2) need the softmax spelled out; XLA fuses it. Query head h uses
     # key/value head h // (H/K), as Hugging Face's repeat_kv does.
     b, t, h, d = q.shape
@@ -155,6 +172,7 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg, rngs, h * hd, d, (P.Q_HEADS, P.EMBED))
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.scale, self.softcap, self.implementation = cfg.attention_scale, cfg.attn_logit_softcap, cfg.attention_impl
+        self.config = cfg
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array,
                  cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
@@ -170,7 +188,10 @@ class Attention(nnx.Module):
         if cache is not None:
             cache = cache.write(k, v)
             k, v = cache.k, cache.v
-        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=self.implementation)
+        implementation = self.implementation
+        if implementation is None and mask is None:
+            implementation = default_attention_implementation(self.config)
+        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=implementation)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
 
 
