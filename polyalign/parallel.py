@@ -55,12 +55,8 @@ def logical_spec(names: Sequence[str | None], rules=None) -> PartitionSpec:
     return PartitionSpec(*flax_spmd.from_sharding_rules(tuple(names), rules))
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pins an activation's sharding by logical names when a mesh is active; a no-op otherwise."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    spec = logical_spec(names)
+def mesh_spec(names: Sequence[str | None], mesh) -> PartitionSpec:
+    """The PartitionSpec of logical `names` on `mesh`, keeping only the mesh axes it has."""
     present = set(mesh.axis_names)
 
     def keep(entry):
@@ -69,7 +65,15 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in present)
         return axes if len(axes) > 1 else (axes[0] if axes else None)
 
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*(keep(e) for e in spec)))
+    return PartitionSpec(*(keep(e) for e in logical_spec(names)))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Pins an activation's sharding by logical names when a mesh is active; a no-op otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, mesh_spec(names, mesh))
 
 
 def param(names: Sequence[str | None]) -> dict:

@@ -11,7 +11,7 @@ FAMILIES = ("llama", "qwen2", "gemma2")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
 
 
 class ModelConfigError(ValueError):
@@ -59,7 +59,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls and activations
     scan_layers: bool = True
     remat: str = "none"
-    attention_impl: str | None = None  # jax.nn.dot_product_attention implementation; None lets JAX pick
+    # xla, cudnn (jax.nn.dot_product_attention), splash (Pallas TPU kernel) or None: polyalign picks
+    # cudnn on GPU and splash on TPU where they apply, XLA elsewhere.
+    attention_impl: str | None = None
     # > 0: training log-probs come from the hidden states in sequence blocks of this many positions,
     # never materialising [B, T, V] logits (polyalign/model/log_probs.py); 0 computes full logits.
     logprob_chunk: int = 0
@@ -73,7 +75,7 @@ class ModelConfig:
         if self.remat not in REMAT_POLICIES:
             problems.append(f"remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-            problems.append(f"attention_impl {self.attention_impl!r} is not one of xla, cudnn or None")
+            problems.append(f"attention_impl {self.attention_impl!r} is not one of xla, cudnn, splash or None")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if any(t not in LAYER_TYPES for t in self.layer_types):

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from polyalign import parallel as P
+from polyalign.model import splash
 from polyalign.model.config import ModelConfig
 from polyalign.model.log_probs import chunked_token_log_probs, token_log_probs
 
@@ -80,18 +81,28 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
 
 def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
     """What `attention_impl: null` runs for causal-only attention (no packing, padding mask or sliding
-    window): cuDNN's fused kernel on GPU when the compute dtype and head size suit it, else XLA."""
+    window): cuDNN's fused kernel on GPU when the compute dtype and head size suit it, splash attention
+    on TPU, else XLA."""
     backend = backend or jax.default_backend()
     if (backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 128 and cfg.attn_logit_softcap is None):
         return "cudnn"
+    if backend == "tpu":
+        return "splash"
     return None
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *, scale: float,
            softcap: float | None, implementation: str | None) -> jax.Array:
     """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K. `mask`
-    None means causal only, which the fused kernels apply without a [T, S] mask."""
+    None means causal only, which the fused kernels apply without a [T, S] mask. Splash attention
+    covers that case (on TPU; interpreted elsewhere) and falls back to XLA for explicit masks and
+    lengths its blocks do not tile."""
+    if implementation == "splash":
+        if mask is None and splash.supports(q.shape[1]):
+            return splash.splash_attention(q, k, v, scale=scale, softcap=softcap,
+                                           interpret=jax.default_backend() != "tpu")
+        implementation = None
     if softcap is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale,
                                             implementation=implementation)
