@@ -104,3 +104,20 @@ def test_orbax_checkpoints_are_given_the_uri(tmp_path, monkeypatch):
         finally:
             checkpointer.close()
     assert (tmp_path / "bucket/runs/sft/checkpoints").is_dir()  # created through epath
+
+
+def test_a_built_run_read_from_a_bucket_finds_its_dataset_and_tokenizer(built_run, demo_tokenizer, tmp_path):
+    """A build copied to a bucket: the manifest's tokenizer path is the builder's, so the run's own
+    tokenizer/ is used; the dataset metadata is read through TFDS from the URI."""
+    from polyalign.inputs.build import build_tokenizer_path, dataset_dir, read_manifest
+
+    run, manifest = built_run
+    copy = tmp_path / "bucket" / "runs" / "demo"
+    shutil.copytree(run / "build", copy / "build")
+    shutil.copytree(demo_tokenizer[0].path.parent, copy / "tokenizer")
+    moved = {**manifest, "tokenizer": "/builder/home/runs/demo/tokenizer"}
+    with fake_bucket(tmp_path):
+        assert read_manifest("gs://bucket/runs/demo")["vocab_size"] == manifest["vocab_size"]
+        assert str(build_tokenizer_path("gs://bucket/runs/demo", moved)) == "gs://bucket/runs/demo/tokenizer"
+        assert str(dataset_dir("gs://bucket/runs/demo")) == "gs://bucket/runs/demo/build/sft_examples/1.0.0"
+    assert str(build_tokenizer_path(run, manifest)) == manifest["tokenizer"]

@@ -232,6 +232,13 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
                           time.perf_counter() - started)
 
 
+def build_tokenizer_path(run, manifest: dict[str, Any]):
+    """The tokenizer a build used: where the manifest says, or RUN/tokenizer when the run was copied or
+    moved (to a bucket, another host) and that path is not there."""
+    recorded, inside = as_path(manifest["tokenizer"]), as_path(run) / "tokenizer"
+    return recorded if recorded.exists() or not inside.exists() else inside
+
+
 def read_manifest(run) -> dict[str, Any]:
     path = as_path(run) / BUILD_DIR / "manifest.json"
     if not path.is_file():

@@ -17,7 +17,7 @@ import numpy as np
 from polyalign import parallel
 from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
-from polyalign.inputs.build import read_manifest
+from polyalign.inputs.build import build_tokenizer_path, read_manifest
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
 from polyalign.paths import as_path
 
@@ -172,7 +172,7 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
     weights = np.array([manifest["bucket_weights"][b] for b in buckets], np.float32)
     length = manifest["options"]["max_length"]
     pad_id = manifest["pad_id"]
-    tokenizer = load_tokenizer(manifest["tokenizer"])
+    tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
     model = build_model(config, manifest["vocab_size"],
                         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                          "pad_token_id": tokenizer.pad_id})
