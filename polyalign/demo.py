@@ -153,15 +153,18 @@ def _evaluate(run: Path, quick: bool) -> str:
     summaries = []
     for method in DEMO_METHODS:
         predictions = run / "generate" / f"{method}_test.jsonl"
+        # Sampled, as the pairs are: under greedy decoding the 7M-parameter demo models mostly end
+        # their turn at once, and every metric would compare empty strings.
         generate_predictions(run / method / "model", run / "data" / "test.jsonl", predictions,
-                             sampling=SamplingConfig(max_new_tokens=64), sample=DEMO_TEST_SAMPLE[quick], seed=2)
+                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick], seed=2)
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method, allow_partial=True,
                           references_path=run / "stats" / "references.json", featurizer=run / POLICY / "model")
         bng = result["metrics"]["bng"]["overall_macro"]
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}")
-    return f"{'; '.join(summaries)} -> {run / 'eval'}"
+    return f"{'; '.join(summaries)} (sampled: temperature {DEMO_SAMPLING['temperature']}, top-p " \
+           f"{DEMO_SAMPLING['top_p']}) -> {run / 'eval'}"
 
 
 def _report(run: Path, quick: bool) -> str:
