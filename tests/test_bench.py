@@ -63,3 +63,21 @@ def test_flop_count_by_hand():
     attention = 2 * 2 * 24 * 1024 * 14 * 64 * 0.5
     assert step_flops(cfg, 1024, 1024, reference=False) == pytest.approx(6 * (matmul_parameters(cfg) + attention) * 1024)
     assert step_flops(cfg, 1024, 1024, reference=True) == pytest.approx(8 * (matmul_parameters(cfg) + attention) * 1024)
+
+
+def test_input_pipeline_bench_reports_both_layouts(built_run, tmp_path):
+    run, _ = built_run
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "input_pipeline.py"), "--run", str(run), "--batch", "8",
+                             "--steps", "6"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)},
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "input_pipeline.json").read_text())
+    one_each, packed = report["rows"]
+    assert (one_each["pack"], packed["pack"]) == (False, True)
+    assert one_each["positions_per_s"] > 0 and packed["positions_per_s"] > 0
+    # the same rows of 64 positions (the fixture's examples nearly fill one each): never more tokens
+    # than positions, and packing never fewer tokens than one example per row
+    for row in report["rows"]:
+        assert 0 < row["real_tokens"] <= 6 * 8 * 64
+    assert packed["real_tokens"] >= one_each["real_tokens"]
+    assert "the pipeline delivers" in result.stdout
