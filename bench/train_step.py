@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
-from polyalign.model import create_model  # noqa: E402
+from polyalign.model import abstract_model, create_model  # noqa: E402
 from polyalign.model.presets import PRESETS, preset  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
 from polyalign.train.hdpo import Preference, PreferenceConfig, sequence_logps  # noqa: E402
@@ -147,7 +147,8 @@ def _batch(rng, args, cfg, method):
 def bench_polyalign(args, cfg, method: str) -> dict:
     batch = _batch(np.random.default_rng(0), args, cfg, method)
     objective = SFT(1) if method == "sft" else Preference(PreferenceConfig(init="bench"), 1)
-    trainer = Trainer(create_model(cfg), objective, OptimizerConfig(lr=1e-5),
+    model = abstract_model(cfg) if args.compile_only else create_model(cfg)  # compile-only allocates nothing
+    trainer = Trainer(model, objective, OptimizerConfig(lr=1e-5),
                       LoopConfig(steps=1000, global_batch=args.batch), parallel.make_mesh(), Path("."))
     started = time.perf_counter()
     memory = compiled_memory(trainer.compiled_step(batch))
@@ -165,9 +166,9 @@ def bench_plain(args, cfg, method: str) -> dict:
 
     cfg = dataclasses.replace(cfg, logprob_chunk=0)
     batch = jax.tree.map(lambda x: jnp.asarray(x[0]), _batch(np.random.default_rng(0), args, cfg, method))
-    graphdef, params = nnx.split(create_model(cfg))
+    graphdef, params = nnx.split(abstract_model(cfg) if args.compile_only else create_model(cfg))
     tx = optax.adamw(1e-5)
-    opt_state = tx.init(params)
+    opt_state = jax.eval_shape(tx.init, params) if args.compile_only else tx.init(params)
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params)

@@ -360,3 +360,27 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
     np.testing.assert_allclose(sums_b["bucket_loss"], sums_a["bucket_loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(sums_b["bucket_examples"], sums_a["bucket_examples"])
     assert float(sums_b["examples"]) == 12
+
+
+def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(built_run):
+    import jax
+
+    from polyalign import parallel
+    from polyalign.model import abstract_model
+    from polyalign.train.sft import SFT
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
+    from tests.conftest import tiny_model_config
+    from tests.train_checks import first_batch
+
+    run, manifest = built_run
+    batch, _ = first_batch(run, 4, 1)
+    cfg = tiny_model_config(manifest["vocab_size"])
+    trainer = Trainer(abstract_model(cfg), SFT(len(manifest["buckets"])), OptimizerConfig(),
+                      LoopConfig(steps=1, global_batch=4), parallel.make_mesh(), run)
+    assert trainer.abstract
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainer.state))
+    analysis = trainer.compiled_step(batch).memory_analysis()
+    # parameters and both AdamW moments in float32 are arguments of the step
+    assert analysis.argument_size_in_bytes >= 3 * 4 * cfg.num_parameters()
+    with pytest.raises(TrainingError, match="abstract model"):
+        trainer.step(batch)

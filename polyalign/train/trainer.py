@@ -104,15 +104,31 @@ class Trainer:
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = parallel.param_shardings(params, mesh)
         replicated = NamedSharding(mesh, PartitionSpec())
+        # A model from abstract_model() gives an abstract trainer: its step compiles (memory analysis,
+        # cost) but never runs, and nothing is allocated.
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         with jax.set_mesh(mesh):
-            params = jax.device_put(params, self.param_shardings)
-            opt_state = jax.jit(self.tx.init)(params)
+            if self.abstract:
+                params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                                      self.param_shardings)
+                init = jax.jit(self.tx.init).lower(params).compile()
+                opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                         jax.eval_shape(self.tx.init, params), init.output_shardings)
+            else:
+                params = jax.device_put(params, self.param_shardings)
+                opt_state = jax.jit(self.tx.init)(params)
+
+            def scalar(value):
+                if self.abstract:
+                    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)
+                return jax.device_put(value, replicated)
+
             self.state = {
                 "params": params,
                 "opt_state": opt_state,
-                "step": jax.device_put(jnp.zeros((), jnp.int32), replicated),
-                "rng": jax.device_put(jax.random.key_data(jax.random.key(loop.seed)), replicated),
-                "nonfinite": jax.device_put(jnp.zeros((), jnp.int32), replicated),
+                "step": scalar(jnp.zeros((), jnp.int32)),
+                "rng": scalar(jax.random.key_data(jax.random.key(loop.seed))),
+                "nonfinite": scalar(jnp.zeros((), jnp.int32)),
             }
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.batch_sharding = parallel.batch_sharding(mesh, leading=2)
@@ -195,6 +211,8 @@ class Trainer:
             return self._accumulate(self.state["params"], self.global_batch(local_batch))
 
     def step(self, local_batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        if self.abstract:
+            raise TrainingError("this trainer was made from an abstract model: it compiles steps, it cannot run them")
         with jax.set_mesh(self.mesh):
             self.state, metrics = self._step(self.state, self.global_batch(local_batch))
         return metrics
