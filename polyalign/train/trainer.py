@@ -165,6 +165,10 @@ class Trainer:
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
         first = jax.tree.map(lambda x: x[0], (batch, denominators))
+        if jax.tree.leaves(batch)[0].shape[0] == 1:
+            # One micro-batch: no accumulator, which would hold a second parameter-sized gradient.
+            (loss, sums), grads = grad_fn(params, *first)
+            return grads, loss, sums
         sums_shape = jax.eval_shape(lambda: objective(params, *first)[1])
         zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
