@@ -122,24 +122,34 @@ class _EpochPermutations:
 class _PackedRows:
     """position in the endless global order of packed rows -> the example indices in that row.
 
-    Epoch e packs the permutation drawn from (seed, e) in order: an example joins the current row while
-    it fits and otherwise opens the next one (examples longer than a row are truncated to it, as
-    unpacked). Only lengths are needed, so every process computes the same rows."""
+    Epoch e packs the permutation drawn from (seed, e) first-fit over a window of open rows: each
+    example joins the first open row it fits in, or opens a new one; when more than `window` rows are
+    open the oldest is closed. The window keeps the epoch's order local while filling rows far better
+    than closing a row at the first example that does not fit. Examples longer than a row are truncated
+    to it, as unpacked. Only lengths are needed, so every process computes the same rows."""
 
-    def __init__(self, lengths: np.ndarray, length: int, seed: int):
-        self.lengths, self.length, self.seed = np.minimum(lengths, length), length, seed
-        self._epochs: list[tuple[np.ndarray, np.ndarray]] = []  # (permutation, row start offsets)
+    def __init__(self, lengths: np.ndarray, length: int, seed: int, window: int = 16):
+        self.lengths, self.length, self.seed, self.window = np.minimum(lengths, length), length, seed, window
+        self._epochs: list[tuple[np.ndarray, np.ndarray]] = []  # (examples row after row, row start offsets)
         self._first_row = [0]  # global index of each epoch's first row
 
     def _pack(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
-        starts, used = [0], 0
-        for i, n in enumerate(self.lengths[order]):
-            if used + n > self.length and used > 0:
-                starts.append(i)
-                used = 0
-            used += n
-        return order, np.array(starts + [len(order)])
+        open_rows: list[list] = []  # [used positions, example indices]
+        rows: list[list[int]] = []
+        for i, n in zip(order.tolist(), self.lengths[order].tolist()):
+            for row in open_rows:
+                if row[0] + n <= self.length:
+                    row[0] += n
+                    row[1].append(i)
+                    break
+            else:
+                open_rows.append([n, [i]])
+                if len(open_rows) > self.window:
+                    rows.append(open_rows.pop(0)[1])
+        rows.extend(row for _, row in open_rows)
+        members = np.fromiter((i for row in rows for i in row), np.int64, count=len(order))
+        return members, np.cumsum([0] + [len(row) for row in rows])
 
     def __call__(self, row: int) -> list[int]:
         while row >= self._first_row[-1]:

@@ -41,8 +41,9 @@ class DataSection:
     dir: str | None = None  # the run directory holding build/ (from `polyalign build`)
     eval_batch: int = 32
     eval_limit: int | None = None  # evaluate on at most this many validation examples
-    # Pack consecutive examples of the global order into each max_length row (exact: segments never
-    # attend across examples); a step then takes global_batch rows. Evaluation stays unpacked.
+    # Pack several examples of the global order into each max_length row (first-fit over a window;
+    # exact: segments never attend across examples); a step then takes global_batch rows. Evaluation
+    # stays unpacked.
     pack: bool = False
 
 
