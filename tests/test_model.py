@@ -263,7 +263,8 @@ def test_default_attention_is_cudnn_only_where_it_applies():
     assert default_attention_implementation(qwen_f32, "gpu") is None  # cuDNN's kernel is half precision
     assert default_attention_implementation(preset("gemma2-2b", dtype="bfloat16"), "gpu") is None  # soft-cap, head 256
     assert default_attention_implementation(qwen_bf16, "cpu") is None
-    assert default_attention_implementation(qwen_bf16, "tpu") == "splash"
+    assert default_attention_implementation(qwen_bf16, "tpu") == "splash"  # head 128
+    assert default_attention_implementation(preset("qwen2.5-0.5b"), "tpu") is None  # head 64
 
 
 @pytest.mark.parametrize("softcap", [None, 20.0])

@@ -82,12 +82,14 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
 def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
     """What `attention_impl: null` runs for causal-only attention (no packing, padding mask or sliding
     window): cuDNN's fused kernel on GPU when the compute dtype and head size suit it, splash attention
-    on TPU, else XLA."""
+    on TPU for heads of 128 (or multiples), else XLA."""
     backend = backend or jax.default_backend()
     if (backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 128 and cfg.attn_logit_softcap is None):
         return "cudnn"
-    if backend == "tpu":
+    # Mosaic lays the kernel's head dimension on the 128-lane axis; smaller heads stay on XLA until
+    # measured on a TPU.
+    if backend == "tpu" and cfg.head_dim % 128 == 0:
         return "splash"
     return None
 
