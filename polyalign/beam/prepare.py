@@ -289,7 +289,7 @@ def _read_events(events_dir: Path) -> list[tuple[tuple[Any, ...], int]]:
     return events
 
 
-def read_pairs(data_dir: Path) -> list[tuple[str, str, float]]:
+def read_near_duplicates(data_dir: Path) -> list[tuple[str, str, float]]:
     """The near-duplicate pairs written by either engine, in the single-machine path's order."""
     pairs = []
     for path in sorted(data_dir.glob("near_duplicates*.jsonl")):
@@ -332,14 +332,12 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             kinds[fields[0]] = count
         elif kind == "quarantined":
             quarantined += count
-    for tally in tallies:  # the single-machine path's key order, for identical manifests
-        tally.dropped = type(tally.dropped)(dict(sorted(tally.dropped.items())))
     dedup_report: dict[str, Any] = {"enabled": config.dedup, "group_protection": {"moved": dict(sorted(moved.items()))}}
     if config.dedup:
         dedup_report["exact"] = {"removed": sum(kinds.values()), "by_kind": dict(sorted(kinds.items()))}
     near = config.near_dedup
     if config.dedup and near.enabled:
-        dedup_report["near_duplicates"] = near_duplicate_report(near, read_pairs(data_dir))
+        dedup_report["near_duplicates"] = near_duplicate_report(near, read_near_duplicates(data_dir))
     else:
         dedup_report["near_duplicates"] = {"enabled": False}
     runner = options.view_as(beam.options.pipeline_options.StandardOptions).runner

@@ -11,12 +11,7 @@ from polyalign.model.log_probs import token_log_probs
 def example_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array) -> jax.Array:
     """Per-example mean NLL over its labelled tokens (METHOD section 4: l_i); 0 for an example with
     no labelled token. Returns [B]."""
-    return masked_mean_nll(token_log_probs(logits, targets), loss_mask)
-
-
-def masked_mean_nll(log_probs: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    """Per-example mean of -log p over the labelled tokens; 0 for an example with none. Returns [B]."""
-    nll = -log_probs * loss_mask
+    nll = -token_log_probs(logits, targets) * loss_mask
     return nll.sum(-1) / jnp.maximum(loss_mask.sum(-1), 1.0)
 
 
