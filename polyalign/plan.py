@@ -99,7 +99,7 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
 
 
 def _built_length(data) -> int | None:
-    run = data.dir if hasattr(data, "dir") else data.get("dir")
+    run = data.dir
     manifest = Path(run or "") / "build" / "manifest.json"
     if run and manifest.is_file():
         return json.loads(manifest.read_text())["options"]["max_length"]

@@ -111,6 +111,47 @@ def test_packed_segments_match_separate_sequences():
     np.testing.assert_allclose(together[0, 7:], alone_b[0], atol=1e-5)
 
 
+def test_a_tree_row_matches_each_branch_run_alone():
+    """A prompt computed once and two continuations that each see it (branch ids): every position's
+    logits equal those of prompt + that continuation run on its own, sliding-window layers included."""
+    cfg = family_defaults("gemma2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, sliding_window=3)
+    model = create_model(cfg, seed=5)
+    rng = np.random.default_rng(1)
+    prompt, first, second = rng.integers(0, 97, 6), rng.integers(0, 97, 4), rng.integers(0, 97, 5)
+    row = np.concatenate([prompt, first, second, [0, 0]])[None].astype(np.int32)
+    segments = np.array([[1] * 15 + [0, 0]], np.int32)
+    branches = np.array([[0] * 6 + [1] * 4 + [2] * 5 + [0, 0]], np.int32)
+    positions = np.array([list(range(10)) + list(range(6, 11)) + [0, 0]], np.int32)
+    tree = np.asarray(model(jnp.asarray(row), positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments),
+                            branch_ids=jnp.asarray(branches)))
+    for continuation, span in ((first, slice(6, 10)), (second, slice(10, 15))):
+        alone = np.asarray(model(jnp.asarray(np.concatenate([prompt, continuation])[None].astype(np.int32))))
+        np.testing.assert_allclose(tree[0, :6], alone[0, :6], atol=1e-5)
+        np.testing.assert_allclose(tree[0, span], alone[0, 6:], atol=1e-5)
+
+
+def test_tree_mask_by_hand():
+    from polyalign.model.transformer import attention_masks
+
+    # one segment: prefix (2 tokens), branch 1 (1 token), branch 2 (2 tokens); then a second segment
+    segments = jnp.asarray([[1, 1, 1, 1, 1, 2]])
+    branches = jnp.asarray([[0, 0, 1, 2, 2, 0]])
+    full, local = attention_masks(6, segments, None, 1, None, branches)
+    expected = np.array([[1, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0],  # the second branch does not see the first
+                         [1, 1, 0, 1, 1, 0],
+                         [0, 0, 0, 0, 0, 1]], bool)
+    np.testing.assert_array_equal(np.asarray(full[0, 0]), expected)
+    assert local is None
+    # the window counts positions: branch 2 starts at position 2, right after the prefix
+    positions = jnp.asarray([[0, 1, 2, 2, 3, 0]])
+    _, local = attention_masks(6, segments, None, 1, 2, branches, positions)
+    np.testing.assert_array_equal(np.asarray(local[0, 0, 3]), [0, 1, 0, 1, 0, 0])
+
+
 def test_bfloat16_compute_stays_close_to_float32():
     ref = expected("qwen2")
     f32 = forward(load_hf_checkpoint(FIXTURES / "hf" / "qwen2"), ref["input_ids"], ref["attention_mask"])

@@ -10,6 +10,7 @@ import pytest
 from polyalign.data.records import InputError
 from polyalign.pairs import assign_weights, build_pairs, imbalance_gains, pair_weight, read_predictions
 from polyalign.train import losses
+from tests.conftest import REPO
 
 
 def _records(demo_run, n=40):
@@ -148,3 +149,123 @@ def test_preference_objective_equals_the_pure_loss_for_any_micro_batching(method
     for loss, grads in results[1:]:
         for a, b in zip(grads, results[0][1]):
             np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def _real_pairs(demo_run, count: int) -> list[dict]:
+    """Pairs from real records (the shortest of each bucket, so that few are cut): the record's own
+    response is chosen, the response of the next record of the same bucket rejected; the first
+    pair's rejected side is its chosen response cut short, so the two sides share labelled tokens."""
+    import json
+    from collections import defaultdict
+
+    from polyalign.data.prepare import read_records
+
+    run, _, _ = demo_run
+    by_bucket = defaultdict(list)
+    for record in read_records(run / "data" / "train.jsonl"):
+        by_bucket[record.bucket_id].append(record)
+    rng = np.random.default_rng(0)
+    pairs = []
+    for bucket in sorted(by_bucket):
+        records = sorted(by_bucket[bucket], key=lambda r: len(json.dumps(r.to_json(), ensure_ascii=False)))
+        for record, other in zip(records[:2], records[1:3]):
+            pairs.append({"id": record.id, "bucket_id": bucket, "record": record.to_json(), "chosen": record.response,
+                          "rejected": other.response, "weight": float(rng.uniform(0.5, 3.0)),
+                          "critic_chosen": float(rng.uniform(0, 1)), "critic_rejected": float(rng.uniform(0, 2))})
+    pairs = pairs[:count]
+    pairs[0]["rejected"] = pairs[0]["chosen"][: len(pairs[0]["chosen"]) // 2]
+    return pairs
+
+
+@pytest.mark.parametrize("method", ["hdpo", "dpo"])
+def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo_run, demo_tokenizer, tmp_path):
+    """Pairs packed as trees (the prompt once, both responses seeing it) give every pair's sequence
+    log-probs, the objective and its gradient exactly as one pair per row pair."""
+    from polyalign import parallel
+    from polyalign.chat import get_template
+    from polyalign.inputs import pipeline
+    from polyalign.model import create_model
+    from polyalign.train.hdpo import (Preference, PreferenceConfig, packed_pair_arrays, pair_arrays, sequence_logps,
+                                      tokenise_pairs, tree_length, tree_spans)
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+    from tests.conftest import tiny_model_config
+
+    tokenizer = demo_tokenizer[0]
+    length, count = 192, 24
+    pairs = _real_pairs(demo_run, count)
+    buckets = sorted({p["bucket_id"] for p in pairs})
+    examples = tokenise_pairs(pairs, tokenizer, get_template("polyalign"), "context", length, buckets)
+    rng = np.random.default_rng(1)
+    for example in examples:
+        example["ref_chosen"], example["ref_rejected"] = (float(x) for x in -rng.uniform(50, 150, 2))
+    spans = [tree_spans(e, length) for e in examples]
+    # pairs cut to `length` keep different prompt tails (the cut depends on the response) and share nothing
+    assert sum(shared > 0 for shared, _, _ in spans) >= count // 2
+    assert examples[0]["chosen_mask"][spans[0][0]] == 1  # the first pair shares labelled tokens too
+    tree_positions = sum(tree_length(e, length) for e in examples)
+    assert tree_positions < sum(c + r for _, c, r in spans)
+
+    row_length, slots = 2 * length, 8
+    packer = pipeline._PackedRows(np.array([tree_length(e, length) for e in examples]), row_length, seed=0,
+                                  max_items=slots)
+    rows = [packer(r) for r in range(packer.rows_per_epoch())]
+    assert sorted(i for row in rows for i in row) == list(range(count)) and len(rows) < count
+    assert max(len(row) for row in rows) <= slots
+    packed = [packed_pair_arrays([examples[i] for i in row], row_length, tokenizer.pad_id, slots, length) for row in rows]
+    unpacked = [pair_arrays(e, length, tokenizer.pad_id) for e in examples]
+
+    def stack(items):
+        return {k: np.stack([item[k] for item in items]) for k in items[0]}
+
+    model = create_model(tiny_model_config(tokenizer.vocab_size), seed=0)
+    pc, pr, n = (np.asarray(x) for x in sequence_logps(model, {k: jnp.asarray(v) for k, v in stack(unpacked).items()}))
+    qc, qr, m = (np.asarray(x) for x in sequence_logps(model, {k: jnp.asarray(v) for k, v in stack(packed).items()}))
+    for r, row in enumerate(rows):
+        for slot, i in enumerate(row):
+            np.testing.assert_allclose([qc[r, slot], qr[r, slot]], [pc[i], pr[i]], rtol=1e-5)
+            assert m[r, slot] == n[i]
+
+    config = PreferenceConfig(method=method, init="unused", lambda_dist=0.3, gamma_ftx=0.05)
+    results = []
+    for batch, batch_rows in ((stack(unpacked), count), (stack(packed), len(rows))):
+        trainer = Trainer(create_model(tiny_model_config(tokenizer.vocab_size), seed=0), Preference(config, len(buckets)),
+                          OptimizerConfig(), LoopConfig(steps=1, global_batch=batch_rows), parallel.make_mesh(), tmp_path)
+        grads, loss, sums = trainer.gradients({k: v[None] for k, v in batch.items()})
+        results.append((float(loss), jax.tree.leaves(jax.device_get(grads)), jax.device_get(sums)))
+    (loss_a, grads_a, sums_a), (loss_b, grads_b, sums_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-4)
+    np.testing.assert_allclose(sums_b["bucket_margin"], sums_a["bucket_margin"], rtol=1e-5, atol=1e-4)
+    assert float(sums_b["pairs"]) == count and float(sums_b["tokens"]) == float(sums_a["tokens"])
+
+
+@pytest.mark.slow
+def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
+    """`data.pack=true` end to end: rows of whole pairs, several pairs a step, a first step at the
+    reference (margin 0), validation on unpacked pairs and an exported model."""
+    from polyalign.model import create_model, save_hf_checkpoint
+    from polyalign.pairs import write_pairs
+    from polyalign.train.hdpo import load_config, train_preference
+    from polyalign.train.metrics import read_metrics
+    from tests.conftest import tiny_model_config
+
+    tokenizer = demo_tokenizer[0]
+    directory = tokenizer.path.parent
+    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), tmp_path / "init", extra_files={
+        name: (directory / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    pairs = _real_pairs(demo_run, 24)
+    write_pairs(pairs[:20], tmp_path / "train.jsonl")
+    write_pairs(pairs[20:], tmp_path / "val.jsonl")
+    config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
+        f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
+        "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=3",
+        "train.checkpoint_every=3"])
+    result = train_preference(config, tmp_path / "out", progress=False)
+    steps = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and result["train_pairs"] == 20
+    assert abs(steps[0]["rewards/margin"]) < 1e-4
+    assert all(r["pairs"] >= 2 for r in steps) and sum(r["pairs"] for r in steps) > 6  # rows hold several pairs
+    val = [r for r in read_metrics(tmp_path / "out") if "val_pairs" in r]
+    assert val and val[-1]["val_pairs"] == 4
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()

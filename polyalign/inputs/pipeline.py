@@ -126,10 +126,12 @@ class _PackedRows:
     example joins the first open row it fits in, or opens a new one; when more than `window` rows are
     open the oldest is closed. The window keeps the epoch's order local while filling rows far better
     than closing a row at the first example that does not fit. Examples longer than a row are truncated
-    to it, as unpacked. Only lengths are needed, so every process computes the same rows."""
+    to it, as unpacked. A row holds at most `max_items` examples when set (the fixed number of per-row
+    slots a batch format may have). Only lengths are needed, so every process computes the same rows."""
 
-    def __init__(self, lengths: np.ndarray, length: int, seed: int, window: int = 16):
+    def __init__(self, lengths: np.ndarray, length: int, seed: int, window: int = 16, max_items: int | None = None):
         self.lengths, self.length, self.seed, self.window = np.minimum(lengths, length), length, seed, window
+        self.max_items = max_items or len(lengths)
         self._epochs: list[tuple[np.ndarray, np.ndarray]] = []  # (examples row after row, row start offsets)
         self._first_row = [0]  # global index of each epoch's first row
 
@@ -138,14 +140,16 @@ class _PackedRows:
         open_rows: list[list] = []  # [used positions, example indices]
         rows: list[list[int]] = []
         for i, n in zip(order.tolist(), self.lengths[order].tolist()):
-            for row in open_rows:
+            for slot, row in enumerate(open_rows):
                 if row[0] + n <= self.length:
                     row[0] += n
                     row[1].append(i)
+                    if len(row[1]) == self.max_items:
+                        rows.append(open_rows.pop(slot)[1])
                     break
             else:
                 open_rows.append([n, [i]])
-                if len(open_rows) > self.window:
+                if len(open_rows) > self.window or self.max_items == 1:
                     rows.append(open_rows.pop(0)[1])
         rows.extend(row for _, row in open_rows)
         members = np.fromiter((i for row in rows for i in row), np.int64, count=len(order))
@@ -172,17 +176,21 @@ def example_lengths(source) -> np.ndarray:
 
 
 def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, seed: int, convert=None,
-                  pack: bool = False):
+                  pack: bool = False, lengths: np.ndarray | None = None, max_per_row: int | None = None):
     """grain dataset of per-process batches {key: [micro_batches, per_process, ...]}, one per step.
     `convert(example, length, pad_id)` turns a stored example into fixed-shape arrays (default: SFT's).
     With `pack`, each of the batch's rows holds as many consecutive examples of the global order as fit
-    (SFT only); a step then takes `global_batch` rows."""
+    in `length` positions (at most `max_per_row`) and `convert(examples, length, pad_id)` takes the
+    row's list (default: SFT's packed_arrays); `lengths` are the examples' positions (default: SFT's,
+    read from `source`). A step then takes `global_batch` rows."""
     per_step = layout.micro_batches * layout.per_process
     if pack:
-        rows = _PackedRows(example_lengths(source), length, seed)
+        convert = convert or packed_arrays
+        rows = _PackedRows(example_lengths(source) if lengths is None else lengths, length, seed,
+                           max_items=max_per_row)
 
         def load(k):
-            return packed_arrays([source[i] for i in rows(layout.global_position(k))], length, pad_id)
+            return convert([source[i] for i in rows(layout.global_position(k))], length, pad_id)
     else:
         convert = convert or example_arrays
         order = _EpochPermutations(len(source), seed)

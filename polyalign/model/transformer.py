@@ -58,13 +58,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: jax.Array | None,
-                    batch: int, sliding_window: int | None) -> tuple[jax.Array | None, jax.Array | None]:
+                    batch: int, sliding_window: int | None,
+                    branch_ids: jax.Array | None = None,
+                    positions: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array | None]:
     """Boolean masks [B, 1, T, T] (True = may attend) for full and sliding-window layers; (None, None)
     when attention is causal only.
 
-    Causal; with segment ids (packed sequences) a token sees only its own segment; with an
-    attention mask (1 = real token) padding keys are hidden. A sliding-window layer also hides keys
-    `sliding_window` or more positions back.
+    Causal; with segment ids (packed sequences) a token sees only its own segment; with branch ids as
+    well, a segment is a tree: branch 0 is a prefix every branch of the segment sees, and a token of
+    branch b > 0 sees that prefix and its own branch only (several responses to one prompt, the
+    prompt computed once). With an attention mask (1 = real token) padding keys are hidden. A
+    sliding-window layer also hides keys `sliding_window` or more positions back, counted in
+    `positions` when given (in a tree, a branch's distance to the prefix is not its distance in the row).
     """
     if segment_ids is None and attention_mask is None and not sliding_window:
         return None, None  # causal only: attention applies it without a [T, T] mask
@@ -73,10 +78,18 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
     mask = jnp.broadcast_to((k <= q)[None, None], (batch, 1, length, length))
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    if branch_ids is not None:
+        key_branch = branch_ids[:, None, :]
+        mask = mask & ((key_branch == 0) | (key_branch == branch_ids[:, :, None]))[:, None]
     if attention_mask is not None:
         mask = mask & attention_mask.astype(bool)[:, None, None, :]
-    local = mask & ((q - k) < sliding_window)[None, None] if sliding_window else None
-    return mask, local
+    if not sliding_window:
+        return mask, None
+    if positions is None:
+        near = ((q - k) < sliding_window)[None, None]
+    else:
+        near = ((positions[:, :, None] - positions[:, None, :]) < sliding_window)[:, None]
+    return mask, mask & near
 
 
 def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
@@ -281,18 +294,21 @@ class Transformer(nnx.Module):
                                                                (P.EMBED, P.VOCAB))
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None,
+                 branch_ids: jax.Array | None = None) -> jax.Array:
         hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids,
-                                    attention_mask=attention_mask)
+                                    attention_mask=attention_mask, branch_ids=branch_ids)
         return self.logits(hidden)
 
     def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None) -> jax.Array:
-        """The final-norm hidden states [B, T, D] (the LM head's input)."""
+                      segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None,
+                      branch_ids: jax.Array | None = None) -> jax.Array:
+        """The final-norm hidden states [B, T, D] (the LM head's input). Masking as in attention_masks."""
         batch, length = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        masks = attention_masks(length, segment_ids, attention_mask, batch, self.config.sliding_window)
+        masks = attention_masks(length, segment_ids, attention_mask, batch, self.config.sliding_window, branch_ids,
+                                positions)
         hidden, _ = self._layers(input_ids, positions, masks, None)
         return hidden
 
@@ -340,11 +356,11 @@ class Transformer(nnx.Module):
         return self.norm(h), new_cache
 
     def token_log_probs(self, input_ids: jax.Array, targets: jax.Array, *, positions: jax.Array | None = None,
-                        segment_ids: jax.Array | None = None) -> jax.Array:
+                        segment_ids: jax.Array | None = None, branch_ids: jax.Array | None = None) -> jax.Array:
         """float32 log p(targets) [B, T] for teacher-forced `input_ids` (padding on the right; packed rows
-        with their positions and segment ids); in blocks of `config.logprob_chunk` positions when set,
-        without full [B, T, V] logits."""
-        hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids)
+        with their positions, segment ids and, for shared prefixes, branch ids); in blocks of
+        `config.logprob_chunk` positions when set, without full [B, T, V] logits."""
+        hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids, branch_ids=branch_ids)
         if not self.config.logprob_chunk:
             return token_log_probs(self.logits(hidden), targets)
         return chunked_token_log_probs(hidden, self.head_weight(), targets, self.config.logprob_chunk,

@@ -31,12 +31,21 @@ SIDES = ("chosen", "rejected")
 
 
 @dataclass(frozen=True)
+class PreferenceData:
+    dir: str | None = None  # the run directory whose critic/ holds the scored pairs
+    # Pack whole pairs into rows of 2 x max_length positions, each pair's common prefix (the prompt)
+    # computed once and seen by both responses (a tree mask). Exact: every log-prob equals the
+    # unpacked one. Needs explicit attention masks (XLA attention); a step takes global_batch rows.
+    pack: bool = False
+
+
+@dataclass(frozen=True)
 class PreferenceConfig:
     method: str = "hdpo"
     init: str | None = None  # the SFT checkpoint: the initial policy and the frozen reference
     pairs: str | None = None  # scored train pairs (default RUN/critic/train_pairs.jsonl)
     val_pairs: str | None = None  # scored validation pairs (default RUN/critic/val_pairs.jsonl)
-    data: dict = field(default_factory=lambda: {"dir": None})
+    data: PreferenceData = field(default_factory=lambda: PreferenceData())
     profile: str = "context"
     max_length: int = 256
     beta: float = 0.1
@@ -57,7 +66,7 @@ def load_config(path: Path | None, overrides=()) -> PreferenceConfig:
         raise ConfigError(f"{path}: method must be one of {', '.join(METHODS)}, got {config.method!r}")
     if config.init is None:
         raise ConfigError(f"{path}: init is not set; pass init=SFT_CHECKPOINT")
-    run = config.data.get("dir")
+    run = config.data.dir
     defaults = {}
     for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
         if getattr(config, key) is None:
@@ -108,15 +117,98 @@ def pair_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.
     return out
 
 
+PAIR_FIELDS = ("weight", "bucket", "valid", "critic_chosen", "critic_rejected", "ref_chosen", "ref_rejected")
+
+
+def tree_spans(example: dict, length: int) -> tuple[int, int, int]:
+    """(shared, chosen, rejected) next-token positions of a pair laid out as a tree: both sequences
+    agree on their first `shared` positions (input and target: the prompt, and any common start of
+    the responses), then each side continues on its own. Sequences are cut to `length` positions as
+    unpacked."""
+    chosen = np.asarray(example["chosen_ids"][: length + 1])
+    rejected = np.asarray(example["rejected_ids"][: length + 1])
+    n = min(len(chosen), len(rejected))
+    differs = np.flatnonzero(chosen[:n] != rejected[:n])
+    common = int(differs[0]) if len(differs) else n
+    return max(common - 1, 0), max(len(chosen) - 1, 0), max(len(rejected) - 1, 0)
+
+
+def tree_length(example: dict, length: int) -> int:
+    """Positions a pair takes in a packed row: the shared prefix once, then both continuations."""
+    shared, chosen, rejected = tree_spans(example, length)
+    return chosen + rejected - shared
+
+
+def packed_pair_arrays(examples: list[dict], row_length: int, pad_id: int, slots: int,
+                       length: int) -> dict[str, np.ndarray]:
+    """One row of `row_length` positions holding `examples` (at most `slots` pairs) as trees: pair k
+    is segment k + 1; its shared prefix is branch 0, the chosen continuation branch 1 and the rejected
+    one branch 2, each branch with the positions it has unpacked. chosen_mask / rejected_mask mark the
+    positions whose log-probs sum to each side's sequence log-prob (a shared labelled position counts
+    for both). Per-pair fields are [slots] arrays; empty slots have valid = False."""
+    out = {"input_ids": np.full(row_length, pad_id, np.int32), "targets": np.full(row_length, pad_id, np.int32),
+           "positions": np.zeros(row_length, np.int32), "segment_ids": np.zeros(row_length, np.int32),
+           "branch_ids": np.zeros(row_length, np.int32), "chosen_mask": np.zeros(row_length, np.float32),
+           "rejected_mask": np.zeros(row_length, np.float32), "length": np.int32(0)}
+    out.update({key: np.zeros(slots, np.float32) for key in PAIR_FIELDS})
+    out.update(bucket=np.zeros(slots, np.int32), valid=np.zeros(slots, bool))
+    if len(examples) > slots:
+        raise ValueError(f"{len(examples)} pairs for a row of {slots} slots")
+    start = 0
+    for slot, example in enumerate(examples):
+        shared, *_ = tree_spans(example, length)
+        for branch, side in enumerate(SIDES, start=1):
+            ids = np.asarray(example[f"{side}_ids"][: length + 1], np.int32)
+            mask = np.asarray(example[f"{side}_mask"][1: length + 1], np.float32)
+            # the shared prefix is written with the chosen side; the rejected side reuses it
+            first = 0 if branch == 1 else shared
+            n = len(ids) - 1 - first
+            if start + n > row_length:
+                raise ValueError(f"pair {example['id']!r} does not fit a row of {row_length} positions")
+            span = slice(start, start + n)
+            out["input_ids"][span], out["targets"][span] = ids[first:-1], ids[first + 1:]
+            out["positions"][span] = np.arange(first, first + n)
+            out["segment_ids"][span] = slot + 1
+            out["branch_ids"][span] = branch
+            out[f"{side}_mask"][span] = mask[first:]
+            if branch == 1:
+                out["branch_ids"][start:start + shared] = 0
+                out["rejected_mask"][start:start + shared] = np.asarray(
+                    example["rejected_mask"][1: shared + 1], np.float32)
+            start += n
+        for key in PAIR_FIELDS:
+            out[key][slot] = example.get(key, 0.0)
+        out["valid"][slot] = True
+    out["length"] = np.int32(start)
+    return out
+
+
 def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Summed response log-probs of chosen and rejected, from one forward pass over both; and the
-    chosen token counts."""
+    """Summed response log-probs of chosen and rejected, and the chosen token counts, from one
+    forward pass over both sides: [B] for pair arrays (chosen and rejected stacked on the batch axis),
+    [B, slots] for packed rows."""
+    if "branch_ids" in batch:
+        return _packed_sequence_logps(model, batch)
     inputs = jnp.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
     targets = jnp.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
     mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
     logps = (model.token_log_probs(inputs, targets) * mask).sum(-1)
     half = batch["chosen_inputs"].shape[0]
     return logps[:half], logps[half:], batch["chosen_mask"].sum(-1)
+
+
+def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    logps = model.token_log_probs(batch["input_ids"], batch["targets"], positions=batch["positions"],
+                                  segment_ids=batch["segment_ids"], branch_ids=batch["branch_ids"])
+    rows, slots = batch["valid"].shape
+    # each position's pair, numbered across the micro-batch; padding (segment 0) carries zero masks
+    pair = (jnp.maximum(batch["segment_ids"] - 1, 0) + slots * jnp.arange(rows)[:, None]).reshape(-1)
+
+    def per_pair(values):
+        return jax.ops.segment_sum(values.reshape(-1), pair, rows * slots).reshape(rows, slots)
+
+    return (per_pair(logps * batch["chosen_mask"]), per_pair(logps * batch["rejected_mask"]),
+            per_pair(batch["chosen_mask"]))
 
 
 def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
@@ -152,16 +244,17 @@ class Preference:
         return jnp.where(batch["valid"], weights, 0.0)
 
     def denominators(self, batch):
-        def global_sum(x):
-            total = x.sum(axis=1).sum()
-            return jnp.broadcast_to(total, x.shape[:1])
+        def global_sum(x):  # [micro_batches, rows, (slots)] -> the total, once per micro-batch
+            return jnp.broadcast_to(x.sum(), x.shape[:1])
 
         count = global_sum(batch["valid"].astype(jnp.float32))
         return {"dpo": global_sum(self._weights(batch)), "dist": count, "anchor": count}
 
     def numerators(self, model, mb):
         c = self.config
-        pc, pr, n_chosen = sequence_logps(model, mb)
+        pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
+        tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
+        mb = {key: mb[key].reshape(-1) for key in PAIR_FIELDS}  # one entry per pair (packed: per slot)
         rc, rr = mb["ref_chosen"], mb["ref_rejected"]
         valid = mb["valid"].astype(jnp.float32)
         if c.method == "ipo":
@@ -175,7 +268,7 @@ class Preference:
             numerators.update(dist=dist.sum(), anchor=anchor.sum())
         rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
         sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
-        sums.update(pairs=valid.sum(), tokens=(mb["chosen_mask"].sum() + mb["rejected_mask"].sum()), dist_reg=dist.sum(), sft_anchor=anchor.sum(),
+        sums.update(pairs=valid.sum(), tokens=tokens, dist_reg=dist.sum(), sft_anchor=anchor.sum(),
                     dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
                     bucket_margin=jax.ops.segment_sum(rewards["margin"] * valid, mb["bucket"], self.num_buckets),
                     bucket_pairs=jax.ops.segment_sum(valid, mb["bucket"], self.num_buckets))
@@ -186,7 +279,8 @@ def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "")
     n = max(float(host["pairs"]), 1.0)
     out = {f"{prefix}rewards/{k}": round(float(host[f"rewards_{k}"]) / n, 6)
            for k in ("chosen", "rejected", "margin", "accuracy")}
-    out.update({f"{prefix}dist_reg": round(float(host["dist_reg"]) / n, 6),
+    out.update({f"{prefix}pairs": int(host["pairs"]),
+                f"{prefix}dist_reg": round(float(host["dist_reg"]) / n, 6),
                 f"{prefix}sft_anchor": round(float(host["sft_anchor"]) / n, 6),
                 f"{prefix}dist_gap": round(float(host["dist_gap"]) / n, 6)})
     margins = {b: round(float(host["bucket_margin"][i] / host["bucket_pairs"][i]), 6)
@@ -196,6 +290,26 @@ def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "")
 
 
 # --- the run ------------------------------------------------------------------------------------------
+
+MAX_PAIRS_PER_ROW = 64
+
+
+def train_pair_batches(examples: list[dict], layout: pipeline.Layout, loop: LoopConfig, config: PreferenceConfig,
+                       pad_id: int):
+    """The training batches: one pair per row pair (chosen and rejected rows of max_length), or with
+    data.pack rows of 2 x max_length positions holding whole pairs as trees (a pair always fits)."""
+    if not config.data.pack:
+        return pipeline.train_batches(examples, layout, loop.steps, config.max_length, pad_id, loop.seed,
+                                      convert=pair_arrays)
+    row_length = 2 * config.max_length
+    lengths = np.array([tree_length(e, config.max_length) for e in examples], np.int64)
+    slots = int(min(MAX_PAIRS_PER_ROW, max(1, row_length // max(int(lengths.min()), 1))))
+
+    def convert(row: list[dict], length: int, pad: int):
+        return packed_pair_arrays(row, length, pad, slots, config.max_length)
+
+    return pipeline.train_batches(examples, layout, loop.steps, row_length, pad_id, loop.seed, convert=convert,
+                                  pack=True, lengths=lengths, max_per_row=slots)
 
 def train_preference(config: PreferenceConfig, out: Path, progress: bool = True) -> dict[str, Any]:
     from polyalign.chat import get_template
@@ -228,8 +342,7 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
     trainer = Trainer(model, method, config.optimizer, config.train, mesh, out, metrics=metrics)
     loop = config.train
     layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
-    iterator = pipeline.iterate(pipeline.train_batches(train_examples, layout, loop.steps, config.max_length,
-                                                       tokenizer.pad_id, loop.seed, convert=pair_arrays))
+    iterator = pipeline.iterate(train_pair_batches(train_examples, layout, loop, config, tokenizer.pad_id))
     eval_size = trainer.eval_batch_size(loop.global_batch)
 
     def evaluate():
