@@ -237,11 +237,11 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(built_run, tmp_pa
     trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"])), SFT(len(manifest["buckets"])),
                       OptimizerConfig(), LoopConfig(steps=5, global_batch=8, max_nonfinite=1),
                       parallel.make_mesh(), tmp_path)
-    before = jax.device_get(trainer.state["params"])
+    before = jax.device_get((trainer.state["params"], trainer.state["opt_state"]))
     metrics = jax.device_get(trainer.step(poisoned))
     assert not metrics["finite"] and int(trainer.state["nonfinite"]) == 1 and trainer.step_number == 1
-    after = jax.device_get(trainer.state["params"])
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    after = jax.device_get((trainer.state["params"], trainer.state["opt_state"]))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):  # parameters and AdamW moments
         np.testing.assert_array_equal(a, b)
     assert jax.device_get(trainer.step(batch))["finite"]  # a good batch still trains
     with pytest.raises(TrainingError, match="more than 1 steps had a non-finite loss"):
