@@ -186,16 +186,16 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
         records = [records[i] for i in keep]
     if not records:
         raise GenerationError(f"{records_path}: no records")
-    model = load_hf_checkpoint(checkpoint)
+    from polyalign import parallel
+
+    # Several devices: parameters loaded straight into their shardings, the batch over data x fsdp.
+    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
+    model = load_hf_checkpoint(checkpoint, mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
     chat = get_template(template or template_for(model, tokenizer))
     stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)
-    from polyalign import parallel
-
-    # Several devices: parameters sharded by their logical axes, the batch over data x fsdp.
-    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
     sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling, mesh=mesh)
     checkpoint = Path(checkpoint)
     name = model_name or (checkpoint.parent.name if checkpoint.name == "model" else checkpoint.name)

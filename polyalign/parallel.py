@@ -138,6 +138,19 @@ def param_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def to_host(tree):
+    """Every array of `tree` as a NumPy array, on every process, one array at a time. An array this
+    process holds whole is copied off its devices shard by shard; one spread over processes is first
+    replicated, so the devices hold one extra parameter at a time, never a second model."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        replicated = NamedSharding(x.sharding.mesh, PartitionSpec())
+        return np.asarray(jax.device_get(jax.jit(lambda a: a, out_shardings=replicated)(x)))
+
+    return jax.tree.map(one, tree)
+
+
 def initialize_distributed() -> None:
     """Starts jax.distributed when this is one process of several.
 

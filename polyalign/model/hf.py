@@ -8,13 +8,18 @@ import os
 import uuid
 from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 from flax import traverse_util
 from etils import epath
-from safetensors.numpy import load, load_file, save
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import load, save
+
+from polyalign import parallel
 
 from polyalign.model.config import ModelConfig, ModelConfigError, from_hf_config, to_hf_config
 from polyalign.model.transformer import Transformer, abstract_model
@@ -84,12 +89,47 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{config_path}: line {err.lineno}: {err.msg}") from None
 
 
+class _Tensors:
+    """Every tensor of a checkpoint's safetensors files by name, read when asked for: local files are
+    opened lazily (a parameter group at a time is on the host), a bucket's files are read whole."""
+
+    def __init__(self, files: list[epath.Path]):
+        self._loaded: dict[str, np.ndarray] = {}
+        self._where = {}  # name -> open safetensors file
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for file in files:
+            if is_uri(file):
+                tensors = load(file.read_bytes())
+                self._loaded.update(tensors)
+                self._shapes.update({name: a.shape for name, a in tensors.items()})
+                continue
+            handle = safe_open(os.fspath(file), "np")
+            for name in handle.keys():
+                self._where[name] = handle
+                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+
+    def names(self) -> set[str]:
+        return set(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._loaded:
+            return self._loaded[name]
+        return self._where[name].get_tensor(name)
+
+
 def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_dtype: str | None = None,
-                       **policy) -> Transformer:
+                       mesh: Mesh | None = None, **policy) -> Transformer:
     """Loads a Llama, Qwen2 or Gemma 2 checkpoint directory into a Transformer.
 
     `dtype` is the parameter dtype, `compute_dtype` the matmul/activation dtype (default: `dtype`);
-    other keywords (scan_layers, remat, attention_impl) set the execution policy.
+    other keywords (scan_layers, remat, attention_impl) set the execution policy. With a `mesh`, each
+    parameter goes straight to its sharding over the mesh (from its logical axis names), each device
+    receiving only its shard and each process reading only the slices its devices hold: a model larger
+    than one device loads without ever being whole on one. Without, parameters land on the default
+    device.
     """
     path = as_path(path)
     if dtype not in _DTYPES:
@@ -99,33 +139,28 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
                              dtype=compute_dtype or dtype, **policy)
     except ModelConfigError as err:
         raise CheckpointError(str(err)) from None
-    tensors: dict[str, np.ndarray] = {}
-    for file in _safetensors_files(path):
-        # Local files are memory-mapped; a bucket's are read whole.
-        tensors.update(load(file.read_bytes()) if is_uri(file) else load_file(os.fspath(file)))
+    tensors = _Tensors(_safetensors_files(path))
 
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
     targets = traverse_util.flatten_dict(nnx.to_pure_dict(state), sep=".")
-    values, missing, mismatched, used = {}, [], [], set()
+    shardings = (traverse_util.flatten_dict(nnx.to_pure_dict(parallel.param_shardings(state, mesh)), sep=".")
+                 if mesh is not None else None)
+    available = tensors.names()
+    missing, mismatched, used = [], [], set()
     for ours, hf_name, transpose in _tensor_names(cfg):
         stacked = "{i}" in hf_name
         names = [hf_name.format(i=i) for i in range(cfg.num_layers)] if stacked else [hf_name]
-        target = targets[ours]
-        expected_shape = target.shape[1:] if stacked else target.shape
-        arrays = []
+        expected_shape = targets[ours].shape[1:] if stacked else targets[ours].shape
         for name in names:
-            if name not in tensors:
+            if name not in available:
                 missing.append(name)
                 continue
             used.add(name)
-            array = tensors[name].T if transpose else tensors[name]
-            if array.shape != expected_shape:
-                mismatched.append(f"{name} {tensors[name].shape} (expected {expected_shape[::-1] if transpose else expected_shape})")
-            arrays.append(array)
-        if len(arrays) == len(names) and not mismatched:
-            values[ours] = jnp.asarray(np.stack(arrays) if stacked else arrays[0], dtype=target.dtype)
-    unexpected = sorted(n for n in set(tensors) - used if not n.endswith(_IGNORED_SUFFIXES)
+            shape = tensors.shape(name)[::-1] if transpose else tensors.shape(name)
+            if shape != expected_shape:
+                mismatched.append(f"{name} {tensors.shape(name)} (expected {expected_shape[::-1] if transpose else expected_shape})")
+    unexpected = sorted(n for n in available - used if not n.endswith(_IGNORED_SUFFIXES)
                         and not (cfg.tie_embeddings and n == "lm_head.weight"))
     problems = []
     if missing:
@@ -136,6 +171,16 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
         problems.append(f"tensors this {cfg.family} model has no place for: {', '.join(_summarise(unexpected))}")
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
+    values = {}
+    for ours, hf_name, transpose in _tensor_names(cfg):
+        # One parameter group on the host at a time (all layers of a stacked tensor).
+        names = [hf_name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in hf_name else [hf_name]
+        arrays = [tensors[name].T if transpose else tensors[name] for name in names]
+        host = (np.stack(arrays) if "{i}" in hf_name else arrays[0]).astype(targets[ours].dtype)
+        if shardings is None:
+            values[ours] = jnp.asarray(host)
+        else:
+            values[ours] = jax.make_array_from_callback(host.shape, shardings[ours], lambda index, h=host: h[index])
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(values, sep="."))
     return nnx.merge(graphdef, state)
 

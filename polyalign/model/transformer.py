@@ -8,6 +8,7 @@ Every parameter and large activation carries logical axis names (polyalign.paral
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -381,10 +382,22 @@ class Transformer(nnx.Module):
         return P.constrain(out, (P.BATCH, P.LENGTH, P.ACT_VOCAB))
 
 
-def create_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A randomly initialised model on the default device, unsharded."""
-    with P.unsharded():
-        return Transformer(cfg, rngs=nnx.Rngs(seed))
+def create_model(cfg: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Transformer:
+    """A randomly initialised model: on the default device, or with a `mesh` initialised in place
+    across it, each device computing only its shards of every parameter (the same values either way),
+    so a model larger than one device never has to fit on one."""
+    if mesh is None:
+        with P.unsharded():
+            return Transformer(cfg, rngs=nnx.Rngs(seed))
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    shardings = P.param_shardings(abstract_state, mesh)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def initialise():
+        with P.unsharded():
+            return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+
+    return nnx.merge(graphdef, initialise())
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

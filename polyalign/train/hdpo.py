@@ -212,12 +212,14 @@ def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Arra
 
 
 def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
-                    progress: bool = True) -> None:
-    """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example."""
+                    progress: bool = True, mesh=None) -> None:
+    """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example. With
+    a `mesh` (the model sharded over it), every process gets every value."""
     from tqdm import tqdm
 
     graphdef, state = nnx.split(model)
-    run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2])
+    replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2], out_shardings=replicated)
     for start in tqdm(range(0, len(examples), batch_size), desc="reference log-probs", unit="batch",
                       disable=not progress):
         chunk = examples[start:start + batch_size]
@@ -323,8 +325,9 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
 
     started = time.perf_counter()
     out = as_path(out)
+    mesh = parallel.make_mesh(config.parallel)
     model = load_hf_checkpoint(config.init, compute_dtype=config.dtype, remat=config.remat,
-                               logprob_chunk=config.logprob_chunk)
+                               logprob_chunk=config.logprob_chunk, mesh=mesh)
     tokenizer = load_tokenizer(config.init)
     template = get_template(template_for(model, tokenizer))
     train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))
@@ -333,10 +336,11 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, config.max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, config.max_length, buckets)
-    reference_logps(model, train_examples + val_examples, config.max_length, tokenizer.pad_id, progress=progress)
+    with jax.set_mesh(mesh):
+        reference_logps(model, train_examples + val_examples, config.max_length, tokenizer.pad_id,
+                        progress=progress, mesh=mesh)
 
     save_config(out, config)
-    mesh = parallel.make_mesh(config.parallel)
     method = Preference(config, len(buckets))
     metrics = MetricsWriter(out)
     trainer = Trainer(model, method, config.optimizer, config.train, mesh, out, metrics=metrics)

@@ -143,20 +143,22 @@ def make_evaluator(trainer: Trainer, run: Path, buckets: list[str], weights: np.
     return evaluate
 
 
-def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int | None]):
+def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int | None], mesh=None):
+    """The model to train, from `init` or initialised from the preset; placed in its shardings over
+    `mesh` from the start when given."""
     from polyalign.model import create_model, load_hf_checkpoint
     from polyalign.model.presets import preset
 
     policy = dict(scan_layers=config.model.scan_layers, remat=config.model.remat,
                   attention_impl=config.model.attention_impl, logprob_chunk=config.model.logprob_chunk)
     if config.init:
-        model = load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, **policy)
+        model = load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, mesh=mesh, **policy)
         if model.config.vocab_size < vocab_size:
             raise ConfigError(f"init {config.init}: vocabulary {model.config.vocab_size} is smaller than the "
                               f"build's tokenizer ({vocab_size}); build with the checkpoint's own tokenizer")
         return model
     cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=config.model.dtype, **policy, **tokenizer_ids)
-    return create_model(cfg, seed=config.model.seed)
+    return create_model(cfg, seed=config.model.seed, mesh=mesh)
 
 
 def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -174,10 +176,10 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
     length = manifest["options"]["max_length"]
     pad_id = manifest["pad_id"]
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
+    mesh = parallel.make_mesh(config.parallel)
     model = build_model(config, manifest["vocab_size"],
                         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-                         "pad_token_id": tokenizer.pad_id})
-    mesh = parallel.make_mesh(config.parallel)
+                         "pad_token_id": tokenizer.pad_id}, mesh)
     save_config(out, config)
     method = SFT(len(buckets), config.weighting, config.weight_normalization)
     metrics = MetricsWriter(out)
@@ -210,12 +212,11 @@ def export_model(trainer: Trainer, tokenizer, path: Path) -> None:
     """The trained weights as a Hugging Face checkpoint with the tokenizer's files beside them."""
     from polyalign.model import save_hf_checkpoint
 
-    replicated = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(trainer.mesh, jax.sharding.PartitionSpec()))
     with jax.set_mesh(trainer.mesh):
-        params = replicated(trainer.state["params"])
+        params = parallel.to_host(trainer.state["params"])
     if jax.process_index() != 0:
         return
-    model = trainer.model(jax.device_get(params))
+    model = trainer.model(params)
     save_hf_checkpoint(model, path, overwrite=True)
     source = as_path(tokenizer.path)
     directory = source if source.is_dir() else source.parent
