@@ -256,6 +256,8 @@ def bench_peer(args, cfg, method: str) -> dict | None:
     flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     return {"stack": "PyTorch + transformers", "method": method, "compile_s": round(compile_s, 2),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "transformers": transformers.__version__,
             "step_s": round(step_s, 6), "reference_s": None, "tokens": tokens, "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_s": round(flops / step_s / 1e12, 3),
             "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
@@ -278,6 +280,9 @@ def main() -> None:
     parser.add_argument("--logprob-chunk", type=int, default=0,
                         help="log-probs in sequence blocks of this size, never full [B, T, V] logits (0: full)")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain JAX step")
+    parser.add_argument("--stacks", default="polyalign,plain,peer",
+                        help="which stacks to time, comma-separated (on one GPU, run the peer in a process of its "
+                             "own with JAX_PLATFORMS=cpu: JAX reserves most of the GPU's memory for itself)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile and report XLA's memory analysis only (implies --no-peer)")
     args = parser.parse_args()
@@ -288,12 +293,17 @@ def main() -> None:
         overrides["vocab_size"] = args.vocab_size
     cfg = preset(args.preset, **overrides)
     methods = ["sft", "hdpo"] if args.method == "both" else [args.method]
+    stacks = set(args.stacks.split(","))
+    unknown = stacks - {"polyalign", "plain", "peer"}
+    if unknown:
+        parser.error(f"--stacks: unknown {', '.join(sorted(unknown))} (polyalign, plain, peer)")
     rows = []
     for method in methods:
-        rows.append(bench_polyalign(args, cfg, method))
-        if not args.no_plain:
+        if "polyalign" in stacks:
+            rows.append(bench_polyalign(args, cfg, method))
+        if not args.no_plain and "plain" in stacks:
             rows.append(bench_plain(args, cfg, method))
-        if not args.no_peer and not args.compile_only:
+        if not args.no_peer and not args.compile_only and "peer" in stacks:
             peer = bench_peer(args, cfg, method)
             if peer:
                 rows.append(peer)
@@ -313,9 +323,9 @@ def main() -> None:
               f"{cell(r['peak_memory_gib'], '.1f'):>8s} {cell(r['xla_peak_gib'], '.3f'):>8s} "
               f"{cell(r['xla_temp_gib'], '.3f'):>8s}")
     for method in methods:
-        ours = next(r for r in rows if r["stack"] == "polyalign (JAX)" and r["method"] == method)
+        ours = next((r for r in rows if r["stack"] == "polyalign (JAX)" and r["method"] == method), None)
         plain = next((r for r in rows if r["stack"] == "plain JAX" and r["method"] == method), None)
-        if plain and ours["step_s"] and plain["step_s"]:
+        if ours and plain and ours["step_s"] and plain["step_s"]:
             print(f"{method}: polyalign step / plain JAX step = {ours['step_s'] / plain['step_s']:.3f} (time)")
     result = {"preset": args.preset, "parameters": cfg.num_parameters(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
               "attention": args.attention, "logprob_chunk": args.logprob_chunk, "device": jax.devices()[0].device_kind, "jax": jax.__version__,

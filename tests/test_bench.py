@@ -81,3 +81,39 @@ def test_input_pipeline_bench_reports_both_layouts(built_run, tmp_path):
         assert 0 < row["real_tokens"] <= 6 * 8 * 64
     assert packed["real_tokens"] >= one_each["real_tokens"]
     assert "the pipeline delivers" in result.stdout
+
+
+def test_accelerator_verdicts_by_hand():
+    sys.path.insert(0, str(REPO / "bench"))
+    from accelerator import verdicts
+
+    def row(stack, method, tokens_per_s, mfu=None, variant=None):
+        return {"preset": "qwen2.5-1.5b", "stack": stack, "method": method, "tokens_per_s": tokens_per_s, "mfu": mfu,
+                **({"variant": variant} if variant else {})}
+
+    rows = [row("polyalign (JAX)", "hdpo", 42_000.0, 0.62), row("PyTorch + transformers", "hdpo", 28_000.0, 0.41),
+            row("polyalign (JAX)", "hdpo", 90_000.0, 0.99, variant="--remat dots"),  # variants never count
+            row("polyalign (JAX)", "sft", 50_000.0, 0.55)]
+    found = {(v["method"], v["target"]): v for v in verdicts(rows) if v["preset"] == "qwen2.5-1.5b"}
+    assert (found["hdpo", "mfu"]["value"], found["hdpo", "mfu"]["met"]) == (0.62, True)
+    assert (found["hdpo", "vs_peer"]["value"], found["hdpo", "vs_peer"]["met"]) == (1.5, True)
+    assert (found["sft", "mfu"]["value"], found["sft", "mfu"]["met"]) == (0.55, False)
+    unmeasured = [v for v in verdicts(rows) if v["preset"] == "qwen2.5-0.5b"]
+    assert unmeasured and all(v["met"] is None and v["value"] is None for v in unmeasured)
+
+
+@pytest.mark.slow
+def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny", "--batch", "2",
+                             "--seq", "64", "--vocab-size", "512", "--peak-tflops", "1", "--steps", "1",
+                             "--variant", "tiny --remat dots"],
+                            capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "accelerator.json").read_text())
+    jax_run, peer_run, variant_run = report["runs"]
+    assert {(r["stack"], r["method"]) for r in jax_run["rows"]} == {
+        (stack, method) for stack in ("polyalign (JAX)", "plain JAX") for method in ("sft", "hdpo")}
+    # the peer's process has JAX on the CPU; without torch it reports no rows, with it both methods
+    assert {r["method"] for r in peer_run["rows"]} in (set(), {"sft", "hdpo"}) and "error" not in peer_run
+    assert all(r["variant"] == "--remat dots" for r in variant_run["rows"]) and len(variant_run["rows"]) == 4
+    assert len(report["verdicts"]) == 5 and "target qwen2.5-1.5b hdpo vs_peer >= 1.4" in result.stdout

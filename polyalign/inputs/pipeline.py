@@ -13,15 +13,14 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-import grain
 import numpy as np
-
-from polyalign.inputs.build import dataset_dir
 
 
 def open_split(run: Path, split: str):
     """The built split as a random-access source (tfds.data_source; no TensorFlow)."""
     import tensorflow_datasets as tfds
+
+    from polyalign.inputs.build import dataset_dir
 
     return tfds.builder_from_directory(str(dataset_dir(run))).as_data_source(split=split)
 
@@ -197,6 +196,8 @@ def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, 
 
         def load(k):
             return convert(source[order(layout.global_position(k))], length, pad_id)
+    import grain  # imported here so that the array layouts above need nothing beyond NumPy
+
     return (grain.MapDataset.range(0, steps * per_step)
             .map(load)
             .batch(layout.per_process)
@@ -217,6 +218,8 @@ def eval_batches(source, batch_size: int, length: int, pad_id: int, process_inde
     def load(k: int):
         position = layout.global_position(k)
         return convert(source[int(chosen[position])] if position < total else None, length, pad_id)
+
+    import grain
 
     return (grain.MapDataset.range(0, num_batches * layout.per_process)
             .map(load).batch(layout.per_process).batch(1))

@@ -17,7 +17,6 @@ import numpy as np
 from polyalign import parallel
 from polyalign.config import ConfigError, load_config_file
 from polyalign.inputs import pipeline
-from polyalign.inputs.build import build_tokenizer_path, read_manifest
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
 from polyalign.paths import as_path
 
@@ -163,6 +162,7 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
 
 def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, Any]:
     """Runs (or resumes) SFT into OUT; returns a summary. OUT/model holds the final checkpoint."""
+    from polyalign.inputs.build import build_tokenizer_path, read_manifest
     from polyalign.tokenizer import load_tokenizer
     from polyalign.train.checkpoint import Checkpointer
     from polyalign.train.metrics import MetricsWriter

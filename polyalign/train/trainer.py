@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from polyalign import parallel
-from polyalign.train.checkpoint import Checkpointer
-from polyalign.train.metrics import MetricsWriter
 from polyalign.paths import as_path
+
+if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric writers
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.metrics import MetricsWriter
 
 Batch = dict[str, jax.Array]
 

@@ -1,0 +1,139 @@
+"""The accelerator measurements in one command, for a machine lent for a few minutes.
+
+For each shape, bench/train_step.py times polyalign's SFT and HDPO steps and the plain JAX step in one
+process, then the PyTorch + transformers peer in a second process (with JAX on the CPU there: JAX
+reserves most of a GPU's memory for the process that uses it). One table follows, with each target
+marked met or missed.
+
+    python bench/accelerator.py                                   # one H200: Qwen2.5-1.5B and 0.5B
+    python bench/accelerator.py --variant "qwen2.5-1.5b --remat dots" --variant "qwen2.5-1.5b --logprob-chunk 0"
+    python bench/accelerator.py --presets tiny --batch 2 --seq 64 --vocab-size 512 --peak-tflops 1   # CPU check
+
+Every run has its own time limit, so one that hangs costs only its share. Writes $OUT/accelerator.json
+(and each run's train_step.json under $OUT/<run>/) when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+# (preset, method) -> what the step must reach: MFU, and tokens/s as a multiple of the peer's.
+TARGETS = {
+    ("qwen2.5-1.5b", "hdpo"): {"mfu": 0.60, "vs_peer": 1.4},
+    ("qwen2.5-1.5b", "sft"): {"mfu": 0.60},
+    ("qwen2.5-0.5b", "hdpo"): {"vs_peer": 1.8},
+    ("qwen2.5-0.5b", "sft"): {"mfu": 0.60},
+}
+
+
+def run_train_step(name: str, arguments: list[str], out: Path, limit: float, env_extra: dict[str, str]) -> dict:
+    """One bench/train_step.py process; its rows, or why there are none."""
+    directory = out / name
+    directory.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(BENCH / "train_step.py"), *arguments]
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=limit,
+                                env={**os.environ, "OUT": str(directory), **env_extra})
+    except subprocess.TimeoutExpired:
+        return {"name": name, "command": command, "error": f"timed out after {limit:.0f} s", "rows": []}
+    seconds = round(time.perf_counter() - started, 1)
+    (directory / "log.txt").write_text(result.stdout + result.stderr)
+    report = directory / "train_step.json"
+    if result.returncode != 0 or not report.is_file():
+        return {"name": name, "command": command, "seconds": seconds, "rows": [],
+                "error": f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"}
+    data = json.loads(report.read_text())
+    return {"name": name, "command": command, "seconds": seconds, "device": data["device"],
+            "rows": [{**row, "preset": data["preset"], "run": name} for row in data["rows"]]}
+
+
+def verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
+    """Each target against the rows of the default runs: the value reached, and whether it is met."""
+    out = []
+    for (preset, method), wanted in targets.items():
+        ours = next((r for r in rows if r["preset"] == preset and r["method"] == method
+                     and r["stack"] == "polyalign (JAX)" and not r.get("variant")), None)
+        peer = next((r for r in rows if r["preset"] == preset and r["method"] == method
+                     and r["stack"] == "PyTorch + transformers"), None)
+        for kind, threshold in wanted.items():
+            if kind == "mfu":
+                value = ours and ours.get("mfu")
+            else:
+                value = ours and peer and ours.get("tokens_per_s") and peer.get("tokens_per_s") and \
+                    round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
+            out.append({"preset": preset, "method": method, "target": kind, "threshold": threshold,
+                        "value": value or None, "met": None if not value else value >= threshold})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-0.5b", help="shapes, in the order to run them")
+    parser.add_argument("--batch", type=int, default=4, help="sequences (SFT) or pairs (HDPO) per step")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--remat", default="full")
+    parser.add_argument("--logprob-chunk", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=800.0, help="the device's bf16 matmul peak (H200: 800)")
+    parser.add_argument("--vocab-size", type=int, help="override the presets' vocabulary (CPU checks)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help='an extra polyalign/plain run after the default ones: "PRESET --flag value ..."')
+    parser.add_argument("--limit", type=float, default=240.0, help="seconds each process may take")
+    parser.add_argument("--no-peer", action="store_true")
+    args = parser.parse_args()
+
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="accelerator-"))
+    common = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps", str(args.steps),
+              "--peak-tflops", str(args.peak_tflops)]
+    if args.vocab_size:
+        common += ["--vocab-size", str(args.vocab_size)]
+    ours = ["--remat", args.remat, "--logprob-chunk", str(args.logprob_chunk), "--stacks", "polyalign,plain"]
+    runs = []
+    for preset in args.presets.split(","):
+        runs.append(run_train_step(f"{preset}-jax", ["--preset", preset, *common, *ours], out, args.limit, {}))
+        if not args.no_peer:
+            runs.append(run_train_step(f"{preset}-peer", ["--preset", preset, *common, "--stacks", "peer"], out,
+                                       args.limit, {"JAX_PLATFORMS": "cpu"}))
+        took = ", ".join(r.get("error") or f"{r['seconds']} s" for r in runs[-2:])
+        print(f"{preset}: done ({took})", flush=True)
+    for k, variant in enumerate(args.variant):
+        preset, *flags = variant.split()
+        run = run_train_step(f"variant{k}-{preset}", ["--preset", preset, *common, *ours, *flags], out, args.limit, {})
+        for row in run["rows"]:
+            row["variant"] = " ".join(flags)
+        runs.append(run)
+
+    rows = [row for run in runs for row in run["rows"]]
+    print(f"\n{'shape':14s} {'variant':24s} {'stack':24s} {'method':6s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>5s} "
+          f"{'peak GiB':>8s} {'XLA peak':>8s}")
+    for r in rows:
+        def cell(key, spec, r=r):
+            return "-" if r.get(key) is None else format(r[key], spec)
+        print(f"{r['preset']:14s} {r.get('variant', '') or '-':24s} {r['stack']:24s} {r['method']:6s} "
+              f"{cell('step_s', '8.3f'):>8s} {cell('tokens_per_s', '10,.0f'):>10s} {cell('mfu', '.2f'):>5s} "
+              f"{cell('peak_memory_gib', '.1f'):>8s} {cell('xla_peak_gib', '.2f'):>8s}")
+    for run in runs:
+        if run.get("error"):
+            print(f"{run['name']}: {run['error']}")
+    results = verdicts(rows)
+    print()
+    for v in results:
+        state = {True: "met", False: "MISSED", None: "not measured"}[v["met"]]
+        print(f"target {v['preset']} {v['method']} {v['target']} >= {v['threshold']}: {v['value'] or '-'} ({state})")
+    report = {"args": vars(args), "runs": runs, "verdicts": results}
+    (out / "accelerator.json").write_text(json.dumps(report, indent=2))
+    print(f"\nwritten: {out / 'accelerator.json'}")
+
+
+if __name__ == "__main__":
+    main()
