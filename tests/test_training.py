@@ -310,6 +310,30 @@ def test_packing_visits_every_example_once_per_epoch_in_full_rows(built_run):
     assert per_epoch < len(source) / 3
     assert rows(per_epoch) != epoch[0]  # the next epoch is packed from a new permutation
     assert [rows(r) for r in range(per_epoch)] == [pipeline._PackedRows(lengths, 256, 3)(r) for r in range(per_epoch)]
+    # a resumed run asks for a later epoch first; going back packs an epoch again, identically
+    later = [rows(r) for r in range(3 * per_epoch, 4 * per_epoch)]
+    fresh = pipeline._PackedRows(lengths, 256, 3)
+    assert [fresh(r) for r in range(3 * per_epoch, 4 * per_epoch)] == later
+    assert [fresh(r) for r in range(per_epoch)] == epoch and len(rows._packed) <= 3
+
+
+def test_example_lengths_are_cached_inside_the_built_dataset(built_run, tmp_path):
+    import shutil
+
+    run, _ = built_run
+    copy = tmp_path / "run"
+    shutil.copytree(run / "build", copy / "build")
+    source = pipeline.open_split(copy, "val")
+    cache = pipeline.lengths_cache(copy, "val")
+    assert not cache.exists()
+    lengths = pipeline.example_lengths(source, cache)
+    assert cache.is_file() and lengths.shape == (len(source),) and lengths.min() > 0
+    np.testing.assert_array_equal(lengths, [len(source[i]["input_ids"]) - 1 for i in range(len(source))])
+    np.save(cache, np.full(len(source), 7))  # what the cache holds is what is used
+    np.testing.assert_array_equal(pipeline.example_lengths(pipeline.open_split(copy, "val"), cache), 7)
+    np.save(cache, np.arange(3))  # not one length per example: computed again and replaced
+    np.testing.assert_array_equal(pipeline.example_lengths(source, cache), lengths)
+    np.testing.assert_array_equal(np.load(cache), lengths)
 
 
 def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):

@@ -131,8 +131,8 @@ class _PackedRows:
     def __init__(self, lengths: np.ndarray, length: int, seed: int, window: int = 16, max_items: int | None = None):
         self.lengths, self.length, self.seed, self.window = np.minimum(lengths, length), length, seed, window
         self.max_items = max_items or len(lengths)
-        self._epochs: list[tuple[np.ndarray, np.ndarray]] = []  # (examples row after row, row start offsets)
-        self._first_row = [0]  # global index of each epoch's first row
+        self._packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # epoch -> (examples row after row, row starts)
+        self._first_row = [0]  # global index of each counted epoch's first row
 
     def _pack(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
@@ -154,24 +154,59 @@ class _PackedRows:
         members = np.fromiter((i for row in rows for i in row), np.int64, count=len(order))
         return members, np.cumsum([0] + [len(row) for row in rows])
 
+    def _rows_of(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """An epoch's rows. Epochs before the one just packed and its predecessor are dropped (memory
+        stays bounded over many epochs); one asked for again is packed again, identically."""
+        if epoch not in self._packed:
+            self._packed[epoch] = self._pack(epoch)
+            for old in [e for e in self._packed if e < epoch - 1]:
+                del self._packed[old]
+        return self._packed[epoch]
+
     def __call__(self, row: int) -> list[int]:
         while row >= self._first_row[-1]:
-            order, starts = self._pack(len(self._epochs))
-            self._epochs.append((order, starts))
+            starts = self._rows_of(len(self._first_row) - 1)[1]
             self._first_row.append(self._first_row[-1] + len(starts) - 1)
         epoch = int(np.searchsorted(self._first_row, row, side="right")) - 1
-        order, starts = self._epochs[epoch]
+        members, starts = self._rows_of(epoch)
         offset = row - self._first_row[epoch]
-        return [int(i) for i in order[starts[offset]:starts[offset + 1]]]
+        return [int(i) for i in members[starts[offset]:starts[offset + 1]]]
 
     def rows_per_epoch(self) -> int:
         self(0)
         return self._first_row[1]
 
 
-def example_lengths(source) -> np.ndarray:
-    """Next-token positions of every stored example (its ids minus one), read once for packing."""
-    return np.array([len(source[i]["input_ids"]) - 1 for i in range(len(source))], np.int64)
+def lengths_cache(run, split: str):
+    """Where example_lengths keeps a split's lengths: inside the built dataset, so a rebuild drops them."""
+    from polyalign.inputs.build import dataset_dir
+
+    return dataset_dir(run) / f"lengths-{split}.npy"
+
+
+def example_lengths(source, cache=None, write_cache: bool = True) -> np.ndarray:
+    """Next-token positions of every stored example (its ids minus one), for packing. Getting them
+    means reading every example (about 20k a second on one core: minutes for millions), so with
+    `cache` (a .npy path inside the built dataset, which a rebuild removes) they are read from there
+    when it holds one length per example, else computed and, with `write_cache`, saved there."""
+    import io
+
+    from polyalign.paths import as_path
+
+    if cache is not None:
+        cache = as_path(cache)
+        if cache.is_file():
+            lengths = np.load(io.BytesIO(cache.read_bytes()), allow_pickle=False)
+            if lengths.shape == (len(source),):
+                return lengths
+    lengths = np.array([len(source[i]["input_ids"]) - 1 for i in range(len(source))], np.int64)
+    if cache is not None and write_cache:
+        buffer = io.BytesIO()
+        np.save(buffer, lengths, allow_pickle=False)
+        partial = cache.parent / f".{cache.name}.partial"
+        partial.write_bytes(buffer.getvalue())
+        partial.replace(cache)  # whole or absent, never half-written
+    return lengths
 
 
 def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, seed: int, convert=None,

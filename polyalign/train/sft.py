@@ -187,8 +187,12 @@ def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, 
     loop = config.train
     layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
     train_source = pipeline.open_split(run, "train")
+    lengths = None
+    if config.data.pack:
+        lengths = pipeline.example_lengths(train_source, pipeline.lengths_cache(run, "train"),
+                                           write_cache=jax.process_index() == 0)
     iterator = pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
-                                                       pack=config.data.pack))
+                                                       pack=config.data.pack, lengths=lengths))
     evaluate = make_evaluator(trainer, run, buckets, weights, length, pad_id, config.data)
     checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                 meta={"method": "sft", "weighting": config.weighting})
