@@ -117,3 +117,20 @@ def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
     assert {r["method"] for r in peer_run["rows"]} in (set(), {"sft", "hdpo"}) and "error" not in peer_run
     assert all(r["variant"] == "--remat dots" for r in variant_run["rows"]) and len(variant_run["rows"]) == 4
     assert len(report["verdicts"]) == 5 and "target qwen2.5-1.5b hdpo vs_peer >= 1.4" in result.stdout
+
+
+def test_preference_layouts_a_reference_in_the_step_holds_a_second_model(tmp_path):
+    """XLA's memory analysis of the three preference-step layouts: running the reference inside the step
+    adds the frozen copy of the parameters (float32) to the peak, and nothing else of note."""
+    from polyalign.model.presets import preset
+
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "preference_step.py"), "--preset", "tiny",
+                             "--batch", "2", "--seq", "64", "--vocab-size", "512", "--compile-only"],
+                            capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {r["layout"]: r for r in json.loads((tmp_path / "preference_step.json").read_text())["rows"]}
+    ours, fused = rows["one forward, reference precomputed"], rows["one forward, reference in the step"]
+    parameter_bytes = 4 * preset("tiny", vocab_size=512).num_parameters()
+    extra = (fused["xla_peak_gib"] - ours["xla_peak_gib"]) * 2**30
+    assert parameter_bytes * 0.95 <= extra <= parameter_bytes * 1.3
+    assert rows["two forwards, reference precomputed"]["xla_peak_gib"] > 0
