@@ -92,12 +92,12 @@ def test_accelerator_verdicts_by_hand():
                 **({"variant": variant} if variant else {})}
 
     rows = [row("polyalign (JAX)", "hdpo", 42_000.0, 0.62), row("PyTorch + transformers", "hdpo", 28_000.0, 0.41),
-            row("polyalign (JAX)", "hdpo", 90_000.0, 0.99, variant="--remat dots"),  # variants never count
-            row("polyalign (JAX)", "sft", 50_000.0, 0.55)]
+            row("polyalign (JAX)", "hdpo", 35_000.0, 0.52, variant="--remat dots"),  # slower: not the one judged
+            row("polyalign (JAX)", "sft", 50_000.0, 0.55), row("polyalign (JAX)", "sft", 56_000.0, 0.61, "--remat none")]
     found = {(v["method"], v["target"]): v for v in verdicts(rows) if v["preset"] == "qwen2.5-1.5b"}
-    assert (found["hdpo", "mfu"]["value"], found["hdpo", "mfu"]["met"]) == (0.62, True)
+    assert (found["hdpo", "mfu"]["value"], found["hdpo", "mfu"]["met"], found["hdpo", "mfu"]["setting"]) == (0.62, True, "default")
     assert (found["hdpo", "vs_peer"]["value"], found["hdpo", "vs_peer"]["met"]) == (1.5, True)
-    assert (found["sft", "mfu"]["value"], found["sft", "mfu"]["met"]) == (0.55, False)
+    assert (found["sft", "mfu"]["value"], found["sft", "mfu"]["met"], found["sft", "mfu"]["setting"]) == (0.61, True, "--remat none")
     unmeasured = [v for v in verdicts(rows) if v["preset"] == "qwen2.5-0.5b"]
     assert unmeasured and all(v["met"] is None and v["value"] is None for v in unmeasured)
 
