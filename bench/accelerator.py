@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help='an extra polyalign/plain run after the default ones: "PRESET --flag value ..."')
     parser.add_argument("--limit", type=float, default=240.0, help="seconds each process may take")
+    parser.add_argument("--budget", type=float,
+                        help="seconds for everything: a run gets what is left (none starts with under 30 s), so "
+                             "the table is printed before an outer time limit cuts the command off")
     parser.add_argument("--no-peer", action="store_true")
     args = parser.parse_args()
 
@@ -102,20 +105,31 @@ def main() -> None:
     if args.vocab_size:
         common += ["--vocab-size", str(args.vocab_size)]
     ours = ["--remat", args.remat, "--logprob-chunk", str(args.logprob_chunk), "--stacks", "polyalign,plain"]
-    runs = []
+    plan = []  # (name, train_step arguments, extra environment, variant)
     for preset in args.presets.split(","):
-        runs.append(run_train_step(f"{preset}-jax", ["--preset", preset, *common, *ours], out, args.limit, {}))
+        plan.append((f"{preset}-jax", ["--preset", preset, *common, *ours], {}, None))
         if not args.no_peer:
-            runs.append(run_train_step(f"{preset}-peer", ["--preset", preset, *common, "--stacks", "peer"], out,
-                                       args.limit, {"JAX_PLATFORMS": "cpu"}))
-        took = ", ".join(r.get("error") or f"{r['seconds']} s" for r in runs[-2:])
-        print(f"{preset}: done ({took})", flush=True)
+            plan.append((f"{preset}-peer", ["--preset", preset, *common, "--stacks", "peer"], {"JAX_PLATFORMS": "cpu"},
+                         None))
     for k, variant in enumerate(args.variant):
         preset, *flags = variant.split()
-        run = run_train_step(f"variant{k}-{preset}", ["--preset", preset, *common, *ours, *flags], out, args.limit, {})
+        plan.append((f"variant{k}-{preset}", ["--preset", preset, *common, *ours, *flags], {}, " ".join(flags)))
+
+    started, runs = time.perf_counter(), []
+    for name, arguments, env_extra, variant in plan:
+        limit = args.limit
+        if args.budget is not None:
+            limit = min(limit, args.budget - (time.perf_counter() - started))
+            if limit < 30:
+                runs.append({"name": name, "error": "skipped: out of --budget", "rows": []})
+                continue
+        run = run_train_step(name, arguments, out, limit, env_extra)
         for row in run["rows"]:
-            row["variant"] = " ".join(flags)
+            row["variant"] = variant
         runs.append(run)
+        print(f"{name}: {run.get('error') or str(run['seconds']) + ' s'}", flush=True)
+        # what is done so far survives a cut-off
+        (out / "accelerator.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
 
     rows = [row for run in runs for row in run["rows"]]
     print(f"\n{'shape':14s} {'variant':24s} {'stack':24s} {'method':6s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>5s} "
@@ -123,7 +137,7 @@ def main() -> None:
     for r in rows:
         def cell(key, spec, r=r):
             return "-" if r.get(key) is None else format(r[key], spec)
-        print(f"{r['preset']:14s} {r.get('variant', '') or '-':24s} {r['stack']:24s} {r['method']:6s} "
+        print(f"{r['preset']:14s} {r.get('variant') or '-':24s} {r['stack']:24s} {r['method']:6s} "
               f"{cell('step_s', '8.3f'):>8s} {cell('tokens_per_s', '10,.0f'):>10s} {cell('mfu', '.2f'):>5s} "
               f"{cell('peak_memory_gib', '.1f'):>8s} {cell('xla_peak_gib', '.2f'):>8s}")
     for run in runs:

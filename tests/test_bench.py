@@ -117,6 +117,12 @@ def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
     assert {r["method"] for r in peer_run["rows"]} in (set(), {"sft", "hdpo"}) and "error" not in peer_run
     assert all(r["variant"] == "--remat dots" for r in variant_run["rows"]) and len(variant_run["rows"]) == 4
     assert len(report["verdicts"]) == 5 and "target qwen2.5-1.5b hdpo vs_peer >= 1.4" in result.stdout
+    # a budget too small for any run: every run is skipped, and the report still comes out
+    skipped = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny", "--budget", "5"],
+                             capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+    report = json.loads((tmp_path / "accelerator.json").read_text())
+    assert skipped.returncode == 0 and [r["error"] for r in report["runs"]] == ["skipped: out of --budget"] * 2
+    assert all(v["met"] is None for v in report["verdicts"])
 
 
 def test_preference_layouts_a_reference_in_the_step_holds_a_second_model(tmp_path):
