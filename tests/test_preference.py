@@ -177,24 +177,47 @@ def _real_pairs(demo_run, count: int) -> list[dict]:
     return pairs
 
 
+def _tokenised_real_pairs(demo_run, tokenizer, length: int, count: int):
+    from polyalign.chat import get_template
+    from polyalign.train.hdpo import tokenise_pairs
+
+    pairs = _real_pairs(demo_run, count)
+    buckets = sorted({p["bucket_id"] for p in pairs})
+    return tokenise_pairs(pairs, tokenizer, get_template("polyalign"), "context", length, buckets), buckets
+
+
+def test_reference_log_probs_from_packed_rows_equal_the_unpacked_ones(demo_run, demo_tokenizer):
+    from polyalign.model import create_model
+    from polyalign.train.hdpo import reference_logps
+    from tests.conftest import tiny_model_config
+
+    tokenizer = demo_tokenizer[0]
+    examples, _ = _tokenised_real_pairs(demo_run, tokenizer, 192, 21)
+    packed = [dict(e) for e in examples]
+    model = create_model(tiny_model_config(tokenizer.vocab_size), seed=2)
+    reference_logps(model, examples, 192, tokenizer.pad_id, batch_size=4, progress=False)
+    reference_logps(model, packed, 192, tokenizer.pad_id, batch_size=4, progress=False, pack=True)
+    for side in ("ref_chosen", "ref_rejected"):
+        expected = np.array([e[side] for e in examples])
+        assert np.all(expected < 0)
+        np.testing.assert_allclose([e[side] for e in packed], expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["hdpo", "dpo"])
 def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo_run, demo_tokenizer, tmp_path):
     """Pairs packed as trees (the prompt once, both responses seeing it) give every pair's sequence
     log-probs, the objective and its gradient exactly as one pair per row pair."""
     from polyalign import parallel
-    from polyalign.chat import get_template
     from polyalign.inputs import pipeline
     from polyalign.model import create_model
     from polyalign.train.hdpo import (Preference, PreferenceConfig, packed_pair_arrays, pair_arrays, sequence_logps,
-                                      tokenise_pairs, tree_length, tree_spans)
+                                      tree_length, tree_spans)
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
     from tests.conftest import tiny_model_config
 
     tokenizer = demo_tokenizer[0]
     length, count = 192, 24
-    pairs = _real_pairs(demo_run, count)
-    buckets = sorted({p["bucket_id"] for p in pairs})
-    examples = tokenise_pairs(pairs, tokenizer, get_template("polyalign"), "context", length, buckets)
+    examples, buckets = _tokenised_real_pairs(demo_run, tokenizer, length, count)
     rng = np.random.default_rng(1)
     for example in examples:
         example["ref_chosen"], example["ref_rejected"] = (float(x) for x in -rng.uniform(50, 150, 2))

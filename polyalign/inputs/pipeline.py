@@ -118,6 +118,30 @@ class _EpochPermutations:
         return int(self._permutation(epoch)[offset])
 
 
+def first_fit(order, lengths: np.ndarray, length: int, window: int = 16, max_items: int | None = None) -> list[list[int]]:
+    """Rows of at most `length` positions (and `max_items` examples) holding the examples of `order`:
+    each joins the first of the open rows it fits in, or opens a new one; when more than `window` rows
+    are open the oldest is closed. Lengths are taken as given (cut them to `length` first)."""
+    max_items = max_items or len(lengths)
+    open_rows: list[list] = []  # [used positions, example indices]
+    rows: list[list[int]] = []
+    for i in np.asarray(order).tolist():
+        n = int(lengths[i])
+        for slot, row in enumerate(open_rows):
+            if row[0] + n <= length:
+                row[0] += n
+                row[1].append(i)
+                if len(row[1]) == max_items:
+                    rows.append(open_rows.pop(slot)[1])
+                break
+        else:
+            open_rows.append([n, [i]])
+            if len(open_rows) > window or max_items == 1:
+                rows.append(open_rows.pop(0)[1])
+    rows.extend(row for _, row in open_rows)
+    return rows
+
+
 class _PackedRows:
     """position in the endless global order of packed rows -> the example indices in that row.
 
@@ -136,21 +160,7 @@ class _PackedRows:
 
     def _pack(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
-        open_rows: list[list] = []  # [used positions, example indices]
-        rows: list[list[int]] = []
-        for i, n in zip(order.tolist(), self.lengths[order].tolist()):
-            for slot, row in enumerate(open_rows):
-                if row[0] + n <= self.length:
-                    row[0] += n
-                    row[1].append(i)
-                    if len(row[1]) == self.max_items:
-                        rows.append(open_rows.pop(slot)[1])
-                    break
-            else:
-                open_rows.append([n, [i]])
-                if len(open_rows) > self.window or self.max_items == 1:
-                    rows.append(open_rows.pop(0)[1])
-        rows.extend(row for _, row in open_rows)
+        rows = first_fit(order, self.lengths, self.length, self.window, self.max_items)
         members = np.fromiter((i for row in rows for i in row), np.int64, count=len(order))
         return members, np.cumsum([0] + [len(row) for row in rows])
 

@@ -183,6 +183,14 @@ def packed_pair_arrays(examples: list[dict], row_length: int, pad_id: int, slots
     return out
 
 
+MAX_PAIRS_PER_ROW = 64
+
+
+def pair_slots(lengths: np.ndarray, row_length: int) -> int:
+    """Pair slots of a packed row: as many of the shortest pairs as a row holds, at most 64."""
+    return int(min(MAX_PAIRS_PER_ROW, max(1, row_length // max(int(lengths.min()), 1))))
+
+
 def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed response log-probs of chosen and rejected, and the chosen token counts, from one
     forward pass over both sides: [B] for pair arrays (chosen and rejected stacked on the batch axis),
@@ -212,23 +220,39 @@ def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Arra
 
 
 def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
-                    progress: bool = True, mesh=None) -> None:
-    """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example. With
-    a `mesh` (the model sharded over it), every process gets every value."""
+                    progress: bool = True, mesh=None, pack: bool = False) -> None:
+    """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example, from
+    batches of `batch_size` row pairs, or with `pack` of `batch_size` packed rows (as training packs
+    them; the values are the same). With a `mesh` (the model sharded over it), every process gets
+    every value."""
     from tqdm import tqdm
 
     graphdef, state = nnx.split(model)
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2], out_shardings=replicated)
-    for start in tqdm(range(0, len(examples), batch_size), desc="reference log-probs", unit="batch",
+    if pack:
+        lengths = np.array([tree_length(e, length) for e in examples], np.int64)
+        slots = pair_slots(lengths, 2 * length)
+        rows = pipeline.first_fit(np.arange(len(examples)), lengths, 2 * length, max_items=slots)
+
+        def arrays_of(row: list[int] | None):
+            return packed_pair_arrays([] if row is None else [examples[i] for i in row], 2 * length, pad_id, slots,
+                                      length)
+    else:
+        rows = [[i] for i in range(len(examples))]
+
+        def arrays_of(row: list[int] | None):
+            return pair_arrays(None if row is None else examples[row[0]], length, pad_id)
+
+    for start in tqdm(range(0, len(rows), batch_size), desc="reference log-probs", unit="batch",
                       disable=not progress):
-        chunk = examples[start:start + batch_size]
-        arrays = [pair_arrays(e, length, pad_id) for e in chunk]
-        arrays += [pair_arrays(None, length, pad_id)] * (batch_size - len(chunk))
+        chunk = rows[start:start + batch_size]
+        arrays = [arrays_of(row) for row in chunk] + [arrays_of(None)] * (batch_size - len(chunk))
         batch = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
-        chosen, rejected = jax.device_get(run(state, batch))
-        for i, example in enumerate(chunk):
-            example["ref_chosen"], example["ref_rejected"] = float(chosen[i]), float(rejected[i])
+        chosen, rejected = (np.asarray(x).reshape(batch_size, -1) for x in jax.device_get(run(state, batch)))
+        for r, row in enumerate(chunk):
+            for slot, i in enumerate(row):
+                examples[i]["ref_chosen"], examples[i]["ref_rejected"] = float(chosen[r, slot]), float(rejected[r, slot])
 
 
 # --- the method ---------------------------------------------------------------------------------------
@@ -293,9 +317,6 @@ def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "")
 
 # --- the run ------------------------------------------------------------------------------------------
 
-MAX_PAIRS_PER_ROW = 64
-
-
 def train_pair_batches(examples: list[dict], layout: pipeline.Layout, loop: LoopConfig, config: PreferenceConfig,
                        pad_id: int):
     """The training batches: one pair per row pair (chosen and rejected rows of max_length), or with
@@ -305,7 +326,7 @@ def train_pair_batches(examples: list[dict], layout: pipeline.Layout, loop: Loop
                                       convert=pair_arrays)
     row_length = 2 * config.max_length
     lengths = np.array([tree_length(e, config.max_length) for e in examples], np.int64)
-    slots = int(min(MAX_PAIRS_PER_ROW, max(1, row_length // max(int(lengths.min()), 1))))
+    slots = pair_slots(lengths, row_length)
 
     def convert(row: list[dict], length: int, pad: int):
         return packed_pair_arrays(row, length, pad, slots, config.max_length)
@@ -338,7 +359,7 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, config.max_length, buckets)
     with jax.set_mesh(mesh):
         reference_logps(model, train_examples + val_examples, config.max_length, tokenizer.pad_id,
-                        progress=progress, mesh=mesh)
+                        progress=progress, mesh=mesh, pack=config.data.pack)
 
     save_config(out, config)
     method = Preference(config, len(buckets))
