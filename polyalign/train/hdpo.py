@@ -139,6 +139,12 @@ def tree_length(example: dict, length: int) -> int:
     return chosen + rejected - shared
 
 
+def _next_token_arrays(example: dict, side: str, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One side's inputs, targets and loss mask, cut to `length` positions as unpacked."""
+    ids = np.asarray(example[f"{side}_ids"][: length + 1], np.int32)
+    return ids[:-1], ids[1:], np.asarray(example[f"{side}_mask"][1: length + 1], np.float32)
+
+
 def packed_pair_arrays(examples: list[dict], row_length: int, pad_id: int, slots: int,
                        length: int) -> dict[str, np.ndarray]:
     """One row of `row_length` positions holding `examples` (at most `slots` pairs) as trees: pair k
@@ -156,26 +162,23 @@ def packed_pair_arrays(examples: list[dict], row_length: int, pad_id: int, slots
         raise ValueError(f"{len(examples)} pairs for a row of {slots} slots")
     start = 0
     for slot, example in enumerate(examples):
-        shared, *_ = tree_spans(example, length)
-        for branch, side in enumerate(SIDES, start=1):
-            ids = np.asarray(example[f"{side}_ids"][: length + 1], np.int32)
-            mask = np.asarray(example[f"{side}_mask"][1: length + 1], np.float32)
-            # the shared prefix is written with the chosen side; the rejected side reuses it
-            first = 0 if branch == 1 else shared
-            n = len(ids) - 1 - first
-            if start + n > row_length:
-                raise ValueError(f"pair {example['id']!r} does not fit a row of {row_length} positions")
-            span = slice(start, start + n)
-            out["input_ids"][span], out["targets"][span] = ids[first:-1], ids[first + 1:]
-            out["positions"][span] = np.arange(first, first + n)
-            out["segment_ids"][span] = slot + 1
-            out["branch_ids"][span] = branch
-            out[f"{side}_mask"][span] = mask[first:]
-            if branch == 1:
-                out["branch_ids"][start:start + shared] = 0
-                out["rejected_mask"][start:start + shared] = np.asarray(
-                    example["rejected_mask"][1: shared + 1], np.float32)
-            start += n
+        shared, n_chosen, n_rejected = tree_spans(example, length)
+        if start + n_chosen + n_rejected - shared > row_length:
+            raise ValueError(f"pair {example['id']!r} does not fit a row of {row_length} positions")
+        chosen, rejected = (_next_token_arrays(example, side, length) for side in SIDES)
+        # (branch, positions, the side whose tokens they are, the sums they count in): the prefix counts
+        # for each side as that side labels it
+        parts = [(0, slice(0, shared), chosen, {"chosen_mask": chosen[2], "rejected_mask": rejected[2]}),
+                 (1, slice(shared, n_chosen), chosen, {"chosen_mask": chosen[2]}),
+                 (2, slice(shared, n_rejected), rejected, {"rejected_mask": rejected[2]})]
+        for branch, part, (inputs, targets, _), masks in parts:
+            span = slice(start, start + part.stop - part.start)
+            out["input_ids"][span], out["targets"][span] = inputs[part], targets[part]
+            out["positions"][span] = np.arange(part.start, part.stop)
+            out["segment_ids"][span], out["branch_ids"][span] = slot + 1, branch
+            for key, mask in masks.items():
+                out[key][span] = mask[part]
+            start = span.stop
         for key in PAIR_FIELDS:
             out[key][slot] = example.get(key, 0.0)
         out["valid"][slot] = True
