@@ -292,3 +292,49 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     val = [r for r in read_metrics(tmp_path / "out") if "val_pairs" in r]
     assert val and val[-1]["val_pairs"] == 4
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokenizer, tmp_path):
+    """HDPO with packed pairs, the policy loaded straight into its shardings (data 2 x fsdp 2) and the
+    reference log-probs computed under the mesh: two processes of two CPU devices each (jax.distributed,
+    gloo) train exactly as one process with four devices, and both export the same model."""
+    from safetensors.numpy import load_file
+
+    from polyalign.launch import free_port
+    from polyalign.model import create_model, save_hf_checkpoint
+    from polyalign.pairs import write_pairs
+    from polyalign.train.metrics import read_metrics
+    from tests.conftest import tiny_model_config
+    from tests.test_training import _cli, _wait
+
+    tokenizer = demo_tokenizer[0]
+    directory = tokenizer.path.parent
+    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), tmp_path / "init", extra_files={
+        name: (directory / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    pairs = _real_pairs(demo_run, 28)
+    write_pairs(pairs[:24], tmp_path / "train.jsonl")
+    write_pairs(pairs[24:], tmp_path / "val.jsonl")
+
+    def args(out):
+        return ["train", "hdpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
+                "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
+                f"val_pairs={tmp_path / 'val.jsonl'}", "data.pack=true", "max_length=192", "train.steps=3",
+                "train.global_batch=4", "train.eval_every=3", "train.checkpoint_every=3", "parallel.data=2",
+                "parallel.fsdp=2"]
+
+    _wait([_cli(args(tmp_path / "one"), {}, devices=4)])
+    port = free_port()
+    _wait([_cli(args(tmp_path / "two"), {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
+                                         "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)])
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in two if "loss" in r] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert a.get("pairs") == b.get("pairs")
+        for key in ("loss", "rewards/margin", "val_rewards/margin"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    assert abs(one[0]["rewards/margin"]) < 1e-4  # the reference computed under the mesh equals the policy
+    exported = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("one", "two")]
+    for name, array in exported[0].items():
+        np.testing.assert_allclose(exported[1][name], array, atol=1e-6)
