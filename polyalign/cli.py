@@ -313,7 +313,10 @@ refuses to score pairs when every pair ties.
 
 HDPO_EPILOG = """\
   method: hdpo | dpo | ipo     init=SFT_CHECKPOINT data.dir=RUN (scored pairs from RUN/critic/)
-  beta, lambda_dist, gamma_ftx, label_smoothing, profile, max_length, optimizer.*, train.*, parallel.*
+  beta, lambda_dist, gamma_ftx, label_smoothing, profile, max_length, dtype, remat, logprob_chunk,
+  optimizer.*, train.*, parallel.*
+  data.pack=true               whole pairs packed into rows of 2 x max_length, each prompt computed once
+                               for both responses (exact; train.global_batch then counts rows)
 
 Reference log-probs come from the initial checkpoint, computed once. Logs rewards (chosen, rejected,
 margin, accuracy), dist_reg, sft_anchor and dist_gap per step, margins per bucket, and the same on the
