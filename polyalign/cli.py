@@ -313,8 +313,8 @@ refuses to score pairs when every pair ties.
 
 HDPO_EPILOG = """\
   method: hdpo | dpo | ipo     init=SFT_CHECKPOINT data.dir=RUN (scored pairs from RUN/critic/)
-  beta, lambda_dist, gamma_ftx, label_smoothing, profile, max_length, dtype, remat, logprob_chunk,
-  optimizer.*, train.*, parallel.*
+  beta, lambda_dist, gamma_ftx, label_smoothing, profile, max_length, dtype, remat, attention_impl,
+  logprob_chunk, optimizer.*, train.*, parallel.*
   data.pack=true               whole pairs packed into rows of 2 x max_length, each prompt computed once
                                for both responses (exact; train.global_batch then counts rows)
 

@@ -283,7 +283,7 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
         f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
         "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=3",
-        "train.checkpoint_every=3"])
+        "train.checkpoint_every=3", "attention_impl=xla"])
     result = train_preference(config, tmp_path / "out", progress=False)
     steps = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and result["train_pairs"] == 20

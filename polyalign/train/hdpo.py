@@ -54,6 +54,7 @@ class PreferenceConfig:
     label_smoothing: float = 0.0
     dtype: str = "float32"
     remat: str = "none"
+    attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (packed rows use XLA)
     logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))
     train: LoopConfig = field(default_factory=lambda: LoopConfig(global_batch=8))
@@ -351,7 +352,7 @@ def train_preference(config: PreferenceConfig, out: Path, progress: bool = True)
     out = as_path(out)
     mesh = parallel.make_mesh(config.parallel)
     model = load_hf_checkpoint(config.init, compute_dtype=config.dtype, remat=config.remat,
-                               logprob_chunk=config.logprob_chunk, mesh=mesh)
+                               attention_impl=config.attention_impl, logprob_chunk=config.logprob_chunk, mesh=mesh)
     tokenizer = load_tokenizer(config.init)
     template = get_template(template_for(model, tokenizer))
     train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))
