@@ -89,6 +89,11 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{config_path}: line {err.lineno}: {err.msg}") from None
 
 
+def _layer_names(cfg: ModelConfig, hf_name: str) -> list[str]:
+    """The checkpoint names behind one of our parameters: one per layer for a stacked tensor."""
+    return [hf_name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in hf_name else [hf_name]
+
+
 class _Tensors:
     """Every tensor of a checkpoint's safetensors files by name, read when asked for: local files are
     opened lazily (a parameter group at a time is on the host), a bucket's files are read whole."""
@@ -125,11 +130,11 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     """Loads a Llama, Qwen2 or Gemma 2 checkpoint directory into a Transformer.
 
     `dtype` is the parameter dtype, `compute_dtype` the matmul/activation dtype (default: `dtype`);
-    other keywords (scan_layers, remat, attention_impl) set the execution policy. With a `mesh`, each
-    parameter goes straight to its sharding over the mesh (from its logical axis names), each device
-    receiving only its shard and each process reading only the slices its devices hold: a model larger
-    than one device loads without ever being whole on one. Without, parameters land on the default
-    device.
+    other keywords (scan_layers, remat, attention_impl) set the execution policy. Every process reads
+    the checkpoint one parameter group at a time. With a `mesh`, each parameter goes straight to its
+    sharding over the mesh (from its logical axis names), each device receiving only its shard: a model
+    larger than one device loads without ever being whole on one. Without, parameters land on the
+    default device.
     """
     path = as_path(path)
     if dtype not in _DTYPES:
@@ -149,10 +154,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     available = tensors.names()
     missing, mismatched, used = [], [], set()
     for ours, hf_name, transpose in _tensor_names(cfg):
-        stacked = "{i}" in hf_name
-        names = [hf_name.format(i=i) for i in range(cfg.num_layers)] if stacked else [hf_name]
-        expected_shape = targets[ours].shape[1:] if stacked else targets[ours].shape
-        for name in names:
+        expected_shape = targets[ours].shape[1:] if "{i}" in hf_name else targets[ours].shape
+        for name in _layer_names(cfg, hf_name):
             if name not in available:
                 missing.append(name)
                 continue
@@ -174,8 +177,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     values = {}
     for ours, hf_name, transpose in _tensor_names(cfg):
         # One parameter group on the host at a time (all layers of a stacked tensor).
-        names = [hf_name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in hf_name else [hf_name]
-        arrays = [tensors[name].T if transpose else tensors[name] for name in names]
+        arrays = [tensors[name].T if transpose else tensors[name] for name in _layer_names(cfg, hf_name)]
         host = (np.stack(arrays) if "{i}" in hf_name else arrays[0]).astype(targets[ours].dtype)
         if shardings is None:
             values[ours] = jnp.asarray(host)
