@@ -44,6 +44,19 @@ def demo_run(directory: Path, length: int) -> Path:
     return directory
 
 
+def timed_steps(trainer: Trainer, batches, steps: int) -> tuple[float, list[dict]]:
+    """The median seconds of `steps` trainer steps, after one step that compiles, and their batches."""
+    jax.block_until_ready(trainer.step(next(batches))["loss"])
+    times, taken = [], []
+    for _ in range(steps):
+        batch = next(batches)
+        started = time.perf_counter()
+        jax.block_until_ready(trainer.step(batch)["loss"])
+        times.append(time.perf_counter() - started)
+        taken.append(batch)
+    return statistics.median(times), taken
+
+
 def measure(run: Path, pack: bool, args) -> dict:
     manifest = read_manifest(run)
     length = manifest["options"]["max_length"]
@@ -54,17 +67,8 @@ def measure(run: Path, pack: bool, args) -> dict:
     cfg = preset("tiny", vocab_size=manifest["vocab_size"])
     trainer = Trainer(create_model(cfg), SFT(len(manifest["buckets"])), OptimizerConfig(lr=1e-4),
                       LoopConfig(steps=args.steps + 1, global_batch=args.batch), parallel.make_mesh(), run)
-    jax.block_until_ready(trainer.step(next(batches))["loss"])  # compile
-    times, examples, real, target = [], 0, 0, 0
-    for _ in range(args.steps):
-        batch = next(batches)
-        started = time.perf_counter()
-        jax.block_until_ready(trainer.step(batch)["loss"])
-        times.append(time.perf_counter() - started)
-        examples += int(batch["examples"].sum())
-        real += int(batch["length"].sum())
-        target += int(batch["loss_mask"].sum())
-    step_s = statistics.median(times)
+    step_s, taken = timed_steps(trainer, batches, args.steps)
+    examples, real, target = (sum(int(b[key].sum()) for b in taken) for key in ("examples", "length", "loss_mask"))
     per_step = examples / args.steps
     return {"pack": pack, "step_s": round(step_s, 4), "examples_per_step": per_step,
             "fill": round(real / (args.steps * args.batch * length), 4),

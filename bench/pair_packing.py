@@ -17,17 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import jax
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from packing import timed_steps  # noqa: E402
 
 from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
@@ -66,13 +67,9 @@ def measure(examples, tokenizer, buckets, pack: bool, args) -> dict:
                                                   tokenizer.pad_id))
     trainer = Trainer(create_model(preset("tiny", vocab_size=tokenizer.vocab_size)), Preference(config, len(buckets)),
                       OptimizerConfig(lr=1e-5), loop, parallel.make_mesh(), Path(tempfile.gettempdir()))
-    jax.block_until_ready(trainer.step(next(batches))["loss"])  # compile
-    times, pairs, real, positions = [], 0, 0, 0
-    for _ in range(args.steps):
-        batch = next(batches)
-        started = time.perf_counter()
-        jax.block_until_ready(trainer.step(batch)["loss"])
-        times.append(time.perf_counter() - started)
+    step_s, taken = timed_steps(trainer, batches, args.steps)
+    pairs, real, positions = 0, 0, 0
+    for batch in taken:
         pairs += int(batch["valid"].sum())
         if pack:
             real += int(batch["length"].sum())
@@ -81,7 +78,6 @@ def measure(examples, tokenizer, buckets, pack: bool, args) -> dict:
             for side in ("chosen", "rejected"):
                 real += int((batch[f"{side}_inputs"] != tokenizer.pad_id).sum())
                 positions += batch[f"{side}_inputs"].size
-    step_s = statistics.median(times)
     return {"pack": pack, "step_s": round(step_s, 4), "pairs_per_step": pairs / args.steps,
             "fill": round(real / positions, 4), "pairs_per_s": round(pairs / args.steps / step_s, 2)}
 

@@ -333,6 +333,14 @@ def test_splash_attention_equals_xla_in_value_and_gradient(softcap):
         np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
 
 
+def _run_on_eight_cpu_devices(script: Path) -> subprocess.CompletedProcess:
+    """Runs a test script in a process of its own whose CPU is split into 8 XLA devices; it must succeed."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(Path(__file__).parents[1])}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.slow
 def test_splash_attention_under_a_mesh_equals_the_model_without_it(tmp_path):
     """The model with attention_impl=splash on a 2 x 2 x 2 mesh of CPU devices (shard_map over batch
@@ -353,9 +361,7 @@ def test_splash_attention_under_a_mesh_equals_the_model_without_it(tmp_path):
         "    out = np.asarray(jax.jit(lambda m, x: m(x))(model, ids_sharded))\n"
         "print('max diff', float(np.abs(out - plain).max()))\n"
         "assert np.allclose(out, plain, atol=2e-5)\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(Path(__file__).parents[1])}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_on_eight_cpu_devices(script)
     assert "max diff" in result.stdout
 
 
@@ -388,7 +394,5 @@ def test_sharded_initialisation_and_loading_place_each_shard_without_a_whole_cop
         "        # loading is exact; initialising compiled rather than op by op may round the last bit\n"
         "        np.testing.assert_allclose(got, np.asarray(want), rtol=0 if name == 'loaded' else 1e-6, atol=0)\n"
         "    print(name, 'ok', len(split), 'parameters split 8 ways')\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(Path(__file__).parents[1])}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_on_eight_cpu_devices(script)
     assert "created ok" in result.stdout and "loaded ok" in result.stdout, result.stdout

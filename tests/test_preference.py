@@ -263,23 +263,28 @@ def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo
     assert float(sums_b["pairs"]) == count and float(sums_b["tokens"]) == float(sums_a["tokens"])
 
 
+def _init_checkpoint_and_pair_files(demo_run, tokenizer, directory, train: int, val: int) -> None:
+    """DIR/init (a tiny random model with the demo tokenizer), DIR/train.jsonl and DIR/val.jsonl (real pairs)."""
+    from polyalign.model import create_model, save_hf_checkpoint
+    from polyalign.pairs import write_pairs
+    from tests.conftest import tiny_model_config
+
+    files = tokenizer.path.parent
+    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), directory / "init", extra_files={
+        name: (files / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    pairs = _real_pairs(demo_run, train + val)
+    write_pairs(pairs[:train], directory / "train.jsonl")
+    write_pairs(pairs[train:], directory / "val.jsonl")
+
+
 @pytest.mark.slow
 def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     """`data.pack=true` end to end: rows of whole pairs, several pairs a step, a first step at the
     reference (margin 0), validation on unpacked pairs and an exported model."""
-    from polyalign.model import create_model, save_hf_checkpoint
-    from polyalign.pairs import write_pairs
     from polyalign.train.hdpo import load_config, train_preference
     from polyalign.train.metrics import read_metrics
-    from tests.conftest import tiny_model_config
 
-    tokenizer = demo_tokenizer[0]
-    directory = tokenizer.path.parent
-    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), tmp_path / "init", extra_files={
-        name: (directory / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
-    pairs = _real_pairs(demo_run, 24)
-    write_pairs(pairs[:20], tmp_path / "train.jsonl")
-    write_pairs(pairs[20:], tmp_path / "val.jsonl")
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=20, val=4)
     config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
         f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
         "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=3",
@@ -302,19 +307,10 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
     from safetensors.numpy import load_file
 
     from polyalign.launch import free_port
-    from polyalign.model import create_model, save_hf_checkpoint
-    from polyalign.pairs import write_pairs
     from polyalign.train.metrics import read_metrics
-    from tests.conftest import tiny_model_config
     from tests.test_training import _cli, _wait
 
-    tokenizer = demo_tokenizer[0]
-    directory = tokenizer.path.parent
-    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), tmp_path / "init", extra_files={
-        name: (directory / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
-    pairs = _real_pairs(demo_run, 28)
-    write_pairs(pairs[:24], tmp_path / "train.jsonl")
-    write_pairs(pairs[24:], tmp_path / "val.jsonl")
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=24, val=4)
 
     def args(out):
         return ["train", "hdpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),

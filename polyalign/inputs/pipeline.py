@@ -145,16 +145,15 @@ def first_fit(order, lengths: np.ndarray, length: int, window: int = 16, max_ite
 class _PackedRows:
     """position in the endless global order of packed rows -> the example indices in that row.
 
-    Epoch e packs the permutation drawn from (seed, e) first-fit over a window of open rows: each
-    example joins the first open row it fits in, or opens a new one; when more than `window` rows are
-    open the oldest is closed. The window keeps the epoch's order local while filling rows far better
-    than closing a row at the first example that does not fit. Examples longer than a row are truncated
-    to it, as unpacked. A row holds at most `max_items` examples when set (the fixed number of per-row
-    slots a batch format may have). Only lengths are needed, so every process computes the same rows."""
+    Epoch e packs the permutation drawn from (seed, e) with `first_fit` over a window of open rows: the
+    window keeps the epoch's order local while filling rows far better than closing a row at the first
+    example that does not fit. Examples longer than a row are truncated to it, as unpacked. A row holds
+    at most `max_items` examples when set (the fixed number of per-row slots a batch format may have).
+    Only lengths are needed, so every process computes the same rows."""
 
     def __init__(self, lengths: np.ndarray, length: int, seed: int, window: int = 16, max_items: int | None = None):
         self.lengths, self.length, self.seed, self.window = np.minimum(lengths, length), length, seed, window
-        self.max_items = max_items or len(lengths)
+        self.max_items = max_items
         self._packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # epoch -> (examples row after row, row starts)
         self._first_row = [0]  # global index of each counted epoch's first row
 
