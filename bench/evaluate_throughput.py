@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=50_000)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from polyalign.data.prepare import prepare, read_records
+    from polyalign.data.prepare import prepare
+    from polyalign.data.records import read_records
     from polyalign.evaluate.run import evaluate
     from tests.conftest import write_config
 

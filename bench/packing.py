@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def demo_run(directory: Path, length: int) -> Path:
     from polyalign.data.prepare import prepare
-    from polyalign.tokenizer import train_from_records
+    from polyalign.tokenizer_training import train_from_records
 
     prepare(REPO / "configs" / "data" / "demo.yaml", directory, progress=False)
     train_from_records(directory / "data" / "train.jsonl", directory / "tokenizer", 8000)

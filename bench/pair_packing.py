@@ -44,8 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 def demo_pairs(directory: Path, length: int):
     """Tokenised pairs from the demo's train records, the tokenizer and the bucket list."""
     from polyalign.chat import get_template
-    from polyalign.data.prepare import prepare, read_records
-    from polyalign.tokenizer import train_from_records
+    from polyalign.data.prepare import prepare
+    from polyalign.data.records import read_records
+    from polyalign.tokenizer_training import train_from_records
 
     prepare(REPO / "configs" / "data" / "demo.yaml", directory, progress=False)
     tokenizer, _ = train_from_records(directory / "data" / "train.jsonl", directory / "tokenizer", 8000)

@@ -15,15 +15,12 @@ from typing import Literal
 import numpy as np
 
 from polyalign.data.records import Record
+from polyalign.errors import ChatTemplateError
 from polyalign.tokenizer import BOS, Tokenizer
 
 PROFILE_MODES = ("oracle", "context", "none")
 PROFILE_PREAMBLE = "You are a helpful assistant. Follow the target response profile when answering."
 TRAIN_ON = ("last", "all")
-
-
-class ChatTemplateError(ValueError):
-    """A conversation a template cannot render, or an unknown template."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +208,21 @@ POLYALIGN_SPECIAL_TOKENS = (ChatML.start, ChatML.end_of_turn)
 # Every special token the built-in templates use.
 TEMPLATE_SPECIAL_TOKENS = (BOS, ChatML.start, ChatML.end_of_turn, Llama3.bos, Llama3.header_start,
                            Llama3.header_end, Llama3.end_of_turn, Gemma.bos, "<eos>", Gemma.start, Gemma.end_of_turn)
+
+
+# The official template of each model family, for a tokenizer that names none.
+FAMILY_TEMPLATES = {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma"}
+
+
+def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: str | None = None,
+                    where: str = "tokenizer") -> str:
+    """The one rule for which chat template renders a conversation: the one asked for, else the one
+    the tokenizer's config names, else the official template of the model's family."""
+    name = requested or tokenizer.chat_template or FAMILY_TEMPLATES.get(family)
+    if name is None:
+        raise ChatTemplateError(f"{where}: the tokenizer names no chat template and the model family is unknown; "
+                                f"pass one ({', '.join(TEMPLATES)})")
+    return name
 
 
 def get_template(name: str) -> ChatTemplate:

@@ -154,7 +154,7 @@ def _add_tokenizer(sub) -> None:
 
 
 def _run_tokenizer_train(args) -> int:
-    from polyalign.tokenizer import train_from_records
+    from polyalign.tokenizer_training import train_from_records
 
     _, report = train_from_records(args.records, args.out, args.vocab_size, model_type=args.model_type,
                                    character_coverage=args.character_coverage)
@@ -200,7 +200,7 @@ def _add_build(sub) -> None:
 
 
 def _run_build(args) -> int:
-    from polyalign.bucketing import WeightOptions
+    from polyalign.data.bucketing import WeightOptions
     from polyalign.inputs.build import BuildOptions, build
 
     options = BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
@@ -565,26 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polyalign.config import ConfigError
-    from polyalign.data.prepare import PrepareError
-    from polyalign.data.records import InputError
-    from polyalign.evaluate.run import EvaluationError
-    from polyalign.generate import GenerationError
-    from polyalign.launch import LaunchError
-    from polyalign.reports.stats import StatsError
-    from polyalign.chat import ChatTemplateError
-    from polyalign.model import CheckpointError, ModelConfigError
-    from polyalign.parallel import ParallelError
-    from polyalign.tokenizer import TokenizerError
-    from polyalign.train.trainer import TrainingError
+    from polyalign.errors import PolyalignError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, InputError, PrepareError, StatsError, TokenizerError, ChatTemplateError, CheckpointError,
-            ModelConfigError, ParallelError, TrainingError, GenerationError,
-            EvaluationError, LaunchError) as err:
+    except PolyalignError as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

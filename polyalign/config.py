@@ -12,11 +12,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from polyalign.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file and the key."""
 
 
 def load_yaml(path: Path) -> Any:

@@ -29,7 +29,7 @@ def _stats(run: Path, quick: bool) -> str:
 
 
 def _tokenizer(run: Path, quick: bool) -> str:
-    from polyalign.tokenizer import train_from_records
+    from polyalign.tokenizer_training import train_from_records
 
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", run / "tokenizer",
                                            DEMO_VOCAB_SIZE_QUICK if quick else DEMO_VOCAB_SIZE)
@@ -117,7 +117,7 @@ def compare_generations(run: Path, quick: bool) -> dict:
 
     import numpy as np
 
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
     from polyalign.generate import SamplingConfig, generate_predictions
     from polyalign.pairs import read_predictions
     from polyalign.train.critic import CriticScorer, support_targets

@@ -17,13 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from polyalign.errors import GenerationError
 from polyalign.model.transformer import KVCache, Transformer
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
-
-
-class GenerationError(ValueError):
-    """Bad sampling settings or inputs."""
 
 
 @dataclass(frozen=True)
@@ -158,13 +155,6 @@ class Sampler:
 
 # --- polyalign generate ----------------------------------------------------------------------------
 
-def template_for(model: Transformer, tokenizer) -> str:
-    """The tokenizer's named template, else the model family's official one."""
-    if tokenizer.chat_template:
-        return tokenizer.chat_template
-    return {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma"}[model.config.family]
-
-
 def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, profile: str = "context",
                          sampling: SamplingConfig = SamplingConfig(), batch_size: int = 16,
                          max_prompt_tokens: int = 512, template: str | None = None, limit: int | None = None,
@@ -174,8 +164,13 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     keeps the first records, `sample` a seeded random subset (in file order)."""
     from tqdm import tqdm
 
-    from polyalign.chat import encode_prompt, get_template, record_messages
-    from polyalign.data.prepare import read_records
+    from polyalign.chat import (
+        choose_template,
+        encode_prompt,
+        get_template,
+        record_messages,
+    )
+    from polyalign.data.records import read_records
     from polyalign.model import load_hf_checkpoint
     from polyalign.tokenizer import load_tokenizer
 
@@ -192,7 +187,7 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     mesh = parallel.make_mesh() if jax.device_count() > 1 else None
     model = load_hf_checkpoint(checkpoint, mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
-    chat = get_template(template or template_for(model, tokenizer))
+    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)))
     stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)

@@ -16,11 +16,9 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from polyalign.errors import LaunchError
+
 DEFAULT_PORT = 12355
-
-
-class LaunchError(ValueError):
-    """A launch that cannot start: no command, or SLURM variables missing."""
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

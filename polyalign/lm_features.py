@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from polyalign.train.losses import token_log_probs
+from polyalign.model.log_probs import token_log_probs
 
 BLOCK_STATS = (
     "available", "condition_text_available", "answer_token_count", "prefix_token_count", "scored_token_count",

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.prepare import read_records
+from polyalign.data.records import read_records
 from polyalign.data.records import InputError, Record
 from polyalign.data.text import normalize
 from polyalign.predictions import iter_predictions

@@ -17,6 +17,8 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from polyalign.errors import ParallelError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Parameter axes. The embedding table has names of its own: sharding its model dimension over fsdp,
@@ -87,10 +89,6 @@ def unsharded():
 
 
 # --- mesh and processes -----------------------------------------------------------------------------
-
-
-class ParallelError(ValueError):
-    """A mesh that does not fit the devices, or a broken multi-process setup."""
 
 
 @dataclass(frozen=True)

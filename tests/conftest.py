@@ -38,7 +38,7 @@ def demo_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_run, tmp_path_factory):
     """polyalign's SentencePiece tokenizer trained on the demo train split (8,000 pieces)."""
-    from polyalign.tokenizer import train_from_records
+    from polyalign.tokenizer_training import train_from_records
 
     run, _, _ = demo_run
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", tmp_path_factory.mktemp("tokenizer"), 8000)
@@ -52,8 +52,9 @@ def json_tokenizer(demo_run, tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from polyalign.chat import TEMPLATE_SPECIAL_TOKENS
-    from polyalign.data.prepare import read_records
-    from polyalign.tokenizer import load_tokenizer, record_texts
+    from polyalign.data.records import read_records
+    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokenizer_training import record_texts
 
     run, _, _ = demo_run
     tok = Tokenizer(models.BPE())

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from polyalign.bucketing import WeightOptions, bucket_weights, load_scheme
+from polyalign.data.bucketing import WeightOptions, bucket_weights, load_scheme
 from polyalign.config import ConfigError
 from polyalign.data.prepare import prepare
 from tests.conftest import DEMO_DATA, SCHEME, read_jsonl, write_config

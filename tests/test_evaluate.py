@@ -58,7 +58,7 @@ def test_self_bleu_matches_nltk_under_the_same_sampling(demo_run):
     from nltk.translate.bleu_score import SmoothingFunction
     from nltk.translate.bleu_score import sentence_bleu as nltk_bleu
 
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
 
     run, _, _ = demo_run
     texts = [r.response for r in read_records(run / "data" / "test.jsonl")][:620]
@@ -101,7 +101,7 @@ def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
 
     run, _, _ = demo_run
     records = [r for r in read_records(run / "data" / "test.jsonl") if r.track == "multi"][:120]
@@ -143,7 +143,7 @@ def _write_predictions(path, records, text_of):
 
 
 def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
 
     run, _, _ = demo_run
     records_path = run / "data" / "test.jsonl"
@@ -165,7 +165,7 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
 
 
 def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
 
     run, _, _ = demo_run
     records_path = run / "data" / "test.jsonl"
@@ -197,7 +197,8 @@ def first_sentence(text: str) -> str:
 
 @pytest.mark.slow
 def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
-    from polyalign.data.prepare import prepare, read_records
+    from polyalign.data.prepare import prepare
+    from polyalign.data.records import read_records
     from tests.conftest import write_config
 
     sample = SHARED_DATA / "en" / "polyalign-sample" / "dist_sft_test.json"
@@ -222,7 +223,7 @@ def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
 
 @pytest.mark.slow
 def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenizer, tmp_path):
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
     from polyalign.model import create_model, save_hf_checkpoint
     from tests.conftest import tiny_model_config
 

@@ -72,7 +72,7 @@ def test_temperature_sampling_is_seeded():
 @pytest.mark.slow
 def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer):
     from polyalign.cli import main
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
     from polyalign.model import save_hf_checkpoint
     from polyalign.model.presets import preset
 

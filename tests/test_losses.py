@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polyalign.train.losses import dpo_loss, example_nll, hdpo_loss, ipo_loss, preference_rewards
+from polyalign.model.log_probs import example_nll
+from polyalign.train.losses import dpo_loss, hdpo_loss, ipo_loss, preference_rewards
 from tests.conftest import FIXTURES
 
 TRL = json.loads((FIXTURES / "losses" / "trl_dpo.json").read_text())

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 
 def _records(demo_run, n=40):
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
 
     run, _, _ = demo_run
     return read_records(run / "data" / "val.jsonl")[:n]
@@ -158,7 +158,7 @@ def _real_pairs(demo_run, count: int) -> list[dict]:
     import json
     from collections import defaultdict
 
-    from polyalign.data.prepare import read_records
+    from polyalign.data.records import read_records
 
     run, _, _ = demo_run
     by_bucket = defaultdict(list)

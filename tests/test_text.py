@@ -1,6 +1,6 @@
 import pytest
 
-from polyalign.bucketing import load_scheme
+from polyalign.data.bucketing import load_scheme
 from polyalign.data.text import length_units, normalize, remove_cjk_spacing
 from tests.conftest import SCHEME
 

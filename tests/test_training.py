@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from polyalign.chat import encode_conversation, get_template, record_messages
-from polyalign.data.prepare import read_records
+from polyalign.data.records import read_records
 from polyalign.inputs import pipeline
 from polyalign.launch import free_port
 from polyalign.train.metrics import read_metrics

@@ -138,7 +138,8 @@ def official_render(template_text: str, name: str, messages: list[dict]) -> str:
 
 def write_chat_fixtures(template_dir: Path) -> None:
     from polyalign.chat import get_template, record_messages
-    from polyalign.data.prepare import prepare, read_records
+    from polyalign.data.prepare import prepare
+    from polyalign.data.records import read_records
 
     with tempfile.TemporaryDirectory() as tmp:
         prepare(REPO / "configs" / "data" / "demo.yaml", Path(tmp), progress=False)

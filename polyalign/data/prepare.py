@@ -19,9 +19,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
-from polyalign.bucketing import LABEL_FIELDS, Scheme, load_scheme
+from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
-from polyalign.data.dedup import NearDuplicateOptions, count_kinds, exact_dedup, near_duplicates
+from polyalign.data.dedup import (
+    NearDuplicateOptions,
+    count_kinds,
+    exact_dedup,
+    near_duplicates,
+)
 from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers._io import source_files
 from polyalign.data.language import detect_language
@@ -36,14 +41,11 @@ from polyalign.data.records import (
 )
 from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
 from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize
+from polyalign.errors import PrepareError
 
 ON_ERROR_MODES = ("fail", "quarantine")
 SOURCE_SPLITS = (*SPLITS, "auto")
 AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
-
-
-class PrepareError(Exception):
-    """Stops `prepare` with one line that names the file, the row and the problem."""
 
 
 @dataclass(frozen=True)
@@ -481,8 +483,3 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         return None
     tally.empty_responses += int(built.response == "")
     return built
-
-
-def read_records(path: Path) -> list[Record]:
-    with path.open(encoding="utf-8") as handle:
-        return [Record.from_json(json.loads(line)) for line in handle if line.strip()]

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+from polyalign.errors import InputError, RowProblem
 
 SPLITS = ("train", "val", "test")
 # Group protection and dedup keep a record in the highest-priority split it appears in.
@@ -16,15 +20,6 @@ RECORD_FIELDS = (
     "id", "dataset", "split", "language", "track", "family", "style", "question", "context", "history",
     "response", "length_tokens", "length_bin", "bucket_id", "meta",
 )
-
-
-class InputError(Exception):
-    """A problem with a whole input (missing file, unreadable JSON document, bad config). The message
-    names the file and, where known, the line."""
-
-
-class RowProblem(Exception):
-    """A problem with one row; the importer attaches the row's location."""
 
 
 @dataclass(frozen=True)
@@ -119,3 +114,18 @@ class Record:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Record":
         return cls(**{name: obj[name] for name in RECORD_FIELDS})
+
+
+def read_records(path: str | os.PathLike) -> list[Record]:
+    """The records of a JSONL file written by `polyalign prepare` (blank lines skipped). `path` may be
+    an epath (a bucket URI) as well as a local path."""
+    records = []
+    with (path.open(encoding="utf-8") if hasattr(path, "open") else open(path, encoding="utf-8")) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(Record.from_json(json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{line_number}: not a JSON record ({err.msg})") from None
+    return records

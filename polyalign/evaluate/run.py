@@ -13,18 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from polyalign.data.prepare import read_records
+from polyalign.data.records import read_records
+from polyalign.errors import EvaluationError
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate.dynamics import turn_dynamics
-from polyalign.evaluate.text import diversity, utility_scores
+from polyalign.evaluate.text import diversity, tokens, utility_scores
 from polyalign.predictions import iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
-
-
-class EvaluationError(ValueError):
-    """Predictions that do not line up with the records, or unusable inputs."""
 
 
 def load_predictions(path: Path) -> tuple[list[dict], Counter]:
@@ -201,7 +198,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
     if plots:
         from polyalign.reports.evaluation import write_evaluation_report
 
-        write_evaluation_report(result, human, predictions, buckets, tokenize, out)
+        write_evaluation_report(result, [len(tokens(t, tokenize)) for t in human],
+                                [len(tokens(t, tokenize)) for t in predictions], buckets, out)
     return result
 
 
@@ -218,8 +216,8 @@ def _finite(value):
 
 def _featurizer(checkpoint: Path):
     from polyalign.model import load_hf_checkpoint
+    from polyalign.model.pooling import encode_responses
     from polyalign.tokenizer import load_tokenizer
-    from polyalign.train.critic import encode_responses
 
     model, tokenizer = load_hf_checkpoint(checkpoint), load_tokenizer(checkpoint)
     return lambda texts: encode_responses(model, tokenizer, list(texts), 512, 16, progress=False)

@@ -21,13 +21,20 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from polyalign.bucketing import WeightOptions, bucket_weights
-from polyalign.chat import PROFILE_MODES, TRAIN_ON, encode_conversation, get_template, record_messages
+from polyalign.data.bucketing import WeightOptions, bucket_weights
+from polyalign.chat import (
+    PROFILE_MODES,
+    TRAIN_ON,
+    choose_template,
+    encode_conversation,
+    get_template,
+    record_messages,
+)
 from polyalign.config import ConfigError
-from polyalign.data.prepare import read_records
-from polyalign.data.records import Record
-from polyalign.tokenizer import load_tokenizer
+from polyalign.data.records import Record, read_records
+from polyalign.model.config import checkpoint_family
 from polyalign.paths import as_path
+from polyalign.tokenizer import load_tokenizer
 
 BUILD_DIR = "build"
 DATASET_NAME = "sft_examples"
@@ -126,10 +133,8 @@ def split_files(run: Path, split: str) -> list[Path]:
 def tokenizer_and_template(run: Path, options: BuildOptions):
     tokenizer_path = Path(options.tokenizer) if options.tokenizer else Path(run) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_path)
-    template_name = options.template or tokenizer.chat_template
-    if template_name is None:
-        raise ConfigError(f"{tokenizer_path}: the tokenizer names no chat template; pass one (polyalign, qwen, "
-                          "llama3, gemma)")
+    template_name = choose_template(tokenizer, options.template, checkpoint_family(tokenizer_path),
+                                    str(tokenizer_path))
     return tokenizer_path, tokenizer, template_name
 
 

@@ -4,18 +4,18 @@ translation to and from a Hugging Face config.json."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from polyalign.errors import ModelConfigError
 
 FAMILIES = ("llama", "qwen2", "gemma2")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
-
-
-class ModelConfigError(ValueError):
-    """An architecture polyalign cannot build, or a config.json it cannot read."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,21 @@ def _alternating(num_layers: int) -> tuple[str, ...]:
 # --- Hugging Face config.json ------------------------------------------------------------------
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2"}
+
+
+def checkpoint_family(directory: str | os.PathLike) -> str | None:
+    """The model family a checkpoint directory's config.json names; None where there is no config.json
+    (a tokenizer folder) or its model_type is not one polyalign builds."""
+    from polyalign.paths import as_path
+
+    config = as_path(directory) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return _MODEL_TYPES.get(model_type)
 
 
 def from_hf_config(hf: dict[str, Any], where: str = "config.json", **policy: Any) -> ModelConfig:

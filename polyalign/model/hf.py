@@ -12,16 +12,20 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
-from flax import traverse_util
 from etils import epath
+from flax import nnx, traverse_util
 from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import load, save
 
 from polyalign import parallel
-
-from polyalign.model.config import ModelConfig, ModelConfigError, from_hf_config, to_hf_config
+from polyalign.errors import CheckpointError
+from polyalign.model.config import (
+    ModelConfig,
+    ModelConfigError,
+    from_hf_config,
+    to_hf_config,
+)
 from polyalign.model.transformer import Transformer, abstract_model
 from polyalign.paths import as_path, is_uri
 
@@ -30,10 +34,6 @@ SINGLE_FILE = "model.safetensors"
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory polyalign cannot read, or a destination it will not overwrite."""
 
 
 def _tensor_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:

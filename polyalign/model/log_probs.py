@@ -91,3 +91,10 @@ def _backward(chunk, softcap, residuals, cotangent):
 
 
 chunked_token_log_probs.defvjp(_forward, _backward)
+
+
+def example_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """Per-example mean NLL over its labelled tokens (METHOD section 4: l_i); 0 for an example with
+    no labelled token. Returns [B]."""
+    nll = -token_log_probs(logits, targets) * loss_mask
+    return nll.sum(-1) / jnp.maximum(loss_mask.sum(-1), 1.0)

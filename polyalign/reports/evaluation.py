@@ -15,6 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from polyalign.errors import EvaluationError  # noqa: E402
+
 OVERALL_ROWS = (
     ("F1", ("utility", "overall", "qa_f1")),
     ("ROUGE-L", ("utility", "overall", "rouge_l_f1")),
@@ -83,17 +85,15 @@ def _frontier(runs: dict[str, dict], path: Path) -> str:
     return _save(fig, path)
 
 
-def _length_distributions(human, generated, buckets, tokenize, path: Path, limit: int = 12) -> str:
-    from polyalign.evaluate.text import tokens
-
+def _length_distributions(human_lengths, generated_lengths, buckets, path: Path, limit: int = 12) -> str:
     names = [b for b, _ in sorted(((b, buckets.count(b)) for b in set(buckets)), key=lambda x: -x[1])][:limit]
     cols = 3
     rows = -(-len(names) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(10, 2.2 * rows), squeeze=False)
     for ax, bucket in zip(axes.flat, names):
         idx = [i for i, b in enumerate(buckets) if b == bucket]
-        h = [len(tokens(human[i], tokenize)) for i in idx]
-        g = [len(tokens(generated[i], tokenize)) for i in idx]
+        h = [human_lengths[i] for i in idx]
+        g = [generated_lengths[i] for i in idx]
         top = max(h + g + [1])
         bins = np.linspace(0, top, 20)
         ax.hist(h, bins=bins, alpha=0.6, label="human")
@@ -130,13 +130,15 @@ def _settings(result: dict) -> str:
             f"{html.escape(str(result['metrics']['mauve']['status']))}.{partial}</p>")
 
 
-def write_evaluation_report(result: dict, human, generated, buckets, tokenize: str, out: Path) -> Path:
+def write_evaluation_report(result: dict, human_lengths: Sequence[int], generated_lengths: Sequence[int],
+                            buckets: Sequence[str], out: Path) -> Path:
+    """OUT/report.html of one evaluation; the lengths (in evaluation tokens) are per row, as `buckets`."""
     m = result["metrics"]
     table, _ = _table(["metric", "value"], [(name, _fmt(_get(m, path))) for name, path in OVERALL_ROWS])
     per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
                   "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
     images = [_bucket_bars({k: v for k, v in per_bucket.items() if v}, "Per bucket", out / "buckets.png"),
-              _length_distributions(human, generated, buckets, tokenize, out / "lengths.png"),
+              _length_distributions(human_lengths, generated_lengths, buckets, out / "lengths.png"),
               _frontier({"run": m["nuf"]["overall"]}, out / "frontier.png")]
     sections = [_settings(result), "<h2>Overall</h2>", table] + [f"<p><img src='{i}'></p>" for i in images]
     path = out / "report.html"
@@ -152,8 +154,6 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     for i, directory in enumerate(evals):
         path = Path(directory) / "metrics.json"
         if not path.is_file():
-            from polyalign.evaluate.run import EvaluationError
-
             raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
         runs[names[i] if names else Path(directory).name] = json.loads(path.read_text())
     header = ["metric", *runs]

@@ -17,9 +17,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
-from polyalign.bucketing import Scheme, bucket_weights, load_scheme
-from polyalign.data.prepare import read_records
+from polyalign.data.bucketing import Scheme, bucket_weights, load_scheme
+from polyalign.data.records import read_records
 from polyalign.data.records import SPLITS, Record
+from polyalign.errors import StatsError
 from polyalign.features import text_features
 from polyalign.references import build_references, summarize
 from polyalign.reports import plots
@@ -29,10 +30,6 @@ MAIN_FEATURES = (
     "punctuation_density", "question_sentence_ratio", "shannon_entropy", "newline_count",
 )
 LENGTH_QUANTILES = ("min", "q10", "q25", "q50", "q75", "q90", "max", "mean")
-
-
-class StatsError(Exception):
-    pass
 
 
 def _load_run(run: Path) -> tuple[dict[str, Any], dict[str, list[Record]]]:

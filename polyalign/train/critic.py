@@ -24,15 +24,13 @@ from safetensors.numpy import save
 
 from polyalign import parallel
 from polyalign.config import ConfigError, load_config_file
-from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
+from polyalign.errors import CriticCollapse
+from polyalign.model.pooling import encode_responses
 from polyalign.paths import as_path
+from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
 
 MARGIN = 0.1
 BUCKET_DIM, HIDDEN = 64, 256
-
-
-class CriticCollapse(TrainingError):
-    """The critic gives every pair the same score; its scores would carry no information."""
 
 
 @dataclass(frozen=True)
@@ -109,33 +107,6 @@ class CriticMethod:
         generated = model(mb["pair_model"], mb["pair_bucket"], k3)
         hinge = jnp.maximum(0.0, MARGIN - generated + human) * mb["pair_valid"]
         return {"l1": l1.sum(), "rank": hinge.sum()}, {"l1_sum": l1.sum(), "rank_sum": hinge.sum()}
-
-
-def encode_responses(model, tokenizer, texts: list[str], max_tokens: int, batch_size: int,
-                     progress: bool = True) -> np.ndarray:
-    """Mean-pooled final hidden states [N, H] of each response alone (at most max_tokens tokens)."""
-    from tqdm import tqdm
-
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def pooled(state, ids, mask):
-        hidden = nnx.merge(graphdef, state).hidden_states(ids).astype(jnp.float32)
-        return (hidden * mask[..., None]).sum(1) / jnp.maximum(mask.sum(1, keepdims=True), 1.0)
-
-    encoded = [tokenizer.encode(t)[:max_tokens] or [tokenizer.pad_id] for t in texts]
-    order = np.argsort([len(e) for e in encoded])  # similar lengths share a padded batch
-    out = np.zeros((len(texts), model.config.hidden_size), np.float32)
-    for start in tqdm(range(0, len(order), batch_size), desc="encode", unit="batch", disable=not progress):
-        rows = order[start:start + batch_size]
-        length = max(32, -(-max(len(encoded[i]) for i in rows) // 32) * 32)
-        ids = np.full((batch_size, length), tokenizer.pad_id, np.int32)
-        mask = np.zeros((batch_size, length), np.float32)
-        for j, i in enumerate(rows):
-            ids[j, :len(encoded[i])] = encoded[i]
-            mask[j, :len(encoded[i])] = 1.0
-        out[rows] = np.asarray(pooled(state, ids, mask))[:len(rows)]
-    return out
 
 
 def support_targets(texts: list[str], buckets: list[str], references: dict, skip_constant: bool = True) -> np.ndarray:

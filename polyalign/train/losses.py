@@ -5,15 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from polyalign.model.log_probs import token_log_probs
-
-
-def example_nll(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    """Per-example mean NLL over its labelled tokens (METHOD section 4: l_i); 0 for an example with
-    no labelled token. Returns [B]."""
-    nll = -token_log_probs(logits, targets) * loss_mask
-    return nll.sum(-1) / jnp.maximum(loss_mask.sum(-1), 1.0)
-
 
 def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
     """sum_i w_i v_i / sum_i w_i, 0 when the weights sum to 0."""

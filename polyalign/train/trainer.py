@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from polyalign import parallel
+from polyalign.errors import TrainingError
 from polyalign.paths import as_path
 
 if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric writers
@@ -32,10 +33,6 @@ if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric w
     from polyalign.train.metrics import MetricsWriter
 
 Batch = dict[str, jax.Array]
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (too many non-finite steps, a batch that does not fit the mesh)."""
 
 
 class Method(Protocol):

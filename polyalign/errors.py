@@ -1,0 +1,74 @@
+"""Every error polyalign raises for a problem the user can fix, under one base class.
+
+`polyalign.cli.main` catches PolyalignError and prints its message as one line (exit status 2), so a
+new kind of error only has to derive from it. Each message names the file, the line or the key, and
+what to do. The classes also keep the built-in base they always had (ValueError, RuntimeError), so
+code that caught those still does.
+"""
+
+from __future__ import annotations
+
+
+class PolyalignError(Exception):
+    """A problem the user can fix; the message says where and what to do."""
+
+
+class ConfigError(PolyalignError, ValueError):
+    """A configuration problem; the message names the file and the key."""
+
+
+class InputError(PolyalignError):
+    """A problem with a whole input (missing file, unreadable JSON document, bad config). The message
+    names the file and, where known, the line."""
+
+
+class RowProblem(PolyalignError):
+    """A problem with one row; the importer attaches the row's location."""
+
+
+class PrepareError(PolyalignError):
+    """Stops `prepare` with one line that names the file, the row and the problem."""
+
+
+class StatsError(PolyalignError):
+    """A run whose statistics cannot be computed (no prepared data, an empty split)."""
+
+
+class TokenizerError(PolyalignError, ValueError):
+    """A tokenizer that cannot be loaded or trained, named with its path."""
+
+
+class ChatTemplateError(PolyalignError, ValueError):
+    """A conversation a template cannot render, or an unknown template."""
+
+
+class ModelConfigError(PolyalignError, ValueError):
+    """An architecture polyalign cannot build, or a config.json it cannot read."""
+
+
+class CheckpointError(PolyalignError, ValueError):
+    """A checkpoint directory polyalign cannot read, or a destination it will not overwrite."""
+
+
+class ParallelError(PolyalignError, ValueError):
+    """A mesh that does not fit the devices, or a broken multi-process setup."""
+
+
+class TrainingError(PolyalignError, RuntimeError):
+    """Training cannot go on (too many non-finite steps, a batch that does not fit the mesh)."""
+
+
+class CriticCollapse(TrainingError):
+    """The critic gives every pair the same score; its scores would carry no information."""
+
+
+class GenerationError(PolyalignError, ValueError):
+    """Bad sampling settings or inputs."""
+
+
+class EvaluationError(PolyalignError, ValueError):
+    """Predictions that do not line up with the records, or unusable inputs."""
+
+
+class LaunchError(PolyalignError, ValueError):
+    """A launch that cannot start: no command, or SLURM variables missing."""
