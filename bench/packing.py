@@ -28,7 +28,7 @@ from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.build import BuildOptions, build, read_manifest  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402
-from polyalign.train.sft import SFT  # noqa: E402
+from polyalign.train.sft import SftObjective  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,8 +65,8 @@ def measure(run: Path, pack: bool, args) -> dict:
     batches = pipeline.iterate(pipeline.train_batches(source, layout, args.steps + 1, length, manifest["pad_id"],
                                                       seed=0, pack=pack))
     cfg = preset("tiny", vocab_size=manifest["vocab_size"])
-    trainer = Trainer(create_model(cfg), SFT(len(manifest["buckets"])), OptimizerConfig(lr=1e-4),
-                      LoopConfig(steps=args.steps + 1, global_batch=args.batch), parallel.make_mesh(), run)
+    trainer = Trainer(create_model(cfg), SftObjective(len(manifest["buckets"])), OptimizerConfig(lr=1e-4),
+                      LoopConfig(steps=args.steps + 1, global_batch=args.batch), parallel.make_mesh())
     step_s, taken = timed_steps(trainer, batches, args.steps)
     examples, real, target = (sum(int(b[key].sum()) for b in taken) for key in ("examples", "length", "loss_mask"))
     per_step = examples / args.steps

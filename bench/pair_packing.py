@@ -34,8 +34,9 @@ from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402
-from polyalign.train.hdpo import (Preference, PreferenceConfig, PreferenceData, tokenise_pairs,  # noqa: E402
-                                  train_pair_batches, tree_spans)
+from polyalign.inputs.pair_rows import tokenise_pairs, train_pair_batches, tree_spans  # noqa: E402
+from polyalign.train.config import PreferenceConfig  # noqa: E402
+from polyalign.train.preference import PreferenceObjective  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,12 +63,12 @@ def demo_pairs(directory: Path, length: int):
 
 
 def measure(examples, tokenizer, buckets, pack: bool, args) -> dict:
-    config = PreferenceConfig(method="hdpo", init="unused", max_length=args.length, data=PreferenceData(pack=pack))
+    config = PreferenceConfig(method="hdpo", init="unused")
     loop = LoopConfig(steps=args.steps + 1, global_batch=args.batch)
-    batches = pipeline.iterate(train_pair_batches(examples, pipeline.Layout(args.batch, 1), loop, config,
-                                                  tokenizer.pad_id))
-    trainer = Trainer(create_model(preset("tiny", vocab_size=tokenizer.vocab_size)), Preference(config, len(buckets)),
-                      OptimizerConfig(lr=1e-5), loop, parallel.make_mesh(), Path(tempfile.gettempdir()))
+    batches = pipeline.iterate(train_pair_batches(examples, pipeline.Layout(args.batch, 1), loop.steps, loop.seed,
+                                                  args.length, tokenizer.pad_id, pack=pack))
+    trainer = Trainer(create_model(preset("tiny", vocab_size=tokenizer.vocab_size)), PreferenceObjective(config, len(buckets)),
+                      OptimizerConfig(lr=1e-5), loop, parallel.make_mesh())
     step_s, taken = timed_steps(trainer, batches, args.steps)
     pairs, real, positions = 0, 0, 0
     for batch in taken:

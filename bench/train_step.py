@@ -43,9 +43,10 @@ from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
 from polyalign.model.presets import PRESETS, preset  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
-from polyalign.train.hdpo import Preference, PreferenceConfig, sequence_logps  # noqa: E402
+from polyalign.train.config import PreferenceConfig  # noqa: E402
+from polyalign.train.preference import PreferenceObjective, sequence_logps  # noqa: E402
 from polyalign.train.losses import dpo_loss  # noqa: E402
-from polyalign.train.sft import SFT  # noqa: E402
+from polyalign.train.sft import SftObjective  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 
 
@@ -155,10 +156,10 @@ def _batch(rng, args, cfg, method):
 
 def bench_polyalign(args, cfg, method: str) -> dict:
     batch = _batch(np.random.default_rng(0), args, cfg, method)
-    objective = SFT(1) if method == "sft" else Preference(PreferenceConfig(init="bench"), 1)
+    objective = SftObjective(1) if method == "sft" else PreferenceObjective(PreferenceConfig(init="bench"), 1)
     model = abstract_model(cfg) if args.compile_only else create_model(cfg)  # compile-only allocates nothing
     trainer = Trainer(model, objective, OptimizerConfig(lr=1e-5),
-                      LoopConfig(steps=1000, global_batch=args.batch), parallel.make_mesh(), Path("."))
+                      LoopConfig(steps=1000, global_batch=args.batch), parallel.make_mesh())
     started = time.perf_counter()
     memory = compiled_memory(trainer.compiled_step(batch))
     compile_s = time.perf_counter() - started

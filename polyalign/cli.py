@@ -223,25 +223,6 @@ def _run_build(args) -> int:
     return 0
 
 
-TRAIN_EPILOG = """\
-The config (YAML; see configs/sft_demo.yaml) has sections model, data, optimizer, train and
-parallel; key=value arguments override any field, e.g. train.steps=500 weighting=uniform
-parallel.data=4. Unknown keys are an error that names the closest known one.
-
-  weighting: bucket | uniform      Bucket-SFT weights from the build, or plain SFT
-  init: /path/to/hf/checkpoint     start from a checkpoint (build with its tokenizer) instead of
-                                   training model.preset from scratch
-  train.steps / global_batch / micro_batches / checkpoint_every / eval_every / stop_at
-
-Writes OUT/metrics.jsonl (one JSON object per step: loss, lr, grad_norm, tokens/s, per-bucket
-losses; validation losses per bucket every eval_every steps), OUT/tensorboard/, OUT/checkpoints/
-(Orbax, the last keep_checkpoints kept) and, at the end, OUT/model (safetensors + config.json + the
-tokenizer). Running the same command again resumes from the latest checkpoint; SIGTERM or Ctrl-C
-saves a checkpoint and exits. Several processes (GPU nodes, CPU tests) start with
-POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i; TPU VMs need nothing.
-"""
-
-
 def _location(text: str):
     """A local path or a bucket URI (pathlib would turn gs://b into gs:/b)."""
     from polyalign.paths import as_path
@@ -249,103 +230,53 @@ def _location(text: str):
     return as_path(text)
 
 
-def _add_config_command(parent, name: str, help: str, description: str, epilog: str, config_help: str, handler):
-    """A subcommand run as `--config C --out OUT [key=value ...]`, like every training method."""
-    p = parent.add_parser(name, help=help, description=description, epilog=epilog,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, type=Path, help=config_help)
-    p.add_argument("--out", required=True, type=_location,
-                   help="output directory, local or gs:// (resumed if it has checkpoints)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
-    p.set_defaults(handler=handler)
+TRAIN_EPILOG = """\
+Every method's config has the same sections: method, init, model (preset, dtype, scan_layers, remat,
+attention_impl, logprob_chunk, seed), data (dir, max_length, pack, eval_batch, eval_limit),
+optimizer, train (steps or epochs, global_batch, micro_batches, seed, eval_every,
+checkpoint_every, keep_checkpoints, stop_at) and parallel (data, fsdp, tensor), plus the method's
+own keys. key=value arguments override any field, e.g. train.steps=500 model.dtype=bfloat16
+parallel.data=4; unknown keys are an error that names the closest known one.
+--print-config prints every key of the resolved config with its value and exits.
+"""
 
 
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model (sft, critic, hdpo)", description="Training.")
+    from polyalign.train.methods import METHODS
+
+    p = sub.add_parser("train", help=f"train a model ({', '.join(METHODS)})", description="Training.",
+                       epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
-    _add_config_command(methods, "sft", "Bucket-Aware SFT (or plain SFT with weighting=uniform)",
-                        "Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.", TRAIN_EPILOG,
-                        "training config (YAML), e.g. configs/sft_demo.yaml", _run_train_sft)
-    _add_config_command(methods, "critic", "the support-distance critic (METHOD section 6)",
-                        "Train the critic c(y, b) on the frozen SFT encoder; write its scores onto the pairs "
-                        "(OUT/train_pairs.jsonl, OUT/val_pairs.jsonl).", CRITIC_EPILOG,
-                        "critic config (YAML), e.g. configs/critic_demo.yaml", _run_train_critic)
-    _add_config_command(methods, "hdpo", "HDPO (or DPO / IPO with method=dpo / ipo) from the SFT checkpoint",
-                        "HDPO: pair-weighted DPO + lambda_dist * critic distance + gamma_ftx * length-normalised "
-                        "NLL of the human response.", HDPO_EPILOG,
-                        "config (YAML), e.g. configs/hdpo_demo.yaml", _run_train_hdpo)
+    for spec in METHODS.values():
+        m = methods.add_parser(spec.name, help=spec.summary, description=spec.description,
+                               epilog=spec.epilog + "\n" + TRAIN_EPILOG,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        m.add_argument("--config", type=Path, help=f"config (YAML), e.g. {spec.example}; without it, every default")
+        m.add_argument("--out", type=_location, help="output directory, local or gs:// (resumed if it has checkpoints)")
+        m.add_argument("--print-config", action="store_true",
+                       help="print the resolved config (every key, with defaults) and exit")
+        m.add_argument("--no-progress", action="store_true", help="no progress bars")
+        m.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
+        m.set_defaults(handler=_run_train, parser=m)
 
 
-def _report_training(result: dict, out: Path, finished: str) -> int:
-    """One line on how a training run ended, and where its model is."""
+def _run_train(args) -> int:
+    from polyalign.train.methods import config_as_yaml, load_config, method_spec
+
+    config = load_config(args.config, args.overrides, method=args.method)
+    if args.print_config:
+        print(config_as_yaml(config), end="")
+        return 0
+    if args.out is None:
+        args.parser.error("--out is required (or --print-config)")
+    from polyalign.train.run import train
+
+    result = train(config, args.out, progress=not args.no_progress)
     if result["interrupted"] or result["stopped_early"]:
         print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
-    else:
-        print(finished)
-        print(f"model: {out / 'model'}")
+        return 0
+    print(method_spec(config.method).implementation().summary_line(result))
     return 0
-
-
-def _run_train_sft(args) -> int:
-    from polyalign.parallel import initialize_distributed
-
-    initialize_distributed()
-    from polyalign.train.sft import load_config, train_sft
-
-    result = train_sft(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
-    last = result.get("last", {})
-    return _report_training(result, args.out, f"trained {result['end_step']} steps in {result['seconds']} s; final "
-                            f"loss {last.get('loss', float('nan')):.4f}"
-                            + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else ""))
-
-
-CRITIC_EPILOG = """\
-  init=SFT_CHECKPOINT pairs=TRAIN_PAIRS val_pairs=VAL_PAIRS data.dir=RUN (for RUN/stats/references.json)
-
-Encodes every human and model response once with the frozen SFT model (mean-pooled final hidden
-states), computes its support distance to its bucket's train-only human references, and trains
-Linear(H+64, 256) GELU Dropout Linear(256, 256) GELU Dropout Linear(256, 1) over the response and a
-learned bucket embedding: mean |c - d| + mean max(0, 0.1 - c(model) + c(human)). Keeps the epoch with
-the best validation loss, reports validation L1 and pairwise ranking accuracy (OUT/critic.json), and
-refuses to score pairs when every pair ties.
-"""
-
-HDPO_EPILOG = """\
-  method: hdpo | dpo | ipo     init=SFT_CHECKPOINT data.dir=RUN (scored pairs from RUN/critic/)
-  beta, lambda_dist, gamma_ftx, label_smoothing, profile, max_length, dtype, remat, attention_impl,
-  logprob_chunk, optimizer.*, train.*, parallel.*
-  data.pack=true               whole pairs packed into rows of 2 x max_length, each prompt computed once
-                               for both responses (exact; train.global_batch then counts rows)
-
-Reference log-probs come from the initial checkpoint, computed once. Logs rewards (chosen, rejected,
-margin, accuracy), dist_reg, sft_anchor and dist_gap per step, margins per bucket, and the same on the
-validation pairs every train.eval_every steps. Writes OUT/model at the end; resumes like train sft.
-"""
-
-
-def _run_train_critic(args) -> int:
-    from polyalign.train.critic import load_config, train_critic
-
-    report = train_critic(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
-    val = report["val"]
-    print(f"critic: best epoch {report['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
-          f"{val['ranking_accuracy']:.3f} on {report['val_pairs']} held-out pairs")
-    print(f"scored pairs: {args.out / 'train_pairs.jsonl'}, {args.out / 'val_pairs.jsonl'}")
-    return 0
-
-
-def _run_train_hdpo(args) -> int:
-    from polyalign.parallel import initialize_distributed
-
-    initialize_distributed()
-    from polyalign.train.hdpo import load_config, train_preference
-
-    result = train_preference(load_config(args.config, args.overrides), args.out, progress=not args.no_progress)
-    last = result.get("last", {})
-    return _report_training(result, args.out, f"{result['method']}: {result['end_step']} steps on "
-                            f"{result['train_pairs']} pairs; reward margin {last.get('rewards/margin', float('nan')):.4f}, "
-                            f"accuracy {last.get('rewards/accuracy', float('nan')):.3f}")
 
 
 def _add_pairs(sub) -> None:

@@ -49,12 +49,13 @@ def _build(run: Path, quick: bool) -> str:
 def _sft(run: Path, quick: bool) -> str:
     """Plain SFT (RUN/sft) and Bucket-Aware SFT (RUN/bucket_sft) with the same seed and batches; the
     Bucket-SFT model is the initial policy of everything after."""
-    from polyalign.train.sft import load_config, train_sft
+    from polyalign.train.methods import load_config
+    from polyalign.train.run import train
 
     summaries = []
     for name, weighting in (("sft", "uniform"), ("bucket_sft", "bucket")):
         overrides = [f"data.dir={run}", f"weighting={weighting}"] + (DEMO_QUICK_SFT if quick else [])
-        result = train_sft(load_config(DEMO_SFT_CONFIG, overrides), run / name)
+        result = train(load_config(DEMO_SFT_CONFIG, overrides, method="sft"), run / name)
         last = result["last"]
         summaries.append(f"{name} {result['end_step']} steps, validation loss {last['val_loss']:.3f} "
                          f"(worst bucket {last['val_worst_bucket']:.3f})")
@@ -85,24 +86,25 @@ def _generate(run: Path, quick: bool) -> str:
 
 
 def _critic(run: Path, quick: bool) -> str:
-    from polyalign.train.critic import load_config, train_critic
+    from polyalign.train.methods import load_config
+    from polyalign.train.run import train
 
     config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
-                                              f"val_pairs={run / 'pairs' / 'val.jsonl'}"])
-    report = train_critic(config, run / "critic")
+                                              f"val_pairs={run / 'pairs' / 'val.jsonl'}"], method="critic")
+    report = train(config, run / "critic")
     return (f"validation L1 {report['val']['l1']:.3f}, human ranked below model on "
             f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs -> {run / 'critic'}")
 
 
 def _hdpo(run: Path, quick: bool) -> str:
-    from polyalign.train.hdpo import load_config, train_preference
+    from polyalign.train.methods import load_config
+    from polyalign.train.run import train
 
     summaries = []
     for method in ("hdpo", "dpo"):
-        overrides = [f"method={method}", f"data.dir={run}", f"init={run / POLICY / 'model'}"]
-        result = train_preference(load_config(DEMO_HDPO_CONFIG, overrides + (DEMO_QUICK_HDPO if quick else [])),
-                                  run / method)
+        overrides = [f"data.dir={run}", f"init={run / POLICY / 'model'}"] + (DEMO_QUICK_HDPO if quick else [])
+        result = train(load_config(DEMO_HDPO_CONFIG, overrides, method=method), run / method)
         summaries.append(f"{method} margin {result['last']['rewards/margin']:.3f}")
     comparison = compare_generations(run, quick)
     distances = ", ".join(f"{m} {v['support_distance']:.2f}" if v["generations"] else f"{m} n/a (no text)"

@@ -149,13 +149,20 @@ def to_host(tree):
     return jax.tree.map(one, tree)
 
 
+_distributed_started = False
+
+
 def initialize_distributed() -> None:
     """Starts jax.distributed when this is one process of several.
 
     TPU VMs describe themselves (jax.distributed.initialize() with no arguments). Elsewhere (GPU
     clusters, CPU processes in tests) POLYALIGN_COORDINATOR=host:port, POLYALIGN_NUM_PROCESSES and
-    POLYALIGN_PROCESS_ID say who is who. Call before anything touches a device.
+    POLYALIGN_PROCESS_ID say who is who. Call before anything touches a device; later calls do nothing.
     """
+    global _distributed_started
+    if _distributed_started:
+        return
+    _distributed_started = True
     coordinator = os.environ.get("POLYALIGN_COORDINATOR")
     if coordinator:
         try:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from polyalign.config import ConfigError, load_yaml
+from polyalign.config import ConfigError
 from polyalign.model.config import ModelConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -64,38 +64,33 @@ def estimate(model: ModelConfig, mesh: tuple[int, int, int], global_batch: int, 
 
 def plan_config(path: Path, overrides: list[str], devices: int, sequence_length: int | None = None,
                 model_preset: str | None = None) -> Plan:
-    """The plan of an SFT or HDPO/DPO config; pairs (chosen + rejected) double the sequences. The model
-    comes from `model_preset`, else the config's `init` checkpoint (its config.json), else its preset."""
-    from polyalign.config import apply_overrides, from_mapping
+    """The plan of a training config; preference pairs (chosen + rejected) double the sequences. The
+    model comes from `model_preset`, else the config's `init` checkpoint (its config.json), else its
+    model.preset."""
     from polyalign.model.config import from_hf_config
     from polyalign.model.hf import read_hf_config
     from polyalign.model.presets import preset
     from polyalign.parallel import mesh_shape
-    from polyalign.train.hdpo import METHODS, PreferenceConfig
-    from polyalign.train.sft import SftConfig
+    from polyalign.train.config import PreferenceConfig, SftConfig
+    from polyalign.train.methods import load_config
 
-    # The method, which an override may change, decides the config's dataclass.
-    raw = load_yaml(path) or {}
-    apply_overrides(raw, list(overrides))
-    method = raw.get("method", "sft")
-    if method != "sft" and method not in METHODS:
-        raise ConfigError(f"{path}: plan knows methods sft, {', '.join(METHODS)}; not {method!r}")
-    config = from_mapping(SftConfig if method == "sft" else PreferenceConfig, raw, str(path))
-    section = getattr(config, "model", None)
-    dtype = section.dtype if section else config.dtype
-    remat = section.remat if section else config.remat
+    config = load_config(path, overrides)
+    if not isinstance(config, (SftConfig, PreferenceConfig)):
+        raise ConfigError(f"{path}: plan covers the methods that train a decoder (sft, hdpo, dpo, ipo), "
+                          f"not {config.method!r}")
+    policy = dict(dtype=config.model.dtype, remat=config.model.remat)
     if model_preset:
-        model = preset(model_preset, dtype=dtype, remat=remat)
+        model = preset(model_preset, **policy)
     elif config.init:
-        model = from_hf_config(read_hf_config(config.init), str(Path(config.init) / "config.json"),
-                               dtype=dtype, remat=remat)
-    elif section:
-        model = preset(section.preset, dtype=dtype, remat=remat)
+        model = from_hf_config(read_hf_config(config.init), str(Path(config.init) / "config.json"), **policy)
+    elif isinstance(config, SftConfig):
+        model = preset(config.model.preset, **policy)
     else:
-        raise ConfigError(f"{path}: set init= (a checkpoint) or pass --preset to plan a {method} config")
-    length = sequence_length or getattr(config, "max_length", None) or _built_length(config.data) or 512
+        raise ConfigError(f"{path}: set init= (a checkpoint) or pass --preset to plan a {config.method} config")
+    length = sequence_length or config.data.max_length or _built_length(config.data) or 512
     return estimate(model, mesh_shape(config.parallel, devices), config.train.global_batch,
-                    config.train.micro_batches, length, sequences_per_example=1 if method == "sft" else 2)
+                    config.train.micro_batches, length,
+                    sequences_per_example=2 if isinstance(config, PreferenceConfig) else 1)
 
 
 def _built_length(data) -> int | None:

@@ -60,7 +60,7 @@ def test_prediction_files_are_checked(tmp_path):
 
 def test_critic_loss_and_collapse_guard():
     from polyalign import parallel
-    from polyalign.train.critic import MARGIN, Critic, CriticMethod
+    from polyalign.train.critic import MARGIN, Critic, CriticObjective
 
     with parallel.unsharded():
         from flax import nnx
@@ -72,7 +72,7 @@ def test_critic_loss_and_collapse_guard():
              "pair_human": rng.normal(size=(2, 8)).astype(np.float32),
              "pair_model": rng.normal(size=(2, 8)).astype(np.float32), "pair_bucket": np.array([0, 3]),
              "pair_valid": np.ones(2, np.float32), "seed": np.zeros(4, np.int32)}
-    numerators, _ = CriticMethod().numerators(critic, batch)
+    numerators, _ = CriticObjective().numerators(critic, batch)
     c = np.asarray(critic(batch["reg_pooled"], batch["reg_bucket"]))
     assert float(numerators["l1"]) == pytest.approx(np.abs(c - batch["reg_target"]).sum(), rel=1e-5)
     h, m = (np.asarray(critic(batch[k], batch["pair_bucket"])) for k in ("pair_human", "pair_model"))
@@ -124,7 +124,8 @@ def _preference_batch(rng, n, length, vocab):
 def test_preference_objective_equals_the_pure_loss_for_any_micro_batching(method, tmp_path):
     from polyalign import parallel
     from polyalign.model import create_model
-    from polyalign.train.hdpo import PreferenceConfig, Preference, sequence_logps
+    from polyalign.train.config import PreferenceConfig
+    from polyalign.train.preference import PreferenceObjective, sequence_logps
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
     from tests.conftest import tiny_model_config
 
@@ -140,8 +141,8 @@ def test_preference_objective_equals_the_pure_loss_for_any_micro_batching(method
                                    gamma_ftx=0.05 if method == "hdpo" else 0.0)
     results = []
     for micro in (1, 2, 4):
-        trainer = Trainer(create_model(tiny_model_config(64), seed=0), Preference(config, 3), OptimizerConfig(),
-                          LoopConfig(steps=1, global_batch=8, micro_batches=micro), parallel.make_mesh(), tmp_path)
+        trainer = Trainer(create_model(tiny_model_config(64), seed=0), PreferenceObjective(config, 3), OptimizerConfig(),
+                          LoopConfig(steps=1, global_batch=8, micro_batches=micro), parallel.make_mesh())
         local = {k: v.reshape(micro, 8 // micro, *v.shape[1:]) for k, v in batch.items()}
         grads, loss, _ = trainer.gradients(local)
         results.append((float(loss), jax.tree.leaves(jax.device_get(grads))))
@@ -179,7 +180,7 @@ def _real_pairs(demo_run, count: int) -> list[dict]:
 
 def _tokenised_real_pairs(demo_run, tokenizer, length: int, count: int):
     from polyalign.chat import get_template
-    from polyalign.train.hdpo import tokenise_pairs
+    from polyalign.inputs.pair_rows import tokenise_pairs
 
     pairs = _real_pairs(demo_run, count)
     buckets = sorted({p["bucket_id"] for p in pairs})
@@ -188,7 +189,7 @@ def _tokenised_real_pairs(demo_run, tokenizer, length: int, count: int):
 
 def test_reference_log_probs_from_packed_rows_equal_the_unpacked_ones(demo_run, demo_tokenizer):
     from polyalign.model import create_model
-    from polyalign.train.hdpo import reference_logps
+    from polyalign.train.preference import reference_logps
     from tests.conftest import tiny_model_config
 
     tokenizer = demo_tokenizer[0]
@@ -210,8 +211,9 @@ def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo
     from polyalign import parallel
     from polyalign.inputs import pipeline
     from polyalign.model import create_model
-    from polyalign.train.hdpo import (Preference, PreferenceConfig, packed_pair_arrays, pair_arrays, sequence_logps,
-                                      tree_length, tree_spans)
+    from polyalign.inputs.pair_rows import packed_pair_arrays, pair_arrays, tree_length, tree_spans
+    from polyalign.train.config import PreferenceConfig
+    from polyalign.train.preference import PreferenceObjective, sequence_logps
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
     from tests.conftest import tiny_model_config
 
@@ -251,8 +253,8 @@ def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo
     config = PreferenceConfig(method=method, init="unused", lambda_dist=0.3, gamma_ftx=0.05)
     results = []
     for batch, batch_rows in ((stack(unpacked), count), (stack(packed), len(rows))):
-        trainer = Trainer(create_model(tiny_model_config(tokenizer.vocab_size), seed=0), Preference(config, len(buckets)),
-                          OptimizerConfig(), LoopConfig(steps=1, global_batch=batch_rows), parallel.make_mesh(), tmp_path)
+        trainer = Trainer(create_model(tiny_model_config(tokenizer.vocab_size), seed=0), PreferenceObjective(config, len(buckets)),
+                          OptimizerConfig(), LoopConfig(steps=1, global_batch=batch_rows), parallel.make_mesh())
         grads, loss, sums = trainer.gradients({k: v[None] for k, v in batch.items()})
         results.append((float(loss), jax.tree.leaves(jax.device_get(grads)), jax.device_get(sums)))
     (loss_a, grads_a, sums_a), (loss_b, grads_b, sums_b) = results
@@ -281,7 +283,8 @@ def _init_checkpoint_and_pair_files(demo_run, tokenizer, directory, train: int, 
 def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     """`data.pack=true` end to end: rows of whole pairs, several pairs a step, a first step at the
     reference (margin 0), validation on unpacked pairs and an exported model."""
-    from polyalign.train.hdpo import load_config, train_preference
+    from polyalign.train.methods import load_config
+    from polyalign.train.run import train as train_preference
     from polyalign.train.metrics import read_metrics
 
     _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=20, val=4)

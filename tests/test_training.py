@@ -15,7 +15,8 @@ from polyalign.data.records import read_records
 from polyalign.inputs import pipeline
 from polyalign.launch import free_port
 from polyalign.train.metrics import read_metrics
-from polyalign.train.sft import load_config, train_sft
+from polyalign.train.methods import load_config
+from polyalign.train.run import train as train_sft
 from tests.conftest import REPO
 from tests.train_checks import first_batch, gradients_of_first_batch
 
@@ -226,7 +227,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(built_run, tmp_pa
 
     from polyalign import parallel
     from polyalign.model import create_model
-    from polyalign.train.sft import SFT
+    from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
     from tests.conftest import tiny_model_config
 
@@ -234,9 +235,9 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(built_run, tmp_pa
     batch, _ = first_batch(run, 8, 1)
     poisoned = {**batch, "weight": batch["weight"].copy()}
     poisoned["weight"][0, 0] = np.nan
-    trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"])), SFT(len(manifest["buckets"])),
+    trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"])), SftObjective(len(manifest["buckets"])),
                       OptimizerConfig(), LoopConfig(steps=5, global_batch=8, max_nonfinite=1),
-                      parallel.make_mesh(), tmp_path)
+                      parallel.make_mesh())
     before = jax.device_get((trainer.state["params"], trainer.state["opt_state"]))
     metrics = jax.device_get(trainer.step(poisoned))
     assert not metrics["finite"] and int(trainer.state["nonfinite"]) == 1 and trainer.step_number == 1
@@ -344,7 +345,7 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
     from polyalign import parallel
     from polyalign.inputs.build import read_manifest
     from polyalign.model import create_model
-    from polyalign.train.sft import SFT
+    from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
     from tests.conftest import tiny_model_config
 
@@ -373,8 +374,8 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
 
     results = []
     for batch in (stack(unpacked), stack(packed)):
-        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0), SFT(len(manifest["buckets"])),
-                          OptimizerConfig(), LoopConfig(steps=1, global_batch=12), parallel.make_mesh(), run)
+        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0), SftObjective(len(manifest["buckets"])),
+                          OptimizerConfig(), LoopConfig(steps=1, global_batch=12), parallel.make_mesh())
         grads, loss, sums = trainer.gradients(batch)
         results.append((float(loss), jax.device_get(grads), jax.device_get(sums)))
     (loss_a, grads_a, sums_a), (loss_b, grads_b, sums_b) = results
@@ -391,7 +392,7 @@ def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(bui
 
     from polyalign import parallel
     from polyalign.model import abstract_model
-    from polyalign.train.sft import SFT
+    from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
     from tests.conftest import tiny_model_config
     from tests.train_checks import first_batch
@@ -399,8 +400,8 @@ def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(bui
     run, manifest = built_run
     batch, _ = first_batch(run, 4, 1)
     cfg = tiny_model_config(manifest["vocab_size"])
-    trainer = Trainer(abstract_model(cfg), SFT(len(manifest["buckets"])), OptimizerConfig(),
-                      LoopConfig(steps=1, global_batch=4), parallel.make_mesh(), run)
+    trainer = Trainer(abstract_model(cfg), SftObjective(len(manifest["buckets"])), OptimizerConfig(),
+                      LoopConfig(steps=1, global_batch=4), parallel.make_mesh())
     assert trainer.abstract
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(trainer.state))
     analysis = trainer.compiled_step(batch).memory_analysis()

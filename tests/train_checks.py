@@ -11,7 +11,7 @@ from polyalign import parallel
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import read_manifest
 from polyalign.model import create_model
-from polyalign.train.sft import SFT
+from polyalign.train.sft import SftObjective
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
 from tests.conftest import tiny_model_config
 
@@ -30,8 +30,8 @@ def gradients_of_first_batch(run: Path, out: Path, micro_batches: int, global_ba
     batch, manifest = first_batch(Path(run), global_batch, micro_batches)
     model = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
     mesh = parallel.make_mesh(parallel.ParallelConfig(*parallel_sizes))
-    trainer = Trainer(model, SFT(len(manifest["buckets"])), OptimizerConfig(),
-                      LoopConfig(steps=1, global_batch=global_batch, micro_batches=micro_batches), mesh, Path(out).parent)
+    trainer = Trainer(model, SftObjective(len(manifest["buckets"])), OptimizerConfig(),
+                      LoopConfig(steps=1, global_batch=global_batch, micro_batches=micro_batches), mesh)
     grads, loss, sums = trainer.gradients(batch)
     flat = traverse_util.flatten_dict(jax.device_get(nnx_pure(grads)), sep=".")
     arrays = {name: np.asarray(value, np.float32) for name, value in flat.items()}

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from polyalign.errors import InputError, RowProblem
+from polyalign.errors import InputError, RowProblem  # noqa: F401 (importers raise it from here)
 
 SPLITS = ("train", "val", "test")
 # Group protection and dedup keep a record in the highest-priority split it appears in.

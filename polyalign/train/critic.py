@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,46 +23,18 @@ from flax import nnx
 from safetensors.numpy import save
 
 from polyalign import parallel
-from polyalign.config import ConfigError, load_config_file
+from polyalign.config import ConfigError
 from polyalign.errors import CriticCollapse
+from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
 from polyalign.model.pooling import encode_responses
 from polyalign.paths import as_path
-from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+from polyalign.train.config import CriticConfig, LoopConfig
+from polyalign.train.methods import require
+from polyalign.train.run import Job, load_init
+from polyalign.train.trainer import Trainer
 
 MARGIN = 0.1
 BUCKET_DIM, HIDDEN = 64, 256
-
-
-@dataclass(frozen=True)
-class CriticConfig:
-    init: str | None = None  # the SFT checkpoint: the frozen encoder
-    pairs: str | None = None  # train pairs (JSONL from `polyalign pairs`)
-    val_pairs: str | None = None  # held-out pairs for validation and the ranking accuracy
-    references: str | None = None  # default RUN/stats/references.json
-    data: dict = field(default_factory=lambda: {"dir": None})
-    max_tokens: int = 512
-    # nonconstant: the support distance skips features constant in the bucket's human reference
-    # (see references.support_distance); all: every feature, as the reference code did.
-    distance_features: str = "nonconstant"
-    epochs: int = 3
-    regression_batch: int = 16
-    pair_batch: int = 8
-    dropout: float = 0.1
-    seed: int = 42
-    encode_batch: int = 16
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
-        lr=1e-3, warmup_ratio=0.0, weight_decay=0.0, clip=1.0))
-    parallel: parallel.ParallelConfig = field(default_factory=parallel.ParallelConfig)
-
-
-def load_config(path: Path | None, overrides=()) -> CriticConfig:
-    config = load_config_file(CriticConfig, path, overrides)
-    if config.distance_features not in ("nonconstant", "all"):
-        raise ConfigError(f"{path}: distance_features must be nonconstant or all")
-    for key in ("init", "pairs", "val_pairs"):
-        if getattr(config, key) is None:
-            raise ConfigError(f"{path}: {key} is not set (pass {key}=PATH)")
-    return config
 
 
 class Critic(nnx.Module):
@@ -89,7 +61,7 @@ class Critic(nnx.Module):
         return self.out(x)[..., 0]
 
 
-class CriticMethod:
+class CriticObjective:
     """mean |c - d| over regression rows + mean max(0, margin - c(model) + c(human)) over pairs."""
 
     coefficients = {"l1": 1.0, "rank": 1.0}
@@ -98,7 +70,7 @@ class CriticMethod:
         return {"l1": jnp.broadcast_to(batch["reg_valid"].sum(), batch["reg_valid"].shape[:1]),
                 "rank": jnp.broadcast_to(batch["pair_valid"].sum(), batch["pair_valid"].shape[:1])}
 
-    def numerators(self, model, mb):
+    def numerators(self, model, mb, key=None):
         key = jax.random.key(mb["seed"][0])
         k1, k2, k3 = jax.random.split(key, 3)
         predicted = model(mb["reg_pooled"], mb["reg_bucket"], k1)
@@ -123,50 +95,18 @@ def support_targets(texts: list[str], buckets: list[str], references: dict, skip
     return targets
 
 
-@dataclass
-class _Split:
-    pooled_human: np.ndarray
-    pooled_model: np.ndarray
-    bucket: np.ndarray
-    target_human: np.ndarray
-    target_model: np.ndarray
-
-
-def _prepare(pairs, model, tokenizer, references, bucket_index, config, progress) -> _Split:
+def encode_pairs(pairs, model, tokenizer, references, bucket_index, config, progress) -> EncodedPairs:
+    """Both sides of every pair encoded once by the frozen encoder, with their support distances."""
     human = [p["chosen"] for p in pairs]
     generated = [p["rejected"] for p in pairs]
     names = [p["bucket_id"] for p in pairs]
-    pooled = encode_responses(model, tokenizer, human + generated, config.max_tokens, config.encode_batch, progress)
+    pooled = encode_responses(model, tokenizer, human + generated, config.data.max_length, config.data.eval_batch,
+                              progress)
     unknown = len(bucket_index)
     skip = config.distance_features == "nonconstant"
-    return _Split(pooled[:len(pairs)], pooled[len(pairs):],
+    return EncodedPairs(pooled[:len(pairs)], pooled[len(pairs):],
                   np.array([bucket_index.get(b, unknown) for b in names], np.int32),
                   support_targets(human, names, references, skip), support_targets(generated, names, references, skip))
-
-
-def _batches(split: _Split, config: CriticConfig, steps: int, seed: int):
-    """Per step: a regression batch (human and model responses with a target) and a pair batch."""
-    reg_pooled = np.concatenate([split.pooled_human, split.pooled_model])
-    reg_bucket = np.concatenate([split.bucket, split.bucket])
-    reg_target = np.concatenate([split.target_human, split.target_model])
-    has_target = ~np.isnan(reg_target)
-    reg_pooled, reg_bucket, reg_target = reg_pooled[has_target], reg_bucket[has_target], reg_target[has_target]
-    rng = np.random.default_rng(seed)
-    reg_order, pair_order = np.array([], int), np.array([], int)
-    for step in range(steps):
-        if len(reg_order) < config.regression_batch:
-            reg_order = np.concatenate([reg_order, rng.permutation(len(reg_target))])
-        if len(pair_order) < config.pair_batch:
-            pair_order = np.concatenate([pair_order, rng.permutation(len(split.bucket))])
-        r, reg_order = reg_order[:config.regression_batch], reg_order[config.regression_batch:]
-        q, pair_order = pair_order[:config.pair_batch], pair_order[config.pair_batch:]
-        yield {
-            "reg_pooled": reg_pooled[r][None], "reg_bucket": reg_bucket[r][None],
-            "reg_target": reg_target[r][None].astype(np.float32), "reg_valid": np.ones((1, len(r)), np.float32),
-            "pair_human": split.pooled_human[q][None], "pair_model": split.pooled_model[q][None],
-            "pair_bucket": split.bucket[q][None], "pair_valid": np.ones((1, len(q)), np.float32),
-            "seed": np.full((1, len(r)), seed * 100_003 + step, np.int32),
-        }
 
 
 def check_not_collapsed(human: np.ndarray, generated: np.ndarray, tolerance: float = 1e-6) -> None:
@@ -180,7 +120,7 @@ def score(critic: Critic, pooled: np.ndarray, bucket: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda p, b: critic(p, b))(pooled, bucket))
 
 
-def evaluate_split(critic: Critic, split: _Split) -> dict[str, float]:
+def evaluate_split(critic: Critic, split: EncodedPairs) -> dict[str, float]:
     human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
     predicted = np.concatenate([human, generated])
     target = np.concatenate([split.target_human, split.target_model])
@@ -191,45 +131,40 @@ def evaluate_split(critic: Critic, split: _Split) -> dict[str, float]:
             "human_mean": float(human.mean()), "model_mean": float(generated.mean())}
 
 
-def train_critic(config: CriticConfig, out: Path, progress: bool = True) -> dict[str, Any]:
-    """Trains the critic, writes OUT/critic.safetensors, OUT/critic.json and the scored pairs
-    (OUT/train_pairs.jsonl, OUT/val_pairs.jsonl, reweighted with the critic term)."""
-    from polyalign.model import load_hf_checkpoint
+def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
+    """Encodes every pair with the frozen encoder, then trains the head on the encodings; `finish`
+    writes OUT/critic.safetensors, OUT/critic.json and the scored pairs (OUT/train_pairs.jsonl,
+    OUT/val_pairs.jsonl, reweighted with the critic term)."""
     from polyalign.pairs import assign_weights, read_pairs, write_pairs
     from polyalign.tokenizer import load_tokenizer
 
     started = time.perf_counter()
-    out = as_path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    run = Path(config.data["dir"]) if config.data.get("dir") else None
+    require(config, "init", "pairs", "val_pairs")
+    run = Path(config.data.dir) if config.data.dir else None
     references_path = Path(config.references) if config.references else (run / "stats" / "references.json" if run else None)
     if references_path is None or not references_path.is_file():
         raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` or pass references=")
     references = json.loads(references_path.read_text())
     train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))
+    val_pairs = val_pairs[:config.data.eval_limit]
     if not train_pairs or not val_pairs:
         raise ConfigError("the critic needs train and validation pairs; one of the pair files is empty")
-    encoder = load_hf_checkpoint(config.init)
+    encoder = load_init(config)
     tokenizer = load_tokenizer(config.init)
     buckets = sorted({p["bucket_id"] for p in train_pairs} | set(references["buckets"]))
     bucket_index = {b: i for i, b in enumerate(buckets)}
-    train = _prepare(train_pairs, encoder, tokenizer, references, bucket_index, config, progress)
-    val = _prepare(val_pairs, encoder, tokenizer, references, bucket_index, config, progress)
-
-    regression_rows = int((~np.isnan(np.concatenate([train.target_human, train.target_model]))).sum())
-    steps_per_epoch = max(1, -(-regression_rows // config.regression_batch))
-    loop = LoopConfig(steps=config.epochs * steps_per_epoch, global_batch=config.regression_batch,
-                      seed=config.seed, eval_every=steps_per_epoch, checkpoint_every=10**9, log_every=10)
+    train = encode_pairs(train_pairs, encoder, tokenizer, references, bucket_index, config, progress)
+    val = encode_pairs(val_pairs, encoder, tokenizer, references, bucket_index, config, progress)
     with parallel.unsharded():
-        critic = Critic(encoder.config.hidden_size, len(buckets), config.dropout, nnx.Rngs(config.seed))
-    from polyalign.train.metrics import MetricsWriter
-
-    metrics = MetricsWriter(out)
-    trainer = Trainer(critic, CriticMethod(), config.optimizer, loop, parallel.make_mesh(config.parallel), out,
-                      metrics=metrics)
+        critic = Critic(encoder.config.hidden_size, len(buckets), config.dropout, nnx.Rngs(config.model.seed))
+    regression_rows = train.regression_rows
+    steps_per_epoch = max(1, -(-regression_rows // config.train.global_batch))
     best: dict[str, Any] = {"loss": float("inf")}
 
-    def evaluate():
+    def batches(layout, loop: LoopConfig):
+        return critic_batches(train, loop.steps, loop.seed, loop.global_batch, config.pair_batch)
+
+    def evaluate(trainer: Trainer) -> dict[str, Any]:
         model = trainer.model(jax.device_get(trainer.state["params"]))
         report = evaluate_split(model, val)
         loss = report["l1"] + report["hinge"] if np.isfinite(report["l1"]) else report["hinge"]
@@ -238,29 +173,38 @@ def train_critic(config: CriticConfig, out: Path, progress: bool = True) -> dict
                         params=jax.device_get(trainer.state["params"]))
         return {f"val_{k}": round(v, 6) for k, v in report.items()}
 
-    trainer.fit(_batches(train, config, loop.steps, config.seed), evaluate=evaluate, progress=progress)
-    metrics.close()
-    critic = trainer.model(best["params"])
-    train_report = evaluate_split(critic, train)
-    for split, pairs in ((train, train_pairs), (val, val_pairs)):
-        human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
-        check_not_collapsed(human, generated)
-        for pair, c_h, c_m in zip(pairs, human, generated):
-            pair["critic_chosen"], pair["critic_rejected"] = round(float(c_h), 6), round(float(c_m), 6)
-    assign_weights(train_pairs)
-    assign_weights(val_pairs)
-    write_pairs(train_pairs, out / "train_pairs.jsonl")
-    write_pairs(val_pairs, out / "val_pairs.jsonl")
-    flat = nnx.to_flat_state(nnx.state(critic, nnx.Param))
-    (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...]) for path, v in flat}))
-    report = {
-        "best_epoch": best["epoch"], "val": best["report"], "train": train_report,
-        "train_pairs": len(train_pairs), "val_pairs": len(val_pairs), "regression_rows": regression_rows,
-        "buckets": buckets, "hidden_size": encoder.config.hidden_size, "encoder": str(config.init),
-        "config": asdict(config), "seconds": round(time.perf_counter() - started, 1),
-    }
-    (out / "critic.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return report
+    def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
+        critic = trainer.model(best["params"])
+        train_report = evaluate_split(critic, train)
+        for split, pairs in ((train, train_pairs), (val, val_pairs)):
+            human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
+            check_not_collapsed(human, generated)
+            for pair, c_h, c_m in zip(pairs, human, generated):
+                pair["critic_chosen"], pair["critic_rejected"] = round(float(c_h), 6), round(float(c_m), 6)
+        assign_weights(train_pairs)
+        assign_weights(val_pairs)
+        write_pairs(train_pairs, out / "train_pairs.jsonl")
+        write_pairs(val_pairs, out / "val_pairs.jsonl")
+        flat = nnx.to_flat_state(nnx.state(critic, nnx.Param))
+        (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...]) for path, v in flat}))
+        report = {
+            "best_epoch": best["epoch"], "val": best["report"], "train": train_report,
+            "train_pairs": len(train_pairs), "val_pairs": len(val_pairs), "regression_rows": regression_rows,
+            "buckets": buckets, "hidden_size": encoder.config.hidden_size, "encoder": str(config.init),
+            "max_tokens": config.data.max_length, "config": asdict(config),
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        (out / "critic.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        return report
+
+    return Job(critic, CriticObjective(), batches, epoch_size=regression_rows, evaluate=evaluate, finish=finish)
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    val = result["val"]
+    return (f"critic: best epoch {result['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
+            f"{val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs\n"
+            f"scored pairs: {result['out']}/train_pairs.jsonl, {result['out']}/val_pairs.jsonl")
 
 
 class CriticScorer:
@@ -275,7 +219,7 @@ class CriticScorer:
         directory = as_path(directory)
         info = json.loads((directory / "critic.json").read_text())
         self.buckets = {b: i for i, b in enumerate(info["buckets"])}
-        self.max_tokens = info["config"]["max_tokens"]
+        self.max_tokens = info["max_tokens"] if "max_tokens" in info else info["config"]["max_tokens"]
         self.encoder = load_hf_checkpoint(info["encoder"])
         self.tokenizer = load_tokenizer(info["encoder"])
         with parallel.unsharded():

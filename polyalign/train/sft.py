@@ -4,9 +4,6 @@ plain SFT (`weighting: uniform`, every w_i = 1)."""
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,67 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyalign import parallel
-from polyalign.config import ConfigError, load_config_file
+from polyalign.config import ConfigError
 from polyalign.inputs import pipeline
-from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, save_config
 from polyalign.paths import as_path
-
-WEIGHTINGS = ("bucket", "uniform")
-NORMALIZATIONS = ("global", "microbatch")
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    preset: str = "tiny"  # architecture for a model trained from scratch (ignored with `init`)
-    dtype: str = "float32"  # compute dtype; parameters stay float32
-    scan_layers: bool = True
-    remat: str = "none"
-    attention_impl: str | None = None
-    logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
-    seed: int = 0
+from polyalign.train.config import DataSection, LoopConfig, SftConfig
+from polyalign.train.methods import require
+from polyalign.train.run import Job, load_init, model_policy
+from polyalign.train.trainer import Trainer
 
 
-@dataclass(frozen=True)
-class DataSection:
-    dir: str | None = None  # the run directory holding build/ (from `polyalign build`)
-    eval_batch: int = 32
-    eval_limit: int | None = None  # evaluate on at most this many validation examples
-    # Pack several examples of the global order into each max_length row (first-fit over a window;
-    # exact: segments never attend across examples); a step then takes global_batch rows. Evaluation
-    # stays unpacked.
-    pack: bool = False
-
-
-@dataclass(frozen=True)
-class SftConfig:
-    method: str = "sft"
-    init: str | None = None  # a Hugging Face checkpoint directory; None trains model.preset from scratch
-    weighting: str = "bucket"
-    # `microbatch` normalises inside each micro-batch, as the reference code did; only for comparison.
-    weight_normalization: str = "global"
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: LoopConfig = field(default_factory=LoopConfig)
-    parallel: parallel.ParallelConfig = field(default_factory=parallel.ParallelConfig)
-
-
-def load_config(path: Path | None, overrides: list[str] = ()) -> SftConfig:
-    config = load_config_file(SftConfig, path, overrides)
-    if config.weighting not in WEIGHTINGS:
-        raise ConfigError(f"{path}: weighting must be one of {', '.join(WEIGHTINGS)}, got {config.weighting!r}")
-    if config.weight_normalization not in NORMALIZATIONS:
-        raise ConfigError(f"{path}: weight_normalization must be one of {', '.join(NORMALIZATIONS)}")
-    if config.method != "sft":
-        raise ConfigError(f"{path}: method {config.method!r}: `polyalign train sft` trains method sft")
-    if config.data.dir is None:
-        raise ConfigError(f"{path}: data.dir is not set; pass data.dir=RUN (a run with a build/ folder)")
-    return config
-
-
-class SFT:
-    """The Bucket-SFT objective as a trainer method; metric sums include per-bucket losses."""
+class SftObjective:
+    """The Bucket-SFT objective for the trainer; metric sums include per-bucket losses."""
 
     def __init__(self, num_buckets: int, weighting: str = "bucket", normalization: str = "global"):
         self.num_buckets, self.weighting, self.normalization = num_buckets, weighting, normalization
@@ -91,7 +38,7 @@ class SFT:
         # Reference behaviour: each micro-batch normalised on its own, the micro-batches averaged.
         return {"sft": per_micro * per_micro.shape[0]}
 
-    def numerators(self, model, micro_batch):
+    def numerators(self, model, micro_batch, key=None):
         """sum_i w_i l_i as a sum over positions: token_scale is 1 / (labelled tokens of the position's
         example) on labelled positions, so the NLL summed over an example's positions is its mean NLL
         l_i. The same code serves one example per row and packed rows."""
@@ -119,13 +66,13 @@ def per_bucket(sums: dict[str, np.ndarray], buckets: list[str], prefix: str) -> 
     return {prefix: out} if out else {}
 
 
-def make_evaluator(trainer: Trainer, run: Path, buckets: list[str], weights: np.ndarray, length: int,
-                   pad_id: int, data: DataSection):
+def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, length: int, pad_id: int,
+                   data: DataSection):
     """Validation loss overall (mean over examples), weighted by the bucket weights, and per bucket."""
     source = pipeline.open_split(run, "val")
-    batch_size = trainer.eval_batch_size(data.eval_batch)
 
-    def evaluate() -> dict[str, Any]:
+    def evaluate(trainer: Trainer) -> dict[str, Any]:
+        batch_size = trainer.eval_batch_size(data.eval_batch)
         host = trainer.metric_sums(pipeline.eval_batches(source, batch_size, length, pad_id, jax.process_index(),
                                                          jax.process_count(), data.eval_limit))
         examples = host["bucket_examples"]
@@ -145,85 +92,64 @@ def make_evaluator(trainer: Trainer, run: Path, buckets: list[str], weights: np.
 def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int | None], mesh=None):
     """The model to train, from `init` or initialised from the preset; placed in its shardings over
     `mesh` from the start when given."""
-    from polyalign.model import create_model, load_hf_checkpoint
+    from polyalign.model import create_model
     from polyalign.model.presets import preset
 
-    policy = dict(scan_layers=config.model.scan_layers, remat=config.model.remat,
-                  attention_impl=config.model.attention_impl, logprob_chunk=config.model.logprob_chunk)
     if config.init:
-        model = load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, mesh=mesh, **policy)
+        model = load_init(config, mesh)
         if model.config.vocab_size < vocab_size:
             raise ConfigError(f"init {config.init}: vocabulary {model.config.vocab_size} is smaller than the "
                               f"build's tokenizer ({vocab_size}); build with the checkpoint's own tokenizer")
         return model
-    cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=config.model.dtype, **policy, **tokenizer_ids)
+    cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=config.model.dtype, **model_policy(config.model),
+                 **tokenizer_ids)
     return create_model(cfg, seed=config.model.seed, mesh=mesh)
 
 
-def train_sft(config: SftConfig, out: Path, progress: bool = True) -> dict[str, Any]:
-    """Runs (or resumes) SFT into OUT; returns a summary. OUT/model holds the final checkpoint."""
+def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     from polyalign.inputs.build import build_tokenizer_path, read_manifest
+    from polyalign.model.hf import export_checkpoint
     from polyalign.tokenizer import load_tokenizer
-    from polyalign.train.checkpoint import Checkpointer
-    from polyalign.train.metrics import MetricsWriter
 
-    started = time.perf_counter()
-    out = as_path(out)
+    require(config, "data.dir", hint="a run with a build/ folder")
     run = as_path(config.data.dir)
     manifest = read_manifest(run)
     buckets = manifest["buckets"]
     weights = np.array([manifest["bucket_weights"][b] for b in buckets], np.float32)
     length = manifest["options"]["max_length"]
+    if config.data.max_length not in (None, length):
+        raise ConfigError(f"data.max_length={config.data.max_length}: {run / 'build'} was built with max_length "
+                          f"{length}; rebuild with `polyalign build --max-length` or leave data.max_length unset")
     pad_id = manifest["pad_id"]
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
-    mesh = parallel.make_mesh(config.parallel)
     model = build_model(config, manifest["vocab_size"],
                         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                          "pad_token_id": tokenizer.pad_id}, mesh)
-    save_config(out, config)
-    method = SFT(len(buckets), config.weighting, config.weight_normalization)
-    metrics = MetricsWriter(out)
-    trainer = Trainer(model, method, config.optimizer, config.train, mesh, out, metrics=metrics)
-    loop = config.train
-    layout = pipeline.Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
     train_source = pipeline.open_split(run, "train")
     lengths = None
     if config.data.pack:
         lengths = pipeline.example_lengths(train_source, pipeline.lengths_cache(run, "train"),
                                            write_cache=jax.process_index() == 0)
-    iterator = pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
+
+    def batches(layout: pipeline.Layout, loop: LoopConfig):
+        return pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
                                                        pack=config.data.pack, lengths=lengths))
-    evaluate = make_evaluator(trainer, run, buckets, weights, length, pad_id, config.data)
-    checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
-                                meta={"method": "sft", "weighting": config.weighting})
 
     def summarize(host):
         return {"tokens": int(host["tokens"]), "target_tokens": int(host["target_tokens"]),
                 **per_bucket(host, buckets, "train_by_bucket")}
 
-    result = trainer.fit(iterator, evaluate, summarize, checkpointer, progress=progress)
-    checkpointer.close()
-    metrics.close()
-    if not result["stopped_early"]:
-        export_model(trainer, tokenizer, out / "model")
-    result.update(out=str(out), seconds=round(time.perf_counter() - started, 1), mesh=dict(mesh.shape))
-    if jax.process_index() == 0:
-        (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result
+    def finish(trainer: Trainer, out: Path) -> None:
+        export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
+
+    return Job(model, SftObjective(len(buckets), config.weighting, config.weight_normalization), batches,
+               epoch_size=None if config.data.pack else len(train_source),
+               evaluate=make_evaluator(run, buckets, weights, length, pad_id, config.data), summarize=summarize,
+               checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish)
 
 
-def export_model(trainer: Trainer, tokenizer, path: Path) -> None:
-    """The trained weights as a Hugging Face checkpoint with the tokenizer's files beside them."""
-    from polyalign.model import save_hf_checkpoint
-
-    with jax.set_mesh(trainer.mesh):
-        params = parallel.to_host(trainer.state["params"])
-    if jax.process_index() != 0:
-        return
-    model = trainer.model(params)
-    save_hf_checkpoint(model, path, overwrite=True)
-    source = as_path(tokenizer.path)
-    directory = source if source.is_dir() else source.parent
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
-        if (directory / name).is_file():
-            (directory / name).copy(as_path(path) / name, overwrite=True)
+def summary_line(result: dict[str, Any]) -> str:
+    last = result.get("last", {})
+    return (f"trained {result['end_step']} steps in {result['seconds']} s; final loss {last.get('loss', float('nan')):.4f}"
+            + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
+            + f"\nmodel: {result['out']}/model")

@@ -9,12 +9,9 @@ update is therefore the same whatever the micro-batch size, device count or host
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -26,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from polyalign import parallel
 from polyalign.errors import TrainingError
-from polyalign.paths import as_path
+from polyalign.train.config import LoopConfig, OptimizerConfig
 
 if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric writers
     from polyalign.train.checkpoint import Checkpointer
@@ -35,7 +32,7 @@ if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric w
 Batch = dict[str, jax.Array]
 
 
-class Method(Protocol):
+class Objective(Protocol):
     """A training objective: sum over terms k of coefficients[k] * numerator_k / denominator_k."""
 
     coefficients: dict[str, float]
@@ -43,34 +40,10 @@ class Method(Protocol):
     def denominators(self, batch: Batch) -> dict[str, jax.Array]:
         """Per term, an array [micro_batches] of normalisers, from batch data only."""
 
-    def numerators(self, model: nnx.Module, micro_batch: Batch) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-        """Per term, the micro-batch's summed loss; and metric sums (added over micro-batches)."""
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-3
-    warmup_ratio: float = 0.1
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    clip: float | None = 1.0
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    steps: int = 100
-    global_batch: int = 16
-    micro_batches: int = 1
-    seed: int = 0
-    eval_every: int = 50
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    stop_at: int | None = None  # stop after this step as if preempted; the schedule is unchanged
-    max_nonfinite: int = 10
-    log_every: int = 1
+    def numerators(self, model: nnx.Module, micro_batch: Batch,
+                   key: jax.Array | None) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """Per term, the micro-batch's summed loss; and metric sums (added over micro-batches). `key` is
+        a fresh random key for each micro-batch of each step (dropout); None when evaluating."""
 
 
 def make_optimizer(config: OptimizerConfig, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -96,9 +69,9 @@ def _tree_add(a, b):
 class Trainer:
     """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop."""
 
-    def __init__(self, model: nnx.Module, method: Method, optimizer: OptimizerConfig, loop: LoopConfig,
-                 mesh, out: Path, *, metrics: MetricsWriter | None = None):
-        self.method, self.loop, self.mesh, self.out = method, loop, mesh, as_path(out)
+    def __init__(self, model: nnx.Module, objective: Objective, optimizer: OptimizerConfig, loop: LoopConfig,
+                 mesh, *, metrics: MetricsWriter | None = None):
+        self.objective, self.loop, self.mesh = objective, loop, mesh
         self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = parallel.param_shardings(params, mesh)
@@ -134,8 +107,8 @@ class Trainer:
         self.metrics = metrics
         self._accumulate = jax.jit(self._accumulate_impl)
         # A method's metric sums for one batch without gradients: validation uses them.
-        self._metric_sums = jax.jit(
-            lambda params, batch: self.method.numerators(self.model(params), jax.tree.map(lambda x: x[0], batch))[1])
+        self._metric_sums = jax.jit(lambda params, batch: self.objective.numerators(
+            self.model(params), jax.tree.map(lambda x: x[0], batch), None)[1])
         self._step = jax.jit(self._step_impl, out_shardings=(self.state_shardings, None), donate_argnums=0)
         micro = loop.global_batch // loop.micro_batches
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -149,13 +122,15 @@ class Trainer:
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest)
 
-    def _accumulate_impl(self, params, batch: Batch):
-        """Gradient of the global objective and summed metrics over all micro-batches of `batch`."""
-        denominators = self.method.denominators(batch)
-        coefficients = self.method.coefficients
+    def _accumulate_impl(self, params, batch: Batch, key: jax.Array):
+        """Gradient of the global objective and summed metrics over all micro-batches of `batch`;
+        micro-batch i draws its randomness from fold_in(key, i)."""
+        denominators = self.objective.denominators(batch)
+        coefficients = self.objective.coefficients
+        micro_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(jax.tree.leaves(batch)[0].shape[0]))
 
-        def objective(params, micro_batch, dens):
-            numerators, sums = self.method.numerators(self.model(params), micro_batch)
+        def objective(params, micro_batch, dens, micro_key):
+            numerators, sums = self.objective.numerators(self.model(params), micro_batch, micro_key)
             # A term with no weight in the whole batch is 0; a NaN denominator must stay NaN (the
             # non-finite guard then skips the step) rather than pass for "no weight".
             value = sum(coefficients[k] * jnp.where(dens[k] == 0, 0.0, numerators[k] / jnp.where(dens[k] == 0, 1.0, dens[k]))
@@ -163,7 +138,7 @@ class Trainer:
             return value, sums
 
         grad_fn = jax.value_and_grad(objective, has_aux=True)
-        first = jax.tree.map(lambda x: x[0], (batch, denominators))
+        first = jax.tree.map(lambda x: x[0], (batch, denominators, micro_keys))
         if jax.tree.leaves(batch)[0].shape[0] == 1:
             # One micro-batch: no accumulator, which would hold a second parameter-sized gradient.
             (loss, sums), grads = grad_fn(params, *first)
@@ -177,11 +152,13 @@ class Trainer:
             (value, micro_sums), micro_grads = grad_fn(params, *xs)
             return (_tree_add(grads, micro_grads), loss + value, _tree_add(sums, micro_sums)), None
 
-        (grads, loss, sums), _ = jax.lax.scan(body, zero, (batch, denominators))
+        (grads, loss, sums), _ = jax.lax.scan(body, zero, (batch, denominators, micro_keys))
         return grads, loss, sums
 
     def _step_impl(self, state, batch: Batch):
-        grads, loss, sums = self._accumulate_impl(state["params"], batch)
+        # The state's key is advanced every step, so a resumed run draws what an unbroken one would.
+        step_key, next_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        grads, loss, sums = self._accumulate_impl(state["params"], batch, step_key)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -198,7 +175,7 @@ class Trainer:
             "params": params,
             "opt_state": opt_state,
             "step": state["step"] + 1,
-            "rng": state["rng"],
+            "rng": jax.random.key_data(next_key),
             "nonfinite": state["nonfinite"] + (~finite).astype(jnp.int32),
         }
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), "finite": finite, **sums}
@@ -215,7 +192,8 @@ class Trainer:
     def gradients(self, local_batch: dict[str, np.ndarray]):
         """The accumulated gradient and loss of one global batch, without an update (for tests)."""
         with jax.set_mesh(self.mesh):
-            return self._accumulate(self.state["params"], self.global_batch(local_batch))
+            key = jax.random.split(jax.random.wrap_key_data(self.state["rng"]))[0]
+            return self._accumulate(self.state["params"], self.global_batch(local_batch), key)
 
     def step(self, local_batch: dict[str, np.ndarray]) -> dict[str, Any]:
         if self.abstract:
@@ -286,7 +264,7 @@ class Trainer:
                     # Real (unpadded) tokens per second of this step, input reading included.
                     record["step_s"] = round(step_seconds, 4)
                     record["tokens_per_s"] = round(float(host.get("tokens", 0.0)) / step_seconds, 1)
-                    if evaluate is not None and (step % loop.eval_every == 0 or step == last):
+                    if evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0) or step == last):
                         record.update(evaluate())
                     if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
                         self.metrics.write(record)
@@ -338,10 +316,3 @@ class _StopSignal:
         from jax.experimental import multihost_utils
 
         return bool(np.asarray(multihost_utils.process_allgather(np.array([self._flag]))).any())
-
-
-def save_config(out, config) -> None:
-    out = as_path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (out / "config.json").write_text(json.dumps(asdict(config), indent=2, default=str) + "\n")

@@ -1,0 +1,165 @@
+"""Preference pairs as training batches: each pair tokenised with its prompt, then laid out either as
+a row pair (chosen and rejected rows of max_length, stacked on the batch axis by the objective) or,
+packed, as trees in rows of 2 x max_length (the prompt once, both continuations after it)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polyalign.inputs import pipeline
+
+SIDES = ("chosen", "rejected")
+
+
+def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_length: int,
+                   buckets: list[str]) -> list[dict]:
+    from polyalign.chat import Message, encode_conversation, record_messages
+    from polyalign.data.records import Record
+
+    index = {b: i for i, b in enumerate(buckets)}
+    examples = []
+    for pair in pairs:
+        prompt = record_messages(Record.from_json(pair["record"]), profile, with_response=False)
+        example = {"id": pair["id"], "bucket": index[pair["bucket_id"]], "weight": float(pair.get("weight", 1.0)),
+                   "critic_chosen": float(pair.get("critic_chosen", 0.0)),
+                   "critic_rejected": float(pair.get("critic_rejected", 0.0))}
+        for side in SIDES:
+            encoded = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
+                                          cutoff=max_length)
+            example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
+        examples.append(example)
+    return examples
+
+
+def pair_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.ndarray]:
+    out = {"weight": np.float32(0.0), "bucket": np.int32(0), "valid": np.bool_(False),
+           "critic_chosen": np.float32(0.0), "critic_rejected": np.float32(0.0),
+           "ref_chosen": np.float32(0.0), "ref_rejected": np.float32(0.0)}
+    for side in SIDES:
+        sft_like = None if example is None else {"input_ids": example[f"{side}_ids"], "loss_mask": example[f"{side}_mask"],
+                                                 "weight": 0.0, "bucket": 0}
+        arrays = pipeline.example_arrays(sft_like, length, pad_id)
+        out[f"{side}_inputs"], out[f"{side}_targets"], out[f"{side}_mask"] = (
+            arrays["input_ids"], arrays["targets"], arrays["loss_mask"])
+    if example is not None:
+        out.update(weight=np.float32(example["weight"]), bucket=np.int32(example["bucket"]), valid=np.bool_(True),
+                   critic_chosen=np.float32(example["critic_chosen"]),
+                   critic_rejected=np.float32(example["critic_rejected"]),
+                   ref_chosen=np.float32(example.get("ref_chosen", 0.0)),
+                   ref_rejected=np.float32(example.get("ref_rejected", 0.0)))
+    return out
+
+
+PAIR_FIELDS = ("weight", "bucket", "valid", "critic_chosen", "critic_rejected", "ref_chosen", "ref_rejected")
+
+
+def tree_spans(example: dict, length: int) -> tuple[int, int, int]:
+    """(shared, chosen, rejected) next-token positions of a pair laid out as a tree: both sequences
+    agree on their first `shared` positions (input and target: the prompt, and any common start of
+    the responses), then each side continues on its own. Sequences are cut to `length` positions as
+    unpacked."""
+    chosen = np.asarray(example["chosen_ids"][: length + 1])
+    rejected = np.asarray(example["rejected_ids"][: length + 1])
+    n = min(len(chosen), len(rejected))
+    differs = np.flatnonzero(chosen[:n] != rejected[:n])
+    common = int(differs[0]) if len(differs) else n
+    return max(common - 1, 0), max(len(chosen) - 1, 0), max(len(rejected) - 1, 0)
+
+
+def tree_length(example: dict, length: int) -> int:
+    """Positions a pair takes in a packed row: the shared prefix once, then both continuations."""
+    shared, chosen, rejected = tree_spans(example, length)
+    return chosen + rejected - shared
+
+
+def _next_token_arrays(example: dict, side: str, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One side's inputs, targets and loss mask, cut to `length` positions as unpacked."""
+    ids = np.asarray(example[f"{side}_ids"][: length + 1], np.int32)
+    return ids[:-1], ids[1:], np.asarray(example[f"{side}_mask"][1: length + 1], np.float32)
+
+
+def packed_pair_arrays(examples: list[dict], row_length: int, pad_id: int, slots: int,
+                       length: int) -> dict[str, np.ndarray]:
+    """One row of `row_length` positions holding `examples` (at most `slots` pairs) as trees: pair k
+    is segment k + 1; its shared prefix is branch 0, the chosen continuation branch 1 and the rejected
+    one branch 2, each branch with the positions it has unpacked. chosen_mask / rejected_mask mark the
+    positions whose log-probs sum to each side's sequence log-prob (a shared labelled position counts
+    for both). Per-pair fields are [slots] arrays; empty slots have valid = False."""
+    out = {"input_ids": np.full(row_length, pad_id, np.int32), "targets": np.full(row_length, pad_id, np.int32),
+           "positions": np.zeros(row_length, np.int32), "segment_ids": np.zeros(row_length, np.int32),
+           "branch_ids": np.zeros(row_length, np.int32), "chosen_mask": np.zeros(row_length, np.float32),
+           "rejected_mask": np.zeros(row_length, np.float32), "length": np.int32(0)}
+    out.update({key: np.zeros(slots, np.float32) for key in PAIR_FIELDS})
+    out.update(bucket=np.zeros(slots, np.int32), valid=np.zeros(slots, bool))
+    if len(examples) > slots:
+        raise ValueError(f"{len(examples)} pairs for a row of {slots} slots")
+    start = 0
+    for slot, example in enumerate(examples):
+        shared, n_chosen, n_rejected = tree_spans(example, length)
+        if start + n_chosen + n_rejected - shared > row_length:
+            raise ValueError(f"pair {example['id']!r} does not fit a row of {row_length} positions")
+        chosen, rejected = (_next_token_arrays(example, side, length) for side in SIDES)
+        # (branch, positions, the side whose tokens they are, the sums they count in): the prefix counts
+        # for each side as that side labels it
+        parts = [(0, slice(0, shared), chosen, {"chosen_mask": chosen[2], "rejected_mask": rejected[2]}),
+                 (1, slice(shared, n_chosen), chosen, {"chosen_mask": chosen[2]}),
+                 (2, slice(shared, n_rejected), rejected, {"rejected_mask": rejected[2]})]
+        for branch, part, (inputs, targets, _), masks in parts:
+            span = slice(start, start + part.stop - part.start)
+            out["input_ids"][span], out["targets"][span] = inputs[part], targets[part]
+            out["positions"][span] = np.arange(part.start, part.stop)
+            out["segment_ids"][span], out["branch_ids"][span] = slot + 1, branch
+            for key, mask in masks.items():
+                out[key][span] = mask[part]
+            start = span.stop
+        for key in PAIR_FIELDS:
+            out[key][slot] = example.get(key, 0.0)
+        out["valid"][slot] = True
+    out["length"] = np.int32(start)
+    return out
+
+
+MAX_PAIRS_PER_ROW = 64
+
+
+def pair_slots(lengths: np.ndarray, row_length: int) -> int:
+    """Pair slots of a packed row: as many of the shortest pairs as a row holds, at most 64."""
+    return int(min(MAX_PAIRS_PER_ROW, max(1, row_length // max(int(lengths.min()), 1))))
+
+
+def ordered_pair_rows(examples: list[dict], length: int, pad_id: int, pack: bool = False):
+    """Every pair in rows for a forward-only pass, in the pairs' order: the rows (lists of pair
+    indices) and a function making a row's arrays (None makes the empty row that pads a batch).
+    Packed, rows are first-fit as training packs them."""
+    if pack:
+        lengths = np.array([tree_length(e, length) for e in examples], np.int64)
+        slots = pair_slots(lengths, 2 * length)
+        rows = pipeline.first_fit(np.arange(len(examples)), lengths, 2 * length, max_items=slots)
+
+        def arrays_of(row: list[int] | None) -> dict[str, np.ndarray]:
+            return packed_pair_arrays([] if row is None else [examples[i] for i in row], 2 * length, pad_id, slots,
+                                      length)
+    else:
+        rows = [[i] for i in range(len(examples))]
+
+        def arrays_of(row: list[int] | None) -> dict[str, np.ndarray]:
+            return pair_arrays(None if row is None else examples[row[0]], length, pad_id)
+
+    return rows, arrays_of
+
+
+def train_pair_batches(examples: list[dict], layout: pipeline.Layout, steps: int, seed: int, max_length: int,
+                       pad_id: int, pack: bool = False):
+    """The training batches: one pair per row pair (chosen and rejected rows of max_length), or packed,
+    rows of 2 x max_length positions holding whole pairs as trees (a pair always fits)."""
+    if not pack:
+        return pipeline.train_batches(examples, layout, steps, max_length, pad_id, seed, convert=pair_arrays)
+    row_length = 2 * max_length
+    lengths = np.array([tree_length(e, max_length) for e in examples], np.int64)
+    slots = pair_slots(lengths, row_length)
+
+    def convert(row: list[dict], length: int, pad: int):
+        return packed_pair_arrays(row, length, pad, slots, max_length)
+
+    return pipeline.train_batches(examples, layout, steps, row_length, pad_id, seed, convert=convert,
+                                  pack=True, lengths=lengths, max_per_row=slots)

@@ -1,0 +1,150 @@
+"""The configuration of every training method, in one schema.
+
+Every method's config has the same sections (`method`, `init`, `model`, `data`, `optimizer`,
+`train`, `parallel`) with the same key names, plus the method's own hyper-parameters at the top
+level. A key means the same thing for every method; where a method has its own default (HDPO's
+learning rate, the critic's sequence length) its config says so in its field's default.
+
+Keys that older releases kept elsewhere (HDPO's flat `dtype`, `max_length`, ...; the critic's
+`epochs`, `max_tokens`, ...) still load, with a one-line notice naming the new key.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from polyalign.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = "tiny"  # architecture for a model trained from scratch (ignored with `init`)
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    scan_layers: bool = True
+    remat: str = "none"  # none | full | dots
+    attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (packed rows use XLA)
+    logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
+    seed: int = 0  # initialisation of what is trained from scratch (the model, the critic's head)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    dir: str | None = None  # the run directory (RUN): build/ for SFT, critic/ and stats/ for the others
+    # Tokens per sequence. SFT: the build's (`polyalign build --max-length`); preference pairs: each
+    # side is cut to it as METHOD section 8 says; the critic: response tokens it encodes.
+    max_length: int | None = None
+    # Pack several examples (SFT) or whole pairs as trees (preference) into each row; exact, and a step
+    # then takes train.global_batch rows.
+    pack: bool = False
+    eval_batch: int = 32  # sequences per forward-only batch (validation; the critic's encoding)
+    eval_limit: int | None = None  # validate on at most this many examples (or pairs)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    steps: int = 100
+    epochs: int | None = None  # where a method knows its epoch size (the critic): steps = epochs x that
+    global_batch: int = 16
+    micro_batches: int = 1
+    seed: int = 0  # data order and the trainer's random stream
+    eval_every: int | None = 50  # None: once per epoch
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    stop_at: int | None = None  # stop after this step as if preempted; the schedule is unchanged
+    max_nonfinite: int = 10
+    log_every: int = 1
+
+
+WEIGHTINGS = ("bucket", "uniform")
+NORMALIZATIONS = ("global", "microbatch")
+PREFERENCE_METHODS = ("hdpo", "dpo", "ipo")
+DISTANCE_FEATURES = ("nonconstant", "all")
+PROFILES = ("context", "oracle", "none")
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    method: str = "sft"
+    init: str | None = None  # a Hugging Face checkpoint directory; None trains model.preset from scratch
+    weighting: str = "bucket"  # bucket (Bucket-SFT weights from the build) | uniform (plain SFT)
+    # `microbatch` normalises inside each micro-batch, as the reference code did; only for comparison.
+    weight_normalization: str = "global"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    method: str = "hdpo"  # hdpo | dpo | ipo
+    init: str | None = None  # the SFT checkpoint: the initial policy and the frozen reference
+    pairs: str | None = None  # scored train pairs (default RUN/critic/train_pairs.jsonl)
+    val_pairs: str | None = None  # scored validation pairs (default RUN/critic/val_pairs.jsonl)
+    profile: str = "context"
+    beta: float = 0.1
+    lambda_dist: float = 0.1
+    gamma_ftx: float = 0.05
+    label_smoothing: float = 0.0
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=lambda: DataSection(max_length=256, eval_batch=8))
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))
+    train: LoopConfig = field(default_factory=lambda: LoopConfig(global_batch=8))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    method: str = "critic"
+    init: str | None = None  # the SFT checkpoint: the frozen encoder
+    pairs: str | None = None  # train pairs (JSONL from `polyalign pairs`)
+    val_pairs: str | None = None  # held-out pairs for validation and the ranking accuracy
+    references: str | None = None  # default RUN/stats/references.json
+    # nonconstant: the support distance skips features constant in the bucket's human reference
+    # (see references.support_distance); all: every feature, as the reference code did.
+    distance_features: str = "nonconstant"
+    pair_batch: int = 8  # ranking pairs per step (train.global_batch counts regression rows)
+    dropout: float = 0.1
+    model: ModelSection = field(default_factory=lambda: ModelSection(seed=42))
+    data: DataSection = field(default_factory=lambda: DataSection(max_length=512, eval_batch=16))
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        lr=1e-3, warmup_ratio=0.0, weight_decay=0.0, clip=1.0))
+    train: LoopConfig = field(default_factory=lambda: LoopConfig(
+        epochs=3, global_batch=16, seed=42, eval_every=None, log_every=10))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+# Old key -> its place in the shared schema (one old key may fill several).
+DEPRECATED_KEYS: dict[type, dict[str, tuple[str, ...]]] = {
+    PreferenceConfig: {
+        "dtype": ("model.dtype",), "remat": ("model.remat",), "attention_impl": ("model.attention_impl",),
+        "logprob_chunk": ("model.logprob_chunk",), "max_length": ("data.max_length",),
+    },
+    CriticConfig: {
+        "max_tokens": ("data.max_length",), "epochs": ("train.epochs",), "regression_batch": ("train.global_batch",),
+        "encode_batch": ("data.eval_batch",), "seed": ("model.seed", "train.seed"),
+    },
+}
+
+
+def deprecated_targets(config_class: type, key: str, where: str) -> tuple[str, ...] | None:
+    """The new keys behind an old one, after a one-line notice on stderr; None for a current key."""
+    targets = DEPRECATED_KEYS.get(config_class, {}).get(key)
+    if targets is not None:
+        print(f"polyalign: {where}: key {key!r} is deprecated and will be removed in the next release; "
+              f"use {' and '.join(repr(t) for t in targets)}", file=sys.stderr)
+    return targets

@@ -1,0 +1,195 @@
+"""The training methods polyalign knows, and how a method's config is read.
+
+A method is one entry in METHODS: its config schema (polyalign/train/config.py), the module whose
+`setup(config, mesh, progress)` returns the Job the run harness trains (polyalign/train/run.py), and
+its help text. `polyalign train NAME`, `polyalign plan` and the demo read this table, so adding a
+method touches the table, not the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.train import config as schema
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    config: type  # the config dataclass
+    module: str  # defines setup(config, mesh, progress) -> Job and summary_line(result) -> str
+    summary: str  # one line in `polyalign train --help`
+    description: str
+    example: str  # a config to start from, relative to the repository
+    epilog: str = ""
+
+    def implementation(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+_PREFERENCE_EPILOG = """\
+  init=SFT_CHECKPOINT data.dir=RUN (scored pairs from RUN/critic/)
+  beta, lambda_dist, gamma_ftx, label_smoothing, profile; model.dtype, model.remat,
+  model.attention_impl, model.logprob_chunk; data.max_length; optimizer.*, train.*, parallel.*
+  data.pack=true               whole pairs packed into rows of 2 x data.max_length, each prompt computed
+                               once for both responses (exact; train.global_batch then counts rows)
+
+`polyalign train dpo` and `train ipo` are `train hdpo` with method=dpo / method=ipo. Reference
+log-probs come from the initial checkpoint, computed once. Logs rewards (chosen, rejected, margin,
+accuracy), dist_reg, sft_anchor and dist_gap per step, margins per bucket, and the same on the
+validation pairs every train.eval_every steps. Writes OUT/model at the end; resumes like train sft.
+"""
+
+
+def _preference(name: str, summary: str) -> MethodSpec:
+    return MethodSpec(
+        name, schema.PreferenceConfig, "polyalign.train.preference", summary,
+        "HDPO: pair-weighted DPO + lambda_dist * critic distance + gamma_ftx * length-normalised NLL of the "
+        "human response; DPO and IPO are the same run without the critic terms.",
+        "configs/hdpo_demo.yaml", _PREFERENCE_EPILOG)
+
+
+METHODS: dict[str, MethodSpec] = {
+    "sft": MethodSpec(
+        "sft", schema.SftConfig, "polyalign.train.sft", "Bucket-Aware SFT (or plain SFT with weighting=uniform)",
+        "Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.", "configs/sft_demo.yaml", """\
+  weighting: bucket | uniform      Bucket-SFT weights from the build, or plain SFT
+  init: /path/to/hf/checkpoint     start from a checkpoint (build with its tokenizer) instead of
+                                   training model.preset from scratch
+  data.dir=RUN data.pack=true      the build to train on; pack examples into rows (exact)
+  train.steps / global_batch / micro_batches / checkpoint_every / eval_every / stop_at
+
+Writes OUT/metrics.jsonl (one JSON object per step: loss, lr, grad_norm, tokens/s, per-bucket
+losses; validation losses per bucket every eval_every steps), OUT/tensorboard/, OUT/checkpoints/
+(Orbax, the last keep_checkpoints kept) and, at the end, OUT/model (safetensors + config.json + the
+tokenizer). Running the same command again resumes from the latest checkpoint; SIGTERM or Ctrl-C
+saves a checkpoint and exits. Several processes (GPU nodes, CPU tests) start with
+POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i; TPU VMs need nothing.
+"""),
+    "critic": MethodSpec(
+        "critic", schema.CriticConfig, "polyalign.train.critic", "the support-distance critic (METHOD section 6)",
+        "Train the critic c(y, b) on the frozen SFT encoder; write its scores onto the pairs "
+        "(OUT/train_pairs.jsonl, OUT/val_pairs.jsonl).", "configs/critic_demo.yaml", """\
+  init=SFT_CHECKPOINT pairs=TRAIN_PAIRS val_pairs=VAL_PAIRS data.dir=RUN (for RUN/stats/references.json)
+  train.epochs, train.global_batch (regression rows per step), pair_batch, dropout, data.max_length
+  (response tokens encoded), data.eval_batch (responses per encoding batch)
+
+Encodes every human and model response once with the frozen SFT model (mean-pooled final hidden
+states), computes its support distance to its bucket's train-only human references, and trains
+Linear(H+64, 256) GELU Dropout Linear(256, 256) GELU Dropout Linear(256, 1) over the response and a
+learned bucket embedding: mean |c - d| + mean max(0, 0.1 - c(model) + c(human)). Keeps the epoch with
+the best validation loss, reports validation L1 and pairwise ranking accuracy (OUT/critic.json), and
+refuses to score pairs when every pair ties. It trains in seconds and keeps no checkpoints.
+"""),
+    "hdpo": _preference("hdpo", "HDPO from the SFT checkpoint (DPO / IPO with method=dpo / ipo)"),
+    "dpo": _preference("dpo", "DPO from the SFT checkpoint (the HDPO run without the critic terms)"),
+    "ipo": _preference("ipo", "IPO from the SFT checkpoint"),
+}
+
+
+def method_spec(name: str, where: str = "config") -> MethodSpec:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ConfigError(f"{where}: unknown method {name!r} (known: {', '.join(METHODS)})") from None
+
+
+def _rename_deprecated(mapping: dict[str, Any], config_class: type, where: str) -> dict[str, Any]:
+    """The mapping with old top-level keys moved to their places in the shared schema; a value also
+    given at the new place wins."""
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in mapping.items()
+           if key not in schema.DEPRECATED_KEYS.get(config_class, {})}
+    for key, value in mapping.items():
+        for target in schema.deprecated_targets(config_class, key, where) or ():
+            section, name = target.split(".")
+            node = out.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: {section!r} must be a mapping")
+            node.setdefault(name, value)
+    return out
+
+
+def _renamed_override(item: str, config_class: type) -> list[str]:
+    key, sep, value = item.partition("=")
+    targets = schema.deprecated_targets(config_class, key, "override") if sep else None
+    return [f"{target}={value}" for target in targets] if targets else [item]
+
+
+def load_config(path: Path | None, overrides: list[str] = (), method: str | None = None) -> Any:
+    """The typed config of a training run: the YAML file (None: every default), then `method` (the
+    `polyalign train METHOD` subcommand), then `key=value` overrides. The method decides the schema.
+    Unknown keys and bad values are errors naming the file and key; what only a run needs (init,
+    data.dir) is checked by the method's setup, so any config can be printed."""
+    where = str(path or "config")
+    raw = (load_yaml(Path(path)) if path is not None else None) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+    name = str(raw.get("method", "sft"))
+    if method is not None:  # the subcommand wins over the file within a family (`train dpo` on an HDPO config)
+        if "method" in raw and method_spec(name, where).config is not method_spec(method).config:
+            raise ConfigError(f"{where}: the config is for method {name!r}; train it with `polyalign train {name}`")
+        raw["method"] = name = method
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key == "method":
+            name = value.strip()
+    spec = method_spec(name, where)
+    if method is not None and spec.config is not method_spec(method).config:
+        raise ConfigError(f"{where}: method {spec.name!r} is not trained by `polyalign train {method}`; "
+                          f"use `polyalign train {spec.name}`")
+    raw = _rename_deprecated(raw, spec.config, where)
+    renamed = [new for item in overrides for new in _renamed_override(item, spec.config)]
+    apply_overrides(raw, renamed)
+    config = from_mapping(spec.config, raw, where)
+    check_config(config, where)
+    return config
+
+
+def _check_choice(where: str, key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        shown = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{where}: {key} must be one of {shown}, got {value!r}")
+
+
+def check_config(config: Any, where: str = "config") -> None:
+    """Values every method shares the meaning of, and each method's own choices."""
+    from polyalign.model.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+
+    _check_choice(where, "model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
+    _check_choice(where, "model.remat", config.model.remat, REMAT_POLICIES)
+    _check_choice(where, "model.attention_impl", config.model.attention_impl, ATTENTION_IMPLEMENTATIONS)
+    if config.train.keep_checkpoints < 1:
+        raise ConfigError(f"{where}: train.keep_checkpoints must be at least 1, got {config.train.keep_checkpoints}")
+    if isinstance(config, schema.SftConfig):
+        _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)
+        _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
+    elif isinstance(config, schema.PreferenceConfig):
+        _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
+        _check_choice(where, "profile", config.profile, schema.PROFILES)
+    elif isinstance(config, schema.CriticConfig):
+        _check_choice(where, "distance_features", config.distance_features, schema.DISTANCE_FEATURES)
+        if config.data.pack:
+            raise ConfigError(f"{where}: data.pack: the critic reads pooled encodings, which have nothing to pack")
+
+
+def require(config: Any, *keys: str, hint: str = "") -> None:
+    """Raises a ConfigError naming the first of `keys` (dotted) that is unset; `hint` says what it is."""
+    for key in keys:
+        node = config
+        for part in key.split("."):
+            node = getattr(node, part)
+        if node is None:
+            raise ConfigError(f"{key} is not set; pass {key}=PATH{f' ({hint})' if hint else ''}")
+
+
+def config_as_yaml(config: Any) -> str:
+    """Every key of a resolved config with its value, as YAML a run could read back."""
+    import yaml
+
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,196 @@
+"""HDPO, DPO and IPO on the shared trainer (METHOD section 8).
+
+Chosen and rejected responses of a micro-batch go through one forward pass (stacked on the batch
+axis). The reference policy is the initial checkpoint; its log-probabilities are computed once, before
+training, and travel with the pairs. HDPO's three terms are normalised over the global batch:
+sum w l / sum w (pair weights), lambda_dist * mean R and gamma_ftx * mean anchor (pair counts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from polyalign.config import ConfigError
+from polyalign.inputs import pipeline
+from polyalign.inputs.pair_rows import (
+    PAIR_FIELDS,
+    ordered_pair_rows,
+    pair_arrays,
+    tokenise_pairs,
+    train_pair_batches,
+)
+from polyalign.train import losses
+from polyalign.train.config import LoopConfig, PreferenceConfig
+from polyalign.train.methods import require
+from polyalign.train.run import Job, load_init
+from polyalign.train.trainer import Trainer
+
+
+def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Summed response log-probs of chosen and rejected, and the chosen token counts, from one
+    forward pass over both sides: [B] for pair arrays (chosen and rejected stacked on the batch axis),
+    [B, slots] for packed rows."""
+    if "branch_ids" in batch:
+        return _packed_sequence_logps(model, batch)
+    inputs = jnp.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
+    targets = jnp.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
+    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+    logps = (model.token_log_probs(inputs, targets) * mask).sum(-1)
+    half = batch["chosen_inputs"].shape[0]
+    return logps[:half], logps[half:], batch["chosen_mask"].sum(-1)
+
+
+def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    logps = model.token_log_probs(batch["input_ids"], batch["targets"], positions=batch["positions"],
+                                  segment_ids=batch["segment_ids"], branch_ids=batch["branch_ids"])
+    rows, slots = batch["valid"].shape
+    # each position's pair, numbered across the micro-batch; padding (segment 0) carries zero masks
+    pair = (jnp.maximum(batch["segment_ids"] - 1, 0) + slots * jnp.arange(rows)[:, None]).reshape(-1)
+
+    def per_pair(values):
+        return jax.ops.segment_sum(values.reshape(-1), pair, rows * slots).reshape(rows, slots)
+
+    return (per_pair(logps * batch["chosen_mask"]), per_pair(logps * batch["rejected_mask"]),
+            per_pair(batch["chosen_mask"]))
+
+
+def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
+                    progress: bool = True, mesh=None, pack: bool = False) -> None:
+    """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example, from
+    batches of `batch_size` row pairs, or with `pack` of `batch_size` packed rows (as training packs
+    them; the values are the same). With a `mesh` (the model sharded over it), every process gets
+    every value."""
+    from tqdm import tqdm
+
+    graphdef, state = nnx.split(model)
+    replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2], out_shardings=replicated)
+    rows, arrays_of = ordered_pair_rows(examples, length, pad_id, pack)
+    for start in tqdm(range(0, len(rows), batch_size), desc="reference log-probs", unit="batch",
+                      disable=not progress):
+        chunk = rows[start:start + batch_size]
+        arrays = [arrays_of(row) for row in chunk] + [arrays_of(None)] * (batch_size - len(chunk))
+        batch = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+        chosen, rejected = (np.asarray(x).reshape(batch_size, -1) for x in jax.device_get(run(state, batch)))
+        for r, row in enumerate(chunk):
+            for slot, i in enumerate(row):
+                examples[i]["ref_chosen"], examples[i]["ref_rejected"] = float(chosen[r, slot]), float(rejected[r, slot])
+
+
+class PreferenceObjective:
+    """HDPO (or DPO / IPO) for the trainer; metric sums include rewards and per-bucket margins."""
+
+    def __init__(self, config: PreferenceConfig, num_buckets: int):
+        self.config, self.num_buckets = config, num_buckets
+        hdpo = config.method == "hdpo"
+        self.coefficients = {"dpo": 1.0, **({"dist": config.lambda_dist, "anchor": config.gamma_ftx} if hdpo else {})}
+
+    def _weights(self, batch):
+        weights = batch["weight"] if self.config.method == "hdpo" else jnp.ones_like(batch["weight"])
+        return jnp.where(batch["valid"], weights, 0.0)
+
+    def denominators(self, batch):
+        def global_sum(x):  # [micro_batches, rows, (slots)] -> the total, once per micro-batch
+            return jnp.broadcast_to(x.sum(), x.shape[:1])
+
+        count = global_sum(batch["valid"].astype(jnp.float32))
+        return {"dpo": global_sum(self._weights(batch)), "dist": count, "anchor": count}
+
+    def numerators(self, model, mb, key=None):
+        c = self.config
+        pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
+        tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
+        mb = {key: mb[key].reshape(-1) for key in PAIR_FIELDS}  # one entry per pair (packed: per slot)
+        rc, rr = mb["ref_chosen"], mb["ref_rejected"]
+        valid = mb["valid"].astype(jnp.float32)
+        if c.method == "ipo":
+            per_pair = losses.ipo_loss(pc, pr, rc, rr, c.beta)
+        else:
+            per_pair = losses.dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
+        numerators = {"dpo": (self._weights(mb) * per_pair).sum()}
+        dist = losses.distance_regulariser(pc, pr, mb["critic_chosen"], mb["critic_rejected"], c.beta) * valid
+        anchor = losses.sft_anchor(pc, n_chosen) * valid
+        if c.method == "hdpo":
+            numerators.update(dist=dist.sum(), anchor=anchor.sum())
+        rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
+        sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
+        sums.update(pairs=valid.sum(), tokens=tokens, dist_reg=dist.sum(), sft_anchor=anchor.sum(),
+                    dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
+                    bucket_margin=jax.ops.segment_sum(rewards["margin"] * valid, mb["bucket"], self.num_buckets),
+                    bucket_pairs=jax.ops.segment_sum(valid, mb["bucket"], self.num_buckets))
+        return numerators, sums
+
+
+def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "") -> dict[str, Any]:
+    n = max(float(host["pairs"]), 1.0)
+    out = {f"{prefix}rewards/{k}": round(float(host[f"rewards_{k}"]) / n, 6)
+           for k in ("chosen", "rejected", "margin", "accuracy")}
+    out.update({f"{prefix}pairs": int(host["pairs"]),
+                f"{prefix}dist_reg": round(float(host["dist_reg"]) / n, 6),
+                f"{prefix}sft_anchor": round(float(host["sft_anchor"]) / n, 6),
+                f"{prefix}dist_gap": round(float(host["dist_gap"]) / n, 6)})
+    margins = {b: round(float(host["bucket_margin"][i] / host["bucket_pairs"][i]), 6)
+               for i, b in enumerate(buckets) if host["bucket_pairs"][i] > 0}
+    out[f"{prefix}margin_by_bucket"] = margins
+    return out
+
+
+def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
+    from polyalign.chat import choose_template, get_template
+    from polyalign.model.hf import export_checkpoint
+    from polyalign.pairs import read_pairs
+    from polyalign.tokenizer import load_tokenizer
+
+    require(config, "init", hint="the SFT checkpoint")
+    paths = {}
+    for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
+        paths[key] = getattr(config, key)
+        if paths[key] is None:
+            if config.data.dir is None:
+                raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)")
+            paths[key] = str(Path(config.data.dir) / "critic" / name)
+    max_length = config.data.max_length
+    model = load_init(config, mesh)
+    tokenizer = load_tokenizer(config.init)
+    template = get_template(choose_template(tokenizer, family=model.config.family, where=str(config.init)))
+    train_pairs, val_pairs = read_pairs(Path(paths["pairs"])), read_pairs(Path(paths["val_pairs"]))
+    if not train_pairs:
+        raise ConfigError(f"{paths['pairs']}: no pairs")
+    val_pairs = val_pairs[:config.data.eval_limit]
+    buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
+    train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
+    val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
+    with jax.set_mesh(mesh):
+        reference_logps(model, train_examples + val_examples, max_length, tokenizer.pad_id,
+                        progress=progress, mesh=mesh, pack=config.data.pack)
+
+    def batches(layout: pipeline.Layout, loop: LoopConfig):
+        return pipeline.iterate(train_pair_batches(train_examples, layout, loop.steps, loop.seed, max_length,
+                                                   tokenizer.pad_id, pack=config.data.pack))
+
+    def evaluate(trainer: Trainer) -> dict[str, Any]:
+        dataset = pipeline.eval_batches(val_examples, trainer.eval_batch_size(config.data.eval_batch), max_length,
+                                        tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
+        return summarize(trainer.metric_sums(dataset), buckets, prefix="val_")
+
+    def finish(trainer: Trainer, out: Path) -> None:
+        export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
+
+    return Job(model, PreferenceObjective(config, len(buckets)), batches,
+               epoch_size=None if config.data.pack else len(train_examples),
+               evaluate=evaluate if val_examples else None, summarize=lambda host: summarize(host, buckets),
+               checkpoint_meta={"method": config.method}, finish=finish,
+               summary={"train_pairs": len(train_examples), "val_pairs": len(val_examples), **paths})
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    last = result.get("last", {})
+    return (f"{result['method']}: {result['end_step']} steps on {result['train_pairs']} pairs; reward margin "
+            f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}"
+            f"\nmodel: {result['out']}/model")

@@ -1,0 +1,115 @@
+"""The run harness every training method goes through.
+
+A method's `setup(config, mesh, progress)` reads its inputs and returns a Job: the model, the
+objective, how to make batches, and what to do around the loop. The harness does the rest the same
+way for every method: the mesh, the config written beside the outputs, metrics, the Trainer, Orbax
+checkpoints and resumption, the method's closing work (export, scoring) and OUT/summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from polyalign import parallel
+from polyalign.config import ConfigError
+from polyalign.inputs.pipeline import Layout
+from polyalign.paths import as_path
+from polyalign.train.config import LoopConfig, ModelSection
+from polyalign.train.trainer import Objective, Trainer
+
+
+@dataclass
+class Job:
+    """What a method hands the harness."""
+
+    model: nnx.Module
+    objective: Objective
+    # Local batches for this process's slice of each global batch, for the resolved loop.
+    batches: Callable[[Layout, LoopConfig], Iterator[dict]]
+    # Training examples (rows) in one epoch, where the method knows it: `train.epochs` needs it.
+    epoch_size: int | None = None
+    evaluate: Callable[[Trainer], dict[str, Any]] | None = None  # validation metrics, every eval_every steps
+    summarize: Callable[[dict], dict[str, Any]] | None = None  # a step's metric sums -> logged values
+    checkpoint_meta: dict[str, Any] | None = None  # None: the method keeps no checkpoints
+    # After a run that reached its last step (not after an interruption): export, scoring; what it
+    # returns joins the summary.
+    finish: Callable[[Trainer, Path], dict[str, Any] | None] | None = None
+    summary: dict[str, Any] = field(default_factory=dict)  # facts known at setup (pairs, examples)
+
+
+def resolve_loop(loop: LoopConfig, epoch_size: int | None, method: str) -> LoopConfig:
+    """`train.epochs` turned into steps, and `train.eval_every: null` into once per epoch."""
+    steps_per_epoch = None if epoch_size is None else max(1, math.ceil(epoch_size / loop.global_batch))
+    if loop.epochs is not None:
+        if steps_per_epoch is None:
+            raise ConfigError(f"train.epochs: {method} cannot tell its epoch size here (packed rows); set train.steps")
+        loop = dataclasses.replace(loop, steps=loop.epochs * steps_per_epoch)
+    if loop.eval_every is None and steps_per_epoch is not None:
+        loop = dataclasses.replace(loop, eval_every=steps_per_epoch)
+    return loop
+
+
+def model_policy(section: ModelSection) -> dict[str, Any]:
+    """How the model executes (not what it computes): layer scan, remat, attention kernel, log-prob chunks."""
+    return dict(scan_layers=section.scan_layers, remat=section.remat, attention_impl=section.attention_impl,
+                logprob_chunk=section.logprob_chunk)
+
+
+def load_init(config, mesh=None) -> nnx.Module:
+    """The config's `init` checkpoint in its compute dtype and execution policy, placed over `mesh`."""
+    from polyalign.model import load_hf_checkpoint
+
+    return load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, mesh=mesh, **model_policy(config.model))
+
+
+def save_config(out, config) -> None:
+    out = as_path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str) + "\n")
+
+
+def train(config, out, progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) the training run `config` describes into OUT; returns its summary."""
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.methods import method_spec
+    from polyalign.train.metrics import MetricsWriter
+
+    parallel.initialize_distributed()
+    started = time.perf_counter()
+    out = as_path(out)
+    mesh = parallel.make_mesh(config.parallel)
+    job = method_spec(config.method).implementation().setup(config, mesh, progress)
+    loop = resolve_loop(config.train, job.epoch_size, config.method)
+    save_config(out, config)
+    metrics = MetricsWriter(out)
+    trainer = Trainer(job.model, job.objective, config.optimizer, loop, mesh, metrics=metrics)
+    layout = Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
+    checkpointer = None
+    if job.checkpoint_meta is not None:
+        checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
+                                    meta=job.checkpoint_meta)
+    evaluate = None if job.evaluate is None else (lambda: job.evaluate(trainer))
+    try:
+        result = trainer.fit(job.batches(layout, loop), evaluate, job.summarize, checkpointer, progress=progress)
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+        metrics.close()
+    if not result["stopped_early"] and job.finish is not None:
+        result.update(job.finish(trainer, out) or {})
+    result.update(out=str(out), method=config.method, **job.summary,
+                  seconds=round(time.perf_counter() - started, 1), mesh=dict(mesh.shape))
+    if jax.process_index() == 0:
+        (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result

@@ -1,0 +1,129 @@
+"""The package's shape: every module imports, no import circle (module or package level, function-local
+imports included), and the layering rules the architecture doc states."""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "polyalign"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the polyalign modules it imports anywhere in its text (top level or in a function).
+    `from a import b` counts as importing a.b when that is a module, else a."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(parent[:len(parent) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges.update(t for t in map(resolve, (t for t in targets if t.startswith("polyalign"))) if t and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _unit(module: str) -> str:
+    """The room a module belongs to: its subpackage of polyalign, or itself when top level."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else module
+
+
+def test_the_cycle_finder_finds_a_planted_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    graph = import_graph(_modules())
+    assert len(graph) > 60
+    assert cycles(graph) == []
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        units.setdefault(_unit(module), set()).update(_unit(t) for t in targets if _unit(t) != _unit(module))
+    assert cycles(units) == []
+
+
+def test_layering():
+    graph = import_graph(_modules())
+    for module, targets in graph.items():
+        if module.startswith("polyalign.evaluate"):
+            assert not any(t.startswith("polyalign.train") for t in targets), (module, targets)
+        if module.startswith(("polyalign.inputs", "polyalign.model", "polyalign.data")):
+            assert not any(t.startswith("polyalign.train") for t in targets), (module, targets)
+    # losses are pure functions of arrays
+    assert graph["polyalign.train.losses"] == set()
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_every_module_imports(module):
+    importlib.import_module(module)
+
+
+def test_every_error_derives_from_the_base():
+    from polyalign import errors
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
+    assert len(classes) >= 15
+    assert all(issubclass(c, errors.PolyalignError) for c in classes)
+    for module in _modules():
+        for name, value in vars(importlib.import_module(module)).items():
+            if isinstance(value, type) and issubclass(value, Exception) and value.__module__.startswith("polyalign"):
+                assert issubclass(value, errors.PolyalignError), f"{module}.{name}"

@@ -1,0 +1,181 @@
+"""One config schema for every training method, the method registry, and the trainer's random stream."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from polyalign.cli import main
+from polyalign.config import ConfigError
+from polyalign.train import config as schema
+from polyalign.train.methods import METHODS, load_config
+from tests.conftest import REPO
+
+SHARED = ("method", "init", "model", "data", "optimizer", "train", "parallel")
+CONFIGS = {"sft": REPO / "configs" / "sft_demo.yaml", "hdpo": REPO / "configs" / "hdpo_demo.yaml",
+           "dpo": REPO / "configs" / "hdpo_demo.yaml", "ipo": REPO / "configs" / "hdpo_demo.yaml",
+           "critic": REPO / "configs" / "critic_demo.yaml"}
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def test_every_method_has_the_shared_sections_with_the_same_types():
+    assert set(CONFIGS) == set(METHODS)
+    for spec in METHODS.values():
+        hints = {f.name: f.type for f in dataclasses.fields(spec.config)}
+        assert set(SHARED) <= set(hints), spec.name
+        config = spec.config()
+        assert type(config.model) is schema.ModelSection and type(config.data) is schema.DataSection
+        assert type(config.optimizer) is schema.OptimizerConfig and type(config.train) is schema.LoopConfig
+        # the same execution keys in the same place for every method
+        for key in ("dtype", "remat", "attention_impl", "logprob_chunk"):
+            assert hasattr(config.model, key)
+        assert hasattr(config.data, "max_length")
+        # no untyped sections
+        assert all(not isinstance(getattr(config, name), dict) for name in _fields(spec.config)), spec.name
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("typo, suggestion", [
+    ("model.dtpye=bfloat16", "dtype"), ("data.dri=RUN", "dir"), ("data.max_lenght=64", "max_length"),
+    ("train.micro_batch=2", "micro_batches"), ("optimizer.weight_decy=0", "weight_decay"), ("parallel.fsdb=2", "fsdp"),
+    ("initt=x", "init"),
+])
+def test_a_typo_anywhere_names_the_closest_key(method, typo, suggestion):
+    with pytest.raises(ConfigError, match=f"unknown key '{typo.split('=')[0].split('.')[-1]}'; did you mean "
+                                          f"'{suggestion}'"):
+        load_config(CONFIGS[method], [typo], method=method)
+
+
+def test_the_same_override_means_the_same_thing_for_every_method():
+    for method in METHODS:
+        config = load_config(CONFIGS[method], ["model.dtype=bfloat16", "model.remat=full", "data.max_length=64",
+                                               "model.logprob_chunk=32", "model.attention_impl=xla"], method=method)
+        assert (config.model.dtype, config.model.remat, config.data.max_length, config.model.logprob_chunk,
+                config.model.attention_impl) == ("bfloat16", "full", 64, 32, "xla"), method
+
+
+def test_old_flat_keys_still_load_with_a_notice_naming_the_new_key(tmp_path, capsys):
+    old = tmp_path / "old_hdpo.yaml"
+    old.write_text("method: dpo\nmax_length: 128\ndtype: bfloat16\nremat: full\ndata: {dir: RUN}\n")
+    config = load_config(old, ["logprob_chunk=16", "attention_impl=xla"])
+    assert (config.method, config.data.max_length, config.data.dir, config.model.dtype, config.model.remat,
+            config.model.logprob_chunk, config.model.attention_impl) == ("dpo", 128, "RUN", "bfloat16", "full", 16, "xla")
+    notices = capsys.readouterr().err.strip().splitlines()
+    assert len(notices) == 5  # three in the file, two overrides
+    assert "key 'max_length' is deprecated" in notices[0] and "use 'data.max_length'" in notices[0]
+    # a value at the new place wins over the old key
+    both = tmp_path / "both.yaml"
+    both.write_text("method: hdpo\nmax_length: 128\ndata: {max_length: 64}\n")
+    assert load_config(both).data.max_length == 64
+
+    critic = tmp_path / "old_critic.yaml"
+    critic.write_text("method: critic\ndata: {dir: RUN}\nmax_tokens: 300\nepochs: 5\nregression_batch: 32\n"
+                      "encode_batch: 4\nseed: 7\n")
+    config = load_config(critic)
+    assert (config.data.max_length, config.train.epochs, config.train.global_batch, config.data.eval_batch,
+            config.model.seed, config.train.seed) == (300, 5, 32, 4, 7, 7)
+
+
+def test_choices_are_checked():
+    with pytest.raises(ConfigError, match="weighting must be one of bucket, uniform"):
+        load_config(CONFIGS["sft"], ["weighting=square"])
+    with pytest.raises(ConfigError, match="model.remat must be one of"):
+        load_config(CONFIGS["hdpo"], ["model.remat=some"])
+    with pytest.raises(ConfigError, match="train.keep_checkpoints must be at least 1"):
+        load_config(CONFIGS["sft"], ["train.keep_checkpoints=0"])
+    with pytest.raises(ConfigError, match="distance_features must be one of"):
+        load_config(CONFIGS["critic"], ["distance_features=some"])
+    with pytest.raises(ConfigError, match="unknown method 'ppo'"):
+        load_config(CONFIGS["hdpo"], ["method=ppo"])
+
+
+def test_the_subcommand_picks_the_method_and_refuses_another_schema():
+    assert load_config(CONFIGS["hdpo"], [], method="dpo").method == "dpo"
+    assert load_config(CONFIGS["hdpo"], ["method=ipo"], method="hdpo").method == "ipo"  # overrides come last
+    with pytest.raises(ConfigError, match="the config is for method 'sft'; train it with `polyalign train sft`"):
+        load_config(CONFIGS["sft"], [], method="hdpo")
+    with pytest.raises(ConfigError, match="method 'sft' is not trained by `polyalign train critic`"):
+        load_config(CONFIGS["critic"], ["method=sft"], method="critic")
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_print_config_shows_every_key_and_reads_back(method, capsys):
+    assert main(["train", method, "--config", str(CONFIGS[method]), "--print-config", "train.steps=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    expected = dataclasses.asdict(load_config(CONFIGS[method], ["train.steps=7"], method=method))
+    assert printed == expected
+    assert printed["train"]["steps"] == 7 and printed["method"] == method
+    # every default is there, not just what the file sets
+    assert set(printed["model"]) == set(_fields(schema.ModelSection))
+
+
+def test_print_config_without_a_file_gives_the_defaults(capsys):
+    assert main(["train", "critic", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == dataclasses.asdict(schema.CriticConfig())
+
+
+def test_train_without_out_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "sft", "--config", str(CONFIGS["sft"])])
+    assert exit_info.value.code == 2 and "--out is required" in capsys.readouterr().err
+
+
+def test_the_cli_offers_every_registered_method(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, spec in METHODS.items():
+        assert name in text and spec.summary in text
+
+
+def test_epochs_become_steps_and_eval_every_null_means_once_per_epoch():
+    from polyalign.train.run import resolve_loop
+
+    loop = resolve_loop(schema.LoopConfig(epochs=3, global_batch=16, eval_every=None), epoch_size=40, method="critic")
+    assert (loop.steps, loop.eval_every) == (9, 3)  # ceil(40 / 16) = 3 steps an epoch
+    assert resolve_loop(schema.LoopConfig(steps=5), epoch_size=None, method="sft").steps == 5
+    with pytest.raises(ConfigError, match="train.epochs"):
+        resolve_loop(schema.LoopConfig(epochs=2), epoch_size=None, method="sft")
+
+
+class _DrawObjective:
+    """A zero loss on a single parameter whose metric sums record the random draws the trainer gave."""
+
+    coefficients = {"zero": 1.0}
+
+    def denominators(self, batch):
+        return {"zero": jnp.ones(batch["x"].shape[:1])}
+
+    def numerators(self, model, micro_batch, key):
+        draw = jax.random.uniform(key)
+        return {"zero": 0.0 * model.w[...].sum() + 0.0 * micro_batch["x"].sum()}, {"draw": draw}
+
+
+def test_the_trainer_gives_each_micro_batch_a_fresh_key_and_advances_its_own():
+    from flax import nnx
+
+    from polyalign import parallel
+    from polyalign.train.trainer import Trainer
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(3))
+
+    seed, micro = 5, 2
+    trainer = Trainer(Model(), _DrawObjective(), schema.OptimizerConfig(),
+                      schema.LoopConfig(steps=3, global_batch=2, micro_batches=micro, seed=seed), parallel.make_mesh())
+    batch = {"x": np.ones((micro, 1, 4), np.float32)}
+    state_key = jax.random.key(seed)
+    for _ in range(3):
+        step_key, state_key = jax.random.split(state_key)
+        expected = sum(float(jax.random.uniform(jax.random.fold_in(step_key, i))) for i in range(micro))
+        metrics = jax.device_get(trainer.step(batch))
+        assert float(metrics["draw"]) == pytest.approx(expected, abs=1e-6)
+        np.testing.assert_array_equal(np.asarray(trainer.state["rng"]), np.asarray(jax.random.key_data(state_key)))
