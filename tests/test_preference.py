@@ -71,12 +71,38 @@ def test_critic_loss_and_collapse_guard():
              "reg_target": np.array([0.0, 0.5, 1.0, 2.0], np.float32), "reg_valid": np.ones(4, np.float32),
              "pair_human": rng.normal(size=(2, 8)).astype(np.float32),
              "pair_model": rng.normal(size=(2, 8)).astype(np.float32), "pair_bucket": np.array([0, 3]),
-             "pair_valid": np.ones(2, np.float32), "seed": np.zeros(4, np.int32)}
-    numerators, _ = CriticObjective().numerators(critic, batch)
+             "pair_valid": np.ones(2, np.float32)}
+    numerators, _ = CriticObjective().numerators(critic, batch, None)
     c = np.asarray(critic(batch["reg_pooled"], batch["reg_bucket"]))
     assert float(numerators["l1"]) == pytest.approx(np.abs(c - batch["reg_target"]).sum(), rel=1e-5)
     h, m = (np.asarray(critic(batch[k], batch["pair_bucket"])) for k in ("pair_human", "pair_model"))
     assert float(numerators["rank"]) == pytest.approx(np.maximum(0, MARGIN - m + h).sum(), rel=1e-5)
+
+
+def test_critic_dropout_draws_from_the_trainers_key():
+    """The critic's dropout comes from the key the trainer hands each micro-batch (no seed in the batch):
+    the same key gives the same loss, another key another one, and no key (evaluation) no dropout."""
+    from flax import nnx
+
+    from polyalign import parallel
+    from polyalign.train.critic import Critic, CriticObjective
+
+    with parallel.unsharded():
+        dropped, plain = Critic(8, 3, 0.5, nnx.Rngs(0)), Critic(8, 3, 0.0, nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    batch = {"reg_pooled": rng.normal(size=(6, 8)).astype(np.float32), "reg_bucket": np.array([0, 1, 2, 0, 1, 2]),
+             "reg_target": rng.uniform(size=6).astype(np.float32), "reg_valid": np.ones(6, np.float32),
+             "pair_human": rng.normal(size=(3, 8)).astype(np.float32),
+             "pair_model": rng.normal(size=(3, 8)).astype(np.float32), "pair_bucket": np.array([0, 1, 2]),
+             "pair_valid": np.ones(3, np.float32)}
+    objective = CriticObjective()
+
+    def l1(critic, key):
+        return float(objective.numerators(critic, batch, key)[0]["l1"])
+
+    a, b = jax.random.key(1), jax.random.key(2)
+    assert l1(dropped, a) == l1(dropped, a) and l1(dropped, a) != l1(dropped, b)
+    assert l1(dropped, None) == pytest.approx(l1(plain, a), rel=1e-6)
 
 
 def test_a_constant_critic_is_refused():

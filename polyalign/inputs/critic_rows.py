@@ -36,7 +36,7 @@ def critic_batches(split: EncodedPairs, steps: int, seed: int, regression_batch:
     reg_pooled, reg_bucket, reg_target = reg_pooled[has_target], reg_bucket[has_target], reg_target[has_target]
     rng = np.random.default_rng(seed)
     reg_order, pair_order = np.array([], int), np.array([], int)
-    for step in range(steps):
+    for _ in range(steps):
         if len(reg_order) < regression_batch:
             reg_order = np.concatenate([reg_order, rng.permutation(len(reg_target))])
         if len(pair_order) < pair_batch:
@@ -48,5 +48,4 @@ def critic_batches(split: EncodedPairs, steps: int, seed: int, regression_batch:
             "reg_target": reg_target[r][None].astype(np.float32), "reg_valid": np.ones((1, len(r)), np.float32),
             "pair_human": split.pooled_human[q][None], "pair_model": split.pooled_model[q][None],
             "pair_bucket": split.bucket[q][None], "pair_valid": np.ones((1, len(q)), np.float32),
-            "seed": np.full((1, len(r)), seed * 100_003 + step, np.int32),
         }

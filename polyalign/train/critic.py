@@ -71,8 +71,8 @@ class CriticObjective:
                 "rank": jnp.broadcast_to(batch["pair_valid"].sum(), batch["pair_valid"].shape[:1])}
 
     def numerators(self, model, mb, key=None):
-        key = jax.random.key(mb["seed"][0])
-        k1, k2, k3 = jax.random.split(key, 3)
+        # dropout draws from the trainer's key for this micro-batch; none when evaluating
+        k1, k2, k3 = jax.random.split(key, 3) if key is not None else (None, None, None)
         predicted = model(mb["reg_pooled"], mb["reg_bucket"], k1)
         l1 = jnp.abs(predicted - mb["reg_target"]) * mb["reg_valid"]
         human = model(mb["pair_human"], mb["pair_bucket"], k2)
