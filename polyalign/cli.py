@@ -121,6 +121,8 @@ def _run_stats(args) -> int:
     stats = compute_stats(args.run, progress=not args.no_progress)
     print(f"{stats['total']} records in {len(stats['counts']['by_bucket'])} buckets; "
           f"references for {stats['references']['buckets']} buckets")
+    for warning in stats["weights"]["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"report: {args.run / 'stats' / 'report.html'}")
     return 0
 
@@ -190,23 +192,30 @@ def _add_build(sub) -> None:
     p.add_argument("--max-length", type=int, default=512, help="tokens per example, the truncation cutoff (512)")
     p.add_argument("--train-on", choices=("last", "all"), default="last",
                    help="loss on the final response only (default) or on every assistant turn")
-    p.add_argument("--weight-temperature", type=float, default=1.0,
-                   help="w_b proportional to n_b^-t, mean 1 (t=1: every bucket gets equal total mass)")
-    p.add_argument("--min-bucket-size", type=int, default=0, help="buckets smaller than this get weight 0")
-    p.add_argument("--clip-weights", type=float, nargs=2, metavar=("LOW", "HIGH"), help="clip bucket weights")
+    weights = p.add_argument_group(
+        "Bucket-SFT weights (default: the bucket scheme's `weights:`; each flag replaces one of its keys)")
+    weights.add_argument("--weights", choices=("default", "method"), dest="weight_preset",
+                         help="start from a preset instead of the scheme: default (t 0.5, clip [0.2, 5], small "
+                              "buckets borrow their parent's weight) or method (METHOD's N / (K n_b), unclipped)")
+    weights.add_argument("--weight-temperature", type=float, metavar="T",
+                         help="w_b proportional to n_b^-T, mean 1 (T=1: every bucket gets equal total mass)")
+    weights.add_argument("--clip-weights", type=float, nargs=2, metavar=("LOW", "HIGH"), help="clip bucket weights")
+    weights.add_argument("--borrow-below", type=int, metavar="N",
+                         help="buckets with fewer than N train records take their parent group's weight")
+    weights.add_argument("--min-bucket-size", type=int, metavar="N", help="buckets smaller than N get weight 0")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_beam_arguments(p, "tokenise")
     p.set_defaults(handler=_run_build)
 
 
 def _run_build(args) -> int:
-    from polyalign.data.bucketing import WeightOptions
     from polyalign.inputs.build import BuildOptions, build
 
+    given = {"preset": args.weight_preset, "temperature": args.weight_temperature, "borrow_below": args.borrow_below,
+             "min_bucket_size": args.min_bucket_size, "clip": list(args.clip_weights) if args.clip_weights else None}
     options = BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
                            max_length=args.max_length, train_on=args.train_on,
-                           weights=WeightOptions(args.weight_temperature, args.min_bucket_size,
-                                                 list(args.clip_weights) if args.clip_weights else None))
+                           weights={key: value for key, value in given.items() if value is not None})
     if args.beam:
         from polyalign.beam import require_beam
 
@@ -219,7 +228,9 @@ def _run_build(args) -> int:
     for split, counts in manifest["splits"].items():
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
               f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}")
-    print(f"dataset: {manifest['dataset']}")
+    for warning in manifest["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")
     return 0
 
 

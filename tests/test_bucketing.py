@@ -1,17 +1,28 @@
+import dataclasses
 import json
 
 import pytest
 
-from polyalign.data.bucketing import WeightOptions, bucket_weights, load_scheme
 from polyalign.config import ConfigError
+from polyalign.data.bucketing import (
+    WEIGHT_PRESETS,
+    bucket_weights,
+    effective_sizes,
+    load_scheme,
+    weight_options,
+    weight_warnings,
+)
 from polyalign.data.prepare import prepare
 from tests.conftest import DEMO_DATA, SCHEME, read_jsonl, write_config
 
 SAMPLE = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))
 
 
+METHOD = WEIGHT_PRESETS["method"]
+
+
 def test_weights_give_every_bucket_equal_mass():
-    weights = bucket_weights({"a": 10, "b": 30, "c": 60})
+    weights = bucket_weights({"a": 10, "b": 30, "c": 60}, METHOD)
     # N / (K n_b) = 100 / (3 n_b)
     assert weights == pytest.approx({"a": 100 / 30, "b": 100 / 90, "c": 100 / 180})
     assert 10 * weights["a"] == pytest.approx(30 * weights["b"]) == pytest.approx(60 * weights["c"])
@@ -20,14 +31,72 @@ def test_weights_give_every_bucket_equal_mass():
 
 def test_weight_options():
     counts = {"a": 10, "b": 30, "c": 60}
-    assert bucket_weights(counts, WeightOptions(temperature=0.0)) == pytest.approx({"a": 1.0, "b": 1.0, "c": 1.0})
-    half = bucket_weights(counts, WeightOptions(temperature=0.5))
+    assert bucket_weights(counts, dataclasses.replace(METHOD, temperature=0.0)) == pytest.approx({"a": 1.0, "b": 1.0, "c": 1.0})
+    half = bucket_weights(counts, dataclasses.replace(METHOD, temperature=0.5))
     scale = 100 / (10 * 10 ** -0.5 + 30 * 30 ** -0.5 + 60 * 60 ** -0.5)
     assert half == pytest.approx({b: n ** -0.5 * scale for b, n in counts.items()})
-    dropped = bucket_weights(counts, WeightOptions(min_bucket_size=20))
+    dropped = bucket_weights(counts, dataclasses.replace(METHOD, min_bucket_size=20))
     assert dropped["a"] == 0.0 and dropped["b"] == pytest.approx(90 / (2 * 30))
-    clipped = bucket_weights(counts, WeightOptions(clip=[0.8, 2.0]))
+    clipped = bucket_weights(counts, dataclasses.replace(METHOD, clip=[0.8, 2.0]))
     assert clipped == pytest.approx({"a": 2.0, "b": 100 / 90, "c": 0.8})
+
+
+# Real demo-like counts: a 1-record bucket beside large siblings, two tiny buckets of one family.
+COUNTS = {"en|multi|dialogue|long": 1, "en|multi|dialogue|medium": 117, "en|multi|dialogue|short": 1877,
+          "zh|single|assistant|medium": 3, "zh|single|assistant|long": 6, "zh|single|assistant|xlong": 179,
+          "zh|single|qa|short": 700, "zh|multi|qa|long": 2}
+
+
+def test_small_buckets_borrow_their_parent_groups_mean_size():
+    sizes = effective_sizes(COUNTS, borrow_below=20)
+    assert sizes["en|multi|dialogue|medium"] == 117 and sizes["zh|single|qa|short"] == 700
+    # en|multi|dialogue holds 1 + 117 + 1877 = 1995 records in 3 buckets
+    assert sizes["en|multi|dialogue|long"] == pytest.approx(1995 / 3)
+    # zh|single|assistant: 3 + 6 + 179 = 188 records in 3 buckets
+    assert sizes["zh|single|assistant|medium"] == sizes["zh|single|assistant|long"] == pytest.approx(188 / 3)
+    # zh|multi|qa holds only its 2 records, zh|multi only those too: the language's 3 + 6 + 179 + 700 + 2
+    # records over its 5 buckets
+    assert sizes["zh|multi|qa|long"] == pytest.approx(890 / 5)
+    # nothing borrows at borrow_below 0, and a lone tiny bucket falls back to the mean of all buckets
+    assert effective_sizes(COUNTS, 0) == {b: float(n) for b, n in COUNTS.items()}
+    assert effective_sizes({"a|x": 1, "b|y": 99}, 50)["a|x"] == pytest.approx(50.0)
+
+
+def test_default_weights_by_hand():
+    options = WEIGHT_PRESETS["default"]
+    assert (options.temperature, options.clip, options.borrow_below) == (0.5, [0.2, 5.0], 20)
+    weights = bucket_weights(COUNTS, options)
+    sizes = effective_sizes(COUNTS, 20)
+    total = sum(COUNTS.values())
+    scale = total / sum(COUNTS[b] * sizes[b] ** -0.5 for b in COUNTS)
+    expected = {b: min(max(sizes[b] ** -0.5 * scale, 0.2), 5.0) for b in COUNTS}
+    assert weights == pytest.approx(expected)
+    assert max(weights.values()) <= 5.0 and min(weights.values()) >= 0.2
+    # the METHOD preset gives the 1-record bucket its extreme weight N / (K n_b)
+    assert bucket_weights(COUNTS, METHOD)["en|multi|dialogue|long"] == pytest.approx(total / len(COUNTS))
+    assert weights["en|multi|dialogue|long"] < 2
+
+
+def test_weight_options_from_a_scheme_mapping():
+    assert weight_options({}, "w") == WEIGHT_PRESETS["default"]
+    assert weight_options({"preset": "method"}, "w") == METHOD
+    assert weight_options({"preset": "method", "clip": [0.5, 3]}, "w").clip == [0.5, 3.0]
+    with pytest.raises(ConfigError, match="unknown weight preset 'equal'"):
+        weight_options({"preset": "equal"}, "w")
+    with pytest.raises(ConfigError, match="unknown key 'temprature'; did you mean 'temperature'"):
+        weight_options({"temprature": 1}, "w")
+    with pytest.raises(ConfigError, match="clip: expected"):
+        weight_options({"clip": [3, 1]}, "w")
+
+
+def test_weight_warnings_name_heavy_buckets_and_unmeasured_ones():
+    weights = bucket_weights(COUNTS, METHOD)
+    lines = weight_warnings(weights, COUNTS, {"en|multi|dialogue|short": 5}, None, warn_above=10)
+    heavy = [line for line in lines if "above 10" in line]
+    assert len(heavy) == 4 and "bucket en|multi|dialogue|long: weight 360.6 from 1 train records" in heavy[0]  # 2885 / (8 x 1)
+    assert lines[-1].startswith("7 train bucket(s) absent from val")
+    assert not any("absent from test" in line for line in lines)  # test counts unknown: nothing said
+    assert weight_warnings(bucket_weights(COUNTS), COUNTS, COUNTS, COUNTS, warn_above=10) == []
 
 
 def test_scheme_lists_buckets_and_rejects_bad_files(tmp_path):

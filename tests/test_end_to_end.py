@@ -7,10 +7,18 @@ from collections import Counter
 import pytest
 
 from polyalign.cli import main
+from polyalign.data.bucketing import bucket_weights, load_scheme, weight_warnings
 from polyalign.data.prepare import prepare
 from polyalign.data.records import RECORD_FIELDS
 from polyalign.reports.stats import compute_stats
-from tests.conftest import DEMO_DATA, REPO, SHARED_DATA, read_jsonl, write_config
+from tests.conftest import (
+    DEMO_DATA,
+    REPO,
+    SCHEME,
+    SHARED_DATA,
+    read_jsonl,
+    write_config,
+)
 
 
 def all_records(run):
@@ -49,9 +57,11 @@ def test_demo_prepare_and_stats(demo_run):
             "total": sum(1 for r in records if r["bucket_id"] == b)} for b in sorted({r["bucket_id"] for r in records})}
     train = Counter(r["bucket_id"] for r in records if r["split"] == "train")
     weights = stats["weights"]["by_bucket"]
-    assert stats["weights"]["mean_weight_per_record"] == pytest.approx(1.0, abs=1e-6)
-    for bucket, n in train.items():
-        assert weights[bucket] == pytest.approx(sum(train.values()) / (len(train) * n), rel=1e-5)
+    expected = bucket_weights(train, load_scheme(SCHEME).weights)  # the scheme's: the default preset
+    assert weights == pytest.approx({b: round(w, 6) for b, w in expected.items()}, rel=1e-5)
+    assert 0.9 < stats["weights"]["mean_weight_per_record"] < 1.1 and max(weights.values()) <= 5.0
+    assert stats["weights"]["warnings"] == weight_warnings(expected, train, Counter(r["bucket_id"] for r in records if r["split"] == "val"),
+                                                           Counter(r["bucket_id"] for r in records if r["split"] == "test"), 10.0)
     html = (run / "stats/report.html").read_text(encoding="utf-8")
     for png in ("counts.png", "lengths.png", "weights.png", "features.png"):
         assert f'src="{png}"' in html and (run / "stats" / png).stat().st_size > 10_000

@@ -11,11 +11,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from polyalign.chat import encode_conversation, get_template, record_messages
+from polyalign.data.bucketing import WEIGHT_PRESETS, bucket_weights
 from polyalign.data.records import read_records
 from polyalign.inputs import pipeline
 from polyalign.launch import free_port
-from polyalign.train.metrics import read_metrics
 from polyalign.train.methods import load_config
+from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
 from tests.conftest import REPO
 from tests.train_checks import first_batch, gradients_of_first_batch
@@ -31,10 +32,12 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
     assert len(source) == len(records)
     weights = manifest["bucket_weights"]
     counts = manifest["train_bucket_counts"]
-    # Bucket-SFT weights: N / (K n_b), mean 1 over train records.
-    total, k = sum(counts.values()), len(counts)
-    for bucket, n in counts.items():
-        assert weights[bucket] == pytest.approx(total / (k * n))
+    # Bucket-SFT weights: the scheme's (the default preset), from the train counts.
+    assert manifest["weight_options"]["source"].startswith("scheme ") and manifest["weight_options"]["temperature"] == 0.5
+    expected = bucket_weights(counts, WEIGHT_PRESETS["default"])
+    for bucket in counts:
+        assert weights[bucket] == pytest.approx(expected[bucket])
+    assert any("absent from val" in line for line in manifest["warnings"])
     for index in (0, 17, len(source) - 1):
         example = source[index]
         record = records[example["id"].decode()]
@@ -45,6 +48,19 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
         assert manifest["buckets"][example["bucket"]] == record.bucket_id
         assert example["weight"] == pytest.approx(weights[record.bucket_id])
     assert "tensorflow" not in sys.modules  # read and written without TensorFlow
+
+
+def test_build_weights_come_from_the_scheme_unless_overridden(built_run):
+    from polyalign.inputs.build import build_weights
+
+    run, _ = built_run
+    scheme_weights, source = build_weights(run, {})
+    assert scheme_weights == WEIGHT_PRESETS["default"] and source.startswith("scheme ") and "overridden" not in source
+    method, source = build_weights(run, {"preset": "method"})
+    assert method == WEIGHT_PRESETS["method"] and source == "preset method"
+    hotter, source = build_weights(run, {"temperature": 1.0, "clip": None})
+    assert (hotter.temperature, hotter.clip, hotter.borrow_below) == (1.0, None, 20)
+    assert source.endswith("overridden: clip, temperature")
 
 
 def test_batches_shift_targets_and_pad():
@@ -228,7 +244,12 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(built_run, tmp_pa
     from polyalign import parallel
     from polyalign.model import create_model
     from polyalign.train.sft import SftObjective
-    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
+    from polyalign.train.trainer import (
+        LoopConfig,
+        OptimizerConfig,
+        Trainer,
+        TrainingError,
+    )
     from tests.conftest import tiny_model_config
 
     run, manifest = built_run
@@ -393,7 +414,12 @@ def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(bui
     from polyalign import parallel
     from polyalign.model import abstract_model
     from polyalign.train.sft import SftObjective
-    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer, TrainingError
+    from polyalign.train.trainer import (
+        LoopConfig,
+        OptimizerConfig,
+        Trainer,
+        TrainingError,
+    )
     from tests.conftest import tiny_model_config
     from tests.train_checks import first_batch
 

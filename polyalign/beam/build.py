@@ -19,11 +19,13 @@ from apache_beam.metrics.metric import Metrics, MetricsFilter
 
 from polyalign.beam import pipeline_options
 from polyalign.chat import get_template
+from polyalign.data.bucketing import WeightOptions, weight_warnings
 from polyalign.data.records import Record
 from polyalign.inputs.build import (
     SPLITS,
     BucketTable,
     BuildOptions,
+    build_weights,
     check_options,
     encode_record,
     split_files,
@@ -55,8 +57,8 @@ class EncodeRecord(beam.DoFn):
         yield key, example
 
 
-def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], options: BuildOptions) -> BucketTable:
-    return BucketTable.from_counts(train_counts, set(buckets), options.weights)
+def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], weights: WeightOptions) -> BucketTable:
+    return BucketTable.from_counts(train_counts, set(buckets), weights)
 
 
 def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: str | None = None) -> dict[str, Any]:
@@ -65,6 +67,7 @@ def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: 
     started = time.perf_counter()
     check_options(options)
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
+    weights, weights_source = build_weights(run, options.weights)
     get_template(template_name)  # unknown template names fail here, not on a worker
     files = {split: [str(f) for f in split_files(run, split)] for split in SPLITS}
 
@@ -81,7 +84,7 @@ def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: 
                    | "Buckets" >> beam.Map(lambda r: r.bucket_id) | "Distinct buckets" >> beam.Distinct())
         table = (pipeline | "Table seed" >> beam.Create([None])
                  | "Bucket table" >> beam.Map(_bucket_table, beam.pvalue.AsDict(train_counts),
-                                               beam.pvalue.AsList(buckets), options))
+                                               beam.pvalue.AsList(buckets), weights))
         return {
             split: records[split] | f"Encode {split}" >> beam.ParDo(
                 EncodeRecord(str(tokenizer_path), template_name, options, split), beam.pvalue.AsSingleton(table))
@@ -113,7 +116,10 @@ def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: 
                 train_counts[bucket] = value
         else:
             stats[kind][rest] = value
-    table = BucketTable.from_counts(train_counts, buckets, options.weights)
+    table = BucketTable.from_counts(train_counts, buckets, weights, weights_source)
+    # val and test bucket counts are not counted by the pipeline: only the weights are checked here
+    warnings = weight_warnings(table.weights, train_counts, None, None, weights.warn_above)
     runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
-                          time.perf_counter() - started, engine={"name": "beam", "runner": str(runner)})
+                          time.perf_counter() - started, engine={"name": "beam", "runner": str(runner)},
+                          warnings=warnings)

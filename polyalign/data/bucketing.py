@@ -3,6 +3,7 @@ Bucket-Aware SFT weights of METHOD.md section 4."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,9 +24,35 @@ class LengthBin:
 
 @dataclass(frozen=True)
 class WeightOptions:
-    temperature: float = 1.0
-    min_bucket_size: int = 0
-    clip: list[float] | None = None
+    """How Bucket-SFT weights follow bucket sizes: w_b proportional to n_b^-temperature over the train
+    split, with n_b replaced by its parent group's mean bucket size when the bucket has fewer than
+    `borrow_below` records, scaled to mean 1 over records, then clipped. `warn_above` only reports."""
+
+    temperature: float = 0.5
+    clip: list[float] | None = field(default_factory=lambda: [0.2, 5.0])  # [w_min, w_max] or None
+    min_bucket_size: int = 0  # buckets smaller than this get weight 0 (leave the objective)
+    borrow_below: int = 20  # smaller buckets take the weight of their parent group (see bucket_weights)
+    warn_above: float = 10.0  # the stats report and `polyalign build` warn about larger weights
+
+
+# `default` keeps a handful of records from dominating a batch; `method` is METHOD section 4 exactly
+# (N / (K n_b), every bucket equal total mass), which gave a 1-record demo bucket weight 565.
+WEIGHT_PRESETS = {
+    "default": WeightOptions(),
+    "method": WeightOptions(temperature=1.0, clip=None, borrow_below=0),
+}
+
+
+def weight_options(mapping: Mapping[str, Any] | None, where: str) -> WeightOptions:
+    """WeightOptions from a `weights:` mapping: `preset` (default | method) and any field overriding it."""
+    mapping = dict(mapping or {})
+    name = mapping.pop("preset", "default")
+    if name not in WEIGHT_PRESETS:
+        raise ConfigError(f"{where}.preset: unknown weight preset {name!r} (known: {', '.join(WEIGHT_PRESETS)})")
+    options = from_mapping(WeightOptions, {**dataclasses.asdict(WEIGHT_PRESETS[name]), **mapping}, where)
+    if options.clip is not None and (len(options.clip) != 2 or not 0 <= options.clip[0] <= options.clip[1]):
+        raise ConfigError(f"{where}.clip: expected [w_min, w_max] with 0 <= w_min <= w_max, got {options.clip}")
+    return options
 
 
 @dataclass(frozen=True)
@@ -35,7 +62,7 @@ class SchemeFile:
     values: dict[str, Any]
     length_bins: list[LengthBin]
     length_unit: str = "v2"
-    weights: WeightOptions = field(default_factory=WeightOptions)
+    weights: dict[str, Any] = field(default_factory=dict)  # a preset and overrides (weight_options)
     reference_min_bucket_size: int = 20
     sources: dict[str, Any] = field(default_factory=dict)
 
@@ -103,21 +130,55 @@ def load_scheme(path: Path) -> Scheme:
         sources[str(name)] = dict(labels)
     return Scheme(
         name=raw.name, dimensions=tuple(raw.dimensions), values=values, length_bins=bins,
-        length_unit=raw.length_unit, weights=raw.weights, reference_min_bucket_size=raw.reference_min_bucket_size,
+        length_unit=raw.length_unit, weights=weight_options(raw.weights, f"{where}: weights"), reference_min_bucket_size=raw.reference_min_bucket_size,
         sources=sources, path=str(path),
     )
 
 
+def parent_groups(bucket: str) -> list[str]:
+    """The groups a bucket id belongs to, nearest first: en|single|qa|long -> en|single|qa, en|single, en."""
+    parts = bucket.split("|")
+    return ["|".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)]
+
+
+def effective_sizes(counts: Mapping[str, int], borrow_below: int) -> dict[str, float]:
+    """Each bucket's size for weighting: its own count, or for a bucket under `borrow_below` records the
+    mean bucket size of its nearest parent group that has at least `borrow_below` records (else of all
+    buckets). A 1-record bucket then weighs what a typical bucket of its language|track|family does,
+    not hundreds of times more."""
+    present = {b: n for b, n in counts.items() if n > 0}
+    groups: dict[str, list[int]] = {}
+    for bucket, n in present.items():
+        for group in parent_groups(bucket):
+            groups.setdefault(group, []).append(n)
+    overall = sum(present.values()) / max(len(present), 1)
+    sizes = {}
+    for bucket, n in present.items():
+        if n >= borrow_below:
+            sizes[bucket] = float(n)
+            continue
+        sizes[bucket] = overall
+        for group in parent_groups(bucket):
+            if sum(groups[group]) >= borrow_below:
+                sizes[bucket] = sum(groups[group]) / len(groups[group])
+                break
+    return sizes
+
+
 def bucket_weights(counts: Mapping[str, int], options: WeightOptions = WeightOptions()) -> dict[str, float]:
-    """Per-bucket Bucket-SFT weights from train counts: w_b proportional to n_b^-t, scaled so that the mean
-    weight over records is 1 (t = 1 gives N / (K n_b): every bucket gets equal total mass). Buckets below
-    `min_bucket_size` get 0; `clip` bounds the result."""
+    """Per-bucket Bucket-SFT weights from train counts: w_b proportional to s_b^-t, where s_b is the
+    bucket's effective size (its count, or its parent group's mean bucket size below `borrow_below`),
+    scaled so that the mean weight over records is 1, then clipped to `clip`. With t = 1 and no
+    borrowing or clipping (preset `method`) this is N / (K n_b): every bucket gets equal total mass.
+    Buckets below `min_bucket_size` get 0. The objective divides by the batch's total weight, so the
+    scale never changes an update; only the ratios do."""
     eligible = {b: n for b, n in counts.items() if n > 0 and n >= options.min_bucket_size}
     weights = {b: 0.0 for b in counts}
     if not eligible:
         return weights
+    sizes = effective_sizes(eligible, options.borrow_below)
     total = sum(eligible.values())
-    raw = {b: float(n) ** (-options.temperature) for b, n in eligible.items()}
+    raw = {b: sizes[b] ** (-options.temperature) for b in eligible}
     scale = total / sum(eligible[b] * raw[b] for b in eligible)
     for b in eligible:
         weights[b] = raw[b] * scale
@@ -125,3 +186,19 @@ def bucket_weights(counts: Mapping[str, int], options: WeightOptions = WeightOpt
         low, high = options.clip
         weights = {b: (min(max(w, low), high) if b in eligible else 0.0) for b, w in weights.items()}
     return weights
+
+
+def weight_warnings(weights: Mapping[str, float], train: Mapping[str, int], val: Mapping[str, int] | None,
+                    test: Mapping[str, int] | None, warn_above: float) -> list[str]:
+    """What a reader of Bucket-SFT weights should know: weights above `warn_above` (a few records that
+    would dominate every batch they appear in), and train buckets no validation or test row measures."""
+    lines = [f"bucket {b}: weight {w:.1f} from {train.get(b, 0)} train records (above {warn_above:g}); "
+             f"its records count {w:.1f}x an average record" for b, w in sorted(weights.items()) if w > warn_above]
+    for split, counts in (("val", val), ("test", test)):
+        if counts is None:  # split not known here
+            continue
+        absent = sorted(b for b, n in train.items() if n > 0 and not counts.get(b))
+        if absent:
+            lines.append(f"{len(absent)} train bucket(s) absent from {split}, so no {split} number covers them: "
+                         + ", ".join(absent))
+    return lines

@@ -14,6 +14,7 @@ import json
 import shutil
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,6 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from polyalign.data.bucketing import WeightOptions, bucket_weights
 from polyalign.chat import (
     PROFILE_MODES,
     TRAIN_ON,
@@ -31,6 +31,14 @@ from polyalign.chat import (
     record_messages,
 )
 from polyalign.config import ConfigError
+from polyalign.data.bucketing import (
+    WEIGHT_PRESETS,
+    WeightOptions,
+    bucket_weights,
+    load_scheme,
+    weight_options,
+    weight_warnings,
+)
 from polyalign.data.records import Record, read_records
 from polyalign.model.config import checkpoint_family
 from polyalign.paths import as_path
@@ -50,7 +58,24 @@ class BuildOptions:
     profile: str = "context"
     max_length: int = 512  # the METHOD section 8 cutoff
     train_on: str = "last"
-    weights: WeightOptions = field(default_factory=WeightOptions)
+    # Bucket-SFT weights: the scheme's (buckets/*.yaml `weights:`), with these keys replacing its own;
+    # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
+    weights: dict[str, Any] = field(default_factory=dict)
+
+
+def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, str]:
+    """The weight options a build uses, and where they came from: the run's bucket scheme (named in
+    RUN/data/manifest.json) with `overrides` applied, or a preset when `overrides` names one."""
+    if "preset" in overrides:
+        return weight_options(overrides, "build weights"), f"preset {overrides['preset']}"
+    base, source = WEIGHT_PRESETS["default"], "preset default (the run's scheme file was not found)"
+    manifest = Path(run) / "data" / "manifest.json"
+    if manifest.is_file():
+        scheme_path = json.loads(manifest.read_text()).get("scheme", {}).get("path")
+        if scheme_path and Path(scheme_path).is_file():
+            base, source = load_scheme(Path(scheme_path)).weights, f"scheme {scheme_path}"
+    options = weight_options({**asdict(base), **overrides}, "build weights")
+    return options, source + (f", overridden: {', '.join(sorted(overrides))}" if overrides else "")
 
 
 def dataset_dir(run) -> epath.Path:
@@ -145,11 +170,14 @@ class BucketTable:
     train_counts: dict[str, int]
     weights: dict[str, float]
     index: dict[str, int]
+    options: WeightOptions
+    source: str  # where the options came from (the scheme, a preset)
 
     @classmethod
-    def from_counts(cls, train_counts: dict[str, int], buckets: set[str], options: WeightOptions) -> BucketTable:
+    def from_counts(cls, train_counts: dict[str, int], buckets: set[str], options: WeightOptions,
+                    source: str = "") -> BucketTable:
         return cls(dict(sorted(train_counts.items())), bucket_weights(train_counts, options),
-                   {b: i for i, b in enumerate(sorted(buckets))})
+                   {b: i for i, b in enumerate(sorted(buckets))}, options, source)
 
     def weight(self, bucket: str) -> float:
         return self.weights.get(bucket, 1.0)  # buckets absent from train (val-only) count as 1
@@ -189,7 +217,7 @@ def write_dataset(run: Path, split_examples, download_config=None, on_pipeline_r
 
 def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: str, options: BuildOptions,
                    table: BucketTable, stats: dict[str, Counter], seconds: float,
-                   engine: dict[str, Any] | None = None) -> dict[str, Any]:
+                   engine: dict[str, Any] | None = None, warnings: Sequence[str] = ()) -> dict[str, Any]:
     manifest = {
         "dataset": str(dataset_dir(run)),
         "tokenizer": str(tokenizer_path.resolve()),
@@ -200,12 +228,23 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         **({"engine": engine} if engine else {}),
         "buckets": list(table.index),
         "bucket_weights": {b: table.weight(b) for b in table.index},
+        "weight_options": {**asdict(table.options), "source": table.source},
         "train_bucket_counts": table.train_counts,
+        "warnings": list(warnings),
         "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
         "seconds": round(seconds, 2),
     }
     (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
+
+
+def split_bucket_counts(run: Path, split: str) -> Counter | None:
+    """Records per bucket in a prepared split; None when the split is missing."""
+    try:
+        files = split_files(run, split)
+    except ConfigError:
+        return None
+    return Counter(r.bucket_id for path in files for r in read_records(path))
 
 
 def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True) -> dict[str, Any]:
@@ -217,8 +256,11 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
     records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
     template = get_template(template_name)
-    table = BucketTable.from_counts(Counter(r.bucket_id for r in records["train"]),
-                                    {r.bucket_id for split in SPLITS for r in records[split]}, options.weights)
+    train_counts = Counter(r.bucket_id for r in records["train"])
+    table = BucketTable.from_counts(train_counts, {r.bucket_id for split in SPLITS for r in records[split]},
+                                    *build_weights(run, options.weights))
+    warnings = weight_warnings(table.weights, train_counts, Counter(r.bucket_id for r in records["val"]),
+                               split_bucket_counts(run, "test"), table.options.warn_above)
     stats = {split: Counter() for split in SPLITS}
 
     def examples(split):
@@ -234,7 +276,7 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
 
     write_dataset(run, {s: examples(s) for s in SPLITS})
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
-                          time.perf_counter() - started)
+                          time.perf_counter() - started, warnings=warnings)
 
 
 def build_tokenizer_path(run, manifest: dict[str, Any]):

@@ -6,6 +6,7 @@ RUN/stats/references.json (train-only human support per bucket), PNG plots, repo
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import time
@@ -17,9 +18,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
-from polyalign.data.bucketing import Scheme, bucket_weights, load_scheme
-from polyalign.data.records import read_records
-from polyalign.data.records import SPLITS, Record
+from polyalign.data.bucketing import (
+    Scheme,
+    bucket_weights,
+    load_scheme,
+    weight_warnings,
+)
+from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.errors import StatsError
 from polyalign.features import text_features
 from polyalign.references import build_references, summarize
@@ -116,8 +121,9 @@ def compute_stats(run: Path, progress: bool = True) -> dict[str, Any]:
         "length_quantiles": length_quantiles,
         "weights": {
             "split": "train",
-            "options": {"temperature": scheme.weights.temperature, "min_bucket_size": scheme.weights.min_bucket_size,
-                        "clip": scheme.weights.clip},
+            "options": dataclasses.asdict(scheme.weights),
+            "warnings": weight_warnings(weights, train_counts, Counter(r.bucket_id for r in by_split["val"]),
+                                        Counter(r.bucket_id for r in by_split["test"]), scheme.weights.warn_above),
             "train_counts": dict(sorted(train_counts.items())),
             "by_bucket": {b: round(w, 6) for b, w in sorted(weights.items())},
             "mean_weight_per_record": round(mean_weight, 6),
@@ -179,6 +185,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
         f"quarantined rows: {manifest['quarantine']['rows']}",
     ]
+    lines += [f"warning: {warning}" for warning in stats["weights"]["warnings"]]
     if stats["references"]["skipped_buckets"]:
         lines.append("buckets without a reference (< "
                      f"{stats['references']['min_bucket_size']} train responses): "

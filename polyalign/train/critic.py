@@ -208,7 +208,7 @@ def summary_line(result: dict[str, Any]) -> str:
 
 
 class CriticScorer:
-    """A trained critic with its frozen encoder, loaded from the folder `train_critic` wrote."""
+    """A trained critic with its frozen encoder, loaded from the folder `polyalign train critic` wrote."""
 
     def __init__(self, directory: Path):
         from safetensors.numpy import load
