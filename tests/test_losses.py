@@ -43,6 +43,57 @@ def test_losses_match_trl_formulas(case):
     np.testing.assert_allclose(np.asarray(ours), case["losses"], rtol=2e-5, atol=2e-5)
 
 
+FAMILY = json.loads((FIXTURES / "losses" / "trl_family.json").read_text())
+
+
+@pytest.mark.parametrize("case", FAMILY["cases"], ids=lambda c: f"{c['loss_type']}-{c['beta']}")
+def test_the_preference_family_matches_trl_formulas(case):
+    """Robust DPO, SimPO, ORPO and KTO as TRL computes them, and length-normalised DPO, in torch
+    (tools/make_fixtures.py), against polyalign.train.losses in float32."""
+    from polyalign.train import losses
+
+    v = {k: jnp.asarray(x, jnp.float32) for k, x in FAMILY["logps"].items()}
+    kind, beta = case["loss_type"], case["beta"]
+    if kind == "robust":
+        ours = losses.robust_dpo_loss(v["pc"], v["pr"], v["rc"], v["rr"], beta, case["label_smoothing"])
+    elif kind == "simpo":
+        ours = losses.simpo_loss(v["pc"], v["pr"], v["nc"], v["nr"], beta, case["simpo_gamma"], case["label_smoothing"])
+    elif kind == "orpo":
+        ours = losses.orpo_loss(v["pc"], v["pr"], v["nc"], v["nr"], beta)
+    elif kind == "ln_dpo":
+        ours = losses.length_normalised_dpo_loss(v["pc"], v["pr"], v["rc"], v["rr"], v["nc"], v["nr"], beta)
+    else:
+        chosen, rejected = losses.kto_losses(v["pc"], v["pr"], v["rc"], v["rr"], beta, case["kl"],
+                                             case["desirable_weight"], case["undesirable_weight"])
+        np.testing.assert_allclose(np.asarray(chosen), case["chosen_losses"], rtol=2e-5, atol=2e-6)
+        ours, case = rejected, {"losses": case["rejected_losses"]}
+    np.testing.assert_allclose(np.asarray(ours), case["losses"], rtol=2e-5, atol=2e-6)
+
+
+def test_the_preference_family_by_hand():
+    from polyalign.train import losses
+
+    one = jnp.array
+    # SimPO: per-token -1 vs -2, beta 2, gamma 0.5: z = 2 (1 - 0.25) = 1.5 -> log(1 + e^-1.5)
+    z = losses.simpo_loss(one([-10.0]), one([-40.0]), one([10.0]), one([20.0]), beta=2.0, gamma=0.5)
+    assert float(z[0]) == pytest.approx(math.log1p(math.exp(-1.5)), abs=1e-6)
+    # length-normalised DPO with equal lengths is DPO with beta / n
+    a = losses.length_normalised_dpo_loss(one([-10.0]), one([-15.0]), one([-12.0]), one([-14.0]), one([4.0]),
+                                          one([4.0]), beta=0.4)
+    assert float(a[0]) == pytest.approx(float(dpo_loss(one([-10.0]), one([-15.0]), one([-12.0]), one([-14.0]), 0.1)[0]),
+                                        abs=1e-6)
+    # robust DPO without label noise is DPO
+    b = losses.robust_dpo_loss(one([-10.0]), one([-15.0]), one([-12.0]), one([-14.0]), 0.1, 0.0)
+    assert float(b[0]) == pytest.approx(0.5543552, abs=1e-6)
+    # ORPO with both sides at per-token log-prob log(1/2): odds 1 each, log odds ratio 0 -> NLL + beta log 2
+    half = math.log(0.5)
+    c = losses.orpo_loss(one([2 * half]), one([3 * half]), one([2.0]), one([3.0]), beta=0.1)
+    assert float(c[0]) == pytest.approx(-half + 0.1 * math.log(2), abs=1e-6)
+    # KTO at the reference policy: every example loses 1 - sigmoid(0) = 0.5
+    d, u = losses.kto_losses(one([-3.0]), one([-4.0]), one([-3.0]), one([-4.0]), beta=0.1)
+    assert float(d[0]) == float(u[0]) == pytest.approx(0.5)
+
+
 def numpy_hdpo(pc, pr, rc, rr, w, cc, cr, n, beta, lam, gamma):
     """HDPO written out in NumPy (float64), independently of polyalign.train.losses."""
     z = beta * ((pc - rc) - (pr - rr))

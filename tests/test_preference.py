@@ -58,6 +58,48 @@ def test_prediction_files_are_checked(tmp_path):
         read_predictions(path)
 
 
+@pytest.mark.parametrize("method, hdpo_terms", [("robust_dpo", False), ("ln_dpo", False), ("simpo", False),
+                                                ("simpo", True), ("orpo", False), ("kto", True)])
+def test_every_preference_loss_is_exact_under_micro_batching(method, hdpo_terms):
+    """Each loss of the family, alone or with HDPO's weights, distance term and anchor, gives the pure
+    loss of the whole batch (computed here from polyalign.train.losses) for 1, 2 and 4 micro-batches."""
+    from polyalign import parallel
+    from polyalign.model import create_model
+    from polyalign.train.config import PreferenceConfig
+    from polyalign.train.preference import PreferenceObjective, sequence_logps
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+    from tests.conftest import tiny_model_config
+
+    batch = _preference_batch(np.random.default_rng(3), 8, 16, 64)
+    model = create_model(tiny_model_config(64), seed=0)
+    config = PreferenceConfig(method=method, init="unused", hdpo_terms=hdpo_terms, beta=0.5, label_smoothing=0.1,
+                              lambda_dist=0.3, gamma_ftx=0.05, kto_undesirable_weight=1.5)
+    pc, pr, nc = (np.asarray(x) for x in sequence_logps(model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    nr = batch["rejected_mask"].sum(-1)
+    rc, rr = batch["ref_chosen"], batch["ref_rejected"]
+    per_pair = {"robust_dpo": lambda: losses.robust_dpo_loss(pc, pr, rc, rr, 0.5, 0.1),
+                "ln_dpo": lambda: losses.length_normalised_dpo_loss(pc, pr, rc, rr, nc, nr, 0.5, 0.1),
+                "simpo": lambda: losses.simpo_loss(pc, pr, nc, nr, 0.5, 0.5, 0.1),
+                "orpo": lambda: losses.orpo_loss(pc, pr, nc, nr, 0.5),
+                "kto": lambda: sum(losses.kto_losses(pc, pr, rc, rr, 0.5, 0.0, 1.0, 1.5)) / 2}[method]()
+    weights = batch["weight"] if hdpo_terms else np.ones(8, np.float32)
+    expected = float((weights * per_pair).sum() / weights.sum())
+    if hdpo_terms:
+        expected += 0.3 * float(losses.distance_regulariser(pc, pr, batch["critic_chosen"], batch["critic_rejected"],
+                                                            0.5).mean())
+        expected += 0.05 * float(losses.sft_anchor(pc, nc).mean())
+    results = []
+    for micro in (1, 2, 4):
+        trainer = Trainer(create_model(tiny_model_config(64), seed=0), PreferenceObjective(config, 3), OptimizerConfig(),
+                          LoopConfig(steps=1, global_batch=8, micro_batches=micro), parallel.make_mesh())
+        grads, loss, _ = trainer.gradients({k: v.reshape(micro, 8 // micro, *v.shape[1:]) for k, v in batch.items()})
+        assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-5), micro
+        results.append(jax.tree.leaves(jax.device_get(grads)))
+    for grads in results[1:]:
+        for a, b in zip(grads, results[0]):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_critic_loss_and_collapse_guard():
     from polyalign import parallel
     from polyalign.train.critic import MARGIN, Critic, CriticObjective
@@ -230,7 +272,7 @@ def test_reference_log_probs_from_packed_rows_equal_the_unpacked_ones(demo_run, 
         np.testing.assert_allclose([e[side] for e in packed], expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["hdpo", "dpo"])
+@pytest.mark.parametrize("method", ["hdpo", "dpo", "orpo"])
 def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo_run, demo_tokenizer, tmp_path):
     """Pairs packed as trees (the prompt once, both responses seeing it) give every pair's sequence
     log-probs, the objective and its gradient exactly as one pair per row pair."""
@@ -363,3 +405,28 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
     exported = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("one", "two")]
     for name, array in exported[0].items():
         np.testing.assert_allclose(exported[1][name], array, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["kto", "simpo"])
+def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokenizer, tmp_path, capsys):
+    """`polyalign train kto` / `train simpo` on real pairs: KTO starts at the reference (margin 0),
+    SimPO needs no reference pass (its rewards are beta x the policy's own log-probs)."""
+    from polyalign.cli import main
+    from polyalign.train.metrics import read_metrics
+
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
+    out = tmp_path / "out"
+    assert main(["train", method, "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
+                 "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
+                 f"val_pairs={tmp_path / 'val.jsonl'}", "data.max_length=128", "train.steps=2",
+                 "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2"]) == 0
+    assert f"{method}: 2 steps on 8 pairs" in capsys.readouterr().out
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
+    if method == "kto":
+        assert abs(steps[0]["rewards/margin"]) < 1e-4 and steps[0]["loss"] == pytest.approx(0.5, abs=1e-4)
+    else:
+        assert steps[0]["rewards/chosen"] < 0 and steps[0]["rewards/rejected"] < 0
+    assert json.loads((out / "summary.json").read_text())["method"] == method
+    assert (out / "model" / "model.safetensors").is_file()

@@ -15,9 +15,9 @@ from polyalign.train.methods import METHODS, load_config
 from tests.conftest import REPO
 
 SHARED = ("method", "init", "model", "data", "optimizer", "train", "parallel")
-CONFIGS = {"sft": REPO / "configs" / "sft_demo.yaml", "hdpo": REPO / "configs" / "hdpo_demo.yaml",
-           "dpo": REPO / "configs" / "hdpo_demo.yaml", "ipo": REPO / "configs" / "hdpo_demo.yaml",
-           "critic": REPO / "configs" / "critic_demo.yaml"}
+CONFIGS = {"sft": REPO / "configs" / "sft_demo.yaml", "critic": REPO / "configs" / "critic_demo.yaml",
+           **{m: REPO / "configs" / "hdpo_demo.yaml"
+              for m in ("hdpo", "dpo", "ipo", "robust_dpo", "ln_dpo", "simpo", "orpo", "kto")}}
 
 
 def _fields(cls) -> list[str]:
@@ -91,6 +91,8 @@ def test_choices_are_checked():
         load_config(CONFIGS["sft"], ["train.keep_checkpoints=0"])
     with pytest.raises(ConfigError, match="distance_features must be one of"):
         load_config(CONFIGS["critic"], ["distance_features=some"])
+    with pytest.raises(ConfigError, match=r"label_smoothing must be in \[0, 0.5\)"):
+        load_config(CONFIGS["robust_dpo"], ["label_smoothing=0.5"], method="robust_dpo")
     with pytest.raises(ConfigError, match="unknown method 'ppo'"):
         load_config(CONFIGS["hdpo"], ["method=ppo"])
 

@@ -11,6 +11,7 @@ Writes, under tests/fixtures/:
   chat/fixtures.json         real records from the bundled demo data rendered by the official chat
                              templates through transformers' apply_chat_template.
   losses/trl_dpo.json        DPO, cDPO and IPO losses from TRL's formulas evaluated in torch.
+  losses/trl_family.json     robust DPO, SimPO, ORPO, KTO and length-normalised DPO, likewise.
 
 DIR holds the official templates, copied from each model's tokenizer_config.json ("chat_template"):
 qwen.jinja (Qwen2.5 Instruct), llama3.jinja (Llama 3.2 Instruct) and gemma.jinja (Gemma 2 Instruct).
@@ -181,6 +182,46 @@ def write_loss_fixtures() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"logps": {k: v.tolist() for k, v in logps.items()}, "cases": cases}, indent=1) + "\n")
     print(f"losses: {len(cases)} TRL formula cases")
+    write_loss_family_fixtures(logps)
+
+
+def write_loss_family_fixtures(logps: dict[str, np.ndarray]) -> None:
+    """Robust DPO, SimPO and ORPO as TRL computes them (DPOTrainer loss_type robust, CPOTrainer
+    loss_type simpo, ORPOTrainer.odds_ratio_loss plus the chosen NLL), KTO's kto_loss, and DPO on
+    length-normalised log-probs, evaluated in torch on the same log-probs with response lengths."""
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(SEED + 1)
+    lengths = {"nc": rng.integers(5, 40, 16), "nr": rng.integers(5, 40, 16)}
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in {**logps, **lengths}.items()}
+    logits = (t["pc"] - t["pr"]) - (t["rc"] - t["rr"])
+    mean_c, mean_r = t["pc"] / t["nc"], t["pr"] / t["nr"]
+    cases = []
+    for beta, eps in [(0.1, 0.1), (0.5, 0.3)]:
+        z = beta * logits
+        losses = (-F.logsigmoid(z) * (1 - eps) + F.logsigmoid(-z) * eps) / (1 - 2 * eps)
+        cases.append({"loss_type": "robust", "beta": beta, "label_smoothing": eps, "losses": losses.tolist()})
+    for beta, gamma, eps in [(2.0, 0.5, 0.0), (2.5, 1.4, 0.1)]:
+        z = beta * ((mean_c - mean_r) - gamma / beta)
+        losses = -F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps
+        cases.append({"loss_type": "simpo", "beta": beta, "simpo_gamma": gamma, "label_smoothing": eps,
+                      "losses": losses.tolist()})
+    for beta in (0.1, 1.0):
+        log_odds = (mean_c - mean_r) - (torch.log1p(-torch.exp(mean_c)) - torch.log1p(-torch.exp(mean_r)))
+        losses = -mean_c - beta * F.logsigmoid(log_odds)
+        cases.append({"loss_type": "orpo", "beta": beta, "losses": losses.tolist()})
+    for beta, kl, wd, wu in [(0.1, 0.0, 1.0, 1.0), (0.5, 0.8, 1.0, 1.33)]:
+        chosen = 1 - torch.sigmoid(beta * ((t["pc"] - t["rc"]) - kl))
+        rejected = 1 - torch.sigmoid(beta * (kl - (t["pr"] - t["rr"])))
+        cases.append({"loss_type": "kto", "beta": beta, "kl": kl, "desirable_weight": wd, "undesirable_weight": wu,
+                      "chosen_losses": (wd * chosen).tolist(), "rejected_losses": (wu * rejected).tolist()})
+    for beta in (0.1, 1.0):
+        ln_logits = (mean_c - t["rc"] / t["nc"]) - (mean_r - t["rr"] / t["nr"])
+        cases.append({"loss_type": "ln_dpo", "beta": beta, "losses": (-F.logsigmoid(beta * ln_logits)).tolist()})
+    out = FIXTURES / "losses" / "trl_family.json"
+    out.write_text(json.dumps({"logps": {k: v.tolist() for k, v in {**logps, **lengths}.items()}, "cases": cases},
+                              indent=1) + "\n")
+    print(f"losses: {len(cases)} preference-family cases")
 
 
 def main() -> int:

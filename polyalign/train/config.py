@@ -70,7 +70,7 @@ class LoopConfig:
 
 WEIGHTINGS = ("bucket", "uniform")
 NORMALIZATIONS = ("global", "microbatch")
-PREFERENCE_METHODS = ("hdpo", "dpo", "ipo")
+PREFERENCE_METHODS = ("hdpo", "dpo", "ipo", "robust_dpo", "ln_dpo", "simpo", "orpo", "kto")
 DISTANCE_FEATURES = ("nonconstant", "all")
 PROFILES = ("context", "oracle", "none")
 
@@ -91,7 +91,7 @@ class SftConfig:
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    method: str = "hdpo"  # hdpo | dpo | ipo
+    method: str = "hdpo"  # hdpo | dpo | ipo | robust_dpo | ln_dpo | simpo | orpo | kto
     init: str | None = None  # the SFT checkpoint: the initial policy and the frozen reference
     pairs: str | None = None  # scored train pairs (default RUN/critic/train_pairs.jsonl)
     val_pairs: str | None = None  # scored validation pairs (default RUN/critic/val_pairs.jsonl)
@@ -99,7 +99,13 @@ class PreferenceConfig:
     beta: float = 0.1
     lambda_dist: float = 0.1
     gamma_ftx: float = 0.05
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cDPO / SimPO smoothing; robust_dpo: the assumed label-flip rate (< 0.5)
+    # Add HDPO's pair weights, critic distance (lambda_dist) and SFT anchor (gamma_ftx) to a method
+    # other than hdpo (which always has them), e.g. method=simpo hdpo_terms=true.
+    hdpo_terms: bool = False
+    simpo_gamma: float = 0.5  # SimPO's target reward margin
+    kto_desirable_weight: float = 1.0  # KTO: weight of the human (desirable) responses
+    kto_undesirable_weight: float = 1.0  # KTO: weight of the model's own (undesirable) samples
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=lambda: DataSection(max_length=256, eval_batch=8))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))

@@ -34,6 +34,57 @@ def ipo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return (logits - 1.0 / (2.0 * beta)) ** 2
 
 
+def robust_dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                    beta: float = 0.1, label_smoothing: float = 0.1) -> jax.Array:
+    """Robust DPO (Chowdhury et al. 2024) for preference labels flipped with probability eps: the
+    unbiased estimate ((1 - eps) l(z) - eps l(-z)) / (1 - 2 eps), l(z) = -log sigmoid(beta z)."""
+    z = beta * dpo_logits(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    eps = label_smoothing
+    return (-(1.0 - eps) * jax.nn.log_sigmoid(z) + eps * jax.nn.log_sigmoid(-z)) / (1.0 - 2.0 * eps)
+
+
+def length_normalised_dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                               chosen_token_counts, rejected_token_counts, beta: float = 0.1,
+                               label_smoothing: float = 0.0) -> jax.Array:
+    """DPO on per-token log-probs (each side's log-ratio divided by its response length), so a longer
+    response earns no margin for being longer."""
+    nc, nr = jnp.maximum(chosen_token_counts, 1.0), jnp.maximum(rejected_token_counts, 1.0)
+    return dpo_loss(policy_chosen_logps / nc, policy_rejected_logps / nr, ref_chosen_logps / nc,
+                    ref_rejected_logps / nr, beta, label_smoothing)
+
+
+def simpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_token_counts, rejected_token_counts,
+               beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0) -> jax.Array:
+    """SimPO (Meng et al. 2024), reference-free: -log sigmoid(beta (pi_c / |y_c| - pi_r / |y_r|) - gamma),
+    with cDPO-style label smoothing as TRL's CPO trainer has it (gamma enters as gamma / beta inside)."""
+    nc, nr = jnp.maximum(chosen_token_counts, 1.0), jnp.maximum(rejected_token_counts, 1.0)
+    z = beta * (policy_chosen_logps / nc - policy_rejected_logps / nr - gamma / beta)
+    return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
+
+
+def orpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_token_counts, rejected_token_counts,
+              beta: float = 0.1) -> jax.Array:
+    """ORPO (Hong et al. 2024), reference-free: the chosen response's per-token NLL minus beta log
+    sigmoid of the log odds ratio between the sides' per-token probabilities."""
+    # per-token log-probs kept below 0, where log(1 - p) is finite: an empty slot of a packed row (0 / 0)
+    # or a response the policy is certain of would otherwise give -inf and a NaN gradient
+    mean_c = jnp.minimum(policy_chosen_logps / jnp.maximum(chosen_token_counts, 1.0), -1e-6)
+    mean_r = jnp.minimum(policy_rejected_logps / jnp.maximum(rejected_token_counts, 1.0), -1e-6)
+    log_odds = (mean_c - mean_r) - (jnp.log1p(-jnp.exp(mean_c)) - jnp.log1p(-jnp.exp(mean_r)))
+    return -mean_c - beta * jax.nn.log_sigmoid(log_odds)
+
+
+def kto_losses(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+               beta: float = 0.1, kl: float | jax.Array = 0.0, desirable_weight: float = 1.0,
+               undesirable_weight: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """KTO (Ethayarajh et al. 2024), unpaired: each human response is a desirable example, each of the
+    model's own samples an undesirable one, scored on its own against the reference point `kl`:
+    w_d (1 - sigmoid(beta (r_c - kl))) and w_u (1 - sigmoid(beta (kl - r_r))), r = pi - rho."""
+    chosen = desirable_weight * (1.0 - jax.nn.sigmoid(beta * ((policy_chosen_logps - ref_chosen_logps) - kl)))
+    rejected = undesirable_weight * (1.0 - jax.nn.sigmoid(beta * (kl - (policy_rejected_logps - ref_rejected_logps))))
+    return chosen, rejected
+
+
 def preference_rewards(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
                        beta: float = 0.1) -> dict[str, jax.Array]:
     """Implicit rewards beta * (pi - rho) per pair, their margin and whether chosen wins."""

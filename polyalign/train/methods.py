@@ -40,8 +40,10 @@ _PREFERENCE_EPILOG = """\
   data.pack=true               whole pairs packed into rows of 2 x data.max_length, each prompt computed
                                once for both responses (exact; train.global_batch then counts rows)
 
-`polyalign train dpo` and `train ipo` are `train hdpo` with method=dpo / method=ipo. Reference
-log-probs come from the initial checkpoint, computed once. Logs rewards (chosen, rejected, margin,
+`polyalign train dpo` (and ipo, robust_dpo, ln_dpo, simpo, orpo, kto) is `train hdpo` with that
+method; hdpo_terms=true adds HDPO's pair weights, distance term and SFT anchor to any of them.
+Reference log-probs come from the initial checkpoint, computed once (not for simpo and orpo, which
+need none). Logs rewards (chosen, rejected, margin,
 accuracy), dist_reg, sft_anchor and dist_gap per step, margins per bucket, and the same on the
 validation pairs every train.eval_every steps. Writes OUT/model at the end; resumes like train sft.
 """
@@ -90,6 +92,11 @@ refuses to score pairs when every pair ties. It trains in seconds and keeps no c
     "hdpo": _preference("hdpo", "HDPO from the SFT checkpoint (DPO / IPO with method=dpo / ipo)"),
     "dpo": _preference("dpo", "DPO from the SFT checkpoint (the HDPO run without the critic terms)"),
     "ipo": _preference("ipo", "IPO from the SFT checkpoint"),
+    "robust_dpo": _preference("robust_dpo", "robust DPO (noisy preference labels, rate label_smoothing)"),
+    "ln_dpo": _preference("ln_dpo", "DPO on per-token log-probs: no margin for being longer"),
+    "simpo": _preference("simpo", "SimPO: reference-free, length-normalised, target margin simpo_gamma"),
+    "orpo": _preference("orpo", "ORPO: reference-free, chosen NLL plus beta x log odds ratio"),
+    "kto": _preference("kto", "KTO: human responses desirable, the model's samples undesirable, each on its own"),
 }
 
 
@@ -172,6 +179,8 @@ def check_config(config: Any, where: str = "config") -> None:
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)
+        if not 0.0 <= config.label_smoothing < 0.5:
+            raise ConfigError(f"{where}: label_smoothing must be in [0, 0.5), got {config.label_smoothing}")
     elif isinstance(config, schema.CriticConfig):
         _check_choice(where, "distance_features", config.distance_features, schema.DISTANCE_FEATURES)
         if config.data.pack:

@@ -31,6 +31,9 @@ from polyalign.train.methods import require
 from polyalign.train.run import Job, load_init
 from polyalign.train.trainer import Trainer
 
+# Losses that never look at a reference policy: no reference pass, rewards are beta x policy log-probs.
+REFERENCE_FREE = ("simpo", "orpo")
+
 
 def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed response log-probs of chosen and rejected, and the chosen token counts, from one
@@ -46,18 +49,26 @@ def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
     return logps[:half], logps[half:], batch["chosen_mask"].sum(-1)
 
 
-def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    logps = model.token_log_probs(batch["input_ids"], batch["targets"], positions=batch["positions"],
-                                  segment_ids=batch["segment_ids"], branch_ids=batch["branch_ids"])
+def _per_pair(batch, values: jax.Array) -> jax.Array:
+    """Per-position values of packed rows summed per pair: [rows, slots]."""
     rows, slots = batch["valid"].shape
     # each position's pair, numbered across the micro-batch; padding (segment 0) carries zero masks
     pair = (jnp.maximum(batch["segment_ids"] - 1, 0) + slots * jnp.arange(rows)[:, None]).reshape(-1)
+    return jax.ops.segment_sum(values.reshape(-1), pair, rows * slots).reshape(rows, slots)
 
-    def per_pair(values):
-        return jax.ops.segment_sum(values.reshape(-1), pair, rows * slots).reshape(rows, slots)
 
-    return (per_pair(logps * batch["chosen_mask"]), per_pair(logps * batch["rejected_mask"]),
-            per_pair(batch["chosen_mask"]))
+def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    logps = model.token_log_probs(batch["input_ids"], batch["targets"], positions=batch["positions"],
+                                  segment_ids=batch["segment_ids"], branch_ids=batch["branch_ids"])
+    return (_per_pair(batch, logps * batch["chosen_mask"]), _per_pair(batch, logps * batch["rejected_mask"]),
+            _per_pair(batch, batch["chosen_mask"]))
+
+
+def response_lengths(batch) -> tuple[jax.Array, jax.Array]:
+    """Labelled tokens of the chosen and the rejected response of each pair, shaped as sequence_logps."""
+    if "branch_ids" in batch:
+        return _per_pair(batch, batch["chosen_mask"]), _per_pair(batch, batch["rejected_mask"])
+    return batch["chosen_mask"].sum(-1), batch["rejected_mask"].sum(-1)
 
 
 def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
@@ -84,16 +95,43 @@ def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch
 
 
 class PreferenceObjective:
-    """HDPO (or DPO / IPO) for the trainer; metric sums include rewards and per-bucket margins."""
+    """A preference loss (HDPO, DPO, IPO, robust DPO, length-normalised DPO, SimPO, ORPO, KTO) for the
+    trainer. HDPO is DPO with pair weights, the critic distance term (lambda_dist) and the SFT anchor
+    (gamma_ftx); `hdpo_terms: true` adds the same three to any other loss. Metric sums include rewards
+    and per-bucket margins."""
 
     def __init__(self, config: PreferenceConfig, num_buckets: int):
         self.config, self.num_buckets = config, num_buckets
-        hdpo = config.method == "hdpo"
-        self.coefficients = {"dpo": 1.0, **({"dist": config.lambda_dist, "anchor": config.gamma_ftx} if hdpo else {})}
+        self.hdpo_terms = config.method == "hdpo" or config.hdpo_terms
+        extra = {"dist": config.lambda_dist, "anchor": config.gamma_ftx} if self.hdpo_terms else {}
+        self.coefficients = {"dpo": 1.0, **extra}
 
     def _weights(self, batch):
-        weights = batch["weight"] if self.config.method == "hdpo" else jnp.ones_like(batch["weight"])
+        weights = batch["weight"] if self.hdpo_terms else jnp.ones_like(batch["weight"])
         return jnp.where(batch["valid"], weights, 0.0)
+
+    def pair_losses(self, pc, pr, rc, rr, nc, nr) -> jax.Array:
+        """The method's loss of each pair (KTO: the mean of its desirable and undesirable example)."""
+        c = self.config
+        if c.method in ("hdpo", "dpo"):
+            return losses.dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
+        if c.method == "ipo":
+            return losses.ipo_loss(pc, pr, rc, rr, c.beta)
+        if c.method == "robust_dpo":
+            return losses.robust_dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
+        if c.method == "ln_dpo":
+            return losses.length_normalised_dpo_loss(pc, pr, rc, rr, nc, nr, c.beta, c.label_smoothing)
+        if c.method == "simpo":
+            return losses.simpo_loss(pc, pr, nc, nr, c.beta, c.simpo_gamma, c.label_smoothing)
+        if c.method == "orpo":
+            return losses.orpo_loss(pc, pr, nc, nr, c.beta)
+        if c.method == "kto":
+            # the reference point is 0, not a batch KL estimate, which would tie pairs of different
+            # micro-batches together and break the exact global-batch update
+            desirable, undesirable = losses.kto_losses(pc, pr, rc, rr, c.beta, 0.0, c.kto_desirable_weight,
+                                                       c.kto_undesirable_weight)
+            return (desirable + undesirable) / 2.0
+        raise ValueError(f"unknown preference method {c.method!r}")
 
     def denominators(self, batch):
         def global_sum(x):  # [micro_batches, rows, (slots)] -> the total, once per micro-batch
@@ -105,18 +143,16 @@ class PreferenceObjective:
     def numerators(self, model, mb, key=None):
         c = self.config
         pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
+        n_rejected = response_lengths(mb)[1].reshape(-1)
         tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
         mb = {key: mb[key].reshape(-1) for key in PAIR_FIELDS}  # one entry per pair (packed: per slot)
         rc, rr = mb["ref_chosen"], mb["ref_rejected"]
         valid = mb["valid"].astype(jnp.float32)
-        if c.method == "ipo":
-            per_pair = losses.ipo_loss(pc, pr, rc, rr, c.beta)
-        else:
-            per_pair = losses.dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
+        per_pair = self.pair_losses(pc, pr, rc, rr, n_chosen, n_rejected)
         numerators = {"dpo": (self._weights(mb) * per_pair).sum()}
         dist = losses.distance_regulariser(pc, pr, mb["critic_chosen"], mb["critic_rejected"], c.beta) * valid
         anchor = losses.sft_anchor(pc, n_chosen) * valid
-        if c.method == "hdpo":
+        if self.hdpo_terms:
             numerators.update(dist=dist.sum(), anchor=anchor.sum())
         rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
         sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
@@ -166,9 +202,10 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
-    with jax.set_mesh(mesh):
-        reference_logps(model, train_examples + val_examples, max_length, tokenizer.pad_id,
-                        progress=progress, mesh=mesh, pack=config.data.pack)
+    if config.method not in REFERENCE_FREE:
+        with jax.set_mesh(mesh):
+            reference_logps(model, train_examples + val_examples, max_length, tokenizer.pad_id,
+                            progress=progress, mesh=mesh, pack=config.data.pack)
 
     def batches(layout: pipeline.Layout, loop: LoopConfig):
         return pipeline.iterate(train_pair_batches(train_examples, layout, loop.steps, loop.seed, max_length,
