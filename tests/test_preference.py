@@ -420,7 +420,8 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     assert main(["train", method, "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
                  "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
                  f"val_pairs={tmp_path / 'val.jsonl'}", "data.max_length=128", "train.steps=2",
-                 "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2"]) == 0
+                 "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2", f"data.dir={demo_run[0]}",
+                 "drift_prompts=3", "drift_new_tokens=8"]) == 0
     assert f"{method}: 2 steps on 8 pairs" in capsys.readouterr().out
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
@@ -430,3 +431,9 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
         assert steps[0]["rewards/chosen"] < 0 and steps[0]["rewards/rejected"] < 0
     assert json.loads((out / "summary.json").read_text())["method"] == method
     assert (out / "model" / "model.safetensors").is_file()
+    # drift of the policy's own greedy samples on the first 3 validation prompts, against their human answers
+    val = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()][:3]
+    drift = [r for r in read_metrics(out) if "drift/length_ratio" in r][-1]
+    assert 0 < drift["drift/length_ratio"] <= 8 * 3 / sum(len(demo_tokenizer[0].encode(p["chosen"])) for p in val) + 1e-4
+    assert set(drift["drift/length_ratio_by_bucket"]) == {p["bucket_id"] for p in val}
+    assert "drift/support_distance" in drift and "drift/critic" not in drift  # references given, no critic

@@ -106,6 +106,10 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5  # SimPO's target reward margin
     kto_desirable_weight: float = 1.0  # KTO: weight of the human (desirable) responses
     kto_undesirable_weight: float = 1.0  # KTO: weight of the model's own (undesirable) samples
+    # At every evaluation, sample the policy (greedy, drift_new_tokens) on the first drift_prompts
+    # validation prompts and log length ratio, support distance and critic score per bucket; 0: off.
+    drift_prompts: int = 32
+    drift_new_tokens: int = 64
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=lambda: DataSection(max_length=256, eval_batch=8))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))

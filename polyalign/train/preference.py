@@ -27,6 +27,7 @@ from polyalign.inputs.pair_rows import (
 )
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
+from polyalign.train.drift import DriftProbe, load_references
 from polyalign.train.methods import require
 from polyalign.train.run import Job, load_init
 from polyalign.train.trainer import Trainer
@@ -211,10 +212,16 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         return pipeline.iterate(train_pair_batches(train_examples, layout, loop.steps, loop.seed, max_length,
                                                    tokenizer.pad_id, pack=config.data.pack))
 
+    drift = None
+    if config.drift_prompts > 0 and val_pairs:
+        drift = DriftProbe(val_pairs[:config.drift_prompts], model, tokenizer, template, config.profile, mesh,
+                           config.drift_new_tokens, load_references(config.data.dir), Path(paths["pairs"]).parent,
+                           seed=config.train.seed)
+
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         dataset = pipeline.eval_batches(val_examples, trainer.eval_batch_size(config.data.eval_batch), max_length,
                                         tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
-        return summarize(trainer.metric_sums(dataset), buckets, prefix="val_")
+        return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
     def finish(trainer: Trainer, out: Path) -> None:
         export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)

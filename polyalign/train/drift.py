@@ -1,0 +1,94 @@
+"""Length and style drift of a policy while preference training runs.
+
+Preference losses can move a model away from how people answer (longer answers, another register)
+while the reward margin looks fine. At every evaluation the probe samples the current policy on a fixed
+set of validation prompts and logs, overall and per bucket: the ratio of generated to human response
+length in tokens, the support distance d(y, b) of the samples to their bucket's human references (when
+RUN/stats/references.json exists), and the trained critic's score of the samples (when the critic's
+folder is known). Every process runs the same sampling, so it works on a mesh and on several hosts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyalign.chat import ChatTemplate, encode_prompt, record_messages
+from polyalign.data.records import Record
+
+
+def _mean_by_bucket(values: Sequence[float], buckets: Sequence[str]) -> dict[str, float]:
+    groups: dict[str, list[float]] = defaultdict(list)
+    for value, bucket in zip(values, buckets):
+        if np.isfinite(value):
+            groups[bucket].append(float(value))
+    return {b: round(float(np.mean(v)), 4) for b, v in sorted(groups.items())}
+
+
+class DriftProbe:
+    """Samples the policy on fixed prompts and measures how far its answers drift from the human ones."""
+
+    def __init__(self, pairs: list[dict], model, tokenizer, template: ChatTemplate, profile: str, mesh,
+                 max_new_tokens: int, references: dict | None = None, critic_dir: Path | None = None,
+                 seed: int = 0):
+        from polyalign.generate import Sampler, SamplingConfig
+
+        self.tokenizer, self.references, self.seed = tokenizer, references, seed
+        records = [Record.from_json(p["record"]) for p in pairs]
+        self.buckets = [p["bucket_id"] for p in pairs]
+        self.human_tokens = np.array([len(tokenizer.encode(p["chosen"])) for p in pairs], np.float64)
+        self.prompts = [np.asarray(encode_prompt(template, tokenizer, record_messages(r, profile, with_response=False),
+                                                 max_tokens=512), np.int32) for r in records]
+        stop_ids = [tokenizer.special_id(t) for t in template.stop_tokens()]
+        if tokenizer.eos_id is not None:
+            stop_ids.append(tokenizer.eos_id)
+        # greedy: the same prompts and the same policy give the same samples, so evaluations compare
+        self.sampler = Sampler(model, stop_ids, tokenizer.pad_id, SamplingConfig(max_new_tokens=max_new_tokens),
+                               mesh=mesh)
+        self.sampler.state = None  # each call samples the trainer's current parameters; hold no copy
+        self.critic = None
+        if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
+            from polyalign.train.critic import CriticScorer
+
+            self.critic = CriticScorer(Path(critic_dir))
+
+    def __call__(self, trainer) -> dict[str, Any]:
+        from flax import nnx
+
+        self.sampler.state = nnx.split(trainer.model(trainer.state["params"]))[1]
+        samples = self.sampler.generate(self.prompts, seed=self.seed)
+        texts = [self.tokenizer.decode(tokens).strip() for tokens, _ in samples]
+        generated = np.array([len(tokens) for tokens, _ in samples], np.float64)
+        by_bucket: dict[str, list[int]] = defaultdict(list)
+        for i, bucket in enumerate(self.buckets):
+            by_bucket[bucket].append(i)
+        out: dict[str, Any] = {
+            "drift/length_ratio": round(float(generated.sum() / max(self.human_tokens.sum(), 1.0)), 4),
+            "drift/length_ratio_by_bucket": {
+                b: round(float(generated[rows].sum() / max(self.human_tokens[rows].sum(), 1.0)), 4)
+                for b, rows in sorted(by_bucket.items())},
+            "drift/empty": round(float(np.mean([not t for t in texts])), 4),
+        }
+        if self.references is not None:
+            from polyalign.train.critic import support_targets
+
+            distance = support_targets(texts, self.buckets, self.references)
+            if np.isfinite(distance).any():
+                out["drift/support_distance"] = round(float(np.nanmean(distance)), 4)
+                out["drift/support_distance_by_bucket"] = _mean_by_bucket(distance, self.buckets)
+        if self.critic is not None:
+            scores = self.critic(texts, self.buckets)
+            out["drift/critic"] = round(float(np.mean(scores)), 4)
+            out["drift/critic_by_bucket"] = _mean_by_bucket(scores, self.buckets)
+        return out
+
+
+def load_references(run: str | None) -> dict | None:
+    """RUN/stats/references.json, or None when there is no run or no stats."""
+    path = Path(run) / "stats" / "references.json" if run else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
