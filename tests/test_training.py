@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -159,6 +161,67 @@ def _config(run, steps, *extra):
     return load_config(REPO / "configs" / "sft_demo.yaml", [
         f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=6",
         "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", *extra])
+
+
+def test_adaptive_weights_update_by_hand():
+    from polyalign.train.sft import SftObjective
+
+    counts = np.array([10.0, 30.0, 60.0, 0.0])  # the last bucket is val-only
+    method = counts.sum() / (3 * np.where(counts > 0, counts, 1))  # N / (K n_b): equal mass, q0 uniform
+    objective = SftObjective(4, "adaptive", train_counts=counts, initial_weights=method, step_size=0.5, floor=0.2)
+    q0 = objective.initial_state()["bucket_q"]
+    np.testing.assert_allclose(q0, [1 / 3, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
+    # weights w_b = q_b / p_b start at the build's weights
+    np.testing.assert_allclose(np.asarray(objective.adaptive_weights(jnp.asarray(q0)))[:3], method[:3], rtol=1e-6)
+    # a batch with buckets 0 and 1 only: mean losses 3 and 1, excess +1 and -1; bucket 2 unchanged
+    sums = {"bucket_loss": jnp.array([6.0, 4.0, 0.0, 0.0]), "bucket_examples": jnp.array([2.0, 4.0, 0.0, 0.0])}
+    q = np.asarray(objective.update_state({"bucket_q": jnp.asarray(q0)}, sums)["bucket_q"])
+    raw = np.array([np.exp(0.5), np.exp(-0.5), 1.0, 0.0]) / 3
+    expected = 0.8 * raw / raw.sum() + 0.2 * np.array([1, 1, 1, 0]) / 3
+    np.testing.assert_allclose(q, expected, rtol=1e-6)
+    assert q[0] > q0[0] > q[1] and q.sum() == pytest.approx(1.0)
+
+
+def test_adaptive_weights_are_exact_under_micro_batching(built_run):
+    """Denominators and numerators take the same per-bucket weights from the trainer's state, so the
+    gradient of a global batch is the same for 1 and 4 micro-batches with a non-uniform q."""
+    from polyalign import parallel
+    from polyalign.model import create_model
+    from polyalign.train.config import LoopConfig, OptimizerConfig
+    from polyalign.train.sft import SftObjective
+    from polyalign.train.trainer import Trainer
+    from tests.conftest import tiny_model_config
+
+    run, manifest = built_run
+    buckets = manifest["buckets"]
+    counts = np.array([manifest["train_bucket_counts"].get(b, 0) for b in buckets], np.float64)
+    results = []
+    for micro in (1, 4):
+        batch, _ = first_batch(run, 8, micro)
+        objective = SftObjective(len(buckets), "adaptive", train_counts=counts,
+                                 initial_weights=np.linspace(0.5, 3.0, len(buckets)))
+        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0), objective,
+                          OptimizerConfig(), LoopConfig(steps=1, global_batch=8, micro_batches=micro), parallel.make_mesh())
+        grads, loss, _ = trainer.gradients(batch)
+        results.append((float(loss), jax.tree.leaves(jax.device_get(grads))))
+    assert results[0][0] == pytest.approx(results[1][0], abs=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_adaptive_weights_resume_exactly(built_run, tmp_path):
+    run, _ = built_run
+    adaptive = ["weighting=adaptive", "adaptive.step_size=1.0"]
+    train_sft(_config(run, 8, *adaptive), tmp_path / "straight", progress=False)
+    train_sft(_config(run, 8, *adaptive, "train.stop_at=3"), tmp_path / "resumed", progress=False)
+    train_sft(_config(run, 8, *adaptive), tmp_path / "resumed", progress=False)
+    straight = {r["step"]: r for r in read_metrics(tmp_path / "straight") if "loss" in r}
+    again = {r["step"]: r for r in read_metrics(tmp_path / "resumed") if "loss" in r}
+    first, last = straight[1]["adaptive_weights"], straight[8]["adaptive_weights"]
+    assert max(abs(last[b] - first[b]) for b in first) > 0.01  # the weights moved
+    for step in range(4, 9):  # after the restart: the same weights (restored from the checkpoint) and losses
+        assert again[step]["adaptive_weights"] == pytest.approx(straight[step]["adaptive_weights"], abs=1e-6), step
+        assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-5, step
 
 
 def test_resume_continues_exactly(built_run, tmp_path):

@@ -68,7 +68,7 @@ class LoopConfig:
     log_every: int = 1
 
 
-WEIGHTINGS = ("bucket", "uniform")
+WEIGHTINGS = ("bucket", "uniform", "adaptive")
 NORMALIZATIONS = ("global", "microbatch")
 PREFERENCE_METHODS = ("hdpo", "dpo", "ipo", "robust_dpo", "ln_dpo", "simpo", "orpo", "kto")
 DISTANCE_FEATURES = ("nonconstant", "all")
@@ -76,12 +76,23 @@ PROFILES = ("context", "oracle", "none")
 
 
 @dataclass(frozen=True)
+class AdaptiveSection:
+    """`weighting: adaptive`: bucket weights that follow the buckets' losses (group DRO / DoReMi style)."""
+
+    step_size: float = 0.1  # eta in q_b <- q_b exp(eta (L_b - mean L)) after every step
+    floor: float = 0.1  # share of the uniform distribution mixed into q after each update
+
+
+@dataclass(frozen=True)
 class SftConfig:
     method: str = "sft"
     init: str | None = None  # a Hugging Face checkpoint directory; None trains model.preset from scratch
-    weighting: str = "bucket"  # bucket (Bucket-SFT weights from the build) | uniform (plain SFT)
+    # bucket (Bucket-SFT weights from the build) | uniform (plain SFT) | adaptive (from the build's
+    # weights, then following the buckets' losses; see `adaptive`)
+    weighting: str = "bucket"
     # `microbatch` normalises inside each micro-batch, as the reference code did; only for comparison.
     weight_normalization: str = "global"
+    adaptive: AdaptiveSection = field(default_factory=AdaptiveSection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

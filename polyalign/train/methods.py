@@ -61,7 +61,8 @@ METHODS: dict[str, MethodSpec] = {
     "sft": MethodSpec(
         "sft", schema.SftConfig, "polyalign.train.sft", "Bucket-Aware SFT (or plain SFT with weighting=uniform)",
         "Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.", "configs/sft_demo.yaml", """\
-  weighting: bucket | uniform      Bucket-SFT weights from the build, or plain SFT
+  weighting: bucket | uniform | adaptive   Bucket-SFT weights from the build, plain SFT, or weights
+                                   that follow the buckets' losses (adaptive.step_size, adaptive.floor)
   init: /path/to/hf/checkpoint     start from a checkpoint (build with its tokenizer) instead of
                                    training model.preset from scratch
   data.dir=RUN data.pack=true      the build to train on; pack examples into rows (exact)
@@ -176,6 +177,8 @@ def check_config(config: Any, where: str = "config") -> None:
     if isinstance(config, schema.SftConfig):
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)
         _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
+        if not (config.adaptive.step_size >= 0 and 0 <= config.adaptive.floor <= 1):
+            raise ConfigError(f"{where}: adaptive.step_size must be >= 0 and adaptive.floor in [0, 1]")
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)

@@ -4,6 +4,7 @@ plain SFT (`weighting: uniform`, every w_i = 1)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,63 @@ from polyalign.train.trainer import Trainer
 
 
 class SftObjective:
-    """The Bucket-SFT objective for the trainer; metric sums include per-bucket losses."""
+    """The Bucket-SFT objective for the trainer; metric sums include per-bucket losses.
 
-    def __init__(self, num_buckets: int, weighting: str = "bucket", normalization: str = "global"):
+    `weighting: adaptive` (group DRO / DoReMi style) keeps a distribution q over buckets in the
+    trainer's state, starting where the build's weights put each bucket's share of the objective
+    (q_b proportional to w_b p_b, p_b the bucket's share of train records). A step weights its examples
+    with w_b = q_b / p_b, computed from the q it started with, so the global-batch normalisation stays
+    exact; after the step q_b <- q_b exp(eta (L_b - mean L)) over the buckets the batch held (L_b their
+    mean losses), renormalised and mixed with the uniform distribution (floor), so no bucket is ever
+    starved.
+    """
+
+    def __init__(self, num_buckets: int, weighting: str = "bucket", normalization: str = "global",
+                 train_counts: np.ndarray | None = None, initial_weights: np.ndarray | None = None,
+                 step_size: float = 0.1, floor: float = 0.1):
         self.num_buckets, self.weighting, self.normalization = num_buckets, weighting, normalization
         self.coefficients = {"sft": 1.0}
+        self.step_size, self.floor = step_size, floor
+        self.q = None  # adaptive: the bucket distribution of this step (see bind)
+        if weighting == "adaptive":
+            counts = np.asarray(train_counts, np.float64)
+            self.shares = counts / counts.sum()
+            self.in_train = counts > 0
+            q0 = np.asarray(initial_weights, np.float64) * self.shares
+            self.q0 = (q0 / q0.sum()).astype(np.float32)
+
+    def initial_state(self) -> dict[str, np.ndarray]:
+        return {"bucket_q": self.q0} if self.weighting == "adaptive" else {}
+
+    def bind(self, state: dict) -> SftObjective:
+        bound = copy.copy(self)
+        bound.q = state["bucket_q"]
+        return bound
+
+    def adaptive_weights(self, q) -> jax.Array:
+        """w_b = q_b / p_b (1 for buckets with no train records): mean 1 over train records when q sums to 1."""
+        shares = jnp.asarray(self.shares, jnp.float32)
+        return jnp.where(jnp.asarray(self.in_train), q / jnp.where(shares > 0, shares, 1.0), 1.0)
+
+    def update_state(self, state: dict, sums: dict) -> dict:
+        q, examples = state["bucket_q"], sums["bucket_examples"]
+        present = examples > 0
+        losses = jnp.where(present, sums["bucket_loss"] / jnp.where(present, examples, 1.0), 0.0)
+        excess = jnp.where(present, losses - losses.sum() / jnp.maximum(present.sum(), 1), 0.0)
+        q = q * jnp.exp(self.step_size * excess)
+        uniform = jnp.asarray(self.in_train, jnp.float32) / max(int(self.in_train.sum()), 1)
+        q = (1.0 - self.floor) * q / q.sum() + self.floor * uniform
+        return {"bucket_q": q}
+
+    def _token_weights(self, batch) -> jax.Array | float:
+        if self.weighting == "adaptive":
+            return self.adaptive_weights(self.q)[batch["token_bucket"]]
+        return batch["token_weight"] if self.weighting == "bucket" else 1.0
 
     def example_weights(self, batch) -> jax.Array:
-        """Per row: the total weight of its examples (Bucket-SFT) or their number (uniform)."""
+        """Per row: the total weight of its examples (Bucket-SFT, adaptive) or their number (uniform)."""
+        if self.weighting == "adaptive":
+            return (batch["example_start"] * self._token_weights(batch)).sum(axis=-1)
         return batch["weight"] if self.weighting == "bucket" else batch["examples"]
 
     def denominators(self, batch):
@@ -45,7 +95,7 @@ class SftObjective:
         log_probs = model.token_log_probs(micro_batch["input_ids"], micro_batch["targets"],
                                           positions=micro_batch["positions"], segment_ids=micro_batch["segment_ids"])
         example_nll = -log_probs * micro_batch["token_scale"]  # sums to l_i over example i's positions
-        weights = micro_batch["token_weight"] if self.weighting == "bucket" else 1.0
+        weights = self._token_weights(micro_batch)
         buckets = micro_batch["token_bucket"].reshape(-1)
         sums = {
             "bucket_loss": jax.ops.segment_sum(example_nll.reshape(-1), buckets, self.num_buckets),
@@ -135,14 +185,23 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         return pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
                                                        pack=config.data.pack, lengths=lengths))
 
+    train_counts = np.array([manifest["train_bucket_counts"].get(b, 0) for b in buckets], np.float64)
+    objective = SftObjective(len(buckets), config.weighting, config.weight_normalization, train_counts, weights,
+                             config.adaptive.step_size, config.adaptive.floor)
+
     def summarize(host):
-        return {"tokens": int(host["tokens"]), "target_tokens": int(host["target_tokens"]),
-                **per_bucket(host, buckets, "train_by_bucket")}
+        record = {"tokens": int(host["tokens"]), "target_tokens": int(host["target_tokens"]),
+                  **per_bucket(host, buckets, "train_by_bucket")}
+        if "objective/bucket_q" in host:  # the adaptive weights this step used, per train bucket
+            adaptive = np.asarray(objective.adaptive_weights(host["objective/bucket_q"]))
+            record["adaptive_weights"] = {b: round(float(adaptive[i]), 6) for i, b in enumerate(buckets)
+                                          if train_counts[i] > 0}
+        return record
 
     def finish(trainer: Trainer, out: Path) -> None:
         export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
 
-    return Job(model, SftObjective(len(buckets), config.weighting, config.weight_normalization), batches,
+    return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
                evaluate=make_evaluator(run, buckets, weights, length, pad_id, config.data), summarize=summarize,
                checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish)

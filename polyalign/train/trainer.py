@@ -66,6 +66,18 @@ def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
+# An objective may carry state that changes from step to step (adaptive bucket weights): it offers
+# initial_state() -> dict of arrays, bind(state) -> the objective using that state, and
+# update_state(state, metric_sums) -> the state after a step. Objectives without these are stateless.
+
+def _initial_state(objective) -> dict:
+    return objective.initial_state() if hasattr(objective, "initial_state") else {}
+
+
+def _bound(objective, state: dict):
+    return objective.bind(state) if state else objective
+
+
 class Trainer:
     """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop."""
 
@@ -102,13 +114,16 @@ class Trainer:
                 "rng": scalar(jax.random.key_data(jax.random.key(loop.seed))),
                 "nonfinite": scalar(jnp.zeros((), jnp.int32)),
             }
+            objective_state = _initial_state(objective)
+            if objective_state:  # replicated, saved in checkpoints and restored with the rest
+                self.state["objective"] = {k: scalar(jnp.asarray(v)) for k, v in objective_state.items()}
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.batch_sharding = parallel.batch_sharding(mesh, leading=2)
         self.metrics = metrics
         self._accumulate = jax.jit(self._accumulate_impl)
         # A method's metric sums for one batch without gradients: validation uses them.
-        self._metric_sums = jax.jit(lambda params, batch: self.objective.numerators(
-            self.model(params), jax.tree.map(lambda x: x[0], batch), None)[1])
+        self._metric_sums = jax.jit(lambda params, batch, objective_state: _bound(self.objective, objective_state)
+                                    .numerators(self.model(params), jax.tree.map(lambda x: x[0], batch), None)[1])
         self._step = jax.jit(self._step_impl, out_shardings=(self.state_shardings, None), donate_argnums=0)
         micro = loop.global_batch // loop.micro_batches
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -122,15 +137,16 @@ class Trainer:
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest)
 
-    def _accumulate_impl(self, params, batch: Batch, key: jax.Array):
+    def _accumulate_impl(self, params, batch: Batch, key: jax.Array, objective_state: dict):
         """Gradient of the global objective and summed metrics over all micro-batches of `batch`;
         micro-batch i draws its randomness from fold_in(key, i)."""
-        denominators = self.objective.denominators(batch)
-        coefficients = self.objective.coefficients
+        bound = _bound(self.objective, objective_state)
+        denominators = bound.denominators(batch)
+        coefficients = bound.coefficients
         micro_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(jax.tree.leaves(batch)[0].shape[0]))
 
         def objective(params, micro_batch, dens, micro_key):
-            numerators, sums = self.objective.numerators(self.model(params), micro_batch, micro_key)
+            numerators, sums = bound.numerators(self.model(params), micro_batch, micro_key)
             # A term with no weight in the whole batch is 0; a NaN denominator must stay NaN (the
             # non-finite guard then skips the step) rather than pass for "no weight".
             value = sum(coefficients[k] * jnp.where(dens[k] == 0, 0.0, numerators[k] / jnp.where(dens[k] == 0, 1.0, dens[k]))
@@ -158,7 +174,8 @@ class Trainer:
     def _step_impl(self, state, batch: Batch):
         # The state's key is advanced every step, so a resumed run draws what an unbroken one would.
         step_key, next_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-        grads, loss, sums = self._accumulate_impl(state["params"], batch, step_key)
+        objective_state = state.get("objective", {})
+        grads, loss, sums = self._accumulate_impl(state["params"], batch, step_key, objective_state)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -179,6 +196,11 @@ class Trainer:
             "nonfinite": state["nonfinite"] + (~finite).astype(jnp.int32),
         }
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), "finite": finite, **sums}
+        if objective_state:  # the state the step used, then the state after it (kept as is after a skip)
+            updated = self.objective.update_state(objective_state, sums)
+            new_state["objective"] = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
+                                                  objective_state)
+            metrics.update({f"objective/{k}": v for k, v in objective_state.items()})
         return new_state, metrics
 
     def global_batch(self, local: dict[str, np.ndarray]) -> Batch:
@@ -193,7 +215,8 @@ class Trainer:
         """The accumulated gradient and loss of one global batch, without an update (for tests)."""
         with jax.set_mesh(self.mesh):
             key = jax.random.split(jax.random.wrap_key_data(self.state["rng"]))[0]
-            return self._accumulate(self.state["params"], self.global_batch(local_batch), key)
+            return self._accumulate(self.state["params"], self.global_batch(local_batch), key,
+                                    self.state.get("objective", {}))
 
     def step(self, local_batch: dict[str, np.ndarray]) -> dict[str, Any]:
         if self.abstract:
@@ -220,7 +243,7 @@ class Trainer:
         total = None
         with jax.set_mesh(self.mesh):
             for local in iterate(dataset):
-                sums = self._metric_sums(self.state["params"], self.global_batch(local))
+                sums = self._metric_sums(self.state["params"], self.global_batch(local), self.state.get("objective", {}))
                 total = sums if total is None else jax.tree.map(jnp.add, total, sums)
         return jax.device_get(total)
 
