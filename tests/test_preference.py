@@ -238,7 +238,8 @@ def _real_pairs(demo_run, count: int) -> list[dict]:
     for bucket in sorted(by_bucket):
         records = sorted(by_bucket[bucket], key=lambda r: len(json.dumps(r.to_json(), ensure_ascii=False)))
         for record, other in zip(records[:2], records[1:3]):
-            pairs.append({"id": record.id, "bucket_id": bucket, "record": record.to_json(), "chosen": record.response,
+            pairs.append({"id": record.id, "bucket_id": bucket, "language": record.language, "record": record.to_json(),
+                          "chosen": record.response,
                           "rejected": other.response, "weight": float(rng.uniform(0.5, 3.0)),
                           "critic_chosen": float(rng.uniform(0, 1)), "critic_rejected": float(rng.uniform(0, 2))})
     pairs = pairs[:count]
@@ -437,3 +438,41 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     assert 0 < drift["drift/length_ratio"] <= 8 * 3 / sum(len(demo_tokenizer[0].encode(p["chosen"])) for p in val) + 1e-4
     assert set(drift["drift/length_ratio_by_bucket"]) == {p["bucket_id"] for p in val}
     assert "drift/support_distance" in drift and "drift/critic" not in drift  # references given, no critic
+
+
+@pytest.mark.slow
+def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer, tmp_path, capsys):
+    """rounds=2 end to end on a tiny model: round 2's rejected side is round 1's policy answering the
+    same prompts, rescored by the critic and reweighted; a second run of the command skips both rounds."""
+    from polyalign.cli import main
+    from polyalign.pairs import read_pairs
+
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
+    critic = tmp_path / "critic"
+    assert main(["train", "critic", "--config", str(REPO / "configs" / "critic_demo.yaml"), "--out", str(critic),
+                 "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
+                 f"val_pairs={tmp_path / 'val.jsonl'}", f"data.dir={demo_run[0]}", "train.epochs=1"]) == 0
+    command = ["train", "hdpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(tmp_path / "out"),
+               "--no-progress", f"init={tmp_path / 'init'}", f"pairs={critic / 'train_pairs.jsonl'}",
+               f"val_pairs={critic / 'val_pairs.jsonl'}", "rounds=2", "train.steps=1", "train.global_batch=4",
+               "train.eval_every=1", "train.checkpoint_every=1", "data.max_length=96", "drift_prompts=2",
+               "drift_new_tokens=4", "on_policy.max_new_tokens=8"]
+    assert main(command) == 0
+    assert "(round 2 of 2)" in capsys.readouterr().out
+    out = tmp_path / "out"
+    original = {p["id"]: p for p in read_pairs(critic / "train_pairs.jsonl")}
+    regenerated = read_pairs(out / "round-2" / "pairs" / "train_pairs.jsonl")
+    answers = {json.loads(line)["id"]: json.loads(line) for line in
+               (out / "round-2" / "pairs" / "policy_answers.jsonl").read_text().splitlines()}
+    assert regenerated and all(answers[p["id"]]["model"] == "round-1" for p in regenerated)
+    for pair in regenerated:
+        assert pair["chosen"] == original[pair["id"]]["chosen"]  # the human side stays
+        assert "critic_chosen" in pair and "critic_rejected" in pair and pair["weight"] > 0
+    assert sum(p["rejected"] != original[p["id"]]["rejected"] for p in regenerated) > 0
+    round2 = json.loads((out / "round-2" / "config.json").read_text())
+    assert round2["init"] == str(out / "round-1" / "model") and round2["rounds"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2] and summary["model"] == str(out / "round-2" / "model")
+    before = (out / "round-2" / "metrics.jsonl").read_text()
+    assert main(command) == 0  # both rounds finished: nothing trains again
+    assert (out / "round-2" / "metrics.jsonl").read_text() == before

@@ -101,6 +101,15 @@ class SftConfig:
 
 
 @dataclass(frozen=True)
+class OnPolicySection:
+    """How the policy answers the training prompts anew before each round after the first (`rounds`)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8
+    top_p: float = 0.9
+
+
+@dataclass(frozen=True)
 class PreferenceConfig:
     method: str = "hdpo"  # hdpo | dpo | ipo | robust_dpo | ln_dpo | simpo | orpo | kto
     init: str | None = None  # the SFT checkpoint: the initial policy and the frozen reference
@@ -121,6 +130,9 @@ class PreferenceConfig:
     # validation prompts and log length ratio, support distance and critic score per bucket; 0: off.
     drift_prompts: int = 32
     drift_new_tokens: int = 64
+    # > 1: on-policy rounds (polyalign/train/rounds.py), train.steps steps each, OUT/round-<r>/ per round
+    rounds: int = 1
+    on_policy: OnPolicySection = field(default_factory=OnPolicySection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=lambda: DataSection(max_length=256, eval_batch=8))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-7, weight_decay=0.0))

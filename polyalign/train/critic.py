@@ -116,6 +116,12 @@ def check_not_collapsed(human: np.ndarray, generated: np.ndarray, tolerance: flo
                              "critic); refusing to write scores onto the pairs")
 
 
+def set_scores(pairs: list[dict], human: np.ndarray, generated: np.ndarray) -> None:
+    """The critic's scores of both sides onto each pair (critic_chosen, critic_rejected)."""
+    for pair, c_h, c_m in zip(pairs, human, generated):
+        pair["critic_chosen"], pair["critic_rejected"] = round(float(c_h), 6), round(float(c_m), 6)
+
+
 def score(critic: Critic, pooled: np.ndarray, bucket: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda p, b: critic(p, b))(pooled, bucket))
 
@@ -179,8 +185,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
         for split, pairs in ((train, train_pairs), (val, val_pairs)):
             human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
             check_not_collapsed(human, generated)
-            for pair, c_h, c_m in zip(pairs, human, generated):
-                pair["critic_chosen"], pair["critic_rejected"] = round(float(c_h), 6), round(float(c_m), 6)
+            set_scores(pairs, human, generated)
         assign_weights(train_pairs)
         assign_weights(val_pairs)
         write_pairs(train_pairs, out / "train_pairs.jsonl")

@@ -182,6 +182,8 @@ def check_config(config: Any, where: str = "config") -> None:
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)
+        if config.rounds < 1:
+            raise ConfigError(f"{where}: rounds must be at least 1, got {config.rounds}")
         if not 0.0 <= config.label_smoothing < 0.5:
             raise ConfigError(f"{where}: label_smoothing must be in [0, 0.5), got {config.label_smoothing}")
     elif isinstance(config, schema.CriticConfig):

@@ -223,8 +223,9 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                         tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
         return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
-    def finish(trainer: Trainer, out: Path) -> None:
+    def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
+        return {"model": str(out / "model")}
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),
@@ -237,4 +238,5 @@ def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
     return (f"{result['method']}: {result['end_step']} steps on {result['train_pairs']} pairs; reward margin "
             f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}"
-            f"\nmodel: {result['out']}/model")
+            + (f" (round {result['round']} of {len(result['rounds'])})" if "rounds" in result else "")
+            + f"\nmodel: {result['model']}")

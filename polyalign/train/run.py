@@ -86,6 +86,10 @@ def train(config, out, progress: bool = True) -> dict[str, Any]:
     from polyalign.train.metrics import MetricsWriter
 
     parallel.initialize_distributed()
+    if getattr(config, "rounds", 1) > 1:
+        from polyalign.train.rounds import train_rounds
+
+        return train_rounds(config, out, progress)
     started = time.perf_counter()
     out = as_path(out)
     mesh = parallel.make_mesh(config.parallel)

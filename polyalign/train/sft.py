@@ -198,8 +198,9 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                                           if train_counts[i] > 0}
         return record
 
-    def finish(trainer: Trainer, out: Path) -> None:
+    def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
+        return {"model": str(out / "model")}
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
@@ -211,4 +212,4 @@ def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
     return (f"trained {result['end_step']} steps in {result['seconds']} s; final loss {last.get('loss', float('nan')):.4f}"
             + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-            + f"\nmodel: {result['out']}/model")
+            + f"\nmodel: {result['model']}")

@@ -1,0 +1,109 @@
+"""On-policy rounds for the preference methods (`rounds=N`).
+
+One offline round trains against the initial policy's answers, which stop describing the policy as
+soon as it moves. With rounds, every round after the first starts by letting the current policy
+answer the training prompts again: its answers become the rejected side, the critic (when the pairs
+came from a critic folder) rescores both sides, and the pair weights are recomputed. Round r trains
+from round r-1's model, which is also its reference, for `train.steps` steps.
+
+OUT/round-<r>/ is a complete run (pairs, metrics with drift, checkpoints, model). Running the same
+command again skips finished rounds and resumes an interrupted one from its checkpoint; the
+validation pairs stay fixed so rounds compare, and the drift probe measures each round's own answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from polyalign.paths import as_path
+
+
+def _round_dir(out, r: int):
+    return as_path(out) / f"round-{r}"
+
+
+def _finished(directory) -> dict[str, Any] | None:
+    summary = directory / "summary.json"
+    if not summary.is_file():
+        return None
+    result = json.loads(summary.read_text())
+    return result if not result.get("stopped_early") and (directory / "model").is_dir() else None
+
+
+def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | None, config,
+                     progress: bool = True) -> dict[str, Any]:
+    """DIR/train_pairs.jsonl: the pairs of `pairs_path` with the rejected side answered anew by
+    `policy` (sampled), rescored by the critic in `critic_dir` when it has one, reweighted."""
+    from polyalign.data.records import Record
+    from polyalign.generate import SamplingConfig, generate_predictions
+    from polyalign.pairs import (
+        assign_weights,
+        build_pairs,
+        read_pairs,
+        read_predictions,
+        write_pairs,
+    )
+
+    directory.mkdir(parents=True, exist_ok=True)
+    pairs = read_pairs(Path(pairs_path))
+    records = [Record.from_json(p["record"]) for p in pairs]
+    records_file, predictions_file = directory / "prompts.jsonl", directory / "policy_answers.jsonl"
+    records_file.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    sampling = SamplingConfig(config.on_policy.max_new_tokens, config.on_policy.temperature, config.on_policy.top_p)
+    generate_predictions(policy, records_file, predictions_file, sampling=sampling, seed=config.train.seed,
+                         progress=progress)
+    fresh, dropped = build_pairs(records, read_predictions(predictions_file))
+    if critic_dir is not None and (critic_dir / "critic.json").is_file():
+        from polyalign.train.critic import CriticScorer, set_scores
+
+        scorer = CriticScorer(critic_dir)
+        buckets = [p["bucket_id"] for p in fresh]
+        set_scores(fresh, scorer([p["chosen"] for p in fresh], buckets), scorer([p["rejected"] for p in fresh], buckets))
+    assign_weights(fresh)
+    out = directory / "train_pairs.jsonl"
+    write_pairs(fresh, out)
+    return {"pairs": len(fresh), "dropped": dropped, "path": str(out)}
+
+
+def train_rounds(config, out, progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>; returns the last round's summary
+    with every round's in `rounds`."""
+    from polyalign.config import ConfigError
+    from polyalign.train.run import train
+
+    if config.init is None:
+        raise ConfigError("init is not set; pass init=PATH (the SFT checkpoint)")
+    if jax.process_count() > 1:
+        raise ConfigError(f"rounds={config.rounds}: on-policy rounds run in one process (the regeneration writes "
+                          "local files); run each round as its own command on several hosts")
+    out = as_path(out)
+    pairs = config.pairs or str(Path(config.data.dir) / "critic" / "train_pairs.jsonl")
+    val_pairs = config.val_pairs or str(Path(config.data.dir) / "critic" / "val_pairs.jsonl")
+    critic_dir = Path(pairs).parent
+    policy, summaries = config.init, []
+    for r in range(1, config.rounds + 1):
+        directory = _round_dir(out, r)
+        result = _finished(directory)
+        if result is None:
+            round_pairs = pairs
+            if r > 1:
+                regenerated = directory / "pairs" / "train_pairs.jsonl"
+                if not regenerated.is_file():
+                    regenerate_pairs(policy, pairs, directory / "pairs", critic_dir, config, progress)
+                round_pairs = str(regenerated)
+            round_config = dataclasses.replace(config, rounds=1, init=str(policy), pairs=round_pairs,
+                                               val_pairs=val_pairs)
+            result = train(round_config, directory, progress)
+            if result["stopped_early"]:
+                return {**result, "round": r, "rounds": summaries}
+        summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
+                          "last": result.get("last", {})})
+        policy = directory / "model"
+    final = {**result, "round": config.rounds, "rounds": summaries, "model": str(policy), "out": str(out)}
+    (out / "summary.json").write_text(json.dumps(final, indent=2, default=str) + "\n")
+    return final
