@@ -140,3 +140,24 @@ def test_preference_layouts_a_reference_in_the_step_holds_a_second_model(tmp_pat
     extra = (fused["xla_peak_gib"] - ours["xla_peak_gib"]) * 2**30
     assert parameter_bytes * 0.95 <= extra <= parameter_bytes * 1.3
     assert rows["two forwards, reference precomputed"]["xla_peak_gib"] > 0
+
+
+def test_methods_bench_aggregates_over_seeds_by_hand(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    import methods
+
+    per_seed = {0: {"sft": {"val_loss": 6.0, "val_worst_bucket": 7.0, "bng": 1.5, "hcr": 0.08, "f1": 0.02,
+                            "bng_by_bucket": {"a": 1.0, "b": 2.0}},
+                    "dpo": {"bng": 5.0, "hcr": None, "f1": 0.04, "bng_by_bucket": {"a": 4.0}}},
+                1: {"sft": {"val_loss": 6.2, "val_worst_bucket": 7.4, "bng": 1.7, "hcr": 0.06, "f1": 0.02,
+                            "bng_by_bucket": {"a": 3.0}}}}
+    summary = methods.aggregate(per_seed)
+    assert summary["sft"]["seeds"] == 2 and summary["dpo"]["seeds"] == 1
+    assert summary["sft"]["bng"] == {"mean": 1.6, "std": 0.1}
+    assert summary["sft"]["val_loss"] == {"mean": 6.1, "std": 0.1}
+    assert summary["sft"]["bng_by_bucket"] == {"a": 2.0, "b": 2.0}  # each bucket over the seeds that have it
+    assert "hcr" not in summary["dpo"] and "val_loss" not in summary["dpo"]  # nothing measured, nothing claimed
+    text = methods.table(summary)
+    assert "| dpo | 1 | 5.000 ± 0.000 | - | 0.040 ± 0.000 | - | - |" in text
+    methods.plot(summary, tmp_path / "methods.png")
+    assert (tmp_path / "methods.png").stat().st_size > 5_000

@@ -232,6 +232,9 @@ def test_resume_continues_exactly(built_run, tmp_path):
     assert not (tmp_path / "resumed" / "model").exists()
     resumed = train_sft(_config(run, 12), tmp_path / "resumed", progress=False)
     assert resumed["start_step"] == 6 and resumed["end_step"] == 12
+    # the same command once more: nothing left to train, and the summary still says how it ended
+    again = train_sft(_config(run, 12), tmp_path / "resumed", progress=False)
+    assert again["start_step"] == again["end_step"] == 12 and again["last"] == resumed["last"]
     straight = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
     again = {r["step"]: r for r in read_metrics(tmp_path / "resumed")}
     assert sorted(again) == list(range(1, 13))

@@ -110,6 +110,9 @@ def train(config, out, progress: bool = True) -> dict[str, Any]:
         if checkpointer is not None:
             checkpointer.close()
         metrics.close()
+    previous = out / "summary.json"
+    if "last" not in result and previous.is_file():  # resumed at its last step: nothing trained this time
+        result["last"] = json.loads(previous.read_text()).get("last", {})
     if not result["stopped_early"] and job.finish is not None:
         result.update(job.finish(trainer, out) or {})
     result.update(out=str(out), method=config.method, **job.summary,
