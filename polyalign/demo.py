@@ -122,7 +122,7 @@ def compare_generations(run: Path, quick: bool) -> dict:
     from polyalign.data.records import read_records
     from polyalign.generate import SamplingConfig, generate_predictions
     from polyalign.pairs import read_predictions
-    from polyalign.train.critic import CriticScorer, support_targets
+    from polyalign.train.critic_model import CriticScorer, support_targets
 
     references = json.loads((run / "stats" / "references.json").read_text())
     scorer = CriticScorer(run / "critic")

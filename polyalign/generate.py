@@ -89,6 +89,9 @@ class Sampler:
         self._run = jax.jit(self._generate)
         self.batch_multiple = 1
         if mesh is not None:
+            # every process reads every answer (a few ints per row), also when the batch spans hosts
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._run = jax.jit(self._generate, out_shardings=replicated)
             with jax.set_mesh(mesh):
                 self.state = jax.device_put(self.state, parallel.param_shardings(self.state, mesh))
             self.batch_sharding = parallel.batch_sharding(mesh)

@@ -53,7 +53,7 @@ class DriftProbe:
         self.sampler.state = None  # each call samples the trainer's current parameters; hold no copy
         self.critic = None
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
-            from polyalign.train.critic import CriticScorer
+            from polyalign.train.critic_model import CriticScorer
 
             self.critic = CriticScorer(Path(critic_dir))
 
@@ -75,7 +75,7 @@ class DriftProbe:
             "drift/empty": round(float(np.mean([not t for t in texts])), 4),
         }
         if self.references is not None:
-            from polyalign.train.critic import support_targets
+            from polyalign.train.critic_model import support_targets
 
             distance = support_targets(texts, self.buckets, self.references)
             if np.isfinite(distance).any():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
                          progress=progress)
     fresh, dropped = build_pairs(records, read_predictions(predictions_file))
     if critic_dir is not None and (critic_dir / "critic.json").is_file():
-        from polyalign.train.critic import CriticScorer, set_scores
+        from polyalign.train.critic_model import CriticScorer, set_scores
 
         scorer = CriticScorer(critic_dir)
         buckets = [p["bucket_id"] for p in fresh]
@@ -70,11 +71,10 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
     return {"pairs": len(fresh), "dropped": dropped, "path": str(out)}
 
 
-def train_rounds(config, out, progress: bool = True) -> dict[str, Any]:
-    """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>; returns the last round's summary
-    with every round's in `rounds`."""
+def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True) -> dict[str, Any]:
+    """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
+    one-run entry point); returns the last round's summary with every round's in `rounds`."""
     from polyalign.config import ConfigError
-    from polyalign.train.run import train
 
     if config.init is None:
         raise ConfigError("init is not set; pass init=PATH (the SFT checkpoint)")

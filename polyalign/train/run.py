@@ -89,7 +89,7 @@ def train(config, out, progress: bool = True) -> dict[str, Any]:
     if getattr(config, "rounds", 1) > 1:
         from polyalign.train.rounds import train_rounds
 
-        return train_rounds(config, out, progress)
+        return train_rounds(config, out, train, progress)
     started = time.perf_counter()
     out = as_path(out)
     mesh = parallel.make_mesh(config.parallel)
