@@ -110,11 +110,9 @@ def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = 
     return mapping
 
 
-def load_config_file(cls: type[T], path: Path | None, overrides: list[str] = ()) -> T:
-    """Dataclass `cls` from a YAML file (None or an empty file: all defaults) with `key=value`
-    overrides applied; unknown keys and wrong types are errors naming the file and key."""
-    raw = (load_yaml(path) if path is not None else None) or {}
+def load_mapping(path: Path | None) -> dict[str, Any]:
+    """The mapping a YAML config file holds (None or an empty file: an empty mapping)."""
+    raw = (load_yaml(Path(path)) if path is not None else None) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping")
-    apply_overrides(raw, list(overrides))
-    return from_mapping(cls, raw, str(path or "config"))
+    return raw

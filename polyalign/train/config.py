@@ -139,6 +139,19 @@ class PreferenceConfig:
     train: LoopConfig = field(default_factory=lambda: LoopConfig(global_batch=8))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def pair_files(self) -> dict[str, str]:
+        """{"pairs": ..., "val_pairs": ...}: as set, else the scored pairs in RUN/critic/."""
+        from polyalign.config import ConfigError
+
+        files = {}
+        for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
+            files[key] = getattr(self, key)
+            if files[key] is None:
+                if self.data.dir is None:
+                    raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)")
+                files[key] = f"{str(self.data.dir).rstrip('/')}/critic/{name}"
+        return files
+
 
 @dataclass(frozen=True)
 class CriticConfig:

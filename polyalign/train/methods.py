@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.config import ConfigError, apply_overrides, from_mapping, load_mapping
 from polyalign.train import config as schema
 
 
@@ -135,9 +135,7 @@ def load_config(path: Path | None, overrides: list[str] = (), method: str | None
     Unknown keys and bad values are errors naming the file and key; what only a run needs (init,
     data.dir) is checked by the method's setup, so any config can be printed."""
     where = str(path or "config")
-    raw = (load_yaml(Path(path)) if path is not None else None) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping")
+    raw = load_mapping(path)
     name = str(raw.get("method", "sft"))
     if method is not None:  # the subcommand wins over the file within a family (`train dpo` on an HDPO config)
         if "method" in raw and method_spec(name, where).config is not method_spec(method).config:

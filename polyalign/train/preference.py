@@ -185,13 +185,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     from polyalign.tokenizer import load_tokenizer
 
     require(config, "init", hint="the SFT checkpoint")
-    paths = {}
-    for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
-        paths[key] = getattr(config, key)
-        if paths[key] is None:
-            if config.data.dir is None:
-                raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)")
-            paths[key] = str(Path(config.data.dir) / "critic" / name)
+    paths = config.pair_files()
     max_length = config.data.max_length
     model = load_init(config, mesh)
     tokenizer = load_tokenizer(config.init)

@@ -75,15 +75,14 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
     """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
     one-run entry point); returns the last round's summary with every round's in `rounds`."""
     from polyalign.config import ConfigError
+    from polyalign.train.methods import require
 
-    if config.init is None:
-        raise ConfigError("init is not set; pass init=PATH (the SFT checkpoint)")
+    require(config, "init", hint="the SFT checkpoint")
     if jax.process_count() > 1:
         raise ConfigError(f"rounds={config.rounds}: on-policy rounds run in one process (the regeneration writes "
                           "local files); run each round as its own command on several hosts")
     out = as_path(out)
-    pairs = config.pairs or str(Path(config.data.dir) / "critic" / "train_pairs.jsonl")
-    val_pairs = config.val_pairs or str(Path(config.data.dir) / "critic" / "val_pairs.jsonl")
+    pairs, val_pairs = config.pair_files().values()
     critic_dir = Path(pairs).parent
     policy, summaries = config.init, []
     for r in range(1, config.rounds + 1):
