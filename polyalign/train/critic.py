@@ -37,7 +37,7 @@ from polyalign.train.critic_model import (  # noqa: F401 (MARGIN, CriticScorer: 
     support_targets,
 )
 from polyalign.train.methods import require
-from polyalign.train.run import Job, load_init
+from polyalign.train.run import Job, load_init, steps_per_epoch
 from polyalign.train.trainer import Trainer
 
 
@@ -120,7 +120,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     with parallel.unsharded():
         critic = Critic(encoder.config.hidden_size, len(buckets), config.dropout, nnx.Rngs(config.model.seed))
     regression_rows = train.regression_rows
-    steps_per_epoch = max(1, -(-regression_rows // config.train.global_batch))
+    epoch_steps = steps_per_epoch(regression_rows, config.train.global_batch)
     best: dict[str, Any] = {"loss": float("inf")}
 
     def batches(layout, loop: LoopConfig):
@@ -131,7 +131,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
         report = evaluate_split(model, val)
         loss = report["l1"] + report["hinge"] if np.isfinite(report["l1"]) else report["hinge"]
         if loss < best["loss"]:  # keep the epoch with the best validation loss
-            best.update(loss=loss, epoch=trainer.step_number // steps_per_epoch, report=report,
+            best.update(loss=loss, epoch=trainer.step_number // epoch_steps, report=report,
                         params=jax.device_get(trainer.state["params"]))
         return {f"val_{k}": round(v, 6) for k, v in report.items()}
 

@@ -47,15 +47,19 @@ class Job:
     summary: dict[str, Any] = field(default_factory=dict)  # facts known at setup (pairs, examples)
 
 
+def steps_per_epoch(epoch_size: int, global_batch: int) -> int:
+    return max(1, math.ceil(epoch_size / global_batch))
+
+
 def resolve_loop(loop: LoopConfig, epoch_size: int | None, method: str) -> LoopConfig:
     """`train.epochs` turned into steps, and `train.eval_every: null` into once per epoch."""
-    steps_per_epoch = None if epoch_size is None else max(1, math.ceil(epoch_size / loop.global_batch))
+    epoch_steps = None if epoch_size is None else steps_per_epoch(epoch_size, loop.global_batch)
     if loop.epochs is not None:
-        if steps_per_epoch is None:
+        if epoch_steps is None:
             raise ConfigError(f"train.epochs: {method} cannot tell its epoch size here (packed rows); set train.steps")
-        loop = dataclasses.replace(loop, steps=loop.epochs * steps_per_epoch)
-    if loop.eval_every is None and steps_per_epoch is not None:
-        loop = dataclasses.replace(loop, eval_every=steps_per_epoch)
+        loop = dataclasses.replace(loop, steps=loop.epochs * epoch_steps)
+    if loop.eval_every is None and epoch_steps is not None:
+        loop = dataclasses.replace(loop, eval_every=epoch_steps)
     return loop
 
 
