@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import random
 
 import pytest
 
@@ -75,6 +76,16 @@ def test_default_weights_by_hand():
     # the METHOD preset gives the 1-record bucket its extreme weight N / (K n_b)
     assert bucket_weights(COUNTS, METHOD)["en|multi|dialogue|long"] == pytest.approx(total / len(COUNTS))
     assert weights["en|multi|dialogue|long"] < 2
+
+
+def test_weights_do_not_depend_on_the_order_counts_arrive_in():
+    # a Beam build collects its counts in shard order; the weights must be bit-identical to the local build's
+    counts = {f"b{i}|x|y|z": n for i, n in enumerate([3, 7, 11, 13, 170, 1900, 23, 41, 59, 61, 700, 2])}
+    expected = bucket_weights(counts, WEIGHT_PRESETS["default"])
+    items = list(counts.items())
+    for seed in range(20):
+        random.Random(seed).shuffle(items)
+        assert bucket_weights(dict(items), WEIGHT_PRESETS["default"]) == expected
 
 
 def test_weight_options_from_a_scheme_mapping():

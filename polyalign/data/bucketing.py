@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,7 +180,9 @@ def bucket_weights(counts: Mapping[str, int], options: WeightOptions = WeightOpt
     sizes = effective_sizes(eligible, options.borrow_below)
     total = sum(eligible.values())
     raw = {b: sizes[b] ** (-options.temperature) for b in eligible}
-    scale = total / sum(eligible[b] * raw[b] for b in eligible)
+    # fsum: the same counts must give bit-identical weights whatever order they arrive in (a Beam build
+    # collects them in shard order, the single-machine build in file order)
+    scale = total / math.fsum(eligible[b] * raw[b] for b in eligible)
     for b in eligible:
         weights[b] = raw[b] * scale
     if options.clip is not None:
