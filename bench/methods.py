@@ -69,7 +69,7 @@ def evaluate_model(model: Path, run: Path, out: Path, seed: int, sizes: dict) ->
     generate_predictions(model, run / "data" / "test.jsonl", predictions, progress=False, seed=seed,
                          sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), sample=sizes["test"])
     result = evaluate(run / "data" / "test.jsonl", predictions, out / "eval", allow_partial=True,
-                      references_path=run / "stats" / "references.json")
+                      references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl")
     m = result["metrics"]
     return {"bng": m["bng"]["overall_macro"], "hcr": m["hcr"]["overall_macro"],
             "f1": m["utility"]["overall"]["qa_f1"], "bng_by_bucket": m["bng"]["by_bucket"]}

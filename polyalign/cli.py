@@ -362,29 +362,47 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--compat", choices=("reference",), help="reproduce the authors' metrics code (tokenisation, "
                                                           "constant features kept); default: CJK-aware")
     p.add_argument("--references", type=Path, help="train-only bucket references (RUN/stats/references.json) "
-                                                   "for the HCR bands; default: the test human responses")
+                                                   "for the HCR bands; default: the support's own q10-q90")
+    p.add_argument("--support", type=Path,
+                   help="human answers each bucket is measured against (RUN/data/train.jsonl, recommended): the "
+                        "test records' own human answers then become the human floor, measured exactly as the "
+                        "model's; default: the test records' human answers, floor from held-out halves of them")
+    p.add_argument("--bootstrap-draws", type=int, default=200, metavar="N",
+                   help="bootstrap draws for the intervals of BNG, HCR and F1 (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and the floor's held-out halves")
+    p.add_argument("--no-diversity", action="store_true",
+                   help="skip distinct-n and Self-BLEU (the slowest text metrics on long answers)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the echo-question and first-sentence reference rows")
     p.add_argument("--featurizer", type=_location, help="checkpoint whose mean-pooled hidden states feed MAUVE; "
                                                    "without it MAUVE is reported as skipped")
     p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
-    p.set_defaults(handler=_run_evaluate)
+    p.set_defaults(handler=_run_evaluate, parser=p)
 
 
 def _run_evaluate(args) -> int:
     from polyalign.evaluate.run import evaluate
+    from polyalign.evaluate.support import IntervalOptions
 
+    if args.bootstrap_draws < 1:
+        args.parser.error(f"--bootstrap-draws must be at least 1, got {args.bootstrap_draws}")
     result = evaluate(args.records, args.predictions, args.out, compat=args.compat or "cjk",
-                      references_path=args.references, featurizer=args.featurizer, scorer=args.scorer,
-                      allow_partial=args.allow_partial)
+                      references_path=args.references, support_path=args.support, featurizer=args.featurizer,
+                      scorer=args.scorer, allow_partial=args.allow_partial,
+                      intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
+                      diversity_metrics=not args.no_diversity, baselines=not args.no_baselines)
     m = result["metrics"]
 
     def show(value):
         return "n/a" if value is None else f"{value:.4f}"
 
+    floors = "" if m["bng"].get("floor_macro") is None else \
+        f" (human floor: BNG {show(m['bng']['floor_macro'])}, HCR {show(m['hcr']['floor_macro'])})"
     print(f"{result['alignment']['evaluated']} rows: F1 {show(m['utility']['overall']['qa_f1'])}, ROUGE-L "
           f"{show(m['utility']['overall']['rouge_l_f1'])}, BNG {show(m['bng']['overall_macro'])}, HCR "
-          f"{show(m['hcr']['overall_macro'])}, TDM {show(m['tdm']['overall_macro'])}, MAUVE "
+          f"{show(m['hcr']['overall_macro'])}{floors}, TDM {show(m['tdm']['overall_macro'])}, MAUVE "
           f"{show(m['mauve']['global']) if m['mauve']['status'] == 'computed' else 'skipped'}, aggregate "
           f"{show(m['aggregate']['overall'])}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")

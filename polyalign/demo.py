@@ -67,7 +67,7 @@ POLICY = "bucket_sft"  # the initial policy and reference of HDPO and DPO
 
 # Generation, pairs, critic and preference training on samples of the demo data: full / --quick.
 DEMO_PAIR_SAMPLES = {"train": (256, 48), "val": (64, 24)}
-DEMO_SAMPLING = dict(max_new_tokens=64, temperature=0.8, top_p=0.9)
+DEMO_SAMPLING = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9}
 DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=4"]
 
 
@@ -161,10 +161,12 @@ def _evaluate(run: Path, quick: bool) -> str:
                              sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick], seed=2)
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method, allow_partial=True,
-                          references_path=run / "stats" / "references.json", featurizer=run / POLICY / "model")
-        bng = result["metrics"]["bng"]["overall_macro"]
+                          references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
+                          featurizer=run / POLICY / "model")
+        bng, floor = result["metrics"]["bng"]["overall_macro"], result["metrics"]["bng"].get("floor_macro")
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
-                         f"BNG {'n/a' if bng is None else f'{bng:.2f}'}")
+                         f"BNG {'n/a' if bng is None else f'{bng:.2f}'}"
+                         + ("" if floor is None else f" (human floor {floor:.2f})"))
     return f"{'; '.join(summaries)} (sampled: temperature {DEMO_SAMPLING['temperature']}, top-p " \
            f"{DEMO_SAMPLING['top_p']}) -> {run / 'eval'}"
 

@@ -150,17 +150,22 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
     records = read_records(records_path)
     _write_predictions(tmp_path / "oracle.jsonl", records, lambda r: r.response)
     result = evaluate(records_path, tmp_path / "oracle.jsonl", tmp_path / "eval",
-                      references_path=run / "stats" / "references.json")
+                      references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl")
     m = result["metrics"]
     assert m["utility"]["overall"]["em"] == 1.0 and m["utility"]["overall"]["qa_f1"] == 1.0
-    assert m["bng"]["overall_macro"] == 0.0
+    # the human answers are the human floor: every bucket measured, each exactly at its floor
+    assert len(m["buckets"]) == len({r.bucket_id for r in records}) == m["bng"]["buckets"]
+    for bucket, r in m["buckets"].items():
+        assert r["bng"] == r["bng_floor"] and r["hcr"] == r["hcr_floor"], bucket
+    assert m["bng"]["gap_macro"] == 0.0 and m["bng"]["overall_macro"] > 0.0
     assert m["tdm"]["overall_macro"] == pytest.approx(1.0)
     assert m["diversity"]["overall"]["human"] == m["diversity"]["overall"]["generated"]
     assert m["mauve"]["status"] == "skipped" and m["mauve"]["global"] is None
     assert result["alignment"] == {"records": len(records), "predictions": len(records), "missing": 0,
                                    "duplicate": 0, "extra": 0, "partial": False, "evaluated": len(records)}
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert set(saved["metrics"]) == {"utility", "diversity", "bng", "hcr", "mauve", "tdm", "nuf", "aggregate"}
+    assert set(saved["metrics"]) == {"utility", "diversity", "bng", "hcr", "buckets", "reference_rows", "mauve", "tdm",
+                                     "nuf", "aggregate"}
     assert (tmp_path / "eval" / "report.html").is_file() and (tmp_path / "eval" / "frontier.png").is_file()
 
 

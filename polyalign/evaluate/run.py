@@ -3,6 +3,7 @@ records by id, written to EVAL/metrics.json and EVAL/report.html."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -16,12 +17,15 @@ import numpy as np
 from polyalign.data.records import read_records
 from polyalign.errors import EvaluationError
 from polyalign.evaluate import naturalness as nat
+from polyalign.evaluate import support as sp
+from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.text import diversity, tokens, utility_scores
 from polyalign.predictions import iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
+SUPPORT_ROWS_PER_BUCKET = 1000  # a bucket's support beyond this is a seeded sample: W1 is settled by then
 
 
 def load_predictions(path: Path) -> tuple[list[dict], Counter]:
@@ -57,6 +61,10 @@ def _mean_dict(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
 
 
+def _feature_matrix(features: dict[str, np.ndarray]) -> np.ndarray:
+    return np.stack([features[name] for name in features])
+
+
 def _features(texts: list[str]) -> dict[str, np.ndarray]:
     from polyalign.features import FEATURE_NAMES, text_features
 
@@ -81,10 +89,15 @@ def _mauve(human: list[str], generated: list[str], featurize) -> float:
 
 def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: str = "cjk",
              references_path: Path | None = None, featurizer: Path | None = None, scorer: Path | None = None,
-             allow_partial: bool = False, plots: bool = True) -> dict[str, Any]:
+             support_path: Path | None = None, allow_partial: bool = False, plots: bool = True, intervals: sp.IntervalOptions | None = None,
+             diversity_metrics: bool = True, baselines: bool = True) -> dict[str, Any]:
+    """Every metric of one predictions file. In the default mode every bucket is measured (small ones
+    against their parent group's human answers), with its human floor and bootstrap intervals, and the
+    no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code."""
     if compat not in COMPAT_MODES:
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
     started = time.perf_counter()
+    intervals = intervals or sp.IntervalOptions()
     tokenize = "reference" if compat == "reference" else "cjk"
     records = read_records(Path(records_path))
     rows, seen = load_predictions(Path(predictions_path))
@@ -107,34 +120,44 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
                              for b, idx in sorted(by_bucket_idx.items())},
                "by_dataset": {d: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)}
                               for d, idx in sorted(by_dataset_idx.items())}}
-    div = {"overall": {"human": diversity(human, tokenize), "generated": diversity(predictions, tokenize)},
-           "by_bucket": {b: {"human": diversity([human[i] for i in idx], tokenize),
-                             "generated": diversity([predictions[i] for i in idx], tokenize)}
-                         for b, idx in sorted(by_bucket_idx.items())}}
+    if diversity_metrics:
+        div = {"overall": {"human": diversity(human, tokenize), "generated": diversity(predictions, tokenize)},
+               "by_bucket": {b: {"human": diversity([human[i] for i in idx], tokenize),
+                                 "generated": diversity([predictions[i] for i in idx], tokenize)}
+                             for b, idx in sorted(by_bucket_idx.items())}}
+    else:
+        div = {"status": "skipped", "overall": {}, "by_bucket": {}}
 
     # Feature-based naturalness.
-    human_features, generated_features = _features(human), _features(predictions)
-    if scorer is not None:
-        _add_lm_features(scorer, records, predictions, human_features, generated_features)
+    lm = _lm_scorer(scorer) if scorer is not None else None
+    human_features, generated_features = _answer_features(records, None, lm), _answer_features(records, predictions, lm)
     references = json.loads(Path(references_path).read_text()) if references_path else None
-    bng, hcr, hcr_inside, sizes = {}, {}, {}, {}
-    for b, idx in sorted(by_bucket_idx.items()):
-        if len(idx) < nat.MIN_BUCKET_ROWS:
-            continue
-        h = {f: v[idx] for f, v in human_features.items()}
-        g = {f: v[idx] for f, v in generated_features.items()}
-        features = nat.usable_features(h, keep_constant=compat == "reference")
-        if references and b in references["buckets"]:
-            stats = references["buckets"][b]["features"]
-            bands = {f: (stats[f]["q10"], stats[f]["q90"]) if f in stats else nat.bands_from_values({f: h[f]})[f]
-                     for f in features}
-        else:
-            bands = nat.bands_from_values(h)
-        sizes[b] = len(idx)
-        bng[b] = nat.bucket_bng(h, g, features)
-        hcr[b], hcr_inside[b] = nat.bucket_hcr(bands, g, features)
-    bng_summary = nat.macro_and_weighted(bng, sizes)
-    hcr_summary = nat.macro_and_weighted(hcr, sizes)
+    if compat == "reference":
+        bng_metrics, hcr_metrics = _paper_naturalness(by_bucket_idx, human_features, generated_features, references)
+        bucket_reports, reference_rows = {}, {}
+    else:
+        supports = _supports(by_bucket_idx, human_features, support_path, references, intervals)
+        f1 = np.array([s["qa_f1"] for s in scores])
+        human_table = None if support_path is None else _feature_matrix(human_features)
+        measured = sp.measure(by_bucket_idx, supports, _feature_matrix(generated_features), f1, intervals, human_table)
+        bng_metrics, hcr_metrics = _naturalness_metrics(measured, intervals)
+        utility["overall"]["qa_f1_interval"] = measured["summary"]["f1"]["weighted_interval"]
+        utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
+                            "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
+        bucket_reports = measured["by_bucket"]
+        reference_rows = {"human": {"bng_macro": bng_metrics.get("floor_macro"), "hcr_macro": hcr_metrics.get("floor_macro"),
+                                    "rows": len(records)}}
+        if baselines:
+            for name in BASELINES:
+                answers = baseline_answers(name, records)
+                answer_f1 = np.array([utility_scores(a, g, tokenize)["qa_f1"] for a, g in zip(answers, human)])
+                summary = sp.measure(by_bucket_idx, supports, _feature_matrix(_answer_features(records, answers, lm)),
+                                     answer_f1, intervals, human_table)["summary"]
+                reference_rows[name] = {"bng_macro": summary["bng"]["macro"], "bng_macro_interval": summary["bng"].get("macro_interval"),
+                                        "hcr_macro": summary["hcr"]["macro"], "hcr_macro_interval": summary["hcr"].get("macro_interval"),
+                                        "f1": summary["f1"]["weighted"], "f1_interval": summary["f1"]["weighted_interval"],
+                                        "rows": len(records)}
+    bng = bng_metrics["by_bucket"]
 
     # MAUVE and conditional MAUVE.
     if featurizer is not None:
@@ -171,23 +194,25 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
     metrics = {
         "utility": utility,
         "diversity": div,
-        "bng": {"overall_macro": bng_summary["macro"], "overall_weighted": bng_summary["weighted"], "by_bucket": bng},
-        "hcr": {"overall_macro": hcr_summary["macro"], "overall_weighted": hcr_summary["weighted"],
-                "feature_inside_macro": nat.macro_and_weighted(hcr_inside, sizes)["macro"], "by_bucket": hcr,
-                "feature_inside_by_bucket": hcr_inside},
+        "bng": bng_metrics,
+        "hcr": hcr_metrics,
+        "buckets": bucket_reports,
+        "reference_rows": reference_rows,
         "mauve": mauve_metrics,
         "tdm": tdm,
         "nuf": nuf,
     }
-    metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_summary["macro"],
+    metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
                                                       mauve_metrics["global"], nuf["overall"]["hypervolume"])}
     result = {
         "config": {"records": str(records_path), "predictions": str(predictions_path), "compat": compat,
                    "tokenize": tokenize, "references": str(references_path) if references_path else None,
+                   "support": str(support_path) if support_path else None,
                    "featurizer": str(featurizer) if featurizer else None, "scorer": str(scorer) if scorer else None,
                    "allow_partial": allow_partial, "profile": profiles, "models": models,
                    "test_rows": alignment["evaluated"], "min_bucket_rows": nat.MIN_BUCKET_ROWS,
-                   "seconds": None},
+                   "intervals": None if compat == "reference" else dataclasses.asdict(intervals),
+                   "diversity": diversity_metrics, "seconds": None},
         "alignment": alignment,
         "metrics": metrics,
     }
@@ -201,6 +226,98 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
         write_evaluation_report(result, [len(tokens(t, tokenize)) for t in human],
                                 [len(tokens(t, tokenize)) for t in predictions], buckets, out)
     return result
+
+
+def _paper_naturalness(by_bucket_idx, human_features, generated_features, references) -> tuple[dict, dict]:
+    """BNG and HCR as the authors' code computes them: buckets with at least MIN_BUCKET_ROWS rows only,
+    every feature (constant ones too), HCR as the share with every feature inside its band."""
+    bng, hcr, hcr_inside, sizes = {}, {}, {}, {}
+    for b, idx in sorted(by_bucket_idx.items()):
+        if len(idx) < nat.MIN_BUCKET_ROWS:
+            continue
+        h = {f: v[idx] for f, v in human_features.items()}
+        g = {f: v[idx] for f, v in generated_features.items()}
+        features = nat.usable_features(h, keep_constant=True)
+        if references and b in references["buckets"]:
+            stats = references["buckets"][b]["features"]
+            bands = {f: (stats[f]["q10"], stats[f]["q90"]) if f in stats else nat.bands_from_values({f: h[f]})[f]
+                     for f in features}
+        else:
+            bands = nat.bands_from_values(h)
+        sizes[b] = len(idx)
+        bng[b] = nat.bucket_bng(h, g, features)
+        hcr[b], hcr_inside[b] = nat.bucket_hcr(bands, g, features)
+    bng_summary, hcr_summary = nat.macro_and_weighted(bng, sizes), nat.macro_and_weighted(hcr, sizes)
+    return ({"overall_macro": bng_summary["macro"], "overall_weighted": bng_summary["weighted"], "by_bucket": bng},
+            {"overall_macro": hcr_summary["macro"], "overall_weighted": hcr_summary["weighted"], "definition": "paper",
+             "feature_inside_macro": nat.macro_and_weighted(hcr_inside, sizes)["macro"], "by_bucket": hcr,
+             "feature_inside_by_bucket": hcr_inside})
+
+
+def _support_sample(path: Path, seed: int) -> tuple[list[str], dict[str, list[int]]]:
+    """Human answers of a support file (the train split), at most SUPPORT_ROWS_PER_BUCKET per bucket
+    (a seeded sample), and their rows by bucket."""
+    by_bucket: dict[str, list[str]] = defaultdict(list)
+    for record in read_records(path):
+        by_bucket[record.bucket_id].append(record.response)
+    texts, rows = [], {}
+    for bucket, answers in sorted(by_bucket.items()):
+        if len(answers) > SUPPORT_ROWS_PER_BUCKET:
+            answers = random.Random(f"{seed}:{bucket}").sample(answers, SUPPORT_ROWS_PER_BUCKET)
+        rows[bucket] = list(range(len(texts), len(texts) + len(answers)))
+        texts += answers
+    return texts, rows
+
+
+def _supports(by_bucket_idx, human_features, support_path: Path | None, references,
+              options: sp.IntervalOptions) -> dict[str, sp.Support]:
+    """Each bucket's human support: the human answers of a separate support file (the train split)
+    when given, else the test records' own; the bucket's, or its parent group's when it has fewer than
+    MIN_BUCKET_ROWS; bands from the bucket's train references when the pool is its own."""
+    names = list(human_features)
+    if support_path is None:
+        table, pool_rows = _feature_matrix(human_features), by_bucket_idx
+    else:
+        from polyalign.features import FEATURE_NAMES
+
+        texts, pool_rows = _support_sample(Path(support_path), options.seed)
+        if set(names) != set(FEATURE_NAMES):
+            raise EvaluationError("a support file measures the text features only; it cannot be combined with "
+                                  "--scorer")
+        table = _feature_matrix(_features(texts))
+    supports = {}
+    for bucket, (pool, rows) in sp.choose_pools(list(by_bucket_idx), pool_rows, nat.MIN_BUCKET_ROWS).items():
+        position = {row: i for i, row in enumerate(rows)}
+        own = [position[i] for i in by_bucket_idx[bucket]] if support_path is None else []
+        reference = references["buckets"].get(bucket) if references and pool == bucket else None
+        supports[bucket] = sp.make_support(table[:, rows], names, pool, own, reference, options)
+    return supports
+
+
+def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[dict, dict]:
+    """The default mode's BNG and HCR sections of metrics.json: averages with intervals and floors,
+    what they cover, and per-bucket maps (the full per-bucket reports are under metrics.buckets)."""
+    by_bucket, summary = measured["by_bucket"], measured["summary"]
+
+    def per_bucket(key):
+        return {b: r[key] for b, r in by_bucket.items() if r.get(key) is not None}
+
+    def section(metric):
+        s = summary[metric]
+        return {"overall_macro": s["macro"], "overall_weighted": s["weighted"],
+                "macro_interval": s.get("macro_interval"), "weighted_interval": s.get("weighted_interval"),
+                "floor_macro": s.get("floor_macro"), "buckets": s["buckets"], "rows": s["rows"],
+                "backed_off": s.get("backed_off", []), "by_bucket": per_bucket(metric),
+                "interval_by_bucket": per_bucket(f"{metric}_interval"), "floor_by_bucket": per_bucket(f"{metric}_floor")}
+
+    bng = section("bng") | {"gap_macro": summary["bng"].get("gap_macro"),
+                            "gap_macro_interval": summary["bng"].get("gap_macro_interval"),
+                            "gap_by_bucket": per_bucket("bng_gap")}
+    inside = per_bucket("feature_inside")
+    hcr = section("hcr") | {"definition": "calibrated", "coverage": options.coverage,
+                            "strict_by_bucket": per_bucket("hcr_strict"), "feature_inside_by_bucket": inside,
+                            "feature_inside_macro": float(np.mean(list(inside.values()))) if inside else None}
+    return bng, hcr
 
 
 def _finite(value):
@@ -223,13 +340,22 @@ def _featurizer(checkpoint: Path):
     return lambda texts: encode_responses(model, tokenizer, list(texts), 512, 16, progress=False)
 
 
-def _add_lm_features(scorer: Path, records, predictions, human_features, generated_features) -> None:
-    from polyalign.lm_features import LMScorer, record_lm_features
+def _lm_scorer(scorer: Path):
+    from polyalign.lm_features import LMScorer
     from polyalign.model import load_hf_checkpoint
     from polyalign.tokenizer import load_tokenizer
 
-    lm = LMScorer(load_hf_checkpoint(scorer), load_tokenizer(scorer))
-    for target, rows in ((human_features, record_lm_features(lm, records)),
-                         (generated_features, record_lm_features(lm, records, predictions))):
+    return LMScorer(load_hf_checkpoint(scorer), load_tokenizer(scorer))
+
+
+def _answer_features(records, answers: list[str] | None, lm) -> dict[str, np.ndarray]:
+    """Text features of the answers (the records' own human answers when None), and the LM features
+    when a scorer is loaded."""
+    features = _features([r.response for r in records] if answers is None else answers)
+    if lm is not None:
+        from polyalign.lm_features import record_lm_features
+
+        rows = record_lm_features(lm, records, answers)
         for name in rows[0]:
-            target[name] = np.array([r[name] for r in rows], float)
+            features[name] = np.array([r[name] for r in rows], float)
+    return features
