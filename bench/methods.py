@@ -61,18 +61,35 @@ def shared_runs(out: Path, quick: bool) -> dict[str, Path]:
     return {"default": run, "method": method}
 
 
-def evaluate_model(model: Path, run: Path, out: Path, seed: int, sizes: dict) -> dict:
+def evaluate_model(model: Path | None, run: Path, out: Path, seed: int, sizes: dict) -> dict:
+    """Test answers sampled from the model (kept ones reused when `model` is None), evaluated against
+    the train split's human support."""
     from polyalign.evaluate.run import evaluate
     from polyalign.generate import SamplingConfig, generate_predictions
 
     predictions = out / "test_predictions.jsonl"
-    generate_predictions(model, run / "data" / "test.jsonl", predictions, progress=False, seed=seed,
-                         sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), sample=sizes["test"])
+    if model is not None:
+        generate_predictions(model, run / "data" / "test.jsonl", predictions, progress=False, seed=seed,
+                             sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), sample=sizes["test"])
     result = evaluate(run / "data" / "test.jsonl", predictions, out / "eval", allow_partial=True,
-                      references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl")
+                      references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
+                      diversity_metrics=False)
     m = result["metrics"]
-    return {"bng": m["bng"]["overall_macro"], "hcr": m["hcr"]["overall_macro"],
-            "f1": m["utility"]["overall"]["qa_f1"], "bng_by_bucket": m["bng"]["by_bucket"]}
+    return {"bng": m["bng"]["overall_macro"], "bng_floor": m["bng"]["floor_macro"], "bng_gap": m["bng"]["gap_macro"],
+            "hcr": m["hcr"]["overall_macro"], "hcr_floor": m["hcr"]["floor_macro"],
+            "f1": m["utility"]["overall"]["qa_f1"], "bng_by_bucket": m["bng"]["by_bucket"],
+            "bng_gap_by_bucket": m["bng"]["gap_by_bucket"],
+            "baselines": {name: {"bng": row["bng_macro"], "hcr": row["hcr_macro"], "f1": row.get("f1")}
+                          for name, row in m["reference_rows"].items()}}
+
+
+def reevaluate(seed_dir: Path, runs: dict[str, Path], sizes: dict) -> dict[str, dict]:
+    """A finished seed's kept test answers evaluated again (after a change to the evaluation)."""
+    results = json.loads((seed_dir / "results.json").read_text())
+    seed = int(seed_dir.name.split("-")[1])
+    for name, entry in results.items():
+        entry.update(evaluate_model(None, runs["default"], seed_dir / name, seed, sizes))
+    return results
 
 
 def run_seed(seed: int, runs: dict[str, Path], out: Path, sizes: dict, methods: list[str]) -> dict[str, dict]:
@@ -124,14 +141,24 @@ def aggregate(per_seed: dict[int, dict[str, dict]]) -> dict[str, dict]:
     for method in methods:
         runs = [results[method] for results in per_seed.values() if method in results]
         entry: dict = {"seeds": len(runs)}
-        for key in ("val_loss", "val_worst_bucket", "bng", "hcr", "f1"):
+        for key in ("val_loss", "val_worst_bucket", "bng", "bng_floor", "bng_gap", "hcr", "hcr_floor", "f1"):
             values = [r[key] for r in runs if r.get(key) is not None]
             if values:
                 entry[key] = {"mean": round(float(np.mean(values)), 4), "std": round(float(np.std(values)), 4)}
-        buckets = sorted({b for r in runs for b in r["bng_by_bucket"]})
-        entry["bng_by_bucket"] = {b: round(float(np.mean([r["bng_by_bucket"][b] for r in runs
-                                                          if b in r["bng_by_bucket"]])), 4) for b in buckets}
+        for key in ("bng_by_bucket", "bng_gap_by_bucket"):
+            buckets = sorted({b for r in runs for b in r.get(key, {})})
+            entry[key] = {b: round(float(np.mean([r[key][b] for r in runs if b in r[key]])), 4) for b in buckets}
         summary[method] = entry
+    # people and the no-model answers, measured the same way on each seed's test sample
+    rows = [next((r["baselines"] for r in results.values() if "baselines" in r), None) for results in per_seed.values()]
+    rows = [row for row in rows if row]
+    for name in (rows[0] if rows else {}):
+        entry = {"seeds": len(rows)}
+        for key in ("bng", "hcr", "f1"):
+            values = [row[name][key] for row in rows if row[name].get(key) is not None]
+            if values:
+                entry[key] = {"mean": round(float(np.mean(values)), 4), "std": round(float(np.std(values)), 4)}
+        summary[f"({name})"] = entry
     return summary
 
 
@@ -139,12 +166,12 @@ def table(summary: dict[str, dict]) -> str:
     def cell(entry, key):
         return f"{entry[key]['mean']:.3f} ± {entry[key]['std']:.3f}" if key in entry else "-"
 
-    lines = ["| method | seeds | BNG macro (lower = closer to people) | HCR macro | F1 | val loss | worst bucket |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | seeds | BNG macro (lower = closer to people) | BNG - human floor | HCR macro (human floor) | F1 "
+             "| val loss | worst bucket |", "|---|---|---|---|---|---|---|---|"]
     for method, entry in summary.items():
-        lines.append(f"| {method} | {entry['seeds']} | " + " | ".join(cell(entry, k) for k in
-                                                                     ("bng", "hcr", "f1", "val_loss", "val_worst_bucket"))
-                     + " |")
+        hcr = cell(entry, "hcr") + (f" ({entry['hcr_floor']['mean']:.2f})" if "hcr_floor" in entry else "")
+        lines.append(f"| {method} | {entry['seeds']} | {cell(entry, 'bng')} | {cell(entry, 'bng_gap')} | {hcr} | "
+                     + " | ".join(cell(entry, k) for k in ("f1", "val_loss", "val_worst_bucket")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +202,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=[*SFT_METHODS, *PREFERENCE_METHODS],
                         choices=[*SFT_METHODS, *PREFERENCE_METHODS])
     parser.add_argument("--quick", action="store_true", help="tiny steps and samples: checks that it runs")
+    parser.add_argument("--reevaluate", action="store_true",
+                        help="evaluate finished seeds' kept test answers again (after a change to the evaluation)")
     args = parser.parse_args()
     sizes = SIZES[args.quick]
     started = time.perf_counter()
@@ -182,6 +211,8 @@ def main() -> int:
     per_seed = {}
     for seed in args.seeds:
         done = args.out / f"seed-{seed}" / "results.json"
+        if done.is_file() and args.reevaluate:
+            done.write_text(json.dumps(reevaluate(done.parent, runs, sizes), indent=1) + "\n")
         if not done.is_file():
             results = run_seed(seed, runs, args.out / f"seed-{seed}", sizes, args.methods)
             done.write_text(json.dumps(results, indent=1) + "\n")

@@ -223,8 +223,10 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
     if plots:
         from polyalign.reports.evaluation import write_evaluation_report
 
+        samples = {b: [{"question": records[i].question, "human": human[i], "model": predictions[i]} for i in idx[:3]]
+                   for b, idx in sorted(by_bucket_idx.items())}
         write_evaluation_report(result, [len(tokens(t, tokenize)) for t in human],
-                                [len(tokens(t, tokenize)) for t in predictions], buckets, out)
+                                [len(tokens(t, tokenize)) for t in predictions], buckets, out, samples)
     return result
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 from collections.abc import Sequence
@@ -51,6 +52,45 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
+def _embedded(path: Path) -> str:
+    """An <img> carrying its PNG inline, so that report.html is one self-contained file."""
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f"<p><img alt='{html.escape(path.name)}' src='data:image/png;base64,{data}'></p>"
+
+
+def _interval(values) -> str:
+    return "—" if not values else f"[{values[0]:.3f}, {values[1]:.3f}]"
+
+
+def _bucket_label(bucket: str, report: dict) -> str:
+    return f"{bucket} (n={report['rows']}{', backed off to ' + report['pool'] if report['backed_off'] else ''})"
+
+
+def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: Path) -> str:
+    """One metric per bucket: the model's value with its interval, the human floor with its interval
+    beside it, n and back-off in the labels."""
+    names = [b for b, r in buckets.items() if r.get(metric) is not None]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * len(names)))
+    y = np.arange(len(names))
+
+    def bars(key, offset, label, color):
+        values = [buckets[b].get(key) for b in names]
+        shown = [np.nan if v is None else v for v in values]
+        errors = np.array([[v - (buckets[b].get(f"{key}_interval") or [v, v])[0],
+                            (buckets[b].get(f"{key}_interval") or [v, v])[1] - v] if v is not None else [0, 0]
+                           for b, v in zip(names, values)]).T
+        ax.barh(y + offset, shown, height=0.38, xerr=errors, capsize=2, label=label, color=color)
+
+    bars(metric, 0.0, "model", "#4C72B0")
+    if any(buckets[b].get(f"{metric}_floor") is not None for b in names):
+        bars(f"{metric}_floor", 0.4, "human floor", "#999999")
+    ax.set_yticks(y + 0.2, [_bucket_label(b, buckets[b]) for b in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path) -> str:
     """Grouped horizontal bars: one group per bucket, one bar per series (run or metric)."""
     buckets = sorted({b for values in series.values() for b in values})
@@ -66,18 +106,22 @@ def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path) ->
     return _save(fig, path)
 
 
-def _frontier(runs: dict[str, dict], path: Path) -> str:
+def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False) -> str:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, nuf in runs.items():
-        points = list(nuf.get("points", {}).values())
+        points = nuf.get("points", {})
         if points:
-            ax.scatter([p["utility"] for p in points], [p["naturalness"] for p in points], s=14, alpha=0.5)
+            ax.scatter([p["utility"] for p in points.values()], [p["naturalness"] for p in points.values()], s=14,
+                       alpha=0.5)
+        if label_points:
+            for bucket, p in points.items():
+                ax.annotate(bucket, (p["utility"], p["naturalness"]), fontsize=5, alpha=0.8)
         front = nuf.get("frontier") or []
         if front:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post",
                     label=f"{name} (HV {_fmt(nuf.get('hypervolume'))})")
-    ax.set_xlabel("utility (F1)")
-    ax.set_ylabel("naturalness")
+    ax.set_xlabel("utility (F1, higher is better)")
+    ax.set_ylabel("naturalness 1/(1 + BNG) (higher is more human-like)")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_title("Naturalness-utility frontier (one point per bucket)")
@@ -117,7 +161,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[str, s
 
 def _page(title: str, sections: list[str]) -> str:
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}img{max-width:100%}")
+             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}img{max-width:100%}"
+             ".sample{border-left:3px solid #ccc;padding:2px 8px;margin:6px 0;font-size:13px}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style>" \
            f"</head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>"
 
@@ -130,20 +175,106 @@ def _settings(result: dict) -> str:
             f"{html.escape(str(result['metrics']['mauve']['status']))}.{partial}</p>")
 
 
+def _reference_rows(m: dict) -> tuple[str, str]:
+    """People and the no-model answers, measured as the model is."""
+    rows = [("model", _fmt(m["bng"]["overall_macro"]), _interval(m["bng"].get("macro_interval")),
+             _fmt(m["hcr"]["overall_macro"]), _interval(m["hcr"].get("macro_interval")),
+             _fmt(m["utility"]["overall"].get("qa_f1")), _interval(m["utility"]["overall"].get("qa_f1_interval")))]
+    for name, row in m.get("reference_rows", {}).items():
+        rows.append((name, _fmt(row.get("bng_macro")), _interval(row.get("bng_macro_interval")), _fmt(row.get("hcr_macro")),
+                     _interval(row.get("hcr_macro_interval")), _fmt(row.get("f1")), _interval(row.get("f1_interval"))))
+    hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
+    return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval", "F1", "interval"], rows)
+
+
+def _bucket_table(buckets: dict[str, dict]) -> tuple[str, str]:
+    rows = []
+    for bucket, r in buckets.items():
+        support = r["pool"] + (" (backed off)" if r["backed_off"] else "") + f", {r['pool_rows']} answers, bands: {r['bands']}"
+        rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), _interval(r.get("bng_interval")),
+                     _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")), _fmt(r.get("hcr")), _interval(r.get("hcr_interval")),
+                     _fmt(r.get("hcr_floor")), _fmt(r.get("f1")),
+                     ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
+    return _table(["bucket", "rows", "support", "BNG", "interval", "human floor", "gap", "HCR", "interval",
+                   "human floor", "F1", "features farthest from people (W1/std)"], rows)
+
+
+def _samples(samples: dict[str, list[dict]]) -> str:
+    parts = []
+    for bucket, rows in samples.items():
+        parts.append(f"<h3>{html.escape(bucket)}</h3>")
+        for row in rows:
+            parts.append("<div class='sample'><b>prompt</b> " + html.escape(row["question"][:300]) + "<br><b>human</b> "
+                         + html.escape(row["human"][:600]) + "<br><b>model</b> " + html.escape(row["model"][:600])
+                         + "</div>")
+    return "".join(parts)
+
+
 def write_evaluation_report(result: dict, human_lengths: Sequence[int], generated_lengths: Sequence[int],
-                            buckets: Sequence[str], out: Path) -> Path:
-    """OUT/report.html of one evaluation; the lengths (in evaluation tokens) are per row, as `buckets`."""
+                            buckets: Sequence[str], out: Path, samples: dict[str, list[dict]] | None = None) -> Path:
+    """OUT/report.html of one evaluation, self-contained (images inline; the PNGs are kept beside it);
+    the lengths (in evaluation tokens) are per row, as `buckets`."""
     m = result["metrics"]
     table, _ = _table(["metric", "value"], [(name, _fmt(_get(m, path))) for name, path in OVERALL_ROWS])
-    per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
-                  "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
-    images = [_bucket_bars({k: v for k, v in per_bucket.items() if v}, "Per bucket", out / "buckets.png"),
-              _length_distributions(human_lengths, generated_lengths, buckets, out / "lengths.png"),
-              _frontier({"run": m["nuf"]["overall"]}, out / "frontier.png")]
-    sections = [_settings(result), "<h2>Overall</h2>", table] + [f"<p><img src='{i}'></p>" for i in images]
+    sections = [_settings(result), "<h2>Overall</h2>", table]
+    images = []
+    if m.get("buckets"):
+        reference_html, _ = _reference_rows(m)
+        bucket_html, _ = _bucket_table(m["buckets"])
+        bng, hcr = m["bng"], m["hcr"]
+        summary = (f"<p>BNG {_fmt(bng['overall_macro'])} {_interval(bng.get('macro_interval'))} against a human "
+                   f"floor of {_fmt(bng.get('floor_macro'))}: the model's answers are {_fmt(bng.get('gap_macro'))} "
+                   "farther from the people of their buckets than people's own answers to the same prompts (macro "
+                   f"over {bng['buckets']} buckets, {bng['rows']} rows; {len(bng.get('backed_off', []))} small "
+                   "buckets measured against their parent group). Intervals: bootstrap over responses, "
+                   f"{result['config'].get('intervals', {}).get('draws', '?')} draws.</p>")
+        sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html,
+                     "<h2>Per bucket</h2>", bucket_html]
+        images += [_metric_by_bucket(m["buckets"], "bng", "BNG per bucket (lower is more human-like)", out / "bng.png"),
+                   _metric_by_bucket(m["buckets"], "hcr", f"Calibrated HCR per bucket (higher is more human-like; "
+                                     f"people land near {hcr.get('coverage', 0.9):g})", out / "hcr.png"),
+                   _metric_by_bucket(m["buckets"], "f1", "F1 per bucket (higher is better)", out / "f1.png")]
+    else:
+        per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
+                      "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
+        images.append(_bucket_bars({k: v for k, v in per_bucket.items() if v}, "Per bucket", out / "buckets.png"))
+    images += [_length_distributions(human_lengths, generated_lengths, buckets, out / "lengths.png"),
+               _frontier({"run": m["nuf"]["overall"]}, out / "frontier.png", label_points=True)]
+    sections += [_embedded(out / i) for i in images]
+    if samples:
+        sections += ["<h2>Sample answers beside a human one</h2>", _samples(samples)]
     path = out / "report.html"
     path.write_text(_page("polyalign evaluation", sections), encoding="utf-8")
     return path
+
+
+def _separated(a: dict, b: dict, path: Sequence[str]) -> str:
+    """Whether two runs' intervals of one number overlap."""
+    first, second = _get(a, path), _get(b, path)
+    if not first or not second:
+        return "no interval"
+    return "outside the intervals" if first[1] < second[0] or second[1] < first[0] else "within the intervals"
+
+
+INTERVAL_ROWS = (
+    ("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval")),
+    ("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval")),
+    ("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
+)
+
+
+def _differences(runs: dict[str, dict]) -> tuple[str, str]:
+    """Each run against the first on the numbers that carry intervals: the difference, and whether
+    the two intervals are apart (a difference a reader can rely on) or overlap."""
+    first_name, first = next(iter(runs.items()))
+    rows = []
+    for name, run in list(runs.items())[1:]:
+        for metric, value_path, interval_path in INTERVAL_ROWS:
+            a, b = _get(first["metrics"], value_path), _get(run["metrics"], value_path)
+            difference = "—" if a is None or b is None else f"{b - a:+.4f}"
+            rows.append((f"{name} - {first_name}", metric, difference,
+                         _separated(first["metrics"], run["metrics"], interval_path)))
+    return _table(["runs", "metric", "difference", "intervals"], rows)
 
 
 def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None) -> dict[str, Any]:
@@ -165,19 +296,20 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     unequal = len({(r["alignment"]["evaluated"], tuple(r["config"]["profile"])) for r in runs.values()}) > 1
     table_html, table_md = _table(header, rows)
     settings_html, settings_md = _table(["setting", *runs], settings_rows)
+    differences_html, differences_md = _differences(runs)
     images = [
         _bucket_bars({n: {b: v["qa_f1"] for b, v in r["metrics"]["utility"]["by_bucket"].items()}
                       for n, r in runs.items()}, "F1 per bucket", out / "f1_by_bucket.png"),
         _bucket_bars({n: r["metrics"]["bng"]["by_bucket"] for n, r in runs.items()},
                      "BNG per bucket (lower is more human-like)", out / "bng_by_bucket.png"),
-        _bucket_bars({n: r["metrics"]["hcr"]["by_bucket"] for n, r in runs.items()}, "HCR per bucket",
-                     out / "hcr_by_bucket.png"),
+        _bucket_bars({n: r["metrics"]["hcr"]["by_bucket"] for n, r in runs.items()},
+                     "HCR per bucket (higher is more human-like)", out / "hcr_by_bucket.png"),
         _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png"),
     ]
     warning = "<p><b>The runs differ in test size or profile mode; compare with care.</b></p>" if unequal else ""
-    sections = ["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html] + \
-        [f"<p><img src='{i}'></p>" for i in images]
+    sections = ["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
+                "<h2>Which differences the intervals support</h2>", differences_html] + [_embedded(out / i) for i in images]
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
-    (out / "report.md").write_text("# polyalign comparison\n\n" + settings_md + "\n" + table_md + "\n" +
-                                   "".join(f"![{i}]({i})\n" for i in images), encoding="utf-8")
+    (out / "report.md").write_text("# polyalign comparison\n\n" + settings_md + "\n" + table_md + "\n" + differences_md
+                                   + "\n" + "".join(f"![{i}]({i})\n" for i in images), encoding="utf-8")
     return {"runs": list(runs), "unequal_settings": unequal, "out": str(out)}
