@@ -1,6 +1,9 @@
 """Time `polyalign evaluate` (text metrics, no featurizer or scorer) on N rows.
 
-    python bench/evaluate_throughput.py [--rows 50000]
+    python bench/evaluate_throughput.py [--rows 50000] [--compat reference] [--no-diversity]
+
+The default mode includes every bucket's human floor (held-out halves, the test answers being the
+support), 200 bootstrap draws and the two no-model baselines.
 
 Rows are the authors' English sample (../shared/data/en/polyalign-sample/dist_sft_test.json, 2,000
 records) repeated under new ids until N, with the first sentence of the context (or question) as the
@@ -29,6 +32,8 @@ def first_sentence(text: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=50_000)
+    parser.add_argument("--compat", choices=("cjk", "reference"), default="cjk")
+    parser.add_argument("--no-diversity", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from polyalign.data.prepare import prepare
@@ -51,11 +56,13 @@ def main() -> None:
                 prediction = first_sentence(record["context"] or record["question"])
                 predictions.write(json.dumps({"id": record["id"], "prediction": prediction}) + "\n")
         started = time.perf_counter()
-        evaluate(tmp / "records.jsonl", tmp / "pred.jsonl", tmp / "eval", compat="reference", plots=False)
+        evaluate(tmp / "records.jsonl", tmp / "pred.jsonl", tmp / "eval", compat=args.compat, plots=False,
+                 diversity_metrics=not args.no_diversity)
         seconds = time.perf_counter() - started
-    result = {"rows": args.rows, "seconds": round(seconds, 1), "rows_per_s": round(args.rows / seconds, 1)}
-    print(f"evaluate, {args.rows} rows (text metrics, compat reference): {seconds:.1f} s, "
-          f"{args.rows / seconds:.0f} rows/s")
+    result = {"rows": args.rows, "compat": args.compat, "diversity": not args.no_diversity,
+              "seconds": round(seconds, 1), "rows_per_s": round(args.rows / seconds, 1)}
+    print(f"evaluate, {args.rows} rows (text metrics, compat {args.compat}, diversity "
+          f"{'off' if args.no_diversity else 'on'}): {seconds:.1f} s, {args.rows / seconds:.0f} rows/s")
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "evaluate_throughput.json").write_text(json.dumps(result, indent=2))
 

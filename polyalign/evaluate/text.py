@@ -93,19 +93,26 @@ def sentence_bleu(references: Sequence[Sequence[str]], hypothesis: Sequence[str]
     """Sentence BLEU with uniform weights and smoothing method 1, as NLTK defines them: clipped n-gram
     precisions, epsilon / denominator for a zero count, the closest reference length for the brevity
     penalty, and 0 when no unigram matches."""
+    return _bleu([_ngram_table(r, max_n) for r in references], [len(r) for r in references],
+                 _ngram_table(hypothesis, max_n), len(hypothesis), epsilon)
+
+
+def _ngram_table(tokens_: Sequence[str], max_n: int) -> list[Counter]:
+    return [_ngrams(tokens_, n) for n in range(1, max_n + 1)]
+
+
+def _bleu(references: Sequence[list[Counter]], reference_lengths: Sequence[int], hypothesis: list[Counter],
+          hyp_len: int, epsilon: float) -> float:
+    """sentence_bleu from n-gram counts made once per text (Self-BLEU reuses each text's counts as a
+    reference for every other candidate, which is where its time went)."""
+    max_n = len(hypothesis)
     numerators, denominators = [], []
-    for n in range(1, max_n + 1):
-        counts = _ngrams(hypothesis, n)
-        max_ref = Counter()
-        for reference in references:
-            for gram, count in _ngrams(reference, n).items():
-                max_ref[gram] = max(max_ref[gram], count)
-        numerators.append(sum(min(count, max_ref[gram]) for gram, count in counts.items()))
+    for n, counts in enumerate(hypothesis):
+        numerators.append(sum(min(count, max(r[n].get(gram, 0) for r in references)) for gram, count in counts.items()))
         denominators.append(max(1, sum(counts.values())))
     if numerators[0] == 0:
         return 0.0
-    hyp_len = len(hypothesis)
-    ref_len = min((len(r) for r in references), key=lambda r: (abs(r - hyp_len), r))
+    ref_len = min(reference_lengths, key=lambda r: (abs(r - hyp_len), r))
     if hyp_len == 0:
         return 0.0
     brevity = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
@@ -127,12 +134,16 @@ def self_bleu(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_ref
     token_lists = [t for t in (tokens(x, tokenize) for x in texts) if t]
     if len(token_lists) < 2:
         return 0.0
+    tables = [_ngram_table(t, 4) for t in token_lists]
+    lengths = [len(t) for t in token_lists]
     scores = []
-    for i, candidate in enumerate(token_lists):
-        references = token_lists[:i] + token_lists[i + 1:]
-        if len(references) > max_references:
-            references = rng.sample(references, max_references)
-        scores.append(sentence_bleu(references, candidate))
+    for i in range(len(token_lists)):
+        others = [j for j in range(len(token_lists)) if j != i]
+        if len(others) > max_references:
+            # the reference code samples the token lists themselves; sampling their indices in the same
+            # order draws the same ones
+            others = rng.sample(others, max_references)
+        scores.append(_bleu([tables[j] for j in others], [lengths[j] for j in others], tables[i], lengths[i], 0.1))
     return sum(scores) / len(scores)
 
 
