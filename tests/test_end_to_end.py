@@ -152,6 +152,9 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     # Generation, pairs, the critic, HDPO and DPO.
     critic = json.loads((run / "critic" / "critic.json").read_text())
     assert critic["val_pairs"] > 10 and 0 <= critic["val"]["ranking_accuracy"] <= 1
+    # human-vs-model AUC over all validation responses, and per bucket where both sides exist
+    assert 0 <= critic["val"]["auc"] <= 1 and critic["val"]["auc_by_bucket"]
+    assert set(critic["val"]["auc_by_bucket"]) <= set(critic["buckets"])
     assert all("critic_chosen" in p for p in read_jsonl(run / "critic" / "train_pairs.jsonl"))
     for method in ("hdpo", "dpo"):
         steps = read_metrics(run / method)

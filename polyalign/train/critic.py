@@ -82,15 +82,31 @@ def check_not_collapsed(human: np.ndarray, generated: np.ndarray, tolerance: flo
                              "critic); refusing to write scores onto the pairs")
 
 
-def evaluate_split(critic: Critic, split: EncodedPairs) -> dict[str, float]:
+def human_model_auc(human: np.ndarray, generated: np.ndarray) -> float | None:
+    """ROC AUC of telling people from the model by a lower critic score: the chance that a random human
+    response scores below a random model response (ties count half), over all responses, not just the
+    pairs. 0.5 is chance."""
+    from sklearn.metrics import roc_auc_score
+
+    if not len(human) or not len(generated):
+        return None
+    labels = np.concatenate([np.ones(len(human)), np.zeros(len(generated))])
+    return float(roc_auc_score(labels, -np.concatenate([human, generated])))
+
+
+def evaluate_split(critic: Critic, split: EncodedPairs, buckets: list[str]) -> dict[str, Any]:
     human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
     predicted = np.concatenate([human, generated])
     target = np.concatenate([split.target_human, split.target_model])
     has = ~np.isnan(target)
+    by_bucket = {buckets[b]: human_model_auc(human[split.bucket == b], generated[split.bucket == b])
+                 for b in np.unique(split.bucket) if b < len(buckets)}
     return {"l1": float(np.abs(predicted[has] - target[has]).mean()) if has.any() else float("nan"),
             "ranking_accuracy": float((human < generated).mean()),
+            "auc": human_model_auc(human, generated),
             "hinge": float(np.maximum(0.0, MARGIN - generated + human).mean()),
-            "human_mean": float(human.mean()), "model_mean": float(generated.mean())}
+            "human_mean": float(human.mean()), "model_mean": float(generated.mean()),
+            "auc_by_bucket": {b: round(v, 4) for b, v in sorted(by_bucket.items()) if v is not None}}
 
 
 def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
@@ -128,16 +144,16 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
 
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         model = trainer.model(jax.device_get(trainer.state["params"]))
-        report = evaluate_split(model, val)
+        report = evaluate_split(model, val, buckets)
         loss = report["l1"] + report["hinge"] if np.isfinite(report["l1"]) else report["hinge"]
         if loss < best["loss"]:  # keep the epoch with the best validation loss
             best.update(loss=loss, epoch=trainer.step_number // epoch_steps, report=report,
                         params=jax.device_get(trainer.state["params"]))
-        return {f"val_{k}": round(v, 6) for k, v in report.items()}
+        return {f"val_{k}": round(v, 6) if isinstance(v, float) else v for k, v in report.items()}
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         critic = trainer.model(best["params"])
-        train_report = evaluate_split(critic, train)
+        train_report = evaluate_split(critic, train, buckets)
         for split, pairs in ((train, train_pairs), (val, val_pairs)):
             human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
             check_not_collapsed(human, generated)
@@ -164,5 +180,6 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
 def summary_line(result: dict[str, Any]) -> str:
     val = result["val"]
     return (f"critic: best epoch {result['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
-            f"{val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs\n"
+            f"{val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs, human-vs-model AUC "
+            f"{val['auc']:.3f} (0.5 is chance)\n"
             f"scored pairs: {result['out']}/train_pairs.jsonl, {result['out']}/val_pairs.jsonl")
