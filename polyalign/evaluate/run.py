@@ -20,7 +20,7 @@ from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
-from polyalign.evaluate.text import diversity, tokens, utility_scores
+from polyalign.evaluate.text import diversity, token_f1, tokens, utility_scores
 from polyalign.predictions import iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
@@ -148,9 +148,10 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
         reference_rows = {"human": {"bng_macro": bng_metrics.get("floor_macro"), "hcr_macro": hcr_metrics.get("floor_macro"),
                                     "rows": len(records)}}
         if baselines:
+            human_tokens = [tokens(h, tokenize) for h in human]
             for name in BASELINES:
                 answers = baseline_answers(name, records)
-                answer_f1 = np.array([utility_scores(a, g, tokenize)["qa_f1"] for a, g in zip(answers, human)])
+                answer_f1 = np.array([token_f1(tokens(a, tokenize), g) for a, g in zip(answers, human_tokens)])
                 summary = sp.measure(by_bucket_idx, supports, _feature_matrix(_answer_features(records, answers, lm)),
                                      answer_f1, intervals, human_table)["summary"]
                 reference_rows[name] = {"bng_macro": summary["bng"]["macro"], "bng_macro_interval": summary["bng"].get("macro_interval"),

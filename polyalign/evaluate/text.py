@@ -8,8 +8,8 @@ import random
 import re
 import string
 import unicodedata
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 
 from polyalign.data.text import CJK_IDEOGRAPH
 
@@ -93,23 +93,27 @@ def sentence_bleu(references: Sequence[Sequence[str]], hypothesis: Sequence[str]
     """Sentence BLEU with uniform weights and smoothing method 1, as NLTK defines them: clipped n-gram
     precisions, epsilon / denominator for a zero count, the closest reference length for the brevity
     penalty, and 0 when no unigram matches."""
-    return _bleu([_ngram_table(r, max_n) for r in references], [len(r) for r in references],
-                 _ngram_table(hypothesis, max_n), len(hypothesis), epsilon)
+    clipped = []
+    for n in range(1, max_n + 1):
+        max_ref: Counter = Counter()
+        for reference in references:
+            max_ref |= _ngrams(reference, n)
+        clipped.append({gram: max_ref[gram] for gram in _ngrams(hypothesis, n)})
+    return _bleu(_ngram_table(hypothesis, max_n), clipped, len(hypothesis), [len(r) for r in references], epsilon)
 
 
 def _ngram_table(tokens_: Sequence[str], max_n: int) -> list[Counter]:
     return [_ngrams(tokens_, n) for n in range(1, max_n + 1)]
 
 
-def _bleu(references: Sequence[list[Counter]], reference_lengths: Sequence[int], hypothesis: list[Counter],
-          hyp_len: int, epsilon: float) -> float:
-    """sentence_bleu from n-gram counts made once per text (Self-BLEU reuses each text's counts as a
-    reference for every other candidate, which is where its time went)."""
+def _bleu(hypothesis: list[Counter], reference_max: list[Mapping], hyp_len: int, reference_lengths: Sequence[int],
+          epsilon: float) -> float:
+    """BLEU from the hypothesis' n-gram counts and, for each of its n-grams, the largest count in any
+    reference."""
     max_n = len(hypothesis)
-    numerators, denominators = [], []
-    for n, counts in enumerate(hypothesis):
-        numerators.append(sum(min(count, max(r[n].get(gram, 0) for r in references)) for gram, count in counts.items()))
-        denominators.append(max(1, sum(counts.values())))
+    numerators = [sum(min(count, reference_max[n].get(gram, 0)) for gram, count in counts.items())
+                  for n, counts in enumerate(hypothesis)]
+    denominators = [max(1, sum(counts.values())) for counts in hypothesis]
     if numerators[0] == 0:
         return 0.0
     ref_len = min(reference_lengths, key=lambda r: (abs(r - hyp_len), r))
@@ -126,7 +130,11 @@ def _bleu(references: Sequence[list[Counter]], reference_lengths: Sequence[int],
 def self_bleu(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_references: int = 100,
               seed: int = 42) -> float:
     """Self-BLEU-4 with the reference code's sampling: a fresh Random(seed); at most max_texts texts;
-    texts without tokens dropped; each candidate against up to max_references of the others."""
+    texts without tokens dropped; each candidate against up to max_references of the others.
+
+    Each text's n-grams are counted once, and an n-gram's largest count among a candidate's references
+    is looked up in the n-gram's postings (the texts that contain it): most 3- and 4-grams occur in one
+    text only, so this is far cheaper than scanning every reference for every n-gram."""
     rng = random.Random(seed)
     texts = list(texts)
     if len(texts) > max_texts:
@@ -135,15 +143,22 @@ def self_bleu(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_ref
     if len(token_lists) < 2:
         return 0.0
     tables = [_ngram_table(t, 4) for t in token_lists]
-    lengths = [len(t) for t in token_lists]
+    postings: list[dict[tuple, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(4)]
+    for index, table in enumerate(tables):
+        for n, counts in enumerate(table):
+            for gram, count in counts.items():
+                postings[n][gram].append((index, count))
     scores = []
-    for i in range(len(token_lists)):
+    for i, table in enumerate(tables):
         others = [j for j in range(len(token_lists)) if j != i]
         if len(others) > max_references:
             # the reference code samples the token lists themselves; sampling their indices in the same
             # order draws the same ones
             others = rng.sample(others, max_references)
-        scores.append(_bleu([tables[j] for j in others], [lengths[j] for j in others], tables[i], lengths[i], 0.1))
+        chosen = set(others)
+        reference_max = [{gram: max((c for j, c in postings[n][gram] if j in chosen), default=0) for gram in counts}
+                         for n, counts in enumerate(table)]
+        scores.append(_bleu(table, reference_max, len(token_lists[i]), [len(token_lists[j]) for j in others], 0.1))
     return sum(scores) / len(scores)
 
 
