@@ -1,6 +1,7 @@
 """The default evaluation's human support, floors, intervals and calibrated HCR: the pieces by hand and
 against scipy, then on real human answers of the bundled data."""
 
+import json
 import math
 
 import numpy as np
@@ -155,3 +156,16 @@ def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_ru
     # that one is what BNG is for
     for name in ("first_clause", "echo_question"):
         assert results[name]["hcr"]["overall_macro"] < human["hcr"]["overall_macro"] - 0.2, name
+
+
+def test_a_missing_support_file_is_named(demo_run, tmp_path, capsys):
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    records = run / "data" / "test.jsonl"
+    predictions = tmp_path / "p.jsonl"
+    predictions.write_text("".join(json.dumps({"id": json.loads(line)["id"], "prediction": "hello"}) + "\n"
+                                   for line in records.read_text().splitlines()))
+    assert main(["evaluate", "--records", str(records), "--predictions", str(predictions), "--out",
+                 str(tmp_path / "eval"), "--support", str(tmp_path / "missing.jsonl"), "--no-diversity"]) == 2
+    assert "missing.jsonl: no such support file" in capsys.readouterr().err

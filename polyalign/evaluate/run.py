@@ -4,6 +4,7 @@ records by id, written to EVAL/metrics.json and EVAL/report.html."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -272,6 +273,17 @@ def _support_sample(path: Path, seed: int) -> tuple[list[str], dict[str, list[in
     return texts, rows
 
 
+@functools.lru_cache(maxsize=2)
+def _support_table(path: str, modified_ns: int, size: int, seed: int) -> tuple[np.ndarray, dict[str, list[int]]]:
+    """The support's feature table (read-only) and rows by bucket, kept for the next evaluation against
+    the same unchanged file: the demo and the methods bench evaluate several models against one train
+    split."""
+    texts, rows = _support_sample(Path(path), seed)
+    table = _feature_matrix(_features(texts))
+    table.flags.writeable = False
+    return table, rows
+
+
 def _supports(by_bucket_idx, human_features, support_path: Path | None, references,
               options: sp.IntervalOptions) -> dict[str, sp.Support]:
     """Each bucket's human support: the human answers of a separate support file (the train split)
@@ -283,11 +295,15 @@ def _supports(by_bucket_idx, human_features, support_path: Path | None, referenc
     else:
         from polyalign.features import FEATURE_NAMES
 
-        texts, pool_rows = _support_sample(Path(support_path), options.seed)
         if set(names) != set(FEATURE_NAMES):
             raise EvaluationError("a support file measures the text features only; it cannot be combined with "
                                   "--scorer")
-        table = _feature_matrix(_features(texts))
+        path = Path(support_path).resolve()
+        if not path.is_file():
+            raise EvaluationError(f"{support_path}: no such support file; pass the train split's records "
+                                  "(RUN/data/train.jsonl)")
+        stat = path.stat()
+        table, pool_rows = _support_table(str(path), stat.st_mtime_ns, stat.st_size, options.seed)
     supports = {}
     for bucket, (pool, rows) in sp.choose_pools(list(by_bucket_idx), pool_rows, nat.MIN_BUCKET_ROWS).items():
         position = {row: i for i, row in enumerate(rows)}
