@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -23,10 +22,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO.parent / "shared" / "data" / "en" / "polyalign-sample" / "dist_sft_test.json"
-
-
-def first_sentence(text: str) -> str:
-    return re.split(r"(?<=[.!?。！？])\s+|\n+", text.strip(), maxsplit=1)[0].strip()
 
 
 def main() -> None:
@@ -38,6 +33,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
+    from polyalign.evaluate.baselines import first_sentence
     from polyalign.evaluate.run import evaluate
     from tests.conftest import write_config
 

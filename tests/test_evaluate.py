@@ -4,12 +4,12 @@ published diversity values on their English sample."""
 import json
 import math
 import random
-import re
 
 import numpy as np
 import pytest
 
 from polyalign.evaluate import naturalness as nat
+from polyalign.evaluate.baselines import first_sentence
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.run import EvaluationError, evaluate
 from polyalign.evaluate.text import (distinct_n, normalize_answer, rouge_l_f1, self_bleu, sentence_bleu, token_f1,
@@ -194,10 +194,6 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
     markdown = (tmp_path / "cmp" / "report.md").read_text()
     assert "| test rows | 297 | 300 |" in markdown and "| F1 |" in markdown
     assert "differ in test size or profile mode" in (tmp_path / "cmp" / "report.html").read_text()
-
-
-def first_sentence(text: str) -> str:
-    return re.split(r"(?<=[.!?。！？])\s+|\n+", text.strip(), maxsplit=1)[0].strip()
 
 
 @pytest.mark.slow
