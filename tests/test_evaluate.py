@@ -41,6 +41,45 @@ def test_distinct_by_hand():
     assert distinct_n([["a"]], 3) == 0.0
 
 
+def test_jackknife_interval_of_distinct_n_equals_recomputing_each_left_out_group():
+    from scipy.stats import norm
+
+    from polyalign.evaluate.text import _jackknife_interval
+
+    rng = random.Random(1)
+    lists = [[rng.choice("abcdefgh") for _ in range(rng.randint(0, 9))] for _ in range(37)]
+    for n in (1, 2, 3):
+        z = norm.ppf(0.975)
+        groups = np.array_split(np.random.default_rng(5).permutation(len(lists)), 6)
+        left_out = np.array([distinct_n([t for i, t in enumerate(lists) if i not in set(g)], n) for g in groups])
+        se = math.sqrt(5 / 6 * ((left_out - left_out.mean()) ** 2).sum())
+        point = distinct_n(lists, n)
+        low, high = _jackknife_interval(lists, n, 6, 5, z)
+        assert (low, high) == pytest.approx((max(0, point - z * se), min(1, point + z * se)), abs=1e-12)
+    assert _jackknife_interval([["a", "b"]], 1, 20, 0, 1.96) is None  # one text: nothing to leave out
+
+
+def test_diversity_intervals_on_real_answers_match_the_spread_over_fresh_samples(demo_run):
+    """Real text: the jackknife's standard error of Distinct-2 at n = 80, and the bootstrap interval of
+    Self-BLEU, against the spread of those numbers over disjoint samples of 80 train answers."""
+    from polyalign.data.records import read_records
+    from polyalign.evaluate.text import diversity_with_intervals
+
+    run, _, _ = demo_run
+    answers = [r.response for r in read_records(run / "data" / "train.jsonl") if r.language == "en"]
+    random.Random(0).shuffle(answers)
+    samples = [answers[i:i + 80] for i in range(0, 80 * 12, 80)]
+    measured = [diversity_with_intervals(sample, "cjk", 200, 0, 0.95) for sample in samples]
+    for key in ("distinct_2", "self_bleu_4"):
+        values = np.array([v[key] for v, _ in measured])
+        half_widths = np.array([(i[key][1] - i[key][0]) / 2 for _, i in measured])
+        spread = values.std(ddof=1) * 1.96  # what a 95% interval's half-width should be
+        assert 0.5 < half_widths.mean() / spread < 2.0, (key, half_widths.mean(), spread)
+        assert all(i[key][0] <= v[key] <= i[key][1] for v, i in measured)
+    values, _ = measured[0]
+    assert values["self_bleu_4"] == pytest.approx(self_bleu(samples[0], "cjk"))
+
+
 def test_sentence_bleu_matches_nltk():
     from nltk.translate.bleu_score import SmoothingFunction
     from nltk.translate.bleu_score import sentence_bleu as nltk_bleu

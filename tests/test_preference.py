@@ -174,12 +174,16 @@ def test_support_targets_skip_constant_features(demo_run):
     references = json.loads((run / "stats" / "references.json").read_text())
     bucket, reference = next(iter(references["buckets"].items()))
     text = "A short answer."
-    everything = support_distance(text_features(text), reference, references["features"])
-    nonconstant = [n for n in references["features"] if reference["features"][n]["std"] > 1e-12]
-    targets = support_targets([text, text], [bucket, "xx|none"], references)
-    assert targets[0] == pytest.approx(support_distance(text_features(text), reference, nonconstant), rel=1e-6)
-    assert np.isnan(targets[1])  # no reference for that bucket
-    assert len(nonconstant) < len(references["features"]) and everything >= 0
+    features = text_features(text)
+    for counts, stats in (("raw", reference["features"]), ("per_token", {**reference["features"], **reference["rates"]})):
+        everything = support_distance(features, reference, references["features"], counts=counts)
+        nonconstant = [n for n in references["features"] if stats[n]["std"] > 1e-12]
+        targets = support_targets([text, text], [bucket, "xx|none"], references, counts=counts)
+        assert targets[0] == pytest.approx(support_distance(features, reference, nonconstant, counts=counts), rel=1e-6)
+        assert np.isnan(targets[1])  # no reference for that bucket
+        assert len(nonconstant) < len(references["features"]) and everything >= 0
+    # a count constant in raw units can vary as a rate and the reverse (every token is tagged X in v1)
+    assert reference["features"]["pos_x_count"]["std"] > 0 and reference["rates"]["pos_x_count"]["std"] == 0
 
 
 def _preference_batch(rng, n, length, vocab):
@@ -452,8 +456,9 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
 
 @pytest.mark.slow
 def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer, tmp_path, capsys):
-    """rounds=2 end to end on a tiny model: round 2's rejected side is round 1's policy answering the
-    same prompts, rescored by the critic and reweighted; a second run of the command skips both rounds."""
+    """rounds=2 end to end on a tiny model: interrupted inside round 1, the same command resumes it from
+    its checkpoint; round 2's rejected side is round 1's policy answering the same prompts, the critic is
+    retrained on those pairs (refresh_critic) and scores them; a third run of the command trains nothing."""
     from polyalign.cli import main
     from polyalign.pairs import read_pairs
 
@@ -464,23 +469,35 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
                  f"val_pairs={tmp_path / 'val.jsonl'}", f"data.dir={demo_run[0]}", "train.epochs=1"]) == 0
     command = ["train", "hdpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(tmp_path / "out"),
                "--no-progress", f"init={tmp_path / 'init'}", f"pairs={critic / 'train_pairs.jsonl'}",
-               f"val_pairs={critic / 'val_pairs.jsonl'}", "rounds=2", "train.steps=1", "train.global_batch=4",
-               "train.eval_every=1", "train.checkpoint_every=1", "data.max_length=96", "drift_prompts=2",
-               "drift_new_tokens=4", "on_policy.max_new_tokens=8"]
+               f"val_pairs={critic / 'val_pairs.jsonl'}", "rounds=2", "train.steps=2", "train.global_batch=4",
+               "train.eval_every=2", "train.checkpoint_every=1", "data.max_length=96", "drift_prompts=2",
+               "drift_new_tokens=4", "on_policy.max_new_tokens=8", "on_policy.refresh_critic=true"]
+    out = tmp_path / "out"
+    assert main(command + ["train.stop_at=1"]) == 0  # interrupted inside round 1
+    assert not (out / "round-2").exists() and not (out / "summary.json").exists()
     assert main(command) == 0
     assert "(round 2 of 2)" in capsys.readouterr().out
-    out = tmp_path / "out"
+    round1 = json.loads((out / "round-1" / "summary.json").read_text())
+    assert (round1["start_step"], round1["end_step"]) == (1, 2)  # resumed from its checkpoint
     original = {p["id"]: p for p in read_pairs(critic / "train_pairs.jsonl")}
     regenerated = read_pairs(out / "round-2" / "pairs" / "train_pairs.jsonl")
     answers = {json.loads(line)["id"]: json.loads(line) for line in
                (out / "round-2" / "pairs" / "policy_answers.jsonl").read_text().splitlines()}
     assert regenerated and all(answers[p["id"]]["model"] == "round-1" for p in regenerated)
+    assert sum(p["rejected"] != original[p["id"]]["rejected"] for p in regenerated) > 0
+    # the refreshed critic: trained on round 2's pairs, with the first critic's settings, scoring them
+    refreshed = json.loads((out / "round-2" / "critic" / "critic.json").read_text())
+    assert refreshed["config"]["pairs"] == str(out / "round-2" / "pairs" / "train_pairs.jsonl")
+    assert refreshed["config"]["dropout"] == json.loads((critic / "critic.json").read_text())["config"]["dropout"]
+    scored = {p["id"]: p for p in read_pairs(out / "round-2" / "critic" / "train_pairs.jsonl")}
+    assert scored.keys() == {p["id"] for p in regenerated}
     for pair in regenerated:
         assert pair["chosen"] == original[pair["id"]]["chosen"]  # the human side stays
-        assert "critic_chosen" in pair and "critic_rejected" in pair and pair["weight"] > 0
-    assert sum(p["rejected"] != original[p["id"]]["rejected"] for p in regenerated) > 0
+        assert scored[pair["id"]]["rejected"] == pair["rejected"] and "critic_rejected" in scored[pair["id"]]
+        assert scored[pair["id"]]["weight"] > 0
     round2 = json.loads((out / "round-2" / "config.json").read_text())
     assert round2["init"] == str(out / "round-1" / "model") and round2["rounds"] == 1
+    assert round2["pairs"] == str(out / "round-2" / "critic" / "train_pairs.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [1, 2] and summary["model"] == str(out / "round-2" / "model")
     before = (out / "round-2" / "metrics.jsonl").read_text()

@@ -21,7 +21,7 @@ from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
-from polyalign.evaluate.text import diversity, token_f1, tokens, utility_scores
+from polyalign.evaluate.text import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
 from polyalign.predictions import iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
@@ -122,10 +122,12 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
                "by_dataset": {d: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)}
                               for d, idx in sorted(by_dataset_idx.items())}}
     if diversity_metrics:
-        div = {"overall": {"human": diversity(human, tokenize), "generated": diversity(predictions, tokenize)},
-               "by_bucket": {b: {"human": diversity([human[i] for i in idx], tokenize),
-                                 "generated": diversity([predictions[i] for i in idx], tokenize)}
-                             for b, idx in sorted(by_bucket_idx.items())}}
+        def side_by_side(idx):
+            return _diversity([human[i] for i in idx], [predictions[i] for i in idx], tokenize,
+                              None if compat == "reference" else intervals)
+
+        div = {"overall": side_by_side(range(len(human))),
+               "by_bucket": {b: side_by_side(idx) for b, idx in sorted(by_bucket_idx.items())}}
     else:
         div = {"status": "skipped", "overall": {}, "by_bucket": {}}
 
@@ -230,6 +232,18 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
         write_evaluation_report(result, [len(tokens(t, tokenize)) for t in human],
                                 [len(tokens(t, tokenize)) for t in predictions], buckets, out, samples)
     return result
+
+
+def _diversity(human: list[str], generated: list[str], tokenize: str,
+               intervals: sp.IntervalOptions | None) -> dict[str, Any]:
+    """Distinct-n and Self-BLEU of the human answers and the predictions, with intervals unless None."""
+    if intervals is None:
+        return {"human": diversity(human, tokenize), "generated": diversity(generated, tokenize)}
+    section = {}
+    for side, texts in (("human", human), ("generated", generated)):
+        section[side], section[f"{side}_interval"] = diversity_with_intervals(
+            texts, tokenize, intervals.draws, intervals.seed, intervals.level)
+    return section
 
 
 def _paper_naturalness(by_bucket_idx, human_features, generated_features, references) -> tuple[dict, dict]:

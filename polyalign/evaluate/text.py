@@ -11,6 +11,8 @@ import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from polyalign.data.text import CJK_IDEOGRAPH
 
 TOKENIZATIONS = ("cjk", "reference")
@@ -130,7 +132,16 @@ def _bleu(hypothesis: list[Counter], reference_max: list[Mapping], hyp_len: int,
 def self_bleu(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_references: int = 100,
               seed: int = 42) -> float:
     """Self-BLEU-4 with the reference code's sampling: a fresh Random(seed); at most max_texts texts;
-    texts without tokens dropped; each candidate against up to max_references of the others.
+    texts without tokens dropped; each candidate against up to max_references of the others: the mean
+    of self_bleu_scores."""
+    scores = self_bleu_scores(texts, tokenize, max_texts, max_references, seed)
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+def self_bleu_scores(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_references: int = 100,
+                     seed: int = 42) -> list[float]:
+    """Each sampled candidate's BLEU-4 against its sampled references (see self_bleu); none for fewer
+    than two texts with tokens.
 
     Each text's n-grams are counted once, and an n-gram's largest count among a candidate's references
     is looked up in the n-gram's postings (the texts that contain it): most 3- and 4-grams occur in one
@@ -141,7 +152,7 @@ def self_bleu(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_ref
         texts = rng.sample(texts, max_texts)
     token_lists = [t for t in (tokens(x, tokenize) for x in texts) if t]
     if len(token_lists) < 2:
-        return 0.0
+        return []
     tables = [_ngram_table(t, 4) for t in token_lists]
     postings: list[dict[tuple, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(4)]
     for index, table in enumerate(tables):
@@ -159,10 +170,65 @@ def self_bleu(texts: Sequence[str], tokenize: str, max_texts: int = 500, max_ref
         reference_max = [{gram: max((c for j, c in postings[n][gram] if j in chosen), default=0) for gram in counts}
                          for n, counts in enumerate(table)]
         scores.append(_bleu(table, reference_max, len(token_lists[i]), [len(token_lists[j]) for j in others], 0.1))
-    return sum(scores) / len(scores)
+    return scores
 
 
 def diversity(texts: Sequence[str], tokenize: str) -> dict[str, float]:
     token_lists = [tokens(t, tokenize) for t in texts]
     return {"distinct_1": distinct_n(token_lists, 1), "distinct_2": distinct_n(token_lists, 2),
             "distinct_3": distinct_n(token_lists, 3), "self_bleu_4": self_bleu(texts, tokenize)}
+
+
+def diversity_with_intervals(texts: Sequence[str], tokenize: str, draws: int, seed: int, level: float,
+                             groups: int = 20) -> tuple[dict[str, float], dict[str, list[float] | None]]:
+    """diversity(texts) and a central `level` interval for each of its numbers.
+
+    Distinct-n is a ratio over the whole set, not a mean over responses: a bootstrap draw repeats
+    responses and so lowers it, and a subset has fewer repeats and raises it. Its interval is the
+    grouped jackknife's normal interval at the full size (the responses in `groups` seeded groups, each
+    left out once). Self-BLEU is a mean of one score per candidate, bootstrapped over the candidates
+    (`draws`). None where there are too few responses."""
+    from scipy.stats import norm
+
+    token_lists = [tokens(t, tokenize) for t in texts]
+    scores = self_bleu_scores(texts, tokenize)
+    values = {f"distinct_{n}": distinct_n(token_lists, n) for n in (1, 2, 3)}
+    values["self_bleu_4"] = sum(scores) / len(scores) if scores else 0.0
+    z = float(norm.ppf(0.5 + level / 2))
+    intervals: dict[str, list[float] | None] = {
+        f"distinct_{n}": _jackknife_interval(token_lists, n, groups, seed, z) for n in (1, 2, 3)}
+    if len(scores) >= 2:
+        rng = np.random.default_rng(seed)
+        means = np.asarray(scores)[rng.integers(0, len(scores), (draws, len(scores)))].mean(axis=1)
+        tail = (1 - level) / 2
+        intervals["self_bleu_4"] = [float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))]
+    else:
+        intervals["self_bleu_4"] = None
+    return values, intervals
+
+
+def _jackknife_interval(token_lists: Sequence[Sequence[str]], n: int, groups: int, seed: int,
+                        z: float) -> list[float] | None:
+    """distinct_n ± z·se, se from the delete-a-group jackknife; each group's n-gram counts are taken
+    off the totals, so the whole costs one pass over the n-grams."""
+    per_text = [_ngrams(t, n) for t in token_lists]
+    groups = min(groups, sum(1 for c in per_text if c))
+    if groups < 2:
+        return None
+    order = np.random.default_rng(seed).permutation(len(per_text))
+    total: Counter = Counter()
+    for counts in per_text:
+        total.update(counts)
+    all_grams = sum(total.values())
+    estimates = []
+    for members in np.array_split(order, groups):
+        left_out: Counter = Counter()
+        for i in members:
+            left_out.update(per_text[i])
+        kept = all_grams - sum(left_out.values())
+        vanished = sum(1 for gram, count in left_out.items() if total[gram] == count)
+        estimates.append((len(total) - vanished) / kept if kept else 0.0)
+    estimates = np.asarray(estimates)
+    se = math.sqrt((groups - 1) / groups * float(((estimates - estimates.mean()) ** 2).sum()))
+    point = len(total) / all_grams
+    return [max(0.0, point - z * se), min(1.0, point + z * se)]

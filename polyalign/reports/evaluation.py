@@ -187,6 +187,20 @@ def _reference_rows(m: dict) -> tuple[str, str]:
     return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval", "F1", "interval"], rows)
 
 
+DIVERSITY_COLUMNS = (("distinct_1", "Distinct-1"), ("distinct_2", "Distinct-2"), ("distinct_3", "Distinct-3"),
+                     ("self_bleu_4", "Self-BLEU-4 (lower is more diverse)"))
+
+
+def _diversity_table(overall: dict) -> tuple[str, str]:
+    """People's answers and the model's side by side, each number with its interval where measured."""
+    rows = []
+    for side, name in (("human", "people"), ("generated", "model")):
+        intervals = overall.get(f"{side}_interval") or {}
+        rows.append((name, *(_fmt(overall[side][key]) + (f" {_interval(intervals[key])}" if intervals.get(key) else "")
+                             for key, _ in DIVERSITY_COLUMNS)))
+    return _table(["answers", *(label for _, label in DIVERSITY_COLUMNS)], rows)
+
+
 def _bucket_table(buckets: dict[str, dict]) -> tuple[str, str]:
     rows = []
     for bucket, r in buckets.items():
@@ -230,6 +244,11 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                    f"{result['config'].get('intervals', {}).get('draws', '?')} draws.</p>")
         sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html,
                      "<h2>Per bucket</h2>", bucket_html]
+    if m["diversity"].get("overall"):
+        diversity_html, _ = _diversity_table(m["diversity"]["overall"])
+        sections += ["<h2>Diversity</h2>", diversity_html,
+                     "<p>Intervals: Distinct-n by the grouped jackknife (20 groups), Self-BLEU by bootstrap over its "
+                     "candidates.</p>"]
         images += [_metric_by_bucket(m["buckets"], "bng", "BNG per bucket (lower is more human-like)", out / "bng.png"),
                    _metric_by_bucket(m["buckets"], "hcr", f"Calibrated HCR per bucket (higher is more human-like; "
                                      f"people land near {hcr.get('coverage', 0.9):g})", out / "hcr.png"),
@@ -260,6 +279,10 @@ INTERVAL_ROWS = (
     ("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval")),
     ("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval")),
     ("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
+    ("Distinct-2", ("diversity", "overall", "generated", "distinct_2"),
+     ("diversity", "overall", "generated_interval", "distinct_2")),
+    ("Self-BLEU-4", ("diversity", "overall", "generated", "self_bleu_4"),
+     ("diversity", "overall", "generated_interval", "self_bleu_4")),
 )
 
 

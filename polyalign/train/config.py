@@ -107,6 +107,9 @@ class OnPolicySection:
     max_new_tokens: int = 128
     temperature: float = 0.8
     top_p: float = 0.9
+    # retrain the critic head on each round's pairs (people vs the current policy) before scoring them;
+    # otherwise the first critic scores every round
+    refresh_critic: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,10 @@ class CriticConfig:
     # nonconstant: the support distance skips features constant in the bucket's human reference
     # (see references.support_distance); all: every feature, as the reference code did.
     distance_features: str = "nonconstant"
+    # per_token: count features as per-token rates and the length by its position in the bucket's own
+    # distribution, so length alone is neither rewarded nor punished; raw: METHOD section 5 as the
+    # reference code computes it (see references.support_distance).
+    distance_counts: str = "per_token"
     pair_batch: int = 8  # ranking pairs per step (train.global_batch counts regression rows)
     dropout: float = 0.1
     model: ModelSection = field(default_factory=lambda: ModelSection(seed=42))

@@ -70,9 +70,13 @@ def encode_pairs(pairs, model, tokenizer, references, bucket_index, config, prog
                               progress)
     unknown = len(bucket_index)
     skip = config.distance_features == "nonconstant"
+
+    def targets(texts):
+        return support_targets(texts, names, references, skip, config.distance_counts)
+
     return EncodedPairs(pooled[:len(pairs)], pooled[len(pairs):],
-                  np.array([bucket_index.get(b, unknown) for b in names], np.int32),
-                  support_targets(human, names, references, skip), support_targets(generated, names, references, skip))
+                        np.array([bucket_index.get(b, unknown) for b in names], np.int32),
+                        targets(human), targets(generated))
 
 
 def check_not_collapsed(human: np.ndarray, generated: np.ndarray, tolerance: float = 1e-6) -> None:
@@ -123,6 +127,9 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     if references_path is None or not references_path.is_file():
         raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` or pass references=")
     references = json.loads(references_path.read_text())
+    if config.distance_counts == "per_token" and not all("rates" in r for r in references["buckets"].values()):
+        raise ConfigError(f"{references_path}: made before references had per-token rates; rerun "
+                          "`polyalign stats RUN`, or set distance_counts=raw")
     train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))
     val_pairs = val_pairs[:config.data.eval_limit]
     if not train_pairs or not val_pairs:

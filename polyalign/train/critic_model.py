@@ -44,7 +44,8 @@ class Critic(nnx.Module):
         return self.out(x)[..., 0]
 
 
-def support_targets(texts: list[str], buckets: list[str], references: dict, skip_constant: bool = True) -> np.ndarray:
+def support_targets(texts: list[str], buckets: list[str], references: dict, skip_constant: bool = True,
+                    counts: str = "per_token") -> np.ndarray:
     """d(y, b) for each response from its own text features; NaN where the bucket has no reference."""
     from polyalign.features import text_features
     from polyalign.references import support_distance
@@ -54,7 +55,7 @@ def support_targets(texts: list[str], buckets: list[str], references: dict, skip
     for i, (text, bucket) in enumerate(zip(texts, buckets)):
         reference = references["buckets"].get(bucket)
         if reference is not None:
-            targets[i] = support_distance(text_features(text), reference, names, skip_constant)
+            targets[i] = support_distance(text_features(text), reference, names, skip_constant, counts)
     return targets
 
 

@@ -91,4 +91,11 @@ class DriftProbe:
 def load_references(run: str | None) -> dict | None:
     """RUN/stats/references.json, or None when there is no run or no stats."""
     path = Path(run) / "stats" / "references.json" if run else None
-    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+    if path is None or not path.is_file():
+        return None
+    references = json.loads(path.read_text())
+    if not all("rates" in r for r in references["buckets"].values()):
+        print(f"note: {path} predates per-token rates; drift is logged without the support distance "
+              "(rerun `polyalign stats RUN` to have it)")
+        return None
+    return references

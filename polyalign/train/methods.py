@@ -185,7 +185,10 @@ def check_config(config: Any, where: str = "config") -> None:
         if not 0.0 <= config.label_smoothing < 0.5:
             raise ConfigError(f"{where}: label_smoothing must be in [0, 0.5), got {config.label_smoothing}")
     elif isinstance(config, schema.CriticConfig):
+        from polyalign.references import COUNTS
+
         _check_choice(where, "distance_features", config.distance_features, schema.DISTANCE_FEATURES)
+        _check_choice(where, "distance_counts", config.distance_counts, COUNTS)
         if config.data.pack:
             raise ConfigError(f"{where}: data.pack: the critic reads pooled encodings, which have nothing to pack")
 

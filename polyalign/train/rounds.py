@@ -3,8 +3,10 @@
 One offline round trains against the initial policy's answers, which stop describing the policy as
 soon as it moves. With rounds, every round after the first starts by letting the current policy
 answer the training prompts again: its answers become the rejected side, the critic (when the pairs
-came from a critic folder) rescores both sides, and the pair weights are recomputed. Round r trains
-from round r-1's model, which is also its reference, for `train.steps` steps.
+came from a critic folder) rescores both sides, and the pair weights are recomputed. With
+`on_policy.refresh_critic`, the critic head is first retrained on those pairs (OUT/round-<r>/critic/,
+the first critic's settings), since the answers it was trained to tell from people's were the initial
+policy's. Round r trains from round r-1's model, which is also its reference, for `train.steps` steps.
 
 OUT/round-<r>/ is a complete run (pairs, metrics with drift, checkpoints, model). Running the same
 command again skips finished rounds and resumes an interrupted one from its checkpoint; the
@@ -71,6 +73,22 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
     return {"pairs": len(fresh), "dropped": dropped, "path": str(out)}
 
 
+def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callable[..., dict[str, Any]],
+                   progress: bool = True) -> Path:
+    """OUT: the critic of `critic_dir` retrained, with its own settings, on the pairs of `pairs_path`
+    (validated on its validation pairs); OUT/train_pairs.jsonl are those pairs scored by it. A finished
+    OUT is kept."""
+    from polyalign.config import from_mapping
+    from polyalign.train.config import CriticConfig
+
+    if not (out / "critic.json").is_file():
+        settings = json.loads((critic_dir / "critic.json").read_text())["config"]
+        config = from_mapping(CriticConfig, settings, str(critic_dir / "critic.json"))
+        config = dataclasses.replace(config, pairs=str(pairs_path), val_pairs=str(critic_dir / "val_pairs.jsonl"))
+        train(config, out, progress)
+    return out
+
+
 def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True) -> dict[str, Any]:
     """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
     one-run entry point); returns the last round's summary with every round's in `rounds`."""
@@ -84,6 +102,10 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
     out = as_path(out)
     pairs, val_pairs = config.pair_files().values()
     critic_dir = Path(pairs).parent
+    refresh = config.on_policy.refresh_critic
+    if refresh and not (critic_dir / "critic.json").is_file():
+        raise ConfigError(f"on_policy.refresh_critic: {critic_dir} has no critic.json; the pairs must come from "
+                          "`polyalign train critic`")
     policy, summaries = config.init, []
     for r in range(1, config.rounds + 1):
         directory = _round_dir(out, r)
@@ -93,13 +115,18 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
             if r > 1:
                 regenerated = directory / "pairs" / "train_pairs.jsonl"
                 if not regenerated.is_file():
-                    regenerate_pairs(policy, pairs, directory / "pairs", critic_dir, config, progress)
+                    regenerate_pairs(policy, pairs, directory / "pairs", None if refresh else critic_dir, config, progress)
                 round_pairs = str(regenerated)
+                if refresh:
+                    critic_dir = refresh_critic(critic_dir, regenerated, directory / "critic", train, progress)
+                    round_pairs = str(critic_dir / "train_pairs.jsonl")
             round_config = dataclasses.replace(config, rounds=1, init=str(policy), pairs=round_pairs,
                                                val_pairs=val_pairs)
             result = train(round_config, directory, progress)
             if result["stopped_early"]:
                 return {**result, "round": r, "rounds": summaries}
+        elif refresh and (directory / "critic" / "critic.json").is_file():
+            critic_dir = directory / "critic"  # a finished round's refreshed critic serves the next
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {})})
         policy = directory / "model"
