@@ -106,7 +106,12 @@ def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = 
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{where}: {key!r} goes through a value that is not a mapping")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError(f"{where}: {key}={raw} is not a value YAML reads ({problem}); quote strings, "
+                              "and no tags") from None
     return mapping
 
 

@@ -94,7 +94,8 @@ def _critic(run: Path, quick: bool) -> str:
                                               f"val_pairs={run / 'pairs' / 'val.jsonl'}"], method="critic")
     report = train(config, run / "critic")
     return (f"validation L1 {report['val']['l1']:.3f}, human ranked below model on "
-            f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs -> {run / 'critic'}")
+            f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs (human-vs-model AUC "
+            f"{report['val']['auc']:.2f}, 0.5 is chance) -> {run / 'critic'}")
 
 
 def _hdpo(run: Path, quick: bool) -> str:

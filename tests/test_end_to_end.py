@@ -4,6 +4,7 @@ import json
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from polyalign.cli import main
@@ -156,6 +157,7 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     assert 0 <= critic["val"]["auc"] <= 1 and critic["val"]["auc_by_bucket"]
     assert set(critic["val"]["auc_by_bucket"]) <= set(critic["buckets"])
     assert all("critic_chosen" in p for p in read_jsonl(run / "critic" / "train_pairs.jsonl"))
+    _critic_ranks_held_out_people_first(run)
     for method in ("hdpo", "dpo"):
         steps = read_metrics(run / method)
         assert [r["step"] for r in steps] == list(range(1, 9))
@@ -170,6 +172,32 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         assert metrics["alignment"]["evaluated"] == 48 and metrics["alignment"]["partial"]
         assert metrics["metrics"]["mauve"]["status"] == "computed"
     assert (run / "report" / "report.html").is_file() and (run / "report" / "report.md").is_file()
+
+
+def _critic_ranks_held_out_people_first(run):
+    """The demo critic on the test split, which neither it nor its pairs saw: people's answers score
+    closer to their bucket's support than the demo model's answers to the same prompts, and closer than
+    people's answers in the other language (a set no person would give to those prompts)."""
+    from sklearn.metrics import roc_auc_score
+
+    from polyalign.data.records import read_records
+    from polyalign.train.critic_model import CriticScorer
+
+    scorer = CriticScorer(run / "critic")
+    test = {r.id: r for r in read_records(run / "data" / "test.jsonl")}
+    generated = [(test[row["id"]], row["prediction"]) for row in read_jsonl(run / "generate" / "bucket_sft_test.jsonl")]
+    records = [r for r, _ in generated]
+    buckets = [r.bucket_id for r in records]
+    people = scorer([r.response for r in records], buckets)
+    by_language = {lang: [r.response for r in test.values() if r.language == lang] for lang in ("en", "zh")}
+    other_language = [by_language["zh" if r.language == "en" else "en"][i] for i, r in enumerate(records)]
+
+    def auc(others):  # the chance that a person's answer scores closer than one of `others`
+        return roc_auc_score([1] * len(people) + [0] * len(others), -np.concatenate([people, others]))
+
+    assert len(records) >= 40
+    assert auc(scorer([g for _, g in generated], buckets)) > 0.7
+    assert auc(scorer(other_language, buckets)) > 0.6
 
 
 @pytest.mark.parametrize("command", [[], ["prepare"], ["stats"], ["demo"], ["tokenizer", "train"], ["build"],

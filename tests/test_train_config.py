@@ -1,6 +1,8 @@
 """One config schema for every training method, the method registry, and the trainer's random stream."""
 
 import dataclasses
+import re
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +89,7 @@ def test_choices_are_checked():
         load_config(CONFIGS["sft"], ["weighting=square"])
     with pytest.raises(ConfigError, match="model.remat must be one of"):
         load_config(CONFIGS["hdpo"], ["model.remat=some"])
-    with pytest.raises(ConfigError, match="train.keep_checkpoints must be at least 1"):
+    with pytest.raises(ConfigError, match="train.keep_checkpoints must be >= 1, got 0"):
         load_config(CONFIGS["sft"], ["train.keep_checkpoints=0"])
     with pytest.raises(ConfigError, match="distance_features must be one of"):
         load_config(CONFIGS["critic"], ["distance_features=some"])
@@ -95,6 +97,56 @@ def test_choices_are_checked():
         load_config(CONFIGS["robust_dpo"], ["label_smoothing=0.5"], method="robust_dpo")
     with pytest.raises(ConfigError, match="unknown method 'ppo'"):
         load_config(CONFIGS["hdpo"], ["method=ppo"])
+
+
+BAD_SETTINGS = [
+    ("sft", "train.steps=0", "train.steps must be >= 1, got 0"),
+    ("sft", "train.global_batch=-4", "train.global_batch must be >= 1, got -4"),
+    ("sft", "train.micro_batches=3", r"train.global_batch \(16\) must be divisible by train.micro_batches \(3\)"),
+    ("sft", "train.eval_every=0", "train.eval_every must be >= 1 or null, got 0"),
+    ("sft", "train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
+    ("sft", "optimizer.lr=0", "optimizer.lr must be > 0, got 0"),
+    ("sft", "optimizer.warmup_ratio=1.5", r"optimizer.warmup_ratio must be in \[0, 1\], got 1.5"),
+    ("sft", "optimizer.b2=1", r"optimizer.b2 must be in \[0, 1\), got 1"),
+    ("sft", "data.eval_limit=0", "data.eval_limit must be >= 1 or null, got 0"),
+    ("sft", "adaptive.floor=2", r"adaptive.floor must be in \[0, 1\], got 2"),
+    ("hdpo", "beta=0", "beta must be > 0, got 0"),
+    ("hdpo", "beta=-0.1", "beta must be > 0, got -0.1"),
+    ("hdpo", "on_policy.top_p=0", r"on_policy.top_p must be in \(0, 1\], got 0"),
+    ("hdpo", "rounds=0", "rounds must be >= 1, got 0"),
+    ("critic", "dropout=1", r"dropout must be in \[0, 1\), got 1"),
+    ("critic", "pair_batch=0", "pair_batch must be >= 1, got 0"),
+    ("sft", "train.steps=[1", "train.steps=\\[1 is not a value YAML reads"),
+    ("sft", "train.steps=!!python/name:os.system", "is not a value YAML reads .*no tags"),
+]
+
+
+@pytest.mark.parametrize(("method", "override", "message"), BAD_SETTINGS)
+def test_a_bad_setting_is_one_line_naming_its_key(method, override, message, capsys):
+    assert main(["train", method, "--print-config", override]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert re.search(message, captured.err), captured.err
+
+
+def test_every_numeric_setting_has_a_range():
+    """A numeric key added to a section without a range would go unchecked."""
+    from polyalign.train.methods import METHOD_RANGES, SHARED_RANGES
+
+    def numeric_keys(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                yield from numeric_keys(kind, f"{prefix}{f.name}.")
+            elif kind in (int, float, int | None, float | None) and f.name != "seed":
+                yield prefix + f.name
+
+    for spec in METHODS.values():
+        checked = {**SHARED_RANGES, **METHOD_RANGES.get(spec.config, {})}
+        unchecked = set(numeric_keys(spec.config)) - set(checked) - {"parallel.data", "parallel.fsdp", "parallel.tensor",
+                                                                   "model.seed", "train.seed"}
+        assert not unchecked, (spec.name, unchecked)
 
 
 def test_the_subcommand_picks_the_method_and_refuses_another_schema():

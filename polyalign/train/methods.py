@@ -163,6 +163,76 @@ def _check_choice(where: str, key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{where}: {key} must be one of {shown}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: an interval, open or closed at each end, and null if optional."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + " or null" if self.optional else text
+
+
+COUNT, POSITIVE, NON_NEGATIVE = Range(1), Range(0, low_open=True), Range(0)
+PROBABILITY, FRACTION = Range(0, 1), Range(0, 1, high_open=True)
+
+# Every numeric setting of the shared sections, and of each method's own keys.
+SHARED_RANGES: dict[str, Range] = {
+    "train.steps": COUNT, "train.epochs": Range(1, optional=True), "train.global_batch": COUNT,
+    "train.micro_batches": COUNT, "train.eval_every": Range(1, optional=True), "train.checkpoint_every": COUNT,
+    "train.keep_checkpoints": COUNT, "train.stop_at": Range(1, optional=True), "train.max_nonfinite": NON_NEGATIVE,
+    "train.log_every": COUNT,
+    "optimizer.lr": POSITIVE, "optimizer.warmup_ratio": PROBABILITY, "optimizer.min_lr_ratio": PROBABILITY,
+    "optimizer.weight_decay": NON_NEGATIVE, "optimizer.b1": FRACTION, "optimizer.b2": FRACTION,
+    "optimizer.eps": POSITIVE, "optimizer.clip": Range(0, low_open=True, optional=True),
+    "data.max_length": Range(1, optional=True), "data.eval_batch": COUNT, "data.eval_limit": Range(1, optional=True),
+    "model.logprob_chunk": NON_NEGATIVE,
+}
+METHOD_RANGES: dict[type, dict[str, Range]] = {
+    schema.SftConfig: {"adaptive.step_size": NON_NEGATIVE, "adaptive.floor": PROBABILITY},
+    schema.PreferenceConfig: {
+        "beta": POSITIVE, "lambda_dist": NON_NEGATIVE, "gamma_ftx": NON_NEGATIVE,
+        "label_smoothing": Range(0, 0.5, high_open=True), "simpo_gamma": NON_NEGATIVE,
+        "kto_desirable_weight": NON_NEGATIVE, "kto_undesirable_weight": NON_NEGATIVE, "drift_prompts": NON_NEGATIVE,
+        "drift_new_tokens": COUNT, "rounds": COUNT, "on_policy.max_new_tokens": COUNT,
+        "on_policy.temperature": NON_NEGATIVE, "on_policy.top_p": Range(0, 1, low_open=True)},
+    schema.CriticConfig: {"pair_batch": COUNT, "dropout": FRACTION},
+}
+
+
+def _value(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def check_ranges(config: Any, where: str = "config") -> None:
+    """Every numeric setting inside its range, named by its key; the batch divisible into micro-batches."""
+    for key, allowed in {**SHARED_RANGES, **METHOD_RANGES.get(type(config), {})}.items():
+        value = _value(config, key)
+        if not allowed.admits(value):
+            raise ConfigError(f"{where}: {key} must be {allowed}, got {value}")
+    loop = config.train
+    if loop.global_batch % loop.micro_batches:
+        raise ConfigError(f"{where}: train.global_batch ({loop.global_batch}) must be divisible by "
+                          f"train.micro_batches ({loop.micro_batches})")
+
+
 def check_config(config: Any, where: str = "config") -> None:
     """Values every method shares the meaning of, and each method's own choices."""
     from polyalign.model.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
@@ -170,20 +240,13 @@ def check_config(config: Any, where: str = "config") -> None:
     _check_choice(where, "model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
     _check_choice(where, "model.remat", config.model.remat, REMAT_POLICIES)
     _check_choice(where, "model.attention_impl", config.model.attention_impl, ATTENTION_IMPLEMENTATIONS)
-    if config.train.keep_checkpoints < 1:
-        raise ConfigError(f"{where}: train.keep_checkpoints must be at least 1, got {config.train.keep_checkpoints}")
+    check_ranges(config, where)
     if isinstance(config, schema.SftConfig):
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)
         _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
-        if not (config.adaptive.step_size >= 0 and 0 <= config.adaptive.floor <= 1):
-            raise ConfigError(f"{where}: adaptive.step_size must be >= 0 and adaptive.floor in [0, 1]")
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)
-        if config.rounds < 1:
-            raise ConfigError(f"{where}: rounds must be at least 1, got {config.rounds}")
-        if not 0.0 <= config.label_smoothing < 0.5:
-            raise ConfigError(f"{where}: label_smoothing must be in [0, 0.5), got {config.label_smoothing}")
     elif isinstance(config, schema.CriticConfig):
         from polyalign.references import COUNTS
 
