@@ -524,6 +524,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _path_problem(error: OSError) -> str:
+    where = error.filename if error.filename is not None else "a path"
+    if isinstance(error, IsADirectoryError):
+        return f"{where}: is a folder; a file is expected here"
+    if isinstance(error, NotADirectoryError):
+        return f"{where}: a folder is expected here, and this path is (or goes through) a file"
+    if isinstance(error, FileExistsError):
+        return f"{where}: exists and is not a folder; give an output folder that is new or a folder"
+    return f"{where}: permission denied"
+
+
 def main(argv: list[str] | None = None) -> int:
     from polyalign.errors import PolyalignError
 
@@ -533,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except PolyalignError as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as err:
+        # a path of the wrong kind (a folder given for a file, an output path that is a file) or one
+        # the user may not write: theirs to fix, so one line naming it, not a traceback
+        print(f"polyalign {args.command}: error: {_path_problem(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"polyalign {args.command}: interrupted", file=sys.stderr)

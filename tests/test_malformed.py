@@ -169,3 +169,42 @@ def test_empty_response_is_kept_but_null_is_an_error(tmp_path):
     assert manifest["sources"][0]["kept"] == 2 and manifest["totals"]["empty_responses"] == 1
     with pytest.raises(PrepareError, match="is null"):
         run(tmp_path, "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "output": None}]))
+
+
+# A folder where a file is expected, a file where an output folder is expected, a bad number: each
+# subcommand answers in one line naming the path or option, exit status 2, no traceback.
+WRONG_PATHS = [
+    ["prepare", "--config", "{folder}", "--out", "{tmp}/o"],
+    ["stats", "{file}"],
+    ["tokenizer", "train", "--records", "{folder}", "--vocab-size", "100", "--out", "{tmp}/t"],
+    ["build", "{file}"],
+    ["train", "sft", "--config", "{folder}", "--out", "{tmp}/o"],
+    ["train", "sft", "--print-config", "train.steps=0"],
+    ["generate", "--checkpoint", "{folder}", "--records", "{file}", "--out", "{tmp}/p.jsonl"],
+    ["pairs", "--records", "{folder}", "--predictions", "{file}", "--out", "{tmp}/x.jsonl"],
+    ["evaluate", "--records", "{folder}", "--predictions", "{file}", "--out", "{tmp}/e"],
+    ["evaluate", "--records", "{file}", "--predictions", "{file}", "--out", "{tmp}/e", "--bootstrap-draws", "0"],
+    ["report", "{folder}", "--out", "{tmp}/c"],
+    ["plan", "--config", "{folder}"],
+    ["demo", "--out", "{file}"],
+]
+
+
+@pytest.mark.parametrize("argv", WRONG_PATHS, ids=lambda argv: " ".join(argv[:2]))
+def test_a_wrong_path_or_number_is_one_line_not_a_traceback(tmp_path, capsys, argv):
+    folder, file = tmp_path / "folder", tmp_path / "file.json"
+    folder.mkdir()
+    file.write_text("{}\n")
+    args = [a.format(folder=folder, file=file, tmp=tmp_path) for a in argv]
+    usage = False
+    try:
+        status = main(args)
+    except SystemExit as usage_error:  # argparse's own check of an option: its usage, then the one line
+        status, usage = usage_error.code, True
+    assert status == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith(f"polyalign {argv[0]}: error: "), err
+    assert usage or err.count("\n") == 1, err
+    named = [a for a in args if a in err or (a.startswith("--") and a in err)]
+    assert named or "train.steps" in err, err  # the path or setting at fault is named

@@ -125,7 +125,12 @@ def read_records(path: str | os.PathLike) -> list[Record]:
             if not line.strip():
                 continue
             try:
-                records.append(Record.from_json(json.loads(line)))
+                row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise InputError(f"{path}:{line_number}: not a JSON record ({err.msg})") from None
+            missing = [name for name in RECORD_FIELDS if name not in row] if isinstance(row, dict) else ["every field"]
+            if missing:
+                raise InputError(f"{path}:{line_number}: not a polyalign record (missing {', '.join(missing[:3])}"
+                                 f"{', ...' if len(missing) > 3 else ''}); records come from `polyalign prepare`")
+            records.append(Record.from_json(row))
     return records
