@@ -208,3 +208,11 @@ def test_a_wrong_path_or_number_is_one_line_not_a_traceback(tmp_path, capsys, ar
     assert usage or err.count("\n") == 1, err
     named = [a for a in args if a in err or (a.startswith("--") and a in err)]
     assert named or "train.steps" in err, err  # the path or setting at fault is named
+
+
+def test_markdown_reports_escape_what_they_embed():
+    from polyalign.reports.markdown import table
+
+    text = table(["bucket", "n"], [["en|x <script>alert(1)</script>\nnext", 3]])
+    assert text.splitlines()[2] == "| en\\|x &lt;script&gt;alert(1)&lt;/script&gt; next | 3 |"
+    assert len(text.splitlines()) == 3  # a line break in a cell does not end the row

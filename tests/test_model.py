@@ -88,6 +88,20 @@ def test_export_then_import_gives_the_same_logits(family, tmp_path):
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
 
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path):
+    import shutil
+
+    from polyalign.model.hf import CheckpointError
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURES / "hf" / "llama", checkpoint)
+    (tmp_path / "elsewhere.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
+    for shard in ("../elsewhere.safetensors", str(tmp_path / "elsewhere.safetensors")):
+        (checkpoint / INDEX_FILE).write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+        with pytest.raises(CheckpointError, match="shard names must be file names"):
+            load_hf_checkpoint(checkpoint)
+
+
 def test_config_round_trip():
     for family in FAMILIES:
         hf = json.loads((FIXTURES / "hf" / family / "config.json").read_text())

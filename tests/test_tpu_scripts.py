@@ -1,5 +1,6 @@
 """The TPU scripts in dry-run mode: the exact gcloud commands they would run (no gcloud here)."""
 
+import shlex
 import subprocess
 
 import pytest
@@ -54,6 +55,11 @@ def test_launch_runs_the_command_on_every_worker_with_a_log_each():
         assert line.startswith(f"gcloud compute tpus tpu-vm ssh pa-demo --worker={i} --zone=us-west4-a --project=my-proj "
                                "--command cd\\ ~/polyalign\\ \\&\\&\\ ~/venv/bin/polyalign\\ train\\ sft")
         assert line.endswith(f"> logs/pa-demo/worker-{i}.log 2>&1 &")
+    # each argument arrives whole on the worker: split as the local shell, then as the remote one would
+    awkward = dry("launch.sh", "--workers", "1", "--", "polyalign", "evaluate", "--out", "my runs/a;rm -rf ~")
+    local = shlex.split(awkward[1].rsplit(" > ", 1)[0])
+    remote = shlex.split(local[local.index("--command") + 1])
+    assert remote == ["cd", "~/polyalign", "&&", "~/venv/bin/polyalign", "evaluate", "--out", "my runs/a;rm -rf ~"]
     result = subprocess.run(["bash", str(SCRIPTS / "launch.sh"), *WHERE, "--dry-run", "--", "polyalign"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--workers is required" in result.stderr

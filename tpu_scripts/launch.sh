@@ -31,9 +31,12 @@ while (($#)); do
 done
 [[ -n "$WORKERS" ]] || die "--workers is required"
 ((${#COMMAND[@]})) || die "give the command after --"
-[[ "${COMMAND[0]}" == polyalign ]] && COMMAND[0]="~/venv/bin/polyalign"
+# The remote shell splits the command again: every argument goes quoted, so a path with a space or a
+# `;` arrives as one argument and runs nothing. Only the program's ~ is left for the remote to expand.
+PROGRAM="$(printf '%q' "${COMMAND[0]}")"
+[[ "${COMMAND[0]}" == polyalign ]] && PROGRAM="~/venv/bin/polyalign"
 LOG_DIR="${LOG_DIR:-logs/$NAME}"
-REMOTE="cd ~/polyalign && ${COMMAND[*]}"
+REMOTE="cd ~/polyalign && $PROGRAM$(printf ' %q' "${COMMAND[@]:1}")"
 run mkdir -p "$LOG_DIR"
 pids=()
 for ((i = 0; i < WORKERS; i++)); do

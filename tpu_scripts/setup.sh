@@ -14,7 +14,13 @@ HELP
 parse_common "$@"
 ((${#REST[@]} == 0)) || die "unknown argument ${REST[0]}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
-ARCHIVE="${TMPDIR:-/tmp}/polyalign-$NAME.tar.gz"
+if ((DRY_RUN)); then
+  ARCHIVE="${TMPDIR:-/tmp}/polyalign-$NAME.XXXXXX.tar.gz"
+else
+  # a fresh file only this user can write, removed on exit: never a fixed, guessable path in /tmp
+  ARCHIVE="$(mktemp --suffix=.tar.gz "${TMPDIR:-/tmp}/polyalign-$NAME.XXXXXX")"
+  trap 'rm -f "$ARCHIVE"' EXIT
+fi
 run git -C "$REPO" archive --format=tar.gz -o "$ARCHIVE" HEAD
 run gcloud compute tpus tpu-vm scp "$ARCHIVE" "$NAME:~/polyalign.tar.gz" --worker=all $(where)
 run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all $(where) --command \

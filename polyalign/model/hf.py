@@ -67,7 +67,13 @@ def _safetensors_files(path: epath.Path) -> list[epath.Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as err:
             raise CheckpointError(f"{index}: not a safetensors index ({err})") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if not isinstance(n, str) or "/" in n or "\\" in n or n in ("", ".", "..")]
+        if outside:
+            # a shard is a file name beside the index; a path could read any file the user can
+            raise CheckpointError(f"{index}: shard names must be file names in {path}, not paths: "
+                                  f"{', '.join(map(str, outside[:3]))}")
+        files = [path / name for name in names]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise CheckpointError(f"{index}: lists shards that are not in {path}: {', '.join(absent)}")

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from polyalign.errors import EvaluationError  # noqa: E402
+from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 
 OVERALL_ROWS = (
     ("F1", ("utility", "overall", "qa_f1")),
@@ -154,9 +155,7 @@ def _length_distributions(human_lengths, generated_lengths, buckets, path: Path,
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[str, str]:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    markdown = "| " + " | ".join(header) + " |\n|" + "---|" * len(header) + "\n" + \
-        "\n".join("| " + " | ".join(row) + " |" for row in rows) + "\n"
-    return f"<table><tr>{head}</tr>{body}</table>", markdown
+    return f"<table><tr>{head}</tr>{body}</table>", markdown_table(header, rows)
 
 
 def _page(title: str, sections: list[str]) -> str:

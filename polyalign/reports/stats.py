@@ -29,6 +29,7 @@ from polyalign.errors import StatsError
 from polyalign.features import text_features
 from polyalign.references import build_references, summarize
 from polyalign.reports import plots
+from polyalign.reports.markdown import table as markdown_table
 
 MAIN_FEATURES = (
     "token_count", "sentence_count", "avg_tokens_per_sentence", "type_token_ratio",
@@ -193,17 +194,11 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
     return lines
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def render_markdown(stats: dict[str, Any], manifest: dict[str, Any]) -> str:
     parts = [f"# Bucket statistics: {Path(stats['run']).name}", ""]
     parts += [f"- {line}" for line in _summary_lines(stats, manifest)]
-    parts += ["", "## Buckets", "", _md_table(BUCKET_HEADER, _bucket_rows(stats)), "",
-              "## Sources", "", _md_table(SOURCE_HEADER, _source_rows(manifest)), "",
+    parts += ["", "## Buckets", "", markdown_table(BUCKET_HEADER, _bucket_rows(stats)), "",
+              "## Sources", "", markdown_table(SOURCE_HEADER, _source_rows(manifest)), "",
               "## Plots", ""]
     parts += [f"![{name}]({file})" for name, file in stats["figures"].items()]
     return "\n".join(parts) + "\n"
