@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -248,6 +249,38 @@ def test_resume_continues_exactly(built_run, tmp_path):
     assert record["val_by_bucket"] and record["train_by_bucket"]
     assert record["val_worst_bucket"] == max(record["val_by_bucket"].values())
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _damage(checkpoint: Path) -> None:
+    """Every byte of the saved arrays overwritten, the files left in place: what a failing disk leaves."""
+    for path in (checkpoint / "state").rglob("*"):
+        if path.is_file() and path.name != "commit_success.txt":
+            path.write_bytes(b"\0" * max(path.stat().st_size, 16))
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(built_run, tmp_path, capsys):
+    from polyalign.errors import CheckpointError
+
+    run, _ = built_run
+    train_sft(_config(run, 9), tmp_path / "straight", progress=False)
+    train_sft(_config(run, 9, "train.stop_at=6"), tmp_path / "resumed", progress=False)  # checkpoints 3 and 6
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    _damage(checkpoints / "6")
+    resumed = train_sft(_config(run, 9), tmp_path / "resumed", progress=False)
+    assert "checkpoint 6 cannot be restored" in capsys.readouterr().err
+    assert resumed["start_step"] == 3 and resumed["end_step"] == 9
+    assert (checkpoints / "6.unreadable" / "state").is_dir()  # kept, never deleted
+    straight = {r["step"]: r for r in read_metrics(tmp_path / "straight") if "loss" in r}
+    again = {r["step"]: r for r in read_metrics(tmp_path / "resumed") if "loss" in r}
+    for step in range(4, 10):  # steps 4-6 trained twice: the second time as the first
+        assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-5, step
+    # when no checkpoint restores, nothing is moved: a changed setting is the likelier cause
+    train_sft(_config(run, 9, "train.stop_at=6"), tmp_path / "broken", progress=False)
+    for step in ("3", "6"):
+        _damage(tmp_path / "broken" / "checkpoints" / step)
+    with pytest.raises(CheckpointError, match="neither checkpoint 6 nor 3 can be restored"):
+        train_sft(_config(run, 9), tmp_path / "broken", progress=False)
+    assert sorted(p.name for p in (tmp_path / "broken" / "checkpoints").iterdir()) == ["3", "6"]
 
 
 def _cli(args, env_extra, devices):

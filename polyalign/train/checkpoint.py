@@ -4,12 +4,14 @@ restorable onto a different mesh."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
+from polyalign.errors import CheckpointError
 from polyalign.paths import as_path
 
 
@@ -34,16 +36,55 @@ class Checkpointer:
 
     def restore_latest(self, template_state, shardings, data_iterator):
         """The latest state, placed with `shardings` (the current mesh's, whatever mesh saved it), and
-        the data iterator moved to where it was; None when there is no checkpoint yet."""
-        step = self.manager.latest_step()
-        if step is None:
+        the data iterator moved to where it was; None when there is no checkpoint yet.
+
+        A latest checkpoint that cannot be restored while the one before it can is damaged (a disk
+        error, a copy cut short): it is renamed `<step>.unreadable` (never deleted) and training resumes
+        from the previous one. When neither restores, the run itself has changed (another model shape,
+        for one) and nothing is moved: that is an error for the user to decide on."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
             return None
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 template_state, shardings)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract),
-            data=grain.checkpoint.CheckpointRestore(data_iterator)))
-        return restored.state
+
+        def restore(step):
+            return self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=grain.checkpoint.CheckpointRestore(data_iterator))).state
+
+        try:
+            return restore(steps[0])
+        except Exception as error:  # what a damaged checkpoint raises depends on what is damaged
+            latest_error = error
+        problem = f"{type(latest_error).__name__}: {str(latest_error).splitlines()[0] if str(latest_error) else ''}"
+        if len(steps) == 1:
+            raise CheckpointError(f"{self.directory / str(steps[0])}: cannot be restored ({problem}); move it "
+                                  "aside to start over, or restore the run's settings") from None
+        try:
+            state = restore(steps[1])
+        except Exception:
+            raise CheckpointError(f"{self.directory}: neither checkpoint {steps[0]} nor {steps[1]} can be restored "
+                                  f"({problem}); has the model or mesh setting changed since they were written?"
+                                  ) from None
+        aside = self._set_aside(steps[0])
+        print(f"checkpoint {steps[0]} cannot be restored ({problem}); moved to {aside}; resuming from "
+              f"step {steps[1]}", file=sys.stderr)
+        return state
+
+    def _set_aside(self, step: int):
+        from jax.experimental import multihost_utils
+
+        target = self.directory / f"{step}.unreadable"
+        if jax.process_index() == 0:
+            n = 1
+            while target.exists():
+                n += 1
+                target = self.directory / f"{step}.unreadable-{n}"
+            (self.directory / str(step)).rename(target)
+        multihost_utils.sync_global_devices("polyalign checkpoint set aside")
+        self.manager.reload()
+        return target
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
