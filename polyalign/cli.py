@@ -536,12 +536,15 @@ def _path_problem(error: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polyalign.errors import PolyalignError
+    from polyalign.errors import Interrupted, PolyalignError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
+    except Interrupted as stopped:
+        print(f"polyalign {args.command}: {stopped}", file=sys.stderr)
+        return 130
     except PolyalignError as err:
         print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -55,7 +55,7 @@ def _sft(run: Path, quick: bool) -> str:
     summaries = []
     for name, weighting in (("sft", "uniform"), ("bucket_sft", "bucket")):
         overrides = [f"data.dir={run}", f"weighting={weighting}"] + (DEMO_QUICK_SFT if quick else [])
-        result = train(load_config(DEMO_SFT_CONFIG, overrides, method="sft"), run / name)
+        result = _finished(train(load_config(DEMO_SFT_CONFIG, overrides, method="sft"), run / name), name)
         last = result["last"]
         summaries.append(f"{name} {result['end_step']} steps, validation loss {last['val_loss']:.3f} "
                          f"(worst bucket {last['val_worst_bucket']:.3f})")
@@ -63,6 +63,17 @@ def _sft(run: Path, quick: bool) -> str:
 
 
 POLICY = "bucket_sft"  # the initial policy and reference of HDPO and DPO
+
+
+def _finished(result: dict, name: str) -> dict:
+    """A training stage's result, or Interrupted when it stopped before its last step (its checkpoint
+    is saved, and the demo's next run resumes it)."""
+    from polyalign.errors import Interrupted
+
+    if result.get("interrupted") or result.get("stopped_early"):
+        raise Interrupted(f"{name} stopped at step {result['end_step']} (checkpoint saved); run the same demo "
+                          "command to resume")
+    return result
 
 
 # Generation, pairs, critic and preference training on samples of the demo data: full / --quick.
@@ -92,7 +103,7 @@ def _critic(run: Path, quick: bool) -> str:
     config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
                                               f"val_pairs={run / 'pairs' / 'val.jsonl'}"], method="critic")
-    report = train(config, run / "critic")
+    report = _finished(train(config, run / "critic"), "critic")
     return (f"validation L1 {report['val']['l1']:.3f}, human ranked below model on "
             f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs (human-vs-model AUC "
             f"{report['val']['auc']:.2f}, 0.5 is chance) -> {run / 'critic'}")
@@ -105,7 +116,7 @@ def _hdpo(run: Path, quick: bool) -> str:
     summaries = []
     for method in ("hdpo", "dpo"):
         overrides = [f"data.dir={run}", f"init={run / POLICY / 'model'}"] + (DEMO_QUICK_HDPO if quick else [])
-        result = train(load_config(DEMO_HDPO_CONFIG, overrides, method=method), run / method)
+        result = _finished(train(load_config(DEMO_HDPO_CONFIG, overrides, method=method), run / method), method)
         summaries.append(f"{method} margin {result['last']['rewards/margin']:.3f}")
     comparison = compare_generations(run, quick)
     distances = ", ".join(f"{m} {v['support_distance']:.2f}" if v["generations"] else f"{m} n/a (no text)"

@@ -72,3 +72,8 @@ class EvaluationError(PolyalignError, ValueError):
 
 class LaunchError(PolyalignError, ValueError):
     """A launch that cannot start: no command, or SLURM variables missing."""
+
+
+class Interrupted(PolyalignError):
+    """A run stopped before its end (Ctrl-C, SIGTERM, `train.stop_at`) with its progress saved; the
+    message says where, and that the same command resumes. Exit status 130, not an error."""

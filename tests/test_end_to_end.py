@@ -210,3 +210,15 @@ def test_help_teaches(command, capsys):
     assert "usage: polyalign" in text
     if command == ["prepare"]:
         assert "formats: llamafactory squad kdconv crosswoz lccc coig convlab chat sharegpt" in text
+
+
+def test_an_interrupted_demo_stage_says_where_it_stopped(tmp_path, capsys, monkeypatch):
+    """A stage whose training stops early (Ctrl-C, SIGTERM) ends the demo with where it stopped and
+    how to resume, exit status 130; it used to fail reading the validation loss the run never reached."""
+    import polyalign.train.run
+
+    stopped = {"interrupted": True, "stopped_early": True, "start_step": 0, "end_step": 7, "last": {"loss": 5.0}}
+    monkeypatch.setattr(polyalign.train.run, "train", lambda config, out, progress=True: stopped)
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "sft"]) == 130
+    err = capsys.readouterr().err
+    assert err == "polyalign demo: sft stopped at step 7 (checkpoint saved); run the same demo command to resume\n"
