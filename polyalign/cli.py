@@ -267,6 +267,11 @@ def _add_train(sub) -> None:
         m.add_argument("--print-config", action="store_true",
                        help="print the resolved config (every key, with defaults) and exit")
         m.add_argument("--no-progress", action="store_true", help="no progress bars")
+        existing = m.add_mutually_exclusive_group()
+        existing.add_argument("--resume", action="store_true",
+                              help="continue OUT's run with changed resumable keys (train.steps, eval_every, ...)")
+        existing.add_argument("--overwrite", action="store_true",
+                              help="start over in OUT, removing what an earlier run of another config wrote there")
         m.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
         m.set_defaults(handler=_run_train, parser=m)
 
@@ -282,7 +287,8 @@ def _run_train(args) -> int:
         args.parser.error("--out is required (or --print-config)")
     from polyalign.train.run import train
 
-    result = train(config, args.out, progress=not args.no_progress)
+    existing = "resume" if args.resume else "overwrite" if args.overwrite else "continue"
+    result = train(config, args.out, progress=not args.no_progress, existing=existing)
     if result["interrupted"] or result["stopped_early"]:
         print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
         return 0

@@ -9,11 +9,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.records import read_records
-from polyalign.data.records import InputError, Record
+from polyalign import jsonl
+from polyalign.data.records import InputError, Record, read_records
 from polyalign.data.text import normalize
-from polyalign.predictions import iter_predictions
 from polyalign.paths import as_path
+from polyalign.predictions import iter_predictions
 
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
 BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
@@ -103,4 +103,7 @@ def read_pairs(path: Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such pairs file; run `polyalign pairs` first")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        return [row for _, row in jsonl.read_lines(path)]
+    except jsonl.JsonProblem as problem:
+        raise InputError(f"not JSON: {problem}") from None

@@ -1,6 +1,7 @@
 """Bad input never passes silently: one clear line naming file, location and problem, or quarantine."""
 
 import json
+import re
 import zipfile
 
 import pytest
@@ -216,3 +217,45 @@ def test_markdown_reports_escape_what_they_embed():
     text = table(["bucket", "n"], [["en|x <script>alert(1)</script>\nnext", 3]])
     assert text.splitlines()[2] == "| en\\|x &lt;script&gt;alert(1)&lt;/script&gt; next | 3 |"
     assert len(text.splitlines()) == 3  # a line break in a cell does not end the row
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ('{"a": NaN}', "NaN is not a JSON number"),
+    ('{"a": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"a": 1, "a": 2}', "key 'a' appears twice"),
+    ('{"a": "\\ud800"}', "lone UTF-16 surrogate"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"a": ' + "9" * 5000 + "}", "Exceeds the limit"),
+    ('{"a": [}', "Expecting value (column 8)"),
+    ('{"a": 1e400}', "1e400 does not fit a float"),
+])
+def test_strict_json_refuses_what_other_readers_would_not_accept(text, reason):
+    from polyalign import jsonl
+
+    with pytest.raises(jsonl.JsonProblem, match=re.escape(reason)):
+        jsonl.parse(text)
+    assert jsonl.parse('{"a": "\\ud83d\\ude00", "b": 1e300}') == {"a": "😀", "b": 1e300}  # a surrogate pair is a character
+
+
+def test_bad_json_rows_are_quarantined_with_their_reason(tmp_path):
+    good = json.dumps(chat_row(CAMREST[0]))
+    content = "\n".join([good, '{"messages": NaN}', good[:-1] + ', "messages": []}', good]) + "\n"
+    manifest = run(tmp_path, "chat", "c.jsonl", content, on_error="quarantine")
+    quarantined = read_jsonl(tmp_path / "run/data/quarantine.jsonl")
+    assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "3"]
+    assert "NaN is not a JSON number" in quarantined[0]["problem"]
+    assert "key 'messages' appears twice" in quarantined[1]["problem"]
+    assert manifest["sources"][0]["dropped"] == {"malformed": 2}
+    for line in (tmp_path / "run/data/quarantine.jsonl").read_text(encoding="utf-8").splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} written"))  # the output stays JSON
+
+
+def test_own_files_keep_line_separators_inside_strings_and_name_bad_lines(tmp_path):
+    from polyalign.pairs import read_pairs, write_pairs
+
+    pairs = [{"id": "a", "chosen": "one\u2028two\u0085three\rfour", "rejected": "x"}, {"id": "b", "chosen": "y", "rejected": "z"}]
+    write_pairs(pairs, tmp_path / "pairs.jsonl")
+    assert read_pairs(tmp_path / "pairs.jsonl") == pairs
+    (tmp_path / "pairs.jsonl").write_text('{"id": "a"}\n{"id": "b", "x": Infinity}\n')
+    with pytest.raises(InputError, match=r"pairs.jsonl:2: Infinity is not a JSON number"):
+        read_pairs(tmp_path / "pairs.jsonl")

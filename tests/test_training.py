@@ -539,3 +539,43 @@ def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(bui
     assert analysis.argument_size_in_bytes >= 3 * 4 * cfg.num_parameters()
     with pytest.raises(TrainingError, match="abstract model"):
         trainer.step(batch)
+
+
+def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsys):
+    """Another config into the same OUT is refused with the differing keys named; changed resumable
+    keys need existing="resume" (--resume); --overwrite starts over; OUT may not be an input."""
+    from polyalign.config import ConfigError
+
+    run, _ = built_run
+    out = tmp_path / "out"
+    first = train_sft(_config(run, 3), out, progress=False)
+    with pytest.raises(ConfigError, match=r"made by another config \(optimizer.lr: 0.003 there, 0.002 now\)"):
+        train_sft(_config(run, 3, "optimizer.lr=0.002"), out, progress=False)
+    with pytest.raises(ConfigError, match=r"started with train.steps=3 \(now 4\); pass --resume"):
+        train_sft(_config(run, 4), out, progress=False)
+    capsys.readouterr()
+    resumed = train_sft(_config(run, 4), out, progress=False, existing="resume")
+    assert resumed["start_step"] == 3 and resumed["end_step"] == 4
+    assert "resumed from step 3" in capsys.readouterr().out
+    again = train_sft(_config(run, 3, "optimizer.lr=0.002"), out, progress=False, existing="overwrite")
+    assert again["start_step"] == 0 and json.loads((out / "config.json").read_text())["optimizer"]["lr"] == 2e-3
+    assert len([r for r in read_metrics(out) if "loss" in r]) == 3 and first["end_step"] == 3
+    with pytest.raises(ConfigError, match="is the run's own data.dir"):
+        train_sft(_config(run, 3), run, progress=False)
+
+
+def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_path, capsys):
+    from polyalign.config import ConfigError
+    from polyalign.train.ownership import LOCK
+
+    run, _ = built_run
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "since": "now"}))
+    with pytest.raises(ConfigError, match=f"another polyalign process \\(pid {os.getpid()} on"):
+        train_sft(_config(run, 1), out, progress=False)
+    assert not (out / "config.json").exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "since": "then"}))
+    assert train_sft(_config(run, 1), out, progress=False)["end_step"] == 1
+    assert "taking it over" in capsys.readouterr().out and not (out / LOCK).exists()

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from polyalign import jsonl
 from polyalign.errors import InputError, RowProblem  # noqa: F401 (importers raise it from here)
 
 SPLITS = ("train", "val", "test")
@@ -125,9 +126,9 @@ def read_records(path: str | os.PathLike) -> list[Record]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{line_number}: not a JSON record ({err.msg})") from None
+                row = jsonl.parse(line)
+            except jsonl.JsonProblem as problem:
+                raise InputError(f"{path}:{line_number}: not a JSON record ({problem})") from None
             missing = [name for name in RECORD_FIELDS if name not in row] if isinstance(row, dict) else ["every field"]
             if missing:
                 raise InputError(f"{path}:{line_number}: not a polyalign record (missing {', '.join(missing[:3])}"

@@ -8,7 +8,9 @@ checkpoints and resumption, the method's closing work (export, scoring) and OUT/
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -23,7 +25,7 @@ from flax import nnx
 from polyalign import parallel
 from polyalign.config import ConfigError
 from polyalign.inputs.pipeline import Layout
-from polyalign.paths import as_path
+from polyalign.paths import as_path, is_uri
 from polyalign.train.config import LoopConfig, ModelSection
 from polyalign.train.trainer import Objective, Trainer
 
@@ -83,19 +85,34 @@ def save_config(out, config) -> None:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str) + "\n")
 
 
-def train(config, out, progress: bool = True) -> dict[str, Any]:
-    """Runs (or resumes) the training run `config` describes into OUT; returns its summary."""
-    from polyalign.train.checkpoint import Checkpointer
-    from polyalign.train.methods import method_spec
-    from polyalign.train.metrics import MetricsWriter
-
+def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
+    """Runs (or resumes) the training run `config` describes into OUT; returns its summary. `existing`
+    says what to do when OUT holds a run of another config (polyalign/train/ownership.py): continue
+    only a run of the same config, resume with changed resumable keys, or overwrite."""
     parallel.initialize_distributed()
     if getattr(config, "rounds", 1) > 1:
         from polyalign.train.rounds import train_rounds
 
-        return train_rounds(config, out, train, progress)
+        return train_rounds(config, out, functools.partial(train, existing=existing), progress)
+    from polyalign.train import ownership
+
+    local = not is_uri(out)
+    out = as_path(out) if not local else Path(as_path(out))
+    if local:
+        inputs = {key: getattr(config, key, None) for key in ("init", "pairs", "val_pairs", "references")}
+        ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
+                        remove=jax.process_index() == 0)
+    lock = ownership.OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
+    with lock:
+        return _train(config, out, progress)
+
+
+def _train(config, out, progress: bool) -> dict[str, Any]:
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.methods import method_spec
+    from polyalign.train.metrics import MetricsWriter
+
     started = time.perf_counter()
-    out = as_path(out)
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)

@@ -264,6 +264,8 @@ class Trainer:
             restored = checkpointer.restore_latest(self.state, self.state_shardings, train_iterator)
             if restored is not None:
                 self.state = restored
+                if jax.process_index() == 0:
+                    print(f"resumed from step {self.step_number}")
         start = self.step_number
         last = loop.steps if loop.stop_at is None else min(loop.steps, loop.stop_at)
         stop = _StopSignal()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyalign import jsonl
 from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
 
 _DOCUMENTATION = re.compile(r"^(readme|provenance|licen[cs]e|notice|copying)\b", re.IGNORECASE)
@@ -49,9 +50,13 @@ def decode_document(data: bytes, name: str) -> str:
 
 def parse_json_document(text: str, name: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=jsonl.refuse_constant, parse_float=jsonl.finite_float,
+                          object_pairs_hook=jsonl.unique_keys)
     except json.JSONDecodeError as err:
         raise InputError(f"{name}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno})") from None
+    except (jsonl.JsonProblem, RecursionError, ValueError) as problem:
+        reason = "nested too deeply" if isinstance(problem, RecursionError) else str(problem).split(";")[0]
+        raise InputError(f"{name}: invalid JSON: {reason}") from None
 
 
 def load_json(path: Path) -> Any:
@@ -101,9 +106,9 @@ def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
             continue
         location, line = item
         try:
-            yield location, json.loads(line)
-        except json.JSONDecodeError as err:
-            yield Malformed(location, f"invalid JSON: {err.msg} (column {err.colno})", line)
+            yield location, jsonl.parse(line)
+        except jsonl.JsonProblem as problem:
+            yield Malformed(location, f"invalid JSON: {problem}", line)
 
 
 def iter_json_rows(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:

@@ -1,0 +1,90 @@
+"""Strict JSON for everything polyalign reads: what Python's json module lets through but no other JSON
+reader accepts, or what would make polyalign's own output invalid, is refused with the reason.
+
+- NaN and Infinity are not JSON: a row carrying them (or a number too large for a float, which
+  becomes Infinity) would be written back out as invalid JSON.
+- A repeated key in one object: which value wins differs between readers, so the row is ambiguous.
+- Lone UTF-16 surrogates (`"\\ud800"`) cannot be written as UTF-8.
+- Nesting deeper than Python's recursion limit, and integers too long to convert, fail inside the
+  parser with errors that name nothing; here they are reasons like the others.
+JSON Lines are split on "\\n" only: U+2028, U+0085 and a lone "\\r" are characters inside strings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class JsonProblem(ValueError):
+    """Why a JSON text is refused; the caller adds the file and line."""
+
+
+def refuse_constant(name: str) -> Any:
+    raise JsonProblem(f"{name} is not a JSON number")
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonProblem(f"{text[:20]} does not fit a float (it would be written back as Infinity)")
+    return value
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        repeated = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise JsonProblem(f"key {repeated!r} appears twice in one object")
+    return obj
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+def parse(text: str) -> Any:
+    """json.loads, strictly (see the module's doc); JsonProblem (or json.JSONDecodeError, a subclass of
+    ValueError too) says why not."""
+    try:
+        value = json.loads(text, parse_constant=refuse_constant, parse_float=finite_float,
+                           object_pairs_hook=unique_keys)
+    except RecursionError:
+        raise JsonProblem("nested too deeply") from None
+    except json.JSONDecodeError as err:
+        raise JsonProblem(f"{err.msg} (column {err.colno})") from None
+    except JsonProblem:
+        raise
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise JsonProblem(str(err).split(";")[0]) from None
+    if "\\ud" in text.lower() and _has_lone_surrogate(value):
+        raise JsonProblem("a lone UTF-16 surrogate escape (not a character)")
+    return value
+
+
+def read_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) for every non-blank line of a JSON Lines file; a line that is not strict
+    JSON raises JsonProblem naming the file and line."""
+    path = Path(path)
+    text = path.read_bytes().decode("utf-8-sig")
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, parse(line)
+        except JsonProblem as problem:
+            raise JsonProblem(f"{path}:{number}: {problem}") from None
