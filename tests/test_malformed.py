@@ -259,3 +259,11 @@ def test_own_files_keep_line_separators_inside_strings_and_name_bad_lines(tmp_pa
     (tmp_path / "pairs.jsonl").write_text('{"id": "a"}\n{"id": "b", "x": Infinity}\n')
     with pytest.raises(InputError, match=r"pairs.jsonl:2: Infinity is not a JSON number"):
         read_pairs(tmp_path / "pairs.jsonl")
+
+
+def test_a_python_tag_in_a_config_file_is_refused_naming_the_file(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text('scheme: !!python/object/apply:os.system ["echo owned > owned.txt"]\n', encoding="utf-8")
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{config}:1" in err and not (tmp_path / "owned.txt").exists()
