@@ -283,6 +283,35 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(b
     assert sorted(p.name for p in (tmp_path / "broken" / "checkpoints").iterdir()) == ["3", "6"]
 
 
+def test_a_failed_checkpoint_write_stops_at_once_and_keeps_the_committed_ones(built_run, tmp_path, monkeypatch):
+    """A full disk at step 6: training stops there with one CheckpointError, the unfinished folder is
+    removed, checkpoint 3 stays, and the same command resumes from it once there is room."""
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    from polyalign.errors import CheckpointError
+
+    run, _ = built_run
+    out = tmp_path / "out"
+    real_save = ocp.CheckpointManager.save
+
+    def save(manager, step, *args, **kwargs):
+        if step == 6:
+            (out / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()  # what a write cut short leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(manager, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    with pytest.raises(CheckpointError, match=r"writing checkpoint 6 failed \(OSError: \[Errno 28\] No space left"):
+        train_sft(_config(run, 9), out, progress=False)
+    assert max(r["step"] for r in read_metrics(out)) == 6  # stopped at the step whose save failed
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3"]
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+    resumed = train_sft(_config(run, 9), out, progress=False)
+    assert resumed["start_step"] == 3 and resumed["end_step"] == 9
+
+
 def _cli(args, env_extra, devices):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env_extra}
     return subprocess.Popen(["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],

@@ -4,6 +4,7 @@ restorable onto a different mesh."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -24,12 +25,19 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
+        """Starts writing checkpoint `step` (asynchronously). A write that fails, now or while the
+        previous one finished in the background, stops training with CheckpointError."""
         if step in self.manager.all_steps():
             return False
-        return self.manager.save(step, force=force, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(data_iterator),
-            meta=ocp.args.JsonSave({"step": step, "process_count": jax.process_count(), **self.meta})))
+        try:
+            saved = self.manager.save(step, force=force, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(data_iterator),
+                meta=ocp.args.JsonSave({"step": step, "process_count": jax.process_count(), **self.meta})))
+            self.manager.check_for_errors()
+        except Exception as error:  # a full disk, a lost mount, a permission: any failed write ends the run
+            raise self._write_failed(step, error) from None
+        return saved
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -87,7 +95,27 @@ class Checkpointer:
         return target
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until every started write has committed; CheckpointError if one failed."""
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as error:
+            raise self._write_failed(None, error) from None
+
+    def _write_failed(self, step: int | None, error: Exception) -> CheckpointError:
+        """The error to stop with, after removing the failed write's temporary folders (the committed
+        checkpoints stay)."""
+        removed = []
+        if jax.process_index() == 0:
+            for partial in self.directory.glob("*.orbax-checkpoint-tmp-*"):
+                shutil.rmtree(partial, ignore_errors=True)
+                removed.append(partial.name)
+        which = f"checkpoint {step}" if step is not None else "a checkpoint"
+        message = str(error).splitlines()[0] if str(error) else ""
+        return CheckpointError(
+            f"{self.directory}: writing {which} failed ({type(error).__name__}: {message}); "
+            f"{len(removed)} unfinished folder(s) removed, committed checkpoints kept. Fix the cause (free "
+            "space?) and run the same command to resume from the last committed checkpoint")
 
     def close(self) -> None:
         self.manager.close()
