@@ -101,6 +101,8 @@ def _run_prepare(args) -> int:
         print(f"  {source['name']:<20} read {source['read']:>6}  kept {source['kept']:>6}  {dropped}")
     if manifest["quarantine"]["rows"]:
         print(f"quarantined {manifest['quarantine']['rows']} rows -> {args.out / 'data' / 'quarantine.jsonl'}")
+    for warning in manifest.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"manifest: {args.out / 'data' / 'manifest.json'}")
     return 0
 

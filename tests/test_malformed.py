@@ -267,3 +267,29 @@ def test_a_python_tag_in_a_config_file_is_refused_naming_the_file(tmp_path, caps
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{config}:1" in err and not (tmp_path / "owned.txt").exists()
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-be"])
+def test_sources_in_utf16_or_utf32_with_a_byte_order_mark_read_like_utf8(tmp_path, encoding):
+    rows = jsonl([json.dumps(chat_row(d), ensure_ascii=False) for d in CAMREST])
+    (tmp_path / "utf8").mkdir()
+    (tmp_path / "wide").mkdir()
+    expected = run(tmp_path / "utf8", "chat", "c.jsonl", rows)
+    data = ("\ufeff" + rows).encode(encoding) if encoding.endswith("-be") else rows.encode(encoding)
+    manifest = run(tmp_path / "wide", "chat", "c.jsonl", data)
+    assert manifest["totals"] == expected["totals"] and manifest["totals"]["kept"] > 0
+    for split in ("train",):
+        wide = (tmp_path / "wide/run/data" / f"{split}.jsonl").read_text(encoding="utf-8")
+        assert wide.replace("/wide/", "/utf8/") == (tmp_path / "utf8/run/data" / f"{split}.jsonl").read_text(encoding="utf-8")
+
+
+def test_an_empty_source_is_a_warning_in_the_manifest_and_on_stderr(tmp_path, capsys):
+    (tmp_path / "good.jsonl").write_text(jsonl([json.dumps(chat_row(d)) for d in CAMREST]), encoding="utf-8")
+    (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml", [
+        {"name": "good", "format": "chat", "path": "good.jsonl", "split": "train", "language": "en"},
+        {"name": "empty", "format": "chat", "path": "empty.jsonl", "split": "train", "language": "en"}])
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    manifest = json.loads((tmp_path / "run/data/manifest.json").read_text())
+    assert manifest["warnings"] == [f"source empty: no rows read from {tmp_path / 'empty.jsonl'}"]
+    assert f"warning: source empty: no rows read from {tmp_path / 'empty.jsonl'}" in capsys.readouterr().err

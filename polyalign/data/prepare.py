@@ -334,6 +334,10 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
         if accounted != entry["read"]:
             raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
     by_split = {s: sum(e["kept_by_split"][s] for e in sources_json) for s in SPLITS}
+    # A source that yields nothing is most often a wrong path pattern or an empty export: say so rather
+    # than let its buckets quietly go missing.
+    warnings = [f"source {e['name']}: no rows read from {', '.join(e['files']) or 'its files'}"
+                for e in sources_json if e["read"] == 0]
     return {
         "polyalign_version": polyalign.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -350,6 +354,7 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
             "empty_responses": sum(e["empty_responses"] for e in sources_json),
         },
         "sources": sources_json,
+        "warnings": warnings,
         "dedup": dedup_report,
         "quarantine": {"enabled": on_error == "quarantine", "rows": quarantined,
                        **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},

@@ -3,6 +3,7 @@ typed field access and multi-turn projection."""
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import re
@@ -39,7 +40,25 @@ def _line_of_offset(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
+# Byte-order marks of the encodings other than UTF-8 that a source may come in (Windows tools write
+# UTF-16 with a BOM). UTF-32-LE's mark begins with UTF-16-LE's, so it is looked for first.
+WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+             (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def wide_encoding(head: bytes) -> str | None:
+    """"utf-16" or "utf-32" when the bytes start with that encoding's byte-order mark."""
+    return next((encoding for bom, encoding in WIDE_BOMS if head.startswith(bom)), None)
+
+
 def decode_document(data: bytes, name: str) -> str:
+    encoding = wide_encoding(data[:4])
+    if encoding is not None:
+        try:
+            return data.decode(encoding)
+        except UnicodeDecodeError as err:
+            raise InputError(f"{name}: undecodable {encoding.upper()} (it starts with that byte-order mark): "
+                             f"{err.reason}") from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -83,6 +102,10 @@ def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
     and CRLF are valid; an undecodable line is reported as Malformed and reading goes on."""
     row = 0
     with path.open("rb") as handle:
+        if wide_encoding(handle.read(4)) is not None:
+            yield from _wide_text_lines(path)
+            return
+        handle.seek(0)
         for number, raw in enumerate(handle, start=1):
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
@@ -96,6 +119,16 @@ def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
             if line.strip():
                 row += 1
                 yield location, line
+
+
+def _wide_text_lines(path: Path) -> Iterator[tuple[Location, str]]:
+    """iter_text_lines for a UTF-16 or UTF-32 file: decoded whole (its lines are not byte lines)."""
+    row = 0
+    for number, line in enumerate(decode_document(path.read_bytes(), str(path)).split("\n"), start=1):
+        line = line.rstrip("\r")
+        if line.strip():
+            yield Location(str(path), line=number, row=row), line
+            row += 1
 
 
 def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
