@@ -293,3 +293,29 @@ def test_an_empty_source_is_a_warning_in_the_manifest_and_on_stderr(tmp_path, ca
     manifest = json.loads((tmp_path / "run/data/manifest.json").read_text())
     assert manifest["warnings"] == [f"source empty: no rows read from {tmp_path / 'empty.jsonl'}"]
     assert f"warning: source empty: no rows read from {tmp_path / 'empty.jsonl'}" in capsys.readouterr().err
+
+
+def _zip_of(member: str, content: bytes, encrypted: bool = False) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(member, content)
+    data = bytearray(buffer.getvalue())
+    if encrypted:  # zipfile writes no encrypted archives: set the flag bit in both headers, as a tool would
+        data[6] |= 0x1  # local file header, general purpose flags
+        central = data.rfind(b"PK\x01\x02")
+        data[central + 8] |= 0x1
+    return bytes(data)
+
+
+def test_zip_members_that_are_encrypted_or_too_large_are_named(tmp_path, monkeypatch):
+    dialogues = json.dumps(CAMREST).encode()
+    with pytest.raises(InputError, match=r"data.zip!data/dialogues.json: encrypted"):
+        run(tmp_path, "convlab", "data.zip", _zip_of("data/dialogues.json", dialogues, encrypted=True))
+    monkeypatch.setenv("POLYALIGN_MAX_ZIP_MEMBER_BYTES", "1000")
+    with pytest.raises(InputError, match=r"dialogues.json: decompresses to [\d,]+ bytes, over the limit of 1,000 "
+                                         r"\(set POLYALIGN_MAX_ZIP_MEMBER_BYTES to read it\)"):
+        run(tmp_path, "convlab", "data.zip", _zip_of("data/dialogues.json", dialogues))
+    monkeypatch.delenv("POLYALIGN_MAX_ZIP_MEMBER_BYTES")
+    assert run(tmp_path, "convlab", "data.zip", _zip_of("data/dialogues.json", dialogues))["totals"]["kept"] > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import glob
 import json
+import os
 import re
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
@@ -82,19 +83,45 @@ def load_json(path: Path) -> Any:
     return parse_json_document(decode_document(path.read_bytes(), str(path)), str(path))
 
 
+# A member is decompressed whole into memory; a few hundred bytes of a zip bomb can claim gigabytes.
+MAX_MEMBER_BYTES_ENV = "POLYALIGN_MAX_ZIP_MEMBER_BYTES"
+DEFAULT_MAX_MEMBER_BYTES = 2 << 30
+
+
+def max_member_bytes() -> int:
+    raw = os.environ.get(MAX_MEMBER_BYTES_ENV)
+    try:
+        return int(raw) if raw else DEFAULT_MAX_MEMBER_BYTES
+    except ValueError:
+        raise InputError(f"{MAX_MEMBER_BYTES_ENV}={raw!r}: expected a number of bytes") from None
+
+
 def load_json_from_zip(path: Path, member_suffix: str = ".json") -> Iterator[tuple[str, Any]]:
-    """Every JSON member of a zip archive, in archive order, as (display name, parsed document)."""
+    """Every JSON member of a zip archive, in archive order, as (display name, parsed document). An
+    encrypted member, or one that decompresses to more than max_member_bytes(), is an error naming it."""
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
         raise InputError(f"{path}: not a zip archive") from None
+    limit = max_member_bytes()
     with archive:
-        members = [m for m in archive.namelist() if m.endswith(member_suffix) and not m.startswith("__MACOSX")]
+        members = [m for m in archive.infolist() if m.filename.endswith(member_suffix)
+                   and not m.filename.startswith("__MACOSX")]
         if not members:
             raise InputError(f"{path}: the archive holds no *{member_suffix} file")
         for member in members:
-            name = f"{path}!{member}"
-            yield member, parse_json_document(decode_document(archive.read(member), name), name)
+            name = f"{path}!{member.filename}"
+            if member.flag_bits & 0x1:
+                raise InputError(f"{name}: encrypted; polyalign reads unencrypted archives (unzip it first)")
+            if member.file_size > limit:
+                raise InputError(f"{name}: decompresses to {member.file_size:,} bytes, over the limit of {limit:,} "
+                                 f"(set {MAX_MEMBER_BYTES_ENV} to read it)")
+            with archive.open(member) as handle:
+                data = handle.read(limit + 1)  # the header's size can lie; the stream cannot
+            if len(data) > limit:
+                raise InputError(f"{name}: decompresses to more than the limit of {limit:,} bytes "
+                                 f"(set {MAX_MEMBER_BYTES_ENV} to read it)")
+            yield member.filename, parse_json_document(decode_document(data, name), name)
 
 
 def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
