@@ -6,6 +6,7 @@ reads checkpoints goes through `as_path` instead, so a URI reaches the libraries
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from etils import epath
@@ -22,3 +23,9 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     if is_uri(path):
         return epath.Path(str(path))
     return epath.Path(os.path.abspath(os.path.expanduser(str(path))))
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, local or in a bucket: what a later stage compares to tell whether the
+    input it was made from has been replaced."""
+    return "sha256:" + hashlib.sha256(as_path(path).read_bytes()).hexdigest()

@@ -66,6 +66,26 @@ def test_build_weights_come_from_the_scheme_unless_overridden(built_run):
     assert source.endswith("overridden: clip, temperature")
 
 
+def test_a_build_is_refused_once_the_prepare_it_was_made_from_is_replaced(built_run, tmp_path):
+    import shutil
+
+    from polyalign.config import ConfigError
+    from polyalign.inputs.build import read_manifest
+    from polyalign.paths import file_digest
+
+    run, manifest = built_run
+    assert manifest["made_from"] == {"data/manifest.json": file_digest(run / "data" / "manifest.json")}
+    moved = tmp_path / "run"
+    (moved / "data").mkdir(parents=True)
+    (moved / "build").symlink_to(run / "build", target_is_directory=True)
+    shutil.copy(run / "data" / "manifest.json", moved / "data" / "manifest.json")
+    assert read_manifest(moved)["buckets"] == manifest["buckets"]  # the same prepare: accepted
+    prepared_again = json.loads((moved / "data" / "manifest.json").read_text()) | {"created": "later"}
+    (moved / "data" / "manifest.json").write_text(json.dumps(prepared_again))
+    with pytest.raises(ConfigError, match=f"made from another data/manifest.json .*rerun `polyalign build {moved}`"):
+        read_manifest(moved)
+
+
 def test_batches_shift_targets_and_pad():
     example = {"input_ids": np.array([5, 6, 7, 8]), "loss_mask": np.array([0, 0, 1, 1]), "weight": 2.5, "bucket": 3}
     arrays = pipeline.example_arrays(example, 6, pad_id=0)

@@ -41,10 +41,11 @@ from polyalign.data.bucketing import (
 )
 from polyalign.data.records import Record, read_records
 from polyalign.model.config import checkpoint_family
-from polyalign.paths import as_path
+from polyalign.paths import as_path, file_digest
 from polyalign.tokenizer import load_tokenizer
 
 BUILD_DIR = "build"
+PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
 SPLITS = ("train", "val")
@@ -232,6 +233,7 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         "train_bucket_counts": table.train_counts,
         "warnings": list(warnings),
         "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
+        "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST)},
         "seconds": round(seconds, 2),
     }
     (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
@@ -287,7 +289,14 @@ def build_tokenizer_path(run, manifest: dict[str, Any]):
 
 
 def read_manifest(run) -> dict[str, Any]:
+    """RUN/build/manifest.json, once checked to have been made from the prepare that RUN/data holds now."""
     path = as_path(run) / BUILD_DIR / "manifest.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing; run `polyalign build {run}` (or the demo's build stage) first")
-    return json.loads(path.read_text())
+    manifest = json.loads(path.read_text())
+    for name, digest in manifest.get("made_from", {}).items():  # builds made before it was recorded: unchecked
+        source = as_path(run) / name
+        if not source.is_file() or file_digest(source) != digest:
+            raise ConfigError(f"{as_path(run) / BUILD_DIR}: made from another {name} than the one there now "
+                              f"(`polyalign prepare` ran again?); rerun `polyalign build {run}`")
+    return manifest
