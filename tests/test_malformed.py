@@ -319,3 +319,14 @@ def test_zip_members_that_are_encrypted_or_too_large_are_named(tmp_path, monkeyp
         run(tmp_path, "convlab", "data.zip", _zip_of("data/dialogues.json", dialogues))
     monkeypatch.delenv("POLYALIGN_MAX_ZIP_MEMBER_BYTES")
     assert run(tmp_path, "convlab", "data.zip", _zip_of("data/dialogues.json", dialogues))["totals"]["kept"] > 0
+
+
+def test_a_declared_language_the_text_contradicts_is_counted(tmp_path):
+    """Real Chinese answers in a source declared English are kept under the user's label and counted."""
+    chinese = {"messages": [{"role": "user", "content": KDCONV_TURNS[0]}, {"role": "assistant", "content": KDCONV_TURNS[1]}],
+               "track": "multi", "family": "dialogue", "style": "task_dialogue"}
+    rows = [json.dumps(chat_row(CAMREST[0])), json.dumps(chinese, ensure_ascii=False)]
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows))
+    source = manifest["sources"][0]
+    assert source["language_mismatches"] == {"en declared, han script": 1}
+    assert source["kept"] == source["read"]  # counted, not dropped

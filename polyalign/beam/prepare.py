@@ -96,6 +96,8 @@ class ImportFile(beam.DoFn):
             yield _event("drop", source_index, reason, None, count=count)
         for language, count in tally.detected_languages.items():
             yield _event("detected", source_index, language, count=count)
+        for mismatch, count in tally.language_mismatches.items():
+            yield _event("mismatch", source_index, mismatch, count=count)
         if self.on_error == "quarantine":
             yield _event("quarantined", count=tally.dropped["malformed"])
 
@@ -320,6 +322,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
                 tallies[source].dropped_by_split[split][reason] += count
         elif kind == "detected":
             tallies[fields[0]].detected_languages[fields[1]] += count
+        elif kind == "mismatch":
+            tallies[fields[0]].language_mismatches[fields[1]] += count
         elif kind == "kept":
             tallies[fields[0]].kept_by_split[fields[1]] += count
         elif kind == "label":

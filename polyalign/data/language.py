@@ -36,6 +36,29 @@ def _script_counts(text: str) -> dict[str, int]:
     return counts
 
 
+# The script each declared language is written in; a language not listed is not checked.
+_SCRIPT_OF = {"zh": ("han",), "ja": ("kana", "han"), "ko": ("hangul", "han")}
+_LATIN_LANGUAGES = frozenset("en fr de es it pt nl sv da no fi pl cs sk sl hr ro hu tr id ms vi".split())
+_MIN_LETTERS_FOR_SCRIPT = 10
+
+
+def contradicting_script(declared: str, text: str) -> str | None:
+    """The script most of `text`'s letters are in, when it cannot be the declared language's (e.g.
+    Arabic or Hebrew letters in an `en` source, no Chinese character in a `zh` one); None when the text
+    agrees, is too short to tell, or the language is not one whose script is known here."""
+    expected = _SCRIPT_OF.get(declared) or (("latin",) if declared in _LATIN_LANGUAGES else None)
+    if expected is None:
+        return None
+    counts = _script_counts(text)
+    if sum(counts.values()) < _MIN_LETTERS_FOR_SCRIPT:
+        return None
+    # weighed as detect_language does: one CJK character carries about a short word
+    weighed = {script: n * (3 if script in ("han", "kana", "hangul") else 1) for script, n in counts.items()}
+    if sum(weighed[s] for s in expected) * 2 >= sum(weighed.values()):
+        return None
+    return max(weighed, key=weighed.get)
+
+
 @functools.lru_cache(maxsize=1)
 def _detector():
     from lingua import LanguageDetectorBuilder

@@ -29,7 +29,7 @@ from polyalign.data.dedup import (
 )
 from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers._io import source_files
-from polyalign.data.language import detect_language
+from polyalign.data.language import contradicting_script, detect_language
 from polyalign.data.records import (
     SPLITS,
     Example,
@@ -114,6 +114,7 @@ class SourceTally:
     dropped_by_split: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     empty_responses: int = 0
     detected_languages: Counter = field(default_factory=Counter)
+    language_mismatches: Counter = field(default_factory=Counter)
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -132,6 +133,8 @@ class SourceTally:
             "dropped_by_split": {s: dict(sorted(c.items())) for s, c in sorted(self.dropped_by_split.items())},
             "empty_responses": self.empty_responses,
             **({"detected_languages": dict(self.detected_languages)} if self.detected_languages else {}),
+            **({"language_mismatches": dict(sorted(self.language_mismatches.items()))}
+               if self.language_mismatches else {}),
         }
 
 
@@ -203,6 +206,10 @@ class RecordBuilder:
         if language is None:
             language = detect_language(f"{question}\n{response}")
             tally.detected_languages[language] += 1
+        elif (script := contradicting_script(language, response)) is not None:
+            # kept under the declared label (it is the user's), but counted: a mislabelled source
+            # would otherwise fill a bucket with another language's answers unnoticed
+            tally.language_mismatches[f"{language} declared, {script} script"] += 1
         if language not in self.scheme.values["language"]:
             return Skipped(example.location, f"language_not_in_scheme:{language}")
         length = length_units(response, self.length_unit)
