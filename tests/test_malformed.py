@@ -330,3 +330,21 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path):
     source = manifest["sources"][0]
     assert source["language_mismatches"] == {"en declared, han script": 1}
     assert source["kept"] == source["read"]  # counted, not dropped
+
+
+def test_a_quarantined_row_never_renames_another_record(tmp_path):
+    """Record ids come from the row's own position: the rows after a quarantined one keep the ids they
+    have when that row is good."""
+    good = [json.dumps(chat_row(d)) for d in CAMREST]
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "broken").mkdir()
+    run(tmp_path / "clean", "chat", "c.jsonl", jsonl(good))
+    run(tmp_path / "broken", "chat", "c.jsonl", jsonl([good[0], '{"messages": [}', good[2]]), on_error="quarantine")
+
+    def ids(folder):
+        return {r["id"]: r["response"] for split in ("train", "val", "test")
+                for r in read_jsonl(tmp_path / folder / "run" / "data" / f"{split}.jsonl")}
+
+    clean, broken = ids("clean"), ids("broken")
+    assert broken and all(clean.get(i) == response for i, response in broken.items())
+    assert len(clean) > len(broken)  # the quarantined dialogue's records are missing, nothing else moved
