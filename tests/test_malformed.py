@@ -164,12 +164,20 @@ def test_bom_crlf_blank_lines_and_very_long_texts_are_valid(tmp_path):
     assert longest["length_bin"] == "xlong" and "\r" not in longest["response"]
 
 
-def test_empty_response_is_kept_but_null_is_an_error(tmp_path):
-    rows = [{**SAMPLE[0], "output": ""}, SAMPLE[1]]
+def test_empty_response_is_kept_in_qa_dropped_elsewhere_and_null_is_an_error(tmp_path):
+    rows = [{**SAMPLE[0], "output": ""}, SAMPLE[1]]  # QA rows: an empty answer is a real "no answer"
     manifest = run(tmp_path, "llamafactory", "a.json", json.dumps(rows))
     assert manifest["sources"][0]["kept"] == 2 and manifest["totals"]["empty_responses"] == 1
     with pytest.raises(PrepareError, match="is null"):
         run(tmp_path, "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "output": None}]))
+    # a dialogue turn answered with nothing is dropped, counted per source
+    dialogue = chat_row(CAMREST[0])
+    turns = dialogue["messages"]
+    turns[1] = {**turns[1], "content": ""}
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(dialogue)]))
+    source = manifest["sources"][0]
+    assert source["dropped"] == {"empty_response": 1} and source["empty_responses"] == 0
+    assert source["read"] == source["kept"] + 1
 
 
 # A folder where a file is expected, a file where an output folder is expected, a bad number: each

@@ -45,6 +45,8 @@ from polyalign.errors import PrepareError
 
 ON_ERROR_MODES = ("fail", "quarantine")
 SOURCE_SPLITS = (*SPLITS, "auto")
+# Families in which an empty response is a real answer (an unanswerable QA question) and is kept.
+EMPTY_ANSWER_FAMILIES = ("qa",)
 AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
 
 
@@ -492,6 +494,10 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         return None
     if isinstance(built, Skipped):
         tally.drop(built.reason)
+        return None
+    if built.response == "" and built.family not in EMPTY_ANSWER_FAMILIES:
+        # an empty reply would teach a model to answer with nothing; only a QA "no answer" is a real one
+        tally.drop("empty_response")
         return None
     tally.empty_responses += int(built.response == "")
     return built
