@@ -29,3 +29,14 @@ def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, local or in a bucket: what a later stage compares to tell whether the
     input it was made from has been replaced."""
     return "sha256:" + hashlib.sha256(as_path(path).read_bytes()).hexdigest()
+
+
+def changed_since(base: str | os.PathLike, made_from: dict[str, str]) -> list[str]:
+    """The files named in `made_from` (paths relative to `base`, with the digests they had when an
+    output was made from them) that are missing or different now."""
+    changed = []
+    for name, digest in made_from.items():
+        path = as_path(base) / name
+        if not path.is_file() or file_digest(path) != digest:
+            changed.append(name)
+    return changed

@@ -503,3 +503,27 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     before = (out / "round-2" / "metrics.jsonl").read_text()
     assert main(command) == 0  # both rounds finished: nothing trains again
     assert (out / "round-2" / "metrics.jsonl").read_text() == before
+
+
+def test_the_critic_refuses_references_made_from_an_earlier_prepare(demo_run, tmp_path):
+    import shutil
+
+    from polyalign.config import ConfigError
+    from polyalign.paths import file_digest
+    from polyalign.train import critic
+    from polyalign.train.methods import load_config
+
+    run, _, _ = demo_run
+    references = json.loads((run / "stats" / "references.json").read_text())
+    assert references["made_from"] == {"data/manifest.json": file_digest(run / "data" / "manifest.json")}
+    moved = tmp_path / "run"
+    (moved / "stats").mkdir(parents=True)
+    (moved / "data").mkdir()
+    shutil.copy(run / "stats" / "references.json", moved / "stats" / "references.json")
+    (moved / "data" / "manifest.json").write_text("{}")  # prepare ran again since
+    (tmp_path / "pairs.jsonl").write_text("")
+    config = load_config(REPO / "configs" / "critic_demo.yaml", [f"data.dir={moved}", "init=unused",
+                                                                  f"pairs={tmp_path / 'pairs.jsonl'}",
+                                                                  f"val_pairs={tmp_path / 'pairs.jsonl'}"])
+    with pytest.raises(ConfigError, match=f"made from another data/manifest.json .*rerun `polyalign stats {moved}`"):
+        critic.setup(config, None, progress=False)

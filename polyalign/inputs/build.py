@@ -41,7 +41,7 @@ from polyalign.data.bucketing import (
 )
 from polyalign.data.records import Record, read_records
 from polyalign.model.config import checkpoint_family
-from polyalign.paths import as_path, file_digest
+from polyalign.paths import as_path, changed_since, file_digest
 from polyalign.tokenizer import load_tokenizer
 
 BUILD_DIR = "build"
@@ -294,9 +294,7 @@ def read_manifest(run) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: missing; run `polyalign build {run}` (or the demo's build stage) first")
     manifest = json.loads(path.read_text())
-    for name, digest in manifest.get("made_from", {}).items():  # builds made before it was recorded: unchecked
-        source = as_path(run) / name
-        if not source.is_file() or file_digest(source) != digest:
-            raise ConfigError(f"{as_path(run) / BUILD_DIR}: made from another {name} than the one there now "
-                              f"(`polyalign prepare` ran again?); rerun `polyalign build {run}`")
+    for name in changed_since(run, manifest.get("made_from", {})):  # builds made before it was recorded: unchecked
+        raise ConfigError(f"{as_path(run) / BUILD_DIR}: made from another {name} than the one there now "
+                          f"(`polyalign prepare` ran again?); rerun `polyalign build {run}`")
     return manifest

@@ -27,6 +27,7 @@ from polyalign.data.bucketing import (
 from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.errors import StatsError
 from polyalign.features import text_features
+from polyalign.paths import file_digest
 from polyalign.references import build_references, summarize
 from polyalign.reports import plots
 from polyalign.reports.markdown import table as markdown_table
@@ -137,6 +138,7 @@ def compute_stats(run: Path, progress: bool = True) -> dict[str, Any]:
 
     out = run / "stats"
     out.mkdir(parents=True, exist_ok=True)
+    references["made_from"] = {"data/manifest.json": file_digest(run / "data" / "manifest.json")}
     (out / "references.json").write_text(json.dumps(references, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     figures = {
         "counts": plots.bucket_counts(bucket_counts, scheme.values["language"], out / "counts.png"),

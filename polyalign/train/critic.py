@@ -27,6 +27,7 @@ from polyalign.config import ConfigError
 from polyalign.errors import CriticCollapse
 from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
 from polyalign.model.pooling import encode_responses
+from polyalign.paths import changed_since
 from polyalign.train.config import CriticConfig, LoopConfig
 from polyalign.train.critic_model import (  # noqa: F401 (MARGIN, CriticScorer: part of this module's face)
     MARGIN,
@@ -127,6 +128,10 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     if references_path is None or not references_path.is_file():
         raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` or pass references=")
     references = json.loads(references_path.read_text())
+    run_of_references = references_path.parent.parent if references_path.parent.name == "stats" else None
+    for name in changed_since(run_of_references, references.get("made_from", {})) if run_of_references else ():
+        raise ConfigError(f"{references_path}: made from another {name} than the one there now (`polyalign "
+                          f"prepare` ran again?); rerun `polyalign stats {run_of_references}`")
     if config.distance_counts == "per_token" and not all("rates" in r for r in references["buckets"].values()):
         raise ConfigError(f"{references_path}: made before references had per-token rates; rerun "
                           "`polyalign stats RUN`, or set distance_counts=raw")
