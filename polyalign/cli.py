@@ -70,6 +70,8 @@ def _add_prepare(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="run directory; data goes to OUT/data")
     p.add_argument("--on-error", choices=("fail", "quarantine"), default="fail",
                    help="malformed rows stop the run (fail, default) or go to OUT/data/quarantine.jsonl")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT/data when it was prepared with another config (refused otherwise)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
     _add_beam_arguments(p, "run prepare")
@@ -87,12 +89,12 @@ def _run_prepare(args) -> int:
         from polyalign.beam.prepare import prepare_beam
 
         manifest = prepare_beam(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
-                                beam_options=args.beam_options, num_shards=args.num_shards)
+                                beam_options=args.beam_options, num_shards=args.num_shards, overwrite=args.overwrite)
     else:
         from polyalign.data.prepare import prepare
 
         manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, overwrite=args.overwrite)
     totals = manifest["totals"]
     print(f"read {totals['read']}, kept {totals['kept']}, dropped {totals['dropped']} "
           f"(train {totals['by_split']['train']}, val {totals['by_split']['val']}, test {totals['by_split']['test']})")

@@ -77,3 +77,7 @@ class LaunchError(PolyalignError, ValueError):
 class Interrupted(PolyalignError):
     """A run stopped before its end (Ctrl-C, SIGTERM, `train.stop_at`) with its progress saved; the
     message says where, and that the same command resumes. Exit status 130, not an error."""
+
+
+class JsonProblem(PolyalignError, ValueError):
+    """Why a JSON text is refused by strict parsing (polyalign/jsonl.py); callers add the file and line."""

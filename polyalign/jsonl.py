@@ -18,9 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-
-class JsonProblem(ValueError):
-    """Why a JSON text is refused; the caller adds the file and line."""
+from polyalign.errors import JsonProblem
 
 
 def refuse_constant(name: str) -> Any:

@@ -45,7 +45,7 @@ def run(tmp_path, fmt, filename, content, on_error="fail", **source):
         path.write_text(content, encoding="utf-8")
     config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": fmt, "path": filename,
                                                       "split": "train", "language": "en", **source}], dedup=False)
-    return prepare(config, tmp_path / "run", on_error=on_error, progress=False)
+    return prepare(config, tmp_path / "run", on_error=on_error, progress=False, overwrite=True)  # a fresh run each call
 
 
 def jsonl(rows):
@@ -356,3 +356,19 @@ def test_a_quarantined_row_never_renames_another_record(tmp_path):
     clean, broken = ids("clean"), ids("broken")
     assert broken and all(clean.get(i) == response for i, response in broken.items())
     assert len(clean) > len(broken)  # the quarantined dialogue's records are missing, nothing else moved
+
+
+def test_prepare_into_an_output_of_another_config_is_refused_unless_overwrite(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text(jsonl([json.dumps(chat_row(d)) for d in CAMREST]), encoding="utf-8")
+    source = {"name": "src", "format": "chat", "path": "c.jsonl", "split": "train", "language": "en"}
+    config = write_config(tmp_path / "config.yaml", [source])
+    argv = ["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 0
+    assert main(argv) == 0  # the same config again: the same files
+    write_config(tmp_path / "config.yaml", [source], dedup=False)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "prepared with another config (config.dedup: None there, False now); pass --overwrite" in err, err
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads((tmp_path / "run/data/manifest.json").read_text())["config"]["dedup"] is False

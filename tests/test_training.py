@@ -615,7 +615,7 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
 
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_path, capsys):
     from polyalign.config import ConfigError
-    from polyalign.train.ownership import LOCK
+    from polyalign.outputs import LOCK
 
     run, _ = built_run
     out = tmp_path / "out"

@@ -37,6 +37,7 @@ from polyalign.data.prepare import (
     SourceTally,
     assemble_manifest,
     build_item,
+    check_output,
     duplicate_id_message,
     label_votes,
     load_context,
@@ -185,7 +186,7 @@ def _write_lines(lines, path: Path, num_shards: int, label: str):
 
 
 def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
-                 beam_options: str | None = None, num_shards: int = 1) -> dict[str, Any]:
+                 beam_options: str | None = None, num_shards: int = 1, overwrite: bool = False) -> dict[str, Any]:
     """Run prepare as a Beam pipeline; returns the manifest (also written to OUT/data/manifest.json)."""
     started = time.perf_counter()
     if on_error not in ON_ERROR_MODES:
@@ -195,6 +196,7 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
     context = load_context(config_path, overrides)
     config = context.config
     data_dir = Path(out) / "data"
+    check_output(data_dir, context, on_error, overwrite)
     data_dir.mkdir(parents=True, exist_ok=True)
     events_dir = data_dir / EVENTS_DIR
     shutil.rmtree(events_dir, ignore_errors=True)

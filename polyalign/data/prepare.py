@@ -42,6 +42,7 @@ from polyalign.data.records import (
 from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
 from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize
 from polyalign.errors import PrepareError
+from polyalign.outputs import OutputLock, describe_changes, differing_keys
 
 ON_ERROR_MODES = ("fail", "quarantine")
 SOURCE_SPLITS = (*SPLITS, "auto")
@@ -376,18 +377,44 @@ def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     (data_dir / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
+def check_output(data_dir: Path, context: PrepareContext, on_error: str, overwrite: bool) -> None:
+    """OUT/data may be written when it is new, was prepared with the same config (prepare is
+    deterministic: the same files again), or `overwrite` is set."""
+    manifest = data_dir / "manifest.json"
+    if overwrite or not manifest.is_file():
+        return
+    try:
+        saved = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ConfigError(f"{manifest}: unreadable; pass --overwrite to prepare into {data_dir.parent} again") from None
+    before = {"config": saved.get("config"), "on_error": saved.get("on_error")}
+    now = json.loads(json.dumps({"config": context.raw_config, "on_error": on_error}, default=str))
+    changed = differing_keys(before, now)
+    if changed:
+        raise ConfigError(f"{data_dir}: prepared with another config ({describe_changes(changed, before, now)}); pass "
+                          "--overwrite to replace it (what was built from it will then ask to be rebuilt), or give "
+                          "another --out")
+
+
 def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
-            progress: bool = True) -> dict[str, Any]:
+            progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Run the data pipeline on this machine; returns the manifest (also written to OUT/data/manifest.json).
-    polyalign.beam.prepare runs the same steps as an Apache Beam pipeline."""
+    polyalign.beam.prepare runs the same steps as an Apache Beam pipeline. OUT/data prepared with another
+    config is refused unless `overwrite`; a second process preparing into the same OUT is refused."""
+    context = load_context(config_path, overrides)
+    data_dir = Path(out) / "data"
+    check_output(data_dir, context, on_error, overwrite)
+    with OutputLock(data_dir):
+        return _prepare(context, data_dir, on_error, progress)
+
+
+def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    context = load_context(config_path, overrides)
     config, builder = context.config, context.builder
     tallies = [SourceTally(source, files=[str(f) for f in files])
                for source, files in zip(config.sources, context.source_files)]
 
-    data_dir = Path(out) / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
     records: list[Record] = []

@@ -94,6 +94,7 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
         from polyalign.train.rounds import train_rounds
 
         return train_rounds(config, out, functools.partial(train, existing=existing), progress)
+    from polyalign.outputs import OutputLock
     from polyalign.train import ownership
 
     local = not is_uri(out)
@@ -102,7 +103,7 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
         inputs = {key: getattr(config, key, None) for key in ("init", "pairs", "val_pairs", "references")}
         ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
                         remove=jax.process_index() == 0)
-    lock = ownership.OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
+    lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
     with lock:
         return _train(config, out, progress)
 
