@@ -33,10 +33,11 @@ def file_digest(path: str | os.PathLike) -> str:
 
 def changed_since(base: str | os.PathLike, made_from: dict[str, str]) -> list[str]:
     """The files named in `made_from` (paths relative to `base`, with the digests they had when an
-    output was made from them) that are missing or different now."""
+    output was made from them) that differ now. A missing one is not counted: an output copied without
+    its inputs (a build alone in a bucket, say) cannot be checked, and is not wrong for that."""
     changed = []
     for name, digest in made_from.items():
         path = as_path(base) / name
-        if not path.is_file() or file_digest(path) != digest:
+        if path.is_file() and file_digest(path) != digest:
             changed.append(name)
     return changed
