@@ -80,4 +80,9 @@ class Interrupted(PolyalignError):
 
 
 class JsonProblem(PolyalignError, ValueError):
-    """Why a JSON text is refused by strict parsing (polyalign/jsonl.py); callers add the file and line."""
+    """Why a JSON text is refused by strict parsing (polyalign/jsonl.py); callers add the file and, for a
+    syntax error, the `line` inside the text that it carries."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line

@@ -64,7 +64,7 @@ def parse(text: str) -> Any:
     except RecursionError:
         raise JsonProblem("nested too deeply") from None
     except json.JSONDecodeError as err:
-        raise JsonProblem(f"{err.msg} (column {err.colno})") from None
+        raise JsonProblem(f"{err.msg} (column {err.colno})", line=err.lineno) from None
     except JsonProblem:
         raise
     except ValueError as err:  # an integer of more digits than Python converts

@@ -70,13 +70,10 @@ def decode_document(data: bytes, name: str) -> str:
 
 def parse_json_document(text: str, name: str) -> Any:
     try:
-        return json.loads(text, parse_constant=jsonl.refuse_constant, parse_float=jsonl.finite_float,
-                          object_pairs_hook=jsonl.unique_keys)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{name}:{err.lineno}: invalid JSON: {err.msg} (column {err.colno})") from None
-    except (jsonl.JsonProblem, RecursionError, ValueError) as problem:
-        reason = "nested too deeply" if isinstance(problem, RecursionError) else str(problem).split(";")[0]
-        raise InputError(f"{name}: invalid JSON: {reason}") from None
+        return jsonl.parse(text)
+    except jsonl.JsonProblem as problem:
+        where = f"{name}:{problem.line}" if problem.line else name
+        raise InputError(f"{where}: invalid JSON: {problem}") from None
 
 
 def load_json(path: Path) -> Any:
