@@ -71,7 +71,7 @@ def evaluate_model(model: Path | None, run: Path, out: Path, seed: int, sizes: d
     if model is not None:
         generate_predictions(model, run / "data" / "test.jsonl", predictions, progress=False, seed=seed,
                              sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), sample=sizes["test"])
-    result = evaluate(run / "data" / "test.jsonl", predictions, out / "eval", allow_partial=True,
+    result = evaluate(run / "data" / "test.jsonl", predictions, out / "eval", allow_partial=True, overwrite=True,
                       references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
                       diversity_metrics=False)
     m = result["metrics"]

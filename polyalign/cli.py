@@ -156,6 +156,8 @@ def _add_tokenizer(sub) -> None:
     train.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram", help="default: unigram")
     train.add_argument("--character-coverage", type=float, default=0.9995,
                        help="share of characters kept as pieces; the rest fall back to bytes (default 0.9995)")
+    train.add_argument("--overwrite", action="store_true", help="replace a tokenizer in OUT trained with other "
+                                                                "settings (or not by polyalign)")
     train.set_defaults(handler=_run_tokenizer_train)
 
 
@@ -163,7 +165,7 @@ def _run_tokenizer_train(args) -> int:
     from polyalign.tokenizer_training import train_from_records
 
     _, report = train_from_records(args.records, args.out, args.vocab_size, model_type=args.model_type,
-                                   character_coverage=args.character_coverage)
+                                   character_coverage=args.character_coverage, overwrite=args.overwrite)
     rates = ", ".join(f"{lang} {rate}" for lang, rate in report["chars_per_token"].items())
     print(f"trained a {report['vocab_size']}-piece tokenizer on {report['num_records']} records in "
           f"{report['train_seconds']} s; characters per token: {rates}")
@@ -207,6 +209,7 @@ def _add_build(sub) -> None:
     weights.add_argument("--borrow-below", type=int, metavar="N",
                          help="buckets with fewer than N train records take their parent group's weight")
     weights.add_argument("--min-bucket-size", type=int, metavar="N", help="buckets smaller than N get weight 0")
+    p.add_argument("--overwrite", action="store_true", help="replace RUN/build when it was built with other options")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_beam_arguments(p, "tokenise")
     p.set_defaults(handler=_run_build)
@@ -226,9 +229,9 @@ def _run_build(args) -> int:
         require_beam()
         from polyalign.beam.build import build_beam
 
-        manifest = build_beam(args.run, options, beam_options=args.beam_options)
+        manifest = build_beam(args.run, options, beam_options=args.beam_options, overwrite=args.overwrite)
     else:
-        manifest = build(args.run, options, progress=not args.no_progress)
+        manifest = build(args.run, options, progress=not args.no_progress, overwrite=args.overwrite)
     for split, counts in manifest["splits"].items():
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
               f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}")
@@ -308,13 +311,15 @@ def _add_pairs(sub) -> None:
     p.add_argument("--records", required=True, type=Path, help="records JSONL (the train or val split)")
     p.add_argument("--predictions", required=True, type=Path, help="the initial policy's predictions (JSONL)")
     p.add_argument("--out", required=True, type=Path, help="pairs JSONL")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT when it was made from other files "
+                                                            "(or not by polyalign)")
     p.set_defaults(handler=_run_pairs)
 
 
 def _run_pairs(args) -> int:
     from polyalign.pairs import make_pairs
 
-    summary = make_pairs(args.records, args.predictions, args.out)
+    summary = make_pairs(args.records, args.predictions, args.out, overwrite=args.overwrite)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}")
     print(f"pairs: {args.out}")
@@ -334,16 +339,19 @@ def _add_generate(sub) -> None:
                         "gold length bin and must be labelled as such in reports)")
     p.add_argument("--template", choices=("polyalign", "qwen", "llama3", "gemma"),
                    help="chat template (default: the tokenizer's, else the model family's)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per answer (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                           "holding this probability (default 1.0, no cut)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0, no cut)")
+    p.add_argument("--batch-size", type=int, default=16, help="records per generation batch (default 16)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --sample's subset)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT when it was generated with other settings "
+                                                            "(or not by polyalign)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_generate)
 
 
@@ -354,8 +362,7 @@ def _run_generate(args) -> int:
         args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
         sampling=SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.top_k),
         batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-        sample=args.sample, seed=args.seed,
-        progress=not args.no_progress)
+        sample=args.sample, seed=args.seed, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
     print(f"predictions: {args.out}")
@@ -389,6 +396,7 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
+    p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
     p.set_defaults(handler=_run_evaluate, parser=p)
 
 
@@ -402,7 +410,8 @@ def _run_evaluate(args) -> int:
                       references_path=args.references, support_path=args.support, featurizer=args.featurizer,
                       scorer=args.scorer, allow_partial=args.allow_partial,
                       intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
-                      diversity_metrics=not args.no_diversity, baselines=not args.no_baselines)
+                      diversity_metrics=not args.no_diversity, baselines=not args.no_baselines,
+                      overwrite=args.overwrite)
     m = result["metrics"]
 
     def show(value):
@@ -424,14 +433,15 @@ def _add_report(sub) -> None:
                        description="Compare EVAL folders: overall table, per-bucket bars, frontier overlay, "
                                    "and each run's settings (profile mode, test size).")
     p.add_argument("evals", nargs="+", type=Path, help="EVAL folders written by `polyalign evaluate`")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="output folder of the comparison")
+    p.add_argument("--overwrite", action="store_true", help="replace a comparison of other EVAL folders in OUT")
     p.set_defaults(handler=_run_report)
 
 
 def _run_report(args) -> int:
     from polyalign.reports.evaluation import compare
 
-    summary = compare(args.evals, args.out)
+    summary = compare(args.evals, args.out, overwrite=args.overwrite)
     if summary["unequal_settings"]:
         print("note: the runs differ in test size or profile mode")
     print(f"report: {args.out / 'report.html'}")
@@ -457,14 +467,14 @@ def _add_launch(sub) -> None:
     p.add_argument("--cpu-devices", type=int, help="give each process this many CPU devices instead of one GPU")
     p.add_argument("--port", type=int, help="coordinator port (default: a free port; 12355 with --slurm)")
     p.add_argument("--slurm", action="store_true", help="this is one SLURM task: map the SLURM variables")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    p.add_argument("launched", nargs=argparse.REMAINDER, metavar="command", help="-- then the command to run")
     p.set_defaults(handler=_run_launch)
 
 
 def _run_launch(args) -> int:
     from polyalign.launch import DEFAULT_PORT, main_command, run_local, run_slurm
 
-    command = main_command(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    command = main_command(args.launched[1:] if args.launched[:1] == ["--"] else args.launched)
     if args.slurm:
         return run_slurm(command, args.port or DEFAULT_PORT)
     return run_local(command, args.nproc, args.port, args.cpu_devices)
@@ -504,13 +514,16 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="run directory")
     p.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="reduced sizes for a fast check")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start every stage over (OUT holds a demo run with other settings, e.g. --quick); without "
+                        "it the same command resumes where a run stopped")
     p.set_defaults(handler=_run_demo)
 
 
 def _run_demo(args) -> int:
     from polyalign.demo import parse_stages, run_demo
 
-    run_demo(args.out, parse_stages(args.stages), quick=args.quick)
+    run_demo(args.out, parse_stages(args.stages), quick=args.quick, overwrite=args.overwrite)
     return 0
 
 

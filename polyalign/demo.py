@@ -12,41 +12,41 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_DATA_CONFIG = REPO_ROOT / "configs" / "data" / "demo.yaml"
 
 
-def _prepare(run: Path, quick: bool) -> str:
+def _prepare(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.data.prepare import prepare
 
-    manifest = prepare(DEMO_DATA_CONFIG, run)
+    manifest = prepare(DEMO_DATA_CONFIG, run, overwrite=overwrite)
     totals = manifest["totals"]
     split_counts = ", ".join(f"{k} {v}" for k, v in totals["by_split"].items())
     return f"{totals['kept']} records ({split_counts}) -> {run / 'data'}"
 
 
-def _stats(run: Path, quick: bool) -> str:
+def _stats(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.reports.stats import compute_stats
 
     stats = compute_stats(run)
     return f"{len(stats['counts']['by_bucket'])} buckets -> {run / 'stats' / 'report.html'}"
 
 
-def _tokenizer(run: Path, quick: bool) -> str:
+def _tokenizer(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.tokenizer_training import train_from_records
 
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", run / "tokenizer",
-                                           DEMO_VOCAB_SIZE_QUICK if quick else DEMO_VOCAB_SIZE)
+                                           DEMO_VOCAB_SIZE_QUICK if quick else DEMO_VOCAB_SIZE, overwrite=overwrite)
     rates = ", ".join(f"{lang} {rate}" for lang, rate in report["chars_per_token"].items())
     return f"{tokenizer.vocab_size} pieces, characters per token {rates} -> {run / 'tokenizer'}"
 
 
-def _build(run: Path, quick: bool) -> str:
+def _build(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.inputs.build import BuildOptions, build
 
-    manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH))
+    manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH), overwrite=overwrite)
     train = manifest["splits"]["train"]
     return (f"{train['examples']} train examples, {train['tokens']} tokens, {train['truncated']} cut to "
             f"{DEMO_MAX_LENGTH} -> {run / 'build'}")
 
 
-def _sft(run: Path, quick: bool) -> str:
+def _sft(run: Path, quick: bool, overwrite: bool) -> str:
     """Plain SFT (RUN/sft) and Bucket-Aware SFT (RUN/bucket_sft) with the same seed and batches; the
     Bucket-SFT model is the initial policy of everything after."""
     from polyalign.train.methods import load_config
@@ -55,7 +55,8 @@ def _sft(run: Path, quick: bool) -> str:
     summaries = []
     for name, weighting in (("sft", "uniform"), ("bucket_sft", "bucket")):
         overrides = [f"data.dir={run}", f"weighting={weighting}"] + (DEMO_QUICK_SFT if quick else [])
-        result = _finished(train(load_config(DEMO_SFT_CONFIG, overrides, method="sft"), run / name), name)
+        config = load_config(DEMO_SFT_CONFIG, overrides, method="sft")
+        result = _finished(train(config, run / name, existing=_existing(overwrite)), name)
         last = result["last"]
         summaries.append(f"{name} {result['end_step']} steps, validation loss {last['val_loss']:.3f} "
                          f"(worst bucket {last['val_worst_bucket']:.3f})")
@@ -63,6 +64,10 @@ def _sft(run: Path, quick: bool) -> str:
 
 
 POLICY = "bucket_sft"  # the initial policy and reference of HDPO and DPO
+
+
+def _existing(overwrite: bool) -> str:
+    return "overwrite" if overwrite else "continue"
 
 
 def _finished(result: dict, name: str) -> dict:
@@ -82,7 +87,7 @@ DEMO_SAMPLING = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9}
 DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=4"]
 
 
-def _generate(run: Path, quick: bool) -> str:
+def _generate(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.generate import SamplingConfig, generate_predictions
     from polyalign.pairs import make_pairs
 
@@ -90,41 +95,43 @@ def _generate(run: Path, quick: bool) -> str:
     for split, sizes in DEMO_PAIR_SAMPLES.items():
         predictions = run / "generate" / f"{POLICY}_{split}.jsonl"
         generate_predictions(run / POLICY / "model", run / "data" / f"{split}.jsonl", predictions,
-                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[quick], seed=0)
-        summary = make_pairs(run / "data" / f"{split}.jsonl", predictions, run / "pairs" / f"{split}.jsonl")
+                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[quick], seed=0, overwrite=overwrite)
+        summary = make_pairs(run / "data" / f"{split}.jsonl", predictions, run / "pairs" / f"{split}.jsonl",
+                             overwrite=overwrite)
         counts.append(f"{split} {summary['pairs']}")
     return f"pairs from the Bucket-SFT model's samples: {', '.join(counts)} -> {run / 'pairs'}"
 
 
-def _critic(run: Path, quick: bool) -> str:
+def _critic(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.train.methods import load_config
     from polyalign.train.run import train
 
     config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
                                               f"val_pairs={run / 'pairs' / 'val.jsonl'}"], method="critic")
-    report = _finished(train(config, run / "critic"), "critic")
+    report = _finished(train(config, run / "critic", existing=_existing(overwrite)), "critic")
     return (f"validation L1 {report['val']['l1']:.3f}, human ranked below model on "
             f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs (human-vs-model AUC "
             f"{report['val']['auc']:.2f}, 0.5 is chance) -> {run / 'critic'}")
 
 
-def _hdpo(run: Path, quick: bool) -> str:
+def _hdpo(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.train.methods import load_config
     from polyalign.train.run import train
 
     summaries = []
     for method in ("hdpo", "dpo"):
         overrides = [f"data.dir={run}", f"init={run / POLICY / 'model'}"] + (DEMO_QUICK_HDPO if quick else [])
-        result = _finished(train(load_config(DEMO_HDPO_CONFIG, overrides, method=method), run / method), method)
+        result = _finished(train(load_config(DEMO_HDPO_CONFIG, overrides, method=method), run / method,
+                                 existing=_existing(overwrite)), method)
         summaries.append(f"{method} margin {result['last']['rewards/margin']:.3f}")
-    comparison = compare_generations(run, quick)
+    comparison = compare_generations(run, quick, overwrite)
     distances = ", ".join(f"{m} {v['support_distance']:.2f}" if v["generations"] else f"{m} n/a (no text)"
                           for m, v in comparison["methods"].items())
     return f"{'; '.join(summaries)}; support distance of validation generations: {distances}"
 
 
-def compare_generations(run: Path, quick: bool) -> dict:
+def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict:
     """Generations of SFT, DPO and HDPO on the same validation records: their mean support distance
     to the bucket's human references and the critic's mean score (RUN/hdpo/comparison.json)."""
     import json
@@ -144,7 +151,7 @@ def compare_generations(run: Path, quick: bool) -> dict:
         path = run / "generate" / f"{method}_compare.jsonl"
         generate_predictions(run / method / "model", run / "data" / "val.jsonl", path,
                              sampling=SamplingConfig(max_new_tokens=64), sample=DEMO_PAIR_SAMPLES["val"][quick],
-                             seed=1, progress=False)
+                             seed=1, progress=False, overwrite=overwrite)
         rows = [r for r in read_predictions(path).values() if r["prediction"]]
         texts, buckets = [r["prediction"] for r in rows], [records[r["id"]].bucket_id for r in rows]
         distance = support_targets(texts, buckets, references)
@@ -160,7 +167,7 @@ DEMO_TEST_SAMPLE = (256, 48)
 DEMO_METHODS = ("sft", "bucket_sft", "dpo", "hdpo")
 
 
-def _evaluate(run: Path, quick: bool) -> str:
+def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.evaluate.run import evaluate
     from polyalign.generate import SamplingConfig, generate_predictions
 
@@ -170,11 +177,12 @@ def _evaluate(run: Path, quick: bool) -> str:
         # Sampled, as the pairs are: under greedy decoding the 7M-parameter demo models mostly end
         # their turn at once, and every metric would compare empty strings.
         generate_predictions(run / method / "model", run / "data" / "test.jsonl", predictions,
-                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick], seed=2)
+                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick], seed=2,
+                             overwrite=overwrite)
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method, allow_partial=True,
                           references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
-                          featurizer=run / POLICY / "model")
+                          featurizer=run / POLICY / "model", overwrite=overwrite)
         bng, floor = result["metrics"]["bng"]["overall_macro"], result["metrics"]["bng"].get("floor_macro")
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}"
@@ -183,10 +191,10 @@ def _evaluate(run: Path, quick: bool) -> str:
            f"{DEMO_SAMPLING['top_p']}) -> {run / 'eval'}"
 
 
-def _report(run: Path, quick: bool) -> str:
+def _report(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.reports.evaluation import compare
 
-    compare([run / "eval" / m for m in DEMO_METHODS], run / "report")
+    compare([run / "eval" / m for m in DEMO_METHODS], run / "report", overwrite=overwrite)
     return f"{', '.join(DEMO_METHODS)} side by side -> {run / 'report' / 'report.html'}"
 
 
@@ -197,7 +205,7 @@ DEMO_QUICK_SFT = ["train.steps=20", "train.eval_every=10", "train.checkpoint_eve
 DEMO_MAX_LENGTH = 256
 DEMO_VOCAB_SIZE = 8000
 DEMO_VOCAB_SIZE_QUICK = 6000  # the demo's Chinese needs ~3,700 single-character pieces at 0.9995 coverage
-STAGES: dict[str, Callable[[Path, bool], str]] = {
+STAGES: dict[str, Callable[[Path, bool, bool], str]] = {
     "prepare": _prepare, "stats": _stats, "tokenizer": _tokenizer, "build": _build, "sft": _sft,
     "generate": _generate, "critic": _critic, "hdpo": _hdpo, "evaluate": _evaluate, "report": _report,
 }
@@ -217,14 +225,18 @@ def parse_stages(text: str | None) -> list[str]:
     return stages
 
 
-def run_demo(out: Path, stages: Sequence[str], quick: bool = False, echo: Callable[[str], None] = print) -> None:
+def run_demo(out: Path, stages: Sequence[str], quick: bool = False, echo: Callable[[str], None] = print,
+             overwrite: bool = False) -> None:
+    """Runs `stages` into OUT. Run again, the same command resumes where it stopped (finished stages
+    are redone from their outputs, training continues from its checkpoints); `overwrite` starts every
+    stage over, as when OUT holds a run made with other settings (--quick, say)."""
     if not DEMO_DATA_CONFIG.is_file():
         raise ConfigError(f"{DEMO_DATA_CONFIG}: missing; the demo runs from a source checkout (pip install -e .)")
     out.mkdir(parents=True, exist_ok=True)
     for i, stage in enumerate(stages, start=1):
         started = time.perf_counter()
         echo(f"[{i}/{len(stages)}] {stage} ...")
-        summary = STAGES[stage](out, quick)
+        summary = STAGES[stage](out, quick, overwrite)
         echo(f"[{i}/{len(stages)}] {stage}: {summary} ({time.perf_counter() - started:.1f} s)")
     if "stats" in stages:
         echo(f"\nBucket statistics report: {out / 'stats' / 'report.html'}")

@@ -162,9 +162,32 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
                          sampling: SamplingConfig = SamplingConfig(), batch_size: int = 16,
                          max_prompt_tokens: int = 512, template: str | None = None, limit: int | None = None,
                          sample: int | None = None, seed: int = 0, model_name: str | None = None,
-                         progress: bool = True) -> dict:
+                         progress: bool = True, overwrite: bool = False) -> dict:
     """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. `limit`
-    keeps the first records, `sample` a seeded random subset (in file order)."""
+    keeps the first records, `sample` a seeded random subset (in file order). OUT.manifest.json records
+    the settings, the records' digest and the checkpoint; predictions made with other settings are not
+    replaced unless `overwrite`."""
+    from dataclasses import asdict
+
+    from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar
+
+    refuse_output_as_input(out, {"records": records_path})
+    settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), "profile": profile,
+                "template": template, "sampling": asdict(sampling), "batch_size": batch_size,
+                "max_prompt_tokens": max_prompt_tokens, "limit": limit, "sample": sample, "seed": seed,
+                "model_name": model_name}
+    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock.for_file(out):
+        return _generate_predictions(checkpoint, Path(records_path), Path(out), settings, profile, sampling,
+                                     batch_size, max_prompt_tokens, template, limit, sample, seed, model_name,
+                                     progress)
+
+
+def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: dict, profile: str,
+                          sampling: SamplingConfig, batch_size: int, max_prompt_tokens: int, template: str | None,
+                          limit: int | None, sample: int | None, seed: int, model_name: str | None,
+                          progress: bool) -> dict:
     from tqdm import tqdm
 
     from polyalign.chat import (
@@ -175,10 +198,12 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     )
     from polyalign.data.records import read_records
     from polyalign.model import load_hf_checkpoint
+    from polyalign.outputs import sidecar, write_record
+    from polyalign.paths import checkpoint_identity, file_digest
     from polyalign.tokenizer import load_tokenizer
 
     started = time.perf_counter()
-    records = read_records(Path(records_path))[:limit]
+    records = read_records(records_path)[:limit]
     if sample is not None and sample < len(records):
         keep = np.sort(np.random.default_rng(seed).choice(len(records), sample, replace=False))
         records = [records[i] for i in keep]
@@ -195,10 +220,8 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)
     sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling, mesh=mesh)
-    checkpoint = Path(checkpoint)
-    name = model_name or (checkpoint.parent.name if checkpoint.name == "model" else checkpoint.name)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(str(checkpoint))
+    name = model_name or (folder.parent.name if folder.name == "model" else folder.name)
     counts = {FINISH_STOP: 0, FINISH_LENGTH: 0}
     new_tokens = 0
     # Similar prompt lengths batch together, wasting less padding; rows are written in record order.
@@ -219,5 +242,8 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
         for i in range(len(records)):
             handle.write(json.dumps(rows[i], ensure_ascii=False) + "\n")
     seconds = time.perf_counter() - started
-    return {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
-            "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out)}
+    summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
+               "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out)}
+    write_record(sidecar(out), settings, {"records": file_digest(records_path),
+                                          "checkpoint": checkpoint_identity(checkpoint)}, summary=summary)
+    return summary

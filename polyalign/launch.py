@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,11 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     one fails (a lone survivor would wait on its peers forever). Returns the first failure's code."""
     if not command:
         raise LaunchError("nothing to launch: give the command after --")
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    if cpu_devices is not None and cpu_devices < 1:
+        raise LaunchError(f"--cpu-devices must be at least 1, got {cpu_devices}")
+    require_program(command[0])
     port = port or free_port()
     processes = [subprocess.Popen(list(command), env={**os.environ, **env})
                  for env in local_environments(nproc, port, cpu_devices)]
@@ -109,8 +115,15 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
 def run_slurm(command: Sequence[str], port: int = DEFAULT_PORT) -> int:
     if not command:
         raise LaunchError("nothing to launch: give the command after --")
+    require_program(command[0])
     env = {**os.environ, **slurm_environment(os.environ, port)}
     return subprocess.call(list(command), env=env)
+
+
+def require_program(program: str) -> None:
+    """The command's program must exist before any process starts: one line, not N tracebacks."""
+    if shutil.which(program) is None:
+        raise LaunchError(f"{program}: no such program (not a file, or not on PATH)")
 
 
 def main_command(argv: Sequence[str]) -> list[str]:

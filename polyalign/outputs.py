@@ -1,5 +1,11 @@
-"""What every stage's output folder shares: telling what changed between the settings that made it and
-the settings of a new run, and one writer at a time."""
+"""What every stage's output shares: the settings that made it, what changed between those and a new
+run's, and one writer at a time.
+
+A stage records its settings (the options the user chose, paths included) beside its output. Running
+the stage again with the same settings rewrites the output (every stage is deterministic, so that is
+how a stage is rerun after its inputs changed); other settings are refused with the differing keys
+named unless the user passes --overwrite. The digests of the inputs (`made_from`) are recorded too, for
+the stages downstream to check."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -37,14 +44,91 @@ def describe_changes(keys: list[str], saved: dict, current: dict, old: bool = Fa
     return ", ".join(shown) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
+def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, ValueError):
+        return False
+
+
+def refuse_output_as_input(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]) -> None:
+    """An output may not be one of the command's own inputs: writing it would destroy what is read."""
+    for name, path in inputs.items():
+        if path is not None and same_path(out, path):
+            raise ConfigError(f"--out {out} is the command's own {name}; write the output somewhere else")
+
+
+def sidecar(out: str | os.PathLike) -> Path:
+    """Where a stage whose output is one file (predictions, pairs) records what made it:
+    predictions.jsonl -> predictions.manifest.json."""
+    out = Path(out)
+    return out.with_name(out.stem + ".manifest.json")
+
+
+def settings_record(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings as they read back from JSON (paths as strings, tuples as lists), so that the settings
+    of a new run compare equal to the ones recorded by an identical earlier run."""
+    return json.loads(json.dumps(dict(settings), default=str))
+
+
+def check_settings(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
+                   overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str = "settings") -> None:
+    """Refuses to write `output` over what other settings made. `record` is the JSON file holding the
+    earlier run's settings under `key`; `ours` are the paths the stage writes (when one exists without
+    a record, it is not known to be polyalign's, and is not replaced either)."""
+    if overwrite:
+        return
+    record = Path(record)
+    if not record.is_file():
+        present = [str(p) for p in ours if Path(p).exists()]
+        if present:
+            raise ConfigError(f"{output}: {', '.join(present)} exists without {record.name}, the record of the "
+                              "command that made it; pass --overwrite to replace it, or give another --out")
+        return
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{record}: does not record the settings that made {output}; pass --overwrite to "
+                          "replace it, or give another --out")
+    current = settings_record(settings)
+    changed = differing_keys(saved, current)
+    if changed:
+        raise ConfigError(f"{output}: made with other settings ({describe_changes(changed, saved, current)}); pass "
+                          "--overwrite to replace it, or give another --out")
+
+
+def write_record(path: str | os.PathLike, settings: Mapping[str, Any], made_from: Mapping[str, Any],
+                 **summary: Any) -> None:
+    """The record beside a one-file output: the settings that made it, its inputs' digests and a summary."""
+    record = {"settings": settings_record(settings), "made_from": dict(made_from), **summary}
+    Path(path).write_text(json.dumps(record, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+
+
+def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """A one-file output's record, or None for a file polyalign did not write (an external engine's)."""
+    try:
+        record = json.loads(sidecar(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 class OutputLock:
     """OUT/.polyalign.lock for as long as a run writes OUT; a second process is refused with the
     holder's pid and host. A lock left by a process that is gone (same host, pid not running) is taken
     over with a notice."""
 
-    def __init__(self, out: Path):
-        self.path = Path(out) / LOCK
+    def __init__(self, out: Path, name: str = LOCK):
+        self.path = Path(out) / name
         self.held = False
+
+    @classmethod
+    def for_file(cls, out: Path) -> OutputLock:
+        """The lock of a one-file output: .NAME.lock beside it, so that two outputs in one folder do
+        not wait for each other."""
+        return cls(Path(out).parent, f".{Path(out).name}.lock")
 
     def __enter__(self) -> Self:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,9 @@ from typing import Any
 from polyalign import jsonl
 from polyalign.data.records import InputError, Record, read_records
 from polyalign.data.text import normalize
-from polyalign.paths import as_path
-from polyalign.predictions import iter_predictions
+from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+from polyalign.paths import as_path, file_digest
+from polyalign.predictions import check_generated_from, iter_predictions
 
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
 BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
@@ -76,10 +77,24 @@ def assign_weights(pairs: list[dict]) -> None:
                                      pair.get("critic_chosen"), pair.get("critic_rejected"))
 
 
-def make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
-    """Joins records and predictions by id into OUT (JSONL), weighted; returns a summary."""
-    records = read_records(Path(records_path))
-    predictions = read_predictions(Path(predictions_path))
+def make_pairs(records_path: Path, predictions_path: Path, out: Path, overwrite: bool = False) -> dict:
+    """Joins records and predictions by id into OUT (JSONL), weighted; returns a summary. Pairs made
+    from other files are not replaced unless `overwrite`."""
+    refuse_output_as_input(out, {"records": records_path, "predictions": predictions_path})
+    settings = {"records": str(Path(records_path).resolve()), "predictions": str(Path(predictions_path).resolve())}
+    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
+    check_generated_from(Path(predictions_path), Path(records_path))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock.for_file(out):
+        summary = _make_pairs(Path(records_path), Path(predictions_path), out)
+        write_record(sidecar(out), settings, {"records": file_digest(records_path),
+                                              "predictions": file_digest(predictions_path)}, summary=summary)
+    return summary
+
+
+def _make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
+    records = read_records(records_path)
+    predictions = read_predictions(predictions_path)
     extra = len(set(predictions) - {r.id for r in records})
     if extra:
         raise InputError(f"{predictions_path}: {extra} prediction ids are not records of {records_path}")

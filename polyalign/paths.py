@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
 from etils import epath
 
@@ -29,6 +30,20 @@ def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, local or in a bucket: what a later stage compares to tell whether the
     input it was made from has been replaced."""
     return "sha256:" + hashlib.sha256(as_path(path).read_bytes()).hexdigest()
+
+
+def checkpoint_identity(path: str | os.PathLike) -> dict[str, Any]:
+    """What tells one checkpoint folder from another without reading its weights: the digest of its
+    config and the size and modification time of every weight file. Recorded by the outputs made with
+    it, for a reader to tell which model they came from."""
+    folder = as_path(path)
+    identity: dict[str, Any] = {"path": str(folder)}
+    if (folder / "config.json").is_file():
+        identity["config"] = file_digest(folder / "config.json")
+    if not is_uri(folder) and folder.is_dir():
+        stats = {p.name: os.stat(p) for p in sorted(folder.glob("*.safetensors"))}
+        identity["weights"] = {name: {"bytes": s.st_size, "modified_ns": s.st_mtime_ns} for name, s in stats.items()}
+    return identity
 
 
 def changed_since(base: str | os.PathLike, made_from: dict[str, str]) -> list[str]:

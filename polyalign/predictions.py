@@ -8,6 +8,8 @@ from typing import Any
 
 from polyalign import jsonl
 from polyalign.data.records import InputError
+from polyalign.outputs import read_record
+from polyalign.paths import file_digest
 
 
 def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -20,3 +22,18 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, row
     except jsonl.JsonProblem as problem:
         raise InputError(f"not JSON: {problem}") from None
+
+
+def check_generated_from(predictions_path: Path, records_path: Path) -> None:
+    """Predictions `polyalign generate` wrote record the digest of the records they answer; joined with
+    records whose contents differ (prepare ran again, or another split), the ids could still match and
+    every metric would be silently wrong. Predictions from elsewhere (an external engine) carry no
+    record and are joined by id alone."""
+    record = read_record(predictions_path)
+    made_from = record.get("made_from", {}) if record else {}
+    digest = made_from.get("records") if isinstance(made_from, dict) else None
+    if digest and digest != file_digest(records_path):
+        source = record.get("settings", {}).get("records", "other records")
+        raise InputError(f"{predictions_path}: generated from {source} with other contents than {records_path} "
+                         "has now (prepare ran again, or another split?); run `polyalign generate` on "
+                         f"{records_path} again")

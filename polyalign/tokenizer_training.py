@@ -12,6 +12,8 @@ from pathlib import Path
 from polyalign.chat import POLYALIGN_SPECIAL_TOKENS
 from polyalign.data.records import read_records
 from polyalign.errors import TokenizerError
+from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input
+from polyalign.paths import file_digest
 from polyalign.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 
@@ -27,13 +29,34 @@ def record_texts(records) -> Iterable[str]:
             yield record.response
 
 
+REPORT = "tokenizer_report.json"
+# What training writes into OUT; a folder holding one of these that polyalign did not make is not replaced.
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", REPORT)
+# SentencePiece needs room for its control pieces, the chat template's specials and the byte fallback.
+MIN_VOCAB_SIZE = 300
+
+
 def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,
-                       **options) -> tuple[SentencePieceTokenizer, dict]:
+                       overwrite: bool = False, **options) -> tuple[SentencePieceTokenizer, dict]:
     """Trains on a records file (e.g. RUN/data/train.jsonl) and reports characters per token by
-    language (written to OUT/tokenizer_report.json)."""
-    records_path = Path(records_path)
+    language (written to OUT/tokenizer_report.json, with the settings and the records' digest). A
+    tokenizer made with other settings is not replaced unless `overwrite`."""
+    records_path, out_dir = Path(records_path), Path(out_dir)
     if not records_path.is_file():
         raise TokenizerError(f"{records_path}: no such records file")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(f"vocab size {vocab_size} is too small: at least {MIN_VOCAB_SIZE} (the byte fallback "
+                             "alone takes 256 pieces); 8000 suits the demo data")
+    refuse_output_as_input(out_dir, {"records": records_path})
+    settings = {"records": str(records_path.resolve()), "vocab_size": vocab_size,
+                **{k: v for k, v in sorted(options.items())}}
+    check_settings(out_dir, out_dir / REPORT, settings, overwrite, ours=[out_dir / f for f in TOKENIZER_FILES])
+    with OutputLock(out_dir):
+        return _train(records_path, out_dir, vocab_size, settings, options)
+
+
+def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
+           options: dict) -> tuple[SentencePieceTokenizer, dict]:
     records = read_records(records_path)
     if not records:
         raise TokenizerError(f"{records_path}: no records to train on")
@@ -49,6 +72,7 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
         tokens[record.language] = tokens.get(record.language, 0) + sum(len(ids) for ids in tokenizer.encode_batch(texts))
     report = {"records": str(records_path), "num_records": len(records), "vocab_size": tokenizer.vocab_size,
               "train_seconds": round(seconds, 2),
-              "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)}}
-    (Path(out_dir) / "tokenizer_report.json").write_text(json.dumps(report, indent=2) + "\n")
+              "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)},
+              "settings": settings, "made_from": {"records": file_digest(records_path)}}
+    (out_dir / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return tokenizer, report

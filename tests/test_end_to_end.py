@@ -172,6 +172,13 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         assert metrics["alignment"]["evaluated"] == 48 and metrics["alignment"]["partial"]
         assert metrics["metrics"]["mauve"]["status"] == "computed"
     assert (run / "report" / "report.html").is_file() and (run / "report" / "report.md").is_file()
+    # The same command again redoes a stage from its outputs; the full demo's settings are refused in a
+    # quick run's folder, naming the key, until --overwrite.
+    capsys.readouterr()
+    assert main(["demo", "--out", str(run), "--quick", "--stages", "report"]) == 0
+    assert main(["demo", "--out", str(run), "--stages", "tokenizer"]) == 2
+    err = capsys.readouterr().err
+    assert "vocab_size: 6000 there, 8000 now" in err and "--overwrite" in err
 
 
 def _critic_ranks_held_out_people_first(run):
@@ -218,7 +225,7 @@ def test_an_interrupted_demo_stage_says_where_it_stopped(tmp_path, capsys, monke
     import polyalign.train.run
 
     stopped = {"interrupted": True, "stopped_early": True, "start_step": 0, "end_step": 7, "last": {"loss": 5.0}}
-    monkeypatch.setattr(polyalign.train.run, "train", lambda config, out, progress=True: stopped)
+    monkeypatch.setattr(polyalign.train.run, "train", lambda config, out, **options: stopped)
     assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "sft"]) == 130
     err = capsys.readouterr().err
     assert err == "polyalign demo: sft stopped at step 7 (checkpoint saved); run the same demo command to resume\n"

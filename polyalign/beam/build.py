@@ -27,6 +27,7 @@ from polyalign.inputs.build import (
     BuildOptions,
     build_weights,
     check_options,
+    claim_build,
     encode_record,
     split_files,
     tokenizer_and_template,
@@ -61,9 +62,15 @@ def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], weights: 
     return BucketTable.from_counts(train_counts, set(buckets), weights)
 
 
-def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: str | None = None) -> dict[str, Any]:
-    """Builds RUN/build/sft_examples with a Beam pipeline; returns the manifest (RUN/build/manifest.json)."""
-    run = Path(run)
+def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: str | None = None,
+               overwrite: bool = False) -> dict[str, Any]:
+    """Builds RUN/build/sft_examples with a Beam pipeline; returns the manifest (RUN/build/manifest.json).
+    A build made with other options is not replaced unless `overwrite`."""
+    with claim_build(run, options, overwrite):
+        return _build_beam(Path(run), options, beam_options)
+
+
+def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> dict[str, Any]:
     started = time.perf_counter()
     check_options(options)
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)

@@ -22,7 +22,9 @@ from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.text import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
-from polyalign.predictions import iter_predictions
+from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input
+from polyalign.paths import file_digest
+from polyalign.predictions import check_generated_from, iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
@@ -91,14 +93,34 @@ def _mauve(human: list[str], generated: list[str], featurize) -> float:
 def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: str = "cjk",
              references_path: Path | None = None, featurizer: Path | None = None, scorer: Path | None = None,
              support_path: Path | None = None, allow_partial: bool = False, plots: bool = True, intervals: sp.IntervalOptions | None = None,
-             diversity_metrics: bool = True, baselines: bool = True) -> dict[str, Any]:
+             diversity_metrics: bool = True, baselines: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Every metric of one predictions file. In the default mode every bucket is measured (small ones
     against their parent group's human answers), with its human floor and bootstrap intervals, and the
-    no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code."""
+    no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code.
+    EVAL/metrics.json records the settings and the inputs' digests; an evaluation made with other
+    settings is not replaced unless `overwrite`."""
     if compat not in COMPAT_MODES:
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
-    started = time.perf_counter()
     intervals = intervals or sp.IntervalOptions()
+    inputs = {"records": records_path, "predictions": predictions_path, "references": references_path,
+              "support": support_path}
+    refuse_output_as_input(out, inputs)
+    settings = {**{k: None if v is None else str(Path(v).resolve()) for k, v in inputs.items()},
+                "compat": compat, "featurizer": featurizer and str(featurizer), "scorer": scorer and str(scorer),
+                "allow_partial": allow_partial, "plots": plots, "intervals": dataclasses.asdict(intervals),
+                "diversity": diversity_metrics, "baselines": baselines}
+    out = Path(out)
+    check_settings(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"])
+    check_generated_from(Path(predictions_path), Path(records_path))
+    with OutputLock(out):
+        result = _evaluate(records_path, predictions_path, out, compat, references_path, featurizer, scorer,
+                           support_path, allow_partial, plots, intervals, diversity_metrics, baselines, settings)
+    return result
+
+
+def _evaluate(records_path, predictions_path, out: Path, compat, references_path, featurizer, scorer, support_path,
+              allow_partial, plots, intervals, diversity_metrics, baselines, settings) -> dict[str, Any]:
+    started = time.perf_counter()
     tokenize = "reference" if compat == "reference" else "cjk"
     records = read_records(Path(records_path))
     rows, seen = load_predictions(Path(predictions_path))
@@ -219,9 +241,12 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
                    "diversity": diversity_metrics, "seconds": None},
         "alignment": alignment,
         "metrics": metrics,
+        "settings": settings,
+        "made_from": {name: file_digest(path) for name, path in
+                      (("records", records_path), ("predictions", predictions_path), ("support", support_path),
+                       ("references", references_path)) if path is not None},
     }
     result["config"]["seconds"] = round(time.perf_counter() - started, 2)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(_finite(result), indent=2, ensure_ascii=False) + "\n")
     if plots:

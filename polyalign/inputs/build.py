@@ -41,8 +41,9 @@ from polyalign.data.bucketing import (
 )
 from polyalign.data.records import Record, read_records
 from polyalign.model.config import checkpoint_family
-from polyalign.paths import as_path, changed_since, file_digest
-from polyalign.tokenizer import load_tokenizer
+from polyalign.outputs import OutputLock, check_settings
+from polyalign.paths import as_path, changed_since, file_digest, is_uri
+from polyalign.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_CONFIG, TOKENIZERS_FILE, load_tokenizer
 
 BUILD_DIR = "build"
 PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
@@ -156,6 +157,24 @@ def split_files(run: Path, split: str) -> list[Path]:
     return files
 
 
+def tokenizer_digests(run: Path, tokenizer_path: Path) -> dict[str, str]:
+    """Digests of the tokenizer files a build encoded with, named relative to RUN when they lie inside
+    it, so that training refuses a build whose tokenizer was trained again since."""
+    tokenizer_path = Path(tokenizer_path)
+    if is_uri(tokenizer_path):
+        return {}
+    files = [tokenizer_path] if tokenizer_path.is_file() else \
+        [tokenizer_path / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG) if (tokenizer_path / name).is_file()]
+    digests = {}
+    for path in files:
+        try:
+            name = str(path.resolve().relative_to(Path(run).resolve()))
+        except ValueError:
+            name = str(path.resolve())
+        digests[name] = file_digest(path)
+    return digests
+
+
 def tokenizer_and_template(run: Path, options: BuildOptions):
     tokenizer_path = Path(options.tokenizer) if options.tokenizer else Path(run) / "tokenizer"
     tokenizer = load_tokenizer(tokenizer_path)
@@ -233,7 +252,9 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         "train_bucket_counts": table.train_counts,
         "warnings": list(warnings),
         "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
-        "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST)},
+        "settings": asdict(options),
+        "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST),
+                      **tokenizer_digests(run, tokenizer_path)},
         "seconds": round(seconds, 2),
     }
     (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
@@ -249,10 +270,25 @@ def split_bucket_counts(run: Path, split: str) -> Counter | None:
     return Counter(r.bucket_id for path in files for r in read_records(path))
 
 
-def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True) -> dict[str, Any]:
+def claim_build(run: Path, options: BuildOptions, overwrite: bool) -> OutputLock:
+    """RUN/build may be written when it is new, was built with the same options (a rebuild after
+    prepare ran again), or `overwrite`; returns the lock to hold while writing it."""
+    out = Path(run) / BUILD_DIR
+    check_settings(out, out / "manifest.json", asdict(options), overwrite,
+                   ours=[out / "manifest.json", out / DATASET_NAME])
+    return OutputLock(out)
+
+
+def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True,
+          overwrite: bool = False) -> dict[str, Any]:
     """Builds RUN/build/sft_examples from RUN/data/{train,val}.jsonl on this machine; returns the manifest
-    (also written to RUN/build/manifest.json). polyalign.beam.build does the same as a Beam pipeline."""
-    run = Path(run)
+    (also written to RUN/build/manifest.json). polyalign.beam.build does the same as a Beam pipeline.
+    A build made with other options is not replaced unless `overwrite`."""
+    with claim_build(run, options, overwrite):
+        return _build(Path(run), options, progress)
+
+
+def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     check_options(options)
     records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}

@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from polyalign.errors import EvaluationError  # noqa: E402
+from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input  # noqa: E402
+from polyalign.paths import file_digest  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 
 OVERALL_ROWS = (
@@ -299,10 +301,27 @@ def _differences(runs: dict[str, dict]) -> tuple[str, str]:
     return _table(["runs", "metric", "difference", "intervals"], rows)
 
 
-def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None) -> dict[str, Any]:
-    """Side-by-side report of several EVAL folders: CMP/report.html, report.md and PNGs."""
+COMPARISON_RECORD = "comparison.json"
+
+
+def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None,
+            overwrite: bool = False) -> dict[str, Any]:
+    """Side-by-side report of several EVAL folders: CMP/report.html, report.md and PNGs, with the
+    folders compared recorded in CMP/comparison.json. A comparison of other folders is not replaced
+    unless `overwrite`."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    refuse_output_as_input(out, {f"evaluation {i + 1}": directory for i, directory in enumerate(evals)})
+    settings = {"evals": [str(Path(d).resolve()) for d in evals], "names": list(names) if names else None}
+    check_settings(out, out / COMPARISON_RECORD, settings, overwrite, ours=[out / "report.html"])
+    with OutputLock(out):
+        summary = _compare(evals, out, names)
+        (out / COMPARISON_RECORD).write_text(json.dumps(
+            {"settings": settings, "made_from": {str(Path(d) / "metrics.json"): file_digest(Path(d) / "metrics.json")
+                                                 for d in evals}, "summary": summary}, indent=2) + "\n")
+    return summary
+
+
+def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None) -> dict[str, Any]:
     runs = {}
     for i, directory in enumerate(evals):
         path = Path(directory) / "metrics.json"

@@ -27,6 +27,7 @@ from polyalign.data.bucketing import (
 from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.errors import StatsError
 from polyalign.features import text_features
+from polyalign.outputs import OutputLock
 from polyalign.paths import file_digest
 from polyalign.references import build_references, summarize
 from polyalign.reports import plots
@@ -69,8 +70,14 @@ def _scheme_of(manifest: dict[str, Any]) -> Scheme:
 
 
 def compute_stats(run: Path, progress: bool = True) -> dict[str, Any]:
+    """RUN/stats from RUN/data. Stats take no settings: running them again after prepare ran again is
+    how they are brought up to date, so only a second writer is refused."""
+    with OutputLock(Path(run) / "stats"):
+        return _compute_stats(Path(run), progress)
+
+
+def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
-    run = Path(run)
     manifest, by_split = _load_run(run)
     scheme = _scheme_of(manifest)
     records = [r for split in SPLITS for r in by_split[split]]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.config import ConfigError
-from polyalign.outputs import describe_changes, differing_keys
+from polyalign.outputs import describe_changes, differing_keys, same_path
 
 EXISTING = ("continue", "resume", "overwrite")
 FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.")
@@ -44,7 +44,7 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     if existing not in EXISTING:
         raise ValueError(f"existing must be one of {EXISTING}")
     for key, path in inputs.items():
-        if path and _same_path(out, path):
+        if path and same_path(out, path):
             raise ConfigError(f"--out {out} is the run's own {key}; write the output somewhere else")
     saved_path = out / "config.json"
     if not saved_path.is_file():
@@ -75,9 +75,3 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
                           "--resume to continue it with the new values, or --overwrite to start over")
     return "continue"
 
-
-def _same_path(out: Path, other: str) -> bool:
-    try:
-        return Path(out).resolve() == Path(other).resolve()
-    except (OSError, ValueError):
-        return False

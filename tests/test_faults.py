@@ -1,4 +1,6 @@
-"""Bad input never passes silently: one clear line naming file, location and problem, or quarantine."""
+"""Faults a user can cause or meet: bad input, bad settings, outputs that belong to another run. Each
+one gets one clear line naming file, location and problem, or quarantine; never a traceback, a silent
+wrong result or a replaced output. (Faults during training are in test_training.py.)"""
 
 import json
 import re
@@ -196,6 +198,9 @@ WRONG_PATHS = [
     ["report", "{folder}", "--out", "{tmp}/c"],
     ["plan", "--config", "{folder}"],
     ["demo", "--out", "{file}"],
+    ["tokenizer", "train", "--records", "{file}", "--vocab-size", "0", "--out", "{tmp}/t"],
+    ["launch", "--nproc", "0", "--", "true"],
+    ["launch", "--nproc", "2", "--", "{tmp}/no-such-program"],
 ]
 
 
@@ -372,3 +377,164 @@ def test_prepare_into_an_output_of_another_config_is_refused_unless_overwrite(tm
     assert "prepared with another config (config.dedup: None there, False now); pass --overwrite" in err, err
     assert main([*argv, "--overwrite"]) == 0
     assert json.loads((tmp_path / "run/data/manifest.json").read_text())["config"]["dedup"] is False
+
+
+# Outputs: every stage's output belongs to the settings that made it.
+
+def cli(capsys, *argv) -> tuple[int, str]:
+    """A command through the CLI entry point: its exit status and the one line it printed on stderr."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err.strip()
+
+
+def english_records(demo_run, tmp_path, n=300):
+    """The first n English train records of the demo run: a tokenizer trains on them in about a second."""
+    run, _, _ = demo_run
+    lines = [line for line in (run / "data" / "train.jsonl").read_text(encoding="utf-8").splitlines()
+             if json.loads(line)["language"] == "en"][:n]
+    path = tmp_path / "en.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_tokenizer_belongs_to_the_settings_that_trained_it(demo_run, tmp_path, capsys):
+    records, out = english_records(demo_run, tmp_path), tmp_path / "tok"
+    train = ["tokenizer", "train", "--records", records, "--out", out]
+    assert cli(capsys, *train, "--vocab-size", 500)[0] == 0
+    report = json.loads((out / "tokenizer_report.json").read_text())
+    assert report["settings"]["vocab_size"] == 500 and report["made_from"]["records"].startswith("sha256:")
+    model = (out / "tokenizer.model").read_bytes()
+    assert cli(capsys, *train, "--vocab-size", 500)[0] == 0  # the same command again: the same tokenizer
+    assert (out / "tokenizer.model").read_bytes() == model
+    code, err = cli(capsys, *train, "--vocab-size", 600)
+    assert code == 2 and "vocab_size: 500 there, 600 now" in err and "--overwrite" in err
+    assert (out / "tokenizer.model").read_bytes() == model  # nothing replaced
+    assert cli(capsys, *train, "--vocab-size", 600, "--overwrite")[0] == 0
+    assert json.loads((out / "tokenizer_report.json").read_text())["settings"]["vocab_size"] == 600
+    # A folder holding someone else's tokenizer (no report of ours) is not replaced either.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "tokenizer.model").write_bytes(b"their model")
+    code, err = cli(capsys, "tokenizer", "train", "--records", records, "--out", theirs, "--vocab-size", 500)
+    assert code == 2 and "tokenizer.model exists without tokenizer_report.json" in err
+    assert (theirs / "tokenizer.model").read_bytes() == b"their model"
+    code, err = cli(capsys, *train, "--vocab-size", 0)
+    assert code == 2 and err.endswith("vocab size 0 is too small: at least 300 (the byte fallback alone takes 256 "
+                                      "pieces); 8000 suits the demo data")
+
+
+def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tokenizer, tmp_path, capsys):
+    from polyalign.inputs.build import read_manifest, tokenizer_digests
+
+    source, manifest = built_run
+    assert manifest["settings"]["max_length"] == 64
+    run = tmp_path / "run"
+    (run / "build").mkdir(parents=True)
+    (run / "data").symlink_to(source / "data", target_is_directory=True)
+    (run / "build" / "manifest.json").write_text(json.dumps(manifest))
+    tokenizer = demo_tokenizer[0].path.parent
+    code, err = cli(capsys, "build", run, "--tokenizer", tokenizer, "--max-length", 32, "--no-progress")
+    assert code == 2 and "max_length: 64 there, 32 now" in err and "--overwrite" in err
+    (run / "build" / "manifest.json").unlink()
+    (run / "build" / "sft_examples").mkdir()
+    code, err = cli(capsys, "build", run, "--tokenizer", tokenizer, "--no-progress")
+    assert code == 2 and "sft_examples exists without manifest.json" in err
+    # A build records its tokenizer's digest; training refuses it once the tokenizer is trained again.
+    (run / "tokenizer").mkdir()
+    (run / "tokenizer" / "tokenizer.model").write_bytes((tokenizer / "tokenizer.model").read_bytes())
+    made_from = {**manifest["made_from"], **tokenizer_digests(run, run / "tokenizer")}
+    assert "tokenizer/tokenizer.model" in made_from
+    (run / "build" / "manifest.json").write_text(json.dumps({**manifest, "made_from": made_from}))
+    assert read_manifest(run)["made_from"] == made_from
+    (run / "tokenizer" / "tokenizer.model").write_bytes(b"trained again")
+    with pytest.raises(ConfigError, match="made from another tokenizer/tokenizer.model .* rerun `polyalign build"):
+        read_manifest(run)
+
+
+def test_stats_refuse_a_second_writer(demo_run, tmp_path, capsys):
+    import os
+
+    from polyalign.outputs import LOCK
+
+    source, _, _ = demo_run
+    run = tmp_path / "run"
+    (run / "stats").mkdir(parents=True)
+    (run / "data").symlink_to(source / "data", target_is_directory=True)
+    (run / "stats" / LOCK).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "since": "now"}))
+    code, err = cli(capsys, "stats", run, "--no-progress")
+    assert code == 2 and f"another polyalign process (pid {os.getpid()} on" in err
+    assert not (run / "stats" / "stats.json").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(demo_tokenizer, tmp_path_factory):
+    """A 2-layer model with the demo tokenizer, saved as a Hugging Face checkpoint."""
+    from polyalign.model import create_model, save_hf_checkpoint
+    from polyalign.model.presets import preset
+
+    tokenizer = demo_tokenizer[0]
+    model = create_model(preset("tiny", vocab_size=tokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=4,
+                                num_kv_heads=2, head_dim=16, intermediate_size=128))
+    directory = tmp_path_factory.mktemp("checkpoint") / "ckpt"
+    save_hf_checkpoint(model, directory, extra_files={
+        name: (tokenizer.path.parent / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    return directory
+
+
+@pytest.mark.slow
+def test_predictions_pairs_and_evaluations_belong_to_their_settings_and_records(demo_run, tiny_checkpoint, tmp_path,
+                                                                                capsys):
+    run, _, _ = demo_run
+    records = tmp_path / "records.jsonl"  # a copy, so that it can be changed as a second prepare would
+    records.write_text((run / "data" / "test.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    predictions = tmp_path / "pred.jsonl"
+    generate = ["generate", "--checkpoint", tiny_checkpoint, "--records", records, "--out", predictions,
+                "--limit", 24, "--max-new-tokens", 4, "--temperature", 1.0, "--no-progress"]
+    assert cli(capsys, *generate)[0] == 0
+    record = json.loads((tmp_path / "pred.manifest.json").read_text())
+    assert record["settings"]["seed"] == 0 and record["made_from"]["checkpoint"]["weights"]
+    first = predictions.read_text()
+    assert cli(capsys, *generate)[0] == 0 and predictions.read_text() == first  # the same command, the same rows
+    code, err = cli(capsys, *generate, "--seed", 1)
+    assert code == 2 and "seed: 0 there, 1 now" in err and predictions.read_text() == first
+    code, err = cli(capsys, *generate, "--out", records)
+    assert code == 2 and f"--out {records} is the command's own records" in err
+
+    pairs = ["pairs", "--records", records, "--predictions", predictions, "--out", tmp_path / "pairs.jsonl"]
+    assert cli(capsys, *pairs)[0] == 0
+    assert json.loads((tmp_path / "pairs.manifest.json").read_text())["summary"]["predictions"] == 24
+    code, err = cli(capsys, *pairs[:-1], predictions)
+    assert code == 2 and "is the command's own predictions" in err
+
+    evaluate = ["evaluate", "--records", records, "--predictions", predictions, "--out", tmp_path / "eval",
+                "--allow-partial", "--no-diversity", "--no-baselines", "--bootstrap-draws", 5]
+    assert cli(capsys, *evaluate)[0] == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["settings"]["intervals"]["draws"] == 5 and set(metrics["made_from"]) == {"records", "predictions"}
+    code, err = cli(capsys, *evaluate, "--seed", 3)
+    assert code == 2 and "intervals.seed: 0 there, 3 now" in err
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == metrics
+    assert cli(capsys, *evaluate, "--seed", 3, "--overwrite")[0] == 0
+
+    assert cli(capsys, "report", tmp_path / "eval", "--out", tmp_path / "cmp")[0] == 0
+    code, err = cli(capsys, "report", tmp_path / "eval", tmp_path / "eval", "--out", tmp_path / "cmp")
+    assert code == 2 and "evals" in err and "--overwrite" in err
+    code, err = cli(capsys, "report", tmp_path / "eval", "--out", tmp_path / "eval")
+    assert code == 2 and "is the command's own evaluation 1" in err
+
+    # The records change under the predictions (prepare ran again): joining them by id would be wrong.
+    lines = records.read_text(encoding="utf-8").splitlines()
+    changed = json.loads(lines[0])
+    changed["response"] = "A different answer."
+    records.write_text("\n".join([json.dumps(changed, ensure_ascii=False), *lines[1:]]) + "\n", encoding="utf-8")
+    for command in (evaluate + ["--overwrite"], pairs + ["--overwrite"]):
+        code, err = cli(capsys, *command)
+        assert code == 2 and "with other contents than" in err and "run `polyalign generate`" in err
+    # Predictions from elsewhere (an external engine) carry no record: refused as an output, joined as an input.
+    theirs = tmp_path / "theirs.jsonl"
+    theirs.write_text(first, encoding="utf-8")
+    code, err = cli(capsys, *generate[:5], "--out", theirs, *generate[7:])
+    assert code == 2 and "theirs.jsonl exists without theirs.manifest.json" in err
+    assert cli(capsys, *evaluate[:4], theirs, *evaluate[5:], "--overwrite")[0] == 0
