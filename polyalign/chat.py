@@ -90,6 +90,9 @@ def record_messages(record: Record, profile: str = "context", with_response: boo
 
 # --- templates ------------------------------------------------------------------------------------
 
+CHECKPOINT_TEMPLATE = "checkpoint"  # the name under which a checkpoint's own Jinja template is chosen
+
+
 class ChatTemplate:
     """Renders messages to pieces. Subclasses give the turn layout of one family."""
 
@@ -105,6 +108,13 @@ class ChatTemplate:
 
     def stop_tokens(self) -> tuple[str, ...]:
         return (self.end_of_turn,)
+
+    def jinja_source(self) -> str:
+        """The template as Jinja, rendering what this class renders (bos_token, eos_token as variables):
+        what exports carry as their chat_template."""
+        from importlib.resources import files
+
+        return (files("polyalign") / "templates" / f"{self.name}.jinja").read_text(encoding="utf-8")
 
     def _split_system(self, messages: Sequence[Message]) -> tuple[str | None, list[tuple[int, Message]]]:
         indexed = list(enumerate(messages))
@@ -195,6 +205,77 @@ class Gemma(ChatTemplate):
         return out
 
 
+class JinjaTemplate(ChatTemplate):
+    """A checkpoint's own Jinja chat template (polyalign.chat_jinja): the string transformers renders,
+    with each assistant turn located by rendering. A template that refuses a system message (Gemma 2's)
+    gets the system text opening the first user turn instead, as the built-in `gemma` does."""
+
+    name = CHECKPOINT_TEMPLATE
+
+    def __init__(self, source: str, tokenizer: Tokenizer, kwargs: dict | None = None):
+        from polyalign.chat_jinja import JinjaRenderer
+
+        self.source = source
+        self.renderer = JinjaRenderer(source, tokenizer.template_tokens(), kwargs or {})
+        self.added_tokens = tokenizer.added_tokens()
+        self.end_of_turn = self._end_of_turn(tokenizer)
+
+    def jinja_source(self) -> str:
+        return self.source
+
+    def _end_of_turn(self, tokenizer: Tokenizer) -> str:
+        """The special token that closes an assistant turn: the first one the template writes after it."""
+        text, spans = self.locate_turns([Message("user", "ping"), Message("assistant", "pong")])
+        after = text[text.index("pong", spans[1][0]) + len("pong"):] if 1 in spans else ""
+        found = [(after.find(t), t) for t in self.added_tokens if t in after]
+        if found:
+            return min(found)[1]
+        if tokenizer.eos_token:
+            return tokenizer.eos_token
+        raise ChatTemplateError("the chat template ends an assistant turn with no special token, and the tokenizer "
+                                "has no EOS token to stop generation with")
+
+    def locate_turns(self, messages: Sequence[Message]) -> tuple[str, dict[int, tuple[int, int]]]:
+        """The rendering and the characters of each assistant turn it can locate, by message index."""
+        from polyalign.chat_jinja import as_dicts
+
+        try:
+            return self.renderer.turn_spans(as_dicts(messages))
+        except ChatTemplateError:
+            folded = fold_system(messages)
+            if folded is None:
+                raise
+            text, spans = self.renderer.turn_spans(as_dicts(folded))
+            return text, {k + 1: span for k, span in spans.items()}  # indices of the unfolded messages
+
+    def render(self, messages, add_generation_prompt=False):
+        from polyalign.chat_jinja import as_dicts
+
+        try:
+            return self.renderer.render(as_dicts(messages), add_generation_prompt)
+        except ChatTemplateError:
+            folded = fold_system(messages)
+            if folded is None:
+                raise
+            return self.renderer.render(as_dicts(folded), add_generation_prompt)
+
+    def pieces(self, messages, add_generation_prompt=False):
+        from polyalign.chat_jinja import split_pieces
+
+        if add_generation_prompt:
+            text, spans = self.render(messages, add_generation_prompt=True), {}
+        else:
+            text, spans = self.locate_turns(messages)
+        return [Piece(t, special=special, turn=turn) for t, special, turn in split_pieces(text, spans, self.added_tokens)]
+
+
+def fold_system(messages: Sequence[Message]) -> list[Message] | None:
+    """The system text opening the first user turn; None when there is no system message to fold."""
+    if len(messages) < 2 or messages[0].role != "system" or messages[1].role != "user":
+        return None
+    return [Message("user", f"{messages[0].content}\n\n{messages[1].content}"), *messages[2:]]
+
+
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 TEMPLATES: dict[str, ChatTemplate] = {
     # polyalign's own tokenizer: ChatML after a BOS, and no default system prompt.
@@ -214,22 +295,37 @@ TEMPLATE_SPECIAL_TOKENS = (BOS, ChatML.start, ChatML.end_of_turn, Llama3.bos, Ll
 FAMILY_TEMPLATES = {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma"}
 
 
+TEMPLATE_CHOICES = (CHECKPOINT_TEMPLATE, *TEMPLATES)
+
+
 def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: str | None = None,
                     where: str = "tokenizer") -> str:
-    """The one rule for which chat template renders a conversation: the one asked for, else the one
-    the tokenizer's config names, else the official template of the model's family."""
-    name = requested or tokenizer.chat_template or FAMILY_TEMPLATES.get(family)
+    """The one rule for which chat template renders a conversation: the one asked for; else the
+    built-in one a polyalign tokenizer names; else the checkpoint's own Jinja template (so that a
+    fine-tuned checkpoint's custom template is never replaced by a built-in one); else the official
+    template of the model's family."""
+    if requested == CHECKPOINT_TEMPLATE and tokenizer.template_source is None:
+        raise ChatTemplateError(f"{where}: --template {CHECKPOINT_TEMPLATE} asks for the checkpoint's own chat "
+                                "template, and its tokenizer_config.json has none (nor chat_template.jinja)")
+    name = requested or tokenizer.chat_template or (CHECKPOINT_TEMPLATE if tokenizer.template_source else None) \
+        or FAMILY_TEMPLATES.get(family)
     if name is None:
-        raise ChatTemplateError(f"{where}: the tokenizer names no chat template and the model family is unknown; "
-                                f"pass one ({', '.join(TEMPLATES)})")
+        raise ChatTemplateError(f"{where}: the tokenizer has no chat template and the model family is unknown; "
+                                f"pass --template with one of {', '.join(TEMPLATES)}")
     return name
 
 
-def get_template(name: str) -> ChatTemplate:
+def get_template(name: str, tokenizer: Tokenizer | None = None, kwargs: dict | None = None) -> ChatTemplate:
+    """A built-in template by name, or `checkpoint`: the tokenizer's own Jinja template, rendered with
+    the extra template variables `kwargs` (enable_thinking, ...)."""
+    if name == CHECKPOINT_TEMPLATE:
+        if tokenizer is None or tokenizer.template_source is None:
+            raise ChatTemplateError("the checkpoint's chat template needs its tokenizer, which has none")
+        return JinjaTemplate(tokenizer.template_source, tokenizer, kwargs)
     try:
         return TEMPLATES[name]
     except KeyError:
-        raise ChatTemplateError(f"unknown chat template {name!r} (known: {', '.join(TEMPLATES)})") from None
+        raise ChatTemplateError(f"unknown chat template {name!r} (known: {', '.join(TEMPLATE_CHOICES)})") from None
 
 
 # --- token ids and loss masks ---------------------------------------------------------------------
@@ -282,6 +378,11 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     assistant_turns = {i for i, m in enumerate(messages) if m.role == "assistant"}
     labelled = assistant_turns if train_on == "all" else {last}
     pieces = template.pieces(messages)
+    located = {p.turn for p in pieces}
+    for turn in sorted(labelled - located):
+        raise ChatTemplateError(f"{template.name}: cannot tell where assistant turn {turn} lies (the template writes "
+                                "earlier turns differently once later ones follow); train on the last turn, or use "
+                                "a template with {% generation %} blocks")
     final = max(i for i, p in enumerate(pieces) if p.turn == last)  # the final end-of-turn piece
     first = min(i for i, p in enumerate(pieces) if p.turn == last)
     source_ids, source_mask = encode_pieces(pieces[:first], tokenizer, labelled)

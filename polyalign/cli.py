@@ -183,6 +183,13 @@ response from its end). RUN/build/manifest.json records the tokenizer, template,
 """
 
 
+# polyalign.chat.TEMPLATE_CHOICES, spelled out so that --help imports nothing heavy (a test keeps them equal).
+TEMPLATE_CHOICES = ("checkpoint", "polyalign", "qwen", "llama3", "gemma")
+TEMPLATE_HELP = ("chat template: checkpoint (the checkpoint's own Jinja chat_template, rendered as transformers "
+                 "does) or a built-in one. Default: the built-in a polyalign tokenizer names, else the checkpoint's "
+                 "own template, else the model family's official one")
+
+
 def _add_build(sub) -> None:
     p = sub.add_parser("build", help="tokenise a prepared run into a TFDS dataset for training",
                        description="Tokenise RUN/data/{train,val}.jsonl into RUN/build (TFDS, array_record).",
@@ -190,8 +197,7 @@ def _add_build(sub) -> None:
     p.add_argument("run", type=Path, help="run directory with data/ (and tokenizer/ unless --tokenizer is given)")
     p.add_argument("--tokenizer", help="tokenizer directory or file (default RUN/tokenizer); a Hugging Face "
                                        "checkpoint directory works")
-    p.add_argument("--template", choices=("polyalign", "qwen", "llama3", "gemma"),
-                   help="chat template (default: the one the tokenizer names)")
+    p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
                    help="profile system prompt: context (family, track, style; default), oracle (+ the gold "
                         "length bin, as the reference trained), none")
@@ -337,8 +343,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
                    help="profile system prompt (default context: what a real request reveals; oracle adds the "
                         "gold length bin and must be labelled as such in reports)")
-    p.add_argument("--template", choices=("polyalign", "qwen", "llama3", "gemma"),
-                   help="chat template (default: the tokenizer's, else the model family's)")
+    p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per answer (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "

@@ -215,7 +215,8 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: d
     mesh = parallel.make_mesh() if jax.device_count() > 1 else None
     model = load_hf_checkpoint(checkpoint, mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
-    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)))
+    template_name = choose_template(tokenizer, template, model.config.family, str(checkpoint))
+    chat = get_template(template_name, tokenizer)
     stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)

@@ -16,6 +16,7 @@ from polyalign.paths import as_path
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 TOKENIZERS_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save a checkpoint's template
 # Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
@@ -27,6 +28,9 @@ class Tokenizer(abc.ABC):
     eos_token: str | None = None
     pad_token: str | None = None
     chat_template: str | None = None  # name of a polyalign template, when the tokenizer's config names one
+    template_source: str | None = None  # the checkpoint's own Jinja chat template, when it ships one
+    unk_token: str | None = None
+    listed_special_tokens: tuple[str, ...] = ()  # additional_special_tokens and added_tokens_decoder of the config
 
     @property
     @abc.abstractmethod
@@ -71,14 +75,36 @@ class Tokenizer(abc.ABC):
                 return token_id
         return 0
 
+    def added_tokens(self) -> list[str]:
+        """Every token the tokenizer splits out of text whole (special tokens, a chat template's markers):
+        a rendered chat template is cut at these, and each is looked up by id."""
+        named = [self.bos_token, self.eos_token, self.pad_token, self.unk_token, *self.listed_special_tokens]
+        return [t for t in dict.fromkeys(named) if t and self.token_to_id(t) is not None]
+
+    def template_tokens(self) -> dict[str, str | None]:
+        """The special tokens as a chat template sees them."""
+        return {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+                "unk_token": self.unk_token}
+
     def _apply_config(self, config: dict) -> None:
         def token(value):
             return value.get("content") if isinstance(value, dict) else value
 
-        for field in ("bos_token", "eos_token", "pad_token"):
+        for field in ("bos_token", "eos_token", "pad_token", "unk_token"):
             if field in config:
                 setattr(self, field, token(config[field]))
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
+        listed = [token(t) for t in config.get("additional_special_tokens") or []]
+        decoder = config.get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            listed += [token(t) for t in decoder.values()]
+        self.listed_special_tokens = tuple(t for t in listed if isinstance(t, str))
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: the default one renders chats
+            source = next((t.get("template") for t in source
+                           if isinstance(t, dict) and t.get("name") == "default"), None)
+        if isinstance(source, str) and source:
+            self.template_source = source
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -115,6 +141,10 @@ class SentencePieceTokenizer(Tokenizer):
         token_id = self._sp.piece_to_id(token)
         return token_id if self._sp.id_to_piece(token_id) == token else None
 
+    def added_tokens(self) -> list[str]:
+        controls = [self._sp.id_to_piece(i) for i in range(self.vocab_size) if self._sp.is_control(i)]
+        return list(dict.fromkeys([*super().added_tokens(), *controls]))
+
 
 class JsonTokenizer(Tokenizer):
     """A `tokenizers` library tokenizer.json, as Hugging Face checkpoints ship it."""
@@ -147,6 +177,11 @@ class JsonTokenizer(Tokenizer):
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def added_tokens(self) -> list[str]:
+        # The tokenizers library splits every added token out of text, special or not (Qwen's <think>).
+        return list(dict.fromkeys([*super().added_tokens(),
+                                   *(t.content for t in self._tok.get_added_tokens_decoder().values())]))
+
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a directory (tokenizer.json preferred, else tokenizer.model, plus
@@ -169,6 +204,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             tokenizer._apply_config(json.loads(config_file.read_text()))
         except json.JSONDecodeError as err:
             raise TokenizerError(f"{config_file}: line {err.lineno}: {err.msg}") from None
+    if (directory / CHAT_TEMPLATE_FILE).is_file():  # transformers reads this file before the config's entry
+        tokenizer.template_source = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return tokenizer
 
 

@@ -149,3 +149,150 @@ def test_consecutive_turns_of_one_speaker_are_joined():
     roles = [m.role for m in record_messages(record, "none")]
     assert roles == ["user", "assistant", "user", "assistant"]
     assert record_messages(record, "none")[0].content == "a\nb"
+
+
+def test_each_builtin_template_as_jinja_renders_and_masks_like_the_builtin(demo_run, demo_tokenizer, json_tokenizer):
+    """The Jinja source of every built-in template (what exports carry) rendered through the checkpoint
+    path gives the built-in's string, prompt ids, and ids and loss masks for both train_on modes, on
+    real records with and without history and system prompt."""
+    from polyalign.chat import JinjaTemplate
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = [r for r in read_records(run / "data" / "test.jsonl") if r.response][:60]
+    assert sum(len(r.history) >= 2 for r in records) >= 10
+    for name, builtin in TEMPLATES.items():
+        tokenizer = tokenizer_for(name, demo_tokenizer, json_tokenizer)
+        # One test tokenizer serves three families: give the template the family's BOS, as its own would.
+        jinja = JinjaTemplate(builtin.jinja_source(), tokenizer, {"bos_token": builtin.bos} if builtin.bos else {})
+        assert jinja.stop_tokens() == builtin.stop_tokens()
+        for record in records:
+            for profile in ("context", "none"):
+                messages = record_messages(record, profile)
+                assert jinja.render(messages) == builtin.render(messages), (name, record.id)
+                assert jinja.render(messages[:-1], True) == builtin.render(messages[:-1], True)
+                assert np.array_equal(encode_prompt(jinja, tokenizer, messages[:-1]),
+                                      encode_prompt(builtin, tokenizer, messages[:-1]))
+                for train_on in ("last", "all"):
+                    ours = encode_conversation(jinja, tokenizer, messages, train_on=train_on)
+                    theirs = encode_conversation(builtin, tokenizer, messages, train_on=train_on)
+                    assert np.array_equal(ours.ids, theirs.ids), (name, record.id, train_on)
+                    assert np.array_equal(ours.loss_mask, theirs.loss_mask), (name, record.id, train_on)
+
+
+JINJA_CASES = json.loads((FIXTURES / "chat" / "jinja.json").read_text(encoding="utf-8"))
+TEMPLATE_DIR = FIXTURES / "chat" / "templates"
+EXTRA_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|system|>", "<|user|>", "<|assistant|>", "</s>"]
+EOS = {"qwen3.jinja": "<|im_end|>", "fine_tuned.jinja": "</s>"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_tokenizers(json_tokenizer, tmp_path_factory):
+    """The demo BPE tokenizer.json with each template's markers added, in a checkpoint-like folder whose
+    tokenizer_config.json carries the template as its chat_template."""
+    from tokenizers import Tokenizer
+
+    from polyalign.tokenizer import load_tokenizer
+
+    folders = {}
+    for name, eos in EOS.items():
+        folder = tmp_path_factory.mktemp(name.split(".")[0])
+        tok = Tokenizer.from_file(str(json_tokenizer.path))
+        tok.add_special_tokens(EXTRA_TOKENS)
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": eos, "chat_template": (TEMPLATE_DIR / name).read_text(encoding="utf-8")}))
+        folders[name] = load_tokenizer(folder)
+    return folders
+
+
+def jinja_case_id(case):
+    return f"{case['template']}-{case['record']['dataset']}-{case['variables']}{'-reasoning' if case['reasoning'] else ''}"
+
+
+@pytest.mark.parametrize("case", JINJA_CASES, ids=jinja_case_id)
+def test_a_checkpoint_template_renders_and_locates_turns_as_transformers_does(case, checkpoint_tokenizers):
+    from polyalign.chat import choose_template
+
+    tokenizer = checkpoint_tokenizers[case["template"]]
+    assert choose_template(tokenizer) == "checkpoint"  # the checkpoint's own template is the default
+    template = get_template("checkpoint", tokenizer, case["variables"])
+    assert template.stop_tokens() == (EOS[case["template"]],)
+    messages = [Message(m["role"], m["content"]) for m in case["messages"]]
+    assert template.render(messages) == case["expected"]
+    assert template.render(messages[:-1], add_generation_prompt=True) == case["prompt"]
+    text, spans = template.locate_turns(messages)
+    assert text == case["expected"]
+    expected_spans = case["assistant_spans"]  # transformers' {% generation %} spans, or what the last turn adds
+    if template.renderer.has_generation_blocks:
+        assert [list(spans[k]) for k in sorted(spans)] == expected_spans
+    else:
+        assert list(spans[len(messages) - 1]) == expected_spans[-1]
+    # The ids are transformers' tokenisation of the whole string (up to the final end-of-turn token);
+    # the mask covers the last turn, from what follows the generation prompt to its end-of-turn token.
+    encoded = encode_conversation(template, tokenizer, messages)
+    whole = tokenizer.encode(case["expected"])
+    assert encoded.ids.tolist() == whole[:len(encoded.ids)]
+    assert tokenizer.decode(whole[len(encoded.ids):]) == "\n"
+    start, end = expected_spans[-1]
+    assert tokenizer.decode(encoded.ids[encoded.loss_mask]) == case["expected"][start:end].rstrip("\n")
+    response = case["record"]["response"]
+    target = tokenizer.decode(encoded.ids[encoded.loss_mask])
+    eos = EOS[case["template"]]
+    if case["template"] == "qwen3.jinja":  # hand-written: an empty reasoning block unless thinking is off
+        thinking_off = case["variables"].get("enable_thinking") is False
+        assert target == ("" if thinking_off else "<think>\n\n</think>\n\n") + response + eos
+    else:
+        assert target == response + eos
+
+
+def test_train_on_all_needs_every_turn_located(checkpoint_tokenizers):
+    """Qwen3 writes past turns without their reasoning, so rendering is not stable under appending
+    turns: training on every turn is refused; a template with generation blocks marks them all."""
+    case = next(c for c in JINJA_CASES if c["template"] == "qwen3.jinja" and c["reasoning"])
+    messages = [Message(m["role"], m["content"]) for m in case["messages"]]
+    qwen3 = get_template("checkpoint", checkpoint_tokenizers["qwen3.jinja"])
+    with pytest.raises(ChatTemplateError, match="cannot tell where assistant turn 1 lies"):
+        encode_conversation(qwen3, checkpoint_tokenizers["qwen3.jinja"], messages, train_on="all")
+    tokenizer = checkpoint_tokenizers["fine_tuned.jinja"]
+    fine_tuned = get_template("checkpoint", tokenizer)
+    both = encode_conversation(fine_tuned, tokenizer, messages, train_on="all")
+    assert tokenizer.decode(both.ids[both.loss_mask]) == messages[1].content + "</s>" + messages[3].content + "</s>"
+
+
+def test_the_checkpoint_template_is_found_where_transformers_keeps_it(checkpoint_tokenizers, tmp_path):
+    from polyalign.chat import choose_template
+    from polyalign.tokenizer import load_tokenizer
+
+    source = (TEMPLATE_DIR / "fine_tuned.jinja").read_text(encoding="utf-8")
+    base = checkpoint_tokenizers["fine_tuned.jinja"].path
+    for layout in ("file", "named", "none", "polyalign"):
+        folder = tmp_path / layout
+        folder.mkdir()
+        (folder / "tokenizer.json").write_bytes(base.read_bytes())
+        config = {"eos_token": "</s>"}
+        if layout == "file":
+            (folder / "chat_template.jinja").write_text(source, encoding="utf-8")
+        elif layout == "named":
+            config["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": source}]
+        elif layout == "polyalign":  # a polyalign export: the built-in it names wins over its Jinja copy
+            config.update(chat_template=source, polyalign_chat_template="qwen")
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        tokenizer = load_tokenizer(folder)
+        if layout == "none":
+            assert tokenizer.template_source is None and choose_template(tokenizer, family="qwen2") == "qwen"
+            with pytest.raises(ChatTemplateError, match="the tokenizer has no chat template"):
+                choose_template(tokenizer)
+            with pytest.raises(ChatTemplateError, match="tokenizer_config.json has none"):
+                choose_template(tokenizer, "checkpoint")
+        elif layout == "polyalign":
+            assert choose_template(tokenizer) == "qwen"
+        else:
+            assert tokenizer.template_source == source and choose_template(tokenizer) == "checkpoint"
+
+
+def test_template_choices_of_the_cli_are_the_templates():
+    from polyalign import cli
+    from polyalign.chat import TEMPLATE_CHOICES
+
+    assert cli.TEMPLATE_CHOICES == TEMPLATE_CHOICES

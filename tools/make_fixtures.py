@@ -10,12 +10,20 @@ Writes, under tests/fixtures/:
                              and the float32 logits transformers computes for them.
   chat/fixtures.json         real records from the bundled demo data rendered by the official chat
                              templates through transformers' apply_chat_template.
+  chat/jinja.json            real records rendered by the templates in chat/templates/ (Qwen3's reasoning
+                             rules; a fine-tuned layout with {% generation %} blocks) through transformers:
+                             the string, the generation prompt and the assistant spans.
   losses/trl_dpo.json        DPO, cDPO and IPO losses from TRL's formulas evaluated in torch.
   losses/trl_family.json     robust DPO, SimPO, ORPO, KTO and length-normalised DPO, likewise.
 
 DIR holds the official templates, copied from each model's tokenizer_config.json ("chat_template"):
 qwen.jinja (Qwen2.5 Instruct), llama3.jinja (Llama 3.2 Instruct) and gemma.jinja (Gemma 2 Instruct).
 Without --chat-templates the chat fixtures are left as they are.
+
+--check-exports exports tiny models of every family through polyalign's export (polyalign's own
+SentencePiece tokenizer with the polyalign template; a BPE tokenizer.json with each family's template)
+and prints what transformers makes of each: logits, greedy continuation, apply_chat_template with the
+profile variables, and the tokenizer's ids, against polyalign's.
 
 It also checks the other direction: each checkpoint goes through polyalign's loader and
 save_hf_checkpoint, transformers loads the export, and the logits difference is printed.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -163,6 +172,162 @@ def write_chat_fixtures(template_dir: Path) -> None:
     out.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
 
 
+# template file, template variables, dataset, least history, profile, reasoning put in the history
+JINJA_CASES = [
+    ("qwen3.jinja", {}, "kdconv", 2, "context", False),
+    ("qwen3.jinja", {"enable_thinking": False}, "kdconv", 2, "context", False),
+    ("qwen3.jinja", {}, "camrest676", 2, "none", True),
+    ("qwen3.jinja", {}, "coig_cqia", 0, "oracle", False),
+    ("fine_tuned.jinja", {}, "camrest676", 2, "context", False),
+    ("fine_tuned.jinja", {}, "cmrc2018", 0, "oracle", False),
+]
+JINJA_SPECIAL = {"qwen3.jinja": dict(eos_token="<|im_end|>"), "fine_tuned.jinja": dict(eos_token="</s>")}
+
+
+def with_reasoning(messages: list[dict]) -> list[dict]:
+    """The first assistant turn of the history with a <think> block before its answer (the user's
+    question it answers, as its reasoning): Qwen3's template drops it from past turns."""
+    messages = [dict(m) for m in messages]
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    messages[first]["content"] = f"<think>\n{messages[first - 1]['content']}\n</think>\n\n{messages[first]['content']}"
+    return messages
+
+
+def write_jinja_fixtures() -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from polyalign.chat import record_messages
+    from polyalign.data.prepare import prepare
+    from polyalign.data.records import read_records
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(REPO / "configs" / "data" / "demo.yaml", Path(tmp), progress=False)
+        records = list(read_records(Path(tmp) / "data" / "test.jsonl"))
+    cases = []
+    for name, variables, dataset, min_history, profile, reasoning in JINJA_CASES:
+        source = (FIXTURES / "chat" / "templates" / name).read_text()
+        tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")), **JINJA_SPECIAL[name])
+        record = next(r for r in records if r.dataset == dataset and r.response and len(r.history) >= min_history)
+        messages = [{"role": m.role, "content": m.content} for m in record_messages(record, profile)]
+        if reasoning:
+            messages = with_reasoning(messages)
+
+        def render(chat, prompt=False):
+            return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt, chat_template=source,
+                                           **variables)
+
+        expected, prompt = render(messages), render(messages[:-1], prompt=True)
+        if re.search(r"\{%-?\s*generation\s*-?%\}", source):
+            special = {"eos_token": tok.eos_token}
+            rendered, spans = render_jinja_template([messages], chat_template=source, return_assistant_tokens_mask=True,
+                                                    **special, **variables)
+            assert rendered[0] == expected
+            spans = [list(span) for span in spans[0]]
+        else:
+            spans = [[len(prompt), len(expected)]] if expected.startswith(prompt) else []
+        as_json = record.to_json()
+        as_json["meta"] = {"group": record.meta.get("group")}
+        cases.append({"template": name, "variables": variables, "profile": profile, "reasoning": reasoning,
+                      "record": as_json, "messages": messages, "expected": expected, "prompt": prompt,
+                      "assistant_spans": spans})
+        print(f"jinja {name:17s} {dataset:12s} {variables} {len(messages)} messages, spans {spans}")
+    out = FIXTURES / "chat" / "jinja.json"
+    out.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
+
+
+QWEN_PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def check_exports() -> None:
+    import dataclasses
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from polyalign.chat import TEMPLATE_SPECIAL_TOKENS, encode_prompt, get_template, record_messages
+    from polyalign.data.prepare import prepare
+    from polyalign.data.records import read_records
+    from polyalign.export import export_checkpoint
+    from polyalign.generate import Sampler, SamplingConfig
+    from polyalign.model import create_model, load_hf_checkpoint
+    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokenizer_training import record_texts, train_from_records
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prepare(REPO / "configs" / "data" / "demo.yaml", tmp, progress=False)
+        records = [r for r in read_records(tmp / "data" / "test.jsonl") if r.response][:24]
+        texts = list(record_texts(read_records(tmp / "data" / "train.jsonl")))
+        sentencepiece, _ = train_from_records(tmp / "data" / "train.jsonl", tmp / "sp", 8000)
+        # transformers rebuilds a Qwen2 tokenizer's pre-tokenizer as Qwen's (digits one by one), so the
+        # Qwen case gets a BPE trained with that pre-tokenizer, as a real Qwen tokenizer.json has.
+        for name, split in (("trained-bpe", None), ("trained-bpe-qwen", QWEN_PRETOKENIZE)):
+            bpe = Tokenizer(models.BPE())
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+            bpe.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+            bpe.decoder = decoders.ByteLevel()
+            bpe.train_from_iterator(texts, trainers.BpeTrainer(
+                vocab_size=3000, special_tokens=list(TEMPLATE_SPECIAL_TOKENS), show_progress=False,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+            (tmp / name).mkdir()
+            bpe.save(str(tmp / name / "tokenizer.json"))
+        special = {"qwen": (None, "<|im_end|>"), "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
+                   "gemma": ("<bos>", "<eos>")}
+        cases = [("llama", "polyalign", tmp / "sp")]
+        for family, template in (("llama", "llama3"), ("qwen2", "qwen"), ("gemma2", "gemma")):
+            folder = tmp / f"bpe-{template}"
+            folder.mkdir()
+            bpe_file = tmp / ("trained-bpe-qwen" if template == "qwen" else "trained-bpe") / "tokenizer.json"
+            (folder / "tokenizer.json").write_bytes(bpe_file.read_bytes())
+            bos, eos = special[template]
+            # PreTrainedTokenizerFast: the class named by config.json's model type would rebuild this
+            # tokenizer.json's pre-tokenizer as that family's (a real checkpoint's tokenizer is that family's).
+            (folder / "tokenizer_config.json").write_text(json.dumps(
+                {"bos_token": bos, "eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}))
+            cases.append((family, template, folder))
+        for family, template_name, folder in cases:
+            tokenizer = load_tokenizer(folder)
+            base = load_hf_checkpoint(FIXTURES / "hf" / family).config
+            model = create_model(dataclasses.replace(base, vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id),
+                                 seed=SEED)
+            template = get_template(template_name, tokenizer)
+            out = tmp / f"export-{family}-{template_name}"
+            export_checkpoint(model, tokenizer, out, template=template, profile="context", dtype="float32")
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+            same_prompt, same_greedy, same_ids, logit_diff = 0, 0, 0, 0.0
+            sampler = Sampler(model, [tokenizer.special_id(t) for t in template.stop_tokens()] + [tokenizer.eos_id],
+                              tokenizer.pad_id, SamplingConfig(max_new_tokens=12))
+            for record in records:
+                messages = record_messages(record, "context")[:-1]
+                ours = encode_prompt(template, tokenizer, messages)
+                variables = {"family": record.family, "track": record.track, "style": record.style}
+                text = hf_tok.apply_chat_template([{"role": m.role, "content": m.content}
+                                                   for m in record_messages(record, "none")[:-1]],
+                                                  tokenize=False, add_generation_prompt=True, **variables)
+                same_prompt += text == template.render(messages, add_generation_prompt=True)
+                theirs = hf_tok(text, add_special_tokens=False)["input_ids"]
+                same_ids += list(ours) == theirs
+                ids = torch.tensor([ours.tolist()])
+                with torch.no_grad():
+                    hf_logits = hf_model(ids).logits[0].numpy()
+                    generated = hf_model.generate(ids, max_new_tokens=12, do_sample=False)[0, len(ours):].tolist()
+                logit_diff = max(logit_diff, float(np.abs(np.asarray(model(ours[None])[0]) - hf_logits).max()))
+                tokens, _ = sampler.generate([ours])[0]
+                stops = hf_model.generation_config.eos_token_id
+                stops = set(stops) if isinstance(stops, list) else {stops}
+                generated = generated[:next((i for i, t in enumerate(generated) if t in stops), len(generated))]
+                same_greedy += tokens == generated
+            print(f"export {family:6s} {template_name:9s} ({type(tokenizer).__name__}): apply_chat_template equal "
+                  f"{same_prompt}/{len(records)}, ids equal {same_ids}/{len(records)}, greedy equal "
+                  f"{same_greedy}/{len(records)}, max|dlogits| {logit_diff:.2e}")
+
+
 def write_loss_fixtures() -> None:
     """DPO, cDPO and IPO losses from TRL's formulas (trl.DPOTrainer.dpo_loss, loss_type sigmoid / ipo),
     evaluated in torch on fixed log-probs."""
@@ -227,8 +392,16 @@ def write_loss_family_fixtures(logps: dict[str, np.ndarray]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chat-templates", type=Path, help="directory with qwen.jinja, llama3.jinja, gemma.jinja")
+    parser.add_argument("--jinja-only", action="store_true", help="only chat/jinja.json")
+    parser.add_argument("--check-exports", action="store_true", help="only the export checks (writes nothing)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    if args.check_exports:
+        check_exports()
+        return 0
+    write_jinja_fixtures()
+    if args.jinja_only:
+        return 0
     write_model_fixtures()
     write_loss_fixtures()
     if args.chat_templates:

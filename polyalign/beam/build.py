@@ -48,7 +48,7 @@ class EncodeRecord(beam.DoFn):
 
     def setup(self):
         self.tokenizer = load_tokenizer(Path(self.tokenizer_path))
-        self.template = get_template(self.template_name)
+        self.template = get_template(self.template_name, self.tokenizer)
 
     def process(self, record: Record, table: BucketTable):
         key, example, counts = encode_record(record, self.tokenizer, self.template, self.options, table)
@@ -75,7 +75,7 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
     check_options(options)
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
     weights, weights_source = build_weights(run, options.weights)
-    get_template(template_name)  # unknown template names fail here, not on a worker
+    get_template(template_name, tokenizer)  # unknown template names fail here, not on a worker
     files = {split: [str(f) for f in split_files(run, split)] for split in SPLITS}
 
     def split_examples(pipeline):

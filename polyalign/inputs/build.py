@@ -293,7 +293,7 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     check_options(options)
     records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
-    template = get_template(template_name)
+    template = get_template(template_name, tokenizer)
     train_counts = Counter(r.bucket_id for r in records["train"])
     table = BucketTable.from_counts(train_counts, {r.bucket_id for split in SPLITS for r in records[split]},
                                     *build_weights(run, options.weights))

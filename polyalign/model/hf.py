@@ -3,7 +3,6 @@ index), read and written with safetensors' NumPy backend; torch is never needed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
@@ -274,20 +273,3 @@ def _write_shards(tensors: dict[str, np.ndarray], directory: epath.Path, max_sha
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def export_checkpoint(model: Transformer, tokenizer, path: str | os.PathLike, mesh: Mesh | None = None) -> None:
-    """A trained model as a Hugging Face checkpoint folder with its tokenizer's files beside it. Every
-    process calls it: parameters sharded over `mesh` are gathered one at a time (never the whole model
-    replicated on every device); process 0 writes."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        params = parallel.to_host(params)
-    if jax.process_index() != 0:
-        return
-    save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, overwrite=True)
-    source = as_path(tokenizer.path)
-    directory = source if source.is_dir() else source.parent
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
-        if (directory / name).is_file():
-            (directory / name).copy(as_path(path) / name, overwrite=True)

@@ -21,6 +21,7 @@ from polyalign.parallel import ParallelConfig
 class ModelSection:
     preset: str = "tiny"  # architecture for a model trained from scratch (ignored with `init`)
     dtype: str = "float32"  # compute dtype; parameters stay float32
+    export_dtype: str | None = None  # weights of OUT/model: float32, bfloat16, float16; None: model.dtype
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots
     attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (packed rows use XLA)

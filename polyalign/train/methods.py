@@ -238,6 +238,7 @@ def check_config(config: Any, where: str = "config") -> None:
     from polyalign.model.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
     _check_choice(where, "model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
+    _check_choice(where, "model.export_dtype", config.model.export_dtype, (None, "float32", "bfloat16", "float16"))
     _check_choice(where, "model.remat", config.model.remat, REMAT_POLICIES)
     _check_choice(where, "model.attention_impl", config.model.attention_impl, ATTENTION_IMPLEMENTATIONS)
     check_ranges(config, where)

@@ -180,7 +180,7 @@ def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "")
 
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     from polyalign.chat import choose_template, get_template
-    from polyalign.model.hf import export_checkpoint
+    from polyalign.export import export_trained
     from polyalign.pairs import read_pairs
     from polyalign.tokenizer import load_tokenizer
 
@@ -189,7 +189,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     max_length = config.data.max_length
     model = load_init(config, mesh)
     tokenizer = load_tokenizer(config.init)
-    template = get_template(choose_template(tokenizer, family=model.config.family, where=str(config.init)))
+    template_name = choose_template(tokenizer, family=model.config.family, where=str(config.init))
+    template = get_template(template_name, tokenizer)
     train_pairs, val_pairs = read_pairs(Path(paths["pairs"])), read_pairs(Path(paths["val_pairs"]))
     if not train_pairs:
         raise ConfigError(f"{paths['pairs']}: no pairs")
@@ -218,8 +219,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
-        return {"model": str(out / "model")}
+        return export_trained(trainer.model(trainer.state["params"]), tokenizer, out, trainer.mesh, config, template,
+                              config.profile)
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),

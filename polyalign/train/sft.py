@@ -157,8 +157,9 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
 
 
 def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
+    from polyalign.chat import get_template
+    from polyalign.export import export_trained
     from polyalign.inputs.build import build_tokenizer_path, read_manifest
-    from polyalign.model.hf import export_checkpoint
     from polyalign.tokenizer import load_tokenizer
 
     require(config, "data.dir", hint="a run with a build/ folder")
@@ -199,8 +200,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         return record
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        export_checkpoint(trainer.model(trainer.state["params"]), tokenizer, out / "model", trainer.mesh)
-        return {"model": str(out / "model")}
+        return export_trained(trainer.model(trainer.state["params"]), tokenizer, out, trainer.mesh, config,
+                              get_template(manifest["template"], tokenizer), manifest["options"]["profile"])
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),

@@ -1,0 +1,157 @@
+"""A trained model as a folder other tools load as they are: transformers, vLLM, SGLang, TRL.
+
+OUT/model holds the weights in the training dtype (sharded above 5 GB, with an index), config.json,
+generation_config.json (every id that ends a turn stops generation), the tokenizer with a
+chat_template that renders exactly what polyalign trained on, and a README.md model card saying what
+the model was made from and how to prompt it.
+
+The chat template: the one training used (a built-in one as Jinja, or the checkpoint's own), behind a
+short preamble that writes polyalign's profile system prompt when the caller passes none and names
+the profile, e.g. apply_chat_template(messages, family="dialogue", track="multi", style="open_chat").
+Without those variables no system prompt is added (the `none` profile).
+
+A tokenizer polyalign trained (SentencePiece) is exported as tokenizer.model and, for fast loading
+everywhere, as an equivalent tokenizer.json (a `tokenizers` Unigram model with the same pieces and
+scores, byte fallback and the same special tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from polyalign import parallel
+from polyalign.chat import PROFILE_PREAMBLE, ChatTemplate
+from polyalign.model.hf import save_hf_checkpoint
+from polyalign.model.transformer import Transformer
+from polyalign.paths import as_path
+from polyalign.tokenizer import (
+    SENTENCEPIECE_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZERS_FILE,
+    SentencePieceTokenizer,
+    Tokenizer,
+)
+
+SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
+PROFILE_KEYS = ("family", "track", "style", "length")  # the order profile_prompt writes them in
+
+# Written before the training template: polyalign's profile system prompt from template variables.
+PROFILE_PREAMBLE_JINJA = (
+    "{#- polyalign: with no system message, the profile system prompt the model was trained with, from the\n"
+    "    template variables family, track, style (and length for the oracle profile). -#}\n"
+    "{%- set polyalign_profile = namespace(parts=[]) -%}\n"
+    + "".join(f"{{%- if {key} is defined and {key} -%}}{{%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
+              " -%}{%- endif -%}\n" for key in PROFILE_KEYS)
+    + "{%- if polyalign_profile.parts and not (messages and messages[0]['role'] == 'system') -%}\n"
+    "    {%- set messages = [{'role': 'system', 'content': "
+    f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.'}}] + messages -%}}\n"
+    "{%- endif -%}\n")
+
+
+def export_template(template: ChatTemplate) -> str:
+    """The chat_template an export carries: the training template behind the profile preamble."""
+    return PROFILE_PREAMBLE_JINJA + template.jinja_source()
+
+
+def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
+    """A tokenizer.json that encodes as the SentencePiece model does: a Unigram model with its pieces
+    and scores, spaces as U+2581 (no dummy prefix: polyalign trains without one), byte fallback, and
+    its control and listed special tokens split out whole."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as Tokenizers
+
+    sp = tokenizer._sp
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    converted = Tokenizers(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=True))
+    converted.normalizer = normalizers.Replace(" ", "\u2581")
+    converted.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    converted.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokenizer.added_tokens()])
+    return converted.to_str()
+
+
+def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str) -> dict[str, str | bytes]:
+    """tokenizer.json (and tokenizer.model where there is one) and a tokenizer_config.json with the
+    special tokens, the training template and, for a built-in template, its name."""
+    source = as_path(tokenizer.path)
+    directory = source if source.is_dir() else source.parent
+    files: dict[str, str | bytes] = {}
+    config: dict[str, Any] = {}
+    if (directory / TOKENIZER_CONFIG).is_file():
+        config = json.loads((directory / TOKENIZER_CONFIG).read_text())
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        files[SENTENCEPIECE_FILE] = source.read_bytes()
+        files[TOKENIZERS_FILE] = sentencepiece_json(tokenizer)
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"  # loads tokenizer.json; no SentencePiece needed
+        config.setdefault("additional_special_tokens", [])
+    else:
+        files[TOKENIZERS_FILE] = source.read_bytes()
+    config.update({key: value for key, value in tokenizer.template_tokens().items() if value is not None})
+    config["chat_template"] = export_template(template)
+    config["polyalign_profile"] = profile
+    if template.name in ("polyalign", "qwen", "llama3", "gemma"):
+        config["polyalign_chat_template"] = template.name
+    else:
+        config.pop("polyalign_chat_template", None)
+    files[TOKENIZER_CONFIG] = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    return files
+
+
+def generation_config(tokenizer: Tokenizer, template: ChatTemplate) -> dict[str, Any]:
+    """Greedy by default; generation stops at the template's end-of-turn token as well as at EOS."""
+    stops = [tokenizer.token_to_id(t) for t in template.stop_tokens()] + [tokenizer.eos_id]
+    stops = sorted({i for i in stops if i is not None})
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops if len(stops) > 1 else stops[0],
+            "pad_token_id": tokenizer.pad_id, "do_sample": False}
+
+
+def model_card(card: dict[str, Any], template: ChatTemplate, profile: str) -> str:
+    """README.md: what the model was made from and how to prompt it."""
+    rows = "\n".join(f"| {key} | {value} |" for key, value in card.items() if value is not None)
+    variables = ", ".join(f'{k}="..."' for k in PROFILE_KEYS[:3 + (profile == "oracle")])
+    prompt = ("trained without a system prompt (profile `none`): pass the conversation as it is"
+              if profile == "none" else
+              f"trained with polyalign's profile system prompt (profile `{profile}`): `{PROFILE_PREAMBLE} "
+              "family=...; track=...; style=...`. The chat template writes it when you pass no system message "
+              f"and name the profile: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, "
+              f"{variables})`")
+    return (f"# {card.get('method', 'polyalign')} model\n\nTrained with polyalign.\n\n| | |\n|---|---|\n{rows}\n"
+            f"| chat template | {template.name} |\n| profile | {profile} |\n\n## Prompt format\n\nThe model was "
+            f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n")
+
+
+def training_card(config: Any) -> dict[str, Any]:
+    """The model card's rows from a training config."""
+    return {"method": config.method, "base": config.init or f"trained from scratch (preset {config.model.preset})",
+            "data": config.data.dir, "steps": config.train.steps, "training dtype": config.model.dtype}
+
+
+def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
+                   template: ChatTemplate, profile: str) -> dict[str, str]:
+    """OUT/model from a finished run, in model.export_dtype (default: the training dtype)."""
+    export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
+                      dtype=config.model.export_dtype or config.model.dtype, card=training_card(config))
+    return {"model": str(as_path(out) / "model")}
+
+
+def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,
+                      template: ChatTemplate, profile: str = "context", dtype: str | None = None,
+                      card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES) -> None:
+    """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
+    whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        params = parallel.to_host(params)
+    if jax.process_index() != 0:
+        return
+    extra = {**tokenizer_files(tokenizer, template, profile),
+             "generation_config.json": json.dumps(generation_config(tokenizer, template), indent=2) + "\n",
+             "README.md": model_card(card or {}, template, profile)}
+    save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                       overwrite=True, extra_files=extra)

@@ -1,0 +1,132 @@
+"""Exports other tools load as they are: weights in the training dtype, sharded with an index, the
+generation config, a tokenizer.json equivalent to polyalign's SentencePiece model, and a chat template
+that renders what training rendered, profile system prompt included."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+from polyalign.chat import Message, encode_conversation, get_template, record_messages
+from polyalign.chat_jinja import JinjaRenderer, as_dicts
+from polyalign.data.records import read_records
+from polyalign.export import export_checkpoint
+from polyalign.model import create_model, load_hf_checkpoint
+from polyalign.model.presets import preset
+from polyalign.tokenizer import JsonTokenizer, load_tokenizer
+from polyalign.tokenizer_training import record_texts
+from tests.conftest import FIXTURES
+
+
+def tiny_model(vocab_size):
+    return create_model(preset("tiny", vocab_size=vocab_size, num_layers=2, hidden_size=64, num_heads=4,
+                               num_kv_heads=2, head_dim=16, intermediate_size=128))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_export(demo_tokenizer, tmp_path_factory):
+    tokenizer = demo_tokenizer[0]
+    model = tiny_model(tokenizer.vocab_size)
+    out = tmp_path_factory.mktemp("export") / "model"
+    # A shard limit under the model's size: the export is sharded with an index, as a 7B one would be.
+    export_checkpoint(model, tokenizer, out, template=get_template("polyalign"), profile="context", dtype="bfloat16",
+                      card={"method": "sft", "steps": 2}, max_shard_bytes=600_000)
+    return model, tokenizer, out
+
+
+def test_weights_are_in_the_training_dtype_and_sharded_with_an_index(sentencepiece_export):
+    model, _, out = sentencepiece_export
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / shards[0]), "np") as f:
+        assert all(f.get_slice(k).get_dtype() == "BF16" for k in f.keys())
+    loaded = load_hf_checkpoint(out)
+    ours = nnx.state(model, nnx.Param).flat_state()
+    theirs = dict(nnx.state(loaded, nnx.Param).flat_state())
+    for path, value in ours:
+        expected = np.asarray(value.get_value()).astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert np.array_equal(np.asarray(theirs[path].get_value(), np.float32), expected), path
+
+
+def test_generation_stops_at_end_of_turn_and_eos(sentencepiece_export):
+    _, tokenizer, out = sentencepiece_export
+    config = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == sorted([tokenizer.special_id("<|im_end|>"), tokenizer.eos_id])
+    assert config["bos_token_id"] == tokenizer.bos_id and config["do_sample"] is False
+
+
+def test_the_exported_tokenizer_json_encodes_as_the_sentencepiece_model(sentencepiece_export, demo_run):
+    _, tokenizer, out = sentencepiece_export
+    fast = JsonTokenizer(out / "tokenizer.json")
+    run, _, _ = demo_run
+    texts = list(record_texts(read_records(run / "data" / "test.jsonl")))
+    ours, theirs = tokenizer.encode_batch(texts), fast.encode_batch(texts)
+    same = sum(a == b for a, b in zip(ours, theirs))
+    # Viterbi ties aside (3 of 83,672 train-split texts differ by one split, e.g. c|um vs cu|m), the
+    # same ids; decoding gives the text back exactly.
+    assert same >= 0.999 * len(texts), f"{len(texts) - same} of {len(texts)} texts tokenised differently"
+    assert all(fast.decode(ids) == text for ids, text in zip(theirs[:300], texts[:300]))
+    for token in ("<s>", "</s>", "<|im_start|>", "<|im_end|>"):
+        assert fast.token_to_id(token) == tokenizer.token_to_id(token)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["eos_token"] == "</s>"
+    assert (out / "tokenizer.model").read_bytes() == tokenizer.path.read_bytes()
+
+
+@pytest.mark.parametrize("profile", ["context", "oracle", "none"])
+def test_the_exported_chat_template_renders_what_training_rendered(sentencepiece_export, demo_run, profile):
+    """The template in tokenizer_config.json, rendered as transformers renders it, with the profile's
+    variables and no system message, gives polyalign's rendering with the profile system prompt."""
+    _, tokenizer, out = sentencepiece_export
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["polyalign_chat_template"] == "polyalign" and config["polyalign_profile"] == "context"
+    renderer = JinjaRenderer(config["chat_template"], tokenizer.template_tokens())
+    template = get_template("polyalign")
+    run, _, _ = demo_run
+    for record in read_records(run / "data" / "test.jsonl")[:40]:
+        variables = {"family": record.family, "track": record.track, "style": record.style}
+        if profile == "oracle":
+            variables["length"] = record.length_bin
+        conversation = as_dicts(record_messages(record, "none"))
+        expected = template.render(record_messages(record, profile)[:-1], add_generation_prompt=True)
+        given = variables if profile != "none" else {}
+        renderer.variables.update(given)
+        assert renderer.render(conversation[:-1], add_generation_prompt=True) == expected
+        for key in given:
+            del renderer.variables[key]
+    card = (out / "README.md").read_text()
+    assert "profile `context`" in card and 'family="...", track="...", style="..."' in card
+    assert "| steps | 2 |" in card
+
+
+def test_a_checkpoint_template_is_exported_as_it_trained(json_tokenizer, tmp_path):
+    """A fine-tuned checkpoint's own template stays its template (behind the profile preamble), and
+    generation stops at the end-of-turn token that template writes."""
+    from tokenizers import Tokenizer
+
+    source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    tok = Tokenizer.from_file(str(json_tokenizer.path))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": source}))
+    tokenizer = load_tokenizer(folder)
+    template = get_template("checkpoint", tokenizer)
+    export_checkpoint(tiny_model(tokenizer.vocab_size), tokenizer, tmp_path / "out", template=template,
+                      profile="none")
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert config["chat_template"].endswith(source) and "polyalign_chat_template" not in config
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == sorted(
+        [tokenizer.special_id("<|im_end|>"), tokenizer.eos_id])
+    exported = load_tokenizer(tmp_path / "out")
+    again = get_template("checkpoint", exported)
+    messages = [Message("user", "你好，我想去北京语言大学溜达。"), Message("assistant", "大概能玩2小时。")]
+    assert again.render(messages) == template.render(messages)
+    assert np.array_equal(encode_conversation(again, exported, messages).ids,
+                          encode_conversation(template, tokenizer, messages).ids)
