@@ -309,25 +309,78 @@ def _run_train(args) -> int:
     return 0
 
 
+PAIRS_EPILOG = """\
+Pairs from your own preference data (TRL's {"prompt", "chosen", "rejected"}, strings or message lists;
+LLaMA-Factory's ShareGPT pairs), labelled and bucketed as `polyalign prepare` labels records:
+  polyalign pairs import --format trl --input prefs.jsonl --out RUN/pairs/train.jsonl --language en
+Then: polyalign train dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl val_pairs=... (docs/preference.md).
+"""
+
+
 def _add_pairs(sub) -> None:
-    p = sub.add_parser("pairs", help="preference pairs: human response chosen, the policy's generation rejected",
+    p = sub.add_parser("pairs", help="preference pairs: human response chosen, the policy's generation rejected; "
+                                     "or imported from TRL/ShareGPT files",
                        description="Join records and predictions by id into weighted preference pairs "
                                    "(METHOD section 7). Pairs with an empty side or identical sides are dropped "
-                                   "and counted.")
-    p.add_argument("--records", required=True, type=Path, help="records JSONL (the train or val split)")
-    p.add_argument("--predictions", required=True, type=Path, help="the initial policy's predictions (JSONL)")
-    p.add_argument("--out", required=True, type=Path, help="pairs JSONL")
+                                   "and counted. `pairs import` reads users' own preference files instead.",
+                       epilog=PAIRS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--records", type=Path, help="records JSONL (the train or val split)")
+    p.add_argument("--predictions", type=Path, help="the initial policy's predictions (JSONL)")
+    p.add_argument("--out", type=Path, help="pairs JSONL")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was made from other files "
                                                             "(or not by polyalign)")
-    p.set_defaults(handler=_run_pairs)
+    p.set_defaults(handler=_run_pairs, parser=p)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    imported = actions.add_parser("import", help="pairs from a TRL or ShareGPT preference file",
+                                  description="Read a preference file into the pairs file the preference methods "
+                                              "train on: every row labelled, bucketed and validated as prepare does; "
+                                              "bad rows stop the import (file and line) or go to "
+                                              "OUT.quarantine.jsonl.")
+    imported.add_argument("--format", required=True, choices=("trl", "sharegpt-pairs"),
+                          help="trl: {prompt, chosen, rejected}; sharegpt-pairs: {conversations, chosen, rejected}")
+    imported.add_argument("--input", required=True, type=Path, help="JSON array or JSON Lines file")
+    imported.add_argument("--out", required=True, type=Path, help="pairs JSONL")
+    imported.add_argument("--dataset", help="name of the data (record ids, the scheme's source labels); "
+                                            "default: the input's file name")
+    imported.add_argument("--language", help="declared language (en, zh); default: each row's own, else detected")
+    imported.add_argument("--track", choices=("single", "multi"),
+                          help="default: each row's own, else multi when the prompt has earlier turns")
+    imported.add_argument("--family", default="assistant", help="response family (default assistant)")
+    imported.add_argument("--style", help="style label (default: the scheme's usual style for the family)")
+    imported.add_argument("--scheme", type=Path, help="bucket scheme (default buckets/polyalign.yaml)")
+    imported.add_argument("--on-error", choices=("fail", "quarantine"), default="fail",
+                          help="a bad row stops the import (default) or goes to OUT.quarantine.jsonl")
+    imported.add_argument("--overwrite", action="store_true", help="replace OUT when it was made otherwise")
+    imported.set_defaults(handler=_run_pairs_import)
 
 
 def _run_pairs(args) -> int:
     from polyalign.pairs import make_pairs
 
+    missing = [f"--{name}" for name in ("records", "predictions", "out") if getattr(args, name) is None]
+    if missing:
+        args.parser.error(f"{', '.join(missing)} required (or `pairs import` for a preference file)")
     summary = make_pairs(args.records, args.predictions, args.out, overwrite=args.overwrite)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}")
+    print(f"pairs: {args.out}")
+    return 0
+
+
+def _run_pairs_import(args) -> int:
+    from polyalign.pairs_import import import_pairs
+
+    summary = import_pairs(args.input, args.out, args.format, dataset=args.dataset, language=args.language,
+                           track=args.track, family=args.family, style=args.style, scheme_path=args.scheme,
+                           on_error=args.on_error, overwrite=args.overwrite)
+    dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
+    print(f"{summary['pairs']} pairs from {summary['read']} rows in {len(summary['buckets'])} buckets; "
+          f"dropped: {dropped}")
+    if summary["system_prompt_replaced"]:
+        print(f"{summary['system_prompt_replaced']} rows had a system message; polyalign's profile system prompt "
+              "replaces it")
+    if summary["quarantined"]:
+        print(f"quarantined {summary['quarantined']} rows -> {args.out.with_name(args.out.stem + '.quarantine.jsonl')}")
     print(f"pairs: {args.out}")
     return 0
 

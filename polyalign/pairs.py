@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from polyalign import jsonl
-from polyalign.data.records import InputError, Record, read_records
+from polyalign.data.records import RECORD_FIELDS, InputError, Record, read_records
 from polyalign.data.text import normalize
 from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
 from polyalign.paths import as_path, file_digest
 from polyalign.predictions import check_generated_from, iter_predictions
 
+PAIR_TEXT_FIELDS = ("id", "bucket_id", "language", "chosen", "rejected")
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
 BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
 
@@ -115,10 +116,30 @@ def write_pairs(pairs: Sequence[dict], out) -> None:
 
 
 def read_pairs(path: Path) -> list[dict]:
+    """The pairs of a pairs file, each checked to be one: a row that is not (a TRL row, a missing field)
+    is an error naming the file, the line and what to run."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such pairs file; run `polyalign pairs` first")
     try:
-        return [row for _, row in jsonl.read_lines(path)]
+        rows = list(jsonl.read_lines(path))
     except jsonl.JsonProblem as problem:
         raise InputError(f"not JSON: {problem}") from None
+    for number, row in rows:
+        if problem := pair_problem(row):
+            hint = (f"; run `polyalign pairs import --format trl --input {path} --out PAIRS` first"
+                    if isinstance(row, dict) and {"chosen", "rejected"} <= set(row) else "")
+            raise InputError(f"{path}:{number}: not a polyalign pair ({problem}){hint}")
+    return [row for _, row in rows]
+
+
+def pair_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for key in PAIR_TEXT_FIELDS:
+        if not isinstance(row.get(key), str):
+            return f"no string field {key!r}"
+    record = row.get("record")
+    if not isinstance(record, dict) or not set(RECORD_FIELDS) <= set(record):
+        return "no 'record' with the fields of a prepared record"
+    return None

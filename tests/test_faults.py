@@ -264,9 +264,15 @@ def test_bad_json_rows_are_quarantined_with_their_reason(tmp_path):
 
 
 def test_own_files_keep_line_separators_inside_strings_and_name_bad_lines(tmp_path):
+    from polyalign.data.records import RECORD_FIELDS
     from polyalign.pairs import read_pairs, write_pairs
 
-    pairs = [{"id": "a", "chosen": "one\u2028two\u0085three\rfour", "rejected": "x"}, {"id": "b", "chosen": "y", "rejected": "z"}]
+    def pair(key, chosen, rejected):
+        record = {**dict.fromkeys(RECORD_FIELDS, ""), "id": key, "history": [], "length_tokens": 1, "meta": {}}
+        return {"id": key, "bucket_id": "en|single|assistant|short", "language": "en", "chosen": chosen,
+                "rejected": rejected, "record": record}
+
+    pairs = [pair("a", "one\u2028two\u0085three\rfour", "x"), pair("b", "y", "z")]
     write_pairs(pairs, tmp_path / "pairs.jsonl")
     assert read_pairs(tmp_path / "pairs.jsonl") == pairs
     (tmp_path / "pairs.jsonl").write_text('{"id": "a"}\n{"id": "b", "x": Infinity}\n')

@@ -1,0 +1,191 @@
+"""`polyalign pairs import`: users' own preference data as the pairs file the preference methods read.
+
+Formats:
+- `trl`: TRL's preference rows, {"prompt", "chosen", "rejected"}, each a string or a list of
+  {"role", "content"} messages (the prompt's last message from the user, chosen and rejected one
+  assistant message each); or, without "prompt", chosen and rejected as whole conversations sharing
+  everything but their last message.
+- `sharegpt-pairs`: LLaMA-Factory's ShareGPT preference rows, {"conversations": [{"from", "value"}],
+  "chosen": {"from", "value"}, "rejected": {"from", "value"}, "system"?}.
+
+Each row becomes a record exactly as `polyalign prepare` makes one (the same normalisation, labels by
+precedence (the row's own language/track/family/style, then the flags, then the scheme's entry for
+the dataset name), language detection where none is declared, length bin of the chosen answer,
+bucket), with the rejected answer beside it. A row that cannot be read stops the import with its file
+and line, or goes to OUT.quarantine.jsonl with its reason under --on-error quarantine. A system message
+is not kept: polyalign's profile system prompt takes its place (counted as `system_prompt_replaced`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from polyalign.data.importers._io import (
+    iter_json_rows,
+    labelled_turns,
+    parse_rows,
+    require_dict,
+    string_labels,
+    type_name,
+)
+from polyalign.data.importers.sharegpt import ROLES as SHAREGPT_ROLES
+from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, Record, RowProblem, Skipped
+from polyalign.data.text import normalize
+
+FORMATS = ("trl", "sharegpt-pairs")
+DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # a source checkout's
+ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+ROW_LABELS = {"language": "language", "track": "track", "family": "family", "style": "style"}
+
+
+def _messages(value: Any, what: str) -> list[dict[str, str]]:
+    """A TRL field: a string is one message of the side's role, a list is messages."""
+    if isinstance(value, str):
+        return [{"role": "user" if what == "prompt" else "assistant", "text": value}]
+    if not isinstance(value, list) or not value:
+        raise RowProblem(f"{what!r} must be a string or a non-empty list of messages, got {type_name(value)}")
+    return labelled_turns(value, ROLES, "role", "content", f"{what} message")
+
+
+def _answer(turns: list[dict[str, str]], what: str) -> str:
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise RowProblem(f"{what!r} must be one assistant message")
+    return turns[0]["text"]
+
+
+def _trl(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise RowProblem(f"missing field {key!r}")
+    chosen, rejected = _messages(row["chosen"], "chosen"), _messages(row["rejected"], "rejected")
+    if "prompt" in row:
+        return _messages(row["prompt"], "prompt"), _answer(chosen, "chosen"), _answer(rejected, "rejected")
+    if chosen[:-1] != rejected[:-1]:  # implicit prompt: the shared conversation
+        raise RowProblem("without 'prompt', chosen and rejected must share every message but their last")
+    return chosen[:-1], _answer(chosen[-1:], "chosen"), _answer(rejected[-1:], "rejected")
+
+
+def _sharegpt_pairs(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise RowProblem(f"'system' must be a string, got {type_name(system)}")
+    prompt = [{"role": "system", "text": system}] if system else []
+    conversations = row.get("conversations")
+    if not isinstance(conversations, list) or not conversations:
+        raise RowProblem("'conversations' must be a non-empty list of turns")
+    prompt += labelled_turns(conversations, SHAREGPT_ROLES, "from", "value", "turn")
+    answers = []
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise RowProblem(f"missing field {key!r}")
+        answers.append(_answer(labelled_turns([row[key]], SHAREGPT_ROLES, "from", "value", key), key))
+    return prompt, answers[0], answers[1]
+
+
+def _example(row: Any, location: Location, fmt: str) -> Iterator[ImportItem]:
+    row = require_dict(row)
+    prompt, chosen, rejected = (_trl if fmt == "trl" else _sharegpt_pairs)(row)
+    system = [t for t in prompt if t["role"] == "system"]
+    turns = [t for t in prompt if t["role"] != "system"]
+    if not turns or turns[-1]["role"] != "user":
+        raise RowProblem("the prompt must end with a user message")
+    labels = string_labels(row, ROW_LABELS)
+    if "track" not in labels:  # what prepare's dialogue projection gives the same conversation
+        labels["track"] = "multi" if len(turns) > 1 else "single"
+    yield Example(question=turns[-1]["text"], response=chosen, location=location, history=turns[:-1],
+                  labels=labels, meta={"rejected": rejected, "system_prompt_replaced": bool(system)})
+
+
+def read_pair_rows(path: Path, fmt: str) -> Iterator[ImportItem]:
+    if fmt not in FORMATS:
+        raise InputError(f"unknown pairs format {fmt!r} (known: {', '.join(FORMATS)})")
+    return parse_rows(iter_json_rows(path), lambda row, location: _example(row, location, fmt))
+
+
+def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None = None, language: str | None = None,
+                 track: str | None = None, family: str | None = "assistant", style: str | None = None,
+                 scheme_path: Path | None = None, on_error: str = "fail", overwrite: bool = False) -> dict[str, Any]:
+    """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary."""
+    from polyalign.data.bucketing import load_scheme
+    from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
+    from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+    from polyalign.pairs import assign_weights, write_pairs
+    from polyalign.paths import file_digest
+
+    input_path, out = Path(input_path), Path(out)
+    if not input_path.is_file():
+        raise InputError(f"{input_path}: no such file")
+    refuse_output_as_input(out, {"input": input_path})
+    dataset = dataset or input_path.stem.replace(".", "_")
+    settings = {"input": str(input_path.resolve()), "format": fmt, "dataset": dataset, "language": language,
+                "track": track, "family": family, "style": style, "scheme": str(scheme_path or DEFAULT_SCHEME),
+                "on_error": on_error}
+    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
+    if scheme_path is None and not DEFAULT_SCHEME.is_file():
+        raise InputError(f"{DEFAULT_SCHEME}: missing (polyalign is not a source checkout); pass --scheme")
+    scheme = load_scheme(Path(scheme_path or DEFAULT_SCHEME))
+    source = SourceConfig(name=dataset, format="chat", path=str(input_path), split="train", language=language,
+                          track=track, family=family, style=style or _default_style(scheme, family))
+    builder = RecordBuilder(scheme, scheme.length_unit, SplitOptions())
+    tally = SourceTally(source, files=[str(input_path)])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    quarantine = out.with_name(out.stem + ".quarantine.jsonl")
+    with OutputLock.for_file(out):
+        sink = ErrorSink(on_error, quarantine)
+        pairs, dropped = [], Counter()
+        try:
+            for number, item in enumerate(read_pair_rows(input_path, fmt)):
+                tally.read += 1
+                if isinstance(item, Malformed):
+                    sink(dataset, item)
+                    dropped["malformed"] += 1
+                    continue
+                try:
+                    record = builder.build(f"{number:06d}", item, source, tally)
+                except RowProblem as problem:
+                    sink(dataset, Malformed(item.location, str(problem)))
+                    dropped["malformed"] += 1
+                    continue
+                if isinstance(record, Skipped):
+                    dropped[record.reason] += 1
+                    continue
+                pair, reason = _pair(record, item)
+                if pair is None:
+                    dropped[reason] += 1
+                else:
+                    pairs.append(pair)
+        finally:
+            sink.close()
+        assign_weights(pairs)
+        write_pairs(pairs, out)
+        if not sink.count:
+            quarantine.unlink(missing_ok=True)
+        summary = {"read": tally.read, "pairs": len(pairs), "dropped": dict(dropped),
+                   "system_prompt_replaced": sum(p["record"]["meta"].get("system_prompt_replaced", False)
+                                                 for p in pairs),
+                   "languages_detected": dict(tally.detected_languages),
+                   "language_mismatches": dict(tally.language_mismatches),
+                   "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
+                   "quarantined": sink.count, "out": str(out)}
+        write_record(sidecar(out), settings, {"input": file_digest(input_path)}, summary=summary)
+    return summary
+
+
+def _default_style(scheme, family: str | None) -> str | None:
+    """The style a family's answers most often have in the scheme's sources (assistant -> assistant_like)."""
+    styles = Counter(labels.get("style") for labels in scheme.sources.values() if labels.get("family") == family)
+    styles.pop(None, None)
+    return styles.most_common(1)[0][0] if styles else None
+
+
+def _pair(record: Record, example: Example) -> tuple[dict[str, Any] | None, str]:
+    rejected = normalize(record.meta.pop("rejected"))
+    if not record.response or not rejected:
+        return None, "empty_side"
+    if record.response == rejected:
+        return None, "chosen_equals_rejected"
+    return {"id": record.id, "bucket_id": record.bucket_id, "language": record.language, "chosen": record.response,
+            "rejected": rejected, "model": "imported", "record": record.to_json()}, ""

@@ -1,0 +1,136 @@
+"""Users' own preference files (TRL, ShareGPT pairs) as pairs: labelled and bucketed as prepare labels
+records, every bad row named or quarantined, and trained on by the preference methods."""
+
+import json
+
+import numpy as np
+import pytest
+
+from polyalign.cli import main
+from polyalign.data.records import InputError, read_records
+from tests.conftest import REPO
+
+
+def cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.out, captured.err.strip()
+
+
+def real_rows(demo_run, split="test", n=40):
+    """TRL rows from real records: the prompt as messages (history, then the question with its
+    context), the person's answer chosen, another answer in the same bucket rejected; each row carries
+    the record's labels, as a user's file may."""
+    run, _, _ = demo_run
+    records = [r for r in read_records(run / "data" / f"{split}.jsonl") if r.response]
+    by_bucket = {}
+    for record in records:
+        by_bucket.setdefault(record.bucket_id, []).append(record)
+    rows, sources = [], []
+    for bucket, members in sorted(by_bucket.items()):
+        for record, other in zip(members, members[1:]):
+            if record.response == other.response:
+                continue
+            prompt = [{"role": t["role"], "content": t["text"]} for t in record.history]
+            prompt.append({"role": "user", "content": f"{record.context}\n\n{record.question}" if record.context
+                           else record.question})
+            rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": record.response}],
+                         "rejected": [{"role": "assistant", "content": other.response}],
+                         "language": record.language, "track": record.track, "family": record.family,
+                         "style": record.style})
+            sources.append(record)
+            if len(rows) == n:
+                return rows, sources
+    return rows, sources
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_run, tmp_path, capsys):
+    rows, sources = real_rows(demo_run)
+    rows[1] = {**rows[1], "prompt": rows[1]["prompt"][-1]["content"], "chosen": rows[1]["chosen"][0]["content"],
+               "rejected": rows[1]["rejected"][0]["content"]}  # the string form (without the history)
+    source = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl")
+    assert code == 0 and f"{len(rows)} pairs from {len(rows)} rows" in out
+    from polyalign.pairs import read_pairs
+
+    pairs = read_pairs(tmp_path / "pairs.jsonl")
+    assert [p["bucket_id"] for p in pairs] == [r.bucket_id for r in sources]
+    assert [p["chosen"] for p in pairs] == [r.response for r in sources]
+    assert pairs[0]["record"]["history"] == sources[0].history and pairs[0]["record"]["question"].endswith(
+        sources[0].question)
+    assert all(0.5 <= p["weight"] <= 3.0 for p in pairs)
+    manifest = json.loads((tmp_path / "pairs.manifest.json").read_text())
+    assert manifest["summary"]["pairs"] == len(rows) and manifest["made_from"]["input"].startswith("sha256:")
+
+
+def test_sharegpt_pairs_with_a_system_message_and_detected_language(demo_run, tmp_path, capsys):
+    rows, sources = real_rows(demo_run, n=6)
+    sharegpt = [{"system": "You answer briefly.",
+                 "conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                                   for m in row["prompt"]],
+                 "chosen": {"from": "gpt", "value": row["chosen"][0]["content"]},
+                 "rejected": {"from": "gpt", "value": row["rejected"][0]["content"]}} for row in rows]
+    source = tmp_path / "prefs.json"
+    source.write_text(json.dumps(sharegpt, ensure_ascii=False), encoding="utf-8")
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "sharegpt-pairs", "--input", source,
+                       "--out", tmp_path / "pairs.jsonl", "--family", "dialogue")
+    assert code == 0 and "6 rows had a system message" in out
+    pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    assert [p["language"] for p in pairs] == [r.language for r in sources]  # detected: no language declared
+    assert {p["record"]["family"] for p in pairs} == {"dialogue"}
+
+
+def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_path, capsys):
+    rows, _ = real_rows(demo_run, n=5)
+    bad = [rows[0], {"prompt": "hi", "chosen": "x"}, rows[1], {"prompt": [{"role": "assistant", "content": "a"}],
+                                                               "chosen": "b", "rejected": "c"},
+           {**rows[2], "rejected": rows[2]["chosen"]}, rows[3]]
+    source = write_jsonl(tmp_path / "prefs.jsonl", bad)
+    command = ["pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl"]
+    code, _, err = cli(capsys, *command)
+    assert code == 2 and err.endswith(f"{source}:2: missing field 'rejected'")
+    assert not (tmp_path / "pairs.jsonl").exists()
+    code, out, _ = cli(capsys, *command, "--on-error", "quarantine")
+    assert code == 0 and "3 pairs from 6 rows" in out and "malformed 2" in out and "chosen_equals_rejected 1" in out
+    quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
+    assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "4"]
+    assert "the prompt must end with a user message" in quarantined[1]["problem"]
+
+
+def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
+    from polyalign.pairs import read_pairs
+
+    rows, _ = real_rows(demo_run, n=2)
+    source = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    with pytest.raises(InputError, match=r"prefs.jsonl:1: not a polyalign pair \(no string field 'id'\); run "
+                                         r"`polyalign pairs import --format trl"):
+        read_pairs(source)
+
+
+@pytest.mark.slow
+def test_imported_trl_pairs_train_with_dpo(demo_run, demo_tokenizer, tmp_path, capsys):
+    from polyalign.train.metrics import read_metrics
+    from tests.test_preference import _init_checkpoint_and_pair_files
+
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=1, val=1)  # the init checkpoint
+    rows, _ = real_rows(demo_run, n=12)
+    for name, part in (("train", rows[:8]), ("val", rows[8:])):
+        source = write_jsonl(tmp_path / f"{name}_trl.jsonl", part)
+        assert cli(capsys, "pairs", "import", "--format", "trl", "--input", source,
+                   "--out", tmp_path / f"{name}_pairs.jsonl")[0] == 0
+    out = tmp_path / "out"
+    code, printed, _ = cli(capsys, "train", "dpo", "--config", REPO / "configs" / "hdpo_demo.yaml", "--out", out,
+                           "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train_pairs.jsonl'}",
+                           f"val_pairs={tmp_path / 'val_pairs.jsonl'}", "data.max_length=128", "train.steps=2",
+                           "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2",
+                           f"data.dir={demo_run[0]}", "drift_prompts=0")
+    assert code == 0 and "dpo: 2 steps on 8 pairs" in printed
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
+    assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-4)  # policy = reference at the first step
