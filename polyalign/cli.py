@@ -427,6 +427,35 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_prompts(sub) -> None:
+    p = sub.add_parser("prompts", help="the exact prompts of each record, for generating with vLLM or SGLang",
+                       description="Write one row per record: {id, messages (the chat messages polyalign renders, "
+                                   "profile system prompt included), prompt (the rendered string ending with the "
+                                   "assistant header)}. Answers as rows {id, prediction} feed `polyalign pairs` "
+                                   "and `polyalign evaluate` (docs/evaluation.md).")
+    p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
+    p.add_argument("--checkpoint", required=True, type=_location,
+                   help="checkpoint (or tokenizer) directory whose tokenizer and chat template render the prompts")
+    p.add_argument("--out", required=True, type=Path, help="prompts JSONL")
+    p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
+                   help="profile system prompt (default context, as generate)")
+    p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
+    p.add_argument("--limit", type=int, help="only the first N records")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")
+    p.set_defaults(handler=_run_prompts)
+
+
+def _run_prompts(args) -> int:
+    from polyalign.prompts import write_prompts
+
+    summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
+                            limit=args.limit, overwrite=args.overwrite)
+    print(f"{summary['records']} prompts rendered with the {summary['template']} template; stop generating at "
+          f"{', '.join(summary['stop'])}")
+    print(f"prompts: {args.out}")
+    return 0
+
+
 def _add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="utility, diversity and naturalness metrics of predictions",
                        description="Evaluate predictions against the test records, joined by id. Writes "
@@ -548,7 +577,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--device-memory", type=float, help="GiB per device, to say whether it fits (e.g. 16, 95, 141)")
     p.add_argument("--preset", help="plan this model preset instead of the config's model (e.g. qwen2.5-1.5b)")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's, the build's, or 512)")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="override config fields as training does, e.g. train.global_batch=64 parallel.fsdp=8")
     p.set_defaults(handler=_run_plan)
 
 
@@ -596,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build(sub)
     _add_train(sub)
     _add_generate(sub)
+    _add_prompts(sub)
     _add_pairs(sub)
     _add_evaluate(sub)
     _add_report(sub)

@@ -229,3 +229,22 @@ def test_an_interrupted_demo_stage_says_where_it_stopped(tmp_path, capsys, monke
     assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "sft"]) == 130
     err = capsys.readouterr().err
     assert err == "polyalign demo: sft stopped at step 7 (checkpoint saved); run the same demo command to resume\n"
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    from polyalign.cli import build_parser
+
+    def commands(parser, name="polyalign"):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    yield from commands(sub, f"{name} {sub_name}")
+
+    missing = [f"{name} {action.option_strings or action.dest}" for name, parser in commands(build_parser())
+               for action in parser._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))
+               and not action.help]
+    assert not missing, missing

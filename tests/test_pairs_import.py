@@ -134,3 +134,31 @@ def test_imported_trl_pairs_train_with_dpo(demo_run, demo_tokenizer, tmp_path, c
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     assert steps[0]["loss"] == pytest.approx(np.log(2), abs=1e-4)  # policy = reference at the first step
+
+
+def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
+    """`polyalign prompts` writes what `generate` would render; an engine's answers joined by id make
+    pairs as polyalign's own predictions do."""
+    from polyalign.chat import get_template, record_messages
+
+    run, _, _ = demo_run
+    checkpoint = demo_tokenizer[0].path.parent  # a tokenizer folder is enough: no weights are read
+    prompts = tmp_path / "prompts.jsonl"
+    code, out, _ = cli(capsys, "prompts", "--records", run / "data" / "val.jsonl", "--checkpoint", checkpoint,
+                       "--out", prompts, "--limit", 10)
+    assert code == 0 and "10 prompts rendered with the polyalign template; stop generating at <|im_end|>" in out
+    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
+    records = read_records(run / "data" / "val.jsonl")[:10]
+    template = get_template("polyalign")
+    for row, record in zip(rows, records):
+        messages = record_messages(record, "context", with_response=False)
+        assert row["id"] == record.id and row["messages"][0]["role"] == "system"
+        assert row["messages"] == [{"role": m.role, "content": m.content} for m in messages]
+        assert row["prompt"] == template.render(messages, add_generation_prompt=True)
+        assert row["prompt"].endswith("<|im_start|>assistant\n")
+    # An engine's answers (here: the next record's human answer) come back as {id, prediction}.
+    answers = [{"id": r["id"], "prediction": records[(i + 1) % 10].response} for i, r in enumerate(rows)]
+    predictions = write_jsonl(tmp_path / "engine.jsonl", answers)
+    code, out, _ = cli(capsys, "pairs", "--records", run / "data" / "val.jsonl", "--predictions", predictions,
+                       "--out", tmp_path / "pairs.jsonl")
+    assert code == 0 and out.startswith("10 pairs from 10 predictions")

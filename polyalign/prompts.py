@@ -1,0 +1,50 @@
+"""`polyalign prompts`: the exact prompts polyalign would generate from, for an external engine.
+
+One row per record: {"id", "messages", "prompt"}. `messages` are the chat messages polyalign renders
+(the profile system prompt included), for engines that apply the chat template themselves (vLLM's
+chat API, SGLang); `prompt` is the rendered string ending with the assistant header, for engines
+given raw text. Either way the answers, as rows {"id", "prediction"}, feed `polyalign pairs` and
+`polyalign evaluate` unchanged (docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from polyalign.chat import PROFILE_MODES, choose_template, get_template, record_messages
+from polyalign.data.records import read_records
+from polyalign.errors import GenerationError
+from polyalign.model.config import checkpoint_family
+from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+from polyalign.paths import file_digest
+from polyalign.tokenizer import load_tokenizer
+
+
+def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "context", template: str | None = None,
+                  limit: int | None = None, overwrite: bool = False) -> dict[str, Any]:
+    if profile not in PROFILE_MODES:
+        raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
+    records_path, out = Path(records_path), Path(out)
+    refuse_output_as_input(out, {"records": records_path})
+    settings = {"checkpoint": str(checkpoint), "records": str(records_path.resolve()), "profile": profile,
+                "template": template, "limit": limit}
+    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
+    tokenizer = load_tokenizer(checkpoint)
+    name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint))
+    chat = get_template(name, tokenizer)
+    records = read_records(records_path)[:limit]
+    if not records:
+        raise GenerationError(f"{records_path}: no records")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock.for_file(out):
+        with out.open("w", encoding="utf-8") as handle:
+            for record in records:
+                messages = record_messages(record, profile, with_response=False)
+                row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in messages],
+                       "prompt": chat.render(messages, add_generation_prompt=True)}
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        summary = {"records": len(records), "template": name, "stop": list(chat.stop_tokens()), "out": str(out)}
+        write_record(sidecar(out), settings, {"records": file_digest(records_path)}, summary=summary)
+    return summary
