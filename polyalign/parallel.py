@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -18,6 +17,7 @@ from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from polyalign.errors import ParallelError
+from polyalign.mesh_config import ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -89,15 +89,6 @@ def unsharded():
 
 
 # --- mesh and processes -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Mesh axis sizes; -1 takes the devices the other axes leave."""
-
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
 
 
 def mesh_shape(config: ParallelConfig, num_devices: int) -> tuple[int, int, int]:

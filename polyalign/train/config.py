@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from polyalign.parallel import ParallelConfig
+from polyalign.mesh_config import ParallelConfig
 
 
 @dataclass(frozen=True)
