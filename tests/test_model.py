@@ -21,7 +21,7 @@ from polyalign.model.config import from_hf_config, to_hf_config
 from polyalign.model.hf import INDEX_FILE
 from tests.conftest import FIXTURES
 
-FAMILIES = ("llama", "qwen2", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2")
 TOLERANCE = 1e-4
 
 
@@ -251,7 +251,8 @@ def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
 
 # Parameter counts the model cards publish (embedding included, tied heads counted once).
 PUBLISHED_SIZES = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
-                   "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "gemma2-2b": 2_614_341_888}
+                   "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "gemma2-2b": 2_614_341_888,
+                   "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))
@@ -268,13 +269,15 @@ def test_configs_models_are_the_presets_and_carry_the_published_hyperparameters(
     from polyalign.model.presets import PRESETS, preset
 
     repo_files = sorted(p.name for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.yaml"))
-    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 7
+    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 9
     qwen, llama, gemma = preset("qwen2.5-1.5b"), preset("llama3.2-3b"), preset("gemma2-2b")
     # values from the checkpoints' own config.json files
     assert (qwen.rope_theta, qwen.rms_norm_eps, qwen.attention_bias, qwen.eos_token_id) == (1e6, 1e-6, True, 151645)
     assert llama.rope_scaling.factor == 32.0 and llama.rope_theta == 500000.0 and llama.eos_token_id == (128001, 128008, 128009)
     assert (gemma.attn_logit_softcap, gemma.final_logit_softcap, gemma.sliding_window) == (50.0, 30.0, 4096)
     assert gemma.layer_types[:2] == ("sliding_attention", "full_attention")
+    qwen3 = preset("qwen3-8b")
+    assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.rope_theta, qwen3.head_dim) == (True, False, 1e6, 128)
 
 
 def test_an_architecture_file_of_ones_own_works_and_bad_fields_are_named(tmp_path):

@@ -61,6 +61,10 @@ MODELS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
         num_hidden_layers=2, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Per-head q/k RMSNorm before RoPE, 6 heads of head_dim 16 (96 wide, not the width 64), untied head.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
+        num_hidden_layers=2, tie_word_embeddings=False, num_attention_heads=6, num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # Soft-capping low enough to bend the scores, a sliding window shorter than the sequence,
     # query_pre_attn_scalar unlike head_dim, and three layers: sliding, full, sliding.
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
@@ -72,7 +76,7 @@ MODELS = {
 def make_model(family: str):
     config_cls, model_cls, extra = MODELS[family]
     torch.manual_seed(SEED)
-    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
     # Norm weights and biases start at constants; perturb them so a wrong mapping shows in the logits.
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -95,11 +99,11 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return out.logits.float().numpy()
 
 
-def write_model_fixtures() -> None:
+def write_model_fixtures(families=None) -> None:
     from polyalign.model import load_hf_checkpoint, save_hf_checkpoint
 
     ids, mask = inputs()
-    for family in MODELS:
+    for family in families or MODELS:
         target = FIXTURES / "hf" / family
         model = make_model(family)
         model.save_pretrained(target, safe_serialization=True)
@@ -278,8 +282,8 @@ def check_exports() -> None:
         special = {"qwen": (None, "<|im_end|>"), "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
                    "gemma": ("<bos>", "<eos>")}
         cases = [("llama", "polyalign", tmp / "sp")]
-        for family, template in (("llama", "llama3"), ("qwen2", "qwen"), ("gemma2", "gemma")):
-            folder = tmp / f"bpe-{template}"
+        for family, template in (("llama", "llama3"), ("qwen2", "qwen"), ("qwen3", "qwen"), ("gemma2", "gemma")):
+            folder = tmp / f"bpe-{family}-{template}"
             folder.mkdir()
             bpe_file = tmp / ("trained-bpe-qwen" if template == "qwen" else "trained-bpe") / "tokenizer.json"
             (folder / "tokenizer.json").write_bytes(bpe_file.read_bytes())
@@ -394,10 +398,14 @@ def main() -> int:
     parser.add_argument("--chat-templates", type=Path, help="directory with qwen.jinja, llama3.jinja, gemma.jinja")
     parser.add_argument("--jinja-only", action="store_true", help="only chat/jinja.json")
     parser.add_argument("--check-exports", action="store_true", help="only the export checks (writes nothing)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="only these model fixtures")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
     if args.check_exports:
         check_exports()
+        return 0
+    if args.models:
+        write_model_fixtures(args.models)
         return 0
     write_jinja_fixtures()
     if args.jinja_only:

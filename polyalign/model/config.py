@@ -1,4 +1,4 @@
-"""Architecture of the decoder: one dataclass for the Llama, Qwen2 and Gemma 2 families, and its
+"""Architecture of the decoder: one dataclass for the Llama, Qwen2, Qwen3 and Gemma 2 families, and its
 translation to and from a Hugging Face config.json."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 from polyalign.errors import ModelConfigError
 
-FAMILIES = ("llama", "qwen2", "gemma2")
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2")
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "gemma2": "Gemma2ForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
@@ -90,6 +91,11 @@ class ModelConfig:
         return self.family == "gemma2"
 
     @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each head's queries and keys (RMSNorm over head_dim) before RoPE."""
+        return self.family == "qwen3"
+
+    @property
     def sliding_layers(self) -> tuple[bool, ...]:
         types = self.layer_types or ("full_attention",) * self.num_layers
         return tuple(t == "sliding_attention" for t in types)
@@ -104,7 +110,7 @@ class ModelConfig:
     def num_parameters(self) -> int:
         d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
         attention = d * h * hd * 2 + d * kv * hd * 2 + (h * hd + 2 * kv * hd if self.attention_bias else 0)
-        norms = d * (4 if self.is_gemma else 2)
+        norms = d * (4 if self.is_gemma else 2) + (2 * hd if self.qk_norm else 0)
         per_layer = attention + 3 * d * f + norms
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.num_layers * per_layer + self.vocab_size * d + d + head
@@ -121,6 +127,7 @@ def family_defaults(family: str, **sizes: Any) -> ModelConfig:
         sizes.setdefault("layer_types", _alternating(sizes["num_layers"]))
     if family == "qwen2":
         sizes.setdefault("attention_bias", True)
+    if family in ("qwen2", "qwen3"):
         sizes.setdefault("rope_theta", 1_000_000.0)
     return ModelConfig(family=family, **sizes)
 
@@ -132,7 +139,7 @@ def _alternating(num_layers: int) -> tuple[str, ...]:
 
 # --- Hugging Face config.json ------------------------------------------------------------------
 
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma2": "gemma2"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
 
 
 def checkpoint_family(directory: str | os.PathLike) -> str | None:
@@ -182,8 +189,8 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json", **policy: Any
     if family == "gemma2":
         layer_types = tuple(hf.get("layer_types") or _alternating(layers))
         sliding_window = hf.get("sliding_window", 4096)
-    elif family == "qwen2" and hf.get("use_sliding_window"):
-        raise ModelConfigError(f"{where}: Qwen2 use_sliding_window=true is not supported")
+    elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ModelConfigError(f"{where}: {model_type} use_sliding_window=true is not supported")
     eos = hf.get("eos_token_id")
     return ModelConfig(
         family=family,
@@ -236,10 +243,11 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     }
     if cfg.rope_scaling is not None:
         hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
-    if cfg.family == "llama":
+    if cfg.family in ("llama", "qwen3"):
         hf["attention_bias"] = cfg.attention_bias
+    if cfg.family == "llama":
         hf["mlp_bias"] = False
-    if cfg.family == "qwen2":
+    if cfg.family in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = False
     if cfg.is_gemma:
         hf["hidden_activation"] = "gelu_pytorch_tanh"

@@ -54,6 +54,9 @@ def _tensor_names(cfg: ModelConfig) -> Iterator[tuple[str, str, bool]]:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for name in norms:
         yield f"layers.{name}.weight", f"model.layers.{{i}}.{name}.weight", False
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            yield f"layers.self_attn.{name}.weight", f"model.layers.{{i}}.self_attn.{name}.weight", False
     yield "norm.weight", "model.norm.weight", False
     if not cfg.tie_embeddings:
         yield "lm_head.kernel", "lm_head.weight", True

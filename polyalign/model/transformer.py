@@ -197,6 +197,10 @@ class Attention(nnx.Module):
         self.k_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
         self.v_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
         self.o_proj = _linear(cfg, rngs, h * hd, d, (P.Q_HEADS, P.EMBED))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, 0.0, cfg.param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, 0.0, cfg.param_dtype)
+        self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.scale, self.softcap, self.implementation = cfg.attention_scale, cfg.attn_logit_softcap, cfg.attention_impl
         self.config = cfg
@@ -206,8 +210,11 @@ class Attention(nnx.Module):
         """With a cache, the new keys and values are written at `cache.index` and the queries attend
         over all cached slots (the mask says which)."""
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), positions, inv_freq)
-        k = apply_rope(self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim), positions, inv_freq)
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         q = P.constrain(q, (P.BATCH, P.LENGTH, P.ACT_HEADS, P.HEAD_DIM))
         k = P.constrain(k, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
