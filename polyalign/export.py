@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from polyalign import parallel
-from polyalign.chat import PROFILE_PREAMBLE, ChatTemplate
+from polyalign.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
 from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.transformer import Transformer
 from polyalign.paths import as_path
@@ -95,7 +95,7 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str) 
     config.update({key: value for key, value in tokenizer.template_tokens().items() if value is not None})
     config["chat_template"] = export_template(template)
     config["polyalign_profile"] = profile
-    if template.name in ("polyalign", "qwen", "llama3", "gemma"):
+    if template.name in TEMPLATES:
         config["polyalign_chat_template"] = template.name
     else:
         config.pop("polyalign_chat_template", None)
