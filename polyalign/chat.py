@@ -292,7 +292,7 @@ TEMPLATE_SPECIAL_TOKENS = (BOS, ChatML.start, ChatML.end_of_turn, Llama3.bos, Ll
 
 
 # The official template of each model family, for a tokenizer that names none.
-FAMILY_TEMPLATES = {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma"}  # Qwen3 checkpoints ship their own
+FAMILY_TEMPLATES = {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma", "gemma3": "gemma"}  # Qwen3 checkpoints ship their own
 
 
 TEMPLATE_CHOICES = (CHECKPOINT_TEMPLATE, *TEMPLATES)

@@ -27,9 +27,9 @@ def greedy_by_recomputation(model, prompt, steps):
     return buffer[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_greedy_with_cache_equals_full_recomputation(family):
-    # The Gemma 2 fixture slides an 8-token window, so 40 new tokens cross it.
+    # The Gemma fixtures slide an 8-token window, so 40 new tokens cross it.
     model = load_hf_checkpoint(FIXTURES / "hf" / family)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, n).astype(np.int32) for n in (5, 17, 11)]

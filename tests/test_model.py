@@ -21,7 +21,7 @@ from polyalign.model.config import from_hf_config, to_hf_config
 from polyalign.model.hf import INDEX_FILE
 from tests.conftest import FIXTURES
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 TOLERANCE = 1e-4
 
 
@@ -58,6 +58,52 @@ def test_fixtures_exercise_the_family_features():
     assert llama.rope_scaling is not None and llama.num_kv_heads < llama.num_heads and not llama.tie_embeddings
     qwen = from_hf_config(json.loads((FIXTURES / "hf" / "qwen2" / "config.json").read_text()))
     assert qwen.attention_bias and qwen.tie_embeddings
+
+
+def test_gemma3_fixture_uses_two_rope_bases_a_window_and_qk_norms():
+    ref = expected("gemma3")
+    model = load_hf_checkpoint(FIXTURES / "hf" / "gemma3")
+    cfg = model.config
+    assert cfg.qk_norm and cfg.is_gemma and cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None
+    assert cfg.sliding_window < ref["input_ids"].shape[1] and cfg.layer_types[1] == "full_attention"
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.rope_type) == (1e6, 1e4, "linear")
+    # Each of these would be a wrong model that the fixture catches.
+    for wrong in (dict(rope_local_theta=None), dict(rope_scaling=None), dict(sliding_window=None, layer_types=())):
+        other = nnx.merge(nnx.graphdef(create_model(cfg.replace(**wrong))), nnx.state(model))
+        diff = np.abs(forward(other, ref["input_ids"], ref["attention_mask"]) - ref["logits"]).max()
+        assert diff > 1e-2, wrong
+
+
+def test_gemma3_config_in_the_transformers_4_layout_reads_the_same():
+    hf = json.loads((FIXTURES / "hf" / "gemma3" / "config.json").read_text())
+    legacy = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                  sliding_window_pattern=2, num_hidden_layers=3)
+    assert from_hf_config(legacy) == from_hf_config(hf)
+
+
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_a_multimodal_gemma3_checkpoint_loads_its_language_model(prefix, tmp_path):
+    """transformers 5 saves Gemma3ForConditionalGeneration under model.language_model.; the published
+    4.x files under language_model.model.; the vision tower stays behind."""
+    from safetensors.numpy import save_file
+
+    ref = expected("gemma3")
+    text = json.loads((FIXTURES / "hf" / "gemma3" / "config.json").read_text())
+    tensors = {prefix + name.removeprefix("model."): value
+               for name, value in load_file(FIXTURES / "hf" / "gemma3" / "model.safetensors").items()}
+    tensors["model.vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+    tensors["model.multi_modal_projector.mm_soft_emb_norm.weight"] = np.ones(8, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {k: v for k, v in text.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106]}))
+    model = load_hf_checkpoint(tmp_path)
+    assert model.config.eos_token_id == (1, 106)
+    logits = forward(model, ref["input_ids"], ref["attention_mask"])
+    diff = np.abs(logits - ref["logits"])[real_positions(ref["attention_mask"])].max()
+    assert diff <= TOLERANCE
 
 
 def test_llama3_rope_scaling_changes_the_logits():
@@ -252,7 +298,7 @@ def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
 # Parameter counts the model cards publish (embedding included, tied heads counted once).
 PUBLISHED_SIZES = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
                    "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "gemma2-2b": 2_614_341_888,
-                   "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}
+                   "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360, "gemma3-1b": 999_885_952}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))
@@ -269,7 +315,7 @@ def test_configs_models_are_the_presets_and_carry_the_published_hyperparameters(
     from polyalign.model.presets import PRESETS, preset
 
     repo_files = sorted(p.name for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.yaml"))
-    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 9
+    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 11
     qwen, llama, gemma = preset("qwen2.5-1.5b"), preset("llama3.2-3b"), preset("gemma2-2b")
     # values from the checkpoints' own config.json files
     assert (qwen.rope_theta, qwen.rms_norm_eps, qwen.attention_bias, qwen.eos_token_id) == (1e6, 1e-6, True, 151645)
@@ -278,6 +324,12 @@ def test_configs_models_are_the_presets_and_carry_the_published_hyperparameters(
     assert gemma.layer_types[:2] == ("sliding_attention", "full_attention")
     qwen3 = preset("qwen3-8b")
     assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.rope_theta, qwen3.head_dim) == (True, False, 1e6, 128)
+    gemma3 = preset("gemma3-4b")
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.rope_scaling.factor, gemma3.sliding_window) == (
+        1e6, 1e4, 8.0, 1024)
+    assert gemma3.layer_types.count("full_attention") == 5 and gemma3.layer_types[5] == "full_attention"
+    # The language model of the published 4B (the checkpoint less its vision tower and projector).
+    assert gemma3.num_parameters() == 3_880_263_168
 
 
 def test_an_architecture_file_of_ones_own_works_and_bad_fields_are_named(tmp_path):

@@ -5,7 +5,7 @@ read the files this writes and import neither).
     python tools/make_fixtures.py --chat-templates DIR
 
 Writes, under tests/fixtures/:
-  hf/{llama,qwen2,gemma2}/   a tiny random checkpoint (config.json + model.safetensors) that
+  hf/{llama,qwen2,qwen3,gemma2,gemma3}/  a tiny random checkpoint (config.json + model.safetensors) that
                              transformers saved, and expected.safetensors: input ids, attention mask
                              and the float32 logits transformers computes for them.
   chat/fixtures.json         real records from the bundled demo data rendered by the official chat
@@ -70,6 +70,13 @@ MODELS = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         num_hidden_layers=3, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
         sliding_window=8, attn_implementation="eager")),
+    # Gemma 3: per-head (1 + w) q/k norms, no soft-caps, a sliding window shorter than the sequence,
+    # sliding layers on their own RoPE base (10k) and the global layer on 1M with linear scaling.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=8, attn_implementation="eager",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 
@@ -120,6 +127,36 @@ def write_model_fixtures(families=None) -> None:
         diff = np.abs(roundtrip - logits)[real].max()
         print(f"{family:7s} {sum(p.numel() for p in model.parameters()):>7} params  "
               f"max|logit| {np.abs(logits).max():.3f}  polyalign export -> transformers: max|dlogits| {diff:.2e}")
+    if families is None or "gemma3" in families:
+        check_multimodal_gemma3()
+
+
+def check_multimodal_gemma3() -> None:
+    """A multimodal Gemma 3 checkpoint (as transformers saves Gemma3ForConditionalGeneration): polyalign
+    loads its language model, whose logits on text equal transformers'."""
+    from polyalign.model import load_hf_checkpoint
+
+    config_cls, _, extra = MODELS["gemma3"]
+    text = config_cls(**{**COMMON, **extra}).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=COMMON["vocab_size"] - 1, boi_token_index=COMMON["vocab_size"] - 3,
+                                       eoi_token_index=COMMON["vocab_size"] - 2)
+    torch.manual_seed(SEED)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    ids, mask = inputs()
+    ids = np.minimum(ids, COMMON["vocab_size"] - 4)  # no image tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        ours = load_hf_checkpoint(tmp)
+    logits = np.asarray(ours(ids, attention_mask=mask))
+    diff = np.abs(logits - hf_logits(model, ids, mask))[mask.astype(bool)].max()
+    print(f"gemma3 multimodal checkpoint, its language model in polyalign: max|dlogits| {diff:.2e}")
 
 
 CHAT_CASES = [
@@ -282,7 +319,8 @@ def check_exports() -> None:
         special = {"qwen": (None, "<|im_end|>"), "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
                    "gemma": ("<bos>", "<eos>")}
         cases = [("llama", "polyalign", tmp / "sp")]
-        for family, template in (("llama", "llama3"), ("qwen2", "qwen"), ("qwen3", "qwen"), ("gemma2", "gemma")):
+        for family, template in (("llama", "llama3"), ("qwen2", "qwen"), ("qwen3", "qwen"), ("gemma2", "gemma"),
+                                 ("gemma3", "gemma")):
             folder = tmp / f"bpe-{family}-{template}"
             folder.mkdir()
             bpe_file = tmp / ("trained-bpe-qwen" if template == "qwen" else "trained-bpe") / "tokenizer.json"

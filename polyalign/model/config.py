@@ -1,5 +1,5 @@
-"""Architecture of the decoder: one dataclass for the Llama, Qwen2, Qwen3 and Gemma 2 families, and its
-translation to and from a Hugging Face config.json."""
+"""Architecture of the decoder: one dataclass for the Llama, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text)
+families, and its translation to and from a Hugging Face config.json."""
 
 from __future__ import annotations
 
@@ -11,22 +11,35 @@ from typing import Any
 
 from polyalign.errors import ModelConfigError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "gemma2": "Gemma2ForCausalLM"}
+                    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
 
 
+ROPE_TYPES = ("llama3", "linear")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.x frequency scaling (`rope_type: llama3`)."""
+    """Frequency scaling of the rotary embedding: Llama 3.x (`rope_type: llama3`, all four numbers) or
+    linear (every frequency divided by `factor`; Gemma 3's global layers)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelConfigError(f"rope_scaling.rope_type {self.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
+        if self.rope_type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor,
+                                                   self.original_max_position_embeddings):
+            raise ModelConfigError("llama3 rope_scaling needs low_freq_factor, high_freq_factor and "
+                                   "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -41,11 +54,13 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling | None = None
+    # Gemma 3: sliding-window layers rotate with this base and no scaling; None = rope_theta everywhere.
+    rope_local_theta: float | None = None
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2); o_proj never has one
     max_position_embeddings: int = 4096
-    # Gemma 2 specifics; None/False for the other families.
+    # Gemma 2 and 3 specifics; None/False for the other families.
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power instead of head_dim's
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
@@ -88,12 +103,13 @@ class ModelConfig:
 
     @property
     def is_gemma(self) -> bool:
-        return self.family == "gemma2"
+        """Gemma's layout: (1 + w) norms around both blocks, GeGLU, embeddings scaled by sqrt(width)."""
+        return self.family in ("gemma2", "gemma3")
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 normalises each head's queries and keys (RMSNorm over head_dim) before RoPE."""
-        return self.family == "qwen3"
+        """Qwen3 and Gemma 3 normalise each head's queries and keys (RMSNorm over head_dim) before RoPE."""
+        return self.family in ("qwen3", "gemma3")
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
@@ -118,13 +134,18 @@ class ModelConfig:
 
 def family_defaults(family: str, **sizes: Any) -> ModelConfig:
     """A config of the family's structure with the given sizes (tests, the demo's tiny model)."""
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3"):
         sizes.setdefault("tie_embeddings", True)
         sizes.setdefault("query_pre_attn_scalar", sizes.get("head_dim"))
+        sizes.setdefault("sliding_window", 4096)
+    if family == "gemma2":
         sizes.setdefault("attn_logit_softcap", 50.0)
         sizes.setdefault("final_logit_softcap", 30.0)
-        sizes.setdefault("sliding_window", 4096)
         sizes.setdefault("layer_types", _alternating(sizes["num_layers"]))
+    if family == "gemma3":
+        sizes.setdefault("layer_types", _every_sixth_global(sizes["num_layers"]))
+        sizes.setdefault("rope_theta", 1_000_000.0)
+        sizes.setdefault("rope_local_theta", 10_000.0)
     if family == "qwen2":
         sizes.setdefault("attention_bias", True)
     if family in ("qwen2", "qwen3"):
@@ -137,9 +158,19 @@ def _alternating(num_layers: int) -> tuple[str, ...]:
     return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
 
 
+def _every_sixth_global(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    # Gemma 3: five sliding layers, then one that sees the whole sequence.
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers))
+
+
 # --- Hugging Face config.json ------------------------------------------------------------------
 
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2"}
+# model_type in config.json -> family; Gemma 3's multimodal checkpoints ("gemma3") hold a text model
+# whose config is their text_config.
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                "gemma3": "gemma3"}
+_FAMILY_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                       "gemma3": "gemma3_text"}
 
 
 def checkpoint_family(directory: str | os.PathLike) -> str | None:
@@ -157,6 +188,53 @@ def checkpoint_family(directory: str | os.PathLike) -> str | None:
     return _MODEL_TYPES.get(model_type)
 
 
+# What transformers' Gemma3TextConfig assumes for keys a multimodal checkpoint's text_config leaves out.
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                         "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131_072,
+                         "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+                         "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: the file itself, or a multimodal Gemma 3's text_config with
+    transformers' defaults filled in (the file names only what differs from them)."""
+    if hf.get("model_type") != "gemma3":
+        return hf
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(hf.get("text_config") or {}), "model_type": "gemma3_text"}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if hf.get(key) is not None and key not in (hf.get("text_config") or {}):
+            text[key] = hf[key]
+    return text
+
+
+def _rope_scaling(params: dict[str, Any], where: str) -> RopeScaling | None:
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return None
+    if rope_type == "linear":
+        return RopeScaling(float(params["factor"]), rope_type="linear")
+    if rope_type == "llama3":
+        return RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
+                           float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    raise ModelConfigError(f"{where}: rope_type {rope_type!r} is not supported (default, linear and llama3 are)")
+
+
+def _rope(hf: dict[str, Any], family: str, where: str) -> tuple[float, RopeScaling | None, float | None]:
+    """(theta, scaling, local theta) from a 4.x (rope_theta + rope_scaling) or 5.x (rope_parameters,
+    per layer type for Gemma 3) config."""
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    if family != "gemma3":
+        source = rope if rope.get("rope_type", "default") != "default" else legacy
+        return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))), _rope_scaling(source, where), None
+    full = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1_000_000.0), **legacy}
+    local = rope.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    if _rope_scaling(local, where) is not None:
+        raise ModelConfigError(f"{where}: scaled RoPE on sliding-window layers is not supported")
+    return float(full.get("rope_theta", 1_000_000.0)), _rope_scaling(full, where), float(local["rope_theta"])
+
+
 def from_hf_config(hf: dict[str, Any], where: str = "config.json", **policy: Any) -> ModelConfig:
     """Reads a transformers config.json (4.x or 5.x layout); `policy` sets dtype, scan_layers, ..."""
     model_type = hf.get("model_type")
@@ -164,33 +242,28 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json", **policy: Any
         archs = ", ".join(hf.get("architectures") or []) or "none given"
         raise ModelConfigError(f"{where}: unsupported model_type {model_type!r} (architectures: {archs}); "
                                f"polyalign loads {', '.join(_MODEL_TYPES)}")
+    hf = text_config(hf)
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
     if missing:
         raise ModelConfigError(f"{where}: missing keys {', '.join(missing)}")
     family = _MODEL_TYPES[model_type]
+    gemma = family in ("gemma2", "gemma3")
     heads = hf["num_attention_heads"]
-    rope = dict(hf.get("rope_parameters") or {})
-    legacy_scaling = hf.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    rope_type = rope.get("rope_type") or legacy_scaling.get("rope_type") or legacy_scaling.get("type") or "default"
-    scaling_source = rope if rope.get("rope_type") == "llama3" else legacy_scaling
-    if rope_type == "llama3":
-        scaling = RopeScaling(float(scaling_source["factor"]), float(scaling_source["low_freq_factor"]),
-                              float(scaling_source["high_freq_factor"]),
-                              int(scaling_source["original_max_position_embeddings"]))
-    elif rope_type == "default":
-        scaling = None
-    else:
-        raise ModelConfigError(f"{where}: rope_type {rope_type!r} is not supported (default and llama3 are)")
+    rope_theta, scaling, local_theta = _rope(hf, family, where)
     layers = hf["num_hidden_layers"]
     layer_types: tuple[str, ...] = ()
     sliding_window = None
     if family == "gemma2":
         layer_types = tuple(hf.get("layer_types") or _alternating(layers))
-        sliding_window = hf.get("sliding_window", 4096)
+    elif family == "gemma3":
+        if hf.get("use_bidirectional_attention"):
+            raise ModelConfigError(f"{where}: use_bidirectional_attention=true (an encoder) is not a causal LM")
+        layer_types = tuple(hf.get("layer_types") or _every_sixth_global(layers, hf.get("sliding_window_pattern", 6)))
     elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         raise ModelConfigError(f"{where}: {model_type} use_sliding_window=true is not supported")
+    if gemma:
+        sliding_window = hf.get("sliding_window", 4096)
     eos = hf.get("eos_token_id")
     return ModelConfig(
         family=family,
@@ -201,15 +274,16 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json", **policy: Any
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         rope_scaling=scaling,
+        rope_local_theta=local_theta,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma2")),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if family == "gemma2" else None,
-        attn_logit_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
-        final_logit_softcap=hf.get("final_logit_softcapping") if family == "gemma2" else None,
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if gemma else None,
+        attn_logit_softcap=hf.get("attn_logit_softcapping") if gemma else None,
+        final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
         sliding_window=sliding_window,
         layer_types=layer_types,
         bos_token_id=hf.get("bos_token_id"),
@@ -223,7 +297,7 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     """The config.json transformers needs to load the checkpoint `save_hf_checkpoint` writes."""
     hf: dict[str, Any] = {
         "architectures": [HF_ARCHITECTURES[cfg.family]],
-        "model_type": _MODEL_TYPES[cfg.family],
+        "model_type": _FAMILY_MODEL_TYPES[cfg.family],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -242,7 +316,14 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "pad_token_id": cfg.pad_token_id,
     }
     if cfg.rope_scaling is not None:
-        hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+        scaling = {k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if v is not None}
+        hf["rope_scaling"] = scaling
+    if cfg.family == "gemma3":
+        # Both layouts: 5.x reads rope_parameters per layer type, 4.x rope_theta/rope_local_base_freq.
+        full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **hf.get("rope_scaling", {})}
+        hf["rope_parameters"] = {"full_attention": full,
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
+        hf["rope_local_base_freq"] = cfg.rope_local_theta
     if cfg.family in ("llama", "qwen3"):
         hf["attention_bias"] = cfg.attention_bias
     if cfg.family == "llama":

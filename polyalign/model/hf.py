@@ -33,6 +33,11 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some exporters write that carry no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Where the language model's tensors live: a causal LM's own "model.", or inside a multimodal Gemma 3
+# (transformers 5 writes model.language_model., the published 4.x files language_model.model.).
+_LANGUAGE_MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+# The image side of a multimodal checkpoint, which a text model leaves alone.
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -136,7 +141,8 @@ class _Tensors:
 
 def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_dtype: str | None = None,
                        mesh: Mesh | None = None, **policy) -> Transformer:
-    """Loads a Llama, Qwen2 or Gemma 2 checkpoint directory into a Transformer.
+    """Loads a Llama, Qwen2, Qwen3, Gemma 2 or Gemma 3 checkpoint directory into a Transformer (of a
+    multimodal Gemma 3, its language model).
 
     `dtype` is the parameter dtype, `compute_dtype` the matmul/activation dtype (default: `dtype`);
     other keywords (scan_layers, remat, attention_impl) set the execution policy. Every process reads
@@ -154,6 +160,9 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     except ModelConfigError as err:
         raise CheckpointError(str(err)) from None
     tensors = _Tensors(_safetensors_files(path))
+    prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in tensors.names()), "model.")
+    names = [(ours, prefix + hf_name.removeprefix("model.") if hf_name.startswith("model.") else hf_name, transpose)
+             for ours, hf_name, transpose in _tensor_names(cfg)]
 
     model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
@@ -162,7 +171,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
                  if mesh is not None else None)
     available = tensors.names()
     missing, mismatched, used = [], [], set()
-    for ours, hf_name, transpose in _tensor_names(cfg):
+    for ours, hf_name, transpose in names:
         expected_shape = targets[ours].shape[1:] if "{i}" in hf_name else targets[ours].shape
         for name in _layer_names(cfg, hf_name):
             if name not in available:
@@ -173,7 +182,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
             if shape != expected_shape:
                 mismatched.append(f"{name} {tensors.shape(name)} (expected {expected_shape[::-1] if transpose else expected_shape})")
     unexpected = sorted(n for n in available - used if not n.endswith(_IGNORED_SUFFIXES)
-                        and not (cfg.tie_embeddings and n == "lm_head.weight"))
+                        and not (cfg.tie_embeddings and n == "lm_head.weight")
+                        and not (prefix != "model." and n.startswith(_VISION_PREFIXES)))
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(_summarise(missing))}")
@@ -184,7 +194,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     values = {}
-    for ours, hf_name, transpose in _tensor_names(cfg):
+    for ours, hf_name, transpose in names:
         # One parameter group on the host at a time (all layers of a stacked tensor).
         arrays = [tensors[name].T if transpose else tensors[name] for name in _layer_names(cfg, hf_name)]
         host = (np.stack(arrays) if "{i}" in hf_name else arrays[0]).astype(targets[ours].dtype)

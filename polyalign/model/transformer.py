@@ -1,4 +1,4 @@
-"""A decoder-only transformer in Flax NNX covering the Llama 3, Qwen2 and Gemma 2 families.
+"""A decoder-only transformer in Flax NNX covering the Llama 3, Qwen2, Qwen3, Gemma 2 and Gemma 3 families.
 
 Parameter names follow the Hugging Face modules (embed_tokens, layers.self_attn.q_proj, ...), so the
 checkpoint mapping is one-to-one. The layers are stored stacked, with a leading layer axis, whether
@@ -31,12 +31,17 @@ _REMAT_POLICIES = {
 
 # --- pieces -------------------------------------------------------------------------------------
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, with Llama 3 scaling when configured."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
-    s = cfg.rope_scaling
+def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies of the rotary embedding, scaled when configured. `local`: those of a
+    sliding-window layer, which has its own unscaled base in Gemma 3."""
+    local = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq.astype(np.float32)
+    if s.rope_type == "linear":
+        return (inv_freq / s.factor).astype(np.float32)
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, and the band between the two
     # thresholds interpolated smoothly.
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -170,7 +175,8 @@ def cached_attention_masks(slots: int, index: jax.Array, length: int, kv_valid: 
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm computed in float32. Gemma scales by (1 + w) with w initialised at 0."""
+    """RMSNorm computed in float32. Gemma scales by (1 + w) with w initialised at 0 (Gemma 3's
+    per-head query and key norms too)."""
 
     def __init__(self, dim: int, eps: float, offset: float, param_dtype):
         init = jnp.zeros if offset else jnp.ones
@@ -198,8 +204,9 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
         self.o_proj = _linear(cfg, rngs, h * hd, d, (P.Q_HEADS, P.EMBED))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, 0.0, cfg.param_dtype)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, 0.0, cfg.param_dtype)
+            offset = 1.0 if cfg.is_gemma else 0.0
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset, cfg.param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset, cfg.param_dtype)
         self.qk_norm = cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.scale, self.softcap, self.implementation = cfg.attention_scale, cfg.attn_logit_softcap, cfg.attention_impl
@@ -230,7 +237,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Gated MLP: SwiGLU (Llama, Qwen2) or GeGLU with tanh-approximated GELU (Gemma 2)."""
+    """Gated MLP: SwiGLU (Llama, Qwen) or GeGLU with tanh-approximated GELU (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -256,7 +263,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
         self.input_layernorm = norm()
-        # Llama/Qwen2: post_attention_layernorm is the pre-MLP norm. Gemma 2 normalises the output of
+        # Llama/Qwen: post_attention_layernorm is the pre-MLP norm. Gemma normalises the output of
         # both blocks as well, so it has four norms and this one follows attention.
         self.post_attention_layernorm = norm()
         self.sandwich = cfg.is_gemma
@@ -337,13 +344,14 @@ class Transformer(nnx.Module):
         if cfg.is_gemma:
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, h.dtype)
         h = P.constrain(h, (P.BATCH, P.LENGTH, P.ACT_EMBED))
-        inv_freq = jnp.asarray(rope_inverse_frequencies(cfg))
+        # Per layer: Gemma 3's sliding layers rotate with another base than its global ones.
+        inv_freqs = jnp.asarray(np.stack([rope_inverse_frequencies(cfg, local=s) for s in cfg.sliding_layers]))
         graphdef, layer_state = nnx.split(self.layers)
         sliding = jnp.asarray(cfg.sliding_layers)
         per_layer_cache = None if cache is None else (cache.k, cache.v)
 
         def layer(h, xs):
-            state, is_sliding, kv = xs
+            state, is_sliding, inv_freq, kv = xs
             mask = full if local is None else jnp.where(is_sliding, local, full)
             layer_cache = None if kv is None else KVCache(kv[0], kv[1], cache.index)
             h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache)
@@ -351,7 +359,7 @@ class Transformer(nnx.Module):
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        xs = (layer_state, sliding, per_layer_cache)
+        xs = (layer_state, sliding, inv_freqs, per_layer_cache)
         if cfg.scan_layers:
             h, new_kv = jax.lax.scan(layer, h, xs)
         else:
