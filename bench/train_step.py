@@ -41,29 +41,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
-from polyalign.model.presets import PRESETS, preset  # noqa: E402
+from polyalign.model.flops import flops_per_token, matmul_parameters  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
+from polyalign.model.presets import PRESETS, preset  # noqa: E402
 from polyalign.train.config import PreferenceConfig  # noqa: E402
-from polyalign.train.preference import PreferenceObjective, sequence_logps  # noqa: E402
 from polyalign.train.losses import dpo_loss  # noqa: E402
+from polyalign.train.preference import PreferenceObjective, sequence_logps  # noqa: E402
 from polyalign.train.sft import SftObjective  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 
 
-def matmul_parameters(cfg) -> int:
-    """Parameters that take part in a matmul per token: everything but the embedding lookup and the
-    norms, plus the LM head (the tied embedding counts once, as the head)."""
-    d = cfg.hidden_size
-    norms = d * (4 if cfg.is_gemma else 2) * cfg.num_layers + d
-    untied_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    return cfg.num_parameters() - norms - untied_embedding
-
-
 def step_flops(cfg, tokens: int, seq: int, reference: bool) -> float:
-    n = matmul_parameters(cfg)
-    attention = 2 * 2 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim * 0.5  # QK^T and AV, causal half
-    per_token = 6 * (n + attention) + (2 * (n + attention) if reference else 0)
-    return per_token * tokens
+    return flops_per_token(cfg, seq, reference_forward=reference) * tokens
 
 
 def _sft_batch(rng, micro, b, seq, vocab):

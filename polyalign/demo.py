@@ -168,9 +168,16 @@ DEMO_METHODS = ("sft", "bucket_sft", "dpo", "hdpo")
 
 
 def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
+    import importlib.util
+
     from polyalign.evaluate.run import evaluate
     from polyalign.generate import SamplingConfig, generate_predictions
 
+    # MAUVE needs the `mauve` extra (the README's demo command installs it); without, every other
+    # metric is computed and the report says MAUVE was skipped and why.
+    featurizer = run / POLICY / "model" if importlib.util.find_spec("mauve") else None
+    if featurizer is None:
+        print("demo: MAUVE skipped (pip install 'polyalign[mauve]' to compute it)", flush=True)
     summaries = []
     for method in DEMO_METHODS:
         predictions = run / "generate" / f"{method}_test.jsonl"
@@ -182,7 +189,7 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method, allow_partial=True,
                           references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
-                          featurizer=run / POLICY / "model", overwrite=overwrite)
+                          featurizer=featurizer, overwrite=overwrite)
         bng, floor = result["metrics"]["bng"]["overall_macro"], result["metrics"]["bng"].get("floor_macro")
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}"

@@ -1,19 +1,58 @@
-"""prepare and build as Apache Beam pipelines (DirectRunner) produce what the single-machine path does."""
+"""prepare and build as Apache Beam pipelines (DirectRunner) produce what the single-machine path does.
 
+apache-beam pins older protobuf, pyarrow and pillow than the rest of polyalign resolves to, so it lives
+in its own environment (the `beam` extra; the README's test command makes .venv-beam) and the Beam
+side of each comparison runs there, on this checkout's code, while the single-machine side runs here.
+"""
+
+import dataclasses
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from polyalign.beam.build import build_beam
-from polyalign.beam.prepare import prepare_beam
-from polyalign.cli import main
 from polyalign.data.prepare import PrepareError, prepare
-from polyalign.inputs.build import BuildOptions, dataset_dir
+from polyalign.inputs.build import BuildOptions
 from tests.conftest import DEMO_DATA, REPO, read_jsonl, write_config
 
 RUN_DEPENDENT = ("created", "timings_s", "engine")
+
+
+def beam_python() -> str:
+    """An interpreter with apache-beam: POLYALIGN_BEAM_PYTHON, the README's .venv-beam, or this one."""
+    candidates = [os.environ.get("POLYALIGN_BEAM_PYTHON"), str(REPO / ".venv-beam" / "bin" / "python")]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    if importlib.util.find_spec("apache_beam") is not None:
+        return sys.executable
+    pytest.fail("the Beam tests need an interpreter with apache-beam: run the README's test command (it makes "
+                ".venv-beam with `pip install -e '.[beam]'`) or set POLYALIGN_BEAM_PYTHON")
+
+
+def in_beam_env(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs `code` (with sys.argv[1:] = args) in the Beam environment on this checkout's polyalign."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([beam_python(), "-c", code, *args], capture_output=True, text=True, env=env, timeout=1800)
+
+
+def beam_cli(*argv: str) -> subprocess.CompletedProcess:
+    return in_beam_env("import sys; from polyalign.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
+
+
+def beam_build(run: Path, options: BuildOptions) -> dict:
+    code = ("import json, sys; from pathlib import Path; from polyalign.beam.build import build_beam; "
+            "from polyalign.inputs.build import BuildOptions; "
+            "print(json.dumps(build_beam(Path(sys.argv[1]), BuildOptions(**json.loads(sys.argv[2])))))")
+    done = in_beam_env(code, str(run), json.dumps(dataclasses.asdict(options)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def comparable(manifest: dict) -> dict:
@@ -27,20 +66,23 @@ def lines(data: Path, name: str) -> list[str]:
     return sorted(line for path in paths for line in path.read_text(encoding="utf-8").splitlines() if line)
 
 
-def dataset_rows(run: Path, split: str) -> list[bytes]:
-    from array_record.python.array_record_data_source import ArrayRecordDataSource
+def dataset_rows(run: Path, split: str) -> list[tuple]:
+    """A built split's examples in stored order, decoded: the serialised bytes may order an example's
+    features differently from one process to another (protobuf map order), their content may not."""
+    from polyalign.inputs.pipeline import open_split
 
-    files = sorted(str(p) for p in dataset_dir(run).glob(f"*-{split}.array_record-*"))
-    source = ArrayRecordDataSource(files)
-    return [source[i] for i in range(len(source))]
+    source = open_split(run, split)
+    return [tuple((key, example[key].tolist() if hasattr(example[key], "tolist") else example[key])
+                  for key in sorted(example)) for example in (source[i] for i in range(len(source)))]
 
 
 @pytest.mark.slow
 def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(demo_run, built_run, tmp_path):
     local_run, local_manifest, _ = demo_run
     beam_run = tmp_path / "beam"
-    assert main(["prepare", "--config", str(REPO / "configs/data/demo.yaml"), "--out", str(beam_run),
-                 "--beam", "--beam-options=--runner=DirectRunner --direct_num_workers=1", "--num-shards", "2"]) == 0
+    done = beam_cli("prepare", "--config", str(REPO / "configs/data/demo.yaml"), "--out", str(beam_run),
+                    "--beam", "--beam-options=--runner=DirectRunner --direct_num_workers=1", "--num-shards", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
     beam_manifest = json.loads((beam_run / "data/manifest.json").read_text())
     assert beam_manifest["engine"] == {"name": "beam", "runner": "DirectRunner", "num_shards": 2}
     assert comparable(beam_manifest) == comparable(local_manifest)
@@ -52,7 +94,7 @@ def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(d
     # build from the Beam prepare's shards, with Beam, equals the single-machine build of the local prepare
     local_built, local_build_manifest = built_run
     options = BuildOptions(**{**local_build_manifest["options"], "weights": BuildOptions().weights})
-    beam_build_manifest = build_beam(beam_run, options)
+    beam_build_manifest = beam_build(beam_run, options)
     assert beam_build_manifest["engine"]["name"] == "beam"
     for key in ("buckets", "bucket_weights", "train_bucket_counts", "splits", "vocab_size", "template"):
         assert beam_build_manifest[key] == local_build_manifest[key], key
@@ -91,7 +133,10 @@ def _edge_case_config(tmp_path: Path) -> Path:
 def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     config = _edge_case_config(tmp_path)
     local = prepare(config, tmp_path / "local", on_error="quarantine", progress=False)
-    beam = prepare_beam(config, tmp_path / "beam", on_error="quarantine")
+    done = beam_cli("prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam",
+                    "--on-error", "quarantine")
+    assert done.returncode == 0, done.stderr[-3000:]
+    beam = json.loads((tmp_path / "beam/data/manifest.json").read_text())
     assert comparable(beam) == comparable(local)
     # the case really covers what it claims
     assert local["quarantine"]["rows"] == 1
@@ -107,7 +152,7 @@ def test_beam_prepare_fails_with_the_same_line_as_the_single_machine_path(tmp_pa
     config = _edge_case_config(tmp_path)
     with pytest.raises(PrepareError) as local:
         prepare(config, tmp_path / "local", progress=False)
-    with pytest.raises(PrepareError) as beam:
-        prepare_beam(config, tmp_path / "beam")
-    assert str(beam.value) == str(local.value)
-    assert "chat.jsonl:3: invalid JSON" in str(beam.value)
+    beam = beam_cli("prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam")
+    assert beam.returncode == 2 and "Traceback" not in beam.stderr
+    assert beam.stderr.strip().splitlines()[-1] == f"polyalign prepare: error: {local.value}"
+    assert "chat.jsonl:3: invalid JSON" in beam.stderr

@@ -735,3 +735,35 @@ def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_p
     (out / LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "since": "then"}))
     assert train_sft(_config(run, 1), out, progress=False)["end_step"] == 1
     assert "taking it over" in capsys.readouterr().out and not (out / LOCK).exists()
+
+
+def test_a_feature_whose_extra_is_missing_names_the_extra(tmp_path, capsys, monkeypatch):
+    """lingua (`langid`), mauve-text (`mauve`) and apache-beam (`beam`) are extras: without them, the
+    feature that needs one stops with one line naming it, before any work."""
+    from polyalign.data import language
+
+    rows = [chat_row({"turns": [{"speaker": "user", "utterance": r["instruction"]},
+                                {"speaker": "assistant", "utterance": r["output"]}]}, track="single",
+                     family="assistant", style="assistant_like") for r in sample_rows()[:5]]
+    (tmp_path / "c.jsonl").write_text(jsonl(rows), encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl",
+                                                      "split": "train"}])  # no language: detection needed
+    for module in ("lingua", "mauve", "apache_beam"):
+        monkeypatch.setitem(sys.modules, module, None)  # import fails as when not installed
+    language._detector.cache_clear()
+    try:
+        assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    finally:
+        language._detector.cache_clear()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["polyalign prepare: error: detecting the language of rows whose source declares none needs the "
+                   "'langid' extra: pip install 'polyalign[langid]' (or give the source a `language:` in the data "
+                   "config)"]
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam"]) == 2
+    assert "needs the 'beam' extra: pip install 'polyalign[beam]'" in capsys.readouterr().err
+    records = tmp_path / "records.jsonl"
+    records.write_text("", encoding="utf-8")
+    assert main(["evaluate", "--records", str(records), "--predictions", str(records), "--out", str(tmp_path / "eval"),
+                 "--featurizer", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MAUVE (--featurizer) needs the 'mauve' extra: pip install 'polyalign[mauve]'" in err[0]

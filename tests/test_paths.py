@@ -78,7 +78,7 @@ def test_metrics_and_tokenizer_through_a_bucket(tmp_path, demo_tokenizer):
     tokenizer_dir = demo_tokenizer[0].path.parent
     shutil.copytree(tokenizer_dir, tmp_path / "bucket" / "tok")
     with fake_bucket(tmp_path):
-        writer = MetricsWriter("gs://bucket/runs/sft", tensorboard=False)
+        writer = MetricsWriter("gs://bucket/runs/sft", report_to=())
         writer.write({"step": 1, "loss": 2.5})
         writer.write({"step": 2, "loss": 2.0})
         writer.close()

@@ -12,16 +12,13 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from polyalign.config import ConfigError
+from polyalign.extras import require
 
 
 def require_beam():
-    try:
-        import apache_beam
-    except ImportError:
-        raise ConfigError("--beam needs Apache Beam: pip install 'polyalign[beam]' (add apache-beam[gcp] for "
-                          "Dataflow)") from None
-    return apache_beam
+    return require("apache_beam", "beam", "--beam (Apache Beam)",
+                   "in an environment of its own: apache-beam pins older protobuf and pyarrow; add "
+                   "apache-beam[gcp] for Dataflow")
 
 
 def pipeline_options(flags: str | None) -> Any:

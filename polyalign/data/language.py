@@ -2,8 +2,9 @@
 
 Chinese, Japanese and Korean are told apart by script, which is exact and cheap; Traditional and
 Simplified Chinese are both `zh`. Text in other scripts goes to lingua, a statistical detector that
-runs offline. Short Latin-script texts are too ambiguous for any detector ("Yes." reads as Catalan), so
-they default to English unless the detector is confident. lingua runs in its low-accuracy mode
+runs offline (the `langid` extra: only sources without a declared language need it). Short
+Latin-script texts are too ambiguous for any detector ("Yes." reads as Catalan), so they default to
+English unless the detector is confident. lingua runs in its low-accuracy mode
 (trigram models only): about 70 MB and a quarter second to load, against about 900 MB and five seconds
 for the full models, with the same answers on sentence-length text.
 """
@@ -61,9 +62,11 @@ def contradicting_script(declared: str, text: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _detector():
-    from lingua import LanguageDetectorBuilder
+    from polyalign.extras import require
 
-    return LanguageDetectorBuilder.from_all_languages().with_low_accuracy_mode().build()
+    lingua = require("lingua", "langid", "detecting the language of rows whose source declares none",
+                     "or give the source a `language:` in the data config")
+    return lingua.LanguageDetectorBuilder.from_all_languages().with_low_accuracy_mode().build()
 
 
 def _lingua_code(text: str) -> tuple[str, float]:

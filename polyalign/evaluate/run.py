@@ -22,6 +22,7 @@ from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.text import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
+from polyalign.extras import require
 from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input
 from polyalign.paths import file_digest
 from polyalign.predictions import check_generated_from, iter_predictions
@@ -101,6 +102,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
     settings is not replaced unless `overwrite`."""
     if compat not in COMPAT_MODES:
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
+    if featurizer is not None:
+        require("mauve", "mauve", "MAUVE (--featurizer)")
     intervals = intervals or sp.IntervalOptions()
     inputs = {"records": records_path, "predictions": predictions_path, "references": references_path,
               "support": support_path}

@@ -41,6 +41,7 @@ def pair_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.
         arrays = pipeline.example_arrays(sft_like, length, pad_id)
         out[f"{side}_inputs"], out[f"{side}_targets"], out[f"{side}_mask"] = (
             arrays["input_ids"], arrays["targets"], arrays["loss_mask"])
+        out[f"{side}_length"] = arrays["length"]
     if example is not None:
         out.update(weight=np.float32(example["weight"]), bucket=np.int32(example["bucket"]), valid=np.bool_(True),
                    critic_chosen=np.float32(example["critic_chosen"]),

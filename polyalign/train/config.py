@@ -54,6 +54,9 @@ class OptimizerConfig:
     clip: float | None = 1.0
 
 
+TRACKERS = ("tensorboard", "wandb", "trackio")
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     steps: int = 100
@@ -67,6 +70,14 @@ class LoopConfig:
     stop_at: int | None = None  # stop after this step as if preempted; the schedule is unchanged
     max_nonfinite: int = 10
     log_every: int = 1
+    # Where logged steps go besides OUT/metrics.jsonl: tensorboard, wandb, trackio (the last two are
+    # extras; their own offline settings hold), as project `tracker_project`.
+    report_to: tuple[str, ...] = ("tensorboard",)
+    tracker_project: str = "polyalign"
+    # Per-device peak TFLOP/s for MFU; None: the device kind's known bf16 peak (none on CPU: no MFU).
+    peak_tflops: float | None = None
+    # [first, last]: a JAX profiler trace of these steps in OUT/profile (TensorBoard's profile tab, Perfetto)
+    profile_steps: tuple[int, ...] | None = None
 
 
 WEIGHTINGS = ("bucket", "uniform", "adaptive")

@@ -241,6 +241,14 @@ def check_config(config: Any, where: str = "config") -> None:
     _check_choice(where, "model.export_dtype", config.model.export_dtype, (None, "float32", "bfloat16", "float16"))
     _check_choice(where, "model.remat", config.model.remat, REMAT_POLICIES)
     _check_choice(where, "model.attention_impl", config.model.attention_impl, ATTENTION_IMPLEMENTATIONS)
+    for tracker in config.train.report_to:
+        _check_choice(where, "train.report_to", tracker, schema.TRACKERS)
+    steps = config.train.profile_steps
+    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        raise ConfigError(f"{where}: train.profile_steps: expected [first, last] with 1 <= first <= last, got "
+                          f"{list(steps)}")
+    if config.train.peak_tflops is not None and not config.train.peak_tflops > 0:
+        raise ConfigError(f"{where}: train.peak_tflops: expected a positive number, got {config.train.peak_tflops}")
     check_ranges(config, where)
     if isinstance(config, schema.SftConfig):
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)

@@ -1,7 +1,14 @@
-"""Training logs: OUT/metrics.jsonl (one JSON object per logged step) and TensorBoard event files."""
+"""Training logs: OUT/metrics.jsonl (one JSON object per logged step, always) and the trackers named by
+`train.report_to`: TensorBoard event files (the default), Weights & Biases, trackio.
+
+Trackers are optional extras, imported only when asked for; their own environment settings hold
+(WANDB_MODE=offline, WANDB_DIR, TRACKIO_DIR, ...): polyalign never turns a tracker online. A resumed
+run logs into the same tracker run (an id derived from OUT).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -12,36 +19,87 @@ import jax
 from polyalign.paths import as_path
 
 
-class MetricsWriter:
-    """Writes on process 0 only; every other process gets a writer that does nothing."""
+class _TensorBoard:
+    def __init__(self, out, project: str, config: dict[str, Any]):
+        from tensorboardX import SummaryWriter
 
-    def __init__(self, out: str | os.PathLike, tensorboard: bool = True):
+        self._writer = SummaryWriter(str(as_path(out) / "tensorboard"))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _run_id(out) -> str:
+    return hashlib.sha256(str(as_path(out)).encode()).hexdigest()[:16]
+
+
+class _Wandb:
+    def __init__(self, out, project: str, config: dict[str, Any]):
+        from polyalign.extras import require
+
+        wandb = require("wandb", "wandb", "train.report_to: wandb")
+        self._run = wandb.init(project=project, name=as_path(out).name, id=_run_id(out), resume="allow",
+                               config=config, dir=str(as_path(out)))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _Trackio:
+    def __init__(self, out, project: str, config: dict[str, Any]):
+        from polyalign.extras import require
+
+        self._trackio = require("trackio", "trackio", "train.report_to: trackio")
+        self._trackio.init(project=project, name=f"{as_path(out).name}-{_run_id(out)[:6]}", config=config,
+                           resume="allow")
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._trackio.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._trackio.finish()
+
+
+_SINKS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
+
+
+class MetricsWriter:
+    """Writes on process 0 only; every other process gets a writer that does nothing. `report_to`
+    names the trackers (polyalign.train.config.TRACKERS); `config` is the run's config, which they store beside the run."""
+
+    def __init__(self, out: str | os.PathLike, report_to: tuple[str, ...] = ("tensorboard",),
+                 project: str = "polyalign", config: dict[str, Any] | None = None):
         self.enabled = jax.process_index() == 0
         self.path = as_path(out) / "metrics.jsonl"
-        self._tb = None
+        self._sinks = []
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                from tensorboardX import SummaryWriter
-
-                self._tb = SummaryWriter(str(as_path(out) / "tensorboard"))
+            self._sinks = [_SINKS[name](out, project, config or {}) for name in dict.fromkeys(report_to)]
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        if self._tb is not None:
-            step = record["step"]
-            for key, value in _flatten(record).items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        if self._sinks:
+            scalars = {key: value for key, value in _flatten(record).items()
+                       if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+                       and math.isfinite(value)}
+            for sink in self._sinks:
+                sink.log(scalars, record["step"])
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -26,9 +26,10 @@ from polyalign.outputs import describe_changes, differing_keys, same_path
 EXISTING = ("continue", "resume", "overwrite")
 FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.")
 RESUMABLE_KEYS = ("train.steps", "train.epochs", "train.checkpoint_every", "train.eval_every", "train.log_every",
-                  "train.max_nonfinite", "data.eval_limit")
+                  "train.max_nonfinite", "data.eval_limit", "train.report_to", "train.tracker_project",
+                  "train.peak_tflops", "train.profile_steps")
 # What a run writes into OUT, removed by --overwrite; anything else in the folder is left alone.
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "model",
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "profile", "wandb", "model",
              "critic.json", "critic.safetensors", "train_pairs.jsonl", "val_pairs.jsonl")
 
 

@@ -25,6 +25,7 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
+from polyalign.model.flops import flops_per_token
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
@@ -146,6 +147,8 @@ class PreferenceObjective:
         pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
         n_rejected = response_lengths(mb)[1].reshape(-1)
         tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
+        # every real token the forward pass runs (prompts included; a packed row's shared prefix once)
+        processed = mb["length"].sum() if "length" in mb else mb["chosen_length"].sum() + mb["rejected_length"].sum()
         mb = {key: mb[key].reshape(-1) for key in PAIR_FIELDS}  # one entry per pair (packed: per slot)
         rc, rr = mb["ref_chosen"], mb["ref_rejected"]
         valid = mb["valid"].astype(jnp.float32)
@@ -157,7 +160,7 @@ class PreferenceObjective:
             numerators.update(dist=dist.sum(), anchor=anchor.sum())
         rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
         sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
-        sums.update(pairs=valid.sum(), tokens=tokens, dist_reg=dist.sum(), sft_anchor=anchor.sum(),
+        sums.update(pairs=valid.sum(), tokens=tokens, processed_tokens=processed.astype(jnp.float32), dist_reg=dist.sum(), sft_anchor=anchor.sum(),
                     dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
                     bucket_margin=jax.ops.segment_sum(rewards["margin"] * valid, mb["bucket"], self.num_buckets),
                     bucket_pairs=jax.ops.segment_sum(valid, mb["bucket"], self.num_buckets))
@@ -226,7 +229,9 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                epoch_size=None if config.data.pack else len(train_examples),
                evaluate=evaluate if val_examples else None, summarize=lambda host: summarize(host, buckets),
                checkpoint_meta={"method": config.method}, finish=finish,
-               summary={"train_pairs": len(train_examples), "val_pairs": len(val_examples), **paths})
+               summary={"train_pairs": len(train_examples), "val_pairs": len(val_examples), **paths},
+               # the reference's log-probs were computed before training: a step runs the policy only
+               flops_per_token=flops_per_token(model.config, max_length))
 
 
 def summary_line(result: dict[str, Any]) -> str:

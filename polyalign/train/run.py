@@ -47,6 +47,8 @@ class Job:
     # returns joins the summary.
     finish: Callable[[Trainer, Path], dict[str, Any] | None] | None = None
     summary: dict[str, Any] = field(default_factory=dict)  # facts known at setup (pairs, examples)
+    # Model FLOPs per token a step runs (polyalign/model/flops.py), for MFU; None: not logged.
+    flops_per_token: float | None = None
 
 
 def steps_per_epoch(epoch_size: int, global_batch: int) -> int:
@@ -112,14 +114,17 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     from polyalign.train.checkpoint import Checkpointer
     from polyalign.train.methods import method_spec
     from polyalign.train.metrics import MetricsWriter
+    from polyalign.train.throughput import Throughput
 
     started = time.perf_counter()
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
     save_config(out, config)
-    metrics = MetricsWriter(out)
-    trainer = Trainer(job.model, job.objective, config.optimizer, loop, mesh, metrics=metrics)
+    metrics = MetricsWriter(out, loop.report_to, loop.tracker_project, dataclasses.asdict(config))
+    throughput = Throughput.for_devices(mesh.devices.flat, job.flops_per_token, loop.peak_tflops)
+    trainer = Trainer(job.model, job.objective, config.optimizer, loop, mesh, metrics=metrics, throughput=throughput,
+                      profile_dir=out / "profile")
     layout = Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
     checkpointer = None
     if job.checkpoint_meta is not None:

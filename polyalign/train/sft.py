@@ -14,6 +14,7 @@ import numpy as np
 
 from polyalign.config import ConfigError
 from polyalign.inputs import pipeline
+from polyalign.model.flops import flops_per_token
 from polyalign.paths import as_path
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import require
@@ -206,7 +207,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
                evaluate=make_evaluator(run, buckets, weights, length, pad_id, config.data), summarize=summarize,
-               checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish)
+               checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish,
+               flops_per_token=flops_per_token(model.config, length))
 
 
 def summary_line(result: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from polyalign.train.config import LoopConfig, OptimizerConfig
 if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric writers
     from polyalign.train.checkpoint import Checkpointer
     from polyalign.train.metrics import MetricsWriter
+    from polyalign.train.throughput import Throughput
 
 Batch = dict[str, jax.Array]
 
@@ -82,8 +83,12 @@ class Trainer:
     """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop."""
 
     def __init__(self, model: nnx.Module, objective: Objective, optimizer: OptimizerConfig, loop: LoopConfig,
-                 mesh, *, metrics: MetricsWriter | None = None):
+                 mesh, *, metrics: MetricsWriter | None = None, throughput: Throughput | None = None,
+                 profile_dir=None):
+        """`throughput` turns each step's tokens and seconds into tokens/s, per device and MFU;
+        `profile_dir` receives the profiler trace of loop.profile_steps."""
         self.objective, self.loop, self.mesh = objective, loop, mesh
+        self.throughput, self.profile_dir = throughput, profile_dir
         self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = parallel.param_shardings(params, mesh)
@@ -271,14 +276,17 @@ class Trainer:
         stop = _StopSignal()
         bar = tqdm(total=last, initial=start, desc="train", unit="step", disable=not progress or jax.process_index() > 0)
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
+        profile = _Profile(loop.profile_steps, self.profile_dir)
         try:
-            with stop:
+            with stop, profile:
                 while self.step_number < last:
+                    profile.before(self.step_number + 1)
                     timer = time.perf_counter()
                     metrics = self.step(next(train_iterator))
                     step = self.step_number
                     host = jax.device_get(metrics)
                     step_seconds = time.perf_counter() - timer
+                    profile.after(step)
                     if int(jax.device_get(self.state["nonfinite"])) > loop.max_nonfinite:
                         raise TrainingError(f"step {step}: more than {loop.max_nonfinite} steps had a non-finite "
                                             "loss or gradient; stopping (lower the learning rate?)")
@@ -286,9 +294,11 @@ class Trainer:
                               "grad_norm": float(host["grad_norm"]), "skipped": not bool(host["finite"])}
                     if summarize is not None:
                         record.update(summarize(host))
-                    # Real (unpadded) tokens per second of this step, input reading included.
+                    # Real (unpadded) tokens the step ran per second, input reading included.
                     record["step_s"] = round(step_seconds, 4)
-                    record["tokens_per_s"] = round(float(host.get("tokens", 0.0)) / step_seconds, 1)
+                    tokens = float(host.get("processed_tokens", host.get("tokens", 0.0)))
+                    throughput = self.throughput or _tokens_only(self.mesh)
+                    record.update(throughput(tokens, step_seconds))
                     if evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0) or step == last):
                         record.update(evaluate())
                     if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
@@ -310,6 +320,40 @@ class Trainer:
         result["end_step"] = self.step_number
         result["stopped_early"] = self.step_number < loop.steps
         return result
+
+
+def _tokens_only(mesh):
+    from polyalign.train.throughput import Throughput
+
+    return Throughput(mesh.devices.size)
+
+
+class _Profile:
+    """A JAX profiler trace from the start of step `first` to the end of step `last` (1-based), into
+    `directory` (TensorBoard's profile plugin and Perfetto read it); nothing when `steps` is None."""
+
+    def __init__(self, steps: tuple[int, ...] | None, directory):
+        self.first, self.last = steps if steps else (None, None)
+        self.directory, self.active = directory, False
+
+    def before(self, step: int) -> None:
+        if step == self.first and self.directory is not None:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.last:
+            jax.effects_barrier()
+            jax.profiler.stop_trace()
+            self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:  # stopped early inside the window: keep what was traced
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class _StopSignal:
