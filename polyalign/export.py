@@ -89,6 +89,9 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str) 
         files[SENTENCEPIECE_FILE] = source.read_bytes()
         files[TOKENIZERS_FILE] = sentencepiece_json(tokenizer)
         config["tokenizer_class"] = "PreTrainedTokenizerFast"  # loads tokenizer.json; no SentencePiece needed
+        # polyalign itself reads the model it trained with (the conversion splits a few near-ties
+        # differently), so training on from this export sees the same ids as the run that made it
+        config["polyalign_tokenizer"] = SENTENCEPIECE_FILE
         config.setdefault("additional_special_tokens", [])
     else:
         files[TOKENIZERS_FILE] = source.read_bytes()

@@ -185,11 +185,15 @@ class JsonTokenizer(Tokenizer):
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a directory (tokenizer.json preferred, else tokenizer.model, plus
-    tokenizer_config.json for the special tokens) or from one of those files directly; local or gs://."""
+    tokenizer_config.json for the special tokens) or from one of those files directly; local or gs://.
+    A polyalign export of a SentencePiece model holds both and names tokenizer.model as the original
+    (`polyalign_tokenizer`): that one is read."""
     path = as_path(path)
     directory = path if path.is_dir() else path.parent
     if path.is_dir():
-        if (path / TOKENIZERS_FILE).is_file():
+        if _names_original(path) and (path / SENTENCEPIECE_FILE).is_file():
+            path = path / SENTENCEPIECE_FILE
+        elif (path / TOKENIZERS_FILE).is_file():
             path = path / TOKENIZERS_FILE
         elif (path / SENTENCEPIECE_FILE).is_file():
             path = path / SENTENCEPIECE_FILE
@@ -207,6 +211,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if (directory / CHAT_TEMPLATE_FILE).is_file():  # transformers reads this file before the config's entry
         tokenizer.template_source = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return tokenizer
+
+
+def _names_original(directory) -> bool:
+    config = directory / TOKENIZER_CONFIG
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("polyalign_tokenizer") == SENTENCEPIECE_FILE
+    except (json.JSONDecodeError, AttributeError):
+        return False  # load_tokenizer names the broken file when it applies the config
 
 
 def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int, *,

@@ -32,7 +32,7 @@ def beam_python() -> str:
     if importlib.util.find_spec("apache_beam") is not None:
         return sys.executable
     pytest.fail("the Beam tests need an interpreter with apache-beam: run the README's test command (it makes "
-                ".venv-beam with `pip install -e '.[beam]'`) or set POLYALIGN_BEAM_PYTHON")
+                ".venv-beam with `pip install -e '.[beam,langid]'`) or set POLYALIGN_BEAM_PYTHON")
 
 
 def in_beam_env(code: str, *args: str) -> subprocess.CompletedProcess:

@@ -78,6 +78,17 @@ def test_the_exported_tokenizer_json_encodes_as_the_sentencepiece_model(sentence
     assert (out / "tokenizer.model").read_bytes() == tokenizer.path.read_bytes()
 
 
+def test_polyalign_reads_the_sentencepiece_model_of_its_own_export(sentencepiece_export):
+    """An export holds tokenizer.model and its tokenizer.json conversion; polyalign (training on from
+    the export, generating with it) reads the model the run trained with, transformers the JSON."""
+    from polyalign.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    _, _, out = sentencepiece_export
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["polyalign_tokenizer"] == "tokenizer.model" and (out / "tokenizer.json").is_file()
+    assert isinstance(load_tokenizer(out), SentencePieceTokenizer)
+
+
 @pytest.mark.parametrize("profile", ["context", "oracle", "none"])
 def test_the_exported_chat_template_renders_what_training_rendered(sentencepiece_export, demo_run, profile):
     """The template in tokenizer_config.json, rendered as transformers renders it, with the profile's

@@ -377,6 +377,27 @@ def test_default_attention_is_cudnn_only_where_it_applies():
     assert default_attention_implementation(preset("qwen2.5-0.5b"), "tpu") is None  # head 64
 
 
+def test_packed_and_tree_rows_take_the_fused_kernel_outside_cached_decoding(monkeypatch):
+    """attention_impl null: packed, tree and padded rows in training go to the backend's fused kernel
+    (cuDNN with the mask as a bias on GPU); a KV-cache decode step stays on XLA."""
+    from polyalign.model import transformer
+
+    chosen = []
+    monkeypatch.setattr(transformer, "default_attention_implementation", lambda cfg: "cudnn")
+    monkeypatch.setattr(transformer, "attend", lambda *a, implementation, **k: chosen.append(implementation)
+                        or jnp.zeros(a[0].shape, a[0].dtype))
+    cfg = family_defaults("llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                          num_kv_heads=2, head_dim=8, scan_layers=False)
+    model = create_model(cfg)
+    ids = jnp.ones((1, 8), jnp.int32)
+    model(ids, segment_ids=jnp.ones((1, 8), jnp.int32), branch_ids=jnp.zeros((1, 8), jnp.int32))
+    model(ids, attention_mask=jnp.ones((1, 8), jnp.int32))
+    from polyalign.model.transformer import KVCache
+
+    model.decode(ids[:, :1], jnp.zeros((1, 1), jnp.int32), KVCache.empty(cfg, 1, 8), jnp.ones((1, 8), bool))
+    assert chosen == ["cudnn", "cudnn", None]
+
+
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_splash_attention_equals_xla_in_value_and_gradient(softcap):
     """The Pallas TPU kernel, interpreted on CPU, against the XLA attention: grouped heads (4 query heads
@@ -400,6 +421,57 @@ def test_splash_attention_equals_xla_in_value_and_gradient(softcap):
     got = jax.jit(jax.grad(lambda *a: (pallas(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
+
+
+def test_splash_attention_within_packed_segments_equals_xla_in_value_and_gradient():
+    """Packed rows through the kernel's segment ids (no [T, T] mask), interpreted on CPU, against XLA
+    attention with the dense segment mask: segments of uneven lengths crossing the kernel's blocks,
+    trailing padding (segment 0) and a row that is one segment."""
+    from polyalign.model.splash import splash_attention
+    from polyalign.model.transformer import SegmentMask, attend
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (2, 256, 4, 32))
+    k, v = (jax.random.normal(key, (2, 256, 2, 32)) for key in keys[1:3])
+    cotangent = jax.random.normal(keys[3], q.shape)
+    row = np.repeat([1, 2, 3, 0], [70, 131, 40, 15])
+    segments = jnp.asarray(np.stack([row, np.ones(256, int)]), jnp.int32)
+
+    def xla(q, k, v):
+        return attend(q, k, v, SegmentMask(segments).dense(), scale=0.2, softcap=None, implementation="xla")
+
+    def pallas(q, k, v):
+        return splash_attention(q, k, v, scale=0.2, segment_ids=segments, interpret=True)
+
+    np.testing.assert_allclose(jax.jit(pallas)(q, k, v), xla(q, k, v), atol=2e-5)
+    want = jax.grad(lambda *a: (xla(*a) * cotangent).sum(), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(lambda *a: (pallas(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
+
+
+def test_a_packed_row_gives_the_same_log_probs_with_splash_and_xla_attention():
+    """The model's packed path: SegmentMask reaches the kernel as segment ids with attention_impl
+    splash, as a dense mask with xla; trees keep the dense mask (the kernel's masks are static)."""
+    from polyalign.model.transformer import SegmentMask, attention_masks
+
+    cfg = family_defaults("qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 97, (2, 128)), jnp.int32)
+    segments = jnp.asarray(np.stack([np.repeat([1, 2, 0], [50, 60, 18]), np.repeat([1, 2], [100, 28])]), jnp.int32)
+    positions = jnp.asarray(np.stack([np.r_[np.arange(50), np.arange(60), np.arange(18)],
+                                      np.r_[np.arange(100), np.arange(28)]]), jnp.int32)
+    targets = jnp.roll(ids, -1, axis=1)
+    xla = create_model(cfg.replace(attention_impl="xla"), seed=2)
+    splash_model = nnx.merge(nnx.graphdef(create_model(cfg.replace(attention_impl="splash"))), nnx.state(xla))
+    want = xla.token_log_probs(ids, targets, positions=positions, segment_ids=segments)
+    got = splash_model.token_log_probs(ids, targets, positions=positions, segment_ids=segments)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    full, _ = attention_masks(128, segments, None, 2, None)
+    assert isinstance(full, SegmentMask)
+    tree, _ = attention_masks(128, segments, None, 2, None, branch_ids=jnp.zeros_like(segments))
+    assert isinstance(tree, jax.Array) and tree.shape == (2, 1, 128, 128)
 
 
 def _run_on_eight_cpu_devices(script: Path) -> subprocess.CompletedProcess:

@@ -288,11 +288,10 @@ def check_exports() -> None:
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from polyalign.chat import TEMPLATE_SPECIAL_TOKENS, encode_prompt, get_template, record_messages
+    from polyalign.chat import TEMPLATE_SPECIAL_TOKENS, get_template
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
     from polyalign.export import export_checkpoint
-    from polyalign.generate import Sampler, SamplingConfig
     from polyalign.model import create_model, load_hf_checkpoint
     from polyalign.tokenizer import load_tokenizer
     from polyalign.tokenizer_training import record_texts, train_from_records
@@ -340,34 +339,65 @@ def check_exports() -> None:
             template = get_template(template_name, tokenizer)
             out = tmp / f"export-{family}-{template_name}"
             export_checkpoint(model, tokenizer, out, template=template, profile="context", dtype="float32")
-            hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-            hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-            same_prompt, same_greedy, same_ids, logit_diff = 0, 0, 0, 0.0
-            sampler = Sampler(model, [tokenizer.special_id(t) for t in template.stop_tokens()] + [tokenizer.eos_id],
-                              tokenizer.pad_id, SamplingConfig(max_new_tokens=12))
-            for record in records:
-                messages = record_messages(record, "context")[:-1]
-                ours = encode_prompt(template, tokenizer, messages)
-                variables = {"family": record.family, "track": record.track, "style": record.style}
-                text = hf_tok.apply_chat_template([{"role": m.role, "content": m.content}
-                                                   for m in record_messages(record, "none")[:-1]],
-                                                  tokenize=False, add_generation_prompt=True, **variables)
-                same_prompt += text == template.render(messages, add_generation_prompt=True)
-                theirs = hf_tok(text, add_special_tokens=False)["input_ids"]
-                same_ids += list(ours) == theirs
-                ids = torch.tensor([ours.tolist()])
-                with torch.no_grad():
-                    hf_logits = hf_model(ids).logits[0].numpy()
-                    generated = hf_model.generate(ids, max_new_tokens=12, do_sample=False)[0, len(ours):].tolist()
-                logit_diff = max(logit_diff, float(np.abs(np.asarray(model(ours[None])[0]) - hf_logits).max()))
-                tokens, _ = sampler.generate([ours])[0]
-                stops = hf_model.generation_config.eos_token_id
-                stops = set(stops) if isinstance(stops, list) else {stops}
-                generated = generated[:next((i for i, t in enumerate(generated) if t in stops), len(generated))]
-                same_greedy += tokens == generated
-            print(f"export {family:6s} {template_name:9s} ({type(tokenizer).__name__}): apply_chat_template equal "
-                  f"{same_prompt}/{len(records)}, ids equal {same_ids}/{len(records)}, greedy equal "
-                  f"{same_greedy}/{len(records)}, max|dlogits| {logit_diff:.2e}")
+            print(f"export {family:6s} {template_name:9s} ({type(tokenizer).__name__}): "
+                  + compare_with_transformers(model, tokenizer, template, out, records, "context"))
+
+
+def compare_with_transformers(model, tokenizer, template, export, records, profile: str) -> str:
+    """What transformers makes of the export in `export`, against polyalign on `records`: the chat
+    template's prompt (the profile's system prompt from template variables), the prompt's ids, greedy
+    continuation (12 tokens) and the largest logits difference."""
+    from polyalign.chat import encode_prompt, record_messages
+    from polyalign.generate import Sampler, SamplingConfig
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(export)
+    same_prompt, same_greedy, same_ids, logit_diff = 0, 0, 0, 0.0
+    sampler = Sampler(model, [tokenizer.special_id(t) for t in template.stop_tokens()] + [tokenizer.eos_id],
+                      tokenizer.pad_id, SamplingConfig(max_new_tokens=12))
+    for record in records:
+        messages = record_messages(record, profile)[:-1]
+        ours = encode_prompt(template, tokenizer, messages)
+        variables = {"family": record.family, "track": record.track, "style": record.style,
+                     **({"length": record.length_bin} if profile == "oracle" else {})}
+        text = hf_tok.apply_chat_template([{"role": m.role, "content": m.content}
+                                           for m in record_messages(record, "none")[:-1]],
+                                          tokenize=False, add_generation_prompt=True,
+                                          **(variables if profile != "none" else {}))
+        same_prompt += text == template.render(messages, add_generation_prompt=True)
+        theirs = hf_tok(text, add_special_tokens=False)["input_ids"]
+        same_ids += list(ours) == theirs
+        ids = torch.tensor([ours.tolist()])
+        with torch.no_grad():
+            hf_logits = hf_model(ids).logits[0].numpy()
+            generated = hf_model.generate(ids, max_new_tokens=12, do_sample=False)[0, len(ours):].tolist()
+        logit_diff = max(logit_diff, float(np.abs(np.asarray(model(ours[None])[0]) - hf_logits).max()))
+        tokens, _ = sampler.generate([ours])[0]
+        stops = hf_model.generation_config.eos_token_id
+        stops = set(stops) if isinstance(stops, list) else {stops}
+        generated = generated[:next((i for i, t in enumerate(generated) if t in stops), len(generated))]
+        same_greedy += tokens == generated
+    n = len(records)
+    return (f"apply_chat_template equal {same_prompt}/{n}, ids equal {same_ids}/{n}, greedy equal "
+            f"{same_greedy}/{n}, max|dlogits| {logit_diff:.2e}")
+
+
+def check_trained_export(export: Path, records_path: Path, limit: int = 24) -> None:
+    """A model polyalign trained and exported (e.g. the demo's RUN/bucket_sft/model) against
+    transformers on the first `limit` records with a response."""
+    from polyalign.chat import choose_template, get_template
+    from polyalign.data.records import read_records
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.tokenizer import load_tokenizer
+
+    model = load_hf_checkpoint(export)
+    tokenizer = load_tokenizer(export)
+    template = get_template(choose_template(tokenizer, family=model.config.family, where=str(export)), tokenizer)
+    profile = json.loads((export / "tokenizer_config.json").read_text()).get("polyalign_profile", "context")
+    records = [r for r in read_records(records_path) if r.response][:limit]
+    print(f"{export} ({model.config.family}, {model.config.num_parameters():,} parameters, template "
+          f"{template.name}, profile {profile}): " + compare_with_transformers(model, tokenizer, template, export,
+                                                                             records, profile))
 
 
 def write_loss_fixtures() -> None:
@@ -437,8 +467,14 @@ def main() -> int:
     parser.add_argument("--jinja-only", action="store_true", help="only chat/jinja.json")
     parser.add_argument("--check-exports", action="store_true", help="only the export checks (writes nothing)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="only these model fixtures")
+    parser.add_argument("--check-export", type=Path, metavar="DIR",
+                        help="only check this trained export (e.g. runs/demo/bucket_sft/model) against transformers")
+    parser.add_argument("--records", type=Path, help="with --check-export: records to prompt with (test.jsonl)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    if args.check_export:
+        check_trained_export(args.check_export, args.records)
+        return 0
     if args.check_exports:
         check_exports()
         return 0

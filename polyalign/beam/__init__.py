@@ -12,13 +12,31 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+import logging
+
+from polyalign.errors import PolyalignError
 from polyalign.extras import require
 
 
+class _UserErrorFilter(logging.Filter):
+    """Beam's runner logs every exception a transform raises with its traceback before re-raising
+    it; a problem the user can fix (a bad row, a missing extra) reaches the CLI's one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], PolyalignError))
+
+
+_USER_ERRORS = _UserErrorFilter()
+
+
 def require_beam():
-    return require("apache_beam", "beam", "--beam (Apache Beam)",
+    beam = require("apache_beam", "beam", "--beam (Apache Beam)",
                    "in an environment of its own: apache-beam pins older protobuf and pyarrow; add "
                    "apache-beam[gcp] for Dataflow")
+    runner_log = logging.getLogger("apache_beam.runners.common")
+    if _USER_ERRORS not in runner_log.filters:
+        runner_log.addFilter(_USER_ERRORS)
+    return beam
 
 
 def pipeline_options(flags: str | None) -> Any:

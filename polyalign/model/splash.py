@@ -1,7 +1,9 @@
-"""Causal grouped-query attention with the splash attention kernel (Pallas, TPU).
+"""Causal grouped-query attention with the splash attention kernel (Pallas, TPU), optionally within
+packed segments.
 
 The kernel works on one sequence and one key/value head at a time, with the query heads that share it
-(multi-query form); it is mapped over batch and key/value heads. Under a mesh it runs inside
+(multi-query form); it is mapped over batch and key/value heads. Packed rows pass their segment ids,
+which the kernel ands with the causal mask block by block (no [T, T] mask is ever made). Under a mesh it runs inside
 shard_map, each device on its own batch rows and key/value heads, since a Pallas call cannot be
 partitioned by the compiler. `interpret=True` runs the same kernel on any backend (tests on CPU).
 """
@@ -40,15 +42,24 @@ def _kernel(length: int, query_heads_per_kv: int, softcap: float | None, interpr
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, softcap: float | None = None,
-                     interpret: bool = False) -> jax.Array:
-    """Causal attention, q [B, T, H, D] and k, v [B, T, K, D] -> [B, T, H, D]."""
+                     segment_ids: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+    """Causal attention, q [B, T, H, D] and k, v [B, T, K, D] -> [B, T, H, D]; with segment_ids [B, T]
+    a token sees only the earlier tokens of its own segment."""
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
     batch, length, heads, dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
     kernel = _kernel(length, group, softcap, interpret)
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, length), jnp.int32)  # one segment: causal only
 
-    def local(q, k, v):  # [b, k, r, T, D], [b, k, T, D] -> [b, k, r, T, D]
-        return jax.vmap(jax.vmap(kernel))(q, k, v)
+    def one_row(q, k, v, segments):  # [k, r, T, D], [k, T, D], [T]
+        ids = SegmentIds(q=segments, kv=segments)
+        return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q, k, v)
+
+    def local(q, k, v, segments):  # [b, k, r, T, D], [b, k, T, D], [b, T] -> [b, k, r, T, D]
+        return jax.vmap(one_row)(q, k, v, segments)
 
     # The kernel does not scale the scores; scaling the queries first is the same product.
     grouped_q = (q * jnp.asarray(scale, q.dtype)).reshape(batch, length, kv_heads, group, dim).transpose(0, 2, 3, 1, 4)
@@ -58,7 +69,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
         spec = P.mesh_spec((P.BATCH, P.ACT_KV_HEADS), mesh)
         q_spec = jax.sharding.PartitionSpec(*spec, None, None, None)
         kv_spec = jax.sharding.PartitionSpec(*spec, None, None)
-        local = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+        segment_spec = jax.sharding.PartitionSpec(spec[0], None)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, segment_spec), out_specs=q_spec,
                               check_vma=False)
-    out = local(grouped_q, grouped_k, grouped_v)
+    out = local(grouped_q, grouped_k, grouped_v, segment_ids.astype(jnp.int32))
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim)

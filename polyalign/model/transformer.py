@@ -63,12 +63,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SegmentMask:
+    """Causal attention within packed segments, kept as the segment ids [B, T]: a kernel that takes
+    segment ids (splash) never builds the [T, T] mask; `dense()` gives it to the others."""
+
+    ids: jax.Array
+
+    def dense(self) -> jax.Array:
+        length = self.ids.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
+        return causal & (self.ids[:, :, None] == self.ids[:, None, :])[:, None]
+
+
 def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: jax.Array | None,
                     batch: int, sliding_window: int | None,
                     branch_ids: jax.Array | None = None,
-                    positions: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array | None]:
+                    positions: jax.Array | None = None) -> tuple[jax.Array | SegmentMask | None, jax.Array | None]:
     """Boolean masks [B, 1, T, T] (True = may attend) for full and sliding-window layers; (None, None)
-    when attention is causal only.
+    when attention is causal only; (SegmentMask, None) for packed segments and nothing else.
 
     Causal; with segment ids (packed sequences) a token sees only its own segment; with branch ids as
     well, a segment is a tree: branch 0 is a prefix every branch of the segment sees, and a token of
@@ -79,6 +93,8 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
     """
     if segment_ids is None and attention_mask is None and not sliding_window:
         return None, None  # causal only: attention applies it without a [T, T] mask
+    if segment_ids is not None and attention_mask is None and branch_ids is None and not sliding_window:
+        return SegmentMask(segment_ids), None
     q = jnp.arange(length)[:, None]
     k = jnp.arange(length)[None, :]
     mask = jnp.broadcast_to((k <= q)[None, None], (batch, 1, length, length))
@@ -99,9 +115,10 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
 
 
 def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
-    """What `attention_impl: null` runs for causal-only attention (no packing, padding mask or sliding
-    window): cuDNN's fused kernel on GPU when the compute dtype and head size suit it, splash attention
-    on TPU for heads of 128 (or multiples), else XLA."""
+    """What `attention_impl: null` runs in training and scoring (not in cached decoding): cuDNN's fused
+    kernel on GPU when the compute dtype and head size suit it (with any mask: packed segments, trees,
+    windows, as a bias), splash attention on TPU for heads of 128 (or multiples; causal and packed
+    segments, other masks on XLA), else XLA."""
     backend = backend or jax.default_backend()
     if (backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 128 and cfg.attn_logit_softcap is None):
@@ -113,17 +130,20 @@ def default_attention_implementation(cfg: ModelConfig, backend: str | None = Non
     return None
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *, scale: float,
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMask | None, *, scale: float,
            softcap: float | None, implementation: str | None) -> jax.Array:
     """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K. `mask`
     None means causal only, which the fused kernels apply without a [T, S] mask. Splash attention
-    covers that case (on TPU; interpreted elsewhere) and falls back to XLA for explicit masks and
-    lengths its blocks do not tile."""
+    covers that case and packed segments (on TPU; interpreted elsewhere) and falls back to XLA for
+    other masks and lengths its blocks do not tile."""
     if implementation == "splash":
-        if mask is None and splash.supports(q.shape[1]):
+        if not isinstance(mask, jax.Array) and splash.supports(q.shape[1]):
             return splash.splash_attention(q, k, v, scale=scale, softcap=softcap,
+                                           segment_ids=None if mask is None else mask.ids,
                                            interpret=jax.default_backend() != "tpu")
         implementation = None
+    if isinstance(mask, SegmentMask):
+        mask = mask.dense()
     if softcap is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale,
                                             implementation=implementation)
@@ -230,7 +250,7 @@ class Attention(nnx.Module):
             cache = cache.write(k, v)
             k, v = cache.k, cache.v
         implementation = self.implementation
-        if implementation is None and mask is None:
+        if implementation is None and cache is None:
             implementation = default_attention_implementation(self.config)
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=implementation)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache

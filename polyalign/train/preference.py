@@ -147,8 +147,14 @@ class PreferenceObjective:
         pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
         n_rejected = response_lengths(mb)[1].reshape(-1)
         tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
-        # every real token the forward pass runs (prompts included; a packed row's shared prefix once)
-        processed = mb["length"].sum() if "length" in mb else mb["chosen_length"].sum() + mb["rejected_length"].sum()
+        # every real token the forward pass runs (prompts included; a packed row's shared prefix once);
+        # batches made by hand without lengths (tests, benchmarks) count their response tokens
+        if "length" in mb:
+            processed = mb["length"].sum()
+        elif "chosen_length" in mb:
+            processed = mb["chosen_length"].sum() + mb["rejected_length"].sum()
+        else:
+            processed = tokens
         mb = {key: mb[key].reshape(-1) for key in PAIR_FIELDS}  # one entry per pair (packed: per slot)
         rc, rr = mb["ref_chosen"], mb["ref_rejected"]
         valid = mb["valid"].astype(jnp.float32)
