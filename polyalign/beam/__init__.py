@@ -9,10 +9,9 @@ maps. Runs on any Beam runner: DirectRunner here and in tests; Dataflow, Flink o
 
 from __future__ import annotations
 
+import logging
 import shlex
 from typing import Any
-
-import logging
 
 from polyalign.errors import PolyalignError
 from polyalign.extras import require
