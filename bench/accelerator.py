@@ -2,9 +2,11 @@
 
 For each shape, bench/train_step.py times polyalign's SFT and HDPO steps and the plain JAX step in one
 process, then the PyTorch + transformers peer in a second process (with JAX on the CPU there: JAX
-reserves most of a GPU's memory for the process that uses it). One table follows, with each target
-marked met or missed.
+reserves most of a GPU's memory for the process that uses it), then the JAX peer, Tunix's DPO trainer
+(bench/tunix_peer.py, in the environment Tunix needs: --tunix-python, default .venv-tunix; its loss
+is checked against polyalign's first). One table follows, with each target marked met or missed.
 
+    python -m venv --system-site-packages .venv-tunix && .venv-tunix/bin/pip install -q google-tunix==0.1.7
     python bench/accelerator.py                                   # one H200: Qwen2.5-1.5B and 0.5B
     python bench/accelerator.py --variant "qwen2.5-1.5b --remat none" --variant "qwen2.5-0.5b --remat none"
     python bench/accelerator.py --presets tiny --batch 2 --seq 64 --vocab-size 512 --peak-tflops 1   # CPU check
@@ -27,27 +29,35 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 # (preset, method) -> what the step must reach: MFU, and tokens/s as a multiple of the peer's.
 TARGETS = {
-    ("qwen2.5-1.5b", "hdpo"): {"mfu": 0.60, "vs_peer": 1.4},
+    ("qwen2.5-1.5b", "hdpo"): {"mfu": 0.60, "vs_peer": 1.4, "vs_tunix": 1.2},
     ("qwen2.5-1.5b", "sft"): {"mfu": 0.60},
     ("qwen2.5-0.5b", "hdpo"): {"vs_peer": 1.8},
     ("qwen2.5-0.5b", "sft"): {"mfu": 0.60},
 }
 
 
-def run_train_step(name: str, arguments: list[str], out: Path, limit: float, env_extra: dict[str, str]) -> dict:
-    """One bench/train_step.py process; its rows, or why there are none."""
+TUNIX_ENV = BENCH.parent / ".venv-tunix" / "bin" / "python"
+# --system-site-packages: on an accelerator machine Tunix then uses the jax build installed for it.
+TUNIX_SETUP = ("python -m venv --system-site-packages .venv-tunix && .venv-tunix/bin/pip install "
+               "google-tunix==0.1.7")
+
+
+def run_train_step(name: str, arguments: list[str], out: Path, limit: float, env_extra: dict[str, str],
+                   script: str = "train_step.py", python: str = sys.executable) -> dict:
+    """One bench process (train_step.py, or tunix_peer.py under Tunix's interpreter); its rows, or why
+    there are none."""
     directory = out / name
     directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(BENCH / "train_step.py"), *arguments]
+    command = [python, str(BENCH / script), *arguments]
     started = time.perf_counter()
+    env = {**os.environ, "OUT": str(directory), "PYTHONPATH": str(BENCH.parent), **env_extra}
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=limit,
-                                env={**os.environ, "OUT": str(directory), **env_extra})
+        result = subprocess.run(command, capture_output=True, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired:
         return {"name": name, "command": command, "error": f"timed out after {limit:.0f} s", "rows": []}
     seconds = round(time.perf_counter() - started, 1)
     (directory / "log.txt").write_text(result.stdout + result.stderr)
-    report = directory / "train_step.json"
+    report = directory / script.replace(".py", ".json")
     if result.returncode != 0 or not report.is_file():
         return {"name": name, "command": command, "seconds": seconds, "rows": [],
                 "error": f"exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"}
@@ -65,9 +75,11 @@ def verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
         ours = max((r for r in rows if r["preset"] == preset and r["method"] == method
                     and r["stack"] == "polyalign (JAX)" and r.get("tokens_per_s")),
                    key=lambda r: r["tokens_per_s"], default=None)
-        peer = next((r for r in rows if r["preset"] == preset and r["method"] == method
-                     and r["stack"] == "PyTorch + transformers"), None)
+        peers = {"vs_peer": next((r for r in rows if r["preset"] == preset and r["method"] == method
+                                  and r["stack"] == "PyTorch + transformers"), None),
+                 "vs_tunix": next((r for r in rows if r["preset"] == preset and r["stack"] == "tunix"), None)}
         for kind, threshold in wanted.items():
+            peer = peers.get(kind)
             if kind == "mfu":
                 value = ours and ours.get("mfu")
             else:
@@ -96,7 +108,9 @@ def main() -> None:
     parser.add_argument("--budget", type=float,
                         help="seconds for everything: a run gets what is left (none starts with under 30 s), so "
                              "the table is printed before an outer time limit cuts the command off")
-    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--no-peer", action="store_true", help="no PyTorch or Tunix runs")
+    parser.add_argument("--tunix-python", default=str(TUNIX_ENV),
+                        help=f"the interpreter with google-tunix (default .venv-tunix: {TUNIX_SETUP})")
     args = parser.parse_args()
 
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="accelerator-"))
@@ -105,12 +119,15 @@ def main() -> None:
     if args.vocab_size:
         common += ["--vocab-size", str(args.vocab_size)]
     ours = ["--remat", args.remat, "--logprob-chunk", str(args.logprob_chunk), "--stacks", "polyalign,plain"]
+    tunix = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps",
+             str(max(args.steps, 4)), "--peak-tflops", str(args.peak_tflops), "--check"]
     plan = []  # (name, train_step arguments, extra environment, variant)
     for preset in args.presets.split(","):
         plan.append((f"{preset}-jax", ["--preset", preset, *common, *ours], {}, None))
         if not args.no_peer:
             plan.append((f"{preset}-peer", ["--preset", preset, *common, "--stacks", "peer"], {"JAX_PLATFORMS": "cpu"},
                          None))
+            plan.append((f"{preset}-tunix", ["--preset", "tiny" if preset == "tiny" else preset, *tunix], {}, "tunix"))
     for k, variant in enumerate(args.variant):
         preset, *flags = variant.split()
         plan.append((f"variant{k}-{preset}", ["--preset", preset, *common, *ours, *flags], {}, " ".join(flags)))
@@ -123,7 +140,16 @@ def main() -> None:
             if limit < 30:
                 runs.append({"name": name, "error": "skipped: out of --budget", "rows": []})
                 continue
-        run = run_train_step(name, arguments, out, limit, env_extra)
+        if variant == "tunix":
+            if not Path(args.tunix_python).is_file():
+                runs.append({"name": name, "rows": [], "error": f"skipped: no Tunix environment at "
+                                                                f"{args.tunix_python} ({TUNIX_SETUP})"})
+                print(f"{name}: {runs[-1]['error']}", flush=True)
+                continue
+            run = run_train_step(name, arguments, out, limit, env_extra, "tunix_peer.py", args.tunix_python)
+            variant = None
+        else:
+            run = run_train_step(name, arguments, out, limit, env_extra)
         for row in run["rows"]:
             row["variant"] = variant
         runs.append(run)
