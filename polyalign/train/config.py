@@ -72,12 +72,12 @@ class LoopConfig:
     log_every: int = 1
     # Where logged steps go besides OUT/metrics.jsonl: tensorboard, wandb, trackio (the last two are
     # extras; their own offline settings hold), as project `tracker_project`.
-    report_to: tuple[str, ...] = ("tensorboard",)
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     tracker_project: str = "polyalign"
     # Per-device peak TFLOP/s for MFU; None: the device kind's known bf16 peak (none on CPU: no MFU).
     peak_tflops: float | None = None
     # [first, last]: a JAX profiler trace of these steps in OUT/profile (TensorBoard's profile tab, Perfetto)
-    profile_steps: tuple[int, ...] | None = None
+    profile_steps: list[int] | None = None
 
 
 WEIGHTINGS = ("bucket", "uniform", "adaptive")

@@ -196,7 +196,7 @@ SHARED_RANGES: dict[str, Range] = {
     "train.steps": COUNT, "train.epochs": Range(1, optional=True), "train.global_batch": COUNT,
     "train.micro_batches": COUNT, "train.eval_every": Range(1, optional=True), "train.checkpoint_every": COUNT,
     "train.keep_checkpoints": COUNT, "train.stop_at": Range(1, optional=True), "train.max_nonfinite": NON_NEGATIVE,
-    "train.log_every": COUNT,
+    "train.log_every": COUNT, "train.peak_tflops": Range(0, low_open=True, optional=True),
     "optimizer.lr": POSITIVE, "optimizer.warmup_ratio": PROBABILITY, "optimizer.min_lr_ratio": PROBABILITY,
     "optimizer.weight_decay": NON_NEGATIVE, "optimizer.b1": FRACTION, "optimizer.b2": FRACTION,
     "optimizer.eps": POSITIVE, "optimizer.clip": Range(0, low_open=True, optional=True),
@@ -247,8 +247,6 @@ def check_config(config: Any, where: str = "config") -> None:
     if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         raise ConfigError(f"{where}: train.profile_steps: expected [first, last] with 1 <= first <= last, got "
                           f"{list(steps)}")
-    if config.train.peak_tflops is not None and not config.train.peak_tflops > 0:
-        raise ConfigError(f"{where}: train.peak_tflops: expected a positive number, got {config.train.peak_tflops}")
     check_ranges(config, where)
     if isinstance(config, schema.SftConfig):
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)

@@ -75,7 +75,7 @@ class MetricsWriter:
     """Writes on process 0 only; every other process gets a writer that does nothing. `report_to`
     names the trackers (polyalign.train.config.TRACKERS); `config` is the run's config, which they store beside the run."""
 
-    def __init__(self, out: str | os.PathLike, report_to: tuple[str, ...] = ("tensorboard",),
+    def __init__(self, out: str | os.PathLike, report_to: list[str] | tuple[str, ...] = ("tensorboard",),
                  project: str = "polyalign", config: dict[str, Any] | None = None):
         self.enabled = jax.process_index() == 0
         self.path = as_path(out) / "metrics.jsonl"

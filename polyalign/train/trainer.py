@@ -332,7 +332,7 @@ class _Profile:
     """A JAX profiler trace from the start of step `first` to the end of step `last` (1-based), into
     `directory` (TensorBoard's profile plugin and Perfetto read it); nothing when `steps` is None."""
 
-    def __init__(self, steps: tuple[int, ...] | None, directory):
+    def __init__(self, steps: list[int] | None, directory):
         self.first, self.last = steps if steps else (None, None)
         self.directory, self.active = directory, False
 
