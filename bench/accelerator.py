@@ -28,9 +28,10 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 # (preset, method) -> what the step must reach: MFU, and tokens/s as a multiple of the peer's.
+# packed_vs_unpacked: the MFU of packed rows (SFT packing, tree-packed pairs) over the unpacked step's.
 TARGETS = {
-    ("qwen2.5-1.5b", "hdpo"): {"mfu": 0.60, "vs_peer": 1.4, "vs_tunix": 1.2},
-    ("qwen2.5-1.5b", "sft"): {"mfu": 0.60},
+    ("qwen2.5-1.5b", "hdpo"): {"mfu": 0.60, "vs_peer": 1.4, "vs_tunix": 1.2, "packed_vs_unpacked": 0.9},
+    ("qwen2.5-1.5b", "sft"): {"mfu": 0.60, "packed_vs_unpacked": 0.9},
     ("qwen2.5-0.5b", "hdpo"): {"vs_peer": 1.8},
     ("qwen2.5-0.5b", "sft"): {"mfu": 0.60},
 }
@@ -78,10 +79,14 @@ def verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
         peers = {"vs_peer": next((r for r in rows if r["preset"] == preset and r["method"] == method
                                   and r["stack"] == "PyTorch + transformers"), None),
                  "vs_tunix": next((r for r in rows if r["preset"] == preset and r["stack"] == "tunix"), None)}
+        packed = max((r for r in rows if r["preset"] == preset and r["method"] == method
+                      and r["stack"] == "polyalign (JAX) packed" and r.get("mfu")), key=lambda r: r["mfu"], default=None)
         for kind, threshold in wanted.items():
             peer = peers.get(kind)
             if kind == "mfu":
                 value = ours and ours.get("mfu")
+            elif kind == "packed_vs_unpacked":
+                value = ours and packed and ours.get("mfu") and round(packed["mfu"] / ours["mfu"], 3)
             else:
                 value = ours and peer and peer.get("tokens_per_s") and \
                     round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
@@ -118,7 +123,8 @@ def main() -> None:
               "--peak-tflops", str(args.peak_tflops)]
     if args.vocab_size:
         common += ["--vocab-size", str(args.vocab_size)]
-    ours = ["--remat", args.remat, "--logprob-chunk", str(args.logprob_chunk), "--stacks", "polyalign,plain"]
+    policy = ["--remat", args.remat, "--logprob-chunk", str(args.logprob_chunk)]
+    ours = [*policy, "--stacks", "polyalign,plain"]
     tunix = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps",
              str(max(args.steps, 4)), "--peak-tflops", str(args.peak_tflops), "--check"]
     plan = []  # (name, train_step arguments, extra environment, variant)
@@ -128,6 +134,8 @@ def main() -> None:
             plan.append((f"{preset}-peer", ["--preset", preset, *common, "--stacks", "peer"], {"JAX_PLATFORMS": "cpu"},
                          None))
             plan.append((f"{preset}-tunix", ["--preset", "tiny" if preset == "tiny" else preset, *tunix], {}, "tunix"))
+        plan.append((f"{preset}-packed", ["--preset", preset, *common, *policy, "--stacks", "polyalign", "--packed"],
+                     {}, "--packed"))
     for k, variant in enumerate(args.variant):
         preset, *flags = variant.split()
         plan.append((f"variant{k}-{preset}", ["--preset", preset, *common, *ours, *flags], {}, " ".join(flags)))

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
+from polyalign.inputs.pair_rows import packed_pair_arrays  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
 from polyalign.model.flops import flops_per_token, matmul_parameters  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
@@ -75,6 +76,31 @@ def _pair_batch(rng, micro, b, seq, vocab):
         mask[..., seq // 4:] = 1.0  # the last three quarters are the response
         batch[f"{side}_mask"] = mask
     return batch
+
+
+def _packed_sft_batch(rng, b, seq, vocab, per_row=4):
+    """Rows of `seq` positions, each packing `per_row` full examples (segments) end to end."""
+    size = seq // per_row + 1
+    rows = [pipeline.packed_arrays([{"input_ids": rng.integers(0, vocab, size), "loss_mask": np.ones(size),
+                                     "weight": rng.uniform(0.5, 2.0), "bucket": 0} for _ in range(per_row)], seq, 0)
+            for _ in range(b)]
+    return {k: np.stack([r[k] for r in rows])[None] for k in rows[0]}
+
+
+def _packed_pair_batch(rng, b, seq, vocab, per_row=2):
+    """Rows of `seq` positions, each holding `per_row` pairs as trees: a prompt of seq/8 tokens computed
+    once, then a chosen and a rejected continuation of 3 seq/16 tokens each."""
+    prompt, response = seq // 8, 3 * seq // 16
+
+    def pair(k):
+        shared = rng.integers(0, vocab, prompt)
+        sides = {side: np.concatenate([shared, rng.integers(0, vocab, response)]) for side in ("chosen", "rejected")}
+        mask = np.r_[np.zeros(prompt), np.ones(response)]
+        return {"id": str(k), "chosen_ids": sides["chosen"], "rejected_ids": sides["rejected"], "chosen_mask": mask,
+                "rejected_mask": mask, "weight": rng.uniform(0.5, 2.0), "critic_chosen": 0.0, "critic_rejected": 1.0}
+
+    rows = [packed_pair_arrays([pair(k) for k in range(per_row)], seq, 0, per_row, seq) for _ in range(b)]
+    return {k: np.stack([r[k] for r in rows])[None] for k in rows[0]}
 
 
 def _time(fn, steps):
@@ -114,9 +140,9 @@ def compiled_memory(compiled) -> dict[str, float | None]:
     return {"xla_temp_gib": round(analysis.temp_size_in_bytes / 2**30, 3), "xla_peak_gib": round(peak / 2**30, 3)}
 
 
-def _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory):
+def _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, tokens=None):
     sequences = args.batch * (2 if method == "hdpo" else 1)
-    tokens = sequences * args.seq
+    tokens = tokens or sequences * args.seq  # packed rows: the real tokens they hold
     flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
     row = {"stack": stack, "method": method, "compile_s": round(compile_s, 2), "tokens": tokens, **memory}
     if step_s is None:  # --compile-only
@@ -144,7 +170,14 @@ def _batch(rng, args, cfg, method):
 
 
 def bench_polyalign(args, cfg, method: str) -> dict:
-    batch = _batch(np.random.default_rng(0), args, cfg, method)
+    rng = np.random.default_rng(0)
+    if args.packed:
+        make = _packed_sft_batch if method == "sft" else _packed_pair_batch
+        batch = make(rng, args.batch, args.seq, cfg.vocab_size)
+    else:
+        batch = _batch(rng, args, cfg, method)
+    stack = "polyalign (JAX) packed" if args.packed else "polyalign (JAX)"
+    tokens = int(batch["length"].sum()) if args.packed else None
     objective = SftObjective(1) if method == "sft" else PreferenceObjective(PreferenceConfig(init="bench"), 1)
     model = abstract_model(cfg) if args.compile_only else create_model(cfg)  # compile-only allocates nothing
     trainer = Trainer(model, objective, OptimizerConfig(lr=1e-5),
@@ -153,10 +186,10 @@ def bench_polyalign(args, cfg, method: str) -> dict:
     memory = compiled_memory(trainer.compiled_step(batch))
     compile_s = time.perf_counter() - started
     if args.compile_only:
-        return _row(args, cfg, "polyalign (JAX)", method, compile_s, None, None, memory)
+        return _row(args, cfg, stack, method, compile_s, None, None, memory, tokens)
     step_s = _time(lambda: trainer.step(batch)["loss"], args.steps)[1]
     reference_s = _reference_seconds(args, cfg, batch) if method == "hdpo" else 0.0
-    return _row(args, cfg, "polyalign (JAX)", method, compile_s, step_s, reference_s, memory)
+    return _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, tokens)
 
 
 def bench_plain(args, cfg, method: str) -> dict:
@@ -279,6 +312,9 @@ def main() -> None:
     parser.add_argument("--logprob-chunk", type=int, default=0,
                         help="log-probs in sequence blocks of this size, never full [B, T, V] logits (0: full)")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain JAX step")
+    parser.add_argument("--packed", action="store_true",
+                        help="polyalign's step on packed rows: 4 SFT examples per row, 2 preference pairs per row "
+                             "as trees (the prompt once); the stack is reported as 'polyalign (JAX) packed'")
     parser.add_argument("--stacks", default="polyalign,plain,peer",
                         help="which stacks to time, comma-separated (on one GPU, run the peer in a process of its "
                              "own with JAX_PLATFORMS=cpu: JAX reserves most of the GPU's memory for itself)")

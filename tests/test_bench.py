@@ -94,11 +94,13 @@ def test_accelerator_verdicts_by_hand():
     rows = [row("polyalign (JAX)", "hdpo", 42_000.0, 0.62), row("PyTorch + transformers", "hdpo", 28_000.0, 0.41),
             row("polyalign (JAX)", "hdpo", 35_000.0, 0.52, variant="--remat dots"),  # slower: not the one judged
             row("polyalign (JAX)", "sft", 50_000.0, 0.55), row("polyalign (JAX)", "sft", 56_000.0, 0.61, "--remat none"),
-            row("tunix", "dpo", 40_000.0, 0.55)]
+            row("tunix", "dpo", 40_000.0, 0.55), row("polyalign (JAX) packed", "hdpo", 30_000.0, 0.58)]
     found = {(v["method"], v["target"]): v for v in verdicts(rows) if v["preset"] == "qwen2.5-1.5b"}
     assert (found["hdpo", "mfu"]["value"], found["hdpo", "mfu"]["met"], found["hdpo", "mfu"]["setting"]) == (0.62, True, "default")
     assert (found["hdpo", "vs_peer"]["value"], found["hdpo", "vs_peer"]["met"]) == (1.5, True)
     assert (found["hdpo", "vs_tunix"]["value"], found["hdpo", "vs_tunix"]["met"]) == (1.05, False)  # 42k / 40k
+    assert (found["hdpo", "packed_vs_unpacked"]["value"], found["hdpo", "packed_vs_unpacked"]["met"]) == (0.935, True)
+    assert found["sft", "packed_vs_unpacked"]["met"] is None  # no packed SFT row: not measured
     assert (found["sft", "mfu"]["value"], found["sft", "mfu"]["met"], found["sft", "mfu"]["setting"]) == (0.61, True, "--remat none")
     unmeasured = [v for v in verdicts(rows) if v["preset"] == "qwen2.5-0.5b"]
     assert unmeasured and all(v["met"] is None and v["value"] is None for v in unmeasured)
@@ -112,7 +114,7 @@ def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
                             capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "accelerator.json").read_text())
-    jax_run, peer_run, tunix_run, variant_run = report["runs"]
+    jax_run, peer_run, tunix_run, packed_run, variant_run = report["runs"]
     # Tunix runs in an environment of its own; without one the run says how to make it
     assert tunix_run["rows"] == [] and "skipped: no Tunix environment" in tunix_run["error"]
     assert "pip install google-tunix" in tunix_run["error"]
@@ -121,13 +123,16 @@ def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
     # the peer's process has JAX on the CPU; without torch it reports no rows, with it both methods
     assert {r["method"] for r in peer_run["rows"]} in (set(), {"sft", "hdpo"}) and "error" not in peer_run
     assert all(r["variant"] == "--remat dots" for r in variant_run["rows"]) and len(variant_run["rows"]) == 4
-    assert len(report["verdicts"]) == 6 and "target qwen2.5-1.5b hdpo vs_peer >= 1.4" in result.stdout
+    # packed rows: polyalign's step only, on rows holding several examples or pair trees
+    assert {(r["stack"], r["method"]) for r in packed_run["rows"]} == {("polyalign (JAX) packed", m) for m in ("sft", "hdpo")}
+    assert all(0 < r["tokens"] <= 2 * 64 and r["mfu"] > 0 for r in packed_run["rows"])
+    assert len(report["verdicts"]) == 8 and "target qwen2.5-1.5b hdpo vs_peer >= 1.4" in result.stdout
     assert "target qwen2.5-1.5b hdpo vs_tunix >= 1.2: - (not measured" in result.stdout
     # a budget too small for any run: every run is skipped, and the report still comes out
     skipped = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny", "--budget", "5"],
                              capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     report = json.loads((tmp_path / "accelerator.json").read_text())
-    assert skipped.returncode == 0 and [r["error"] for r in report["runs"]] == ["skipped: out of --budget"] * 3
+    assert skipped.returncode == 0 and [r["error"] for r in report["runs"]] == ["skipped: out of --budget"] * 4
     assert all(v["met"] is None for v in report["verdicts"])
 
 
