@@ -291,8 +291,9 @@ TEMPLATE_SPECIAL_TOKENS = (BOS, ChatML.start, ChatML.end_of_turn, Llama3.bos, Ll
                            Llama3.header_end, Llama3.end_of_turn, Gemma.bos, "<eos>", Gemma.start, Gemma.end_of_turn)
 
 
-# The official template of each model family, for a tokenizer that names none.
-FAMILY_TEMPLATES = {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma", "gemma3": "gemma"}  # Qwen3 checkpoints ship their own
+# The official template of each model family, for a tokenizer that names none (Qwen3 checkpoints ship
+# their own).
+FAMILY_TEMPLATES = {"qwen2": "qwen", "llama": "llama3", "gemma2": "gemma", "gemma3": "gemma"}
 
 
 TEMPLATE_CHOICES = (CHECKPOINT_TEMPLATE, *TEMPLATES)

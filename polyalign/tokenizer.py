@@ -190,8 +190,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     (`polyalign_tokenizer`): that one is read."""
     path = as_path(path)
     directory = path if path.is_dir() else path.parent
+    config = _read_config(directory)
     if path.is_dir():
-        if _names_original(path) and (path / SENTENCEPIECE_FILE).is_file():
+        original = (config or {}).get("polyalign_tokenizer")
+        if original == SENTENCEPIECE_FILE and (path / SENTENCEPIECE_FILE).is_file():
             path = path / SENTENCEPIECE_FILE
         elif (path / TOKENIZERS_FILE).is_file():
             path = path / TOKENIZERS_FILE
@@ -202,23 +204,22 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     elif not path.is_file():
         raise TokenizerError(f"{path}: no such file")
     tokenizer: Tokenizer = JsonTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
-    config_file = directory / TOKENIZER_CONFIG
-    if config_file.is_file():
-        try:
-            tokenizer._apply_config(json.loads(config_file.read_text()))
-        except json.JSONDecodeError as err:
-            raise TokenizerError(f"{config_file}: line {err.lineno}: {err.msg}") from None
+    if config is not None:
+        tokenizer._apply_config(config)
     if (directory / CHAT_TEMPLATE_FILE).is_file():  # transformers reads this file before the config's entry
         tokenizer.template_source = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return tokenizer
 
 
-def _names_original(directory) -> bool:
-    config = directory / TOKENIZER_CONFIG
+def _read_config(directory) -> dict | None:
+    """The folder's tokenizer_config.json, or None when there is none."""
+    config_file = directory / TOKENIZER_CONFIG
+    if not config_file.is_file():
+        return None
     try:
-        return config.is_file() and json.loads(config.read_text()).get("polyalign_tokenizer") == SENTENCEPIECE_FILE
-    except (json.JSONDecodeError, AttributeError):
-        return False  # load_tokenizer names the broken file when it applies the config
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise TokenizerError(f"{config_file}: line {err.lineno}: {err.msg}") from None
 
 
 def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int, *,

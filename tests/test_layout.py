@@ -116,13 +116,18 @@ def test_layering():
 # .venv-beam), which tests/test_beam.py runs them in, not in the suite's own.
 BEAM_MODULES = ("polyalign.beam.build", "polyalign.beam.prepare")
 
-# Run where a module can be imported: prints every exception class it defines that is not a PolyalignError.
-_FOREIGN_ERRORS = ("import importlib, sys; from polyalign.errors import PolyalignError\n"
-                   "for module in sys.argv[1:]:\n"
-                   "    for name, value in vars(importlib.import_module(module)).items():\n"
-                   "        if isinstance(value, type) and issubclass(value, Exception) "
-                   "and value.__module__.startswith('polyalign') and not issubclass(value, PolyalignError):\n"
-                   "            print(f'{module}.{name}')")
+# Defines foreign_errors(modules): the exception classes those modules define that are not a
+# PolyalignError. Source text, so that the Beam environment (without pytest) can run it too.
+_FOREIGN_ERRORS = """
+import importlib
+from polyalign.errors import PolyalignError
+
+def foreign_errors(modules):
+    return [f"{module}.{name}" for module in modules
+            for name, value in vars(importlib.import_module(module)).items()
+            if isinstance(value, type) and issubclass(value, Exception)
+            and value.__module__.startswith("polyalign") and not issubclass(value, PolyalignError)]
+"""
 
 
 @pytest.mark.parametrize("module", sorted(_modules()))
@@ -143,9 +148,9 @@ def test_every_error_derives_from_the_base():
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
     assert len(classes) >= 15
     assert all(issubclass(c, errors.PolyalignError) for c in classes)
-    for module in (m for m in _modules() if m not in BEAM_MODULES):
-        for name, value in vars(importlib.import_module(module)).items():
-            if isinstance(value, type) and issubclass(value, Exception) and value.__module__.startswith("polyalign"):
-                assert issubclass(value, errors.PolyalignError), f"{module}.{name}"
-    beam = in_beam_env(_FOREIGN_ERRORS, *BEAM_MODULES)
+    namespace: dict = {}
+    exec(_FOREIGN_ERRORS, namespace)
+    assert namespace["foreign_errors"](m for m in _modules() if m not in BEAM_MODULES) == []
+    beam = in_beam_env(_FOREIGN_ERRORS + "import sys\nprint('\\n'.join(foreign_errors(sys.argv[1:])))",
+                       *BEAM_MODULES)
     assert beam.returncode == 0 and beam.stdout.strip() == "", beam.stdout + beam.stderr[-2000:]

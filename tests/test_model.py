@@ -405,20 +405,25 @@ def test_splash_attention_equals_xla_in_value_and_gradient(softcap):
     from polyalign.model.splash import splash_attention
     from polyalign.model.transformer import attend
 
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (2, 256, 8, 32))
-    k, v = (jax.random.normal(key, (2, 256, 2, 32)) for key in keys[1:3])
-    cotangent = jax.random.normal(keys[3], q.shape)
-
     def xla(q, k, v):
         return attend(q, k, v, None, scale=0.2, softcap=softcap, implementation="xla")
 
     def pallas(q, k, v):
         return splash_attention(q, k, v, scale=0.2, softcap=softcap, interpret=True)
 
-    np.testing.assert_allclose(jax.jit(pallas)(q, k, v), xla(q, k, v), atol=2e-5)
-    want = jax.grad(lambda *a: (xla(*a) * cotangent).sum(), argnums=(0, 1, 2))(q, k, v)
-    got = jax.jit(jax.grad(lambda *a: (pallas(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, k, v)
+    _assert_same_value_and_gradient(pallas, xla, query_heads=8, seed=0)
+
+
+def _assert_same_value_and_gradient(kernel, reference, query_heads: int, seed: int):
+    """`kernel` (jitted) against `reference` on random q [2, 256, query_heads, 32] and k, v with 2
+    key/value heads: outputs, and the gradients of a random projection of them."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (2, 256, query_heads, 32))
+    k, v = (jax.random.normal(key, (2, 256, 2, 32)) for key in keys[1:3])
+    cotangent = jax.random.normal(keys[3], q.shape)
+    np.testing.assert_allclose(jax.jit(kernel)(q, k, v), reference(q, k, v), atol=2e-5)
+    want = jax.grad(lambda *a: (reference(*a) * cotangent).sum(), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(lambda *a: (kernel(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
 
@@ -430,10 +435,6 @@ def test_splash_attention_within_packed_segments_equals_xla_in_value_and_gradien
     from polyalign.model.splash import splash_attention
     from polyalign.model.transformer import SegmentMask, attend
 
-    keys = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(keys[0], (2, 256, 4, 32))
-    k, v = (jax.random.normal(key, (2, 256, 2, 32)) for key in keys[1:3])
-    cotangent = jax.random.normal(keys[3], q.shape)
     row = np.repeat([1, 2, 3, 0], [70, 131, 40, 15])
     segments = jnp.asarray(np.stack([row, np.ones(256, int)]), jnp.int32)
 
@@ -443,11 +444,7 @@ def test_splash_attention_within_packed_segments_equals_xla_in_value_and_gradien
     def pallas(q, k, v):
         return splash_attention(q, k, v, scale=0.2, segment_ids=segments, interpret=True)
 
-    np.testing.assert_allclose(jax.jit(pallas)(q, k, v), xla(q, k, v), atol=2e-5)
-    want = jax.grad(lambda *a: (xla(*a) * cotangent).sum(), argnums=(0, 1, 2))(q, k, v)
-    got = jax.jit(jax.grad(lambda *a: (pallas(*a) * cotangent).sum(), argnums=(0, 1, 2)))(q, k, v)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
+    _assert_same_value_and_gradient(pallas, xla, query_heads=4, seed=1)
 
 
 def test_a_packed_row_gives_the_same_log_probs_with_splash_and_xla_attention():

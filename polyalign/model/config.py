@@ -17,8 +17,6 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "q
 LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
-
-
 ROPE_TYPES = ("llama3", "linear")
 
 
@@ -316,8 +314,7 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
         "pad_token_id": cfg.pad_token_id,
     }
     if cfg.rope_scaling is not None:
-        scaling = {k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if v is not None}
-        hf["rope_scaling"] = scaling
+        hf["rope_scaling"] = {k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if v is not None}
     if cfg.family == "gemma3":
         # Both layouts: 5.x reads rope_parameters per layer type, 4.x rope_theta/rope_local_base_freq.
         full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **hf.get("rope_scaling", {})}

@@ -15,7 +15,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: everything but the embedding lookup and the
     norms, plus the LM head (the tied embedding counts once, as the head)."""
     d = cfg.hidden_size
-    norms = d * (4 if cfg.is_gemma else 2) * cfg.num_layers + d + (2 * cfg.head_dim * cfg.num_layers if cfg.qk_norm else 0)
+    per_layer_norms = d * (4 if cfg.is_gemma else 2) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    norms = per_layer_norms * cfg.num_layers + d
     untied_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return cfg.num_parameters() - norms - untied_embedding
 

@@ -160,7 +160,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     except ModelConfigError as err:
         raise CheckpointError(str(err)) from None
     tensors = _Tensors(_safetensors_files(path))
-    prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in tensors.names()), "model.")
+    available = tensors.names()
+    prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in available), "model.")
     names = [(ours, prefix + hf_name.removeprefix("model.") if hf_name.startswith("model.") else hf_name, transpose)
              for ours, hf_name, transpose in _tensor_names(cfg)]
 
@@ -169,7 +170,6 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     targets = traverse_util.flatten_dict(nnx.to_pure_dict(state), sep=".")
     shardings = (traverse_util.flatten_dict(nnx.to_pure_dict(parallel.param_shardings(state, mesh)), sep=".")
                  if mesh is not None else None)
-    available = tensors.names()
     missing, mismatched, used = [], [], set()
     for ours, hf_name, transpose in names:
         expected_shape = targets[ours].shape[1:] if "{i}" in hf_name else targets[ours].shape

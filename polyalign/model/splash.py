@@ -3,9 +3,9 @@ packed segments.
 
 The kernel works on one sequence and one key/value head at a time, with the query heads that share it
 (multi-query form); it is mapped over batch and key/value heads. Packed rows pass their segment ids,
-which the kernel ands with the causal mask block by block (no [T, T] mask is ever made). Under a mesh it runs inside
-shard_map, each device on its own batch rows and key/value heads, since a Pallas call cannot be
-partitioned by the compiler. `interpret=True` runs the same kernel on any backend (tests on CPU).
+which the kernel ands with the causal mask block by block (no [T, T] mask is ever made). Under a mesh
+it runs inside shard_map, each device on its own batch rows and key/value heads, since a Pallas call
+cannot be partitioned by the compiler. `interpret=True` runs the same kernel on any backend (tests on CPU).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
         q_spec = jax.sharding.PartitionSpec(*spec, None, None, None)
         kv_spec = jax.sharding.PartitionSpec(*spec, None, None)
         segment_spec = jax.sharding.PartitionSpec(spec[0], None)
-        local = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, segment_spec), out_specs=q_spec,
-                              check_vma=False)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, segment_spec),
+                              out_specs=q_spec, check_vma=False)
     out = local(grouped_q, grouped_k, grouped_v, segment_ids.astype(jnp.int32))
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, dim)

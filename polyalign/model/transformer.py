@@ -97,9 +97,10 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
         return SegmentMask(segment_ids), None
     q = jnp.arange(length)[:, None]
     k = jnp.arange(length)[None, :]
-    mask = jnp.broadcast_to((k <= q)[None, None], (batch, 1, length, length))
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        mask = SegmentMask(segment_ids).dense()
+    else:
+        mask = jnp.broadcast_to((k <= q)[None, None], (batch, 1, length, length))
     if branch_ids is not None:
         key_branch = branch_ids[:, None, :]
         mask = mask & ((key_branch == 0) | (key_branch == branch_ids[:, :, None]))[:, None]

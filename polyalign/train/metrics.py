@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from polyalign.extras import require
 from polyalign.paths import as_path
 
 
@@ -40,8 +41,6 @@ def _run_id(out) -> str:
 
 class _Wandb:
     def __init__(self, out, project: str, config: dict[str, Any]):
-        from polyalign.extras import require
-
         wandb = require("wandb", "wandb", "train.report_to: wandb")
         self._run = wandb.init(project=project, name=as_path(out).name, id=_run_id(out), resume="allow",
                                config=config, dir=str(as_path(out)))
@@ -55,8 +54,6 @@ class _Wandb:
 
 class _Trackio:
     def __init__(self, out, project: str, config: dict[str, Any]):
-        from polyalign.extras import require
-
         self._trackio = require("trackio", "trackio", "train.report_to: trackio")
         self._trackio.init(project=project, name=f"{as_path(out).name}-{_run_id(out)[:6]}", config=config,
                            resume="allow")
@@ -73,7 +70,8 @@ _SINKS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
 
 class MetricsWriter:
     """Writes on process 0 only; every other process gets a writer that does nothing. `report_to`
-    names the trackers (polyalign.train.config.TRACKERS); `config` is the run's config, which they store beside the run."""
+    names the trackers (polyalign.train.config.TRACKERS); `config` is the run's config, which they
+    store beside the run."""
 
     def __init__(self, out: str | os.PathLike, report_to: list[str] | tuple[str, ...] = ("tensorboard",),
                  project: str = "polyalign", config: dict[str, Any] | None = None):

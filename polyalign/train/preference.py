@@ -166,7 +166,8 @@ class PreferenceObjective:
             numerators.update(dist=dist.sum(), anchor=anchor.sum())
         rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
         sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
-        sums.update(pairs=valid.sum(), tokens=tokens, processed_tokens=processed.astype(jnp.float32), dist_reg=dist.sum(), sft_anchor=anchor.sum(),
+        sums.update(pairs=valid.sum(), tokens=tokens, processed_tokens=processed.astype(jnp.float32),
+                    dist_reg=dist.sum(), sft_anchor=anchor.sum(),
                     dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
                     bucket_margin=jax.ops.segment_sum(rewards["margin"] * valid, mb["bucket"], self.num_buckets),
                     bucket_pairs=jax.ops.segment_sum(valid, mb["bucket"], self.num_buckets))

@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from polyalign import parallel
 from polyalign.errors import TrainingError
 from polyalign.train.config import LoopConfig, OptimizerConfig
+from polyalign.train.throughput import Throughput
 
 if TYPE_CHECKING:  # the step needs neither Orbax/grain checkpoints nor metric writers
     from polyalign.train.checkpoint import Checkpointer
     from polyalign.train.metrics import MetricsWriter
-    from polyalign.train.throughput import Throughput
 
 Batch = dict[str, jax.Array]
 
@@ -85,10 +85,11 @@ class Trainer:
     def __init__(self, model: nnx.Module, objective: Objective, optimizer: OptimizerConfig, loop: LoopConfig,
                  mesh, *, metrics: MetricsWriter | None = None, throughput: Throughput | None = None,
                  profile_dir=None):
-        """`throughput` turns each step's tokens and seconds into tokens/s, per device and MFU;
-        `profile_dir` receives the profiler trace of loop.profile_steps."""
+        """`throughput` turns each step's tokens and seconds into tokens/s, per device and MFU (default:
+        no MFU); `profile_dir` receives the profiler trace of loop.profile_steps."""
         self.objective, self.loop, self.mesh = objective, loop, mesh
-        self.throughput, self.profile_dir = throughput, profile_dir
+        self.throughput = throughput or Throughput(mesh.devices.size)
+        self.profile_dir = profile_dir
         self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.param_shardings = parallel.param_shardings(params, mesh)
@@ -297,8 +298,7 @@ class Trainer:
                     # Real (unpadded) tokens the step ran per second, input reading included.
                     record["step_s"] = round(step_seconds, 4)
                     tokens = float(host.get("processed_tokens", host.get("tokens", 0.0)))
-                    throughput = self.throughput or _tokens_only(self.mesh)
-                    record.update(throughput(tokens, step_seconds))
+                    record.update(self.throughput(tokens, step_seconds))
                     if evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0) or step == last):
                         record.update(evaluate())
                     if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
@@ -322,12 +322,6 @@ class Trainer:
         return result
 
 
-def _tokens_only(mesh):
-    from polyalign.train.throughput import Throughput
-
-    return Throughput(mesh.devices.size)
-
-
 class _Profile:
     """A JAX profiler trace from the start of step `first` to the end of step `last` (1-based), into
     `directory` (TensorBoard's profile plugin and Perfetto read it); nothing when `steps` is None."""
@@ -343,17 +337,19 @@ class _Profile:
 
     def after(self, step: int) -> None:
         if self.active and step >= self.last:
-            jax.effects_barrier()
-            jax.profiler.stop_trace()
-            self.active = False
+            self._stop()
+
+    def _stop(self) -> None:
+        jax.effects_barrier()
+        jax.profiler.stop_trace()
+        self.active = False
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         if self.active:  # stopped early inside the window: keep what was traced
-            jax.profiler.stop_trace()
-            self.active = False
+            self._stop()
 
 
 class _StopSignal:
