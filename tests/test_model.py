@@ -447,9 +447,34 @@ def test_splash_attention_within_packed_segments_equals_xla_in_value_and_gradien
     _assert_same_value_and_gradient(pallas, xla, query_heads=4, seed=1)
 
 
-def test_a_packed_row_gives_the_same_log_probs_with_splash_and_xla_attention():
-    """The model's packed path: SegmentMask reaches the kernel as segment ids with attention_impl
-    splash, as a dense mask with xla; trees keep the dense mask (the kernel's masks are static)."""
+def test_splash_attention_under_a_row_mask_equals_xla_in_value_and_gradient():
+    """Masks that differ from row to row reach the kernel as each row's own block mask (interpreted on
+    CPU), against XLA attention under the same mask: a row of two tree-packed prompts with two and
+    three responses each and trailing padding, and a sliding-window row whose blocks far from the
+    diagonal are empty."""
+    from polyalign.model.splash import splash_attention
+    from polyalign.model.transformer import attend, attention_masks
+
+    segments = np.repeat([1, 2, 0], [150, 90, 16])
+    branches = np.r_[np.repeat([0, 1, 2], [60, 50, 40]), np.repeat([0, 1, 2, 3], [30, 20, 20, 20]), np.zeros(16)]
+    tree, _ = attention_masks(256, jnp.asarray(segments[None], jnp.int32), None, 1, None,
+                              branch_ids=jnp.asarray(branches[None], jnp.int32))
+    _, window = attention_masks(256, None, None, 1, 50)
+    masks = jnp.concatenate([tree, window])  # [2, 1, 256, 256]
+    assert not bool(masks[0, 0, 230, 185]) and bool(masks[0, 0, 230, 160])  # branch 3 sees its prefix, not branch 1
+
+    def xla(q, k, v):
+        return attend(q, k, v, masks, scale=0.2, softcap=None, implementation="xla")
+
+    def pallas(q, k, v):
+        return splash_attention(q, k, v, scale=0.2, mask=masks[:, 0], interpret=True)
+
+    _assert_same_value_and_gradient(pallas, xla, query_heads=4, seed=2)
+
+
+def test_packed_and_tree_rows_give_the_same_log_probs_with_splash_and_xla_attention():
+    """The model's packed paths with attention_impl splash: SegmentMask reaches the kernel as segment
+    ids, a tree (branch ids) as the row's own mask; with xla both are a dense mask."""
     from polyalign.model.transformer import SegmentMask, attention_masks
 
     cfg = family_defaults("qwen2", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -467,8 +492,18 @@ def test_a_packed_row_gives_the_same_log_probs_with_splash_and_xla_attention():
     np.testing.assert_allclose(got, want, atol=2e-5)
     full, _ = attention_masks(128, segments, None, 2, None)
     assert isinstance(full, SegmentMask)
-    tree, _ = attention_masks(128, segments, None, 2, None, branch_ids=jnp.zeros_like(segments))
+    # Row 0 as a tree: a prompt of 20 and responses of 15 and 15, their positions counted from the prompt.
+    branches = jnp.asarray(np.stack([np.r_[np.zeros(20), np.ones(15), 2 * np.ones(15), np.zeros(78)],
+                                     np.zeros(128)]), jnp.int32)
+    tree_positions = positions.at[0, 35:50].set(jnp.arange(20, 35))
+    tree, _ = attention_masks(128, segments, None, 2, None, branch_ids=branches)
     assert isinstance(tree, jax.Array) and tree.shape == (2, 1, 128, 128)
+    want = xla.token_log_probs(ids, targets, positions=tree_positions, segment_ids=segments, branch_ids=branches)
+    got = splash_model.token_log_probs(ids, targets, positions=tree_positions, segment_ids=segments,
+                                       branch_ids=branches)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    changed = xla.token_log_probs(ids, targets, positions=positions, segment_ids=segments)
+    assert np.abs(np.asarray(want - changed))[0, 35:50].max() > 1e-3  # the tree is not the packed row
 
 
 def _run_on_eight_cpu_devices(script: Path) -> subprocess.CompletedProcess:
@@ -482,7 +517,7 @@ def _run_on_eight_cpu_devices(script: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_splash_attention_under_a_mesh_equals_the_model_without_it(tmp_path):
     """The model with attention_impl=splash on a 2 x 2 x 2 mesh of CPU devices (shard_map over batch
-    and key/value heads) gives the XLA model's logits."""
+    and key/value heads) gives the XLA model's logits, causal and for tree rows (each row's own mask)."""
     script = tmp_path / "splash_mesh.py"
     script.write_text(
         "import dataclasses, jax, numpy as np\n"
@@ -498,6 +533,14 @@ def test_splash_attention_under_a_mesh_equals_the_model_without_it(tmp_path):
         "    ids_sharded = jax.device_put(ids, parallel.batch_sharding(mesh, 0))\n"
         "    out = np.asarray(jax.jit(lambda m, x: m(x))(model, ids_sharded))\n"
         "print('max diff', float(np.abs(out - plain).max()))\n"
+        "assert np.allclose(out, plain, atol=2e-5)\n"
+        "segments = np.ones((4, 128), np.int32)\n"
+        "branches = np.repeat([[0, 1, 2, 3]], [40, 30, 30, 28], axis=1).repeat(4, 0).astype(np.int32)\n"
+        "plain = np.asarray(create_model(cfg, seed=1)(ids, segment_ids=segments, branch_ids=branches))\n"
+        "with jax.set_mesh(mesh):\n"
+        "    out = np.asarray(jax.jit(lambda m, x, s, b: m(x, segment_ids=s, branch_ids=b))(\n"
+        "        model, ids_sharded, segments, branches))\n"
+        "print('tree max diff', float(np.abs(out - plain).max()))\n"
         "assert np.allclose(out, plain, atol=2e-5)\n")
     result = _run_on_eight_cpu_devices(script)
     assert "max diff" in result.stdout

@@ -118,8 +118,8 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
 def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
     """What `attention_impl: null` runs in training and scoring (not in cached decoding): cuDNN's fused
     kernel on GPU when the compute dtype and head size suit it (with any mask: packed segments, trees,
-    windows, as a bias), splash attention on TPU for heads of 128 (or multiples; causal and packed
-    segments, other masks on XLA), else XLA."""
+    windows, as a bias), splash attention on TPU for heads of 128 (or multiples; with any mask), else
+    XLA."""
     backend = backend or jax.default_backend()
     if (backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
             and cfg.head_dim <= 128 and cfg.attn_logit_softcap is None):
@@ -135,12 +135,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMa
            softcap: float | None, implementation: str | None) -> jax.Array:
     """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K. `mask`
     None means causal only, which the fused kernels apply without a [T, S] mask. Splash attention
-    covers that case and packed segments (on TPU; interpreted elsewhere) and falls back to XLA for
-    other masks and lengths its blocks do not tile."""
+    (on TPU; interpreted elsewhere) takes packed segments as segment ids and any other mask (trees,
+    windows, padding) as the row's own block mask; it falls back to XLA for lengths its blocks do not
+    tile and for decoding against a cache."""
     if implementation == "splash":
-        if not isinstance(mask, jax.Array) and splash.supports(q.shape[1]):
+        if q.shape[1] == k.shape[1] and splash.supports(q.shape[1]):
             return splash.splash_attention(q, k, v, scale=scale, softcap=softcap,
-                                           segment_ids=None if mask is None else mask.ids,
+                                           segment_ids=mask.ids if isinstance(mask, SegmentMask) else None,
+                                           mask=mask[:, 0] if isinstance(mask, jax.Array) else None,
                                            interpret=jax.default_backend() != "tpu")
         implementation = None
     if isinstance(mask, SegmentMask):
