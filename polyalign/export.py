@@ -137,10 +137,44 @@ def training_card(config: Any) -> dict[str, Any]:
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
                    template: ChatTemplate, profile: str) -> dict[str, str]:
-    """OUT/model from a finished run, in model.export_dtype (default: the training dtype)."""
+    """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
+    adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
+    weights W + (alpha / r) A B."""
+    from polyalign.model.lora import has_adapters, merge_adapters
+
+    written = {}
+    if has_adapters(model):
+        export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=training_card(config))
+        written["adapter"] = str(as_path(out) / "adapter")
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
                       dtype=config.model.export_dtype or config.model.dtype, card=training_card(config))
-    return {"model": str(as_path(out) / "model")}
+    return {"model": str(as_path(out) / "model"), **written}
+
+
+def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: str | None = None,
+                   card: dict[str, Any] | None = None) -> None:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in float32): PeftModel
+    .from_pretrained(transformers' base model, path) gives the adapted model. Every process calls it;
+    process 0 writes."""
+    from safetensors.numpy import save_file
+
+    from polyalign.model.lora import peft_config, peft_state_dict
+
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        adapters = parallel.to_host(nnx.state(model, nnx.LoRAParam))
+    if jax.process_index() != 0:
+        return
+    path = as_path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(peft_state_dict(model.config, adapters), os.fspath(path / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps(peft_config(model.config, base), indent=2) + "\n")
+    rows = "".join(f"| {key} | {value} |\n" for key, value in (card or {}).items())
+    (path / "README.md").write_text(f"# LoRA adapter (PEFT format)\n\n| | |\n|---|---|\n{rows}\n"
+                                    "Load with `PeftModel.from_pretrained(base, this_folder)`; `../model` holds the "
+                                    "weights with the adapter merged.\n")
 
 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,

@@ -24,11 +24,33 @@ def first_batch(run: Path, global_batch: int, micro_batches: int, seed: int = 0)
     return next(pipeline.iterate(dataset)), manifest
 
 
+def adapted_model(vocab_size: int, rank: int = 4, targets=("q", "k", "v", "o", "gate", "up", "down")):
+    """The tiny model with adapters whose B is drawn too (a fresh B is zero, which would leave A
+    without a gradient): every adapter parameter then has one to check."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from polyalign.model.config import LoraConfig
+    from polyalign.model.lora import add_adapters
+
+    model = add_adapters(create_model(tiny_model_config(vocab_size), seed=0), LoraConfig(rank=rank, alpha=8.0,
+                                                                                         targets=tuple(targets)), seed=1)
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    drawn = [x + 0.05 * jax.random.normal(k, x.shape, jnp.float32) for x, k in zip(leaves, keys)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, drawn), rest)
+
+
 def gradients_of_first_batch(run: Path, out: Path, micro_batches: int, global_batch: int,
-                             parallel_sizes=(-1, 1, 1)) -> dict:
-    """The accumulated gradient and loss of the first global batch, saved to `out` (safetensors)."""
+                             parallel_sizes=(-1, 1, 1), lora_rank: int = 0) -> dict:
+    """The accumulated gradient and loss of the first global batch, saved to `out` (safetensors); of
+    the adapters only with `lora_rank`."""
     batch, manifest = first_batch(Path(run), global_batch, micro_batches)
-    model = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
+    if lora_rank:
+        model = adapted_model(manifest["vocab_size"], lora_rank)
+    else:
+        model = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
     mesh = parallel.make_mesh(parallel.ParallelConfig(*parallel_sizes))
     trainer = Trainer(model, SftObjective(len(manifest["buckets"])), OptimizerConfig(),
                       LoopConfig(steps=1, global_batch=global_batch, micro_batches=micro_batches), mesh)

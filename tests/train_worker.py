@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--tensor", type=int, default=1)
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +34,7 @@ def main() -> None:
     from tests.train_checks import gradients_of_first_batch
 
     gradients_of_first_batch(args.run, args.out, micro_batches=args.micro, global_batch=args.global_batch,
-                             parallel_sizes=(args.data, args.fsdp, args.tensor))
+                             parallel_sizes=(args.data, args.fsdp, args.tensor), lora_rank=args.lora_rank)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,40 @@ class RopeScaling:
                                    "original_max_position_embeddings")
 
 
+LORA_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+LORA_INITS = ("kaiming", "gaussian")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the layers' projections: W x + (alpha / rank) B A x, B zero at the start.
+    `init` draws A as PEFT does: kaiming (uniform, bound 1/sqrt(fan_in)) or gaussian (std 1/rank)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    init: str = "kaiming"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.rank < 1:
+            problems.append(f"lora rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            problems.append(f"lora alpha must be > 0, got {self.alpha}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            problems.append(f"lora targets must be some of {', '.join(LORA_TARGETS)}, got {list(self.targets)}")
+        if self.init not in LORA_INITS:
+            problems.append(f"lora init must be one of {', '.join(LORA_INITS)}, got {self.init!r}")
+        if problems:
+            raise ModelConfigError("; ".join(problems))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -79,6 +113,8 @@ class ModelConfig:
     # > 0: training log-probs come from the hidden states in sequence blocks of this many positions,
     # never materialising [B, T, V] logits (polyalign/model/log_probs.py); 0 computes full logits.
     logprob_chunk: int = 0
+    # Low-rank adapters on the projections (polyalign/model/lora.py); training then updates only them.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         problems = []

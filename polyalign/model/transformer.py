@@ -19,6 +19,7 @@ from flax import nnx
 
 from polyalign import parallel as P
 from polyalign.model import splash
+from polyalign.model.lora import LoraLinear
 from polyalign.model.config import ModelConfig
 from polyalign.model.log_probs import chunked_token_log_probs, token_log_probs
 
@@ -213,19 +214,23 @@ class RMSNorm(nnx.Module):
 
 
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, din: int, dout: int, names: tuple[str, str],
-            bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                      kernel_init=nnx.initializers.normal(_INIT_STD), kernel_metadata=P.param(names),
-                      bias_metadata=P.param(names[1:]), rngs=rngs)
+            bias: bool = False, target: str | None = None) -> nnx.Linear:
+    """A projection; with adapters on `target` (q, k, v, o, gate, up, down) a LoraLinear."""
+    linear = dict(use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                  kernel_init=nnx.initializers.normal(_INIT_STD), kernel_metadata=P.param(names),
+                  bias_metadata=P.param(names[1:]), rngs=rngs)
+    if cfg.lora is not None and target in cfg.lora.targets:
+        return LoraLinear(din, dout, lora=cfg.lora, names=names, **linear)
+    return nnx.Linear(din, dout, **linear)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = _linear(cfg, rngs, d, h * hd, (P.EMBED, P.Q_HEADS), cfg.attention_bias)
-        self.k_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
-        self.v_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias)
-        self.o_proj = _linear(cfg, rngs, h * hd, d, (P.Q_HEADS, P.EMBED))
+        self.q_proj = _linear(cfg, rngs, d, h * hd, (P.EMBED, P.Q_HEADS), cfg.attention_bias, "q")
+        self.k_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias, "k")
+        self.v_proj = _linear(cfg, rngs, d, kv * hd, (P.EMBED, P.KV_HEADS), cfg.attention_bias, "v")
+        self.o_proj = _linear(cfg, rngs, h * hd, d, (P.Q_HEADS, P.EMBED), target="o")
         if cfg.qk_norm:
             offset = 1.0 if cfg.is_gemma else 0.0
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset, cfg.param_dtype)
@@ -264,9 +269,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(cfg, rngs, d, f, (P.EMBED, P.MLP))
-        self.up_proj = _linear(cfg, rngs, d, f, (P.EMBED, P.MLP))
-        self.down_proj = _linear(cfg, rngs, f, d, (P.MLP, P.EMBED))
+        self.gate_proj = _linear(cfg, rngs, d, f, (P.EMBED, P.MLP), target="gate")
+        self.up_proj = _linear(cfg, rngs, d, f, (P.EMBED, P.MLP), target="up")
+        self.down_proj = _linear(cfg, rngs, f, d, (P.MLP, P.EMBED), target="down")
         self.gelu = cfg.is_gemma
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -439,6 +444,7 @@ def create_model(cfg: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
-    """The model's structure with shapes and dtypes only; no memory is allocated."""
-    with P.unsharded():
+    """The model's structure with shapes and dtypes only; no memory is allocated. Its logical axis
+    names are not mesh axes, so it is made outside any active mesh."""
+    with P.unsharded(), jax.set_mesh(None):
         return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

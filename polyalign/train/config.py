@@ -18,6 +18,25 @@ from polyalign.mesh_config import ParallelConfig
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """`model.lora`: train low-rank adapters on a frozen base instead of every weight (rank 0: off).
+    The adapted update is (alpha / rank) B A; B starts at zero. docs/lora.md says when to choose it."""
+
+    rank: int = 0  # 0: full fine-tuning; 8-64 are usual
+    alpha: float = 32.0
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
+    init: str = "kaiming"  # A drawn as PEFT does: kaiming (uniform) or gaussian
+
+    def to_model(self):
+        """The model's LoraConfig, or None for full fine-tuning."""
+        from polyalign.model.config import LoraConfig
+
+        if not self.rank:
+            return None
+        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets), init=self.init)
+
+
+@dataclass(frozen=True)
 class ModelSection:
     preset: str = "tiny"  # architecture for a model trained from scratch (ignored with `init`)
     dtype: str = "float32"  # compute dtype; parameters stay float32
@@ -26,7 +45,8 @@ class ModelSection:
     remat: str = "none"  # none | full | dots
     attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (packed rows use XLA)
     logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
-    seed: int = 0  # initialisation of what is trained from scratch (the model, the critic's head)
+    seed: int = 0  # initialisation of what is trained from scratch (the model, the critic's head, adapters)
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ SHARED_RANGES: dict[str, Range] = {
     "optimizer.weight_decay": NON_NEGATIVE, "optimizer.b1": FRACTION, "optimizer.b2": FRACTION,
     "optimizer.eps": POSITIVE, "optimizer.clip": Range(0, low_open=True, optional=True),
     "data.max_length": Range(1, optional=True), "data.eval_batch": COUNT, "data.eval_limit": Range(1, optional=True),
-    "model.logprob_chunk": NON_NEGATIVE,
+    "model.logprob_chunk": NON_NEGATIVE, "model.lora.rank": NON_NEGATIVE, "model.lora.alpha": POSITIVE,
 }
 METHOD_RANGES: dict[type, dict[str, Range]] = {
     schema.SftConfig: {"adaptive.step_size": NON_NEGATIVE, "adaptive.floor": PROBABILITY},
@@ -248,6 +248,7 @@ def check_config(config: Any, where: str = "config") -> None:
         raise ConfigError(f"{where}: train.profile_steps: expected [first, last] with 1 <= first <= last, got "
                           f"{list(steps)}")
     check_ranges(config, where)
+    _check_lora(config, where)
     if isinstance(config, schema.SftConfig):
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)
         _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
@@ -261,6 +262,20 @@ def check_config(config: Any, where: str = "config") -> None:
         _check_choice(where, "distance_counts", config.distance_counts, COUNTS)
         if config.data.pack:
             raise ConfigError(f"{where}: data.pack: the critic reads pooled encodings, which have nothing to pack")
+
+
+def _check_lora(config: Any, where: str) -> None:
+    from polyalign.model.config import LORA_INITS, LORA_TARGETS
+
+    lora = config.model.lora
+    unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    if unknown or not lora.targets:
+        raise ConfigError(f"{where}: model.lora.targets: expected some of {', '.join(LORA_TARGETS)}, got "
+                          f"{list(lora.targets)}")
+    _check_choice(where, "model.lora.init", lora.init, LORA_INITS)
+    if lora.rank and isinstance(config, schema.CriticConfig):
+        raise ConfigError(f"{where}: model.lora: the critic trains its head on frozen encodings; adapters on its "
+                          "encoder are not supported")
 
 
 def require(config: Any, *keys: str, hint: str = "") -> None:

@@ -209,8 +209,10 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
     if config.method not in REFERENCE_FREE:
-        with jax.set_mesh(mesh):
-            reference_logps(model, train_examples + val_examples, max_length, tokenizer.pad_id,
+        from polyalign.model.lora import base_model
+
+        with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
+            reference_logps(base_model(model), train_examples + val_examples, max_length, tokenizer.pad_id,
                             progress=progress, mesh=mesh, pack=config.data.pack)
 
     def batches(layout: pipeline.Layout, loop: LoopConfig):
@@ -229,8 +231,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        return export_trained(trainer.model(trainer.state["params"]), tokenizer, out, trainer.mesh, config, template,
-                              config.profile)
+        return export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile)
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),

@@ -74,10 +74,24 @@ def model_policy(section: ModelSection) -> dict[str, Any]:
 
 
 def load_init(config, mesh=None) -> nnx.Module:
-    """The config's `init` checkpoint in its compute dtype and execution policy, placed over `mesh`."""
+    """The config's `init` checkpoint in its compute dtype and execution policy, placed over `mesh`;
+    with `model.lora`, frozen in the compute dtype and carrying fresh adapters."""
     from polyalign.model import load_hf_checkpoint
 
-    return load_hf_checkpoint(config.init, compute_dtype=config.model.dtype, mesh=mesh, **model_policy(config.model))
+    lora = config.model.lora.to_model()
+    # A frozen base needs no float32 master copy: it is stored as it computes.
+    dtype = config.model.dtype if lora is not None else "float32"
+    model = load_hf_checkpoint(config.init, dtype=dtype, compute_dtype=config.model.dtype, mesh=mesh,
+                               **model_policy(config.model))
+    return with_adapters(model, config, mesh)
+
+
+def with_adapters(model: nnx.Module, config, mesh=None) -> nnx.Module:
+    """`model` with fresh adapters when the config asks for them (seeded by model.seed), else itself."""
+    from polyalign.model.lora import add_adapters
+
+    lora = config.model.lora.to_model()
+    return model if lora is None else add_adapters(model, lora, seed=config.model.seed, mesh=mesh)
 
 
 def save_config(out, config) -> None:

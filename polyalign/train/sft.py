@@ -18,7 +18,7 @@ from polyalign.model.flops import flops_per_token
 from polyalign.paths import as_path
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import require
-from polyalign.train.run import Job, load_init, model_policy
+from polyalign.train.run import Job, load_init, model_policy, with_adapters
 from polyalign.train.trainer import Trainer
 
 
@@ -154,7 +154,7 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
         return model
     cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=config.model.dtype, **model_policy(config.model),
                  **tokenizer_ids)
-    return create_model(cfg, seed=config.model.seed, mesh=mesh)
+    return with_adapters(create_model(cfg, seed=config.model.seed, mesh=mesh), config, mesh)
 
 
 def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
@@ -201,7 +201,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         return record
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        return export_trained(trainer.model(trainer.state["params"]), tokenizer, out, trainer.mesh, config,
+        return export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
                               get_template(manifest["template"], tokenizer), manifest["options"]["profile"])
 
     return Job(model, objective, batches,

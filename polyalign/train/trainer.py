@@ -55,7 +55,8 @@ def make_optimizer(config: OptimizerConfig, steps: int) -> tuple[optax.GradientT
 
     def decayed(params):
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: any(getattr(k, "key", None) in ("kernel", "embedding") for k in path), params)
+            lambda path, _: any(getattr(k, "key", None) in ("kernel", "embedding", "lora_a", "lora_b") for k in path),
+            params)
 
     adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
                         weight_decay=config.weight_decay, mask=decayed)
@@ -80,7 +81,11 @@ def _bound(objective, state: dict):
 
 
 class Trainer:
-    """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop."""
+    """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop.
+
+    `params` are what is trained: every nnx.Param, or with adapters (polyalign/model/lora.py) the
+    LoRA parameters only. The base parameters of an adapted model are `frozen`: inputs of every step,
+    sharded like params, with no gradient, no optimizer state and no place in checkpoints."""
 
     def __init__(self, model: nnx.Module, objective: Objective, optimizer: OptimizerConfig, loop: LoopConfig,
                  mesh, *, metrics: MetricsWriter | None = None, throughput: Throughput | None = None,
@@ -91,8 +96,12 @@ class Trainer:
         self.throughput = throughput or Throughput(mesh.devices.size)
         self.profile_dir = profile_dir
         self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        from polyalign.model.lora import has_adapters
+
+        trainable = nnx.LoRAParam if has_adapters(model) else nnx.Param
+        self.graphdef, params, frozen, self.rest = nnx.split(model, trainable, nnx.Param, ...)
         self.param_shardings = parallel.param_shardings(params, mesh)
+        frozen_shardings = parallel.param_shardings(frozen, mesh)
         replicated = NamedSharding(mesh, PartitionSpec())
         # A model from abstract_model() gives an abstract trainer: its step compiles (memory analysis,
         # cost) but never runs, and nothing is allocated.
@@ -101,11 +110,14 @@ class Trainer:
             if self.abstract:
                 params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
                                       self.param_shardings)
+                self.frozen = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), frozen,
+                                           frozen_shardings)
                 init = jax.jit(self.tx.init).lower(params).compile()
                 opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                          jax.eval_shape(self.tx.init, params), init.output_shardings)
             else:
                 params = jax.device_put(params, self.param_shardings)
+                self.frozen = jax.device_put(frozen, frozen_shardings)
                 opt_state = jax.jit(self.tx.init)(params)
 
             def scalar(value):
@@ -128,8 +140,9 @@ class Trainer:
         self.metrics = metrics
         self._accumulate = jax.jit(self._accumulate_impl)
         # A method's metric sums for one batch without gradients: validation uses them.
-        self._metric_sums = jax.jit(lambda params, batch, objective_state: _bound(self.objective, objective_state)
-                                    .numerators(self.model(params), jax.tree.map(lambda x: x[0], batch), None)[1])
+        self._metric_sums = jax.jit(lambda params, frozen, batch, objective_state: _bound(
+            self.objective, objective_state).numerators(self.model(params, frozen), jax.tree.map(lambda x: x[0], batch),
+                                                        None)[1])
         self._step = jax.jit(self._step_impl, out_shardings=(self.state_shardings, None), donate_argnums=0)
         micro = loop.global_batch // loop.micro_batches
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -140,10 +153,12 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def model(self, params) -> nnx.Module:
-        return nnx.merge(self.graphdef, params, self.rest)
+    def model(self, params=None, frozen=None) -> nnx.Module:
+        """The model with `params` (default: the current ones) and the frozen base (default: the trainer's)."""
+        params = self.state["params"] if params is None else params
+        return nnx.merge(self.graphdef, params, self.frozen if frozen is None else frozen, self.rest)
 
-    def _accumulate_impl(self, params, batch: Batch, key: jax.Array, objective_state: dict):
+    def _accumulate_impl(self, params, frozen, batch: Batch, key: jax.Array, objective_state: dict):
         """Gradient of the global objective and summed metrics over all micro-batches of `batch`;
         micro-batch i draws its randomness from fold_in(key, i)."""
         bound = _bound(self.objective, objective_state)
@@ -152,7 +167,7 @@ class Trainer:
         micro_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(jax.tree.leaves(batch)[0].shape[0]))
 
         def objective(params, micro_batch, dens, micro_key):
-            numerators, sums = bound.numerators(self.model(params), micro_batch, micro_key)
+            numerators, sums = bound.numerators(self.model(params, frozen), micro_batch, micro_key)
             # A term with no weight in the whole batch is 0; a NaN denominator must stay NaN (the
             # non-finite guard then skips the step) rather than pass for "no weight".
             value = sum(coefficients[k] * jnp.where(dens[k] == 0, 0.0, numerators[k] / jnp.where(dens[k] == 0, 1.0, dens[k]))
@@ -177,11 +192,11 @@ class Trainer:
         (grads, loss, sums), _ = jax.lax.scan(body, zero, (batch, denominators, micro_keys))
         return grads, loss, sums
 
-    def _step_impl(self, state, batch: Batch):
+    def _step_impl(self, state, frozen, batch: Batch):
         # The state's key is advanced every step, so a resumed run draws what an unbroken one would.
         step_key, next_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         objective_state = state.get("objective", {})
-        grads, loss, sums = self._accumulate_impl(state["params"], batch, step_key, objective_state)
+        grads, loss, sums = self._accumulate_impl(state["params"], frozen, batch, step_key, objective_state)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -221,20 +236,20 @@ class Trainer:
         """The accumulated gradient and loss of one global batch, without an update (for tests)."""
         with jax.set_mesh(self.mesh):
             key = jax.random.split(jax.random.wrap_key_data(self.state["rng"]))[0]
-            return self._accumulate(self.state["params"], self.global_batch(local_batch), key,
+            return self._accumulate(self.state["params"], self.frozen, self.global_batch(local_batch), key,
                                     self.state.get("objective", {}))
 
     def step(self, local_batch: dict[str, np.ndarray]) -> dict[str, Any]:
         if self.abstract:
             raise TrainingError("this trainer was made from an abstract model: it compiles steps, it cannot run them")
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self._step(self.state, self.global_batch(local_batch))
+            self.state, metrics = self._step(self.state, self.frozen, self.global_batch(local_batch))
         return metrics
 
     def compiled_step(self, local_batch: dict[str, np.ndarray]):
         """The step compiled for this batch's shapes, without running it (XLA's memory analysis, cost)."""
         with jax.set_mesh(self.mesh):
-            return self._step.lower(self.state, self.global_batch(local_batch)).compile()
+            return self._step.lower(self.state, self.frozen, self.global_batch(local_batch)).compile()
 
     def eval_batch_size(self, requested: int) -> int:
         """`requested` rounded down to whole batch shards (data x fsdp x processes), at least one each."""
@@ -249,7 +264,8 @@ class Trainer:
         total = None
         with jax.set_mesh(self.mesh):
             for local in iterate(dataset):
-                sums = self._metric_sums(self.state["params"], self.global_batch(local), self.state.get("objective", {}))
+                sums = self._metric_sums(self.state["params"], self.frozen, self.global_batch(local),
+                                         self.state.get("objective", {}))
                 total = sums if total is None else jax.tree.map(jnp.add, total, sums)
         return jax.device_get(total)
 

@@ -1,0 +1,132 @@
+"""Low-rank adapters (LoRA): a frozen base model plus W x + (alpha / r) B A x on chosen projections.
+
+The adapters are `nnx.LoRAParam`s on the projection modules themselves (`q_proj.lora_a`, ...), so they
+are created inside the layer stack's `nnx.vmap` like every other parameter: one [layers, din, r] and
+one [layers, r, dout] array per target, sharded by the projection's logical axes with the rank axis
+replicated, and scanned with the layers. qwix, the JAX library for LoRA on Flax NNX, attaches its
+adapters by intercepting a traced call and creating per-module parameters; that does not meet a layer
+stack built by `nnx.vmap` and run under `lax.scan` (tried with qwix 0.1.8: both the scanned and the
+unrolled stack fail during its surgery), hence this small module.
+
+The trainer trains `nnx.LoRAParam`s only when the model has adapters (the base parameters travel
+with the step as frozen inputs, with no gradient and no optimizer state). B starts at zero, so a fresh
+adapter leaves the model's outputs exactly as they were, and the base with the adapters off (B = 0)
+is the reference model of preference training without a second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from polyalign import parallel as P
+from polyalign.model.config import LORA_TARGETS, LoraConfig
+
+
+class LoraLinear(nnx.Linear):
+    """nnx.Linear (the frozen base: `kernel`, `bias`) plus the adapter pair `lora_a` [din, r] and
+    `lora_b` [r, dout], float32 whatever the base's dtype (the optimizer's parameters)."""
+
+    def __init__(self, din: int, dout: int, *, lora: LoraConfig, names: tuple[str, str], rngs: nnx.Rngs, **linear):
+        super().__init__(din, dout, rngs=rngs, **linear)
+        if lora.init == "kaiming":  # PEFT's default: kaiming_uniform(a=sqrt(5)) of A, bound 1/sqrt(din)
+            bound = 1.0 / math.sqrt(din)
+            a = jax.random.uniform(rngs.params(), (din, lora.rank), jnp.float32, -bound, bound)
+        else:
+            a = jax.random.normal(rngs.params(), (din, lora.rank), jnp.float32) / lora.rank
+        self.lora_a = nnx.LoRAParam(a, **P.param((names[0], None)))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), **P.param((None, names[1])))
+        self.lora_scale = lora.scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        update = (x @ self.lora_a[...].astype(x.dtype)) @ self.lora_b[...].astype(x.dtype)
+        return super().__call__(x) + update * jnp.asarray(self.lora_scale, x.dtype)
+
+
+def has_adapters(model: nnx.Module) -> bool:
+    """Whether `model` is a decoder with adapters (other models, such as the critic's head, have none)."""
+    return getattr(getattr(model, "config", None), "lora", None) is not None
+
+
+def add_adapters(model, lora: LoraConfig, seed: int = 0, mesh: jax.sharding.Mesh | None = None):
+    """`model` (a Transformer, e.g. a loaded checkpoint) with fresh adapters on `lora.targets`; its own
+    parameters are shared, not copied. The adapters are drawn in one compiled call that builds the whole
+    adapted model and returns only them: XLA drops the base's initialisation, so a 7B base costs nothing
+    to draw around. With a `mesh` they are placed in their shardings."""
+    from polyalign.model.transformer import Transformer, abstract_model
+
+    cfg = dataclasses.replace(model.config, lora=lora)
+    graphdef, abstract_adapters, _ = nnx.split(abstract_model(cfg), nnx.LoRAParam, ...)
+    shardings = P.param_shardings(abstract_adapters, mesh) if mesh is not None else None
+
+    def draw():
+        with P.unsharded():
+            return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)), nnx.LoRAParam)
+
+    adapters = jax.jit(draw, out_shardings=shardings)()
+    return nnx.merge(graphdef, adapters, nnx.state(model))
+
+
+def base_model(model):
+    """The frozen base of an adapted model, as a plain model sharing its arrays: the model with its
+    adapters switched off (preference training's reference, with no second copy of the weights)."""
+    from polyalign.model.transformer import abstract_model
+
+    if not has_adapters(model):
+        return model
+    graphdef, _ = nnx.split(abstract_model(dataclasses.replace(model.config, lora=None)))
+    _, _, base = nnx.split(model, nnx.LoRAParam, ...)
+    return nnx.merge(graphdef, base)
+
+
+def merge_adapters(model):
+    """The plain model (no adapters) whose projections hold W + (alpha / r) A B: the same function,
+    in the base's parameter dtype."""
+    from polyalign.model.transformer import abstract_model
+
+    cfg = model.config
+    if cfg.lora is None:
+        return model
+    graphdef, plain_state = nnx.split(abstract_model(dataclasses.replace(cfg, lora=None)))
+    pure = nnx.to_pure_dict(nnx.state(model))
+    for target in cfg.lora.targets:
+        block, projection = LORA_TARGETS[target].split(".")
+        node = pure["layers"][block][projection]
+        a, b = node.pop("lora_a"), node.pop("lora_b")
+        delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32)) * cfg.lora.scale
+        node["kernel"] = (node["kernel"].astype(jnp.float32) + delta).astype(node["kernel"].dtype)
+    nnx.replace_by_pure_dict(plain_state, pure)
+    return nnx.merge(graphdef, plain_state)
+
+
+def peft_state_dict(cfg, adapters) -> dict[str, np.ndarray]:
+    """The adapters (the model's nnx.LoRAParam state, on the host) under PEFT's names and layouts
+    (lora_A.weight [r, din], lora_B.weight [dout, r]) for transformers' module tree, float32."""
+    pure = nnx.to_pure_dict(adapters)
+    out = {}
+    for target in cfg.lora.targets:
+        block, projection = LORA_TARGETS[target].split(".")
+        node = pure["layers"][block][projection]
+        a, b = np.asarray(jax.device_get(node["lora_a"]), np.float32), np.asarray(jax.device_get(node["lora_b"]),
+                                                                                  np.float32)
+        for i in range(cfg.num_layers):
+            prefix = f"base_model.model.model.layers.{i}.{block}.{projection}"
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    return out
+
+
+def peft_config(cfg, base_model: str | None) -> dict:
+    """adapter_config.json for PEFT's LoraConfig (no dropout at inference, no rsLoRA: scale alpha / r)."""
+    lora = cfg.lora
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "target_modules": sorted(LORA_TARGETS[t].split(".")[1] for t in lora.targets), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
+    }

@@ -1,0 +1,260 @@
+"""LoRA: adapters on a frozen base. Exact at the start, gradients equal to the dense formula, only
+adapters trained and saved, the reference as the base with adapters off, the training invariances,
+and the PEFT and merged exports."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from polyalign import parallel
+from polyalign.model import create_model, family_defaults, load_hf_checkpoint, save_hf_checkpoint
+from polyalign.model.config import LORA_TARGETS, LoraConfig, ModelConfigError
+from polyalign.model.lora import add_adapters, base_model, merge_adapters
+from polyalign.train.config import LoopConfig, OptimizerConfig
+from polyalign.train.methods import load_config
+from polyalign.train.metrics import read_metrics
+from polyalign.train.run import train as train_sft
+from polyalign.train.sft import SftObjective
+from polyalign.train.trainer import Trainer
+from tests.conftest import REPO, tiny_model_config
+from tests.train_checks import adapted_model, first_batch, gradients_of_first_batch
+
+WORKER = REPO / "tests" / "train_worker.py"
+RANK, ALPHA = 4, 8.0
+
+
+def _pure(state) -> dict:
+    from flax import traverse_util
+
+    return traverse_util.flatten_dict(nnx.to_pure_dict(state), sep=".")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_fresh_adapters_leave_the_logits_exactly_as_they_were(family, scan):
+    cfg = family_defaults(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, scan_layers=scan)
+    base = create_model(cfg, seed=1)
+    adapted = add_adapters(base, LoraConfig(rank=RANK, alpha=ALPHA), seed=3)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 24)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(adapted(ids)), np.asarray(base(ids)))
+    shapes = {k: v.shape for k, v in _pure(nnx.state(adapted, nnx.LoRAParam)).items()}
+    assert len(shapes) == 2 * len(LORA_TARGETS)
+    assert shapes["layers.self_attn.q_proj.lora_a"] == (2, 32, RANK)
+    assert shapes["layers.self_attn.k_proj.lora_b"] == (2, RANK, 16)  # 2 key/value heads of 8
+    assert shapes["layers.mlp.down_proj.lora_a"] == (2, 64, RANK)
+    adapters = _pure(nnx.state(adapted, nnx.LoRAParam))
+    assert all(not v.any() for k, v in adapters.items() if k.endswith("lora_b"))  # B starts at zero
+    bound = 1 / np.sqrt(32)  # PEFT's kaiming init of A: uniform within 1/sqrt(fan_in)
+    a = np.asarray(adapters["layers.self_attn.q_proj.lora_a"])
+    assert np.abs(a).max() <= bound and np.abs(a).max() > 0.9 * bound
+
+
+def test_adapters_shard_with_their_projection_and_replicate_the_rank():
+    cfg = dataclasses.replace(tiny_model_config(97), lora=LoraConfig(rank=RANK))
+    from polyalign.model import abstract_model
+
+    shardings = _pure(parallel.param_shardings(nnx.state(abstract_model(cfg)), parallel.make_mesh()))
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        kernel = shardings[f"layers.{name}.kernel"].spec
+        assert tuple(shardings[f"layers.{name}.lora_a"].spec) == (kernel[0], kernel[1], None)
+        assert tuple(shardings[f"layers.{name}.lora_b"].spec) == (kernel[0], None, kernel[2])
+
+
+def test_bad_adapter_settings_are_named():
+    with pytest.raises(ModelConfigError, match="targets"):
+        LoraConfig(targets=("q", "qkv"))
+    with pytest.raises(ModelConfigError, match="rank"):
+        LoraConfig(rank=0)
+    from polyalign.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.lora.targets.*got \['q', 'x'\]"):
+        load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.targets=[q, x]"])
+    with pytest.raises(ConfigError, match="model.lora.init"):
+        load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.init=normal"])
+    config = load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=16"])
+    assert config.model.lora.to_model() == LoraConfig(rank=16, alpha=32.0)
+    assert load_config(REPO / "configs" / "sft_demo.yaml").model.lora.to_model() is None  # rank 0: full tuning
+
+
+def _dense_sft_loss(base, adapters: dict, batch, scale: float):
+    """Bucket-SFT's loss of the plain base model whose kernels are W + scale A B: LoRA's definition,
+    with no LoRA code."""
+    graphdef, state = nnx.split(base)
+    pure = nnx.to_pure_dict(state)
+    for target in LORA_TARGETS.values():
+        block, projection = target.split(".")
+        node = pure["layers"][block][projection]
+        a, b = adapters[f"layers.{target}.lora_a"], adapters[f"layers.{target}.lora_b"]
+        node["kernel"] = node["kernel"] + scale * jnp.einsum("lir,lro->lio", a, b)
+    nnx.replace_by_pure_dict(state, pure)
+    model = nnx.merge(graphdef, state)
+    ids, targets, mask = (jnp.asarray(batch[k][0]) for k in ("input_ids", "targets", "loss_mask"))
+    logp = jax.nn.log_softmax(model(ids), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    per_example = (nll * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1)
+    weight = jnp.asarray(batch["weight"][0] * batch["valid"][0])
+    return (weight * per_example).sum() / weight.sum()
+
+
+def test_adapter_gradients_equal_the_dense_formula_and_nothing_else_is_trained(built_run):
+    run, manifest = built_run
+    batch, _ = first_batch(run, 8, 1)
+    model = adapted_model(manifest["vocab_size"], RANK)
+    trainer = Trainer(model, SftObjective(len(manifest["buckets"])), OptimizerConfig(warmup_ratio=0.0),
+                      LoopConfig(steps=2, global_batch=8), parallel.make_mesh())
+    grads, loss, _ = trainer.gradients(batch)
+    grads = _pure(jax.device_get(grads))
+    assert sorted(grads) == sorted(f"layers.{t}.lora_{x}" for t in LORA_TARGETS.values() for x in "ab")
+
+    adapters = {k: jnp.array(v) for k, v in _pure(nnx.state(model, nnx.LoRAParam)).items()}  # copies: the step donates
+    base = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
+    want_loss, want = jax.value_and_grad(lambda a: _dense_sft_loss(base, a, batch, ALPHA / RANK))(adapters)
+    assert float(loss) == pytest.approx(float(want_loss), abs=1e-5)
+    for name, value in want.items():
+        assert np.abs(value).max() > 1e-6, name  # every adapter has a gradient to compare
+        np.testing.assert_allclose(grads[name], value, atol=2e-6, err_msg=name)
+
+    # Optimizer state: AdamW's two moments of the adapters and step counts, no more.
+    adapter_size = sum(v.size for v in adapters.values())
+    moments = sum(x.size for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim > 0)
+    assert moments == 2 * adapter_size
+    frozen_before = {k: np.asarray(v) for k, v in _pure(trainer.frozen).items()}
+    trainer.step(batch)
+    assert all(np.array_equal(np.asarray(v), frozen_before[k]) for k, v in _pure(trainer.frozen).items())
+    after = _pure(jax.device_get(trainer.state["params"]))
+    assert all(not np.array_equal(after[k], np.asarray(adapters[k])) for k in adapters)  # every adapter moved
+
+
+def test_adapter_gradients_are_the_same_for_one_two_and_four_micro_batches(built_run, tmp_path):
+    run, _ = built_run
+    results = {m: gradients_of_first_batch(run, tmp_path / f"m{m}.safetensors", m, 8, lora_rank=RANK)
+               for m in (1, 2, 4)}
+    assert all(name.endswith(("lora_a", "lora_b")) for name in results[1] if name != "loss")
+    for m in (2, 4):
+        assert abs(float(results[m]["loss"][0]) - float(results[1]["loss"][0])) <= 1e-5
+        for name, value in results[1].items():
+            np.testing.assert_allclose(results[m][name], value, rtol=1e-5, atol=1e-6, err_msg=f"{m} micro-batches: {name}")
+
+
+@pytest.mark.slow
+def test_adapter_gradients_are_the_same_on_eight_devices(built_run, tmp_path):
+    run, _ = built_run
+    one = gradients_of_first_batch(run, tmp_path / "one.safetensors", 2, 16, lora_rank=RANK)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for sizes in (("8", "1", "1"), ("2", "2", "2")):
+        out = tmp_path / f"eight-{'-'.join(sizes)}.safetensors"
+        subprocess.run([sys.executable, str(WORKER), "grads", str(run), str(out), "--devices", "8", "--data", sizes[0],
+                        "--fsdp", sizes[1], "--tensor", sizes[2], "--micro", "2", "--global-batch", "16",
+                        "--lora-rank", str(RANK)], check=True, env=env, timeout=300)
+        got = load_file(str(out))
+        assert abs(float(got["loss"][0]) - float(one["loss"][0])) <= 1e-5
+        for name, value in one.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=f"mesh {sizes}: {name}")
+
+
+def test_the_reference_is_the_base_with_adapters_off(built_run):
+    """base_model() of an adapted model (trained adapters, B non-zero) computes exactly what a separate
+    copy of the base computes, holding the same arrays rather than a copy."""
+    from polyalign.train.preference import reference_logps
+
+    _, manifest = built_run
+    vocab = manifest["vocab_size"]
+    adapted = adapted_model(vocab, RANK)
+    copy = create_model(tiny_model_config(vocab), seed=0)
+    reference = base_model(adapted)
+    assert not nnx.state(reference, nnx.LoRAParam)
+    kernel = adapted.layers.self_attn.q_proj.kernel
+    assert reference.layers.self_attn.q_proj.kernel[...] is kernel[...]  # shared, not copied
+    rng = np.random.default_rng(3)
+    examples = []
+    for n, m in ((5, 7), (12, 3), (8, 8)):
+        prompt = rng.integers(3, vocab, 9)
+        example = {"id": f"p{n}", "bucket": 0, "weight": 1.0, "critic_chosen": 0.0, "critic_rejected": 0.0}
+        for side, length in (("chosen", n), ("rejected", m)):
+            example[f"{side}_ids"] = np.r_[prompt, rng.integers(3, vocab, length)].astype(np.int32)
+            example[f"{side}_mask"] = np.r_[np.zeros(9), np.ones(length)].astype(bool)
+        examples.append(example)
+    ids = jnp.asarray(rng.integers(0, vocab, (2, 20)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(reference(ids)), np.asarray(copy(ids)))
+    assert np.abs(np.asarray(adapted(ids)) - np.asarray(copy(ids))).max() > 1e-3  # the adapters do change it
+    with_copy = [dict(e) for e in examples]
+    with_base = [dict(e) for e in examples]
+    reference_logps(copy, with_copy, 32, 0, batch_size=2, progress=False)
+    reference_logps(reference, with_base, 32, 0, batch_size=2, progress=False)
+    assert [(e["ref_chosen"], e["ref_rejected"]) for e in with_base] == \
+        [(e["ref_chosen"], e["ref_rejected"]) for e in with_copy]
+
+
+def _config(run, steps, *extra):
+    return load_config(REPO / "configs" / "sft_demo.yaml", [
+        f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=4",
+        "train.checkpoint_every=2", "data.eval_limit=32", "data.eval_batch=16", f"model.lora.rank={RANK}",
+        f"model.lora.alpha={ALPHA}", "optimizer.lr=0.01", *extra])
+
+
+def test_a_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports_both_ways(built_run, tmp_path):
+    run, manifest = built_run
+    straight = train_sft(_config(run, 6), tmp_path / "straight", progress=False)
+    train_sft(_config(run, 6, "train.stop_at=3"), tmp_path / "resumed", progress=False)
+    resumed = train_sft(_config(run, 6), tmp_path / "resumed", progress=False)
+    assert resumed["start_step"] == 3 and resumed["end_step"] == 6
+    first, again = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    for a, b in zip(first[3:], [r for r in again if r["step"] > 3]):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+    assert first[-1]["loss"] < first[0]["loss"]  # the adapters learn
+
+    # The checkpoint holds the adapters and their optimizer state: a fraction of the model.
+    full = train_sft(load_config(REPO / "configs" / "sft_demo.yaml", [
+        f"data.dir={run}", "train.steps=2", "train.global_batch=8", "train.checkpoint_every=2",
+        "data.eval_limit=32", "data.eval_batch=16"]), tmp_path / "full", progress=False)
+    assert full["end_step"] == 2
+
+    def size(folder):
+        return sum(f.stat().st_size for f in (folder / "checkpoints").rglob("*") if f.is_file())
+
+    print(f"\ncheckpoint bytes: LoRA r={RANK} {size(tmp_path / 'straight')}, full {size(tmp_path / 'full')}")
+    assert size(tmp_path / "straight") < 0.5 * size(tmp_path / "full")
+
+    # Exports: PEFT's adapter folder and the merged model, which equal the adapted model.
+    out = tmp_path / "straight"
+    assert straight["adapter"] == str(out / "adapter")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+    tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    shape = json.loads((out / "model" / "config.json").read_text())
+    width = shape["hidden_size"]
+    assert len(tensors) == 2 * 7 * shape["num_hidden_layers"]  # (A, B) x targets x layers
+    a = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
+    b = tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
+    assert a.shape == (RANK, width) and b.shape == (width, RANK) and np.abs(b).max() > 0
+
+    merged = load_hf_checkpoint(out / "model")
+    assert merged.config.lora is None
+    # PEFT's rule on transformers' layout, W [out, in] + (alpha / r) B A, from the untouched base: the
+    # base is the from-scratch model of model.seed, frozen.
+    save_hf_checkpoint(create_model(merged.config, seed=0, mesh=parallel.make_mesh()), tmp_path / "base")
+    base_weights = load_file(str(tmp_path / "base" / "model.safetensors"))
+    merged_weights = load_file(str(out / "model" / "model.safetensors"))
+    name = "model.layers.1.self_attn.q_proj.weight"
+    np.testing.assert_allclose(merged_weights[name], base_weights[name] + ALPHA / RANK * b @ a, atol=1e-6)
+    assert np.array_equal(merged_weights["model.embed_tokens.weight"], base_weights["model.embed_tokens.weight"])
+
+
+def test_merging_adapters_gives_the_adapted_model():
+    model = adapted_model(97, RANK)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 16)), jnp.int32)
+    merged = merge_adapters(model)
+    assert merged.config.lora is None and not nnx.state(merged, nnx.LoRAParam)
+    np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(model(ids)), atol=2e-5)
