@@ -143,7 +143,8 @@ def test_adapter_gradients_are_the_same_for_one_two_and_four_micro_batches(built
     for m in (2, 4):
         assert abs(float(results[m]["loss"][0]) - float(results[1]["loss"][0])) <= 1e-5
         for name, value in results[1].items():
-            np.testing.assert_allclose(results[m][name], value, rtol=1e-5, atol=1e-6, err_msg=f"{m} micro-batches: {name}")
+            np.testing.assert_allclose(results[m][name], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{m} micro-batches: {name}")
 
 
 @pytest.mark.slow
