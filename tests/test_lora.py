@@ -259,3 +259,65 @@ def test_merging_adapters_gives_the_adapted_model():
     merged = merge_adapters(model)
     assert merged.config.lora is None and not nnx.state(merged, nnx.LoRAParam)
     np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(model(ids)), atol=2e-5)
+
+
+@pytest.mark.slow
+def test_hdpo_with_adapters_precomputed_and_in_step_references_train_alike(demo_run, demo_tokenizer, tmp_path):
+    """HDPO on real pairs with adapters: the reference precomputed from the base with adapters off, or
+    computed in every step from the same base, gives the same run; the first step sits at the
+    reference (margin 0) and the run writes the adapter folder beside the merged model."""
+    from polyalign.train.run import train as train_preference
+    from tests.test_preference import _init_checkpoint_and_pair_files
+
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=16, val=4)
+    runs = {}
+    for reference in ("precomputed", "in_step"):
+        config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
+            f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
+            "max_length=128", "train.steps=3", "train.global_batch=4", "train.eval_every=3", "optimizer.lr=0.01",
+            "train.checkpoint_every=3", "drift_prompts=0", f"model.lora.rank={RANK}", f"reference={reference}"])
+        result = train_preference(config, tmp_path / reference, progress=False)
+        assert (tmp_path / reference / "adapter" / "adapter_model.safetensors").is_file() and result["adapter"]
+        runs[reference] = [r for r in read_metrics(tmp_path / reference) if "loss" in r]
+    first, second = runs["precomputed"], runs["in_step"]
+    assert abs(first[0]["rewards/margin"]) < 1e-6 and abs(second[0]["rewards/margin"]) < 1e-6
+    assert abs(first[-1]["rewards/margin"]) > 1e-4  # the adapters moved the policy off the reference
+    for a, b in zip(first, second):
+        for key in ("loss", "rewards/margin", "rewards/chosen", "val_rewards/margin"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+
+
+def test_an_in_step_reference_needs_adapters():
+    from polyalign.config import ConfigError
+
+    with pytest.raises(ConfigError, match="in_step.*model.lora.rank"):
+        load_config(REPO / "configs" / "hdpo_demo.yaml", ["reference=in_step"])
+    assert load_config(REPO / "configs" / "hdpo_demo.yaml", ["reference=in_step", "model.lora.rank=8"])
+
+
+@pytest.mark.slow
+def test_adapters_train_alike_on_two_processes_and_on_one(built_run, tmp_path):
+    """LoRA SFT on two processes of two CPU devices (jax.distributed, gloo) equals one process with
+    four devices step by step, and both export the same adapters."""
+    from polyalign.launch import free_port
+    from tests.test_training import _cli, _train_args, _wait
+
+    run, _ = built_run
+    lora = ("parallel.data=2", "parallel.fsdp=2", f"model.lora.rank={RANK}", "optimizer.lr=0.01")
+    _wait([_cli(_train_args(run, tmp_path / "one", *lora), {}, devices=4)])
+    port = free_port()
+    _wait([_cli(_train_args(run, tmp_path / "two", *lora), {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}",
+                                                           "POLYALIGN_NUM_PROCESSES": "2",
+                                                           "POLYALIGN_PROCESS_ID": str(i)}, devices=2)
+           for i in range(2)])
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == list(range(1, 7))
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+    adapters = [load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("one", "two")]
+    assert adapters[0].keys() == adapters[1].keys()
+    # Adam divides each update by the gradient's own scale, so where a gradient is ~0 its last bits
+    # (a different reduction order) move a weight by up to ~lr x 1e-3 over the run.
+    for name, array in adapters[0].items():
+        np.testing.assert_allclose(adapters[1][name], array, atol=2e-5, err_msg=name)

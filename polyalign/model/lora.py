@@ -17,6 +17,7 @@ is the reference model of preference training without a second copy of the weigh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -75,13 +76,18 @@ def add_adapters(model, lora: LoraConfig, seed: int = 0, mesh: jax.sharding.Mesh
 def base_model(model):
     """The frozen base of an adapted model, as a plain model sharing its arrays: the model with its
     adapters switched off (preference training's reference, with no second copy of the weights)."""
-    from polyalign.model.transformer import abstract_model
-
     if not has_adapters(model):
         return model
-    graphdef, _ = nnx.split(abstract_model(dataclasses.replace(model.config, lora=None)))
     _, _, base = nnx.split(model, nnx.LoRAParam, ...)
-    return nnx.merge(graphdef, base)
+    return nnx.merge(_plain_graphdef(dataclasses.replace(model.config, lora=None)), base)
+
+
+@functools.lru_cache(maxsize=8)
+def _plain_graphdef(cfg):
+    # Cached: the in-step reference asks for it in every trace of the step.
+    from polyalign.model.transformer import abstract_model
+
+    return nnx.split(abstract_model(cfg))[0]
 
 
 def merge_adapters(model):

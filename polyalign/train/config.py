@@ -105,6 +105,7 @@ NORMALIZATIONS = ("global", "microbatch")
 PREFERENCE_METHODS = ("hdpo", "dpo", "ipo", "robust_dpo", "ln_dpo", "simpo", "orpo", "kto")
 DISTANCE_FEATURES = ("nonconstant", "all")
 PROFILES = ("context", "oracle", "none")
+REFERENCES = ("precomputed", "in_step")
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,10 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5  # SimPO's target reward margin
     kto_desirable_weight: float = 1.0  # KTO: weight of the human (desirable) responses
     kto_undesirable_weight: float = 1.0  # KTO: weight of the model's own (undesirable) samples
+    # The reference log-probs: `precomputed` once before training (any model), or `in_step`: with
+    # model.lora, the base with the adapters off in every step (no pass over the pairs first, one more
+    # forward per step).
+    reference: str = "precomputed"
     # At every evaluation, sample the policy (greedy, drift_new_tokens) on the first drift_prompts
     # validation prompts and log length ratio, support distance and critic score per bucket; 0: off.
     drift_prompts: int = 32

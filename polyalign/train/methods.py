@@ -255,6 +255,10 @@ def check_config(config: Any, where: str = "config") -> None:
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)
+        _check_choice(where, "reference", config.reference, schema.REFERENCES)
+        if config.reference == "in_step" and not config.model.lora.rank:
+            raise ConfigError(f"{where}: reference: in_step computes the reference as the base with the adapters "
+                              "off, which needs model.lora.rank > 0 (full tuning has no frozen base to use)")
     elif isinstance(config, schema.CriticConfig):
         from polyalign.references import COUNTS
 

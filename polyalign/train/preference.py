@@ -145,6 +145,11 @@ class PreferenceObjective:
     def numerators(self, model, mb, key=None):
         c = self.config
         pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
+        if c.reference == "in_step" and c.method not in REFERENCE_FREE:
+            from polyalign.model.lora import base_model
+
+            ref_chosen, ref_rejected, _ = jax.lax.stop_gradient(sequence_logps(base_model(model), mb))
+            mb = {**mb, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected}
         n_rejected = response_lengths(mb)[1].reshape(-1)
         tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
         # every real token the forward pass runs (prompts included; a packed row's shared prefix once);
@@ -208,7 +213,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
-    if config.method not in REFERENCE_FREE:
+    if config.method not in REFERENCE_FREE and config.reference == "precomputed":
         from polyalign.model.lora import base_model
 
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
