@@ -321,3 +321,82 @@ def test_adapters_train_alike_on_two_processes_and_on_one(built_run, tmp_path):
     # (a different reduction order) move a weight by up to ~lr x 1e-3 over the run.
     for name, array in adapters[0].items():
         np.testing.assert_allclose(adapters[1][name], array, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantised_kernels_by_hand(kind):
+    """Blocks of 64 input rows per output column scaled by their absolute maximum: values on the
+    grid come back exactly, others to the nearest level; the storage is 4.25 / 8.25 bits a weight."""
+    from polyalign.model import quantize as quant
+
+    rng = np.random.default_rng(0)
+    levels = quant.NF4_LEVELS if kind == "nf4" else np.arange(-127, 128) / 127
+    on_grid = rng.choice(levels, (128, 3)).astype(np.float32)
+    on_grid[0] = 1.0  # each block's maximum is 1 x its scale
+    on_grid[64] = -1.0
+    scale = np.array([0.5, 0.25, 2.0], np.float32)  # exact in bfloat16
+    kernel = jnp.asarray(on_grid * scale)
+    codes, block_max = quant.quantize(kernel, kind)
+    assert codes.shape == ((64, 3) if kind == "nf4" else (128, 3)) and block_max.shape == (2, 3)
+    # (k / 127 rounds in float32: equal to the last bit)
+    np.testing.assert_allclose(np.asarray(quant.dequantize(codes, block_max, kind, jnp.float32)), on_grid * scale,
+                               rtol=2e-7, atol=0)
+    bits = (codes.size * codes.dtype.itemsize + block_max.size * block_max.dtype.itemsize) * 8 / kernel.size
+    assert bits == quant.bits_per_weight(kind) == (4.25 if kind == "nf4" else 8.25)
+
+    off_grid = jnp.asarray(rng.normal(0, 0.02, (256, 8)), jnp.float32)
+    codes, block_max = quant.quantize(off_grid, kind)
+    got = np.asarray(quant.dequantize(codes, block_max, kind, jnp.float32))
+    blocks = np.asarray(off_grid).reshape(4, 64, 8)
+    absmax = np.asarray(jnp.asarray(np.abs(blocks).max(1), jnp.bfloat16).astype(jnp.float32))
+    normalised = blocks / absmax[:, None]
+    nearest = levels[np.abs(normalised[..., None] - levels).argmin(-1)]
+    np.testing.assert_allclose(got, (nearest * absmax[:, None]).reshape(256, 8), atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_quantised_base_with_fresh_adapters_computes_its_dequantised_model(kind):
+    """QLoRA at step 0: the model equals the plain model whose kernels are the dequantised ones, and
+    stays close to the unquantised base (int8 much closer than NF4)."""
+    cfg = family_defaults("qwen2", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16)
+    from polyalign.model.lora import quantize_base
+
+    base = create_model(cfg, seed=1)
+    qlora = add_adapters(quantize_base(base, kind), LoraConfig(rank=RANK, alpha=ALPHA), seed=2)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 16)), jnp.int32)
+    plain = merge_adapters(qlora)
+    assert plain.config.quantize is None and plain.layers.mlp.up_proj.kernel[...].dtype == jnp.float32
+    # equal up to the order XLA sums in once it fuses the dequantisation into the product
+    np.testing.assert_allclose(np.asarray(qlora(ids)), np.asarray(plain(ids)), atol=1e-6)
+    codes = qlora.layers.self_attn.q_proj.kernel_codes[...]
+    assert codes.dtype == (jnp.uint8 if kind == "nf4" else jnp.int8)
+    drift = float(jnp.abs(qlora(ids) - base(ids)).max()) / float(jnp.abs(base(ids)).max())
+    assert 0 < drift < (0.2 if kind == "nf4" else 0.02), drift
+    np.testing.assert_array_equal(np.asarray(base_model(qlora)(ids)), np.asarray(qlora(ids)))  # B = 0
+
+
+@pytest.mark.slow
+def test_qlora_trains_from_a_checkpoint_and_exports(built_run, demo_tokenizer, tmp_path):
+    """`model.quantize=nf4 model.lora.rank=4` from an init checkpoint: the step trains the adapters on
+    the NF4 base, and OUT/model holds the dequantised base plus the adapters."""
+    run, manifest = built_run
+    files = demo_tokenizer[0].path.parent
+    tokenizer_files = {name: (files / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")}
+    init = create_model(tiny_model_config(manifest["vocab_size"], hidden_size=64, head_dim=16), seed=0)
+    save_hf_checkpoint(init, tmp_path / "init", extra_files=tokenizer_files)
+    result = train_sft(_config(run, 4, f"init={tmp_path / 'init'}", "model.quantize=nf4"), tmp_path / "out",
+                       progress=False)
+    steps = read_metrics(tmp_path / "out")
+    assert result["end_step"] == 4 and steps[-1]["loss"] < steps[0]["loss"]
+    merged = load_hf_checkpoint(tmp_path / "out" / "model")
+    from polyalign.model import quantize as quant
+
+    q = load_file(str(tmp_path / "init" / "model.safetensors"))["model.layers.0.mlp.gate_proj.weight"]
+    dequantised = np.asarray(quant.dequantize(*quant.quantize(jnp.asarray(q.T), "nf4"), "nf4", jnp.float32)).T
+    adapter = load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors"))
+    a = adapter["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"]
+    b = adapter["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"]
+    got = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))["model.layers.0.mlp.gate_proj.weight"]
+    np.testing.assert_allclose(got, dequantised + ALPHA / RANK * b @ a, atol=1e-6)
+    assert merged.config.quantize is None and merged.config.lora is None

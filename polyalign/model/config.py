@@ -115,6 +115,8 @@ class ModelConfig:
     logprob_chunk: int = 0
     # Low-rank adapters on the projections (polyalign/model/lora.py); training then updates only them.
     lora: LoraConfig | None = None
+    # nf4 | int8: the layers' projections are stored quantised (polyalign/model/quantize.py), frozen.
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,6 +132,8 @@ class ModelConfig:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if any(t not in LAYER_TYPES for t in self.layer_types):
             problems.append(f"layer_types must be drawn from {', '.join(LAYER_TYPES)}")
+        if self.quantize not in (None, "nf4", "int8"):
+            problems.append(f"quantize {self.quantize!r} is not one of nf4, int8 or None")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need a sliding_window")
         if problems:

@@ -29,24 +29,55 @@ from polyalign import parallel as P
 from polyalign.model.config import LORA_TARGETS, LoraConfig
 
 
-class LoraLinear(nnx.Linear):
-    """nnx.Linear (the frozen base: `kernel`, `bias`) plus the adapter pair `lora_a` [din, r] and
-    `lora_b` [r, dout], float32 whatever the base's dtype (the optimizer's parameters)."""
+class LoraLinear(nnx.Module):
+    """A projection of an adapted model: y = x W + b + (alpha / r) (x A) B.
 
-    def __init__(self, din: int, dout: int, *, lora: LoraConfig, names: tuple[str, str], rngs: nnx.Rngs, **linear):
-        super().__init__(din, dout, rngs=rngs, **linear)
-        if lora.init == "kaiming":  # PEFT's default: kaiming_uniform(a=sqrt(5)) of A, bound 1/sqrt(din)
-            bound = 1.0 / math.sqrt(din)
-            a = jax.random.uniform(rngs.params(), (din, lora.rank), jnp.float32, -bound, bound)
+    W is `kernel` [din, dout] as in nnx.Linear (the names Hugging Face loading fills), or with
+    `quantize` its NF4/int8 codes and block maxima (`kernel_codes`, `kernel_scale`), dequantised to the
+    compute dtype when used. `lora_a` [din, r] and `lora_b` [r, dout] are float32 whatever the base's
+    dtype (they are what the optimizer updates); without `lora` the projection has none (a quantised
+    projection that is not a target)."""
+
+    def __init__(self, din: int, dout: int, *, lora: LoraConfig | None, quantize: str | None,
+                 names: tuple[str, str], use_bias: bool, dtype, param_dtype, kernel_init, rngs: nnx.Rngs):
+        from polyalign.model import quantize as quant
+
+        self.dtype, self.quantize = dtype, quantize
+        if quantize is None:
+            self.kernel = nnx.Param(kernel_init(rngs.params(), (din, dout), param_dtype), **P.param(names))
         else:
-            a = jax.random.normal(rngs.params(), (din, lora.rank), jnp.float32) / lora.rank
-        self.lora_a = nnx.LoRAParam(a, **P.param((names[0], None)))
-        self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), **P.param((None, names[1])))
-        self.lora_scale = lora.scale
+            codes, scale = quant.code_shape(quantize, din, dout)
+            code_dtype = jnp.uint8 if quantize == "nf4" else jnp.int8
+            self.kernel_codes = nnx.Param(jnp.zeros(codes, code_dtype), **P.param(names))
+            self.kernel_scale = nnx.Param(jnp.ones(scale, jnp.bfloat16), **P.param(names))
+        self.bias = nnx.Param(jnp.zeros((dout,), param_dtype), **P.param(names[1:])) if use_bias else None
+        self.lora_scale = None if lora is None else lora.scale
+        if lora is not None:
+            if lora.init == "kaiming":  # PEFT's default: kaiming_uniform(a=sqrt(5)) of A, bound 1/sqrt(din)
+                bound = 1.0 / math.sqrt(din)
+                a = jax.random.uniform(rngs.params(), (din, lora.rank), jnp.float32, -bound, bound)
+            else:
+                a = jax.random.normal(rngs.params(), (din, lora.rank), jnp.float32) / lora.rank
+            self.lora_a = nnx.LoRAParam(a, **P.param((names[0], None)))
+            self.lora_b = nnx.LoRAParam(jnp.zeros((lora.rank, dout), jnp.float32), **P.param((None, names[1])))
+
+    def base_kernel(self) -> jax.Array:
+        """W in the compute dtype (dequantised when stored quantised)."""
+        from polyalign.model import quantize as quant
+
+        if self.quantize is None:
+            return self.kernel[...].astype(self.dtype)
+        return quant.dequantize(self.kernel_codes[...], self.kernel_scale[...], self.quantize, self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(self.dtype)
+        y = x @ self.base_kernel()
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        if self.lora_scale is None:
+            return y
         update = (x @ self.lora_a[...].astype(x.dtype)) @ self.lora_b[...].astype(x.dtype)
-        return super().__call__(x) + update * jnp.asarray(self.lora_scale, x.dtype)
+        return y + update * jnp.asarray(self.lora_scale, x.dtype)
 
 
 def has_adapters(model: nnx.Module) -> bool:
@@ -90,24 +121,59 @@ def _plain_graphdef(cfg):
     return nnx.split(abstract_model(cfg))[0]
 
 
+def _projections(pure: dict):
+    """(target, node) for each layer projection in a model's pure-dict state."""
+    for target, where in LORA_TARGETS.items():
+        block, projection = where.split(".")
+        yield target, pure["layers"][block][projection]
+
+
 def merge_adapters(model):
-    """The plain model (no adapters) whose projections hold W + (alpha / r) A B: the same function,
-    in the base's parameter dtype."""
+    """The plain model (no adapters, no quantised storage) whose projections hold W + (alpha / r) A B:
+    the same function, with W in the base's dtype (a quantised base: the compute dtype)."""
+    from polyalign.model import quantize as quant
     from polyalign.model.transformer import abstract_model
 
     cfg = model.config
-    if cfg.lora is None:
+    if cfg.lora is None and cfg.quantize is None:
         return model
-    graphdef, plain_state = nnx.split(abstract_model(dataclasses.replace(cfg, lora=None)))
+    plain = dataclasses.replace(cfg, lora=None, quantize=None,
+                                param_dtype=cfg.dtype if cfg.quantize else cfg.param_dtype)
+    graphdef, plain_state = nnx.split(abstract_model(plain))
     pure = nnx.to_pure_dict(nnx.state(model))
-    for target in cfg.lora.targets:
-        block, projection = LORA_TARGETS[target].split(".")
-        node = pure["layers"][block][projection]
-        a, b = node.pop("lora_a"), node.pop("lora_b")
-        delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32)) * cfg.lora.scale
-        node["kernel"] = (node["kernel"].astype(jnp.float32) + delta).astype(node["kernel"].dtype)
+    for _, node in _projections(pure):
+        if "kernel_codes" in node:
+            node["kernel"] = quant.dequantize(node.pop("kernel_codes"), node.pop("kernel_scale"), cfg.quantize,
+                                              plain.param_dtype)
+        if "lora_a" in node:
+            a, b = node.pop("lora_a"), node.pop("lora_b")
+            delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32)) * cfg.lora.scale
+            node["kernel"] = (node["kernel"].astype(jnp.float32) + delta).astype(node["kernel"].dtype)
     nnx.replace_by_pure_dict(plain_state, pure)
     return nnx.merge(graphdef, plain_state)
+
+
+def quantize_base(model, kind: str, mesh: jax.sharding.Mesh | None = None):
+    """`model` (with or without adapters) with its layer projections stored as `kind` (nf4, int8),
+    one projection at a time, each placed in its sharding over `mesh` when given. Adapters, norms,
+    embeddings and the LM head are kept as they are."""
+    from polyalign.model import quantize as quant
+    from polyalign.model.transformer import abstract_model
+
+    cfg = dataclasses.replace(model.config, quantize=kind)
+    graphdef, abstract = nnx.split(abstract_model(cfg))
+    shardings = nnx.to_pure_dict(P.param_shardings(abstract, mesh)) if mesh is not None else None
+    pure = nnx.to_pure_dict(nnx.state(model))
+    for target, node in _projections(pure):
+        block, projection = LORA_TARGETS[target].split(".")
+        out = None if shardings is None else tuple(shardings["layers"][block][projection][k]
+                                                   for k in ("kernel_codes", "kernel_scale"))
+        kernel = node.pop("kernel")
+        node["kernel_codes"], node["kernel_scale"] = jax.jit(quant.quantize, static_argnums=1,
+                                                             out_shardings=out)(kernel, kind)
+        del kernel
+    nnx.replace_by_pure_dict(abstract, pure)
+    return nnx.merge(graphdef, abstract)
 
 
 def peft_state_dict(cfg, adapters) -> dict[str, np.ndarray]:

@@ -215,13 +215,15 @@ class RMSNorm(nnx.Module):
 
 def _linear(cfg: ModelConfig, rngs: nnx.Rngs, din: int, dout: int, names: tuple[str, str],
             bias: bool = False, target: str | None = None) -> nnx.Linear:
-    """A projection; with adapters on `target` (q, k, v, o, gate, up, down) a LoraLinear."""
-    linear = dict(use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                  kernel_init=nnx.initializers.normal(_INIT_STD), kernel_metadata=P.param(names),
-                  bias_metadata=P.param(names[1:]), rngs=rngs)
-    if cfg.lora is not None and target in cfg.lora.targets:
-        return LoraLinear(din, dout, lora=cfg.lora, names=names, **linear)
-    return nnx.Linear(din, dout, **linear)
+    """A projection; a LoraLinear when it carries adapters (`target`: q, k, v, o, gate, up, down in
+    cfg.lora.targets) or the base is quantised (every layer projection, as QLoRA)."""
+    lora = cfg.lora if cfg.lora is not None and target in cfg.lora.targets else None
+    if target is not None and (lora is not None or cfg.quantize is not None):
+        return LoraLinear(din, dout, lora=lora, quantize=cfg.quantize, names=names, use_bias=bias, dtype=cfg.dtype,
+                          param_dtype=cfg.param_dtype, kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                      kernel_init=nnx.initializers.normal(_INIT_STD), kernel_metadata=P.param(names),
+                      bias_metadata=P.param(names[1:]), rngs=rngs)
 
 
 class Attention(nnx.Module):

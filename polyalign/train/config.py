@@ -47,6 +47,9 @@ class ModelSection:
     logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
     seed: int = 0  # initialisation of what is trained from scratch (the model, the critic's head, adapters)
     lora: LoraSection = field(default_factory=LoraSection)
+    # nf4 | int8 (with model.lora: QLoRA): the frozen base's layer projections stored in 4.25 or 8.25
+    # bits per weight and dequantised when used; null keeps them in model.dtype.
+    quantize: str | None = None
 
 
 @dataclass(frozen=True)

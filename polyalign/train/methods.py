@@ -277,6 +277,10 @@ def _check_lora(config: Any, where: str) -> None:
         raise ConfigError(f"{where}: model.lora.targets: expected some of {', '.join(LORA_TARGETS)}, got "
                           f"{list(lora.targets)}")
     _check_choice(where, "model.lora.init", lora.init, LORA_INITS)
+    _check_choice(where, "model.quantize", config.model.quantize, (None, "nf4", "int8"))
+    if config.model.quantize and not lora.rank:
+        raise ConfigError(f"{where}: model.quantize: a quantised base is frozen, so it trains adapters only; set "
+                          "model.lora.rank > 0 (QLoRA)")
     if lora.rank and isinstance(config, schema.CriticConfig):
         raise ConfigError(f"{where}: model.lora: the critic trains its head on frozen encodings; adapters on its "
                           "encoder are not supported")

@@ -75,21 +75,23 @@ def model_policy(section: ModelSection) -> dict[str, Any]:
 
 def load_init(config, mesh=None) -> nnx.Module:
     """The config's `init` checkpoint in its compute dtype and execution policy, placed over `mesh`;
-    with `model.lora`, frozen in the compute dtype and carrying fresh adapters."""
+    with `model.lora`, frozen in the compute dtype (or `model.quantize`d) and carrying fresh adapters."""
     from polyalign.model import load_hf_checkpoint
 
-    lora = config.model.lora.to_model()
     # A frozen base needs no float32 master copy: it is stored as it computes.
-    dtype = config.model.dtype if lora is not None else "float32"
+    dtype = config.model.dtype if config.model.lora.rank else "float32"
     model = load_hf_checkpoint(config.init, dtype=dtype, compute_dtype=config.model.dtype, mesh=mesh,
                                **model_policy(config.model))
     return with_adapters(model, config, mesh)
 
 
 def with_adapters(model: nnx.Module, config, mesh=None) -> nnx.Module:
-    """`model` with fresh adapters when the config asks for them (seeded by model.seed), else itself."""
-    from polyalign.model.lora import add_adapters
+    """`model` as the config trains it: with `model.quantize` its layer projections stored quantised,
+    with `model.lora` fresh adapters (seeded by model.seed); else itself."""
+    from polyalign.model.lora import add_adapters, quantize_base
 
+    if config.model.quantize is not None:
+        model = quantize_base(model, config.model.quantize, mesh)
     lora = config.model.lora.to_model()
     return model if lora is None else add_adapters(model, lora, seed=config.model.seed, mesh=mesh)
 
