@@ -3,7 +3,10 @@
 Estimates, not measurements: parameters, gradients and AdamW moments sharded over fsdp x tensor (and
 replicated over data); activations per device for one micro-batch from the usual transformer count
 (Korthikanti et al. 2022: about s b h (34 + 5 a s / h) bytes per layer in 16-bit, scaled to the compute
-dtype) with remat saving only layer inputs; float32 logits and their gradient over the vocabulary.
+dtype) with remat saving only layer inputs; float32 logits and their gradient over the vocabulary
+(one `logprob_chunk` block of positions at a time when set). With `model.lora` only the adapters have
+gradients and AdamW moments, and the frozen base is counted in the compute dtype (its projections at
+4.25 or 8.25 bits a weight with `model.quantize`).
 """
 
 from __future__ import annotations
@@ -43,12 +46,21 @@ class Plan:
 
 def estimate(model: ModelConfig, mesh: tuple[int, int, int], global_batch: int, micro_batches: int,
              sequence_length: int, sequences_per_example: int = 1) -> Plan:
+    from polyalign.model.quantize import bits_per_weight
+
     data, fsdp, tensor = mesh
     n = model.num_parameters()
     shards = fsdp * tensor
-    param_bytes = n * BYTES[model.param_dtype] / shards
-    grad_bytes = n * 4 / shards
-    optimizer_bytes = 2 * n * 4 / shards
+    # With adapters only they have gradients and AdamW moments (float32); the frozen base is stored in
+    # param_dtype, its projections in bits_per_weight when quantised.
+    trainable = model.adapter_parameters() if model.lora is not None else n
+    base_bytes = n * BYTES[model.param_dtype]
+    if model.quantize is not None:
+        projections = model.projection_parameters()
+        base_bytes += projections * (bits_per_weight(model.quantize) / 8 - BYTES[model.param_dtype])
+    param_bytes = (base_bytes + (trainable * 4 if model.lora is not None else 0)) / shards
+    grad_bytes = trainable * 4 / shards
+    optimizer_bytes = 2 * trainable * 4 / shards
     per_device = max(1, global_batch // micro_batches // (data * fsdp)) * sequences_per_example
     s, h, a = sequence_length, model.hidden_size, model.num_heads
     scale = BYTES[model.dtype] / 2
@@ -57,7 +69,9 @@ def estimate(model: ModelConfig, mesh: tuple[int, int, int], global_batch: int, 
         activation_bytes = model.num_layers * per_layer
     else:  # layer inputs kept, one layer recomputed at a time
         activation_bytes = model.num_layers * s * per_device * h * BYTES[model.dtype] + per_layer
-    logits_bytes = 2 * per_device * s * model.vocab_size * 4 / tensor
+    # float32 logits and their gradient; with logprob_chunk one block of positions at a time
+    positions = min(s, model.logprob_chunk) if model.logprob_chunk else s
+    logits_bytes = 2 * per_device * positions * model.vocab_size * 4 / tensor
     return Plan(model, n, mesh, global_batch * sequences_per_example, sequence_length, micro_batches, param_bytes,
                 grad_bytes, optimizer_bytes, activation_bytes, logits_bytes)
 
@@ -78,7 +92,11 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
     if not isinstance(config, (SftConfig, PreferenceConfig)):
         raise ConfigError(f"{path}: plan covers the methods that train a decoder (sft, hdpo, dpo, ipo), "
                           f"not {config.method!r}")
-    policy = dict(dtype=config.model.dtype, remat=config.model.remat)
+    lora = config.model.lora.to_model()
+    # Adapted runs keep the frozen base in the compute dtype (polyalign/train/run.py: load_init).
+    policy = dict(dtype=config.model.dtype, remat=config.model.remat, logprob_chunk=config.model.logprob_chunk,
+                  lora=lora, quantize=config.model.quantize,
+                  param_dtype=config.model.dtype if lora is not None else "float32")
     if model_preset:
         model = preset(model_preset, **policy)
     elif config.init:
@@ -102,16 +120,26 @@ def _built_length(data) -> int | None:
 
 
 def describe(plan: Plan, device_memory_gib: float | None = None) -> str:
+    from polyalign.model.quantize import bits_per_weight
+
     gib = 1024 ** 3
     m = plan.model
+    if m.lora is None:
+        trained = "full fine-tuning"
+    else:
+        trained = (f"LoRA r={m.lora.rank} on {','.join(m.lora.targets)}: {m.adapter_parameters() / 1e6:,.2f}M "
+                   f"trainable ({100 * m.adapter_parameters() / plan.parameters:.2f}%)"
+                   + (f", base {m.quantize} ({bits_per_weight(m.quantize):g} bits a projection weight)"
+                      if m.quantize else ""))
     lines = [
         f"model: {m.family}, {plan.parameters / 1e6:,.1f}M parameters ({m.num_layers} layers, width "
         f"{m.hidden_size}, vocab {m.vocab_size}), parameters {m.param_dtype}, compute {m.dtype}, remat {m.remat}",
+        f"training: {trained}",
         f"mesh: data={plan.mesh[0]} fsdp={plan.mesh[1]} tensor={plan.mesh[2]} ({plan.mesh[0] * plan.mesh[1] * plan.mesh[2]} devices)",
         f"tokens per step: {plan.tokens_per_step:,} ({plan.sequences_per_step} sequences x {plan.sequence_length}), "
         f"{plan.micro_batches} micro-batch(es)",
         "per device:",
-        f"  parameters       {plan.param_bytes / gib:8.2f} GiB",
+        f"  parameters       {plan.param_bytes / gib:8.2f} GiB" + ("  (frozen base + adapters)" if m.lora else ""),
         f"  gradients        {plan.grad_bytes / gib:8.2f} GiB",
         f"  AdamW moments    {plan.optimizer_bytes / gib:8.2f} GiB",
         f"  activations      {plan.activation_bytes / gib:8.2f} GiB",

@@ -400,3 +400,32 @@ def test_qlora_trains_from_a_checkpoint_and_exports(built_run, demo_tokenizer, t
     got = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))["model.layers.0.mlp.gate_proj.weight"]
     np.testing.assert_allclose(got, dequantised + ALPHA / RANK * b @ a, atol=1e-6)
     assert merged.config.quantize is None and merged.config.lora is None
+
+
+def test_an_adapter_peft_made_gives_peft_logits_and_our_export_reads_back(tmp_path):
+    """tests/fixtures/peft/qwen2 was saved by PEFT (tools/make_fixtures.py --peft) on the qwen2 fixture,
+    with its logits: the same names, layouts and alpha / r scale in polyalign give them; polyalign's own
+    export of those adapters reads back to the same model."""
+    from polyalign.errors import CheckpointError
+    from polyalign.export import export_adapter
+    from polyalign.model.lora import load_adapter
+    from tests.conftest import FIXTURES
+
+    expected = load_file(str(FIXTURES / "peft" / "qwen2" / "expected.safetensors"))
+    base = load_hf_checkpoint(FIXTURES / "hf" / "qwen2")
+    adapted = load_adapter(base, FIXTURES / "peft" / "qwen2")
+    assert adapted.config.lora == LoraConfig(rank=4, alpha=8.0)
+    real = expected["attention_mask"].astype(bool)
+    got = np.asarray(adapted(expected["input_ids"], attention_mask=expected["attention_mask"]))
+    assert np.abs(got - expected["logits"])[real].max() < 1e-4
+    plain = np.asarray(base(expected["input_ids"], attention_mask=expected["attention_mask"]))
+    assert np.abs(plain - expected["logits"])[real].max() > 1.0  # the adapter matters
+
+    export_adapter(adapted, tmp_path / "adapter", base=str(FIXTURES / "hf" / "qwen2"))
+    again = load_adapter(base, tmp_path / "adapter")
+    np.testing.assert_array_equal(np.asarray(again(expected["input_ids"])), np.asarray(adapted(expected["input_ids"])))
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(CheckpointError, match=r"adapter_config.json: use_dora: True"):
+        load_adapter(base, tmp_path / "adapter")

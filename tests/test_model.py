@@ -298,7 +298,8 @@ def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
 # Parameter counts the model cards publish (embedding included, tied heads counted once).
 PUBLISHED_SIZES = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
                    "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "gemma2-2b": 2_614_341_888,
-                   "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360, "gemma3-1b": 999_885_952}
+                   "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360, "gemma3-1b": 999_885_952,
+                   "qwen2.5-7b": 7_615_616_512}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))

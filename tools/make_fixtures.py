@@ -1,7 +1,7 @@
 """Regenerates the test fixtures that need torch and transformers (development tools only; the tests
 read the files this writes and import neither).
 
-    pip install torch==2.13.0 transformers   # the local CPU build of torch; never an unpinned torch
+    pip install torch==2.13.0 transformers peft   # the local CPU build of torch; never an unpinned torch
     python tools/make_fixtures.py --chat-templates DIR
 
 Writes, under tests/fixtures/:
@@ -15,6 +15,8 @@ Writes, under tests/fixtures/:
                              the string, the generation prompt and the assistant spans.
   losses/trl_dpo.json        DPO, cDPO and IPO losses from TRL's formulas evaluated in torch.
   losses/trl_family.json     robust DPO, SimPO, ORPO, KTO and length-normalised DPO, likewise.
+  peft/qwen2/                a LoRA adapter PEFT made on hf/qwen2 (adapter_config.json,
+                             adapter_model.safetensors) and expected.safetensors: PEFT's logits.
 
 DIR holds the official templates, copied from each model's tokenizer_config.json ("chat_template"):
 qwen.jinja (Qwen2.5 Instruct), llama3.jinja (Llama 3.2 Instruct) and gemma.jinja (Gemma 2 Instruct).
@@ -27,6 +29,10 @@ profile variables, and the tokenizer's ids, against polyalign's.
 
 It also checks the other direction: each checkpoint goes through polyalign's loader and
 save_hf_checkpoint, transformers loads the export, and the logits difference is printed.
+
+--peft writes the PEFT fixture and loads polyalign's adapter exports (every family, adapters drawn)
+with PEFT onto the transformers base, and its merged exports with transformers, printing the logits
+differences against polyalign's.
 """
 
 from __future__ import annotations
@@ -400,6 +406,67 @@ def check_trained_export(export: Path, records_path: Path, limit: int = 24) -> N
                                                                              records, profile))
 
 
+def write_peft_fixture() -> None:
+    """tests/fixtures/peft/qwen2/: a LoRA adapter PEFT made on the qwen2 fixture (r 4, alpha 8, every
+    projection, B drawn too so it changes the logits) and expected.safetensors with PEFT's logits."""
+    import peft
+
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.model.lora import load_adapter
+
+    target = FIXTURES / "peft" / "qwen2"
+    base = transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / "hf" / "qwen2").eval()
+    torch.manual_seed(SEED)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    plain = hf_logits(base, *inputs())  # before PEFT wraps (and changes) the base in place
+    adapted = peft.get_peft_model(base, config).eval()
+    adapted.save_pretrained(target)
+    (target / "README.md").unlink(missing_ok=True)
+    ids, mask = inputs()
+    logits = hf_logits(adapted, ids, mask)
+    save_file({"input_ids": ids, "attention_mask": mask, "logits": logits}, target / "expected.safetensors")
+    ours = load_adapter(load_hf_checkpoint(FIXTURES / "hf" / "qwen2"), target)
+    got = np.asarray(ours(ids, attention_mask=mask))
+    real = mask.astype(bool)
+    print(f"peft {peft.__version__}: PEFT adapter on qwen2 in polyalign: max|dlogits| {np.abs(got - logits)[real].max():.2e}"
+          f" (adapter moves the logits by {np.abs(logits - plain)[real].max():.3f})")
+
+
+def check_adapter_export() -> None:
+    """polyalign's adapter export (adapters with B drawn) loaded by PEFT onto the transformers base, and
+    its merged export loaded by transformers, against polyalign's logits."""
+    import jax
+    import peft
+    from flax import nnx
+
+    from polyalign.export import export_adapter
+    from polyalign.model import load_hf_checkpoint, save_hf_checkpoint
+    from polyalign.model.config import LoraConfig
+    from polyalign.model.lora import add_adapters, merge_adapters
+
+    ids, mask = inputs()
+    real = mask.astype(bool)
+    for family in MODELS:
+        model = add_adapters(load_hf_checkpoint(FIXTURES / "hf" / family), LoraConfig(rank=4, alpha=8.0), seed=1)
+        graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+        keys = iter(jax.random.split(jax.random.key(SEED), 64))
+        adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), adapters)
+        model = nnx.merge(graphdef, adapters, rest)
+        ours = np.asarray(model(ids, attention_mask=mask))
+        with tempfile.TemporaryDirectory() as tmp:
+            export_adapter(model, Path(tmp) / "adapter", base=str(FIXTURES / "hf" / family))
+            save_hf_checkpoint(merge_adapters(model), Path(tmp) / "merged")
+            base = transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / "hf" / family).eval()
+            plain = hf_logits(base, ids, mask)  # before PEFT wraps (and changes) the base in place
+            with_peft = hf_logits(peft.PeftModel.from_pretrained(base, Path(tmp) / "adapter").eval(), ids, mask)
+            merged = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "merged").eval(), ids,
+                               mask)
+        print(f"{family:7s} adapter export -> peft: max|dlogits| {np.abs(with_peft - ours)[real].max():.2e}; "
+              f"merged export -> transformers: {np.abs(merged - ours)[real].max():.2e}; "
+              f"adapters move the logits by {np.abs(ours - plain)[real].max():.3f}")
+
+
 def write_loss_fixtures() -> None:
     """DPO, cDPO and IPO losses from TRL's formulas (trl.DPOTrainer.dpo_loss, loss_type sigmoid / ipo),
     evaluated in torch on fixed log-probs."""
@@ -470,8 +537,15 @@ def main() -> int:
     parser.add_argument("--check-export", type=Path, metavar="DIR",
                         help="only check this trained export (e.g. runs/demo/bucket_sft/model) against transformers")
     parser.add_argument("--records", type=Path, help="with --check-export: records to prompt with (test.jsonl)")
+    parser.add_argument("--peft", action="store_true",
+                        help="only the LoRA checks: write tests/fixtures/peft/ and load polyalign's adapter exports "
+                             "with peft (needs peft)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    if args.peft:
+        write_peft_fixture()
+        check_adapter_export()
+        return 0
     if args.check_export:
         check_trained_export(args.check_export, args.records)
         return 0
@@ -485,6 +559,7 @@ def main() -> int:
     if args.jinja_only:
         return 0
     write_model_fixtures()
+    write_peft_fixture()
     write_loss_fixtures()
     if args.chat_templates:
         write_chat_fixtures(args.chat_templates)

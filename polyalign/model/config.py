@@ -134,6 +134,13 @@ class ModelConfig:
             problems.append(f"layer_types must be drawn from {', '.join(LAYER_TYPES)}")
         if self.quantize not in (None, "nf4", "int8"):
             problems.append(f"quantize {self.quantize!r} is not one of nf4, int8 or None")
+        elif self.quantize is not None:
+            from polyalign.model.quantize import BLOCK
+
+            uneven = sorted({din for din, _ in self.projection_shapes().values() if din % BLOCK})
+            if uneven:
+                problems.append(f"quantize: projections with {', '.join(map(str, uneven))} inputs do not split into "
+                                f"blocks of {BLOCK}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need a sliding_window")
         if problems:
@@ -160,6 +167,23 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(din, dout) of each layer projection, by LoRA target name."""
+        d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        return {"q": (d, h * hd), "k": (d, kv * hd), "v": (d, kv * hd), "o": (h * hd, d), "gate": (d, f),
+                "up": (d, f), "down": (f, d)}
+
+    def projection_parameters(self) -> int:
+        """Weights of all layers' projections (what `quantize` stores quantised), biases excluded."""
+        return self.num_layers * sum(i * o for i, o in self.projection_shapes().values())
+
+    def adapter_parameters(self) -> int:
+        """Trainable parameters of the adapters: r (din + dout) per target projection and layer."""
+        if self.lora is None:
+            return 0
+        shapes = self.projection_shapes()
+        return self.num_layers * sum(self.lora.rank * sum(shapes[t]) for t in self.lora.targets)
 
     def num_parameters(self) -> int:
         d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size

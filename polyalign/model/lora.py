@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +204,66 @@ def peft_config(cfg, base_model: str | None) -> dict:
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
     }
+
+
+_PEFT_KEYS_WE_FOLLOW = {"fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "bias": "none"}
+
+
+def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
+    """`model` (a plain Transformer: the base) with the PEFT LoRA adapter folder at `path`
+    (adapter_config.json + adapter_model.safetensors, as PEFT saves for transformers' Llama, Qwen and
+    Gemma models); anything PEFT would apply differently from W + (alpha / r) B A on whole projections
+    is refused by name."""
+    from safetensors.numpy import load_file
+
+    from polyalign.errors import CheckpointError
+    from polyalign.paths import as_path
+
+    path = as_path(path)
+    config_path = path / "adapter_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{config_path}: not a readable PEFT adapter config ({err})") from None
+    problems = [f"{key}: {config.get(key)!r} (polyalign applies {value!r})" for key, value in _PEFT_KEYS_WE_FOLLOW.items()
+                if config.get(key, value) != value]
+    problems += [f"{key} is set" for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save")
+                 if config.get(key)]
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {config.get('peft_type')!r} is not LORA")
+    modules = {where.split(".")[1]: target for target, where in LORA_TARGETS.items()}
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    unknown = [m for m in targets if m not in modules]
+    if unknown:
+        problems.append(f"target_modules {unknown} are not projections polyalign adapts ({', '.join(modules)})")
+    if problems:
+        raise CheckpointError(f"{config_path}: " + "; ".join(problems))
+    lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                      targets=tuple(t for t in LORA_TARGETS if LORA_TARGETS[t].split(".")[1] in targets))
+    tensors = load_file(os.fspath(path / "adapter_model.safetensors"))
+    adapted = add_adapters(model, lora, mesh=mesh)
+    cfg = adapted.config
+    values = {}
+    for target in lora.targets:
+        block, projection = LORA_TARGETS[target].split(".")
+        stacked = {}
+        for kind, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
+            names = [f"base_model.model.model.layers.{i}.{block}.{projection}.{kind}.weight" for i in range(cfg.num_layers)]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise CheckpointError(f"{path / 'adapter_model.safetensors'}: missing {missing[0]}"
+                                      + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+            stacked[ours] = np.stack([tensors[n].T for n in names]).astype(np.float32)
+        values[(block, projection)] = stacked
+    graphdef, adapters, rest = nnx.split(adapted, nnx.LoRAParam, ...)
+    pure = nnx.to_pure_dict(adapters)
+    for (block, projection), stacked in values.items():
+        node = pure["layers"][block][projection]
+        for name, array in stacked.items():
+            if array.shape != node[name].shape:
+                raise CheckpointError(f"{path}: {block}.{projection}.{name} has shape {array.shape[1:]} per layer, "
+                                      f"the model expects {node[name].shape[1:]}")
+            node[name] = jax.device_put(array, node[name].sharding)
+    nnx.replace_by_pure_dict(adapters, pure)
+    return nnx.merge(graphdef, adapters, rest)

@@ -446,7 +446,7 @@ def create_model(cfg: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
-    """The model's structure with shapes and dtypes only; no memory is allocated. Its logical axis
-    names are not mesh axes, so it is made outside any active mesh."""
-    with P.unsharded(), jax.set_mesh(None):
+    """The model's structure with shapes and dtypes only; no memory is allocated. Under an active mesh
+    (inside a jitted step too) its logical axis names map to mesh axes by the default rules."""
+    with P.unsharded(), nnx.logical_axis_rules(P.DEFAULT_RULES):
         return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
