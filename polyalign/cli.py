@@ -256,7 +256,7 @@ def _location(text: str):
 
 TRAIN_EPILOG = """\
 Every method's config has the same sections: method, init, model (preset, dtype, scan_layers, remat,
-attention_impl, logprob_chunk, seed), data (dir, max_length, pack, eval_batch, eval_limit),
+attention_impl, logprob_chunk, seed, lora, quantize), data (dir, max_length, pack, eval_batch, eval_limit),
 optimizer, train (steps or epochs, global_batch, micro_batches, seed, eval_every,
 checkpoint_every, keep_checkpoints, stop_at) and parallel (data, fsdp, tensor), plus the method's
 own keys. key=value arguments override any field, e.g. train.steps=500 model.dtype=bfloat16

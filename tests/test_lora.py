@@ -200,10 +200,12 @@ def _config(run, steps, *extra):
     return load_config(REPO / "configs" / "sft_demo.yaml", [
         f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=4",
         "train.checkpoint_every=2", "data.eval_limit=32", "data.eval_batch=16", f"model.lora.rank={RANK}",
-        f"model.lora.alpha={ALPHA}", "optimizer.lr=0.01", *extra])
+        f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.1", "optimizer.lr=0.01", *extra])
 
 
 def test_a_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports_both_ways(built_run, tmp_path):
+    """With adapter dropout, whose masks come from the trainer's key stream, so that the resumed run
+    must draw what the unbroken one drew."""
     run, manifest = built_run
     straight = train_sft(_config(run, 6), tmp_path / "straight", progress=False)
     train_sft(_config(run, 6, "train.stop_at=3"), tmp_path / "resumed", progress=False)
@@ -429,3 +431,37 @@ def test_an_adapter_peft_made_gives_peft_logits_and_our_export_reads_back(tmp_pa
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(CheckpointError, match=r"adapter_config.json: use_dora: True"):
         load_adapter(base, tmp_path / "adapter")
+
+
+def test_adapter_dropout_drops_the_adapters_input_only_and_only_with_a_key():
+    from polyalign.model.lora import LoraLinear
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.25)
+    with parallel.unsharded():
+        layer = LoraLinear(16, 8, lora=lora, quantize=None, names=("embed", "mlp"), use_bias=False,
+                           dtype=jnp.float32, param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(0.1),
+                           rngs=nnx.Rngs(0))
+    layer.lora_b[...] = jax.random.normal(jax.random.key(1), layer.lora_b[...].shape)
+    x = jax.random.normal(jax.random.key(2), (3, 5, 16))
+    key = jax.random.key(3)
+    kernel, a, b = (np.asarray(v[...]) for v in (layer.kernel, layer.lora_a, layer.lora_b))
+    keep = np.asarray(jax.random.bernoulli(key, 0.75, x.shape))
+    dropped = np.where(keep, np.asarray(x) / 0.75, 0.0)
+    want = np.asarray(x) @ kernel + ALPHA / RANK * (dropped @ a) @ b
+    np.testing.assert_allclose(np.asarray(layer(x, key)), want, rtol=1e-5, atol=1e-5)
+    plain = np.asarray(x) @ kernel + ALPHA / RANK * (np.asarray(x) @ a) @ b
+    np.testing.assert_allclose(np.asarray(layer(x)), plain, rtol=1e-5, atol=1e-5)  # no key: no dropout
+    assert 0.15 < 1 - keep.mean() < 0.35
+
+    # In the model: a step's key changes the log-probs; without one the model is the undropped model.
+    cfg = dataclasses.replace(tiny_model_config(97), lora=dataclasses.replace(lora, dropout=0.0))
+    model = adapted_model(97, RANK)
+    dropping = nnx.merge(nnx.graphdef(create_model(dataclasses.replace(cfg, lora=lora))), nnx.state(model))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 12)), jnp.int32)
+    targets = jnp.roll(ids, -1, axis=1)
+    undropped = np.asarray(model.token_log_probs(ids, targets))
+    np.testing.assert_array_equal(np.asarray(dropping.token_log_probs(ids, targets)), undropped)
+    one, two = (np.asarray(dropping.token_log_probs(ids, targets, dropout_key=jax.random.key(k))) for k in (4, 5))
+    assert np.abs(one - undropped).max() > 1e-3 and np.abs(one - two).max() > 1e-3
+    np.testing.assert_array_equal(one, np.asarray(dropping.token_log_probs(ids, targets,
+                                                                            dropout_key=jax.random.key(4))))

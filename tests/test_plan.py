@@ -23,6 +23,43 @@ def test_estimate_by_hand():
     assert pairs.tokens_per_step == 2 * 8 * 128
 
 
+@pytest.mark.parametrize("quantize", [None, "nf4", "int8"])
+def test_adapter_estimates_by_hand(quantize):
+    """With adapters only they have gradients and AdamW moments; the base is counted in the compute
+    dtype, its projections at 4.25 / 8.25 bits with quantize."""
+    from polyalign.model.config import LoraConfig
+
+    model = preset("qwen2.5-1.5b", dtype="bfloat16", param_dtype="bfloat16", lora=LoraConfig(rank=16, alpha=32.0),
+                   quantize=quantize)
+    d, f, layers, kv = 1536, 8960, 28, 256
+    adapters = layers * 16 * ((d + d) + 2 * (d + kv) + (d + d) + 3 * (d + f))
+    assert model.adapter_parameters() == adapters == 18_464_768
+    projections = layers * (2 * d * d + 2 * d * kv + 3 * d * f)
+    assert model.projection_parameters() == projections
+    n = 1_543_714_304
+    bits = {None: 16, "nf4": 4.25, "int8": 8.25}[quantize]
+    base = (n - projections) * 2 + projections * bits / 8
+    plan = estimate(model, (1, 2, 1), global_batch=8, micro_batches=1, sequence_length=512)
+    assert plan.param_bytes == pytest.approx((base + adapters * 4) / 2)
+    assert plan.grad_bytes == adapters * 4 / 2 and plan.optimizer_bytes == adapters * 8 / 2
+
+
+def test_plan_takes_the_training_overrides(capsys):
+    args = ["plan", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--devices", "1", "--preset", "qwen2.5-1.5b",
+            "--seq", "1024"]
+    assert main(args) == 0
+    full = capsys.readouterr().out
+    assert main([*args, "model.lora.rank=16", "model.quantize=nf4", "model.dtype=bfloat16"]) == 0
+    adapted = capsys.readouterr().out
+    assert "full fine-tuning" in full
+    assert "LoRA r=16 on q,k,v,o,gate,up,down: 18.46M trainable (1.20%), base nf4 (4.25 bits" in adapted
+
+    def total(out):
+        return float(next(line for line in out.splitlines() if "total" in line).split()[1])
+
+    assert total(adapted) < 0.3 * total(full)
+
+
 def test_cli_plans_a_config(capsys):
     code = main(["plan", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--devices", "8", "--preset",
                  "qwen2.5-1.5b", "--seq", "1024", "--device-memory", "16", "parallel.fsdp=8", "parallel.data=1"])
@@ -36,7 +73,10 @@ def test_cli_plans_a_config(capsys):
 SIZED = {"sft_qwen2.5-1.5b_v5e-16": (16, "qwen2.5-1.5b", 16, 3072),
          "hdpo_qwen2.5-1.5b_8xh100": (8, "qwen2.5-1.5b", 80, 3072),
          "sft_llama3.2-3b_v5p-8": (4, "llama3.2-3b", 95, 3072),
-         "hdpo_gemma2-2b_v5e-16": (16, "gemma2-2b", 16, 2048)}
+         "hdpo_gemma2-2b_v5e-16": (16, "gemma2-2b", 16, 2048),
+         "hdpo_qwen2.5-7b_lora_1xh200": (1, "qwen2.5-7b", 141, 2048),
+         "hdpo_qwen2.5-7b_qlora_24gb": (1, "qwen2.5-7b", 24, 1024),
+         "hdpo_qwen2.5-7b_v5p-16": (8, "qwen2.5-7b", 95, 2048)}
 
 
 @pytest.mark.parametrize("name", sorted(SIZED))

@@ -48,12 +48,14 @@ LORA_INITS = ("kaiming", "gaussian")
 @dataclass(frozen=True)
 class LoraConfig:
     """Low-rank adapters on the layers' projections: W x + (alpha / rank) B A x, B zero at the start.
-    `init` draws A as PEFT does: kaiming (uniform, bound 1/sqrt(fan_in)) or gaussian (std 1/rank)."""
+    `init` draws A as PEFT does: kaiming (uniform, bound 1/sqrt(fan_in)) or gaussian (std 1/rank);
+    `dropout` drops the adapters' input x (not the base's) in training steps."""
 
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     init: str = "kaiming"
+    dropout: float = 0.0  # on the adapters' input in training steps, as PEFT's lora_dropout
 
     def __post_init__(self) -> None:
         problems = []
@@ -64,6 +66,8 @@ class LoraConfig:
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets:
             problems.append(f"lora targets must be some of {', '.join(LORA_TARGETS)}, got {list(self.targets)}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"lora dropout must be in [0, 1), got {self.dropout}")
         if self.init not in LORA_INITS:
             problems.append(f"lora init must be one of {', '.join(LORA_INITS)}, got {self.init!r}")
         if problems:

@@ -54,6 +54,7 @@ class LoraLinear(nnx.Module):
             self.kernel_scale = nnx.Param(jnp.ones(scale, jnp.bfloat16), **P.param(names))
         self.bias = nnx.Param(jnp.zeros((dout,), param_dtype), **P.param(names[1:])) if use_bias else None
         self.lora_scale = None if lora is None else lora.scale
+        self.lora_dropout = 0.0 if lora is None else lora.dropout
         if lora is not None:
             if lora.init == "kaiming":  # PEFT's default: kaiming_uniform(a=sqrt(5)) of A, bound 1/sqrt(din)
                 bound = 1.0 / math.sqrt(din)
@@ -71,13 +72,17 @@ class LoraLinear(nnx.Module):
             return self.kernel[...].astype(self.dtype)
         return quant.dequantize(self.kernel_codes[...], self.kernel_scale[...], self.quantize, self.dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`dropout_key` (training steps only) drops the adapters' input at rate `lora.dropout`."""
         x = x.astype(self.dtype)
         y = x @ self.base_kernel()
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_scale is None:
             return y
+        if dropout_key is not None and self.lora_dropout > 0:
+            keep = jax.random.bernoulli(dropout_key, 1.0 - self.lora_dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
         update = (x @ self.lora_a[...].astype(x.dtype)) @ self.lora_b[...].astype(x.dtype)
         return y + update * jnp.asarray(self.lora_scale, x.dtype)
 
@@ -196,10 +201,11 @@ def peft_state_dict(cfg, adapters) -> dict[str, np.ndarray]:
 
 
 def peft_config(cfg, base_model: str | None) -> dict:
-    """adapter_config.json for PEFT's LoraConfig (no dropout at inference, no rsLoRA: scale alpha / r)."""
+    """adapter_config.json for PEFT's LoraConfig (no rsLoRA: scale alpha / r; dropout acts in training only)."""
     lora = cfg.lora
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
         "target_modules": sorted(LORA_TARGETS[t].split(".")[1] for t in lora.targets), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
@@ -225,8 +231,8 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{config_path}: not a readable PEFT adapter config ({err})") from None
-    problems = [f"{key}: {config.get(key)!r} (polyalign applies {value!r})" for key, value in _PEFT_KEYS_WE_FOLLOW.items()
-                if config.get(key, value) != value]
+    problems = [f"{key}: {config.get(key)!r} (polyalign applies {value!r})"
+                for key, value in _PEFT_KEYS_WE_FOLLOW.items() if config.get(key, value) != value]
     problems += [f"{key} is set" for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save")
                  if config.get(key)]
     if config.get("peft_type", "LORA") != "LORA":
@@ -240,6 +246,7 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
     if problems:
         raise CheckpointError(f"{config_path}: " + "; ".join(problems))
     lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                      dropout=float(config.get("lora_dropout") or 0.0),
                       targets=tuple(t for t in LORA_TARGETS if LORA_TARGETS[t].split(".")[1] in targets))
     tensors = load_file(os.fspath(path / "adapter_model.safetensors"))
     adapted = add_adapters(model, lora, mesh=mesh)
@@ -249,7 +256,8 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
         block, projection = LORA_TARGETS[target].split(".")
         stacked = {}
         for kind, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
-            names = [f"base_model.model.model.layers.{i}.{block}.{projection}.{kind}.weight" for i in range(cfg.num_layers)]
+            names = [f"base_model.model.model.layers.{i}.{block}.{projection}.{kind}.weight"
+                     for i in range(cfg.num_layers)]
             missing = [n for n in names if n not in tensors]
             if missing:
                 raise CheckpointError(f"{path / 'adapter_model.safetensors'}: missing {missing[0]}"

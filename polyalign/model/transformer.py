@@ -19,9 +19,9 @@ from flax import nnx
 
 from polyalign import parallel as P
 from polyalign.model import splash
-from polyalign.model.lora import LoraLinear
 from polyalign.model.config import ModelConfig
 from polyalign.model.log_probs import chunked_token_log_probs, token_log_probs
+from polyalign.model.lora import LoraLinear
 
 _INIT_STD = 0.02
 _REMAT_POLICIES = {
@@ -226,6 +226,13 @@ def _linear(cfg: ModelConfig, rngs: nnx.Rngs, din: int, dout: int, names: tuple[
                       bias_metadata=P.param(names[1:]), rngs=rngs)
 
 
+def _project(projection: nnx.Module, x: jax.Array, dropout_key: jax.Array | None, index: int) -> jax.Array:
+    """A projection of x; an adapted one draws its adapter dropout from fold_in(dropout_key, index)."""
+    if dropout_key is None or not isinstance(projection, LoraLinear):
+        return projection(x)
+    return projection(x, jax.random.fold_in(dropout_key, index))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -243,16 +250,17 @@ class Attention(nnx.Module):
         self.config = cfg
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array,
-                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+                 cache: KVCache | None = None,
+                 dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         """With a cache, the new keys and values are written at `cache.index` and the queries attend
         over all cached slots (the mask says which)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = _project(self.q_proj, x, dropout_key, 0).reshape(b, t, self.num_heads, self.head_dim)
+        k = _project(self.k_proj, x, dropout_key, 1).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = _project(self.v_proj, x, dropout_key, 2).reshape(b, t, self.num_kv_heads, self.head_dim)
         q = P.constrain(q, (P.BATCH, P.LENGTH, P.ACT_HEADS, P.HEAD_DIM))
         k = P.constrain(k, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
         v = P.constrain(v, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
@@ -263,7 +271,7 @@ class Attention(nnx.Module):
         if implementation is None and cache is None:
             implementation = default_attention_implementation(self.config)
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=implementation)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), cache
+        return _project(self.o_proj, out.reshape(b, t, self.num_heads * self.head_dim), dropout_key, 3), cache
 
 
 class MLP(nnx.Module):
@@ -276,11 +284,11 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg, rngs, f, d, (P.MLP, P.EMBED), target="down")
         self.gelu = cfg.is_gemma
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.gate_proj(x)
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        gate = _project(self.gate_proj, x, dropout_key, 4)
         gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        hidden = P.constrain(gate * self.up_proj(x), (P.BATCH, P.LENGTH, P.ACT_MLP))
-        return self.down_proj(hidden)
+        hidden = P.constrain(gate * _project(self.up_proj, x, dropout_key, 5), (P.BATCH, P.LENGTH, P.ACT_MLP))
+        return _project(self.down_proj, hidden, dropout_key, 6)
 
 
 class DecoderLayer(nnx.Module):
@@ -302,14 +310,15 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = norm()
 
     def __call__(self, h: jax.Array, positions: jax.Array, mask: jax.Array, inv_freq: jax.Array,
-                 cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
-        attn, cache = self.self_attn(self.input_layernorm(h), positions, mask, inv_freq, cache)
+                 cache: KVCache | None = None,
+                 dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+        attn, cache = self.self_attn(self.input_layernorm(h), positions, mask, inv_freq, cache, dropout_key)
         if self.sandwich:
             h = h + self.post_attention_layernorm(attn)
-            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), dropout_key))
         else:
             h = h + attn
-            h = h + self.mlp(self.post_attention_layernorm(h))
+            h = h + self.mlp(self.post_attention_layernorm(h), dropout_key)
         return P.constrain(h, (P.BATCH, P.LENGTH, P.ACT_EMBED)), cache
 
 
@@ -347,14 +356,15 @@ class Transformer(nnx.Module):
 
     def hidden_states(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None,
-                      branch_ids: jax.Array | None = None) -> jax.Array:
-        """The final-norm hidden states [B, T, D] (the LM head's input). Masking as in attention_masks."""
+                      branch_ids: jax.Array | None = None, dropout_key: jax.Array | None = None) -> jax.Array:
+        """The final-norm hidden states [B, T, D] (the LM head's input). Masking as in attention_masks;
+        `dropout_key` (training steps) draws the adapters' dropout, when they have one."""
         batch, length = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         masks = attention_masks(length, segment_ids, attention_mask, batch, self.config.sliding_window, branch_ids,
                                 positions)
-        hidden, _ = self._layers(input_ids, positions, masks, None)
+        hidden, _ = self._layers(input_ids, positions, masks, None, dropout_key)
         return hidden
 
     def decode(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache,
@@ -367,7 +377,7 @@ class Transformer(nnx.Module):
         hidden, cache = self._layers(input_ids, positions, masks, cache)
         return self.logits(hidden), KVCache(cache.k, cache.v, cache.index + input_ids.shape[1])
 
-    def _layers(self, input_ids, positions, masks, cache: KVCache | None):
+    def _layers(self, input_ids, positions, masks, cache: KVCache | None, dropout_key: jax.Array | None = None):
         cfg = self.config
         full, local = masks
         h = self.embed_tokens(input_ids)
@@ -379,17 +389,20 @@ class Transformer(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
         sliding = jnp.asarray(cfg.sliding_layers)
         per_layer_cache = None if cache is None else (cache.k, cache.v)
+        if dropout_key is not None and (cfg.lora is None or not cfg.lora.dropout):
+            dropout_key = None  # nothing to drop: the step stays the one without a key
+        layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
 
         def layer(h, xs):
-            state, is_sliding, inv_freq, kv = xs
+            state, is_sliding, inv_freq, kv, key = xs
             mask = full if local is None else jnp.where(is_sliding, local, full)
             layer_cache = None if kv is None else KVCache(kv[0], kv[1], cache.index)
-            h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache)
+            h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache, key)
             return h, None if layer_cache is None else (layer_cache.k, layer_cache.v)
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        xs = (layer_state, sliding, inv_freqs, per_layer_cache)
+        xs = (layer_state, sliding, inv_freqs, per_layer_cache, layer_keys)
         if cfg.scan_layers:
             h, new_kv = jax.lax.scan(layer, h, xs)
         else:
@@ -402,11 +415,13 @@ class Transformer(nnx.Module):
         return self.norm(h), new_cache
 
     def token_log_probs(self, input_ids: jax.Array, targets: jax.Array, *, positions: jax.Array | None = None,
-                        segment_ids: jax.Array | None = None, branch_ids: jax.Array | None = None) -> jax.Array:
+                        segment_ids: jax.Array | None = None, branch_ids: jax.Array | None = None,
+                        dropout_key: jax.Array | None = None) -> jax.Array:
         """float32 log p(targets) [B, T] for teacher-forced `input_ids` (padding on the right; packed rows
         with their positions, segment ids and, for shared prefixes, branch ids); in blocks of
         `config.logprob_chunk` positions when set, without full [B, T, V] logits."""
-        hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids, branch_ids=branch_ids)
+        hidden = self.hidden_states(input_ids, positions=positions, segment_ids=segment_ids, branch_ids=branch_ids,
+                                    dropout_key=dropout_key)
         if not self.config.logprob_chunk:
             return token_log_probs(self.logits(hidden), targets)
         return chunked_token_log_probs(hidden, self.head_weight(), targets, self.config.logprob_chunk,

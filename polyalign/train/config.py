@@ -26,6 +26,7 @@ class LoraSection:
     alpha: float = 32.0
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
     init: str = "kaiming"  # A drawn as PEFT does: kaiming (uniform) or gaussian
+    dropout: float = 0.0  # on the adapters' input in training steps (PEFT's lora_dropout)
 
     def to_model(self):
         """The model's LoraConfig, or None for full fine-tuning."""
@@ -33,7 +34,8 @@ class LoraSection:
 
         if not self.rank:
             return None
-        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets), init=self.init)
+        return LoraConfig(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets), init=self.init,
+                          dropout=self.dropout)
 
 
 @dataclass(frozen=True)

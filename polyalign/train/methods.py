@@ -39,6 +39,9 @@ _PREFERENCE_EPILOG = """\
   model.attention_impl, model.logprob_chunk; data.max_length; optimizer.*, train.*, parallel.*
   data.pack=true               whole pairs packed into rows of 2 x data.max_length, each prompt computed
                                once for both responses (exact; train.global_batch then counts rows)
+  model.lora.rank=16           train LoRA adapters on the frozen init (model.lora.alpha, .targets,
+                               .dropout; model.quantize=nf4|int8 for QLoRA); reference=in_step computes
+                               the reference (the base, adapters off) in each step instead of before
 
 `polyalign train dpo` (and ipo, robust_dpo, ln_dpo, simpo, orpo, kto) is `train hdpo` with that
 method; hdpo_terms=true adds HDPO's pair weights, distance term and SFT anchor to any of them.
@@ -66,6 +69,8 @@ METHODS: dict[str, MethodSpec] = {
   init: /path/to/hf/checkpoint     start from a checkpoint (build with its tokenizer) instead of
                                    training model.preset from scratch
   data.dir=RUN data.pack=true      the build to train on; pack examples into rows (exact)
+  model.lora.rank=16               train LoRA adapters on a frozen base (model.lora.alpha, .targets,
+                                   .dropout; model.quantize=nf4|int8 for QLoRA); docs/lora.md
   train.steps / global_batch / micro_batches / checkpoint_every / eval_every / stop_at
 
 Writes OUT/metrics.jsonl (one JSON object per step: loss, lr, grad_norm, tokens/s, per-bucket
@@ -202,6 +207,7 @@ SHARED_RANGES: dict[str, Range] = {
     "optimizer.eps": POSITIVE, "optimizer.clip": Range(0, low_open=True, optional=True),
     "data.max_length": Range(1, optional=True), "data.eval_batch": COUNT, "data.eval_limit": Range(1, optional=True),
     "model.logprob_chunk": NON_NEGATIVE, "model.lora.rank": NON_NEGATIVE, "model.lora.alpha": POSITIVE,
+    "model.lora.dropout": FRACTION,
 }
 METHOD_RANGES: dict[type, dict[str, Range]] = {
     schema.SftConfig: {"adaptive.step_size": NON_NEGATIVE, "adaptive.floor": PROBABILITY},

@@ -37,16 +37,16 @@ from polyalign.train.trainer import Trainer
 REFERENCE_FREE = ("simpo", "orpo")
 
 
-def sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sequence_logps(model, batch, dropout_key=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed response log-probs of chosen and rejected, and the chosen token counts, from one
     forward pass over both sides: [B] for pair arrays (chosen and rejected stacked on the batch axis),
-    [B, slots] for packed rows."""
+    [B, slots] for packed rows. `dropout_key`: a training step's (adapter dropout)."""
     if "branch_ids" in batch:
-        return _packed_sequence_logps(model, batch)
+        return _packed_sequence_logps(model, batch, dropout_key)
     inputs = jnp.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
     targets = jnp.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
     mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
-    logps = (model.token_log_probs(inputs, targets) * mask).sum(-1)
+    logps = (model.token_log_probs(inputs, targets, dropout_key=dropout_key) * mask).sum(-1)
     half = batch["chosen_inputs"].shape[0]
     return logps[:half], logps[half:], batch["chosen_mask"].sum(-1)
 
@@ -59,9 +59,10 @@ def _per_pair(batch, values: jax.Array) -> jax.Array:
     return jax.ops.segment_sum(values.reshape(-1), pair, rows * slots).reshape(rows, slots)
 
 
-def _packed_sequence_logps(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _packed_sequence_logps(model, batch, dropout_key=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     logps = model.token_log_probs(batch["input_ids"], batch["targets"], positions=batch["positions"],
-                                  segment_ids=batch["segment_ids"], branch_ids=batch["branch_ids"])
+                                  segment_ids=batch["segment_ids"], branch_ids=batch["branch_ids"],
+                                  dropout_key=dropout_key)
     return (_per_pair(batch, logps * batch["chosen_mask"]), _per_pair(batch, logps * batch["rejected_mask"]),
             _per_pair(batch, batch["chosen_mask"]))
 
@@ -144,7 +145,7 @@ class PreferenceObjective:
 
     def numerators(self, model, mb, key=None):
         c = self.config
-        pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb))
+        pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb, key))
         if c.reference == "in_step" and c.method not in REFERENCE_FREE:
             from polyalign.model.lora import base_model
 
