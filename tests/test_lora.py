@@ -346,6 +346,13 @@ def test_quantised_kernels_by_hand(kind):
     bits = (codes.size * codes.dtype.itemsize + block_max.size * block_max.dtype.itemsize) * 8 / kernel.size
     assert bits == quant.bits_per_weight(kind) == (4.25 if kind == "nf4" else 8.25)
 
+    # An input size that is not whole blocks (Llama-style 688-wide MLPs): zero rows pad the last block.
+    uneven = jnp.asarray(on_grid[:100] * scale)
+    codes, block_max = quant.quantize(uneven, kind)
+    assert block_max.shape == (2, 3)
+    np.testing.assert_allclose(np.asarray(quant.dequantize(codes, block_max, kind, jnp.float32, 100)),
+                               on_grid[:100] * scale, rtol=2e-7, atol=0)
+
     off_grid = jnp.asarray(rng.normal(0, 0.02, (256, 8)), jnp.float32)
     codes, block_max = quant.quantize(off_grid, kind)
     got = np.asarray(quant.dequantize(codes, block_max, kind, jnp.float32))

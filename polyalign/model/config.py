@@ -138,13 +138,7 @@ class ModelConfig:
             problems.append(f"layer_types must be drawn from {', '.join(LAYER_TYPES)}")
         if self.quantize not in (None, "nf4", "int8"):
             problems.append(f"quantize {self.quantize!r} is not one of nf4, int8 or None")
-        elif self.quantize is not None:
-            from polyalign.model.quantize import BLOCK
 
-            uneven = sorted({din for din, _ in self.projection_shapes().values() if din % BLOCK})
-            if uneven:
-                problems.append(f"quantize: projections with {', '.join(map(str, uneven))} inputs do not split into "
-                                f"blocks of {BLOCK}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need a sliding_window")
         if problems:

@@ -44,7 +44,7 @@ class LoraLinear(nnx.Module):
                  names: tuple[str, str], use_bias: bool, dtype, param_dtype, kernel_init, rngs: nnx.Rngs):
         from polyalign.model import quantize as quant
 
-        self.dtype, self.quantize = dtype, quantize
+        self.dtype, self.quantize, self.din = dtype, quantize, din
         if quantize is None:
             self.kernel = nnx.Param(kernel_init(rngs.params(), (din, dout), param_dtype), **P.param(names))
         else:
@@ -70,7 +70,7 @@ class LoraLinear(nnx.Module):
 
         if self.quantize is None:
             return self.kernel[...].astype(self.dtype)
-        return quant.dequantize(self.kernel_codes[...], self.kernel_scale[...], self.quantize, self.dtype)
+        return quant.dequantize(self.kernel_codes[...], self.kernel_scale[...], self.quantize, self.dtype, self.din)
 
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """`dropout_key` (training steps only) drops the adapters' input at rate `lora.dropout`."""
@@ -148,10 +148,11 @@ def merge_adapters(model):
                                 param_dtype=cfg.dtype if cfg.quantize else cfg.param_dtype)
     graphdef, plain_state = nnx.split(abstract_model(plain))
     pure = nnx.to_pure_dict(nnx.state(model))
-    for _, node in _projections(pure):
+    shapes = cfg.projection_shapes()
+    for target, node in _projections(pure):
         if "kernel_codes" in node:
             node["kernel"] = quant.dequantize(node.pop("kernel_codes"), node.pop("kernel_scale"), cfg.quantize,
-                                              plain.param_dtype)
+                                              plain.param_dtype, shapes[target][0])
         if "lora_a" in node:
             a, b = node.pop("lora_a"), node.pop("lora_b")
             delta = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32)) * cfg.lora.scale

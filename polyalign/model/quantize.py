@@ -1,7 +1,8 @@
 """A frozen kernel stored in 4-bit NormalFloat (NF4, as QLoRA) or int8, dequantised when used.
 
 Both split a [din, dout] kernel into blocks of BLOCK consecutive input rows per output column and keep
-each block's absolute maximum (bfloat16) beside its codes. NF4 codes index the 16 quantiles of a
+each block's absolute maximum (bfloat16) beside its codes; an input size that is not a multiple of
+BLOCK is padded with zero rows, which dequantisation drops. NF4 codes index the 16 quantiles of a
 standard normal scaled to [-1, 1] (QLoRA's table; weights are roughly normal, so each level is used
 about equally) and are packed two to a byte; int8 codes are round(127 w / absmax). Bits per weight:
 NF4 4 + 16/64 = 4.25, int8 8 + 16/64 = 8.25 (QLoRA's double quantisation of the block maxima, 4.127
@@ -29,16 +30,23 @@ def bits_per_weight(kind: str) -> float:
     return {"nf4": 4, "int8": 8}[kind] + 16 / BLOCK
 
 
+def _padded(din: int) -> int:
+    return -(-din // BLOCK) * BLOCK
+
+
 def code_shape(kind: str, din: int, dout: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes of the codes and of the block maxima of a [din, dout] kernel."""
-    if din % BLOCK:
-        raise ValueError(f"quantised kernels need an input size divisible by {BLOCK}, got {din}")
-    return ((din // 2 if kind == "nf4" else din), dout), (din // BLOCK, dout)
+    padded = _padded(din)
+    return ((padded // 2 if kind == "nf4" else padded), dout), (padded // BLOCK, dout)
 
 
 def quantize(kernel: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     """(codes, block maxima) of a [..., din, dout] kernel (leading axes: stacked layers)."""
     *lead, din, dout = kernel.shape
+    padded = _padded(din)
+    if padded != din:
+        kernel = jnp.pad(kernel, [(0, 0)] * len(lead) + [(0, padded - din), (0, 0)])
+    din = padded
     blocks = kernel.astype(jnp.float32).reshape(*lead, din // BLOCK, BLOCK, dout)
     scale = jnp.abs(blocks).max(axis=-2, keepdims=True).astype(jnp.bfloat16)
     safe = jnp.where(scale == 0, 1.0, scale.astype(jnp.float32))
@@ -52,8 +60,9 @@ def quantize(kernel: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
     return codes, scale[..., 0, :]
 
 
-def dequantize(codes: jax.Array, scale: jax.Array, kind: str, dtype) -> jax.Array:
-    """The [..., din, dout] kernel in `dtype` from its codes and block maxima."""
+def dequantize(codes: jax.Array, scale: jax.Array, kind: str, dtype, din: int | None = None) -> jax.Array:
+    """The [..., din, dout] kernel in `dtype` from its codes and block maxima (`din`: the kernel's own
+    input size when it was padded to whole blocks)."""
     if kind == "int8":
         values = codes.astype(jnp.float32) / 127
     else:
@@ -62,4 +71,4 @@ def dequantize(codes: jax.Array, scale: jax.Array, kind: str, dtype) -> jax.Arra
         values = jnp.asarray(NF4_LEVELS)[indices.astype(jnp.int32)]
     *lead, blocks_in, dout = scale.shape
     blocks = values.reshape(*lead, blocks_in, BLOCK, dout) * scale.astype(jnp.float32)[..., None, :]
-    return blocks.reshape(*lead, blocks_in * BLOCK, dout).astype(dtype)
+    return blocks.reshape(*lead, blocks_in * BLOCK, dout)[..., :din, :].astype(dtype)
