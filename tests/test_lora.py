@@ -81,6 +81,12 @@ def test_bad_adapter_settings_are_named():
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.targets=[q, x]"])
     with pytest.raises(ConfigError, match="model.lora.init"):
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.init=normal"])
+    with pytest.raises(ConfigError, match="model.quantize: a quantised base is frozen.*model.lora.rank"):
+        load_config(REPO / "configs" / "sft_demo.yaml", ["model.quantize=nf4"])
+    with pytest.raises(ConfigError, match="model.quantize must be one of null, nf4, int8"):
+        load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.quantize=fp4"])
+    with pytest.raises(ConfigError, match="model.lora.critic|critic trains its head"):
+        load_config(REPO / "configs" / "critic_demo.yaml", ["model.lora.rank=8"])
     config = load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=16"])
     assert config.model.lora.to_model() == LoraConfig(rank=16, alpha=32.0)
     assert load_config(REPO / "configs" / "sft_demo.yaml").model.lora.to_model() is None  # rank 0: full tuning
