@@ -316,7 +316,7 @@ def test_configs_models_are_the_presets_and_carry_the_published_hyperparameters(
     from polyalign.model.presets import PRESETS, preset
 
     repo_files = sorted(p.name for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.yaml"))
-    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 11
+    assert repo_files == sorted(f"{name}.yaml" for name in PRESETS) and len(repo_files) == 12
     qwen, llama, gemma = preset("qwen2.5-1.5b"), preset("llama3.2-3b"), preset("gemma2-2b")
     # values from the checkpoints' own config.json files
     assert (qwen.rope_theta, qwen.rms_norm_eps, qwen.attention_bias, qwen.eos_token_id) == (1e6, 1e-6, True, 151645)
