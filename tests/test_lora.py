@@ -447,7 +447,7 @@ def test_an_adapter_peft_made_gives_peft_logits_and_our_export_reads_back(tmp_pa
 
 
 def test_adapter_dropout_drops_the_adapters_input_only_and_only_with_a_key():
-    from polyalign.model.lora import LoraLinear
+    from polyalign.model.lora_layer import LoraLinear
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.25)
     with parallel.unsharded():

@@ -21,7 +21,7 @@ from polyalign import parallel as P
 from polyalign.model import splash
 from polyalign.model.config import ModelConfig
 from polyalign.model.log_probs import chunked_token_log_probs, token_log_probs
-from polyalign.model.lora import LoraLinear
+from polyalign.model.lora_layer import LoraLinear
 
 _INIT_STD = 0.02
 _REMAT_POLICIES = {
