@@ -423,6 +423,13 @@ def write_peft_fixture() -> None:
     adapted = peft.get_peft_model(base, config).eval()
     adapted.save_pretrained(target)
     (target / "README.md").unlink(missing_ok=True)
+    # PEFT records the base's path as given and its target modules in set order; keep the
+    # repository-relative path, not this machine's, and a stable order.
+    config_path = target / "adapter_config.json"
+    saved = json.loads(config_path.read_text())
+    saved["base_model_name_or_path"] = str((FIXTURES / "hf" / "qwen2").relative_to(REPO))
+    saved["target_modules"] = sorted(saved["target_modules"])
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     ids, mask = inputs()
     logits = hf_logits(adapted, ids, mask)
     save_file({"input_ids": ids, "attention_mask": mask, "logits": logits}, target / "expected.safetensors")

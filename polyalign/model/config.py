@@ -18,6 +18,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
 ROPE_TYPES = ("llama3", "linear")
+QUANTIZE_KINDS = ("nf4", "int8")  # storage of a frozen base's projections (polyalign/model/quantize.py)
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,8 @@ class ModelConfig:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if any(t not in LAYER_TYPES for t in self.layer_types):
             problems.append(f"layer_types must be drawn from {', '.join(LAYER_TYPES)}")
-        if self.quantize not in (None, "nf4", "int8"):
-            problems.append(f"quantize {self.quantize!r} is not one of nf4, int8 or None")
-
+        if self.quantize is not None and self.quantize not in QUANTIZE_KINDS:
+            problems.append(f"quantize {self.quantize!r} is not one of {', '.join(QUANTIZE_KINDS)} or None")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need a sliding_window")
         if problems:

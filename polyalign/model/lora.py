@@ -3,10 +3,11 @@
 The adapters are `nnx.LoRAParam`s on the projection modules themselves (`q_proj.lora_a`, ...; the
 module is LoraLinear, polyalign/model/lora_layer.py), so they are created inside the layer stack's
 `nnx.vmap` like every other parameter: one [layers, din, r] and one [layers, r, dout] array per target,
-sharded by the projection's logical axes with the rank axis replicated, and scanned with the layers. qwix, the JAX library for LoRA on Flax NNX, attaches its
-adapters by intercepting a traced call and creating per-module parameters; that does not meet a layer
-stack built by `nnx.vmap` and run under `lax.scan` (tried with qwix 0.1.8: both the scanned and the
-unrolled stack fail during its surgery), hence this small module.
+sharded by the projection's logical axes with the rank axis replicated, and scanned with the layers.
+qwix, the JAX library for LoRA on Flax NNX, attaches its adapters by intercepting a traced call and
+creating per-module parameters; that does not meet a layer stack built by `nnx.vmap` and run under
+`lax.scan` (tried with qwix 0.1.8: both the scanned and the unrolled stack fail during its surgery),
+hence this small module.
 
 The trainer trains `nnx.LoRAParam`s only when the model has adapters (the base parameters travel
 with the step as frozen inputs, with no gradient and no optimizer state). B starts at zero, so a fresh
@@ -71,11 +72,26 @@ def _plain_graphdef(cfg):
     return nnx.split(abstract_model(cfg))[0]
 
 
-def _projections(pure: dict):
-    """(target, node) for each layer projection in a model's pure-dict state."""
-    for target, where in LORA_TARGETS.items():
-        block, projection = where.split(".")
-        yield target, pure["layers"][block][projection]
+def _node(pure: dict, target: str) -> dict:
+    """The stacked layer projection `target` (q, k, ..., down) in a pure-dict state (or sharding) tree."""
+    block, projection = LORA_TARGETS[target].split(".")
+    return pure["layers"][block][projection]
+
+
+def _projections(pure: dict, targets=tuple(LORA_TARGETS)):
+    """(target, node) for each of `targets` (default: every layer projection) in a pure-dict state."""
+    for target in targets:
+        yield target, _node(pure, target)
+
+
+def _peft_name(layer: int, target: str, matrix: str) -> str:
+    """PEFT's tensor name of adapter matrix `matrix` (lora_A, lora_B) of `target` in `layer`."""
+    return f"base_model.model.model.layers.{layer}.{LORA_TARGETS[target]}.{matrix}.weight"
+
+
+def _peft_module(target: str) -> str:
+    """The transformers module name PEFT's target_modules uses for `target` (q_proj, ...)."""
+    return LORA_TARGETS[target].split(".")[1]
 
 
 def merge_adapters(model):
@@ -116,13 +132,10 @@ def quantize_base(model, kind: str, mesh: jax.sharding.Mesh | None = None):
     shardings = nnx.to_pure_dict(P.param_shardings(abstract, mesh)) if mesh is not None else None
     pure = nnx.to_pure_dict(nnx.state(model))
     for target, node in _projections(pure):
-        block, projection = LORA_TARGETS[target].split(".")
-        out = None if shardings is None else tuple(shardings["layers"][block][projection][k]
-                                                   for k in ("kernel_codes", "kernel_scale"))
-        kernel = node.pop("kernel")
+        out = None if shardings is None else (_node(shardings, target)["kernel_codes"],
+                                              _node(shardings, target)["kernel_scale"])
         node["kernel_codes"], node["kernel_scale"] = jax.jit(quant.quantize, static_argnums=1,
-                                                             out_shardings=out)(kernel, kind)
-        del kernel
+                                                             out_shardings=out)(node.pop("kernel"), kind)
     nnx.replace_by_pure_dict(abstract, pure)
     return nnx.merge(graphdef, abstract)
 
@@ -130,17 +143,12 @@ def quantize_base(model, kind: str, mesh: jax.sharding.Mesh | None = None):
 def peft_state_dict(cfg, adapters) -> dict[str, np.ndarray]:
     """The adapters (the model's nnx.LoRAParam state, on the host) under PEFT's names and layouts
     (lora_A.weight [r, din], lora_B.weight [dout, r]) for transformers' module tree, float32."""
-    pure = nnx.to_pure_dict(adapters)
     out = {}
-    for target in cfg.lora.targets:
-        block, projection = LORA_TARGETS[target].split(".")
-        node = pure["layers"][block][projection]
-        a, b = np.asarray(jax.device_get(node["lora_a"]), np.float32), np.asarray(jax.device_get(node["lora_b"]),
-                                                                                  np.float32)
-        for i in range(cfg.num_layers):
-            prefix = f"base_model.model.model.layers.{i}.{block}.{projection}"
-            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
-            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    for target, node in _projections(nnx.to_pure_dict(adapters), cfg.lora.targets):
+        for matrix, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
+            stacked = np.asarray(jax.device_get(node[ours]), np.float32)
+            for i in range(cfg.num_layers):
+                out[_peft_name(i, target, matrix)] = np.ascontiguousarray(stacked[i].T)
     return out
 
 
@@ -150,7 +158,7 @@ def peft_config(cfg, base_model: str | None) -> dict:
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(LORA_TARGETS[t].split(".")[1] for t in lora.targets), "bias": "none",
+        "target_modules": sorted(_peft_module(t) for t in lora.targets), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
     }
@@ -181,7 +189,7 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
                  if config.get(key)]
     if config.get("peft_type", "LORA") != "LORA":
         problems.append(f"peft_type {config.get('peft_type')!r} is not LORA")
-    modules = {where.split(".")[1]: target for target, where in LORA_TARGETS.items()}
+    modules = [_peft_module(t) for t in LORA_TARGETS]
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     unknown = [m for m in targets if m not in modules]
@@ -191,31 +199,21 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
         raise CheckpointError(f"{config_path}: " + "; ".join(problems))
     lora = LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                       dropout=float(config.get("lora_dropout") or 0.0),
-                      targets=tuple(t for t in LORA_TARGETS if LORA_TARGETS[t].split(".")[1] in targets))
+                      targets=tuple(t for t in LORA_TARGETS if _peft_module(t) in targets))
     tensors = load_file(os.fspath(path / "adapter_model.safetensors"))
-    adapted = add_adapters(model, lora, mesh=mesh)
-    cfg = adapted.config
-    values = {}
-    for target in lora.targets:
-        block, projection = LORA_TARGETS[target].split(".")
-        stacked = {}
-        for kind, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
-            names = [f"base_model.model.model.layers.{i}.{block}.{projection}.{kind}.weight"
-                     for i in range(cfg.num_layers)]
+    graphdef, adapters, rest = nnx.split(add_adapters(model, lora, mesh=mesh), nnx.LoRAParam, ...)
+    pure = nnx.to_pure_dict(adapters)
+    for target, node in _projections(pure, lora.targets):
+        for matrix, ours in (("lora_A", "lora_a"), ("lora_B", "lora_b")):
+            names = [_peft_name(i, target, matrix) for i in range(model.config.num_layers)]
             missing = [n for n in names if n not in tensors]
             if missing:
                 raise CheckpointError(f"{path / 'adapter_model.safetensors'}: missing {missing[0]}"
                                       + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-            stacked[ours] = np.stack([tensors[n].T for n in names]).astype(np.float32)
-        values[(block, projection)] = stacked
-    graphdef, adapters, rest = nnx.split(adapted, nnx.LoRAParam, ...)
-    pure = nnx.to_pure_dict(adapters)
-    for (block, projection), stacked in values.items():
-        node = pure["layers"][block][projection]
-        for name, array in stacked.items():
-            if array.shape != node[name].shape:
-                raise CheckpointError(f"{path}: {block}.{projection}.{name} has shape {array.shape[1:]} per layer, "
-                                      f"the model expects {node[name].shape[1:]}")
-            node[name] = jax.device_put(array, node[name].sharding)
+            stacked = np.stack([tensors[n].T for n in names]).astype(np.float32)
+            if stacked.shape != node[ours].shape:
+                raise CheckpointError(f"{path}: {LORA_TARGETS[target]}.{ours} has shape {stacked.shape[1:]} per "
+                                      f"layer, the model expects {node[ours].shape[1:]}")
+            node[ours] = jax.device_put(stacked, node[ours].sharding)
     nnx.replace_by_pure_dict(adapters, pure)
     return nnx.merge(graphdef, adapters, rest)

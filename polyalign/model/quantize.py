@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("nf4", "int8")
 BLOCK = 64
 
 # QLoRA's NF4 levels (Dettmers et al. 2023, appendix E; bitsandbytes' table).

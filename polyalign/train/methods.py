@@ -275,7 +275,7 @@ def check_config(config: Any, where: str = "config") -> None:
 
 
 def _check_lora(config: Any, where: str) -> None:
-    from polyalign.model.config import LORA_INITS, LORA_TARGETS
+    from polyalign.model.config import LORA_INITS, LORA_TARGETS, QUANTIZE_KINDS
 
     lora = config.model.lora
     unknown = [t for t in lora.targets if t not in LORA_TARGETS]
@@ -283,7 +283,7 @@ def _check_lora(config: Any, where: str) -> None:
         raise ConfigError(f"{where}: model.lora.targets: expected some of {', '.join(LORA_TARGETS)}, got "
                           f"{list(lora.targets)}")
     _check_choice(where, "model.lora.init", lora.init, LORA_INITS)
-    _check_choice(where, "model.quantize", config.model.quantize, (None, "nf4", "int8"))
+    _check_choice(where, "model.quantize", config.model.quantize, (None, *QUANTIZE_KINDS))
     if config.model.quantize and not lora.rank:
         raise ConfigError(f"{where}: model.quantize: a quantised base is frozen, so it trains adapters only; set "
                           "model.lora.rank > 0 (QLoRA)")
