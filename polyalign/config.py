@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -38,10 +39,24 @@ def _unknown_key_message(key: str, known: list[str], where: str) -> str:
     return f"{where}: unknown key {key!r}{hint}"
 
 
-def _convert(value: Any, annotation: Any, where: str) -> Any:
+# A number as YAML 1.2 writes it and YAML 1.1 (PyYAML) reads as a string: 1e-3, 5E-7, +2e4.
+_NUMBER = re.compile(r"[-+]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _convert(value: Any, annotation: Any, where: str, default: Any = None) -> Any:
+    """`value` as `annotation`; a mapping for a section starts from `default`, the section the
+    enclosing class gives that field, so that it changes only the keys it names."""
     origin = typing.get_origin(annotation)
     if dataclasses.is_dataclass(annotation):
-        return from_mapping(annotation, value, where)
+        return from_mapping(annotation, value, where, base=default if isinstance(default, annotation) else None)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
@@ -49,7 +64,7 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         errors = []
         for option in options:
             try:
-                return _convert(value, option, where)
+                return _convert(value, option, where, default)
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0])
@@ -67,6 +82,8 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         return value
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value.strip().replace("_", ""))
     if annotation in (str, int, float, bool) and not isinstance(value, annotation) or (
         annotation is int and isinstance(value, bool)
     ):
@@ -74,8 +91,10 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def from_mapping(cls: type[T], mapping: Any, where: str) -> T:
-    """Build dataclass `cls` from a mapping, checking keys and simple types."""
+def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None) -> T:
+    """Build dataclass `cls` from a mapping, checking keys and simple types. Keys the mapping does not
+    name keep their value in `base` (default: the class's defaults), at any depth: a nested section
+    given in part keeps the rest of the section `base`, or the field's default, holds."""
     if mapping is None:
         mapping = {}
     if not isinstance(mapping, dict):
@@ -86,7 +105,10 @@ def from_mapping(cls: type[T], mapping: Any, where: str) -> T:
     for key, value in mapping.items():
         if key not in fields:
             raise ConfigError(_unknown_key_message(str(key), list(fields), where))
-        kwargs[key] = _convert(value, hints[key], f"{where}.{key}")
+        default = getattr(base, key) if base is not None else _field_default(fields[key])
+        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default)
+    if base is not None:
+        return dataclasses.replace(base, **kwargs)
     missing = [name for name, f in fields.items() if name not in kwargs
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -103,7 +125,9 @@ def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = 
         node = mapping
         parts = key.split(".")
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a section left empty in the file (`optimizer:`)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"{where}: {key!r} goes through a value that is not a mapping")
         try:

@@ -1,6 +1,7 @@
 """One config schema for every training method, the method registry, and the trainer's random stream."""
 
 import dataclasses
+import json
 import re
 import typing
 
@@ -233,3 +234,127 @@ def test_the_trainer_gives_each_micro_batch_a_fresh_key_and_advances_its_own():
         metrics = jax.device_get(trainer.step(batch))
         assert float(metrics["draw"]) == pytest.approx(expected, abs=1e-6)
         np.testing.assert_array_equal(np.asarray(trainer.state["rng"]), np.asarray(jax.random.key_data(state_key)))
+
+
+# --- one key changes one key: a method's defaults are the base, then a file, then overrides ---------
+
+OTHER_STRINGS = {"model.dtype": "bfloat16", "model.export_dtype": "bfloat16", "model.remat": "full",
+                 "model.attention_impl": "xla", "model.lora.init": "gaussian", "model.quantize": "nf4",
+                 "model.preset": "qwen2.5-0.5b", "weighting": "uniform", "weight_normalization": "microbatch",
+                 "profile": "oracle", "reference": "in_step", "distance_features": "all", "distance_counts": "raw"}
+OTHER_LISTS = {"model.lora.targets": ["q", "v"], "train.report_to": ["tensorboard", "wandb"],
+               "train.profile_steps": [2, 3]}
+# A value that is valid only beside another: both keys then differ.
+COMPANIONS = {"reference": {"model.lora.rank": 8}, "model.quantize": {"model.lora.rank": 8}}
+# Keys with no other valid value for a method: the other value is refused in one line.
+ONLY_VALUE = {"critic": {"method": "sft", "data.pack": True, "model.lora.rank": 8, "model.quantize": "nf4"},
+              "sft": {"method": "critic"}}
+
+
+def _leaf_types(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _leaf_types(kind, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, kind
+
+
+def _other_value(method: str, key: str, kind, default):
+    """A valid value of `key` that is not its default."""
+    options = set(typing.get_args(kind)) - {type(None)} or {kind}
+    if key == "method":
+        return "ipo" if method == "dpo" else "dpo"
+    if key in OTHER_STRINGS:
+        return OTHER_STRINGS[key]
+    if key in OTHER_LISTS:
+        return OTHER_LISTS[key]
+    if bool in options:
+        return not default
+    if int in options:
+        return 3 if default is None else default + 1 if default != -1 else 2
+    if float in options:
+        return 0.5 if default is None else 0.25 if default == 0 else default / 2
+    assert str in options, (key, kind)
+    return "elsewhere" if default is None else default + "_other"
+
+
+def _flat(mapping, prefix=""):
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *sections, leaf = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return out
+
+
+def _printed(capsys, args) -> dict:
+    code = main(["train", *args, "--print-config"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return dict(_flat(yaml.safe_load(captured.out)))
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_one_key_changes_exactly_that_key_from_the_command_line_and_from_a_file(method, capsys, tmp_path):
+    """For every leaf key of the method's schema: `key=<another valid value>`, and a config file holding
+    only that key, give the method's defaults with that key (and only that key) changed."""
+    plain = _printed(capsys, [method])
+    assert plain == dict(_flat(dataclasses.asdict(load_config(None, [], method=method))))
+    for key, kind in _leaf_types(METHODS[method].config):
+        if key in ONLY_VALUE.get(method, {}):
+            assert main(["train", method, "--print-config", f"{key}={json.dumps(ONLY_VALUE[method][key])}"]) == 2
+            assert capsys.readouterr().err.count("\n") == 1
+            continue
+        change = {key: _other_value(method, key, kind, plain[key]), **COMPANIONS.get(key, {})}
+        assert change[key] != plain[key], key
+        overrides = [f"{k}={json.dumps(v)}" for k, v in change.items()]  # json writes 2.5e-07, as YAML 1.2 does
+        config_file = tmp_path / f"{key}.yaml"
+        config_file.write_text(yaml.safe_dump(_nested(change)))
+        for args in ([method, *overrides], [method, "--config", str(config_file)]):
+            printed = _printed(capsys, args)
+            differ = {k for k in plain if printed[k] != plain[k]}
+            if key == "method" and "--config" in args:  # the subcommand wins over the file's method
+                assert differ == set(), differ
+                continue
+            assert differ == set(change), (args, differ)
+            assert all(printed[k] == pytest.approx(v) if isinstance(v, float) else printed[k] == v
+                       for k, v in change.items()), args
+
+
+def test_a_partial_section_keeps_the_methods_other_defaults(tmp_path):
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("optimizer:\n  clip: 0.5\ntrain:\n  steps: 3\ndata:\n  dir: RUN\n")
+    dpo = load_config(partial, [], method="dpo")
+    assert (dpo.optimizer.lr, dpo.optimizer.clip, dpo.train.global_batch, dpo.train.steps, dpo.data.max_length,
+            dpo.data.eval_batch) == (5e-7, 0.5, 8, 3, 256, 8)
+    critic = load_config(partial, ["train.epochs=2"], method="critic")
+    assert (critic.data.max_length, critic.data.eval_batch, critic.train.seed, critic.train.log_every,
+            critic.train.eval_every, critic.model.seed, critic.optimizer.warmup_ratio) == (512, 16, 42, 10, None, 42, 0.0)
+    # an empty section in a file is the method's section
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("optimizer:\ntrain:\n")
+    assert load_config(empty, ["train.steps=4"], method="dpo").train.global_batch == 8
+
+
+@pytest.mark.parametrize("text", ["1e-3", "5E-7", "+2e-4", "1.5e-3", "1_0e-4"])
+def test_yaml_exponent_numbers_read_as_floats_where_a_float_is_expected(text, tmp_path):
+    expected = float(text.replace("_", ""))
+    assert load_config(None, [f"optimizer.lr={text}"], method="dpo").optimizer.lr == expected
+    assert load_config(None, [f"optimizer.clip={text}"], method="dpo").optimizer.clip == expected  # float | None
+    path = tmp_path / "c.yaml"
+    path.write_text(f"optimizer:\n  lr: {text}\n")
+    assert load_config(path, [], method="sft").optimizer.lr == expected
+    with pytest.raises(ConfigError, match="train.steps: expected int, got str '1e-3'"):
+        load_config(None, ["train.steps=1e-3"], method="sft")

@@ -134,6 +134,15 @@ def _renamed_override(item: str, config_class: type) -> list[str]:
     return [f"{target}={value}" for target in targets] if targets else [item]
 
 
+def _yaml_value(raw: str, item: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(f"override: {item} is not a value YAML reads; quote strings, and no tags") from None
+
+
 def load_config(path: Path | None, overrides: list[str] = (), method: str | None = None) -> Any:
     """The typed config of a training run: the YAML file (None: every default), then `method` (the
     `polyalign train METHOD` subcommand), then `key=value` overrides. The method decides the schema.
@@ -148,8 +157,8 @@ def load_config(path: Path | None, overrides: list[str] = (), method: str | None
         raw["method"] = name = method
     for item in overrides:
         key, _, value = item.partition("=")
-        if key == "method":
-            name = value.strip()
+        if key == "method":  # read as every override is: method=dpo and method="dpo" are one method
+            name = str(_yaml_value(value, item))
     spec = method_spec(name, where)
     if method is not None and spec.config is not method_spec(method).config:
         raise ConfigError(f"{where}: method {spec.name!r} is not trained by `polyalign train {method}`; "
