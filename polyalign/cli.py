@@ -7,6 +7,8 @@ Each subcommand parses its arguments and calls its stage; errors that come from 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -647,6 +649,9 @@ def _path_problem(error: OSError) -> str:
     return f"{where}: permission denied"
 
 
+_FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def main(argv: list[str] | None = None) -> int:
     from polyalign.errors import Interrupted, PolyalignError
 
@@ -668,6 +673,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"polyalign {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:
+        if err.errno not in _FULL_OR_READ_ONLY:
+            raise
+        # a full disk, a quota or a read-only mount: nothing the code can mend; the rerun resumes
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"polyalign {args.command}: error: {where}{os.strerror(err.errno).lower()}; free space (or choose "
+              "another place) and run the same command again", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -284,3 +284,37 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     assert set(mauve["by_bucket"]) == {"en|multi|dialogue|short"}
     assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
     assert full["metrics"]["aggregate"]["overall"] is not None
+
+
+@pytest.mark.parametrize("mode", [
+    [],
+    ["--support", "{run}/data/train.jsonl", "--references", "{run}/stats/references.json"],
+    ["--no-diversity", "--no-baselines"],
+    ["--compat", "reference"],
+    ["--compat", "reference", "--references", "{run}/stats/references.json"],
+    ["--compat", "reference", "--no-diversity"],
+], ids=["default", "support-references", "no-diversity", "reference", "reference-references", "reference-no-diversity"])
+def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, tmp_path, mode, capsys):
+    """`polyalign evaluate` as a user runs it, in each mode: exit 0, one summary line, metrics.json and a
+    self-contained report.html (the paper's mode, --compat reference, with and without --references)."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:400]
+    subset = tmp_path / "test.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    out = tmp_path / "eval"
+    args = ["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--out", str(out),
+            "--bootstrap-draws", "20", *(a.format(run=run) for a in mode)]
+    assert main(args) == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err and f"{len(records)} rows: F1 " in printed.out
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["config"]["compat"] == ("reference" if "reference" in mode else "cjk")
+    assert saved["alignment"]["evaluated"] == len(records)
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and "<h2>Overall</h2>" in page
+    assert ("<h2>Diversity</h2>" in page) == ("--no-diversity" not in mode)
+    assert ("<h2>Per bucket</h2>" in page) == ("reference" not in mode)

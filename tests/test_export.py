@@ -141,3 +141,29 @@ def test_a_checkpoint_template_is_exported_as_it_trained(json_tokenizer, tmp_pat
     assert again.render(messages) == template.render(messages)
     assert np.array_equal(encode_conversation(again, exported, messages).ids,
                           encode_conversation(template, tokenizer, messages).ids)
+
+
+def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys, tmp_path):
+    """An export (or any write) that meets a full disk, a quota or a read-only mount: one line naming the
+    file, status 2, no traceback; other OS errors still surface as they are."""
+    import errno
+    import os
+
+    from polyalign import cli
+
+    target = str(tmp_path / "model" / "model-00001-of-00002.safetensors")
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
+
+    monkeypatch.setattr(cli, "_run_train", full_disk)
+    assert cli.main(["train", "sft", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and target in err and "no space left on device" in err and "run the same command" in err
+
+    def other(args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cli, "_run_train", other)
+    with pytest.raises(OSError, match="Input/output error"):
+        cli.main(["train", "sft", "--out", str(tmp_path / "out")])

@@ -117,6 +117,7 @@ BAD_SETTINGS = [
     ("hdpo", "rounds=0", "rounds must be >= 1, got 0"),
     ("critic", "dropout=1", r"dropout must be in \[0, 1\), got 1"),
     ("critic", "pair_batch=0", "pair_batch must be >= 1, got 0"),
+    ("dpo", "data.max_length=null", "data.max_length: each side of a pair is cut to it"),
     ("sft", "train.steps=[1", "train.steps=\\[1 is not a value YAML reads"),
     ("sft", "train.steps=!!python/name:os.system", "is not a value YAML reads .*no tags"),
 ]

@@ -247,14 +247,16 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                      "<h2>Per bucket</h2>", bucket_html]
     if m["diversity"].get("overall"):
         diversity_html, _ = _diversity_table(m["diversity"]["overall"])
+        measured = any(key.endswith("_interval") for key in m["diversity"]["overall"])
         sections += ["<h2>Diversity</h2>", diversity_html,
                      "<p>Intervals: Distinct-n by the grouped jackknife (20 groups), Self-BLEU by bootstrap over its "
-                     "candidates.</p>"]
+                     "candidates.</p>" if measured else "<p>No intervals (--compat reference computes none).</p>"]
+    if m.get("buckets"):  # the default mode's per-bucket reports, with floors and intervals
         images += [_metric_by_bucket(m["buckets"], "bng", "BNG per bucket (lower is more human-like)", out / "bng.png"),
                    _metric_by_bucket(m["buckets"], "hcr", f"Calibrated HCR per bucket (higher is more human-like; "
-                                     f"people land near {hcr.get('coverage', 0.9):g})", out / "hcr.png"),
+                                     f"people land near {m['hcr'].get('coverage', 0.9):g})", out / "hcr.png"),
                    _metric_by_bucket(m["buckets"], "f1", "F1 per bucket (higher is better)", out / "f1.png")]
-    else:
+    else:  # --compat reference: the per-bucket values, without floors or intervals
         per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
                       "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
         images.append(_bucket_bars({k: v for k, v in per_bucket.items() if v}, "Per bucket", out / "buckets.png"))

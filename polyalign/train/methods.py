@@ -271,6 +271,9 @@ def check_config(config: Any, where: str = "config") -> None:
         _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)
         _check_choice(where, "reference", config.reference, schema.REFERENCES)
+        if config.data.max_length is None:
+            raise ConfigError(f"{where}: data.max_length: each side of a pair is cut to it (METHOD section 8), so "
+                              "the preference methods need a number (default 256), not null")
         if config.reference == "in_step" and not config.model.lora.rank:
             raise ConfigError(f"{where}: reference: in_step computes the reference as the base with the adapters "
                               "off, which needs model.lora.rank > 0 (full tuning has no frozen base to use)")
