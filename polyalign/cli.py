@@ -287,6 +287,10 @@ def _add_train(sub) -> None:
                               help="continue OUT's run with changed resumable keys (train.steps, eval_every, ...)")
         existing.add_argument("--overwrite", action="store_true",
                               help="start over in OUT, removing what an earlier run of another config wrote there")
+        if spec.name == "sft":
+            m.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                           help="train `init` on a build encoded with another tokenizer (refused otherwise; the "
+                                "config key allow_tokenizer_mismatch: true says the same)")
         m.add_argument("overrides", nargs="*", metavar="key=value", help="override config fields")
         m.set_defaults(handler=_run_train, parser=m)
 
@@ -294,7 +298,8 @@ def _add_train(sub) -> None:
 def _run_train(args) -> int:
     from polyalign.train.methods import config_as_yaml, load_config, method_spec
 
-    config = load_config(args.config, args.overrides, method=args.method)
+    flags = ["allow_tokenizer_mismatch=true"] if getattr(args, "allow_tokenizer_mismatch", False) else []
+    config = load_config(args.config, [*args.overrides, *flags], method=args.method)
     if args.print_config:
         print(config_as_yaml(config), end="")
         return 0
@@ -378,9 +383,9 @@ def _run_pairs_import(args) -> int:
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"{summary['pairs']} pairs from {summary['read']} rows in {len(summary['buckets'])} buckets; "
           f"dropped: {dropped}")
-    if summary["system_prompt_replaced"]:
-        print(f"{summary['system_prompt_replaced']} rows had a system message; polyalign's profile system prompt "
-              "replaces it")
+    if summary["system_messages"]:
+        print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
+              "adds the profile prompt after it; docs/model.md, System messages)")
     if summary["quarantined"]:
         print(f"quarantined {summary['quarantined']} rows -> {args.out.with_name(args.out.stem + '.quarantine.jsonl')}")
     print(f"pairs: {args.out}")

@@ -130,6 +130,9 @@ class SftConfig:
     weighting: str = "bucket"
     # `microbatch` normalises inside each micro-batch, as the reference code did; only for comparison.
     weight_normalization: str = "global"
+    # Train `init` on a build encoded with another tokenizer (refused by default: the ids would stand
+    # for other tokens, and the export would ship the build's tokenizer on the init's weights).
+    allow_tokenizer_mismatch: bool = False
     adaptive: AdaptiveSection = field(default_factory=AdaptiveSection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)

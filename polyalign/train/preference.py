@@ -194,6 +194,32 @@ def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "")
     return out
 
 
+def unscored_pairs(pairs: list[dict]) -> int:
+    """Pairs without the critic's scores of both sides (`polyalign train critic` writes them)."""
+    return sum(1 for p in pairs if p.get("critic_chosen") is None or p.get("critic_rejected") is None)
+
+
+def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: list[dict]) -> None:
+    """Refuses inputs a run would train on without a word of what they lack: validation pairs that are
+    the training pairs, and HDPO's distance term on pairs the critic has not scored (missing scores read
+    as 0, so the term would be identically zero and the run weighted DPO)."""
+    from polyalign.outputs import same_path
+    from polyalign.paths import file_digest
+
+    train_file, val_file = paths["pairs"], paths["val_pairs"]
+    if same_path(train_file, val_file) or (Path(val_file).is_file() and file_digest(train_file) == file_digest(val_file)):
+        raise ConfigError(f"val_pairs {val_file} holds the training pairs ({train_file}): validation on them "
+                          "measures nothing held out; give pairs of other prompts (`polyalign pairs import "
+                          "--val-fraction 0.05` splits one file into both)")
+    if (config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0:
+        unscored = unscored_pairs(train_pairs)
+        if unscored:
+            raise ConfigError(f"{train_file}: {unscored} of {len(train_pairs)} pairs carry no critic scores "
+                              "(critic_chosen, critic_rejected), so HDPO's distance term would be zero on them; "
+                              "score them with `polyalign train critic` (its OUT/train_pairs.jsonl), or set "
+                              "lambda_dist=0 to train without the distance term")
+
+
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     from polyalign.chat import choose_template, get_template
     from polyalign.export import export_trained
@@ -203,13 +229,14 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     require(config, "init", hint="the SFT checkpoint")
     paths = config.pair_files()
     max_length = config.data.max_length
+    train_pairs, val_pairs = read_pairs(Path(paths["pairs"])), read_pairs(Path(paths["val_pairs"]))
+    if not train_pairs:
+        raise ConfigError(f"{paths['pairs']}: no pairs")
+    check_pairs(config, paths, train_pairs)
     model = load_init(config, mesh)
     tokenizer = load_tokenizer(config.init)
     template_name = choose_template(tokenizer, family=model.config.family, where=str(config.init))
     template = get_template(template_name, tokenizer)
-    train_pairs, val_pairs = read_pairs(Path(paths["pairs"])), read_pairs(Path(paths["val_pairs"]))
-    if not train_pairs:
-        raise ConfigError(f"{paths['pairs']}: no pairs")
     val_pairs = val_pairs[:config.data.eval_limit]
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)

@@ -158,6 +158,32 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
     return with_adapters(create_model(cfg, seed=config.model.seed, mesh=mesh), config, mesh)
 
 
+def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
+    """Refuses to train `init` on a build encoded with another tokenizer: the file each tokenizer is
+    read from (tokenizer.json or tokenizer.model) must have the same digest, unless
+    allow_tokenizer_mismatch. An init without tokenizer files is trained with a notice."""
+    import sys
+
+    from polyalign.errors import TokenizerError
+    from polyalign.paths import file_digest
+    from polyalign.tokenizer import load_tokenizer
+
+    if not config.init or config.allow_tokenizer_mismatch:
+        return
+    try:
+        init_tokenizer = load_tokenizer(config.init)
+    except TokenizerError:
+        print(f"polyalign: init {config.init} has no tokenizer files; its ids are taken to be those of the "
+              f"build's tokenizer ({build_tokenizer.path})", file=sys.stderr)
+        return
+    build_digest, init_digest = file_digest(build_tokenizer.path), file_digest(init_tokenizer.path)
+    if build_digest != init_digest:
+        raise ConfigError(f"{as_path(run) / 'build'} was encoded with {build_tokenizer.path} ({build_digest[:19]}), "
+                          f"not init's tokenizer {init_tokenizer.path} ({init_digest[:19]}): the ids would stand for "
+                          f"other tokens; rebuild with `polyalign build {run} --tokenizer {config.init}`, or pass "
+                          "--allow-tokenizer-mismatch if that is meant")
+
+
 def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     from polyalign.chat import get_template
     from polyalign.export import export_trained
@@ -175,6 +201,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                           f"{length}; rebuild with `polyalign build --max-length` or leave data.max_length unset")
     pad_id = manifest["pad_id"]
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
+    check_init_tokenizer(config, tokenizer, run)
     model = build_model(config, manifest["vocab_size"],
                         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                          "pad_token_id": tokenizer.pad_id}, mesh)
