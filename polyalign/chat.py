@@ -65,27 +65,99 @@ def user_turn(question: str, context: str) -> str:
     return f"{context}\n\n{question}" if context else question
 
 
-def record_messages(record: Record, profile: str = "context", with_response: bool = True) -> list[Message]:
-    """system (profile prompt), the history, the question with its context, and the human response.
-    Consecutive turns of one speaker are joined so that every template sees alternating roles."""
-    messages: list[Message] = []
-    system = profile_prompt(record, profile)
-    if system:
-        messages.append(Message("system", system))
+# How a source's own system message and the profile prompt compose (docs/model.md, "System messages"):
+# keep: the source's text, a blank line, the profile prompt; replace: the profile prompt alone (the
+# source's leading system text is not shown; later system turns stay); drop: every system turn of the
+# source left out, the profile prompt alone.
+SYSTEM_MODES = ("keep", "replace", "drop")
+
+
+def source_system(record: Record) -> str | None:
+    """The conversation's own system prompt: the system turns that open the record's history, joined
+    by a newline; None when the history does not open with one."""
+    texts = []
     for turn in record.history:
-        role = "user" if turn["role"] == "user" else "assistant"
+        if turn["role"] != "system":
+            break
+        texts.append(turn["text"])
+    return "\n".join(texts) if texts else None
+
+
+def system_prompt(record: Record, profile: str = "context", system: str = "keep") -> str:
+    """The system prompt a record is rendered with: the profile prompt composed with the source's own
+    system text by `system` (SYSTEM_MODES); "" for none."""
+    if system not in SYSTEM_MODES:
+        raise ChatTemplateError(f"system mode {system!r} is not one of {', '.join(SYSTEM_MODES)}")
+    profile_text = profile_prompt(record, profile)
+    source = source_system(record) if system == "keep" else None
+    return "\n\n".join(part for part in (source, profile_text) if part)
+
+
+def record_messages(record: Record, profile: str = "context", with_response: bool = True,
+                    system: str = "keep") -> list[Message]:
+    """The one rule by which a record becomes chat messages (build, prompts, generate, evaluation and
+    preference pairs all call it): the system prompt (`system_prompt`), the history with each turn in
+    its own role (a system turn inside the conversation stays a system turn), the question with its
+    context, and the human response. Consecutive turns of one role are joined with a newline so that
+    every template sees one message per turn."""
+    messages: list[Message] = []
+
+    def add(role: str, text: str) -> None:
         if messages and messages[-1].role == role:
-            messages[-1] = Message(role, f"{messages[-1].content}\n{turn['text']}")
+            messages[-1] = Message(role, f"{messages[-1].content}\n{text}")
         else:
-            messages.append(Message(role, turn["text"]))
-    question = user_turn(record.question, record.context)
-    if messages and messages[-1].role == "user":
-        messages[-1] = Message("user", f"{messages[-1].content}\n{question}")
-    else:
-        messages.append(Message("user", question))
+            messages.append(Message(role, text))
+
+    prompt = system_prompt(record, profile, system)
+    if prompt:
+        messages.append(Message("system", prompt))
+    history = record.history
+    opening = 0
+    while opening < len(history) and history[opening]["role"] == "system":
+        opening += 1  # the source's own system prompt, composed into `prompt` above
+    for turn in history[opening:]:
+        role = turn["role"] if turn["role"] in ("user", "assistant", "system") else "assistant"
+        if role == "system" and system == "drop":
+            continue
+        add(role, turn["text"])
+    add("user", user_turn(record.question, record.context))
     if with_response:
         messages.append(Message("assistant", record.response))
     return messages
+
+
+def fold_system(messages: Sequence[Message]) -> list[tuple[int | None, Message]]:
+    """For templates that take no system message (Gemma's): every system message folded into a user
+    turn, as (index of the message in `messages`, message) pairs; a folded user turn keeps its own index.
+    The rule: a system message opens the next user turn (its text, a blank line, the user's text); one
+    directly followed by an assistant turn (or by nothing) closes the user turn before it instead (the
+    user's text, a blank line, its text). A system message is never folded into an assistant turn; a
+    conversation with no user turn to take it is refused."""
+    out: list[tuple[int | None, Message]] = []
+    pending: list[str] = []
+    for index, message in enumerate(messages):
+        if message.role == "system":
+            pending.append(message.content)
+            continue
+        if pending and message.role == "user":
+            out.append((index, Message("user", "\n\n".join([*pending, message.content]))))
+            pending = []
+            continue
+        if pending:
+            _close_with(out, pending)
+            pending = []
+        out.append((index, message))
+    if pending:
+        _close_with(out, pending)
+    return out
+
+
+def _close_with(out: list[tuple[int | None, Message]], pending: list[str]) -> None:
+    if not out or out[-1][1].role != "user":
+        raise ChatTemplateError("a system message with no user turn beside it to fold into (this template "
+                                "takes no system message)")
+    index, user = out[-1]
+    out[-1] = (index, Message("user", "\n\n".join([user.content, *pending])))
 
 
 # --- templates ------------------------------------------------------------------------------------
@@ -117,12 +189,11 @@ class ChatTemplate:
         return (files("polyalign") / "templates" / f"{self.name}.jinja").read_text(encoding="utf-8")
 
     def _split_system(self, messages: Sequence[Message]) -> tuple[str | None, list[tuple[int, Message]]]:
+        """The leading system message's text, and the other messages by index (later system messages
+        among them: the template writes them as system turns where they stand)."""
         indexed = list(enumerate(messages))
         if indexed and indexed[0][1].role == "system":
             return indexed[0][1].content, indexed[1:]
-        for _, message in indexed:
-            if message.role == "system":
-                raise ChatTemplateError(f"{self.name}: a system message may only come first")
         return None, indexed
 
 
@@ -182,23 +253,20 @@ class Llama3(ChatTemplate):
 
 class Gemma(ChatTemplate):
     """Gemma 2 Instruct: user/model turns, contents stripped. The official template rejects a system
-    message; like Gemma 3's template, the system text opens the first user turn instead."""
+    message; like Gemma 3's template, the system text opens the first user turn instead, and a later
+    system message is folded into a user turn by `fold_system`'s rule."""
 
     name, bos, end_of_turn = "gemma", "<bos>", "<end_of_turn>"
     start = "<start_of_turn>"
 
     def pieces(self, messages, add_generation_prompt=False):
-        system, rest = self._split_system(messages)
         out = [Piece(self.bos, special=True)]
-        for position, (index, message) in enumerate(rest):
+        for position, (index, message) in enumerate(fold_system(messages)):
             if (message.role == "user") != (position % 2 == 0):
                 raise ChatTemplateError("gemma: roles must alternate user/assistant, starting with user")
-            content = message.content
-            if position == 0 and system is not None:
-                content = f"{system}\n\n{content}"
             target = index if message.role == "assistant" else None
             role = "model" if message.role == "assistant" else "user"
-            out += [Piece(self.start, special=True), Piece(f"{role}\n"), Piece(content.strip(), turn=target),
+            out += [Piece(self.start, special=True), Piece(f"{role}\n"), Piece(message.content.strip(), turn=target),
                     Piece(self.end_of_turn, special=True, turn=target), Piece("\n")]
         if add_generation_prompt:
             out += [Piece(self.start, special=True), Piece("model\n")]
@@ -207,8 +275,9 @@ class Gemma(ChatTemplate):
 
 class JinjaTemplate(ChatTemplate):
     """A checkpoint's own Jinja chat template (polyalign.chat_jinja): the string transformers renders,
-    with each assistant turn located by rendering. A template that refuses a system message (Gemma 2's)
-    gets the system text opening the first user turn instead, as the built-in `gemma` does."""
+    with each assistant turn located by rendering. A template that refuses a conversation with a system
+    message (Gemma 2's) gets every system message folded into a user turn (`fold_system`), as the
+    built-in `gemma` does."""
 
     name = CHECKPOINT_TEMPLATE
 
@@ -242,11 +311,11 @@ class JinjaTemplate(ChatTemplate):
         try:
             return self.renderer.turn_spans(as_dicts(messages))
         except ChatTemplateError:
-            folded = fold_system(messages)
-            if folded is None:
+            if not any(m.role == "system" for m in messages):
                 raise
-            text, spans = self.renderer.turn_spans(as_dicts(folded))
-            return text, {k + 1: span for k, span in spans.items()}  # indices of the unfolded messages
+            folded = fold_system(messages)
+            text, spans = self.renderer.turn_spans(as_dicts([m for _, m in folded]))
+            return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
 
     def render(self, messages, add_generation_prompt=False):
         from polyalign.chat_jinja import as_dicts
@@ -254,10 +323,9 @@ class JinjaTemplate(ChatTemplate):
         try:
             return self.renderer.render(as_dicts(messages), add_generation_prompt)
         except ChatTemplateError:
-            folded = fold_system(messages)
-            if folded is None:
+            if not any(m.role == "system" for m in messages):
                 raise
-            return self.renderer.render(as_dicts(folded), add_generation_prompt)
+            return self.renderer.render(as_dicts([m for _, m in fold_system(messages)]), add_generation_prompt)
 
     def pieces(self, messages, add_generation_prompt=False):
         from polyalign.chat_jinja import split_pieces
@@ -267,13 +335,6 @@ class JinjaTemplate(ChatTemplate):
         else:
             text, spans = self.locate_turns(messages)
         return [Piece(t, special=special, turn=turn) for t, special, turn in split_pieces(text, spans, self.added_tokens)]
-
-
-def fold_system(messages: Sequence[Message]) -> list[Message] | None:
-    """The system text opening the first user turn; None when there is no system message to fold."""
-    if len(messages) < 2 or messages[0].role != "system" or messages[1].role != "user":
-        return None
-    return [Message("user", f"{messages[0].content}\n\n{messages[1].content}"), *messages[2:]]
 
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."

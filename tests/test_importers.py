@@ -25,10 +25,14 @@ def test_llamafactory_reads_every_row_with_history_and_labels():
     for (key, example), row in zip(items, raw):
         assert example.question == row["instruction"] and example.response == row["output"]
         assert example.context == row["input"]
-        assert len(example.history) == 2 * len(row.get("history") or [])
+        # the row's system message opens the history as a system turn (prepare recognises these, the
+        # authors' own profile prompts, and leaves them out: tests/test_chat_exports.py)
+        assert example.history[0] == {"role": "system", "text": row["system"]}
+        assert len(example.history) == 1 + 2 * len(row.get("history") or [])
+        assert example.derived["track"] == ("multi" if row.get("history") else "single")
         assert example.labels["style"] == row["style_bucket"] and example.labels["bucket_id"] == row["bucket_id"]
-    with_history = next(e for _, e in items if e.history)
-    assert [t["role"] for t in with_history.history[:2]] == ["user", "assistant"]
+    with_history = next(e for _, e in items if len(e.history) > 1)
+    assert [t["role"] for t in with_history.history[:3]] == ["system", "user", "assistant"]
 
 
 def test_squad_one_record_per_question_with_all_answers():

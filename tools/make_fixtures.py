@@ -10,6 +10,9 @@ Writes, under tests/fixtures/:
                              and the float32 logits transformers computes for them.
   chat/fixtures.json         real records from the bundled demo data rendered by the official chat
                              templates through transformers' apply_chat_template.
+  chat/exports.json          every record of a real-text chat export (tests/chat_exports.py: system
+                             messages leading and mid-conversation, developer role, content parts)
+                             rendered by the official templates through apply_chat_template.
   chat/jinja.json            real records rendered by the templates in chat/templates/ (Qwen3's reasoning
                              rules; a fine-tuned layout with {% generation %} blocks) through transformers:
                              the string, the generation prompt and the assistant spans.
@@ -180,17 +183,19 @@ SPECIAL = {"qwen": dict(eos_token="<|im_end|>"), "llama3": dict(bos_token="<|beg
            "gemma": dict(bos_token="<bos>", eos_token="<eos>")}
 
 
-def official_render(template_text: str, name: str, messages: list[dict]) -> str:
+def official_render(template_text: str, name: str, messages: list[dict], fold: bool = True,
+                    prompt: bool = False) -> str:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
                                                **SPECIAL[name])
-    if name == "gemma" and messages[0]["role"] == "system":
+    if fold and name == "gemma" and messages[0]["role"] == "system":
         # Gemma 2's template rejects system messages; polyalign opens the first user turn with it.
         system, first = messages[0], messages[1]
         messages = [{"role": "user", "content": f"{system['content']}\n\n{first['content']}"}, *messages[2:]]
-    return tok.apply_chat_template(messages, tokenize=False, chat_template=template_text, date_string="26 Jul 2024")
+    return tok.apply_chat_template(messages, tokenize=False, chat_template=template_text, date_string="26 Jul 2024",
+                                   add_generation_prompt=prompt)
 
 
 def write_chat_fixtures(template_dir: Path) -> None:
@@ -216,6 +221,59 @@ def write_chat_fixtures(template_dir: Path) -> None:
         print(f"chat {name:9s} {dataset:16s} {len(messages)} messages, {len(expected)} chars")
     out = FIXTURES / "chat" / "fixtures.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
+
+
+def export_conversations() -> list[tuple[str, list[dict]]]:
+    """Every record of the chat export tests/chat_exports.py makes from real demo text, as (record key,
+    the conversation up to its reply as transformers is given it): developer as system, content parts
+    joined by a newline, consecutive messages of one role joined by a newline, text normalised as
+    prepare normalises it. Tool turns and the records after them are left out, as the importer leaves
+    them out."""
+    sys.path.insert(0, str(REPO))
+    from polyalign.data.text import normalize
+    from tests.chat_exports import openai_rows
+
+    cases = []
+    for row in openai_rows():
+        messages = []
+        for position, message in enumerate(row["messages"]):
+            role = "system" if message["role"] == "developer" else message["role"]
+            content = message["content"]
+            if isinstance(content, list):
+                content = "\n".join(part["text"] for part in content if part.get("type") == "text")
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"] += "\n" + content
+            else:  # the record key names the source position of a reply's first message
+                messages.append({"role": role, "content": content, "position": position})
+        for k, message in enumerate(messages):
+            if message["role"] == "assistant" and any(m["role"] in ("user", "assistant") for m in messages[:k]):
+                conversation = [{"role": m["role"], "content": normalize(m["content"])} for m in messages[:k + 1]]
+                cases.append((f"{row['id']}-turn-{message['position']}", conversation))
+    return cases
+
+
+def write_export_fixtures(template_dir: Path) -> None:
+    """chat/exports.json: the official templates' renderings (transformers' apply_chat_template) of
+    every record of the real-text chat export, with its system messages where the user put them. Gemma
+    2's template refuses system messages: it is given the conversation with them folded into user
+    turns by polyalign's documented rule (chat.fold_system)."""
+    from polyalign.chat import Message, fold_system
+
+    cases = []
+    for key, conversation in export_conversations():
+        for name in ("qwen", "llama3", "gemma"):
+            given = conversation
+            if name == "gemma":
+                given = [{"role": m.role, "content": m.content}
+                         for _, m in fold_system([Message(c["role"], c["content"]) for c in conversation])]
+            template = (template_dir / f"{name}.jinja").read_text()
+            cases.append({"template": name, "key": key, "messages": conversation,
+                          "expected": official_render(template, name, given, fold=False),
+                          "prompt": official_render(template, name, given[:-1], fold=False, prompt=True)})
+        print(f"exports {key:28s} {len(conversation)} messages, "
+              f"{sum(m['role'] == 'system' for m in conversation)} system")
+    out = FIXTURES / "chat" / "exports.json"
     out.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
 
 
@@ -539,6 +597,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chat-templates", type=Path, help="directory with qwen.jinja, llama3.jinja, gemma.jinja")
     parser.add_argument("--jinja-only", action="store_true", help="only chat/jinja.json")
+    parser.add_argument("--exports-only", action="store_true",
+                        help="with --chat-templates: only chat/exports.json (the real-text chat export's records)")
     parser.add_argument("--check-exports", action="store_true", help="only the export checks (writes nothing)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), help="only these model fixtures")
     parser.add_argument("--check-export", type=Path, metavar="DIR",
@@ -562,6 +622,9 @@ def main() -> int:
     if args.models:
         write_model_fixtures(args.models)
         return 0
+    if args.exports_only:
+        write_export_fixtures(args.chat_templates)
+        return 0
     write_jinja_fixtures()
     if args.jinja_only:
         return 0
@@ -570,6 +633,7 @@ def main() -> int:
     write_loss_fixtures()
     if args.chat_templates:
         write_chat_fixtures(args.chat_templates)
+        write_export_fixtures(args.chat_templates)
     return 0
 
 

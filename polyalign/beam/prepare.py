@@ -99,6 +99,10 @@ class ImportFile(beam.DoFn):
             yield _event("detected", source_index, language, count=count)
         for mismatch, count in tally.language_mismatches.items():
             yield _event("mismatch", source_index, mismatch, count=count)
+        for what, count in tally.system_messages.items():
+            yield _event("system", source_index, what, count=count)
+        for reason, count in tally.notes.items():
+            yield _event("note", source_index, reason, count=count)
         if self.on_error == "quarantine":
             yield _event("quarantined", count=tally.dropped["malformed"])
 
@@ -326,6 +330,10 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             tallies[fields[0]].detected_languages[fields[1]] += count
         elif kind == "mismatch":
             tallies[fields[0]].language_mismatches[fields[1]] += count
+        elif kind == "system":
+            tallies[fields[0]].system_messages[fields[1]] += count
+        elif kind == "note":
+            tallies[fields[0]].notes[fields[1]] += count
         elif kind == "kept":
             tallies[fields[0]].kept_by_split[fields[1]] += count
         elif kind == "label":

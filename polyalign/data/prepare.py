@@ -19,6 +19,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
+from polyalign.chat import PROFILE_PREAMBLE
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.dedup import (
@@ -35,6 +36,7 @@ from polyalign.data.records import (
     Example,
     InputError,
     Malformed,
+    Notice,
     Record,
     RowProblem,
     Skipped,
@@ -118,6 +120,8 @@ class SourceTally:
     empty_responses: int = 0
     detected_languages: Counter = field(default_factory=Counter)
     language_mismatches: Counter = field(default_factory=Counter)
+    system_messages: Counter = field(default_factory=Counter)
+    notes: Counter = field(default_factory=Counter)
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -138,6 +142,8 @@ class SourceTally:
             **({"detected_languages": dict(self.detected_languages)} if self.detected_languages else {}),
             **({"language_mismatches": dict(sorted(self.language_mismatches.items()))}
                if self.language_mismatches else {}),
+            **({"system_messages": dict(sorted(self.system_messages.items()))} if self.system_messages else {}),
+            **({"left_out": dict(sorted(self.notes.items()))} if self.notes else {}),
         }
 
 
@@ -174,11 +180,13 @@ class RecordBuilder:
         self.scheme, self.length_unit, self.split_options = scheme, length_unit, split_options
 
     def labels(self, example: Example, source: SourceConfig) -> dict[str, str]:
-        """track/family/style from, in order: the row, the source config, the scheme, the format."""
+        """track/family/style from, in order: the row, the source config, the scheme's entry for the
+        source, what the importer read off the conversation (the track), the format's default."""
         layers = [
             example.labels,
             {k: getattr(source, k) for k in LABEL_FIELDS if getattr(source, k)},
             self.scheme.sources.get(source.name, {}),
+            example.derived,
             get_format(source.format).defaults,
         ]
         labels = {}
@@ -194,6 +202,23 @@ class RecordBuilder:
             labels[name] = value
         return labels
 
+    @staticmethod
+    def system_turns(history: list[dict[str, str]], tally: SourceTally) -> list[dict[str, str]]:
+        """The history's system turns, counted: the ones that open it are the record's system prompt
+        (`system_prompt`); later ones stay where they stand (`system_turn_in_history`). An opening system
+        turn that is polyalign's own profile prompt (the PolyAlign authors' sample carries one on every
+        row) is left out (`system_is_profile_prompt`): the profile prompt is written from the record's
+        labels when it is rendered, never twice."""
+        if history and history[0]["role"] == "system" and history[0]["text"].startswith(PROFILE_PREAMBLE):
+            tally.system_messages["system_is_profile_prompt"] += 1
+            history = history[1:]
+        opening = next((i for i, t in enumerate(history) if t["role"] != "system"), len(history))
+        if opening:
+            tally.system_messages["system_prompt"] += 1
+        if any(t["role"] == "system" for t in history[opening:]):
+            tally.system_messages["system_turn_in_history"] += 1
+        return history
+
     def split_of(self, example: Example, source: SourceConfig, group: str) -> str:
         if source.split != "auto":
             return source.split
@@ -204,6 +229,7 @@ class RecordBuilder:
     def build(self, key: str, example: Example, source: SourceConfig, tally: SourceTally) -> Record | Skipped:
         question, context, response = normalize(example.question), normalize(example.context), normalize(example.response)
         history = [{"role": t["role"], "text": normalize(t["text"])} for t in example.history]
+        history = self.system_turns(history, tally)
         labels = self.labels(example, source)
         language = example.labels.get("language") or source.language
         if language is None:
@@ -504,7 +530,10 @@ def duplicate_id_message(record_id: str, locations: list[str]) -> str:
 def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally, key: str | None,
                item: Any, sink: Callable[[str, Malformed], None]) -> Record | None:
     """One imported item through the record builder: a Record, or None after counting why it was dropped
-    (malformed rows also go to `sink`)."""
+    (malformed rows also go to `sink`). A Notice is counted under `left_out` and is no row."""
+    if isinstance(item, Notice):
+        tally.notes[item.reason] += item.count
+        return None
     tally.read += 1
     if isinstance(item, Malformed):
         sink(source.name, item)

@@ -57,6 +57,10 @@ class Example:
     `key` is None for row sources (the pipeline numbers rows) and `<dialogue id>-turn-<k>` for
     dialogue sources. `labels` are the row's own track/family/style/language/length_bin/bucket_id.
     `split` is an official split carried by the data itself (ConvLab's data_split, LCCC's JSON keys).
+    `derived` holds labels the importer read off the conversation itself (track: multi when earlier
+    user/assistant turns exist); they rank below the configuration and the scheme (prepare's
+    RecordBuilder.labels). `conversation` is the text of the whole dialogue the record comes from, so
+    that its language is decided once per conversation.
     """
 
     question: str
@@ -69,6 +73,18 @@ class Example:
     split: str | None = None
     group: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    derived: dict[str, str] = field(default_factory=dict)
+    conversation: str | None = None
+
+
+@dataclass
+class Notice:
+    """Something an importer left out of a row it otherwise read (a non-text content part, a system
+    message that is polyalign's own profile prompt): counted by reason in the manifest, not a row."""
+
+    location: Location
+    reason: str
+    count: int = 1
 
 
 @dataclass
@@ -86,9 +102,10 @@ class Skipped:
 
     location: Location
     reason: str
+    key: str | None = None
 
 
-ImportItem = Union[Example, Malformed, Skipped]
+ImportItem = Union[Example, Malformed, Skipped, Notice]
 
 
 @dataclass

@@ -24,11 +24,13 @@ from etils import epath
 
 from polyalign.chat import (
     PROFILE_MODES,
+    SYSTEM_MODES,
     TRAIN_ON,
     choose_template,
     encode_conversation,
     get_template,
     record_messages,
+    source_system,
 )
 from polyalign.config import ConfigError
 from polyalign.data.bucketing import (
@@ -50,7 +52,7 @@ PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
 SPLITS = ("train", "val")
-STAT_KEYS = ("examples", "tokens", "target_tokens", "truncated")
+STAT_KEYS = ("examples", "tokens", "target_tokens", "truncated", "source_system_prompts", "system_turns_in_history")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class BuildOptions:
     profile: str = "context"
     max_length: int = 512  # the METHOD section 8 cutoff
     train_on: str = "last"
+    # How a record's own system prompt (its source's system message) meets the profile prompt:
+    # keep (the source's text, a blank line, the profile prompt), replace or drop (chat.SYSTEM_MODES).
+    system: str = "keep"
     # Bucket-SFT weights: the scheme's (buckets/*.yaml `weights:`), with these keys replacing its own;
     # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
     weights: dict[str, Any] = field(default_factory=dict)
@@ -141,6 +146,8 @@ def _beam_builder_class():
 def check_options(options: BuildOptions) -> None:
     if options.profile not in PROFILE_MODES:
         raise ConfigError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {options.profile!r}")
+    if options.system not in SYSTEM_MODES:
+        raise ConfigError(f"system must be one of {', '.join(SYSTEM_MODES)}, got {options.system!r}")
     if options.train_on not in TRAIN_ON:
         raise ConfigError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {options.train_on!r}")
     if options.max_length < 8:
@@ -206,10 +213,11 @@ class BucketTable:
 def encode_record(record: Record, tokenizer, template, options: BuildOptions, table: BucketTable
                   ) -> tuple[str, dict[str, Any], Counter]:
     """(key, example, counts) for one record."""
-    encoded = encode_conversation(template, tokenizer, record_messages(record, options.profile),
-                                  train_on=options.train_on, cutoff=options.max_length)
+    messages = record_messages(record, options.profile, system=options.system)
+    encoded = encode_conversation(template, tokenizer, messages, train_on=options.train_on, cutoff=options.max_length)
     counts = Counter(examples=1, tokens=len(encoded.ids), target_tokens=int(encoded.loss_mask.sum()),
-                     truncated=int(encoded.truncated))
+                     truncated=int(encoded.truncated), source_system_prompts=int(source_system(record) is not None),
+                     system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
     return record.id, {
         "input_ids": encoded.ids,
         "loss_mask": encoded.loss_mask.astype(np.uint8),

@@ -9,12 +9,13 @@ import json
 import os
 import re
 import zipfile
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from polyalign import jsonl
-from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
+from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, Notice, RowProblem, Skipped
 
 _DOCUMENTATION = re.compile(r"^(readme|provenance|licen[cs]e|notice|copying)\b", re.IGNORECASE)
 
@@ -281,6 +282,84 @@ def labelled_turns(messages: list[Any], roles: dict[str, str], role_key: str, te
     return turns
 
 
+def conversation_track(history: Sequence[Turn]) -> str:
+    """`multi` when the record has earlier user or assistant turns, else `single` (system turns do not count)."""
+    return "multi" if any(t["role"] in ("user", "assistant") for t in history) else "single"
+
+
+def join_runs(turns: Sequence[Turn]) -> list[Turn]:
+    """Consecutive turns of one role as one turn, texts joined by a newline: two assistant messages in a
+    row are one reply (a record's context never loses the first). System turns are never joined with
+    a neighbour of another role. A joined turn keeps the source position (`index`) of its first message."""
+    out: list[Turn] = []
+    for k, turn in enumerate(turns):
+        turn = {"index": k, **turn}
+        if out and out[-1]["role"] == turn["role"] and not out[-1].get("tool") and not turn.get("tool"):
+            out[-1] = {**out[-1], "text": f"{out[-1]['text']}\n{turn['text']}"}
+        else:
+            out.append(turn)
+    return out
+
+
+# OpenAI content parts that carry text (chat completions: text; the Responses API: input_text, output_text).
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def content_text(value: Any, where: str) -> tuple[str, list[str]]:
+    """A message's content as text, and the kinds of the non-text parts left out: a string is itself;
+    a list of content parts gives its text parts joined by a newline (an image, audio or file part
+    is left out and named); null is empty (an assistant turn that only calls a tool)."""
+    if value is None:
+        return "", []
+    if isinstance(value, str):
+        return value, []
+    if not isinstance(value, list):
+        raise RowProblem(f"{where} content must be a string, a list of content parts or null, got {type_name(value)}")
+    texts, dropped = [], []
+    for i, part in enumerate(value, start=1):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        part = require_dict(part, f"{where} content part {i}")
+        kind = part.get("type")
+        if kind in TEXT_PARTS or (kind is None and "text" in part):
+            texts.append(text_field(part, "text", what=f"{where} content part {i} 'text'"))
+        else:
+            dropped.append(str(kind) if isinstance(kind, str) and kind else "untyped")
+    return "\n".join(texts), dropped
+
+
+def message_turns(messages: list[Any], roles: dict[str, str], role_key: str, text_key: str, what: str,
+                  location: Location, tool_roles: Sequence[str] = ("tool",),
+                  call_roles: Sequence[str] = ()) -> tuple[list[Turn], list[Notice]]:
+    """Turns of an exported conversation (OpenAI chat messages, ShareGPT turns): roles mapped by `roles`
+    (`developer` is a system role), content as `content_text` reads it. A tool's answer (a role in
+    `tool_roles`) and an assistant turn that calls a tool (`tool_calls` or `function_call`, or a role in
+    `call_roles`) are kept as turns marked `tool`, which project_dialogue never renders. The notices
+    count the content parts left out, by kind."""
+    turns: list[Turn] = []
+    dropped: Counter = Counter()
+    for i, message in enumerate(messages, start=1):
+        message = require_dict(message, f"{what} {i}")
+        role = map_role(message.get(role_key), roles, f"{what} {i}")
+        if text_key not in message:
+            raise RowProblem(f"missing {what} {i} {text_key!r}")
+        text, left_out = content_text(message[text_key], f"{what} {i}")
+        dropped.update(left_out)
+        raw_role = str(message.get(role_key)).strip().lower()
+        calls = bool(message.get("tool_calls") or message.get("function_call")) or raw_role in call_roles
+        if role in tool_roles:
+            turns.append({"role": "tool", "text": text, "tool": True})
+        elif calls:
+            turns.append({"role": "assistant", "text": text, "tool": True})
+        elif message[text_key] is None:
+            raise RowProblem(f"{what} {i} {text_key!r} is null")
+        else:
+            turns.append({"role": role, "text": text})
+    notices = [Notice(location, f"content_part_dropped:{kind}", n) for kind, n in sorted(dropped.items())]
+    return turns, notices
+
+
 def project_dialogue(
     turns: Sequence[Turn],
     dialogue_id: str,
@@ -291,27 +370,49 @@ def project_dialogue(
     labels: dict[str, str] | None = None,
     meta: dict[str, Any] | None = None,
     context_of: Callable[[int], str] | None = None,
-) -> Iterator[Example]:
-    """Multi-turn projection (METHOD.md section 1): every assistant turn with at least one earlier turn
-    becomes a record; question = the latest user turn before it; history = every turn before that user
-    turn. Task-dialogue importers map the system agent to `assistant`, so only its turns are targets."""
+) -> Iterator[Example | Skipped]:
+    """Multi-turn projection (METHOD.md section 1): every assistant turn with at least one earlier user
+    or assistant turn becomes a record; question = the latest user turn before it; history = every
+    turn before that user turn, and a system turn standing between the question and the reply is put
+    just before the question (a record has no place after its question). Consecutive turns of one role
+    are joined first (`join_runs`). Task-dialogue importers map the system agent to `assistant`, so
+    only its turns are targets.
+
+    The record's key is `<dialogue id>-turn-<k>` with k the source position of the reply's first
+    message: it names the turn itself, not how many records came before it. Its derived track is
+    `multi` when its history holds a user or assistant turn. A turn marked `tool` (a tool call, a tool's
+    answer) is never rendered: a record whose reply is one is skipped as `tool_call`, and a record with
+    one before its reply as `after_tool_call`."""
+    turns = join_runs(turns)
+    conversation = "\n".join(t["text"] for t in turns if t["role"] in ("user", "assistant") and not t.get("tool"))
     for k, turn in enumerate(turns):
-        if turn["role"] != "assistant" or k == 0:
+        if turn["role"] != "assistant" or not any(t["role"] in ("user", "assistant") for t in turns[:k]):
+            continue
+        key = f"{dialogue_id}-turn-{turn['index']}"
+        if turn.get("tool"):
+            yield Skipped(location, "tool_call", key=key)
+            continue
+        if any(t.get("tool") for t in turns[:k]):
+            yield Skipped(location, "after_tool_call", key=key)
             continue
         user_index = next((i for i in range(k - 1, -1, -1) if turns[i]["role"] == "user"), None)
         question = turns[user_index]["text"] if user_index is not None else ""
-        history = [dict(t) for t in turns[: user_index if user_index is not None else k]]
+        before = turns[: user_index if user_index is not None else k]
+        between = [t for t in turns[user_index + 1:k] if t["role"] == "system"] if user_index is not None else []
+        history = [{"role": t["role"], "text": t["text"]} for t in [*before, *between]]
         yield Example(
             question=question,
             response=turn["text"],
-            context=context_of(k) if context_of else "",
+            context=context_of(turn["index"]) if context_of else "",
             history=history,
-            key=f"{dialogue_id}-turn-{k}",
+            key=key,
             location=location,
             labels=dict(labels or {}),
             split=split,
             group=group if group is not None else dialogue_id,
-            meta={**(meta or {}), "dialogue_id": dialogue_id, "turn": k},
+            meta={**(meta or {}), "dialogue_id": dialogue_id, "turn": turn["index"]},
+            derived={"track": conversation_track(history)},
+            conversation=conversation,
         )
 
 

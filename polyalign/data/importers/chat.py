@@ -1,7 +1,15 @@
-"""Chat JSONL, the common export format: one conversation per line,
-{"id"?: str, "messages": [{"role": "system"|"user"|"assistant", "content": str}], "language"?, "track"?, "family"?, "style"?}.
+"""Chat JSONL, the common export format (OpenAI chat messages): one conversation per line,
+{"id"?: str, "messages": [{"role", "content"}], "language"?, "track"?, "family"?, "style"?}.
 
-Every assistant message after the first turn is a target; system messages stay in the history.
+Roles: system, developer (a system role), user, assistant, tool. Content is a string, a list of
+content parts (text parts joined by a newline; image, audio and file parts left out and counted as
+`content_part_dropped:<type>`) or null (an assistant turn that only calls a tool). Every assistant
+turn after a user or assistant turn is a target. The system messages that open the conversation are
+the records' system prompt (history turns of role system, composed with the profile prompt by
+`record_messages`); a later system message stays a system turn where it stands. Assistant turns that
+call tools and tool messages are never rendered: their records are skipped as `tool_call`, and the
+records after them as `after_tool_call`. Each record's track is derived from its own history
+(multi when earlier user/assistant turns exist) unless the row or the data config says otherwise.
 """
 
 from __future__ import annotations
@@ -12,8 +20,8 @@ from typing import Any
 
 from polyalign.data.importers._io import (
     iter_json_rows,
-    labelled_turns,
     list_field,
+    message_turns,
     parse_rows,
     project_dialogue,
     require_dict,
@@ -22,8 +30,9 @@ from polyalign.data.importers._io import (
 from polyalign.data.records import ImportItem, Location, RowProblem
 
 PATTERNS = ("*.jsonl", "*.json")
-DEFAULTS: dict[str, str] = {}
-ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+DEFAULTS = {"track": "single", "family": "assistant", "style": "assistant_like"}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system", "tool": "tool",
+         "function": "tool"}
 ROW_LABELS = {"language": "language", "track": "track", "family": "family", "style": "style"}
 
 
@@ -37,15 +46,18 @@ def dialogue_id(row: dict[str, Any], location: Location) -> str:
 
 
 def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]]) -> Iterator[ImportItem]:
-    if not any(turn["role"] == "assistant" for turn in turns[1:]):
-        raise RowProblem("the conversation has no assistant turn after the first message")
+    if not any(turn["role"] == "assistant" and any(t["role"] in ("user", "assistant") for t in turns[:k])
+               for k, turn in enumerate(turns)):
+        raise RowProblem("the conversation has no assistant turn after a user turn")
     return project_dialogue(turns, dialogue_id(row, location), location, labels=string_labels(row, ROW_LABELS))
 
 
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
-    turns = labelled_turns(list_field(row, "messages"), ROLES, "role", "content", "message")
-    return project(row, location, turns)
+    turns, notices = message_turns(list_field(row, "messages"), ROLES, "role", "content", "message", location,
+                                   tool_roles=("tool",))
+    yield from notices
+    yield from project(row, location, turns)
 
 
 def read(path: Path, file_tag: str) -> Iterator[ImportItem]:

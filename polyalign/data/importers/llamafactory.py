@@ -1,6 +1,8 @@
 """LLaMA-Factory alpaca format: a JSON array (or JSONL) of {instruction, input, output, system?, history?}.
 
-`history` is a list of [user, assistant] pairs. Bucket fields carried by the rows (the PolyAlign
+`history` is a list of [user, assistant] pairs; `system` is the record's system prompt (a history turn
+of role system opening the history, as the `chat` format keeps one). The track is derived from the
+history (multi when it has turns) unless the row or the data config says otherwise. Bucket fields carried by the rows (the PolyAlign
 authors' sample has track, family, style_bucket, length_bin, bucket_id) are kept as the source's own
 labels: track, family and style take precedence over configuration; length_bin and bucket_id are
 recomputed and compared (manifest `label_agreement`).
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
+    conversation_track,
     iter_json_rows,
     list_field,
     parse_rows,
@@ -23,7 +26,7 @@ from polyalign.data.importers._io import (
 from polyalign.data.records import Example, ImportItem, Location, RowProblem
 
 PATTERNS = ("*.json", "*.jsonl")
-DEFAULTS: dict[str, str] = {}
+DEFAULTS = {"track": "single", "family": "assistant", "style": "assistant_like"}
 ROW_LABELS = {
     "language": "language", "track": "track", "family": "family", "style": "style",
     "style_bucket": "style", "length_bin": "length_bin", "bucket_id": "bucket_id",
@@ -41,20 +44,21 @@ def _history(row: dict[str, Any]) -> list[dict[str, str]]:
 
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
-    meta = {}
     system = text_field(row, "system", default="")
-    if system:
-        meta["system"] = system
+    history = _history(row)
     group = row.get("conversation_id", row.get("group_id"))
+    question = text_field(row, "instruction")
+    response = text_field(row, "output", what="response 'output'")
     yield Example(
-        question=text_field(row, "instruction"),
+        question=question,
         context=text_field(row, "input", default=""),
-        response=text_field(row, "output", what="response 'output'"),
-        history=_history(row),
+        response=response,
+        history=([{"role": "system", "text": system}] if system else []) + history,
         labels=string_labels(row, ROW_LABELS),
         group=str(group) if group is not None else None,
         location=location,
-        meta=meta,
+        derived={"track": conversation_track(history)},
+        conversation="\n".join([*(t["text"] for t in history), question, response]),
     )
 
 

@@ -1,7 +1,10 @@
 """ShareGPT: a JSON array (or JSONL) of {"id"?, "system"?, "conversations": [{"from", "value"}]}.
 
-`from` is human/user, gpt/assistant (and the usual model names) or system. Tool and function turns are
-not part of a human response distribution and are reported as unknown roles.
+`from` is human/user, gpt/assistant (and the usual model names), system, or LLaMA-Factory's tool roles
+(function_call: an assistant turn calling a tool; observation, tool, function: a tool's answer). The
+`system` field and system turns that open the conversation are the records' system prompt, as in the
+`chat` format, whose rules (content parts, tool turns, derived track, record keys) apply here too;
+the turn numbers in keys count `conversations` entries.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from typing import Any
 
 from polyalign.data.importers._io import (
     iter_json_rows,
-    labelled_turns,
     list_field,
+    message_turns,
     parse_rows,
     require_dict,
     text_field,
@@ -22,20 +25,25 @@ from polyalign.data.importers.chat import project
 from polyalign.data.records import ImportItem, Location
 
 PATTERNS = ("*.json", "*.jsonl")
-DEFAULTS: dict[str, str] = {}
+DEFAULTS = {"track": "single", "family": "assistant", "style": "assistant_like"}
 ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
-    "model": "assistant", "system": "system",
+    "model": "assistant", "system": "system", "developer": "system",
+    "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool",
 }
 
 
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
     system = text_field(row, "system", default="")
-    turns = [{"role": "system", "text": system}] if system else []
-    turns += labelled_turns(list_field(row, "conversations"), ROLES, "from", "value", "turn")
-    return project(row, location, turns)
+    turns, notices = message_turns(list_field(row, "conversations"), ROLES, "from", "value", "turn", location,
+                                   tool_roles=("tool",), call_roles=("function_call",))
+    turns = [{**turn, "index": k} for k, turn in enumerate(turns)]
+    if system:
+        turns.insert(0, {"role": "system", "text": system, "index": -1})
+    yield from notices
+    yield from project(row, location, turns)
 
 
 def read(path: Path, file_tag: str) -> Iterator[ImportItem]:

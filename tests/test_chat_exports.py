@@ -1,0 +1,160 @@
+"""Users' own conversations (OpenAI chat exports, ShareGPT) imported and rendered as their authors mean
+them: a system message is the record's system prompt, never an assistant turn; real text from the
+bundled demo data in the shapes exports come in (tests/chat_exports.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from polyalign.chat import (TEMPLATE_SPECIAL_TOKENS, TEMPLATES, ChatTemplateError, JinjaTemplate, Message,
+                            encode_conversation, encode_prompt, fold_system, get_template, profile_prompt,
+                            record_messages, system_prompt)
+from polyalign.data.prepare import prepare
+from polyalign.data.records import read_records
+from tests.chat_exports import camrest_goal, camrest_dialogues, openai_rows, sharegpt_rows, tool_row, write_jsonl
+from tests.conftest import FIXTURES, write_config
+
+EXPORTS = json.loads((FIXTURES / "chat" / "exports.json").read_text(encoding="utf-8"))
+
+
+def record_key(record):
+    return f"{record.meta['dialogue_id']}-turn-{record.meta['turn']}"
+
+
+@pytest.fixture(scope="module")
+def export_run(tmp_path_factory):
+    """The OpenAI export prepared with nothing but `format: chat` and a path."""
+    folder = tmp_path_factory.mktemp("export")
+    write_jsonl(folder / "chats.jsonl", openai_rows() + [tool_row()])
+    config = write_config(folder / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
+    manifest = prepare(config, folder / "run", progress=False)
+    records = [r for split in ("train", "val", "test") for r in read_records(folder / "run" / "data" / f"{split}.jsonl")]
+    return manifest, {record_key(r): r for r in records}
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer.json trained on the fixture texts, with every template's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from polyalign.tokenizer import load_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([m["content"] for case in EXPORTS for m in case["messages"]], trainer)
+    folder = tmp_path_factory.mktemp("bpe")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return load_tokenizer(folder)
+
+
+def test_every_record_of_the_export_is_there(export_run):
+    _, records = export_run
+    assert sorted(records) == sorted({case["key"] for case in EXPORTS} | {"camrest-train-5-turn-2"})
+
+
+def case_id(case):
+    return f"{case['template']}-{case['key']}"
+
+
+@pytest.mark.parametrize("case", EXPORTS, ids=case_id)
+def test_rendering_equals_transformers_on_the_source_messages(case, export_run, bpe_tokenizer):
+    """With the `none` profile a record renders exactly as transformers' apply_chat_template renders the
+    user's own messages (tests/fixtures/chat/exports.json, the official Qwen2.5, Llama 3.2 and Gemma 2
+    templates): the system message as the system turn, a mid-conversation one as a system turn where
+    it stands (Gemma: folded into a user turn), the ids transformers' tokenisation of that string."""
+    _, records = export_run
+    record = records[case["key"]]
+    messages = record_messages(record, "none")
+    assert [{"role": m.role, "content": m.content} for m in messages] == case["messages"]
+    builtin = get_template(case["template"])
+    jinja = JinjaTemplate(builtin.jinja_source(), bpe_tokenizer, {"bos_token": builtin.bos} if builtin.bos else {})
+    for template in (builtin, jinja):
+        assert template.render(messages) == case["expected"]
+        assert template.render(messages[:-1], add_generation_prompt=True) == case["prompt"]
+        encoded = encode_conversation(template, bpe_tokenizer, messages)
+        whole = bpe_tokenizer.encode(case["expected"])
+        assert encoded.ids.tolist() == whole[:len(encoded.ids)]
+        assert bpe_tokenizer.decode(whole[len(encoded.ids):]) in ("", "\n")
+        response = record.response.strip() if case["template"] != "qwen" else record.response
+        assert bpe_tokenizer.decode(encoded.ids[encoded.loss_mask]) == response + builtin.end_of_turn
+        assert encode_prompt(template, bpe_tokenizer, messages[:-1]).tolist() == bpe_tokenizer.encode(case["prompt"])
+    both = [encode_conversation(t, bpe_tokenizer, messages, train_on="all") for t in (builtin, jinja)]
+    assert np.array_equal(both[0].ids, both[1].ids) and np.array_equal(both[0].loss_mask, both[1].loss_mask)
+
+
+def test_the_fixtures_hold_the_shapes_users_bring():
+    keys = {case["key"] for case in EXPORTS}
+    assert {case["template"] for case in EXPORTS} == {"qwen", "llama3", "gemma"}
+    mid = [c for c in EXPORTS if [m["role"] for m in c["messages"]][1:].count("system")]
+    assert {c["key"] for c in mid} >= {"camrest-train-0-turn-5", "crosswoz-11290-turn-7"}
+    assert any(any("\u4e00" <= ch <= "\u9fff" for ch in c["messages"][-1]["content"]) for c in EXPORTS)
+    assert "camrest-train-2-turn-4" in keys  # developer role and content-part lists
+    assert all(c["messages"][0]["role"] == "system" for c in EXPORTS)
+
+
+def test_the_system_message_is_the_system_prompt_and_composes_with_the_profile(export_run):
+    _, records = export_run
+    record = records["camrest-train-0-turn-5"]  # system, user, assistant, system (mid), user -> assistant
+    goal = camrest_goal(camrest_dialogues(1)[0])
+    profile = profile_prompt(record, "context")
+    keep = record_messages(record, "context")
+    assert [m.role for m in keep] == ["system", "user", "assistant", "system", "user", "assistant"]
+    assert keep[0].content == f"{goal[0]}\n\n{profile}" == system_prompt(record, "context")
+    assert keep[3] == Message("system", goal[-1])
+    assert not any(m.role == "assistant" and goal[0] in m.content for m in keep)
+    replace = record_messages(record, "context", system="replace")
+    assert replace[0].content == profile and replace[3] == Message("system", goal[-1])
+    drop = record_messages(record, "context", system="drop")
+    assert [m.role for m in drop] == ["system", "user", "assistant", "user", "assistant"] and drop[0].content == profile
+    # With no profile and the source's text replaced, a Qwen template writes its own default prompt.
+    bare = record_messages(record, "none", system="replace")
+    assert bare[0].role == "user"
+    assert get_template("qwen").render(bare).startswith("<|im_start|>system\nYou are Qwen")
+    with pytest.raises(ChatTemplateError, match="system mode 'merge'"):
+        record_messages(record, "context", system="merge")
+
+
+def test_gemma_folds_system_messages_into_user_turns_never_into_assistant_turns():
+    messages = [Message("system", "a"), Message("user", "b"), Message("assistant", "c"), Message("system", "d"),
+                Message("user", "e"), Message("system", "f"), Message("assistant", "g")]
+    assert fold_system(messages) == [(1, Message("user", "a\n\nb")), (2, Message("assistant", "c")),
+                                     (4, Message("user", "d\n\ne\n\nf")), (6, Message("assistant", "g"))]
+    text = get_template("gemma").render(messages)
+    assert text == ("<bos><start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\nc<end_of_turn>\n"
+                    "<start_of_turn>user\nd\n\ne\n\nf<end_of_turn>\n<start_of_turn>model\ng<end_of_turn>\n")
+    with pytest.raises(ChatTemplateError, match="no user turn beside it"):
+        fold_system([Message("user", "a"), Message("assistant", "b"), Message("system", "c"), Message("assistant", "d")])
+
+
+def test_prepare_reads_the_export_with_format_and_path_only(export_run):
+    manifest, records = export_run
+    source = manifest["sources"][0]
+    assert source["system_messages"] == {"system_prompt": len(records), "system_turn_in_history": 3}
+    assert source["dropped"] == {"tool_call": 1, "after_tool_call": 2}
+    assert {r.family for r in records.values()} == {"assistant"} and {r.style for r in records.values()} == {
+        "assistant_like"}
+    tracks = {k: r.track for k, r in records.items()}
+    assert tracks["camrest-train-1-turn-2"] == "single" and tracks["camrest-train-3-turn-8"] == "multi"
+    assert {k: r.language for k, r in records.items() if k.startswith("crosswoz")} == {
+        k: "zh" for k in records if k.startswith("crosswoz")}
+    assert {r.language for k, r in records.items() if k.startswith("camrest")} == {"en"}
+
+
+def test_sharegpt_system_field_is_the_system_prompt(tmp_path):
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(sharegpt_rows(), ensure_ascii=False), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [{"name": "share", "format": "sharegpt", "path": "share.json"}])
+    prepare(config, tmp_path / "run", progress=False)
+    records = [r for s in ("train", "val", "test") for r in read_records(tmp_path / "run" / "data" / f"{s}.jsonl")]
+    rows = sharegpt_rows()
+    assert len(records) == 2 * len(rows)
+    for record in records:
+        assert record.history[0]["role"] == "system"
+        messages = record_messages(record, "context")
+        assert messages[0].role == "system" and messages[0].content.startswith(record.history[0]["text"])
+        assert [m.role for m in messages[1:]][::2] == ["user"] * (len(messages[1:]) // 2)
