@@ -203,6 +203,10 @@ def _add_build(sub) -> None:
     p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
                    help="profile system prompt: context (family, track, style; default), oracle (+ the gold "
                         "length bin, as the reference trained), none")
+    p.add_argument("--system", choices=("keep", "replace", "drop"), default="keep",
+                   help="a record's own system prompt (its source's system message): keep it and add the profile "
+                        "prompt after a blank line (default), replace it with the profile prompt, or drop every "
+                        "system message of the source (docs/model.md, System messages)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per example, the truncation cutoff (512)")
     p.add_argument("--train-on", choices=("last", "all"), default="last",
                    help="loss on the final response only (default) or on every assistant turn")
@@ -229,7 +233,7 @@ def _run_build(args) -> int:
     given = {"preset": args.weight_preset, "temperature": args.weight_temperature, "borrow_below": args.borrow_below,
              "min_bucket_size": args.min_bucket_size, "clip": list(args.clip_weights) if args.clip_weights else None}
     options = BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
-                           max_length=args.max_length, train_on=args.train_on,
+                           max_length=args.max_length, train_on=args.train_on, system=args.system,
                            weights={key: value for key, value in given.items() if value is not None})
     if args.beam:
         from polyalign.beam import require_beam
@@ -319,8 +323,10 @@ def _run_train(args) -> int:
 PAIRS_EPILOG = """\
 Pairs from your own preference data (TRL's {"prompt", "chosen", "rejected"}, strings or message lists;
 LLaMA-Factory's ShareGPT pairs), labelled and bucketed as `polyalign prepare` labels records:
-  polyalign pairs import --format trl --input prefs.jsonl --out RUN/pairs/train.jsonl --language en
-Then: polyalign train dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl val_pairs=... (docs/preference.md).
+  polyalign pairs import --format trl --input prefs.jsonl --out RUN/pairs/train.jsonl --language en \
+      --val-fraction 0.05 --val-out RUN/pairs/val.jsonl
+Then: polyalign train dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl val_pairs=RUN/pairs/val.jsonl
+(docs/preference.md).
 """
 
 
@@ -357,6 +363,12 @@ def _add_pairs(sub) -> None:
     imported.add_argument("--scheme", type=Path, help="bucket scheme (default buckets/polyalign.yaml)")
     imported.add_argument("--on-error", choices=("fail", "quarantine"), default="fail",
                           help="a bad row stops the import (default) or goes to OUT.quarantine.jsonl")
+    imported.add_argument("--val-fraction", type=float, metavar="F",
+                          help="hold out about this share of the pairs, whole prompts at a time, as validation "
+                               "pairs (their ids distinct from the training pairs'); 0 < F < 1")
+    imported.add_argument("--val-out", type=Path, help="where the validation pairs go (default: OUT with .val, "
+                                                       "e.g. train.val.jsonl)")
+    imported.add_argument("--seed", type=int, default=0, help="seed of the --val-fraction split (default 0)")
     imported.add_argument("--overwrite", action="store_true", help="replace OUT when it was made otherwise")
     imported.set_defaults(handler=_run_pairs_import)
 
@@ -379,13 +391,16 @@ def _run_pairs_import(args) -> int:
 
     summary = import_pairs(args.input, args.out, args.format, dataset=args.dataset, language=args.language,
                            track=args.track, family=args.family, style=args.style, scheme_path=args.scheme,
-                           on_error=args.on_error, overwrite=args.overwrite)
+                           on_error=args.on_error, overwrite=args.overwrite, val_fraction=args.val_fraction,
+                           val_out=args.val_out, seed=args.seed)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"{summary['pairs']} pairs from {summary['read']} rows in {len(summary['buckets'])} buckets; "
           f"dropped: {dropped}")
-    if summary["system_messages"]:
-        print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
-              "adds the profile prompt after it; docs/model.md, System messages)")
+    if "val_pairs" in summary:
+        print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) -> {summary['val_out']}")
+    if summary["system_prompt_replaced"]:
+        print(f"{summary['system_prompt_replaced']} rows had a system message; polyalign's profile system prompt "
+              "replaces it")
     if summary["quarantined"]:
         print(f"quarantined {summary['quarantined']} rows -> {args.out.with_name(args.out.stem + '.quarantine.jsonl')}")
     print(f"pairs: {args.out}")

@@ -143,3 +143,60 @@ def pair_problem(row: Any) -> str | None:
     if not isinstance(record, dict) or not set(RECORD_FIELDS) <= set(record):
         return "no 'record' with the fields of a prepared record"
     return None
+
+
+def prompt_key(pair: Mapping[str, Any]) -> str:
+    """What a pair answers: its record's earlier turns, context and question. Pairs with one key are
+    one group, kept on one side of a train/val split."""
+    record = pair.get("record") or {}
+    return json.dumps([record.get("history"), record.get("context"), record.get("question")], ensure_ascii=False,
+                      sort_keys=True)
+
+
+def split_by_prompt(pairs: Sequence[dict], fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, val): about `fraction` of the pairs held out for validation, whole prompts at a time (two
+    pairs of one prompt never straddle the split). Prompts are taken in the order of a seeded hash of
+    their key, so the same file and seed give the same split, and adding rows moves no other prompt."""
+    import hashlib
+
+    groups: dict[str, list[int]] = {}
+    for i, pair in enumerate(pairs):
+        groups.setdefault(prompt_key(pair), []).append(i)
+    if len(groups) < 2:
+        raise InputError(f"a validation split needs pairs of at least two prompts; these {len(pairs)} pairs answer "
+                         f"{len(groups)}")
+    order = sorted(groups, key=lambda key: hashlib.sha256(f"{seed}\0{key}".encode()).hexdigest())
+    target, held = max(1, round(fraction * len(pairs))), set()
+    for key in order[:-1]:  # at least one prompt stays for training
+        if len(held) >= target:
+            break
+        held.update(groups[key])
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
+
+
+def as_validation(pair: dict) -> dict:
+    """A held-out pair: its id and its record's id and split say val (the record keeps its labels)."""
+    record = dict(pair.get("record") or {})
+    head, sep, tail = pair["id"].rpartition("-train-")  # prepare's ids: DATASET-SPLIT-KEY
+    new_id = f"{head}-val-{tail}" if sep else f"{pair['id']}-val"
+    if record:
+        record.update(id=new_id, split="val")
+    return {**pair, "id": new_id, **({"record": record} if record else {})}
+
+
+def write_pair_split(pairs: list[dict], out, val_out=None, val_fraction: float | None = None,
+                     seed: int = 0) -> dict[str, Any]:
+    """OUT (and, with `val_fraction`, VAL_OUT: prompts held out, their pair ids distinct from OUT's),
+    each weighted among its own pairs; returns what the summary says of the split."""
+    if not val_fraction:
+        assign_weights(pairs)
+        write_pairs(pairs, out)
+        return {}
+    train, val = split_by_prompt(pairs, val_fraction, seed)
+    val = [as_validation(p) for p in val]
+    assign_weights(train)
+    assign_weights(val)
+    write_pairs(train, out)
+    write_pairs(val, val_out)
+    return {"pairs": len(train), "val_pairs": len(val), "val_out": str(val_out), "val_fraction": val_fraction,
+            "seed": seed}

@@ -107,23 +107,35 @@ def read_pair_rows(path: Path, fmt: str) -> Iterator[ImportItem]:
 
 def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None = None, language: str | None = None,
                  track: str | None = None, family: str | None = "assistant", style: str | None = None,
-                 scheme_path: Path | None = None, on_error: str = "fail", overwrite: bool = False) -> dict[str, Any]:
-    """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary."""
+                 scheme_path: Path | None = None, on_error: str = "fail", overwrite: bool = False,
+                 val_fraction: float | None = None, val_out: Path | None = None, seed: int = 0) -> dict[str, Any]:
+    """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary. With
+    `val_fraction`, about that share of the prompts (all pairs of each) goes to VAL_OUT instead (default
+    OUT's name with .val: pairs.jsonl -> pairs.val.jsonl), chosen by a hash seeded with `seed`."""
     from polyalign.data.bucketing import load_scheme
     from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
     from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
-    from polyalign.pairs import assign_weights, write_pairs
+    from polyalign.pairs import write_pair_split
     from polyalign.paths import file_digest
 
     input_path, out = Path(input_path), Path(out)
     if not input_path.is_file():
         raise InputError(f"{input_path}: no such file")
     refuse_output_as_input(out, {"input": input_path})
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction:g}")
+    val_out = None if val_fraction is None else Path(val_out or out.with_name(out.stem + ".val.jsonl"))
+    if val_out is not None:
+        refuse_output_as_input(val_out, {"input": input_path, "--out": out})
     dataset = dataset or input_path.stem.replace(".", "_")
     settings = {"input": str(input_path.resolve()), "format": fmt, "dataset": dataset, "language": language,
                 "track": track, "family": family, "style": style, "scheme": str(scheme_path or DEFAULT_SCHEME),
                 "on_error": on_error}
+    if val_out is not None:
+        settings.update(val_fraction=val_fraction, val_out=str(val_out.resolve()), seed=seed)
     check_settings(out, sidecar(out), settings, overwrite, ours=[out])
+    if val_out is not None:
+        check_settings(val_out, sidecar(val_out), settings, overwrite, ours=[val_out])
     if scheme_path is None and not DEFAULT_SCHEME.is_file():
         raise InputError(f"{DEFAULT_SCHEME}: missing (polyalign is not a source checkout); pass --scheme")
     scheme = load_scheme(Path(scheme_path or DEFAULT_SCHEME))
@@ -159,8 +171,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                     pairs.append(pair)
         finally:
             sink.close()
-        assign_weights(pairs)
-        write_pairs(pairs, out)
+        split = write_pair_split(pairs, out, val_out, val_fraction, seed)
         if not sink.count:
             quarantine.unlink(missing_ok=True)
         summary = {"read": tally.read, "pairs": len(pairs), "dropped": dict(dropped),
@@ -170,7 +181,10 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    "language_mismatches": dict(tally.language_mismatches),
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
                    "quarantined": sink.count, "out": str(out)}
+        summary.update(split)
         write_record(sidecar(out), settings, {"input": file_digest(input_path)}, summary=summary)
+        if val_out is not None:
+            write_record(sidecar(val_out), settings, {"input": file_digest(input_path)}, summary=summary)
     return summary
 
 

@@ -162,3 +162,41 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
     code, out, _ = cli(capsys, "pairs", "--records", run / "data" / "val.jsonl", "--predictions", predictions,
                        "--out", tmp_path / "pairs.jsonl")
     assert code == 0 and out.startswith("10 pairs from 10 predictions")
+
+
+def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_path, capsys):
+    """`--val-fraction`: about that share of the pairs goes to the validation file, every pair of one
+    prompt on the same side, ids distinct from the training pairs'; the same seed gives the same split."""
+    from polyalign.pairs import prompt_key, read_pairs
+
+    rows, _ = real_rows(demo_run, n=40)
+    # a second pair for ten prompts (another rejected answer): the two must not straddle the split
+    rows += [{**row, "rejected": [{"role": "assistant", "content": other["chosen"][0]["content"]}]}
+             for row, other in zip(rows[:10], rows[10:20])]
+    source = write_jsonl(tmp_path / "prefs.jsonl", rows)
+
+    def run(seed, out):
+        code, printed, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                                 out / "train.jsonl", "--val-fraction", "0.25", "--val-out", out / "val.jsonl",
+                                 "--seed", seed)
+        assert code == 0, err
+        return printed, read_pairs(out / "train.jsonl"), read_pairs(out / "val.jsonl")
+
+    printed, train, val = run(3, tmp_path / "a")
+    assert len(train) + len(val) == 50 and 10 <= len(val) <= 15
+    assert f"{len(train)} pairs from 50 rows" in printed and f"{len(val)} validation pairs" in printed
+    assert not {p["id"] for p in train} & {p["id"] for p in val}
+    assert len({p["id"] for p in val}) == len(val) and all("-val-" in p["id"] for p in val)
+    assert all(p["record"]["split"] == "val" and p["record"]["id"] == p["id"] for p in val)
+    assert not {prompt_key(p) for p in train} & {prompt_key(p) for p in val}
+    assert all(0.5 <= p["weight"] <= 3.0 for p in train + val)
+    _, again, again_val = run(3, tmp_path / "b")
+    assert [p["id"] for p in again_val] == [p["id"] for p in val] and len(again) == len(train)
+    _, _, other_val = run(4, tmp_path / "c")
+    assert {p["id"] for p in other_val} != {p["id"] for p in val}
+    manifest = json.loads((tmp_path / "a" / "val.manifest.json").read_text())
+    assert manifest["settings"]["val_fraction"] == 0.25 and manifest["summary"]["val_pairs"] == len(val)
+    for bad in ("0", "1", "-0.1"):
+        code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                           tmp_path / "d.jsonl", "--val-fraction", bad)
+        assert code == 2 and "--val-fraction must be in (0, 1)" in err and "\n" not in err

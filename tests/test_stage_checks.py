@@ -104,3 +104,17 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
         assert code == 2 and "other tokens" not in err and "config.json" in err, err
     assert main(["train", "sft", "--print-config", "--allow-tokenizer-mismatch"]) == 0
     assert "allow_tokenizer_mismatch: true" in capsys.readouterr().out
+
+
+def test_validation_pairs_sharing_ids_with_the_training_pairs_are_refused(demo_run, tmp_path, capsys):
+    """Two files imported apart under one --dataset number their rows alike: training says so."""
+    from tests.test_pairs_import import real_rows, write_jsonl
+
+    rows, _ = real_rows(demo_run, n=12)
+    for name, part in (("train", rows[:8]), ("val", rows[8:])):
+        source = write_jsonl(tmp_path / f"{name}_trl.jsonl", part)
+        assert main(["pairs", "import", "--format", "trl", "--input", str(source), "--out",
+                     str(tmp_path / f"{name}.jsonl"), "--dataset", "mine"]) == 0
+    capsys.readouterr()
+    code, err = _train(capsys, "dpo", tmp_path, tmp_path)
+    assert code == 2 and err.count("\n") == 1 and "4 pair ids are also in" in err and "--val-fraction" in err

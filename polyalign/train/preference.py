@@ -199,7 +199,8 @@ def unscored_pairs(pairs: list[dict]) -> int:
     return sum(1 for p in pairs if p.get("critic_chosen") is None or p.get("critic_rejected") is None)
 
 
-def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: list[dict]) -> None:
+def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: list[dict],
+                val_pairs: list[dict] = ()) -> None:
     """Refuses inputs a run would train on without a word of what they lack: validation pairs that are
     the training pairs, and HDPO's distance term on pairs the critic has not scored (missing scores read
     as 0, so the term would be identically zero and the run weighted DPO)."""
@@ -211,6 +212,11 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
         raise ConfigError(f"val_pairs {val_file} holds the training pairs ({train_file}): validation on them "
                           "measures nothing held out; give pairs of other prompts (`polyalign pairs import "
                           "--val-fraction 0.05` splits one file into both)")
+    shared = sorted({p["id"] for p in train_pairs} & {p["id"] for p in val_pairs})
+    if shared:
+        raise ConfigError(f"{val_file}: {len(shared)} pair ids are also in {train_file} (e.g. {shared[0]!r}): files "
+                          "imported apart under one --dataset number their rows alike; import the validation file "
+                          "with another --dataset, or split one file with `pairs import --val-fraction`")
     if (config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0:
         unscored = unscored_pairs(train_pairs)
         if unscored:
@@ -232,7 +238,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     train_pairs, val_pairs = read_pairs(Path(paths["pairs"])), read_pairs(Path(paths["val_pairs"]))
     if not train_pairs:
         raise ConfigError(f"{paths['pairs']}: no pairs")
-    check_pairs(config, paths, train_pairs)
+    check_pairs(config, paths, train_pairs, val_pairs)
     model = load_init(config, mesh)
     tokenizer = load_tokenizer(config.init)
     template_name = choose_template(tokenizer, family=model.config.family, where=str(config.init))
