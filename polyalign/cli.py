@@ -300,12 +300,14 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
-    from polyalign.train.methods import config_as_yaml, load_config, method_spec
+    from polyalign.train.methods import config_as_yaml, derived_notes, load_config, method_spec
 
     flags = ["allow_tokenizer_mismatch=true"] if getattr(args, "allow_tokenizer_mismatch", False) else []
     config = load_config(args.config, [*args.overrides, *flags], method=args.method)
     if args.print_config:
         print(config_as_yaml(config), end="")
+        for note in derived_notes(config):  # YAML comments: the output still reads back as the config
+            print(f"# {note}")
         return 0
     if args.out is None:
         args.parser.error("--out is required (or --print-config)")

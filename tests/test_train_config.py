@@ -247,6 +247,9 @@ OTHER_LISTS = {"model.lora.targets": ["q", "v"], "train.report_to": ["tensorboar
                "train.profile_steps": [2, 3]}
 # A value that is valid only beside another: both keys then differ.
 COMPANIONS = {"reference": {"model.lora.rank": 8}, "model.quantize": {"model.lora.rank": 8}}
+# Keys whose change changes a documented default of another: adapters bring the method's LoRA
+# learning rate (when optimizer.lr is not set).
+DEPENDENTS = {"model.lora.rank": {"optimizer.lr"}, "reference": {"optimizer.lr"}, "model.quantize": {"optimizer.lr"}}
 # Keys with no other valid value for a method: the other value is refused in one line.
 ONLY_VALUE = {"critic": {"method": "sft", "data.pack": True, "model.lora.rank": 8, "model.quantize": "nf4"},
               "sft": {"method": "critic"}}
@@ -329,7 +332,7 @@ def test_one_key_changes_exactly_that_key_from_the_command_line_and_from_a_file(
             if key == "method" and "--config" in args:  # the subcommand wins over the file's method
                 assert differ == set(), differ
                 continue
-            assert differ == set(change), (args, differ)
+            assert differ == set(change) | DEPENDENTS.get(key, set()), (args, differ)
             assert all(printed[k] == pytest.approx(v) if isinstance(v, float) else printed[k] == v
                        for k, v in change.items()), args
 
@@ -359,3 +362,28 @@ def test_yaml_exponent_numbers_read_as_floats_where_a_float_is_expected(text, tm
     assert load_config(path, [], method="sft").optimizer.lr == expected
     with pytest.raises(ConfigError, match="train.steps: expected int, got str '1e-3'"):
         load_config(None, ["train.steps=1e-3"], method="sft")
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - {"critic"}))
+def test_adapters_bring_the_methods_lora_learning_rate_unless_one_is_set(method, tmp_path, capsys):
+    from polyalign.train.methods import PREFERENCE_LORA_LR, SFT_LORA_LR
+
+    expected = SFT_LORA_LR if method == "sft" else PREFERENCE_LORA_LR
+    full = load_config(None, [], method=method).optimizer.lr
+    assert load_config(None, ["model.lora.rank=16"], method=method).optimizer.lr == expected != full
+    assert load_config(None, ["model.lora.rank=16", "optimizer.lr=1e-6"], method=method).optimizer.lr == 1e-6
+    given = tmp_path / "c.yaml"
+    given.write_text("optimizer:\n  lr: 3.0e-3\nmodel:\n  lora: {rank: 8}\n")
+    assert load_config(given, [], method=method).optimizer.lr == 3e-3
+    assert main(["train", method, "--print-config", "model.lora.rank=16"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["optimizer"]["lr"] == expected
+    assert f"# optimizer.lr {expected:g} is {method}'s learning rate with adapters" in out
+
+
+def test_print_config_says_the_preset_is_unused_with_an_init(capsys):
+    assert main(["train", "dpo", "--print-config", "init=/models/qwen"]) == 0
+    out = capsys.readouterr().out
+    assert "# model.preset is not used: the architecture is init's (/models/qwen/config.json)" in out
+    assert main(["train", "sft", "--print-config"]) == 0
+    assert "#" not in capsys.readouterr().out
