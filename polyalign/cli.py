@@ -400,9 +400,9 @@ def _run_pairs_import(args) -> int:
           f"dropped: {dropped}")
     if "val_pairs" in summary:
         print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) -> {summary['val_out']}")
-    if summary["system_prompt_replaced"]:
-        print(f"{summary['system_prompt_replaced']} rows had a system message; polyalign's profile system prompt "
-              "replaces it")
+    if summary["system_messages"]:
+        print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
+              "adds the profile prompt after it; docs/model.md, System messages)")
     if summary["quarantined"]:
         print(f"quarantined {summary['quarantined']} rows -> {args.out.with_name(args.out.stem + '.quarantine.jsonl')}")
     print(f"pairs: {args.out}")

@@ -13,7 +13,9 @@ precedence (the row's own language/track/family/style, then the flags, then the 
 the dataset name), language detection where none is declared, length bin of the chosen answer,
 bucket), with the rejected answer beside it. A row that cannot be read stops the import with its file
 and line, or goes to OUT.quarantine.jsonl with its reason under --on-error quarantine. A system message
-is not kept: polyalign's profile system prompt takes its place (counted as `system_prompt_replaced`).
+is kept as prepare keeps one (a history turn of role system: the record's system prompt, composed with
+the profile prompt when the pair is rendered; counted as `system_messages`), and the track is derived
+from the conversation as prepare derives it (multi when earlier user/assistant turns exist).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.data.importers._io import (
+    conversation_track,
     iter_json_rows,
     labelled_turns,
     parse_rows,
@@ -37,7 +40,7 @@ from polyalign.data.text import normalize
 
 FORMATS = ("trl", "sharegpt-pairs")
 DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # a source checkout's
-ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 ROW_LABELS = {"language": "language", "track": "track", "family": "family", "style": "style"}
 
 
@@ -88,15 +91,12 @@ def _sharegpt_pairs(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str
 def _example(row: Any, location: Location, fmt: str) -> Iterator[ImportItem]:
     row = require_dict(row)
     prompt, chosen, rejected = (_trl if fmt == "trl" else _sharegpt_pairs)(row)
-    system = [t for t in prompt if t["role"] == "system"]
-    turns = [t for t in prompt if t["role"] != "system"]
-    if not turns or turns[-1]["role"] != "user":
+    if not prompt or prompt[-1]["role"] != "user":
         raise RowProblem("the prompt must end with a user message")
-    labels = string_labels(row, ROW_LABELS)
-    if "track" not in labels:  # what prepare's dialogue projection gives the same conversation
-        labels["track"] = "multi" if len(turns) > 1 else "single"
-    yield Example(question=turns[-1]["text"], response=chosen, location=location, history=turns[:-1],
-                  labels=labels, meta={"rejected": rejected, "system_prompt_replaced": bool(system)})
+    history = prompt[:-1]  # system turns stay where they stand, as prepare keeps them
+    yield Example(question=prompt[-1]["text"], response=chosen, location=location, history=history,
+                  labels=string_labels(row, ROW_LABELS), derived={"track": conversation_track(history)},
+                  meta={"rejected": rejected})
 
 
 def read_pair_rows(path: Path, fmt: str) -> Iterator[ImportItem]:
@@ -175,8 +175,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
         if not sink.count:
             quarantine.unlink(missing_ok=True)
         summary = {"read": tally.read, "pairs": len(pairs), "dropped": dict(dropped),
-                   "system_prompt_replaced": sum(p["record"]["meta"].get("system_prompt_replaced", False)
-                                                 for p in pairs),
+                   "system_messages": tally.system_messages["system_prompt"],
                    "languages_detected": dict(tally.detected_languages),
                    "language_mismatches": dict(tally.language_mismatches),
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
