@@ -17,3 +17,66 @@ from polyalign.data.language import detect_language
 ])
 def test_detect_language(text, expected):
     assert detect_language(text) == expected
+
+
+# --- choosing among the scheme's languages (prepare's rule) ------------------------------------------
+
+import json
+import zipfile
+from collections import Counter
+
+from polyalign.data import language
+from polyalign.data.language import LanguageChooser
+from tests.conftest import DEMO_DATA, write_config
+
+
+def cmrc_question(text):
+    document = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json").read_text(encoding="utf-8"))
+    return next((p["context"], qa) for a in document["data"] for p in a["paragraphs"] for qa in p["qas"]
+                if qa["question"] == text)
+
+
+@pytest.mark.parametrize("lingua", [True, False])
+def test_a_question_quoting_an_english_title_is_decided_by_its_chinese_answer(monkeypatch, lingua):
+    monkeypatch.setattr(language, "lingua_available", lambda: lingua)
+    context, qa = cmrc_question("MIT OpenCourseWare指什么？")  # mostly Latin letters, a Chinese answer
+    answer = qa["answers"][0]["text"]
+    chooser = LanguageChooser(["en", "zh"])
+    assert language.read_script(qa["question"]).language == "latin"
+    assert chooser.choose(answer, qa["question"]) == "zh"
+    assert chooser.choose(answer, f"{context}\n{qa['question']}") == "zh"
+    # an answer naming English terms under a Chinese question stays zh as well
+    context, qa = cmrc_question("MonoDevelop目前支持的语言有哪些？")
+    assert chooser.choose(qa["answers"][0]["text"], f"{context}\n{qa['question']}") == "zh"
+
+
+def test_lingua_only_chooses_among_the_scheme_languages_and_other(monkeypatch):
+    dutch = ("De dag dat Jezus gekruisigd werd", "Wat is goede vrijdag?")  # a real row of the PolyAlign sample
+    assert LanguageChooser(["en", "zh"]).choose(*dutch) == "other"
+    monkeypatch.setattr(language, "lingua_available", lambda: False)
+    chooser = LanguageChooser(["en", "zh"])
+    assert chooser.choose(*dutch) == "en" and "lingua not installed" in chooser.note
+
+
+@pytest.mark.parametrize("lingua", [True, False])
+def test_en_chat_and_zh_qa_without_language_prepare_keeping_every_row(monkeypatch, tmp_path, lingua):
+    """The core install (lingua absent) and the langid extra: an English chat export of every CamRest676
+    dialogue (short turns such as "Thank you goodbye." decided with their dialogue) and the CMRC 2018
+    file, neither declaring a language, keep every row under en and zh."""
+    from polyalign.data.prepare import prepare
+
+    monkeypatch.setattr(language, "lingua_available", lambda: lingua)
+    dialogues = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))
+    rows = [{"id": d["dialogue_id"], "messages": [
+        {"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]} for t in d["turns"]]}
+        for d in dialogues]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [
+        {"name": "restaurant_chats", "format": "chat", "path": "chat.jsonl"},
+        {"name": "reading", "format": "squad", "path": str(DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")}],
+        dedup=False)
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    chats, reading = manifest["sources"]
+    assert chats["detected_languages"] == {"en": chats["read"]} and chats["kept"] == chats["read"]
+    assert reading["detected_languages"] == {"zh": reading["read"]} and reading["kept"] == reading["read"] == 1002
+    assert ("lingua not installed" in manifest["language_detection"]) is not lingua

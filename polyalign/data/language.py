@@ -1,8 +1,11 @@
 """Language identification for rows whose source does not declare a language.
 
 Chinese, Japanese and Korean are told apart by script, which is exact and cheap; Traditional and
-Simplified Chinese are both `zh`. Text in other scripts goes to lingua, a statistical detector that
-runs offline (the `langid` extra: only sources without a declared language need it). Short
+Simplified Chinese are both `zh`. `LanguageChooser` decides a record's language among a scheme's
+languages plus `other` (prepare's rule, docs/data.md "Languages"): by script in the core install;
+lingua, a statistical detector that runs offline (the `langid` extra), is asked only to tell
+Latin-script languages apart, and without it Latin-script text is the scheme's one Latin-script
+language. `detect_language` is the open-ended detector over every language lingua knows. Short
 Latin-script texts are too ambiguous for any detector ("Yes." reads as Catalan), so they default to
 English unless the detector is confident. lingua runs in its low-accuracy mode
 (trigram models only): about 70 MB and a quarter second to load, against about 900 MB and five seconds
@@ -12,7 +15,9 @@ for the full models, with the same answers on sentence-length text.
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
+from dataclasses import dataclass
 
 UNDETERMINED = "und"
 _MIN_LETTERS_FOR_DETECTOR = 24
@@ -99,3 +104,144 @@ def detect_language(text: str) -> str:
         return code if code != "en" and confidence >= _MIN_CONFIDENCE else "en"
     code, _ = _lingua_code(unicodedata.normalize("NFC", text))
     return code
+
+
+# --- choosing among a scheme's languages -----------------------------------------------------------
+
+CJK_LANGUAGES = ("zh", "ja", "ko")
+OTHER = "other"
+_CLEAR_SHARE = 0.8  # a text is "clearly" in a script when this share of its weighed letters is
+_MIN_WEIGHED = 10  # a response with fewer weighed letters than this cannot decide alone
+_OTHER_CONFIDENCE = 0.99  # lingua must be this sure before Latin text is called a language outside the scheme
+
+
+@dataclass(frozen=True)
+class ScriptReading:
+    language: str  # zh, ja, ko, "latin", "script" (another script), or und
+    share: float  # of the weighed letters, the share in that script
+    weighed: int  # letters, a CJK character counting 3
+
+
+# TeX math and commands ($...$, $$...$$, \\frac) are no language: COIG's answers are full of them.
+_MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|\\[A-Za-z]+", re.DOTALL)
+
+
+def read_script(text: str) -> ScriptReading:
+    """The script most of `text`'s letters are in (TeX math left out), its share and the letter count."""
+    counts = _script_counts(_MATH.sub(" ", text))
+    weighed = {script: n * (3 if script in ("han", "kana", "hangul") else 1) for script, n in counts.items()}
+    total = sum(weighed.values())
+    if total == 0:
+        return ScriptReading(UNDETERMINED, 0.0, 0)
+    cjk = weighed["han"] + weighed["kana"] + weighed["hangul"]
+    if cjk * 2 >= total:
+        if counts["hangul"] > counts["han"] + counts["kana"]:
+            language = "ko"
+        elif counts["kana"] * 10 > counts["han"] + counts["kana"]:
+            language = "ja"
+        else:
+            language = "zh"
+        return ScriptReading(language, cjk / total, total)
+    if weighed["latin"] >= weighed["other"]:
+        return ScriptReading("latin", weighed["latin"] / total, total)
+    return ScriptReading("script", weighed["other"] / total, total)
+
+
+def lingua_available() -> bool:
+    try:
+        import lingua  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _latin_detector():
+    """lingua over the major Latin-script languages only: over every language it knows, its trigram
+    models call plain English Yoruba with 99% confidence ("Venezuela is located in South America...")."""
+    from lingua import IsoCode639_1, Language, LanguageDetectorBuilder
+
+    languages = [Language.from_iso_code_639_1(getattr(IsoCode639_1, code.upper()))
+                 for code in sorted(_LATIN_LANGUAGES - {"no"}) + ["nb"]]
+    return LanguageDetectorBuilder.from_languages(*languages).with_low_accuracy_mode().build()
+
+
+def _latin_code(text: str) -> tuple[str, float]:
+    values = _latin_detector().compute_language_confidence_values(text[:2000])
+    if not values:
+        return UNDETERMINED, 0.0
+    return values[0].language.iso_code_639_1.name.lower(), values[0].value
+
+
+class LanguageChooser:
+    """A record's language among `languages` (the scheme's) plus `other`.
+
+    - Script first: text mostly in Chinese characters is zh, with enough kana ja, Hangul ko.
+    - The text decided on (TeX math left out): a conversation's whole text (one language per
+      dialogue), unless the record's response is clearly (80% of at least 20 weighed letters) in
+      another script, when the response decides. A single row: its response when that is clearly in
+      one script (80% of at least 10 weighed letters) and the prompt (context and question) is not
+      clearly in another and longer; otherwise the whole row. So a Chinese question quoting a long
+      English title is decided by its Chinese answer, and a Chinese passage's answer naming English
+      terms stays zh.
+    - Latin script: with lingua installed (over the major Latin-script languages), it chooses among
+      the scheme's Latin-script languages,
+      calling the text `other` only when it is at least 99% sure of a language outside the scheme on
+      24 letters or more (for a single row: of its response and of the whole row); without lingua, the scheme's first Latin-script language (en), and
+      `note` says so once in the manifest. Another script: lingua's language if the scheme has it,
+      else `other`.
+    """
+
+    def __init__(self, languages):
+        self.languages = tuple(languages)
+        self.latin = [code for code in self.languages if code in _LATIN_LANGUAGES]
+        self.lingua = lingua_available()
+        self._conversation: tuple[str | None, str] = (None, "")
+
+    @property
+    def note(self) -> str:
+        if self.lingua:
+            return (f"by script; Latin-script text told apart by lingua among {', '.join(self.latin) or 'none'} "
+                    "and other")
+        return ("by script; lingua not installed (the langid extra), so Latin-script text is taken as "
+                f"{self.latin[0] if self.latin else OTHER} without telling Latin-script languages apart")
+
+    def choose(self, response: str, prompt: str, conversation: str | None = None) -> str:
+        if conversation is not None:
+            reading = read_script(response)
+            if self._conversation[0] is not conversation:
+                self._conversation = (conversation, self._name(conversation, read_script(conversation)))
+            language = self._conversation[1]
+            if reading.weighed >= 2 * _MIN_WEIGHED and reading.share >= _CLEAR_SHARE \
+                    and reading.language != read_script(conversation).language:
+                return self._name(response, reading)
+            return language
+        reading, asked = read_script(response), read_script(prompt)
+        whole = f"{prompt}\n{response}"
+        response_decides = reading.weighed >= _MIN_WEIGHED and reading.share >= _CLEAR_SHARE and not (
+            asked.language != reading.language and asked.share >= _CLEAR_SHARE and asked.weighed >= reading.weighed)
+        if not response_decides:
+            return self._name(whole, read_script(whole))
+        if asked.language == reading.language == "latin" and self.lingua:
+            # `other` only when lingua says so of the response alone and of the whole row
+            named = {self._name(response, reading), self._name(whole, read_script(whole))}
+            return OTHER if named == {OTHER} else min(named - {OTHER})
+        return self._name(response, reading)
+
+    def _name(self, text: str, reading: ScriptReading) -> str:
+        if reading.language in CJK_LANGUAGES or reading.language == UNDETERMINED:
+            return reading.language
+        if reading.language == "latin":
+            if not self.lingua:
+                return self.latin[0] if self.latin else OTHER
+            code, confidence = _latin_code(text)
+            if code in self.latin:
+                return code
+            if code != UNDETERMINED and confidence >= _OTHER_CONFIDENCE and _script_counts(text)["latin"] >= \
+                    _MIN_LETTERS_FOR_DETECTOR or not self.latin:
+                return OTHER
+            return self.latin[0]
+        if not self.lingua:
+            return OTHER
+        code, _ = _lingua_code(unicodedata.normalize("NFC", text))
+        return code if code in self.languages else OTHER

@@ -30,7 +30,7 @@ from polyalign.data.dedup import (
 )
 from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers._io import source_files
-from polyalign.data.language import contradicting_script, detect_language
+from polyalign.data.language import LanguageChooser, contradicting_script
 from polyalign.data.records import (
     SPLITS,
     Example,
@@ -178,6 +178,7 @@ class RecordBuilder:
 
     def __init__(self, scheme: Scheme, length_unit: str, split_options: SplitOptions):
         self.scheme, self.length_unit, self.split_options = scheme, length_unit, split_options
+        self.languages = LanguageChooser(scheme.values["language"])
 
     def labels(self, example: Example, source: SourceConfig) -> dict[str, str]:
         """track/family/style from, in order: the row, the source config, the scheme's entry for the
@@ -233,7 +234,8 @@ class RecordBuilder:
         labels = self.labels(example, source)
         language = example.labels.get("language") or source.language
         if language is None:
-            language = detect_language(f"{question}\n{response}")
+            prompt = "\n".join([context, *(t["text"] for t in history if t["role"] != "system"), question])
+            language = self.languages.choose(response, prompt, example.conversation)
             tally.detected_languages[language] += 1
         elif (script := contradicting_script(language, response)) is not None:
             # kept under the declared label (it is the user's), but counted: a mislabelled source
@@ -390,6 +392,8 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
             "empty_responses": sum(e["empty_responses"] for e in sources_json),
         },
         "sources": sources_json,
+        **({"language_detection": LanguageChooser(context.scheme.values["language"]).note}
+           if any(e.get("detected_languages") for e in sources_json) else {}),
         "warnings": warnings,
         "dedup": dedup_report,
         "quarantine": {"enabled": on_error == "quarantine", "rows": quarantined,
