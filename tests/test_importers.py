@@ -42,7 +42,7 @@ def test_squad_one_record_per_question_with_all_answers():
     items = examples("squad", path)
     assert len(items) == len(questions) == 1002
     key, first = items[0]
-    assert key == "000000"
+    assert key == questions[0]["id"]
     assert first.question == questions[0]["question"]
     assert first.response == questions[0]["answers"][0]["text"]
     assert first.meta["answers"] == list(dict.fromkeys(a["text"] for a in questions[0]["answers"]))
@@ -163,3 +163,85 @@ def test_multi_file_row_sources_number_rows_in_source_order():
 def test_unknown_format_suggests_the_closest_name():
     with pytest.raises(InputError, match="did you mean 'sharegpt'"):
         get_format("sharegtp")
+
+
+# --- stable keys: a record's key names the row itself, never how many rows came before it ----------
+
+def _json(path, document):
+    path.write_text(json.dumps(document, ensure_ascii=False), encoding="utf-8")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
+                    encoding="utf-8")
+
+
+def _camrest(n=5):
+    return json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:n]
+
+
+def _sources():
+    """(format, file name, writer of the real rows, writer of the same rows with the first one broken)."""
+    sample = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:6]
+    cmrc = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json").read_text(encoding="utf-8"))
+    cmrc = {"data": cmrc["data"][:3]}
+    kdconv = json.loads((DEMO_DATA / "zh/kdconv/travel/dev.json").read_text(encoding="utf-8"))[:4]
+    crosswoz = dict(list(json.loads(zipfile.ZipFile(DEMO_DATA / "zh/crosswoz/val.json.zip").read("val.json")).items())[:4])
+    lccc_lines = (DEMO_DATA / "zh/lccc-toy/toy_valid.txt").read_text(encoding="utf-8").splitlines()[:6]
+    lccc_json = json.loads((DEMO_DATA / "zh/lccc-toy/toy_data.json").read_text(encoding="utf-8"))["train"][:4]
+    coig = (DEMO_DATA / "zh/coig-cqia/douban/movie_recommendation.jsonl").read_text(encoding="utf-8").splitlines()[:6]
+    chats = [{"messages": [{"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]}
+                           for t in d["turns"]]} for d in _camrest()]
+    share = [{"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                                for m in c["messages"]]} for c in chats]
+
+    def broken_paragraph(doc):
+        doc = json.loads(json.dumps(doc))
+        del doc["data"][0]["paragraphs"][0]["context"]
+        return doc
+
+    return [
+        ("llamafactory", "rows.json", lambda p: _json(p, sample), lambda p: _json(p, [{"instruction": "x"}, *sample[1:]])),
+        ("squad", "cmrc.json", lambda p: _json(p, cmrc), lambda p: _json(p, broken_paragraph(cmrc))),
+        ("kdconv", "dev.json", lambda p: _json(p, kdconv),
+         lambda p: _json(p, [{"messages": "not a list"}, *kdconv[1:]])),
+        ("crosswoz", "val.json", lambda p: _json(p, crosswoz),
+         lambda p: _json(p, {k: ({"messages": None} if i == 0 else v) for i, (k, v) in enumerate(crosswoz.items())})),
+        ("lccc", "pairs.txt", lambda p: _jsonl(p, lccc_lines), lambda p: _jsonl(p, ["no tab here", *lccc_lines[1:]])),
+        ("lccc", "dialogues.json", lambda p: _json(p, lccc_json), lambda p: _json(p, [7, *lccc_json[1:]])),
+        ("coig", "rows.jsonl", lambda p: _jsonl(p, coig), lambda p: _jsonl(p, ["{not json", *coig[1:]])),
+        ("convlab", "dialogues.json", lambda p: _json(p, _camrest()),
+         lambda p: _json(p, [{**_camrest()[0], "turns": "broken"}, *_camrest()[1:]])),
+        ("chat", "chats.jsonl", lambda p: _jsonl(p, chats), lambda p: _jsonl(p, ["{not json", *chats[1:]])),
+        ("sharegpt", "share.json", lambda p: _json(p, share), lambda p: _json(p, [{"conversations": 3}, *share[1:]])),
+    ]
+
+
+@pytest.mark.parametrize("fmt,name,write,write_broken", _sources(), ids=lambda v: v if isinstance(v, str) else "")
+def test_keys_are_unchanged_when_an_earlier_row_is_quarantined(tmp_path, fmt, name, write, write_broken):
+    path = tmp_path / name
+    write(path)
+    before = {key: item for key, item in read_source(fmt, path) if isinstance(item, Example)}
+    write_broken(path)
+    items = list(read_source(fmt, path))
+    after = {key: item for key, item in items if isinstance(item, Example)}
+    assert any(not isinstance(item, (Example, Skipped)) for _, item in items)  # the broken row is reported
+    assert after and len(after) < len(before)
+    for key, example in after.items():  # every later record keeps its key, and the key its record
+        assert key in before and before[key].response == example.response and before[key].question == example.question
+
+
+def test_squad_keys_are_the_questions_own_ids():
+    items = examples("squad", DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")
+    document = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json").read_text(encoding="utf-8"))
+    assert [k for k, _ in items[:2]] == [qa["id"] for qa in document["data"][0]["paragraphs"][0]["qas"][:2]]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_jsonl_reads_with_lf_crlf_and_cr_line_endings(tmp_path, newline):
+    rows = (DEMO_DATA / "zh/coig-cqia/douban/movie_recommendation.jsonl").read_text(encoding="utf-8").splitlines()[:6]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(newline.join(rows).encode("utf-8") + newline.encode())
+    items = list(read_source("coig", path))
+    assert len(items) == 6 and [i.location.line for _, i in items] == [1, 2, 3, 4, 5, 6]
+    assert all(isinstance(i, (Example, Skipped)) for _, i in items)

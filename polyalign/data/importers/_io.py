@@ -122,16 +122,33 @@ def load_json_from_zip(path: Path, member_suffix: str = ".json") -> Iterator[tup
             yield member.filename, parse_json_document(decode_document(data, name), name)
 
 
+_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
+
+
+def _byte_lines(handle, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of a binary file split at LF, CRLF or a lone CR (classic Mac files), without the breaks.
+    JSON strings cannot hold a raw CR or LF, so none of these can fall inside a JSON row."""
+    pending = b""
+    while chunk := handle.read(chunk_size):
+        pending += chunk
+        parts = _LINE_BREAK.split(pending[:-1] if pending.endswith(b"\r") else pending)
+        pending = parts.pop() + (b"\r" if pending.endswith(b"\r") else b"")
+        yield from parts
+    if pending:
+        yield from _LINE_BREAK.split(pending.rstrip(b"\r")) if pending.endswith(b"\r") else [pending]
+
+
 def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
-    """Non-blank UTF-8 lines with their 1-based line numbers and 0-based row ordinals. A byte-order mark
-    and CRLF are valid; an undecodable line is reported as Malformed and reading goes on."""
+    """Non-blank UTF-8 lines with their 1-based line numbers and 0-based row ordinals. Lines end with LF,
+    CRLF or CR; a byte-order mark is valid; an undecodable line is reported as Malformed and reading
+    goes on."""
     row = 0
     with path.open("rb") as handle:
         if wide_encoding(handle.read(4)) is not None:
             yield from _wide_text_lines(path)
             return
         handle.seek(0)
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in enumerate(_byte_lines(handle), start=1):
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             location = Location(str(path), line=number, row=row)
@@ -149,8 +166,7 @@ def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
 def _wide_text_lines(path: Path) -> Iterator[tuple[Location, str]]:
     """iter_text_lines for a UTF-16 or UTF-32 file: decoded whole (its lines are not byte lines)."""
     row = 0
-    for number, line in enumerate(decode_document(path.read_bytes(), str(path)).split("\n"), start=1):
-        line = line.rstrip("\r")
+    for number, line in enumerate(re.split(r"\r\n|\r|\n", decode_document(path.read_bytes(), str(path))), start=1):
         if line.strip():
             yield Location(str(path), line=number, row=row), line
             row += 1

@@ -3,11 +3,15 @@
 
 One record per question; the first answer is the response and every distinct answer is kept in
 meta.answers for evaluation. An unanswerable question (is_impossible) has an empty response. Locations
-are the question's 1-based number in the file.
+are the question's 1-based number in the file. A record's key is the question's own `id` when the file
+gives it to that question alone, else `<file>-a<article>-p<paragraph>-q<question>` (1-based positions
+in the document): never a count of the questions before it, so a quarantined paragraph renames
+nothing after it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,10 @@ def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
     document = load_json(path)
     if not isinstance(document, dict) or not isinstance(document.get("data"), list):
         raise InputError(f"{path}: expected a SQuAD document {{'data': [articles]}}")
+    ids = Counter(qa.get("id") for article in document["data"] if isinstance(article, dict)
+                  for paragraph in (article.get("paragraphs") if isinstance(article.get("paragraphs"), list) else [])
+                  if isinstance(paragraph, dict) and isinstance(paragraph.get("qas"), list)
+                  for qa in paragraph["qas"] if isinstance(qa, dict) and isinstance(qa.get("id"), str))
     number = 0
     for a, article in enumerate(document["data"], start=1):
         try:
@@ -57,9 +65,12 @@ def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
                 yield Malformed(where, f"article {a} paragraph {p}: {problem}", dump_raw(paragraph))
                 continue
             group = str(paragraph.get("id") or f"article-{a}-paragraph-{p}")
-            for qa in qas:
+            for q, qa in enumerate(qas, start=1):
                 number += 1
                 location = Location(str(path), question=number, row=number - 1)
+                own = qa.get("id") if isinstance(qa, dict) else None
+                key = own.strip() if isinstance(own, str) and own.strip() and ids[own] == 1 \
+                    else f"{file_tag}-a{a}-p{p}-q{q}"
                 try:
                     qa = require_dict(qa, "question")
                     answers = _answers(qa)
@@ -68,6 +79,7 @@ def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
                         context=context,
                         response=answers[0] if answers else "",
                         location=location,
+                        key=key,
                         group=group,
                         meta={"answers": answers, "source_question_id": str(qa.get("id", "")), "title": title},
                     )
