@@ -158,3 +158,21 @@ def test_sharegpt_system_field_is_the_system_prompt(tmp_path):
         messages = record_messages(record, "context")
         assert messages[0].role == "system" and messages[0].content.startswith(record.history[0]["text"])
         assert [m.role for m in messages[1:]][::2] == ["user"] * (len(messages[1:]) // 2)
+
+
+def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
+    from polyalign.config import ConfigError
+
+    write_jsonl(tmp_path / "chats.jsonl", openai_rows()[:2])
+    config = tmp_path / "data.yaml"
+    config.write_text("sources:\n  - {format: chat}\n  - {name: b, path: chats.jsonl}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        prepare(config, tmp_path / "run", progress=False)
+    message = str(error.value)
+    for key in ("scheme", "sources[0].name", "sources[0].path", "sources[1].format"):
+        assert key in message
+    # the scheme shipped in the package, by name; family and style from the format's defaults
+    config.write_text("scheme: polyalign\nsources:\n  - {name: chats, format: chat, path: chats.jsonl}\n")
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    assert manifest["scheme"]["name"] == "polyalign" and manifest["totals"]["kept"] == 4
+    assert manifest["scheme"]["path"].endswith("polyalign/buckets/polyalign.yaml")

@@ -81,11 +81,37 @@ class DataConfig:
     split: SplitOptions = field(default_factory=SplitOptions)
 
 
+def missing_keys(raw: dict[str, Any]) -> list[str]:
+    """Every required key an incomplete data config lacks, so that one error names them all."""
+    missing = [] if "scheme" in raw else ["scheme (a bucket scheme file, or `polyalign` for the one polyalign ships)"]
+    sources = raw.get("sources")
+    if not isinstance(sources, list) or not sources:
+        return missing + ["sources (a list of {name, format, path})"]
+    for i, source in enumerate(sources):
+        if isinstance(source, dict):
+            missing += [f"sources[{i}].{key}" for key in ("name", "format", "path") if key not in source]
+    return missing
+
+
+PACKAGED_SCHEMES = Path(__file__).resolve().parents[1] / "buckets"
+
+
+def scheme_path(scheme: str, base: Path) -> Path:
+    """A scheme given by name (`polyalign`: the scheme shipped in the package, polyalign/buckets/) or
+    as a path, relative to the config's folder."""
+    packaged = PACKAGED_SCHEMES / f"{scheme}.yaml"
+    if "/" not in scheme and not scheme.endswith((".yaml", ".yml")) and packaged.is_file():
+        return packaged
+    return resolve(scheme, base)
+
+
 def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataConfig, dict[str, Any]]:
     raw = load_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with 'scheme' and 'sources'")
     apply_overrides(raw, list(overrides))
+    if missing := missing_keys(raw):
+        raise ConfigError(f"{path}: missing {'; '.join(missing)}")
     config = from_mapping(DataConfig, raw, str(path))
     if not config.sources:
         raise ConfigError(f"{path}: 'sources' is empty")
@@ -344,7 +370,7 @@ def load_context(config_path: Path, overrides: Iterable[str] = ()) -> PrepareCon
     config_path = Path(config_path)
     config, raw_config = load_data_config(config_path, overrides)
     base = config_path.parent
-    scheme = load_scheme(resolve(config.scheme, base))
+    scheme = load_scheme(scheme_path(config.scheme, base))
     roots = [resolve(source.path, base) for source in config.sources]
     # Fail fast on missing inputs before reading anything.
     files = [source_files(root, get_format(source.format).module.PATTERNS)
