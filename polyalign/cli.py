@@ -523,18 +523,24 @@ def _run_evaluate(args) -> int:
                       intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
                       diversity_metrics=not args.no_diversity, baselines=not args.no_baselines,
                       overwrite=args.overwrite)
-    m = result["metrics"]
+    m, reasons = result["metrics"], result.get("not_available", {})
 
-    def show(value):
-        return "n/a" if value is None else f"{value:.4f}"
+    def show(value, metric=None):
+        if value is not None:
+            return f"{value:.4f}"
+        return f"n/a ({reasons[metric]})" if metric in reasons else "n/a"
 
     floors = "" if m["bng"].get("floor_macro") is None else \
         f" (human floor: BNG {show(m['bng']['floor_macro'])}, HCR {show(m['hcr']['floor_macro'])})"
-    print(f"{result['alignment']['evaluated']} rows: F1 {show(m['utility']['overall']['qa_f1'])}, ROUGE-L "
-          f"{show(m['utility']['overall']['rouge_l_f1'])}, BNG {show(m['bng']['overall_macro'])}, HCR "
-          f"{show(m['hcr']['overall_macro'])}{floors}, TDM {show(m['tdm']['overall_macro'])}, MAUVE "
-          f"{show(m['mauve']['global']) if m['mauve']['status'] == 'computed' else 'skipped'}, aggregate "
-          f"{show(m['aggregate']['overall'])}")
+    empty = result.get("answers", {}).get("empty", 0)
+    rows = f"{result['alignment']['evaluated']} rows" + (
+        f" ({empty} empty answer{'s' * (empty != 1)}, left out of diversity)" if empty else "")
+    mauve = show(m["mauve"]["global"]) if m["mauve"]["status"] == "computed" else \
+        f"skipped ({reasons.get('mauve', 'not computed')})"
+    print(f"{rows}: F1 {show(m['utility']['overall'].get('qa_f1'), 'utility')}, ROUGE-L "
+          f"{show(m['utility']['overall'].get('rouge_l_f1'), 'utility')}, BNG {show(m['bng']['overall_macro'], 'bng')}, "
+          f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{floors}, TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
+          f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
 
@@ -554,7 +560,7 @@ def _run_report(args) -> int:
 
     summary = compare(args.evals, args.out, overwrite=args.overwrite)
     if summary["unequal_settings"]:
-        print("note: the runs differ in test size or profile mode")
+        print(f"note: the runs differ in {'; '.join(summary['differing'])}")
     print(f"report: {args.out / 'report.html'}")
     return 0
 

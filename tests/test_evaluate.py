@@ -232,7 +232,7 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
     assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp")]) == 0
     markdown = (tmp_path / "cmp" / "report.md").read_text()
     assert "| test rows | 297 | 300 |" in markdown and "| F1 |" in markdown
-    assert "differ in test size or profile mode" in (tmp_path / "cmp" / "report.html").read_text()
+    assert "differ in test rows: 297 | 300" in (tmp_path / "cmp" / "report.html").read_text()
 
 
 @pytest.mark.slow
@@ -318,3 +318,97 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and "<h2>Overall</h2>" in page
     assert ("<h2>Diversity</h2>" in page) == ("--no-diversity" not in mode)
     assert ("<h2>Per bucket</h2>" in page) == ("reference" not in mode)
+
+
+def _subset(run, tmp_path, keep):
+    records = [r for r in read_records_of(run / "data" / "test.jsonl") if keep(r)]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    return path, records
+
+
+def read_records_of(path):
+    from polyalign.data.records import read_records
+
+    return read_records(path)
+
+
+def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path, capsys):
+    """Every fifth answer empty: the summary line, metrics.json and the report count them; Distinct-n and
+    Self-BLEU are those of the non-empty answers alone (people's empty answers too); with one non-empty
+    answer they are undefined; --compat reference keeps them, as the authors' code does."""
+    from polyalign.cli import main
+    from polyalign.evaluate.text import diversity
+
+    run, _, _ = demo_run
+    records_path, records = _subset(run, tmp_path, lambda r: True)
+    records = records[:200]
+    records_path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    answer = {r.id: "" if i % 5 == 0 else first_sentence(r.context or r.question) for i, r in enumerate(records)}
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: answer[r.id])
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "eval"), "--bootstrap-draws", "10", "--no-baselines"]) == 0
+    assert "200 rows (40 empty answers, left out of diversity)" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert saved["answers"]["empty"] == 40 and saved["answers"]["empty_ids"][0] == records[0].id
+    overall = saved["metrics"]["diversity"]["overall"]
+    assert overall["generated"] == pytest.approx(diversity([a for a in answer.values() if a], "cjk"))
+    assert overall["human"] == pytest.approx(diversity([r.response for r in records if r.response.strip()], "cjk"))
+    assert overall["generated_empty"] == 40
+    assert "<b>40 of 200 answers are empty</b>" in (tmp_path / "eval" / "report.html").read_text()
+    reference = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "ref", compat="reference", plots=False)
+    assert reference["metrics"]["diversity"]["overall"]["generated"] == pytest.approx(
+        diversity(list(answer.values()), "reference"))
+    # one non-empty answer: no diversity to speak of
+    _write_predictions(tmp_path / "one.jsonl", records, lambda r: "Yes." if r.id == records[3].id else "")
+    result = evaluate(records_path, tmp_path / "one.jsonl", tmp_path / "one",
+                      intervals=__import__("polyalign.evaluate.support", fromlist=["x"]).IntervalOptions(draws=10),
+                      baselines=False)
+    overall = result["metrics"]["diversity"]["overall"]
+    assert overall["generated"]["self_bleu_4"] is None and overall["generated_reason"].startswith("undefined: 1")
+    assert "n/a (undefined: 1 non-empty answer (needs 2))" in (tmp_path / "one" / "report.html").read_text()
+
+
+def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tmp_path, capsys):
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    result = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "eval",
+                      intervals=__import__("polyalign.evaluate.support", fromlist=["x"]).IntervalOptions(draws=20))
+    buckets = result["metrics"]["buckets"]
+    small = sorted(b for b, r in buckets.items() if r["rows"] < 5)
+    assert small and result["metrics"]["bng"]["small_buckets"] == small
+    for bucket in small:
+        r = buckets[bucket]
+        assert r["bng_interval"] is None and r["hcr_interval"] is None and r["bng_gap"] is None
+        assert r["too_small"].endswith("fewer than 5: no interval or gap") and r["bng"] is not None
+    assert all(r["bng_interval"] for r in buckets.values() if r["rows"] >= 5)
+    assert set(small) <= set(result["metrics"]["bng"]["floor_by_bucket"])
+    assert not set(small) & set(result["metrics"]["bng"]["gap_by_bucket"])
+    page = (tmp_path / "eval" / "report.html").read_text()
+    assert f"{len(small)} buckets have fewer than 5 test rows" in page and "none (too few rows)" in page
+    # no multi-turn rows: TDM is n/a and says why; MAUVE says why it was skipped
+    assert result["not_available"]["tdm"] == "no multi-turn test rows"
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "ref"), "--compat", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "TDM n/a (no multi-turn test rows)" in out and "MAUVE skipped (no --featurizer model was given)" in out
+
+
+def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    for name, extra in (("a", {}), ("b", {"support_path": run / "data" / "train.jsonl"}), ("c", {"compat": "reference"})):
+        evaluate(records_path, tmp_path / "p.jsonl", tmp_path / name, plots=False, **extra)
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "--out",
+                 str(tmp_path / "cmp")]) == 0
+    note = capsys.readouterr().out.splitlines()[0]
+    assert note.startswith("note: the runs differ in ")
+    assert "compat: cjk | cjk | reference" in note and "support: the test records' own answers | train.jsonl (" in note
+    assert "intervals: 200 draws, seed 0 | 200 draws, seed 0 | none" in note and "test rows" not in note
+    assert "compat: cjk | cjk | reference" in (tmp_path / "cmp" / "report.html").read_text()

@@ -56,7 +56,7 @@ def test_bng_floor_and_calibrated_hcr_by_hand_on_a_small_pool():
     # one feature, a pool of 4 human values, a band from the pool: q10 = 1, q90 = 4 by nearest rank
     pool = np.array([[1.0, 2.0, 3.0, 4.0]])
     options = sp.IntervalOptions(draws=50, floor_repeats=3000, coverage=0.75, near_constant=1.01,
-                                 max_rank_correlation=1.01)
+                                 max_rank_correlation=1.01, min_rows=4)  # 4 rows: intervals asked for
     support = sp.make_support(pool, ["f"], "b", range(4), None, options)
     assert (support.low[0], support.high[0], support.threshold) == (1.0, 4.0, 1.0)
     generated = np.array([[2.0, 3.0, 4.0, 5.0]])  # a shift by one: W1 = 1, std = sqrt(1.25)

@@ -149,7 +149,7 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
     if diversity_metrics:
         def side_by_side(idx):
             return _diversity([human[i] for i in idx], [predictions[i] for i in idx], tokenize,
-                              None if compat == "reference" else intervals)
+                              None if compat == "reference" else intervals, drop_empty=compat != "reference")
 
         div = {"overall": side_by_side(range(len(human))),
                "by_bucket": {b: side_by_side(idx) for b, idx in sorted(by_bucket_idx.items())}}
@@ -233,6 +233,7 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
     }
     metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
                                                       mauve_metrics["global"], nuf["overall"]["hypervolume"])}
+    empty = [r.id for r, p in zip(records, predictions) if not p.strip()]
     result = {
         "config": {"records": str(records_path), "predictions": str(predictions_path), "compat": compat,
                    "tokenize": tokenize, "references": str(references_path) if references_path else None,
@@ -243,6 +244,11 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
                    "intervals": None if compat == "reference" else dataclasses.asdict(intervals),
                    "diversity": diversity_metrics, "seconds": None},
         "alignment": alignment,
+        # empty answers: scored as answers by utility and naturalness; left out of diversity but in
+        # --compat reference, which keeps them as the authors' code does
+        "answers": {"evaluated": len(predictions), "empty": len(empty), "empty_ids": empty[:10],
+                    "in_diversity": compat == "reference"},
+        "not_available": not_available_reasons(metrics, compat),
         "metrics": metrics,
         "settings": settings,
         "made_from": {name: file_digest(path) for name, path in
@@ -262,16 +268,49 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
     return result
 
 
+DIVERSITY_KEYS = ("distinct_1", "distinct_2", "distinct_3", "self_bleu_4")
+
+
 def _diversity(human: list[str], generated: list[str], tokenize: str,
-               intervals: sp.IntervalOptions | None) -> dict[str, Any]:
-    """Distinct-n and Self-BLEU of the human answers and the predictions, with intervals unless None."""
-    if intervals is None:
-        return {"human": diversity(human, tokenize), "generated": diversity(generated, tokenize)}
-    section = {}
+               intervals: sp.IntervalOptions | None, drop_empty: bool = True) -> dict[str, Any]:
+    """Distinct-n and Self-BLEU of the human answers and the predictions, with intervals unless None.
+    An empty answer has no n-grams and no BLEU against the others, so it reads as perfectly diverse:
+    with `drop_empty` (the default mode) empty answers on either side are left out and counted, and
+    with fewer than two left the numbers are undefined (None, with the reason). --compat reference
+    keeps them, as the authors' code does (its published values include them)."""
+    section: dict[str, Any] = {}
     for side, texts in (("human", human), ("generated", generated)):
-        section[side], section[f"{side}_interval"] = diversity_with_intervals(
-            texts, tokenize, intervals.draws, intervals.seed, intervals.level)
+        kept = [text for text in texts if text.strip()] if drop_empty else list(texts)
+        section[f"{side}_empty"] = sum(1 for text in texts if not text.strip())
+        if len(kept) < 2:
+            section[side] = {key: None for key in DIVERSITY_KEYS}
+            section[f"{side}_reason"] = f"undefined: {len(kept)} non-empty answer{'s' * (len(kept) != 1)} (needs 2)"
+            if intervals is not None:
+                section[f"{side}_interval"] = {key: None for key in DIVERSITY_KEYS}
+        elif intervals is None:
+            section[side] = diversity(kept, tokenize)
+        else:
+            section[side], section[f"{side}_interval"] = diversity_with_intervals(
+                kept, tokenize, intervals.draws, intervals.seed, intervals.level)
     return section
+
+
+def not_available_reasons(metrics: dict[str, Any], compat: str) -> dict[str, str]:
+    """Why each headline number that is missing is missing, for the summary line and the report."""
+    reasons = {}
+    if metrics["bng"]["overall_macro"] is None:
+        reasons["bng"] = reasons["hcr"] = (f"no bucket has {nat.MIN_BUCKET_ROWS} test rows, the least --compat "
+                                           "reference measures" if compat == "reference" else "no bucket measured")
+    if metrics["tdm"]["overall_macro"] is None:
+        reasons["tdm"] = "no multi-turn test rows" if not metrics["tdm"].get("rows") else \
+            f"no multi-turn bucket has {nat.MIN_BUCKET_ROWS} rows"
+    if metrics["mauve"]["status"] != "computed":
+        reasons["mauve"] = metrics["mauve"].get("reason", "not computed")
+    if metrics["utility"]["overall"].get("qa_f1") is None:
+        reasons["utility"] = "no rows evaluated"
+    if metrics["aggregate"]["overall"] is None:
+        reasons["aggregate"] = "its parts (F1, BNG) are not all measured"
+    return reasons
 
 
 def _paper_naturalness(by_bucket_idx, human_features, generated_features, references) -> tuple[dict, dict]:
@@ -368,7 +407,8 @@ def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[d
         return {"overall_macro": s["macro"], "overall_weighted": s["weighted"],
                 "macro_interval": s.get("macro_interval"), "weighted_interval": s.get("weighted_interval"),
                 "floor_macro": s.get("floor_macro"), "buckets": s["buckets"], "rows": s["rows"],
-                "backed_off": s.get("backed_off", []), "by_bucket": per_bucket(metric),
+                "backed_off": s.get("backed_off", []), "small_buckets": s.get("small_buckets", []),
+                "min_interval_rows": options.min_rows, "by_bucket": per_bucket(metric),
                 "interval_by_bucket": per_bucket(f"{metric}_interval"), "floor_by_bucket": per_bucket(f"{metric}_floor")}
 
     bng = section("bng") | {"gap_macro": summary["bng"].get("gap_macro"),

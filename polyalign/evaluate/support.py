@@ -33,6 +33,9 @@ class IntervalOptions:
     coverage: float = 0.9  # calibrated HCR: the share of human answers that pass, by construction
     near_constant: float = 0.95  # a feature whose most common value covers this share of humans says little
     max_rank_correlation: float = 0.95  # of two features this rank-correlated in the humans, keep the first
+    # a bucket with fewer test rows gets no interval and no gap of its own: a bootstrap over one or two
+    # answers has (near) zero width, and one answer against its floor is a draw, not a gap
+    min_rows: int = 5
 
 
 def signed_w1(values: np.ndarray, masses: np.ndarray) -> np.ndarray:
@@ -252,6 +255,11 @@ def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.
     report |= {"bng_floor": floor["bng"], "bng_floor_interval": floor["bng_interval"],
                "bng_gap": None if floor["bng"] is None else report["bng"] - floor["bng"],
                "hcr_floor": floor["hcr"], "hcr_floor_interval": floor["hcr_interval"]}
+    if report["rows"] < options.min_rows:
+        report |= {key: None for key in ("bng_interval", "hcr_interval", "f1_interval", "bng_floor_interval",
+                                         "hcr_floor_interval", "bng_gap")}
+        report["too_small"] = (f"{report['rows']} test row{'s' * (report['rows'] != 1)}, fewer than "
+                               f"{options.min_rows}: no interval or gap")
     return report, draws
 
 
@@ -272,6 +280,7 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
         entry = {"macro": macro, "macro_interval": interval(stacked.mean(axis=0), options.level, macro),
                  "weighted": weighted, "weighted_interval": interval(rows @ stacked / rows.sum(), options.level, weighted),
                  "buckets": len(measured), "rows": int(rows.sum()),
+                 "small_buckets": sorted(b for b in measured if by_bucket[b]["rows"] < options.min_rows),
                  "backed_off": sorted(b for b in measured if by_bucket[b]["backed_off"])}
         floors = [by_bucket[b].get(f"{metric}_floor") for b in measured]
         if metric != "f1" and all(f is not None for f in floors):

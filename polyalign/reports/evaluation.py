@@ -171,9 +171,33 @@ def _page(title: str, sections: list[str]) -> str:
 def _settings(result: dict) -> str:
     c, a = result["config"], result["alignment"]
     partial = " <b>Partial: only the intersection of records and predictions was evaluated.</b>" if a["partial"] else ""
+    empty = result.get("answers", {}).get("empty", 0)
+    kept = result.get("answers", {}).get("in_diversity")
+    empty_note = (f" <b>{empty} of {a['evaluated']} answers are empty</b>: scored as answers by F1 and BNG, "
+                  + ("kept in Distinct-n and Self-BLEU as the authors' code keeps them (--compat reference)."
+                     if kept else "left out of Distinct-n and Self-BLEU (as are people's empty answers).")
+                  if empty else "")
     return (f"<p>models {html.escape(', '.join(c['models']))}; profile {html.escape(', '.join(c['profile']))}; "
             f"{a['evaluated']} of {a['records']} test rows; compat {c['compat']}; MAUVE "
-            f"{html.escape(str(result['metrics']['mauve']['status']))}.{partial}</p>")
+            f"{html.escape(str(result['metrics']['mauve']['status']))}.{partial}{empty_note}</p>")
+
+
+# Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
+REASON_OF = {"utility": "utility", "bng": "bng", "hcr": "hcr", "mauve": "mauve", "tdm": "tdm",
+             "aggregate": "aggregate"}
+
+
+def _overall_value(result: dict, path: Sequence[str]) -> str:
+    """A number of the overall table, or n/a with the reason it is missing."""
+    value = _get(result["metrics"], path)
+    if value is not None:
+        return _fmt(value)
+    if path[0] == "diversity":
+        reason = _get(result["metrics"], ("diversity", "overall", "generated_reason")) or (
+            "skipped (--no-diversity)" if result["metrics"]["diversity"].get("status") == "skipped" else None)
+    else:
+        reason = result.get("not_available", {}).get(REASON_OF.get(path[0], ""))
+    return f"n/a ({reason})" if reason else "—"
 
 
 def _reference_rows(m: dict) -> tuple[str, str]:
@@ -206,8 +230,14 @@ def _bucket_table(buckets: dict[str, dict]) -> tuple[str, str]:
     rows = []
     for bucket, r in buckets.items():
         support = r["pool"] + (" (backed off)" if r["backed_off"] else "") + f", {r['pool_rows']} answers, bands: {r['bands']}"
-        rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), _interval(r.get("bng_interval")),
-                     _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")), _fmt(r.get("hcr")), _interval(r.get("hcr_interval")),
+        small = "none (too few rows)" if r.get("too_small") else "—"
+
+        def spread(key):
+            return _interval(r.get(key)) if r.get(key) else small
+
+        rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), spread("bng_interval"),
+                     _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")) if r.get("bng_gap") is not None else small,
+                     _fmt(r.get("hcr")), spread("hcr_interval"),
                      _fmt(r.get("hcr_floor")), _fmt(r.get("f1")),
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
     return _table(["bucket", "rows", "support", "BNG", "interval", "human floor", "gap", "HCR", "interval",
@@ -230,7 +260,7 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
     """OUT/report.html of one evaluation, self-contained (images inline; the PNGs are kept beside it);
     the lengths (in evaluation tokens) are per row, as `buckets`."""
     m = result["metrics"]
-    table, _ = _table(["metric", "value"], [(name, _fmt(_get(m, path))) for name, path in OVERALL_ROWS])
+    table, _ = _table(["metric", "value"], [(name, _overall_value(result, path)) for name, path in OVERALL_ROWS])
     sections = [_settings(result), "<h2>Overall</h2>", table]
     images = []
     if m.get("buckets"):
@@ -242,7 +272,11 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                    "farther from the people of their buckets than people's own answers to the same prompts (macro "
                    f"over {bng['buckets']} buckets, {bng['rows']} rows; {len(bng.get('backed_off', []))} small "
                    "buckets measured against their parent group). Intervals: bootstrap over responses, "
-                   f"{result['config'].get('intervals', {}).get('draws', '?')} draws.</p>")
+                   f"{result['config'].get('intervals', {}).get('draws', '?')} draws. "
+                   + (f"{len(bng['small_buckets'])} buckets have fewer than {bng.get('min_interval_rows')} test rows "
+                      f"({', '.join(bng['small_buckets'])}): no interval or gap of their own, and each still counts "
+                      "as much as any other in the macro (the rows column says what each carries)."
+                      if bng.get("small_buckets") else "") + "</p>")
         sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html,
                      "<h2>Per bucket</h2>", bucket_html]
     if m["diversity"].get("overall"):
@@ -336,7 +370,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None) -> d
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
                      ("MAUVE", *(str(r["metrics"]["mauve"]["status"]) for r in runs.values()))]
-    unequal = len({(r["alignment"]["evaluated"], tuple(r["config"]["profile"])) for r in runs.values()}) > 1
+    differing = differing_settings(runs)
+    unequal = bool(differing)
     table_html, table_md = _table(header, rows)
     settings_html, settings_md = _table(["setting", *runs], settings_rows)
     differences_html, differences_md = _differences(runs)
@@ -349,10 +384,39 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None) -> d
                      "HCR per bucket (higher is more human-like)", out / "hcr_by_bucket.png"),
         _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png"),
     ]
-    warning = "<p><b>The runs differ in test size or profile mode; compare with care.</b></p>" if unequal else ""
+    warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
+               if unequal else "")
     sections = ["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
                 "<h2>Which differences the intervals support</h2>", differences_html] + [_embedded(out / i) for i in images]
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     (out / "report.md").write_text("# polyalign comparison\n\n" + settings_md + "\n" + table_md + "\n" + differences_md
                                    + "\n" + "".join(f"![{i}]({i})\n" for i in images), encoding="utf-8")
-    return {"runs": list(runs), "unequal_settings": unequal, "out": str(out)}
+    return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "out": str(out)}
+
+
+def differing_settings(runs: dict[str, dict]) -> list[str]:
+    """Each setting the evaluations do not share, named with its value in each run (in run order,
+    separated by |): what a reader must know before reading a difference as the models'."""
+    def input_file(name, absent):
+        def value(run):
+            path, digest = run["config"].get(name), (run.get("made_from") or {}).get(name)
+            return absent if path is None else f"{Path(path).name} ({(digest or 'sha256:?')[7:15]})"
+        return value
+
+    checks = [
+        ("test rows", lambda r: r["alignment"]["evaluated"]),
+        ("profile mode", lambda r: ", ".join(r["config"]["profile"])),
+        ("compat", lambda r: r["config"]["compat"]),
+        ("test records", input_file("records", "?")),
+        ("support", input_file("support", "the test records' own answers")),
+        ("references", input_file("references", "none")),
+        ("intervals", lambda r: "none" if not r["config"].get("intervals") else
+         f"{r['config']['intervals']['draws']} draws, seed {r['config']['intervals']['seed']}"),
+        ("MAUVE", lambda r: r["metrics"]["mauve"]["status"]),
+    ]
+    out = []
+    for name, value_of in checks:
+        values = [str(value_of(r)) for r in runs.values()]
+        if len(set(values)) > 1:
+            out.append(f"{name}: {' | '.join(values)}")
+    return out
