@@ -14,12 +14,11 @@ from typing import Literal
 
 import numpy as np
 
-from polyalign.data.records import Record
+from polyalign.data.records import PROFILE_PREAMBLE, Record
 from polyalign.errors import ChatTemplateError
 from polyalign.tokenizer import BOS, Tokenizer
 
 PROFILE_MODES = ("oracle", "context", "none")
-PROFILE_PREAMBLE = "You are a helpful assistant. Follow the target response profile when answering."
 TRAIN_ON = ("last", "all")
 
 

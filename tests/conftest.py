@@ -1,4 +1,7 @@
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,37 @@ DEMO_DATA = REPO / "polyalign" / "demo_data"
 FIXTURES = REPO / "tests" / "fixtures"
 SHARED_DATA = REPO.parent / "shared" / "data"
 SCHEME = REPO / "buckets" / "polyalign.yaml"
+
+
+# One persistent JAX compilation cache for the whole test session: the tiny models are compiled again
+# and again by tests that build their own trainers, by the pytest-xdist workers and by the subprocesses
+# (multi-process, CLI and bench tests), and identical programs then compile once. The controller makes
+# it before the workers start, so they and every subprocess inherit it through the environment; a
+# cache the user already set (an empty value: none) is left alone.
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+OWN_CACHE = "POLYALIGN_TEST_OWNS_JAX_CACHE"
+
+
+def pytest_configure(config):
+    if CACHE_ENV in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="polyalign-jax-cache-")
+    os.environ[OWN_CACHE] = "1"
+    # Every program is worth keeping: the suite's compiles are many and each is small.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(OWN_CACHE) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ.pop(CACHE_ENV), ignore_errors=True)
+        os.environ.pop(OWN_CACHE)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow end-to-end tests first: under pytest-xdist the longest tests then start at once and the
+    short ones fill in around them, instead of one long test starting last and running alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def write_config(path: Path, sources: list[dict], **options) -> Path:

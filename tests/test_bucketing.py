@@ -154,9 +154,11 @@ def test_format_default_and_missing_labels(tmp_path):
     assert {(r["language"], r["track"], r["family"], r["style"]) for r in records} == {("zh", "single", "qa", "qa_search")}
     (tmp_path / "plain.json").write_text(json.dumps([{k: v for k, v in SAMPLE[0].items() if k not in ("track", "family", "style_bucket")}]))
     config = write_config(tmp_path / "d.yaml", [{"name": "mine", "format": "llamafactory", "path": "plain.json", "split": "train"}])
-    from polyalign.data.prepare import PrepareError
-    with pytest.raises(PrepareError, match="no track for source 'mine'"):
-        prepare(config, tmp_path / "run2", progress=False)
+    # Unlabelled alpaca rows: the track from the conversation, family and style the format's defaults.
+    prepare(config, tmp_path / "run2", progress=False)
+    (record,) = read_jsonl(tmp_path / "run2/data/train.jsonl")
+    track = "multi" if SAMPLE[0].get("history") else "single"
+    assert (record["track"], record["family"], record["style"]) == (track, "assistant", "assistant_like")
 
 
 def test_track_belongs_to_the_source_not_the_row_shape(demo_run):

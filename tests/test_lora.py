@@ -326,9 +326,9 @@ def test_adapters_train_alike_on_two_processes_and_on_one(built_run, tmp_path):
     adapters = [load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("one", "two")]
     assert adapters[0].keys() == adapters[1].keys()
     # Adam divides each update by the gradient's own scale, so where a gradient is ~0 its last bits
-    # (a different reduction order) move a weight by up to ~lr x 1e-3 over the run.
+    # (a different reduction order) move a weight by up to ~lr x 1e-3 a step: 6e-5 over these 6 steps.
     for name, array in adapters[0].items():
-        np.testing.assert_allclose(adapters[1][name], array, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(adapters[1][name], array, atol=6e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
@@ -400,10 +400,12 @@ def test_qlora_trains_from_a_checkpoint_and_exports(built_run, demo_tokenizer, t
     tokenizer_files = {name: (files / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")}
     init = create_model(tiny_model_config(manifest["vocab_size"], hidden_size=64, head_dim=16), seed=0)
     save_hf_checkpoint(init, tmp_path / "init", extra_files=tokenizer_files)
-    result = train_sft(_config(run, 4, f"init={tmp_path / 'init'}", "model.quantize=nf4"), tmp_path / "out",
-                       progress=False)
-    steps = read_metrics(tmp_path / "out")
-    assert result["end_step"] == 4 and steps[-1]["loss"] < steps[0]["loss"]
+    result = train_sft(_config(run, 4, f"init={tmp_path / 'init'}", "model.quantize=nf4", "train.eval_every=2"),
+                       tmp_path / "out", progress=False)
+    # Validation reads the same examples each time, so its fall is the adapters' doing, where training
+    # losses of different batches differ by more than four steps move them.
+    evals = [r["val_loss"] for r in read_metrics(tmp_path / "out") if "val_loss" in r]
+    assert result["end_step"] == 4 and len(evals) == 2 and evals[1] < evals[0]
     merged = load_hf_checkpoint(tmp_path / "out" / "model")
     from polyalign.model import quantize as quant
 

@@ -19,7 +19,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
-from polyalign.chat import PROFILE_PREAMBLE
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.dedup import (
@@ -32,6 +31,7 @@ from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers._io import source_files
 from polyalign.data.language import LanguageChooser, contradicting_script
 from polyalign.data.records import (
+    PROFILE_PREAMBLE,
     SPLITS,
     Example,
     InputError,

@@ -15,6 +15,9 @@ SPLITS = ("train", "val", "test")
 # Group protection and dedup keep a record in the highest-priority split it appears in.
 SPLIT_PRIORITY = {"test": 0, "val": 1, "train": 2}
 ROLES = ("user", "assistant", "system")
+# The opening of polyalign's profile system prompt (chat.py writes it; prepare recognises a source row
+# that already carries it).
+PROFILE_PREAMBLE = "You are a helpful assistant. Follow the target response profile when answering."
 # Split names corpora use for their own splits, mapped to ours.
 OFFICIAL_SPLITS = {"train": "train", "valid": "val", "validation": "val", "dev": "val", "val": "val", "test": "test"}
 RECORD_FIELDS = (
