@@ -10,6 +10,7 @@ import argparse
 import errno
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import polyalign
@@ -508,15 +509,13 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
     p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
-    p.set_defaults(handler=_run_evaluate, parser=p)
+    p.set_defaults(handler=_run_evaluate)
 
 
 def _run_evaluate(args) -> int:
     from polyalign.evaluate.run import evaluate
     from polyalign.evaluate.support import IntervalOptions
 
-    if args.bootstrap_draws < 1:
-        args.parser.error(f"--bootstrap-draws must be at least 1, got {args.bootstrap_draws}")
     result = evaluate(args.records, args.predictions, args.out, compat=args.compat or "cjk",
                       references_path=args.references, support_path=args.support, featurizer=args.featurizer,
                       scorer=args.scorer, allow_partial=args.allow_partial,
@@ -645,6 +644,83 @@ def _run_demo(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option admits: `low`/`high` bounds (None: unbounded), open or closed."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def admits(self, value: float) -> bool:
+        if value != value or value in (float("inf"), float("-inf")):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        def show(bound):
+            return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+        if self.high is None:
+            return f"{'above' if self.low_open else 'at least'} {show(self.low)}"
+        if self.low is None:
+            return f"{'below' if self.high_open else 'at most'} {show(self.high)}"
+        return (f"in {'(' if self.low_open else '['}{show(self.low)}, {show(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+AT_LEAST_ONE, NOT_NEGATIVE = Range(1), Range(0)
+SEED = Range(0, 2**32 - 1)
+# Every numeric option of every subcommand and the values it admits, checked after parsing and before the
+# stage runs: an out-of-range value (zero and negative ones included, NaN and infinities never) is one line
+# naming the option. tests/test_faults.py walks the parser so that no numeric option is missing here.
+NUMBER_RANGES: dict[str, dict[str, Range]] = {
+    "prepare": {"--num-shards": AT_LEAST_ONE},
+    "tokenizer train": {
+        "--vocab-size": Range(300, why="the byte fallback alone takes 256 pieces; 8000 suits the demo data"),
+        "--character-coverage": Range(0.0, 1.0, low_open=True)},
+    "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
+              "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
+              "--borrow-below": NOT_NEGATIVE, "--min-bucket-size": NOT_NEGATIVE},
+    "generate": {"--max-new-tokens": AT_LEAST_ONE, "--temperature": Range(0.0),
+                 "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NOT_NEGATIVE, "--batch-size": AT_LEAST_ONE,
+                 "--max-prompt-tokens": AT_LEAST_ONE, "--limit": AT_LEAST_ONE, "--sample": AT_LEAST_ONE,
+                 "--seed": SEED},
+    "prompts": {"--limit": AT_LEAST_ONE},
+    "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
+    "evaluate": {"--bootstrap-draws": AT_LEAST_ONE, "--seed": SEED},
+    "launch": {"--nproc": AT_LEAST_ONE, "--cpu-devices": AT_LEAST_ONE, "--port": Range(1, 65535)},
+    "plan": {"--devices": AT_LEAST_ONE, "--device-memory": Range(0.0, low_open=True),
+             "--seq": Range(8, why="a chat template needs room for its headers")},
+}
+
+
+def subcommands(parser: argparse.ArgumentParser, path: str = ""):
+    """(path, parser) of every subcommand below `parser`, e.g. ("pairs import", <parser>)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                where = f"{path} {name}".strip()
+                yield where, sub
+                yield from subcommands(sub, where)
+
+
+def _out_of_range(args, parser: argparse.ArgumentParser) -> str | None:
+    """The one line for the first numeric option of the parsed subcommand whose value is out of range."""
+    for option, admitted in NUMBER_RANGES.get(args.command_path, {}).items():
+        action = next(a for a in parser._actions if option in a.option_strings)
+        value = getattr(args, action.dest)
+        for one in value if isinstance(value, list) else [value]:
+            if one is not None and not admitted.admits(one):
+                why = f" ({admitted.why})" if admitted.why else ""
+                return f"{option} must be {admitted.describe()}, got {one:g}{why}"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polyalign", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -663,6 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_plan(sub)
     _add_demo(sub)
+    for path, subparser in subcommands(parser):
+        subparser.set_defaults(command_path=path)  # the deepest subcommand's path wins
     return parser
 
 
@@ -685,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = _out_of_range(args, dict(subcommands(parser))[args.command_path])
+    if problem:
+        print(f"polyalign {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return args.handler(args)
     except Interrupted as stopped:

@@ -234,6 +234,51 @@ def test_a_wrong_path_or_number_is_one_line_not_a_traceback(tmp_path, capsys, ar
     assert named or "train.steps" in err, err  # the path or setting at fault is named
 
 
+def _required_arguments(parser):
+    """Placeholder values for a subcommand's required arguments: the range check runs before any is read."""
+    import argparse
+
+    argv = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._SubParsersAction, argparse._HelpAction)) or action.nargs == argparse.REMAINDER:
+            continue
+        if action.option_strings and not action.required:
+            continue
+        value = action.choices[0] if action.choices else 1000 if action.type in (int, float) else "x"
+        argv += [*action.option_strings[:1], *[str(value)] * (action.nargs if isinstance(action.nargs, int) else 1)]
+    return argv
+
+
+def test_every_numeric_option_of_every_subcommand_has_a_range_and_is_refused_outside_it(capsys):
+    from polyalign.cli import NUMBER_RANGES, build_parser, subcommands
+
+    numeric = {(path, option): action for path, sub in subcommands(build_parser()) for action in sub._actions
+               if action.type in (int, float) for option in action.option_strings[:1]}
+    declared = {(path, option) for path, options in NUMBER_RANGES.items() for option in options}
+    assert declared == set(numeric), (set(numeric) - declared, declared - set(numeric))
+    assert {"generate", "prompts", "evaluate", "pairs import", "build"} <= set(NUMBER_RANGES)  # report has none
+    parsers = dict(subcommands(build_parser()))
+    for (path, option), action in sorted(numeric.items()):
+        admitted = NUMBER_RANGES[path][option]
+        candidates = [-1, 0, 1, 2**32]
+        if admitted.low is not None:
+            candidates += [admitted.low, admitted.low - 1]
+        if admitted.high is not None:
+            candidates += [admitted.high, admitted.high + 1]
+        if action.type is float:
+            candidates += [0.5, float("nan"), float("inf")]
+        refused = [value for value in candidates if not admitted.admits(value)]
+        assert refused and not admitted.admits(-1), (path, option)  # every option is bounded; no negatives
+        for value in refused:
+            text = str(action.type(value)) if value == value and abs(value) != float("inf") else str(value)
+            given = [text] * (action.nargs if isinstance(action.nargs, int) else 1)
+            argv = [*path.split(), *_required_arguments(parsers[path]), option, *given]
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "Traceback" not in err, err
+            assert err.startswith(f"polyalign {path.split()[0]}: error: {option} must be "), err
+
+
 def test_markdown_reports_escape_what_they_embed():
     from polyalign.reports.markdown import table
 
