@@ -248,6 +248,11 @@ def _run_build(args) -> int:
     for split, counts in manifest["splits"].items():
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
               f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}")
+    check = manifest["tokenizer_check"]
+    if check["checked"] and not check["differing"]:
+        print(f"tokenizer: {check['reader']} gives the same ids as polyalign on {check['probes']} probe texts")
+    elif not check["checked"]:
+        print(f"tokenizer: {check['reason']}")
     for warning in manifest["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")

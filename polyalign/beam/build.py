@@ -21,6 +21,7 @@ from polyalign.beam import pipeline_options
 from polyalign.chat import get_template
 from polyalign.data.bucketing import WeightOptions, weight_warnings
 from polyalign.data.records import Record
+from polyalign.inputs.tokenizer_check import check_tokenizer
 from polyalign.inputs.build import (
     SPLITS,
     BucketTable,
@@ -29,6 +30,7 @@ from polyalign.inputs.build import (
     check_options,
     claim_build,
     encode_record,
+    probe_records,
     split_files,
     tokenizer_and_template,
     write_dataset,
@@ -127,6 +129,9 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
     # val and test bucket counts are not counted by the pipeline: only the weights are checked here
     warnings = weight_warnings(table.weights, train_counts, None, None, weights.warn_above)
     runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
+    check, mismatch = check_tokenizer(tokenizer, get_template(template_name, tokenizer), options.profile,
+                                      probe_records(run), str(tokenizer_path))
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
                           time.perf_counter() - started, engine={"name": "beam", "runner": str(runner)},
-                          warnings=warnings)
+                          warnings=[*warnings, *[mismatch] * bool(mismatch)], tokenizer_check=check)
+

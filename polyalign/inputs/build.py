@@ -42,6 +42,7 @@ from polyalign.data.bucketing import (
     weight_warnings,
 )
 from polyalign.data.records import Record, read_records
+from polyalign.inputs.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.model.config import checkpoint_family
 from polyalign.outputs import OutputLock, check_settings
 from polyalign.paths import as_path, changed_since, file_digest, is_uri
@@ -164,6 +165,25 @@ def split_files(run: Path, split: str) -> list[Path]:
     return files
 
 
+def probe_records(run: Path, count: int = PROBE_RECORDS) -> list[Record]:
+    """`count` records spread evenly over the train and val files (every k-th row), the probe set of the
+    tokenizer check; only those rows are parsed, so a Beam build's driver reads them cheaply too."""
+    files = [path for split in SPLITS for path in split_files(run, split)]
+    rows = 0
+    for path in files:
+        with open(path, encoding="utf-8") as handle:
+            rows += sum(1 for line in handle if line.strip())
+    step, chosen, row = max(1, rows // count), [], 0
+    for path in files:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.strip():
+                    if row % step == 0 and len(chosen) < count:
+                        chosen.append(Record.from_json(json.loads(line)))
+                    row += 1
+    return chosen
+
+
 def tokenizer_digests(run: Path, tokenizer_path: Path) -> dict[str, str]:
     """Digests of the tokenizer files a build encoded with, named relative to RUN when they lie inside
     it, so that training refuses a build whose tokenizer was trained again since."""
@@ -245,10 +265,13 @@ def write_dataset(run: Path, split_examples, download_config=None, on_pipeline_r
 
 def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: str, options: BuildOptions,
                    table: BucketTable, stats: dict[str, Counter], seconds: float,
-                   engine: dict[str, Any] | None = None, warnings: Sequence[str] = ()) -> dict[str, Any]:
+                   engine: dict[str, Any] | None = None, warnings: Sequence[str] = (),
+                   tokenizer_check: dict[str, Any] | None = None) -> dict[str, Any]:
     manifest = {
         "dataset": str(dataset_dir(run)),
         "tokenizer": str(tokenizer_path.resolve()),
+        # transformers' reading of the tokenizer against polyalign's on probe records (inputs/tokenizer_check.py)
+        "tokenizer_check": tokenizer_check or {"checked": False, "reason": "not checked"},
         "vocab_size": tokenizer.vocab_size,
         "pad_id": tokenizer.pad_id,
         "template": template_name,
@@ -320,9 +343,11 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
 
         return generate
 
+    check, mismatch = check_tokenizer(tokenizer, template, options.profile, probe_records(run), str(tokenizer_path))
     write_dataset(run, {s: examples(s) for s in SPLITS})
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
-                          time.perf_counter() - started, warnings=warnings)
+                          time.perf_counter() - started, warnings=[*warnings, *[mismatch] * bool(mismatch)],
+                          tokenizer_check=check)
 
 
 def build_tokenizer_path(run, manifest: dict[str, Any]):

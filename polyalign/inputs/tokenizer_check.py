@@ -1,0 +1,85 @@
+"""Does transformers read the build's tokenizer as polyalign does? A build encodes with polyalign's own
+reader; a model trained on it is later served through transformers (or vLLM/SGLang, which load the
+tokenizer as transformers does) from the exported tokenizer files. When the two readers give other ids
+for the same text (a tokenizer class whose pre-tokenizer transformers rebuilds, e.g. one splitting every
+digit; a SentencePiece model's near-ties converted differently), the model sees other ids at inference
+than in training. `polyalign build` therefore encodes a probe set of the run's own records both ways
+and records the outcome in RUN/build/manifest.json (`tokenizer_check`); when transformers is not
+installed it says so there and in its output instead.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from polyalign.tokenizer_training import record_texts
+
+PROBE_RECORDS = 64  # records spread evenly over train and val (inputs/build.py, probe_records)
+PROBE_CHARS = 2000  # each text cut to this many characters, so long contexts stay cheap
+SHOWN = 3  # differing texts named in the manifest
+
+Encode = Callable[[str], list[int]]
+
+
+def probe_texts(records: Sequence) -> list[str]:
+    """Every distinct text (question, context, history turns, response) of the probe records, cut to
+    PROBE_CHARS characters."""
+    return [text[:PROBE_CHARS] for text in dict.fromkeys(record_texts(records)) if text]
+
+
+def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | None, str]:
+    """transformers' AutoTokenizer on the tokenizer files an export of this build ships (what users and
+    serving engines load), as text -> ids without special tokens added; (None, why) when transformers is
+    not installed or cannot load them. The second element names the reader."""
+    try:
+        import transformers
+    except ImportError:
+        return None, ("not checked: transformers is not installed (pip install transformers to check that it "
+                      "reads this tokenizer with the same ids as polyalign)")
+    from polyalign.export import tokenizer_files
+
+    with tempfile.TemporaryDirectory(prefix="polyalign-tokenizer-check-") as folder:
+        for name, content in tokenizer_files(tokenizer, template, profile).items():
+            (Path(folder) / name).write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+        try:
+            loaded = transformers.AutoTokenizer.from_pretrained(folder)
+        except Exception as err:  # transformers raises many kinds for files it cannot read
+            return None, f"not checked: transformers {transformers.__version__} could not load it ({err})"
+    return (lambda text: list(loaded.encode(text, add_special_tokens=False))), \
+        f"transformers {transformers.__version__} AutoTokenizer ({type(loaded).__name__})"
+
+
+def compare_encoders(ours: Encode, theirs: Encode | None, reader: str, texts: Sequence[str],
+                     tokenizer_name: str) -> tuple[dict[str, Any], str | None]:
+    """The manifest's `tokenizer_check` entry and a warning (None when the ids agree or nothing was
+    compared): how many probe texts each reader encodes, how many differ, and the first few of those."""
+    if theirs is None:
+        return {"checked": False, "reason": reader}, None
+    differing = []
+    for text in texts:
+        a, b = ours(text), theirs(text)
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            differing.append({"text": text[:200], "first_difference": at, "polyalign": a[max(0, at - 2):at + 6],
+                              "transformers": b[max(0, at - 2):at + 6]})
+    entry = {"checked": True, "reader": reader, "probes": len(texts), "differing": len(differing),
+             "examples": differing[:SHOWN]}
+    if not differing:
+        return entry, None
+    first = differing[0]
+    return entry, (f"{reader} reads {tokenizer_name} with other ids than polyalign on {len(differing)} of "
+                   f"{len(texts)} probe texts from the records (first {first['text'][:60]!r}: polyalign "
+                   f"{first['polyalign']} vs transformers {first['transformers']} from token "
+                   f"{first['first_difference']}); a model trained on this build sees other ids at inference "
+                   "than in training (RUN/build/manifest.json, tokenizer_check)")
+
+
+def check_tokenizer(tokenizer, template, profile: str, records: Sequence, tokenizer_name: str,
+                    encoder: Callable[..., tuple[Encode | None, str]] = transformers_encoder
+                    ) -> tuple[dict[str, Any], str | None]:
+    """`compare_encoders` on the probe texts of `records`, transformers' reader made by `encoder`."""
+    theirs, reader = encoder(tokenizer, template, profile)
+    return compare_encoders(tokenizer.encode, theirs, reader, probe_texts(records), tokenizer_name)
