@@ -226,7 +226,9 @@ class CriticConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-# Old key -> its place in the shared schema (one old key may fill several).
+# Old key -> its place in the shared schema (one old key may fill several). CHANGELOG.md lists them with
+# the release that removes them.
+REMOVED_IN = "0.2.0"
 DEPRECATED_KEYS: dict[type, dict[str, tuple[str, ...]]] = {
     PreferenceConfig: {
         "dtype": ("model.dtype",), "remat": ("model.remat",), "attention_impl": ("model.attention_impl",),
@@ -243,6 +245,6 @@ def deprecated_targets(config_class: type, key: str, where: str) -> tuple[str, .
     """The new keys behind an old one, after a one-line notice on stderr; None for a current key."""
     targets = DEPRECATED_KEYS.get(config_class, {}).get(key)
     if targets is not None:
-        print(f"polyalign: {where}: key {key!r} is deprecated and will be removed in the next release; "
+        print(f"polyalign: {where}: key {key!r} is deprecated and will be removed in polyalign {REMOVED_IN}; "
               f"use {' and '.join(repr(t) for t in targets)}", file=sys.stderr)
     return targets
