@@ -56,8 +56,38 @@ PROFILE_PREAMBLE_JINJA = (
 
 
 def export_template(template: ChatTemplate) -> str:
-    """The chat_template an export carries: the training template behind the profile preamble."""
-    return PROFILE_PREAMBLE_JINJA + template.jinja_source()
+    """The chat_template an export carries: the training template behind the profile preamble, written
+    once however many exports are chained (a checkpoint template that is a polyalign export's already
+    starts with it)."""
+    source = template.jinja_source()
+    while source.startswith(PROFILE_PREAMBLE_JINJA):
+        source = source[len(PROFILE_PREAMBLE_JINJA):]
+    return PROFILE_PREAMBLE_JINJA + source
+
+
+def base_reference(base: str | None) -> str | None:
+    """How an export names its base (the adapter's base_model_name_or_path, the model card): an
+    absolute path for a local folder, so that it loads from any working directory; a bucket URI or
+    any other name (a hub id) as the user gave it."""
+    if base is None or "://" in str(base) or not os.path.exists(base):
+        return base
+    return os.path.abspath(base)
+
+
+def base_generation_config(base: str | None) -> dict[str, Any] | None:
+    """The base checkpoint's generation_config.json (its eos ids, its sampling settings), if it has one."""
+    if base is None:
+        return None
+    path = as_path(base) / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        from polyalign.errors import CheckpointError
+
+        raise CheckpointError(f"{path}: line {err.lineno}: {err.msg}") from None
+    return config if isinstance(config, dict) else None
 
 
 def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
@@ -106,12 +136,26 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str) 
     return files
 
 
-def generation_config(tokenizer: Tokenizer, template: ChatTemplate) -> dict[str, Any]:
-    """Greedy by default; generation stops at the template's end-of-turn token as well as at EOS."""
+def generation_config(tokenizer: Tokenizer, template: ChatTemplate, base: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
+    """Generation stops at the template's end-of-turn token as well as at EOS. With the base checkpoint's
+    generation config, that config is kept (its sampling settings, its other keys) and its eos ids
+    merged with these, its own first; without one, decoding is greedy."""
     stops = [tokenizer.token_to_id(t) for t in template.stop_tokens()] + [tokenizer.eos_id]
     stops = sorted({i for i in stops if i is not None})
-    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops if len(stops) > 1 else stops[0],
+    ours = {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops if len(stops) > 1 else stops[0],
             "pad_token_id": tokenizer.pad_id, "do_sample": False}
+    if not base:
+        return ours
+    merged = {key: value for key, value in base.items() if key != "transformers_version"}
+    given = base.get("eos_token_id")
+    given = [] if given is None else given if isinstance(given, list) else [given]
+    eos = list(dict.fromkeys([*given, *stops]))
+    merged["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    for key in ("bos_token_id", "pad_token_id", "do_sample"):
+        if merged.get(key) is None and ours[key] is not None:
+            merged[key] = ours[key]
+    return merged
 
 
 def model_card(card: dict[str, Any], template: ChatTemplate, profile: str) -> str:
@@ -131,7 +175,8 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str) -> st
 
 def training_card(config: Any) -> dict[str, Any]:
     """The model card's rows from a training config."""
-    return {"method": config.method, "base": config.init or f"trained from scratch (preset {config.model.preset})",
+    return {"method": config.method,
+            "base": base_reference(config.init) or f"trained from scratch (preset {config.model.preset})",
             "data": config.data.dir, "steps": config.train.steps, "training dtype": config.model.dtype}
 
 
@@ -149,7 +194,8 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
-                      dtype=config.model.export_dtype or config.model.dtype, card=training_card(config))
+                      dtype=config.model.export_dtype or config.model.dtype, card=training_card(config),
+                      base=config.init)
     return {"model": str(as_path(out) / "model"), **written}
 
 
@@ -170,7 +216,8 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
     path.mkdir(parents=True, exist_ok=True)
     save_file(peft_state_dict(model.config, adapters), os.fspath(path / "adapter_model.safetensors"),
               metadata={"format": "pt"})
-    (path / "adapter_config.json").write_text(json.dumps(peft_config(model.config, base), indent=2) + "\n")
+    config = peft_config(model.config, base_reference(base))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     rows = "".join(f"| {key} | {value} |\n" for key, value in (card or {}).items())
     (path / "README.md").write_text(f"# LoRA adapter (PEFT format)\n\n| | |\n|---|---|\n{rows}\n"
                                     "Load with `PeftModel.from_pretrained(base, this_folder)`; `../model` holds the "
@@ -179,16 +226,19 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,
                       template: ChatTemplate, profile: str = "context", dtype: str | None = None,
-                      card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES) -> None:
+                      card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES,
+                      base: str | None = None) -> None:
     """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
-    whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'."""
+    whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'.
+    `base`, the checkpoint trained from: its generation_config.json is kept and merged."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         params = parallel.to_host(params)
     if jax.process_index() != 0:
         return
+    generation = generation_config(tokenizer, template, base_generation_config(base))
     extra = {**tokenizer_files(tokenizer, template, profile),
-             "generation_config.json": json.dumps(generation_config(tokenizer, template), indent=2) + "\n",
+             "generation_config.json": json.dumps(generation, indent=2) + "\n",
              "README.md": model_card(card or {}, template, profile)}
     save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, dtype=dtype, max_shard_bytes=max_shard_bytes,
                        overwrite=True, extra_files=extra)

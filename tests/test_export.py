@@ -3,6 +3,7 @@ generation config, a tokenizer.json equivalent to polyalign's SentencePiece mode
 that renders what training rendered, profile system prompt included."""
 
 import json
+import os
 
 import ml_dtypes
 import numpy as np
@@ -167,3 +168,112 @@ def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "_run_train", other)
     with pytest.raises(OSError, match="Input/output error"):
         cli.main(["train", "sft", "--out", str(tmp_path / "out")])
+
+
+# Qwen2.5-7B-Instruct's generation_config.json sampling settings, as its model repository publishes them.
+QWEN_SAMPLING = {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_once(json_tokenizer, tmp_path):
+    """SFT -> DPO -> DPO, each trained from the previous export: the base's eos list and sampling settings
+    survive every export, and the chat template carries the profile preamble once."""
+    from tokenizers import Tokenizer
+
+    from polyalign.export import PROFILE_PREAMBLE_JINJA
+
+    source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    base = tmp_path / "base"
+    base.mkdir()
+    tok = Tokenizer.from_file(str(json_tokenizer.path))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    tok.save(str(base / "tokenizer.json"))
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": source}))
+    first = load_tokenizer(base)
+    eos = [first.special_id("<|im_end|>"), first.special_id("<eos>")]
+    (base / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": first.special_id("<eos>"), "pad_token_id": first.special_id("<eos>"), **QWEN_SAMPLING,
+         "eos_token_id": eos, "transformers_version": "4.37.0"}))
+    messages = [Message("user", "你好，我想去北京语言大学溜达。"), Message("assistant", "大概能玩2小时。")]
+    rendered = get_template("checkpoint", first).render(messages)
+    previous = base
+    for step in ("sft", "dpo", "dpo-again"):
+        tokenizer = load_tokenizer(previous)
+        template = get_template("checkpoint", tokenizer)
+        export_checkpoint(tiny_model(tokenizer.vocab_size), tokenizer, tmp_path / step, template=template,
+                          profile="context", base=str(previous))
+        previous = tmp_path / step
+        chat_template = json.loads((previous / "tokenizer_config.json").read_text())["chat_template"]
+        assert chat_template.count(PROFILE_PREAMBLE_JINJA) == 1 and chat_template.endswith(source)
+        generation = json.loads((previous / "generation_config.json").read_text())
+        assert generation["eos_token_id"] == eos and "transformers_version" not in generation
+        assert {key: generation[key] for key in QWEN_SAMPLING} == QWEN_SAMPLING
+        assert get_template("checkpoint", load_tokenizer(previous)).render(messages) == rendered
+
+
+def test_an_adapter_names_its_base_so_that_it_loads_from_any_folder(tmp_path, monkeypatch):
+    from polyalign.export import export_adapter
+    from polyalign.model.config import LoraConfig
+    from polyalign.model.lora import add_adapters
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "sft" / "model").mkdir(parents=True)
+    model = add_adapters(tiny_model(97), LoraConfig(rank=2))
+    for given, recorded in [("runs/sft/model", str(tmp_path / "runs" / "sft" / "model")),
+                            ("./runs/sft/../sft/model", str(tmp_path / "runs" / "sft" / "model")),
+                            ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),  # a hub id, as given
+                            ("gs://bucket/sft/model", "gs://bucket/sft/model")]:
+        export_adapter(model, "out/adapter", base=given)
+        config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == recorded
+
+
+FIXTURES_PYTHON = FIXTURES.parents[1] / ".venv-fixtures" / "bin" / "python"  # torch, transformers, peft
+PEFT_LOAD = """
+import sys, numpy as np, torch
+from peft import AutoPeftModelForCausalLM
+data = np.load(sys.argv[2])
+model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+with torch.no_grad():
+    logits = model(input_ids=torch.from_numpy(data["ids"]).long()).logits.float().numpy()
+print(float(np.abs(logits - data["logits"]).max()))
+"""
+
+
+def _has_peft() -> bool:
+    import subprocess
+
+    return FIXTURES_PYTHON.is_file() and subprocess.run([str(FIXTURES_PYTHON), "-c", "import peft"],
+                                                        capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _has_peft(), reason="needs .venv-fixtures with torch, transformers and peft "
+                                            "(tools/make_fixtures.py)")
+def test_an_adapter_exported_from_a_relative_base_loads_with_peft_from_another_folder(tmp_path, monkeypatch):
+    """The journey of the issue: init given as a relative path, the adapter then loaded by
+    AutoPeftModelForCausalLM from another working directory; its logits are polyalign's."""
+    import shutil
+    import subprocess
+
+    import jax
+
+    from polyalign.export import export_adapter
+    from polyalign.model.config import LoraConfig
+    from polyalign.model.lora import add_adapters
+
+    shutil.copytree(FIXTURES / "hf" / "qwen2", tmp_path / "work" / "base")
+    monkeypatch.chdir(tmp_path / "work")
+    model = add_adapters(load_hf_checkpoint("base"), LoraConfig(rank=4, alpha=8.0), seed=1)
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), adapters),
+                      rest)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(2, 12)).astype(np.int32)
+    np.savez(tmp_path / "ours.npz", ids=ids, logits=np.asarray(model(ids), np.float32))
+    export_adapter(model, "out/adapter", base="base")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([str(FIXTURES_PYTHON), "-c", PEFT_LOAD, str(tmp_path / "work" / "out" / "adapter"),
+                           str(tmp_path / "ours.npz")], cwd=elsewhere, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) < 2e-4
