@@ -99,11 +99,13 @@ def _run_prepare(args) -> int:
         manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
                            progress=not args.no_progress, overwrite=args.overwrite)
     totals = manifest["totals"]
-    print(f"read {totals['read']}, kept {totals['kept']}, dropped {totals['dropped']} "
-          f"(train {totals['by_split']['train']}, val {totals['by_split']['val']}, test {totals['by_split']['test']})")
+    print(f"read {totals['read']} rows -> {totals['records']} records: kept {totals['kept']}, dropped "
+          f"{totals['dropped']} (train {totals['by_split']['train']}, val {totals['by_split']['val']}, test "
+          f"{totals['by_split']['test']})")
     for source in manifest["sources"]:
         dropped = ", ".join(f"{k} {v}" for k, v in source["dropped"].items()) or "none dropped"
-        print(f"  {source['name']:<20} read {source['read']:>6}  kept {source['kept']:>6}  {dropped}")
+        print(f"  {source['name']:<20} rows {source['read']:>6}  records {source['records']:>6}  kept "
+              f"{source['kept']:>6}  {dropped}")
     if manifest["quarantine"]["rows"]:
         print(f"quarantined {manifest['quarantine']['rows']} rows -> {args.out / 'data' / 'quarantine.jsonl'}")
     for warning in manifest.get("warnings", []):
@@ -246,8 +248,12 @@ def _run_build(args) -> int:
     else:
         manifest = build(args.run, options, progress=not args.no_progress, overwrite=args.overwrite)
     for split, counts in manifest["splits"].items():
+        per_reply = counts["trained_replies"] / max(counts["examples"], 1)
+        repeats = "" if args.train_on == "last" or not counts["examples"] else (
+            f"; {counts['trained_replies']} replies trained: with --train-on all each record also trains its "
+            f"dialogue's earlier replies, so a reply is a target in {per_reply:.2f} records on average")
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
-              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}")
+              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}{repeats}")
     check = manifest["tokenizer_check"]
     if check["checked"] and not check["differing"]:
         print(f"tokenizer: {check['reader']} gives the same ids as polyalign on {check['probes']} probe texts")

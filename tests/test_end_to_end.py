@@ -31,7 +31,7 @@ def check_run(run, manifest):
     assert all(tuple(r) == RECORD_FIELDS for r in records)
     assert len({r["id"] for r in records}) == len(records)
     for source in manifest["sources"]:
-        assert source["read"] == source["kept"] + sum(source["dropped"].values())
+        assert source["records"] == source["kept"] + sum(source["dropped"].values())
         assert source["kept"] == sum(source["kept_by_split"].values())
     assert manifest["totals"]["kept"] == len(records)
     assert Counter(r["split"] for r in records) == {s: n for s, n in manifest["totals"]["by_split"].items() if n}

@@ -144,7 +144,8 @@ def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
     source = manifest["sources"][0]
     good = sum(1 for d in CAMREST for t in d["turns"][1:] if t["speaker"] == "system")
     assert source["kept"] == good and source["dropped"] == {"malformed": 2}
-    assert source["read"] == source["kept"] + 2
+    assert source["records"] == source["kept"] + 2  # a malformed row is one record, dropped as malformed
+    assert source["read"] == len(CAMREST) + 2  # rows: every dialogue line and the two bad ones
     assert manifest["quarantine"]["rows"] == 2
 
 
@@ -170,7 +171,7 @@ def test_bom_crlf_blank_lines_and_very_long_texts_are_valid(tmp_path):
     body = "\r\n\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n"
     manifest = run(tmp_path, "chat", "c.jsonl", b"\xef\xbb\xbf" + body.encode("utf-8"))
     source = manifest["sources"][0]
-    assert source["dropped"] == {} and source["kept"] == source["read"] > 0
+    assert source["dropped"] == {} and source["kept"] == source["records"] > source["read"] == len(rows)
     records = read_jsonl(tmp_path / "run/data/train.jsonl")
     longest = max(records, key=lambda r: len(r["response"]))
     assert longest["length_bin"] == "xlong" and "\r" not in longest["response"]
@@ -189,7 +190,28 @@ def test_empty_response_is_kept_in_qa_dropped_elsewhere_and_null_is_an_error(tmp
     manifest = run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(dialogue)]))
     source = manifest["sources"][0]
     assert source["dropped"] == {"empty_response": 1} and source["empty_responses"] == 0
-    assert source["read"] == source["kept"] + 1
+    assert source["records"] == source["kept"] + 1 and source["read"] == 1  # one dialogue row, a record per reply
+
+
+def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_trains_a_reply(
+        tmp_path, capsys, json_tokenizer):
+    dialogues = [chat_row(d) for d in CAMREST]
+    replies = [sum(m["role"] == "assistant" for m in d["messages"]) for d in dialogues]
+    (tmp_path / "c.jsonl").write_text(jsonl([json.dumps(d) for d in dialogues]), encoding="utf-8")
+    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl",
+                                                      "split": "train", "language": "en"}], dedup=False)
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"read {len(CAMREST)} rows -> {sum(replies)} records: kept {sum(replies)}, dropped 0"), out
+    (tmp_path / "run/data/val.jsonl").write_text((tmp_path / "run/data/train.jsonl").read_text(encoding="utf-8"))
+    assert main(["build", str(tmp_path / "run"), "--tokenizer", str(json_tokenizer.path.parent), "--template", "qwen",
+                 "--train-on", "all", "--max-length", "4096", "--no-progress"]) == 0
+    manifest = json.loads((tmp_path / "run/build/manifest.json").read_text())
+    train = manifest["splits"]["train"]
+    # the k-th reply of a dialogue with n replies is a target in n - k + 1 records
+    assert train["truncated"] == 0 and train["trained_replies"] == sum(n * (n + 1) // 2 for n in replies)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train:"))
+    assert f"a reply is a target in {train['trained_replies'] / sum(replies):.2f} records on average" in line
 
 
 # A folder where a file is expected, a file where an output folder is expected, a bad number: each
@@ -403,7 +425,7 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path):
     manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows))
     source = manifest["sources"][0]
     assert source["language_mismatches"] == {"en declared, han script": 1}
-    assert source["kept"] == source["read"]  # counted, not dropped
+    assert source["kept"] == source["records"] and source["read"] == 2  # counted, not dropped
 
 
 def test_a_quarantined_row_never_renames_another_record(tmp_path):

@@ -77,6 +77,7 @@ def test_en_chat_and_zh_qa_without_language_prepare_keeping_every_row(monkeypatc
         dedup=False)
     manifest = prepare(config, tmp_path / "run", progress=False)
     chats, reading = manifest["sources"]
-    assert chats["detected_languages"] == {"en": chats["read"]} and chats["kept"] == chats["read"]
-    assert reading["detected_languages"] == {"zh": reading["read"]} and reading["kept"] == reading["read"] == 1002
+    assert chats["detected_languages"] == {"en": chats["records"]} and chats["kept"] == chats["records"]
+    assert chats["read"] == len(rows) < chats["records"]  # a dialogue row becomes a record per reply
+    assert reading["detected_languages"] == {"zh": reading["records"]} and reading["kept"] == reading["read"] == 1002
     assert ("lingua not installed" in manifest["language_detection"]) is not lingua

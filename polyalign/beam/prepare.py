@@ -92,6 +92,7 @@ class ImportFile(beam.DoFn):
                 yield _event("label", source.name, name, agree)
             yield (source_index, file_index, position), record
         yield _event("read", source_index, count=tally.read)
+        yield _event("records", source_index, count=tally.records)
         yield _event("empty", source_index, count=tally.empty_responses)
         for reason, count in tally.dropped.items():
             yield _event("drop", source_index, reason, None, count=count)
@@ -319,6 +320,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
         kind, *fields = key
         if kind == "read":
             tallies[fields[0]].read += count
+        elif kind == "records":
+            tallies[fields[0]].records += count
         elif kind == "empty":
             tallies[fields[0]].empty_responses += count
         elif kind == "drop":

@@ -139,7 +139,9 @@ def resolve(path: str, base: Path) -> Path:
 class SourceTally:
     config: SourceConfig
     files: list[str] = field(default_factory=list)
-    read: int = 0
+    read: int = 0  # source rows: JSONL lines, array elements, dialogues, SQuAD questions
+    records: int = 0  # the candidate records those rows became (kept + dropped)
+    last_location: Any = field(default=None, repr=False, compare=False)
     dropped: Counter = field(default_factory=Counter)
     kept_by_split: Counter = field(default_factory=Counter)
     dropped_by_split: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
@@ -160,6 +162,7 @@ class SourceTally:
             **{k: v for k, v in asdict(self.config).items() if v is not None},
             "files": self.files,
             "read": self.read,
+            "records": self.records,
             "kept": kept,
             "dropped": dict(sorted(self.dropped.items())),
             "kept_by_split": {s: self.kept_by_split[s] for s in SPLITS},
@@ -395,8 +398,8 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
     sources_json = [t.to_json() for t in tallies]
     for entry in sources_json:
         accounted = entry["kept"] + sum(entry["dropped"].values())
-        if accounted != entry["read"]:
-            raise AssertionError(f"source {entry['name']}: read {entry['read']} but accounted for {accounted}")
+        if accounted != entry["records"]:
+            raise AssertionError(f"source {entry['name']}: {entry['records']} records but accounted for {accounted}")
     by_split = {s: sum(e["kept_by_split"][s] for e in sources_json) for s in SPLITS}
     # A source that yields nothing is most often a wrong path pattern or an empty export: say so rather
     # than let its buckets quietly go missing.
@@ -412,6 +415,7 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
         **({"engine": engine} if engine else {}),
         "totals": {
             "read": sum(e["read"] for e in sources_json),
+            "records": sum(e["records"] for e in sources_json),
             "kept": sum(by_split.values()),
             "dropped": sum(sum(e["dropped"].values()) for e in sources_json),
             "by_split": by_split,
@@ -561,10 +565,12 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
                item: Any, sink: Callable[[str, Malformed], None]) -> Record | None:
     """One imported item through the record builder: a Record, or None after counting why it was dropped
     (malformed rows also go to `sink`). A Notice is counted under `left_out` and is no row."""
+    if item.location != tally.last_location:  # an importer yields a row's items one after another
+        tally.read, tally.last_location = tally.read + 1, item.location
     if isinstance(item, Notice):
         tally.notes[item.reason] += item.count
         return None
-    tally.read += 1
+    tally.records += 1
     if isinstance(item, Malformed):
         sink(source.name, item)
         tally.drop("malformed")

@@ -175,11 +175,11 @@ BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / 
 
 
 def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
-    return [[s["name"], s["format"], str(s["read"]), str(s["kept"]),
+    return [[s["name"], s["format"], str(s["read"]), str(s.get("records", "-")), str(s["kept"]),
              ", ".join(f"{k}: {v}" for k, v in s["dropped"].items()) or "-"] for s in manifest["sources"]]
 
 
-SOURCE_HEADER = ["source", "format", "read", "kept", "dropped"]
+SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped"]
 
 
 def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
