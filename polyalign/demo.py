@@ -126,14 +126,31 @@ def _hdpo(run: Path, quick: bool, overwrite: bool) -> str:
                                  existing=_existing(overwrite)), method)
         summaries.append(f"{method} margin {result['last']['rewards/margin']:.3f}")
     comparison = compare_generations(run, quick, overwrite)
-    distances = ", ".join(f"{m} {v['support_distance']:.2f}" if v["generations"] else f"{m} n/a (no text)"
-                          for m, v in comparison["methods"].items())
-    return f"{'; '.join(summaries)}; support distance of validation generations: {distances}"
+
+    def distance(v):
+        if not v["generations"]:
+            return f"n/a ({v['empty']} of {v['answers']} answers empty)"
+        return f"{v['support_distance']:.2f}" + (f" ({v['empty']} of {v['answers']} empty)" if v["empty"] else "")
+
+    lines = "; ".join(f"{decoding} ({COMPARE_DECODING_LABELS[decoding]}): "
+                      + ", ".join(f"{m} {distance(v[decoding])}" for m, v in comparison["methods"].items())
+                      for decoding in COMPARE_DECODINGS)
+    return f"{'; '.join(summaries)}; support distance of validation generations, {lines}"
+
+
+# The demo compares its preference models' validation answers decoded two ways, labelled: sampled as
+# the evaluate stage samples (DEMO_SAMPLING) and greedy as the training drift probe decodes. Under greedy
+# decoding the 7M-parameter models often end their turn at once; empty answers have no distance and are
+# counted, never averaged in.
+COMPARE_DECODINGS = ("sampled", "greedy")
+COMPARE_DECODING_LABELS = {"sampled": "as evaluate samples", "greedy": "as the drift probe decodes"}
 
 
 def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict:
-    """Generations of SFT, DPO and HDPO on the same validation records: their mean support distance
-    to the bucket's human references and the critic's mean score (RUN/hdpo/comparison.json)."""
+    """Generations of SFT, DPO and HDPO on the same validation records, sampled as evaluation samples and
+    greedy as the drift probe decodes: per decoding, the answers, how many are empty, the non-empty ones'
+    mean support distance to the bucket's human references and the critic's mean score
+    (RUN/hdpo/comparison.json)."""
     import json
 
     import numpy as np
@@ -146,19 +163,25 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
     references = json.loads((run / "stats" / "references.json").read_text())
     scorer = CriticScorer(run / "critic")
     records = {r.id: r for r in read_records(run / "data" / "val.jsonl")}
+    decodings = {"sampled": SamplingConfig(**DEMO_SAMPLING), "greedy": SamplingConfig(max_new_tokens=64)}
     methods = {}
     for method in (POLICY, "dpo", "hdpo"):
-        path = run / "generate" / f"{method}_compare.jsonl"
-        generate_predictions(run / method / "model", run / "data" / "val.jsonl", path,
-                             sampling=SamplingConfig(max_new_tokens=64), sample=DEMO_PAIR_SAMPLES["val"][quick],
-                             seed=1, progress=False, overwrite=overwrite)
-        rows = [r for r in read_predictions(path).values() if r["prediction"]]
-        texts, buckets = [r["prediction"] for r in rows], [records[r["id"]].bucket_id for r in rows]
-        distance = support_targets(texts, buckets, references)
-        methods[method] = {"generations": len(rows),
-                           "support_distance": float(np.nanmean(distance)) if len(rows) else float("nan"),
-                           "critic_score": float(scorer(texts, buckets).mean()) if rows else float("nan")}
-    result = {"records": "validation sample, greedy, 64 new tokens", "methods": methods}
+        methods[method] = {}
+        for decoding, sampling in decodings.items():
+            path = run / "generate" / f"{method}_compare{'' if decoding == 'greedy' else '_' + decoding}.jsonl"
+            generate_predictions(run / method / "model", run / "data" / "val.jsonl", path, sampling=sampling,
+                                 sample=DEMO_PAIR_SAMPLES["val"][quick], seed=1, progress=False, overwrite=overwrite)
+            answers = list(read_predictions(path).values())
+            rows = [r for r in answers if r["prediction"]]
+            texts, buckets = [r["prediction"] for r in rows], [records[r["id"]].bucket_id for r in rows]
+            distance = support_targets(texts, buckets, references)
+            methods[method][decoding] = {
+                "answers": len(answers), "empty": len(answers) - len(rows), "generations": len(rows),
+                "support_distance": float(np.nanmean(distance)) if len(rows) else float("nan"),
+                "critic_score": float(scorer(texts, buckets).mean()) if rows else float("nan")}
+    result = {"records": "validation sample, 64 new tokens",
+              "decodings": {"sampled": DEMO_SAMPLING, "greedy": {"max_new_tokens": 64, "temperature": 0.0}},
+              "methods": methods}
     (run / "hdpo" / "comparison.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
