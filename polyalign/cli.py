@@ -108,6 +108,9 @@ def _run_prepare(args) -> int:
               f"{source['kept']:>6}  {dropped}")
     if manifest["quarantine"]["rows"]:
         print(f"quarantined {manifest['quarantine']['rows']} rows -> {args.out / 'data' / 'quarantine.jsonl'}")
+    for source in manifest["sources"]:
+        _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
+                                  "its `language:` in the data config")
     for warning in manifest.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
     print(f"manifest: {args.out / 'data' / 'manifest.json'}")
@@ -183,7 +186,7 @@ Renders every train and val record with the chat template (the profile system pr
 context and question, then the response), tokenises it, and stores input ids, the loss mask (the
 response and its end-of-turn token), the record's Bucket-SFT weight (computed on the train split),
 its bucket index and its id as a TFDS dataset in array_record format: RUN/build/sft_examples/1.0.0.
-Sequences over --max-length are cut as METHOD section 8 says (the prompt from its start, the
+Sequences over --max-length are cut as docs/model.md says (the prompt from its start, the
 response from its end). RUN/build/manifest.json records the tokenizer, template, weights and counts.
 """
 
@@ -348,7 +351,7 @@ def _add_pairs(sub) -> None:
     p = sub.add_parser("pairs", help="preference pairs: human response chosen, the policy's generation rejected; "
                                      "or imported from TRL/ShareGPT files",
                        description="Join records and predictions by id into weighted preference pairs "
-                                   "(METHOD section 7). Pairs with an empty side or identical sides are dropped "
+                                   "(docs/preference.md). Pairs with an empty side or identical sides are dropped "
                                    "and counted. `pairs import` reads users' own preference files instead.",
                        epilog=PAIRS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=Path, help="records JSONL (the train or val split)")
@@ -400,6 +403,15 @@ def _run_pairs(args) -> int:
     return 0
 
 
+def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by: str) -> None:
+    """A declared language that the text's script contradicts labels rows into another language's
+    buckets: said on the console, not only in the manifest."""
+    if mismatches:
+        counts = ", ".join(f"{count} rows {mismatch}" for mismatch, count in mismatches.items())
+        print(f"warning: {what}: {counts}; they are bucketed as declared. Check {declared_by}, or leave it out "
+              "to detect each conversation's language", file=sys.stderr)
+
+
 def _run_pairs_import(args) -> int:
     from polyalign.pairs_import import import_pairs
 
@@ -408,10 +420,15 @@ def _run_pairs_import(args) -> int:
                            on_error=args.on_error, overwrite=args.overwrite, val_fraction=args.val_fraction,
                            val_out=args.val_out, seed=args.seed)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
-    print(f"{summary['pairs']} pairs from {summary['read']} rows in {len(summary['buckets'])} buckets; "
-          f"dropped: {dropped}")
+    held_out = f" + {summary['val_pairs']} validation" if "val_pairs" in summary else ""
+    print(f"{summary['pairs']} training{held_out} pairs from {summary['read']} rows in {len(summary['buckets'])} "
+          f"buckets; dropped: {dropped}")
     if "val_pairs" in summary:
         print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) -> {summary['val_out']}")
+    if any(key.startswith("language_not_in_scheme") for key in summary["dropped"]):
+        print("note: rows detected in a language outside the scheme were dropped; --language LANG labels every "
+              "row of the file instead", file=sys.stderr)
+    _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language")
     if summary["system_messages"]:
         print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
               "adds the profile prompt after it; docs/model.md, System messages)")

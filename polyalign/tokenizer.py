@@ -252,6 +252,10 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
             raise TokenizerError(f"vocab size {short[1]} cannot hold the {short[2]} characters that character "
                                  f"coverage {character_coverage} keeps; raise the vocab size or lower the "
                                  "coverage (rarer characters then fall back to bytes)") from None
+        high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
+        if high:
+            raise TokenizerError(f"vocab size {high[1]} is more than these records can fill: at most {high[2]} "
+                                 "pieces; give --vocab-size of that or less, or train on more text") from None
         raise TokenizerError(f"SentencePiece training failed: {err}") from None
     (out / "tokenizer.vocab").unlink(missing_ok=True)
     config = {"tokenizer_class": "polyalign.SentencePieceTokenizer", "bos_token": BOS, "eos_token": EOS,

@@ -417,8 +417,9 @@ def test_zip_members_that_are_encrypted_or_too_large_are_named(tmp_path, monkeyp
     assert run(tmp_path, "convlab", "data.zip", _zip_of("data/dialogues.json", dialogues))["totals"]["kept"] > 0
 
 
-def test_a_declared_language_the_text_contradicts_is_counted(tmp_path):
-    """Real Chinese answers in a source declared English are kept under the user's label and counted."""
+def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
+    """Real Chinese answers in a source declared English are kept under the user's label, counted, and
+    named on the console."""
     chinese = {"messages": [{"role": "user", "content": KDCONV_TURNS[0]}, {"role": "assistant", "content": KDCONV_TURNS[1]}],
                "track": "multi", "family": "dialogue", "style": "task_dialogue"}
     rows = [json.dumps(chat_row(CAMREST[0])), json.dumps(chinese, ensure_ascii=False)]
@@ -426,6 +427,10 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path):
     source = manifest["sources"][0]
     assert source["language_mismatches"] == {"en declared, han script": 1}
     assert source["kept"] == source["records"] and source["read"] == 2  # counted, not dropped
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert ("warning: source 'src': 1 rows en declared, han script; they are bucketed as declared. Check its "
+            "`language:` in the data config") in capsys.readouterr().err
 
 
 def test_a_quarantined_row_never_renames_another_record(tmp_path):
@@ -504,8 +509,8 @@ def test_a_tokenizer_belongs_to_the_settings_that_trained_it(demo_run, tmp_path,
     assert code == 2 and "tokenizer.model exists without tokenizer_report.json" in err
     assert (theirs / "tokenizer.model").read_bytes() == b"their model"
     code, err = cli(capsys, *train, "--vocab-size", 0)
-    assert code == 2 and err.endswith("vocab size 0 is too small: at least 300 (the byte fallback alone takes 256 "
-                                      "pieces); 8000 suits the demo data")
+    assert code == 2 and err.endswith("--vocab-size must be at least 300, got 0 (the byte fallback alone takes 256 "
+                                      "pieces; 8000 suits the demo data)")
 
 
 def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tokenizer, tmp_path, capsys):

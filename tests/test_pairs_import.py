@@ -56,7 +56,7 @@ def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_ru
                "rejected": rows[1]["rejected"][0]["content"]}  # the string form (without the history)
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
     code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl")
-    assert code == 0 and f"{len(rows)} pairs from {len(rows)} rows" in out
+    assert code == 0 and f"{len(rows)} training pairs from {len(rows)} rows" in out
     from polyalign.pairs import read_pairs
 
     pairs = read_pairs(tmp_path / "pairs.jsonl")
@@ -97,7 +97,7 @@ def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_p
     assert code == 2 and err.endswith(f"{source}:2: missing field 'rejected'")
     assert not (tmp_path / "pairs.jsonl").exists()
     code, out, _ = cli(capsys, *command, "--on-error", "quarantine")
-    assert code == 0 and "3 pairs from 6 rows" in out and "malformed 2" in out and "chosen_equals_rejected 1" in out
+    assert code == 0 and "3 training pairs from 6 rows" in out and "malformed 2" in out and "chosen_equals_rejected 1" in out
     quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
     assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "4"]
     assert "the prompt must end with a user message" in quarantined[1]["problem"]
@@ -184,7 +184,7 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
 
     printed, train, val = run(3, tmp_path / "a")
     assert len(train) + len(val) == 50 and 10 <= len(val) <= 15
-    assert f"{len(train)} pairs from 50 rows" in printed and f"{len(val)} validation pairs" in printed
+    assert f"{len(train)} training + {len(val)} validation pairs from 50 rows" in printed and f"{len(val)} validation pairs" in printed
     assert not {p["id"] for p in train} & {p["id"] for p in val}
     assert len({p["id"] for p in val}) == len(val) and all("-val-" in p["id"] for p in val)
     assert all(p["record"]["split"] == "val" and p["record"]["id"] == p["id"] for p in val)
@@ -200,3 +200,19 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
         code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                            tmp_path / "d.jsonl", "--val-fraction", bad)
         assert code == 2 and "--val-fraction must be in (0, 1)" in err and "\n" not in err
+
+
+def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_run, tmp_path, capsys):
+    """`--language en` over a file holding Chinese rows buckets them as English, as asked, and says so
+    where the user reads, not only in the summary."""
+    rows, sources = real_rows(demo_run, n=2000)
+    english = [i for i, record in enumerate(sources) if record.language == "en"][:10]
+    chinese = [i for i, record in enumerate(sources) if record.language == "zh"][:10]
+    assert len(english) == len(chinese) == 10
+    rows = [rows[i] for i in english + chinese]
+    unlabelled = [{k: v for k, v in row.items() if k != "language"} for row in rows]
+    source = write_jsonl(tmp_path / "prefs.jsonl", unlabelled)
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "p.jsonl",
+                       "--language", "en")
+    assert code == 0
+    assert f"warning: {source}: {len(chinese)} rows en declared, han script; they are bucketed as declared" in err

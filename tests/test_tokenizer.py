@@ -79,3 +79,14 @@ def test_cli_trains_and_explains_a_too_small_vocabulary(demo_run, tmp_path, caps
     assert tokenizer.vocab_size == 2200
     assert tokenizer.decode(tokenizer.encode(ROUND_TRIP["simplified"])) == ROUND_TRIP["simplified"]
     assert "characters per token" in capsys.readouterr().out
+
+
+def test_a_vocabulary_larger_than_the_records_can_fill_says_the_most_they_can(demo_run, tmp_path, capsys):
+    run, _, _ = demo_run
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join((run / "data" / "train.jsonl").read_text(encoding="utf-8").splitlines(True)[:40]),
+                   encoding="utf-8")
+    assert main(["tokenizer", "train", "--records", str(few), "--vocab-size", "8000", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "vocab size 8000 is more than these records can fill: at most" in err and "--vocab-size" in err
+    assert "INTERNAL" not in err

@@ -115,6 +115,7 @@ BAD_SETTINGS = [
     ("hdpo", "beta=-0.1", "beta must be > 0, got -0.1"),
     ("hdpo", "on_policy.top_p=0", r"on_policy.top_p must be in \(0, 1\], got 0"),
     ("hdpo", "rounds=0", "rounds must be >= 1, got 0"),
+    ("sft", "model.preset=qwen2.5-1.5", r"model.preset: unknown preset .qwen2.5-1.5.; did you mean .qwen2.5-1.5b.\?"),
     ("critic", "dropout=1", r"dropout must be in \[0, 1\), got 1"),
     ("critic", "pair_batch=0", "pair_batch must be >= 1, got 0"),
     ("dpo", "data.max_length=null", "data.max_length: each side of a pair is cut to it"),
@@ -360,7 +361,7 @@ def test_yaml_exponent_numbers_read_as_floats_where_a_float_is_expected(text, tm
     path = tmp_path / "c.yaml"
     path.write_text(f"optimizer:\n  lr: {text}\n")
     assert load_config(path, [], method="sft").optimizer.lr == expected
-    with pytest.raises(ConfigError, match="train.steps: expected int, got str '1e-3'"):
+    with pytest.raises(ConfigError, match="override train.steps=1e-3: expected int, got str '1e-3'"):
         load_config(None, ["train.steps=1e-3"], method="sft")
 
 

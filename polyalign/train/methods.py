@@ -9,6 +9,7 @@ method touches the table, not the CLI.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,7 @@ saves a checkpoint and exits. Several processes (GPU nodes, CPU tests) start wit
 POLYALIGN_COORDINATOR=host:port POLYALIGN_NUM_PROCESSES=N POLYALIGN_PROCESS_ID=i; TPU VMs need nothing.
 """),
     "critic": MethodSpec(
-        "critic", schema.CriticConfig, "polyalign.train.critic", "the support-distance critic (METHOD section 6)",
+        "critic", schema.CriticConfig, "polyalign.train.critic", "the support-distance critic (docs/preference.md)",
         "Train the critic c(y, b) on the frozen SFT encoder; write its scores onto the pairs "
         "(OUT/train_pairs.jsonl, OUT/val_pairs.jsonl).", "configs/critic_demo.yaml", """\
   init=SFT_CHECKPOINT pairs=TRAIN_PAIRS val_pairs=VAL_PAIRS data.dir=RUN (for RUN/stats/references.json)
@@ -176,10 +177,27 @@ def load_config(path: Path | None, overrides: list[str] = (), method: str | None
     raw = _rename_deprecated(raw, spec.config, where)
     renamed = [new for item in overrides for new in _renamed_override(item, spec.config)]
     apply_overrides(raw, renamed)
-    config = from_mapping(spec.config, raw, where)
-    config = with_lora_defaults(config, spec, lr_given="lr" in (raw.get("optimizer") or {}))
-    check_config(config, where)
+    try:
+        config = from_mapping(spec.config, raw, where)
+        config = with_lora_defaults(config, spec, lr_given="lr" in (raw.get("optimizer") or {}))
+        check_config(config, where)
+    except ConfigError as err:
+        raise _blamed_on_override(err, where, renamed) from None
     return config
+
+
+def _blamed_on_override(err: ConfigError, where: str, overrides: list[str]) -> ConfigError:
+    """An error about a key a `key=value` override set names that override, not the file it never was in."""
+    message = str(err)
+    for item in reversed(overrides):  # the last override of a key is the one that took effect
+        key = item.partition("=")[0]
+        parent, _, leaf = key.rpartition(".")
+        for blamed in (f"{where}.{key}:", f"{where}: {key}:", f"{where}: {key} ",
+                       f"{where}{'.' + parent if parent else ''}: unknown key {leaf!r}"):
+            if message.startswith(blamed):
+                rest = message[len(f"{where}.{key}:"):] if blamed == f"{where}.{key}:" else message[len(where) + 1:]
+                return ConfigError(f"override {item}: {rest.strip()}")
+    return err
 
 
 def with_lora_defaults(config: Any, spec: MethodSpec, lr_given: bool) -> Any:
@@ -295,6 +313,7 @@ def check_config(config: Any, where: str = "config") -> None:
                           f"{list(steps)}")
     check_ranges(config, where)
     _check_lora(config, where)
+    _check_preset(config, where)
     if isinstance(config, schema.SftConfig):
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)
         _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
@@ -303,7 +322,7 @@ def check_config(config: Any, where: str = "config") -> None:
         _check_choice(where, "profile", config.profile, schema.PROFILES)
         _check_choice(where, "reference", config.reference, schema.REFERENCES)
         if config.data.max_length is None:
-            raise ConfigError(f"{where}: data.max_length: each side of a pair is cut to it (METHOD section 8), so "
+            raise ConfigError(f"{where}: data.max_length: each side of a pair is cut to it (docs/model.md), so "
                               "the preference methods need a number (default 256), not null")
         if config.reference == "in_step" and not config.model.lora.rank:
             raise ConfigError(f"{where}: reference: in_step computes the reference as the base with the adapters "
@@ -315,6 +334,20 @@ def check_config(config: Any, where: str = "config") -> None:
         _check_choice(where, "distance_counts", config.distance_counts, COUNTS)
         if config.data.pack:
             raise ConfigError(f"{where}: data.pack: the critic reads pooled encodings, which have nothing to pack")
+
+
+def _check_preset(config: Any, where: str) -> None:
+    """A preset name is checked where the config is read (--print-config included), not when training
+    starts; an architecture file is read then."""
+    from polyalign.model.presets import PRESETS
+
+    name = getattr(config.model, "preset", None)
+    if name is None or getattr(config, "init", None) or name in PRESETS or str(name).endswith((".yaml", ".yml")):
+        return
+    close = difflib.get_close_matches(str(name), list(PRESETS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{where}: model.preset: unknown preset {name!r}{hint} (known: {', '.join(PRESETS)}; or a "
+                      "YAML file like configs/models/tiny.yaml)")
 
 
 def _check_lora(config: Any, where: str) -> None:
