@@ -140,30 +140,217 @@ def to_host(tree):
     return jax.tree.map(one, tree)
 
 
+def orders_programs() -> bool:
+    """Whether each program over the global devices must finish before the next is dispatched: on
+    several CPU processes. The CPU client runs a multi-device program's per-device parts on a thread
+    pool; with several such programs in flight, one device's part of the earliest can wait behind
+    later ones while its peers, on this process and others, wait in a gloo collective for it: both
+    processes then wait forever (a stack shows one device thread in gloo::allreduce and its sibling in
+    xla::Semaphore::Acquire). TPU and GPU streams order programs themselves."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
+def ordered(tree):
+    """`tree` once every array in it is computed, where programs must be ordered; else as is."""
+    if orders_programs():
+        jax.block_until_ready(tree)
+    return tree
+
+
+class OrderedJit:
+    """jax.jit(fun, **options) whose every call returns only when its result is ready, on several CPU
+    processes (see orders_programs); `lower` and the rest are jax.jit's."""
+
+    def __init__(self, fun, **options):
+        self.jitted = jax.jit(fun, **options)
+
+    def __call__(self, *args, **kwargs):
+        return ordered(self.jitted(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+
+def ordered_jit(fun=None, **options):
+    """jax.jit for programs over global arrays: ordered on several CPU processes (OrderedJit)."""
+    if fun is None:
+        return lambda f: OrderedJit(f, **options)
+    return OrderedJit(fun, **options)
+
+
 _distributed_started = False
 
 
-def initialize_distributed() -> None:
-    """Starts jax.distributed when this is one process of several.
+def _detected_cluster():
+    """JAX's own cluster detection (jax/_src/clusters): the first environment present that JAX would
+    pick without being asked (GCE TPU VMs through the metadata server, GKE through TPU_WORKER_HOSTNAMES
+    or TPU_PROCESS_ADDRESSES, SLURM, Open MPI, Kubernetes), or None."""
+    from jax._src import clusters
 
-    TPU VMs describe themselves (jax.distributed.initialize() with no arguments). Elsewhere (GPU
-    clusters, CPU processes in tests) POLYALIGN_COORDINATOR=host:port, POLYALIGN_NUM_PROCESSES and
-    POLYALIGN_PROCESS_ID say who is who. Call before anything touches a device; later calls do nothing.
+    for env in clusters.ClusterEnv._cluster_types:
+        if getattr(env, "opt_in_only_method", False):
+            continue
+        try:
+            if env.is_env_present():
+                return env
+        except Exception:  # a half-configured environment is not a cluster to join
+            continue
+    return None
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ParallelError(f"{name}={value!r} must be an integer") from None
+
+
+# What a process prints when the coordination service reports a peer gone (polyalign/train/run.py
+# sets it to name the last committed checkpoint and the command that resumes): lost ids -> one line.
+peer_lost_report = None
+PEER_LOST_EXIT = 4
+
+
+def report_peer_lost(lost: list[int], cause: str) -> None:
+    """A peer is gone: one line, then exit PEER_LOST_EXIT (instead of a traceback and the distributed
+    client's abort with a C++ stack trace)."""
+    import sys
+
+    try:
+        line = peer_lost_report(lost, cause) if peer_lost_report is not None else None
+    except Exception:  # the report must not stand between a lost peer and the exit
+        line = None
+    if line is None:
+        who = f"process {', '.join(map(str, lost))}" if lost else "a peer process"
+        line = f"polyalign: process {jax.process_index()} stops: {who} of {jax.process_count()} is gone ({cause})"
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(PEER_LOST_EXIT)
+
+
+class PeerMonitor:
+    """Every process publishes a beat (a counter in the coordination service's key-value store) every
+    `interval` seconds and reads the others'. A peer whose beat has not moved for `timeout` seconds is
+    gone, and so is the coordinator (process 0) when the store has not answered for that long: either
+    way report_peer_lost. This comes before JAX's own heartbeat check (POLYALIGN_HEARTBEAT_TIMEOUT,
+    set longer), whose end is an abort."""
+
+    def __init__(self, timeout: float, interval: float = 1.0):
+        import threading
+
+        from jax._src import distributed
+
+        self.client, self.timeout, self.interval = distributed.global_state.client, timeout, interval
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self._stop = threading.Event()
+
+    running: PeerMonitor | None = None
+
+    @classmethod
+    def waiting_time(cls) -> float:
+        """How long the running monitor may take to notice a lost peer (0 when none runs)."""
+        return 0.0 if cls.running is None else cls.running.timeout + 3 * cls.running.interval
+
+    def __enter__(self) -> PeerMonitor:
+        import threading
+
+        if self.client is not None and self.count > 1:
+            PeerMonitor.running = self
+            threading.Thread(target=self._run, name="polyalign-peers", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if PeerMonitor.running is self:
+            PeerMonitor.running = None
+
+    def _run(self) -> None:
+        import time
+
+        seen: dict[int, tuple[str | None, float]] = {}
+        answered = time.monotonic()
+        beat = 0
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                beat += 1
+                self.client.key_value_set(f"polyalign/beat/{self.me}", str(beat), allow_overwrite=True)
+                for peer in range(self.count):
+                    if peer == self.me:
+                        continue
+                    try:
+                        value = self.client.key_value_try_get(f"polyalign/beat/{peer}")
+                    except Exception as error:  # not published yet
+                        if "not found" not in str(error).lower():
+                            raise
+                        value = None
+                    if peer not in seen or seen[peer][0] != value:
+                        seen[peer] = (value, now)
+                answered = now
+            except Exception as error:
+                if self._stop.is_set():
+                    return
+                if now - answered > self.timeout and self.me != 0:
+                    first = str(error).splitlines()[0][:80] if str(error) else type(error).__name__
+                    report_peer_lost([0], f"the coordinator has not answered for {now - answered:.0f} s: {first}")
+                continue
+            lost = sorted(p for p, (_, since) in seen.items() if now - since > self.timeout)
+            if lost and not self._stop.is_set():
+                report_peer_lost(lost, f"no sign of life for {self.timeout:g} s")
+
+
+def _initialize(**arguments) -> None:
+    """jax.distributed.initialize with JAX's heartbeat timeout at POLYALIGN_HEARTBEAT_TIMEOUT (default
+    300 s): PeerMonitor reports a lost peer sooner, with one line."""
+    arguments["heartbeat_timeout_seconds"] = _int_env("POLYALIGN_HEARTBEAT_TIMEOUT") or 300
+    jax.distributed.initialize(**arguments)
+
+
+def initialize_distributed() -> None:
+    """Starts jax.distributed when this is one process of several, and checks that it joined them all.
+
+    POLYALIGN_COORDINATOR=host:port, POLYALIGN_NUM_PROCESSES and POLYALIGN_PROCESS_ID say who is who
+    (GPU clusters, `polyalign launch`, CPU processes in tests). Otherwise JAX's own cluster detection
+    decides (a GCE TPU VM of several workers, a GKE TPU job, SLURM), and POLYALIGN_NUM_PROCESSES alone
+    (tpu_scripts/launch.sh sets it to the slice's worker count) makes a start that finds fewer
+    processes an error. POLYALIGN_NUM_DEVICES, when set, is the global device count expected. Call
+    before anything touches a device; later calls do nothing.
     """
     global _distributed_started
     if _distributed_started:
         return
     _distributed_started = True
+    expected = _int_env("POLYALIGN_NUM_PROCESSES")
     coordinator = os.environ.get("POLYALIGN_COORDINATOR")
     if coordinator:
-        try:
-            num_processes = int(os.environ["POLYALIGN_NUM_PROCESSES"])
-            process_id = int(os.environ["POLYALIGN_PROCESS_ID"])
-        except (KeyError, ValueError):
+        process_id = _int_env("POLYALIGN_PROCESS_ID")
+        if expected is None or process_id is None:
             raise ParallelError("POLYALIGN_COORDINATOR is set, so POLYALIGN_NUM_PROCESSES and "
-                                "POLYALIGN_PROCESS_ID must be integers too") from None
-        if num_processes > 1:
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                       process_id=process_id, initialization_timeout=120)
-    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
-        jax.distributed.initialize()
+                                "POLYALIGN_PROCESS_ID must be integers too")
+        if expected > 1:
+            _initialize(coordinator_address=coordinator, num_processes=expected, process_id=process_id,
+                        initialization_timeout=120)
+    else:
+        cluster = _detected_cluster()
+        detected = cluster.get_process_count() if cluster is not None else None
+        if (detected or 0) > 1 or (expected or 0) > 1:
+            _initialize()
+    check_processes(expected, _int_env("POLYALIGN_NUM_DEVICES"))
+
+
+def check_processes(expected_processes: int | None, expected_devices: int | None = None) -> None:
+    """One line (ParallelError) when this job does not hold the processes and devices it should."""
+    processes, devices = jax.process_count(), jax.device_count()
+    if expected_processes is not None and processes != expected_processes:
+        raise ParallelError(f"this job has {processes} process(es) but {expected_processes} were expected "
+                            "(POLYALIGN_NUM_PROCESSES): a host that did not join trains alone; start the "
+                            "command on every worker (tpu_scripts/launch.sh does)")
+    if expected_devices is not None and devices != expected_devices:
+        raise ParallelError(f"this job sees {devices} devices over {processes} process(es) but "
+                            f"{expected_devices} were expected (POLYALIGN_NUM_DEVICES)")
+    if processes > 1 and devices != processes * jax.local_device_count():
+        raise ParallelError(f"{devices} global devices over {processes} processes of "
+                            f"{jax.local_device_count()} devices each: the hosts do not hold the same devices")

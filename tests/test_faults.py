@@ -769,6 +769,54 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(built_run, tmp_
     assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itself(built_run, tmp_path):
+    """SIGTERM reaches process 1 only: both stop at the same step and exit 0. Then the same command,
+    with process 1 frozen (SIGSTOP) in the middle of training: process 0 waits on it in a collective,
+    and its watchdog ends it after train.hang_timeout with one line naming the step, and its stacks."""
+    import signal
+    import time
+    from pathlib import Path
+
+    from tests.test_training import _two_processes
+
+    run, _ = built_run
+    out = tmp_path / "pair"
+    args = ("train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000", "train.hang_timeout=20",
+            "train.peer_timeout=120")
+    workers = _two_processes(run, out, *args)
+    metrics = out / "metrics.jsonl"
+
+    def wait_for_steps(n):
+        deadline = time.time() + 240
+        while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < n):
+            time.sleep(0.2)
+
+    wait_for_steps(3)
+    workers[1].send_signal(signal.SIGTERM)  # timeout(1) passes it on to its child
+    outputs = _wait(workers)
+    stopped = len(read_metrics(out))
+    assert f"stopped at step {stopped}" in outputs[0]
+    assert (out / "checkpoints" / str(stopped)).is_dir()
+
+    workers = _two_processes(run, out, *args)
+    wait_for_steps(stopped + 3)
+    child = int(Path(f"/proc/{workers[1].pid}/task/{workers[1].pid}/children").read_text().split()[0])
+    os.kill(child, signal.SIGSTOP)
+    frozen = time.time()
+    try:
+        output = workers[0].communicate(timeout=120)[0]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        workers[1].communicate()
+    assert workers[0].returncode == 3, output[-3000:]
+    assert time.time() - frozen < 60
+    line = next(line for line in output.splitlines() if "made no progress" in line)
+    assert re.match(r"polyalign: process 0 of 2: (step|evaluation after step|the stop agreement after step) \d+ "
+                    r"made no progress for \d+ s \(train.hang_timeout=20\)", line), line
+    assert "Thread 0x" in output or "Current thread" in output  # the stacks
+
+
 def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsys):
     """Another config into the same OUT is refused with the differing keys named; changed resumable
     keys need existing="resume" (--resume); --overwrite starts over; OUT may not be an input."""

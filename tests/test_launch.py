@@ -40,3 +40,69 @@ def test_launcher_runs_two_cpu_processes_like_one_with_four_devices(built_run, t
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == list(range(1, 7))
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two)) <= 1e-5
+
+
+@pytest.fixture
+def fresh_start(monkeypatch):
+    """initialize_distributed as on a new process, with jax.distributed.initialize recorded, not run,
+    and no start variable of the machine running the tests."""
+    import jax
+
+    from polyalign import parallel
+
+    calls = []
+    monkeypatch.setattr(parallel, "_distributed_started", False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    for name in ("POLYALIGN_COORDINATOR", "POLYALIGN_NUM_PROCESSES", "POLYALIGN_PROCESS_ID", "POLYALIGN_NUM_DEVICES",
+                 "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_SKIP_MDS_QUERY", "MEGASCALE_NUM_SLICES",
+                 "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def _tpu_vm(monkeypatch, metadata):
+    from jax._src.clusters import cloud_tpu_cluster
+
+    monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
+    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata",
+                        lambda key: (metadata[key], 200) if key in metadata else ("", 404))
+
+
+def test_a_gce_tpu_vm_of_several_workers_starts_jax_distributed(fresh_start, monkeypatch):
+    """The metadata server says worker 2 of 4 (tpu_scripts' `tpu-vm ssh --worker=all` path): no TPU_*
+    variable is set, and JAX's own detection still starts the job; a job that did not gather the
+    slice's processes stops with one line."""
+    from polyalign import parallel
+    from polyalign.errors import ParallelError
+
+    _tpu_vm(monkeypatch, {"agent-worker-number": "2", "worker-network-endpoints": "w0,w1,w2,w3", "tpu-env": ""})
+    assert parallel._detected_cluster().name == "gcetpu"
+    parallel.initialize_distributed()
+    # no address, count or id: JAX reads them from the metadata server itself
+    assert fresh_start == [{"heartbeat_timeout_seconds": 300}]
+    monkeypatch.setattr(parallel, "_distributed_started", False)
+    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "4")  # launch.sh's worker count; this test has 1 process
+    with pytest.raises(ParallelError, match=r"this job has 1 process\(es\) but 4 were expected"):
+        parallel.initialize_distributed()
+
+
+def test_a_gke_tpu_job_starts_jax_distributed_and_one_host_alone_does_not(fresh_start, monkeypatch):
+    from polyalign import parallel
+    from polyalign.errors import ParallelError
+
+    _tpu_vm(monkeypatch, {"tpu-env": ""})
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0,h1")
+    monkeypatch.setenv("TPU_WORKER_ID", "1")
+    assert parallel._detected_cluster().name == "gketpu"
+    parallel.initialize_distributed()
+    assert len(fresh_start) == 1
+    # a single-host slice: detected, but one process, so nothing to start
+    monkeypatch.setattr(parallel, "_distributed_started", False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0")
+    parallel.initialize_distributed()
+    assert len(fresh_start) == 1
+    monkeypatch.setattr(parallel, "_distributed_started", False)
+    monkeypatch.setenv("POLYALIGN_NUM_DEVICES", "8")
+    with pytest.raises(ParallelError, match="sees 1 devices over 1 process"):
+        parallel.initialize_distributed()

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -269,21 +270,68 @@ def _wait(processes):
     return outputs
 
 
+def _two_processes(run, out, *extra):
+    port = free_port()
+    return [_cli(_train_args(run, out, "parallel.data=4", *extra),
+                 {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
+                  "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)]
+
+
+def _saving(out, step: int) -> bool:
+    """Whether checkpoint `step` has begun (its temporary folder, or the committed one, exists)."""
+    folder = out / "checkpoints"
+    return folder.is_dir() and any(p.name.split(".")[0] == str(step) for p in folder.iterdir())
+
+
+# Validation on 37 examples in batches of 12 (8 on two processes): the last batch is partial and padded.
+UNEVEN_EVAL = ("data.eval_limit=37", "data.eval_batch=12")
+LONGER = ("train.steps=12",)
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
+    """12 steps, validation after 6 and 12 in uneven batches; then one of two processes SIGKILLed after
+    step 8: the other ends by itself with one line naming it, the last committed checkpoint and the
+    command, which resumes to the same losses."""
+    import re
+    import signal
+    import time
+
     run, _ = built_run
-    _wait([_cli(_train_args(run, tmp_path / "one", "parallel.data=4"), {}, devices=4)])
-    port = free_port()
-    workers = [_cli(_train_args(run, tmp_path / "two", "parallel.data=4"),
-                    {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
-                     "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)]
-    _wait(workers)
+    _wait([_cli(_train_args(run, tmp_path / "one", "parallel.data=4", *UNEVEN_EVAL, *LONGER), {}, devices=4)])
+    _wait(_two_processes(run, tmp_path / "two", *UNEVEN_EVAL, *LONGER))
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert [r["step"] for r in two] == list(range(1, 7))
+    assert [r["step"] for r in two] == list(range(1, 13))
     print(f"\n2 processes vs 1: max |dloss| {max(abs(a['loss'] - b['loss']) for a, b in zip(one, two)):.2e}")
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+    assert "val_loss" in two[5] and abs(one[5]["val_loss"] - two[5]["val_loss"]) <= 1e-5
     assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-5
+
+    lost = tmp_path / "lost"
+    workers = _two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not _saving(lost, 6):  # checkpoint 3 is committed by then
+        time.sleep(0.1)
+    # _cli runs the command under timeout(1): the process to kill is its child
+    child = int(Path(f"/proc/{workers[1].pid}/task/{workers[1].pid}/children").read_text().split()[0])
+    os.kill(child, signal.SIGKILL)
+    killed = time.monotonic()
+    survivor = workers[0].communicate(timeout=120)[0]
+    workers[1].communicate()
+    assert workers[0].returncode == 4, survivor[-3000:]
+    assert time.monotonic() - killed < 60
+    last = survivor.strip().splitlines()[-1]
+    assert last.startswith("polyalign: process 0 stops: process 1 of 2 is gone"), survivor[-3000:]
+    committed = int(re.search(r"the last committed checkpoint is step (\d+) \(", last).group(1))
+    assert committed in (3, 6) and f"({lost / 'checkpoints' / str(committed)})" in last
+    assert "resume by running the same command on every process: polyalign train sft" in last
+    resumed_output = _wait(_two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5"))[0]
+    assert f"resumed from step {committed}" in resumed_output
+    resumed = {r["step"]: r for r in read_metrics(lost)}
+    for a in one[committed:]:
+        assert abs(resumed[a["step"]]["loss"] - a["loss"]) <= 1e-5, a["step"]
+    assert abs(resumed[12]["val_loss"] - one[-1]["val_loss"]) <= 1e-5
 
 
 @pytest.mark.slow

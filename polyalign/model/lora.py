@@ -51,7 +51,7 @@ def add_adapters(model, lora: LoraConfig, seed: int = 0, mesh: jax.sharding.Mesh
         with P.unsharded():
             return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)), nnx.LoRAParam)
 
-    adapters = jax.jit(draw, out_shardings=shardings)()
+    adapters = P.ordered(jax.jit(draw, out_shardings=shardings)())
     return nnx.merge(graphdef, adapters, nnx.state(model))
 
 
@@ -134,8 +134,8 @@ def quantize_base(model, kind: str, mesh: jax.sharding.Mesh | None = None):
     for target, node in _projections(pure):
         out = None if shardings is None else (_node(shardings, target)["kernel_codes"],
                                               _node(shardings, target)["kernel_scale"])
-        node["kernel_codes"], node["kernel_scale"] = jax.jit(quant.quantize, static_argnums=1,
-                                                             out_shardings=out)(node.pop("kernel"), kind)
+        node["kernel_codes"], node["kernel_scale"] = P.ordered(jax.jit(quant.quantize, static_argnums=1,
+                                                                       out_shardings=out)(node.pop("kernel"), kind))
     nnx.replace_by_pure_dict(abstract, pure)
     return nnx.merge(graphdef, abstract)
 

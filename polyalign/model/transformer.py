@@ -457,7 +457,7 @@ def create_model(cfg: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None
         with P.unsharded():
             return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
 
-    return nnx.merge(graphdef, initialise())
+    return nnx.merge(graphdef, P.ordered(initialise()))
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

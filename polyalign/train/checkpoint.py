@@ -42,6 +42,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def committed_steps(self) -> list[int]:
+        """Steps whose checkpoint is complete on disk (a folder named by its step alone; a write in
+        progress or cut short has another name), read from the folder, not from the manager's memory."""
+        try:
+            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+        except OSError:
+            return []
+
     def restore_latest(self, template_state, shardings, data_iterator):
         """The latest state, placed with `shardings` (the current mesh's, whatever mesh saved it), and
         the data iterator moved to where it was; None when there is no checkpoint yet.

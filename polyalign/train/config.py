@@ -103,6 +103,12 @@ class LoopConfig:
     peak_tflops: float | None = None
     # [first, last]: a JAX profiler trace of these steps in OUT/profile (TensorBoard's profile tab, Perfetto)
     profile_steps: list[int] | None = None
+    # Seconds a step, an evaluation or a checkpoint may go without progress before the job prints where
+    # each process is and exits (code 3); the first of each kind may take 4 times as long (compiling).
+    # None: 300 when several processes run, else off; 0: off.
+    hang_timeout: float | None = None
+    # Seconds without a sign of life from another process before this one reports it lost and exits (code 4).
+    peer_timeout: float = 30.0
 
 
 WEIGHTINGS = ("bucket", "uniform", "adaptive")

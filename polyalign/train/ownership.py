@@ -24,7 +24,8 @@ from polyalign.config import ConfigError
 from polyalign.outputs import describe_changes, differing_keys, same_path
 
 EXISTING = ("continue", "resume", "overwrite")
-FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.")
+FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.", "train.hang_timeout",
+             "train.peer_timeout")
 RESUMABLE_KEYS = ("train.steps", "train.epochs", "train.checkpoint_every", "train.eval_every", "train.log_every",
                   "train.max_nonfinite", "data.eval_limit", "train.report_to", "train.tracker_project",
                   "train.peak_tflops", "train.profile_steps")

@@ -28,6 +28,7 @@ from polyalign.inputs.pipeline import Layout
 from polyalign.paths import as_path, is_uri
 from polyalign.train.config import LoopConfig, ModelSection
 from polyalign.train.trainer import Objective, Trainer
+from polyalign.watchdog import Watchdog, resolve_timeout
 
 
 @dataclass
@@ -147,19 +148,72 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
         checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                     meta=job.checkpoint_meta)
     evaluate = None if job.evaluate is None else (lambda: job.evaluate(trainer))
-    try:
-        result = trainer.fit(job.batches(layout, loop), evaluate, job.summarize, checkpointer, progress=progress)
-    finally:
-        if checkpointer is not None:
-            checkpointer.close()
-        metrics.close()
-    previous = out / "summary.json"
-    if "last" not in result and previous.is_file():  # resumed at its last step: nothing trained this time
-        result["last"] = json.loads(previous.read_text()).get("last", {})
-    if not result["stopped_early"] and job.finish is not None:
-        result.update(job.finish(trainer, out) or {})
+    watchdog = Watchdog(resolve_timeout(loop.hang_timeout, jax.process_count()), jax.process_index(),
+                        jax.process_count())
+    trainer.watchdog = watchdog
+    parallel.peer_lost_report = lambda lost, cause: report_lost_peer(lost, cause, checkpointer)
+    with watchdog, parallel.PeerMonitor(loop.peer_timeout):
+        try:
+            with peers_watched(checkpointer, out):
+                result = trainer.fit(job.batches(layout, loop), evaluate, job.summarize, checkpointer,
+                                     progress=progress)
+        finally:
+            watchdog.phase("closing checkpoints and metrics", "close")
+            if checkpointer is not None:
+                checkpointer.close()
+            metrics.close()
+        previous = out / "summary.json"
+        if "last" not in result and previous.is_file():  # resumed at its last step: nothing trained this time
+            result["last"] = json.loads(previous.read_text()).get("last", {})
+        if not result["stopped_early"] and job.finish is not None:
+            watchdog.phase(f"the closing work of {config.method} (export, scoring)", "finish")
+            with peers_watched(checkpointer, out):
+                result.update(job.finish(trainer, out) or {})
     result.update(out=str(out), method=config.method, **job.summary,
                   seconds=round(time.perf_counter() - started, 1), mesh=dict(mesh.shape))
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+def _lost_peer_error(error: BaseException) -> bool:
+    """Whether `error` is what a collective or the coordination service raises when a peer is gone."""
+    text = f"{type(error).__name__}: {error}"
+    return any(s in text for s in ("Gloo", "gloo", "Connection reset", "Connection refused", "heartbeat",
+                                   "coordination service", "UNAVAILABLE", "DEADLINE_EXCEEDED"))
+
+
+def resume_command() -> str:
+    import shlex
+    import sys
+
+    argv = list(sys.argv)
+    head = "polyalign" if argv and (argv[0].endswith("cli.py") or Path(argv[0]).name == "polyalign") else shlex.quote(argv[0])
+    return " ".join([head, *(shlex.quote(a) for a in argv[1:])])
+
+
+def report_lost_peer(lost: list[int] | None, cause: str, checkpointer) -> str:
+    """The one line a process prints when a peer is gone: who, the last committed checkpoint, and the
+    command that resumes."""
+    who = (f"process {', '.join(map(str, lost))}" if lost else "a peer process") + f" of {jax.process_count()}"
+    steps = checkpointer.committed_steps() if checkpointer is not None else []
+    where = (f"the last committed checkpoint is step {steps[-1]} ({checkpointer.directory / str(steps[-1])})"
+             if steps else "no checkpoint was committed yet (the run starts over)")
+    first = cause.strip().splitlines()[0][:120] if cause.strip() else "no reason given"
+    return (f"polyalign: process {jax.process_index()} stops: {who} is gone ({first}); {where}; resume by "
+            f"running the same command on every process: {resume_command()}")
+
+
+@contextlib.contextmanager
+def peers_watched(checkpointer, out):
+    """On several processes, an error a lost peer causes ends this one at once with report_lost_peer's
+    line and exit status parallel.PEER_LOST_EXIT, instead of a traceback and the coordination service's abort."""
+    try:
+        yield
+    except Exception as error:
+        if jax.process_count() < 2 or not _lost_peer_error(error):
+            raise
+        # The peer monitor names the lost process once its beat has stopped for train.peer_timeout
+        # seconds, and exits; should it not, the line says a peer is gone without naming it.
+        time.sleep(parallel.PeerMonitor.waiting_time())
+        parallel.report_peer_lost([], f"{type(error).__name__}: {str(error).strip()[:100]}")

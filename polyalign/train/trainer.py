@@ -118,7 +118,7 @@ class Trainer:
             else:
                 params = jax.device_put(params, self.param_shardings)
                 self.frozen = jax.device_put(frozen, frozen_shardings)
-                opt_state = jax.jit(self.tx.init)(params)
+                opt_state = parallel.ordered(jax.jit(self.tx.init)(params))
 
             def scalar(value):
                 if self.abstract:
@@ -138,12 +138,16 @@ class Trainer:
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self.batch_sharding = parallel.batch_sharding(mesh, leading=2)
         self.metrics = metrics
-        self._accumulate = jax.jit(self._accumulate_impl)
+        # Every program over the global batch goes through parallel.ordered_jit: on several CPU
+        # processes each call returns once its result is ready, so no two are ever in flight.
+        self._accumulate = parallel.ordered_jit(self._accumulate_impl)
         # A method's metric sums for one batch without gradients: validation uses them.
-        self._metric_sums = jax.jit(lambda params, frozen, batch, objective_state: _bound(
+        self._metric_sums = parallel.ordered_jit(lambda params, frozen, batch, objective_state: _bound(
             self.objective, objective_state).numerators(self.model(params, frozen), jax.tree.map(lambda x: x[0], batch),
                                                         None)[1])
-        self._step = jax.jit(self._step_impl, out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._step = parallel.ordered_jit(self._step_impl, out_shardings=(self.state_shardings, None),
+                                          donate_argnums=0)
+        self.watchdog = None  # a polyalign.watchdog.Watchdog told each phase of fit
         micro = loop.global_batch // loop.micro_batches
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         if loop.global_batch % loop.micro_batches or micro % shards or micro % jax.process_count():
@@ -261,13 +265,15 @@ class Trainer:
         ([1, per_process, ...] arrays), with the current parameters, on the host."""
         from polyalign.inputs.pipeline import iterate
 
+        # Summed on the host, batch by batch: the same float32 additions as on the devices, with no
+        # program of their own (every process runs exactly one program per batch).
         total = None
         with jax.set_mesh(self.mesh):
             for local in iterate(dataset):
-                sums = self._metric_sums(self.state["params"], self.frozen, self.global_batch(local),
-                                         self.state.get("objective", {}))
-                total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-        return jax.device_get(total)
+                sums = jax.device_get(self._metric_sums(self.state["params"], self.frozen, self.global_batch(local),
+                                                        self.state.get("objective", {})))
+                total = sums if total is None else jax.tree.map(np.add, total, sums)
+        return total
 
     @property
     def step_number(self) -> int:
@@ -294,9 +300,11 @@ class Trainer:
         bar = tqdm(total=last, initial=start, desc="train", unit="step", disable=not progress or jax.process_index() > 0)
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
         profile = _Profile(loop.profile_steps, self.profile_dir)
+        phase = self.watchdog.phase if self.watchdog is not None else (lambda what, kind=None: None)
         try:
             with stop, profile:
                 while self.step_number < last:
+                    phase(f"step {self.step_number + 1}", "step")
                     profile.before(self.step_number + 1)
                     timer = time.perf_counter()
                     metrics = self.step(next(train_iterator))
@@ -316,6 +324,7 @@ class Trainer:
                     tokens = float(host.get("processed_tokens", host.get("tokens", 0.0)))
                     record.update(self.throughput(tokens, step_seconds))
                     if evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0) or step == last):
+                        phase(f"evaluation after step {step}", "evaluation")
                         record.update(evaluate())
                     if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
                         self.metrics.write(record)
@@ -323,15 +332,19 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}")
                     result["last"] = record
                     if checkpointer is not None and (step % loop.checkpoint_every == 0 or step == last):
+                        phase(f"checkpoint {step}", "checkpoint")
                         checkpointer.save(step, self.state, train_iterator, force=step == last)
+                    phase(f"the stop agreement after step {step}")
                     if stop.requested(self.mesh):
                         result["interrupted"] = True
                         if checkpointer is not None:
+                            phase(f"checkpoint {step}", "checkpoint")
                             checkpointer.save(step, self.state, train_iterator, force=True)
                         break
         finally:
             bar.close()
             if checkpointer is not None:
+                phase(f"writing checkpoints after step {self.step_number}")
                 checkpointer.wait()
         result["end_step"] = self.step_number
         result["stopped_early"] = self.step_number < loop.steps
