@@ -38,12 +38,45 @@ def test_create():
                          "--project=my-proj --accelerator-type=v5p-8 --runtime-version=v2-alpha-tpuv5"]
 
 
-def test_setup_copies_the_checkout_and_installs_the_tpu_extra():
+def test_setup_copies_the_checkout_and_runs_the_worker_setup_everywhere():
     lines = dry("setup.sh")
     assert lines[0].startswith(f"git -C {REPO} archive --format=tar.gz -o ") and lines[0].endswith(" HEAD")
     assert lines[1].startswith("gcloud compute tpus tpu-vm scp ") and "pa-demo:\\~/polyalign.tar.gz --worker=all" in lines[1]
     assert lines[2].startswith("gcloud compute tpus tpu-vm ssh pa-demo --worker=all --zone=us-west4-a --project=my-proj")
-    assert "pip\\ install\\ -q\\ -e\\ ~/polyalign\\[tpu\\]" in lines[2]
+    remote = shlex.split(shlex.split(lines[2])[-1])
+    assert remote[-2:] == ["bash", "~/polyalign/tpu_scripts/worker_setup.sh"]
+    worker = (SCRIPTS / "worker_setup.sh").read_text()
+    assert 'pip" install -q -e "$CHECKOUT[tpu]"' in worker and '"$UV" python install' in worker
+
+
+def _fake_python(tmp_path, version):
+    fake = tmp_path / f"python{version}"
+    fake.write_text(f"#!/bin/sh\necho {version}\n")
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("version", ["3.10", "2.7"])
+def test_worker_setup_refuses_a_python_below_3_11_in_one_line(tmp_path, version):
+    import os
+
+    result = subprocess.run(["bash", str(SCRIPTS / "worker_setup.sh"), "--venv", str(tmp_path / "venv")],
+                            capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "POLYALIGN_PYTHON": str(_fake_python(tmp_path, version))})
+    assert result.returncode == 2 and not result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"is Python {version}; polyalign needs >= 3.11" in lines[0], result.stderr
+    assert not (tmp_path / "venv").exists()  # checked before anything is installed
+
+
+def test_worker_setup_accepts_this_python_and_checks_only(tmp_path):
+    import os
+    import sys
+
+    result = subprocess.run(["bash", str(SCRIPTS / "worker_setup.sh"), "--check-only"], capture_output=True, text=True,
+                            timeout=30, env={**os.environ, "POLYALIGN_PYTHON": sys.executable})
+    assert result.returncode == 0, result.stderr
+    assert f"Python {sys.version_info.major}.{sys.version_info.minor} ({sys.executable})" in result.stdout
 
 
 def test_launch_runs_the_command_on_every_worker_with_a_log_each():
@@ -53,13 +86,15 @@ def test_launch_runs_the_command_on_every_worker_with_a_log_each():
     assert len(lines) == 5
     for i, line in enumerate(lines[1:]):
         assert line.startswith(f"gcloud compute tpus tpu-vm ssh pa-demo --worker={i} --zone=us-west4-a --project=my-proj "
-                               "--command cd\\ ~/polyalign\\ \\&\\&\\ ~/venv/bin/polyalign\\ train\\ sft")
+                               "--command cd\\ ~/polyalign\\ \\&\\&\\ POLYALIGN_NUM_PROCESSES=4\\ "
+                               "~/venv/bin/polyalign\\ train\\ sft")
         assert line.endswith(f"> logs/pa-demo/worker-{i}.log 2>&1 &")
     # each argument arrives whole on the worker: split as the local shell, then as the remote one would
     awkward = dry("launch.sh", "--workers", "1", "--", "polyalign", "evaluate", "--out", "my runs/a;rm -rf ~")
     local = shlex.split(awkward[1].rsplit(" > ", 1)[0])
     remote = shlex.split(local[local.index("--command") + 1])
-    assert remote == ["cd", "~/polyalign", "&&", "~/venv/bin/polyalign", "evaluate", "--out", "my runs/a;rm -rf ~"]
+    assert remote == ["cd", "~/polyalign", "&&", "POLYALIGN_NUM_PROCESSES=1", "~/venv/bin/polyalign", "evaluate", "--out",
+                      "my runs/a;rm -rf ~"]
     result = subprocess.run(["bash", str(SCRIPTS / "launch.sh"), *WHERE, "--dry-run", "--", "polyalign"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--workers is required" in result.stderr

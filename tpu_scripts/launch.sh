@@ -7,8 +7,9 @@ usage() {
 usage: launch.sh --name NAME --zone ZONE --project PROJECT --workers N [--log-dir DIR] [--dry-run]
                  -- polyalign COMMAND ...
 
-Starts the command on workers 0..N-1 (jax.distributed finds its peers on TPU VMs by itself) and
-writes DIR/worker-<i>.log (default DIR: logs/NAME). Waits for all; fails if any fails.
+Starts the command on workers 0..N-1 with POLYALIGN_NUM_PROCESSES=N (JAX finds its peers through
+the TPU VM's metadata; a process that does not find all N stops with one line) and writes
+DIR/worker-<i>.log (default DIR: logs/NAME). Waits for all; fails if any fails.
   --workers N     hosts in the slice (v5litepod-16: 4, v5p-8: 1)
 Example:
   launch.sh --name demo --zone us-west4-a --project P --workers 4 -- \\
@@ -36,7 +37,7 @@ done
 PROGRAM="$(printf '%q' "${COMMAND[0]}")"
 [[ "${COMMAND[0]}" == polyalign ]] && PROGRAM="~/venv/bin/polyalign"
 LOG_DIR="${LOG_DIR:-logs/$NAME}"
-REMOTE="cd ~/polyalign && $PROGRAM$(printf ' %q' "${COMMAND[@]:1}")"
+REMOTE="cd ~/polyalign && POLYALIGN_NUM_PROCESSES=$(printf '%q' "$WORKERS") $PROGRAM$(printf ' %q' "${COMMAND[@]:1}")"
 run mkdir -p "$LOG_DIR"
 pids=()
 for ((i = 0; i < WORKERS; i++)); do

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Copy this checkout to every worker and install polyalign with its pinned dependencies and jax[tpu].
+# Copy this checkout to every worker and install polyalign[tpu] under a Python >= 3.12 (worker_setup.sh).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 usage() {
   cat <<HELP
 usage: setup.sh --name NAME --zone ZONE --project PROJECT [--dry-run]
 
-Packs the committed checkout (git archive HEAD), copies it to all workers, and installs it into
-~/venv on each: pip install -e '~/polyalign[tpu]'.
+Packs the committed checkout (git archive HEAD), copies it to all workers, and runs
+tpu_scripts/worker_setup.sh on each: a Python 3.12 from uv (the runtime images' python3 is 3.10; set
+POLYALIGN_PYTHON on the workers to use another >= 3.11), checked before anything is installed, then
+~/venv with pip install -e '~/polyalign[tpu]'; each worker prints its jax, jaxlib and libtpu.
 $COMMON_HELP
 HELP
 }
@@ -24,4 +26,4 @@ fi
 run git -C "$REPO" archive --format=tar.gz -o "$ARCHIVE" HEAD
 run gcloud compute tpus tpu-vm scp "$ARCHIVE" "$NAME:~/polyalign.tar.gz" --worker=all $(where)
 run gcloud compute tpus tpu-vm ssh "$NAME" --worker=all $(where) --command \
-  "mkdir -p ~/polyalign && tar -xzf ~/polyalign.tar.gz -C ~/polyalign && python3 -m venv ~/venv && ~/venv/bin/pip install -q -e ~/polyalign[tpu]"
+  "mkdir -p ~/polyalign && tar -xzf ~/polyalign.tar.gz -C ~/polyalign && bash ~/polyalign/tpu_scripts/worker_setup.sh"
