@@ -389,21 +389,22 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
 def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokenizer, tmp_path):
     """HDPO with packed pairs, the policy loaded straight into its shardings (data 2 x fsdp 2) and the
     reference log-probs computed under the mesh: two processes of two CPU devices each (jax.distributed,
-    gloo) train exactly as one process with four devices, and both export the same model."""
+    gloo) train exactly as one process with four devices, and both export the same model. Five validation
+    pairs (a partial last batch on either layout) and the drift probe's greedy samples agree too."""
     from safetensors.numpy import load_file
 
     from polyalign.launch import free_port
     from polyalign.train.metrics import read_metrics
     from tests.test_training import _cli, _wait
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=24, val=4)
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=24, val=5)
 
     def args(out):
         return ["train", "hdpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
                 "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
                 f"val_pairs={tmp_path / 'val.jsonl'}", "data.pack=true", "max_length=192", "train.steps=3",
                 "train.global_batch=4", "train.eval_every=3", "train.checkpoint_every=3", "parallel.data=2",
-                "parallel.fsdp=2"]
+                "parallel.fsdp=2", "drift_prompts=3", "drift_new_tokens=8", f"data.dir={demo_run[0]}"]
 
     _wait([_cli(args(tmp_path / "one"), {}, devices=4)])
     port = free_port()
@@ -413,9 +414,10 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
     assert [r["step"] for r in two if "loss" in r] == [1, 2, 3]
     for a, b in zip(one, two):
         assert a.get("pairs") == b.get("pairs")
-        for key in ("loss", "rewards/margin", "val_rewards/margin"):
+        for key in ("loss", "rewards/margin", "val_rewards/margin", "drift/length_ratio", "drift/support_distance"):
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+    assert one[-1]["val_pairs"] == two[-1]["val_pairs"] == 5 and "drift/length_ratio" in two[-1]
     assert abs(one[0]["rewards/margin"]) < 1e-4  # the reference computed under the mesh equals the policy
     exported = [load_file(str(tmp_path / run / "model" / "model.safetensors")) for run in ("one", "two")]
     for name, array in exported[0].items():
