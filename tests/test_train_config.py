@@ -388,3 +388,15 @@ def test_print_config_says_the_preset_is_unused_with_an_init(capsys):
     assert "# model.preset is not used: the architecture is init's (/models/qwen/config.json)" in out
     assert main(["train", "sft", "--print-config"]) == 0
     assert "#" not in capsys.readouterr().out
+
+
+def test_epochs_say_the_steps_they_set_in_place_of_train_steps(capsys):
+    from polyalign.train.config import LoopConfig
+    from polyalign.train.run import resolve_loop
+
+    loop = resolve_loop(LoopConfig(steps=120, epochs=2, global_batch=4, eval_every=None), epoch_size=10, method="sft")
+    assert loop.steps == 6 and loop.eval_every == 3  # ceil(10 / 4) = 3 steps an epoch
+    assert capsys.readouterr().err.strip() == ("polyalign: train.epochs=2 sets train.steps to 6 (10 examples / "
+                                               "global_batch 4 an epoch), in place of train.steps=120")
+    resolve_loop(LoopConfig(steps=6, epochs=2, global_batch=4), epoch_size=10, method="sft")
+    assert capsys.readouterr().err == ""  # nothing to say when they agree

@@ -260,6 +260,7 @@ SHARED_RANGES: dict[str, Range] = {
     "train.micro_batches": COUNT, "train.eval_every": Range(1, optional=True), "train.checkpoint_every": COUNT,
     "train.keep_checkpoints": COUNT, "train.stop_at": Range(1, optional=True), "train.max_nonfinite": NON_NEGATIVE,
     "train.log_every": COUNT, "train.peak_tflops": Range(0, low_open=True, optional=True),
+    "train.hang_timeout": Range(0, optional=True), "train.peer_timeout": POSITIVE,
     "optimizer.lr": POSITIVE, "optimizer.warmup_ratio": PROBABILITY, "optimizer.min_lr_ratio": PROBABILITY,
     "optimizer.weight_decay": NON_NEGATIVE, "optimizer.b1": FRACTION, "optimizer.b2": FRACTION,
     "optimizer.eps": POSITIVE, "optimizer.clip": Range(0, low_open=True, optional=True),

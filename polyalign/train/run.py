@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +63,10 @@ def resolve_loop(loop: LoopConfig, epoch_size: int | None, method: str) -> LoopC
     if loop.epochs is not None:
         if epoch_steps is None:
             raise ConfigError(f"train.epochs: {method} cannot tell its epoch size here (packed rows); set train.steps")
+        if loop.steps != loop.epochs * epoch_steps:
+            print(f"polyalign: train.epochs={loop.epochs} sets train.steps to {loop.epochs * epoch_steps} "
+                  f"({epoch_size} examples / global_batch {loop.global_batch} an epoch), in place of "
+                  f"train.steps={loop.steps}", file=sys.stderr)
         loop = dataclasses.replace(loop, steps=loop.epochs * epoch_steps)
     if loop.eval_every is None and epoch_steps is not None:
         loop = dataclasses.replace(loop, eval_every=epoch_steps)
