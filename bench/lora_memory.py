@@ -28,13 +28,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_step import _pair_batch, _time, compiled_memory  # noqa: E402
-from polyalign import parallel  # noqa: E402
+from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
-from polyalign.model.config import LoraConfig  # noqa: E402
+from polyalign.model.architecture import LoraConfig  # noqa: E402
 from polyalign.model.lora import add_adapters, quantize_base  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402
-from polyalign.plan import estimate  # noqa: E402
 from polyalign.train.config import LoraSection, ModelSection, PreferenceConfig  # noqa: E402
+from polyalign.train.plan import estimate  # noqa: E402
 from polyalign.train.preference import PreferenceObjective, reference_logps  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 

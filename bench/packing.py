@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.build import BuildOptions, build, read_manifest  # noqa: E402
+from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402
 from polyalign.train.sft import SftObjective  # noqa: E402
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def demo_run(directory: Path, length: int) -> Path:
     from polyalign.data.prepare import prepare
-    from polyalign.tokenizer_training import train_from_records
+    from polyalign.tokens.tokenizer_training import train_from_records
 
     prepare(REPO / "configs" / "data" / "demo.yaml", directory, progress=False)
     train_from_records(directory / "data" / "train.jsonl", directory / "tokenizer", 8000)

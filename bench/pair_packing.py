@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from packing import timed_steps  # noqa: E402
 
-from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
+from polyalign.inputs.pair_rows import tokenise_pairs, train_pair_batches, tree_spans  # noqa: E402
+from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402
-from polyalign.inputs.pair_rows import tokenise_pairs, train_pair_batches, tree_spans  # noqa: E402
 from polyalign.train.config import PreferenceConfig  # noqa: E402
 from polyalign.train.preference import PreferenceObjective  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
@@ -44,10 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def demo_pairs(directory: Path, length: int):
     """Tokenised pairs from the demo's train records, the tokenizer and the bucket list."""
-    from polyalign.chat import get_template
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
-    from polyalign.tokenizer_training import train_from_records
+    from polyalign.tokens.chat import get_template
+    from polyalign.tokens.tokenizer_training import train_from_records
 
     prepare(REPO / "configs" / "data" / "demo.yaml", directory, progress=False)
     tokenizer, _ = train_from_records(directory / "data" / "train.jsonl", directory / "tokenizer", 8000)

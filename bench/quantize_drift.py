@@ -20,12 +20,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polyalign.chat import choose_template, encode_conversation, get_template, record_messages  # noqa: E402
 from polyalign.data.records import read_records  # noqa: E402
 from polyalign.model import load_hf_checkpoint  # noqa: E402
 from polyalign.model.lora import quantize_base  # noqa: E402
 from polyalign.model.quantize import bits_per_weight  # noqa: E402
-from polyalign.tokenizer import load_tokenizer  # noqa: E402
+from polyalign.tokens.chat import choose_template, encode_conversation, get_template, record_messages  # noqa: E402
+from polyalign.tokens.tokenizer import load_tokenizer  # noqa: E402
 
 
 def encoded_batch(checkpoint: Path, records: Path, limit: int, length: int):

@@ -25,7 +25,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polyalign import parallel  # noqa: E402
+from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from polyalign.model.presets import PRESETS, preset  # noqa: E402
 

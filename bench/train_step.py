@@ -38,9 +38,9 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from polyalign import parallel  # noqa: E402
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.pair_rows import packed_pair_arrays  # noqa: E402
+from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
 from polyalign.model.flops import flops_per_token, matmul_parameters  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
@@ -241,7 +241,7 @@ def bench_peer(args, cfg, method: str) -> dict | None:
         import transformers
     except ImportError:
         return None
-    from polyalign.model.config import to_hf_config
+    from polyalign.model.architecture import to_hf_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in to_hf_config(cfg).items()

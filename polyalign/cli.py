@@ -170,7 +170,7 @@ def _add_tokenizer(sub) -> None:
 
 
 def _run_tokenizer_train(args) -> int:
-    from polyalign.tokenizer_training import train_from_records
+    from polyalign.tokens.tokenizer_training import train_from_records
 
     _, report = train_from_records(args.records, args.out, args.vocab_size, model_type=args.model_type,
                                    character_coverage=args.character_coverage, overwrite=args.overwrite)
@@ -191,7 +191,7 @@ response from its end). RUN/build/manifest.json records the tokenizer, template,
 """
 
 
-# polyalign.chat.TEMPLATE_CHOICES, spelled out so that --help imports nothing heavy (a test keeps them equal).
+# polyalign.tokens.chat.TEMPLATE_CHOICES, spelled out so that --help imports nothing heavy (a test keeps them equal).
 TEMPLATE_CHOICES = ("checkpoint", "polyalign", "qwen", "llama3", "gemma")
 TEMPLATE_HELP = ("chat template: checkpoint (the checkpoint's own Jinja chat_template, rendered as transformers "
                  "does) or a built-in one. Default: the built-in a polyalign tokenizer names, else the checkpoint's "
@@ -270,7 +270,7 @@ def _run_build(args) -> int:
 
 def _location(text: str):
     """A local path or a bucket URI (pathlib would turn gs://b into gs:/b)."""
-    from polyalign.paths import as_path
+    from polyalign.core.paths import as_path
 
     return as_path(text)
 
@@ -391,7 +391,7 @@ def _add_pairs(sub) -> None:
 
 
 def _run_pairs(args) -> int:
-    from polyalign.pairs import make_pairs
+    from polyalign.pairs.make import make_pairs
 
     missing = [f"--{name}" for name in ("records", "predictions", "out") if getattr(args, name) is None]
     if missing:
@@ -413,7 +413,7 @@ def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by
 
 
 def _run_pairs_import(args) -> int:
-    from polyalign.pairs_import import import_pairs
+    from polyalign.pairs.importing import import_pairs
 
     summary = import_pairs(args.input, args.out, args.format, dataset=args.dataset, language=args.language,
                            track=args.track, family=args.family, style=args.style, scheme_path=args.scheme,
@@ -467,7 +467,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from polyalign.generate import SamplingConfig, generate_predictions
+    from polyalign.generate.sampling import SamplingConfig, generate_predictions
 
     summary = generate_predictions(
         args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
@@ -499,7 +499,7 @@ def _add_prompts(sub) -> None:
 
 
 def _run_prompts(args) -> int:
-    from polyalign.prompts import write_prompts
+    from polyalign.generate.prompts import write_prompts
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
                             limit=args.limit, overwrite=args.overwrite)
@@ -616,7 +616,7 @@ def _add_launch(sub) -> None:
 
 
 def _run_launch(args) -> int:
-    from polyalign.launch import DEFAULT_PORT, main_command, run_local, run_slurm
+    from polyalign.mesh.launch import DEFAULT_PORT, main_command, run_local, run_slurm
 
     command = main_command(args.launched[1:] if args.launched[:1] == ["--"] else args.launched)
     if args.slurm:
@@ -640,7 +640,7 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    from polyalign.plan import describe, plan_config
+    from polyalign.train.plan import describe, plan_config
 
     if args.devices is None:
         import jax
@@ -787,7 +787,7 @@ _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polyalign.errors import Interrupted, PolyalignError
+    from polyalign.core.errors import Interrupted, PolyalignError
 
     parser = build_parser()
     args = parser.parse_args(argv)

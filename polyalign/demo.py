@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_DATA_CONFIG = REPO_ROOT / "configs" / "data" / "demo.yaml"
@@ -29,7 +29,7 @@ def _stats(run: Path, quick: bool, overwrite: bool) -> str:
 
 
 def _tokenizer(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.tokenizer_training import train_from_records
+    from polyalign.tokens.tokenizer_training import train_from_records
 
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", run / "tokenizer",
                                            DEMO_VOCAB_SIZE_QUICK if quick else DEMO_VOCAB_SIZE, overwrite=overwrite)
@@ -73,7 +73,7 @@ def _existing(overwrite: bool) -> str:
 def _finished(result: dict, name: str) -> dict:
     """A training stage's result, or Interrupted when it stopped before its last step (its checkpoint
     is saved, and the demo's next run resumes it)."""
-    from polyalign.errors import Interrupted
+    from polyalign.core.errors import Interrupted
 
     if result.get("interrupted") or result.get("stopped_early"):
         raise Interrupted(f"{name} stopped at step {result['end_step']} (checkpoint saved); run the same demo "
@@ -88,8 +88,8 @@ DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_ever
 
 
 def _generate(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.generate import SamplingConfig, generate_predictions
-    from polyalign.pairs import make_pairs
+    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    from polyalign.pairs.make import make_pairs
 
     counts = []
     for split, sizes in DEMO_PAIR_SAMPLES.items():
@@ -156,8 +156,8 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
     import numpy as np
 
     from polyalign.data.records import read_records
-    from polyalign.generate import SamplingConfig, generate_predictions
-    from polyalign.pairs import read_predictions
+    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    from polyalign.pairs.make import read_predictions
     from polyalign.train.critic_model import CriticScorer, support_targets
 
     references = json.loads((run / "stats" / "references.json").read_text())
@@ -194,7 +194,7 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
     import importlib.util
 
     from polyalign.evaluate.run import evaluate
-    from polyalign.generate import SamplingConfig, generate_predictions
+    from polyalign.generate.sampling import SamplingConfig, generate_predictions
 
     # MAUVE needs the `mauve` extra (the README's demo command installs it); without, every other
     # metric is computed and the report says MAUVE was skipped and why.

@@ -72,7 +72,7 @@ def demo_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_run, tmp_path_factory):
     """polyalign's SentencePiece tokenizer trained on the demo train split (8,000 pieces)."""
-    from polyalign.tokenizer_training import train_from_records
+    from polyalign.tokens.tokenizer_training import train_from_records
 
     run, _, _ = demo_run
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", tmp_path_factory.mktemp("tokenizer"), 8000)
@@ -85,10 +85,10 @@ def json_tokenizer(demo_run, tmp_path_factory):
     the special tokens of every built-in chat template, loaded the way a checkpoint's would be."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from polyalign.chat import TEMPLATE_SPECIAL_TOKENS
     from polyalign.data.records import read_records
-    from polyalign.tokenizer import load_tokenizer
-    from polyalign.tokenizer_training import record_texts
+    from polyalign.tokens.chat import TEMPLATE_SPECIAL_TOKENS
+    from polyalign.tokens.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer_training import record_texts
 
     run, _, _ = demo_run
     tok = Tokenizer(models.BPE())

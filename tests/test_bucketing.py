@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
     WEIGHT_PRESETS,
     bucket_weights,

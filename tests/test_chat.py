@@ -5,9 +5,18 @@ import json
 import numpy as np
 import pytest
 
-from polyalign.chat import (TEMPLATES, ChatTemplateError, Message, encode_conversation, encode_prompt, get_template,
-                            profile_prompt, record_messages, truncation_lengths)
 from polyalign.data.records import Record
+from polyalign.tokens.chat import (
+    TEMPLATES,
+    ChatTemplateError,
+    Message,
+    encode_conversation,
+    encode_prompt,
+    get_template,
+    profile_prompt,
+    record_messages,
+    truncation_lengths,
+)
 from tests.conftest import FIXTURES
 
 CASES = json.loads((FIXTURES / "chat" / "fixtures.json").read_text(encoding="utf-8"))
@@ -155,8 +164,8 @@ def test_each_builtin_template_as_jinja_renders_and_masks_like_the_builtin(demo_
     """The Jinja source of every built-in template (what exports carry) rendered through the checkpoint
     path gives the built-in's string, prompt ids, and ids and loss masks for both train_on modes, on
     real records with and without history and system prompt."""
-    from polyalign.chat import JinjaTemplate
     from polyalign.data.records import read_records
+    from polyalign.tokens.chat import JinjaTemplate
 
     run, _, _ = demo_run
     records = [r for r in read_records(run / "data" / "test.jsonl") if r.response][:60]
@@ -192,7 +201,7 @@ def checkpoint_tokenizers(json_tokenizer, tmp_path_factory):
     tokenizer_config.json carries the template as its chat_template."""
     from tokenizers import Tokenizer
 
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     folders = {}
     for name, eos in EOS.items():
@@ -212,7 +221,7 @@ def jinja_case_id(case):
 
 @pytest.mark.parametrize("case", JINJA_CASES, ids=jinja_case_id)
 def test_a_checkpoint_template_renders_and_locates_turns_as_transformers_does(case, checkpoint_tokenizers):
-    from polyalign.chat import choose_template
+    from polyalign.tokens.chat import choose_template
 
     tokenizer = checkpoint_tokenizers[case["template"]]
     assert choose_template(tokenizer) == "checkpoint"  # the checkpoint's own template is the default
@@ -261,8 +270,8 @@ def test_train_on_all_needs_every_turn_located(checkpoint_tokenizers):
 
 
 def test_the_checkpoint_template_is_found_where_transformers_keeps_it(checkpoint_tokenizers, tmp_path):
-    from polyalign.chat import choose_template
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.chat import choose_template
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     source = (TEMPLATE_DIR / "fine_tuned.jinja").read_text(encoding="utf-8")
     base = checkpoint_tokenizers["fine_tuned.jinja"].path
@@ -293,6 +302,6 @@ def test_the_checkpoint_template_is_found_where_transformers_keeps_it(checkpoint
 
 def test_template_choices_of_the_cli_are_the_templates():
     from polyalign import cli
-    from polyalign.chat import TEMPLATE_CHOICES
+    from polyalign.tokens.chat import TEMPLATE_CHOICES
 
     assert cli.TEMPLATE_CHOICES == TEMPLATE_CHOICES

@@ -7,12 +7,22 @@ import json
 import numpy as np
 import pytest
 
-from polyalign.chat import (TEMPLATE_SPECIAL_TOKENS, TEMPLATES, ChatTemplateError, JinjaTemplate, Message,
-                            encode_conversation, encode_prompt, fold_system, get_template, profile_prompt,
-                            record_messages, system_prompt)
 from polyalign.data.prepare import prepare
 from polyalign.data.records import read_records
-from tests.chat_exports import camrest_goal, camrest_dialogues, openai_rows, sharegpt_rows, tool_row, write_jsonl
+from polyalign.tokens.chat import (
+    TEMPLATE_SPECIAL_TOKENS,
+    ChatTemplateError,
+    JinjaTemplate,
+    Message,
+    encode_conversation,
+    encode_prompt,
+    fold_system,
+    get_template,
+    profile_prompt,
+    record_messages,
+    system_prompt,
+)
+from tests.chat_exports import camrest_dialogues, camrest_goal, openai_rows, sharegpt_rows, tool_row, write_jsonl
 from tests.conftest import FIXTURES, write_config
 
 EXPORTS = json.loads((FIXTURES / "chat" / "exports.json").read_text(encoding="utf-8"))
@@ -38,7 +48,7 @@ def bpe_tokenizer(tmp_path_factory):
     """A byte-level BPE tokenizer.json trained on the fixture texts, with every template's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -161,7 +171,7 @@ def test_sharegpt_system_field_is_the_system_prompt(tmp_path):
 
 
 def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
-    from polyalign.config import ConfigError
+    from polyalign.core.yaml_config import ConfigError
 
     write_jsonl(tmp_path / "chats.jsonl", openai_rows()[:2])
     config = tmp_path / "data.yaml"

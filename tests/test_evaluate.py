@@ -12,8 +12,16 @@ from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate.baselines import first_sentence
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.run import EvaluationError, evaluate
-from polyalign.evaluate.text import (distinct_n, normalize_answer, rouge_l_f1, self_bleu, sentence_bleu, token_f1,
-                                     tokens, utility_scores)
+from polyalign.evaluate.text_metrics import (
+    distinct_n,
+    normalize_answer,
+    rouge_l_f1,
+    self_bleu,
+    sentence_bleu,
+    token_f1,
+    tokens,
+    utility_scores,
+)
 from tests.conftest import SHARED_DATA
 
 
@@ -44,7 +52,7 @@ def test_distinct_by_hand():
 def test_jackknife_interval_of_distinct_n_equals_recomputing_each_left_out_group():
     from scipy.stats import norm
 
-    from polyalign.evaluate.text import _jackknife_interval
+    from polyalign.evaluate.text_metrics import _jackknife_interval
 
     rng = random.Random(1)
     lists = [[rng.choice("abcdefgh") for _ in range(rng.randint(0, 9))] for _ in range(37)]
@@ -63,7 +71,7 @@ def test_diversity_intervals_on_real_answers_match_the_spread_over_fresh_samples
     """Real text: the jackknife's standard error of Distinct-2 at n = 80, and the bootstrap interval of
     Self-BLEU, against the spread of those numbers over disjoint samples of 80 train answers."""
     from polyalign.data.records import read_records
-    from polyalign.evaluate.text import diversity_with_intervals
+    from polyalign.evaluate.text_metrics import diversity_with_intervals
 
     run, _, _ = demo_run
     answers = [r.response for r in read_records(run / "data" / "train.jsonl") if r.language == "en"]
@@ -338,7 +346,7 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     Self-BLEU are those of the non-empty answers alone (people's empty answers too); with one non-empty
     answer they are undefined; --compat reference keeps them, as the authors' code does."""
     from polyalign.cli import main
-    from polyalign.evaluate.text import diversity
+    from polyalign.evaluate.text_metrics import diversity
 
     run, _, _ = demo_run
     records_path, records = _subset(run, tmp_path, lambda r: True)

@@ -10,14 +10,14 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from polyalign.chat import Message, encode_conversation, get_template, record_messages
-from polyalign.chat_jinja import JinjaRenderer, as_dicts
 from polyalign.data.records import read_records
-from polyalign.export import export_checkpoint
 from polyalign.model import create_model, load_hf_checkpoint
+from polyalign.model.export import export_checkpoint
 from polyalign.model.presets import preset
-from polyalign.tokenizer import JsonTokenizer, load_tokenizer
-from polyalign.tokenizer_training import record_texts
+from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
+from polyalign.tokens.chat_jinja import JinjaRenderer, as_dicts
+from polyalign.tokens.tokenizer import JsonTokenizer, load_tokenizer
+from polyalign.tokens.tokenizer_training import record_texts
 from tests.conftest import FIXTURES
 
 
@@ -81,7 +81,7 @@ def test_the_exported_tokenizer_json_encodes_as_the_sentencepiece_model(sentence
 def test_polyalign_reads_the_sentencepiece_model_of_its_own_export(sentencepiece_export):
     """An export holds tokenizer.model and its tokenizer.json conversion; polyalign (training on from
     the export, generating with it) reads the model the run trained with, transformers the JSON."""
-    from polyalign.tokenizer import SentencePieceTokenizer, load_tokenizer
+    from polyalign.tokens.tokenizer import SentencePieceTokenizer, load_tokenizer
 
     _, _, out = sentencepiece_export
     config = json.loads((out / "tokenizer_config.json").read_text())
@@ -178,7 +178,7 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
     survive every export, and the chat template carries the profile preamble once."""
     from tokenizers import Tokenizer
 
-    from polyalign.export import PROFILE_PREAMBLE_JINJA
+    from polyalign.model.export import PROFILE_PREAMBLE_JINJA
 
     source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
     base = tmp_path / "base"
@@ -210,8 +210,8 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
 
 
 def test_an_adapter_names_its_base_so_that_it_loads_from_any_folder(tmp_path, monkeypatch):
-    from polyalign.export import export_adapter
-    from polyalign.model.config import LoraConfig
+    from polyalign.model.architecture import LoraConfig
+    from polyalign.model.export import export_adapter
     from polyalign.model.lora import add_adapters
 
     monkeypatch.chdir(tmp_path)

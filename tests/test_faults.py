@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from polyalign.cli import main
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 from polyalign.data.prepare import PrepareError, prepare
 from polyalign.data.records import InputError
 from polyalign.train.metrics import read_metrics
@@ -320,7 +320,7 @@ def test_markdown_reports_escape_what_they_embed():
     ('{"a": 1e400}', "1e400 does not fit a float"),
 ])
 def test_strict_json_refuses_what_other_readers_would_not_accept(text, reason):
-    from polyalign import jsonl
+    from polyalign.core import jsonl
 
     with pytest.raises(jsonl.JsonProblem, match=re.escape(reason)):
         jsonl.parse(text)
@@ -342,7 +342,7 @@ def test_bad_json_rows_are_quarantined_with_their_reason(tmp_path):
 
 def test_own_files_keep_line_separators_inside_strings_and_name_bad_lines(tmp_path):
     from polyalign.data.records import RECORD_FIELDS
-    from polyalign.pairs import read_pairs, write_pairs
+    from polyalign.pairs.make import read_pairs, write_pairs
 
     def pair(key, chosen, rejected):
         record = {**dict.fromkeys(RECORD_FIELDS, ""), "id": key, "history": [], "length_tokens": 1, "meta": {}}
@@ -544,7 +544,7 @@ def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tok
 def test_stats_refuse_a_second_writer(demo_run, tmp_path, capsys):
     import os
 
-    from polyalign.outputs import LOCK
+    from polyalign.core.outputs import LOCK
 
     source, _, _ = demo_run
     run = tmp_path / "run"
@@ -634,9 +634,9 @@ def test_predictions_pairs_and_evaluations_belong_to_their_settings_and_records(
 def test_a_build_is_refused_once_the_prepare_it_was_made_from_is_replaced(built_run, tmp_path):
     import shutil
 
-    from polyalign.config import ConfigError
+    from polyalign.core.paths import file_digest
+    from polyalign.core.yaml_config import ConfigError
     from polyalign.inputs.build import read_manifest
-    from polyalign.paths import file_digest
 
     run, manifest = built_run
     assert manifest["made_from"]["data/manifest.json"] == file_digest(run / "data" / "manifest.json")
@@ -661,7 +661,7 @@ def _damage(checkpoint: Path) -> None:
 
 
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(built_run, tmp_path, capsys):
-    from polyalign.errors import CheckpointError
+    from polyalign.core.errors import CheckpointError
 
     run, _ = built_run
     train_sft(_config(run, 9), tmp_path / "straight", progress=False)
@@ -692,7 +692,7 @@ def test_a_failed_checkpoint_write_stops_at_once_and_keeps_the_committed_ones(bu
 
     import orbax.checkpoint as ocp
 
-    from polyalign.errors import CheckpointError
+    from polyalign.core.errors import CheckpointError
 
     run, _ = built_run
     out = tmp_path / "out"
@@ -717,7 +717,7 @@ def test_a_failed_checkpoint_write_stops_at_once_and_keeps_the_committed_ones(bu
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run(built_run, tmp_path):
     import jax
 
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import (
@@ -820,7 +820,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
 def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsys):
     """Another config into the same OUT is refused with the differing keys named; changed resumable
     keys need existing="resume" (--resume); --overwrite starts over; OUT may not be an input."""
-    from polyalign.config import ConfigError
+    from polyalign.core.yaml_config import ConfigError
 
     run, _ = built_run
     out = tmp_path / "out"
@@ -841,8 +841,8 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
 
 
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_path, capsys):
-    from polyalign.config import ConfigError
-    from polyalign.outputs import LOCK
+    from polyalign.core.outputs import LOCK
+    from polyalign.core.yaml_config import ConfigError
 
     run, _ = built_run
     out = tmp_path / "out"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from polyalign.features import FEATURE_NAMES, sentences, syllables, text_features
+from polyalign.features.response import FEATURE_NAMES, sentences, syllables, text_features
 
 
 def test_feature_set_has_134_unique_names_and_every_value():

@@ -7,7 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from polyalign.generate import FINISH_LENGTH, FINISH_STOP, GenerationError, Sampler, SamplingConfig, sample_logits
+from polyalign.generate.sampling import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationError,
+    Sampler,
+    SamplingConfig,
+    sample_logits,
+)
 from polyalign.model import create_model, load_hf_checkpoint
 from tests.conftest import FIXTURES, tiny_model_config
 

@@ -1,6 +1,11 @@
+import json
+import zipfile
+
 import pytest
 
-from polyalign.data.language import detect_language
+from polyalign.data import language
+from polyalign.data.language import LanguageChooser, detect_language
+from tests.conftest import DEMO_DATA, write_config
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -20,14 +25,6 @@ def test_detect_language(text, expected):
 
 
 # --- choosing among the scheme's languages (prepare's rule) ------------------------------------------
-
-import json
-import zipfile
-from collections import Counter
-
-from polyalign.data import language
-from polyalign.data.language import LanguageChooser
-from tests.conftest import DEMO_DATA, write_config
 
 
 def cmrc_question(text):

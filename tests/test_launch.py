@@ -2,7 +2,7 @@
 
 import pytest
 
-from polyalign.launch import LaunchError, expand_nodelist, local_environments, slurm_environment
+from polyalign.mesh.launch import LaunchError, expand_nodelist, local_environments, slurm_environment
 from polyalign.train.metrics import read_metrics
 from tests.test_training import _cli, _train_args, _wait
 
@@ -48,7 +48,7 @@ def fresh_start(monkeypatch):
     and no start variable of the machine running the tests."""
     import jax
 
-    from polyalign import parallel
+    from polyalign.mesh import parallel
 
     calls = []
     monkeypatch.setattr(parallel, "_distributed_started", False)
@@ -72,8 +72,8 @@ def test_a_gce_tpu_vm_of_several_workers_starts_jax_distributed(fresh_start, mon
     """The metadata server says worker 2 of 4 (tpu_scripts' `tpu-vm ssh --worker=all` path): no TPU_*
     variable is set, and JAX's own detection still starts the job; a job that did not gather the
     slice's processes stops with one line."""
-    from polyalign import parallel
-    from polyalign.errors import ParallelError
+    from polyalign.core.errors import ParallelError
+    from polyalign.mesh import parallel
 
     _tpu_vm(monkeypatch, {"agent-worker-number": "2", "worker-network-endpoints": "w0,w1,w2,w3", "tpu-env": ""})
     assert parallel._detected_cluster().name == "gcetpu"
@@ -87,8 +87,8 @@ def test_a_gce_tpu_vm_of_several_workers_starts_jax_distributed(fresh_start, mon
 
 
 def test_a_gke_tpu_job_starts_jax_distributed_and_one_host_alone_does_not(fresh_start, monkeypatch):
-    from polyalign import parallel
-    from polyalign.errors import ParallelError
+    from polyalign.core.errors import ParallelError
+    from polyalign.mesh import parallel
 
     _tpu_vm(monkeypatch, {"tpu-env": ""})
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")

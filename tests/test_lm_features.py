@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from polyalign.data.records import read_records
-from polyalign.lm_features import FEATURE_NAMES, LMScorer, conditional_prefix, record_lm_features
+from polyalign.features.lm import FEATURE_NAMES, LMScorer, conditional_prefix, record_lm_features
 from polyalign.model import create_model
 from tests.conftest import tiny_model_config
 

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from polyalign import parallel
+from polyalign.mesh import parallel
 from polyalign.model import create_model, family_defaults, load_hf_checkpoint, save_hf_checkpoint
-from polyalign.model.config import LORA_TARGETS, LoraConfig, ModelConfigError
+from polyalign.model.architecture import LORA_TARGETS, LoraConfig, ModelConfigError
 from polyalign.model.lora import add_adapters, base_model, merge_adapters
 from polyalign.train.config import LoopConfig, OptimizerConfig
 from polyalign.train.methods import load_config
@@ -75,7 +75,7 @@ def test_bad_adapter_settings_are_named():
         LoraConfig(targets=("q", "qkv"))
     with pytest.raises(ModelConfigError, match="rank"):
         LoraConfig(rank=0)
-    from polyalign.config import ConfigError
+    from polyalign.core.yaml_config import ConfigError
 
     with pytest.raises(ConfigError, match=r"model.lora.targets.*got \['q', 'x'\]"):
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.targets=[q, x]"])
@@ -297,7 +297,7 @@ def test_hdpo_with_adapters_precomputed_and_in_step_references_train_alike(demo_
 
 
 def test_an_in_step_reference_needs_adapters():
-    from polyalign.config import ConfigError
+    from polyalign.core.yaml_config import ConfigError
 
     with pytest.raises(ConfigError, match="in_step.*model.lora.rank"):
         load_config(REPO / "configs" / "hdpo_demo.yaml", ["reference=in_step"])
@@ -308,7 +308,7 @@ def test_an_in_step_reference_needs_adapters():
 def test_adapters_train_alike_on_two_processes_and_on_one(built_run, tmp_path):
     """LoRA SFT on two processes of two CPU devices (jax.distributed, gloo) equals one process with
     four devices step by step, and both export the same adapters."""
-    from polyalign.launch import free_port
+    from polyalign.mesh.launch import free_port
     from tests.test_training import _cli, _train_args, _wait
 
     run, _ = built_run
@@ -423,8 +423,8 @@ def test_an_adapter_peft_made_gives_peft_logits_and_our_export_reads_back(tmp_pa
     """tests/fixtures/peft/qwen2 was saved by PEFT (tools/make_fixtures.py --peft) on the qwen2 fixture,
     with its logits: the same names, layouts and alpha / r scale in polyalign give them; polyalign's own
     export of those adapters reads back to the same model."""
-    from polyalign.errors import CheckpointError
-    from polyalign.export import export_adapter
+    from polyalign.core.errors import CheckpointError
+    from polyalign.model.export import export_adapter
     from polyalign.model.lora import load_adapter
     from tests.conftest import FIXTURES
 

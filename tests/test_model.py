@@ -15,9 +15,15 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from polyalign.model import (CheckpointError, ModelConfigError, create_model, family_defaults, load_hf_checkpoint,
-                             save_hf_checkpoint)
-from polyalign.model.config import from_hf_config, to_hf_config
+from polyalign.model import (
+    CheckpointError,
+    ModelConfigError,
+    create_model,
+    family_defaults,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from polyalign.model.architecture import from_hf_config, to_hf_config
 from polyalign.model.hf import INDEX_FILE
 from tests.conftest import FIXTURES
 

@@ -57,7 +57,7 @@ def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_ru
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
     code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl")
     assert code == 0 and f"{len(rows)} training pairs from {len(rows)} rows" in out
-    from polyalign.pairs import read_pairs
+    from polyalign.pairs.make import read_pairs
 
     pairs = read_pairs(tmp_path / "pairs.jsonl")
     assert [p["bucket_id"] for p in pairs] == [r.bucket_id for r in sources]
@@ -104,7 +104,7 @@ def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_p
 
 
 def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
-    from polyalign.pairs import read_pairs
+    from polyalign.pairs.make import read_pairs
 
     rows, _ = real_rows(demo_run, n=2)
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
@@ -139,7 +139,7 @@ def test_imported_trl_pairs_train_with_dpo(demo_run, demo_tokenizer, tmp_path, c
 def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
     """`polyalign prompts` writes what `generate` would render; an engine's answers joined by id make
     pairs as polyalign's own predictions do."""
-    from polyalign.chat import get_template, record_messages
+    from polyalign.tokens.chat import get_template, record_messages
 
     run, _, _ = demo_run
     checkpoint = demo_tokenizer[0].path.parent  # a tokenizer folder is enough: no weights are read
@@ -167,7 +167,7 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
 def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_path, capsys):
     """`--val-fraction`: about that share of the pairs goes to the validation file, every pair of one
     prompt on the same side, ids distinct from the training pairs'; the same seed gives the same split."""
-    from polyalign.pairs import prompt_key, read_pairs
+    from polyalign.pairs.make import prompt_key, read_pairs
 
     rows, _ = real_rows(demo_run, n=40)
     # a second pair for ten prompts (another rejected answer): the two must not straddle the split

@@ -14,9 +14,9 @@ from etils import epath
 from etils.epath import testing as epath_testing
 from flax import nnx
 
+from polyalign.core.paths import as_path, is_uri
 from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint
-from polyalign.paths import as_path, is_uri
-from polyalign.tokenizer import load_tokenizer
+from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train.metrics import MetricsWriter, read_metrics
 from tests.conftest import tiny_model_config
 

@@ -4,7 +4,7 @@ import pytest
 
 from polyalign.cli import main
 from polyalign.model.presets import preset
-from polyalign.plan import estimate
+from polyalign.train.plan import estimate
 from tests.conftest import REPO
 
 
@@ -27,7 +27,7 @@ def test_estimate_by_hand():
 def test_adapter_estimates_by_hand(quantize):
     """With adapters only they have gradients and AdamW moments; the base is counted in the compute
     dtype, its projections at 4.25 / 8.25 bits with quantize."""
-    from polyalign.model.config import LoraConfig
+    from polyalign.model.architecture import LoraConfig
 
     model = preset("qwen2.5-1.5b", dtype="bfloat16", param_dtype="bfloat16", lora=LoraConfig(rank=16, alpha=32.0),
                    quantize=quantize)
@@ -81,7 +81,7 @@ SIZED = {"sft_qwen2.5-1.5b_v5e-16": (16, "qwen2.5-1.5b", 16, 3072),
 
 @pytest.mark.parametrize("name", sorted(SIZED))
 def test_sized_configs_fit_their_hardware(name):
-    from polyalign.plan import plan_config
+    from polyalign.train.plan import plan_config
 
     devices, model, gib, seq = SIZED[name]
     plan = plan_config(REPO / "configs" / "sizes" / f"{name}.yaml", [], devices, seq, model)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from polyalign.data.records import InputError
-from polyalign.pairs import assign_weights, build_pairs, imbalance_gains, pair_weight, read_predictions
+from polyalign.pairs.make import assign_weights, build_pairs, imbalance_gains, pair_weight, read_predictions
 from polyalign.train import losses
 from tests.conftest import REPO
 
@@ -64,7 +64,7 @@ def test_every_preference_loss_is_exact_under_micro_batching(method, hdpo_terms)
     """Each loss of the family, alone or with HDPO's weights, distance term and anchor, gives the pure
     loss of the whole batch (computed here from polyalign.train.losses) for 1 and 4 micro-batches (the
     DPO/HDPO test below also covers 2)."""
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.config import PreferenceConfig
     from polyalign.train.preference import PreferenceObjective, sequence_logps
@@ -102,7 +102,7 @@ def test_every_preference_loss_is_exact_under_micro_batching(method, hdpo_terms)
 
 
 def test_critic_loss_and_collapse_guard():
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.train.critic import MARGIN, Critic, CriticObjective
 
     with parallel.unsharded():
@@ -127,7 +127,7 @@ def test_critic_dropout_draws_from_the_trainers_key():
     the same key gives the same loss, another key another one, and no key (evaluation) no dropout."""
     from flax import nnx
 
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.train.critic import Critic, CriticObjective
 
     with parallel.unsharded():
@@ -166,8 +166,8 @@ def test_a_constant_critic_is_refused():
 
 
 def test_support_targets_skip_constant_features(demo_run):
-    from polyalign.features import text_features
-    from polyalign.references import support_distance
+    from polyalign.features.references import support_distance
+    from polyalign.features.response import text_features
     from polyalign.train.critic import support_targets
 
     run, _, _ = demo_run
@@ -204,7 +204,7 @@ def _preference_batch(rng, n, length, vocab):
 
 @pytest.mark.parametrize("method", ["hdpo", "dpo"])
 def test_preference_objective_equals_the_pure_loss_for_any_micro_batching(method, tmp_path):
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.config import PreferenceConfig
     from polyalign.train.preference import PreferenceObjective, sequence_logps
@@ -262,8 +262,8 @@ def _real_pairs(demo_run, count: int) -> list[dict]:
 
 
 def _tokenised_real_pairs(demo_run, tokenizer, length: int, count: int):
-    from polyalign.chat import get_template
     from polyalign.inputs.pair_rows import tokenise_pairs
+    from polyalign.tokens.chat import get_template
 
     pairs = _real_pairs(demo_run, count)
     buckets = sorted({p["bucket_id"] for p in pairs})
@@ -291,10 +291,10 @@ def test_reference_log_probs_from_packed_rows_equal_the_unpacked_ones(demo_run, 
 def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo_run, demo_tokenizer, tmp_path):
     """Pairs packed as trees (the prompt once, both responses seeing it) give every pair's sequence
     log-probs, the objective and its gradient exactly as one pair per row pair."""
-    from polyalign import parallel
     from polyalign.inputs import pipeline
-    from polyalign.model import create_model
     from polyalign.inputs.pair_rows import packed_pair_arrays, pair_arrays, tree_length, tree_spans
+    from polyalign.mesh import parallel
+    from polyalign.model import create_model
     from polyalign.train.config import PreferenceConfig
     from polyalign.train.preference import PreferenceObjective, sequence_logps
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
@@ -351,7 +351,7 @@ def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo
 def _init_checkpoint_and_pair_files(demo_run, tokenizer, directory, train: int, val: int) -> None:
     """DIR/init (a tiny random model with the demo tokenizer), DIR/train.jsonl and DIR/val.jsonl (real pairs)."""
     from polyalign.model import create_model, save_hf_checkpoint
-    from polyalign.pairs import write_pairs
+    from polyalign.pairs.make import write_pairs
     from tests.conftest import tiny_model_config
 
     files = tokenizer.path.parent
@@ -367,8 +367,8 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     """`data.pack=true` end to end: rows of whole pairs, several pairs a step, a first step at the
     reference (margin 0), validation on unpacked pairs and an exported model."""
     from polyalign.train.methods import load_config
-    from polyalign.train.run import train as train_preference
     from polyalign.train.metrics import read_metrics
+    from polyalign.train.run import train as train_preference
 
     _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=20, val=4)
     config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
@@ -393,7 +393,7 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
     pairs (a partial last batch on either layout) and the drift probe's greedy samples agree too."""
     from safetensors.numpy import load_file
 
-    from polyalign.launch import free_port
+    from polyalign.mesh.launch import free_port
     from polyalign.train.metrics import read_metrics
     from tests.test_training import _cli, _wait
 
@@ -462,7 +462,7 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     its checkpoint; round 2's rejected side is round 1's policy answering the same prompts, the critic is
     retrained on those pairs (refresh_critic) and scores them; a third run of the command trains nothing."""
     from polyalign.cli import main
-    from polyalign.pairs import read_pairs
+    from polyalign.pairs.make import read_pairs
 
     _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
     critic = tmp_path / "critic"
@@ -510,8 +510,8 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
 def test_the_critic_refuses_references_made_from_an_earlier_prepare(demo_run, tmp_path):
     import shutil
 
-    from polyalign.config import ConfigError
-    from polyalign.paths import file_digest
+    from polyalign.core.paths import file_digest
+    from polyalign.core.yaml_config import ConfigError
     from polyalign.train import critic
     from polyalign.train.methods import load_config
 

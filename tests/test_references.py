@@ -3,8 +3,7 @@ from collections import Counter
 
 import pytest
 
-from polyalign.features import FEATURE_NAMES
-from polyalign.references import (
+from polyalign.features.references import (
     COUNT_FEATURES,
     build_references,
     nearest_rank,
@@ -13,6 +12,7 @@ from polyalign.references import (
     summarize,
     support_distance,
 )
+from polyalign.features.response import FEATURE_NAMES
 from tests.conftest import read_jsonl
 
 
@@ -75,7 +75,7 @@ def test_per_token_distance_by_hand():
 
 
 def test_per_token_rates_of_the_features_of_a_text():
-    from polyalign.features import text_features
+    from polyalign.features.response import text_features
 
     features = text_features("Well, yes, it is. Is it?")
     rates = per_token_rates(features)
@@ -128,7 +128,7 @@ def test_per_token_distance_does_not_punish_long_human_answers(demo_run):
 
     import numpy as np
 
-    from polyalign.features import text_features
+    from polyalign.features.response import text_features
     from tests.test_support import _answer_sets, _halves
 
     run, _, _ = demo_run

@@ -16,7 +16,7 @@ from polyalign.evaluate.baselines import first_sentence
 def real_pairs(demo_run, tmp_path_factory):
     """Unscored pairs from real records: the human answer chosen, the first sentence of the prompt's
     context (or the question) rejected, as `polyalign pairs` makes them."""
-    from polyalign.pairs import make_pairs
+    from polyalign.pairs.make import make_pairs
 
     run, _, _ = demo_run
     directory = tmp_path_factory.mktemp("pairs")
@@ -55,7 +55,7 @@ def test_hdpo_on_unscored_pairs_refuses_unless_the_distance_term_is_off(real_pai
 
 
 def test_hdpo_on_scored_pairs_passes_the_check(real_pairs):
-    from polyalign.pairs import read_pairs
+    from polyalign.pairs.make import read_pairs
     from polyalign.train.config import PreferenceConfig
     from polyalign.train.preference import check_pairs, unscored_pairs
 

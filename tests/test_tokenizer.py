@@ -3,7 +3,7 @@
 import pytest
 
 from polyalign.cli import main
-from polyalign.tokenizer import JsonTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
+from polyalign.tokens.tokenizer import JsonTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
 
 ROUND_TRIP = {
     "simplified": "你好，世界！今天北京的天气怎么样？请问去颐和园要多久：大约两小时。",

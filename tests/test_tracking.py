@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from polyalign.config import ConfigError
-from polyalign.model.config import from_hf_config
+from polyalign.core.yaml_config import ConfigError
+from polyalign.model.architecture import from_hf_config
 from polyalign.model.flops import flops_per_token, matmul_parameters
 from polyalign.model.presets import preset
 from polyalign.train.metrics import read_metrics
@@ -94,7 +94,7 @@ def test_bad_tracking_settings_are_named(override, fragment, tmp_path):
 
 
 def test_a_tracker_without_its_extra_names_the_extra(tmp_path, monkeypatch):
-    from polyalign.extras import MissingExtra
+    from polyalign.core.extras import MissingExtra
     from polyalign.train.metrics import MetricsWriter
 
     monkeypatch.setitem(sys.modules, "wandb", None)

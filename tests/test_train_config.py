@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from polyalign.cli import main
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 from polyalign.train import config as schema
 from polyalign.train.methods import METHODS, load_config
 from tests.conftest import REPO
@@ -218,7 +218,7 @@ class _DrawObjective:
 def test_the_trainer_gives_each_micro_batch_a_fresh_key_and_advances_its_own():
     from flax import nnx
 
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.train.trainer import Trainer
 
     class Model(nnx.Module):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from polyalign.chat import encode_conversation, get_template, record_messages
 from polyalign.data.bucketing import WEIGHT_PRESETS, bucket_weights
 from polyalign.data.records import read_records
 from polyalign.inputs import pipeline
-from polyalign.launch import free_port
+from polyalign.mesh.launch import free_port
+from polyalign.tokens.chat import encode_conversation, get_template, record_messages
 from polyalign.train.methods import load_config
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
@@ -186,7 +186,7 @@ def test_adaptive_weights_update_by_hand():
 def test_adaptive_weights_are_exact_under_micro_batching(built_run):
     """Denominators and numerators take the same per-bucket weights from the trainer's state, so the
     gradient of a global batch is the same for 1 and 4 micro-batches with a non-uniform q."""
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.config import LoopConfig, OptimizerConfig
     from polyalign.train.sft import SftObjective
@@ -358,7 +358,7 @@ def test_a_checkpoint_restores_onto_a_different_mesh(built_run, tmp_path):
 
 
 def test_unknown_config_keys_name_the_closest(built_run):
-    from polyalign.config import ConfigError
+    from polyalign.core.yaml_config import ConfigError
 
     run, _ = built_run
     with pytest.raises(ConfigError, match="unknown key 'micro_batch'; did you mean 'micro_batches'"):
@@ -427,8 +427,8 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
     and gradient: segments never attend across examples and positions restart."""
     import jax
 
-    from polyalign import parallel
     from polyalign.inputs.build import read_manifest
+    from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
@@ -475,7 +475,7 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
 def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(built_run):
     import jax
 
-    from polyalign import parallel
+    from polyalign.mesh import parallel
     from polyalign.model import abstract_model
     from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import (

@@ -7,9 +7,9 @@ import numpy as np
 from flax import traverse_util
 from safetensors.numpy import save_file
 
-from polyalign import parallel
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import read_manifest
+from polyalign.mesh import parallel
 from polyalign.model import create_model
 from polyalign.train.sft import SftObjective
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
@@ -30,7 +30,7 @@ def adapted_model(vocab_size: int, rank: int = 4, targets=("q", "k", "v", "o", "
     import jax.numpy as jnp
     from flax import nnx
 
-    from polyalign.model.config import LoraConfig
+    from polyalign.model.architecture import LoraConfig
     from polyalign.model.lora import add_adapters
 
     model = add_adapters(create_model(tiny_model_config(vocab_size), seed=0), LoraConfig(rank=rank, alpha=8.0,
@@ -73,7 +73,7 @@ def sharded_generation_matches(out: Path, parallel_sizes) -> None:
     writes {"equal": bool, "rows": n} to `out`."""
     import json
 
-    from polyalign.generate import Sampler, SamplingConfig
+    from polyalign.generate.sampling import Sampler, SamplingConfig
     from polyalign.model import load_hf_checkpoint
     from tests.conftest import FIXTURES
 

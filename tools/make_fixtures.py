@@ -199,9 +199,9 @@ def official_render(template_text: str, name: str, messages: list[dict], fold: b
 
 
 def write_chat_fixtures(template_dir: Path) -> None:
-    from polyalign.chat import get_template, record_messages
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
+    from polyalign.tokens.chat import get_template, record_messages
 
     with tempfile.TemporaryDirectory() as tmp:
         prepare(REPO / "configs" / "data" / "demo.yaml", Path(tmp), progress=False)
@@ -258,7 +258,7 @@ def write_export_fixtures(template_dir: Path) -> None:
     every record of the real-text chat export, with its system messages where the user put them. Gemma
     2's template refuses system messages: it is given the conversation with them folded into user
     turns by polyalign's documented rule (chat.fold_system)."""
-    from polyalign.chat import Message, fold_system
+    from polyalign.tokens.chat import Message, fold_system
 
     cases = []
     for key, conversation in export_conversations():
@@ -303,9 +303,9 @@ def write_jinja_fixtures() -> None:
     from tokenizers.models import WordLevel
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from polyalign.chat import record_messages
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
+    from polyalign.tokens.chat import record_messages
 
     with tempfile.TemporaryDirectory() as tmp:
         prepare(REPO / "configs" / "data" / "demo.yaml", Path(tmp), progress=False)
@@ -352,13 +352,13 @@ def check_exports() -> None:
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from polyalign.chat import TEMPLATE_SPECIAL_TOKENS, get_template
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
-    from polyalign.export import export_checkpoint
     from polyalign.model import create_model, load_hf_checkpoint
-    from polyalign.tokenizer import load_tokenizer
-    from polyalign.tokenizer_training import record_texts, train_from_records
+    from polyalign.model.export import export_checkpoint
+    from polyalign.tokens.chat import TEMPLATE_SPECIAL_TOKENS, get_template
+    from polyalign.tokens.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer_training import record_texts, train_from_records
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -411,8 +411,8 @@ def compare_with_transformers(model, tokenizer, template, export, records, profi
     """What transformers makes of the export in `export`, against polyalign on `records`: the chat
     template's prompt (the profile's system prompt from template variables), the prompt's ids, greedy
     continuation (12 tokens) and the largest logits difference."""
-    from polyalign.chat import encode_prompt, record_messages
-    from polyalign.generate import Sampler, SamplingConfig
+    from polyalign.generate.sampling import Sampler, SamplingConfig
+    from polyalign.tokens.chat import encode_prompt, record_messages
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(export)
@@ -449,10 +449,10 @@ def compare_with_transformers(model, tokenizer, template, export, records, profi
 def check_trained_export(export: Path, records_path: Path, limit: int = 24) -> None:
     """A model polyalign trained and exported (e.g. the demo's RUN/bucket_sft/model) against
     transformers on the first `limit` records with a response."""
-    from polyalign.chat import choose_template, get_template
     from polyalign.data.records import read_records
     from polyalign.model import load_hf_checkpoint
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.chat import choose_template, get_template
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     model = load_hf_checkpoint(export)
     tokenizer = load_tokenizer(export)
@@ -505,9 +505,9 @@ def check_adapter_export() -> None:
     import peft
     from flax import nnx
 
-    from polyalign.export import export_adapter
     from polyalign.model import load_hf_checkpoint, save_hf_checkpoint
-    from polyalign.model.config import LoraConfig
+    from polyalign.model.architecture import LoraConfig
+    from polyalign.model.export import export_adapter
     from polyalign.model.lora import add_adapters, merge_adapters
 
     ids, mask = inputs()

@@ -13,8 +13,8 @@ import logging
 import shlex
 from typing import Any
 
-from polyalign.errors import PolyalignError
-from polyalign.extras import require
+from polyalign.core.errors import PolyalignError
+from polyalign.core.extras import require
 
 
 class _UserErrorFilter(logging.Filter):

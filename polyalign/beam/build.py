@@ -18,10 +18,8 @@ import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
 from polyalign.beam import pipeline_options
-from polyalign.chat import get_template
 from polyalign.data.bucketing import WeightOptions, weight_warnings
 from polyalign.data.records import Record
-from polyalign.inputs.tokenizer_check import check_tokenizer
 from polyalign.inputs.build import (
     SPLITS,
     BucketTable,
@@ -36,7 +34,9 @@ from polyalign.inputs.build import (
     write_dataset,
     write_manifest,
 )
-from polyalign.tokenizer import load_tokenizer
+from polyalign.inputs.tokenizer_check import check_tokenizer
+from polyalign.tokens.chat import get_template
+from polyalign.tokens.tokenizer import load_tokenizer
 
 NAMESPACE = "polyalign.build"
 

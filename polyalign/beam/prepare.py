@@ -26,12 +26,12 @@ import apache_beam as beam
 import numpy as np
 
 from polyalign.beam import pipeline_options
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 from polyalign.data.dedup import NearDuplicateOptions, band_keys, exact_key, minhash_signature
 from polyalign.data.importers import read_file, rows_in_file
 from polyalign.data.prepare import (
-    AgreementCounts,
     ON_ERROR_MODES,
+    AgreementCounts,
     PrepareContext,
     PrepareError,
     SourceTally,

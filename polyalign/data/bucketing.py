@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyalign.config import ConfigError, from_mapping, load_yaml
+from polyalign.core.yaml_config import ConfigError, from_mapping, load_yaml
 from polyalign.data.text import LENGTH_UNIT_PATTERNS
 
 LABEL_FIELDS = ("track", "family", "style")

@@ -67,7 +67,7 @@ def contradicting_script(declared: str, text: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _detector():
-    from polyalign.extras import require
+    from polyalign.core.extras import require
 
     lingua = require("lingua", "langid", "detecting the language of rows whose source declares none",
                      "or give the source a `language:` in the data config")

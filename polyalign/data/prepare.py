@@ -19,8 +19,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
+from polyalign.core.errors import PrepareError
+from polyalign.core.outputs import OutputLock, describe_changes, differing_keys
+from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
-from polyalign.config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.dedup import (
     NearDuplicateOptions,
     count_kinds,
@@ -43,8 +45,6 @@ from polyalign.data.records import (
 )
 from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
 from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize
-from polyalign.errors import PrepareError
-from polyalign.outputs import OutputLock, describe_changes, differing_keys
 
 ON_ERROR_MODES = ("fail", "quarantine")
 SOURCE_SPLITS = (*SPLITS, "auto")

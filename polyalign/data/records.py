@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from polyalign import jsonl
-from polyalign.errors import InputError, RowProblem  # noqa: F401 (importers raise it from here)
+from polyalign.core import jsonl
+from polyalign.core.errors import InputError, RowProblem  # noqa: F401 (importers raise it from here)
 
 SPLITS = ("train", "val", "test")
 # Group protection and dedup keep a record in the highest-priority split it appears in.

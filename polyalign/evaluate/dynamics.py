@@ -9,7 +9,7 @@ import numpy as np
 from scipy.stats import wasserstein_distance
 
 from polyalign.evaluate.naturalness import MIN_BUCKET_ROWS
-from polyalign.evaluate.text import tokens
+from polyalign.evaluate.text_metrics import tokens
 
 
 def _cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.stats import wasserstein_distance
 
-from polyalign.references import nearest_rank
+from polyalign.features.references import nearest_rank
 
 MIN_BUCKET_ROWS = 20
 

@@ -15,17 +15,17 @@ from typing import Any
 
 import numpy as np
 
+from polyalign.core.errors import EvaluationError
+from polyalign.core.extras import require
+from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input
+from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
-from polyalign.errors import EvaluationError
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
-from polyalign.evaluate.text import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
-from polyalign.extras import require
-from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input
-from polyalign.paths import file_digest
-from polyalign.predictions import check_generated_from, iter_predictions
+from polyalign.evaluate.text_metrics import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
+from polyalign.generate.predictions import check_generated_from, iter_predictions
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
@@ -70,7 +70,7 @@ def _feature_matrix(features: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _features(texts: list[str]) -> dict[str, np.ndarray]:
-    from polyalign.features import FEATURE_NAMES, text_features
+    from polyalign.features.response import FEATURE_NAMES, text_features
 
     table = [text_features(t) for t in texts]
     return {name: np.array([row[name] for row in table], float) for name in FEATURE_NAMES}
@@ -374,7 +374,7 @@ def _supports(by_bucket_idx, human_features, support_path: Path | None, referenc
     if support_path is None:
         table, pool_rows = _feature_matrix(human_features), by_bucket_idx
     else:
-        from polyalign.features import FEATURE_NAMES
+        from polyalign.features.response import FEATURE_NAMES
 
         if set(names) != set(FEATURE_NAMES):
             raise EvaluationError("a support file measures the text features only; it cannot be combined with "
@@ -435,16 +435,16 @@ def _finite(value):
 def _featurizer(checkpoint: Path):
     from polyalign.model import load_hf_checkpoint
     from polyalign.model.pooling import encode_responses
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     model, tokenizer = load_hf_checkpoint(checkpoint), load_tokenizer(checkpoint)
     return lambda texts: encode_responses(model, tokenizer, list(texts), 512, 16, progress=False)
 
 
 def _lm_scorer(scorer: Path):
-    from polyalign.lm_features import LMScorer
+    from polyalign.features.lm import LMScorer
     from polyalign.model import load_hf_checkpoint
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     return LMScorer(load_hf_checkpoint(scorer), load_tokenizer(scorer))
 
@@ -454,7 +454,7 @@ def _answer_features(records, answers: list[str] | None, lm) -> dict[str, np.nda
     when a scorer is loaded."""
     features = _features([r.response for r in records] if answers is None else answers)
     if lm is not None:
-        from polyalign.lm_features import record_lm_features
+        from polyalign.features.lm import record_lm_features
 
         rows = record_lm_features(lm, records, answers)
         for name in rows[0]:

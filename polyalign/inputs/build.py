@@ -22,17 +22,9 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from polyalign.chat import (
-    PROFILE_MODES,
-    SYSTEM_MODES,
-    TRAIN_ON,
-    choose_template,
-    encode_conversation,
-    get_template,
-    record_messages,
-    source_system,
-)
-from polyalign.config import ConfigError
+from polyalign.core.outputs import OutputLock, check_settings
+from polyalign.core.paths import as_path, changed_since, file_digest, is_uri
+from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
     WEIGHT_PRESETS,
     WeightOptions,
@@ -43,10 +35,18 @@ from polyalign.data.bucketing import (
 )
 from polyalign.data.records import Record, read_records
 from polyalign.inputs.tokenizer_check import PROBE_RECORDS, check_tokenizer
-from polyalign.model.config import checkpoint_family
-from polyalign.outputs import OutputLock, check_settings
-from polyalign.paths import as_path, changed_since, file_digest, is_uri
-from polyalign.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_CONFIG, TOKENIZERS_FILE, load_tokenizer
+from polyalign.model.architecture import checkpoint_family
+from polyalign.tokens.chat import (
+    PROFILE_MODES,
+    SYSTEM_MODES,
+    TRAIN_ON,
+    choose_template,
+    encode_conversation,
+    get_template,
+    record_messages,
+    source_system,
+)
+from polyalign.tokens.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_CONFIG, TOKENIZERS_FILE, load_tokenizer
 
 BUILD_DIR = "build"
 PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from

@@ -13,8 +13,8 @@ SIDES = ("chosen", "rejected")
 
 def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_length: int,
                    buckets: list[str]) -> list[dict]:
-    from polyalign.chat import Message, encode_conversation, record_messages
     from polyalign.data.records import Record
+    from polyalign.tokens.chat import Message, encode_conversation, record_messages
 
     index = {b: i for i, b in enumerate(buckets)}
     examples = []

@@ -200,7 +200,7 @@ def example_lengths(source, cache=None, write_cache: bool = True) -> np.ndarray:
     when it holds one length per example, else computed and, with `write_cache`, saved there."""
     import io
 
-    from polyalign.paths import as_path
+    from polyalign.core.paths import as_path
 
     if cache is not None:
         cache = as_path(cache)

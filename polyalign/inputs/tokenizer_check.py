@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyalign.tokenizer_training import record_texts
+from polyalign.tokens.tokenizer_training import record_texts
 
 PROBE_RECORDS = 64  # records spread evenly over train and val (inputs/build.py, probe_records)
 PROBE_CHARS = 2000  # each text cut to this many characters, so long contexts stay cheap
@@ -39,7 +39,7 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
     except ImportError:
         return None, ("not checked: transformers is not installed (pip install transformers to check that it "
                       "reads this tokenizer with the same ids as polyalign)")
-    from polyalign.export import tokenizer_files
+    from polyalign.model.export import tokenizer_files
 
     with tempfile.TemporaryDirectory(prefix="polyalign-tokenizer-check-") as folder:
         for name, content in tokenizer_files(tokenizer, template, profile).items():

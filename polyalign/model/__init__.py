@@ -1,6 +1,6 @@
 """The decoder (Llama, Qwen2, Gemma 2 families) and Hugging Face checkpoints in and out."""
 
-from polyalign.model.config import ModelConfig, ModelConfigError, RopeScaling, family_defaults
+from polyalign.model.architecture import ModelConfig, ModelConfigError, RopeScaling, family_defaults
 from polyalign.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from polyalign.model.transformer import Transformer, abstract_model, create_model
 

@@ -8,7 +8,7 @@ the step) costs a third of that. Norms, the embedding lookup and elementwise wor
 
 from __future__ import annotations
 
-from polyalign.model.config import ModelConfig
+from polyalign.model.architecture import ModelConfig
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:

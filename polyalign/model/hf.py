@@ -18,16 +18,16 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import load, save
 
-from polyalign import parallel
-from polyalign.errors import CheckpointError
-from polyalign.model.config import (
+from polyalign.core.errors import CheckpointError
+from polyalign.core.paths import as_path, is_uri
+from polyalign.mesh import parallel
+from polyalign.model.architecture import (
     ModelConfig,
     ModelConfigError,
     from_hf_config,
     to_hf_config,
 )
 from polyalign.model.transformer import Transformer, abstract_model
-from polyalign.paths import as_path, is_uri
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

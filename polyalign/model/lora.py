@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from polyalign import parallel as P
-from polyalign.model.config import LORA_TARGETS, LoraConfig
+from polyalign.mesh import parallel as P
+from polyalign.model.architecture import LORA_TARGETS, LoraConfig
 
 
 def has_adapters(model: nnx.Module) -> bool:
@@ -174,8 +174,8 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
     is refused by name."""
     from safetensors.numpy import load_file
 
-    from polyalign.errors import CheckpointError
-    from polyalign.paths import as_path
+    from polyalign.core.errors import CheckpointError
+    from polyalign.core.paths import as_path
 
     path = as_path(path)
     config_path = path / "adapter_config.json"

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from polyalign import parallel as P
-from polyalign.model.config import LoraConfig
+from polyalign.mesh import parallel as P
+from polyalign.model.architecture import LoraConfig
 
 
 class LoraLinear(nnx.Module):

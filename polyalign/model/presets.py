@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from polyalign.config import load_yaml
-from polyalign.model.config import ModelConfig, ModelConfigError, RopeScaling, family_defaults
+from polyalign.core.yaml_config import load_yaml
+from polyalign.model.architecture import ModelConfig, ModelConfigError, RopeScaling, family_defaults
 
 # One YAML file per architecture; the repository's configs/models/ is this folder.
 ARCHITECTURES = Path(__file__).with_name("architectures")

@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from polyalign import parallel as P
+from polyalign.mesh import parallel as P
 
 BLOCK_SIZES = (512, 256, 128)
 

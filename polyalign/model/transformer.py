@@ -3,7 +3,7 @@
 Parameter names follow the Hugging Face modules (embed_tokens, layers.self_attn.q_proj, ...), so the
 checkpoint mapping is one-to-one. The layers are stored stacked, with a leading layer axis, whether
 the forward pass scans over them or unrolls them: one parameter layout for checkpoints and sharding.
-Every parameter and large activation carries logical axis names (polyalign.parallel).
+Every parameter and large activation carries logical axis names (polyalign.mesh.parallel).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from polyalign import parallel as P
+from polyalign.mesh import parallel as P
 from polyalign.model import splash
-from polyalign.model.config import ModelConfig
+from polyalign.model.architecture import ModelConfig
 from polyalign.model.log_probs import chunked_token_log_probs, token_log_probs
 from polyalign.model.lora_layer import LoraLinear
 

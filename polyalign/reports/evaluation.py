@@ -16,9 +16,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from polyalign.errors import EvaluationError  # noqa: E402
-from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input  # noqa: E402
-from polyalign.paths import file_digest  # noqa: E402
+from polyalign.core.errors import EvaluationError  # noqa: E402
+from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input  # noqa: E402
+from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 
 OVERALL_ROWS = (
@@ -266,7 +266,7 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
     if m.get("buckets"):
         reference_html, _ = _reference_rows(m)
         bucket_html, _ = _bucket_table(m["buckets"])
-        bng, hcr = m["bng"], m["hcr"]
+        bng = m["bng"]
         summary = (f"<p>BNG {_fmt(bng['overall_macro'])} {_interval(bng.get('macro_interval'))} against a human "
                    f"floor of {_fmt(bng.get('floor_macro'))}: the model's answers are {_fmt(bng.get('gap_macro'))} "
                    "farther from the people of their buckets than people's own answers to the same prompts (macro "

@@ -18,6 +18,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import polyalign
+from polyalign.core.errors import StatsError
+from polyalign.core.outputs import OutputLock
+from polyalign.core.paths import file_digest
 from polyalign.data.bucketing import (
     Scheme,
     bucket_weights,
@@ -25,11 +28,8 @@ from polyalign.data.bucketing import (
     weight_warnings,
 )
 from polyalign.data.records import SPLITS, Record, read_records
-from polyalign.errors import StatsError
-from polyalign.features import text_features
-from polyalign.outputs import OutputLock
-from polyalign.paths import file_digest
-from polyalign.references import build_references, summarize
+from polyalign.features.references import build_references, summarize
+from polyalign.features.response import text_features
 from polyalign.reports import plots
 from polyalign.reports.markdown import table as markdown_table
 

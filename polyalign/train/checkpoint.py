@@ -12,8 +12,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from polyalign.errors import CheckpointError
-from polyalign.paths import as_path
+from polyalign.core.errors import CheckpointError
+from polyalign.core.paths import as_path
 
 
 class Checkpointer:

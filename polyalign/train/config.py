@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from polyalign.mesh_config import ParallelConfig
+from polyalign.mesh.shape import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class LoraSection:
 
     def to_model(self):
         """The model's LoraConfig, or None for full fine-tuning."""
-        from polyalign.model.config import LoraConfig
+        from polyalign.model.architecture import LoraConfig
 
         if not self.rank:
             return None
@@ -195,7 +195,7 @@ class PreferenceConfig:
 
     def pair_files(self) -> dict[str, str]:
         """{"pairs": ..., "val_pairs": ...}: as set, else the scored pairs in RUN/critic/."""
-        from polyalign.config import ConfigError
+        from polyalign.core.yaml_config import ConfigError
 
         files = {}
         for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):

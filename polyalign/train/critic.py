@@ -22,12 +22,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save
 
-from polyalign import parallel
-from polyalign.config import ConfigError
-from polyalign.errors import CriticCollapse
+from polyalign.core.errors import CriticCollapse
+from polyalign.core.paths import changed_since
+from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
+from polyalign.mesh import parallel
 from polyalign.model.pooling import encode_responses
-from polyalign.paths import changed_since
 from polyalign.train.config import CriticConfig, LoopConfig
 from polyalign.train.critic_model import (  # noqa: F401 (MARGIN, CriticScorer: part of this module's face)
     MARGIN,
@@ -118,8 +118,8 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     """Encodes every pair with the frozen encoder, then trains the head on the encodings; `finish`
     writes OUT/critic.safetensors, OUT/critic.json and the scored pairs (OUT/train_pairs.jsonl,
     OUT/val_pairs.jsonl, reweighted with the critic term)."""
-    from polyalign.pairs import assign_weights, read_pairs, write_pairs
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.pairs.make import assign_weights, read_pairs, write_pairs
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     require(config, "init", "pairs", "val_pairs")

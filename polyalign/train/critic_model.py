@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from polyalign import parallel
+from polyalign.core.paths import as_path
+from polyalign.mesh import parallel
 from polyalign.model.pooling import encode_responses
-from polyalign.paths import as_path
 
 MARGIN = 0.1
 BUCKET_DIM, HIDDEN = 64, 256
@@ -47,8 +47,8 @@ class Critic(nnx.Module):
 def support_targets(texts: list[str], buckets: list[str], references: dict, skip_constant: bool = True,
                     counts: str = "per_token") -> np.ndarray:
     """d(y, b) for each response from its own text features; NaN where the bucket has no reference."""
-    from polyalign.features import text_features
-    from polyalign.references import support_distance
+    from polyalign.features.references import support_distance
+    from polyalign.features.response import text_features
 
     names = references["features"]
     targets = np.full(len(texts), np.nan, np.float32)
@@ -76,7 +76,7 @@ class CriticScorer:
         from safetensors.numpy import load
 
         from polyalign.model import load_hf_checkpoint
-        from polyalign.tokenizer import load_tokenizer
+        from polyalign.tokens.tokenizer import load_tokenizer
 
         directory = as_path(directory)
         info = json.loads((directory / "critic.json").read_text())

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from polyalign.chat import ChatTemplate, encode_prompt, record_messages
 from polyalign.data.records import Record
+from polyalign.tokens.chat import ChatTemplate, encode_prompt, record_messages
 
 
 def _mean_by_bucket(values: Sequence[float], buckets: Sequence[str]) -> dict[str, float]:
@@ -36,7 +36,7 @@ class DriftProbe:
     def __init__(self, pairs: list[dict], model, tokenizer, template: ChatTemplate, profile: str, mesh,
                  max_new_tokens: int, references: dict | None = None, critic_dir: Path | None = None,
                  seed: int = 0):
-        from polyalign.generate import Sampler, SamplingConfig
+        from polyalign.generate.sampling import Sampler, SamplingConfig
 
         self.tokenizer, self.references, self.seed = tokenizer, references, seed
         records = [Record.from_json(p["record"]) for p in pairs]

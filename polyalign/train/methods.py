@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from polyalign.config import ConfigError, apply_overrides, from_mapping, load_mapping
+from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_mapping
 from polyalign.train import config as schema
 
 
@@ -300,7 +300,7 @@ def check_ranges(config: Any, where: str = "config") -> None:
 
 def check_config(config: Any, where: str = "config") -> None:
     """Values every method shares the meaning of, and each method's own choices."""
-    from polyalign.model.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+    from polyalign.model.architecture import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
     _check_choice(where, "model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
     _check_choice(where, "model.export_dtype", config.model.export_dtype, (None, "float32", "bfloat16", "float16"))
@@ -329,7 +329,7 @@ def check_config(config: Any, where: str = "config") -> None:
             raise ConfigError(f"{where}: reference: in_step computes the reference as the base with the adapters "
                               "off, which needs model.lora.rank > 0 (full tuning has no frozen base to use)")
     elif isinstance(config, schema.CriticConfig):
-        from polyalign.references import COUNTS
+        from polyalign.features.references import COUNTS
 
         _check_choice(where, "distance_features", config.distance_features, schema.DISTANCE_FEATURES)
         _check_choice(where, "distance_counts", config.distance_counts, COUNTS)
@@ -352,7 +352,7 @@ def _check_preset(config: Any, where: str) -> None:
 
 
 def _check_lora(config: Any, where: str) -> None:
-    from polyalign.model.config import LORA_INITS, LORA_TARGETS, QUANTIZE_KINDS
+    from polyalign.model.architecture import LORA_INITS, LORA_TARGETS, QUANTIZE_KINDS
 
     lora = config.model.lora
     unknown = [t for t in lora.targets if t not in LORA_TARGETS]

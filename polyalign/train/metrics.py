@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 
-from polyalign.extras import require
-from polyalign.paths import as_path
+from polyalign.core.extras import require
+from polyalign.core.paths import as_path
 
 
 class _TensorBoard:

@@ -10,7 +10,7 @@ the config is the same; otherwise the keys that differ decide:
   learning-rate schedule);
 - anything else (the data, the model, the method, the optimiser) is another run: refused unless
   `--overwrite`, which starts over and removes what the earlier run wrote.
-A lock file (polyalign/outputs.py) refuses a second process writing the same folder.
+A lock file (polyalign/core/outputs.py) refuses a second process writing the same folder.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from polyalign.config import ConfigError
-from polyalign.outputs import describe_changes, differing_keys, same_path
+from polyalign.core.outputs import describe_changes, differing_keys, same_path
+from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
 FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.", "train.hang_timeout",

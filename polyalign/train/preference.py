@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.pair_rows import (
     PAIR_FIELDS,
@@ -204,8 +204,8 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
     """Refuses inputs a run would train on without a word of what they lack: validation pairs that are
     the training pairs, and HDPO's distance term on pairs the critic has not scored (missing scores read
     as 0, so the term would be identically zero and the run weighted DPO)."""
-    from polyalign.outputs import same_path
-    from polyalign.paths import file_digest
+    from polyalign.core.outputs import same_path
+    from polyalign.core.paths import file_digest
 
     train_file, val_file = paths["pairs"], paths["val_pairs"]
     if same_path(train_file, val_file) or (Path(val_file).is_file() and file_digest(train_file) == file_digest(val_file)):
@@ -227,10 +227,10 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
 
 
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
-    from polyalign.chat import choose_template, get_template
-    from polyalign.export import export_trained
-    from polyalign.pairs import read_pairs
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.model.export import export_trained
+    from polyalign.pairs.make import read_pairs
+    from polyalign.tokens.chat import choose_template, get_template
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     require(config, "init", hint="the SFT checkpoint")
     paths = config.pair_files()

@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from polyalign.paths import as_path
+from polyalign.core.paths import as_path
 
 
 def _round_dir(out, r: int):
@@ -43,8 +43,8 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
     """DIR/train_pairs.jsonl: the pairs of `pairs_path` with the rejected side answered anew by
     `policy` (sampled), rescored by the critic in `critic_dir` when it has one, reweighted."""
     from polyalign.data.records import Record
-    from polyalign.generate import SamplingConfig, generate_predictions
-    from polyalign.pairs import (
+    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    from polyalign.pairs.make import (
         assign_weights,
         build_pairs,
         read_pairs,
@@ -78,7 +78,7 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
     """OUT: the critic of `critic_dir` retrained, with its own settings, on the pairs of `pairs_path`
     (validated on its validation pairs); OUT/train_pairs.jsonl are those pairs scored by it. A finished
     OUT is kept."""
-    from polyalign.config import from_mapping
+    from polyalign.core.yaml_config import from_mapping
     from polyalign.train.config import CriticConfig
 
     if not (out / "critic.json").is_file():
@@ -92,7 +92,7 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
 def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True) -> dict[str, Any]:
     """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
     one-run entry point); returns the last round's summary with every round's in `rounds`."""
-    from polyalign.config import ConfigError
+    from polyalign.core.yaml_config import ConfigError
     from polyalign.train.methods import require
 
     require(config, "init", hint="the SFT checkpoint")

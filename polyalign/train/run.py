@@ -23,13 +23,13 @@ from typing import Any
 import jax
 from flax import nnx
 
-from polyalign import parallel
-from polyalign.config import ConfigError
+from polyalign.core.paths import as_path, is_uri
+from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
-from polyalign.paths import as_path, is_uri
+from polyalign.mesh import parallel
+from polyalign.mesh.watchdog import Watchdog, resolve_timeout
 from polyalign.train.config import LoopConfig, ModelSection
 from polyalign.train.trainer import Objective, Trainer
-from polyalign.watchdog import Watchdog, resolve_timeout
 
 
 @dataclass
@@ -118,7 +118,7 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
         from polyalign.train.rounds import train_rounds
 
         return train_rounds(config, out, functools.partial(train, existing=existing), progress)
-    from polyalign.outputs import OutputLock
+    from polyalign.core.outputs import OutputLock
     from polyalign.train import ownership
 
     local = not is_uri(out)

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyalign.config import ConfigError
+from polyalign.core.paths import as_path
+from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.model.flops import flops_per_token
-from polyalign.paths import as_path
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import require
 from polyalign.train.run import Job, load_init, model_policy, with_adapters
@@ -164,9 +164,9 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
     allow_tokenizer_mismatch. An init without tokenizer files is trained with a notice."""
     import sys
 
-    from polyalign.errors import TokenizerError
-    from polyalign.paths import file_digest
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.core.errors import TokenizerError
+    from polyalign.core.paths import file_digest
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     if not config.init or config.allow_tokenizer_mismatch:
         return
@@ -185,10 +185,10 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
 
 
 def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
-    from polyalign.chat import get_template
-    from polyalign.export import export_trained
     from polyalign.inputs.build import build_tokenizer_path, read_manifest
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.model.export import export_trained
+    from polyalign.tokens.chat import get_template
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     require(config, "data.dir", hint="a run with a build/ folder")
     run = as_path(config.data.dir)

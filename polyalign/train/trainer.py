@@ -21,8 +21,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from polyalign import parallel
-from polyalign.errors import TrainingError
+from polyalign.core.errors import TrainingError
+from polyalign.mesh import parallel
 from polyalign.train.config import LoopConfig, OptimizerConfig
 from polyalign.train.throughput import Throughput
 
@@ -147,7 +147,7 @@ class Trainer:
                                                         None)[1])
         self._step = parallel.ordered_jit(self._step_impl, out_shardings=(self.state_shardings, None),
                                           donate_argnums=0)
-        self.watchdog = None  # a polyalign.watchdog.Watchdog told each phase of fit
+        self.watchdog = None  # a polyalign.mesh.watchdog.Watchdog told each phase of fit
         micro = loop.global_batch // loop.micro_batches
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         if loop.global_batch % loop.micro_batches or micro % shards or micro % jax.process_count():

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyalign import jsonl
+from polyalign.core import jsonl
 from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, Notice, RowProblem, Skipped
 
 _DOCUMENTATION = re.compile(r"^(readme|provenance|licen[cs]e|notice|copying)\b", re.IGNORECASE)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.errors import JsonProblem
+from polyalign.core.errors import JsonProblem
 
 
 def refuse_constant(name: str) -> Any:

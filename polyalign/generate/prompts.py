@@ -13,13 +13,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from polyalign.chat import PROFILE_MODES, choose_template, get_template, record_messages
+from polyalign.core.errors import GenerationError
+from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
-from polyalign.errors import GenerationError
-from polyalign.model.config import checkpoint_family
-from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
-from polyalign.paths import file_digest
-from polyalign.tokenizer import load_tokenizer
+from polyalign.model.architecture import checkpoint_family
+from polyalign.tokens.chat import PROFILE_MODES, choose_template, get_template, record_messages
+from polyalign.tokens.tokenizer import load_tokenizer
 
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "context", template: str | None = None,

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from polyalign.config import ConfigError
+from polyalign.core.yaml_config import ConfigError
 
 LOCK = ".polyalign.lock"
 

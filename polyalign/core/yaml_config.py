@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from polyalign.errors import ConfigError
+from polyalign.core.errors import ConfigError
 
 T = TypeVar("T")
 

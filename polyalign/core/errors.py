@@ -80,7 +80,7 @@ class Interrupted(PolyalignError):
 
 
 class JsonProblem(PolyalignError, ValueError):
-    """Why a JSON text is refused by strict parsing (polyalign/jsonl.py); callers add the file and, for a
+    """Why a JSON text is refused by strict parsing (polyalign/core/jsonl.py); callers add the file and, for a
     syntax error, the `line` inside the text that it carries."""
 
     def __init__(self, message: str, line: int | None = None):

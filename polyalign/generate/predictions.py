@@ -6,10 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign import jsonl
+from polyalign.core import jsonl
+from polyalign.core.outputs import read_record
+from polyalign.core.paths import file_digest
 from polyalign.data.records import InputError
-from polyalign.outputs import read_record
-from polyalign.paths import file_digest
 
 
 def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from polyalign.config import ConfigError
-from polyalign.model.config import ModelConfig
+from polyalign.core.yaml_config import ConfigError
+from polyalign.model.architecture import ModelConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -81,10 +81,10 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
     """The plan of a training config; preference pairs (chosen + rejected) double the sequences. The
     model comes from `model_preset`, else the config's `init` checkpoint (its config.json), else its
     model.preset."""
-    from polyalign.model.config import from_hf_config
+    from polyalign.mesh.parallel import mesh_shape
+    from polyalign.model.architecture import from_hf_config
     from polyalign.model.hf import read_hf_config
     from polyalign.model.presets import preset
-    from polyalign.parallel import mesh_shape
     from polyalign.train.config import PreferenceConfig, SftConfig
     from polyalign.train.methods import load_config
 

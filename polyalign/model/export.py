@@ -26,12 +26,12 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from polyalign import parallel
-from polyalign.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
+from polyalign.core.paths import as_path
+from polyalign.mesh import parallel
 from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.transformer import Transformer
-from polyalign.paths import as_path
-from polyalign.tokenizer import (
+from polyalign.tokens.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
+from polyalign.tokens.tokenizer import (
     SENTENCEPIECE_FILE,
     TOKENIZER_CONFIG,
     TOKENIZERS_FILE,
@@ -84,7 +84,7 @@ def base_generation_config(base: str | None) -> dict[str, Any] | None:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        from polyalign.errors import CheckpointError
+        from polyalign.core.errors import CheckpointError
 
         raise CheckpointError(f"{path}: line {err.lineno}: {err.msg}") from None
     return config if isinstance(config, dict) else None

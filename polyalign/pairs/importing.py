@@ -112,11 +112,11 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary. With
     `val_fraction`, about that share of the prompts (all pairs of each) goes to VAL_OUT instead (default
     OUT's name with .val: pairs.jsonl -> pairs.val.jsonl), chosen by a hash seeded with `seed`."""
+    from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+    from polyalign.core.paths import file_digest
     from polyalign.data.bucketing import load_scheme
     from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
-    from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
-    from polyalign.pairs import write_pair_split
-    from polyalign.paths import file_digest
+    from polyalign.pairs.make import write_pair_split
 
     input_path, out = Path(input_path), Path(out)
     if not input_path.is_file():

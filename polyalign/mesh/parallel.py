@@ -16,8 +16,8 @@ from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from polyalign.errors import ParallelError
-from polyalign.mesh_config import ParallelConfig
+from polyalign.core.errors import ParallelError
+from polyalign.mesh.shape import ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from polyalign.errors import LaunchError
+from polyalign.core.errors import LaunchError
 
 DEFAULT_PORT = 12355
 

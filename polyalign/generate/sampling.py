@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyalign.errors import GenerationError
+from polyalign.core.errors import GenerationError
 from polyalign.model.transformer import KVCache, Transformer
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
@@ -80,7 +80,7 @@ class Sampler:
         """With a mesh, parameters are sharded by their logical axes and the batch over data x fsdp."""
         from flax import nnx
 
-        from polyalign import parallel
+        from polyalign.mesh import parallel
 
         self.config, self.pad_id, self.mesh = config, pad_id, mesh
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)), jnp.int32)
@@ -169,7 +169,7 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     replaced unless `overwrite`."""
     from dataclasses import asdict
 
-    from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar
+    from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar
 
     refuse_output_as_input(out, {"records": records_path})
     settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), "profile": profile,
@@ -190,17 +190,17 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: d
                           progress: bool) -> dict:
     from tqdm import tqdm
 
-    from polyalign.chat import (
+    from polyalign.core.outputs import sidecar, write_record
+    from polyalign.core.paths import checkpoint_identity, file_digest
+    from polyalign.data.records import read_records
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.tokens.chat import (
         choose_template,
         encode_prompt,
         get_template,
         record_messages,
     )
-    from polyalign.data.records import read_records
-    from polyalign.model import load_hf_checkpoint
-    from polyalign.outputs import sidecar, write_record
-    from polyalign.paths import checkpoint_identity, file_digest
-    from polyalign.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     records = read_records(records_path)[:limit]
@@ -209,7 +209,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: d
         records = [records[i] for i in keep]
     if not records:
         raise GenerationError(f"{records_path}: no records")
-    from polyalign import parallel
+    from polyalign.mesh import parallel
 
     # Several devices: parameters loaded straight into their shardings, the batch over data x fsdp.
     mesh = parallel.make_mesh() if jax.device_count() > 1 else None

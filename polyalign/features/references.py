@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from polyalign.features import FEATURE_NAMES, FEATURE_SET
+from polyalign.features.response import FEATURE_NAMES, FEATURE_SET
 
 QUANTILES = {"q10": 0.10, "q25": 0.25, "q50": 0.50, "q75": 0.75, "q90": 0.90}
 

@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyalign import jsonl
+from polyalign.core import jsonl
+from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+from polyalign.core.paths import as_path, file_digest
 from polyalign.data.records import RECORD_FIELDS, InputError, Record, read_records
 from polyalign.data.text import normalize
-from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
-from polyalign.paths import as_path, file_digest
-from polyalign.predictions import check_generated_from, iter_predictions
+from polyalign.generate.predictions import check_generated_from, iter_predictions
 
 PAIR_TEXT_FIELDS = ("id", "bucket_id", "language", "chosen", "rejected")
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)

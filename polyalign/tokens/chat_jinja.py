@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from polyalign.errors import ChatTemplateError
+from polyalign.core.errors import ChatTemplateError
 
 # Llama 3.x templates print today's date unless given one: a fixed date keeps builds reproducible.
 DEFAULT_TEMPLATE_KWARGS = {"date_string": "26 Jul 2024"}

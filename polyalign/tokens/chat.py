@@ -14,9 +14,9 @@ from typing import Literal
 
 import numpy as np
 
+from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record
-from polyalign.errors import ChatTemplateError
-from polyalign.tokenizer import BOS, Tokenizer
+from polyalign.tokens.tokenizer import BOS, Tokenizer
 
 PROFILE_MODES = ("oracle", "context", "none")
 TRAIN_ON = ("last", "all")
@@ -185,7 +185,7 @@ class ChatTemplate:
         what exports carry as their chat_template."""
         from importlib.resources import files
 
-        return (files("polyalign") / "templates" / f"{self.name}.jinja").read_text(encoding="utf-8")
+        return (files("polyalign.tokens") / "templates" / f"{self.name}.jinja").read_text(encoding="utf-8")
 
     def _split_system(self, messages: Sequence[Message]) -> tuple[str | None, list[tuple[int, Message]]]:
         """The leading system message's text, and the other messages by index (later system messages
@@ -273,7 +273,7 @@ class Gemma(ChatTemplate):
 
 
 class JinjaTemplate(ChatTemplate):
-    """A checkpoint's own Jinja chat template (polyalign.chat_jinja): the string transformers renders,
+    """A checkpoint's own Jinja chat template (polyalign.tokens.chat_jinja): the string transformers renders,
     with each assistant turn located by rendering. A template that refuses a conversation with a system
     message (Gemma 2's) gets every system message folded into a user turn (`fold_system`), as the
     built-in `gemma` does."""
@@ -281,7 +281,7 @@ class JinjaTemplate(ChatTemplate):
     name = CHECKPOINT_TEMPLATE
 
     def __init__(self, source: str, tokenizer: Tokenizer, kwargs: dict | None = None):
-        from polyalign.chat_jinja import JinjaRenderer
+        from polyalign.tokens.chat_jinja import JinjaRenderer
 
         self.source = source
         self.renderer = JinjaRenderer(source, tokenizer.template_tokens(), kwargs or {})
@@ -305,7 +305,7 @@ class JinjaTemplate(ChatTemplate):
 
     def locate_turns(self, messages: Sequence[Message]) -> tuple[str, dict[int, tuple[int, int]]]:
         """The rendering and the characters of each assistant turn it can locate, by message index."""
-        from polyalign.chat_jinja import as_dicts
+        from polyalign.tokens.chat_jinja import as_dicts
 
         try:
             return self.renderer.turn_spans(as_dicts(messages))
@@ -317,7 +317,7 @@ class JinjaTemplate(ChatTemplate):
             return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
 
     def render(self, messages, add_generation_prompt=False):
-        from polyalign.chat_jinja import as_dicts
+        from polyalign.tokens.chat_jinja import as_dicts
 
         try:
             return self.renderer.render(as_dicts(messages), add_generation_prompt)
@@ -327,7 +327,7 @@ class JinjaTemplate(ChatTemplate):
             return self.renderer.render(as_dicts([m for _, m in fold_system(messages)]), add_generation_prompt)
 
     def pieces(self, messages, add_generation_prompt=False):
-        from polyalign.chat_jinja import split_pieces
+        from polyalign.tokens.chat_jinja import split_pieces
 
         if add_generation_prompt:
             text, spans = self.render(messages, add_generation_prompt=True), {}

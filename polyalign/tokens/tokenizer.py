@@ -10,8 +10,8 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from polyalign.errors import TokenizerError
-from polyalign.paths import as_path
+from polyalign.core.errors import TokenizerError
+from polyalign.core.paths import as_path
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"

@@ -1,5 +1,5 @@
 """The `parallel:` section of a training config: the mesh's axis sizes. Kept apart from
-polyalign.parallel, which builds meshes with jax, so that reading a config (and `--help`) never
+polyalign.mesh.parallel, which builds meshes with jax, so that reading a config (and `--help`) never
 imports jax."""
 
 from __future__ import annotations

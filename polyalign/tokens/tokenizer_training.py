@@ -1,5 +1,5 @@
 """`polyalign tokenizer train`: a bilingual SentencePiece tokenizer trained on prepared records, with a
-report of characters per token by language. The tokenizer library itself is polyalign.tokenizer."""
+report of characters per token by language. The tokenizer library itself is polyalign.tokens.tokenizer."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from polyalign.chat import POLYALIGN_SPECIAL_TOKENS
+from polyalign.core.errors import TokenizerError
+from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input
+from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
-from polyalign.errors import TokenizerError
-from polyalign.outputs import OutputLock, check_settings, refuse_output_as_input
-from polyalign.paths import file_digest
-from polyalign.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from polyalign.tokens.chat import POLYALIGN_SPECIAL_TOKENS
+from polyalign.tokens.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 
 def record_texts(records) -> Iterable[str]:

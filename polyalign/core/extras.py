@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from polyalign.errors import PolyalignError
+from polyalign.core.errors import PolyalignError
 
 
 class MissingExtra(PolyalignError, ImportError):

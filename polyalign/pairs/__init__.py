@@ -1,0 +1,2 @@
+"""Preference pairs: made from the policy's generations against the human responses, or imported from
+users' TRL and ShareGPT files."""
