@@ -80,7 +80,8 @@ def verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
                                   and r["stack"] == "PyTorch + transformers"), None),
                  "vs_tunix": next((r for r in rows if r["preset"] == preset and r["stack"] == "tunix"), None)}
         packed = max((r for r in rows if r["preset"] == preset and r["method"] == method
-                      and r["stack"] == "polyalign (JAX) packed" and r.get("mfu")), key=lambda r: r["mfu"], default=None)
+                      and r["stack"] == "polyalign (JAX) packed" and r.get("mfu")),
+                     key=lambda r: r["mfu"], default=None)
         for kind, threshold in wanted.items():
             peer = peers.get(kind)
             if kind == "mfu":

@@ -67,8 +67,8 @@ def measure(examples, tokenizer, buckets, pack: bool, args) -> dict:
     loop = LoopConfig(steps=args.steps + 1, global_batch=args.batch)
     batches = pipeline.iterate(train_pair_batches(examples, pipeline.Layout(args.batch, 1), loop.steps, loop.seed,
                                                   args.length, tokenizer.pad_id, pack=pack))
-    trainer = Trainer(create_model(preset("tiny", vocab_size=tokenizer.vocab_size)), PreferenceObjective(config, len(buckets)),
-                      OptimizerConfig(lr=1e-5), loop, parallel.make_mesh())
+    trainer = Trainer(create_model(preset("tiny", vocab_size=tokenizer.vocab_size)),
+                      PreferenceObjective(config, len(buckets)), OptimizerConfig(lr=1e-5), loop, parallel.make_mesh())
     step_s, taken = timed_steps(trainer, batches, args.steps)
     pairs, real, positions = 0, 0, 0
     for batch in taken:
@@ -111,7 +111,8 @@ def main() -> None:
     result = {"pairs": len(examples), "max_length": args.length,
               "mean_positions": {"chosen": float(chosen.mean()), "rejected": float(rejected.mean()),
                                  "shared": float(shared.mean())},
-              "share_a_prefix": float((shared > 0).mean()), "rows_per_epoch": {"unpacked": len(examples), "packed": rows},
+              "share_a_prefix": float((shared > 0).mean()),
+              "rows_per_epoch": {"unpacked": len(examples), "packed": rows},
               "runs": runs, "speedup": speedup, "device": jax.devices()[0].device_kind}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "pair_packing.json").write_text(json.dumps(result, indent=2))

@@ -108,7 +108,8 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true", help="XLA's memory analysis only")
     args = parser.parse_args()
 
-    overrides = {"dtype": args.dtype, "remat": args.remat, **({"vocab_size": args.vocab_size} if args.vocab_size else {})}
+    overrides = {"dtype": args.dtype, "remat": args.remat,
+                 **({"vocab_size": args.vocab_size} if args.vocab_size else {})}
     cfg = preset(args.preset, **overrides)
     rows = [measure(args, cfg, name, **layout) for name, layout in LAYOUTS.items()]
     base = rows[0]

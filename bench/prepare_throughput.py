@@ -49,7 +49,8 @@ def main() -> None:
         print(f"{name:<28}{n:>10}{seconds:>10.2f}{(f'{rate:,.0f}' if rate else '-'):>12}")
     result = {
         "config": str(args.config), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "records_read": read, "records_kept": kept, "train_records": train, "buckets": len(stats["counts"]["by_bucket"]),
+        "records_read": read, "records_kept": kept, "train_records": train,
+        "buckets": len(stats["counts"]["by_bucket"]),
         "prepare_s": round(prepare_s, 3), "stats_s": round(stats_s, 3),
         "records_per_s": round(read / (prepare_s + stats_s), 1), "timings_s": manifest["timings_s"],
     }

@@ -44,7 +44,8 @@ def timed(name: str, make) -> dict:
     model = make()
     jax.block_until_ready(jax.tree.leaves(nnx.state(model, nnx.Param)))
     seconds = time.perf_counter() - started
-    row = {"how": name, "seconds": round(seconds, 2), "most_on_one_device_gib": round(most_on_one_device(model) / 2**30, 3)}
+    row = {"how": name, "seconds": round(seconds, 2),
+           "most_on_one_device_gib": round(most_on_one_device(model) / 2**30, 3)}
     del model
     return row
 

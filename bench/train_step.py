@@ -75,6 +75,7 @@ def _pair_batch(rng, micro, b, seq, vocab):
         mask = np.zeros((micro, b, seq), np.float32)
         mask[..., seq // 4:] = 1.0  # the last three quarters are the response
         batch[f"{side}_mask"] = mask
+        batch[f"{side}_length"] = np.full((micro, b), seq, np.int32)
     return batch
 
 
@@ -269,7 +270,8 @@ def bench_peer(args, cfg, method: str) -> dict | None:
                     ref = logps(reference, ids[:, :-1], ids[:, 1:])
                 pol = logps(model, ids[:, :-1], ids[:, 1:])
                 half = args.batch
-                loss = -torch.nn.functional.logsigmoid(0.1 * ((pol[:half] - ref[:half]) - (pol[half:] - ref[half:]))).mean()
+                loss = -torch.nn.functional.logsigmoid(0.1 * ((pol[:half] - ref[:half])
+                                                              - (pol[half:] - ref[half:]))).mean()
         loss.backward()
         optimizer.step()
         if device == "cuda":
@@ -290,7 +292,8 @@ def bench_peer(args, cfg, method: str) -> dict | None:
     return {"stack": "PyTorch + transformers", "method": method, "compile_s": round(compile_s, 2),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "step_s": round(step_s, 6), "reference_s": None, "tokens": tokens, "tokens_per_s": round(tokens / step_s, 1),
+            "step_s": round(step_s, 6), "reference_s": None, "tokens": tokens,
+            "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_s": round(flops / step_s / 1e12, 3),
             "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
             "peak_memory_gib": round(peak, 2) if peak else None, "xla_temp_gib": None, "xla_peak_gib": None}
@@ -354,7 +357,8 @@ def main() -> None:
 
     for r in rows:
         print(f"{r['stack']:24s} {r['method']:6s} {r['compile_s']:9.2f} {cell(r['step_s'], '8.3f'):>8s} "
-              f"{cell(r['tokens_per_s'], '10,.0f'):>10s} {cell(r['tflops_per_s'], '8.3f'):>8s} {cell(r['mfu'], '.2f'):>5s} "
+              f"{cell(r['tokens_per_s'], '10,.0f'):>10s} {cell(r['tflops_per_s'], '8.3f'):>8s} "
+              f"{cell(r['mfu'], '.2f'):>5s} "
               f"{cell(r['peak_memory_gib'], '.1f'):>8s} {cell(r['xla_peak_gib'], '.3f'):>8s} "
               f"{cell(r['xla_temp_gib'], '.3f'):>8s}")
     for method in methods:
@@ -362,8 +366,9 @@ def main() -> None:
         plain = next((r for r in rows if r["stack"] == "plain JAX" and r["method"] == method), None)
         if ours and plain and ours["step_s"] and plain["step_s"]:
             print(f"{method}: polyalign step / plain JAX step = {ours['step_s'] / plain['step_s']:.3f} (time)")
-    result = {"preset": args.preset, "parameters": cfg.num_parameters(), "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
-              "attention": args.attention, "logprob_chunk": args.logprob_chunk, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    result = {"preset": args.preset, "parameters": cfg.num_parameters(), "batch": args.batch, "seq": args.seq,
+              "dtype": args.dtype, "remat": args.remat, "attention": args.attention,
+              "logprob_chunk": args.logprob_chunk, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "rows": rows}
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "train_step.json").write_text(json.dumps(result, indent=2))

@@ -114,7 +114,8 @@ def check_loss(policy, reference, tunix_policy, tunix_reference, pairs, args) ->
     prompts, chosen, rejected = pairs
     length = args.prompt_len + args.response_len
     ours = dpo_loss(*(jnp.asarray(polyalign_logps(m, prompts, side, length))
-                      for m, side in ((policy, chosen), (policy, rejected), (reference, chosen), (reference, rejected))),
+                      for m, side in ((policy, chosen), (policy, rejected),
+                                      (reference, chosen), (reference, rejected))),
                     args.beta, 0.0).mean()
     config = dpo_trainer.DPOTrainingConfig(eval_every_n_steps=10**9, max_steps=1, beta=args.beta)
     trainer = dpo_trainer.DPOTrainer(tunix_policy, tunix_reference, optax.sgd(0.0), config)

@@ -10,10 +10,10 @@ import argparse
 import errno
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import polyalign
+from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 
 DESCRIPTION = """\
 polyalign aligns a language model to the human response distribution of each interaction context
@@ -287,14 +287,14 @@ parallel.data=4; unknown keys are an error that names the closest known one.
 
 
 def _add_train(sub) -> None:
-    from polyalign.train.methods import METHODS
+    from polyalign.train.methods import METHODS, settings_help
 
     p = sub.add_parser("train", help=f"train a model ({', '.join(METHODS)})", description="Training.",
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
     for spec in METHODS.values():
         m = methods.add_parser(spec.name, help=spec.summary, description=spec.description,
-                               epilog=spec.epilog + "\n" + TRAIN_EPILOG,
+                               epilog=spec.epilog + "\n" + settings_help(spec.config) + "\n" + TRAIN_EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         m.add_argument("--config", type=Path, help=f"config (YAML), e.g. {spec.example}; without it, every default")
         m.add_argument("--out", type=_location, help="output directory, local or gs:// (resumed if it has checkpoints)")
@@ -424,7 +424,8 @@ def _run_pairs_import(args) -> int:
     print(f"{summary['pairs']} training{held_out} pairs from {summary['read']} rows in {len(summary['buckets'])} "
           f"buckets; dropped: {dropped}")
     if "val_pairs" in summary:
-        print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) -> {summary['val_out']}")
+        print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) "
+              f"-> {summary['val_out']}")
     if any(key.startswith("language_not_in_scheme") for key in summary["dropped"]):
         print("note: rows detected in a language outside the scheme were dropped; --language LANG labels every "
               "row of the file instead", file=sys.stderr)
@@ -565,7 +566,8 @@ def _run_evaluate(args) -> int:
     mauve = show(m["mauve"]["global"]) if m["mauve"]["status"] == "computed" else \
         f"skipped ({reasons.get('mauve', 'not computed')})"
     print(f"{rows}: F1 {show(m['utility']['overall'].get('qa_f1'), 'utility')}, ROUGE-L "
-          f"{show(m['utility']['overall'].get('rouge_l_f1'), 'utility')}, BNG {show(m['bng']['overall_macro'], 'bng')}, "
+          f"{show(m['utility']['overall'].get('rouge_l_f1'), 'utility')}, BNG "
+          f"{show(m['bng']['overall_macro'], 'bng')}, "
           f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{floors}, TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
           f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
@@ -579,15 +581,21 @@ def _add_report(sub) -> None:
     p.add_argument("evals", nargs="+", type=Path, help="EVAL folders written by `polyalign evaluate`")
     p.add_argument("--out", required=True, type=Path, help="output folder of the comparison")
     p.add_argument("--overwrite", action="store_true", help="replace a comparison of other EVAL folders in OUT")
+    p.add_argument("--allow-different-data", action="store_true",
+                   help="compare intervals even between evaluations of other test records or another support "
+                        "(by default those differences are shown but not called supported)")
     p.set_defaults(handler=_run_report)
 
 
 def _run_report(args) -> int:
     from polyalign.reports.evaluation import compare
 
-    summary = compare(args.evals, args.out, overwrite=args.overwrite)
+    summary = compare(args.evals, args.out, overwrite=args.overwrite, allow_different_data=args.allow_different_data)
     if summary["unequal_settings"]:
         print(f"note: the runs differ in {'; '.join(summary['differing'])}")
+    if summary["other_data"] and not args.allow_different_data:
+        print(f"note: {', '.join(summary['other_data'])} evaluated other test records or another support than "
+              f"{summary['runs'][0]}: their intervals are not compared (--allow-different-data compares them)")
     print(f"report: {args.out / 'report.html'}")
     return 0
 
@@ -672,57 +680,26 @@ def _run_demo(args) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric option admits: `low`/`high` bounds (None: unbounded), open or closed."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    why: str = ""
-
-    def admits(self, value: float) -> bool:
-        if value != value or value in (float("inf"), float("-inf")):
-            return False
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def describe(self) -> str:
-        def show(bound):
-            return f"{bound:g}" if isinstance(bound, float) else str(bound)
-
-        if self.high is None:
-            return f"{'above' if self.low_open else 'at least'} {show(self.low)}"
-        if self.low is None:
-            return f"{'below' if self.high_open else 'at most'} {show(self.high)}"
-        return (f"in {'(' if self.low_open else '['}{show(self.low)}, {show(self.high)}"
-                f"{')' if self.high_open else ']'}")
-
-
-AT_LEAST_ONE, NOT_NEGATIVE = Range(1), Range(0)
-SEED = Range(0, 2**32 - 1)
 # Every numeric option of every subcommand and the values it admits, checked after parsing and before the
 # stage runs: an out-of-range value (zero and negative ones included, NaN and infinities never) is one line
 # naming the option. tests/test_faults.py walks the parser so that no numeric option is missing here.
 NUMBER_RANGES: dict[str, dict[str, Range]] = {
-    "prepare": {"--num-shards": AT_LEAST_ONE},
+    "prepare": {"--num-shards": COUNT},
     "tokenizer train": {
         "--vocab-size": Range(300, why="the byte fallback alone takes 256 pieces; 8000 suits the demo data"),
         "--character-coverage": Range(0.0, 1.0, low_open=True)},
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
-              "--borrow-below": NOT_NEGATIVE, "--min-bucket-size": NOT_NEGATIVE},
-    "generate": {"--max-new-tokens": AT_LEAST_ONE, "--temperature": Range(0.0),
-                 "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NOT_NEGATIVE, "--batch-size": AT_LEAST_ONE,
-                 "--max-prompt-tokens": AT_LEAST_ONE, "--limit": AT_LEAST_ONE, "--sample": AT_LEAST_ONE,
+              "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
+    "generate": {"--max-new-tokens": COUNT, "--temperature": Range(0.0),
+                 "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
+                 "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
-    "prompts": {"--limit": AT_LEAST_ONE},
+    "prompts": {"--limit": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
-    "evaluate": {"--bootstrap-draws": AT_LEAST_ONE, "--seed": SEED},
-    "launch": {"--nproc": AT_LEAST_ONE, "--cpu-devices": AT_LEAST_ONE, "--port": Range(1, 65535)},
-    "plan": {"--devices": AT_LEAST_ONE, "--device-memory": Range(0.0, low_open=True),
+    "evaluate": {"--bootstrap-draws": COUNT, "--seed": SEED},
+    "launch": {"--nproc": COUNT, "--cpu-devices": COUNT, "--port": Range(1, 65535)},
+    "plan": {"--devices": COUNT, "--device-memory": Range(0.0, low_open=True),
              "--seq": Range(8, why="a chat template needs room for its headers")},
 }
 
@@ -744,8 +721,7 @@ def _out_of_range(args, parser: argparse.ArgumentParser) -> str | None:
         value = getattr(args, action.dest)
         for one in value if isinstance(value, list) else [value]:
             if one is not None and not admitted.admits(one):
-                why = f" ({admitted.why})" if admitted.why else ""
-                return f"{option} must be {admitted.describe()}, got {one:g}{why}"
+                return admitted.refusal(option, one)
     return None
 
 

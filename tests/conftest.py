@@ -99,7 +99,8 @@ def json_tokenizer(demo_run, tmp_path_factory):
     tok.train_from_iterator(record_texts(read_records(run / "data" / "train.jsonl")), trainer)
     directory = tmp_path_factory.mktemp("json_tokenizer")
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>",
+                                                                 "eos_token": {"content": "<eos>"}}))
     return load_tokenizer(directory)
 
 

@@ -61,15 +61,16 @@ def test_flop_count_by_hand():
     norms = 896 * 2 * 24 + 896
     assert matmul_parameters(cfg) == 494_032_768 - norms
     attention = 2 * 2 * 24 * 1024 * 14 * 64 * 0.5
-    assert step_flops(cfg, 1024, 1024, reference=False) == pytest.approx(6 * (matmul_parameters(cfg) + attention) * 1024)
+    assert step_flops(cfg, 1024, 1024, reference=False) == pytest.approx(
+        6 * (matmul_parameters(cfg) + attention) * 1024)
     assert step_flops(cfg, 1024, 1024, reference=True) == pytest.approx(8 * (matmul_parameters(cfg) + attention) * 1024)
 
 
 def test_input_pipeline_bench_reports_both_layouts(built_run, tmp_path):
     run, _ = built_run
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "input_pipeline.py"), "--run", str(run), "--batch", "8",
-                             "--steps", "6"], capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)},
-                            timeout=600)
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "input_pipeline.py"), "--run", str(run),
+                             "--batch", "8", "--steps", "6"], capture_output=True, text=True,
+                            env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "input_pipeline.json").read_text())
     one_each, packed = report["rows"]
@@ -93,23 +94,26 @@ def test_accelerator_verdicts_by_hand():
 
     rows = [row("polyalign (JAX)", "hdpo", 42_000.0, 0.62), row("PyTorch + transformers", "hdpo", 28_000.0, 0.41),
             row("polyalign (JAX)", "hdpo", 35_000.0, 0.52, variant="--remat dots"),  # slower: not the one judged
-            row("polyalign (JAX)", "sft", 50_000.0, 0.55), row("polyalign (JAX)", "sft", 56_000.0, 0.61, "--remat none"),
+            row("polyalign (JAX)", "sft", 50_000.0, 0.55),
+            row("polyalign (JAX)", "sft", 56_000.0, 0.61, "--remat none"),
             row("tunix", "dpo", 40_000.0, 0.55), row("polyalign (JAX) packed", "hdpo", 30_000.0, 0.58)]
     found = {(v["method"], v["target"]): v for v in verdicts(rows) if v["preset"] == "qwen2.5-1.5b"}
-    assert (found["hdpo", "mfu"]["value"], found["hdpo", "mfu"]["met"], found["hdpo", "mfu"]["setting"]) == (0.62, True, "default")
+    assert (found["hdpo", "mfu"]["value"], found["hdpo", "mfu"]["met"],
+            found["hdpo", "mfu"]["setting"]) == (0.62, True, "default")
     assert (found["hdpo", "vs_peer"]["value"], found["hdpo", "vs_peer"]["met"]) == (1.5, True)
     assert (found["hdpo", "vs_tunix"]["value"], found["hdpo", "vs_tunix"]["met"]) == (1.05, False)  # 42k / 40k
     assert (found["hdpo", "packed_vs_unpacked"]["value"], found["hdpo", "packed_vs_unpacked"]["met"]) == (0.935, True)
     assert found["sft", "packed_vs_unpacked"]["met"] is None  # no packed SFT row: not measured
-    assert (found["sft", "mfu"]["value"], found["sft", "mfu"]["met"], found["sft", "mfu"]["setting"]) == (0.61, True, "--remat none")
+    assert (found["sft", "mfu"]["value"], found["sft", "mfu"]["met"],
+            found["sft", "mfu"]["setting"]) == (0.61, True, "--remat none")
     unmeasured = [v for v in verdicts(rows) if v["preset"] == "qwen2.5-0.5b"]
     assert unmeasured and all(v["met"] is None and v["value"] is None for v in unmeasured)
 
 
 @pytest.mark.slow
 def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny", "--batch", "2",
-                             "--seq", "64", "--vocab-size", "512", "--peak-tflops", "1", "--steps", "1",
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny",
+                             "--batch", "2", "--seq", "64", "--vocab-size", "512", "--peak-tflops", "1", "--steps", "1",
                              "--variant", "tiny --remat dots", "--tunix-python", str(tmp_path / "no-tunix")],
                             capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -124,12 +128,14 @@ def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
     assert {r["method"] for r in peer_run["rows"]} in (set(), {"sft", "hdpo"}) and "error" not in peer_run
     assert all(r["variant"] == "--remat dots" for r in variant_run["rows"]) and len(variant_run["rows"]) == 4
     # packed rows: polyalign's step only, on rows holding several examples or pair trees
-    assert {(r["stack"], r["method"]) for r in packed_run["rows"]} == {("polyalign (JAX) packed", m) for m in ("sft", "hdpo")}
+    assert ({(r["stack"], r["method"]) for r in packed_run["rows"]}
+            == {("polyalign (JAX) packed", m) for m in ("sft", "hdpo")})
     assert all(0 < r["tokens"] <= 2 * 64 and r["mfu"] > 0 for r in packed_run["rows"])
     assert len(report["verdicts"]) == 8 and "target qwen2.5-1.5b hdpo vs_peer >= 1.4" in result.stdout
     assert "target qwen2.5-1.5b hdpo vs_tunix >= 1.2: - (not measured" in result.stdout
     # a budget too small for any run: every run is skipped, and the report still comes out
-    skipped = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny", "--budget", "5"],
+    skipped = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny",
+                              "--budget", "5"],
                              capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     report = json.loads((tmp_path / "accelerator.json").read_text())
     assert skipped.returncode == 0 and [r["error"] for r in report["runs"]] == ["skipped: out of --budget"] * 4

@@ -32,7 +32,8 @@ def test_weights_give_every_bucket_equal_mass():
 
 def test_weight_options():
     counts = {"a": 10, "b": 30, "c": 60}
-    assert bucket_weights(counts, dataclasses.replace(METHOD, temperature=0.0)) == pytest.approx({"a": 1.0, "b": 1.0, "c": 1.0})
+    assert (bucket_weights(counts, dataclasses.replace(METHOD, temperature=0.0))
+            == pytest.approx({"a": 1.0, "b": 1.0, "c": 1.0}))
     half = bucket_weights(counts, dataclasses.replace(METHOD, temperature=0.5))
     scale = 100 / (10 * 10 ** -0.5 + 30 * 30 ** -0.5 + 60 * 60 ** -0.5)
     assert half == pytest.approx({b: n ** -0.5 * scale for b, n in counts.items()})
@@ -104,7 +105,8 @@ def test_weight_warnings_name_heavy_buckets_and_unmeasured_ones():
     weights = bucket_weights(COUNTS, METHOD)
     lines = weight_warnings(weights, COUNTS, {"en|multi|dialogue|short": 5}, None, warn_above=10)
     heavy = [line for line in lines if "above 10" in line]
-    assert len(heavy) == 4 and "bucket en|multi|dialogue|long: weight 360.6 from 1 train records" in heavy[0]  # 2885 / (8 x 1)
+    assert len(heavy) == 4 and ("bucket en|multi|dialogue|long: weight 360.6 from 1 train records"
+                                in heavy[0])  # 2885 / (8 x 1)
     assert lines[-1].startswith("7 train bucket(s) absent from val")
     assert not any("absent from test" in line for line in lines)  # test counts unknown: nothing said
     assert weight_warnings(bucket_weights(COUNTS), COUNTS, COUNTS, COUNTS, warn_above=10) == []
@@ -112,7 +114,8 @@ def test_weight_warnings_name_heavy_buckets_and_unmeasured_ones():
 
 def test_scheme_lists_buckets_and_rejects_bad_files(tmp_path):
     scheme = load_scheme(SCHEME)
-    assert scheme.bucket_id({"language": "zh", "track": "multi", "family": "dialogue", "length_bin": "short"}) == "zh|multi|dialogue|short"
+    assert scheme.bucket_id({"language": "zh", "track": "multi", "family": "dialogue",
+                             "length_bin": "short"}) == "zh|multi|dialogue|short"
     assert len(scheme.all_buckets()) == 2 * 2 * 3 * 4
     assert scheme.sources["cmrc2018"] == {"track": "single", "family": "qa", "style": "qa_search"}
     bad = tmp_path / "bad.yaml"
@@ -126,7 +129,8 @@ def test_scheme_lists_buckets_and_rejects_bad_files(tmp_path):
 
 def test_label_precedence_row_then_source_then_scheme_then_format(tmp_path):
     rows = SAMPLE[:2]
-    plain = [{k: v for k, v in r.items() if k not in ("track", "family", "style_bucket", "length_bin", "bucket_id")} for r in rows]
+    plain = [{k: v for k, v in r.items() if k not in ("track", "family", "style_bucket", "length_bin", "bucket_id")}
+             for r in rows]
     (tmp_path / "labelled.json").write_text(json.dumps(rows))
     (tmp_path / "plain.json").write_text(json.dumps(plain))
     sources = [
@@ -141,19 +145,26 @@ def test_label_precedence_row_then_source_then_scheme_then_format(tmp_path):
     ]
     prepare(write_config(tmp_path / "c.yaml", sources, dedup=False), tmp_path / "run", progress=False)
     labelled = read_jsonl(tmp_path / "run/data/train.jsonl")
-    assert [(r["track"], r["family"], r["style"]) for r in labelled] == [(r["track"], r["family"], r["style_bucket"]) for r in rows]
-    assert {(r["track"], r["family"], r["style"]) for r in read_jsonl(tmp_path / "run/data/val.jsonl")} == {("multi", "assistant", "assistant_like")}
-    assert {(r["track"], r["family"], r["style"]) for r in read_jsonl(tmp_path / "run/data/test.jsonl")} == {("multi", "qa", "qa_search")}
+    assert ([(r["track"], r["family"], r["style"]) for r in labelled]
+            == [(r["track"], r["family"], r["style_bucket"]) for r in rows])
+    assert ({(r["track"], r["family"], r["style"]) for r in read_jsonl(tmp_path / "run/data/val.jsonl")}
+            == {("multi", "assistant", "assistant_like")})
+    assert ({(r["track"], r["family"], r["style"]) for r in read_jsonl(tmp_path / "run/data/test.jsonl")}
+            == {("multi", "qa", "qa_search")})
 
 
 def test_format_default_and_missing_labels(tmp_path):
     squad = DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json"
-    config = write_config(tmp_path / "c.yaml", [{"name": "mycorpus", "format": "squad", "path": str(squad), "split": "train"}], dedup=False)
+    config = write_config(tmp_path / "c.yaml", [{"name": "mycorpus", "format": "squad", "path": str(squad),
+                                                 "split": "train"}], dedup=False)
     prepare(config, tmp_path / "run", progress=False)
     records = read_jsonl(tmp_path / "run/data/train.jsonl")
-    assert {(r["language"], r["track"], r["family"], r["style"]) for r in records} == {("zh", "single", "qa", "qa_search")}
-    (tmp_path / "plain.json").write_text(json.dumps([{k: v for k, v in SAMPLE[0].items() if k not in ("track", "family", "style_bucket")}]))
-    config = write_config(tmp_path / "d.yaml", [{"name": "mine", "format": "llamafactory", "path": "plain.json", "split": "train"}])
+    assert ({(r["language"], r["track"], r["family"], r["style"]) for r in records}
+            == {("zh", "single", "qa", "qa_search")})
+    (tmp_path / "plain.json").write_text(json.dumps([{k: v for k, v in SAMPLE[0].items()
+                                                      if k not in ("track", "family", "style_bucket")}]))
+    config = write_config(tmp_path / "d.yaml", [{"name": "mine", "format": "llamafactory", "path": "plain.json",
+                                                 "split": "train"}])
     # Unlabelled alpaca rows: the track from the conversation, family and style the format's defaults.
     prepare(config, tmp_path / "run2", progress=False)
     (record,) = read_jsonl(tmp_path / "run2/data/train.jsonl")
@@ -164,7 +175,8 @@ def test_format_default_and_missing_labels(tmp_path):
 def test_track_belongs_to_the_source_not_the_row_shape(demo_run):
     run, _, _ = demo_run
     records = [r for s in ("train", "val", "test") for r in read_jsonl(run / f"data/{s}.jsonl")]
-    coqa_first_turns = [r for r in records if r["dataset"] == "polyalign_sample" and r["track"] == "multi" and not r["history"]]
+    coqa_first_turns = [r for r in records
+                        if r["dataset"] == "polyalign_sample" and r["track"] == "multi" and not r["history"]]
     assert coqa_first_turns, "the sample has multi-track rows without history (first turns)"
     first_dialogue_turns = [r for r in records if r["dataset"] == "kdconv" and r["id"].endswith("-turn-1")]
     assert first_dialogue_turns and all(r["track"] == "multi" and r["history"] == [] for r in first_dialogue_turns)

@@ -44,7 +44,8 @@ def test_fixtures_cover_every_template_and_profile():
 def test_profile_prompts():
     record = Record.from_json(CASES[0]["record"])  # zh|multi|dialogue|short, open_chat
     preamble = "You are a helpful assistant. Follow the target response profile when answering."
-    assert profile_prompt(record, "oracle") == f"{preamble} family=dialogue; track=multi; style=open_chat; length=short."
+    assert (profile_prompt(record, "oracle")
+            == f"{preamble} family=dialogue; track=multi; style=open_chat; length=short.")
     assert profile_prompt(record, "context") == f"{preamble} family=dialogue; track=multi; style=open_chat."
     assert profile_prompt(record, "none") == ""
     assert record_messages(record, "none")[0].role == "user"
@@ -216,7 +217,8 @@ def checkpoint_tokenizers(json_tokenizer, tmp_path_factory):
 
 
 def jinja_case_id(case):
-    return f"{case['template']}-{case['record']['dataset']}-{case['variables']}{'-reasoning' if case['reasoning'] else ''}"
+    return (f"{case['template']}-{case['record']['dataset']}-{case['variables']}"
+            f"{'-reasoning' if case['reasoning'] else ''}")
 
 
 @pytest.mark.parametrize("case", JINJA_CASES, ids=jinja_case_id)

@@ -39,7 +39,8 @@ def export_run(tmp_path_factory):
     write_jsonl(folder / "chats.jsonl", openai_rows() + [tool_row()])
     config = write_config(folder / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
     manifest = prepare(config, folder / "run", progress=False)
-    records = [r for split in ("train", "val", "test") for r in read_records(folder / "run" / "data" / f"{split}.jsonl")]
+    records = [r for split in ("train", "val", "test")
+               for r in read_records(folder / "run" / "data" / f"{split}.jsonl")]
     return manifest, {record_key(r): r for r in records}
 
 
@@ -138,7 +139,8 @@ def test_gemma_folds_system_messages_into_user_turns_never_into_assistant_turns(
     assert text == ("<bos><start_of_turn>user\na\n\nb<end_of_turn>\n<start_of_turn>model\nc<end_of_turn>\n"
                     "<start_of_turn>user\nd\n\ne\n\nf<end_of_turn>\n<start_of_turn>model\ng<end_of_turn>\n")
     with pytest.raises(ChatTemplateError, match="no user turn beside it"):
-        fold_system([Message("user", "a"), Message("assistant", "b"), Message("system", "c"), Message("assistant", "d")])
+        fold_system([Message("user", "a"), Message("assistant", "b"), Message("system", "c"),
+                     Message("assistant", "d")])
 
 
 def test_prepare_reads_the_export_with_format_and_path_only(export_run):

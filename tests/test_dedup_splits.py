@@ -61,10 +61,12 @@ def test_exact_dedup_prefers_test_then_val_and_ignores_case():
 
 
 def test_near_duplicates_flag_light_edits_only():
-    test = [record(f"t{i}", "test", d["turns"][0]["utterance"], d["turns"][1]["utterance"]) for i, d in enumerate(CAMREST[:50])]
+    test = [record(f"t{i}", "test", d["turns"][0]["utterance"], d["turns"][1]["utterance"])
+            for i, d in enumerate(CAMREST[:50])]
     edited = test[3].response.replace(".", "!")
     train = [record("near", "train", test[3].question, edited)] + [
-        record(f"x{i}", "train", d["turns"][0]["utterance"], d["turns"][1]["utterance"]) for i, d in enumerate(CAMREST[300:340])]
+        record(f"x{i}", "train", d["turns"][0]["utterance"], d["turns"][1]["utterance"])
+        for i, d in enumerate(CAMREST[300:340])]
     pairs = near_duplicates(train, test, NearDuplicateOptions(threshold=0.8))
     flagged = {(a, b) for a, b, _ in pairs}
     assert ("near", "t3") in flagged
@@ -82,7 +84,8 @@ def test_prepare_is_deterministic_and_leak_free(tmp_path, demo_run):
     keys = {s: {exact_key(r) for r in rs} for s, rs in records.items()}
     assert not keys["train"] & keys["test"] and not keys["train"] & keys["val"] and not keys["val"] & keys["test"]
     groups = {s: {r.meta["group"] for r in rs} for s, rs in records.items()}
-    assert not groups["train"] & groups["test"] and not groups["train"] & groups["val"] and not groups["val"] & groups["test"]
+    assert (not groups["train"] & groups["test"] and not groups["train"] & groups["val"]
+            and not groups["val"] & groups["test"])
 
 
 def test_dedup_false_keeps_duplicates(tmp_path):
@@ -102,7 +105,8 @@ def test_near_duplicate_removal_is_optional_and_counted(tmp_path):
     dialogues = CAMREST[:30]
     def rows(items, punct):
         return "".join(json.dumps({"messages": [{"role": "user", "content": d["turns"][0]["utterance"]},
-                                                 {"role": "assistant", "content": d["turns"][1]["utterance"].replace(".", punct)}]}) + "\n"
+                                                 {"role": "assistant",
+                                                  "content": d["turns"][1]["utterance"].replace(".", punct)}]}) + "\n"
                        for d in items)
     (tmp_path / "test.jsonl").write_text(rows(dialogues, "."), encoding="utf-8")
     (tmp_path / "train.jsonl").write_text(rows(dialogues[:10], "!") + rows(CAMREST[400:420], "."), encoding="utf-8")

@@ -61,8 +61,9 @@ def test_demo_prepare_and_stats(demo_run):
     expected = bucket_weights(train, load_scheme(SCHEME).weights)  # the scheme's: the default preset
     assert weights == pytest.approx({b: round(w, 6) for b, w in expected.items()}, rel=1e-5)
     assert 0.9 < stats["weights"]["mean_weight_per_record"] < 1.1 and max(weights.values()) <= 5.0
-    assert stats["weights"]["warnings"] == weight_warnings(expected, train, Counter(r["bucket_id"] for r in records if r["split"] == "val"),
-                                                           Counter(r["bucket_id"] for r in records if r["split"] == "test"), 10.0)
+    assert stats["weights"]["warnings"] == weight_warnings(
+        expected, train, Counter(r["bucket_id"] for r in records if r["split"] == "val"),
+        Counter(r["bucket_id"] for r in records if r["split"] == "test"), 10.0)
     html = (run / "stats/report.html").read_text(encoding="utf-8")
     for png in ("counts.png", "lengths.png", "weights.png", "features.png"):
         assert f'src="{png}"' in html and (run / "stats" / png).stat().st_size > 10_000

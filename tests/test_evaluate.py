@@ -172,7 +172,8 @@ def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
         return wasserstein_distance(g, h) / (h.std() if h.std() > 1e-12 else 1.0)
 
     qlen = np.array([max(len(tokens(q, "cjk")), 1) for q in questions])
-    ratio = {s: np.array([len(tokens(t, "cjk")) for t in texts]) / qlen for s, texts in (("h", human), ("g", generated))}
+    ratio = {s: np.array([len(tokens(t, "cjk")) for t in texts]) / qlen
+             for s, texts in (("h", human), ("g", generated))}
     expected = {"length_ratio": gap(ratio["g"], ratio["h"]),
                 "lexical": gap(cos(Q.toarray(), G.toarray()), cos(Q.toarray(), H.toarray())),
                 "semantic": gap(cos(lq, lg), cos(lq, lh))}
@@ -265,8 +266,8 @@ def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
     for key, value in published.items():
         assert human[key] == pytest.approx(value, rel=1e-6), key
     print(f"\nfirst-sentence baseline: F1 {result['metrics']['utility']['overall']['qa_f1']:.4f}, ROUGE-L "
-          f"{result['metrics']['utility']['overall']['rouge_l_f1']:.4f}, TDM {result['metrics']['tdm']['overall_macro']:.4f}, "
-          f"{result['config']['seconds']} s")
+          f"{result['metrics']['utility']['overall']['rouge_l_f1']:.4f}, TDM "
+          f"{result['metrics']['tdm']['overall_macro']:.4f}, {result['config']['seconds']} s")
 
 
 @pytest.mark.slow
@@ -411,7 +412,8 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     run, _, _ = demo_run
     records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
-    for name, extra in (("a", {}), ("b", {"support_path": run / "data" / "train.jsonl"}), ("c", {"compat": "reference"})):
+    for name, extra in (("a", {}), ("b", {"support_path": run / "data" / "train.jsonl"}),
+                        ("c", {"compat": "reference"})):
         evaluate(records_path, tmp_path / "p.jsonl", tmp_path / name, plots=False, **extra)
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "--out",
                  str(tmp_path / "cmp")]) == 0
@@ -420,3 +422,34 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     assert "compat: cjk | cjk | reference" in note and "support: the test records' own answers | train.jsonl (" in note
     assert "intervals: 200 draws, seed 0 | 200 draws, seed 0 | none" in note and "test rows" not in note
     assert "compat: cjk | cjk | reference" in (tmp_path / "cmp" / "report.html").read_text()
+
+
+def test_report_does_not_call_differences_supported_between_other_records_or_supports(demo_run, tmp_path, capsys):
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    single, records = _subset(run, tmp_path, lambda r: r.track == "single")
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    (tmp_path / "fewer").mkdir()
+    fewer = tmp_path / "fewer" / "test.jsonl"
+    fewer.write_text("".join(line for line in single.read_text().splitlines(keepends=True)[:-20]))
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "a", plots=False, allow_partial=True)
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "same", plots=False, allow_partial=True)
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "support", plots=False, allow_partial=True,
+             support_path=run / "data" / "train.jsonl")
+    evaluate(fewer, tmp_path / "p.jsonl", tmp_path / "records", plots=False, allow_partial=True)
+    folders = [str(tmp_path / n) for n in ("a", "same", "support", "records")]
+    assert main(["report", *folders, "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert ("note: support, records evaluated other test records or another support than a: their intervals are "
+            "not compared (--allow-different-data compares them)") in out
+    rows = [line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if line.startswith("| ")]
+    verdicts = {(r.split(" | ")[0].strip("| "), r.split(" | ")[1]): r.split(" | ")[3].strip(" |") for r in rows
+                if " - a" in r}
+    assert verdicts[("same - a", "BNG macro")] == "within the intervals"
+    assert verdicts[("support - a", "BNG macro")] == "not compared: other support"
+    assert verdicts[("records - a", "BNG macro")] == "not compared: other test records"
+    assert main(["report", *folders, "--out", str(tmp_path / "cmp2"), "--allow-different-data"]) == 0
+    assert "not compared" not in capsys.readouterr().out
+    page = (tmp_path / "cmp2" / "report.md").read_text()
+    assert "not compared" not in page and "the intervals (other test records)" in page

@@ -26,9 +26,12 @@ from tests.train_checks import first_batch
 
 SAMPLE = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:4]
 CAMREST = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:3]
-CMRC_PARAGRAPH = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json").read_text(encoding="utf-8"))["data"][0]["paragraphs"][0]
-KDCONV_TURNS = [m["message"] for m in json.loads((DEMO_DATA / "zh/kdconv/travel/dev.json").read_text(encoding="utf-8"))[0]["messages"]]
-COIG_ROW = json.loads((DEMO_DATA / "zh/coig-cqia/zhihu/zhihu_expansion.jsonl").read_text(encoding="utf-8").splitlines()[0])
+CMRC_PARAGRAPH = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")
+                            .read_text(encoding="utf-8"))["data"][0]["paragraphs"][0]
+KDCONV_TURNS = [m["message"] for m in json.loads((DEMO_DATA / "zh/kdconv/travel/dev.json")
+                                                 .read_text(encoding="utf-8"))[0]["messages"]]
+COIG_ROW = json.loads((DEMO_DATA / "zh/coig-cqia/zhihu/zhihu_expansion.jsonl")
+                      .read_text(encoding="utf-8").splitlines()[0])
 LCCC_LINE = (DEMO_DATA / "zh/lccc-toy/toy_valid.txt").read_text(encoding="utf-8").splitlines()[1]
 EN_TURNS = [t["utterance"] for t in CAMREST[0]["turns"]]
 
@@ -73,13 +76,15 @@ def lines_with(bad_line, position=1):
 CASES = [
     # (id, format, file name, content, expected message fragment)
     ("invalid-json-line", "chat", "c.jsonl", lines_with('{"messages": [}'), "c.jsonl:2: invalid JSON"),
-    ("undecodable-line", "chat", "c.jsonl", jsonl([json.dumps(chat_row(CAMREST[0]))]).encode() + b'{"messages": "\xff\xfe"}\n',
+    ("undecodable-line", "chat", "c.jsonl",
+     jsonl([json.dumps(chat_row(CAMREST[0]))]).encode() + b'{"messages": "\xff\xfe"}\n',
      "c.jsonl:2: undecodable bytes"),
     ("messages-not-a-list", "chat", "c.jsonl", lines_with(json.dumps({"messages": "hello"})),
      "c.jsonl:2: field 'messages' must be a list, got str"),
     ("unknown-role", "chat", "c.jsonl", lines_with(json.dumps({"messages": [
         {"role": "user", "content": CAMREST[0]["turns"][0]["utterance"]},
-        {"role": "robot", "content": CAMREST[0]["turns"][1]["utterance"]}]})), "c.jsonl:2: message 2: unknown role 'robot'"),
+        {"role": "robot", "content": CAMREST[0]["turns"][1]["utterance"]}]})),
+     "c.jsonl:2: message 2: unknown role 'robot'"),
     ("content-wrong-type", "chat", "c.jsonl", lines_with(json.dumps({"messages": [
         {"role": "user", "content": 42}, {"role": "assistant", "content": "Yes."}]})),
      "c.jsonl:2: message 1 content must be a string, a list of content parts or null, got int"),
@@ -96,24 +101,29 @@ CASES = [
      "a.json: element 1: malformed history: entry 1 must be a [user, assistant] pair"),
     ("invalid-json-document", "llamafactory", "a.json", json.dumps(SAMPLE[:2], indent=1)[:-3] + "\n,,]",
      "a.json:"),
-    ("undecodable-document", "llamafactory", "a.json", b'[\n{"instruction": "\xc3\x28"}\n]', "a.json:2: undecodable bytes"),
+    ("undecodable-document", "llamafactory", "a.json", b'[\n{"instruction": "\xc3\x28"}\n]',
+     "a.json:2: undecodable bytes"),
     ("not-an-array", "llamafactory", "a.json", json.dumps(SAMPLE[0]), "expected a JSON array of rows"),
     ("unknown-label-value", "llamafactory", "a.json", json.dumps([{**SAMPLE[0], "family": "poetry"}]),
      "a.json: element 1: unknown family 'poetry'"),
     ("squad-missing-answers", "squad", "s.json", json.dumps(squad_without_second_answer()),
      "s.json: question 2: missing answers"),
     ("sharegpt-unknown-role", "sharegpt", "g.json", json.dumps([{"conversations": [
-        {"from": "human", "value": EN_TURNS[0]}, {"from": "robot", "value": EN_TURNS[1]}]}]), "g.json: element 1: turn 2: unknown role 'robot'"),
+        {"from": "human", "value": EN_TURNS[0]}, {"from": "robot", "value": EN_TURNS[1]}]}]),
+     "g.json: element 1: turn 2: unknown role 'robot'"),
     ("coig-instruction-type", "coig", "q.jsonl", jsonl([{**COIG_ROW, "instruction": [COIG_ROW["instruction"]]}]),
      "q.jsonl:1: field 'instruction' must be a string, got list"),
-    ("lccc-no-tab", "lccc", "l.txt", LCCC_LINE.split("\t")[0] + "\n", "l.txt:1: expected at least two tab-separated utterances"),
-    ("kdconv-non-string-message", "kdconv", "k.json", json.dumps([{"messages": [{"message": KDCONV_TURNS[0]}, {"message": 3}]}]),
+    ("lccc-no-tab", "lccc", "l.txt", LCCC_LINE.split("\t")[0] + "\n",
+     "l.txt:1: expected at least two tab-separated utterances"),
+    ("kdconv-non-string-message", "kdconv", "k.json",
+     json.dumps([{"messages": [{"message": KDCONV_TURNS[0]}, {"message": 3}]}]),
      "k.json: element 1: message 2 'message' must be a string, got int"),
     ("convlab-unknown-speaker", "convlab", "dialogues.json", json.dumps([{"dialogue_id": "d1", "turns": [
         {"speaker": "user", "utterance": EN_TURNS[0]}, {"speaker": "wizard", "utterance": EN_TURNS[1]}]}]),
      "dialogues.json: element 1: turn 2: unknown role 'wizard'"),
     ("crosswoz-unknown-role", "crosswoz", "w.json", json.dumps({"7": {"messages": [
-        {"role": "usr", "content": KDCONV_TURNS[0]}, {"role": "bot", "content": KDCONV_TURNS[1]}]}}), "w.json: dialogue 7: message 2: unknown role 'bot'"),
+        {"role": "usr", "content": KDCONV_TURNS[0]}, {"role": "bot", "content": KDCONV_TURNS[1]}]}}),
+     "w.json: dialogue 7: message 2: unknown role 'bot'"),
 ]
 
 
@@ -128,14 +138,16 @@ def test_malformed_input_stops_with_one_clear_line(tmp_path, name, fmt, filename
 
 def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text(lines_with('{"messages": [}'), encoding="utf-8")
-    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl", "split": "train"}])
+    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl",
+                                                      "split": "train"}])
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("polyalign prepare: error: ") and "c.jsonl:2: invalid JSON" in err[0]
 
 
 def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
-    content = lines_with('{"messages": [}', 1) + "\n" + json.dumps({"messages": [{"role": "robot", "content": EN_TURNS[0]}]}) + "\n"
+    content = (lines_with('{"messages": [}', 1) + "\n"
+               + json.dumps({"messages": [{"role": "robot", "content": EN_TURNS[0]}]}) + "\n")
     manifest = run(tmp_path, "chat", "c.jsonl", content, on_error="quarantine")
     quarantined = read_jsonl(tmp_path / "run/data/quarantine.jsonl")
     assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "6"]
@@ -324,7 +336,8 @@ def test_strict_json_refuses_what_other_readers_would_not_accept(text, reason):
 
     with pytest.raises(jsonl.JsonProblem, match=re.escape(reason)):
         jsonl.parse(text)
-    assert jsonl.parse('{"a": "\\ud83d\\ude00", "b": 1e300}') == {"a": "😀", "b": 1e300}  # a surrogate pair is a character
+    # a surrogate pair is a character
+    assert jsonl.parse('{"a": "\\ud83d\\ude00", "b": 1e300}') == {"a": "😀", "b": 1e300}
 
 
 def test_bad_json_rows_are_quarantined_with_their_reason(tmp_path):
@@ -376,7 +389,8 @@ def test_sources_in_utf16_or_utf32_with_a_byte_order_mark_read_like_utf8(tmp_pat
     assert manifest["totals"] == expected["totals"] and manifest["totals"]["kept"] > 0
     for split in ("train",):
         wide = (tmp_path / "wide/run/data" / f"{split}.jsonl").read_text(encoding="utf-8")
-        assert wide.replace("/wide/", "/utf8/") == (tmp_path / "utf8/run/data" / f"{split}.jsonl").read_text(encoding="utf-8")
+        assert (wide.replace("/wide/", "/utf8/")
+                == (tmp_path / "utf8/run/data" / f"{split}.jsonl").read_text(encoding="utf-8"))
 
 
 def test_an_empty_source_is_a_warning_in_the_manifest_and_on_stderr(tmp_path, capsys):
@@ -420,7 +434,8 @@ def test_zip_members_that_are_encrypted_or_too_large_are_named(tmp_path, monkeyp
 def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
     """Real Chinese answers in a source declared English are kept under the user's label, counted, and
     named on the console."""
-    chinese = {"messages": [{"role": "user", "content": KDCONV_TURNS[0]}, {"role": "assistant", "content": KDCONV_TURNS[1]}],
+    chinese = {"messages": [{"role": "user", "content": KDCONV_TURNS[0]},
+                            {"role": "assistant", "content": KDCONV_TURNS[1]}],
                "track": "multi", "family": "dialogue", "style": "task_dialogue"}
     rows = [json.dumps(chat_row(CAMREST[0])), json.dumps(chinese, ensure_ascii=False)]
     manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows))
@@ -428,7 +443,8 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
     assert source["language_mismatches"] == {"en declared, han script": 1}
     assert source["kept"] == source["records"] and source["read"] == 2  # counted, not dropped
     capsys.readouterr()
-    assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"),
+                 "--no-progress"]) == 0
     assert ("warning: source 'src': 1 rows en declared, han script; they are bucketed as declared. Check its "
             "`language:` in the data config") in capsys.readouterr().err
 

@@ -62,7 +62,8 @@ def test_regex_counts_follow_the_spec_examples():
     assert text_features("3000 yes!!! 哈哈哈哈")["repeated_char_sequence_count"] == 3
     assert text_features("x²①")["digit_char_count"] == 2
     assert text_features("“你好”「对」『是』\"a\"")["quote_count"] == 8
-    assert text_features("a```b` c")["code_fence_count"] == 1 and text_features("a```b` c")["inline_code_marker_count"] == 4
+    assert (text_features("a```b` c")["code_fence_count"] == 1
+            and text_features("a```b` c")["inline_code_marker_count"] == 4)
 
 
 def test_sentence_split_and_shape_ratios():
@@ -84,7 +85,8 @@ def test_syllables(word, count):
 def test_lexical_diversity_by_hand():
     f = text_features("the cat the cat the dog")
     # tokens: the cat the cat the dog -> types {the:3, cat:2, dog:1}, n = 6
-    assert f["type_token_ratio"] == 0.5 and f["hapax_ratio"] == round(1 / 6, 6) and f["dislegomena_ratio"] == round(1 / 6, 6)
+    assert (f["type_token_ratio"] == 0.5 and f["hapax_ratio"] == round(1 / 6, 6)
+            and f["dislegomena_ratio"] == round(1 / 6, 6))
     assert f["repeated_token_ratio"] == 0.5  # (3-1) + (2-1) over 6
     # bigrams: the-cat x2, cat-the x2, the-dog: 5 bigrams, 3 distinct, repeated (2-1)+(2-1) = 2
     assert f["distinct_2"] == 0.6 and f["repeated_bigram_ratio"] == 0.4

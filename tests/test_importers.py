@@ -62,7 +62,8 @@ def test_kdconv_projects_every_second_turn_with_its_knowledge():
     third = items[2][1]  # turn 5: history is turns 0..3
     assert third.key == "dev-000000-turn-5" and len(third.history) == 4
     attrs = messages[1].get("attrs", [])
-    assert first.context == "\n".join(" | ".join(v for v in (a["name"], a["attrname"], a["attrvalue"]) if v) for a in attrs)
+    assert first.context == "\n".join(" | ".join(v for v in (a["name"], a["attrname"], a["attrvalue"]) if v)
+                                      for a in attrs)
 
 
 def test_crosswoz_targets_only_system_turns():
@@ -186,7 +187,8 @@ def _sources():
     cmrc = json.loads((DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json").read_text(encoding="utf-8"))
     cmrc = {"data": cmrc["data"][:3]}
     kdconv = json.loads((DEMO_DATA / "zh/kdconv/travel/dev.json").read_text(encoding="utf-8"))[:4]
-    crosswoz = dict(list(json.loads(zipfile.ZipFile(DEMO_DATA / "zh/crosswoz/val.json.zip").read("val.json")).items())[:4])
+    crosswoz = dict(list(json.loads(zipfile.ZipFile(DEMO_DATA / "zh/crosswoz/val.json.zip")
+                                    .read("val.json")).items())[:4])
     lccc_lines = (DEMO_DATA / "zh/lccc-toy/toy_valid.txt").read_text(encoding="utf-8").splitlines()[:6]
     lccc_json = json.loads((DEMO_DATA / "zh/lccc-toy/toy_data.json").read_text(encoding="utf-8"))["train"][:4]
     coig = (DEMO_DATA / "zh/coig-cqia/douban/movie_recommendation.jsonl").read_text(encoding="utf-8").splitlines()[:6]
@@ -201,7 +203,8 @@ def _sources():
         return doc
 
     return [
-        ("llamafactory", "rows.json", lambda p: _json(p, sample), lambda p: _json(p, [{"instruction": "x"}, *sample[1:]])),
+        ("llamafactory", "rows.json", lambda p: _json(p, sample),
+         lambda p: _json(p, [{"instruction": "x"}, *sample[1:]])),
         ("squad", "cmrc.json", lambda p: _json(p, cmrc), lambda p: _json(p, broken_paragraph(cmrc))),
         ("kdconv", "dev.json", lambda p: _json(p, kdconv),
          lambda p: _json(p, [{"messages": "not a list"}, *kdconv[1:]])),

@@ -20,7 +20,8 @@ def independent_logprobs(model, ids):
 
 
 def test_conditional_prefix_layout():
-    history = [{"role": "user", "text": "你好"}, {"role": "assistant", "text": "您好！"}, {"role": "user", "text": "在吗"}]
+    history = [{"role": "user", "text": "你好"}, {"role": "assistant", "text": "您好！"},
+               {"role": "user", "text": "在吗"}]
     prefix = conditional_prefix("在吗", "北京 | 地址 | 海淀", history)
     assert prefix == ("Context:\n北京 | 地址 | 海淀\n\nDialogue History:\nUser: 你好\nAssistant: 您好！\n\n"
                       "Current User Message:\n在吗\n\nAssistant Response:\n")

@@ -170,7 +170,8 @@ def test_packed_segments_match_separate_sequences():
     packed = np.concatenate([a, b])[None].astype(np.int32)
     segments = np.array([[1] * 7 + [2] * 5], np.int32)
     positions = np.array([list(range(7)) + list(range(5))], np.int32)
-    together = np.asarray(model(jnp.asarray(packed), positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments)))
+    together = np.asarray(model(jnp.asarray(packed), positions=jnp.asarray(positions),
+                                segment_ids=jnp.asarray(segments)))
     alone_a = np.asarray(model(jnp.asarray(a[None].astype(np.int32))))
     alone_b = np.asarray(model(jnp.asarray(b[None].astype(np.int32))))
     np.testing.assert_allclose(together[0, :7], alone_a[0], atol=1e-5)
@@ -256,7 +257,8 @@ def test_every_parameter_has_logical_axis_names():
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral",
+                                                      "architectures": ["MistralForCausalLM"]}))
     with pytest.raises(CheckpointError, match="unsupported model_type 'mistral'.*MistralForCausalLM"):
         load_hf_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="no config.json"):
@@ -287,6 +289,53 @@ def test_rope_scaling_other_than_llama3_is_refused():
     hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     with pytest.raises(ModelConfigError, match="rope_type 'yarn' is not supported"):
         from_hf_config(hf)
+
+
+# One change to a real config.json each: what the decoder would compute differently, or a key of the
+# wrong type, is refused in one line naming the key.
+UNSUPPORTED_CONFIGS = [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for llama"),
+    ("qwen2", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported for qwen2"),
+    ("gemma2", {"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported for gemma2"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ("llama", {"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ("llama", {"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ("qwen3", {"num_key_value_heads": 4}, "num_attention_heads (6) must be a multiple of num_key_value_heads (4)"),
+    ("llama", {"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number, got '1e-5'"),
+    ("llama", {"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+     "rope_type 'llama3' needs a number for 'low_freq_factor', got None"),
+]
+
+
+@pytest.mark.parametrize("family,change,message", UNSUPPORTED_CONFIGS)
+def test_a_config_json_the_decoder_would_compute_differently_is_refused(family, change, message):
+    hf = json.loads((FIXTURES / "hf" / family / "config.json").read_text())
+    from_hf_config(hf)  # the fixture itself loads
+    target = hf.get("text_config", hf)
+    target.update(change)
+    with pytest.raises(ModelConfigError) as err:
+        from_hf_config(hf, where="ckpt/config.json")
+    assert str(err.value).startswith(f"ckpt/config.json: {message}")
+
+
+def test_the_activations_polyalign_computes_are_accepted():
+    for family, key, name in [("llama", "hidden_act", "swish"), ("gemma3", "hidden_activation", "gelu_new")]:
+        hf = json.loads((FIXTURES / "hf" / family / "config.json").read_text())
+        hf.get("text_config", hf)[key] = name
+        assert from_hf_config(hf) == from_hf_config(json.loads((FIXTURES / "hf" / family / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_weights_file_is_named_in_one_line(tmp_path, damage):
+    shutil.copytree(FIXTURES / "hf" / "llama", tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"not safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_hf_checkpoint(tmp_path / "ckpt")
+    assert str(err.value).startswith(f"{weights}: not a readable safetensors file (")
+    assert "\n" not in str(err.value)
 
 
 def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
@@ -326,7 +375,8 @@ def test_configs_models_are_the_presets_and_carry_the_published_hyperparameters(
     qwen, llama, gemma = preset("qwen2.5-1.5b"), preset("llama3.2-3b"), preset("gemma2-2b")
     # values from the checkpoints' own config.json files
     assert (qwen.rope_theta, qwen.rms_norm_eps, qwen.attention_bias, qwen.eos_token_id) == (1e6, 1e-6, True, 151645)
-    assert llama.rope_scaling.factor == 32.0 and llama.rope_theta == 500000.0 and llama.eos_token_id == (128001, 128008, 128009)
+    assert (llama.rope_scaling.factor == 32.0 and llama.rope_theta == 500000.0
+            and llama.eos_token_id == (128001, 128008, 128009))
     assert (gemma.attn_logit_softcap, gemma.final_logit_softcap, gemma.sliding_window) == (50.0, 30.0, 4096)
     assert gemma.layer_types[:2] == ("sliding_attention", "full_attention")
     qwen3 = preset("qwen3-8b")
@@ -515,7 +565,8 @@ def test_packed_and_tree_rows_give_the_same_log_probs_with_splash_and_xla_attent
 
 def _run_on_eight_cpu_devices(script: Path) -> subprocess.CompletedProcess:
     """Runs a test script in a process of its own whose CPU is split into 8 XLA devices; it must succeed."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": str(Path(__file__).parents[1])}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -528,7 +579,7 @@ def test_splash_attention_under_a_mesh_equals_the_model_without_it(tmp_path):
     script = tmp_path / "splash_mesh.py"
     script.write_text(
         "import dataclasses, jax, numpy as np\n"
-        "from polyalign import parallel\n"
+        "from polyalign.mesh import parallel\n"
         "from polyalign.model import create_model\n"
         "from tests.conftest import tiny_model_config\n"
         "cfg = tiny_model_config(97, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)\n"
@@ -562,7 +613,7 @@ def test_sharded_initialisation_and_loading_place_each_shard_without_a_whole_cop
     script.write_text(
         "import jax, numpy as np\n"
         "from flax import nnx\n"
-        "from polyalign import parallel\n"
+        "from polyalign.mesh import parallel\n"
         "from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint\n"
         "from tests.conftest import tiny_model_config\n"
         "cfg = tiny_model_config(128)\n"

@@ -55,7 +55,8 @@ def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_ru
     rows[1] = {**rows[1], "prompt": rows[1]["prompt"][-1]["content"], "chosen": rows[1]["chosen"][0]["content"],
                "rejected": rows[1]["rejected"][0]["content"]}  # the string form (without the history)
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
-    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl")
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                       tmp_path / "pairs.jsonl")
     assert code == 0 and f"{len(rows)} training pairs from {len(rows)} rows" in out
     from polyalign.pairs.make import read_pairs
 
@@ -97,7 +98,8 @@ def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_p
     assert code == 2 and err.endswith(f"{source}:2: missing field 'rejected'")
     assert not (tmp_path / "pairs.jsonl").exists()
     code, out, _ = cli(capsys, *command, "--on-error", "quarantine")
-    assert code == 0 and "3 training pairs from 6 rows" in out and "malformed 2" in out and "chosen_equals_rejected 1" in out
+    assert (code == 0 and "3 training pairs from 6 rows" in out and "malformed 2" in out
+            and "chosen_equals_rejected 1" in out)
     quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
     assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "4"]
     assert "the prompt must end with a user message" in quarantined[1]["problem"]
@@ -184,7 +186,8 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
 
     printed, train, val = run(3, tmp_path / "a")
     assert len(train) + len(val) == 50 and 10 <= len(val) <= 15
-    assert f"{len(train)} training + {len(val)} validation pairs from 50 rows" in printed and f"{len(val)} validation pairs" in printed
+    assert (f"{len(train)} training + {len(val)} validation pairs from 50 rows" in printed
+            and f"{len(val)} validation pairs" in printed)
     assert not {p["id"] for p in train} & {p["id"] for p in val}
     assert len({p["id"] for p in val}) == len(val) and all("-val-" in p["id"] for p in val)
     assert all(p["record"]["split"] == "val" and p["record"]["id"] == p["id"] for p in val)

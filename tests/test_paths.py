@@ -86,7 +86,8 @@ def test_metrics_and_tokenizer_through_a_bucket(tmp_path, demo_tokenizer):
         remote = load_tokenizer("gs://bucket/tok")
     text = "Hello 你好, 世界!"
     assert remote.encode(text) == demo_tokenizer[0].encode(text)
-    assert json.loads((tmp_path / "bucket/runs/sft/metrics.jsonl").read_text().splitlines()[0]) == {"step": 1, "loss": 2.5}
+    assert (json.loads((tmp_path / "bucket/runs/sft/metrics.jsonl").read_text().splitlines()[0])
+            == {"step": 1, "loss": 2.5})
 
 
 def test_orbax_checkpoints_are_given_the_uri(tmp_path, monkeypatch):

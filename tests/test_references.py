@@ -143,14 +143,16 @@ def test_per_token_distance_does_not_punish_long_human_answers(demo_run):
         longest[rows & (lengths > np.quantile(lengths[rows], 0.8))] = True
 
     def distances(texts, counts):
-        return np.array([support_distance(text_features(t), references["buckets"][b], references["features"], True, counts)
+        return np.array([support_distance(text_features(t), references["buckets"][b], references["features"], True,
+                                          counts)
                          for t, b in zip(texts, buckets)])
 
     auc = {}
     for counts in ("raw", "per_token"):
         human = distances(sets["human"], counts)
         auc[counts] = {"long": _auc_farther(human[longest], human[~longest])} | {
-            name: _auc_farther(distances(sets[name], counts), human) for name in ("first_clause", "other_language_answers")}
+            name: _auc_farther(distances(sets[name], counts), human)
+            for name in ("first_clause", "other_language_answers")}
     assert len(pairs) > 500 and longest.sum() > 80
     assert auc["raw"]["long"] > 0.7 and auc["per_token"]["long"] < 0.62, auc
     assert auc["per_token"]["first_clause"] > auc["raw"]["first_clause"] + 0.03, auc

@@ -20,7 +20,8 @@ def test_signed_w1_equals_scipy_for_weighted_samples_and_many_draws_at_once():
     expected = [wasserstein_distance(u, v, u_weights=w) for w in weights]
     np.testing.assert_allclose(sp.signed_w1(values, masses), expected, rtol=1e-12)
     # ties and a point mass: W1 between {0, 0, 1} and {1} is 2/3
-    assert sp.signed_w1(np.array([0.0, 0.0, 1.0, 1.0]), np.array([[1 / 3, 1 / 3, 1 / 3, -1.0]]))[0] == pytest.approx(2 / 3)
+    assert sp.signed_w1(np.array([0.0, 0.0, 1.0, 1.0]),
+                        np.array([[1 / 3, 1 / 3, 1 / 3, -1.0]]))[0] == pytest.approx(2 / 3)
 
 
 def test_informative_features_drop_near_constant_and_duplicate_ones():
@@ -103,7 +104,8 @@ def _answer_sets(pairs) -> dict[str, list[str]]:
     by_language = {lang: [o.response for _, o in pairs if o.language == lang] for lang in ("en", "zh")}
     return {
         "human": [other.response for _, other in pairs],
-        "first_clause": [re.split(r"[,，.。!?！？;；:\n]", other.response.strip(), maxsplit=1)[0] for _, other in pairs],
+        "first_clause": [re.split(r"[,，.。!?！？;；:\n]", other.response.strip(), maxsplit=1)[0]
+                         for _, other in pairs],
         "one_fixed_answer": [fixed[prompt.bucket_id] for prompt, _ in pairs],
         "other_language_answers": [by_language["zh" if prompt.language == "en" else "en"][i % 50]
                                    for i, (prompt, _) in enumerate(pairs)],

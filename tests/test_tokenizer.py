@@ -86,7 +86,8 @@ def test_a_vocabulary_larger_than_the_records_can_fill_says_the_most_they_can(de
     few = tmp_path / "few.jsonl"
     few.write_text("".join((run / "data" / "train.jsonl").read_text(encoding="utf-8").splitlines(True)[:40]),
                    encoding="utf-8")
-    assert main(["tokenizer", "train", "--records", str(few), "--vocab-size", "8000", "--out", str(tmp_path / "t")]) == 2
+    assert main(["tokenizer", "train", "--records", str(few), "--vocab-size", "8000", "--out",
+                 str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err
     assert "vocab size 8000 is more than these records can fill: at most" in err and "--vocab-size" in err
     assert "INTERNAL" not in err

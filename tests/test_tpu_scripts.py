@@ -41,8 +41,10 @@ def test_create():
 def test_setup_copies_the_checkout_and_runs_the_worker_setup_everywhere():
     lines = dry("setup.sh")
     assert lines[0].startswith(f"git -C {REPO} archive --format=tar.gz -o ") and lines[0].endswith(" HEAD")
-    assert lines[1].startswith("gcloud compute tpus tpu-vm scp ") and "pa-demo:\\~/polyalign.tar.gz --worker=all" in lines[1]
-    assert lines[2].startswith("gcloud compute tpus tpu-vm ssh pa-demo --worker=all --zone=us-west4-a --project=my-proj")
+    assert (lines[1].startswith("gcloud compute tpus tpu-vm scp ")
+            and "pa-demo:\\~/polyalign.tar.gz --worker=all" in lines[1])
+    assert lines[2].startswith("gcloud compute tpus tpu-vm ssh pa-demo --worker=all --zone=us-west4-a "
+                               "--project=my-proj")
     remote = shlex.split(shlex.split(lines[2])[-1])
     assert remote[-2:] == ["bash", "~/polyalign/tpu_scripts/worker_setup.sh"]
     worker = (SCRIPTS / "worker_setup.sh").read_text()
@@ -85,16 +87,16 @@ def test_launch_runs_the_command_on_every_worker_with_a_log_each():
     assert lines[0] == "mkdir -p logs/pa-demo"
     assert len(lines) == 5
     for i, line in enumerate(lines[1:]):
-        assert line.startswith(f"gcloud compute tpus tpu-vm ssh pa-demo --worker={i} --zone=us-west4-a --project=my-proj "
-                               "--command cd\\ ~/polyalign\\ \\&\\&\\ POLYALIGN_NUM_PROCESSES=4\\ "
+        assert line.startswith(f"gcloud compute tpus tpu-vm ssh pa-demo --worker={i} --zone=us-west4-a "
+                               "--project=my-proj --command cd\\ ~/polyalign\\ \\&\\&\\ POLYALIGN_NUM_PROCESSES=4\\ "
                                "~/venv/bin/polyalign\\ train\\ sft")
         assert line.endswith(f"> logs/pa-demo/worker-{i}.log 2>&1 &")
     # each argument arrives whole on the worker: split as the local shell, then as the remote one would
     awkward = dry("launch.sh", "--workers", "1", "--", "polyalign", "evaluate", "--out", "my runs/a;rm -rf ~")
     local = shlex.split(awkward[1].rsplit(" > ", 1)[0])
     remote = shlex.split(local[local.index("--command") + 1])
-    assert remote == ["cd", "~/polyalign", "&&", "POLYALIGN_NUM_PROCESSES=1", "~/venv/bin/polyalign", "evaluate", "--out",
-                      "my runs/a;rm -rf ~"]
+    assert remote == ["cd", "~/polyalign", "&&", "POLYALIGN_NUM_PROCESSES=1", "~/venv/bin/polyalign", "evaluate",
+                      "--out", "my runs/a;rm -rf ~"]
     result = subprocess.run(["bash", str(SCRIPTS / "launch.sh"), *WHERE, "--dry-run", "--", "polyalign"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--workers is required" in result.stderr

@@ -98,5 +98,6 @@ def test_a_tracker_without_its_extra_names_the_extra(tmp_path, monkeypatch):
     from polyalign.train.metrics import MetricsWriter
 
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(MissingExtra, match=r"train.report_to: wandb needs the 'wandb' extra: pip install 'polyalign\[wandb\]'"):
+    with pytest.raises(MissingExtra,
+                       match=r"train.report_to: wandb needs the 'wandb' extra: pip install 'polyalign\[wandb\]'"):
         MetricsWriter(tmp_path, ("wandb",))

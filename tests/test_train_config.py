@@ -67,8 +67,9 @@ def test_old_flat_keys_still_load_with_a_notice_naming_the_new_key(tmp_path, cap
     old = tmp_path / "old_hdpo.yaml"
     old.write_text("method: dpo\nmax_length: 128\ndtype: bfloat16\nremat: full\ndata: {dir: RUN}\n")
     config = load_config(old, ["logprob_chunk=16", "attention_impl=xla"])
-    assert (config.method, config.data.max_length, config.data.dir, config.model.dtype, config.model.remat,
-            config.model.logprob_chunk, config.model.attention_impl) == ("dpo", 128, "RUN", "bfloat16", "full", 16, "xla")
+    assert ((config.method, config.data.max_length, config.data.dir, config.model.dtype, config.model.remat,
+             config.model.logprob_chunk, config.model.attention_impl)
+            == ("dpo", 128, "RUN", "bfloat16", "full", 16, "xla"))
     notices = capsys.readouterr().err.strip().splitlines()
     assert len(notices) == 5  # three in the file, two overrides
     assert "key 'max_length' is deprecated" in notices[0] and "use 'data.max_length'" in notices[0]
@@ -90,7 +91,7 @@ def test_choices_are_checked():
         load_config(CONFIGS["sft"], ["weighting=square"])
     with pytest.raises(ConfigError, match="model.remat must be one of"):
         load_config(CONFIGS["hdpo"], ["model.remat=some"])
-    with pytest.raises(ConfigError, match="train.keep_checkpoints must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match="train.keep_checkpoints must be at least 1, got 0"):
         load_config(CONFIGS["sft"], ["train.keep_checkpoints=0"])
     with pytest.raises(ConfigError, match="distance_features must be one of"):
         load_config(CONFIGS["critic"], ["distance_features=some"])
@@ -101,23 +102,23 @@ def test_choices_are_checked():
 
 
 BAD_SETTINGS = [
-    ("sft", "train.steps=0", "train.steps must be >= 1, got 0"),
-    ("sft", "train.global_batch=-4", "train.global_batch must be >= 1, got -4"),
+    ("sft", "train.steps=0", "train.steps must be at least 1, got 0"),
+    ("sft", "train.global_batch=-4", "train.global_batch must be at least 1, got -4"),
     ("sft", "train.micro_batches=3", r"train.global_batch \(16\) must be divisible by train.micro_batches \(3\)"),
-    ("sft", "train.eval_every=0", "train.eval_every must be >= 1 or null, got 0"),
-    ("sft", "train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
-    ("sft", "optimizer.lr=0", "optimizer.lr must be > 0, got 0"),
+    ("sft", "train.eval_every=0", "train.eval_every must be at least 1 or null, got 0"),
+    ("sft", "train.checkpoint_every=0", "train.checkpoint_every must be at least 1, got 0"),
+    ("sft", "optimizer.lr=0", "optimizer.lr must be above 0, got 0"),
     ("sft", "optimizer.warmup_ratio=1.5", r"optimizer.warmup_ratio must be in \[0, 1\], got 1.5"),
     ("sft", "optimizer.b2=1", r"optimizer.b2 must be in \[0, 1\), got 1"),
-    ("sft", "data.eval_limit=0", "data.eval_limit must be >= 1 or null, got 0"),
+    ("sft", "data.eval_limit=0", "data.eval_limit must be at least 1 or null, got 0"),
     ("sft", "adaptive.floor=2", r"adaptive.floor must be in \[0, 1\], got 2"),
-    ("hdpo", "beta=0", "beta must be > 0, got 0"),
-    ("hdpo", "beta=-0.1", "beta must be > 0, got -0.1"),
+    ("hdpo", "beta=0", "beta must be above 0, got 0"),
+    ("hdpo", "beta=-0.1", "beta must be above 0, got -0.1"),
     ("hdpo", "on_policy.top_p=0", r"on_policy.top_p must be in \(0, 1\], got 0"),
-    ("hdpo", "rounds=0", "rounds must be >= 1, got 0"),
+    ("hdpo", "rounds=0", "rounds must be at least 1, got 0"),
     ("sft", "model.preset=qwen2.5-1.5", r"model.preset: unknown preset .qwen2.5-1.5.; did you mean .qwen2.5-1.5b.\?"),
     ("critic", "dropout=1", r"dropout must be in \[0, 1\), got 1"),
-    ("critic", "pair_batch=0", "pair_batch must be >= 1, got 0"),
+    ("critic", "pair_batch=0", "pair_batch must be at least 1, got 0"),
     ("dpo", "data.max_length=null", "data.max_length: each side of a pair is cut to it"),
     ("sft", "train.steps=[1", "train.steps=\\[1 is not a value YAML reads"),
     ("sft", "train.steps=!!python/name:os.system", "is not a value YAML reads .*no tags"),
@@ -132,24 +133,36 @@ def test_a_bad_setting_is_one_line_naming_its_key(method, override, message, cap
     assert re.search(message, captured.err), captured.err
 
 
+def numeric_fields(cls, prefix=""):
+    """(dotted key, field) of every int or float setting of a config class, sections walked."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from numeric_fields(kind, f"{prefix}{f.name}.")
+        elif kind in (int, float, int | None, float | None):
+            yield prefix + f.name, f
+
+
 def test_every_numeric_setting_has_a_range():
-    """A numeric key added to a section without a range would go unchecked."""
-    from polyalign.train.methods import METHOD_RANGES, SHARED_RANGES
-
-    def numeric_keys(cls, prefix=""):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            kind = hints[f.name]
-            if dataclasses.is_dataclass(kind):
-                yield from numeric_keys(kind, f"{prefix}{f.name}.")
-            elif kind in (int, float, int | None, float | None) and f.name != "seed":
-                yield prefix + f.name
-
+    """A numeric key added to a section without a range beside it would go unchecked."""
     for spec in METHODS.values():
-        checked = {**SHARED_RANGES, **METHOD_RANGES.get(spec.config, {})}
-        unchecked = set(numeric_keys(spec.config)) - set(checked) - {"parallel.data", "parallel.fsdp", "parallel.tensor",
-                                                                   "model.seed", "train.seed"}
+        fields = dict(numeric_fields(spec.config))
+        unchecked = [key for key, f in fields.items() if f.metadata.get("range") is None
+                     and not key.startswith("parallel.")]  # mesh sizes: -1 takes the rest, checked by the mesh
         assert not unchecked, (spec.name, unchecked)
+        assert len(fields) >= 25, spec.name
+
+
+def test_a_range_beside_a_field_is_what_the_config_check_applies():
+    for spec in METHODS.values():
+        for key, f in numeric_fields(spec.config):
+            allowed = f.metadata.get("range")
+            if allowed is None or allowed.low is None:
+                continue
+            below = allowed.low if allowed.low_open else allowed.low - 1
+            with pytest.raises(ConfigError, match=re.escape(f"{key} must be {allowed}, got ")):
+                load_config(None, [f"{key}={below}"], method=spec.name)
 
 
 def test_the_subcommand_picks_the_method_and_refuses_another_schema():
@@ -345,8 +358,9 @@ def test_a_partial_section_keeps_the_methods_other_defaults(tmp_path):
     assert (dpo.optimizer.lr, dpo.optimizer.clip, dpo.train.global_batch, dpo.train.steps, dpo.data.max_length,
             dpo.data.eval_batch) == (5e-7, 0.5, 8, 3, 256, 8)
     critic = load_config(partial, ["train.epochs=2"], method="critic")
-    assert (critic.data.max_length, critic.data.eval_batch, critic.train.seed, critic.train.log_every,
-            critic.train.eval_every, critic.model.seed, critic.optimizer.warmup_ratio) == (512, 16, 42, 10, None, 42, 0.0)
+    assert ((critic.data.max_length, critic.data.eval_batch, critic.train.seed, critic.train.log_every,
+             critic.train.eval_every, critic.model.seed, critic.optimizer.warmup_ratio)
+            == (512, 16, 42, 10, None, 42, 0.0))
     # an empty section in a file is the method's section
     empty = tmp_path / "empty.yaml"
     empty.write_text("optimizer:\ntrain:\n")
@@ -400,3 +414,21 @@ def test_epochs_say_the_steps_they_set_in_place_of_train_steps(capsys):
                                                "global_batch 4 an epoch), in place of train.steps=120")
     resolve_loop(LoopConfig(steps=6, epochs=2, global_batch=4), epoch_size=10, method="sft")
     assert capsys.readouterr().err == ""  # nothing to say when they agree
+
+
+def test_train_help_lists_every_own_key_with_its_default_range_and_help(capsys):
+    from polyalign.core.yaml_config import settings_of
+    from polyalign.train.methods import SHARED_SECTIONS
+
+    for spec in METHODS.values():
+        with pytest.raises(SystemExit):
+            main(["train", spec.name, "--help"])
+        text = capsys.readouterr().out
+        section = text.split("The method's own keys (default, range):\n")[1].split("\n\n")[0]
+        for key, f, value in settings_of(spec.config()):
+            if key.split(".")[0] in SHARED_SECTIONS or key == "method":
+                continue
+            line = next(line for line in section.splitlines() if line.startswith(f"  {key}="))
+            if f.metadata.get("range"):
+                assert f"({f.metadata['range']})" in line, line
+            assert f.metadata.get("help"), (spec.name, key, "has no help")

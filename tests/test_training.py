@@ -36,7 +36,8 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
     weights = manifest["bucket_weights"]
     counts = manifest["train_bucket_counts"]
     # Bucket-SFT weights: the scheme's (the default preset), from the train counts.
-    assert manifest["weight_options"]["source"].startswith("scheme ") and manifest["weight_options"]["temperature"] == 0.5
+    assert (manifest["weight_options"]["source"].startswith("scheme ")
+            and manifest["weight_options"]["temperature"] == 0.5)
     expected = bucket_weights(counts, WEIGHT_PRESETS["default"])
     for bucket in counts:
         assert weights[bucket] == pytest.approx(expected[bucket])
@@ -135,7 +136,8 @@ def _independent_objective(run, batch, manifest):
     model = create_model(tiny_model_config(manifest["vocab_size"]), seed=0)
     ids, targets, mask = batch["input_ids"][0], batch["targets"][0], batch["loss_mask"][0]
     logits = np.asarray(model(jnp.asarray(ids)), np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    logp = (logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True))
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     per_example = (nll * mask).sum(-1) / np.maximum(mask.sum(-1), 1)
     w = batch["weight"][0] * batch["valid"][0]
@@ -201,8 +203,8 @@ def test_adaptive_weights_are_exact_under_micro_batching(built_run):
         batch, _ = first_batch(run, 8, micro)
         objective = SftObjective(len(buckets), "adaptive", train_counts=counts,
                                  initial_weights=np.linspace(0.5, 3.0, len(buckets)))
-        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0), objective,
-                          OptimizerConfig(), LoopConfig(steps=1, global_batch=8, micro_batches=micro), parallel.make_mesh())
+        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0), objective, OptimizerConfig(),
+                          LoopConfig(steps=1, global_batch=8, micro_batches=micro), parallel.make_mesh())
         grads, loss, _ = trainer.gradients(batch)
         results.append((float(loss), jax.tree.leaves(jax.device_get(grads))))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-5)
@@ -258,9 +260,9 @@ def _cli(args, env_extra, devices):
 
 
 def _train_args(run, out, *extra):
-    return ["train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", str(out), "--no-progress",
-            f"data.dir={run}", "train.steps=6", "train.global_batch=8", "train.eval_every=6", "train.checkpoint_every=3",
-            "data.eval_limit=32", "data.eval_batch=16", *extra]
+    return ["train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", str(out),
+            "--no-progress", f"data.dir={run}", "train.steps=6", "train.global_batch=8", "train.eval_every=6",
+            "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", *extra]
 
 
 def _wait(processes):
@@ -459,8 +461,9 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
 
     results = []
     for batch in (stack(unpacked), stack(packed)):
-        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0), SftObjective(len(manifest["buckets"])),
-                          OptimizerConfig(), LoopConfig(steps=1, global_batch=12), parallel.make_mesh())
+        trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
+                          SftObjective(len(manifest["buckets"])), OptimizerConfig(),
+                          LoopConfig(steps=1, global_batch=12), parallel.make_mesh())
         grads, loss, sums = trainer.gradients(batch)
         results.append((float(loss), jax.device_get(grads), jax.device_get(sums)))
     (loss_a, grads_a, sums_a), (loss_b, grads_b, sums_b) = results

@@ -33,8 +33,8 @@ def adapted_model(vocab_size: int, rank: int = 4, targets=("q", "k", "v", "o", "
     from polyalign.model.architecture import LoraConfig
     from polyalign.model.lora import add_adapters
 
-    model = add_adapters(create_model(tiny_model_config(vocab_size), seed=0), LoraConfig(rank=rank, alpha=8.0,
-                                                                                         targets=tuple(targets)), seed=1)
+    model = add_adapters(create_model(tiny_model_config(vocab_size), seed=0),
+                         LoraConfig(rank=rank, alpha=8.0, targets=tuple(targets)), seed=1)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
     leaves, treedef = jax.tree.flatten(adapters)
     keys = jax.random.split(jax.random.key(7), len(leaves))

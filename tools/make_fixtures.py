@@ -150,7 +150,8 @@ def check_multimodal_gemma3() -> None:
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                       image_token_index=COMMON["vocab_size"] - 1, boi_token_index=COMMON["vocab_size"] - 3,
+                                       image_token_index=COMMON["vocab_size"] - 1,
+                                       boi_token_index=COMMON["vocab_size"] - 3,
                                        eoi_token_index=COMMON["vocab_size"] - 2)
     torch.manual_seed(SEED)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
@@ -397,8 +398,9 @@ def check_exports() -> None:
         for family, template_name, folder in cases:
             tokenizer = load_tokenizer(folder)
             base = load_hf_checkpoint(FIXTURES / "hf" / family).config
-            model = create_model(dataclasses.replace(base, vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
-                                                     eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id),
+            model = create_model(dataclasses.replace(base, vocab_size=tokenizer.vocab_size,
+                                                     bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+                                                     pad_token_id=tokenizer.pad_id),
                                  seed=SEED)
             template = get_template(template_name, tokenizer)
             out = tmp / f"export-{family}-{template_name}"
@@ -476,7 +478,8 @@ def write_peft_fixture() -> None:
     base = transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / "hf" / "qwen2").eval()
     torch.manual_seed(SEED)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"])
     plain = hf_logits(base, *inputs())  # before PEFT wraps (and changes) the base in place
     adapted = peft.get_peft_model(base, config).eval()
     adapted.save_pretrained(target)
@@ -494,7 +497,8 @@ def write_peft_fixture() -> None:
     ours = load_adapter(load_hf_checkpoint(FIXTURES / "hf" / "qwen2"), target)
     got = np.asarray(ours(ids, attention_mask=mask))
     real = mask.astype(bool)
-    print(f"peft {peft.__version__}: PEFT adapter on qwen2 in polyalign: max|dlogits| {np.abs(got - logits)[real].max():.2e}"
+    print(f"peft {peft.__version__}: PEFT adapter on qwen2 in polyalign: max|dlogits| "
+          f"{np.abs(got - logits)[real].max():.2e}"
           f" (adapter moves the logits by {np.abs(logits - plain)[real].max():.3f})")
 
 

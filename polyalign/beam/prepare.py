@@ -303,7 +303,8 @@ def read_near_duplicates(data_dir: Path) -> list[tuple[str, str, float]]:
     pairs = []
     for path in sorted(data_dir.glob("near_duplicates*.jsonl")):
         with path.open(encoding="utf-8") as handle:
-            pairs.extend((p["train_id"], p["test_id"], p["jaccard"]) for p in map(json.loads, filter(str.strip, handle)))
+            pairs.extend((p["train_id"], p["test_id"], p["jaccard"])
+                         for p in map(json.loads, filter(str.strip, handle)))
     return sorted(pairs, key=lambda p: (p[0], -p[2], p[1]))
 
 

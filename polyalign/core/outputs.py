@@ -132,7 +132,8 @@ class OutputLock:
 
     def __enter__(self) -> Self:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S")})
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

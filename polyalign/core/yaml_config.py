@@ -8,12 +8,14 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
 from polyalign.core.errors import ConfigError
+from polyalign.core.ranges import Range
 
 T = TypeVar("T")
 
@@ -145,3 +147,29 @@ def load_mapping(path: Path | None) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping")
     return raw
+
+
+def setting(default: Any = dataclasses.MISSING, *, range: Range | None = None, help: str = "",
+            factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with what it means and the values it admits beside it (dataclass field metadata):
+    `out_of_range` reads the range, `polyalign train METHOD --help` the help."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={"range": range, "help": help})
+
+
+def settings_of(config: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every leaf setting of a config instance, sections walked."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from settings_of(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f, value
+
+
+def out_of_range(config: Any, where: str) -> str | None:
+    """The one line for the first setting outside the range its field declares, or None."""
+    for key, f, value in settings_of(config):
+        allowed = f.metadata.get("range")
+        if allowed is not None and not allowed.admits(value):
+            return f"{where}: {allowed.refusal(key, value)}"
+    return None

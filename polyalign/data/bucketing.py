@@ -92,7 +92,8 @@ class Scheme:
         return "|".join(values[d] for d in self.dimensions)
 
     def all_buckets(self) -> list[str]:
-        axes = [self.values[d] if d != "length_bin" else tuple(b.name for b in self.length_bins) for d in self.dimensions]
+        axes = [self.values[d] if d != "length_bin" else tuple(b.name for b in self.length_bins)
+                for d in self.dimensions]
         return ["|".join(combo) for combo in itertools.product(*axes)]
 
     def check_value(self, dimension: str, value: str) -> str | None:
@@ -107,7 +108,8 @@ def load_scheme(path: Path) -> Scheme:
     raw = from_mapping(SchemeFile, load_yaml(path), str(path))
     where = str(path)
     if raw.length_unit not in LENGTH_UNIT_PATTERNS:
-        raise ConfigError(f"{where}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}, got {raw.length_unit!r}")
+        raise ConfigError(f"{where}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}, "
+                          f"got {raw.length_unit!r}")
     values = {}
     for dimension in ("language", "track", "family", "style"):
         items = raw.values.get(dimension)
@@ -119,7 +121,8 @@ def load_scheme(path: Path) -> Scheme:
             raise ConfigError(f"{where}: dimension {dimension!r} has no values")
     bins = tuple(raw.length_bins)
     bounds = [b.max for b in bins]
-    if not bins or bounds[-1] is not None or any(b is None for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
+    if (not bins or bounds[-1] is not None or any(b is None for b in bounds[:-1])
+            or bounds[:-1] != sorted(set(bounds[:-1]))):
         raise ConfigError(f"{where}: length_bins need rising 'max' bounds and an open last bin")
     sources = {}
     for name, labels in raw.sources.items():
@@ -131,7 +134,8 @@ def load_scheme(path: Path) -> Scheme:
         sources[str(name)] = dict(labels)
     return Scheme(
         name=raw.name, dimensions=tuple(raw.dimensions), values=values, length_bins=bins,
-        length_unit=raw.length_unit, weights=weight_options(raw.weights, f"{where}: weights"), reference_min_bucket_size=raw.reference_min_bucket_size,
+        length_unit=raw.length_unit, weights=weight_options(raw.weights, f"{where}: weights"),
+        reference_min_bucket_size=raw.reference_min_bucket_size,
         sources=sources, path=str(path),
     )
 

@@ -187,9 +187,9 @@ class LanguageChooser:
     - Latin script: with lingua installed (over the major Latin-script languages), it chooses among
       the scheme's Latin-script languages,
       calling the text `other` only when it is at least 99% sure of a language outside the scheme on
-      24 letters or more (for a single row: of its response and of the whole row); without lingua, the scheme's first Latin-script language (en), and
-      `note` says so once in the manifest. Another script: lingua's language if the scheme has it,
-      else `other`.
+      24 letters or more (for a single row: of its response and of the whole row); without lingua,
+      the scheme's first Latin-script language (en), and `note` says so once in the manifest. Another
+      script: lingua's language if the scheme has it, else `other`.
     """
 
     def __init__(self, languages):

@@ -257,7 +257,8 @@ class RecordBuilder:
         return hash_split(group, self.split_options.seed, self.split_options.weights)
 
     def build(self, key: str, example: Example, source: SourceConfig, tally: SourceTally) -> Record | Skipped:
-        question, context, response = normalize(example.question), normalize(example.context), normalize(example.response)
+        question, context, response = (normalize(example.question), normalize(example.context),
+                                       normalize(example.response))
         history = [{"role": t["role"], "text": normalize(t["text"])} for t in example.history]
         history = self.system_turns(history, tally)
         labels = self.labels(example, source)
@@ -278,7 +279,8 @@ class RecordBuilder:
         # key so that one corpus configured as separate val and test sources keeps them apart.
         group = f"{source.name}:{example.group}" if example.group else f"{source.name}:{source.split}:{key}"
         split = self.split_of(example, source, group)
-        meta: dict[str, Any] = {"source_file": example.location.file, "source_row": str(example.location), "group": group}
+        meta: dict[str, Any] = {"source_file": example.location.file, "source_row": str(example.location),
+                                "group": group}
         if example.labels:
             meta["source_labels"] = dict(example.labels)
         meta.update(example.meta)
@@ -334,7 +336,8 @@ class AgreementCounts:
         return {
             "label_agreement": {corpus: {name: round(a / n, 6) for name, (a, n) in sorted(fields.items())}
                                 for corpus, fields in self.labels.items()},
-            "label_agreement_counts": {corpus: {name: {"agree": a, "total": n} for name, (a, n) in sorted(fields.items())}
+            "label_agreement_counts": {corpus: {name: {"agree": a, "total": n}
+                                                for name, (a, n) in sorted(fields.items())}
                                        for corpus, fields in self.labels.items()},
             "length_unit_agreement": {
                 corpus: {unit: {name: round(a / n, 6) for name, (a, n) in self.units[corpus][unit].items()}

@@ -94,7 +94,8 @@ def hypervolume(frontier: Sequence[tuple[float, float]]) -> float:
     return area
 
 
-def aggregate(f1: float | None, bng_macro: float | None, mauve: float | None, nuf_hypervolume: float | None) -> float | None:
+def aggregate(f1: float | None, bng_macro: float | None, mauve: float | None,
+              nuf_hypervolume: float | None) -> float | None:
     """Geometric mean of the finite components among clip(F1), 1/(1 + BNG macro), clip(MAUVE) and
     clip(NUF hypervolume); None with fewer than two."""
     parts = [clip01(f1), None if bng_macro is None else 1.0 / (1.0 + max(bng_macro, 0.0)), clip01(mauve),

@@ -93,8 +93,9 @@ def _mauve(human: list[str], generated: list[str], featurize) -> float:
 
 def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: str = "cjk",
              references_path: Path | None = None, featurizer: Path | None = None, scorer: Path | None = None,
-             support_path: Path | None = None, allow_partial: bool = False, plots: bool = True, intervals: sp.IntervalOptions | None = None,
-             diversity_metrics: bool = True, baselines: bool = True, overwrite: bool = False) -> dict[str, Any]:
+             support_path: Path | None = None, allow_partial: bool = False, plots: bool = True,
+             intervals: sp.IntervalOptions | None = None, diversity_metrics: bool = True, baselines: bool = True,
+             overwrite: bool = False) -> dict[str, Any]:
     """Every metric of one predictions file. In the default mode every bucket is measured (small ones
     against their parent group's human answers), with its human floor and bootstrap intervals, and the
     no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code.
@@ -173,8 +174,8 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
         utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
                             "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
         bucket_reports = measured["by_bucket"]
-        reference_rows = {"human": {"bng_macro": bng_metrics.get("floor_macro"), "hcr_macro": hcr_metrics.get("floor_macro"),
-                                    "rows": len(records)}}
+        reference_rows = {"human": {"bng_macro": bng_metrics.get("floor_macro"),
+                                    "hcr_macro": hcr_metrics.get("floor_macro"), "rows": len(records)}}
         if baselines:
             human_tokens = [tokens(h, tokenize) for h in human]
             for name in BASELINES:
@@ -182,10 +183,12 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
                 answer_f1 = np.array([token_f1(tokens(a, tokenize), g) for a, g in zip(answers, human_tokens)])
                 summary = sp.measure(by_bucket_idx, supports, _feature_matrix(_answer_features(records, answers, lm)),
                                      answer_f1, intervals, human_table)["summary"]
-                reference_rows[name] = {"bng_macro": summary["bng"]["macro"], "bng_macro_interval": summary["bng"].get("macro_interval"),
-                                        "hcr_macro": summary["hcr"]["macro"], "hcr_macro_interval": summary["hcr"].get("macro_interval"),
-                                        "f1": summary["f1"]["weighted"], "f1_interval": summary["f1"]["weighted_interval"],
-                                        "rows": len(records)}
+                reference_rows[name] = {"bng_macro": summary["bng"]["macro"],
+                                        "bng_macro_interval": summary["bng"].get("macro_interval"),
+                                        "hcr_macro": summary["hcr"]["macro"],
+                                        "hcr_macro_interval": summary["hcr"].get("macro_interval"),
+                                        "f1": summary["f1"]["weighted"],
+                                        "f1_interval": summary["f1"]["weighted_interval"], "rows": len(records)}
     bng = bng_metrics["by_bucket"]
 
     # MAUVE and conditional MAUVE.
@@ -409,7 +412,8 @@ def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[d
                 "floor_macro": s.get("floor_macro"), "buckets": s["buckets"], "rows": s["rows"],
                 "backed_off": s.get("backed_off", []), "small_buckets": s.get("small_buckets", []),
                 "min_interval_rows": options.min_rows, "by_bucket": per_bucket(metric),
-                "interval_by_bucket": per_bucket(f"{metric}_interval"), "floor_by_bucket": per_bucket(f"{metric}_floor")}
+                "interval_by_bucket": per_bucket(f"{metric}_interval"),
+                "floor_by_bucket": per_bucket(f"{metric}_floor")}
 
     bng = section("bng") | {"gap_macro": summary["bng"].get("gap_macro"),
                             "gap_macro_interval": summary["bng"].get("gap_macro_interval"),

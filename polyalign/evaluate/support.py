@@ -278,7 +278,8 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
         stacked = np.stack([draws[b][metric] for b in measured])
         macro, weighted = float(values.mean()), float(values @ rows / rows.sum())
         entry = {"macro": macro, "macro_interval": interval(stacked.mean(axis=0), options.level, macro),
-                 "weighted": weighted, "weighted_interval": interval(rows @ stacked / rows.sum(), options.level, weighted),
+                 "weighted": weighted,
+                 "weighted_interval": interval(rows @ stacked / rows.sum(), options.level, weighted),
                  "buckets": len(measured), "rows": int(rows.sum()),
                  "small_buckets": sorted(b for b in measured if by_bucket[b]["rows"] < options.min_rows),
                  "backed_off": sorted(b for b in measured if by_bucket[b]["backed_off"])}

@@ -110,7 +110,8 @@ class LMScorer:
                 "lm_max_seq_length": float(self.max_seq_length),
                 "lm_conditional_logprob_gain": (row["lm_conditional_logprob_sum"] - row["lm_unconditional_logprob_sum"])
                 if both else 0.0,
-                "lm_conditional_perplexity_ratio": (row["lm_unconditional_perplexity"] / row["lm_conditional_perplexity"])
+                "lm_conditional_perplexity_ratio": (row["lm_unconditional_perplexity"]
+                                                    / row["lm_conditional_perplexity"])
                 if both else 0.0,
             })
             rows.append(row)

@@ -17,7 +17,8 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     id and prediction, is an error naming the file and line."""
     try:
         for number, row in jsonl.read_lines(path):
-            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("prediction"), str):
+            if (not isinstance(row, dict) or not isinstance(row.get("id"), str)
+                    or not isinstance(row.get("prediction"), str)):
                 raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction")
             yield number, row
     except jsonl.JsonProblem as problem:

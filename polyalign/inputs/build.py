@@ -159,7 +159,8 @@ def check_options(options: BuildOptions) -> None:
 def split_files(run: Path, split: str) -> list[Path]:
     """A prepared split: RUN/data/SPLIT.jsonl, or the shards RUN/data/SPLIT-*-of-*.jsonl of a Beam prepare."""
     data = Path(run) / "data"
-    files = [data / f"{split}.jsonl"] if (data / f"{split}.jsonl").is_file() else sorted(data.glob(f"{split}-*-of-*.jsonl"))
+    files = ([data / f"{split}.jsonl"] if (data / f"{split}.jsonl").is_file()
+             else sorted(data.glob(f"{split}-*-of-*.jsonl")))
     if not files:
         raise ConfigError(f"{data / f'{split}.jsonl'}: missing; run `polyalign prepare` (or the demo's prepare "
                           "stage) first")
@@ -192,7 +193,8 @@ def tokenizer_digests(run: Path, tokenizer_path: Path) -> dict[str, str]:
     if is_uri(tokenizer_path):
         return {}
     files = [tokenizer_path] if tokenizer_path.is_file() else \
-        [tokenizer_path / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG) if (tokenizer_path / name).is_file()]
+        [tokenizer_path / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG)
+         if (tokenizer_path / name).is_file()]
     digests = {}
     for path in files:
         try:

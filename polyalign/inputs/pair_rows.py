@@ -36,8 +36,8 @@ def pair_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.
            "critic_chosen": np.float32(0.0), "critic_rejected": np.float32(0.0),
            "ref_chosen": np.float32(0.0), "ref_rejected": np.float32(0.0)}
     for side in SIDES:
-        sft_like = None if example is None else {"input_ids": example[f"{side}_ids"], "loss_mask": example[f"{side}_mask"],
-                                                 "weight": 0.0, "bucket": 0}
+        sft_like = None if example is None else {"input_ids": example[f"{side}_ids"],
+                                                 "loss_mask": example[f"{side}_mask"], "weight": 0.0, "bucket": 0}
         arrays = pipeline.example_arrays(sft_like, length, pad_id)
         out[f"{side}_inputs"], out[f"{side}_targets"], out[f"{side}_mask"] = (
             arrays["input_ids"], arrays["targets"], arrays["loss_mask"])
@@ -52,6 +52,23 @@ def pair_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.
 
 
 PAIR_FIELDS = ("weight", "bucket", "valid", "critic_chosen", "critic_rejected", "ref_chosen", "ref_rejected")
+# The two layouts a preference batch comes in, each by the exact fields it carries: row pairs (pair_arrays)
+# and rows of tree-packed pairs (packed_pair_arrays).
+ROW_PAIRS = frozenset({*PAIR_FIELDS, *(f"{side}_{part}" for side in SIDES
+                                       for part in ("inputs", "targets", "mask", "length"))})
+TREE_ROWS = frozenset({*PAIR_FIELDS, "input_ids", "targets", "positions", "segment_ids", "branch_ids", "chosen_mask",
+                       "rejected_mask", "length"})
+
+
+def is_packed(batch) -> bool:
+    """Whether a preference batch is rows of tree-packed pairs (else row pairs), from its fields, which
+    must be exactly one layout's: a batch of neither is refused with what it lacks."""
+    keys = set(batch)
+    if keys == TREE_ROWS or keys == ROW_PAIRS:
+        return keys == TREE_ROWS
+    closest = min((ROW_PAIRS, TREE_ROWS), key=lambda fields: len(fields ^ keys))
+    raise ValueError(f"not a preference batch layout: missing {sorted(closest - keys)}, unexpected "
+                     f"{sorted(keys - closest)}")
 
 
 def tree_spans(example: dict, length: int) -> tuple[int, int, int]:

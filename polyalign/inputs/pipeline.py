@@ -118,7 +118,8 @@ class _EpochPermutations:
         return int(self._permutation(epoch)[offset])
 
 
-def first_fit(order, lengths: np.ndarray, length: int, window: int = 16, max_items: int | None = None) -> list[list[int]]:
+def first_fit(order, lengths: np.ndarray, length: int, window: int = 16,
+              max_items: int | None = None) -> list[list[int]]:
     """Rows of at most `length` positions (and `max_items` examples) holding the examples of `order`:
     each joins the first of the open rows it fits in, or opens a new one; when more than `window` rows
     are open the oldest is closed. Lengths are taken as given (cut them to `length` first)."""
@@ -255,7 +256,8 @@ def eval_batches(source, batch_size: int, length: int, pad_id: int, process_inde
     last batch is completed with empty examples (valid = False)."""
     convert = convert or example_arrays
     total = len(source) if limit is None else min(limit, len(source))
-    chosen = np.arange(total) if total == len(source) else np.sort(np.random.default_rng(0).permutation(len(source))[:total])
+    chosen = (np.arange(total) if total == len(source)
+              else np.sort(np.random.default_rng(0).permutation(len(source))[:total]))
     layout = Layout(batch_size, 1, process_index, process_count)
     num_batches = -(-total // batch_size)
 

@@ -43,7 +43,8 @@ def slurm_environment(env: Mapping[str, str], port: int = DEFAULT_PORT) -> dict[
         process_id, num_processes = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         nodelist = env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]
     except (KeyError, ValueError):
-        raise LaunchError("--slurm needs SLURM_PROCID, SLURM_NTASKS and SLURM_JOB_NODELIST (run it under srun)") from None
+        raise LaunchError("--slurm needs SLURM_PROCID, SLURM_NTASKS and SLURM_JOB_NODELIST "
+                          "(run it under srun)") from None
     out = {"POLYALIGN_COORDINATOR": f"{expand_nodelist(nodelist)[0]}:{port}",
            "POLYALIGN_NUM_PROCESSES": str(num_processes), "POLYALIGN_PROCESS_ID": str(process_id)}
     if "SLURM_LOCALID" in env and "CUDA_VISIBLE_DEVICES" not in env:

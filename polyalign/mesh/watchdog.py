@@ -82,7 +82,8 @@ class Watchdog:
     def fire(self, stuck: float) -> None:
         who = f"process {self.process_index} of {self.process_count}"
         print(f"polyalign: {who}: {self._what} made no progress for {stuck:.0f} s (train.hang_timeout="
-              f"{self.timeout:g}{'' if self._limit == self.timeout else f', x{FIRST_SLACK} for a first one'}); stopping. The processes are out of step or one of them is gone; this "
+              f"{self.timeout:g}{'' if self._limit == self.timeout else f', x{FIRST_SLACK} for a first one'}); "
+              "stopping. The processes are out of step or one of them is gone; this "
               "process's stacks follow.", file=self.stream, flush=True)
         try:
             faulthandler.dump_traceback(file=self.stream, all_threads=True)

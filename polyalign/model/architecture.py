@@ -269,15 +269,69 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_scaling(params: dict[str, Any], where: str) -> RopeScaling | None:
+    if not isinstance(params, dict):
+        raise ModelConfigError(f"{where}: rope_scaling: expected a mapping, got {params!r}")
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    needed = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if rope_type not in needed:
+        raise ModelConfigError(f"{where}: rope_type {rope_type!r} is not supported (default, linear and llama3 are)")
+    for key in needed[rope_type]:
+        if not _is_number(params.get(key)):
+            raise ModelConfigError(f"{where}: rope_type {rope_type!r} needs a number for {key!r}, got "
+                                   f"{params.get(key)!r}")
     if rope_type == "default":
         return None
     if rope_type == "linear":
         return RopeScaling(float(params["factor"]), rope_type="linear")
-    if rope_type == "llama3":
-        return RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                           float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
-    raise ModelConfigError(f"{where}: rope_type {rope_type!r} is not supported (default, linear and llama3 are)")
+    return RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
+                       float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The config.json keys the decoder reads, by the type each must have (null: the family's default).
+_COUNT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+_NUMBER_KEYS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+                "attn_logit_softcapping", "final_logit_softcapping")
+_FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+              "use_bidirectional_attention")
+# What the MLP computes per family (gelu_new is transformers' other name for the tanh approximation).
+_ACTIVATIONS = {"gemma": ("gelu_pytorch_tanh", "gelu_new"), "other": ("silu", "swish")}
+
+
+def _check_supported(hf: dict[str, Any], family: str, where: str) -> None:
+    """Every key the decoder reads has its type, and every setting it would compute differently from
+    the checkpoint's own model (another activation, partial rotary, MLP biases) is refused in one line:
+    a model that loads must be the model that was trained."""
+    for key in _COUNT_KEYS:
+        value = hf.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ModelConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+    for key in _NUMBER_KEYS:
+        if hf.get(key) is not None and not _is_number(hf[key]):
+            raise ModelConfigError(f"{where}: {key} must be a number, got {hf[key]!r}")
+    for key in _FLAG_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise ModelConfigError(f"{where}: {key} must be true or false, got {hf[key]!r}")
+    gemma = family in ("gemma2", "gemma3")
+    key = "hidden_activation" if gemma and hf.get("hidden_activation") is not None else "hidden_act"
+    allowed = _ACTIVATIONS["gemma" if gemma else "other"]
+    if hf.get(key) is not None and hf[key] not in allowed:
+        raise ModelConfigError(f"{where}: {key} {hf[key]!r} is not supported for {family} (polyalign's decoder "
+                               f"computes {allowed[0]})")
+    if float(hf.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ModelConfigError(f"{where}: partial_rotary_factor {hf['partial_rotary_factor']} is not supported "
+                               "(rotary embeddings on every head dimension only)")
+    if hf.get("mlp_bias"):
+        raise ModelConfigError(f"{where}: mlp_bias=true is not supported (MLP projections without biases only)")
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if heads % kv_heads:
+        raise ModelConfigError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                               f"({kv_heads})")
 
 
 def _rope(hf: dict[str, Any], family: str, where: str) -> tuple[float, RopeScaling | None, float | None]:
@@ -308,6 +362,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json", **policy: Any
     if missing:
         raise ModelConfigError(f"{where}: missing keys {', '.join(missing)}")
     family = _MODEL_TYPES[model_type]
+    _check_supported(hf, family, where)
     gemma = family in ("gemma2", "gemma3")
     heads = hf["num_attention_heads"]
     rope_theta, scaling, local_theta = _rope(hf, family, where)

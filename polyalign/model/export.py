@@ -47,7 +47,8 @@ PROFILE_PREAMBLE_JINJA = (
     "{#- polyalign: with no system message, the profile system prompt the model was trained with, from the\n"
     "    template variables family, track, style (and length for the oracle profile). -#}\n"
     "{%- set polyalign_profile = namespace(parts=[]) -%}\n"
-    + "".join(f"{{%- if {key} is defined and {key} -%}}{{%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
+    + "".join(f"{{%- if {key} is defined and {key} -%}}"
+              f"{{%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
               " -%}{%- endif -%}\n" for key in PROFILE_KEYS)
     + "{%- if polyalign_profile.parts and not (messages and messages[0]['role'] == 'system') -%}\n"
     "    {%- set messages = [{'role': 'system', 'content': "

@@ -15,7 +15,7 @@ import numpy as np
 from etils import epath
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load, save
 
 from polyalign.core.errors import CheckpointError
@@ -117,12 +117,16 @@ class _Tensors:
         self._where = {}  # name -> open safetensors file
         self._shapes: dict[str, tuple[int, ...]] = {}
         for file in files:
-            if is_uri(file):
-                tensors = load(file.read_bytes())
-                self._loaded.update(tensors)
-                self._shapes.update({name: a.shape for name, a in tensors.items()})
-                continue
-            handle = safe_open(os.fspath(file), "np")
+            try:
+                if is_uri(file):
+                    tensors = load(file.read_bytes())
+                    self._loaded.update(tensors)
+                    self._shapes.update({name: a.shape for name, a in tensors.items()})
+                    continue
+                handle = safe_open(os.fspath(file), "np")
+            except SafetensorError as err:
+                raise CheckpointError(f"{file}: not a readable safetensors file ({err}); a truncated download or "
+                                      "an interrupted save leaves one like this: copy or save it again") from None
             for name in handle.keys():
                 self._where[name] = handle
                 self._shapes[name] = tuple(handle.get_slice(name).get_shape())
@@ -180,7 +184,8 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
             used.add(name)
             shape = tensors.shape(name)[::-1] if transpose else tensors.shape(name)
             if shape != expected_shape:
-                mismatched.append(f"{name} {tensors.shape(name)} (expected {expected_shape[::-1] if transpose else expected_shape})")
+                mismatched.append(f"{name} {tensors.shape(name)} "
+                                  f"(expected {expected_shape[::-1] if transpose else expected_shape})")
     unexpected = sorted(n for n in available - used if not n.endswith(_IGNORED_SUFFIXES)
                         and not (cfg.tie_embeddings and n == "lm_head.weight")
                         and not (prefix != "model." and n.startswith(_VISION_PREFIXES)))

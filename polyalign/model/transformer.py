@@ -49,7 +49,8 @@ def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarra
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)

@@ -164,8 +164,8 @@ def _page(title: str, sections: list[str]) -> str:
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}img{max-width:100%}"
              ".sample{border-left:3px solid #ccc;padding:2px 8px;margin:6px 0;font-size:13px}")
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style>" \
-           f"</head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>"
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>" \
+           f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>"
 
 
 def _settings(result: dict) -> str:
@@ -206,10 +206,12 @@ def _reference_rows(m: dict) -> tuple[str, str]:
              _fmt(m["hcr"]["overall_macro"]), _interval(m["hcr"].get("macro_interval")),
              _fmt(m["utility"]["overall"].get("qa_f1")), _interval(m["utility"]["overall"].get("qa_f1_interval")))]
     for name, row in m.get("reference_rows", {}).items():
-        rows.append((name, _fmt(row.get("bng_macro")), _interval(row.get("bng_macro_interval")), _fmt(row.get("hcr_macro")),
-                     _interval(row.get("hcr_macro_interval")), _fmt(row.get("f1")), _interval(row.get("f1_interval"))))
+        rows.append((name, _fmt(row.get("bng_macro")), _interval(row.get("bng_macro_interval")),
+                     _fmt(row.get("hcr_macro")), _interval(row.get("hcr_macro_interval")), _fmt(row.get("f1")),
+                     _interval(row.get("f1_interval"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
-    return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval", "F1", "interval"], rows)
+    return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval", "F1", "interval"],
+                  rows)
 
 
 DIVERSITY_COLUMNS = (("distinct_1", "Distinct-1"), ("distinct_2", "Distinct-2"), ("distinct_3", "Distinct-3"),
@@ -229,7 +231,8 @@ def _diversity_table(overall: dict) -> tuple[str, str]:
 def _bucket_table(buckets: dict[str, dict]) -> tuple[str, str]:
     rows = []
     for bucket, r in buckets.items():
-        support = r["pool"] + (" (backed off)" if r["backed_off"] else "") + f", {r['pool_rows']} answers, bands: {r['bands']}"
+        support = (r["pool"] + (" (backed off)" if r["backed_off"] else "")
+                   + f", {r['pool_rows']} answers, bands: {r['bands']}")
         small = "none (too few rows)" if r.get("too_small") else "—"
 
         def spread(key):
@@ -323,17 +326,36 @@ INTERVAL_ROWS = (
 )
 
 
-def _differences(runs: dict[str, dict]) -> tuple[str, str]:
+def _data_of(run: dict, name: str) -> str | None:
+    """The identity of an input file of an evaluation: its digest where recorded, else its path."""
+    return (run.get("made_from") or {}).get(name) or run["config"].get(name)
+
+
+def other_data(first: dict, run: dict) -> list[str]:
+    """What makes two evaluations' numbers not comparable as the models' alone: other test records, or
+    another human support (the floors and distances are measured against it)."""
+    return [what for name, what in (("records", "test records"), ("support", "support"))
+            if _data_of(first, name) != _data_of(run, name)]
+
+
+def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str, str]:
     """Each run against the first on the numbers that carry intervals: the difference, and whether
-    the two intervals are apart (a difference a reader can rely on) or overlap."""
+    the two intervals are apart (a difference a reader can rely on) or overlap. Between evaluations of
+    other test records or another support the intervals are not compared unless `allow_different_data`:
+    apart intervals there say nothing about the models."""
     first_name, first = next(iter(runs.items()))
     rows = []
     for name, run in list(runs.items())[1:]:
+        differs = other_data(first, run)
         for metric, value_path, interval_path in INTERVAL_ROWS:
             a, b = _get(first["metrics"], value_path), _get(run["metrics"], value_path)
             difference = "—" if a is None or b is None else f"{b - a:+.4f}"
-            rows.append((f"{name} - {first_name}", metric, difference,
-                         _separated(first["metrics"], run["metrics"], interval_path)))
+            verdict = _separated(first["metrics"], run["metrics"], interval_path)
+            if differs and not allow_different_data:
+                verdict = f"not compared: other {' and '.join(differs)}"
+            elif differs:
+                verdict += f" (other {' and '.join(differs)})"
+            rows.append((f"{name} - {first_name}", metric, difference, verdict))
     return _table(["runs", "metric", "difference", "intervals"], rows)
 
 
@@ -341,23 +363,26 @@ COMPARISON_RECORD = "comparison.json"
 
 
 def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None,
-            overwrite: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, allow_different_data: bool = False) -> dict[str, Any]:
     """Side-by-side report of several EVAL folders: CMP/report.html, report.md and PNGs, with the
     folders compared recorded in CMP/comparison.json. A comparison of other folders is not replaced
-    unless `overwrite`."""
+    unless `overwrite`. Intervals are compared only between evaluations of the same test records and
+    support, unless `allow_different_data`."""
     out = Path(out)
     refuse_output_as_input(out, {f"evaluation {i + 1}": directory for i, directory in enumerate(evals)})
-    settings = {"evals": [str(Path(d).resolve()) for d in evals], "names": list(names) if names else None}
+    settings = {"evals": [str(Path(d).resolve()) for d in evals], "names": list(names) if names else None,
+                "allow_different_data": allow_different_data}
     check_settings(out, out / COMPARISON_RECORD, settings, overwrite, ours=[out / "report.html"])
     with OutputLock(out):
-        summary = _compare(evals, out, names)
+        summary = _compare(evals, out, names, allow_different_data)
         (out / COMPARISON_RECORD).write_text(json.dumps(
             {"settings": settings, "made_from": {str(Path(d) / "metrics.json"): file_digest(Path(d) / "metrics.json")
                                                  for d in evals}, "summary": summary}, indent=2) + "\n")
     return summary
 
 
-def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None) -> dict[str, Any]:
+def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
+             allow_different_data: bool) -> dict[str, Any]:
     runs = {}
     for i, directory in enumerate(evals):
         path = Path(directory) / "metrics.json"
@@ -374,7 +399,9 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None) -> d
     unequal = bool(differing)
     table_html, table_md = _table(header, rows)
     settings_html, settings_md = _table(["setting", *runs], settings_rows)
-    differences_html, differences_md = _differences(runs)
+    differences_html, differences_md = _differences(runs, allow_different_data)
+    first = next(iter(runs.values()))
+    other = [name for name, run in list(runs.items())[1:] if other_data(first, run)]
     images = [
         _bucket_bars({n: {b: v["qa_f1"] for b, v in r["metrics"]["utility"]["by_bucket"].items()}
                       for n, r in runs.items()}, "F1 per bucket", out / "f1_by_bucket.png"),
@@ -386,12 +413,14 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None) -> d
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
                if unequal else "")
-    sections = ["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
-                "<h2>Which differences the intervals support</h2>", differences_html] + [_embedded(out / i) for i in images]
+    sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
+                 "<h2>Which differences the intervals support</h2>", differences_html]
+                + [_embedded(out / i) for i in images])
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     (out / "report.md").write_text("# polyalign comparison\n\n" + settings_md + "\n" + table_md + "\n" + differences_md
                                    + "\n" + "".join(f"![{i}]({i})\n" for i in images), encoding="utf-8")
-    return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "out": str(out)}
+    return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
+            "intervals_compared_across_data": allow_different_data, "out": str(out)}
 
 
 def differing_settings(runs: dict[str, dict]) -> list[str]:

@@ -222,7 +222,8 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
 def render_html(stats: dict[str, Any], manifest: dict[str, Any]) -> str:
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(stats, manifest))
     figures = "".join(
-        f'<figure><img src="{html.escape(file)}" alt="{html.escape(name)}"><figcaption>{html.escape(name)}</figcaption></figure>'
+        f'<figure><img src="{html.escape(file)}" alt="{html.escape(name)}">'
+        f'<figcaption>{html.escape(name)}</figcaption></figure>'
         for name, file in stats["figures"].items()
     )
     return f"""<!doctype html>

@@ -333,7 +333,8 @@ class JinjaTemplate(ChatTemplate):
             text, spans = self.render(messages, add_generation_prompt=True), {}
         else:
             text, spans = self.locate_turns(messages)
-        return [Piece(t, special=special, turn=turn) for t, special, turn in split_pieces(text, spans, self.added_tokens)]
+        return [Piece(t, special=special, turn=turn)
+                for t, special, turn in split_pieces(text, spans, self.added_tokens)]
 
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -405,7 +406,8 @@ def truncation_lengths(source_len: int, target_len: int, cutoff: int) -> tuple[i
     return new_source, new_target
 
 
-def encode_pieces(pieces: Sequence[Piece], tokenizer: Tokenizer, labelled_turns: set[int]) -> tuple[list[int], list[bool]]:
+def encode_pieces(pieces: Sequence[Piece], tokenizer: Tokenizer,
+                  labelled_turns: set[int]) -> tuple[list[int], list[bool]]:
     ids: list[int] = []
     mask: list[bool] = []
     texts = [p.text for p in pieces if not p.special and p.text]

@@ -69,7 +69,8 @@ def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
     for record in records:
         texts = list(record_texts([record]))
         chars[record.language] = chars.get(record.language, 0) + sum(len(t) for t in texts)
-        tokens[record.language] = tokens.get(record.language, 0) + sum(len(ids) for ids in tokenizer.encode_batch(texts))
+        tokens[record.language] = (tokens.get(record.language, 0)
+                                   + sum(len(ids) for ids in tokenizer.encode_batch(texts)))
     report = {"records": str(records_path), "num_records": len(records), "vocab_size": tokenizer.vocab_size,
               "train_seconds": round(seconds, 2),
               "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)},

@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from polyalign.core.ranges import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Range
+from polyalign.core.yaml_config import setting
 from polyalign.mesh.shape import ParallelConfig
 
 
@@ -22,11 +24,12 @@ class LoraSection:
     """`model.lora`: train low-rank adapters on a frozen base instead of every weight (rank 0: off).
     The adapted update is (alpha / rank) B A; B starts at zero. docs/lora.md says when to choose it."""
 
-    rank: int = 0  # 0: full fine-tuning; 8-64 are usual
-    alpha: float = 32.0
+    rank: int = setting(0, range=NON_NEGATIVE, help="adapter rank; 0: full fine-tuning; 8-64 are usual")
+    alpha: float = setting(32.0, range=POSITIVE, help="the update is scaled by alpha / rank")
     targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o", "gate", "up", "down"])
     init: str = "kaiming"  # A drawn as PEFT does: kaiming (uniform) or gaussian
-    dropout: float = 0.0  # on the adapters' input in training steps (PEFT's lora_dropout)
+    dropout: float = setting(0.0, range=FRACTION,
+                             help="on the adapters' input in training steps (PEFT's lora_dropout)")
 
     def to_model(self):
         """The model's LoraConfig, or None for full fine-tuning."""
@@ -46,8 +49,10 @@ class ModelSection:
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots
     attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (packed rows use XLA)
-    logprob_chunk: int = 0  # > 0: log-probs in sequence blocks, never full [B, T, V] logits
-    seed: int = 0  # initialisation of what is trained from scratch (the model, the critic's head, adapters)
+    logprob_chunk: int = setting(0, range=NON_NEGATIVE,
+                                 help="> 0: log-probs in sequence blocks, never full [B, T, V] logits")
+    seed: int = setting(0, range=SEED, help="initialisation of what is trained from scratch (the model, the "
+                                            "critic's head, adapters)")
     lora: LoraSection = field(default_factory=LoraSection)
     # nf4 | int8 (with model.lora: QLoRA): the frozen base's layer projections stored in 4.25 or 8.25
     # bits per weight and dequantised when used; null keeps them in model.dtype.
@@ -57,26 +62,30 @@ class ModelSection:
 @dataclass(frozen=True)
 class DataSection:
     dir: str | None = None  # the run directory (RUN): build/ for SFT, critic/ and stats/ for the others
-    # Tokens per sequence. SFT: the build's (`polyalign build --max-length`); preference pairs: each
-    # side is cut to it as METHOD section 8 says; the critic: response tokens it encodes.
-    max_length: int | None = None
+    max_length: int | None = setting(
+        None, range=Range(1, optional=True),
+        help="tokens per sequence. SFT: the build's (`polyalign build --max-length`); preference pairs: each "
+             "side is cut to it; the critic: response tokens it encodes")
     # Pack several examples (SFT) or whole pairs as trees (preference) into each row; exact, and a step
     # then takes train.global_batch rows.
     pack: bool = False
-    eval_batch: int = 32  # sequences per forward-only batch (validation; the critic's encoding)
-    eval_limit: int | None = None  # validate on at most this many examples (or pairs)
+    eval_batch: int = setting(32, range=COUNT,
+                              help="sequences per forward-only batch (validation; the critic's encoding)")
+    eval_limit: int | None = setting(None, range=Range(1, optional=True),
+                                     help="validate on at most this many examples (or pairs)")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-3
-    warmup_ratio: float = 0.1
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    clip: float | None = 1.0
+    lr: float = setting(1e-3, range=POSITIVE, help="peak learning rate (AdamW, warmup then cosine decay)")
+    warmup_ratio: float = setting(0.1, range=PROBABILITY, help="share of the steps spent warming up")
+    min_lr_ratio: float = setting(0.0, range=PROBABILITY, help="the rate at the end, as a share of lr")
+    weight_decay: float = setting(0.0, range=NON_NEGATIVE)
+    b1: float = setting(0.9, range=FRACTION)
+    b2: float = setting(0.999, range=FRACTION)
+    eps: float = setting(1e-8, range=POSITIVE)
+    clip: float | None = setting(1.0, range=Range(0, low_open=True, optional=True),
+                                 help="global gradient-norm clip; null: none")
 
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
@@ -84,36 +93,41 @@ TRACKERS = ("tensorboard", "wandb", "trackio")
 
 @dataclass(frozen=True)
 class LoopConfig:
-    steps: int = 100
-    epochs: int | None = None  # where a method knows its epoch size (the critic): steps = epochs x that
-    global_batch: int = 16
-    micro_batches: int = 1
-    seed: int = 0  # data order and the trainer's random stream
-    eval_every: int | None = 50  # None: once per epoch
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    stop_at: int | None = None  # stop after this step as if preempted; the schedule is unchanged
-    max_nonfinite: int = 10
-    log_every: int = 1
+    steps: int = setting(100, range=COUNT, help="optimizer steps (train.epochs sets it where given)")
+    epochs: int | None = setting(None, range=Range(1, optional=True),
+                                 help="where a method knows its epoch size: steps = epochs x that")
+    global_batch: int = setting(16, range=COUNT, help="examples (or rows, packed) per optimizer step")
+    micro_batches: int = setting(1, range=COUNT, help="gradient accumulation: global_batch split into these")
+    seed: int = setting(0, range=SEED, help="data order and the trainer's random stream")
+    eval_every: int | None = setting(50, range=Range(1, optional=True), help="steps between validations; "
+                                                                            "null: once per epoch")
+    checkpoint_every: int = setting(50, range=COUNT)
+    keep_checkpoints: int = setting(2, range=COUNT)
+    stop_at: int | None = setting(None, range=Range(1, optional=True),
+                                  help="stop after this step as if preempted; the schedule is unchanged")
+    max_nonfinite: int = setting(10, range=NON_NEGATIVE,
+                                 help="steps with a non-finite loss skipped before the run stops")
+    log_every: int = setting(1, range=COUNT)
     # Where logged steps go besides OUT/metrics.jsonl: tensorboard, wandb, trackio (the last two are
     # extras; their own offline settings hold), as project `tracker_project`.
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     tracker_project: str = "polyalign"
-    # Per-device peak TFLOP/s for MFU; None: the device kind's known bf16 peak (none on CPU: no MFU).
-    peak_tflops: float | None = None
+    peak_tflops: float | None = setting(None, range=Range(0, low_open=True, optional=True),
+                                        help="per-device peak TFLOP/s for MFU; null: the device kind's known "
+                                             "bf16 peak (none on CPU: no MFU)")
     # [first, last]: a JAX profiler trace of these steps in OUT/profile (TensorBoard's profile tab, Perfetto)
     profile_steps: list[int] | None = None
-    # Seconds a step, an evaluation or a checkpoint may go without progress before the job prints where
-    # each process is and exits (code 3); the first of each kind may take 4 times as long (compiling).
-    # None: 300 when several processes run, else off; 0: off.
-    hang_timeout: float | None = None
-    # Seconds without a sign of life from another process before this one reports it lost and exits (code 4).
-    peer_timeout: float = 30.0
+    hang_timeout: float | None = setting(
+        None, range=Range(0, optional=True),
+        help="seconds a step, an evaluation or a checkpoint may go without progress before the job prints where "
+             "each process is and exits (code 3); the first of each kind may take 4 times as long (compiling); "
+             "null: 300 when several processes run, else off; 0: off")
+    peer_timeout: float = setting(30.0, range=POSITIVE, help="seconds without a sign of life from another process "
+                                                             "before this one reports it lost and exits (code 4)")
 
 
 WEIGHTINGS = ("bucket", "uniform", "adaptive")
 NORMALIZATIONS = ("global", "microbatch")
-PREFERENCE_METHODS = ("hdpo", "dpo", "ipo", "robust_dpo", "ln_dpo", "simpo", "orpo", "kto")
 DISTANCE_FEATURES = ("nonconstant", "all")
 PROFILES = ("context", "oracle", "none")
 REFERENCES = ("precomputed", "in_step")
@@ -123,22 +137,25 @@ REFERENCES = ("precomputed", "in_step")
 class AdaptiveSection:
     """`weighting: adaptive`: bucket weights that follow the buckets' losses (group DRO / DoReMi style)."""
 
-    step_size: float = 0.1  # eta in q_b <- q_b exp(eta (L_b - mean L)) after every step
-    floor: float = 0.1  # share of the uniform distribution mixed into q after each update
+    step_size: float = setting(0.1, range=NON_NEGATIVE,
+                               help="eta in q_b <- q_b exp(eta (L_b - mean L)) after every step")
+    floor: float = setting(0.1, range=PROBABILITY, help="share of the uniform distribution mixed into q after "
+                                                        "each update")
 
 
 @dataclass(frozen=True)
 class SftConfig:
     method: str = "sft"
-    init: str | None = None  # a Hugging Face checkpoint directory; None trains model.preset from scratch
-    # bucket (Bucket-SFT weights from the build) | uniform (plain SFT) | adaptive (from the build's
-    # weights, then following the buckets' losses; see `adaptive`)
-    weighting: str = "bucket"
-    # `microbatch` normalises inside each micro-batch, as the reference code did; only for comparison.
-    weight_normalization: str = "global"
-    # Train `init` on a build encoded with another tokenizer (refused by default: the ids would stand
-    # for other tokens, and the export would ship the build's tokenizer on the init's weights).
-    allow_tokenizer_mismatch: bool = False
+    init: str | None = setting(None, help="a Hugging Face checkpoint directory; null trains model.preset from "
+                                          "scratch")
+    weighting: str = setting("bucket", help="bucket (Bucket-SFT weights from the build), uniform (plain SFT) or "
+                                            "adaptive (from the build's weights, then following the buckets' "
+                                            "losses; see adaptive.*)")
+    weight_normalization: str = setting("global", help="microbatch normalises inside each micro-batch, as the "
+                                                       "reference code did; only for comparison")
+    # Refused by default: the ids would stand for other tokens, and the export would ship the build's
+    # tokenizer on the init's weights.
+    allow_tokenizer_mismatch: bool = setting(False, help="train init on a build encoded with another tokenizer")
     adaptive: AdaptiveSection = field(default_factory=AdaptiveSection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -151,41 +168,43 @@ class SftConfig:
 class OnPolicySection:
     """How the policy answers the training prompts anew before each round after the first (`rounds`)."""
 
-    max_new_tokens: int = 128
-    temperature: float = 0.8
-    top_p: float = 0.9
-    # retrain the critic head on each round's pairs (people vs the current policy) before scoring them;
-    # otherwise the first critic scores every round
-    refresh_critic: bool = False
+    max_new_tokens: int = setting(128, range=COUNT, help="tokens each new answer may take")
+    temperature: float = setting(0.8, range=NON_NEGATIVE, help="sampling temperature; 0: greedy")
+    top_p: float = setting(0.9, range=Range(0, 1, low_open=True), help="nucleus sampling's probability mass")
+    refresh_critic: bool = setting(False, help="retrain the critic head on each round's pairs (people vs the "
+                                               "current policy) before scoring them; otherwise the first critic "
+                                               "scores every round")
 
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    method: str = "hdpo"  # hdpo | dpo | ipo | robust_dpo | ln_dpo | simpo | orpo | kto
-    init: str | None = None  # the SFT checkpoint: the initial policy and the frozen reference
-    pairs: str | None = None  # scored train pairs (default RUN/critic/train_pairs.jsonl)
-    val_pairs: str | None = None  # scored validation pairs (default RUN/critic/val_pairs.jsonl)
-    profile: str = "context"
-    beta: float = 0.1
-    lambda_dist: float = 0.1
-    gamma_ftx: float = 0.05
-    label_smoothing: float = 0.0  # cDPO / SimPO smoothing; robust_dpo: the assumed label-flip rate (< 0.5)
-    # Add HDPO's pair weights, critic distance (lambda_dist) and SFT anchor (gamma_ftx) to a method
-    # other than hdpo (which always has them), e.g. method=simpo hdpo_terms=true.
-    hdpo_terms: bool = False
-    simpo_gamma: float = 0.5  # SimPO's target reward margin
-    kto_desirable_weight: float = 1.0  # KTO: weight of the human (desirable) responses
-    kto_undesirable_weight: float = 1.0  # KTO: weight of the model's own (undesirable) samples
-    # The reference log-probs: `precomputed` once before training (any model), or `in_step`: with
-    # model.lora, the base with the adapters off in every step (no pass over the pairs first, one more
-    # forward per step).
-    reference: str = "precomputed"
-    # At every evaluation, sample the policy (greedy, drift_new_tokens) on the first drift_prompts
-    # validation prompts and log length ratio, support distance and critic score per bucket; 0: off.
-    drift_prompts: int = 32
-    drift_new_tokens: int = 64
-    # > 1: on-policy rounds (polyalign/train/rounds.py), train.steps steps each, OUT/round-<r>/ per round
-    rounds: int = 1
+    method: str = "hdpo"  # a preference method of the table in train/methods.py (PREFERENCE_METHODS)
+    init: str | None = setting(None, help="the SFT checkpoint: the initial policy and the frozen reference")
+    pairs: str | None = setting(None, help="scored train pairs (null: RUN/critic/train_pairs.jsonl)")
+    val_pairs: str | None = setting(None, help="scored validation pairs (null: RUN/critic/val_pairs.jsonl)")
+    profile: str = setting("context", help="the profile system prompt of each prompt: context, oracle (adds the "
+                                           "gold length bin; report it as such) or none")
+    beta: float = setting(0.1, range=POSITIVE, help="the inverse temperature of the implicit reward")
+    lambda_dist: float = setting(0.1, range=NON_NEGATIVE, help="weight of HDPO's critic distance term")
+    gamma_ftx: float = setting(0.05, range=NON_NEGATIVE,
+                               help="weight of HDPO's SFT anchor (length-normalised NLL of the human response)")
+    label_smoothing: float = setting(0.0, range=Range(0, 0.5, high_open=True),
+                                     help="cDPO / SimPO smoothing; robust_dpo: the assumed label-flip rate")
+    hdpo_terms: bool = setting(False, help="add HDPO's pair weights, critic distance (lambda_dist) and SFT "
+                                           "anchor (gamma_ftx) to a method other than hdpo, e.g. method=simpo")
+    simpo_gamma: float = setting(0.5, range=NON_NEGATIVE, help="SimPO's target reward margin")
+    kto_desirable_weight: float = setting(1.0, range=NON_NEGATIVE, help="KTO: weight of the human responses")
+    kto_undesirable_weight: float = setting(1.0, range=NON_NEGATIVE, help="KTO: weight of the model's own samples")
+    reference: str = setting("precomputed", help="the reference log-probs: precomputed once before training, "
+                                                 "or in_step (with model.lora): the base with the adapters off "
+                                                 "in every step, one more forward per step")
+    drift_prompts: int = setting(32, range=NON_NEGATIVE,
+                                 help="at every evaluation, sample the policy (greedy) on this many validation "
+                                      "prompts and log length ratio, support distance and critic score per "
+                                      "bucket; 0: off")
+    drift_new_tokens: int = setting(64, range=COUNT, help="tokens each drift sample may take")
+    rounds: int = setting(1, range=COUNT, help="> 1: on-policy rounds, train.steps steps each, OUT/round-<r>/ "
+                                               "per round")
     on_policy: OnPolicySection = field(default_factory=OnPolicySection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=lambda: DataSection(max_length=256, eval_batch=8))
@@ -210,19 +229,20 @@ class PreferenceConfig:
 @dataclass(frozen=True)
 class CriticConfig:
     method: str = "critic"
-    init: str | None = None  # the SFT checkpoint: the frozen encoder
-    pairs: str | None = None  # train pairs (JSONL from `polyalign pairs`)
-    val_pairs: str | None = None  # held-out pairs for validation and the ranking accuracy
-    references: str | None = None  # default RUN/stats/references.json
-    # nonconstant: the support distance skips features constant in the bucket's human reference
-    # (see references.support_distance); all: every feature, as the reference code did.
-    distance_features: str = "nonconstant"
-    # per_token: count features as per-token rates and the length by its position in the bucket's own
-    # distribution, so length alone is neither rewarded nor punished; raw: METHOD section 5 as the
-    # reference code computes it (see references.support_distance).
-    distance_counts: str = "per_token"
-    pair_batch: int = 8  # ranking pairs per step (train.global_batch counts regression rows)
-    dropout: float = 0.1
+    init: str | None = setting(None, help="the SFT checkpoint: the frozen encoder")
+    pairs: str | None = setting(None, help="train pairs (JSONL from `polyalign pairs`)")
+    val_pairs: str | None = setting(None, help="held-out pairs for validation and the ranking accuracy")
+    references: str | None = setting(None, help="human support statistics (null: RUN/stats/references.json)")
+    # (features.references.support_distance says how each choice computes the distance)
+    distance_features: str = setting("nonconstant", help="nonconstant: skip features constant in the bucket's "
+                                                         "human reference; all: every feature, as the reference "
+                                                         "code did")
+    distance_counts: str = setting("per_token", help="per_token: counts as per-token rates and the length by its "
+                                                     "place in the bucket's own distribution, so length alone is "
+                                                     "neither rewarded nor punished; raw: as the reference code")
+    pair_batch: int = setting(8, range=COUNT,
+                              help="ranking pairs per step (train.global_batch counts regression rows)")
+    dropout: float = setting(0.1, range=FRACTION, help="dropout between the critic head's layers")
     model: ModelSection = field(default_factory=lambda: ModelSection(seed=42))
     data: DataSection = field(default_factory=lambda: DataSection(max_length=512, eval_batch=16))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(

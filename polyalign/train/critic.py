@@ -124,9 +124,11 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     started = time.perf_counter()
     require(config, "init", "pairs", "val_pairs")
     run = Path(config.data.dir) if config.data.dir else None
-    references_path = Path(config.references) if config.references else (run / "stats" / "references.json" if run else None)
+    references_path = (Path(config.references) if config.references
+                       else (run / "stats" / "references.json" if run else None))
     if references_path is None or not references_path.is_file():
-        raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` or pass references=")
+        raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` "
+                          "or pass references=")
     references = json.loads(references_path.read_text())
     run_of_references = references_path.parent.parent if references_path.parent.name == "stats" else None
     for name in changed_since(run_of_references, references.get("made_from", {})) if run_of_references else ():
@@ -167,7 +169,8 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
         critic = trainer.model(best["params"])
         train_report = evaluate_split(critic, train, buckets)
         for split, pairs in ((train, train_pairs), (val, val_pairs)):
-            human, generated = score(critic, split.pooled_human, split.bucket), score(critic, split.pooled_model, split.bucket)
+            human, generated = (score(critic, split.pooled_human, split.bucket),
+                                score(critic, split.pooled_model, split.bucket))
             check_not_collapsed(human, generated)
             set_scores(pairs, human, generated)
         assign_weights(train_pairs)
@@ -175,7 +178,8 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
         write_pairs(train_pairs, out / "train_pairs.jsonl")
         write_pairs(val_pairs, out / "val_pairs.jsonl")
         flat = nnx.to_flat_state(nnx.state(critic, nnx.Param))
-        (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...]) for path, v in flat}))
+        (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...])
+                                                       for path, v in flat}))
         report = {
             "best_epoch": best["epoch"], "val": best["report"], "train": train_report,
             "train_pairs": len(train_pairs), "val_pairs": len(val_pairs), "regression_rows": regression_rows,

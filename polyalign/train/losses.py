@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -83,6 +85,54 @@ def kto_losses(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref
     chosen = desirable_weight * (1.0 - jax.nn.sigmoid(beta * ((policy_chosen_logps - ref_chosen_logps) - kl)))
     rejected = undesirable_weight * (1.0 - jax.nn.sigmoid(beta * (kl - (policy_rejected_logps - ref_rejected_logps))))
     return chosen, rejected
+
+
+# --- each preference method's loss of one pair, in the one signature the method table names -----------
+
+class PairLogps(NamedTuple):
+    """Per pair: the policy's and the reference's summed response log-probs, and the response lengths."""
+
+    chosen: jax.Array
+    rejected: jax.Array
+    ref_chosen: jax.Array
+    ref_rejected: jax.Array
+    chosen_tokens: jax.Array
+    rejected_tokens: jax.Array
+
+
+def dpo_pair_loss(p: PairLogps, c) -> jax.Array:
+    return dpo_loss(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected, c.beta, c.label_smoothing)
+
+
+def ipo_pair_loss(p: PairLogps, c) -> jax.Array:
+    return ipo_loss(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected, c.beta)
+
+
+def robust_dpo_pair_loss(p: PairLogps, c) -> jax.Array:
+    return robust_dpo_loss(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected, c.beta, c.label_smoothing)
+
+
+def ln_dpo_pair_loss(p: PairLogps, c) -> jax.Array:
+    return length_normalised_dpo_loss(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected, p.chosen_tokens,
+                                      p.rejected_tokens, c.beta, c.label_smoothing)
+
+
+def simpo_pair_loss(p: PairLogps, c) -> jax.Array:
+    return simpo_loss(p.chosen, p.rejected, p.chosen_tokens, p.rejected_tokens, c.beta, c.simpo_gamma,
+                      c.label_smoothing)
+
+
+def orpo_pair_loss(p: PairLogps, c) -> jax.Array:
+    return orpo_loss(p.chosen, p.rejected, p.chosen_tokens, p.rejected_tokens, c.beta)
+
+
+def kto_pair_loss(p: PairLogps, c) -> jax.Array:
+    """The mean of the pair's desirable and undesirable example. The reference point is 0, not a batch KL
+    estimate, which would tie pairs of different micro-batches together and break the exact global-batch
+    update."""
+    desirable, undesirable = kto_losses(p.chosen, p.rejected, p.ref_chosen, p.ref_rejected, c.beta, 0.0,
+                                        c.kto_desirable_weight, c.kto_undesirable_weight)
+    return (desirable + undesirable) / 2.0
 
 
 def preference_rewards(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,

@@ -16,7 +16,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_mapping
+from polyalign.core.yaml_config import (
+    ConfigError,
+    apply_overrides,
+    from_mapping,
+    load_mapping,
+    out_of_range,
+    settings_of,
+)
 from polyalign.train import config as schema
 
 
@@ -32,6 +39,11 @@ class MethodSpec:
     # optimizer.lr when model.lora.rank > 0 and neither the file nor an override sets optimizer.lr:
     # adapters start at B = 0 and move far less per step than full weights at the same rate
     lora_lr: float | None = None
+    # Preference methods: the function of polyalign/train/losses.py that is the method's loss of one pair
+    # (named, so that reading the table never imports jax), and whether it compares against a reference
+    # policy (without one there is no reference pass, and rewards are beta x the policy's log-probs).
+    pair_loss: str | None = None
+    needs_reference: bool = True
 
     def implementation(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -62,18 +74,20 @@ validation pairs every train.eval_every steps. Writes OUT/model at the end; resu
 SFT_LORA_LR, PREFERENCE_LORA_LR = 2e-4, 5e-5
 
 
-def _preference(name: str, summary: str) -> MethodSpec:
+def _preference(name: str, summary: str, pair_loss: str, needs_reference: bool = True) -> MethodSpec:
     return MethodSpec(
         name, schema.PreferenceConfig, "polyalign.train.preference", summary,
         "HDPO: pair-weighted DPO + lambda_dist * critic distance + gamma_ftx * length-normalised NLL of the "
         "human response; DPO and IPO are the same run without the critic terms.",
-        "configs/hdpo_demo.yaml", _PREFERENCE_EPILOG, lora_lr=PREFERENCE_LORA_LR)
+        "configs/hdpo_demo.yaml", _PREFERENCE_EPILOG, lora_lr=PREFERENCE_LORA_LR, pair_loss=pair_loss,
+        needs_reference=needs_reference)
 
 
 METHODS: dict[str, MethodSpec] = {
     "sft": MethodSpec(
         "sft", schema.SftConfig, "polyalign.train.sft", "Bucket-Aware SFT (or plain SFT with weighting=uniform)",
-        "Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.", "configs/sft_demo.yaml", lora_lr=SFT_LORA_LR,
+        "Bucket-Aware SFT: sum_i w_i l_i / sum_i w_i over each global batch.", "configs/sft_demo.yaml",
+        lora_lr=SFT_LORA_LR,
         epilog="""\
   weighting: bucket | uniform | adaptive   Bucket-SFT weights from the build, plain SFT, or weights
                                    that follow the buckets' losses (adaptive.step_size, adaptive.floor)
@@ -106,15 +120,45 @@ learned bucket embedding: mean |c - d| + mean max(0, 0.1 - c(model) + c(human)).
 the best validation loss, reports validation L1 and pairwise ranking accuracy (OUT/critic.json), and
 refuses to score pairs when every pair ties. It trains in seconds and keeps no checkpoints.
 """),
-    "hdpo": _preference("hdpo", "HDPO from the SFT checkpoint (DPO / IPO with method=dpo / ipo)"),
-    "dpo": _preference("dpo", "DPO from the SFT checkpoint (the HDPO run without the critic terms)"),
-    "ipo": _preference("ipo", "IPO from the SFT checkpoint"),
-    "robust_dpo": _preference("robust_dpo", "robust DPO (noisy preference labels, rate label_smoothing)"),
-    "ln_dpo": _preference("ln_dpo", "DPO on per-token log-probs: no margin for being longer"),
-    "simpo": _preference("simpo", "SimPO: reference-free, length-normalised, target margin simpo_gamma"),
-    "orpo": _preference("orpo", "ORPO: reference-free, chosen NLL plus beta x log odds ratio"),
-    "kto": _preference("kto", "KTO: human responses desirable, the model's samples undesirable, each on its own"),
+    "hdpo": _preference("hdpo", "HDPO from the SFT checkpoint (DPO / IPO with method=dpo / ipo)", "dpo_pair_loss"),
+    "dpo": _preference("dpo", "DPO from the SFT checkpoint (the HDPO run without the critic terms)", "dpo_pair_loss"),
+    "ipo": _preference("ipo", "IPO from the SFT checkpoint", "ipo_pair_loss"),
+    "robust_dpo": _preference("robust_dpo", "robust DPO (noisy preference labels, rate label_smoothing)",
+                              "robust_dpo_pair_loss"),
+    "ln_dpo": _preference("ln_dpo", "DPO on per-token log-probs: no margin for being longer", "ln_dpo_pair_loss"),
+    "simpo": _preference("simpo", "SimPO: reference-free, length-normalised, target margin simpo_gamma",
+                         "simpo_pair_loss", needs_reference=False),
+    "orpo": _preference("orpo", "ORPO: reference-free, chosen NLL plus beta x log odds ratio", "orpo_pair_loss",
+                        needs_reference=False),
+    "kto": _preference("kto", "KTO: human responses desirable, the model's samples undesirable, each on its own",
+                       "kto_pair_loss"),
 }
+# The methods trained by `polyalign train hdpo`'s harness: every entry with a pair loss.
+PREFERENCE_METHODS = tuple(name for name, spec in METHODS.items() if spec.pair_loss is not None)
+
+
+SHARED_SECTIONS = ("model", "data", "optimizer", "train", "parallel")
+
+
+def settings_help(config_class: type) -> str:
+    """The method's own keys as `polyalign train METHOD --help` lists them: each with its default, its
+    range and its help, all read from the fields (train/config.py)."""
+    import textwrap
+
+    lines = []
+    for key, f, value in settings_of(config_class()):
+        if key.split(".")[0] in SHARED_SECTIONS or key == "method":
+            continue
+        allowed, text = f.metadata.get("range"), f.metadata.get("help", "")
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        head = f"  {key}={shown}" + (f" ({allowed})" if allowed else "")
+        body = textwrap.wrap(text, 104 - 32)
+        if not body:
+            lines.append(head)
+            continue
+        lines += [f"{head:<32}{body[0]}"] if len(head) < 32 else [head, f"{'':<32}{body[0]}"]
+        lines += [f"{'':<32}{more}" for more in body[1:]]
+    return "The method's own keys (default, range):\n" + "\n".join(lines) + "\n"
 
 
 def method_spec(name: str, where: str = "config") -> MethodSpec:
@@ -226,72 +270,12 @@ def _check_choice(where: str, key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{where}: {key} must be one of {shown}, got {value!r}")
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric setting may take: an interval, open or closed at each end, and null if optional."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    optional: bool = False
-
-    def admits(self, value: Any) -> bool:
-        if value is None:
-            return self.optional
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def __str__(self) -> str:
-        if self.high is None:
-            text = f"{'>' if self.low_open else '>='} {self.low:g}"
-        else:
-            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        return text + " or null" if self.optional else text
-
-
-COUNT, POSITIVE, NON_NEGATIVE = Range(1), Range(0, low_open=True), Range(0)
-PROBABILITY, FRACTION = Range(0, 1), Range(0, 1, high_open=True)
-
-# Every numeric setting of the shared sections, and of each method's own keys.
-SHARED_RANGES: dict[str, Range] = {
-    "train.steps": COUNT, "train.epochs": Range(1, optional=True), "train.global_batch": COUNT,
-    "train.micro_batches": COUNT, "train.eval_every": Range(1, optional=True), "train.checkpoint_every": COUNT,
-    "train.keep_checkpoints": COUNT, "train.stop_at": Range(1, optional=True), "train.max_nonfinite": NON_NEGATIVE,
-    "train.log_every": COUNT, "train.peak_tflops": Range(0, low_open=True, optional=True),
-    "train.hang_timeout": Range(0, optional=True), "train.peer_timeout": POSITIVE,
-    "optimizer.lr": POSITIVE, "optimizer.warmup_ratio": PROBABILITY, "optimizer.min_lr_ratio": PROBABILITY,
-    "optimizer.weight_decay": NON_NEGATIVE, "optimizer.b1": FRACTION, "optimizer.b2": FRACTION,
-    "optimizer.eps": POSITIVE, "optimizer.clip": Range(0, low_open=True, optional=True),
-    "data.max_length": Range(1, optional=True), "data.eval_batch": COUNT, "data.eval_limit": Range(1, optional=True),
-    "model.logprob_chunk": NON_NEGATIVE, "model.lora.rank": NON_NEGATIVE, "model.lora.alpha": POSITIVE,
-    "model.lora.dropout": FRACTION,
-}
-METHOD_RANGES: dict[type, dict[str, Range]] = {
-    schema.SftConfig: {"adaptive.step_size": NON_NEGATIVE, "adaptive.floor": PROBABILITY},
-    schema.PreferenceConfig: {
-        "beta": POSITIVE, "lambda_dist": NON_NEGATIVE, "gamma_ftx": NON_NEGATIVE,
-        "label_smoothing": Range(0, 0.5, high_open=True), "simpo_gamma": NON_NEGATIVE,
-        "kto_desirable_weight": NON_NEGATIVE, "kto_undesirable_weight": NON_NEGATIVE, "drift_prompts": NON_NEGATIVE,
-        "drift_new_tokens": COUNT, "rounds": COUNT, "on_policy.max_new_tokens": COUNT,
-        "on_policy.temperature": NON_NEGATIVE, "on_policy.top_p": Range(0, 1, low_open=True)},
-    schema.CriticConfig: {"pair_batch": COUNT, "dropout": FRACTION},
-}
-
-
-def _value(config: Any, key: str) -> Any:
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
-
-
 def check_ranges(config: Any, where: str = "config") -> None:
-    """Every numeric setting inside its range, named by its key; the batch divisible into micro-batches."""
-    for key, allowed in {**SHARED_RANGES, **METHOD_RANGES.get(type(config), {})}.items():
-        value = _value(config, key)
-        if not allowed.admits(value):
-            raise ConfigError(f"{where}: {key} must be {allowed}, got {value}")
+    """Every numeric setting inside the range its field declares (train/config.py), named by its key; the
+    batch divisible into micro-batches."""
+    problem = out_of_range(config, where)
+    if problem:
+        raise ConfigError(problem)
     loop = config.train
     if loop.global_batch % loop.micro_batches:
         raise ConfigError(f"{where}: train.global_batch ({loop.global_batch}) must be divisible by "
@@ -319,7 +303,7 @@ def check_config(config: Any, where: str = "config") -> None:
         _check_choice(where, "weighting", config.weighting, schema.WEIGHTINGS)
         _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
     elif isinstance(config, schema.PreferenceConfig):
-        _check_choice(where, "method", config.method, schema.PREFERENCE_METHODS)
+        _check_choice(where, "method", config.method, PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, schema.PROFILES)
         _check_choice(where, "reference", config.reference, schema.REFERENCES)
         if config.data.max_length is None:

@@ -135,7 +135,8 @@ def describe(plan: Plan, device_memory_gib: float | None = None) -> str:
         f"model: {m.family}, {plan.parameters / 1e6:,.1f}M parameters ({m.num_layers} layers, width "
         f"{m.hidden_size}, vocab {m.vocab_size}), parameters {m.param_dtype}, compute {m.dtype}, remat {m.remat}",
         f"training: {trained}",
-        f"mesh: data={plan.mesh[0]} fsdp={plan.mesh[1]} tensor={plan.mesh[2]} ({plan.mesh[0] * plan.mesh[1] * plan.mesh[2]} devices)",
+        f"mesh: data={plan.mesh[0]} fsdp={plan.mesh[1]} tensor={plan.mesh[2]} "
+        f"({plan.mesh[0] * plan.mesh[1] * plan.mesh[2]} devices)",
         f"tokens per step: {plan.tokens_per_step:,} ({plan.sequences_per_step} sequences x {plan.sequence_length}), "
         f"{plan.micro_batches} micro-batch(es)",
         "per device:",

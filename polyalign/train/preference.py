@@ -20,6 +20,7 @@ from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.pair_rows import (
     PAIR_FIELDS,
+    is_packed,
     ordered_pair_rows,
     pair_arrays,
     tokenise_pairs,
@@ -29,19 +30,17 @@ from polyalign.model.flops import flops_per_token
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
-from polyalign.train.methods import require
+from polyalign.train.methods import method_spec, require
 from polyalign.train.run import Job, load_init
 from polyalign.train.trainer import Trainer
-
-# Losses that never look at a reference policy: no reference pass, rewards are beta x policy log-probs.
-REFERENCE_FREE = ("simpo", "orpo")
 
 
 def sequence_logps(model, batch, dropout_key=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Summed response log-probs of chosen and rejected, and the chosen token counts, from one
-    forward pass over both sides: [B] for pair arrays (chosen and rejected stacked on the batch axis),
-    [B, slots] for packed rows. `dropout_key`: a training step's (adapter dropout)."""
-    if "branch_ids" in batch:
+    forward pass over both sides: [B] for row pairs (chosen and rejected stacked on the batch axis),
+    [B, slots] for rows of tree-packed pairs (the two layouts of inputs/pair_rows.py). `dropout_key`: a
+    training step's (adapter dropout)."""
+    if is_packed(batch):
         return _packed_sequence_logps(model, batch, dropout_key)
     inputs = jnp.concatenate([batch["chosen_inputs"], batch["rejected_inputs"]])
     targets = jnp.concatenate([batch["chosen_targets"], batch["rejected_targets"]])
@@ -69,7 +68,7 @@ def _packed_sequence_logps(model, batch, dropout_key=None) -> tuple[jax.Array, j
 
 def response_lengths(batch) -> tuple[jax.Array, jax.Array]:
     """Labelled tokens of the chosen and the rejected response of each pair, shaped as sequence_logps."""
-    if "branch_ids" in batch:
+    if is_packed(batch):
         return _per_pair(batch, batch["chosen_mask"]), _per_pair(batch, batch["rejected_mask"])
     return batch["chosen_mask"].sum(-1), batch["rejected_mask"].sum(-1)
 
@@ -94,7 +93,8 @@ def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch
         chosen, rejected = (np.asarray(x).reshape(batch_size, -1) for x in jax.device_get(run(state, batch)))
         for r, row in enumerate(chunk):
             for slot, i in enumerate(row):
-                examples[i]["ref_chosen"], examples[i]["ref_rejected"] = float(chosen[r, slot]), float(rejected[r, slot])
+                examples[i]["ref_chosen"], examples[i]["ref_rejected"] = (float(chosen[r, slot]),
+                                                                          float(rejected[r, slot]))
 
 
 class PreferenceObjective:
@@ -105,6 +105,7 @@ class PreferenceObjective:
 
     def __init__(self, config: PreferenceConfig, num_buckets: int):
         self.config, self.num_buckets = config, num_buckets
+        self.spec = method_spec(config.method)
         self.hdpo_terms = config.method == "hdpo" or config.hdpo_terms
         extra = {"dist": config.lambda_dist, "anchor": config.gamma_ftx} if self.hdpo_terms else {}
         self.coefficients = {"dpo": 1.0, **extra}
@@ -113,28 +114,9 @@ class PreferenceObjective:
         weights = batch["weight"] if self.hdpo_terms else jnp.ones_like(batch["weight"])
         return jnp.where(batch["valid"], weights, 0.0)
 
-    def pair_losses(self, pc, pr, rc, rr, nc, nr) -> jax.Array:
-        """The method's loss of each pair (KTO: the mean of its desirable and undesirable example)."""
-        c = self.config
-        if c.method in ("hdpo", "dpo"):
-            return losses.dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
-        if c.method == "ipo":
-            return losses.ipo_loss(pc, pr, rc, rr, c.beta)
-        if c.method == "robust_dpo":
-            return losses.robust_dpo_loss(pc, pr, rc, rr, c.beta, c.label_smoothing)
-        if c.method == "ln_dpo":
-            return losses.length_normalised_dpo_loss(pc, pr, rc, rr, nc, nr, c.beta, c.label_smoothing)
-        if c.method == "simpo":
-            return losses.simpo_loss(pc, pr, nc, nr, c.beta, c.simpo_gamma, c.label_smoothing)
-        if c.method == "orpo":
-            return losses.orpo_loss(pc, pr, nc, nr, c.beta)
-        if c.method == "kto":
-            # the reference point is 0, not a batch KL estimate, which would tie pairs of different
-            # micro-batches together and break the exact global-batch update
-            desirable, undesirable = losses.kto_losses(pc, pr, rc, rr, c.beta, 0.0, c.kto_desirable_weight,
-                                                       c.kto_undesirable_weight)
-            return (desirable + undesirable) / 2.0
-        raise ValueError(f"unknown preference method {c.method!r}")
+    def pair_losses(self, logps: losses.PairLogps) -> jax.Array:
+        """The method's loss of each pair, by the function its entry in the method table names."""
+        return getattr(losses, self.spec.pair_loss)(logps, self.config)
 
     def denominators(self, batch):
         def global_sum(x):  # [micro_batches, rows, (slots)] -> the total, once per micro-batch
@@ -145,26 +127,21 @@ class PreferenceObjective:
 
     def numerators(self, model, mb, key=None):
         c = self.config
+        packed = is_packed(mb)
         pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb, key))
-        if c.reference == "in_step" and c.method not in REFERENCE_FREE:
+        if c.reference == "in_step" and self.spec.needs_reference:
             from polyalign.model.lora import base_model
 
             ref_chosen, ref_rejected, _ = jax.lax.stop_gradient(sequence_logps(base_model(model), mb))
             mb = {**mb, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected}
         n_rejected = response_lengths(mb)[1].reshape(-1)
         tokens = mb["chosen_mask"].sum() + mb["rejected_mask"].sum()
-        # every real token the forward pass runs (prompts included; a packed row's shared prefix once);
-        # batches made by hand without lengths (tests, benchmarks) count their response tokens
-        if "length" in mb:
-            processed = mb["length"].sum()
-        elif "chosen_length" in mb:
-            processed = mb["chosen_length"].sum() + mb["rejected_length"].sum()
-        else:
-            processed = tokens
+        # every real token the forward pass runs (prompts included; a packed row's shared prefix once)
+        processed = mb["length"].sum() if packed else mb["chosen_length"].sum() + mb["rejected_length"].sum()
         mb = {key: mb[key].reshape(-1) for key in PAIR_FIELDS}  # one entry per pair (packed: per slot)
         rc, rr = mb["ref_chosen"], mb["ref_rejected"]
         valid = mb["valid"].astype(jnp.float32)
-        per_pair = self.pair_losses(pc, pr, rc, rr, n_chosen, n_rejected)
+        per_pair = self.pair_losses(losses.PairLogps(pc, pr, rc, rr, n_chosen, n_rejected))
         numerators = {"dpo": (self._weights(mb) * per_pair).sum()}
         dist = losses.distance_regulariser(pc, pr, mb["critic_chosen"], mb["critic_rejected"], c.beta) * valid
         anchor = losses.sft_anchor(pc, n_chosen) * valid
@@ -208,7 +185,8 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
     from polyalign.core.paths import file_digest
 
     train_file, val_file = paths["pairs"], paths["val_pairs"]
-    if same_path(train_file, val_file) or (Path(val_file).is_file() and file_digest(train_file) == file_digest(val_file)):
+    if same_path(train_file, val_file) or (Path(val_file).is_file()
+                                           and file_digest(train_file) == file_digest(val_file)):
         raise ConfigError(f"val_pairs {val_file} holds the training pairs ({train_file}): validation on them "
                           "measures nothing held out; give pairs of other prompts (`polyalign pairs import "
                           "--val-fraction 0.05` splits one file into both)")
@@ -247,7 +225,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
-    if config.method not in REFERENCE_FREE and config.reference == "precomputed":
+    if method_spec(config.method).needs_reference and config.reference == "precomputed":
         from polyalign.model.lora import base_model
 
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off

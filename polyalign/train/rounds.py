@@ -66,7 +66,8 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
 
         scorer = CriticScorer(critic_dir)
         buckets = [p["bucket_id"] for p in fresh]
-        set_scores(fresh, scorer([p["chosen"] for p in fresh], buckets), scorer([p["rejected"] for p in fresh], buckets))
+        set_scores(fresh, scorer([p["chosen"] for p in fresh], buckets),
+                   scorer([p["rejected"] for p in fresh], buckets))
     assign_weights(fresh)
     out = directory / "train_pairs.jsonl"
     write_pairs(fresh, out)
@@ -115,7 +116,8 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
             if r > 1:
                 regenerated = directory / "pairs" / "train_pairs.jsonl"
                 if not regenerated.is_file():
-                    regenerate_pairs(policy, pairs, directory / "pairs", None if refresh else critic_dir, config, progress)
+                    regenerate_pairs(policy, pairs, directory / "pairs", None if refresh else critic_dir, config,
+                                     progress)
                 round_pairs = str(regenerated)
                 if refresh:
                     critic_dir = refresh_critic(critic_dir, regenerated, directory / "critic", train, progress)

@@ -193,7 +193,8 @@ def resume_command() -> str:
     import sys
 
     argv = list(sys.argv)
-    head = "polyalign" if argv and (argv[0].endswith("cli.py") or Path(argv[0]).name == "polyalign") else shlex.quote(argv[0])
+    head = ("polyalign" if argv and (argv[0].endswith("cli.py") or Path(argv[0]).name == "polyalign")
+            else shlex.quote(argv[0]))
     return " ".join([head, *(shlex.quote(a) for a in argv[1:])])
 
 

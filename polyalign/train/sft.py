@@ -241,6 +241,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
-    return (f"trained {result['end_step']} steps in {result['seconds']} s; final loss {last.get('loss', float('nan')):.4f}"
+    return (f"trained {result['end_step']} steps in {result['seconds']} s; "
+            f"final loss {last.get('loss', float('nan')):.4f}"
             + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
             + f"\nmodel: {result['model']}")

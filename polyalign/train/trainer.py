@@ -174,7 +174,8 @@ class Trainer:
             numerators, sums = bound.numerators(self.model(params, frozen), micro_batch, micro_key)
             # A term with no weight in the whole batch is 0; a NaN denominator must stay NaN (the
             # non-finite guard then skips the step) rather than pass for "no weight".
-            value = sum(coefficients[k] * jnp.where(dens[k] == 0, 0.0, numerators[k] / jnp.where(dens[k] == 0, 1.0, dens[k]))
+            value = sum(coefficients[k] * jnp.where(dens[k] == 0, 0.0,
+                                                    numerators[k] / jnp.where(dens[k] == 0, 1.0, dens[k]))
                         for k in numerators)
             return value, sums
 
@@ -297,7 +298,8 @@ class Trainer:
         start = self.step_number
         last = loop.steps if loop.stop_at is None else min(loop.steps, loop.stop_at)
         stop = _StopSignal()
-        bar = tqdm(total=last, initial=start, desc="train", unit="step", disable=not progress or jax.process_index() > 0)
+        bar = tqdm(total=last, initial=start, desc="train", unit="step",
+                   disable=not progress or jax.process_index() > 0)
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
         profile = _Profile(loop.profile_steps, self.profile_dir)
         phase = self.watchdog.phase if self.watchdog is not None else (lambda what, kind=None: None)
@@ -326,7 +328,8 @@ class Trainer:
                     if evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0) or step == last):
                         phase(f"evaluation after step {step}", "evaluation")
                         record.update(evaluate())
-                    if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
+                    if self.metrics is not None and (step % loop.log_every == 0 or step == last
+                                                     or "val_loss" in record):
                         self.metrics.write(record)
                     bar.update(1)
                     bar.set_postfix(loss=f"{record['loss']:.4f}")

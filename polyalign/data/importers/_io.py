@@ -156,7 +156,8 @@ def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
                 row += 1
-                yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}", raw.decode("utf-8", "replace"))
+                yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}",
+                                raw.decode("utf-8", "replace"))
                 continue
             if line.strip():
                 row += 1

@@ -27,7 +27,8 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     if answer_from not in HUMAN_SOURCES:
         yield Skipped(location, f"answer_not_human_written:{answer_from or 'unknown'}")
         return
-    meta = {key: row[key] for key in ("task_type", "domain", "human_verified", "copyright", "answer_from") if key in row}
+    meta = {key: row[key] for key in ("task_type", "domain", "human_verified", "copyright", "answer_from")
+            if key in row}
     yield Example(question=question, context=context, response=response, location=location, meta=meta)
 
 

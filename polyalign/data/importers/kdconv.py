@@ -29,7 +29,8 @@ def _knowledge(message: dict[str, Any], where: str) -> str:
     lines = []
     for attr in list_field(message, "attrs", optional=True):
         attr = require_dict(attr, f"{where} attrs entry")
-        parts = [text_field(attr, key, default="", what=f"{where} attrs {key!r}") for key in ("name", "attrname", "attrvalue")]
+        parts = [text_field(attr, key, default="", what=f"{where} attrs {key!r}")
+                 for key in ("name", "attrname", "attrvalue")]
         lines.append(" | ".join(part for part in parts if part))
     return "\n".join(lines)
 

@@ -53,7 +53,8 @@ def _dialogues(document: Any, path: Path) -> Iterator[tuple[str | None, str, int
     elif isinstance(document, dict):
         for key, dialogues in document.items():
             if key not in OFFICIAL_SPLITS or not isinstance(dialogues, list):
-                raise InputError(f"{path}: expected {{split: [dialogues]}} with splits {sorted(OFFICIAL_SPLITS)}, got key {key!r}")
+                raise InputError(f"{path}: expected {{split: [dialogues]}} with splits {sorted(OFFICIAL_SPLITS)}, "
+                                 f"got key {key!r}")
             for index, dialogue in enumerate(dialogues):
                 yield OFFICIAL_SPLITS[key], f"{key}-", index, dialogue
     else:

@@ -2,10 +2,10 @@
 
 `history` is a list of [user, assistant] pairs; `system` is the record's system prompt (a history turn
 of role system opening the history, as the `chat` format keeps one). The track is derived from the
-history (multi when it has turns) unless the row or the data config says otherwise. Bucket fields carried by the rows (the PolyAlign
-authors' sample has track, family, style_bucket, length_bin, bucket_id) are kept as the source's own
-labels: track, family and style take precedence over configuration; length_bin and bucket_id are
-recomputed and compared (manifest `label_agreement`).
+history (multi when it has turns) unless the row or the data config says otherwise. Bucket fields
+carried by the rows (the PolyAlign authors' sample has track, family, style_bucket, length_bin,
+bucket_id) are kept as the source's own labels: track, family and style take precedence over
+configuration; length_bin and bucket_id are recomputed and compared (manifest `label_agreement`).
 """
 
 from __future__ import annotations
