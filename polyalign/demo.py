@@ -177,12 +177,13 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
             distance = support_targets(texts, buckets, references)
             methods[method][decoding] = {
                 "answers": len(answers), "empty": len(answers) - len(rows), "generations": len(rows),
-                "support_distance": float(np.nanmean(distance)) if len(rows) else float("nan"),
-                "critic_score": float(scorer(texts, buckets).mean()) if rows else float("nan")}
+                # null, not NaN (which is no JSON), when every answer is empty; `empty` says so
+                "support_distance": float(np.nanmean(distance)) if rows else None,
+                "critic_score": float(scorer(texts, buckets).mean()) if rows else None}
     result = {"records": "validation sample, 64 new tokens",
               "decodings": {"sampled": DEMO_SAMPLING, "greedy": {"max_new_tokens": 64, "temperature": 0.0}},
               "methods": methods}
-    (run / "hdpo" / "comparison.json").write_text(json.dumps(result, indent=2) + "\n")
+    (run / "hdpo" / "comparison.json").write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     return result
 
 

@@ -165,8 +165,13 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         assert abs(steps[0]["rewards/margin"]) < 1e-4  # policy = reference at the first step
         assert max(r["rewards/margin"] for r in steps[1:]) > 0
         assert (run / method / "model" / "model.safetensors").is_file()
-    comparison = json.loads((run / "hdpo" / "comparison.json").read_text())
+    comparison = json.loads((run / "hdpo" / "comparison.json").read_text(),
+                            parse_constant=lambda c: pytest.fail(f"{c} in comparison.json: not JSON"))
     assert set(comparison["methods"]) == {"bucket_sft", "dpo", "hdpo"}
+    for decodings in comparison["methods"].values():
+        for v in decodings.values():
+            assert v["answers"] == v["empty"] + v["generations"]
+            assert (v["support_distance"] is None) == (v["generations"] == 0)
     # Evaluation of every trained method on the same test sample, and the comparison report.
     for method in ("sft", "bucket_sft", "dpo", "hdpo"):
         metrics = json.loads((run / "eval" / method / "metrics.json").read_text())

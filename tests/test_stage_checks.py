@@ -118,3 +118,123 @@ def test_validation_pairs_sharing_ids_with_the_training_pairs_are_refused(demo_r
     capsys.readouterr()
     code, err = _train(capsys, "dpo", tmp_path, tmp_path)
     assert code == 2 and err.count("\n") == 1 and "4 pair ids are also in" in err and "--val-fraction" in err
+
+
+def test_a_failed_export_leaves_a_run_the_same_command_finishes(built_run, tmp_path, capsys, monkeypatch):
+    """The disk fills while OUT/model is written: the run ends in one line, its checkpoint at the last step
+    kept; the same command then trains nothing, exports, and reports the loss the last step computed (from
+    metrics.jsonl), saying that nothing was trained this time."""
+    import errno
+
+    from polyalign.model import export
+    from polyalign.train.metrics import read_metrics
+
+    run, _ = built_run
+    out = tmp_path / "sft"
+    argv = ["train", "sft", "--out", str(out), "--no-progress", f"data.dir={run}", "train.steps=2",
+            "train.global_batch=4", "train.eval_every=2", "data.eval_limit=8", "data.eval_batch=8"]
+    real = export.export_trained
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "model" / "model.safetensors"))
+
+    monkeypatch.setattr(export, "export_trained", full_disk)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left on device; free space" in err and "run the same command" in err
+    assert not (out / "model" / "model.safetensors").exists() and (out / "checkpoints" / "2").is_dir()
+    monkeypatch.setattr(export, "export_trained", real)
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    loss = next(r["loss"] for r in read_metrics(out) if r["step"] == 2 and "loss" in r)
+    assert f"already trained to step 2 (nothing left to train); final loss {loss:.4f}" in printed, printed
+    assert "nan" not in printed and (out / "model" / "model.safetensors").is_file()
+    assert json.loads((out / "summary.json").read_text())["last"]["loss"] == loss
+
+
+def _examples(run):
+    import numpy as np
+    import tensorflow_datasets as tfds
+
+    from polyalign.inputs.build import dataset_dir
+
+    source = tfds.builder_from_directory(str(dataset_dir(run)))
+    out = {}
+    for split in ("train", "val"):
+        data = source.as_data_source(split=split)
+        out[split] = {e["id"]: {k: np.asarray(v).tolist() for k, v in e.items()} for e in map(data.__getitem__,
+                                                                                          range(len(data)))}
+    return out
+
+
+def test_an_interrupted_build_restarts_with_the_same_command_and_equals_an_uninterrupted_one(
+        demo_run, demo_tokenizer, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the dataset is half written: the same command finishes the build (its own unfinished
+    output recognised by the settings it noted when it started), the examples equal a build never
+    interrupted, and a command with other settings is refused naming them."""
+    from polyalign.inputs import build as build_module
+
+    source, _, _ = demo_run
+    runs = {}
+    for name in ("cut", "straight"):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        (runs[name] / "data").symlink_to(source / "data", target_is_directory=True)
+    tokenizer = str(demo_tokenizer[0].path.parent)
+
+    def build(run, *extra):
+        return main(["build", str(run), "--tokenizer", tokenizer, "--max-length", "64", "--no-progress", *extra])
+
+    real = build_module.write_dataset
+
+    def interrupted(run, *args, **kwargs):
+        partial = build_module.dataset_dir(run) / "1.0.0"
+        partial.mkdir(parents=True)
+        (partial / "sft_examples-train.array_record-00000-of-00001").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_module, "write_dataset", interrupted)
+    assert build(runs["cut"]) == 130
+    assert not (runs["cut"] / "build" / "manifest.json").exists()
+    monkeypatch.setattr(build_module, "write_dataset", real)
+    capsys.readouterr()
+    assert build(runs["cut"], "--max-length", "32") == 2
+    err = capsys.readouterr().err
+    assert "an unfinished run with other settings was writing here (max_length: 64 there, 32 now)" in err, err
+    assert build(runs["cut"]) == 0 and build(runs["straight"]) == 0
+    assert _examples(runs["cut"]) == _examples(runs["straight"])
+    assert not list((runs["cut"] / "build").glob(".*.started"))
+
+
+def test_a_stage_output_recognises_its_own_unfinished_output_and_nothing_else(tmp_path):
+    from polyalign.core.errors import ConfigError
+    from polyalign.core.outputs import OutputLock, sidecar, stage_output, started_record, write_record
+
+    out = tmp_path / "predictions.jsonl"
+    settings = {"records": "r.jsonl", "seed": 0}
+
+    def stage(settings, fail=False):
+        with stage_output(out, sidecar(out), settings, False, ours=[out], inputs={"records": tmp_path / "r.jsonl"},
+                          lock=OutputLock.for_file(out)):
+            out.write_text('{"id": "a"}\n')  # half the file, then an interruption
+            if fail:
+                raise KeyboardInterrupt
+            write_record(sidecar(out), settings, {})
+
+    with pytest.raises(KeyboardInterrupt):
+        stage(settings, fail=True)
+    assert started_record(sidecar(out)).is_file() and not sidecar(out).exists()
+    with pytest.raises(ConfigError, match=r"an unfinished run with other settings was writing here \(seed: 0 there, "
+                                          r"1 now\)"):
+        stage({**settings, "seed": 1})
+    stage(settings)  # the same command finishes it
+    assert sidecar(out).is_file() and not started_record(sidecar(out)).exists()
+    with pytest.raises(ConfigError, match="made with other settings"):
+        stage({**settings, "seed": 1})
+    started_record(sidecar(out)).unlink(missing_ok=True)
+    sidecar(out).unlink()  # a file polyalign has no record of is never taken for its own
+    with pytest.raises(ConfigError, match="exists without"):
+        stage(settings)
+    with pytest.raises(ConfigError, match="is the command.s own records; write the output somewhere else"):
+        with stage_output(out, sidecar(out), settings, True, inputs={"records": out}):
+            pass

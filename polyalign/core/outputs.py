@@ -9,11 +9,12 @@ the stages downstream to check."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -81,6 +82,14 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
     record = Path(record)
     if not record.is_file():
         present = [str(p) for p in ours if Path(p).exists()]
+        started = _started_settings(record)
+        if present and started is not None:  # this stage's own unfinished output: the same command redoes it
+            changed = differing_keys(started, settings_record(settings))
+            if changed:
+                raise ConfigError(f"{output}: an unfinished run with other settings was writing here "
+                                  f"({describe_changes(changed, started, settings_record(settings))}); run that "
+                                  "command again to finish it, or pass --overwrite to replace it")
+            return
         if present:
             raise ConfigError(f"{output}: {', '.join(present)} exists without {record.name}, the record of the "
                               "command that made it; pass --overwrite to replace it, or give another --out")
@@ -97,6 +106,41 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
     if changed:
         raise ConfigError(f"{output}: made with other settings ({describe_changes(changed, saved, current)}); pass "
                           "--overwrite to replace it, or give another --out")
+
+
+def started_record(record: str | os.PathLike) -> Path:
+    """Where a stage notes the settings it is writing with until its own record is written."""
+    return Path(record).parent / f".{Path(record).name}.started"
+
+
+def _started_settings(record: Path) -> dict[str, Any] | None:
+    try:
+        saved = json.loads(started_record(record).read_text(encoding="utf-8")).get("settings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+@contextlib.contextmanager
+def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
+                 overwrite: bool, ours: Iterable[str | os.PathLike] = (),
+                 inputs: Mapping[str, str | os.PathLike | None] | None = None,
+                 lock: OutputLock | None = None) -> Iterator[None]:
+    """The prologue and epilogue a stage's output shares: the output is none of its `inputs`, is not written
+    over what other settings made (`check_settings`), is held by one writer (`lock`, default OUT's), and
+    carries its settings as started while it is written. A run interrupted before its `record` is written
+    thus restarts with the same command, which recognises its own unfinished output, while another
+    command is refused naming the settings that differ."""
+    if inputs:
+        refuse_output_as_input(output, inputs)
+    check_settings(output, record, settings, overwrite, ours)
+    started = started_record(record)
+    with lock if lock is not None else OutputLock(Path(output)):
+        started.parent.mkdir(parents=True, exist_ok=True)
+        started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str) + "\n",
+                           encoding="utf-8")
+        yield
+        started.unlink(missing_ok=True)
 
 
 def write_record(path: str | os.PathLike, settings: Mapping[str, Any], made_from: Mapping[str, Any],

@@ -17,7 +17,7 @@ import numpy as np
 
 from polyalign.core.errors import EvaluationError
 from polyalign.core.extras import require
-from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input
+from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
 from polyalign.evaluate import naturalness as nat
@@ -108,15 +108,14 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: s
     intervals = intervals or sp.IntervalOptions()
     inputs = {"records": records_path, "predictions": predictions_path, "references": references_path,
               "support": support_path}
-    refuse_output_as_input(out, inputs)
     settings = {**{k: None if v is None else str(Path(v).resolve()) for k, v in inputs.items()},
                 "compat": compat, "featurizer": featurizer and str(featurizer), "scorer": scorer and str(scorer),
                 "allow_partial": allow_partial, "plots": plots, "intervals": dataclasses.asdict(intervals),
                 "diversity": diversity_metrics, "baselines": baselines}
     out = Path(out)
-    check_settings(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"])
     check_generated_from(Path(predictions_path), Path(records_path))
-    with OutputLock(out):
+    with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
+                      inputs=inputs):
         result = _evaluate(records_path, predictions_path, out, compat, references_path, featurizer, scorer,
                            support_path, allow_partial, plots, intervals, diversity_metrics, baselines, settings)
     return result

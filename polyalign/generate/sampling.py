@@ -169,16 +169,15 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, pro
     replaced unless `overwrite`."""
     from dataclasses import asdict
 
-    from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar
+    from polyalign.core.outputs import OutputLock, sidecar, stage_output
 
-    refuse_output_as_input(out, {"records": records_path})
     settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), "profile": profile,
                 "template": template, "sampling": asdict(sampling), "batch_size": batch_size,
                 "max_prompt_tokens": max_prompt_tokens, "limit": limit, "sample": sample, "seed": seed,
                 "model_name": model_name}
-    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock.for_file(out):
+    with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
+                      lock=OutputLock.for_file(out)):
         return _generate_predictions(checkpoint, Path(records_path), Path(out), settings, profile, sampling,
                                      batch_size, max_prompt_tokens, template, limit, sample, seed, model_name,
                                      progress)

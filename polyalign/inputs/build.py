@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from polyalign.core.outputs import OutputLock, check_settings
+from polyalign.core.outputs import stage_output
 from polyalign.core.paths import as_path, changed_since, file_digest, is_uri
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
@@ -308,13 +308,13 @@ def split_bucket_counts(run: Path, split: str) -> Counter | None:
     return Counter(r.bucket_id for path in files for r in read_records(path))
 
 
-def claim_build(run: Path, options: BuildOptions, overwrite: bool) -> OutputLock:
+def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     """RUN/build may be written when it is new, was built with the same options (a rebuild after
-    prepare ran again), or `overwrite`; returns the lock to hold while writing it."""
+    prepare ran again, or the same command after an interrupted build), or `overwrite`; the context to
+    hold while writing it."""
     out = Path(run) / BUILD_DIR
-    check_settings(out, out / "manifest.json", asdict(options), overwrite,
-                   ours=[out / "manifest.json", out / DATASET_NAME])
-    return OutputLock(out)
+    return stage_output(out, out / "manifest.json", asdict(options), overwrite,
+                        ours=[out / "manifest.json", out / DATASET_NAME])
 
 
 def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True,

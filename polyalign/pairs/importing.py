@@ -39,7 +39,7 @@ from polyalign.data.records import Example, ImportItem, InputError, Location, Ma
 from polyalign.data.text import normalize
 
 FORMATS = ("trl", "sharegpt-pairs")
-DEFAULT_SCHEME = Path(__file__).resolve().parent / "buckets" / "polyalign.yaml"  # shipped in the package
+DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # shipped in the package
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 ROW_LABELS = {"language": "language", "track": "track", "family": "family", "style": "style"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.core import jsonl
-from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import as_path, file_digest
 from polyalign.data.records import RECORD_FIELDS, InputError, Record, read_records
 from polyalign.data.text import normalize
@@ -81,12 +81,11 @@ def assign_weights(pairs: list[dict]) -> None:
 def make_pairs(records_path: Path, predictions_path: Path, out: Path, overwrite: bool = False) -> dict:
     """Joins records and predictions by id into OUT (JSONL), weighted; returns a summary. Pairs made
     from other files are not replaced unless `overwrite`."""
-    refuse_output_as_input(out, {"records": records_path, "predictions": predictions_path})
+    inputs = {"records": records_path, "predictions": predictions_path}
     settings = {"records": str(Path(records_path).resolve()), "predictions": str(Path(predictions_path).resolve())}
-    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
     check_generated_from(Path(predictions_path), Path(records_path))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock.for_file(out):
+    with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs=inputs, lock=OutputLock.for_file(out)):
         summary = _make_pairs(Path(records_path), Path(predictions_path), out)
         write_record(sidecar(out), settings, {"records": file_digest(records_path),
                                               "predictions": file_digest(predictions_path)}, summary=summary)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from polyalign.core.errors import TokenizerError
-from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input
+from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
 from polyalign.tokens.chat import POLYALIGN_SPECIAL_TOKENS
@@ -47,11 +47,10 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"vocab size {vocab_size} is too small: at least {MIN_VOCAB_SIZE} (the byte fallback "
                              "alone takes 256 pieces); 8000 suits the demo data")
-    refuse_output_as_input(out_dir, {"records": records_path})
     settings = {"records": str(records_path.resolve()), "vocab_size": vocab_size,
                 **{k: v for k, v in sorted(options.items())}}
-    check_settings(out_dir, out_dir / REPORT, settings, overwrite, ours=[out_dir / f for f in TOKENIZER_FILES])
-    with OutputLock(out_dir):
+    with stage_output(out_dir, out_dir / REPORT, settings, overwrite, ours=[out_dir / f for f in TOKENIZER_FILES],
+                      inputs={"records": records_path}):
         return _train(records_path, out_dir, vocab_size, settings, options)
 
 

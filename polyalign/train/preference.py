@@ -31,7 +31,7 @@ from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
 from polyalign.train.methods import method_spec, require
-from polyalign.train.run import Job, load_init
+from polyalign.train.run import Job, load_init, steps_phrase
 from polyalign.train.trainer import Trainer
 
 
@@ -261,7 +261,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
-    return (f"{result['method']}: {result['end_step']} steps on {result['train_pairs']} pairs; reward margin "
+    trained = steps_phrase(result, f"{result['end_step']} steps")
+    return (f"{result['method']}: {trained} on {result['train_pairs']} pairs; reward margin "
             f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}"
             + (f" (round {result['round']} of {len(result['rounds'])})" if "rounds" in result else "")
             + f"\nmodel: {result['model']}")

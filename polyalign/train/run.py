@@ -167,9 +167,8 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
             if checkpointer is not None:
                 checkpointer.close()
             metrics.close()
-        previous = out / "summary.json"
-        if "last" not in result and previous.is_file():  # resumed at its last step: nothing trained this time
-            result["last"] = json.loads(previous.read_text()).get("last", {})
+        if "last" not in result:  # resumed at its last step: nothing trained this time
+            result["last"] = logged_step(out, result["end_step"])
         if not result["stopped_early"] and job.finish is not None:
             watchdog.phase(f"the closing work of {config.method} (export, scoring)", "finish")
             with peers_watched(checkpointer, out):
@@ -179,6 +178,28 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+def logged_step(out: Path, step: int) -> dict[str, Any]:
+    """What the run logged at `step` (OUT/metrics.jsonl), for a rerun that had nothing left to train, such as
+    one after an export that failed: the numbers it reports are the ones that step computed, never made up."""
+    from polyalign.train.metrics import read_metrics
+
+    if not (out / "metrics.jsonl").is_file():
+        return {}
+    record: dict[str, Any] = {}
+    for row in read_metrics(out):
+        if row.get("step") == step:
+            record.update(row)
+    return record
+
+
+def steps_phrase(result: dict[str, Any], trained: str) -> str:
+    """`trained` (what a summary line says of the steps it ran), or, when a rerun found the run already at
+    its last step (after an export that failed, say), that nothing was trained this time."""
+    if result.get("start_step", 0) == result["end_step"] > 0:
+        return f"already trained to step {result['end_step']} (nothing left to train)"
+    return trained
 
 
 def _lost_peer_error(error: BaseException) -> bool:

@@ -18,7 +18,7 @@ from polyalign.inputs import pipeline
 from polyalign.model.flops import flops_per_token
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import require
-from polyalign.train.run import Job, load_init, model_policy, with_adapters
+from polyalign.train.run import Job, load_init, model_policy, steps_phrase, with_adapters
 from polyalign.train.trainer import Trainer
 
 
@@ -241,7 +241,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
-    return (f"trained {result['end_step']} steps in {result['seconds']} s; "
-            f"final loss {last.get('loss', float('nan')):.4f}"
+    trained = steps_phrase(result, f"trained {result['end_step']} steps in {result['seconds']} s")
+    return (f"{trained}; final loss {last.get('loss', float('nan')):.4f}"
             + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
             + f"\nmodel: {result['model']}")
