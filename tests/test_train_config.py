@@ -133,15 +133,20 @@ def test_a_bad_setting_is_one_line_naming_its_key(method, override, message, cap
     assert re.search(message, captured.err), captured.err
 
 
-def numeric_fields(cls, prefix=""):
-    """(dotted key, field) of every int or float setting of a config class, sections walked."""
+def leaf_fields(cls, prefix=""):
+    """(dotted key, field, type) of every leaf setting of a config class, sections walked."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
-            yield from numeric_fields(kind, f"{prefix}{f.name}.")
-        elif kind in (int, float, int | None, float | None):
-            yield prefix + f.name, f
+            yield from leaf_fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f, kind
+
+
+def numeric_fields(cls):
+    """(dotted key, field) of every int or float setting of a config class."""
+    return [(key, f) for key, f, kind in leaf_fields(cls) if kind in (int, float, int | None, float | None)]
 
 
 def test_every_numeric_setting_has_a_range():
@@ -269,14 +274,8 @@ ONLY_VALUE = {"critic": {"method": "sft", "data.pack": True, "model.lora.rank": 
               "sft": {"method": "critic"}}
 
 
-def _leaf_types(cls, prefix=""):
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            yield from _leaf_types(kind, f"{prefix}{f.name}.")
-        else:
-            yield prefix + f.name, kind
+def _leaf_types(cls):
+    return [(key, kind) for key, _, kind in leaf_fields(cls)]
 
 
 def _other_value(method: str, key: str, kind, default):
