@@ -477,6 +477,11 @@ def _run_generate(args) -> int:
         sample=args.sample, seed=args.seed, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
+    if summary["empty"]:
+        print(f"warning: {summary['empty']} of {summary['records']} answers are empty after decoding (the model "
+              "ended its turn or produced only whitespace); evaluate counts them and leaves them out of diversity"
+              + ("; greedy decoding of a small model often does this, --temperature 0.8 samples instead"
+                 if args.temperature == 0 else ""))
     print(f"predictions: {args.out}")
     return 0
 
@@ -764,6 +769,7 @@ _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 def main(argv: list[str] | None = None) -> int:
     from polyalign.core.errors import Interrupted, PolyalignError
+    from polyalign.core.interrupts import interrupts_remembered
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -772,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"polyalign {args.command}: error: {problem}", file=sys.stderr)
         return 2
     try:
-        return args.handler(args)
+        with interrupts_remembered():
+            return args.handler(args)
     except Interrupted as stopped:
         print(f"polyalign {args.command}: {stopped}", file=sys.stderr)
         return 130

@@ -4,6 +4,7 @@ published diversity values on their English sample."""
 import json
 import math
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -453,3 +454,12 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     assert "not compared" not in capsys.readouterr().out
     page = (tmp_path / "cmp2" / "report.md").read_text()
     assert "not compared" not in page and "the intervals (other test records)" in page
+    # two folders of one name get a column each, named by as much of their paths as tells them apart
+    (tmp_path / "x").mkdir()
+    shutil.copytree(tmp_path / "a", tmp_path / "x" / "a")
+    assert main(["report", folders[0], str(tmp_path / "x" / "a"), "--out", str(tmp_path / "cmp3")]) == 0
+    summary = json.loads((tmp_path / "cmp3" / "comparison.json").read_text())["summary"]
+    assert summary["runs"] == [f"{tmp_path.name}/a", "x/a"]
+    capsys.readouterr()
+    assert main(["report", folders[0], folders[0] + "/", "--out", str(tmp_path / "cmp4")]) == 2
+    assert "given more than once" in capsys.readouterr().err

@@ -199,10 +199,17 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
     assert {p["id"] for p in other_val} != {p["id"] for p in val}
     manifest = json.loads((tmp_path / "a" / "val.manifest.json").read_text())
     assert manifest["settings"]["val_fraction"] == 0.25 and manifest["summary"]["val_pairs"] == len(val)
+    # each file's manifest counts its own pairs and buckets
+    assert manifest["summary"]["pairs"] == len(val) == sum(manifest["summary"]["buckets"].values())
+    train_manifest = json.loads((tmp_path / "a" / "train.manifest.json").read_text())
+    assert train_manifest["summary"]["pairs"] == len(train) == sum(train_manifest["summary"]["buckets"].values())
     for bad in ("0", "1", "-0.1"):
         code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                            tmp_path / "d.jsonl", "--val-fraction", bad)
         assert code == 2 and "--val-fraction must be in (0, 1)" in err and "\n" not in err
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "e.jsonl",
+                       "--val-fraction", "0.2", "--val-out", tmp_path / "e.jsonl")
+    assert code == 2 and f"--val-out {tmp_path / 'e.jsonl'} is the command's own --out" in err, err
 
 
 def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_run, tmp_path, capsys):

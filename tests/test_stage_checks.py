@@ -235,6 +235,34 @@ def test_a_stage_output_recognises_its_own_unfinished_output_and_nothing_else(tm
     sidecar(out).unlink()  # a file polyalign has no record of is never taken for its own
     with pytest.raises(ConfigError, match="exists without"):
         stage(settings)
+    # --overwrite interrupted: the old record no longer claims an output it did not make
+    write_record(sidecar(out), {**settings, "seed": 5}, {})
+    with pytest.raises(KeyboardInterrupt):
+        with stage_output(out, sidecar(out), settings, True, ours=[out], lock=OutputLock.for_file(out)):
+            raise KeyboardInterrupt
+    assert not sidecar(out).exists()
+    stage(settings)  # the same command without --overwrite finishes what the interrupted one began
     with pytest.raises(ConfigError, match="is the command.s own records; write the output somewhere else"):
         with stage_output(out, sidecar(out), settings, True, inputs={"records": out}):
             pass
+
+
+def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
+    """A KeyboardInterrupt raised inside a garbage-collector callback (where JAX runs one) is ignored by
+    Python; the flag SIGINT also sets makes the next check raise it again."""
+    import os
+    import signal
+
+    from polyalign.core.interrupts import check_interrupted, interrupts_remembered
+
+    with interrupts_remembered():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler raises here, and the raise is swallowed
+            for _ in range(1000):
+                pass
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            check_interrupted()
+    check_interrupted()  # outside a command: nothing remembered
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -52,11 +52,12 @@ def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return False
 
 
-def refuse_output_as_input(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None]) -> None:
+def refuse_output_as_input(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
+                           option: str = "--out") -> None:
     """An output may not be one of the command's own inputs: writing it would destroy what is read."""
     for name, path in inputs.items():
         if path is not None and same_path(out, path):
-            raise ConfigError(f"--out {out} is the command's own {name}; write the output somewhere else")
+            raise ConfigError(f"{option} {out} is the command's own {name}; write the output somewhere else")
 
 
 def sidecar(out: str | os.PathLike) -> Path:
@@ -73,7 +74,8 @@ def settings_record(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_settings(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
-                   overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str = "settings") -> None:
+                   overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str = "settings",
+                   elsewhere: str = "give another --out") -> None:
     """Refuses to write `output` over what other settings made. `record` is the JSON file holding the
     earlier run's settings under `key`; `ours` are the paths the stage writes (when one exists without
     a record, it is not known to be polyalign's, and is not replaced either)."""
@@ -92,7 +94,7 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
             return
         if present:
             raise ConfigError(f"{output}: {', '.join(present)} exists without {record.name}, the record of the "
-                              "command that made it; pass --overwrite to replace it, or give another --out")
+                              f"command that made it; pass --overwrite to replace it, or {elsewhere}")
         return
     try:
         saved = json.loads(record.read_text(encoding="utf-8")).get(key)
@@ -100,12 +102,12 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
         saved = None
     if not isinstance(saved, dict):
         raise ConfigError(f"{record}: does not record the settings that made {output}; pass --overwrite to "
-                          "replace it, or give another --out")
+                          f"replace it, or {elsewhere}")
     current = settings_record(settings)
     changed = differing_keys(saved, current)
     if changed:
         raise ConfigError(f"{output}: made with other settings ({describe_changes(changed, saved, current)}); pass "
-                          "--overwrite to replace it, or give another --out")
+                          f"--overwrite to replace it, or {elsewhere}")
 
 
 def started_record(record: str | os.PathLike) -> Path:
@@ -125,7 +127,7 @@ def _started_settings(record: Path) -> dict[str, Any] | None:
 def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
                  inputs: Mapping[str, str | os.PathLike | None] | None = None,
-                 lock: OutputLock | None = None) -> Iterator[None]:
+                 lock: OutputLock | None = None, elsewhere: str = "give another --out") -> Iterator[None]:
     """The prologue and epilogue a stage's output shares: the output is none of its `inputs`, is not written
     over what other settings made (`check_settings`), is held by one writer (`lock`, default OUT's), and
     carries its settings as started while it is written. A run interrupted before its `record` is written
@@ -133,9 +135,11 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
     command is refused naming the settings that differ."""
     if inputs:
         refuse_output_as_input(output, inputs)
-    check_settings(output, record, settings, overwrite, ours)
+    check_settings(output, record, settings, overwrite, ours, elsewhere=elsewhere)
     started = started_record(record)
     with lock if lock is not None else OutputLock(Path(output)):
+        if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming the output
+            Path(record).unlink(missing_ok=True)
         started.parent.mkdir(parents=True, exist_ok=True)
         started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str) + "\n",
                            encoding="utf-8")

@@ -243,6 +243,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: d
             handle.write(json.dumps(rows[i], ensure_ascii=False) + "\n")
     seconds = time.perf_counter() - started
     summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
+               "empty": sum(1 for row in rows.values() if not row["prediction"]),
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out)}
     write_record(sidecar(out), settings, {"records": file_digest(records_path),
                                           "checkpoint": checkpoint_identity(checkpoint)}, summary=summary)

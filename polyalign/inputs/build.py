@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import as_path, changed_since, file_digest, is_uri
 from polyalign.core.yaml_config import ConfigError
@@ -314,7 +315,7 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     hold while writing it."""
     out = Path(run) / BUILD_DIR
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
-                        ours=[out / "manifest.json", out / DATASET_NAME])
+                        ours=[out / "manifest.json", out / DATASET_NAME], elsewhere="build another RUN")
 
 
 def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True,
@@ -344,6 +345,7 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
 
         def generate():
             for record in tqdm(records[split], desc=f"build {split}", unit="rec", disable=not progress, leave=False):
+                check_interrupted()
                 key, example, counts = encode_record(record, tokenizer, template, options, table)
                 stats[split].update(counts)
                 yield key, example

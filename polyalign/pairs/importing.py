@@ -126,7 +126,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
         raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction:g}")
     val_out = None if val_fraction is None else Path(val_out or out.with_name(out.stem + ".val.jsonl"))
     if val_out is not None:
-        refuse_output_as_input(val_out, {"input": input_path, "--out": out})
+        refuse_output_as_input(val_out, {"input": input_path, "--out": out}, option="--val-out")
     dataset = dataset or input_path.stem.replace(".", "_")
     settings = {"input": str(input_path.resolve()), "format": fmt, "dataset": dataset, "language": language,
                 "track": track, "family": family, "style": style, "scheme": str(scheme_path or DEFAULT_SCHEME),
@@ -181,10 +181,19 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
                    "quarantined": sink.count, "out": str(out)}
         summary.update(split)
+        if val_out is not None:  # each file's manifest counts its own pairs and buckets
+            summary["buckets"] = _bucket_counts(out)
+            write_record(sidecar(val_out), settings, {"input": file_digest(input_path)},
+                         summary={**summary, "pairs": split["val_pairs"], "buckets": _bucket_counts(val_out),
+                                  "file": "validation"})
         write_record(sidecar(out), settings, {"input": file_digest(input_path)}, summary=summary)
-        if val_out is not None:
-            write_record(sidecar(val_out), settings, {"input": file_digest(input_path)}, summary=summary)
     return summary
+
+
+def _bucket_counts(path: Path) -> dict[str, int]:
+    from polyalign.pairs.make import read_pairs
+
+    return dict(sorted(Counter(p["bucket_id"] for p in read_pairs(path)).items()))
 
 
 def _default_style(scheme, family: str | None) -> str | None:

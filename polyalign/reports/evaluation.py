@@ -381,14 +381,32 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     return summary
 
 
+def run_names(evals: Sequence[Path]) -> list[str]:
+    """A column name per EVAL folder: its name, or as many of its last path parts as tell it from the
+    others (runs/a/eval and runs/b/eval: a/eval and b/eval). One folder given twice is refused, since
+    its column would silently stand for both."""
+    resolved = [Path(d).resolve() for d in evals]
+    twice = sorted({str(d) for d in resolved if resolved.count(d) > 1})
+    if twice:
+        raise EvaluationError(f"{twice[0]}: given more than once; compare each evaluation once")
+    depth = [1] * len(resolved)
+    while True:
+        names = ["/".join(d.parts[-k:]) for d, k in zip(resolved, depth)]
+        clashing = [i for i, name in enumerate(names) if names.count(name) > 1]
+        if not clashing:
+            return names
+        for i in clashing:
+            depth[i] += 1
+
+
 def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
              allow_different_data: bool) -> dict[str, Any]:
     runs = {}
-    for i, directory in enumerate(evals):
+    for name, directory in zip(names or run_names(evals), evals):
         path = Path(directory) / "metrics.json"
         if not path.is_file():
             raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
-        runs[names[i] if names else Path(directory).name] = json.loads(path.read_text())
+        runs[name] = json.loads(path.read_text())
     header = ["metric", *runs]
     rows = [(name, *(_fmt(_get(r["metrics"], p)) for r in runs.values())) for name, p in OVERALL_ROWS]
     settings_rows = [("test rows", *(str(r["alignment"]["evaluated"]) for r in runs.values())),

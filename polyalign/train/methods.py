@@ -261,6 +261,9 @@ def derived_notes(config: Any) -> list[str]:
                      f"{spec.config().optimizer.lr:g})")
     if config.init is not None:
         notes.append(f"model.preset is not used: the architecture is init's ({config.init}/config.json)")
+    if config.train.epochs is not None:
+        notes.append(f"train.steps {config.train.steps} is not used: train.epochs={config.train.epochs} sets the steps "
+                     "when the run starts, from the training data's epoch size (the run prints the number)")
     return notes
 
 
