@@ -84,7 +84,7 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
     record = Path(record)
     if not record.is_file():
         present = [str(p) for p in ours if Path(p).exists()]
-        started = _started_settings(record)
+        started = _saved_settings(started_record(record))
         if present and started is not None:  # this stage's own unfinished output: the same command redoes it
             changed = differing_keys(started, settings_record(settings))
             if changed:
@@ -96,11 +96,8 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
             raise ConfigError(f"{output}: {', '.join(present)} exists without {record.name}, the record of the "
                               f"command that made it; pass --overwrite to replace it, or {elsewhere}")
         return
-    try:
-        saved = json.loads(record.read_text(encoding="utf-8")).get(key)
-    except (OSError, ValueError, AttributeError):
-        saved = None
-    if not isinstance(saved, dict):
+    saved = _saved_settings(record, key)
+    if saved is None:
         raise ConfigError(f"{record}: does not record the settings that made {output}; pass --overwrite to "
                           f"replace it, or {elsewhere}")
     current = settings_record(settings)
@@ -115,9 +112,10 @@ def started_record(record: str | os.PathLike) -> Path:
     return Path(record).parent / f".{Path(record).name}.started"
 
 
-def _started_settings(record: Path) -> dict[str, Any] | None:
+def _saved_settings(path: Path, key: str = "settings") -> dict[str, Any] | None:
+    """The settings a record file holds under `key`, or None when it holds none it can read."""
     try:
-        saved = json.loads(started_record(record).read_text(encoding="utf-8")).get("settings")
+        saved = json.loads(Path(path).read_text(encoding="utf-8")).get(key)
     except (OSError, ValueError, AttributeError):
         return None
     return saved if isinstance(saved, dict) else None

@@ -180,20 +180,14 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    "language_mismatches": dict(tally.language_mismatches),
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
                    "quarantined": sink.count, "out": str(out)}
+        val_buckets = split.pop("val_buckets", None)
         summary.update(split)
         if val_out is not None:  # each file's manifest counts its own pairs and buckets
-            summary["buckets"] = _bucket_counts(out)
             write_record(sidecar(val_out), settings, {"input": file_digest(input_path)},
-                         summary={**summary, "pairs": split["val_pairs"], "buckets": _bucket_counts(val_out),
+                         summary={**summary, "pairs": split["val_pairs"], "buckets": val_buckets,
                                   "file": "validation"})
         write_record(sidecar(out), settings, {"input": file_digest(input_path)}, summary=summary)
     return summary
-
-
-def _bucket_counts(path: Path) -> dict[str, int]:
-    from polyalign.pairs.make import read_pairs
-
-    return dict(sorted(Counter(p["bucket_id"] for p in read_pairs(path)).items()))
 
 
 def _default_style(scheme, family: str | None) -> str | None:

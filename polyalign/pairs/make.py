@@ -186,7 +186,8 @@ def as_validation(pair: dict) -> dict:
 def write_pair_split(pairs: list[dict], out, val_out=None, val_fraction: float | None = None,
                      seed: int = 0) -> dict[str, Any]:
     """OUT (and, with `val_fraction`, VAL_OUT: prompts held out, their pair ids distinct from OUT's),
-    each weighted among its own pairs; returns what the summary says of the split."""
+    each weighted among its own pairs; returns what the summary says of the split (each file's pairs
+    per bucket under `buckets` and `val_buckets`)."""
     if not val_fraction:
         assign_weights(pairs)
         write_pairs(pairs, out)
@@ -198,4 +199,8 @@ def write_pair_split(pairs: list[dict], out, val_out=None, val_fraction: float |
     write_pairs(train, out)
     write_pairs(val, val_out)
     return {"pairs": len(train), "val_pairs": len(val), "val_out": str(val_out), "val_fraction": val_fraction,
-            "seed": seed}
+            "seed": seed, "buckets": _per_bucket(train), "val_buckets": _per_bucket(val)}
+
+
+def _per_bucket(pairs: list[dict]) -> dict[str, int]:
+    return dict(sorted(Counter(p["bucket_id"] for p in pairs).items()))
