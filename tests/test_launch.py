@@ -1,10 +1,11 @@
-"""The launcher: SLURM variables to the POLYALIGN_* start variables, and a 2-process CPU training run."""
+"""The launcher: SLURM variables to the POLYALIGN_* start variables, a 4-process CPU training run, cluster
+detection and the peer monitor."""
 
 import pytest
 
 from polyalign.mesh.launch import LaunchError, expand_nodelist, local_environments, slurm_environment
 from polyalign.train.metrics import read_metrics
-from tests.test_training import _cli, _train_args, _wait
+from tests.test_training import UNEVEN_EVAL, _cli, _train_args, _wait
 
 
 def test_nodelists_expand():
@@ -31,15 +32,24 @@ def test_local_environments():
 
 
 @pytest.mark.slow
-def test_launcher_runs_two_cpu_processes_like_one_with_four_devices(built_run, tmp_path):
+def test_launcher_runs_four_cpu_processes_like_one_with_four_devices(built_run, tmp_path):
+    """Four processes of one device each with adaptive bucket weights (agreed over every process each
+    step) and validation on 37 examples in batches of 12 (3 per process, the last batch partial) train
+    and validate as one process with four devices."""
     run, _ = built_run
-    _wait([_cli(_train_args(run, tmp_path / "one", "parallel.data=4"), {}, devices=4)])
-    launched = _cli(["launch", "--nproc", "2", "--cpu-devices", "2", "--", "polyalign",
-                     *_train_args(run, tmp_path / "two", "parallel.data=4")], {}, devices=1)
+    settings = ("parallel.data=4", "weighting=adaptive", "adaptive.step_size=1.0", *UNEVEN_EVAL)
+    _wait([_cli(_train_args(run, tmp_path / "one", *settings), {}, devices=4)])
+    launched = _cli(["launch", "--nproc", "4", "--cpu-devices", "1", "--", "polyalign",
+                     *_train_args(run, tmp_path / "four", *settings)], {}, devices=1)
     _wait([launched])
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert [r["step"] for r in two] == list(range(1, 7))
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two)) <= 1e-5
+    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    assert [r["step"] for r in four] == list(range(1, 7))
+    for a, b in zip(one, four):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+        assert b["adaptive_weights"] == pytest.approx(a["adaptive_weights"], rel=1e-5), a["step"]
+    assert four[-1]["adaptive_weights"] != four[0]["adaptive_weights"]  # they moved
+    assert abs(one[-1]["val_loss"] - four[-1]["val_loss"]) <= 1e-5
+    assert one[-1]["val_by_bucket"].keys() == four[-1]["val_by_bucket"].keys()
 
 
 @pytest.fixture
@@ -106,3 +116,42 @@ def test_a_gke_tpu_job_starts_jax_distributed_and_one_host_alone_does_not(fresh_
     monkeypatch.setenv("POLYALIGN_NUM_DEVICES", "8")
     with pytest.raises(ParallelError, match="sees 1 devices over 1 process"):
         parallel.initialize_distributed()
+
+
+class _Store:
+    """The coordination service's key-value store as the peer monitor uses it, counting requests; process 2
+    of 3 beats for the first few requests only, then falls silent."""
+
+    def __init__(self, silent_after: int):
+        self.values, self.requests, self.silent_after = {}, [], silent_after
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.requests.append("set")
+        self.values[key] = value
+        if len(self.requests) <= self.silent_after:  # the peers beat too, until process 2 stops
+            self.values["polyalign/beat/1"] = self.values["polyalign/beat/2"] = value
+        else:
+            self.values["polyalign/beat/1"] = value
+
+    def key_value_dir_get(self, directory):
+        self.requests.append("read all")
+        return [(k, v) for k, v in self.values.items() if k.startswith(directory)]
+
+
+def test_the_peer_monitor_asks_once_per_beat_and_names_the_silent_peer(monkeypatch):
+    """Two requests a beat however many peers (one write, one read of every beat), and a peer whose beat
+    stops is named once its silence passes the timeout."""
+    import threading
+
+    from polyalign.mesh import parallel
+
+    store, reported = _Store(silent_after=6), []
+    done = threading.Event()
+    monkeypatch.setattr(parallel, "report_peer_lost", lambda lost, cause: (reported.append((lost, cause)), done.set()))
+    monitor = parallel.PeerMonitor(timeout=0.25, interval=0.02)
+    monitor.client, monitor.me, monitor.count = store, 0, 3
+    with monitor:
+        assert done.wait(10)
+    requests = list(store.requests)
+    assert len(requests) >= 10 and all(r == ("set" if i % 2 == 0 else "read all") for i, r in enumerate(requests))
+    assert reported[0] == ([2], "no sign of life for 0.25 s")

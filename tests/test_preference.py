@@ -443,6 +443,69 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
         np.testing.assert_allclose(exported[1][name], array, atol=1e-6)
 
 
+@pytest.mark.parametrize("processes, micro_batches, shards, size", [(1, 1, 1, 5), (1, 1, 4, 5), (2, 1, 4, 5),
+                                                                    (3, 2, 3, 12), (4, 2, 8, 7)])
+def test_critic_rows_cut_per_process_put_back_together_are_the_global_rows(processes, micro_batches, shards, size):
+    """Whatever the process, micro-batch and batch-shard counts, the shares of every process, laid side by
+    side as the global array lays them, are the global rows in order, then rows marked invalid."""
+    from polyalign.inputs.critic_rows import local_rows
+    from polyalign.inputs.pipeline import Layout
+
+    rows = {"x": np.arange(size * 2, dtype=np.float32).reshape(size, 2), "b": np.arange(size, dtype=np.int32)}
+    shares = [local_rows(rows, Layout(12, micro_batches, p, processes), "valid", shards) for p in range(processes)]
+    glued = {k: np.concatenate([s[k] for s in shares], axis=1).reshape(-1, *rows.get(k, rows["b"]).shape[1:])
+             for k in ("x", "b", "valid")}
+    valid = glued["valid"].astype(bool)
+    assert valid.sum() == size and valid[:size].all()  # padding only at the end
+    np.testing.assert_array_equal(glued["x"][:size], rows["x"])
+    np.testing.assert_array_equal(glued["b"][:size], rows["b"])
+    pieces = micro_batches * shards
+    assert len(valid) % pieces == 0 and len(valid) - size < pieces
+
+
+@pytest.mark.slow
+def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenizer, tmp_path):
+    """The critic on two processes of two CPU devices: 5 pairs a step (padded to 2 per device), 12
+    regression rows a step over an epoch that does not divide by 12, and 9 validation pairs: each step's
+    loss, the validation metrics, the scores written onto the pairs and the head are those of one process
+    with four devices, and only one process writes them."""
+    from safetensors.numpy import load_file
+
+    from polyalign.mesh.launch import free_port
+    from polyalign.pairs.make import read_pairs
+    from polyalign.train.metrics import read_metrics
+    from tests.test_training import _cli, _wait
+
+    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=34, val=9)
+
+    def args(out):  # no dropout: its draws follow the batch's padded shape, which the process count sets
+        return ["train", "critic", "--config", str(REPO / "configs" / "critic_demo.yaml"), "--out", str(out),
+                "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
+                f"val_pairs={tmp_path / 'val.jsonl'}", f"data.dir={demo_run[0]}", "train.epochs=3",
+                "train.global_batch=12", "train.log_every=1", "pair_batch=5", "dropout=0", "parallel.data=4"]
+
+    _wait([_cli(args(tmp_path / "one"), {}, devices=4)])
+    port = free_port()
+    outputs = _wait([_cli(args(tmp_path / "two"), {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}",
+                                                   "POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_PROCESS_ID": str(i)},
+                          devices=2) for i in range(2)])
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) > 10
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+        if "val_l1" in a:
+            assert b["val_l1"] == pytest.approx(a["val_l1"], abs=1e-6)
+    assert [sum("val_l1" in r for r in m) for m in (one, two)] == [3, 3]  # once per epoch
+    for name in ("train_pairs.jsonl", "val_pairs.jsonl"):
+        for a, b in zip(read_pairs(tmp_path / "one" / name), read_pairs(tmp_path / "two" / name), strict=True):
+            assert b["critic_chosen"] == pytest.approx(a["critic_chosen"], abs=1e-5)
+            assert b["critic_rejected"] == pytest.approx(a["critic_rejected"], abs=1e-5)
+    heads = [load_file(str(tmp_path / run / "critic.safetensors")) for run in ("one", "two")]
+    for name, array in heads[0].items():  # Adam over 24 steps amplifies the last bits of a reduction order
+        np.testing.assert_allclose(heads[1][name], array, atol=1e-5, err_msg=name)
+    assert "critic: best epoch" in outputs[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["kto", "simpo"])
 def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokenizer, tmp_path, capsys):

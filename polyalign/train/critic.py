@@ -154,7 +154,8 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     best: dict[str, Any] = {"loss": float("inf")}
 
     def batches(layout, loop: LoopConfig):
-        return critic_batches(train, loop.steps, loop.seed, loop.global_batch, config.pair_batch)
+        return critic_batches(train, loop.steps, loop.seed, layout, config.pair_batch,
+                              shards=mesh.shape["data"] * mesh.shape["fsdp"])
 
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         model = trainer.model(jax.device_get(trainer.state["params"]))
@@ -175,11 +176,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
             set_scores(pairs, human, generated)
         assign_weights(train_pairs)
         assign_weights(val_pairs)
-        write_pairs(train_pairs, out / "train_pairs.jsonl")
-        write_pairs(val_pairs, out / "val_pairs.jsonl")
         flat = nnx.to_flat_state(nnx.state(critic, nnx.Param))
-        (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...])
-                                                       for path, v in flat}))
         report = {
             "best_epoch": best["epoch"], "val": best["report"], "train": train_report,
             "train_pairs": len(train_pairs), "val_pairs": len(val_pairs), "regression_rows": regression_rows,
@@ -187,7 +184,12 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
             "max_tokens": config.data.max_length, "config": asdict(config),
             "seconds": round(time.perf_counter() - started, 1),
         }
-        (out / "critic.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        if jax.process_index() == 0:  # every process scored the same pairs; one writes them, as export does
+            write_pairs(train_pairs, out / "train_pairs.jsonl")
+            write_pairs(val_pairs, out / "val_pairs.jsonl")
+            (out / "critic.safetensors").write_bytes(save({".".join(map(str, path)): np.asarray(v[...])
+                                                           for path, v in flat}))
+            (out / "critic.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         return report
 
     return Job(critic, CriticObjective(), batches, epoch_size=regression_rows, evaluate=evaluate, finish=finish)
