@@ -34,7 +34,7 @@ def main() -> None:
     from polyalign.data.prepare import prepare
     from polyalign.data.records import read_records
     from polyalign.evaluate.baselines import first_sentence
-    from polyalign.evaluate.run import evaluate
+    from polyalign.evaluate.run import EvaluateOptions, evaluate
     from tests.conftest import write_config
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,8 +52,8 @@ def main() -> None:
                 prediction = first_sentence(record["context"] or record["question"])
                 predictions.write(json.dumps({"id": record["id"], "prediction": prediction}) + "\n")
         started = time.perf_counter()
-        evaluate(tmp / "records.jsonl", tmp / "pred.jsonl", tmp / "eval", compat=args.compat, plots=False,
-                 diversity_metrics=not args.no_diversity)
+        evaluate(tmp / "records.jsonl", tmp / "pred.jsonl", tmp / "eval",
+                 EvaluateOptions(compat=args.compat, plots=False, diversity=not args.no_diversity))
         seconds = time.perf_counter() - started
     result = {"rows": args.rows, "compat": args.compat, "diversity": not args.no_diversity,
               "seconds": round(seconds, 1), "rows_per_s": round(args.rows / seconds, 1)}

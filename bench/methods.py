@@ -68,16 +68,17 @@ def shared_runs(out: Path, quick: bool) -> dict[str, Path]:
 def evaluate_model(model: Path | None, run: Path, out: Path, seed: int, sizes: dict) -> dict:
     """Test answers sampled from the model (kept ones reused when `model` is None), evaluated against
     the train split's human support."""
-    from polyalign.evaluate.run import evaluate
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    from polyalign.evaluate.run import EvaluateOptions, evaluate
+    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
 
     predictions = out / "test_predictions.jsonl"
     if model is not None:
-        generate_predictions(model, run / "data" / "test.jsonl", predictions, progress=False, seed=seed,
-                             sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), sample=sizes["test"])
-    result = evaluate(run / "data" / "test.jsonl", predictions, out / "eval", allow_partial=True, overwrite=True,
-                      references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
-                      diversity_metrics=False)
+        generate_predictions(model, run / "data" / "test.jsonl", predictions,
+                             GenerateOptions(sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), seed=seed,
+                                             sample=sizes["test"]), progress=False)
+    result = evaluate(run / "data" / "test.jsonl", predictions, out / "eval",
+                      EvaluateOptions(allow_partial=True, references=run / "stats" / "references.json",
+                                      support=run / "data" / "train.jsonl", diversity=False), overwrite=True)
     m = result["metrics"]
     return {"bng": m["bng"]["overall_macro"], "bng_floor": m["bng"]["floor_macro"], "bng_gap": m["bng"]["gap_macro"],
             "hcr": m["hcr"]["overall_macro"], "hcr_floor": m["hcr"]["floor_macro"],
@@ -97,7 +98,7 @@ def reevaluate(seed_dir: Path, runs: dict[str, Path], sizes: dict) -> dict[str, 
 
 
 def run_seed(seed: int, runs: dict[str, Path], out: Path, sizes: dict, methods: list[str]) -> dict[str, dict]:
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
     from polyalign.pairs.make import make_pairs
     from polyalign.train.methods import load_config
     from polyalign.train.run import train
@@ -118,8 +119,9 @@ def run_seed(seed: int, runs: dict[str, Path], out: Path, sizes: dict, methods: 
     policy, run = out / "bucket_sft" / "model", runs["default"]
     for split, count in zip(("train", "val"), sizes["pairs"]):
         predictions = out / "pairs" / f"{split}_predictions.jsonl"
-        generate_predictions(policy, run / "data" / f"{split}.jsonl", predictions, progress=False, seed=seed,
-                             sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), sample=count)
+        generate_predictions(policy, run / "data" / f"{split}.jsonl", predictions,
+                             GenerateOptions(sampling=SamplingConfig(sizes["new_tokens"], 0.8, 0.9), seed=seed,
+                                             sample=count), progress=False)
         make_pairs(run / "data" / f"{split}.jsonl", predictions, out / "pairs" / f"{split}.jsonl")
     critic = load_config(CRITIC_CONFIG, [f"data.dir={run}", f"init={policy}", f"pairs={out / 'pairs' / 'train.jsonl'}",
                                          f"val_pairs={out / 'pairs' / 'val.jsonl'}", *seeded], method="critic")

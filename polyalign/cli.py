@@ -13,7 +13,13 @@ import sys
 from pathlib import Path
 
 import polyalign
+from polyalign.beam import require_beam
+from polyalign.core.errors import Interrupted, PolyalignError
+from polyalign.core.interrupts import interrupts_remembered
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
+from polyalign.demo import STAGES, parse_stages, run_demo
+from polyalign.mesh.launch import DEFAULT_PORT, main_command, run_local, run_slurm
+from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
 DESCRIPTION = """\
 polyalign aligns a language model to the human response distribution of each interaction context
@@ -86,15 +92,13 @@ def _add_prepare(sub) -> None:
 
 def _run_prepare(args) -> int:
     if args.beam:
-        from polyalign.beam import require_beam
-
         require_beam()
-        from polyalign.beam.prepare import prepare_beam
+        from polyalign.beam.prepare import prepare_beam  # optional extra: apache-beam
 
         manifest = prepare_beam(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
                                 beam_options=args.beam_options, num_shards=args.num_shards, overwrite=args.overwrite)
     else:
-        from polyalign.data.prepare import prepare
+        from polyalign.data.prepare import prepare  # heavy: numpy, datasketch, kept out of --help
 
         manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
                            progress=not args.no_progress, overwrite=args.overwrite)
@@ -128,7 +132,7 @@ def _add_stats(sub) -> None:
 
 
 def _run_stats(args) -> int:
-    from polyalign.reports.stats import compute_stats
+    from polyalign.reports.stats import compute_stats  # heavy: matplotlib, numpy, kept out of --help
 
     stats = compute_stats(args.run, progress=not args.no_progress)
     print(f"{stats['total']} records in {len(stats['counts']['by_bucket'])} buckets; "
@@ -170,7 +174,7 @@ def _add_tokenizer(sub) -> None:
 
 
 def _run_tokenizer_train(args) -> int:
-    from polyalign.tokens.tokenizer_training import train_from_records
+    from polyalign.tokens.tokenizer_training import train_from_records  # heavy: numpy, kept out of --help
 
     _, report = train_from_records(args.records, args.out, args.vocab_size, model_type=args.model_type,
                                    character_coverage=args.character_coverage, overwrite=args.overwrite)
@@ -234,7 +238,7 @@ def _add_build(sub) -> None:
 
 
 def _run_build(args) -> int:
-    from polyalign.inputs.build import BuildOptions, build
+    from polyalign.inputs.build import BuildOptions, build  # heavy: jax, kept out of --help
 
     given = {"preset": args.weight_preset, "temperature": args.weight_temperature, "borrow_below": args.borrow_below,
              "min_bucket_size": args.min_bucket_size, "clip": list(args.clip_weights) if args.clip_weights else None}
@@ -242,10 +246,8 @@ def _run_build(args) -> int:
                            max_length=args.max_length, train_on=args.train_on, system=args.system,
                            weights={key: value for key, value in given.items() if value is not None})
     if args.beam:
-        from polyalign.beam import require_beam
-
         require_beam()
-        from polyalign.beam.build import build_beam
+        from polyalign.beam.build import build_beam  # optional extra: apache-beam
 
         manifest = build_beam(args.run, options, beam_options=args.beam_options, overwrite=args.overwrite)
     else:
@@ -270,7 +272,7 @@ def _run_build(args) -> int:
 
 def _location(text: str):
     """A local path or a bucket URI (pathlib would turn gs://b into gs:/b)."""
-    from polyalign.core.paths import as_path
+    from polyalign.core.paths import as_path  # heavy: etils.epath (about 0.15 s), kept out of --help
 
     return as_path(text)
 
@@ -287,8 +289,6 @@ parallel.data=4; unknown keys are an error that names the closest known one.
 
 
 def _add_train(sub) -> None:
-    from polyalign.train.methods import METHODS, settings_help
-
     p = sub.add_parser("train", help=f"train a model ({', '.join(METHODS)})", description="Training.",
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     methods = p.add_subparsers(dest="method", metavar="METHOD", required=True)
@@ -315,8 +315,6 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
-    from polyalign.train.methods import config_as_yaml, derived_notes, load_config, method_spec
-
     flags = ["allow_tokenizer_mismatch=true"] if getattr(args, "allow_tokenizer_mismatch", False) else []
     config = load_config(args.config, [*args.overrides, *flags], method=args.method)
     if args.print_config:
@@ -326,7 +324,7 @@ def _run_train(args) -> int:
         return 0
     if args.out is None:
         args.parser.error("--out is required (or --print-config)")
-    from polyalign.train.run import train
+    from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     existing = "resume" if args.resume else "overwrite" if args.overwrite else "continue"
     result = train(config, args.out, progress=not args.no_progress, existing=existing)
@@ -391,7 +389,7 @@ def _add_pairs(sub) -> None:
 
 
 def _run_pairs(args) -> int:
-    from polyalign.pairs.make import make_pairs
+    from polyalign.pairs.make import make_pairs  # heavy: etils.epath, kept out of --help
 
     missing = [f"--{name}" for name in ("records", "predictions", "out") if getattr(args, name) is None]
     if missing:
@@ -413,7 +411,7 @@ def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by
 
 
 def _run_pairs_import(args) -> int:
-    from polyalign.pairs.importing import import_pairs
+    from polyalign.pairs.importing import import_pairs  # heavy: numpy, datasketch (data.prepare), kept out of --help
 
     summary = import_pairs(args.input, args.out, args.format, dataset=args.dataset, language=args.language,
                            track=args.track, family=args.family, style=args.style, scheme_path=args.scheme,
@@ -468,13 +466,18 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    from polyalign.generate.sampling import (  # heavy: jax, kept out of --help
+        GenerateOptions,
+        SamplingConfig,
+        generate_predictions,
+    )
 
-    summary = generate_predictions(
-        args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
-        sampling=SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.top_k),
-        batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-        sample=args.sample, seed=args.seed, progress=not args.no_progress, overwrite=args.overwrite)
+    options = GenerateOptions(profile=args.profile, template=args.template,
+                              sampling=SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.top_k),
+                              batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
+                              sample=args.sample, seed=args.seed)
+    summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
+                                   overwrite=args.overwrite)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
     if summary["empty"]:
@@ -505,7 +508,7 @@ def _add_prompts(sub) -> None:
 
 
 def _run_prompts(args) -> int:
-    from polyalign.generate.prompts import write_prompts
+    from polyalign.generate.prompts import write_prompts  # heavy: jax, kept out of --help
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
                             limit=args.limit, overwrite=args.overwrite)
@@ -547,15 +550,14 @@ def _add_evaluate(sub) -> None:
 
 
 def _run_evaluate(args) -> int:
-    from polyalign.evaluate.run import evaluate
-    from polyalign.evaluate.support import IntervalOptions
+    from polyalign.evaluate.run import EvaluateOptions, evaluate  # heavy: numpy, scipy, kept out of --help
+    from polyalign.evaluate.support import IntervalOptions  # heavy: numpy, scipy, kept out of --help
 
-    result = evaluate(args.records, args.predictions, args.out, compat=args.compat or "cjk",
-                      references_path=args.references, support_path=args.support, featurizer=args.featurizer,
-                      scorer=args.scorer, allow_partial=args.allow_partial,
-                      intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
-                      diversity_metrics=not args.no_diversity, baselines=not args.no_baselines,
-                      overwrite=args.overwrite)
+    options = EvaluateOptions(compat=args.compat or "cjk", references=args.references, support=args.support,
+                              featurizer=args.featurizer, scorer=args.scorer, allow_partial=args.allow_partial,
+                              intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
+                              diversity=not args.no_diversity, baselines=not args.no_baselines)
+    result = evaluate(args.records, args.predictions, args.out, options, overwrite=args.overwrite)
     m, reasons = result["metrics"], result.get("not_available", {})
 
     def show(value, metric=None):
@@ -593,7 +595,7 @@ def _add_report(sub) -> None:
 
 
 def _run_report(args) -> int:
-    from polyalign.reports.evaluation import compare
+    from polyalign.reports.evaluation import compare  # heavy: matplotlib, numpy, kept out of --help
 
     summary = compare(args.evals, args.out, overwrite=args.overwrite, allow_different_data=args.allow_different_data)
     if summary["unequal_settings"]:
@@ -629,8 +631,6 @@ def _add_launch(sub) -> None:
 
 
 def _run_launch(args) -> int:
-    from polyalign.mesh.launch import DEFAULT_PORT, main_command, run_local, run_slurm
-
     command = main_command(args.launched[1:] if args.launched[:1] == ["--"] else args.launched)
     if args.slurm:
         return run_slurm(command, args.port or DEFAULT_PORT)
@@ -653,10 +653,10 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    from polyalign.train.plan import describe, plan_config
+    from polyalign.train.plan import describe, plan_config  # heavy: jax, kept out of --help
 
     if args.devices is None:
-        import jax
+        import jax  # heavy: jax, kept out of --help
 
         args.devices = jax.device_count()
     print(describe(plan_config(args.config, args.overrides, args.devices, args.seq, args.preset), args.device_memory))
@@ -664,8 +664,6 @@ def _run_plan(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    from polyalign.demo import STAGES
-
     p = sub.add_parser("demo", help="run the pipeline on the bundled demo data",
                        description="Run the pipeline end to end on the real English and Chinese demo data bundled "
                                    f"with polyalign. Stages available: {', '.join(STAGES)}.")
@@ -679,8 +677,6 @@ def _add_demo(sub) -> None:
 
 
 def _run_demo(args) -> int:
-    from polyalign.demo import parse_stages, run_demo
-
     run_demo(args.out, parse_stages(args.stages), quick=args.quick, overwrite=args.overwrite)
     return 0
 
@@ -768,9 +764,6 @@ _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polyalign.core.errors import Interrupted, PolyalignError
-    from polyalign.core.interrupts import interrupts_remembered
-
     parser = build_parser()
     args = parser.parse_args(argv)
     problem = _out_of_range(args, dict(subcommands(parser))[args.command_path])

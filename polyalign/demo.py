@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from polyalign.core.errors import Interrupted
 from polyalign.core.yaml_config import ConfigError
+from polyalign.data.records import read_records
+from polyalign.train.methods import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_DATA_CONFIG = REPO_ROOT / "configs" / "data" / "demo.yaml"
 
 
 def _prepare(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.data.prepare import prepare
+    from polyalign.data.prepare import prepare  # heavy: numpy, datasketch, kept out of --help
 
     manifest = prepare(DEMO_DATA_CONFIG, run, overwrite=overwrite)
     totals = manifest["totals"]
@@ -22,14 +27,14 @@ def _prepare(run: Path, quick: bool, overwrite: bool) -> str:
 
 
 def _stats(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.reports.stats import compute_stats
+    from polyalign.reports.stats import compute_stats  # heavy: matplotlib, numpy, kept out of --help
 
     stats = compute_stats(run)
     return f"{len(stats['counts']['by_bucket'])} buckets -> {run / 'stats' / 'report.html'}"
 
 
 def _tokenizer(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.tokens.tokenizer_training import train_from_records
+    from polyalign.tokens.tokenizer_training import train_from_records  # heavy: numpy, kept out of --help
 
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", run / "tokenizer",
                                            DEMO_VOCAB_SIZE_QUICK if quick else DEMO_VOCAB_SIZE, overwrite=overwrite)
@@ -38,7 +43,7 @@ def _tokenizer(run: Path, quick: bool, overwrite: bool) -> str:
 
 
 def _build(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.inputs.build import BuildOptions, build
+    from polyalign.inputs.build import BuildOptions, build  # heavy: jax, kept out of --help
 
     manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH), overwrite=overwrite)
     train = manifest["splits"]["train"]
@@ -49,8 +54,7 @@ def _build(run: Path, quick: bool, overwrite: bool) -> str:
 def _sft(run: Path, quick: bool, overwrite: bool) -> str:
     """Plain SFT (RUN/sft) and Bucket-Aware SFT (RUN/bucket_sft) with the same seed and batches; the
     Bucket-SFT model is the initial policy of everything after."""
-    from polyalign.train.methods import load_config
-    from polyalign.train.run import train
+    from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     summaries = []
     for name, weighting in (("sft", "uniform"), ("bucket_sft", "bucket")):
@@ -73,8 +77,6 @@ def _existing(overwrite: bool) -> str:
 def _finished(result: dict, name: str) -> dict:
     """A training stage's result, or Interrupted when it stopped before its last step (its checkpoint
     is saved, and the demo's next run resumes it)."""
-    from polyalign.core.errors import Interrupted
-
     if result.get("interrupted") or result.get("stopped_early"):
         raise Interrupted(f"{name} stopped at step {result['end_step']} (checkpoint saved); run the same demo "
                           "command to resume")
@@ -88,14 +90,16 @@ DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_ever
 
 
 def _generate(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
-    from polyalign.pairs.make import make_pairs
+    # heavy: jax, kept out of --help
+    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.pairs.make import make_pairs  # heavy: etils.epath, kept out of --help
 
     counts = []
     for split, sizes in DEMO_PAIR_SAMPLES.items():
         predictions = run / "generate" / f"{POLICY}_{split}.jsonl"
         generate_predictions(run / POLICY / "model", run / "data" / f"{split}.jsonl", predictions,
-                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[quick], seed=0, overwrite=overwrite)
+                             GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[quick], seed=0),
+                             overwrite=overwrite)
         summary = make_pairs(run / "data" / f"{split}.jsonl", predictions, run / "pairs" / f"{split}.jsonl",
                              overwrite=overwrite)
         counts.append(f"{split} {summary['pairs']}")
@@ -103,8 +107,7 @@ def _generate(run: Path, quick: bool, overwrite: bool) -> str:
 
 
 def _critic(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.train.methods import load_config
-    from polyalign.train.run import train
+    from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
@@ -116,8 +119,7 @@ def _critic(run: Path, quick: bool, overwrite: bool) -> str:
 
 
 def _hdpo(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.train.methods import load_config
-    from polyalign.train.run import train
+    from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     summaries = []
     for method in ("hdpo", "dpo"):
@@ -151,14 +153,12 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
     greedy as the drift probe decodes: per decoding, the answers, how many are empty, the non-empty ones'
     mean support distance to the bucket's human references and the critic's mean score
     (RUN/hdpo/comparison.json)."""
-    import json
+    import numpy as np  # heavy: numpy, kept out of --help
 
-    import numpy as np
-
-    from polyalign.data.records import read_records
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
-    from polyalign.pairs.make import read_predictions
-    from polyalign.train.critic_model import CriticScorer, support_targets
+    # heavy: jax, kept out of --help
+    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.pairs.make import read_predictions  # heavy: etils.epath, kept out of --help
+    from polyalign.train.critic_model import CriticScorer, support_targets  # heavy: jax, kept out of --help
 
     references = json.loads((run / "stats" / "references.json").read_text())
     scorer = CriticScorer(run / "critic")
@@ -169,8 +169,9 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
         methods[method] = {}
         for decoding, sampling in decodings.items():
             path = run / "generate" / f"{method}_compare{'' if decoding == 'greedy' else '_' + decoding}.jsonl"
-            generate_predictions(run / method / "model", run / "data" / "val.jsonl", path, sampling=sampling,
-                                 sample=DEMO_PAIR_SAMPLES["val"][quick], seed=1, progress=False, overwrite=overwrite)
+            generate_predictions(run / method / "model", run / "data" / "val.jsonl", path,
+                                 GenerateOptions(sampling=sampling, sample=DEMO_PAIR_SAMPLES["val"][quick], seed=1),
+                                 progress=False, overwrite=overwrite)
             answers = list(read_predictions(path).values())
             rows = [r for r in answers if r["prediction"]]
             texts, buckets = [r["prediction"] for r in rows], [records[r["id"]].bucket_id for r in rows]
@@ -192,10 +193,10 @@ DEMO_METHODS = ("sft", "bucket_sft", "dpo", "hdpo")
 
 
 def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
-    import importlib.util
+    from polyalign.evaluate.run import EvaluateOptions, evaluate  # heavy: numpy, scipy, kept out of --help
 
-    from polyalign.evaluate.run import evaluate
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
+    # heavy: jax, kept out of --help
+    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
 
     # MAUVE needs the `mauve` extra (the README's demo command installs it); without, every other
     # metric is computed and the report says MAUVE was skipped and why.
@@ -208,12 +209,13 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
         # Sampled, as the pairs are: under greedy decoding the 7M-parameter demo models mostly end
         # their turn at once, and every metric would compare empty strings.
         generate_predictions(run / method / "model", run / "data" / "test.jsonl", predictions,
-                             sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick], seed=2,
-                             overwrite=overwrite)
+                             GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick],
+                                             seed=2), overwrite=overwrite)
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
-        result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method, allow_partial=True,
-                          references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl",
-                          featurizer=featurizer, overwrite=overwrite)
+        result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method,
+                          EvaluateOptions(allow_partial=True, references=run / "stats" / "references.json",
+                                          support=run / "data" / "train.jsonl", featurizer=featurizer),
+                          overwrite=overwrite)
         bng, floor = result["metrics"]["bng"]["overall_macro"], result["metrics"]["bng"].get("floor_macro")
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}"
@@ -223,7 +225,7 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
 
 
 def _report(run: Path, quick: bool, overwrite: bool) -> str:
-    from polyalign.reports.evaluation import compare
+    from polyalign.reports.evaluation import compare  # heavy: matplotlib, numpy, kept out of --help
 
     compare([run / "eval" / m for m in DEMO_METHODS], run / "report", overwrite=overwrite)
     return f"{', '.join(DEMO_METHODS)} side by side -> {run / 'report' / 'report.html'}"

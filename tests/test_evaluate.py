@@ -12,7 +12,8 @@ import pytest
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate.baselines import first_sentence
 from polyalign.evaluate.dynamics import turn_dynamics
-from polyalign.evaluate.run import EvaluationError, evaluate
+from polyalign.evaluate.run import EvaluateOptions, EvaluationError, evaluate
+from polyalign.evaluate.support import IntervalOptions
 from polyalign.evaluate.text_metrics import (
     distinct_n,
     normalize_answer,
@@ -199,7 +200,8 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
     records = read_records(records_path)
     _write_predictions(tmp_path / "oracle.jsonl", records, lambda r: r.response)
     result = evaluate(records_path, tmp_path / "oracle.jsonl", tmp_path / "eval",
-                      references_path=run / "stats" / "references.json", support_path=run / "data" / "train.jsonl")
+                      EvaluateOptions(references=run / "stats" / "references.json",
+                                      support=run / "data" / "train.jsonl"))
     m = result["metrics"]
     assert m["utility"]["overall"]["em"] == 1.0 and m["utility"]["overall"]["qa_f1"] == 1.0
     # the human answers are the human floor: every bucket measured, each exactly at its floor
@@ -232,11 +234,11 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(EvaluationError, match="2 missing, 1 duplicate, 1 extra ids"):
         evaluate(subset, path, tmp_path / "eval")
-    result = evaluate(subset, path, tmp_path / "eval", allow_partial=True, plots=False)
+    result = evaluate(subset, path, tmp_path / "eval", EvaluateOptions(allow_partial=True, plots=False))
     assert result["alignment"]["evaluated"] == 297 and result["alignment"]["partial"]
     # A comparison names the settings and warns when runs saw different test sets.
     _write_predictions(tmp_path / "full.jsonl", records, lambda r: r.question)
-    evaluate(subset, tmp_path / "full.jsonl", tmp_path / "eval_full", plots=False)
+    evaluate(subset, tmp_path / "full.jsonl", tmp_path / "eval_full", EvaluateOptions(plots=False))
     from polyalign.cli import main
 
     assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp")]) == 0
@@ -260,7 +262,7 @@ def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
     assert len(records) == 2000
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
     result = evaluate(tmp_path / "run" / "data" / "test.jsonl", tmp_path / "p.jsonl", tmp_path / "eval",
-                      compat="reference", plots=False)
+                      EvaluateOptions(compat="reference", plots=False))
     human = result["metrics"]["diversity"]["overall"]["human"]
     published = {"distinct_1": 0.13231752307499547, "distinct_2": 0.6982111985322654,
                  "distinct_3": 0.9440411027425648, "self_bleu_4": 0.058781246156817644}
@@ -286,9 +288,10 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     subset = tmp_path / "records.jsonl"
     subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: r.question)
-    plain = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "plain", plots=False)
-    full = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "full", featurizer=tmp_path / "ckpt",
-                    scorer=tmp_path / "ckpt", plots=False)
+    plain = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "plain", EvaluateOptions(plots=False))
+    full = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "full", EvaluateOptions(featurizer=tmp_path / "ckpt",
+                                                                                     scorer=tmp_path / "ckpt",
+                                                                                     plots=False))
     mauve = full["metrics"]["mauve"]
     assert mauve["status"] == "computed" and 0 < mauve["global"] <= 1
     assert set(mauve["by_bucket"]) == {"en|multi|dialogue|short"}
@@ -366,14 +369,14 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     assert overall["human"] == pytest.approx(diversity([r.response for r in records if r.response.strip()], "cjk"))
     assert overall["generated_empty"] == 40
     assert "<b>40 of 200 answers are empty</b>" in (tmp_path / "eval" / "report.html").read_text()
-    reference = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "ref", compat="reference", plots=False)
+    reference = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "ref", EvaluateOptions(compat="reference",
+                                                                                               plots=False))
     assert reference["metrics"]["diversity"]["overall"]["generated"] == pytest.approx(
         diversity(list(answer.values()), "reference"))
     # one non-empty answer: no diversity to speak of
     _write_predictions(tmp_path / "one.jsonl", records, lambda r: "Yes." if r.id == records[3].id else "")
     result = evaluate(records_path, tmp_path / "one.jsonl", tmp_path / "one",
-                      intervals=__import__("polyalign.evaluate.support", fromlist=["x"]).IntervalOptions(draws=10),
-                      baselines=False)
+                      EvaluateOptions(intervals=IntervalOptions(draws=10), baselines=False))
     overall = result["metrics"]["diversity"]["overall"]
     assert overall["generated"]["self_bleu_4"] is None and overall["generated_reason"].startswith("undefined: 1")
     assert "n/a (undefined: 1 non-empty answer (needs 2))" in (tmp_path / "one" / "report.html").read_text()
@@ -386,7 +389,7 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
     records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
     result = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "eval",
-                      intervals=__import__("polyalign.evaluate.support", fromlist=["x"]).IntervalOptions(draws=20))
+                      EvaluateOptions(intervals=IntervalOptions(draws=20)))
     buckets = result["metrics"]["buckets"]
     small = sorted(b for b, r in buckets.items() if r["rows"] < 5)
     assert small and result["metrics"]["bng"]["small_buckets"] == small
@@ -413,9 +416,9 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     run, _, _ = demo_run
     records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
-    for name, extra in (("a", {}), ("b", {"support_path": run / "data" / "train.jsonl"}),
+    for name, extra in (("a", {}), ("b", {"support": run / "data" / "train.jsonl"}),
                         ("c", {"compat": "reference"})):
-        evaluate(records_path, tmp_path / "p.jsonl", tmp_path / name, plots=False, **extra)
+        evaluate(records_path, tmp_path / "p.jsonl", tmp_path / name, EvaluateOptions(plots=False, **extra))
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "--out",
                  str(tmp_path / "cmp")]) == 0
     note = capsys.readouterr().out.splitlines()[0]
@@ -434,11 +437,11 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     (tmp_path / "fewer").mkdir()
     fewer = tmp_path / "fewer" / "test.jsonl"
     fewer.write_text("".join(line for line in single.read_text().splitlines(keepends=True)[:-20]))
-    evaluate(single, tmp_path / "p.jsonl", tmp_path / "a", plots=False, allow_partial=True)
-    evaluate(single, tmp_path / "p.jsonl", tmp_path / "same", plots=False, allow_partial=True)
-    evaluate(single, tmp_path / "p.jsonl", tmp_path / "support", plots=False, allow_partial=True,
-             support_path=run / "data" / "train.jsonl")
-    evaluate(fewer, tmp_path / "p.jsonl", tmp_path / "records", plots=False, allow_partial=True)
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "a", EvaluateOptions(plots=False, allow_partial=True))
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "same", EvaluateOptions(plots=False, allow_partial=True))
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "support", EvaluateOptions(plots=False, allow_partial=True,
+                                                                                 support=run / "data" / "train.jsonl"))
+    evaluate(fewer, tmp_path / "p.jsonl", tmp_path / "records", EvaluateOptions(plots=False, allow_partial=True))
     folders = [str(tmp_path / n) for n in ("a", "same", "support", "records")]
     assert main(["report", *folders, "--out", str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out

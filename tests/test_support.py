@@ -122,7 +122,7 @@ def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_ru
     response's sentences is not among them: the features do not see order, and BNG does not move.)"""
     import json
 
-    from polyalign.evaluate.run import evaluate
+    from polyalign.evaluate.run import EvaluateOptions, evaluate
 
     run, _, _ = demo_run
     pairs = _halves(demo_run)
@@ -135,9 +135,9 @@ def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_ru
             for (prompt, _), answer in zip(pairs, answers):
                 f.write(json.dumps({"id": prompt.id, "prediction": answer}, ensure_ascii=False) + "\n")
         results[name] = evaluate(tmp_path / "records.jsonl", tmp_path / f"{name}.jsonl", tmp_path / name,
-                                 references_path=run / "stats" / "references.json",
-                                 support_path=run / "data" / "train.jsonl", plots=False, diversity_metrics=False,
-                                 baselines=False)["metrics"]
+                                 EvaluateOptions(references=run / "stats" / "references.json",
+                                                 support=run / "data" / "train.jsonl", plots=False, diversity=False,
+                                                 baselines=False))["metrics"]
     human = results["human"]
     large = [b for b, r in human["buckets"].items() if r["rows"] >= 20]
     assert len(large) >= 3 and len(human["buckets"]) >= 15

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
+import tensorflow_datasets as tfds
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
 from polyalign.beam import pipeline_options
@@ -106,8 +107,6 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
         for counter in result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]:
             value = counter.committed if counter.committed is not None else counter.attempted
             counters[counter.key.metric.name] = counters.get(counter.key.metric.name, 0) + value
-
-    import tensorflow_datasets as tfds
 
     pipeline = pipeline_options(beam_options)
     write_dataset(run, split_examples, tfds.download.DownloadConfig(beam_options=pipeline),

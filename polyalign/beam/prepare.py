@@ -26,6 +26,7 @@ import apache_beam as beam
 import numpy as np
 
 from polyalign.beam import pipeline_options
+from polyalign.core.outputs import stage_output
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.dedup import NearDuplicateOptions, band_keys, exact_key, minhash_signature
 from polyalign.data.importers import read_file, rows_in_file
@@ -37,11 +38,11 @@ from polyalign.data.prepare import (
     SourceTally,
     assemble_manifest,
     build_item,
-    check_output,
     duplicate_id_message,
     label_votes,
     load_context,
     near_duplicate_report,
+    prepare_settings,
     quarantine_row,
     unit_votes,
     write_manifest,
@@ -199,9 +200,15 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
     if num_shards < 1:
         raise PrepareError(f"--num-shards must be at least 1, got {num_shards}")
     context = load_context(config_path, overrides)
-    config = context.config
     data_dir = Path(out) / "data"
-    check_output(data_dir, context, on_error, overwrite)
+    with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
+                      ours=[data_dir / f"{split}.jsonl" for split in SPLITS], key=None):
+        return _run_pipeline(context, data_dir, on_error, beam_options, num_shards, started)
+
+
+def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_options: str | None,
+                  num_shards: int, started: float) -> dict[str, Any]:
+    config = context.config
     data_dir.mkdir(parents=True, exist_ok=True)
     events_dir = data_dir / EVENTS_DIR
     shutil.rmtree(events_dir, ignore_errors=True)

@@ -74,11 +74,12 @@ def settings_record(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_settings(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
-                   overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str = "settings",
+                   overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str | None = "settings",
                    elsewhere: str = "give another --out") -> None:
     """Refuses to write `output` over what other settings made. `record` is the JSON file holding the
     earlier run's settings under `key`; `ours` are the paths the stage writes (when one exists without
-    a record, it is not known to be polyalign's, and is not replaced either)."""
+    a record, it is not known to be polyalign's, and is not replaced either). With `key` None the settings
+    sit at the record's top level, beside what else it holds (prepare's manifest)."""
     if overwrite:
         return
     record = Path(record)
@@ -96,7 +97,7 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
             raise ConfigError(f"{output}: {', '.join(present)} exists without {record.name}, the record of the "
                               f"command that made it; pass --overwrite to replace it, or {elsewhere}")
         return
-    saved = _saved_settings(record, key)
+    saved = _saved_settings(record, key, settings)
     if saved is None:
         raise ConfigError(f"{record}: does not record the settings that made {output}; pass --overwrite to "
                           f"replace it, or {elsewhere}")
@@ -112,10 +113,12 @@ def started_record(record: str | os.PathLike) -> Path:
     return Path(record).parent / f".{Path(record).name}.started"
 
 
-def _saved_settings(path: Path, key: str = "settings") -> dict[str, Any] | None:
-    """The settings a record file holds under `key`, or None when it holds none it can read."""
+def _saved_settings(path: Path, key: str | None = "settings", names: Iterable[str] = ()) -> dict[str, Any] | None:
+    """The settings a record file holds under `key` (with `key` None: its top-level entries `names`), or
+    None when it holds none it can read."""
     try:
-        saved = json.loads(Path(path).read_text(encoding="utf-8")).get(key)
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+        saved = record.get(key) if key is not None else {name: record.get(name) for name in names}
     except (OSError, ValueError, AttributeError):
         return None
     return saved if isinstance(saved, dict) else None
@@ -125,15 +128,17 @@ def _saved_settings(path: Path, key: str = "settings") -> dict[str, Any] | None:
 def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
                  inputs: Mapping[str, str | os.PathLike | None] | None = None,
-                 lock: OutputLock | None = None, elsewhere: str = "give another --out") -> Iterator[None]:
+                 lock: OutputLock | None = None, elsewhere: str = "give another --out",
+                 option: str = "--out", key: str | None = "settings") -> Iterator[None]:
     """The prologue and epilogue a stage's output shares: the output is none of its `inputs`, is not written
     over what other settings made (`check_settings`), is held by one writer (`lock`, default OUT's), and
     carries its settings as started while it is written. A run interrupted before its `record` is written
     thus restarts with the same command, which recognises its own unfinished output, while another
-    command is refused naming the settings that differ."""
+    command is refused naming the settings that differ. `option` names the output in refusals; `key` is
+    where the record keeps the settings (check_settings)."""
     if inputs:
-        refuse_output_as_input(output, inputs)
-    check_settings(output, record, settings, overwrite, ours, elsewhere=elsewhere)
+        refuse_output_as_input(output, inputs, option)
+    check_settings(output, record, settings, overwrite, ours, key=key, elsewhere=elsewhere)
     started = started_record(record)
     with lock if lock is not None else OutputLock(Path(output)):
         if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming the output

@@ -19,6 +19,8 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
+from polyalign.core.extras import require
+
 UNDETERMINED = "und"
 _MIN_LETTERS_FOR_DETECTOR = 24
 _MIN_CONFIDENCE = 0.6
@@ -67,8 +69,6 @@ def contradicting_script(declared: str, text: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _detector():
-    from polyalign.core.extras import require
-
     lingua = require("lingua", "langid", "detecting the language of rows whose source declares none",
                      "or give the source a `language:` in the data config")
     return lingua.LanguageDetectorBuilder.from_all_languages().with_low_accuracy_mode().build()
@@ -149,6 +149,7 @@ def read_script(text: str) -> ScriptReading:
 
 def lingua_available() -> bool:
     try:
+        # optional extra: langid; this only asks whether lingua is installed
         import lingua  # noqa: F401
     except ImportError:
         return False
@@ -159,7 +160,7 @@ def lingua_available() -> bool:
 def _latin_detector():
     """lingua over the major Latin-script languages only: over every language it knows, its trigram
     models call plain English Yoruba with 99% confidence ("Venezuela is located in South America...")."""
-    from lingua import IsoCode639_1, Language, LanguageDetectorBuilder
+    from lingua import IsoCode639_1, Language, LanguageDetectorBuilder  # optional extra: langid (lingua)
 
     languages = [Language.from_iso_code_639_1(getattr(IsoCode639_1, code.upper()))
                  for code in sorted(_LATIN_LANGUAGES - {"no"}) + ["nb"]]

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 import polyalign
 from polyalign.core.errors import PrepareError
-from polyalign.core.outputs import OutputLock, describe_changes, differing_keys
+from polyalign.core.outputs import stage_output
 from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.data.dedup import (
@@ -440,23 +440,10 @@ def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     (data_dir / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
-def check_output(data_dir: Path, context: PrepareContext, on_error: str, overwrite: bool) -> None:
-    """OUT/data may be written when it is new, was prepared with the same config (prepare is
-    deterministic: the same files again), or `overwrite` is set."""
-    manifest = data_dir / "manifest.json"
-    if overwrite or not manifest.is_file():
-        return
-    try:
-        saved = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ConfigError(f"{manifest}: unreadable; pass --overwrite to prepare into {data_dir.parent} again") from None
-    before = {"config": saved.get("config"), "on_error": saved.get("on_error")}
-    now = json.loads(json.dumps({"config": context.raw_config, "on_error": on_error}, default=str))
-    changed = differing_keys(before, now)
-    if changed:
-        raise ConfigError(f"{data_dir}: prepared with another config ({describe_changes(changed, before, now)}); pass "
-                          "--overwrite to replace it (what was built from it will then ask to be rebuilt), or give "
-                          "another --out")
+def prepare_settings(context: PrepareContext, on_error: str) -> dict[str, Any]:
+    """What makes OUT/data what it is, as the manifest records it at its top level: prepare is deterministic,
+    so the same settings make the same files."""
+    return {"config": context.raw_config, "on_error": on_error}
 
 
 def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
@@ -466,8 +453,8 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     config is refused unless `overwrite`; a second process preparing into the same OUT is refused."""
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
-    check_output(data_dir, context, on_error, overwrite)
-    with OutputLock(data_dir):
+    with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
+                      ours=[data_dir / f"{split}.jsonl" for split in ("train", "val", "test")], key=None):
         return _prepare(context, data_dir, on_error, progress)
 
 

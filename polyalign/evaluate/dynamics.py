@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy.stats import wasserstein_distance
+from sklearn.decomposition import TruncatedSVD
+from sklearn.feature_extraction.text import TfidfVectorizer
 
 from polyalign.evaluate.naturalness import MIN_BUCKET_ROWS
 from polyalign.evaluate.text_metrics import tokens
@@ -36,9 +38,6 @@ def _transition_gap(q: np.ndarray, h: np.ndarray, g: np.ndarray) -> float:
 def turn_dynamics(questions: Sequence[str], human: Sequence[str], generated: Sequence[str],
                   buckets: Sequence[str], tokenize: str) -> dict:
     """TDM per bucket (>= 20 rows) and overall, over multi-turn rows only (the caller selects them)."""
-    from sklearn.decomposition import TruncatedSVD
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
     n = len(questions)
     if n == 0:
         return {"overall_macro": None, "by_bucket": {}}

@@ -25,7 +25,12 @@ from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.text_metrics import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
+from polyalign.features.lm import LMScorer, record_lm_features
+from polyalign.features.response import FEATURE_NAMES, text_features
 from polyalign.generate.predictions import check_generated_from, iter_predictions
+from polyalign.model import load_hf_checkpoint
+from polyalign.model.pooling import encode_responses
+from polyalign.tokens.tokenizer import load_tokenizer
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
@@ -70,8 +75,6 @@ def _feature_matrix(features: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _features(texts: list[str]) -> dict[str, np.ndarray]:
-    from polyalign.features.response import FEATURE_NAMES, text_features
-
     table = [text_features(t) for t in texts]
     return {name: np.array([row[name] for row in table], float) for name in FEATURE_NAMES}
 
@@ -85,128 +88,201 @@ def _mauve(human: list[str], generated: list[str], featurize) -> float:
         generated = rng.sample(generated, MAUVE_MAX_TEXTS)
     if min(len(human), len(generated)) < nat.MIN_BUCKET_ROWS:
         return float("nan")
-    import mauve
+    import mauve  # optional extra: mauve
 
     result = mauve.compute_mauve(p_features=featurize(human), q_features=featurize(generated), verbose=False)
     return float(result.mauve)
 
 
-def evaluate(records_path: Path, predictions_path: Path, out: Path, *, compat: str = "cjk",
-             references_path: Path | None = None, featurizer: Path | None = None, scorer: Path | None = None,
-             support_path: Path | None = None, allow_partial: bool = False, plots: bool = True,
-             intervals: sp.IntervalOptions | None = None, diversity_metrics: bool = True, baselines: bool = True,
+@dataclasses.dataclass(frozen=True)
+class EvaluateOptions:
+    """What `evaluate` measures, against what, and how; metrics.json records each field under `settings`.
+
+    compat: "cjk" (every bucket, human floors, intervals, baselines) or "reference" (the authors' code).
+    references: RUN/stats/references.json (the bands of HCR, and of BNG's features with --compat reference).
+    support: the records whose human answers are each bucket's support (RUN/data/train.jsonl), else the test
+    records' own. featurizer: a checkpoint whose pooled hidden states feed MAUVE. scorer: a checkpoint for
+    the LM features. allow_partial: evaluate the intersection of ids. diversity, baselines: those sections."""
+
+    compat: str = "cjk"
+    references: Path | None = None
+    support: Path | None = None
+    featurizer: Path | None = None
+    scorer: Path | None = None
+    allow_partial: bool = False
+    plots: bool = True
+    intervals: sp.IntervalOptions = dataclasses.field(default_factory=sp.IntervalOptions)
+    diversity: bool = True
+    baselines: bool = True
+
+    @property
+    def tokenize(self) -> str:
+        return "reference" if self.compat == "reference" else "cjk"
+
+
+def evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions = EvaluateOptions(),
              overwrite: bool = False) -> dict[str, Any]:
     """Every metric of one predictions file. In the default mode every bucket is measured (small ones
     against their parent group's human answers), with its human floor and bootstrap intervals, and the
     no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code.
     EVAL/metrics.json records the settings and the inputs' digests; an evaluation made with other
     settings is not replaced unless `overwrite`."""
-    if compat not in COMPAT_MODES:
+    if options.compat not in COMPAT_MODES:
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
-    if featurizer is not None:
+    if options.featurizer is not None:
         require("mauve", "mauve", "MAUVE (--featurizer)")
-    intervals = intervals or sp.IntervalOptions()
-    inputs = {"records": records_path, "predictions": predictions_path, "references": references_path,
-              "support": support_path}
+    inputs = {"records": records_path, "predictions": predictions_path, "references": options.references,
+              "support": options.support}
     settings = {**{k: None if v is None else str(Path(v).resolve()) for k, v in inputs.items()},
-                "compat": compat, "featurizer": featurizer and str(featurizer), "scorer": scorer and str(scorer),
-                "allow_partial": allow_partial, "plots": plots, "intervals": dataclasses.asdict(intervals),
-                "diversity": diversity_metrics, "baselines": baselines}
+                "compat": options.compat, "featurizer": options.featurizer and str(options.featurizer),
+                "scorer": options.scorer and str(options.scorer), "allow_partial": options.allow_partial,
+                "plots": options.plots, "intervals": dataclasses.asdict(options.intervals),
+                "diversity": options.diversity, "baselines": options.baselines}
     out = Path(out)
     check_generated_from(Path(predictions_path), Path(records_path))
     with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
                       inputs=inputs):
-        result = _evaluate(records_path, predictions_path, out, compat, references_path, featurizer, scorer,
-                           support_path, allow_partial, plots, intervals, diversity_metrics, baselines, settings)
+        return _evaluate(Path(records_path), Path(predictions_path), out, options, settings)
+
+
+@dataclasses.dataclass
+class Joined:
+    """The test records that have exactly one prediction, beside it, in the records' order."""
+
+    records: list
+    predictions: list[str]
+    alignment: dict[str, Any]
+    profiles: list[str]
+    models: list[str]
+
+    @property
+    def human(self) -> list[str]:
+        return [r.response for r in self.records]
+
+    @functools.cached_property
+    def by_bucket(self) -> dict[str, list[int]]:
+        return _rows_by(r.bucket_id for r in self.records)
+
+
+def _rows_by(keys) -> dict[str, list[int]]:
+    rows: dict[str, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        rows[key].append(i)
+    return rows
+
+
+def _join(records_path: Path, predictions_path: Path, allow_partial: bool) -> Joined:
+    rows, seen = load_predictions(predictions_path)
+    records, predictions, alignment = align(read_records(records_path), rows, seen, allow_partial)
+    return Joined(records, predictions, alignment, profiles=sorted({r.get("profile", "unknown") for r in rows}),
+                  models=sorted({str(r.get("model", "unknown")) for r in rows}))
+
+
+def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions,
+              settings: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    joined = _join(records_path, predictions_path, options.allow_partial)
+    scores = [utility_scores(p, g, options.tokenize) for p, g in zip(joined.predictions, joined.human)]
+    utility = _utility(scores, joined)
+    div = _diversity_section(joined, options)
+    bng_metrics, hcr_metrics, bucket_reports, reference_rows = _naturalness(joined, scores, utility, options)
+    mauve_metrics = _mauve_section(joined, options.featurizer)
+    multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
+    tdm = turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
+                        [joined.predictions[i] for i in multi], [joined.records[i].bucket_id for i in multi],
+                        options.tokenize)
+    nuf = _frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, utility, options.featurizer)
+    metrics = {"utility": utility, "diversity": div, "bng": bng_metrics, "hcr": hcr_metrics,
+               "buckets": bucket_reports, "reference_rows": reference_rows, "mauve": mauve_metrics, "tdm": tdm,
+               "nuf": nuf}
+    metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
+                                                      mauve_metrics["global"], nuf["overall"]["hypervolume"])}
+    result = _result(joined, metrics, records_path, predictions_path, options, settings)
+    result["config"]["seconds"] = round(time.perf_counter() - started, 2)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(_finite(result), indent=2, ensure_ascii=False) + "\n")
+    if options.plots:
+        _write_report(result, joined, options.tokenize, out)
     return result
 
 
-def _evaluate(records_path, predictions_path, out: Path, compat, references_path, featurizer, scorer, support_path,
-              allow_partial, plots, intervals, diversity_metrics, baselines, settings) -> dict[str, Any]:
-    started = time.perf_counter()
-    tokenize = "reference" if compat == "reference" else "cjk"
-    records = read_records(Path(records_path))
-    rows, seen = load_predictions(Path(predictions_path))
-    records, predictions, alignment = align(records, rows, seen, allow_partial)
-    profiles = sorted({r.get("profile", "unknown") for r in rows})
-    models = sorted({str(r.get("model", "unknown")) for r in rows})
-    human = [r.response for r in records]
-    buckets = [r.bucket_id for r in records]
-    by_bucket_idx: dict[str, list[int]] = defaultdict(list)
-    for i, b in enumerate(buckets):
-        by_bucket_idx[b].append(i)
+def _utility(scores: list[dict[str, float]], joined: Joined) -> dict[str, Any]:
+    """Utility per row, pooled overall, by bucket and by dataset."""
+    def pooled(groups):
+        return {key: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)} for key, idx in sorted(groups.items())}
 
-    # Utility, per row then pooled.
-    scores = [utility_scores(p, g, tokenize) for p, g in zip(predictions, human)]
-    by_dataset_idx: dict[str, list[int]] = defaultdict(list)
-    for i, r in enumerate(records):
-        by_dataset_idx[r.dataset].append(i)
-    utility = {"overall": _mean_dict(scores),
-               "by_bucket": {b: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)}
-                             for b, idx in sorted(by_bucket_idx.items())},
-               "by_dataset": {d: {**_mean_dict([scores[i] for i in idx]), "rows": len(idx)}
-                              for d, idx in sorted(by_dataset_idx.items())}}
-    if diversity_metrics:
-        def side_by_side(idx):
-            return _diversity([human[i] for i in idx], [predictions[i] for i in idx], tokenize,
-                              None if compat == "reference" else intervals, drop_empty=compat != "reference")
+    return {"overall": _mean_dict(scores), "by_bucket": pooled(joined.by_bucket),
+            "by_dataset": pooled(_rows_by(r.dataset for r in joined.records))}
 
-        div = {"overall": side_by_side(range(len(human))),
-               "by_bucket": {b: side_by_side(idx) for b, idx in sorted(by_bucket_idx.items())}}
-    else:
-        div = {"status": "skipped", "overall": {}, "by_bucket": {}}
 
-    # Feature-based naturalness.
-    lm = _lm_scorer(scorer) if scorer is not None else None
-    human_features, generated_features = _answer_features(records, None, lm), _answer_features(records, predictions, lm)
-    references = json.loads(Path(references_path).read_text()) if references_path else None
-    if compat == "reference":
-        bng_metrics, hcr_metrics = _paper_naturalness(by_bucket_idx, human_features, generated_features, references)
-        bucket_reports, reference_rows = {}, {}
-    else:
-        supports = _supports(by_bucket_idx, human_features, support_path, references, intervals)
-        f1 = np.array([s["qa_f1"] for s in scores])
-        human_table = None if support_path is None else _feature_matrix(human_features)
-        measured = sp.measure(by_bucket_idx, supports, _feature_matrix(generated_features), f1, intervals, human_table)
-        bng_metrics, hcr_metrics = _naturalness_metrics(measured, intervals)
-        utility["overall"]["qa_f1_interval"] = measured["summary"]["f1"]["weighted_interval"]
-        utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
-                            "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
-        bucket_reports = measured["by_bucket"]
-        reference_rows = {"human": {"bng_macro": bng_metrics.get("floor_macro"),
-                                    "hcr_macro": hcr_metrics.get("floor_macro"), "rows": len(records)}}
-        if baselines:
-            human_tokens = [tokens(h, tokenize) for h in human]
-            for name in BASELINES:
-                answers = baseline_answers(name, records)
-                answer_f1 = np.array([token_f1(tokens(a, tokenize), g) for a, g in zip(answers, human_tokens)])
-                summary = sp.measure(by_bucket_idx, supports, _feature_matrix(_answer_features(records, answers, lm)),
-                                     answer_f1, intervals, human_table)["summary"]
-                reference_rows[name] = {"bng_macro": summary["bng"]["macro"],
-                                        "bng_macro_interval": summary["bng"].get("macro_interval"),
-                                        "hcr_macro": summary["hcr"]["macro"],
-                                        "hcr_macro_interval": summary["hcr"].get("macro_interval"),
-                                        "f1": summary["f1"]["weighted"],
-                                        "f1_interval": summary["f1"]["weighted_interval"], "rows": len(records)}
-    bng = bng_metrics["by_bucket"]
+def _diversity_section(joined: Joined, options: EvaluateOptions) -> dict[str, Any]:
+    if not options.diversity:
+        return {"status": "skipped", "overall": {}, "by_bucket": {}}
+    human = joined.human
 
-    # MAUVE and conditional MAUVE.
-    if featurizer is not None:
-        featurize = _featurizer(featurizer)
-        mauve_by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
-                           for b, idx in sorted(by_bucket_idx.items())}
-        mauve_metrics = {"status": "computed", "global": _mauve(human, predictions, featurize),
-                         "by_bucket": {b: v for b, v in mauve_by_bucket.items() if math.isfinite(v)}}
-    else:
-        mauve_metrics = {"status": "skipped", "reason": "no --featurizer model was given", "global": None,
-                         "by_bucket": {}}
+    def side_by_side(idx):
+        return _diversity([human[i] for i in idx], [joined.predictions[i] for i in idx], options.tokenize,
+                          None if options.compat == "reference" else options.intervals,
+                          drop_empty=options.compat != "reference")
 
-    # Turn dynamics over multi-turn rows.
-    multi = [i for i, r in enumerate(records) if r.track == "multi"]
-    tdm = turn_dynamics([records[i].question for i in multi], [human[i] for i in multi],
-                        [predictions[i] for i in multi], [buckets[i] for i in multi], tokenize)
+    return {"overall": side_by_side(range(len(human))),
+            "by_bucket": {b: side_by_side(idx) for b, idx in sorted(joined.by_bucket.items())}}
 
-    # Naturalness-utility frontier and the aggregate.
+
+def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[str, Any],
+                 options: EvaluateOptions) -> tuple[dict, dict, dict, dict]:
+    """The feature-based naturalness sections: BNG, HCR, the per-bucket reports and the reference rows
+    (human floor and no-model baselines). The default mode also adds F1's intervals to `utility`."""
+    lm = _lm_scorer(options.scorer) if options.scorer is not None else None
+    records, by_bucket = joined.records, joined.by_bucket
+    human_features = _answer_features(records, None, lm)
+    generated_features = _answer_features(records, joined.predictions, lm)
+    references = json.loads(Path(options.references).read_text()) if options.references else None
+    if options.compat == "reference":
+        bng, hcr = _paper_naturalness(by_bucket, human_features, generated_features, references)
+        return bng, hcr, {}, {}
+    intervals = options.intervals
+    supports = _supports(by_bucket, human_features, options.support, references, intervals)
+    f1 = np.array([s["qa_f1"] for s in scores])
+    human_table = None if options.support is None else _feature_matrix(human_features)
+    measured = sp.measure(by_bucket, supports, _feature_matrix(generated_features), f1, intervals, human_table)
+    bng, hcr = _naturalness_metrics(measured, intervals)
+    utility["overall"]["qa_f1_interval"] = measured["summary"]["f1"]["weighted_interval"]
+    utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
+                        "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
+    reference_rows = {"human": {"bng_macro": bng.get("floor_macro"), "hcr_macro": hcr.get("floor_macro"),
+                                "rows": len(records)}}
+    if options.baselines:
+        human_tokens = [tokens(h, options.tokenize) for h in joined.human]
+        for name in BASELINES:
+            answers = baseline_answers(name, records)
+            answer_f1 = np.array([token_f1(tokens(a, options.tokenize), g) for a, g in zip(answers, human_tokens)])
+            summary = sp.measure(by_bucket, supports, _feature_matrix(_answer_features(records, answers, lm)),
+                                 answer_f1, intervals, human_table)["summary"]
+            reference_rows[name] = {"bng_macro": summary["bng"]["macro"],
+                                    "bng_macro_interval": summary["bng"].get("macro_interval"),
+                                    "hcr_macro": summary["hcr"]["macro"],
+                                    "hcr_macro_interval": summary["hcr"].get("macro_interval"),
+                                    "f1": summary["f1"]["weighted"],
+                                    "f1_interval": summary["f1"]["weighted_interval"], "rows": len(records)}
+    return bng, hcr, measured["by_bucket"], reference_rows
+
+
+def _mauve_section(joined: Joined, featurizer: Path | None) -> dict[str, Any]:
+    """MAUVE over all answers and conditional MAUVE per bucket."""
+    if featurizer is None:
+        return {"status": "skipped", "reason": "no --featurizer model was given", "global": None, "by_bucket": {}}
+    featurize = _featurizer(featurizer)
+    human, predictions = joined.human, joined.predictions
+    by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
+                 for b, idx in sorted(joined.by_bucket.items())}
+    return {"status": "computed", "global": _mauve(human, predictions, featurize),
+            "by_bucket": {b: v for b, v in by_bucket.items() if math.isfinite(v)}}
+
+
+def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, utility: dict,
+               featurizer: Path | None) -> dict[str, Any]:
+    """The naturalness-utility frontier over all buckets and over the multi-turn ones (with TDM)."""
     def frontier(with_tdm: bool) -> dict[str, Any]:
         points = {}
         for b in bng:
@@ -220,54 +296,48 @@ def _evaluate(records_path, predictions_path, out: Path, compat, references_path
         return {"hypervolume": nat.hypervolume(front) if points else None, "frontier": front,
                 "points": {b: {"utility": u, "naturalness": n} for b, (u, n) in points.items()}}
 
-    nuf = {"overall": frontier(False), "multi_turn": frontier(True),
-           "naturalness_components": ["1/(1+BNG)"] + (["C-MAUVE"] if featurizer else []) }
-    metrics = {
-        "utility": utility,
-        "diversity": div,
-        "bng": bng_metrics,
-        "hcr": hcr_metrics,
-        "buckets": bucket_reports,
-        "reference_rows": reference_rows,
-        "mauve": mauve_metrics,
-        "tdm": tdm,
-        "nuf": nuf,
-    }
-    metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
-                                                      mauve_metrics["global"], nuf["overall"]["hypervolume"])}
-    empty = [r.id for r, p in zip(records, predictions) if not p.strip()]
-    result = {
-        "config": {"records": str(records_path), "predictions": str(predictions_path), "compat": compat,
-                   "tokenize": tokenize, "references": str(references_path) if references_path else None,
-                   "support": str(support_path) if support_path else None,
-                   "featurizer": str(featurizer) if featurizer else None, "scorer": str(scorer) if scorer else None,
-                   "allow_partial": allow_partial, "profile": profiles, "models": models,
-                   "test_rows": alignment["evaluated"], "min_bucket_rows": nat.MIN_BUCKET_ROWS,
-                   "intervals": None if compat == "reference" else dataclasses.asdict(intervals),
-                   "diversity": diversity_metrics, "seconds": None},
-        "alignment": alignment,
+    return {"overall": frontier(False), "multi_turn": frontier(True),
+            "naturalness_components": ["1/(1+BNG)"] + (["C-MAUVE"] if featurizer else [])}
+
+
+def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predictions_path: Path,
+            options: EvaluateOptions, settings: dict[str, Any]) -> dict[str, Any]:
+    """metrics.json: what was evaluated and how, the alignment, the answers, and the metrics."""
+    empty = [r.id for r, p in zip(joined.records, joined.predictions) if not p.strip()]
+    references, support = options.references, options.support
+    return {
+        "config": {"records": str(records_path), "predictions": str(predictions_path), "compat": options.compat,
+                   "tokenize": options.tokenize, "references": str(references) if references else None,
+                   "support": str(support) if support else None,
+                   "featurizer": str(options.featurizer) if options.featurizer else None,
+                   "scorer": str(options.scorer) if options.scorer else None,
+                   "allow_partial": options.allow_partial, "profile": joined.profiles, "models": joined.models,
+                   "test_rows": joined.alignment["evaluated"], "min_bucket_rows": nat.MIN_BUCKET_ROWS,
+                   "intervals": None if options.compat == "reference" else dataclasses.asdict(options.intervals),
+                   "diversity": options.diversity, "seconds": None},
+        "alignment": joined.alignment,
         # empty answers: scored as answers by utility and naturalness; left out of diversity but in
         # --compat reference, which keeps them as the authors' code does
-        "answers": {"evaluated": len(predictions), "empty": len(empty), "empty_ids": empty[:10],
-                    "in_diversity": compat == "reference"},
-        "not_available": not_available_reasons(metrics, compat),
+        "answers": {"evaluated": len(joined.predictions), "empty": len(empty), "empty_ids": empty[:10],
+                    "in_diversity": options.compat == "reference"},
+        "not_available": not_available_reasons(metrics, options.compat),
         "metrics": metrics,
         "settings": settings,
         "made_from": {name: file_digest(path) for name, path in
-                      (("records", records_path), ("predictions", predictions_path), ("support", support_path),
-                       ("references", references_path)) if path is not None},
+                      (("records", records_path), ("predictions", predictions_path), ("support", support),
+                       ("references", references)) if path is not None},
     }
-    result["config"]["seconds"] = round(time.perf_counter() - started, 2)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(_finite(result), indent=2, ensure_ascii=False) + "\n")
-    if plots:
-        from polyalign.reports.evaluation import write_evaluation_report
 
-        samples = {b: [{"question": records[i].question, "human": human[i], "model": predictions[i]} for i in idx[:3]]
-                   for b, idx in sorted(by_bucket_idx.items())}
-        write_evaluation_report(result, [len(tokens(t, tokenize)) for t in human],
-                                [len(tokens(t, tokenize)) for t in predictions], buckets, out, samples)
-    return result
+
+def _write_report(result: dict[str, Any], joined: Joined, tokenize: str, out: Path) -> None:
+    from polyalign.reports.evaluation import write_evaluation_report  # heavy: matplotlib, only for the report
+
+    records, human, predictions = joined.records, joined.human, joined.predictions
+    samples = {b: [{"question": records[i].question, "human": human[i], "model": predictions[i]} for i in idx[:3]]
+               for b, idx in sorted(joined.by_bucket.items())}
+    write_evaluation_report(result, [len(tokens(t, tokenize)) for t in human],
+                            [len(tokens(t, tokenize)) for t in predictions], [r.bucket_id for r in records], out,
+                            samples)
 
 
 DIVERSITY_KEYS = ("distinct_1", "distinct_2", "distinct_3", "self_bleu_4")
@@ -376,7 +446,6 @@ def _supports(by_bucket_idx, human_features, support_path: Path | None, referenc
     if support_path is None:
         table, pool_rows = _feature_matrix(human_features), by_bucket_idx
     else:
-        from polyalign.features.response import FEATURE_NAMES
 
         if set(names) != set(FEATURE_NAMES):
             raise EvaluationError("a support file measures the text features only; it cannot be combined with "
@@ -436,19 +505,11 @@ def _finite(value):
 
 
 def _featurizer(checkpoint: Path):
-    from polyalign.model import load_hf_checkpoint
-    from polyalign.model.pooling import encode_responses
-    from polyalign.tokens.tokenizer import load_tokenizer
-
     model, tokenizer = load_hf_checkpoint(checkpoint), load_tokenizer(checkpoint)
     return lambda texts: encode_responses(model, tokenizer, list(texts), 512, 16, progress=False)
 
 
 def _lm_scorer(scorer: Path):
-    from polyalign.features.lm import LMScorer
-    from polyalign.model import load_hf_checkpoint
-    from polyalign.tokens.tokenizer import load_tokenizer
-
     return LMScorer(load_hf_checkpoint(scorer), load_tokenizer(scorer))
 
 
@@ -457,7 +518,6 @@ def _answer_features(records, answers: list[str] | None, lm) -> dict[str, np.nda
     when a scorer is loaded."""
     features = _features([r.response for r in records] if answers is None else answers)
     if lm is not None:
-        from polyalign.features.lm import record_lm_features
 
         rows = record_lm_features(lm, records, answers)
         for name in rows[0]:

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from scipy.stats import norm
 
 from polyalign.data.text import CJK_IDEOGRAPH
 
@@ -188,8 +189,6 @@ def diversity_with_intervals(texts: Sequence[str], tokenize: str, draws: int, se
     grouped jackknife's normal interval at the full size (the responses in `groups` seeded groups, each
     left out once). Self-BLEU is a mean of one score per candidate, bootstrapped over the candidates
     (`draws`). None where there are too few responses."""
-    from scipy.stats import norm
-
     token_lists = [tokens(t, tokenize) for t in texts]
     scores = self_bleu_scores(texts, tokenize)
     values = {f"distinct_{n}": distinct_n(token_lists, n) for n in (1, 2, 3)}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.core.errors import GenerationError
-from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
+from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
 from polyalign.model.architecture import checkpoint_family
@@ -27,18 +27,16 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "
     if profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
-    refuse_output_as_input(out, {"records": records_path})
     settings = {"checkpoint": str(checkpoint), "records": str(records_path.resolve()), "profile": profile,
                 "template": template, "limit": limit}
-    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
-    tokenizer = load_tokenizer(checkpoint)
-    name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint))
-    chat = get_template(name, tokenizer)
-    records = read_records(records_path)[:limit]
-    if not records:
-        raise GenerationError(f"{records_path}: no records")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock.for_file(out):
+    with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
+                      lock=OutputLock.for_file(out)):
+        tokenizer = load_tokenizer(checkpoint)
+        name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint))
+        chat = get_template(name, tokenizer)
+        records = read_records(records_path)[:limit]
+        if not records:
+            raise GenerationError(f"{records_path}: no records")
         with out.open("w", encoding="utf-8") as handle:
             for record in records:
                 messages = record_messages(record, profile, with_response=False)

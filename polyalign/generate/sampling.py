@@ -10,15 +10,24 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
 from polyalign.core.errors import GenerationError
+from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
+from polyalign.core.paths import checkpoint_identity, file_digest
+from polyalign.data.records import read_records
+from polyalign.mesh import parallel
+from polyalign.model import load_hf_checkpoint
 from polyalign.model.transformer import KVCache, Transformer
+from polyalign.tokens.chat import choose_template, encode_prompt, get_template, record_messages
+from polyalign.tokens.tokenizer import load_tokenizer
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -78,10 +87,6 @@ class Sampler:
     def __init__(self, model: Transformer, stop_ids: Sequence[int], pad_id: int, config: SamplingConfig,
                  mesh=None):
         """With a mesh, parameters are sharded by their logical axes and the batch over data x fsdp."""
-        from flax import nnx
-
-        from polyalign.mesh import parallel
-
         self.config, self.pad_id, self.mesh = config, pad_id, mesh
         self.stop_ids = jnp.asarray(sorted(set(stop_ids)), jnp.int32)
         self.graphdef, self.state = nnx.split(model)
@@ -98,8 +103,6 @@ class Sampler:
             self.batch_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
 
     def _generate(self, state, ids, valid, rng):
-        from flax import nnx
-
         model = nnx.merge(self.graphdef, state)
         config = self.config
         batch, prompt_len = ids.shape
@@ -158,70 +161,61 @@ class Sampler:
 
 # --- polyalign generate ----------------------------------------------------------------------------
 
-def generate_predictions(checkpoint: Path, records_path: Path, out: Path, *, profile: str = "context",
-                         sampling: SamplingConfig = SamplingConfig(), batch_size: int = 16,
-                         max_prompt_tokens: int = 512, template: str | None = None, limit: int | None = None,
-                         sample: int | None = None, seed: int = 0, model_name: str | None = None,
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What `generate_predictions` samples and from which records; OUT.manifest.json records each field.
+
+    profile: the system-prompt profile of the prompts (tokens/chat.py PROFILE_MODES); template: a chat
+    template name (default: the checkpoint's own); limit: the first N records; sample: a seeded random N of
+    them, in file order; seed: of the sampling and of `sample`; model_name: the `model` of every row
+    (default: the checkpoint's run folder)."""
+
+    profile: str = "context"
+    template: str | None = None
+    sampling: SamplingConfig = SamplingConfig()
+    batch_size: int = 16
+    max_prompt_tokens: int = 512
+    limit: int | None = None
+    sample: int | None = None
+    seed: int = 0
+    model_name: str | None = None
+
+
+def generate_predictions(checkpoint: Path, records_path: Path, out: Path, options: GenerateOptions = GenerateOptions(),
                          progress: bool = True, overwrite: bool = False) -> dict:
-    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. `limit`
-    keeps the first records, `sample` a seeded random subset (in file order). OUT.manifest.json records
-    the settings, the records' digest and the checkpoint; predictions made with other settings are not
-    replaced unless `overwrite`."""
-    from dataclasses import asdict
-
-    from polyalign.core.outputs import OutputLock, sidecar, stage_output
-
-    settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), "profile": profile,
-                "template": template, "sampling": asdict(sampling), "batch_size": batch_size,
-                "max_prompt_tokens": max_prompt_tokens, "limit": limit, "sample": sample, "seed": seed,
-                "model_name": model_name}
+    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. OUT.manifest.json
+    records the settings, the records' digest and the checkpoint; predictions made with other settings are
+    not replaced unless `overwrite`."""
+    settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), **asdict(options)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out)):
-        return _generate_predictions(checkpoint, Path(records_path), Path(out), settings, profile, sampling,
-                                     batch_size, max_prompt_tokens, template, limit, sample, seed, model_name,
-                                     progress)
+        return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress)
 
 
-def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: dict, profile: str,
-                          sampling: SamplingConfig, batch_size: int, max_prompt_tokens: int, template: str | None,
-                          limit: int | None, sample: int | None, seed: int, model_name: str | None,
+def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
                           progress: bool) -> dict:
-    from tqdm import tqdm
-
-    from polyalign.core.outputs import sidecar, write_record
-    from polyalign.core.paths import checkpoint_identity, file_digest
-    from polyalign.data.records import read_records
-    from polyalign.model import load_hf_checkpoint
-    from polyalign.tokens.chat import (
-        choose_template,
-        encode_prompt,
-        get_template,
-        record_messages,
-    )
-    from polyalign.tokens.tokenizer import load_tokenizer
-
+    profile, batch_size, seed = options.profile, options.batch_size, options.seed
     started = time.perf_counter()
-    records = read_records(records_path)[:limit]
-    if sample is not None and sample < len(records):
-        keep = np.sort(np.random.default_rng(seed).choice(len(records), sample, replace=False))
+    records = read_records(records_path)[:options.limit]
+    if options.sample is not None and options.sample < len(records):
+        keep = np.sort(np.random.default_rng(seed).choice(len(records), options.sample, replace=False))
         records = [records[i] for i in keep]
     if not records:
         raise GenerationError(f"{records_path}: no records")
-    from polyalign.mesh import parallel
 
     # Several devices: parameters loaded straight into their shardings, the batch over data x fsdp.
     mesh = parallel.make_mesh() if jax.device_count() > 1 else None
     model = load_hf_checkpoint(checkpoint, mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
-    template_name = choose_template(tokenizer, template, model.config.family, str(checkpoint))
+    template_name = choose_template(tokenizer, options.template, model.config.family, str(checkpoint))
     chat = get_template(template_name, tokenizer)
     stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
     if tokenizer.eos_id is not None:
         stop_ids.append(tokenizer.eos_id)
-    sampler = Sampler(model, stop_ids, tokenizer.pad_id, sampling, mesh=mesh)
+    sampler = Sampler(model, stop_ids, tokenizer.pad_id, options.sampling, mesh=mesh)
     folder = Path(str(checkpoint))
-    name = model_name or (folder.parent.name if folder.name == "model" else folder.name)
+    name = options.model_name or (folder.parent.name if folder.name == "model" else folder.name)
     counts = {FINISH_STOP: 0, FINISH_LENGTH: 0}
     new_tokens = 0
     # Similar prompt lengths batch together, wasting less padding; rows are written in record order.
@@ -231,7 +225,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, settings: d
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             prompts = [encode_prompt(chat, tokenizer, record_messages(records[i], profile, with_response=False),
-                                     max_tokens=max_prompt_tokens) for i in chunk]
+                                     max_tokens=options.max_prompt_tokens) for i in chunk]
             for i, (tokens, reason) in zip(chunk, sampler.generate(prompts, seed=seed + start)):
                 rows[i] = {"id": records[i].id, "prediction": tokenizer.decode(tokens).strip(), "model": name,
                            "finish_reason": reason, "new_tokens": len(tokens), "profile": profile}

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tensorflow_datasets as tfds
 from etils import epath
+from tqdm import tqdm
 
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
@@ -94,8 +96,6 @@ def dataset_dir(run) -> epath.Path:
 
 @functools.cache  # TFDS registers builder classes by name: define it once per process
 def _builder_class():
-    import tensorflow_datasets as tfds
-
     class SftExamples(tfds.core.GeneratorBasedBuilder):
         """Tokenised SFT examples of one polyalign run. `split_examples` gives each split's examples: a
         generator function on one machine, or a function of the Beam pipeline returning a PCollection."""
@@ -261,7 +261,6 @@ def write_dataset(run: Path, split_examples, download_config=None, on_pipeline_r
     out = Path(run) / BUILD_DIR
     if dataset_dir(run).exists():
         shutil.rmtree(dataset_dir(run))  # a rebuild replaces the dataset; TFDS would keep the old one
-    import tensorflow_datasets as tfds
 
     tfds.disable_progress_bar()  # ours counts records; TFDS's would count its own phases
     builder_class = _builder_class() if download_config is None else _beam_builder_class()
@@ -341,8 +340,6 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     stats = {split: Counter() for split in SPLITS}
 
     def examples(split):
-        from tqdm import tqdm
-
         def generate():
             for record in tqdm(records[split], desc=f"build {split}", unit="rec", disable=not progress, leave=False):
                 check_interrupted()

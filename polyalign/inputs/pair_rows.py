@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from polyalign.data.records import Record
 from polyalign.inputs import pipeline
+from polyalign.tokens.chat import Message, encode_conversation, record_messages
 
 SIDES = ("chosen", "rejected")
 
 
 def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_length: int,
                    buckets: list[str]) -> list[dict]:
-    from polyalign.data.records import Record
-    from polyalign.tokens.chat import Message, encode_conversation, record_messages
-
     index = {b: i for i, b in enumerate(buckets)}
     examples = []
     for pair in pairs:

@@ -10,17 +10,20 @@ with 2 devices each train on exactly the same batches. The iterator's state is o
 from __future__ import annotations
 
 import functools
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from polyalign.core.paths import as_path
+
 
 def open_split(run: Path, split: str):
     """The built split as a random-access source (tfds.data_source; no TensorFlow)."""
-    import tensorflow_datasets as tfds
+    import tensorflow_datasets as tfds  # heavy: tensorflow_datasets; the array layouts need only NumPy
 
-    from polyalign.inputs.build import dataset_dir
+    from polyalign.inputs.build import dataset_dir  # heavy: jax (inputs.build); the array layouts need only NumPy
 
     return tfds.builder_from_directory(str(dataset_dir(run))).as_data_source(split=split)
 
@@ -189,7 +192,7 @@ class _PackedRows:
 
 def lengths_cache(run, split: str):
     """Where example_lengths keeps a split's lengths: inside the built dataset, so a rebuild drops them."""
-    from polyalign.inputs.build import dataset_dir
+    from polyalign.inputs.build import dataset_dir  # heavy: jax (inputs.build); the array layouts need only NumPy
 
     return dataset_dir(run) / f"lengths-{split}.npy"
 
@@ -199,10 +202,6 @@ def example_lengths(source, cache=None, write_cache: bool = True) -> np.ndarray:
     means reading every example (about 20k a second on one core: minutes for millions), so with
     `cache` (a .npy path inside the built dataset, which a rebuild removes) they are read from there
     when it holds one length per example, else computed and, with `write_cache`, saved there."""
-    import io
-
-    from polyalign.core.paths import as_path
-
     if cache is not None:
         cache = as_path(cache)
         if cache.is_file():
@@ -265,7 +264,7 @@ def eval_batches(source, batch_size: int, length: int, pad_id: int, process_inde
         position = layout.global_position(k)
         return convert(source[int(chosen[position])] if position < total else None, length, pad_id)
 
-    import grain
+    import grain  # heavy: grain imports jax; the array layouts need only NumPy
 
     return (grain.MapDataset.range(0, num_batches * layout.per_process)
             .map(load).batch(layout.per_process).batch(1))

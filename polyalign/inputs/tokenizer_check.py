@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyalign.model.export import tokenizer_files
 from polyalign.tokens.tokenizer_training import record_texts
 
 PROBE_RECORDS = 64  # records spread evenly over train and val (inputs/build.py, probe_records)
@@ -35,11 +36,10 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
     serving engines load), as text -> ids without special tokens added; (None, why) when transformers is
     not installed or cannot load them. The second element names the reader."""
     try:
-        import transformers
+        import transformers  # optional: transformers is no dependency; without it the check says so
     except ImportError:
         return None, ("not checked: transformers is not installed (pip install transformers to check that it "
                       "reads this tokenizer with the same ids as polyalign)")
-    from polyalign.model.export import tokenizer_files
 
     with tempfile.TemporaryDirectory(prefix="polyalign-tokenizer-check-") as folder:
         for name, content in tokenizer_files(tokenizer, template, profile).items():

@@ -8,12 +8,16 @@ model definition runs unsharded on a laptop, over data/fsdp/tensor on a GPU node
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as flax_spmd
+from jax._src import clusters, distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from polyalign.core.errors import ParallelError
@@ -185,8 +189,6 @@ def _detected_cluster():
     """JAX's own cluster detection (jax/_src/clusters): the first environment present that JAX would
     pick without being asked (GCE TPU VMs through the metadata server, GKE through TPU_WORKER_HOSTNAMES
     or TPU_PROCESS_ADDRESSES, SLURM, Open MPI, Kubernetes), or None."""
-    from jax._src import clusters
-
     for env in clusters.ClusterEnv._cluster_types:
         if getattr(env, "opt_in_only_method", False):
             continue
@@ -217,8 +219,6 @@ PEER_LOST_EXIT = 4
 def report_peer_lost(lost: list[int], cause: str) -> None:
     """A peer is gone: one line, then exit PEER_LOST_EXIT (instead of a traceback and the distributed
     client's abort with a C++ stack trace)."""
-    import sys
-
     try:
         line = peer_lost_report(lost, cause) if peer_lost_report is not None else None
     except Exception:  # the report must not stand between a lost peer and the exit
@@ -242,10 +242,6 @@ class PeerMonitor:
     set longer), whose end is an abort."""
 
     def __init__(self, timeout: float, interval: float = 1.0):
-        import threading
-
-        from jax._src import distributed
-
         self.client, self.timeout, self.interval = distributed.global_state.client, timeout, interval
         self.me, self.count = jax.process_index(), jax.process_count()
         self._stop = threading.Event()
@@ -258,8 +254,6 @@ class PeerMonitor:
         return 0.0 if cls.running is None else cls.running.timeout + 3 * cls.running.interval
 
     def __enter__(self) -> PeerMonitor:
-        import threading
-
         if self.client is not None and self.count > 1:
             PeerMonitor.running = self
             threading.Thread(target=self._run, name="polyalign-peers", daemon=True).start()
@@ -271,8 +265,6 @@ class PeerMonitor:
             PeerMonitor.running = None
 
     def _run(self) -> None:
-        import time
-
         seen: dict[int, tuple[str | None, float]] = {}
         answered = time.monotonic()
         beat = 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyalign.core.errors import ModelConfigError
+from polyalign.core.paths import as_path
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -236,8 +237,6 @@ _FAMILY_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
 def checkpoint_family(directory: str | os.PathLike) -> str | None:
     """The model family a checkpoint directory's config.json names; None where there is no config.json
     (a tokenizer folder) or its model_type is not one polyalign builds."""
-    from polyalign.core.paths import as_path
-
     config = as_path(directory) / "config.json"
     if not config.is_file():
         return None

@@ -25,10 +25,15 @@ from typing import Any
 import jax
 from flax import nnx
 from jax.sharding import Mesh
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import Tokenizer as Tokenizers
 
+from polyalign.core.errors import CheckpointError
 from polyalign.core.paths import as_path
 from polyalign.mesh import parallel
 from polyalign.model.hf import save_hf_checkpoint
+from polyalign.model.lora import has_adapters, merge_adapters, peft_config, peft_state_dict
 from polyalign.model.transformer import Transformer
 from polyalign.tokens.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
 from polyalign.tokens.tokenizer import (
@@ -85,8 +90,6 @@ def base_generation_config(base: str | None) -> dict[str, Any] | None:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        from polyalign.core.errors import CheckpointError
-
         raise CheckpointError(f"{path}: line {err.lineno}: {err.msg}") from None
     return config if isinstance(config, dict) else None
 
@@ -95,9 +98,6 @@ def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
     """A tokenizer.json that encodes as the SentencePiece model does: a Unigram model with its pieces
     and scores, spaces as U+2581 (no dummy prefix: polyalign trains without one), byte fallback, and
     its control and listed special tokens split out whole."""
-    from tokenizers import AddedToken, decoders, models, normalizers
-    from tokenizers import Tokenizer as Tokenizers
-
     sp = tokenizer._sp
     vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     converted = Tokenizers(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=True))
@@ -186,8 +186,6 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
     weights W + (alpha / r) A B."""
-    from polyalign.model.lora import has_adapters, merge_adapters
-
     written = {}
     if has_adapters(model):
         export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=training_card(config))
@@ -205,10 +203,6 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in float32): PeftModel
     .from_pretrained(transformers' base model, path) gives the adapted model. Every process calls it;
     process 0 writes."""
-    from safetensors.numpy import save_file
-
-    from polyalign.model.lora import peft_config, peft_state_dict
-
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         adapters = parallel.to_host(nnx.state(model, nnx.LoRAParam))
     if jax.process_index() != 0:

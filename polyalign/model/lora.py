@@ -26,9 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file
 
+from polyalign.core.errors import CheckpointError
+from polyalign.core.paths import as_path
 from polyalign.mesh import parallel as P
+from polyalign.model import quantize as quant
 from polyalign.model.architecture import LORA_TARGETS, LoraConfig
+from polyalign.model.transformer import Transformer, abstract_model
 
 
 def has_adapters(model: nnx.Module) -> bool:
@@ -41,8 +46,6 @@ def add_adapters(model, lora: LoraConfig, seed: int = 0, mesh: jax.sharding.Mesh
     parameters are shared, not copied. The adapters are drawn in one compiled call that builds the whole
     adapted model and returns only them: XLA drops the base's initialisation, so a 7B base costs nothing
     to draw around. With a `mesh` they are placed in their shardings."""
-    from polyalign.model.transformer import Transformer, abstract_model
-
     cfg = dataclasses.replace(model.config, lora=lora)
     graphdef, abstract_adapters, _ = nnx.split(abstract_model(cfg), nnx.LoRAParam, ...)
     shardings = P.param_shardings(abstract_adapters, mesh) if mesh is not None else None
@@ -67,8 +70,6 @@ def base_model(model):
 @functools.lru_cache(maxsize=8)
 def _plain_graphdef(cfg):
     # Cached: the in-step reference asks for it in every trace of the step.
-    from polyalign.model.transformer import abstract_model
-
     return nnx.split(abstract_model(cfg))[0]
 
 
@@ -97,9 +98,6 @@ def _peft_module(target: str) -> str:
 def merge_adapters(model):
     """The plain model (no adapters, no quantised storage) whose projections hold W + (alpha / r) A B:
     the same function, with W in the base's dtype (a quantised base: the compute dtype)."""
-    from polyalign.model import quantize as quant
-    from polyalign.model.transformer import abstract_model
-
     cfg = model.config
     if cfg.lora is None and cfg.quantize is None:
         return model
@@ -124,9 +122,6 @@ def quantize_base(model, kind: str, mesh: jax.sharding.Mesh | None = None):
     """`model` (with or without adapters) with its layer projections stored as `kind` (nf4, int8),
     one projection at a time, each placed in its sharding over `mesh` when given. Adapters, norms,
     embeddings and the LM head are kept as they are."""
-    from polyalign.model import quantize as quant
-    from polyalign.model.transformer import abstract_model
-
     cfg = dataclasses.replace(model.config, quantize=kind)
     graphdef, abstract = nnx.split(abstract_model(cfg))
     shardings = nnx.to_pure_dict(P.param_shardings(abstract, mesh)) if mesh is not None else None
@@ -172,11 +167,6 @@ def load_adapter(model, path, mesh: jax.sharding.Mesh | None = None):
     (adapter_config.json + adapter_model.safetensors, as PEFT saves for transformers' Llama, Qwen and
     Gemma models); anything PEFT would apply differently from W + (alpha / r) B A on whole projections
     is refused by name."""
-    from safetensors.numpy import load_file
-
-    from polyalign.core.errors import CheckpointError
-    from polyalign.core.paths import as_path
-
     path = as_path(path)
     config_path = path / "adapter_config.json"
     try:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from polyalign.mesh import parallel as P
+from polyalign.model import quantize as quant
 from polyalign.model.architecture import LoraConfig
 
 
@@ -24,8 +25,6 @@ class LoraLinear(nnx.Module):
 
     def __init__(self, din: int, dout: int, *, lora: LoraConfig | None, quantize: str | None,
                  names: tuple[str, str], use_bias: bool, dtype, param_dtype, kernel_init, rngs: nnx.Rngs):
-        from polyalign.model import quantize as quant
-
         self.dtype, self.quantize, self.din = dtype, quantize, din
         if quantize is None:
             self.kernel = nnx.Param(kernel_init(rngs.params(), (din, dout), param_dtype), **P.param(names))
@@ -48,8 +47,6 @@ class LoraLinear(nnx.Module):
 
     def base_kernel(self) -> jax.Array:
         """W in the compute dtype (dequantised when stored quantised)."""
-        from polyalign.model import quantize as quant
-
         if self.quantize is None:
             return self.kernel[...].astype(self.dtype)
         return quant.dequantize(self.kernel_codes[...], self.kernel_scale[...], self.quantize, self.dtype, self.din)

@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 
 def encode_responses(model, tokenizer, texts: list[str], max_tokens: int, batch_size: int,
                      progress: bool = True) -> np.ndarray:
     """Mean-pooled final hidden states [N, H] of each response alone (at most max_tokens tokens)."""
-    from tqdm import tqdm
-
     graphdef, state = nnx.split(model)
 
     @jax.jit

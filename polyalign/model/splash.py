@@ -29,6 +29,7 @@ def supports(length: int) -> bool:
 
 
 def _block_sizes(length: int):
+    # heavy: Pallas TPU kernels, only when attention runs as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 
     block = next(b for b in BLOCK_SIZES if length % b == 0)
@@ -39,8 +40,9 @@ def _block_sizes(length: int):
 
 @functools.lru_cache(maxsize=16)
 def _kernel(length: int, query_heads_per_kv: int, softcap: float | None, interpret: bool):
+    # heavy: Pallas TPU kernels, only when attention runs as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # TPU only
 
     sizes = _block_sizes(length)
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((length, length))] * query_heads_per_kv)
@@ -59,8 +61,9 @@ def _row_kernel(mask: jax.Array, softcap: float | None, interpret: bool):
     the kernel is built here from the same parts with the flag left a Python bool. The mask has one
     head: the kernel reads it for every query head (its `h = 0` rule for single-head tables), so the
     row's blocks are held once, not once per head."""
+    # heavy: Pallas TPU kernels, only when attention runs as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib  # TPU only
 
     sizes = _block_sizes(mask.shape[0])
     heads_mask = mask[None]
@@ -79,6 +82,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
     """Causal attention, q [B, T, H, D] and k, v [B, T, K, D] -> [B, T, H, D]; with segment_ids [B, T]
     a token sees only the earlier tokens of its own segment; with mask [B, T, T] (True = may attend,
     causality included) exactly what the mask allows."""
+    # heavy: Pallas TPU kernels, only when attention runs as splash
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     if segment_ids is not None and mask is not None:

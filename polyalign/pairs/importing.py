@@ -20,11 +20,15 @@ from the conversation as prepare derives it (multi when earlier user/assistant t
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
+from polyalign.core.paths import file_digest
+from polyalign.data.bucketing import load_scheme
 from polyalign.data.importers._io import (
     conversation_track,
     iter_json_rows,
@@ -35,8 +39,10 @@ from polyalign.data.importers._io import (
     type_name,
 )
 from polyalign.data.importers.sharegpt import ROLES as SHAREGPT_ROLES
+from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
 from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, Record, RowProblem, Skipped
 from polyalign.data.text import normalize
+from polyalign.pairs.make import write_pair_split
 
 FORMATS = ("trl", "sharegpt-pairs")
 DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # shipped in the package
@@ -112,30 +118,19 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary. With
     `val_fraction`, about that share of the prompts (all pairs of each) goes to VAL_OUT instead (default
     OUT's name with .val: pairs.jsonl -> pairs.val.jsonl), chosen by a hash seeded with `seed`."""
-    from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input, sidecar, write_record
-    from polyalign.core.paths import file_digest
-    from polyalign.data.bucketing import load_scheme
-    from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
-    from polyalign.pairs.make import write_pair_split
 
     input_path, out = Path(input_path), Path(out)
     if not input_path.is_file():
         raise InputError(f"{input_path}: no such file")
-    refuse_output_as_input(out, {"input": input_path})
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction:g}")
     val_out = None if val_fraction is None else Path(val_out or out.with_name(out.stem + ".val.jsonl"))
-    if val_out is not None:
-        refuse_output_as_input(val_out, {"input": input_path, "--out": out}, option="--val-out")
     dataset = dataset or input_path.stem.replace(".", "_")
     settings = {"input": str(input_path.resolve()), "format": fmt, "dataset": dataset, "language": language,
                 "track": track, "family": family, "style": style, "scheme": str(scheme_path or DEFAULT_SCHEME),
                 "on_error": on_error}
     if val_out is not None:
         settings.update(val_fraction=val_fraction, val_out=str(val_out.resolve()), seed=seed)
-    check_settings(out, sidecar(out), settings, overwrite, ours=[out])
-    if val_out is not None:
-        check_settings(val_out, sidecar(val_out), settings, overwrite, ours=[val_out])
     if scheme_path is None and not DEFAULT_SCHEME.is_file():
         raise InputError(f"{DEFAULT_SCHEME}: missing (polyalign is not a source checkout); pass --scheme")
     scheme = load_scheme(Path(scheme_path or DEFAULT_SCHEME))
@@ -143,9 +138,14 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                           track=track, family=family, style=style or _default_style(scheme, family))
     builder = RecordBuilder(scheme, scheme.length_unit, SplitOptions())
     tally = SourceTally(source, files=[str(input_path)])
-    out.parent.mkdir(parents=True, exist_ok=True)
     quarantine = out.with_name(out.stem + ".quarantine.jsonl")
-    with OutputLock.for_file(out):
+    with contextlib.ExitStack() as outputs:
+        outputs.enter_context(stage_output(out, sidecar(out), settings, overwrite, ours=[out],
+                                           inputs={"input": input_path}, lock=OutputLock.for_file(out)))
+        if val_out is not None:
+            outputs.enter_context(stage_output(val_out, sidecar(val_out), settings, overwrite, ours=[val_out],
+                                               inputs={"input": input_path, "--out": out},
+                                               lock=OutputLock.for_file(val_out), option="--val-out"))
         sink = ErrorSink(on_error, quarantine)
         pairs, dropped = [], Counter()
         try:

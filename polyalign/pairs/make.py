@@ -3,6 +3,7 @@ generation for the same record (joined by id) is rejected."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -156,7 +157,6 @@ def split_by_prompt(pairs: Sequence[dict], fraction: float, seed: int = 0) -> tu
     """(train, val): about `fraction` of the pairs held out for validation, whole prompts at a time (two
     pairs of one prompt never straddle the split). Prompts are taken in the order of a seeded hash of
     their key, so the same file and seed give the same split, and adding rows moves no other prompt."""
-    import hashlib
 
     groups: dict[str, list[int]] = {}
     for i, pair in enumerate(pairs):

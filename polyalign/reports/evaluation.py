@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from polyalign.core.errors import EvaluationError  # noqa: E402
-from polyalign.core.outputs import OutputLock, check_settings, refuse_output_as_input  # noqa: E402
+from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 
@@ -369,11 +369,10 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     unless `overwrite`. Intervals are compared only between evaluations of the same test records and
     support, unless `allow_different_data`."""
     out = Path(out)
-    refuse_output_as_input(out, {f"evaluation {i + 1}": directory for i, directory in enumerate(evals)})
     settings = {"evals": [str(Path(d).resolve()) for d in evals], "names": list(names) if names else None,
                 "allow_different_data": allow_different_data}
-    check_settings(out, out / COMPARISON_RECORD, settings, overwrite, ours=[out / "report.html"])
-    with OutputLock(out):
+    with stage_output(out, out / COMPARISON_RECORD, settings, overwrite, ours=[out / "report.html"],
+                      inputs={f"evaluation {i + 1}": directory for i, directory in enumerate(evals)}):
         summary = _compare(evals, out, names, allow_different_data)
         (out / COMPARISON_RECORD).write_text(json.dumps(
             {"settings": settings, "made_from": {str(Path(d) / "metrics.json"): file_digest(Path(d) / "metrics.json")

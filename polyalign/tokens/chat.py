@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.resources import files
 from typing import Literal
 
 import numpy as np
 
 from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record
+from polyalign.tokens.chat_jinja import JinjaRenderer, as_dicts, split_pieces
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
 PROFILE_MODES = ("oracle", "context", "none")
@@ -183,8 +185,6 @@ class ChatTemplate:
     def jinja_source(self) -> str:
         """The template as Jinja, rendering what this class renders (bos_token, eos_token as variables):
         what exports carry as their chat_template."""
-        from importlib.resources import files
-
         return (files("polyalign.tokens") / "templates" / f"{self.name}.jinja").read_text(encoding="utf-8")
 
     def _split_system(self, messages: Sequence[Message]) -> tuple[str | None, list[tuple[int, Message]]]:
@@ -281,8 +281,6 @@ class JinjaTemplate(ChatTemplate):
     name = CHECKPOINT_TEMPLATE
 
     def __init__(self, source: str, tokenizer: Tokenizer, kwargs: dict | None = None):
-        from polyalign.tokens.chat_jinja import JinjaRenderer
-
         self.source = source
         self.renderer = JinjaRenderer(source, tokenizer.template_tokens(), kwargs or {})
         self.added_tokens = tokenizer.added_tokens()
@@ -305,8 +303,6 @@ class JinjaTemplate(ChatTemplate):
 
     def locate_turns(self, messages: Sequence[Message]) -> tuple[str, dict[int, tuple[int, int]]]:
         """The rendering and the characters of each assistant turn it can locate, by message index."""
-        from polyalign.tokens.chat_jinja import as_dicts
-
         try:
             return self.renderer.turn_spans(as_dicts(messages))
         except ChatTemplateError:
@@ -317,8 +313,6 @@ class JinjaTemplate(ChatTemplate):
             return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
 
     def render(self, messages, add_generation_prompt=False):
-        from polyalign.tokens.chat_jinja import as_dicts
-
         try:
             return self.renderer.render(as_dicts(messages), add_generation_prompt)
         except ChatTemplateError:
@@ -327,8 +321,6 @@ class JinjaTemplate(ChatTemplate):
             return self.renderer.render(as_dicts([m for _, m in fold_system(messages)]), add_generation_prompt)
 
     def pieces(self, messages, add_generation_prompt=False):
-        from polyalign.tokens.chat_jinja import split_pieces
-
         if add_generation_prompt:
             text, spans = self.render(messages, add_generation_prompt=True), {}
         else:

@@ -23,6 +23,10 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from polyalign.core.errors import ChatTemplateError
 
 # Llama 3.x templates print today's date unless given one: a fixed date keeps builds reproducible.
@@ -31,10 +35,6 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def _environment():
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class GenerationBlocks(Extension):
         """`{% generation %}...{% endgeneration %}`: records where each block's output lands."""
 
@@ -80,8 +80,6 @@ class JinjaRenderer:
     them, `kwargs` the extra template variables (enable_thinking, date_string, ...)."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str | None], kwargs: Mapping[str, Any] = ()):
-        import jinja2
-
         self.source = source
         self.environment = _environment()
         try:
@@ -93,8 +91,6 @@ class JinjaRenderer:
         self.has_generation_blocks = bool(GENERATION_TAG.search(source))
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        import jinja2
-
         try:
             return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                         tools=None, documents=None, **self.variables)

@@ -10,6 +10,9 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import sentencepiece as spm
+from tokenizers import Tokenizer as _Tokenizer
+
 from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path
 
@@ -109,8 +112,6 @@ class Tokenizer(abc.ABC):
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str | os.PathLike):
-        import sentencepiece as spm
-
         self.path = as_path(model_file)
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=self.path.read_bytes())
@@ -150,8 +151,6 @@ class JsonTokenizer(Tokenizer):
     """A `tokenizers` library tokenizer.json, as Hugging Face checkpoints ship it."""
 
     def __init__(self, json_file: str | os.PathLike):
-        from tokenizers import Tokenizer as _Tokenizer
-
         self.path = as_path(json_file)
         try:
             self._tok = _Tokenizer.from_str(self.path.read_text(encoding="utf-8"))
@@ -232,8 +231,6 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
     and no dummy prefix, so decode(encode(x)) == x and chat-template pieces can be encoded one by one.
     Characters outside the coverage fall back to UTF-8 bytes, so nothing maps to <unk>.
     """
-    import sentencepiece as spm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = (line for text in texts for line in text.split("\n") if line.strip())

@@ -11,6 +11,7 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from polyalign.core.errors import CheckpointError
 from polyalign.core.paths import as_path
@@ -89,8 +90,6 @@ class Checkpointer:
         return state
 
     def _set_aside(self, step: int):
-        from jax.experimental import multihost_utils
-
         target = self.directory / f"{step}.unreadable"
         if jax.process_index() == 0:
             n = 1

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 
 from polyalign.core.ranges import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Range
-from polyalign.core.yaml_config import setting
+from polyalign.core.yaml_config import ConfigError, setting
 from polyalign.mesh.shape import ParallelConfig
 
 
@@ -33,6 +33,7 @@ class LoraSection:
 
     def to_model(self):
         """The model's LoraConfig, or None for full fine-tuning."""
+        # heavy: polyalign.model imports jax; --help reads this module
         from polyalign.model.architecture import LoraConfig
 
         if not self.rank:
@@ -214,8 +215,6 @@ class PreferenceConfig:
 
     def pair_files(self) -> dict[str, str]:
         """{"pairs": ..., "val_pairs": ...}: as set, else the scored pairs in RUN/critic/."""
-        from polyalign.core.yaml_config import ConfigError
-
         files = {}
         for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
             files[key] = getattr(self, key)

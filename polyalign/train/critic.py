@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save
+from sklearn.metrics import roc_auc_score
 
 from polyalign.core.errors import CriticCollapse
 from polyalign.core.paths import changed_since
@@ -28,6 +29,8 @@ from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
 from polyalign.mesh import parallel
 from polyalign.model.pooling import encode_responses
+from polyalign.pairs.make import assign_weights, read_pairs, write_pairs
+from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train.config import CriticConfig, LoopConfig
 from polyalign.train.critic_model import (  # noqa: F401 (MARGIN, CriticScorer: part of this module's face)
     MARGIN,
@@ -91,7 +94,6 @@ def human_model_auc(human: np.ndarray, generated: np.ndarray) -> float | None:
     """ROC AUC of telling people from the model by a lower critic score: the chance that a random human
     response scores below a random model response (ties count half), over all responses, not just the
     pairs. 0.5 is chance."""
-    from sklearn.metrics import roc_auc_score
 
     if not len(human) or not len(generated):
         return None
@@ -118,8 +120,6 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     """Encodes every pair with the frozen encoder, then trains the head on the encodings; `finish`
     writes OUT/critic.safetensors, OUT/critic.json and the scored pairs (OUT/train_pairs.jsonl,
     OUT/val_pairs.jsonl, reweighted with the critic term)."""
-    from polyalign.pairs.make import assign_weights, read_pairs, write_pairs
-    from polyalign.tokens.tokenizer import load_tokenizer
 
     started = time.perf_counter()
     require(config, "init", "pairs", "val_pairs")

@@ -11,10 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load
 
 from polyalign.core.paths import as_path
+from polyalign.features.references import support_distance
+from polyalign.features.response import text_features
 from polyalign.mesh import parallel
+from polyalign.model import load_hf_checkpoint
 from polyalign.model.pooling import encode_responses
+from polyalign.tokens.tokenizer import load_tokenizer
 
 MARGIN = 0.1
 BUCKET_DIM, HIDDEN = 64, 256
@@ -47,9 +52,6 @@ class Critic(nnx.Module):
 def support_targets(texts: list[str], buckets: list[str], references: dict, skip_constant: bool = True,
                     counts: str = "per_token") -> np.ndarray:
     """d(y, b) for each response from its own text features; NaN where the bucket has no reference."""
-    from polyalign.features.references import support_distance
-    from polyalign.features.response import text_features
-
     names = references["features"]
     targets = np.full(len(texts), np.nan, np.float32)
     for i, (text, bucket) in enumerate(zip(texts, buckets)):
@@ -73,11 +75,6 @@ class CriticScorer:
     """A trained critic with its frozen encoder, loaded from the folder `polyalign train critic` wrote."""
 
     def __init__(self, directory: Path):
-        from safetensors.numpy import load
-
-        from polyalign.model import load_hf_checkpoint
-        from polyalign.tokens.tokenizer import load_tokenizer
-
         directory = as_path(directory)
         info = json.loads((directory / "critic.json").read_text())
         self.buckets = {b: i for i, b in enumerate(info["buckets"])}

@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from polyalign.data.records import Record
+from polyalign.generate.sampling import Sampler, SamplingConfig
 from polyalign.tokens.chat import ChatTemplate, encode_prompt, record_messages
+from polyalign.train.critic_model import CriticScorer, support_targets
 
 
 def _mean_by_bucket(values: Sequence[float], buckets: Sequence[str]) -> dict[str, float]:
@@ -36,8 +39,6 @@ class DriftProbe:
     def __init__(self, pairs: list[dict], model, tokenizer, template: ChatTemplate, profile: str, mesh,
                  max_new_tokens: int, references: dict | None = None, critic_dir: Path | None = None,
                  seed: int = 0):
-        from polyalign.generate.sampling import Sampler, SamplingConfig
-
         self.tokenizer, self.references, self.seed = tokenizer, references, seed
         records = [Record.from_json(p["record"]) for p in pairs]
         self.buckets = [p["bucket_id"] for p in pairs]
@@ -53,13 +54,9 @@ class DriftProbe:
         self.sampler.state = None  # each call samples the trainer's current parameters; hold no copy
         self.critic = None
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
-            from polyalign.train.critic_model import CriticScorer
-
             self.critic = CriticScorer(Path(critic_dir))
 
     def __call__(self, trainer) -> dict[str, Any]:
-        from flax import nnx
-
         self.sampler.state = nnx.split(trainer.model(trainer.state["params"]))[1]
         samples = self.sampler.generate(self.prompts, seed=self.seed)
         texts = [self.tokenizer.decode(tokens).strip() for tokens, _ in samples]
@@ -75,8 +72,6 @@ class DriftProbe:
             "drift/empty": round(float(np.mean([not t for t in texts])), 4),
         }
         if self.references is not None:
-            from polyalign.train.critic_model import support_targets
-
             distance = support_targets(texts, self.buckets, self.references)
             if np.isfinite(distance).any():
                 out["drift/support_distance"] = round(float(np.nanmean(distance)), 4)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import yaml
 
 from polyalign.core.yaml_config import (
     ConfigError,
@@ -143,8 +146,6 @@ SHARED_SECTIONS = ("model", "data", "optimizer", "train", "parallel")
 def settings_help(config_class: type) -> str:
     """The method's own keys as `polyalign train METHOD --help` lists them: each with its default, its
     range and its help, all read from the fields (train/config.py)."""
-    import textwrap
-
     lines = []
     for key, f, value in settings_of(config_class()):
         if key.split(".")[0] in SHARED_SECTIONS or key == "method":
@@ -190,8 +191,6 @@ def _renamed_override(item: str, config_class: type) -> list[str]:
 
 
 def _yaml_value(raw: str, item: str) -> Any:
-    import yaml
-
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
@@ -287,6 +286,7 @@ def check_ranges(config: Any, where: str = "config") -> None:
 
 def check_config(config: Any, where: str = "config") -> None:
     """Values every method shares the meaning of, and each method's own choices."""
+    # heavy: polyalign.model imports jax, kept out of --help
     from polyalign.model.architecture import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 
     _check_choice(where, "model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
@@ -316,7 +316,7 @@ def check_config(config: Any, where: str = "config") -> None:
             raise ConfigError(f"{where}: reference: in_step computes the reference as the base with the adapters "
                               "off, which needs model.lora.rank > 0 (full tuning has no frozen base to use)")
     elif isinstance(config, schema.CriticConfig):
-        from polyalign.features.references import COUNTS
+        from polyalign.features.references import COUNTS  # heavy: numpy, kept out of --help
 
         _check_choice(where, "distance_features", config.distance_features, schema.DISTANCE_FEATURES)
         _check_choice(where, "distance_counts", config.distance_counts, COUNTS)
@@ -327,7 +327,7 @@ def check_config(config: Any, where: str = "config") -> None:
 def _check_preset(config: Any, where: str) -> None:
     """A preset name is checked where the config is read (--print-config included), not when training
     starts; an architecture file is read then."""
-    from polyalign.model.presets import PRESETS
+    from polyalign.model.presets import PRESETS  # heavy: polyalign.model imports jax, kept out of --help
 
     name = getattr(config.model, "preset", None)
     if name is None or getattr(config, "init", None) or name in PRESETS or str(name).endswith((".yaml", ".yml")):
@@ -339,6 +339,7 @@ def _check_preset(config: Any, where: str) -> None:
 
 
 def _check_lora(config: Any, where: str) -> None:
+    # heavy: polyalign.model imports jax, kept out of --help
     from polyalign.model.architecture import LORA_INITS, LORA_TARGETS, QUANTIZE_KINDS
 
     lora = config.model.lora
@@ -368,6 +369,4 @@ def require(config: Any, *keys: str, hint: str = "") -> None:
 
 def config_as_yaml(config: Any) -> str:
     """Every key of a resolved config with its value, as YAML a run could read back."""
-    import yaml
-
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, allow_unicode=True)

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import jax
+from tensorboardX import SummaryWriter
 
 from polyalign.core.extras import require
 from polyalign.core.paths import as_path
@@ -22,8 +23,6 @@ from polyalign.core.paths import as_path
 
 class _TensorBoard:
     def __init__(self, out, project: str, config: dict[str, Any]):
-        from tensorboardX import SummaryWriter
-
         self._writer = SummaryWriter(str(as_path(out) / "tensorboard"))
 
     def log(self, scalars: dict[str, float], step: int) -> None:

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polyalign.core.yaml_config import ConfigError
-from polyalign.model.architecture import ModelConfig
+from polyalign.mesh.parallel import mesh_shape
+from polyalign.model.architecture import ModelConfig, from_hf_config
+from polyalign.model.hf import read_hf_config
+from polyalign.model.presets import preset
+from polyalign.model.quantize import bits_per_weight
+from polyalign.train.config import PreferenceConfig, SftConfig
+from polyalign.train.methods import load_config
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -46,8 +52,6 @@ class Plan:
 
 def estimate(model: ModelConfig, mesh: tuple[int, int, int], global_batch: int, micro_batches: int,
              sequence_length: int, sequences_per_example: int = 1) -> Plan:
-    from polyalign.model.quantize import bits_per_weight
-
     data, fsdp, tensor = mesh
     n = model.num_parameters()
     shards = fsdp * tensor
@@ -81,13 +85,6 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
     """The plan of a training config; preference pairs (chosen + rejected) double the sequences. The
     model comes from `model_preset`, else the config's `init` checkpoint (its config.json), else its
     model.preset."""
-    from polyalign.mesh.parallel import mesh_shape
-    from polyalign.model.architecture import from_hf_config
-    from polyalign.model.hf import read_hf_config
-    from polyalign.model.presets import preset
-    from polyalign.train.config import PreferenceConfig, SftConfig
-    from polyalign.train.methods import load_config
-
     config = load_config(path, overrides)
     if not isinstance(config, (SftConfig, PreferenceConfig)):
         raise ConfigError(f"{path}: plan covers the methods that train a decoder (sft, hdpo, dpo, ipo), "
@@ -120,8 +117,6 @@ def _built_length(data) -> int | None:
 
 
 def describe(plan: Plan, device_memory_gib: float | None = None) -> str:
-    from polyalign.model.quantize import bits_per_weight
-
     gib = 1024 ** 3
     m = plan.model
     if m.lora is None:

@@ -15,7 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
+from polyalign.core.outputs import same_path
+from polyalign.core.paths import file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.pair_rows import (
@@ -26,7 +29,12 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
+from polyalign.model import export
 from polyalign.model.flops import flops_per_token
+from polyalign.model.lora import base_model
+from polyalign.pairs.make import read_pairs
+from polyalign.tokens.chat import choose_template, get_template
+from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
@@ -79,8 +87,6 @@ def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch
     batches of `batch_size` row pairs, or with `pack` of `batch_size` packed rows (as training packs
     them; the values are the same). With a `mesh` (the model sharded over it), every process gets
     every value."""
-    from tqdm import tqdm
-
     graphdef, state = nnx.split(model)
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2], out_shardings=replicated)
@@ -130,8 +136,6 @@ class PreferenceObjective:
         packed = is_packed(mb)
         pc, pr, n_chosen = (x.reshape(-1) for x in sequence_logps(model, mb, key))
         if c.reference == "in_step" and self.spec.needs_reference:
-            from polyalign.model.lora import base_model
-
             ref_chosen, ref_rejected, _ = jax.lax.stop_gradient(sequence_logps(base_model(model), mb))
             mb = {**mb, "ref_chosen": ref_chosen, "ref_rejected": ref_rejected}
         n_rejected = response_lengths(mb)[1].reshape(-1)
@@ -181,9 +185,6 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
     """Refuses inputs a run would train on without a word of what they lack: validation pairs that are
     the training pairs, and HDPO's distance term on pairs the critic has not scored (missing scores read
     as 0, so the term would be identically zero and the run weighted DPO)."""
-    from polyalign.core.outputs import same_path
-    from polyalign.core.paths import file_digest
-
     train_file, val_file = paths["pairs"], paths["val_pairs"]
     if same_path(train_file, val_file) or (Path(val_file).is_file()
                                            and file_digest(train_file) == file_digest(val_file)):
@@ -205,11 +206,6 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
 
 
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
-    from polyalign.model.export import export_trained
-    from polyalign.pairs.make import read_pairs
-    from polyalign.tokens.chat import choose_template, get_template
-    from polyalign.tokens.tokenizer import load_tokenizer
-
     require(config, "init", hint="the SFT checkpoint")
     paths = config.pair_files()
     max_length = config.data.max_length
@@ -226,8 +222,6 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
-        from polyalign.model.lora import base_model
-
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
             reference_logps(base_model(model), train_examples + val_examples, max_length, tokenizer.pad_id,
                             progress=progress, mesh=mesh, pack=config.data.pack)
@@ -248,7 +242,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        return export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile)
+        return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile)
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),

@@ -24,6 +24,13 @@ from typing import Any
 import jax
 
 from polyalign.core.paths import as_path
+from polyalign.core.yaml_config import ConfigError, from_mapping
+from polyalign.data.records import Record
+from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+from polyalign.pairs.make import assign_weights, build_pairs, read_pairs, read_predictions, write_pairs
+from polyalign.train.config import CriticConfig
+from polyalign.train.critic_model import CriticScorer, set_scores
+from polyalign.train.methods import require
 
 
 def _round_dir(out, r: int):
@@ -42,28 +49,16 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
                      progress: bool = True) -> dict[str, Any]:
     """DIR/train_pairs.jsonl: the pairs of `pairs_path` with the rejected side answered anew by
     `policy` (sampled), rescored by the critic in `critic_dir` when it has one, reweighted."""
-    from polyalign.data.records import Record
-    from polyalign.generate.sampling import SamplingConfig, generate_predictions
-    from polyalign.pairs.make import (
-        assign_weights,
-        build_pairs,
-        read_pairs,
-        read_predictions,
-        write_pairs,
-    )
-
     directory.mkdir(parents=True, exist_ok=True)
     pairs = read_pairs(Path(pairs_path))
     records = [Record.from_json(p["record"]) for p in pairs]
     records_file, predictions_file = directory / "prompts.jsonl", directory / "policy_answers.jsonl"
     records_file.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
     sampling = SamplingConfig(config.on_policy.max_new_tokens, config.on_policy.temperature, config.on_policy.top_p)
-    generate_predictions(policy, records_file, predictions_file, sampling=sampling, seed=config.train.seed,
-                         progress=progress)
+    generate_predictions(policy, records_file, predictions_file,
+                         GenerateOptions(sampling=sampling, seed=config.train.seed), progress=progress)
     fresh, dropped = build_pairs(records, read_predictions(predictions_file))
     if critic_dir is not None and (critic_dir / "critic.json").is_file():
-        from polyalign.train.critic_model import CriticScorer, set_scores
-
         scorer = CriticScorer(critic_dir)
         buckets = [p["bucket_id"] for p in fresh]
         set_scores(fresh, scorer([p["chosen"] for p in fresh], buckets),
@@ -79,9 +74,6 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
     """OUT: the critic of `critic_dir` retrained, with its own settings, on the pairs of `pairs_path`
     (validated on its validation pairs); OUT/train_pairs.jsonl are those pairs scored by it. A finished
     OUT is kept."""
-    from polyalign.core.yaml_config import from_mapping
-    from polyalign.train.config import CriticConfig
-
     if not (out / "critic.json").is_file():
         settings = json.loads((critic_dir / "critic.json").read_text())["config"]
         config = from_mapping(CriticConfig, settings, str(critic_dir / "critic.json"))
@@ -93,9 +85,6 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
 def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True) -> dict[str, Any]:
     """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
     one-run entry point); returns the last round's summary with every round's in `rounds`."""
-    from polyalign.core.yaml_config import ConfigError
-    from polyalign.train.methods import require
-
     require(config, "init", hint="the SFT checkpoint")
     if jax.process_count() > 1:
         raise ConfigError(f"rounds={config.rounds}: on-policy rounds run in one process (the regeneration writes "

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,12 +24,21 @@ from typing import Any
 import jax
 from flax import nnx
 
+from polyalign.core.outputs import OutputLock
 from polyalign.core.paths import as_path, is_uri
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
 from polyalign.mesh import parallel
 from polyalign.mesh.watchdog import Watchdog, resolve_timeout
+from polyalign.model import load_hf_checkpoint
+from polyalign.model.lora import add_adapters, quantize_base
+from polyalign.train import ownership
+from polyalign.train.checkpoint import Checkpointer
 from polyalign.train.config import LoopConfig, ModelSection
+from polyalign.train.methods import method_spec
+from polyalign.train.metrics import MetricsWriter, read_metrics
+from polyalign.train.rounds import train_rounds
+from polyalign.train.throughput import Throughput
 from polyalign.train.trainer import Objective, Trainer
 
 
@@ -82,8 +92,6 @@ def model_policy(section: ModelSection) -> dict[str, Any]:
 def load_init(config, mesh=None) -> nnx.Module:
     """The config's `init` checkpoint in its compute dtype and execution policy, placed over `mesh`;
     with `model.lora`, frozen in the compute dtype (or `model.quantize`d) and carrying fresh adapters."""
-    from polyalign.model import load_hf_checkpoint
-
     # A frozen base needs no float32 master copy: it is stored as it computes.
     dtype = config.model.dtype if config.model.lora.rank else "float32"
     model = load_hf_checkpoint(config.init, dtype=dtype, compute_dtype=config.model.dtype, mesh=mesh,
@@ -94,8 +102,6 @@ def load_init(config, mesh=None) -> nnx.Module:
 def with_adapters(model: nnx.Module, config, mesh=None) -> nnx.Module:
     """`model` as the config trains it: with `model.quantize` its layer projections stored quantised,
     with `model.lora` fresh adapters (seeded by model.seed); else itself."""
-    from polyalign.model.lora import add_adapters, quantize_base
-
     if config.model.quantize is not None:
         model = quantize_base(model, config.model.quantize, mesh)
     lora = config.model.lora.to_model()
@@ -115,11 +121,7 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
     only a run of the same config, resume with changed resumable keys, or overwrite."""
     parallel.initialize_distributed()
     if getattr(config, "rounds", 1) > 1:
-        from polyalign.train.rounds import train_rounds
-
         return train_rounds(config, out, functools.partial(train, existing=existing), progress)
-    from polyalign.core.outputs import OutputLock
-    from polyalign.train import ownership
 
     local = not is_uri(out)
     out = as_path(out) if not local else Path(as_path(out))
@@ -133,11 +135,6 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
 
 
 def _train(config, out, progress: bool) -> dict[str, Any]:
-    from polyalign.train.checkpoint import Checkpointer
-    from polyalign.train.methods import method_spec
-    from polyalign.train.metrics import MetricsWriter
-    from polyalign.train.throughput import Throughput
-
     started = time.perf_counter()
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
@@ -183,8 +180,6 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
 def logged_step(out: Path, step: int) -> dict[str, Any]:
     """What the run logged at `step` (OUT/metrics.jsonl), for a rerun that had nothing left to train, such as
     one after an export that failed: the numbers it reports are the ones that step computed, never made up."""
-    from polyalign.train.metrics import read_metrics
-
     if not (out / "metrics.jsonl").is_file():
         return {}
     record: dict[str, Any] = {}
@@ -210,9 +205,6 @@ def _lost_peer_error(error: BaseException) -> bool:
 
 
 def resume_command() -> str:
-    import shlex
-    import sys
-
     argv = list(sys.argv)
     head = ("polyalign" if argv and (argv[0].endswith("cli.py") or Path(argv[0]).name == "polyalign")
             else shlex.quote(argv[0]))

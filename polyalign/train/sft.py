@@ -5,6 +5,7 @@ plain SFT (`weighting: uniform`, every w_i = 1)."""
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyalign.core.paths import as_path
+from polyalign.core.errors import TokenizerError
+from polyalign.core.paths import as_path, file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
+from polyalign.inputs.build import build_tokenizer_path, read_manifest
+from polyalign.model import create_model, export
 from polyalign.model.flops import flops_per_token
+from polyalign.model.presets import preset
+from polyalign.tokens.chat import get_template
+from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import require
 from polyalign.train.run import Job, load_init, model_policy, steps_phrase, with_adapters
@@ -144,9 +151,6 @@ def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, length: i
 def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int | None], mesh=None):
     """The model to train, from `init` or initialised from the preset; placed in its shardings over
     `mesh` from the start when given."""
-    from polyalign.model import create_model
-    from polyalign.model.presets import preset
-
     if config.init:
         model = load_init(config, mesh)
         if model.config.vocab_size < vocab_size:
@@ -162,12 +166,6 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
     """Refuses to train `init` on a build encoded with another tokenizer: the file each tokenizer is
     read from (tokenizer.json or tokenizer.model) must have the same digest, unless
     allow_tokenizer_mismatch. An init without tokenizer files is trained with a notice."""
-    import sys
-
-    from polyalign.core.errors import TokenizerError
-    from polyalign.core.paths import file_digest
-    from polyalign.tokens.tokenizer import load_tokenizer
-
     if not config.init or config.allow_tokenizer_mismatch:
         return
     try:
@@ -185,11 +183,6 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
 
 
 def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
-    from polyalign.inputs.build import build_tokenizer_path, read_manifest
-    from polyalign.model.export import export_trained
-    from polyalign.tokens.chat import get_template
-    from polyalign.tokens.tokenizer import load_tokenizer
-
     require(config, "data.dir", hint="a run with a build/ folder")
     run = as_path(config.data.dir)
     manifest = read_manifest(run)
@@ -229,7 +222,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         return record
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        return export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
+        return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
                               get_template(manifest["template"], tokenizer), manifest["options"]["profile"])
 
     return Job(model, objective, batches,

@@ -19,10 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
 
 from polyalign.core.errors import TrainingError
+from polyalign.inputs.pipeline import iterate
 from polyalign.mesh import parallel
+from polyalign.model.lora import has_adapters
 from polyalign.train.config import LoopConfig, OptimizerConfig
 from polyalign.train.throughput import Throughput
 
@@ -96,7 +100,6 @@ class Trainer:
         self.throughput = throughput or Throughput(mesh.devices.size)
         self.profile_dir = profile_dir
         self.tx, self.schedule = make_optimizer(optimizer, loop.steps)
-        from polyalign.model.lora import has_adapters
 
         trainable = nnx.LoRAParam if has_adapters(model) else nnx.Param
         self.graphdef, params, frozen, self.rest = nnx.split(model, trainable, nnx.Param, ...)
@@ -264,8 +267,6 @@ class Trainer:
     def metric_sums(self, dataset) -> dict[str, np.ndarray]:
         """The method's metric sums over every batch of a grain dataset of per-process batches
         ([1, per_process, ...] arrays), with the current parameters, on the host."""
-        from polyalign.inputs.pipeline import iterate
-
         # Summed on the host, batch by batch: the same float32 additions as on the devices, with no
         # program of their own (every process runs exactly one program per batch).
         total = None
@@ -286,8 +287,6 @@ class Trainer:
             summarize: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None,
             checkpointer: Checkpointer | None = None, progress: bool = True) -> dict[str, Any]:
         """Trains to loop.steps (or loop.stop_at), resuming from the checkpointer's latest step."""
-        from tqdm import tqdm
-
         loop = self.loop
         if checkpointer is not None:
             restored = checkpointer.restore_latest(self.state, self.state_shardings, train_iterator)
@@ -410,6 +409,4 @@ class _StopSignal:
         if jax.process_count() == 1:
             return self._flag
         # Every process must stop at the same step: agree on the flag.
-        from jax.experimental import multihost_utils
-
         return bool(np.asarray(multihost_utils.process_allgather(np.array([self._flag]))).any())
