@@ -635,3 +635,26 @@ def test_sharded_initialisation_and_loading_place_each_shard_without_a_whole_cop
         "    print(name, 'ok', len(split), 'parameters split 8 ways')\n")
     result = _run_on_eight_cpu_devices(script)
     assert "created ok" in result.stdout and "loaded ok" in result.stdout, result.stdout
+
+
+def test_pooled_encodings_do_not_depend_on_the_batch_and_compile_once_per_length_bucket(demo_tokenizer):
+    """Each text's encoding is its own mean-pooled final hidden states, whatever else shares its batch and
+    however long the padding is; texts of many lengths compile one program per power-of-two length."""
+    from polyalign.model.pooling import _pooled, encode_responses
+    from tests.conftest import tiny_model_config
+
+    tokenizer = demo_tokenizer[0]
+    model = create_model(tiny_model_config(tokenizer.vocab_size), seed=0)
+    texts = ["Yes.", "好的，我明白了。", "The museum opens at nine and closes at five on weekdays. " * 3,
+             "请问附近有没有便宜的餐厅？" * 6, "ok", "A much longer answer, " * 20]
+    together = encode_responses(model, tokenizer, texts, max_tokens=200, batch_size=4, progress=False)
+    for text, row in zip(texts, together):
+        ids = tokenizer.encode(text)[:200]
+        by_hand = np.asarray(model.hidden_states(jnp.asarray([ids]))[0]).mean(0)
+        np.testing.assert_allclose(row, by_hand, atol=2e-5)
+    alone = encode_responses(model, tokenizer, texts[::-1], max_tokens=200, batch_size=1, progress=False)[::-1]
+    np.testing.assert_allclose(alone, together, atol=2e-5)
+    before = _pooled._cache_size()
+    encode_responses(model, tokenizer, [" ".join(["word"] * n) for n in range(1, 120, 7)], max_tokens=200,
+                     batch_size=1, progress=False)
+    assert _pooled._cache_size() - before <= 2  # 64 and 128 (32 was compiled above); not one per length

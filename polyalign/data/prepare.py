@@ -30,7 +30,7 @@ from polyalign.data.dedup import (
     near_duplicates,
 )
 from polyalign.data.importers import get_format, read_source
-from polyalign.data.importers._io import source_files
+from polyalign.data.importers.reading import source_files
 from polyalign.data.language import LanguageChooser, contradicting_script
 from polyalign.data.records import (
     PROFILE_PREAMBLE,

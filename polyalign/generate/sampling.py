@@ -7,6 +7,7 @@ prefilled in one pass, then one jitted loop decodes until every row has stopped 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -81,61 +82,69 @@ def _bucket(n: int, multiple: int = 32) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "model_config", "config", "pad_id", "stop_ids", "replicated"))
+def _sample(state, ids, valid, rng, *, graphdef, model_config, config: SamplingConfig, pad_id: int,
+            stop_ids: tuple[int, ...], replicated):
+    """Prefill, then decode until every row has stopped or the budget is spent: (tokens, lengths, done).
+    With `replicated` (a sharding) every process gets every row."""
+    model = nnx.merge(graphdef, state)
+    stop = jnp.asarray(stop_ids, jnp.int32)
+    batch, prompt_len = ids.shape
+    slots = prompt_len + config.max_new_tokens
+    kv_valid = jnp.concatenate([valid, jnp.ones((batch, config.max_new_tokens), bool)], axis=1)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+    cache = KVCache.empty(model_config, batch, slots)
+    logits, cache = model.decode(ids, positions, cache, kv_valid)
+    rng, first_rng = jax.random.split(rng)
+    token = sample_logits(logits[:, -1], first_rng, config)
+    next_position = positions[:, -1] + 1
+    out = jnp.full((batch, config.max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
+    done = jnp.isin(token, stop)
+    lengths = jnp.ones((batch,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, done, *_ = carry
+        return (step < config.max_new_tokens) & ~done.all()
+
+    def body(carry):
+        step, token, cache, done, out, lengths, position, rng = carry
+        logits, cache = model.decode(token[:, None], position[:, None], cache, kv_valid)
+        rng, step_rng = jax.random.split(rng)
+        new = sample_logits(logits[:, 0], step_rng, config)
+        new = jnp.where(done, pad_id, new)
+        out = out.at[:, step].set(new)
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(new, stop)
+        return step + 1, new, cache, done, out, lengths, position + 1, rng
+
+    carry = (jnp.int32(1), token, cache, done, out, lengths, next_position, rng)
+    _, _, _, done, out, lengths, _, _ = jax.lax.while_loop(cond, body, carry)
+    result = out, lengths, done
+    return result if replicated is None else jax.lax.with_sharding_constraint(result, replicated)
+
+
 class Sampler:
-    """Generates continuations for token-id prompts with one model."""
+    """Generates continuations for token-id prompts with one model. Samplers of one architecture and one
+    SamplingConfig share their compiled programs (`_sample`), however many models are sampled in turn."""
 
     def __init__(self, model: Transformer, stop_ids: Sequence[int], pad_id: int, config: SamplingConfig,
                  mesh=None):
         """With a mesh, parameters are sharded by their logical axes and the batch over data x fsdp."""
         self.config, self.pad_id, self.mesh = config, pad_id, mesh
-        self.stop_ids = jnp.asarray(sorted(set(stop_ids)), jnp.int32)
-        self.graphdef, self.state = nnx.split(model)
-        self.model_config = model.config
-        self._run = jax.jit(self._generate)
+        graphdef, self.state = nnx.split(model)
+        self._static = {"graphdef": graphdef, "model_config": model.config, "config": config, "pad_id": pad_id,
+                        "stop_ids": tuple(sorted({int(i) for i in stop_ids})), "replicated": None}
         self.batch_multiple = 1
         if mesh is not None:
             # every process reads every answer (a few ints per row), also when the batch spans hosts
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self._run = jax.jit(self._generate, out_shardings=replicated)
+            self._static["replicated"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             with jax.set_mesh(mesh):
                 self.state = jax.device_put(self.state, parallel.param_shardings(self.state, mesh))
             self.batch_sharding = parallel.batch_sharding(mesh)
             self.batch_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
 
-    def _generate(self, state, ids, valid, rng):
-        model = nnx.merge(self.graphdef, state)
-        config = self.config
-        batch, prompt_len = ids.shape
-        slots = prompt_len + config.max_new_tokens
-        kv_valid = jnp.concatenate([valid, jnp.ones((batch, config.max_new_tokens), bool)], axis=1)
-        positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
-        cache = KVCache.empty(self.model_config, batch, slots)
-        logits, cache = model.decode(ids, positions, cache, kv_valid)
-        rng, first_rng = jax.random.split(rng)
-        token = sample_logits(logits[:, -1], first_rng, config)
-        next_position = positions[:, -1] + 1
-        out = jnp.full((batch, config.max_new_tokens), self.pad_id, jnp.int32).at[:, 0].set(token)
-        done = jnp.isin(token, self.stop_ids)
-        lengths = jnp.ones((batch,), jnp.int32)
-
-        def cond(carry):
-            step, _, _, done, *_ = carry
-            return (step < config.max_new_tokens) & ~done.all()
-
-        def body(carry):
-            step, token, cache, done, out, lengths, position, rng = carry
-            logits, cache = model.decode(token[:, None], position[:, None], cache, kv_valid)
-            rng, step_rng = jax.random.split(rng)
-            new = sample_logits(logits[:, 0], step_rng, config)
-            new = jnp.where(done, self.pad_id, new)
-            out = out.at[:, step].set(new)
-            lengths = lengths + (~done).astype(jnp.int32)
-            done = done | jnp.isin(new, self.stop_ids)
-            return step + 1, new, cache, done, out, lengths, position + 1, rng
-
-        carry = (jnp.int32(1), token, cache, done, out, lengths, next_position, rng)
-        _, _, _, done, out, lengths, _, _ = jax.lax.while_loop(cond, body, carry)
-        return out, lengths, done
+    def _run(self, state, ids, valid, rng):
+        return _sample(state, ids, valid, rng, **self._static)
 
     def generate(self, prompts: Sequence[np.ndarray], seed: int = 0) -> list[tuple[list[int], str]]:
         """For each prompt: the new tokens (without the stop token) and why generation ended."""

@@ -29,7 +29,7 @@ from typing import Any
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import file_digest
 from polyalign.data.bucketing import load_scheme
-from polyalign.data.importers._io import (
+from polyalign.data.importers.reading import (
     conversation_track,
     iter_json_rows,
     labelled_turns,

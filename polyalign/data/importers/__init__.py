@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 from polyalign.data.importers import chat, coig, convlab, crosswoz, kdconv, lccc, llamafactory, sharegpt, squad
-from polyalign.data.importers._io import source_files
+from polyalign.data.importers.reading import source_files
 from polyalign.data.records import ImportItem, InputError
 
 _MODULES: dict[str, ModuleType] = {

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import (
+from polyalign.data.importers.reading import (
     iter_json_rows,
     list_field,
     message_turns,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import iter_json_lines, parse_rows, require_dict, text_field
+from polyalign.data.importers.reading import iter_json_lines, parse_rows, require_dict, text_field
 from polyalign.data.records import Example, ImportItem, Location, Skipped
 
 PATTERNS = ("*.jsonl",)

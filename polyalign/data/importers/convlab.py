@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import (
+from polyalign.data.importers.reading import (
     dump_raw,
     labelled_turns,
     list_field,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import (
+from polyalign.data.importers.reading import (
     alternating_turns,
     dump_raw,
     list_field,

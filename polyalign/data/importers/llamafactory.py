@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import (
+from polyalign.data.importers.reading import (
     conversation_track,
     iter_json_rows,
     list_field,

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import (
+from polyalign.data.importers.chat import project
+from polyalign.data.importers.reading import (
     iter_json_rows,
     list_field,
     message_turns,
@@ -21,7 +22,6 @@ from polyalign.data.importers._io import (
     require_dict,
     text_field,
 )
-from polyalign.data.importers.chat import project
 from polyalign.data.records import ImportItem, Location
 
 PATTERNS = ("*.json", "*.jsonl")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.data.importers._io import dump_raw, list_field, load_json, require_dict, text_field, type_name
+from polyalign.data.importers.reading import dump_raw, list_field, load_json, require_dict, text_field, type_name
 from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, RowProblem
 
 PATTERNS = ("*.json",)

@@ -1,5 +1,5 @@
-"""Reading helpers shared by the importers: file discovery, JSON and JSONL with precise error locations,
-typed field access and multi-turn projection."""
+"""Reading helpers shared by the importers and `polyalign pairs import`: file discovery, JSON and JSONL
+with precise error locations, typed field access and multi-turn projection."""
 
 from __future__ import annotations
 
