@@ -324,10 +324,14 @@ def _run_train(args) -> int:
         return 0
     if args.out is None:
         args.parser.error("--out is required (or --print-config)")
+    import jax  # heavy: kept out of --help
+
     from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     existing = "resume" if args.resume else "overwrite" if args.overwrite else "continue"
     result = train(config, args.out, progress=not args.no_progress, existing=existing)
+    if jax.process_index() > 0:  # several processes ran one job: its outcome is said once, by process 0
+        return 0
     if result["interrupted"] or result["stopped_early"]:
         print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
         return 0

@@ -155,3 +155,21 @@ def test_the_peer_monitor_asks_once_per_beat_and_names_the_silent_peer(monkeypat
     requests = list(store.requests)
     assert len(requests) >= 10 and all(r == ("set" if i % 2 == 0 else "read all") for i, r in enumerate(requests))
     assert reported[0] == ([2], "no sign of life for 0.25 s")
+
+
+def test_a_process_killed_under_the_launcher_is_named_and_the_others_are_stopped(capfd):
+    """Process 1 of 3 dies by SIGKILL (a crashed host): the launcher says which and how, stops the two
+    others at once instead of leaving them to wait, and exits 137 as a shell would."""
+    import sys
+    import time
+
+    from polyalign.mesh.launch import run_local
+
+    program = ("import os, signal, time\n"
+               "if os.environ['POLYALIGN_PROCESS_ID'] == '1':\n"
+               "    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(60)\n")
+    started = time.monotonic()
+    assert run_local([sys.executable, "-c", program], nproc=3, cpu_devices=1) == 137
+    assert time.monotonic() - started < 20
+    assert "polyalign launch: process 1 was killed by SIGKILL; stopping the other 2" in capfd.readouterr().err

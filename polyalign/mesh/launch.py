@@ -104,13 +104,25 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
                     continue
                 remaining.remove(p)
                 if result != 0 and code == 0:
-                    code = result
+                    code = result if result > 0 else 128 - result  # a signal: the shell's 128 + N
+                    print(f"polyalign launch: process {processes.index(p)} {ended(result)}; stopping the other "
+                          f"{len(remaining)} (each says where it stopped)", file=sys.stderr, flush=True)
                     for other in remaining:
                         other.terminate()
         return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def ended(returncode: int) -> str:
+    """How a process ended, in words: `exited with status 3`, `was killed by SIGKILL`."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
 
 
 def run_slurm(command: Sequence[str], port: int = DEFAULT_PORT) -> int:
