@@ -23,6 +23,12 @@ OWN_CACHE = "POLYALIGN_TEST_OWNS_JAX_CACHE"
 
 
 def pytest_configure(config):
+    # pytest-xdist's load scheduling first hands each worker a quarter of its share as one block of
+    # consecutive tests: with the slow tests first (below), every slow test landed on worker 0, one after
+    # another, while worker 1 ran the quick ones and then waited. Handing out tests one or two at a time
+    # spreads them (unless --maxschedchunk is given).
+    if getattr(config.option, "maxschedchunk", "no xdist") is None:
+        config.option.maxschedchunk = 1
     if CACHE_ENV in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="polyalign-jax-cache-")
