@@ -210,6 +210,7 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
     code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "e.jsonl",
                        "--val-fraction", "0.2", "--val-out", tmp_path / "e.jsonl")
     assert code == 2 and f"--val-out {tmp_path / 'e.jsonl'} is the command's own --out" in err, err
+    assert not list(tmp_path.glob(".e.*")) and not (tmp_path / "e.jsonl").exists()  # nothing started, nothing left
 
 
 def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_run, tmp_path, capsys):

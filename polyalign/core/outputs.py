@@ -124,6 +124,17 @@ def _saved_settings(path: Path, key: str | None = "settings", names: Iterable[st
     return saved if isinstance(saved, dict) else None
 
 
+def check_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
+                 overwrite: bool, ours: Iterable[str | os.PathLike] = (),
+                 inputs: Mapping[str, str | os.PathLike | None] | None = None, elsewhere: str = "give another --out",
+                 option: str = "--out", key: str | None = "settings") -> None:
+    """stage_output's refusals alone, for a stage writing several outputs: it checks every one before it
+    starts writing any, so a refusal of the second leaves no trace of the first."""
+    if inputs:
+        refuse_output_as_input(output, inputs, option)
+    check_settings(output, record, settings, overwrite, ours, key=key, elsewhere=elsewhere)
+
+
 @contextlib.contextmanager
 def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
@@ -136,9 +147,7 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
     thus restarts with the same command, which recognises its own unfinished output, while another
     command is refused naming the settings that differ. `option` names the output in refusals; `key` is
     where the record keeps the settings (check_settings)."""
-    if inputs:
-        refuse_output_as_input(output, inputs, option)
-    check_settings(output, record, settings, overwrite, ours, key=key, elsewhere=elsewhere)
+    check_output(output, record, settings, overwrite, ours, inputs, elsewhere, option, key)
     started = started_record(record)
     with lock if lock is not None else OutputLock(Path(output)):
         if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming the output

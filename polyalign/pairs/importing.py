@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
+from polyalign.core.outputs import OutputLock, check_output, sidecar, stage_output, write_record
 from polyalign.core.paths import file_digest
 from polyalign.data.bucketing import load_scheme
 from polyalign.data.importers.reading import (
@@ -139,13 +139,15 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     builder = RecordBuilder(scheme, scheme.length_unit, SplitOptions())
     tally = SourceTally(source, files=[str(input_path)])
     quarantine = out.with_name(out.stem + ".quarantine.jsonl")
+    files = [(out, {"input": input_path}, "--out")]
+    if val_out is not None:
+        files.append((val_out, {"input": input_path, "--out": out}, "--val-out"))
+    for path, inputs, option in files:  # both refused or neither started
+        check_output(path, sidecar(path), settings, overwrite, ours=[path], inputs=inputs, option=option)
     with contextlib.ExitStack() as outputs:
-        outputs.enter_context(stage_output(out, sidecar(out), settings, overwrite, ours=[out],
-                                           inputs={"input": input_path}, lock=OutputLock.for_file(out)))
-        if val_out is not None:
-            outputs.enter_context(stage_output(val_out, sidecar(val_out), settings, overwrite, ours=[val_out],
-                                               inputs={"input": input_path, "--out": out},
-                                               lock=OutputLock.for_file(val_out), option="--val-out"))
+        for path, inputs, option in files:
+            outputs.enter_context(stage_output(path, sidecar(path), settings, overwrite, ours=[path], inputs=inputs,
+                                               lock=OutputLock.for_file(path), option=option))
         sink = ErrorSink(on_error, quarantine)
         pairs, dropped = [], Counter()
         try:
