@@ -155,7 +155,7 @@ class Joined:
     profiles: list[str]
     models: list[str]
 
-    @property
+    @functools.cached_property
     def human(self) -> list[str]:
         return [r.response for r in self.records]
 

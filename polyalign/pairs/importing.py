@@ -118,7 +118,6 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary. With
     `val_fraction`, about that share of the prompts (all pairs of each) goes to VAL_OUT instead (default
     OUT's name with .val: pairs.jsonl -> pairs.val.jsonl), chosen by a hash seeded with `seed`."""
-
     input_path, out = Path(input_path), Path(out)
     if not input_path.is_file():
         raise InputError(f"{input_path}: no such file")

@@ -157,7 +157,6 @@ def split_by_prompt(pairs: Sequence[dict], fraction: float, seed: int = 0) -> tu
     """(train, val): about `fraction` of the pairs held out for validation, whole prompts at a time (two
     pairs of one prompt never straddle the split). Prompts are taken in the order of a seeded hash of
     their key, so the same file and seed give the same split, and adding rows moves no other prompt."""
-
     groups: dict[str, list[int]] = {}
     for i, pair in enumerate(pairs):
         groups.setdefault(prompt_key(pair), []).append(i)

@@ -94,7 +94,6 @@ def human_model_auc(human: np.ndarray, generated: np.ndarray) -> float | None:
     """ROC AUC of telling people from the model by a lower critic score: the chance that a random human
     response scores below a random model response (ties count half), over all responses, not just the
     pairs. 0.5 is chance."""
-
     if not len(human) or not len(generated):
         return None
     labels = np.concatenate([np.ones(len(human)), np.zeros(len(generated))])
@@ -120,7 +119,6 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     """Encodes every pair with the frozen encoder, then trains the head on the encodings; `finish`
     writes OUT/critic.safetensors, OUT/critic.json and the scored pairs (OUT/train_pairs.jsonl,
     OUT/val_pairs.jsonl, reweighted with the critic term)."""
-
     started = time.perf_counter()
     require(config, "init", "pairs", "val_pairs")
     run = Path(config.data.dir) if config.data.dir else None
