@@ -544,8 +544,11 @@ def _add_evaluate(sub) -> None:
                    help="skip distinct-n and Self-BLEU (the slowest text metrics on long answers)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip the echo-question and first-sentence reference rows")
-    p.add_argument("--featurizer", type=_location, help="checkpoint whose mean-pooled hidden states feed MAUVE; "
-                                                   "without it MAUVE is reported as skipped")
+    p.add_argument("--no-detectability", action="store_true",
+                   help="skip detectability: per bucket, the ROC AUC of a classifier telling the model's answers "
+                        "from people's answers to the same prompts (character n-grams; 0.5: it cannot tell)")
+    p.add_argument("--featurizer", type=_location, help="checkpoint whose mean-pooled hidden states feed MAUVE and a "
+                                                   "second detectability; without it MAUVE is reported as skipped")
     p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
@@ -560,7 +563,8 @@ def _run_evaluate(args) -> int:
     options = EvaluateOptions(compat=args.compat or "cjk", references=args.references, support=args.support,
                               featurizer=args.featurizer, scorer=args.scorer, allow_partial=args.allow_partial,
                               intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
-                              diversity=not args.no_diversity, baselines=not args.no_baselines)
+                              diversity=not args.no_diversity, baselines=not args.no_baselines,
+                              detectability=not args.no_detectability)
     result = evaluate(args.records, args.predictions, args.out, options, overwrite=args.overwrite)
     m, reasons = result["metrics"], result.get("not_available", {})
 
@@ -581,8 +585,17 @@ def _run_evaluate(args) -> int:
           f"{show(m['bng']['overall_macro'], 'bng')}, "
           f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{floors}, TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
           f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}")
+    detect = m.get("detectability", {})
+    if detect.get("status") == "computed":
+        print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "
+              f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} against a human floor of "
+              f"{show(detect.get('floor_macro'))} over {detect['buckets']} buckets")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
+
+
+def _bracket(interval) -> str:
+    return "" if not interval else f"[{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 def _add_report(sub) -> None:

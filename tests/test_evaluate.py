@@ -216,7 +216,14 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
                                    "duplicate": 0, "extra": 0, "partial": False, "evaluated": len(records)}
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert set(saved["metrics"]) == {"utility", "diversity", "bng", "hcr", "buckets", "reference_rows", "mauve", "tdm",
-                                     "nuf", "aggregate"}
+                                     "nuf", "aggregate", "detectability"}
+    # People's own answers as the model's: no classifier can tell two copies apart when both answers to a
+    # prompt share a fold (folds grouped by prompt), so every bucket reads exactly 0.5
+    detect = m["detectability"]
+    assert set(detect["by_bucket"]) == set(m["buckets"]) and detect["buckets"] == len(m["buckets"])
+    assert all(auc == pytest.approx(0.5, abs=1e-12) for auc in detect["by_bucket"].values()), detect["by_bucket"]
+    assert m["reference_rows"]["human"]["detectability_macro"] == detect["floor_macro"]
+    assert m["reference_rows"]["echo_question"]["detectability_macro"] > 0.9
     assert (tmp_path / "eval" / "report.html").is_file() and (tmp_path / "eval" / "frontier.png").is_file()
 
 
@@ -297,12 +304,16 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     assert set(mauve["by_bucket"]) == {"en|multi|dialogue|short"}
     assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
     assert full["metrics"]["aggregate"]["overall"] is not None
+    # the featurizer's hidden states are a second detectability representation; without it, none
+    hidden = full["metrics"]["detectability"]["hidden_states"]
+    assert hidden["buckets"] == 1 and 0.0 <= hidden["overall_macro"] <= 1.0 and hidden["floor_macro"] is not None
+    assert "hidden_states" not in plain["metrics"]["detectability"]
 
 
 @pytest.mark.parametrize("mode", [
     [],
     ["--support", "{run}/data/train.jsonl", "--references", "{run}/stats/references.json"],
-    ["--no-diversity", "--no-baselines"],
+    ["--no-diversity", "--no-baselines", "--no-detectability"],
     ["--compat", "reference"],
     ["--compat", "reference", "--references", "{run}/stats/references.json"],
     ["--compat", "reference", "--no-diversity"],
@@ -331,6 +342,10 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and "<h2>Overall</h2>" in page
     assert ("<h2>Diversity</h2>" in page) == ("--no-diversity" not in mode)
     assert ("<h2>Per bucket</h2>" in page) == ("reference" not in mode)
+    detects = "reference" not in mode and "--no-detectability" not in mode
+    assert saved["metrics"]["detectability"]["status"] == ("computed" if detects else "skipped")
+    assert ("Detectability per bucket" in page or "detectability.png" in page) == detects
+    assert ("detectability (classifier AUC" in printed.out) == detects
 
 
 def _subset(run, tmp_path, keep):

@@ -158,6 +158,22 @@ def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_ru
     # that one is what BNG is for
     for name in ("first_clause", "echo_question"):
         assert results[name]["hcr"]["overall_macro"] < human["hcr"]["overall_macro"] - 0.2, name
+    # Detectability on the same sets: people land at their floor, the others above it in every large bucket
+    reports = human["detectability"]["reports"]
+    for bucket in large:
+        low, high = reports[bucket]["auc_interval"]
+        floor_low, floor_high = reports[bucket]["auc_floor_interval"]
+        assert low <= floor_high and floor_low <= high, (bucket, reports[bucket])
+    assert human["detectability"]["overall_macro"] == pytest.approx(0.5, abs=0.1)
+    for name in results.keys() - {"human"}:
+        reports = results[name]["detectability"]["reports"]
+        for bucket in large:
+            assert reports[bucket]["auc_interval"][0] > reports[bucket]["auc_floor_interval"][1], (name, bucket)
+    assert results["one_fixed_answer"]["detectability"]["overall_macro"] > 0.95
+    assert results["other_language_answers"]["detectability"]["overall_macro"] > 0.99
+    # echoing the question: in a dialogue the question is the other speaker's turn, a human text itself
+    assert results["echo_question"]["detectability"]["overall_macro"] > 0.85
+    assert results["first_clause"]["detectability"]["overall_macro"] > 0.85
 
 
 def test_a_missing_support_file_is_named(demo_run, tmp_path, capsys):

@@ -20,6 +20,7 @@ from polyalign.core.extras import require
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
+from polyalign.evaluate import detectability as dt
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
@@ -114,6 +115,7 @@ class EvaluateOptions:
     intervals: sp.IntervalOptions = dataclasses.field(default_factory=sp.IntervalOptions)
     diversity: bool = True
     baselines: bool = True
+    detectability: bool = True
 
     @property
     def tokenize(self) -> str:
@@ -137,7 +139,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
                 "compat": options.compat, "featurizer": options.featurizer and str(options.featurizer),
                 "scorer": options.scorer and str(options.scorer), "allow_partial": options.allow_partial,
                 "plots": options.plots, "intervals": dataclasses.asdict(options.intervals),
-                "diversity": options.diversity, "baselines": options.baselines}
+                "diversity": options.diversity, "baselines": options.baselines,
+                "detectability": options.detectability}
     out = Path(out)
     check_generated_from(Path(predictions_path), Path(records_path))
     with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
@@ -186,15 +189,21 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
     utility = _utility(scores, joined)
     div = _diversity_section(joined, options)
     bng_metrics, hcr_metrics, bucket_reports, reference_rows = _naturalness(joined, scores, utility, options)
-    mauve_metrics = _mauve_section(joined, options.featurizer)
+    featurize = _featurizer(options.featurizer) if options.featurizer is not None else None
+    mauve_metrics = _mauve_section(joined, featurize)
+    detect = _detectability_section(joined, options, featurize)
+    for name, row in detect.get("baselines", {}).items():
+        reference_rows.setdefault(name, {}).update(row)
+    if "human" in reference_rows and detect["status"] == "computed":
+        reference_rows["human"]["detectability_macro"] = detect["floor_macro"]
     multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
     tdm = turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
                         [joined.predictions[i] for i in multi], [joined.records[i].bucket_id for i in multi],
                         options.tokenize)
     nuf = _frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, utility, options.featurizer)
     metrics = {"utility": utility, "diversity": div, "bng": bng_metrics, "hcr": hcr_metrics,
-               "buckets": bucket_reports, "reference_rows": reference_rows, "mauve": mauve_metrics, "tdm": tdm,
-               "nuf": nuf}
+               "buckets": bucket_reports, "reference_rows": reference_rows, "mauve": mauve_metrics,
+               "detectability": detect, "tdm": tdm, "nuf": nuf}
     metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
                                                       mauve_metrics["global"], nuf["overall"]["hypervolume"])}
     result = _result(joined, metrics, records_path, predictions_path, options, settings)
@@ -268,16 +277,63 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     return bng, hcr, measured["by_bucket"], reference_rows
 
 
-def _mauve_section(joined: Joined, featurizer: Path | None) -> dict[str, Any]:
+def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:
     """MAUVE over all answers and conditional MAUVE per bucket."""
-    if featurizer is None:
+    if featurize is None:
         return {"status": "skipped", "reason": "no --featurizer model was given", "global": None, "by_bucket": {}}
-    featurize = _featurizer(featurizer)
     human, predictions = joined.human, joined.predictions
     by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
                  for b, idx in sorted(joined.by_bucket.items())}
     return {"status": "computed", "global": _mauve(human, predictions, featurize),
             "by_bucket": {b: v for b, v in by_bucket.items() if math.isfinite(v)}}
+
+
+def _detectability_section(joined: Joined, options: EvaluateOptions, featurize) -> dict[str, Any]:
+    """Per bucket, how well a classifier tells the model's answers from people's answers to the same
+    prompts (ROC AUC, 0.5: not at all), on character n-grams, beside the human floor; the no-model
+    baselines measured the same way; with a featurizer, the same on its hidden states."""
+    if not options.detectability:
+        return {"status": "skipped", "reason": "--no-detectability"}
+    if options.compat == "reference":
+        return {"status": "skipped", "reason": "--compat reference computes the authors' metrics only"}
+    human = dt.char_ngram_counts(joined.human)
+
+    def measured(representation, human_matrix, answers_matrix, floor=True):
+        return dt.measure(joined.by_bucket, human_matrix, answers_matrix, options.intervals, representation, floor)
+
+    section = _detectability_summary(measured(dt.CHAR_NGRAMS, human, dt.char_ngram_counts(joined.predictions)))
+    section |= {"status": "computed", "representation": dt.CHAR_NGRAMS, "classifier": "logistic regression",
+                "folds": dt.FOLDS, "grouped_by": "prompt", "min_prompts": dt.MIN_PROMPTS}
+    if options.baselines:
+        section["baselines"] = {}
+        for name in BASELINES:
+            summary = measured(dt.CHAR_NGRAMS, human, dt.char_ngram_counts(baseline_answers(name, joined.records)),
+                               floor=False)
+            section["baselines"][name] = {"detectability_macro": summary["macro"],
+                                          "detectability_macro_interval": summary.get("macro_interval")}
+    if featurize is not None:
+        def vectors(texts):
+            return np.asarray(featurize(list(texts)), float)
+
+        section[dt.HIDDEN_STATES] = _detectability_summary(
+            measured(dt.HIDDEN_STATES, vectors(joined.human), vectors(joined.predictions)))
+    return section
+
+
+def _detectability_summary(measured: dict) -> dict[str, Any]:
+    """metrics.json's layout of one detectability measurement, keyed as the BNG and HCR sections are."""
+    reports = measured["by_bucket"]
+
+    def per_bucket(key):
+        return {b: r[key] for b, r in reports.items() if r.get(key) is not None}
+
+    return {"overall_macro": measured["macro"], "overall_weighted": measured["weighted"],
+            "macro_interval": measured.get("macro_interval"), "weighted_interval": measured.get("weighted_interval"),
+            "floor_macro": measured.get("floor_macro"), "floor_macro_interval": measured.get("floor_macro_interval"),
+            "gap_macro": measured.get("gap_macro"), "buckets": measured["buckets"], "rows": measured["rows"],
+            "backed_off": measured.get("backed_off", []), "by_bucket": per_bucket("auc"),
+            "interval_by_bucket": per_bucket("auc_interval"), "floor_by_bucket": per_bucket("auc_floor"),
+            "reports": reports}
 
 
 def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, utility: dict,
@@ -378,6 +434,11 @@ def not_available_reasons(metrics: dict[str, Any], compat: str) -> dict[str, str
             f"no multi-turn bucket has {nat.MIN_BUCKET_ROWS} rows"
     if metrics["mauve"]["status"] != "computed":
         reasons["mauve"] = metrics["mauve"].get("reason", "not computed")
+    detect = metrics.get("detectability", {})
+    if detect.get("status") != "computed":
+        reasons["detectability"] = detect.get("reason", "not computed")
+    elif detect["overall_macro"] is None:
+        reasons["detectability"] = "no bucket has two prompts"
     if metrics["utility"]["overall"].get("qa_f1") is None:
         reasons["utility"] = "no rows evaluated"
     if metrics["aggregate"]["overall"] is None:
@@ -505,8 +566,19 @@ def _finite(value):
 
 
 def _featurizer(checkpoint: Path):
+    """Texts -> mean-pooled hidden states of the checkpoint; each distinct text is encoded once, since
+    MAUVE (overall and per bucket) and detectability read the same answers again."""
     model, tokenizer = load_hf_checkpoint(checkpoint), load_tokenizer(checkpoint)
-    return lambda texts: encode_responses(model, tokenizer, list(texts), 512, 16, progress=False)
+    seen: dict[str, np.ndarray] = {}
+
+    def featurize(texts):
+        texts = list(texts)
+        new = list(dict.fromkeys(t for t in texts if t not in seen))
+        if new:
+            seen.update(zip(new, encode_responses(model, tokenizer, new, 512, 16, progress=False)))
+        return np.stack([seen[t] for t in texts])
+
+    return featurize
 
 
 def _lm_scorer(scorer: Path):

@@ -29,6 +29,7 @@ OVERALL_ROWS = (
     ("Self-BLEU-4 (generated)", ("diversity", "overall", "generated", "self_bleu_4")),
     ("BNG macro (lower is better)", ("bng", "overall_macro")),
     ("HCR macro", ("hcr", "overall_macro")),
+    ("Detectability AUC macro (0.5: as people)", ("detectability", "overall_macro")),
     ("MAUVE", ("mauve", "global")),
     ("TDM", ("tdm", "overall_macro")),
     ("NUF hypervolume", ("nuf", "overall", "hypervolume")),
@@ -184,7 +185,7 @@ def _settings(result: dict) -> str:
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
 REASON_OF = {"utility": "utility", "bng": "bng", "hcr": "hcr", "mauve": "mauve", "tdm": "tdm",
-             "aggregate": "aggregate"}
+             "aggregate": "aggregate", "detectability": "detectability"}
 
 
 def _overall_value(result: dict, path: Sequence[str]) -> str:
@@ -202,16 +203,21 @@ def _overall_value(result: dict, path: Sequence[str]) -> str:
 
 def _reference_rows(m: dict) -> tuple[str, str]:
     """People and the no-model answers, measured as the model is."""
+    detect = m.get("detectability") or {}
     rows = [("model", _fmt(m["bng"]["overall_macro"]), _interval(m["bng"].get("macro_interval")),
              _fmt(m["hcr"]["overall_macro"]), _interval(m["hcr"].get("macro_interval")),
+             _fmt(detect.get("overall_macro")), _interval(detect.get("macro_interval")),
              _fmt(m["utility"]["overall"].get("qa_f1")), _interval(m["utility"]["overall"].get("qa_f1_interval")))]
     for name, row in m.get("reference_rows", {}).items():
+        detect_interval = detect.get("floor_macro_interval") if name == "human" else \
+            row.get("detectability_macro_interval")
         rows.append((name, _fmt(row.get("bng_macro")), _interval(row.get("bng_macro_interval")),
-                     _fmt(row.get("hcr_macro")), _interval(row.get("hcr_macro_interval")), _fmt(row.get("f1")),
+                     _fmt(row.get("hcr_macro")), _interval(row.get("hcr_macro_interval")),
+                     _fmt(row.get("detectability_macro")), _interval(detect_interval), _fmt(row.get("f1")),
                      _interval(row.get("f1_interval"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
-    return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval", "F1", "interval"],
-                  rows)
+    return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval",
+                   "detectability AUC macro (people near 0.5)", "interval", "F1", "interval"], rows)
 
 
 DIVERSITY_COLUMNS = (("distinct_1", "Distinct-1"), ("distinct_2", "Distinct-2"), ("distinct_3", "Distinct-3"),
@@ -228,9 +234,12 @@ def _diversity_table(overall: dict) -> tuple[str, str]:
     return _table(["answers", *(label for _, label in DIVERSITY_COLUMNS)], rows)
 
 
-def _bucket_table(buckets: dict[str, dict]) -> tuple[str, str]:
+def _bucket_table(buckets: dict[str, dict], detect: dict[str, dict]) -> tuple[str, str]:
+    """Per bucket: BNG, HCR and detectability (`detect`: its per-bucket reports), each with its interval
+    and human floor."""
     rows = []
     for bucket, r in buckets.items():
+        d = detect.get(bucket, {})
         support = (r["pool"] + (" (backed off)" if r["backed_off"] else "")
                    + f", {r['pool_rows']} answers, bands: {r['bands']}")
         small = "none (too few rows)" if r.get("too_small") else "—"
@@ -241,10 +250,13 @@ def _bucket_table(buckets: dict[str, dict]) -> tuple[str, str]:
         rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), spread("bng_interval"),
                      _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")) if r.get("bng_gap") is not None else small,
                      _fmt(r.get("hcr")), spread("hcr_interval"),
-                     _fmt(r.get("hcr_floor")), _fmt(r.get("f1")),
+                     _fmt(r.get("hcr_floor")), _fmt(d.get("auc")),
+                     _interval(d.get("auc_interval")) if d.get("auc_interval") else small, _fmt(d.get("auc_floor")),
+                     _fmt(r.get("f1")),
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
     return _table(["bucket", "rows", "support", "BNG", "interval", "human floor", "gap", "HCR", "interval",
-                   "human floor", "F1", "features farthest from people (W1/std)"], rows)
+                   "human floor", "detectability AUC", "interval", "human floor", "F1",
+                   "features farthest from people (W1/std)"], rows)
 
 
 def _samples(samples: dict[str, list[dict]]) -> str:
@@ -268,7 +280,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
     images = []
     if m.get("buckets"):
         reference_html, _ = _reference_rows(m)
-        bucket_html, _ = _bucket_table(m["buckets"])
+        detect = m.get("detectability") or {}
+        bucket_html, _ = _bucket_table(m["buckets"], detect.get("reports", {}))
         bng = m["bng"]
         summary = (f"<p>BNG {_fmt(bng['overall_macro'])} {_interval(bng.get('macro_interval'))} against a human "
                    f"floor of {_fmt(bng.get('floor_macro'))}: the model's answers are {_fmt(bng.get('gap_macro'))} "
@@ -280,6 +293,14 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                       f"({', '.join(bng['small_buckets'])}): no interval or gap of their own, and each still counts "
                       "as much as any other in the macro (the rows column says what each carries)."
                       if bng.get("small_buckets") else "") + "</p>")
+        if detect.get("status") == "computed":
+            summary += (f"<p>Detectability {_fmt(detect['overall_macro'])} {_interval(detect.get('macro_interval'))}: "
+                        "the ROC AUC of a classifier (character n-grams, logistic regression, folds grouped by "
+                        "prompt) telling the model's answers from people's answers to the same prompts, against "
+                        f"{_fmt(detect.get('floor_macro'))} {_interval(detect.get('floor_macro_interval'))} for "
+                        "people against other people (0.5: it cannot tell; 1.0: it always can). It reads none "
+                        "of the features behind BNG, HCR and the critic, so training cannot move it by matching "
+                        "those.</p>")
         sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html,
                      "<h2>Per bucket</h2>", bucket_html]
     if m["diversity"].get("overall"):
@@ -293,6 +314,10 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                    _metric_by_bucket(m["buckets"], "hcr", f"Calibrated HCR per bucket (higher is more human-like; "
                                      f"people land near {m['hcr'].get('coverage', 0.9):g})", out / "hcr.png"),
                    _metric_by_bucket(m["buckets"], "f1", "F1 per bucket (higher is better)", out / "f1.png")]
+        if (m.get("detectability") or {}).get("reports"):
+            images.append(_metric_by_bucket(m["detectability"]["reports"], "auc",
+                                            "Detectability per bucket: classifier AUC, model vs people (0.5: "
+                                            "cannot tell; lower is more human-like)", out / "detectability.png"))
     else:  # --compat reference: the per-bucket values, without floors or intervals
         per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
                       "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
@@ -318,6 +343,7 @@ def _separated(a: dict, b: dict, path: Sequence[str]) -> str:
 INTERVAL_ROWS = (
     ("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval")),
     ("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval")),
+    ("Detectability AUC macro", ("detectability", "overall_macro"), ("detectability", "macro_interval")),
     ("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
     ("Distinct-2", ("diversity", "overall", "generated", "distinct_2"),
      ("diversity", "overall", "generated_interval", "distinct_2")),
@@ -426,6 +452,9 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      "BNG per bucket (lower is more human-like)", out / "bng_by_bucket.png"),
         _bucket_bars({n: r["metrics"]["hcr"]["by_bucket"] for n, r in runs.items()},
                      "HCR per bucket (higher is more human-like)", out / "hcr_by_bucket.png"),
+        _bucket_bars({n: (r["metrics"].get("detectability") or {}).get("by_bucket", {}) for n, r in runs.items()},
+                     "Detectability AUC per bucket (0.5: as people; lower is more human-like)",
+                     out / "detectability_by_bucket.png"),
         _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png"),
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"

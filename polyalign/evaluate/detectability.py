@@ -1,0 +1,213 @@
+"""Detectability: could a reader tell a model's answers from people's answers to the same prompts?
+
+A two-sample classifier test per bucket. A linear classifier learns to separate the model's answers
+(label 1) from the human answers to the same prompts (label 0), and its out-of-fold ROC AUC is the
+number: 0.5 means it cannot tell them apart, 1.0 that it always can. The representation shares nothing
+with the 134 response features behind BNG, HCR, the support distance and HDPO's critic, so training that
+matches those features cannot move it by matching them alone:
+
+- character n-grams (1-3, TF-IDF), which read English and Chinese alike without a tokenizer, or
+- mean-pooled hidden states of a featurizer checkpoint (`--featurizer`), when one is given.
+
+Folds are grouped by prompt: the classifier never sees either answer to a prompt it is scored on, so it
+cannot win by recognising the prompt's topic. Every group holds one answer of each label, so every fold
+is balanced. A bucket with fewer than MIN_PROMPTS prompts is classified within its nearest parent
+group (language|track|family, then language), and its AUC is read on its own rows' out-of-fold scores.
+
+The floor is the same test between people and people: one random half of the pool's human answers
+against the other half, read on the bucket's rows. It is not exactly 0.5: out-of-fold scores are
+biased against the held-out rows (a text seen with the other label in training pulls its copies
+that way), so short, repetitive buckets land below 0.5 even for people; a model is read against its
+floor, not against 0.5. The floor holds half as many prompts a side as the model's test, so its
+interval is wider. Intervals are percentile bootstraps over prompts (both answers of a drawn prompt go
+together) of the out-of-fold scores; they carry the sampling of prompts, not the refitting of the
+classifier.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import scipy.sparse
+from sklearn.feature_extraction.text import HashingVectorizer, TfidfTransformer
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import GroupKFold, cross_val_predict
+from sklearn.pipeline import Pipeline, make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from polyalign.evaluate.support import IntervalOptions, choose_pools, interval
+
+MIN_PROMPTS = 20  # fewer prompts than this: the bucket is classified within its parent group
+FOLDS = 5
+CHAR_NGRAMS = "char_ngrams"
+HIDDEN_STATES = "hidden_states"
+
+
+def char_ngram_counts(texts: Sequence[str]) -> scipy.sparse.csr_matrix:
+    """Counts of character 1-3-grams inside word boundaries (a Chinese run of characters is one
+    'word'), hashed into 2^20 columns: learnt from nothing, so every text is read once and the folds
+    share the reading without sharing anything they learn."""
+    return HashingVectorizer(analyzer="char_wb", ngram_range=(1, 3), n_features=2**20, alternate_sign=False,
+                             norm=None, dtype=np.float32).transform(texts)
+
+
+def char_ngram_classifier() -> Pipeline:
+    """TF-IDF (the IDF fitted on the training folds only) and an L2-regularised logistic regression."""
+    return make_pipeline(TfidfTransformer(sublinear_tf=True), LogisticRegression(C=1.0, solver="liblinear"))
+
+
+def hidden_state_classifier() -> Pipeline:
+    return make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=2000))
+
+
+# A representation: how answers become rows of a matrix, and the classifier that reads those rows.
+REPRESENTATIONS: dict[str, Callable[[], Pipeline]] = {CHAR_NGRAMS: char_ngram_classifier,
+                                                      HIDDEN_STATES: hidden_state_classifier}
+
+Matrix = np.ndarray | scipy.sparse.csr_matrix
+def out_of_fold_scores(inputs: Matrix, labels: np.ndarray, groups: np.ndarray,
+                       representation: str) -> np.ndarray | None:
+    """Each row's decision score from a classifier fitted on the other folds (grouped: a group's rows
+    share a fold). None when there are fewer than two groups."""
+    folds = min(FOLDS, len(np.unique(groups)))
+    if folds < 2:
+        return None
+    return cross_val_predict(REPRESENTATIONS[representation](), inputs, labels, groups=groups,
+                             cv=GroupKFold(n_splits=folds), method="decision_function")
+
+
+def _take(inputs: Matrix, rows: Sequence[int]) -> Matrix:
+    return inputs[np.asarray(rows, dtype=int)]
+
+
+def _stack(first: Matrix, second: Matrix) -> Matrix:
+    """Both sides in one matrix; hashed n-gram counts keep only the columns these rows use (a solver's
+    cost grows with the columns, and 2^20 mostly empty ones cost it seconds a pool)."""
+    if not scipy.sparse.issparse(first):
+        return np.concatenate([first, second])
+    both = scipy.sparse.vstack([first, second], format="csr")
+    return both[:, np.unique(both.indices)]
+
+
+def pair_scores(side0: Matrix, side1: Matrix, representation: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Out-of-fold scores of two equally long sets whose i-th rows belong together (the two answers to
+    prompt i): row i of each side shares a group, so a fold holds both or neither."""
+    n = side0.shape[0]
+    groups = np.concatenate([np.arange(n), np.arange(n)])
+    labels = np.concatenate([np.zeros(n, int), np.ones(n, int)])
+    scores = out_of_fold_scores(_stack(side0, side1), labels, groups, representation)
+    return None if scores is None else (scores[:n], scores[n:])
+
+
+def _auc_with_draws(scores0: np.ndarray, scores1: np.ndarray, options: IntervalOptions,
+                    rng: np.random.Generator) -> tuple[float, np.ndarray]:
+    """AUC of side 1 over side 0, where row i of each side is one prompt's pair, and bootstrap draws of
+    it over prompts. A draw weighs prompt i by how often it was drawn (c_i, on both sides), so its AUC
+    is the weighted Mann-Whitney statistic c' W c / (sum c)^2 with W[i, j] = [s1_j > s0_i] + [s1_j = s0_i] / 2,
+    the same number roc_auc_score gives with those sample weights, for every draw in one product."""
+    n = len(scores0)
+    labels = np.concatenate([np.zeros(n, int), np.ones(n, int)])
+    auc = float(roc_auc_score(labels, np.concatenate([scores0, scores1])))
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=options.draws).astype(float)
+    wins = (scores1[None, :] > scores0[:, None]) + 0.5 * (scores1[None, :] == scores0[:, None])
+    draws = ((counts @ wins) * counts).sum(axis=1) / counts.sum(axis=1) ** 2
+    return auc, draws
+
+
+def _bucket_rng(seed: int, bucket: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(bucket.encode("utf-8")), 7])
+
+
+def _floor_pairs(pool: str, rows: Sequence[int], human: Matrix, seed: int) -> tuple[list[int], Matrix, Matrix]:
+    """People against people for one pool: one seeded half of the test's human answers (side 0, and
+    their rows) against the other half (side 1), paired in order. The test's own answers, not the train
+    split's: a bucket's train and test answers can come from its sources in other proportions, which a
+    classifier detects (AUC 0.56-0.61 on the demo data's large dialogue buckets), while the model
+    answers exactly the test's prompts."""
+    rng = np.random.default_rng([seed, zlib.crc32(pool.encode("utf-8")), 11])
+    order = list(rng.permutation(np.asarray(rows)))
+    half = len(order) // 2
+    return order[:half], _take(human, order[:half]), _take(human, order[half:2 * half])
+
+
+def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: Matrix, options: IntervalOptions,
+            representation: str = CHAR_NGRAMS, floor: bool = True) -> dict[str, Any]:
+    """Detectability of `generated` against `human` (row i of each, in `representation`'s matrix form,
+    answers prompt i) in every bucket, the human floor beside it (unless `floor` is False: the no-model
+    baselines share the model's floor), and macro and row-weighted averages with intervals."""
+    pools = choose_pools(list(bucket_rows), bucket_rows, MIN_PROMPTS)
+    model_scores: dict[str, tuple[dict[int, float], dict[int, float]] | None] = {}
+    floor_scores: dict[str, tuple[dict[int, float], dict[int, float]] | None] = {}
+    for pool, rows in sorted({p: tuple(r) for p, r in pools.values()}.items()):
+        scored = pair_scores(_take(human, rows), _take(generated, rows), representation)
+        model_scores[pool] = None if scored is None else (dict(zip(rows, scored[0])), dict(zip(rows, scored[1])))
+        if floor:
+            used, side0, side1 = _floor_pairs(pool, rows, human, options.seed)
+            scored = pair_scores(side0, side1, representation)
+            floor_scores[pool] = None if scored is None else (dict(zip(used, scored[0])), dict(zip(used, scored[1])))
+    by_bucket, draws = {}, {}
+    for bucket, rows in sorted(bucket_rows.items()):
+        pool = pools[bucket][0]
+        report, draws[bucket] = _bucket(bucket, list(rows), pool, model_scores[pool], floor_scores.get(pool), options)
+        by_bucket[bucket] = report
+    return {"by_bucket": by_bucket, **summarize(by_bucket, draws, options)}
+
+
+def _bucket(bucket: str, rows: list[int], pool: str, scored, floor_scored, options: IntervalOptions
+            ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    rng = _bucket_rng(options.seed, bucket)
+    report: dict[str, Any] = {"rows": len(rows), "pool": pool, "backed_off": pool != bucket}
+    nothing = np.full(options.draws, np.nan)
+    if scored is None:
+        return report | {"auc": None, "reason": "fewer than two prompts, or no text to read"}, \
+            {"auc": nothing, "floor": nothing}
+    auc, auc_draws = _auc_with_draws(np.array([scored[0][i] for i in rows]), np.array([scored[1][i] for i in rows]),
+                                     options, rng)
+    report |= {"auc": auc, "auc_interval": interval(auc_draws, options.level)}
+    floor_draws = nothing
+    if floor_scored is not None:
+        held = [i for i in rows if i in floor_scored[0]]
+        if held:
+            floor, floor_draws = _auc_with_draws(np.array([floor_scored[0][i] for i in held]),
+                                                 np.array([floor_scored[1][i] for i in held]), options, rng)
+            report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
+                       "floor_rows": len(held), "auc_gap": auc - floor}
+    if len(rows) < options.min_rows:
+        report |= {key: None for key in ("auc_interval", "auc_floor_interval", "auc_gap") if key in report}
+        report["too_small"] = f"{len(rows)} test rows, fewer than {options.min_rows}: no interval or gap"
+    return report, {"auc": auc_draws, "floor": floor_draws}
+
+
+def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np.ndarray]],
+              options: IntervalOptions) -> dict[str, Any]:
+    """Macro (every bucket once) and row-weighted AUC with intervals (bootstrap draws combined draw by
+    draw), and the floors' macro."""
+    measured = [b for b, r in by_bucket.items() if r.get("auc") is not None]
+    if not measured:
+        return {"macro": None, "weighted": None, "buckets": 0, "rows": 0}
+    rows = np.array([by_bucket[b]["rows"] for b in measured], float)
+    values = np.array([by_bucket[b]["auc"] for b in measured])
+    stacked = np.stack([draws[b]["auc"] for b in measured])
+    macro, weighted = float(values.mean()), float(values @ rows / rows.sum())
+    summary = {"macro": macro, "macro_interval": _finite_interval(stacked.mean(axis=0), options.level),
+               "weighted": weighted, "weighted_interval": _finite_interval(rows @ stacked / rows.sum(), options.level),
+               "buckets": len(measured), "rows": int(rows.sum()),
+               "backed_off": sorted(b for b in measured if by_bucket[b]["backed_off"])}
+    floors = [by_bucket[b].get("auc_floor") for b in measured]
+    if all(f is not None for f in floors):
+        floor_macro = float(np.mean(floors))
+        summary |= {"floor_macro": floor_macro,
+                    "floor_macro_interval": _finite_interval(np.stack([draws[b]["floor"] for b in measured])
+                                                             .mean(axis=0), options.level),
+                    "gap_macro": macro - floor_macro}
+    return summary
+
+
+def _finite_interval(draws: np.ndarray, level: float) -> list[float] | None:
+    """A bucket whose draws hit a one-sided resample has NaN draws (roc_auc_score needs both labels;
+    it cannot happen with paired rows, but a NaN must not pass silently)."""
+    return None if not np.all(np.isfinite(draws)) else interval(draws, level)

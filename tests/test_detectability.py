@@ -1,0 +1,59 @@
+"""Detectability: the classifier two-sample test's statistics, folds and pools (real-text validity is in
+tests/test_support.py, beside BNG's)."""
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from polyalign.evaluate import detectability as dt
+from polyalign.evaluate.support import IntervalOptions
+
+
+def test_bootstrap_draws_are_the_weighted_auc_sklearn_computes():
+    """Every draw of the one-product Mann-Whitney form equals roc_auc_score with the draw's counts as
+    sample weights (both answers of a drawn prompt weigh the same), ties included."""
+    rng = np.random.default_rng(3)
+    scores0, scores1 = rng.integers(0, 6, 40).astype(float), rng.integers(1, 7, 40).astype(float)  # many ties
+    options = IntervalOptions(draws=25)
+    auc, draws = dt._auc_with_draws(scores0, scores1, options, np.random.default_rng(5))
+    labels = np.r_[np.zeros(40), np.ones(40)]
+    assert auc == pytest.approx(roc_auc_score(labels, np.r_[scores0, scores1]), abs=1e-12)
+    counts = np.random.default_rng(5).multinomial(40, np.full(40, 1 / 40), size=25).astype(float)
+    expected = [roc_auc_score(labels, np.r_[scores0, scores1], sample_weight=np.r_[c, c]) for c in counts]
+    np.testing.assert_allclose(draws, expected, rtol=0, atol=1e-12)
+
+
+def test_a_bucket_with_few_prompts_is_classified_within_its_parent_group():
+    """Five prompts of a bucket are read on the scores of a classifier fitted on its language|track|family
+    group; a bucket with enough prompts has its own; row i of each side answers prompt i."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    human = [f"{words[i % 8]} {words[(i * 3) % 8]} said the person" for i in range(45)]
+    generated = [f"As an AI model, {words[i % 8]}." for i in range(45)]
+    buckets = {"en|single|qa|short": list(range(40)), "en|single|qa|long": list(range(40, 45))}
+    measured = dt.measure(buckets, dt.char_ngram_counts(human), dt.char_ngram_counts(generated),
+                          IntervalOptions(draws=20))
+    short, long = measured["by_bucket"]["en|single|qa|short"], measured["by_bucket"]["en|single|qa|long"]
+    assert (short["pool"], short["backed_off"]) == ("en|single|qa|short", False)
+    assert (long["pool"], long["backed_off"]) == ("en|single|qa", True)
+    assert short["auc"] == long["auc"] == 1.0  # the model's phrase gives it away
+    assert short["auc_interval"] == [1.0, 1.0] and long["rows"] == 5
+    assert measured["backed_off"] == ["en|single|qa|long"] and measured["buckets"] == 2
+    assert measured["macro"] == 1.0 and measured["weighted"] == 1.0
+
+
+def test_the_floor_is_people_against_people_and_folds_are_grouped_by_prompt():
+    """Row i of `generated` is people's answer to prompt i with a marker: the model is caught. The same
+    answers unmarked read exactly 0.5 (each copy is scored by the classifier that never saw the
+    other), and the floor, people against people, stays near 0.5."""
+    rng = np.random.default_rng(0)
+    vocabulary = [f"w{i}" for i in range(60)]
+    human = [" ".join(rng.choice(vocabulary, 12)) for _ in range(80)]
+    buckets = {"zh|multi|dialogue|short": list(range(80))}
+    options = IntervalOptions(draws=50)
+    marked = dt.measure(buckets, dt.char_ngram_counts(human), dt.char_ngram_counts([h + " 嗯嗯" for h in human]),
+                        options)["by_bucket"]["zh|multi|dialogue|short"]
+    same = dt.measure(buckets, dt.char_ngram_counts(human), dt.char_ngram_counts(human),
+                      options)["by_bucket"]["zh|multi|dialogue|short"]
+    assert marked["auc"] == 1.0 and same["auc"] == pytest.approx(0.5, abs=1e-12)
+    assert marked["auc_floor"] == same["auc_floor"] and abs(same["auc_floor"] - 0.5) < 0.15
+    assert marked["floor_rows"] == 40 and marked["auc_gap"] == pytest.approx(1.0 - marked["auc_floor"])
