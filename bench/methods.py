@@ -4,7 +4,8 @@ Uniform SFT, Bucket-SFT with the default weights, with METHOD's N / (K n_b) and 
 then from the default Bucket-SFT model: DPO, HDPO, SimPO with HDPO's terms, and HDPO with on-policy
 rounds. Each seed changes the model's initialisation, the data order, the sampled pairs and the sampled
 test answers. For every method: per-bucket and macro BNG and HCR, F1, validation loss and worst bucket
-(SFT methods), as mean and standard deviation over the seeds, in OUT/methods.json, OUT/methods.md and
+(SFT methods), detectability (a classifier's AUC telling the model's answers from people's, beside
+its human floor), as mean and standard deviation over the seeds, in OUT/methods.json, OUT/methods.md and
 OUT/methods.png.
 
     python bench/methods.py --out runs/methods --seeds 0 1 2
@@ -84,7 +85,11 @@ def evaluate_model(model: Path | None, run: Path, out: Path, seed: int, sizes: d
             "hcr": m["hcr"]["overall_macro"], "hcr_floor": m["hcr"]["floor_macro"],
             "f1": m["utility"]["overall"]["qa_f1"], "bng_by_bucket": m["bng"]["by_bucket"],
             "bng_gap_by_bucket": m["bng"]["gap_by_bucket"],
-            "baselines": {name: {"bng": row["bng_macro"], "hcr": row["hcr_macro"], "f1": row.get("f1")}
+            "detectability": m["detectability"]["overall_macro"],
+            "detectability_floor": m["detectability"]["floor_macro"],
+            "detectability_by_bucket": m["detectability"]["by_bucket"],
+            "baselines": {name: {"bng": row["bng_macro"], "hcr": row["hcr_macro"], "f1": row.get("f1"),
+                                 "detectability": row.get("detectability_macro")}
                           for name, row in m["reference_rows"].items()}}
 
 
@@ -147,20 +152,22 @@ def aggregate(per_seed: dict[int, dict[str, dict]]) -> dict[str, dict]:
     for method in methods:
         runs = [results[method] for results in per_seed.values() if method in results]
         entry: dict = {"seeds": len(runs)}
-        for key in ("val_loss", "val_worst_bucket", "bng", "bng_floor", "bng_gap", "hcr", "hcr_floor", "f1"):
+        for key in ("val_loss", "val_worst_bucket", "bng", "bng_floor", "bng_gap", "hcr", "hcr_floor", "f1",
+                    "detectability", "detectability_floor"):
             values = [r[key] for r in runs if r.get(key) is not None]
             if values:
                 entry[key] = {"mean": round(float(np.mean(values)), 4), "std": round(float(np.std(values)), 4)}
-        for key in ("bng_by_bucket", "bng_gap_by_bucket"):
+        for key in ("bng_by_bucket", "bng_gap_by_bucket", "detectability_by_bucket"):
             buckets = sorted({b for r in runs for b in r.get(key, {})})
-            entry[key] = {b: round(float(np.mean([r[key][b] for r in runs if b in r[key]])), 4) for b in buckets}
+            entry[key] = {b: round(float(np.mean([r[key][b] for r in runs if b in r.get(key, {})])), 4)
+                          for b in buckets}
         summary[method] = entry
     # people and the no-model answers, measured the same way on each seed's test sample
     rows = [next((r["baselines"] for r in results.values() if "baselines" in r), None) for results in per_seed.values()]
     rows = [row for row in rows if row]
     for name in (rows[0] if rows else {}):
         entry = {"seeds": len(rows)}
-        for key in ("bng", "hcr", "f1"):
+        for key in ("bng", "hcr", "f1", "detectability"):
             values = [row[name][key] for row in rows if row[name].get(key) is not None]
             if values:
                 entry[key] = {"mean": round(float(np.mean(values)), 4), "std": round(float(np.std(values)), 4)}
@@ -172,11 +179,15 @@ def table(summary: dict[str, dict]) -> str:
     def cell(entry, key):
         return f"{entry[key]['mean']:.3f} ± {entry[key]['std']:.3f}" if key in entry else "-"
 
+    def with_floor(entry, key):
+        return cell(entry, key) + (f" ({entry[key + '_floor']['mean']:.2f})" if key + "_floor" in entry else "")
+
     lines = ["| method | seeds | BNG macro (lower = closer to people) | BNG - human floor | HCR macro (human floor) "
-             "| F1 | val loss | worst bucket |", "|---|---|---|---|---|---|---|---|"]
+             "| detectability AUC (human floor; 0.5 = as people) | F1 | val loss | worst bucket |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for method, entry in summary.items():
-        hcr = cell(entry, "hcr") + (f" ({entry['hcr_floor']['mean']:.2f})" if "hcr_floor" in entry else "")
-        lines.append(f"| {method} | {entry['seeds']} | {cell(entry, 'bng')} | {cell(entry, 'bng_gap')} | {hcr} | "
+        lines.append(f"| {method} | {entry['seeds']} | {cell(entry, 'bng')} | {cell(entry, 'bng_gap')} | "
+                     f"{with_floor(entry, 'hcr')} | {with_floor(entry, 'detectability')} | "
                      + " | ".join(cell(entry, k) for k in ("f1", "val_loss", "val_worst_bucket")) + " |")
     return "\n".join(lines) + "\n"
 
@@ -187,9 +198,10 @@ def plot(summary: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, key, title in ((axes[0], "bng", "BNG macro (lower is closer to people)"),
-                           (axes[1], "hcr", "HCR macro (higher is more human-like)")):
+                           (axes[1], "hcr", "HCR macro (higher is more human-like)"),
+                           (axes[2], "detectability", "detectability AUC (0.5: as people)")):
         names = [m for m in summary if key in summary[m]]
         ax.bar(range(len(names)), [summary[m][key]["mean"] for m in names],
                yerr=[summary[m][key]["std"] for m in names], capsize=3)

@@ -166,10 +166,12 @@ def test_methods_bench_aggregates_over_seeds_by_hand(tmp_path):
     people = {"human": {"bng": 0.5, "hcr": 0.9, "f1": None}, "echo_question": {"bng": 0.9, "hcr": 0.4, "f1": 0.2}}
     per_seed = {0: {"sft": {"val_loss": 6.0, "val_worst_bucket": 7.0, "bng": 1.5, "bng_floor": 0.5, "bng_gap": 1.0,
                             "hcr": 0.08, "hcr_floor": 0.9, "f1": 0.02, "bng_by_bucket": {"a": 1.0, "b": 2.0},
+                            "detectability": 0.9, "detectability_floor": 0.45, "detectability_by_bucket": {"a": 0.9},
                             "baselines": people},
                     "dpo": {"bng": 5.0, "hcr": None, "f1": 0.04, "bng_by_bucket": {"a": 4.0}}},
                 1: {"sft": {"val_loss": 6.2, "val_worst_bucket": 7.4, "bng": 1.7, "bng_floor": 0.7, "bng_gap": 1.0,
                             "hcr": 0.06, "hcr_floor": 0.9, "f1": 0.02, "bng_by_bucket": {"a": 3.0},
+                            "detectability": 0.7, "detectability_floor": 0.55,
                             "baselines": {"human": {"bng": 0.7, "hcr": 0.9, "f1": None},
                                           "echo_question": {"bng": 1.1, "hcr": 0.6, "f1": 0.2}}}}}
     summary = methods.aggregate(per_seed)
@@ -182,7 +184,10 @@ def test_methods_bench_aggregates_over_seeds_by_hand(tmp_path):
     assert summary["(human)"] == {"seeds": 2, "bng": {"mean": 0.6, "std": 0.1}, "hcr": {"mean": 0.9, "std": 0.0}}
     assert summary["(echo_question)"]["hcr"] == {"mean": 0.5, "std": 0.1}
     text = methods.table(summary)
-    assert "| dpo | 1 | 5.000 ± 0.000 | - | - | 0.040 ± 0.000 | - | - |" in text
-    assert "| sft | 2 | 1.600 ± 0.100 | 1.000 ± 0.000 | 0.070 ± 0.010 (0.90) | 0.020 ± 0.000 |" in text
+    assert summary["sft"]["detectability"] == {"mean": 0.8, "std": 0.1}
+    assert summary["sft"]["detectability_by_bucket"] == {"a": 0.9}  # seed 1 was evaluated before detectability
+    assert "| dpo | 1 | 5.000 ± 0.000 | - | - | - | 0.040 ± 0.000 | - | - |" in text
+    assert ("| sft | 2 | 1.600 ± 0.100 | 1.000 ± 0.000 | 0.070 ± 0.010 (0.90) | 0.800 ± 0.100 (0.50) | "
+            "0.020 ± 0.000 |") in text
     methods.plot(summary, tmp_path / "methods.png")
     assert (tmp_path / "methods.png").stat().st_size > 5_000

@@ -177,6 +177,9 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         metrics = json.loads((run / "eval" / method / "metrics.json").read_text())
         assert metrics["alignment"]["evaluated"] == 48 and metrics["alignment"]["partial"]
         assert metrics["metrics"]["mauve"]["status"] == "computed"
+        # a classifier tells the 20-step demo models' answers from people's, well above people's own floor
+        detect = metrics["metrics"]["detectability"]
+        assert detect["overall_macro"] > detect["floor_macro"] + 0.1, (method, detect["overall_macro"])
     assert (run / "report" / "report.html").is_file() and (run / "report" / "report.md").is_file()
     # The same command again redoes a stage from its outputs; the full demo's settings are refused in a
     # quick run's folder, naming the key, until --overwrite.
