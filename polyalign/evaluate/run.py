@@ -549,6 +549,7 @@ def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[d
                             "gap_by_bucket": per_bucket("bng_gap")}
     inside = per_bucket("feature_inside")
     hcr = section("hcr") | {"definition": "calibrated", "coverage": options.coverage,
+                            "above_people": sorted(b for b, r in by_bucket.items() if r.get("hcr_above_people")),
                             "strict_by_bucket": per_bucket("hcr_strict"), "feature_inside_by_bucket": inside,
                             "feature_inside_macro": float(np.mean(list(inside.values()))) if inside else None}
     return bng, hcr

@@ -260,6 +260,11 @@ def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.
                                          "hcr_floor_interval", "bng_gap")}
         report["too_small"] = (f"{report['rows']} test row{'s' * (report['rows'] != 1)}, fewer than "
                                f"{options.min_rows}: no interval or gap")
+    # HCR counts answers inside people's bands, so answers that all sit at the typical values (an LLM's
+    # mode-seeking style, one answer repeated) pass more often than people themselves: above the floor
+    # is too uniform, not more human. BNG sees the missing spread; this flag says which buckets to read so.
+    report["hcr_above_people"] = bool(report.get("hcr_interval") and report.get("hcr_floor_interval")
+                                      and report["hcr_interval"][0] > report["hcr_floor_interval"][1])
     return report, draws
 
 

@@ -249,8 +249,8 @@ def _bucket_table(buckets: dict[str, dict], detect: dict[str, dict]) -> tuple[st
 
         rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), spread("bng_interval"),
                      _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")) if r.get("bng_gap") is not None else small,
-                     _fmt(r.get("hcr")), spread("hcr_interval"),
-                     _fmt(r.get("hcr_floor")), _fmt(d.get("auc")),
+                     _fmt(r.get("hcr")) + (" (above people: too uniform)" if r.get("hcr_above_people") else ""),
+                     spread("hcr_interval"), _fmt(r.get("hcr_floor")), _fmt(d.get("auc")),
                      _interval(d.get("auc_interval")) if d.get("auc_interval") else small, _fmt(d.get("auc_floor")),
                      _fmt(r.get("f1")),
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
@@ -293,6 +293,12 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                       f"({', '.join(bng['small_buckets'])}): no interval or gap of their own, and each still counts "
                       "as much as any other in the macro (the rows column says what each carries)."
                       if bng.get("small_buckets") else "") + "</p>")
+        above = m["hcr"].get("above_people") or []
+        if above:
+            summary += (f"<p>HCR lies above people's own in {len(above)} bucket{'s' * (len(above) != 1)} "
+                        f"({html.escape(', '.join(above))}): the answers sit at the typical values more often than "
+                        "people's do, which is too uniform, not more human (a typical answer repeated passes every "
+                        "time); BNG and detectability there say how far they are.</p>")
         if detect.get("status") == "computed":
             summary += (f"<p>Detectability {_fmt(detect['overall_macro'])} {_interval(detect.get('macro_interval'))}: "
                         "the ROC AUC of a classifier (character n-grams, logistic regression, folds grouped by "
