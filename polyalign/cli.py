@@ -538,7 +538,7 @@ def _add_evaluate(sub) -> None:
                         "test records' own human answers then become the human floor, measured exactly as the "
                         "model's; default: the test records' human answers, floor from held-out halves of them")
     p.add_argument("--bootstrap-draws", type=int, default=200, metavar="N",
-                   help="bootstrap draws for the intervals of BNG, HCR and F1 (default 200)")
+                   help="bootstrap draws for the intervals of BNG, HCR, F1 and detectability (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and the floor's held-out halves")
     p.add_argument("--no-diversity", action="store_true",
                    help="skip distinct-n and Self-BLEU (the slowest text metrics on long answers)")

@@ -56,4 +56,4 @@ def test_the_floor_is_people_against_people_and_folds_are_grouped_by_prompt():
                       options)["by_bucket"]["zh|multi|dialogue|short"]
     assert marked["auc"] == 1.0 and same["auc"] == pytest.approx(0.5, abs=1e-12)
     assert marked["auc_floor"] == same["auc_floor"] and abs(same["auc_floor"] - 0.5) < 0.15
-    assert marked["floor_rows"] == 40 and marked["auc_gap"] == pytest.approx(1.0 - marked["auc_floor"])
+    assert marked["floor_pairs"] == 40 and marked["auc_gap"] == pytest.approx(1.0 - marked["auc_floor"])

@@ -122,16 +122,16 @@ def _bucket_rng(seed: int, bucket: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(bucket.encode("utf-8")), 7])
 
 
-def _floor_pairs(pool: str, rows: Sequence[int], human: Matrix, seed: int) -> tuple[list[int], Matrix, Matrix]:
-    """People against people for one pool: one seeded half of the test's human answers (side 0, and
-    their rows) against the other half (side 1), paired in order. The test's own answers, not the train
-    split's: a bucket's train and test answers can come from its sources in other proportions, which a
-    classifier detects (AUC 0.56-0.61 on the demo data's large dialogue buckets), while the model
-    answers exactly the test's prompts."""
+def _floor_pairs(pool: str, rows: Sequence[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """People against people for one pool: the test rows of one seeded half (side 0) and of the other
+    (side 1), paired in order (with an odd count, one row sits out). The test's own answers, not the
+    train split's: a bucket's train and test answers can come from its sources in other proportions,
+    which a classifier detects (AUC 0.56-0.61 on the demo data's large dialogue buckets), while the
+    model answers exactly the test's prompts."""
     rng = np.random.default_rng([seed, zlib.crc32(pool.encode("utf-8")), 11])
-    order = list(rng.permutation(np.asarray(rows)))
+    order = rng.permutation(np.asarray(rows, dtype=int))
     half = len(order) // 2
-    return order[:half], _take(human, order[:half]), _take(human, order[half:2 * half])
+    return order[:half], order[half:2 * half]
 
 
 def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: Matrix, options: IntervalOptions,
@@ -141,14 +141,14 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: 
     baselines share the model's floor), and macro and row-weighted averages with intervals."""
     pools = choose_pools(list(bucket_rows), bucket_rows, MIN_PROMPTS)
     model_scores: dict[str, tuple[dict[int, float], dict[int, float]] | None] = {}
-    floor_scores: dict[str, tuple[dict[int, float], dict[int, float]] | None] = {}
+    floor_scores: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None] = {}
     for pool, rows in sorted({p: tuple(r) for p, r in pools.values()}.items()):
         scored = pair_scores(_take(human, rows), _take(generated, rows), representation)
         model_scores[pool] = None if scored is None else (dict(zip(rows, scored[0])), dict(zip(rows, scored[1])))
         if floor:
-            used, side0, side1 = _floor_pairs(pool, rows, human, options.seed)
-            scored = pair_scores(side0, side1, representation)
-            floor_scores[pool] = None if scored is None else (dict(zip(used, scored[0])), dict(zip(used, scored[1])))
+            rows0, rows1 = _floor_pairs(pool, rows, options.seed)
+            scored = pair_scores(_take(human, rows0), _take(human, rows1), representation)
+            floor_scores[pool] = None if scored is None else (rows0, rows1, *scored)
     by_bucket, draws = {}, {}
     for bucket, rows in sorted(bucket_rows.items()):
         pool = pools[bucket][0]
@@ -169,13 +169,13 @@ def _bucket(bucket: str, rows: list[int], pool: str, scored, floor_scored, optio
                                      options, rng)
     report |= {"auc": auc, "auc_interval": interval(auc_draws, options.level)}
     floor_draws = nothing
-    if floor_scored is not None:
-        held = [i for i in rows if i in floor_scored[0]]
-        if held:
-            floor, floor_draws = _auc_with_draws(np.array([floor_scored[0][i] for i in held]),
-                                                 np.array([floor_scored[1][i] for i in held]), options, rng)
+    if floor_scored is not None:  # the floor's pairs that hold one of the bucket's own people
+        rows0, rows1, scores0, scores1 = floor_scored
+        held = np.isin(rows0, rows) | np.isin(rows1, rows)
+        if held.any():
+            floor, floor_draws = _auc_with_draws(scores0[held], scores1[held], options, rng)
             report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
-                       "floor_rows": len(held), "auc_gap": auc - floor}
+                       "floor_pairs": int(held.sum()), "auc_gap": auc - floor}
     if len(rows) < options.min_rows:
         report |= {key: None for key in ("auc_interval", "auc_floor_interval", "auc_gap") if key in report}
         report["too_small"] = f"{len(rows)} test rows, fewer than {options.min_rows}: no interval or gap"
@@ -197,11 +197,12 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
                "weighted": weighted, "weighted_interval": _finite_interval(rows @ stacked / rows.sum(), options.level),
                "buckets": len(measured), "rows": int(rows.sum()),
                "backed_off": sorted(b for b in measured if by_bucket[b]["backed_off"])}
-    floors = [by_bucket[b].get("auc_floor") for b in measured]
-    if all(f is not None for f in floors):
-        floor_macro = float(np.mean(floors))
-        summary |= {"floor_macro": floor_macro,
-                    "floor_macro_interval": _finite_interval(np.stack([draws[b]["floor"] for b in measured])
+    # a one-answer bucket whose answer sat out of its pool's halves has no floor of its own
+    floored = [b for b in measured if by_bucket[b].get("auc_floor") is not None]
+    if floored:
+        floor_macro = float(np.mean([by_bucket[b]["auc_floor"] for b in floored]))
+        summary |= {"floor_macro": floor_macro, "floor_buckets": len(floored),
+                    "floor_macro_interval": _finite_interval(np.stack([draws[b]["floor"] for b in floored])
                                                              .mean(axis=0), options.level),
                     "gap_macro": macro - floor_macro}
     return summary

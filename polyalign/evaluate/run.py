@@ -330,6 +330,7 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
     return {"overall_macro": measured["macro"], "overall_weighted": measured["weighted"],
             "macro_interval": measured.get("macro_interval"), "weighted_interval": measured.get("weighted_interval"),
             "floor_macro": measured.get("floor_macro"), "floor_macro_interval": measured.get("floor_macro_interval"),
+            "floor_buckets": measured.get("floor_buckets", 0),
             "gap_macro": measured.get("gap_macro"), "buckets": measured["buckets"], "rows": measured["rows"],
             "backed_off": measured.get("backed_off", []), "by_bucket": per_bucket("auc"),
             "interval_by_bucket": per_bucket("auc_interval"), "floor_by_bucket": per_bucket("auc_floor"),

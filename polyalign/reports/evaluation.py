@@ -322,8 +322,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                    _metric_by_bucket(m["buckets"], "f1", "F1 per bucket (higher is better)", out / "f1.png")]
         if (m.get("detectability") or {}).get("reports"):
             images.append(_metric_by_bucket(m["detectability"]["reports"], "auc",
-                                            "Detectability per bucket: classifier AUC, model vs people (0.5: "
-                                            "cannot tell; lower is more human-like)", out / "detectability.png"))
+                                            "Detectability: classifier AUC, model vs people (0.5: cannot tell)",
+                                            out / "detectability.png"))
     else:  # --compat reference: the per-bucket values, without floors or intervals
         per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
                       "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
