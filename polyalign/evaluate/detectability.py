@@ -122,16 +122,23 @@ def _bucket_rng(seed: int, bucket: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(bucket.encode("utf-8")), 7])
 
 
-def _floor_pairs(pool: str, rows: Sequence[int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """People against people for one pool: the test rows of one seeded half (side 0) and of the other
-    (side 1), paired in order (with an odd count, one row sits out). The test's own answers, not the
-    train split's: a bucket's train and test answers can come from its sources in other proportions,
-    which a classifier detects (AUC 0.56-0.61 on the demo data's large dialogue buckets), while the
-    model answers exactly the test's prompts."""
+def _floor_pairs(pool: str, rows_by_bucket: Mapping[str, Sequence[int]], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """People against people for one pool: within each of its buckets, the test rows of one seeded half
+    (side 0) and of the other (side 1), paired in order (with an odd count, one row sits out). Halved
+    bucket by bucket, so that both sides of a pool that mixes buckets (a parent group, "all") hold
+    them in the same proportions: random halves of a mixed pool differ in language and length, which
+    the classifier detects (floors of 0.8 on the quick demo's 48 rows). The test's own answers, not the
+    train split's: a bucket's train and test answers can come from its sources in other proportions
+    (AUC 0.56-0.61 on the demo data's large dialogue buckets), while the model answers exactly the
+    test's prompts."""
     rng = np.random.default_rng([seed, zlib.crc32(pool.encode("utf-8")), 11])
-    order = rng.permutation(np.asarray(rows, dtype=int))
-    half = len(order) // 2
-    return order[:half], order[half:2 * half]
+    side0, side1 = [], []
+    for _, rows in sorted(rows_by_bucket.items()):
+        order = rng.permutation(np.asarray(rows, dtype=int))
+        half = len(order) // 2
+        side0.append(order[:half])
+        side1.append(order[half:2 * half])
+    return np.concatenate(side0), np.concatenate(side1)
 
 
 def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: Matrix, options: IntervalOptions,
@@ -142,11 +149,15 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: 
     pools = choose_pools(list(bucket_rows), bucket_rows, MIN_PROMPTS)
     model_scores: dict[str, tuple[dict[int, float], dict[int, float]] | None] = {}
     floor_scores: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None] = {}
+    bucket_of = {row: bucket for bucket, rows in bucket_rows.items() for row in rows}
     for pool, rows in sorted({p: tuple(r) for p, r in pools.values()}.items()):
         scored = pair_scores(_take(human, rows), _take(generated, rows), representation)
         model_scores[pool] = None if scored is None else (dict(zip(rows, scored[0])), dict(zip(rows, scored[1])))
         if floor:
-            rows0, rows1 = _floor_pairs(pool, rows, options.seed)
+            members: dict[str, list[int]] = {}
+            for row in rows:
+                members.setdefault(bucket_of[row], []).append(row)
+            rows0, rows1 = _floor_pairs(pool, members, options.seed)
             scored = pair_scores(_take(human, rows0), _take(human, rows1), representation)
             floor_scores[pool] = None if scored is None else (rows0, rows1, *scored)
     by_bucket, draws = {}, {}
