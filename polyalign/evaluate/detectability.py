@@ -69,6 +69,8 @@ REPRESENTATIONS: dict[str, Callable[[], Pipeline]] = {CHAR_NGRAMS: char_ngram_cl
                                                       HIDDEN_STATES: hidden_state_classifier}
 
 Matrix = np.ndarray | scipy.sparse.csr_matrix
+
+
 def out_of_fold_scores(inputs: Matrix, labels: np.ndarray, groups: np.ndarray,
                        representation: str) -> np.ndarray | None:
     """Each row's decision score from a classifier fitted on the other folds (grouped: a group's rows
@@ -107,14 +109,18 @@ def _auc_with_draws(scores0: np.ndarray, scores1: np.ndarray, options: IntervalO
                     rng: np.random.Generator) -> tuple[float, np.ndarray]:
     """AUC of side 1 over side 0, where row i of each side is one prompt's pair, and bootstrap draws of
     it over prompts. A draw weighs prompt i by how often it was drawn (c_i, on both sides), so its AUC
-    is the weighted Mann-Whitney statistic c' W c / (sum c)^2 with W[i, j] = [s1_j > s0_i] + [s1_j = s0_i] / 2,
-    the same number roc_auc_score gives with those sample weights, for every draw in one product."""
+    is the weighted Mann-Whitney statistic sum_j c_j (C(< s1_j) + C(= s1_j) / 2) / (sum c)^2, with C the
+    draw's weight of side-0 scores below or equal to s1_j: the number roc_auc_score gives with those
+    sample weights, for every draw at once from one sort (memory: draws x prompts)."""
     n = len(scores0)
     labels = np.concatenate([np.zeros(n, int), np.ones(n, int)])
     auc = float(roc_auc_score(labels, np.concatenate([scores0, scores1])))
     counts = rng.multinomial(n, np.full(n, 1.0 / n), size=options.draws).astype(float)
-    wins = (scores1[None, :] > scores0[:, None]) + 0.5 * (scores1[None, :] == scores0[:, None])
-    draws = ((counts @ wins) * counts).sum(axis=1) / counts.sum(axis=1) ** 2
+    order = np.argsort(scores0, kind="stable")
+    below = np.concatenate([np.zeros((options.draws, 1)), np.cumsum(counts[:, order], axis=1)], axis=1)
+    lower = below[:, np.searchsorted(scores0[order], scores1, side="left")]
+    upper = below[:, np.searchsorted(scores0[order], scores1, side="right")]
+    draws = (counts * (lower + (upper - lower) / 2)).sum(axis=1) / counts.sum(axis=1) ** 2
     return auc, draws
 
 
