@@ -80,9 +80,11 @@ def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: P
     def bars(key, offset, label, color):
         values = [buckets[b].get(key) for b in names]
         shown = [np.nan if v is None else v for v in values]
-        errors = np.array([[v - (buckets[b].get(f"{key}_interval") or [v, v])[0],
-                            (buckets[b].get(f"{key}_interval") or [v, v])[1] - v] if v is not None else [0, 0]
-                           for b, v in zip(names, values)]).T
+        # A percentile interval need not hold its estimate (few draws, or an AUC at a tie-heavy edge):
+        # the bar then shows the side that does, not a negative length matplotlib refuses.
+        errors = np.clip(np.array([[v - (buckets[b].get(f"{key}_interval") or [v, v])[0],
+                                    (buckets[b].get(f"{key}_interval") or [v, v])[1] - v] if v is not None else [0, 0]
+                                   for b, v in zip(names, values)]).T, 0.0, None)
         ax.barh(y + offset, shown, height=0.38, xerr=errors, capsize=2, label=label, color=color)
 
     bars(metric, 0.0, "model", "#4C72B0")
