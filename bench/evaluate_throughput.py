@@ -1,9 +1,11 @@
 """Time `polyalign evaluate` (text metrics, no featurizer or scorer) on N rows.
 
     python bench/evaluate_throughput.py [--rows 50000] [--compat reference] [--no-diversity]
+                                        [--no-detectability]
 
 The default mode includes every bucket's human floor (held-out halves, the test answers being the
-support), 200 bootstrap draws and the two no-model baselines.
+support), 200 bootstrap draws, the two no-model baselines and detectability (with its floor and the
+baselines').
 
 Rows are the authors' English sample (../shared/data/en/polyalign-sample/dist_sft_test.json, 2,000
 records) repeated under new ids until N, with the first sentence of the context (or question) as the
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=50_000)
     parser.add_argument("--compat", choices=("cjk", "reference"), default="cjk")
     parser.add_argument("--no-diversity", action="store_true")
+    parser.add_argument("--no-detectability", action="store_true")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from polyalign.data.prepare import prepare
@@ -53,13 +56,17 @@ def main() -> None:
                 predictions.write(json.dumps({"id": record["id"], "prediction": prediction}) + "\n")
         started = time.perf_counter()
         evaluate(tmp / "records.jsonl", tmp / "pred.jsonl", tmp / "eval",
-                 EvaluateOptions(compat=args.compat, plots=False, diversity=not args.no_diversity))
+                 EvaluateOptions(compat=args.compat, plots=False, diversity=not args.no_diversity,
+                                 detectability=not args.no_detectability))
         seconds = time.perf_counter() - started
     result = {"rows": args.rows, "compat": args.compat, "diversity": not args.no_diversity,
-              "seconds": round(seconds, 1), "rows_per_s": round(args.rows / seconds, 1)}
+              "detectability": not args.no_detectability, "seconds": round(seconds, 1),
+              "rows_per_s": round(args.rows / seconds, 1)}
     print(f"evaluate, {args.rows} rows (text metrics, compat {args.compat}, diversity "
-          f"{'off' if args.no_diversity else 'on'}): {seconds:.1f} s, {args.rows / seconds:.0f} rows/s")
+          f"{'off' if args.no_diversity else 'on'}, detectability {'off' if args.no_detectability else 'on'}): "
+          f"{seconds:.1f} s, {args.rows / seconds:.0f} rows/s")
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "evaluate_throughput.json").write_text(json.dumps(result, indent=2))
 
 

@@ -256,25 +256,31 @@ def test_a_stage_output_recognises_its_own_unfinished_output_and_nothing_else(tm
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
     """A KeyboardInterrupt raised inside a garbage-collector callback (where JAX runs one) is ignored by
     Python; the flag SIGINT also sets makes the next check raise it again."""
-    import os
     import signal
     import time
 
     from polyalign.core.interrupts import check_interrupted, interrupts_remembered
 
-    with interrupts_remembered():
-        # The handler runs when the main thread next checks for signals: at once, or on a busy machine
-        # some time later; wait for it (up to 10 s), swallowing its own raise wherever it comes.
-        deadline, sent = time.monotonic() + 10, False
-        with pytest.raises(KeyboardInterrupt):
-            while time.monotonic() < deadline:
-                try:
-                    if not sent:
-                        sent = True
-                        os.kill(os.getpid(), signal.SIGINT)
-                    time.sleep(0.01)
-                except KeyboardInterrupt:
-                    pass  # the handler's raise, swallowed as a garbage-collector callback would
-                check_interrupted()
-    check_interrupted()  # outside a command: nothing remembered
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # The command's own starting point (Python's handler, SIGINT not blocked), whatever an earlier test
+    # in this worker process left behind.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        with interrupts_remembered():
+            # raise_signal delivers to this (the main) thread, whose next bytecode runs the handler; wait
+            # for it all the same (up to 10 s), swallowing its own raise wherever it comes.
+            deadline, sent = time.monotonic() + 10, False
+            with pytest.raises(KeyboardInterrupt):
+                while time.monotonic() < deadline:
+                    try:
+                        if not sent:
+                            sent = True
+                            signal.raise_signal(signal.SIGINT)
+                        time.sleep(0.01)
+                    except KeyboardInterrupt:
+                        pass  # the handler's raise, swallowed as a garbage-collector callback would
+                    check_interrupted()
+        check_interrupted()  # outside a command: nothing remembered
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
