@@ -153,19 +153,17 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: 
     answers prompt i) in every bucket, the human floor beside it (unless `floor` is False: the no-model
     baselines share the model's floor), and macro and row-weighted averages with intervals."""
     pools = choose_pools(list(bucket_rows), bucket_rows, MIN_PROMPTS)
-    model_scores: dict[str, tuple[dict[int, float], dict[int, float]] | None] = {}
-    floor_scores: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None] = {}
+    model_scores: dict[str, Scored | None] = {}
+    floor_scores: dict[str, Scored | None] = {}
     bucket_of = {row: bucket for bucket, rows in bucket_rows.items() for row in rows}
-    for pool, rows in sorted({p: tuple(r) for p, r in pools.values()}.items()):
-        scored = pair_scores(_take(human, rows), _take(generated, rows), representation)
-        model_scores[pool] = None if scored is None else (dict(zip(rows, scored[0])), dict(zip(rows, scored[1])))
+    for pool, rows in sorted({p: np.asarray(r, dtype=int) for p, r in pools.values()}.items()):
+        model_scores[pool] = _scored(rows, rows, human, generated, representation)
         if floor:
             members: dict[str, list[int]] = {}
             for row in rows:
                 members.setdefault(bucket_of[row], []).append(row)
             rows0, rows1 = _floor_pairs(pool, members, options.seed)
-            scored = pair_scores(_take(human, rows0), _take(human, rows1), representation)
-            floor_scores[pool] = None if scored is None else (rows0, rows1, *scored)
+            floor_scores[pool] = _scored(rows0, rows1, human, human, representation)
     by_bucket, draws = {}, {}
     for bucket, rows in sorted(bucket_rows.items()):
         pool = pools[bucket][0]
@@ -174,25 +172,40 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: 
     return {"by_bucket": by_bucket, **summarize(by_bucket, draws, options)}
 
 
-def _bucket(bucket: str, rows: list[int], pool: str, scored, floor_scored, options: IntervalOptions
-            ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+# One pool's pairs: the rows of side 0 and of side 1 (the same rows for the model against people) and
+# their out-of-fold scores.
+Scored = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _scored(rows0: np.ndarray, rows1: np.ndarray, side0: Matrix, side1: Matrix, representation: str) -> Scored | None:
+    scores = pair_scores(_take(side0, rows0), _take(side1, rows1), representation)
+    return None if scores is None else (rows0, rows1, *scores)
+
+
+def _touching(scored: Scored, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The scores of the pairs that hold one of `rows` (a bucket's own prompts) on either side."""
+    rows0, rows1, scores0, scores1 = scored
+    held = np.isin(rows0, rows) | np.isin(rows1, rows)
+    return scores0[held], scores1[held]
+
+
+def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floor_scored: Scored | None,
+            options: IntervalOptions) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     rng = _bucket_rng(options.seed, bucket)
     report: dict[str, Any] = {"rows": len(rows), "pool": pool, "backed_off": pool != bucket}
     nothing = np.full(options.draws, np.nan)
     if scored is None:
         return report | {"auc": None, "reason": "fewer than two prompts, or no text to read"}, \
             {"auc": nothing, "floor": nothing}
-    auc, auc_draws = _auc_with_draws(np.array([scored[0][i] for i in rows]), np.array([scored[1][i] for i in rows]),
-                                     options, rng)
+    auc, auc_draws = _auc_with_draws(*_touching(scored, rows), options, rng)
     report |= {"auc": auc, "auc_interval": interval(auc_draws, options.level)}
     floor_draws = nothing
-    if floor_scored is not None:  # the floor's pairs that hold one of the bucket's own people
-        rows0, rows1, scores0, scores1 = floor_scored
-        held = np.isin(rows0, rows) | np.isin(rows1, rows)
-        if held.any():
-            floor, floor_draws = _auc_with_draws(scores0[held], scores1[held], options, rng)
+    if floor_scored is not None:
+        scores0, scores1 = _touching(floor_scored, rows)
+        if len(scores0):
+            floor, floor_draws = _auc_with_draws(scores0, scores1, options, rng)
             report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
-                       "floor_pairs": int(held.sum()), "auc_gap": auc - floor}
+                       "floor_pairs": len(scores0), "auc_gap": auc - floor}
     if len(rows) < options.min_rows:
         report |= {key: None for key in ("auc_interval", "auc_floor_interval", "auc_gap") if key in report}
         report["too_small"] = f"{len(rows)} test rows, fewer than {options.min_rows}: no interval or gap"

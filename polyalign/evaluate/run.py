@@ -195,7 +195,8 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
     for name, row in detect.get("baselines", {}).items():
         reference_rows.setdefault(name, {}).update(row)
     if "human" in reference_rows and detect["status"] == "computed":
-        reference_rows["human"]["detectability_macro"] = detect["floor_macro"]
+        reference_rows["human"] |= {"detectability_macro": detect["floor_macro"],
+                                    "detectability_macro_interval": detect["floor_macro_interval"]}
     multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
     tdm = turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
                         [joined.predictions[i] for i in multi], [joined.records[i].bucket_id for i in multi],

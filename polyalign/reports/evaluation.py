@@ -211,11 +211,10 @@ def _reference_rows(m: dict) -> tuple[str, str]:
              _fmt(detect.get("overall_macro")), _interval(detect.get("macro_interval")),
              _fmt(m["utility"]["overall"].get("qa_f1")), _interval(m["utility"]["overall"].get("qa_f1_interval")))]
     for name, row in m.get("reference_rows", {}).items():
-        detect_interval = detect.get("floor_macro_interval") if name == "human" else \
-            row.get("detectability_macro_interval")
         rows.append((name, _fmt(row.get("bng_macro")), _interval(row.get("bng_macro_interval")),
                      _fmt(row.get("hcr_macro")), _interval(row.get("hcr_macro_interval")),
-                     _fmt(row.get("detectability_macro")), _interval(detect_interval), _fmt(row.get("f1")),
+                     _fmt(row.get("detectability_macro")), _interval(row.get("detectability_macro_interval")),
+                     _fmt(row.get("f1")),
                      _interval(row.get("f1_interval"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
     return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval",
