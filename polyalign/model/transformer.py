@@ -187,6 +187,19 @@ class KVCache:
         v = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.index, axis=1)
         return KVCache(k, v, self.index)
 
+    # The cache protocol of Attention and Transformer._layers (PagedKVCache follows it too): `update`
+    # stores one layer's new keys and values and returns the keys and values to attend over;
+    # `layer_arrays` are what the layer scan carries, `with_layer_arrays` puts them back.
+    def update(self, k: jax.Array, v: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
+        cache = self.write(k, v)
+        return cache, cache.k, cache.v
+
+    def layer_arrays(self) -> tuple[jax.Array, jax.Array]:
+        return self.k, self.v
+
+    def with_layer_arrays(self, arrays: tuple[jax.Array, jax.Array]) -> KVCache:
+        return KVCache(arrays[0], arrays[1], self.index)
+
 
 def cached_attention_masks(slots: int, index: jax.Array, length: int, kv_valid: jax.Array,
                            sliding_window: int | None) -> tuple[jax.Array, jax.Array | None]:
@@ -266,8 +279,7 @@ class Attention(nnx.Module):
         k = P.constrain(k, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
         v = P.constrain(v, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
         if cache is not None:
-            cache = cache.write(k, v)
-            k, v = cache.k, cache.v
+            cache, k, v = cache.update(k, v)
         implementation = self.implementation
         if implementation is None and cache is None:
             implementation = default_attention_implementation(self.config)
@@ -378,7 +390,17 @@ class Transformer(nnx.Module):
         hidden, cache = self._layers(input_ids, positions, masks, cache)
         return self.logits(hidden), KVCache(cache.k, cache.v, cache.index + input_ids.shape[1])
 
-    def _layers(self, input_ids, positions, masks, cache: KVCache | None, dropout_key: jax.Array | None = None):
+    def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache, *,
+                     logits: bool = True) -> tuple[jax.Array | None, object]:
+        """Runs `input_ids` [B, t] at `positions` [B, t] through the layers with a paged cache
+        (polyalign.model.paged_cache.PagedKVCache, which says where each new token's keys and values
+        go and which pages each row reads): float32 logits [B, t, V] (None without `logits`, as in a
+        prefill that only fills the cache) and the cache holding the new keys and values."""
+        masks = cache.attention_masks(positions, self.config.sliding_window)
+        hidden, cache = self._layers(input_ids, positions, masks, cache)
+        return (self.logits(hidden) if logits else None), cache
+
+    def _layers(self, input_ids, positions, masks, cache, dropout_key: jax.Array | None = None):
         cfg = self.config
         full, local = masks
         h = self.embed_tokens(input_ids)
@@ -389,7 +411,7 @@ class Transformer(nnx.Module):
         inv_freqs = jnp.asarray(np.stack([rope_inverse_frequencies(cfg, local=s) for s in cfg.sliding_layers]))
         graphdef, layer_state = nnx.split(self.layers)
         sliding = jnp.asarray(cfg.sliding_layers)
-        per_layer_cache = None if cache is None else (cache.k, cache.v)
+        per_layer_cache = None if cache is None else cache.layer_arrays()
         if dropout_key is not None and (cfg.lora is None or not cfg.lora.dropout):
             dropout_key = None  # nothing to drop: the step stays the one without a key
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
@@ -397,9 +419,9 @@ class Transformer(nnx.Module):
         def layer(h, xs):
             state, is_sliding, inv_freq, kv, key = xs
             mask = full if local is None else jnp.where(is_sliding, local, full)
-            layer_cache = None if kv is None else KVCache(kv[0], kv[1], cache.index)
+            layer_cache = None if kv is None else cache.with_layer_arrays(kv)
             h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache, key)
-            return h, None if layer_cache is None else (layer_cache.k, layer_cache.v)
+            return h, None if layer_cache is None else layer_cache.layer_arrays()
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
@@ -412,7 +434,7 @@ class Transformer(nnx.Module):
                 h, out = layer(h, jax.tree.map(lambda a, i=i: a[i], xs))
                 outputs.append(out)
             new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outputs)
-        new_cache = None if cache is None else KVCache(new_kv[0], new_kv[1], cache.index)
+        new_cache = None if cache is None else cache.with_layer_arrays(new_kv)
         return self.norm(h), new_cache
 
     def token_log_probs(self, input_ids: jax.Array, targets: jax.Array, *, positions: jax.Array | None = None,

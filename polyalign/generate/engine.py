@@ -1,0 +1,430 @@
+"""A generation engine: continuous batching over a paged KV cache.
+
+A fixed number of sequence slots decode together, one token each per step, in one compiled program of
+fixed shapes. A slot whose sequence finishes (a stop token or its own token budget) gives its KV pages
+back and takes the next waiting request at once; the new request's prompt is prefilled in chunks between
+decoding steps of the others. A batch therefore lasts as long as its requests' own lengths, not as long
+as its longest one: polyalign's buckets mix dialogue turns of a few dozen tokens with long answers.
+
+Pages are reserved when a request is admitted (its prompt plus its token budget), so a running sequence
+never waits for memory and nothing is ever preempted. The n samples of one request share the pages of
+their prompt: the prompt is prefilled once up to its last full page, each sample prefills only the rest.
+
+A request's tokens depend only on the weights, its prompt, its settings and its seed: sampling keys are
+derived from (seed, sample index, token index), and every computation of a slot reads only that slot's
+rows, so neither the other requests in flight nor the slot a request gets change what it samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from polyalign.core.errors import GenerationError
+from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
+from polyalign.mesh import parallel
+from polyalign.model.lora import merge_adapters
+from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """slots: sequences decoded together; page_size: token positions a page holds; max_sequence: the
+    longest prompt plus token budget of one request; pages: the pool (default: every slot at
+    max_sequence); prefill_chunk / prefill_rows: prompt tokens a prefill call runs per row, and rows per
+    call; steps_per_sync: decoding steps run on the device between two visits of the scheduler."""
+
+    slots: int = 16
+    page_size: int = 16
+    max_sequence: int = 1024
+    pages: int | None = None
+    prefill_chunk: int = 64
+    prefill_rows: int = 4
+    steps_per_sync: int = 8
+
+    def __post_init__(self):
+        for name in ("slots", "page_size", "max_sequence", "prefill_chunk", "prefill_rows", "steps_per_sync"):
+            if getattr(self, name) < 1:
+                raise GenerationError(f"engine {name} must be at least 1, got {getattr(self, name)}")
+        if self.pages is not None and self.pages < 2:
+            raise GenerationError(f"engine pages must be at least 2 (page 0 is never used), got {self.pages}")
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.max_sequence // self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        return self.pages if self.pages is not None else self.slots * self.pages_per_row + 1
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt's token ids, how to sample it, its seed (`request_seed` derives one from an id) and the
+    number of samples."""
+
+    prompt: Sequence[int]
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The new tokens (without the stop token) and why generation ended: "stop" or "length"."""
+
+    tokens: list[int]
+    finish_reason: str
+
+
+def request_seed(key: str, seed: int = 0) -> int:
+    """A request's own 32-bit seed from its id and a run seed: the same id draws the same tokens in any
+    batch."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=4).digest(), "little")
+
+
+# --- the compiled programs --------------------------------------------------------------------------
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                top_k: jax.Array) -> jax.Array:
+    """Next tokens [B] from float32 logits [B, V] with each row's own settings: greedy where the
+    temperature is 0, else top-k (0 = none), then top-p (the most likely token always stays), then a
+    categorical draw with the row's key. Skips the sort when every row is greedy."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        order = jnp.argsort(-scaled, axis=-1)
+        ranked = jnp.take_along_axis(scaled, order, axis=-1)
+        rank = jnp.arange(logits.shape[-1])[None, :]
+        keep = rank < jnp.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+        probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+        keep = keep & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, -jnp.inf))
+        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+
+
+def _replicated(tree, sharding):
+    return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+def _prefill(state, pool, page_table, ids, positions, store, *, graphdef):
+    """Writes the keys and values of prompt chunks ids [R, C] (store False: padding) into the pool."""
+    model = nnx.merge(graphdef, state)
+    cache = PagedKVCache.for_tokens(pool, page_table, positions, store)
+    _, cache = model.decode_paged(ids, positions, cache, logits=False)
+    return cache.pool
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "stop_ids", "replicated"), donate_argnames=("pool",))
+def _decode(state, pool, page_table, slots, *, graphdef, steps: int, stop_ids: tuple[int, ...], replicated):
+    """`steps` decoding steps of every live slot. `slots` holds per-slot arrays [S]: token (the next
+    input), position, count (tokens made so far), budget, seed, sample, temperature, top_p, top_k, live.
+    Returns the pool, the updated slots and the tokens made [steps, S] with a mask of which are real."""
+    model = nnx.merge(graphdef, state)
+    stop = jnp.asarray(stop_ids, jnp.int32)
+    base = jax.random.key(0)
+
+    def step(carry, _):
+        pool, slots = carry
+        live = slots["live"]
+        cache = PagedKVCache.for_tokens(pool, page_table, slots["position"][:, None], live[:, None])
+        logits, cache = model.decode_paged(slots["token"][:, None], slots["position"][:, None], cache)
+        keys = jax.vmap(lambda s, j, c: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, s), j), c))(
+            slots["seed"], slots["sample"], slots["count"])
+        new = sample_rows(logits[:, 0], keys, slots["temperature"], slots["top_p"], slots["top_k"])
+        count = slots["count"] + live
+        finished = live & (jnp.isin(new, stop) | (count >= slots["budget"]))
+        # a slot waiting for its prefill keeps its first input (the prompt's last token)
+        slots = {**slots, "token": jnp.where(live, new, slots["token"]), "position": slots["position"] + live, "count": count,
+                 "live": live & ~finished}
+        return (cache.pool, slots), (new, live)
+
+    (pool, slots), (tokens, made) = jax.lax.scan(step, (pool, slots), None, length=steps)
+    return pool, _replicated((slots, tokens, made), replicated)
+
+
+# --- the scheduler ----------------------------------------------------------------------------------
+
+@dataclass
+class _Prefill:
+    """Prompt positions [start, end) of one slot still to be written; `after` must finish first."""
+
+    slot: int
+    tokens: np.ndarray
+    start: int
+    end: int
+    after: _Prefill | None = None
+    done_to: int = field(init=False)
+
+    def __post_init__(self):
+        self.done_to = self.start
+
+    @property
+    def finished(self) -> bool:
+        return self.done_to >= self.end
+
+    @property
+    def ready(self) -> bool:
+        return not self.finished and (self.after is None or self.after.finished)
+
+
+_SLOT_FIELDS = {"token": np.int32, "position": np.int32, "count": np.int32, "budget": np.int32, "seed": np.uint32,
+                "sample": np.int32, "temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "live": bool}
+
+
+class Engine:
+    """Generates for token-id requests with one model. Engines of one architecture and one EngineConfig
+    share their compiled programs. `set_model` swaps the weights (a training loop's current
+    parameters) without recompiling."""
+
+    def __init__(self, model, stop_ids: Sequence[int], config: EngineConfig = EngineConfig(), mesh=None):
+        """With a mesh: parameters sharded by their logical axes as in training, slots over data x fsdp, the
+        pool's KV heads over tensor when they divide."""
+        self.config, self.mesh = config, mesh
+        self.stop_ids = tuple(sorted({int(i) for i in stop_ids}))
+        slots = config.slots
+        self._replicated = self._slot_sharding = self._pool_sharding = None
+        if mesh is not None:
+            shards = mesh.shape["data"] * mesh.shape["fsdp"]
+            slots = -(-slots // shards) * shards
+            self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._slot_sharding = parallel.batch_sharding(mesh)
+        self.slots = slots
+        self.set_model(model)
+        cfg = self.model_config
+        if mesh is not None:
+            tensor = "tensor" if cfg.num_kv_heads % mesh.shape["tensor"] == 0 else None
+            self._pool_sharding = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(None, None, None, tensor, None))
+        self._pool = None
+        self.stats: dict = {}  # of the last `generate`: calls, steps, peak pages, pages left in use
+
+    def set_model(self, model) -> None:
+        """The weights to sample; adapters and quantised projections are merged once, here."""
+        model = merge_adapters(model)
+        self.model_config = model.config
+        self._graphdef, state = nnx.split(model)
+        if self.mesh is not None:
+            with jax.set_mesh(self.mesh):
+                state = jax.device_put(state, parallel.param_shardings(state, self.mesh))
+        self._state = state
+
+    def _pool_arrays(self):
+        if self._pool is None:
+            sharding = None if self._pool_sharding is None else (self._pool_sharding,) * 2
+            empty = functools.partial(PagedKVCache.empty_pool, self.model_config, self.config.pool_pages,
+                                      self.config.page_size)
+            self._pool = jax.jit(empty, out_shardings=sharding)()  # made in place, shard by shard
+        pool, self._pool = self._pool, None  # donated to the next program
+        return pool
+
+    def _put(self, array, sharding):
+        return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
+
+    def _check(self, index: int, request: Request) -> None:
+        length, budget = len(request.prompt), request.sampling.max_new_tokens
+        where = f"request {index}"
+        if length == 0:
+            raise GenerationError(f"{where}: the prompt is empty")
+        if length + budget > self.config.max_sequence:
+            raise GenerationError(f"{where}: {length} prompt tokens + {budget} new tokens exceed the engine's "
+                                  f"max_sequence of {self.config.max_sequence}; shorten the prompt, lower "
+                                  "max_new_tokens or raise max_sequence")
+        if request.n < 1 or request.n > self.slots:
+            raise GenerationError(f"{where}: n = {request.n} samples; the engine runs 1 to {self.slots} at once")
+        if self._pages_needed(request) > self.config.pool_pages - 1:
+            raise GenerationError(f"{where}: needs {self._pages_needed(request)} pages; the pool has "
+                                  f"{self.config.pool_pages - 1}")
+
+    def _shared_pages(self, request: Request) -> int:
+        """Full pages of the prompt (its last token aside) that the request's samples share."""
+        return (len(request.prompt) - 1) // self.config.page_size if request.n > 1 else 0
+
+    def _own_pages(self, request: Request) -> int:
+        written = len(request.prompt) + request.sampling.max_new_tokens - 1  # the last token is never fed back
+        return -(-written // self.config.page_size) - self._shared_pages(request)
+
+    def _pages_needed(self, request: Request) -> int:
+        return self._shared_pages(request) + request.n * self._own_pages(request)
+
+    def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None
+                 ) -> list[list[Completion]]:
+        """The n completions of each request, in request order. `progress(k)` is told of k finished
+        requests as they finish."""
+        for index, request in enumerate(requests):
+            self._check(index, request)
+        run = _Run(self, requests, progress)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            results = run.until_done()
+        self.stats = run.stats()
+        return results
+
+
+class _Run:
+    """One `Engine.generate` call: the waiting requests, the slots, the pages and the prefill queue."""
+
+    def __init__(self, engine: Engine, requests: Sequence[Request], progress):
+        self.engine, self.requests, self.progress = engine, requests, progress
+        cfg = engine.config
+        self.waiting = deque(range(len(requests)))
+        self.free_slots = list(range(engine.slots))
+        self.free_pages = list(range(cfg.pool_pages - 1, NULL_PAGE, -1))  # pop() hands out 1, 2, ...
+        self.page_refs: dict[int, int] = {}
+        self.table = np.full((engine.slots, cfg.pages_per_row), NULL_PAGE, np.int32)
+        self.slots = {name: np.zeros(engine.slots, dtype) for name, dtype in _SLOT_FIELDS.items()}
+        self.owner: dict[int, tuple[int, int]] = {}
+        self.made: dict[int, list[int]] = {}
+        self.prefills: deque[_Prefill] = deque()
+        self.results: list[list[Completion | None]] = [[None] * r.n for r in requests]
+        self.open_samples = [r.n for r in requests]
+        self.counts = {"prefill_calls": 0, "decode_calls": 0, "slot_steps": 0, "live_slot_steps": 0}
+        self.peak_pages = 0
+
+    def stats(self) -> dict:
+        """What the run did: program calls, slot-steps decoded and how many of them held a live
+        sequence, the most pages in use at once and the pages still held (0 after every run)."""
+        return {**self.counts, "peak_pages": self.peak_pages, "pages_in_use": len(self.page_refs),
+                "pool_pages": self.engine.config.pool_pages - 1}
+
+    # pages and slots
+    def _take_pages(self, count: int) -> list[int]:
+        pages = [self.free_pages.pop() for _ in range(count)]
+        for page in pages:
+            self.page_refs[page] = self.page_refs.get(page, 0) + 1
+        self.peak_pages = max(self.peak_pages, len(self.page_refs))
+        return pages
+
+    def _admit(self) -> None:
+        """Moves waiting requests into free slots, first come first served, while slots and pages last."""
+        engine = self.engine
+        while self.waiting:
+            index = self.waiting[0]
+            request = self.requests[index]
+            if request.n > len(self.free_slots) or engine._pages_needed(request) > len(self.free_pages):
+                return
+            self.waiting.popleft()
+            prompt = np.asarray(request.prompt, np.int32)
+            shared = self._take_pages(engine._shared_pages(request))
+            for page in shared:
+                self.page_refs[page] += request.n - 1
+            prefix = None
+            shared_to = len(shared) * engine.config.page_size
+            for sample in range(request.n):
+                slot = self.free_slots.pop(0)
+                pages = shared + self._take_pages(engine._own_pages(request))
+                self.table[slot] = NULL_PAGE
+                self.table[slot, :len(pages)] = pages
+                self._start_slot(slot, index, sample, request, prompt)
+                if sample == 0 and shared_to:
+                    prefix = _Prefill(slot, prompt, 0, shared_to)
+                    self.prefills.append(prefix)
+                self.prefills.append(_Prefill(slot, prompt, shared_to, len(prompt) - 1, after=prefix))
+
+    def _start_slot(self, slot: int, index: int, sample: int, request: Request, prompt: np.ndarray) -> None:
+        s, sampling = self.slots, request.sampling
+        s["token"][slot], s["position"][slot] = prompt[-1], len(prompt) - 1
+        s["count"][slot], s["budget"][slot] = 0, sampling.max_new_tokens
+        s["seed"][slot], s["sample"][slot] = request.seed, sample
+        s["temperature"][slot], s["top_p"][slot], s["top_k"][slot] = sampling.temperature, sampling.top_p, sampling.top_k
+        s["live"][slot] = False  # until its prompt is in the cache
+        self.owner[slot], self.made[slot] = (index, sample), []
+
+    def _release(self, slot: int) -> None:
+        for page in self.table[slot][self.table[slot] != NULL_PAGE].tolist():
+            self.page_refs[page] -= 1
+            if self.page_refs[page] == 0:
+                del self.page_refs[page]
+                self.free_pages.append(page)
+        self.table[slot] = NULL_PAGE
+        self.free_slots.append(slot)
+        self.free_slots.sort()
+
+    # prefill
+    def _prefill_step(self) -> None:
+        engine, cfg = self.engine, self.engine.config
+        # zero-length prefills (one-token prompts, a tail that starts at the last token) finish at once
+        for job in self.prefills:
+            if job.start >= job.end:
+                job.done_to = job.end
+        jobs = [job for job in self.prefills if job.ready][:cfg.prefill_rows]
+        if jobs:
+            rows, chunk = cfg.prefill_rows, cfg.prefill_chunk
+            ids = np.zeros((rows, chunk), np.int32)
+            positions = np.zeros((rows, chunk), np.int32)
+            store = np.zeros((rows, chunk), bool)
+            table = np.full((rows, cfg.pages_per_row), NULL_PAGE, np.int32)
+            for row, job in enumerate(jobs):
+                stop = min(job.done_to + chunk, job.end)
+                n = stop - job.done_to
+                ids[row, :n] = job.tokens[job.done_to:stop]
+                positions[row, :n] = np.arange(job.done_to, stop)
+                store[row, :n] = True
+                table[row] = self.table[job.slot]
+                job.done_to = stop
+            table, ids, positions, store = (engine._put(x, engine._replicated) for x in (table, ids, positions, store))
+            engine._pool = _prefill(engine._state, engine._pool_arrays(), table, ids, positions, store,
+                                    graphdef=engine._graphdef)
+            self.counts["prefill_calls"] += 1
+        for job in [j for j in self.prefills if j.finished]:
+            self.prefills.remove(job)
+            if not any(other.slot == job.slot for other in self.prefills):
+                self.slots["live"][job.slot] = True
+
+    # decoding
+    def _decode_step(self) -> None:
+        engine = self.engine
+        slots = {name: engine._put(values, engine._slot_sharding) for name, values in self.slots.items()}
+        engine._pool, (after, tokens, made) = _decode(
+            engine._state, engine._pool_arrays(), engine._put(self.table, engine._slot_sharding), slots,
+            graphdef=engine._graphdef, steps=engine.config.steps_per_sync, stop_ids=engine.stop_ids,
+            replicated=engine._replicated)
+        after, tokens, made = jax.device_get((after, tokens, made))
+        self.counts["decode_calls"] += 1
+        self.counts["slot_steps"] += made.size
+        self.counts["live_slot_steps"] += int(made.sum())
+        was_live = self.slots["live"].copy()
+        for name in ("token", "position", "count", "live"):
+            self.slots[name] = np.array(after[name], dtype=_SLOT_FIELDS[name])
+        finished = 0
+        for slot in np.flatnonzero(was_live).tolist():
+            self.made[slot].extend(tokens[made[:, slot], slot].tolist())
+            if not self.slots["live"][slot]:
+                finished += self._finish(slot)
+        if finished and self.progress is not None:
+            self.progress(finished)
+
+    def _finish(self, slot: int) -> int:
+        """Records a finished sample; 1 when it was its request's last."""
+        index, sample = self.owner.pop(slot)
+        tokens = self.made.pop(slot)
+        if tokens and tokens[-1] in self.engine.stop_ids:
+            completion = Completion(tokens[:-1], FINISH_STOP)
+        else:
+            completion = Completion(tokens, FINISH_LENGTH)
+        self.results[index][sample] = completion
+        self._release(slot)
+        self.open_samples[index] -= 1
+        return int(self.open_samples[index] == 0)
+
+    def until_done(self) -> list[list[Completion]]:
+        while self.waiting or self.owner:
+            self._admit()
+            if self.prefills:
+                self._prefill_step()
+            if self.slots["live"].any():
+                self._decode_step()
+        return self.results

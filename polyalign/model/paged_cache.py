@@ -1,0 +1,84 @@
+"""A KV cache in fixed-size pages, shared by every sequence of a generation engine.
+
+The pool holds `pages` pages of `page_size` token slots per layer. A sequence owns a row of the page
+table: entry j is the page holding its positions [j * page_size, (j + 1) * page_size). Page 0 is never
+given to a sequence: unused page-table entries point at it, and tokens that must not be stored (padding
+of a prefill chunk, an idle slot) are written there, so every step has the same shapes whichever
+sequences are running. Several sequences may list the same pages (n samples of one prompt share its
+pages).
+
+Attention reads a row's pages in page-table order, so key j of the gathered row is position j; a query
+at position p sees keys 0..p (and, in a sliding-window layer, only the last `window` of them). Entries
+past a sequence's length point at page 0 or at pages not yet written; the mask hides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from polyalign.model.architecture import ModelConfig
+
+NULL_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PagedKVCache:
+    """k, v: the pool, [layers, pages, page_size, kv_heads, head_dim] (one layer's [pages, ...] inside
+    the layer scan); page_table [B, pages_per_row]; write_pages, write_offsets [B, t]: where each of the
+    t new tokens of a row goes."""
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array
+    write_pages: jax.Array
+    write_offsets: jax.Array
+
+    @staticmethod
+    def empty_pool(cfg: ModelConfig, pages: int, page_size: int, dtype=None) -> tuple[jax.Array, jax.Array]:
+        shape = (cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = dtype or cfg.dtype
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    @classmethod
+    def for_tokens(cls, pool: tuple[jax.Array, jax.Array], page_table: jax.Array, positions: jax.Array,
+                   store: jax.Array) -> PagedKVCache:
+        """The cache for new tokens at `positions` [B, t]; those with `store` False go to the null page."""
+        page_size = pool[0].shape[-3]
+        pages = jnp.take_along_axis(page_table, positions // page_size, axis=1)
+        return cls(pool[0], pool[1], page_table, jnp.where(store, pages, NULL_PAGE), positions % page_size)
+
+    @property
+    def pool(self) -> tuple[jax.Array, jax.Array]:
+        return self.k, self.v
+
+    def attention_masks(self, positions: jax.Array, sliding_window: int | None) -> tuple[jax.Array, jax.Array | None]:
+        """Masks [B, 1, t, S] over a row's gathered keys (S = pages_per_row * page_size)."""
+        keys = jnp.arange(self.page_table.shape[1] * self.k.shape[-3])[None, None, :]
+        distance = positions[:, :, None] - keys
+        mask = (distance >= 0)[:, None]
+        local = mask & (distance < sliding_window)[:, None] if sliding_window else None
+        return mask, local
+
+    def update(self, k: jax.Array, v: jax.Array) -> tuple[PagedKVCache, jax.Array, jax.Array]:
+        """Stores one layer's new keys and values [B, t, K, D]; returns the cache and each row's keys
+        and values [B, S, K, D] in position order."""
+        pool_k = self.k.at[self.write_pages, self.write_offsets].set(k.astype(self.k.dtype))
+        pool_v = self.v.at[self.write_pages, self.write_offsets].set(v.astype(self.v.dtype))
+        batch = self.page_table.shape[0]
+
+        def rows(pool):
+            gathered = pool[self.page_table]  # [B, pages_per_row, page_size, K, D]
+            return gathered.reshape(batch, -1, *pool.shape[-2:])
+
+        cache = PagedKVCache(pool_k, pool_v, self.page_table, self.write_pages, self.write_offsets)
+        return cache, rows(pool_k), rows(pool_v)
+
+    def layer_arrays(self) -> tuple[jax.Array, jax.Array]:
+        return self.k, self.v
+
+    def with_layer_arrays(self, arrays: tuple[jax.Array, jax.Array]) -> PagedKVCache:
+        return PagedKVCache(arrays[0], arrays[1], self.page_table, self.write_pages, self.write_offsets)

@@ -1,0 +1,153 @@
+"""The generation engine: paged attention against dense attention, greedy equality with the static
+sampler on real text for every family, batch-composition independence, page reuse, shared prompt
+pages, refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from polyalign.core.errors import GenerationError
+from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
+from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, Sampler, SamplingConfig
+from polyalign.model import load_hf_checkpoint
+from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
+from polyalign.model.transformer import attend
+from tests.chat_exports import camrest_dialogues, camrest_messages, crosswoz_dialogues, crosswoz_messages
+from tests.conftest import FIXTURES
+
+# Small pages, chunks and slots, so that prompts span several prefill chunks and pages, requests wait
+# for slots, and slots are reused.
+SMALL = EngineConfig(slots=3, page_size=4, max_sequence=160, prefill_chunk=16, prefill_rows=2, steps_per_sync=5)
+
+
+def real_prompts() -> list[np.ndarray]:
+    """User turns of CamRest676 (English) and CrossWOZ (Chinese) dialogues as UTF-8 bytes: real text in
+    the fixtures' 256-token vocabulary, 2 to 100 tokens long."""
+    texts = [m["content"] for d in camrest_dialogues(4) for m in camrest_messages(d)[:3] if m["role"] == "user"]
+    texts += [m["content"] for _, d in crosswoz_dialogues(3) for m in crosswoz_messages(d)[:3] if m["role"] == "user"]
+    prompts = [np.frombuffer(t.encode()[:100], np.uint8).astype(np.int32) for t in texts]
+    return prompts + [prompts[0][:1], prompts[1][:2]]
+
+
+def test_paged_attention_equals_dense_attention_on_the_same_cache():
+    rng = np.random.default_rng(0)
+    batch, length, kv_heads, heads, dim, page_size, per_row = 2, 10, 2, 4, 8, 4, 4
+    keys = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
+    values = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
+    queries = rng.normal(size=(batch, 1, heads, dim)).astype(np.float32)
+    # Row 0 on pages 5, 2, 7; row 1 on pages 1, 6, 3: scattered, interleaved, with the rest null.
+    table = np.array([[5, 2, 7, NULL_PAGE], [1, 6, 3, NULL_PAGE]], np.int32)
+    pool = np.full((8, page_size, kv_heads, dim), 99.0, np.float32)  # unwritten slots hold junk
+    for row in range(batch):
+        for position in range(length - 1):
+            pool[table[row, position // page_size], position % page_size] = keys[row, position]
+    pool_v = pool.copy()
+    for row in range(batch):
+        for position in range(length - 1):
+            pool_v[table[row, position // page_size], position % page_size] = values[row, position]
+    # The last token's keys and values are written by the update itself.
+    positions = np.full((batch, 1), length - 1, np.int32)
+    cache = PagedKVCache.for_tokens((jnp.asarray(pool), jnp.asarray(pool_v)), jnp.asarray(table),
+                                    jnp.asarray(positions), jnp.ones((batch, 1), bool))
+    _, gathered_k, gathered_v = cache.update(jnp.asarray(keys[:, -1:]), jnp.asarray(values[:, -1:]))
+    for window in (None, 3):
+        full, local = cache.attention_masks(jnp.asarray(positions), window)
+        paged = attend(jnp.asarray(queries), gathered_k, gathered_v, full if local is None else local,
+                       scale=dim ** -0.5, softcap=None, implementation=None)
+        visible = slice(0, length) if window is None else slice(length - window, length)
+        scores = np.einsum("bhd,bshd->bhs", queries[:, 0], np.repeat(keys[:, visible], heads // kv_heads, 2)) * dim ** -0.5
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        dense = np.einsum("bhs,bshd->bhd", probs, np.repeat(values[:, visible], heads // kv_heads, 2))
+        np.testing.assert_allclose(np.asarray(paged)[:, 0], dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_greedy_engine_equals_the_static_sampler_on_real_text(family):
+    # Gemma's fixtures slide an 8-token window, which 40 new tokens after up to 100 prompt tokens cross.
+    model = load_hf_checkpoint(FIXTURES / "hf" / family)
+    prompts = real_prompts()
+    config = SamplingConfig(max_new_tokens=40)
+    static = Sampler(model, [], 0, config).generate(prompts)
+    engine = Engine(model, [], SMALL)
+    completions = engine.generate([Request(p, config) for p in prompts])
+    assert [(c[0].tokens, c[0].finish_reason) for c in completions] == [(t, r) for t, r in static]
+    assert engine.stats["pages_in_use"] == 0 and engine.stats["decode_calls"] > 1
+
+
+def test_stop_tokens_and_budgets_are_per_request():
+    model = load_hf_checkpoint(FIXTURES / "hf" / "llama")
+    prompt = real_prompts()[0]
+    free = Engine(model, [], SMALL).generate([Request(prompt, SamplingConfig(max_new_tokens=12))])[0][0]
+    stop = free.tokens[4]
+    engine = Engine(model, [stop], SMALL)
+    stopped, short = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=12)),
+                                      Request(prompt, SamplingConfig(max_new_tokens=3))])
+    assert stopped[0].finish_reason == FINISH_STOP and stopped[0].tokens == free.tokens[:free.tokens.index(stop)]
+    assert short[0].finish_reason == FINISH_LENGTH and short[0].tokens == free.tokens[:3]
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch_or_the_slot():
+    model = load_hf_checkpoint(FIXTURES / "hf" / "qwen3")
+    prompts = real_prompts()
+    settings = [SamplingConfig(24, 1.0, 0.9), SamplingConfig(24, 0.7, 1.0, top_k=20), SamplingConfig(24)]
+    requests = [Request(p, settings[i % 3], seed=request_seed(f"record-{i}")) for i, p in enumerate(prompts)]
+    engine = Engine(model, [], SMALL)
+    together = engine.generate(requests)
+    alone = [engine.generate([r])[0] for r in requests[:4]]
+    reversed_ = engine.generate(requests[::-1])[::-1]
+    assert together[:4] == alone and together == reversed_
+    # a different seed draws differently; greedy rows ignore it
+    reseeded = engine.generate([Request(r.prompt, r.sampling, seed=r.seed + 1) for r in requests[:3]])
+    assert reseeded[0] != together[0] and reseeded[2] == together[2]
+
+
+def test_pages_are_reused_across_many_requests_without_a_leak():
+    model = load_hf_checkpoint(FIXTURES / "hf" / "llama")
+    prompts = real_prompts()
+    # Room for about two requests at a time: the rest wait for pages that finished requests give back.
+    config = EngineConfig(slots=4, page_size=4, max_sequence=130, pages=70, prefill_chunk=32, steps_per_sync=4)
+    engine = Engine(model, [], config)
+    requests = [Request(prompts[i % len(prompts)], SamplingConfig(max_new_tokens=8 + 3 * (i % 5)), seed=i)
+                for i in range(30)]
+    finished = []
+    completions = engine.generate(requests, progress=finished.append)
+    assert [len(c[0].tokens) for c in completions] == [8 + 3 * (i % 5) for i in range(30)]
+    assert sum(finished) == 30
+    assert engine.stats["pages_in_use"] == 0 and engine.stats["peak_pages"] <= 69
+    # the same requests alone give the same tokens: reused pages keep nothing of their last owner
+    assert [engine.generate([r])[0] for r in requests[25:]] == completions[25:]
+
+
+def test_n_samples_share_the_prompt_pages():
+    model = load_hf_checkpoint(FIXTURES / "hf" / "gemma2")
+    prompt = max(real_prompts(), key=len)  # 100 tokens: 24 full pages of 4 shared, then each sample's own
+    engine = Engine(model, [], SMALL)
+    greedy = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=10), n=3)])[0]
+    assert engine.stats["peak_pages"] == 24 + 3 * (-(-(100 + 10 - 1) // 4) - 24)
+    single = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=10))])[0][0]
+    assert greedy == [single] * 3
+    sampled = engine.generate([Request(prompt, SamplingConfig(10, temperature=1.0), seed=7, n=3)])[0]
+    assert len({tuple(c.tokens) for c in sampled}) == 3
+    assert engine.stats["pages_in_use"] == 0
+
+
+def test_requests_the_engine_cannot_hold_are_refused_in_one_line():
+    model = load_hf_checkpoint(FIXTURES / "hf" / "llama")
+    engine = Engine(model, [], SMALL)
+    with pytest.raises(GenerationError, match=r"request 1: 150 prompt tokens \+ 20 new tokens exceed the engine's "
+                                              r"max_sequence of 160") as error:
+        engine.generate([Request([5] * 10), Request([5] * 150, SamplingConfig(max_new_tokens=20))])
+    assert "\n" not in str(error.value)
+    with pytest.raises(GenerationError, match="n = 4 samples; the engine runs 1 to 3 at once"):
+        engine.generate([Request([5] * 10, n=4)])
+    with pytest.raises(GenerationError, match="the prompt is empty"):
+        engine.generate([Request([])])
+
+
+def test_request_seeds_are_stable_and_distinct():
+    assert request_seed("a") == request_seed("a") and request_seed("a") != request_seed("b")
+    assert request_seed("a", 1) != request_seed("a", 0) and 0 <= request_seed("zh-123") < 2 ** 32
+    key = jax.random.fold_in(jax.random.key(0), request_seed("zh-123"))  # usable as fold-in data
+    assert key.shape == ()
