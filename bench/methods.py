@@ -70,7 +70,7 @@ def evaluate_model(model: Path | None, run: Path, out: Path, seed: int, sizes: d
     """Test answers sampled from the model (kept ones reused when `model` is None), evaluated against
     the train split's human support."""
     from polyalign.evaluate.run import EvaluateOptions, evaluate
-    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
 
     predictions = out / "test_predictions.jsonl"
     if model is not None:
@@ -103,7 +103,7 @@ def reevaluate(seed_dir: Path, runs: dict[str, Path], sizes: dict) -> dict[str, 
 
 
 def run_seed(seed: int, runs: dict[str, Path], out: Path, sizes: dict, methods: list[str]) -> dict[str, dict]:
-    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
     from polyalign.pairs.make import make_pairs
     from polyalign.train.methods import load_config
     from polyalign.train.run import train

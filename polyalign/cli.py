@@ -270,6 +270,19 @@ def _run_build(args) -> int:
     return 0
 
 
+def _budget(text: str) -> int | str:
+    """--max-new-tokens: a whole number of at least 1, or auto."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1, or auto")
+    return value
+
+
 def _location(text: str):
     """A local path or a bucket URI (pathlib would turn gs://b into gs:/b)."""
     from polyalign.core.paths import as_path  # heavy: etils.epath (about 0.15 s), kept out of --help
@@ -443,7 +456,10 @@ def _run_pairs_import(args) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="sample one response per record with a checkpoint",
-                       description="Generate one response per record (KV cache, batched). Writes JSONL rows "
+                       description="Generate one response per record with the engine (continuous batching over a "
+                                   "paged KV cache: a finished answer's slot takes the next record at once). Each "
+                                   "record samples from its own seed, made from --seed and its id, so an answer does "
+                                   "not depend on which records share the batch. Writes JSONL rows "
                                    "{id, prediction, model, finish_reason, new_tokens} in record order.")
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
@@ -453,12 +469,22 @@ def _add_generate(sub) -> None:
                    help="profile system prompt (default context: what a real request reveals; oracle adds the "
                         "gold length bin and must be labelled as such in reports)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per answer (default 128)")
+    p.add_argument("--max-new-tokens", type=_budget, default=128,
+                   help="most tokens per answer (default 128), or auto: each record's bucket's human length (the "
+                        "--budget-quantile of the bucket's answers in --budget-records, in this model's tokens, times "
+                        "--budget-margin; at most --budget-ceiling)")
+    p.add_argument("--budget-records", type=Path,
+                   help="with --max-new-tokens auto: the records whose human answers set each bucket's budget "
+                        "(default: train.jsonl beside --records, e.g. RUN/data/train.jsonl)")
+    p.add_argument("--budget-quantile", type=float, default=0.99, help="with auto: the length quantile (default 0.99)")
+    p.add_argument("--budget-margin", type=float, default=1.2, help="with auto: times this (default 1.2)")
+    p.add_argument("--budget-ceiling", type=int, default=1024, help="with auto: the most tokens of any bucket "
+                                                                    "(default 1024)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
                                                            "holding this probability (default 1.0, no cut)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0, no cut)")
-    p.add_argument("--batch-size", type=int, default=16, help="records per generation batch (default 16)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences decoded at once (default 16)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
@@ -470,20 +496,41 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from polyalign.generate.sampling import (  # heavy: jax, kept out of --help
+    from polyalign.core.errors import GenerationError
+    from polyalign.core.outputs import sidecar
+    from polyalign.generate.run import (  # heavy: jax, kept out of --help
         GenerateOptions,
         SamplingConfig,
         generate_predictions,
     )
 
+    auto = args.max_new_tokens == "auto"
+    budget_records = None
+    if auto:
+        budget_records = args.budget_records or args.records.parent / "train.jsonl"
+        if not budget_records.is_file():
+            raise GenerationError(f"--max-new-tokens auto: {budget_records} does not exist; name the records whose "
+                                  "human answers set the budgets with --budget-records (e.g. RUN/data/train.jsonl)")
     options = GenerateOptions(profile=args.profile, template=args.template,
-                              sampling=SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.top_k),
+                              sampling=SamplingConfig(args.budget_ceiling if auto else args.max_new_tokens,
+                                                      args.temperature, args.top_p, args.top_k),
                               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-                              sample=args.sample, seed=args.seed)
+                              sample=args.sample, seed=args.seed,
+                              budget_records=None if budget_records is None else str(budget_records.resolve()),
+                              budget_quantile=args.budget_quantile, budget_margin=args.budget_margin)
     summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
                                    overwrite=args.overwrite)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
+    if auto:
+        budgets = summary["budgets"]["by_bucket"]
+        print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "
+              f"{min(budgets.values())}-{max(budgets.values())} tokens")
+    cut = {b: share for b, share in summary["truncated_by_bucket"].items() if share > 0}
+    if cut:
+        print("hit the length limit, by bucket: " + ", ".join(f"{b} {share:.0%}" for b, share in
+                                                              sorted(cut.items(), key=lambda kv: -kv[1])[:6])
+              + (" ..." if len(cut) > 6 else "") + f" (all in {sidecar(args.out)})")
     if summary["empty"]:
         print(f"warning: {summary['empty']} of {summary['records']} answers are empty after decoding (the model "
               "ended its turn or produced only whitespace); evaluate counts them and leaves them out of diversity"
@@ -709,7 +756,8 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
-    "generate": {"--max-new-tokens": COUNT, "--temperature": Range(0.0),
+    "generate": {"--temperature": Range(0.0), "--budget-quantile": Range(0.0, 1.0, low_open=True),
+                 "--budget-margin": Range(0.0, low_open=True), "--budget-ceiling": COUNT,
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},

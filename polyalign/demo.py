@@ -91,7 +91,7 @@ DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_ever
 
 def _generate(run: Path, quick: bool, overwrite: bool) -> str:
     # heavy: jax, kept out of --help
-    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
     from polyalign.pairs.make import make_pairs  # heavy: etils.epath, kept out of --help
 
     counts = []
@@ -156,7 +156,7 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
     import numpy as np  # heavy: numpy, kept out of --help
 
     # heavy: jax, kept out of --help
-    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
     from polyalign.pairs.make import read_predictions  # heavy: etils.epath, kept out of --help
     from polyalign.train.critic_model import CriticScorer, support_targets  # heavy: jax, kept out of --help
 
@@ -196,7 +196,7 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
     from polyalign.evaluate.run import EvaluateOptions, evaluate  # heavy: numpy, scipy, kept out of --help
 
     # heavy: jax, kept out of --help
-    from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+    from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
 
     # MAUVE needs the `mauve` extra (the README's demo command installs it); without, every other
     # metric is computed and the report says MAUVE was skipped and why.

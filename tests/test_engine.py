@@ -32,7 +32,7 @@ def real_prompts() -> list[np.ndarray]:
 
 def test_paged_attention_equals_dense_attention_on_the_same_cache():
     rng = np.random.default_rng(0)
-    batch, length, kv_heads, heads, dim, page_size, per_row = 2, 10, 2, 4, 8, 4, 4
+    batch, length, kv_heads, heads, dim, page_size = 2, 10, 2, 4, 8, 4
     keys = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
     values = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
     queries = rng.normal(size=(batch, 1, heads, dim)).astype(np.float32)
@@ -56,7 +56,8 @@ def test_paged_attention_equals_dense_attention_on_the_same_cache():
         paged = attend(jnp.asarray(queries), gathered_k, gathered_v, full if local is None else local,
                        scale=dim ** -0.5, softcap=None, implementation=None)
         visible = slice(0, length) if window is None else slice(length - window, length)
-        scores = np.einsum("bhd,bshd->bhs", queries[:, 0], np.repeat(keys[:, visible], heads // kv_heads, 2)) * dim ** -0.5
+        grouped_keys = np.repeat(keys[:, visible], heads // kv_heads, 2)
+        scores = np.einsum("bhd,bshd->bhs", queries[:, 0], grouped_keys) * dim ** -0.5
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         dense = np.einsum("bhs,bshd->bhd", probs, np.repeat(values[:, visible], heads // kv_heads, 2))

@@ -69,10 +69,11 @@ def nnx_pure(state):
 
 
 def sharded_generation_matches(out: Path, parallel_sizes) -> None:
-    """Greedy generation with the Gemma 2 fixture on a sharded mesh equals unsharded generation;
-    writes {"equal": bool, "rows": n} to `out`."""
+    """Greedy generation with the Gemma 2 fixture on a sharded mesh equals unsharded generation, for the
+    static sampler and for the engine (sampled requests too); writes what matched to `out`."""
     import json
 
+    from polyalign.generate.engine import Engine, EngineConfig, Request
     from polyalign.generate.sampling import Sampler, SamplingConfig
     from polyalign.model import load_hf_checkpoint
     from tests.conftest import FIXTURES
@@ -81,6 +82,16 @@ def sharded_generation_matches(out: Path, parallel_sizes) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, n).astype(np.int32) for n in (5, 17, 11)]
     config = SamplingConfig(max_new_tokens=12)
+    mesh = parallel.make_mesh(parallel.ParallelConfig(*parallel_sizes))
     plain = Sampler(model, [], 0, config).generate(prompts)
-    sharded = Sampler(model, [], 0, config, mesh=parallel.make_mesh(parallel.ParallelConfig(*parallel_sizes)))
-    Path(out).write_text(json.dumps({"equal": sharded.generate(prompts) == plain, "rows": len(plain)}))
+    sharded = Sampler(model, [], 0, config, mesh=mesh)
+    # The engine: greedy and sampled requests, more of them than slots, on the mesh and on one device.
+    engine_config = EngineConfig(slots=4, page_size=4, max_sequence=64, prefill_chunk=8, steps_per_sync=4)
+    requests = [Request(p, SamplingConfig(12, temperature=t), seed=i) for i, p in enumerate(prompts * 3)
+                for t in (0.0, 1.0)]
+    engine_plain = Engine(model, [], engine_config).generate(requests)
+    engine_sharded = Engine(model, [], engine_config, mesh=mesh).generate(requests)
+    Path(out).write_text(json.dumps({"equal": sharded.generate(prompts) == plain, "rows": len(plain),
+                                     "engine_equal": engine_sharded == engine_plain,
+                                     "engine_greedy_equals_sampler": [c[0].tokens for c in engine_plain[:6:2]]
+                                     == [tokens for tokens, _ in plain]}))

@@ -149,8 +149,8 @@ def _decode(state, pool, page_table, slots, *, graphdef, steps: int, stop_ids: t
         count = slots["count"] + live
         finished = live & (jnp.isin(new, stop) | (count >= slots["budget"]))
         # a slot waiting for its prefill keeps its first input (the prompt's last token)
-        slots = {**slots, "token": jnp.where(live, new, slots["token"]), "position": slots["position"] + live, "count": count,
-                 "live": live & ~finished}
+        slots = {**slots, "token": jnp.where(live, new, slots["token"]), "position": slots["position"] + live,
+                 "count": count, "live": live & ~finished}
         return (cache.pool, slots), (new, live)
 
     (pool, slots), (tokens, made) = jax.lax.scan(step, (pool, slots), None, length=steps)
@@ -222,6 +222,10 @@ class Engine:
             with jax.set_mesh(self.mesh):
                 state = jax.device_put(state, parallel.param_shardings(state, self.mesh))
         self._state = state
+
+    def release(self) -> None:
+        """Lets go of the weights and the page pool until the next `set_model`."""
+        self._state = self._pool = None
 
     def _pool_arrays(self):
         if self._pool is None:
@@ -339,7 +343,8 @@ class _Run:
         s["token"][slot], s["position"][slot] = prompt[-1], len(prompt) - 1
         s["count"][slot], s["budget"][slot] = 0, sampling.max_new_tokens
         s["seed"][slot], s["sample"][slot] = request.seed, sample
-        s["temperature"][slot], s["top_p"][slot], s["top_k"][slot] = sampling.temperature, sampling.top_p, sampling.top_k
+        s["temperature"][slot], s["top_p"][slot] = sampling.temperature, sampling.top_p
+        s["top_k"][slot] = sampling.top_k
         s["live"][slot] = False  # until its prompt is in the cache
         self.owner[slot], self.made[slot] = (index, sample), []
 

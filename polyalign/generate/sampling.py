@@ -1,4 +1,7 @@
-"""Batched sampling with a KV cache, and `polyalign generate` (one prediction per record, by id).
+"""The static-batch sampler: one batch of prompts decoded with a dense KV cache until all have stopped.
+
+The engine (generate/engine.py) generates for every stage; this sampler stays as the reference it is
+tested and measured against, and `sample_logits` and `SamplingConfig` are shared by both.
 
 Prompts are left-padded to a common length so that every row's next token goes to the same cache
 slot; positions count real tokens only, so padding never shifts the rotary embedding. The prompt is
@@ -8,27 +11,17 @@ prefilled in one pass, then one jitted loop decodes until every row has stopped 
 from __future__ import annotations
 
 import functools
-import json
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from polyalign.core.errors import GenerationError
-from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
-from polyalign.core.paths import checkpoint_identity, file_digest
-from polyalign.data.records import read_records
 from polyalign.mesh import parallel
-from polyalign.model import load_hf_checkpoint
 from polyalign.model.transformer import KVCache, Transformer
-from polyalign.tokens.chat import choose_template, encode_prompt, get_template, record_messages
-from polyalign.tokens.tokenizer import load_tokenizer
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
@@ -166,88 +159,3 @@ class Sampler:
             else:
                 results.append((tokens, FINISH_LENGTH))
         return results
-
-
-# --- polyalign generate ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GenerateOptions:
-    """What `generate_predictions` samples and from which records; OUT.manifest.json records each field.
-
-    profile: the system-prompt profile of the prompts (tokens/chat.py PROFILE_MODES); template: a chat
-    template name (default: the checkpoint's own); limit: the first N records; sample: a seeded random N of
-    them, in file order; seed: of the sampling and of `sample`; model_name: the `model` of every row
-    (default: the checkpoint's run folder)."""
-
-    profile: str = "context"
-    template: str | None = None
-    sampling: SamplingConfig = SamplingConfig()
-    batch_size: int = 16
-    max_prompt_tokens: int = 512
-    limit: int | None = None
-    sample: int | None = None
-    seed: int = 0
-    model_name: str | None = None
-
-
-def generate_predictions(checkpoint: Path, records_path: Path, out: Path, options: GenerateOptions = GenerateOptions(),
-                         progress: bool = True, overwrite: bool = False) -> dict:
-    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. OUT.manifest.json
-    records the settings, the records' digest and the checkpoint; predictions made with other settings are
-    not replaced unless `overwrite`."""
-    settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), **asdict(options)}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
-                      lock=OutputLock.for_file(out)):
-        return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress)
-
-
-def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
-                          progress: bool) -> dict:
-    profile, batch_size, seed = options.profile, options.batch_size, options.seed
-    started = time.perf_counter()
-    records = read_records(records_path)[:options.limit]
-    if options.sample is not None and options.sample < len(records):
-        keep = np.sort(np.random.default_rng(seed).choice(len(records), options.sample, replace=False))
-        records = [records[i] for i in keep]
-    if not records:
-        raise GenerationError(f"{records_path}: no records")
-
-    # Several devices: parameters loaded straight into their shardings, the batch over data x fsdp.
-    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
-    model = load_hf_checkpoint(checkpoint, mesh=mesh)
-    tokenizer = load_tokenizer(checkpoint)
-    template_name = choose_template(tokenizer, options.template, model.config.family, str(checkpoint))
-    chat = get_template(template_name, tokenizer)
-    stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
-    if tokenizer.eos_id is not None:
-        stop_ids.append(tokenizer.eos_id)
-    sampler = Sampler(model, stop_ids, tokenizer.pad_id, options.sampling, mesh=mesh)
-    folder = Path(str(checkpoint))
-    name = options.model_name or (folder.parent.name if folder.name == "model" else folder.name)
-    counts = {FINISH_STOP: 0, FINISH_LENGTH: 0}
-    new_tokens = 0
-    # Similar prompt lengths batch together, wasting less padding; rows are written in record order.
-    order = sorted(range(len(records)), key=lambda i: len(records[i].history) + len(records[i].context) // 200)
-    rows: dict[int, dict] = {}
-    with tqdm(total=len(records), desc="generate", unit="rec", disable=not progress) as bar:
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            prompts = [encode_prompt(chat, tokenizer, record_messages(records[i], profile, with_response=False),
-                                     max_tokens=options.max_prompt_tokens) for i in chunk]
-            for i, (tokens, reason) in zip(chunk, sampler.generate(prompts, seed=seed + start)):
-                rows[i] = {"id": records[i].id, "prediction": tokenizer.decode(tokens).strip(), "model": name,
-                           "finish_reason": reason, "new_tokens": len(tokens), "profile": profile}
-                counts[reason] += 1
-                new_tokens += len(tokens)
-            bar.update(len(chunk))
-    with out.open("w", encoding="utf-8") as handle:
-        for i in range(len(records)):
-            handle.write(json.dumps(rows[i], ensure_ascii=False) + "\n")
-    seconds = time.perf_counter() - started
-    summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
-               "empty": sum(1 for row in rows.values() if not row["prediction"]),
-               "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out)}
-    write_record(sidecar(out), settings, {"records": file_digest(records_path),
-                                          "checkpoint": checkpoint_identity(checkpoint)}, summary=summary)
-    return summary

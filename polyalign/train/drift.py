@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flax import nnx
 
 from polyalign.data.records import Record
-from polyalign.generate.sampling import Sampler, SamplingConfig
+from polyalign.generate.engine import Engine, EngineConfig, Request
+from polyalign.generate.run import stop_ids_of
+from polyalign.generate.sampling import SamplingConfig
 from polyalign.tokens.chat import ChatTemplate, encode_prompt, record_messages
 from polyalign.train.critic_model import CriticScorer, support_targets
 
@@ -45,22 +46,20 @@ class DriftProbe:
         self.human_tokens = np.array([len(tokenizer.encode(p["chosen"])) for p in pairs], np.float64)
         self.prompts = [np.asarray(encode_prompt(template, tokenizer, record_messages(r, profile, with_response=False),
                                                  max_tokens=512), np.int32) for r in records]
-        stop_ids = [tokenizer.special_id(t) for t in template.stop_tokens()]
-        if tokenizer.eos_id is not None:
-            stop_ids.append(tokenizer.eos_id)
         # greedy: the same prompts and the same policy give the same samples, so evaluations compare
-        self.sampler = Sampler(model, stop_ids, tokenizer.pad_id, SamplingConfig(max_new_tokens=max_new_tokens),
-                               mesh=mesh)
-        self.sampler.state = None  # each call samples the trainer's current parameters; hold no copy
+        self.requests = [Request(prompt, SamplingConfig(max_new_tokens=max_new_tokens)) for prompt in self.prompts]
+        self.engine = Engine(model, stop_ids_of(tokenizer, template),
+                             EngineConfig(slots=16, max_sequence=512 + max_new_tokens), mesh=mesh)
         self.critic = None
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
             self.critic = CriticScorer(Path(critic_dir))
 
     def __call__(self, trainer) -> dict[str, Any]:
-        self.sampler.state = nnx.split(trainer.model(trainer.state["params"]))[1]
-        samples = self.sampler.generate(self.prompts, seed=self.seed)
-        texts = [self.tokenizer.decode(tokens).strip() for tokens, _ in samples]
-        generated = np.array([len(tokens) for tokens, _ in samples], np.float64)
+        self.engine.set_model(trainer.model(trainer.state["params"]))  # the current parameters, no copy kept
+        samples = [completions[0].tokens for completions in self.engine.generate(self.requests)]
+        self.engine.release()  # the trainer's memory is the trainer's between probes
+        texts = [self.tokenizer.decode(tokens).strip() for tokens in samples]
+        generated = np.array([len(tokens) for tokens in samples], np.float64)
         by_bucket: dict[str, list[int]] = defaultdict(list)
         for i, bucket in enumerate(self.buckets):
             by_bucket[bucket].append(i)

@@ -26,7 +26,7 @@ import jax
 from polyalign.core.paths import as_path
 from polyalign.core.yaml_config import ConfigError, from_mapping
 from polyalign.data.records import Record
-from polyalign.generate.sampling import GenerateOptions, SamplingConfig, generate_predictions
+from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
 from polyalign.pairs.make import assign_weights, build_pairs, read_pairs, read_predictions, write_pairs
 from polyalign.train.config import CriticConfig
 from polyalign.train.critic_model import CriticScorer, set_scores

@@ -1,0 +1,129 @@
+"""`polyalign generate`: one prediction per record, by id, from the generation engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from polyalign.core.errors import GenerationError
+from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
+from polyalign.core.paths import checkpoint_identity, file_digest
+from polyalign.data.records import read_records
+from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
+from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
+from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
+from polyalign.mesh import parallel
+from polyalign.model import load_hf_checkpoint
+from polyalign.tokens.chat import choose_template, encode_prompt, get_template, record_messages
+from polyalign.tokens.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What `generate_predictions` samples and from which records; OUT.manifest.json records each field.
+
+    profile: the system-prompt profile of the prompts (tokens/chat.py PROFILE_MODES); template: a chat
+    template name (default: the checkpoint's own); batch_size: sequences the engine decodes at once;
+    limit: the first N records; sample: a seeded random N of them, in file order; seed: of the sampling
+    (each record draws from its own seed, made from this one and its id) and of `sample`; model_name:
+    the `model` of every row (default: the checkpoint's run folder). budget_records: `max_new_tokens
+    auto`, each record budgeted by its bucket's human answers in these records (budgets.py: the
+    budget_quantile of their token counts times budget_margin), sampling.max_new_tokens the ceiling."""
+
+    profile: str = "context"
+    template: str | None = None
+    sampling: SamplingConfig = SamplingConfig()
+    batch_size: int = 16
+    max_prompt_tokens: int = 512
+    limit: int | None = None
+    sample: int | None = None
+    seed: int = 0
+    model_name: str | None = None
+    budget_records: str | None = None
+    budget_quantile: float = 0.99
+    budget_margin: float = 1.2
+
+
+def stop_ids_of(tokenizer, chat) -> list[int]:
+    """The tokens that end an answer: the template's end-of-turn tokens and the tokenizer's EOS."""
+    stop_ids = [tokenizer.special_id(t) for t in chat.stop_tokens()]
+    if tokenizer.eos_id is not None:
+        stop_ids.append(tokenizer.eos_id)
+    return stop_ids
+
+
+def generate_predictions(checkpoint: Path, records_path: Path, out: Path, options: GenerateOptions = GenerateOptions(),
+                         progress: bool = True, overwrite: bool = False) -> dict:
+    """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. OUT.manifest.json
+    records the settings, the records' digest and the checkpoint; predictions made with other settings are
+    not replaced unless `overwrite`."""
+    settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), **asdict(options)}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
+                      lock=OutputLock.for_file(out)):
+        return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress)
+
+
+def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
+                          progress: bool) -> dict:
+    started = time.perf_counter()
+    records = read_records(records_path)[:options.limit]
+    if options.sample is not None and options.sample < len(records):
+        keep = np.sort(np.random.default_rng(options.seed).choice(len(records), options.sample, replace=False))
+        records = [records[i] for i in keep]
+    if not records:
+        raise GenerationError(f"{records_path}: no records")
+
+    # Several devices: parameters loaded straight into their shardings, the sequences over data x fsdp.
+    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
+    model = load_hf_checkpoint(checkpoint, mesh=mesh)
+    tokenizer = load_tokenizer(checkpoint)
+    template_name = choose_template(tokenizer, options.template, model.config.family, str(checkpoint))
+    chat = get_template(template_name, tokenizer)
+    engine = Engine(model, stop_ids_of(tokenizer, chat),
+                    EngineConfig(slots=options.batch_size,
+                                 max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens),
+                    mesh=mesh)
+    folder = Path(str(checkpoint))
+    name = options.model_name or (folder.parent.name if folder.name == "model" else folder.name)
+    budgets = None
+    if options.budget_records is not None:
+        budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
+                                 options.budget_margin, ceiling=options.sampling.max_new_tokens)
+    requests = [Request(encode_prompt(chat, tokenizer, record_messages(record, options.profile, with_response=False),
+                                      max_tokens=options.max_prompt_tokens),
+                        options.sampling if budgets is None else
+                        dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
+                        seed=request_seed(record.id, options.seed)) for record in records]
+    with tqdm(total=len(records), desc="generate", unit="rec", disable=not progress) as bar:
+        completions = engine.generate(requests, progress=bar.update)
+    rows = []
+    for record, (completion,) in zip(records, completions):
+        rows.append({"id": record.id, "prediction": tokenizer.decode(completion.tokens).strip(), "model": name,
+                     "finish_reason": completion.finish_reason, "new_tokens": len(completion.tokens),
+                     "profile": options.profile})
+    with out.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    seconds = time.perf_counter() - started
+    new_tokens = sum(row["new_tokens"] for row in rows)
+    counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
+    summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
+               "empty": sum(1 for row in rows if not row["prediction"]),
+               "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
+               "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],
+                                                           [row["finish_reason"] for row in rows]),
+               "engine": engine.stats}
+    if budgets is not None:
+        summary["budgets"] = {"by_bucket": budgets.by_bucket, "other_buckets": budgets.fallback,
+                              "records": options.budget_records}
+    write_record(sidecar(out), settings, {"records": file_digest(records_path),
+                                          "checkpoint": checkpoint_identity(checkpoint)}, summary=summary)
+    return summary
