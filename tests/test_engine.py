@@ -48,8 +48,10 @@ def test_paged_attention_equals_dense_attention_on_the_same_cache():
             pool_v[table[row, position // page_size], position % page_size] = values[row, position]
     # The last token's keys and values are written by the update itself.
     positions = np.full((batch, 1), length - 1, np.int32)
-    cache = PagedKVCache.for_tokens((jnp.asarray(pool), jnp.asarray(pool_v)), jnp.asarray(table),
-                                    jnp.asarray(positions), jnp.ones((batch, 1), bool))
+    # one layer of a 3-layer pool; the other layers hold junk too
+    pools = [np.stack([np.full_like(p, -7.0), p, np.full_like(p, 5.0)]) for p in (pool, pool_v)]
+    cache = PagedKVCache.for_tokens((jnp.asarray(pools[0]), jnp.asarray(pools[1])), jnp.asarray(table),
+                                    jnp.asarray(positions), jnp.ones((batch, 1), bool)).at_layer(jnp.int32(1))
     _, gathered_k, gathered_v = cache.update(jnp.asarray(keys[:, -1:]), jnp.asarray(values[:, -1:]))
     for window in (None, 3):
         full, local = cache.attention_masks(jnp.asarray(positions), window)

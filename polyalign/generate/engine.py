@@ -130,16 +130,19 @@ def _prefill(state, pool, page_table, ids, positions, store, *, graphdef):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "stop_ids", "replicated"), donate_argnames=("pool",))
-def _decode(state, pool, page_table, slots, *, graphdef, steps: int, stop_ids: tuple[int, ...], replicated):
-    """`steps` decoding steps of every live slot. `slots` holds per-slot arrays [S]: token (the next
-    input), position, count (tokens made so far), budget, seed, sample, temperature, top_p, top_k, live.
-    Returns the pool, the updated slots and the tokens made [steps, S] with a mask of which are real."""
+def _decode(state, pool, page_table, slots, refill, *, graphdef, steps: int, stop_ids: tuple[int, ...], replicated):
+    """Up to `steps` decoding steps of every live slot; with `refill` (requests are waiting) it returns
+    as soon as a sequence finishes, so that its slot takes the next one. `slots` holds per-slot arrays
+    [S]: token (the next input), position, count (tokens made so far), budget, seed, sample,
+    temperature, top_p, top_k, live. Returns the pool, the updated slots and the tokens made
+    [steps, S] with a mask of which are real."""
     model = nnx.merge(graphdef, state)
     stop = jnp.asarray(stop_ids, jnp.int32)
     base = jax.random.key(0)
+    batch = slots["live"].shape[0]
 
-    def step(carry, _):
-        pool, slots = carry
+    def step(carry):
+        index, pool, slots, tokens, made, _ = carry
         live = slots["live"]
         cache = PagedKVCache.for_tokens(pool, page_table, slots["position"][:, None], live[:, None])
         logits, cache = model.decode_paged(slots["token"][:, None], slots["position"][:, None], cache)
@@ -151,9 +154,15 @@ def _decode(state, pool, page_table, slots, *, graphdef, steps: int, stop_ids: t
         # a slot waiting for its prefill keeps its first input (the prompt's last token)
         slots = {**slots, "token": jnp.where(live, new, slots["token"]), "position": slots["position"] + live,
                  "count": count, "live": live & ~finished}
-        return (cache.pool, slots), (new, live)
+        return index + 1, cache.pool, slots, tokens.at[index].set(new), made.at[index].set(live), finished.any()
 
-    (pool, slots), (tokens, made) = jax.lax.scan(step, (pool, slots), None, length=steps)
+    def running(carry):
+        index, _, slots, _, _, finished = carry
+        return (index < steps) & slots["live"].any() & ~(refill & finished)
+
+    carry = (jnp.int32(0), pool, slots, jnp.zeros((steps, batch), jnp.int32), jnp.zeros((steps, batch), bool),
+             jnp.bool_(False))
+    _, pool, slots, tokens, made, _ = jax.lax.while_loop(running, step, carry)
     return pool, _replicated((slots, tokens, made), replicated)
 
 
@@ -284,7 +293,9 @@ class _Run:
     def __init__(self, engine: Engine, requests: Sequence[Request], progress):
         self.engine, self.requests, self.progress = engine, requests, progress
         cfg = engine.config
-        self.waiting = deque(range(len(requests)))
+        # Longest budget first: the long requests start early and the short ones fill the gaps, so the run
+        # does not end with one long sequence decoding alone. Order never changes a request's tokens.
+        self.waiting = deque(sorted(range(len(requests)), key=lambda i: -requests[i].sampling.max_new_tokens))
         self.free_slots = list(range(engine.slots))
         self.free_pages = list(range(cfg.pool_pages - 1, NULL_PAGE, -1))  # pop() hands out 1, 2, ...
         self.page_refs: dict[int, int] = {}
@@ -313,7 +324,7 @@ class _Run:
         return pages
 
     def _admit(self) -> None:
-        """Moves waiting requests into free slots, first come first served, while slots and pages last."""
+        """Moves waiting requests into free slots, in order, while slots and pages last."""
         engine = self.engine
         while self.waiting:
             index = self.waiting[0]
@@ -358,6 +369,16 @@ class _Run:
         self.free_slots.append(slot)
         self.free_slots.sort()
 
+    def _pages_to_read(self, positions: int) -> int:
+        """Page-table columns that cover `positions` positions, rounded up to a power of two or 1.5 times
+        one: attention reads only the pages a step can reach (at most a third more), and a few compiled
+        widths (two per doubling) serve every step."""
+        cfg = self.engine.config
+        needed = -(-positions // cfg.page_size)
+        power = 1 << max(needed - 1, 0).bit_length()
+        width = power * 3 // 4 if power >= 4 and needed <= power * 3 // 4 else power
+        return min(cfg.pages_per_row, width)
+
     # prefill
     def _prefill_step(self) -> None:
         engine, cfg = self.engine, self.engine.config
@@ -372,6 +393,7 @@ class _Run:
             positions = np.zeros((rows, chunk), np.int32)
             store = np.zeros((rows, chunk), bool)
             table = np.full((rows, cfg.pages_per_row), NULL_PAGE, np.int32)
+            width = self._pages_to_read(max(min(job.done_to + chunk, job.end) for job in jobs))
             for row, job in enumerate(jobs):
                 stop = min(job.done_to + chunk, job.end)
                 n = stop - job.done_to
@@ -380,6 +402,7 @@ class _Run:
                 store[row, :n] = True
                 table[row] = self.table[job.slot]
                 job.done_to = stop
+            table = table[:, :width]
             table, ids, positions, store = (engine._put(x, engine._replicated) for x in (table, ids, positions, store))
             engine._pool = _prefill(engine._state, engine._pool_arrays(), table, ids, positions, store,
                                     graphdef=engine._graphdef)
@@ -393,13 +416,16 @@ class _Run:
     def _decode_step(self) -> None:
         engine = self.engine
         slots = {name: engine._put(values, engine._slot_sharding) for name, values in self.slots.items()}
+        steps = engine.config.steps_per_sync
+        live = self.slots["live"]
+        width = self._pages_to_read(int((self.slots["position"][live] + steps).max()))
         engine._pool, (after, tokens, made) = _decode(
-            engine._state, engine._pool_arrays(), engine._put(self.table, engine._slot_sharding), slots,
-            graphdef=engine._graphdef, steps=engine.config.steps_per_sync, stop_ids=engine.stop_ids,
-            replicated=engine._replicated)
+            engine._state, engine._pool_arrays(), engine._put(self.table[:, :width], engine._slot_sharding), slots,
+            engine._put(np.bool_(bool(self.waiting)), engine._replicated), graphdef=engine._graphdef, steps=steps,
+            stop_ids=engine.stop_ids, replicated=engine._replicated)
         after, tokens, made = jax.device_get((after, tokens, made))
         self.counts["decode_calls"] += 1
-        self.counts["slot_steps"] += made.size
+        self.counts["slot_steps"] += int(made.any(axis=1).sum()) * made.shape[1]  # steps run x slots
         self.counts["live_slot_steps"] += int(made.sum())
         was_live = self.slots["live"].copy()
         for name in ("token", "position", "count", "live"):

@@ -14,6 +14,7 @@ past a sequence's length point at page 0 or at pages not yet written; the mask h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -27,15 +28,16 @@ NULL_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PagedKVCache:
-    """k, v: the pool, [layers, pages, page_size, kv_heads, head_dim] (one layer's [pages, ...] inside
-    the layer scan); page_table [B, pages_per_row]; write_pages, write_offsets [B, t]: where each of the
-    t new tokens of a row goes."""
+    """k, v: the pool, [layers, pages, page_size, kv_heads, head_dim]; page_table [B, pages_per_row];
+    write_pages, write_offsets [B, t]: where each of the t new tokens of a row goes; layer: the layer
+    being run (set by the layer loop)."""
 
     k: jax.Array
     v: jax.Array
     page_table: jax.Array
     write_pages: jax.Array
     write_offsets: jax.Array
+    layer: jax.Array | None = None
 
     @staticmethod
     def empty_pool(cfg: ModelConfig, pages: int, page_size: int, dtype=None) -> tuple[jax.Array, jax.Array]:
@@ -46,9 +48,11 @@ class PagedKVCache:
     @classmethod
     def for_tokens(cls, pool: tuple[jax.Array, jax.Array], page_table: jax.Array, positions: jax.Array,
                    store: jax.Array) -> PagedKVCache:
-        """The cache for new tokens at `positions` [B, t]; those with `store` False go to the null page."""
+        """The cache for new tokens at `positions` [B, t]; those with `store` False go to the null page
+        (their positions may lie past the page table, which may be cut to the pages a step can reach)."""
         page_size = pool[0].shape[-3]
-        pages = jnp.take_along_axis(page_table, positions // page_size, axis=1)
+        column = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+        pages = jnp.take_along_axis(page_table, column, axis=1)
         return cls(pool[0], pool[1], page_table, jnp.where(store, pages, NULL_PAGE), positions % page_size)
 
     @property
@@ -63,22 +67,18 @@ class PagedKVCache:
         local = mask & (distance < sliding_window)[:, None] if sliding_window else None
         return mask, local
 
+    def at_layer(self, layer: jax.Array | None) -> PagedKVCache:
+        return dataclasses.replace(self, layer=layer)
+
     def update(self, k: jax.Array, v: jax.Array) -> tuple[PagedKVCache, jax.Array, jax.Array]:
-        """Stores one layer's new keys and values [B, t, K, D]; returns the cache and each row's keys
-        and values [B, S, K, D] in position order."""
-        pool_k = self.k.at[self.write_pages, self.write_offsets].set(k.astype(self.k.dtype))
-        pool_v = self.v.at[self.write_pages, self.write_offsets].set(v.astype(self.v.dtype))
+        """Stores this layer's new keys and values [B, t, K, D] in place; returns the cache and each
+        row's keys and values [B, S, K, D] in position order, gathered from its pages."""
+        pool_k = self.k.at[self.layer, self.write_pages, self.write_offsets].set(k.astype(self.k.dtype))
+        pool_v = self.v.at[self.layer, self.write_pages, self.write_offsets].set(v.astype(self.v.dtype))
         batch = self.page_table.shape[0]
 
         def rows(pool):
-            gathered = pool[self.page_table]  # [B, pages_per_row, page_size, K, D]
+            gathered = pool[self.layer, self.page_table]  # [B, pages_per_row, page_size, K, D]
             return gathered.reshape(batch, -1, *pool.shape[-2:])
 
-        cache = PagedKVCache(pool_k, pool_v, self.page_table, self.write_pages, self.write_offsets)
-        return cache, rows(pool_k), rows(pool_v)
-
-    def layer_arrays(self) -> tuple[jax.Array, jax.Array]:
-        return self.k, self.v
-
-    def with_layer_arrays(self, arrays: tuple[jax.Array, jax.Array]) -> PagedKVCache:
-        return PagedKVCache(arrays[0], arrays[1], self.page_table, self.write_pages, self.write_offsets)
+        return dataclasses.replace(self, k=pool_k, v=pool_v), rows(pool_k), rows(pool_v)

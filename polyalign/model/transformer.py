@@ -8,6 +8,7 @@ Every parameter and large activation carries logical axis names (polyalign.mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -169,12 +170,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMa
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    """Keys and values of one layer ([B, S, K, D] each) and the slot where the next tokens go.
-    The model stacks one per layer along a leading axis."""
+    """Keys and values of every layer ([layers, B, S, K, D] each), the slot where the next tokens go,
+    and the layer being run (set by the layer loop)."""
 
     k: jax.Array
     v: jax.Array
     index: jax.Array  # int32 scalar
+    layer: jax.Array | None = None
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, slots: int, dtype=None) -> KVCache:
@@ -182,23 +184,18 @@ class KVCache:
         dtype = dtype or cfg.dtype
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
-    def write(self, k: jax.Array, v: jax.Array) -> KVCache:
-        k = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.index, axis=1)
-        v = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.index, axis=1)
-        return KVCache(k, v, self.index)
+    # The cache protocol of Attention and Transformer._layers (PagedKVCache follows it too): the layer
+    # loop carries the whole cache, so each layer's write is an update in place, never a copy of the
+    # cache; `at_layer` names the layer, `update` stores its new keys and values and returns the keys
+    # and values it attends over.
+    def at_layer(self, layer: jax.Array) -> KVCache:
+        return dataclasses.replace(self, layer=layer)
 
-    # The cache protocol of Attention and Transformer._layers (PagedKVCache follows it too): `update`
-    # stores one layer's new keys and values and returns the keys and values to attend over;
-    # `layer_arrays` are what the layer scan carries, `with_layer_arrays` puts them back.
     def update(self, k: jax.Array, v: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
-        cache = self.write(k, v)
-        return cache, cache.k, cache.v
-
-    def layer_arrays(self) -> tuple[jax.Array, jax.Array]:
-        return self.k, self.v
-
-    def with_layer_arrays(self, arrays: tuple[jax.Array, jax.Array]) -> KVCache:
-        return KVCache(arrays[0], arrays[1], self.index)
+        start = (self.layer, 0, self.index, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+        return dataclasses.replace(self, k=k_all, v=v_all), k_all[self.layer], v_all[self.layer]
 
 
 def cached_attention_masks(slots: int, index: jax.Array, length: int, kv_valid: jax.Array,
@@ -411,31 +408,29 @@ class Transformer(nnx.Module):
         inv_freqs = jnp.asarray(np.stack([rope_inverse_frequencies(cfg, local=s) for s in cfg.sliding_layers]))
         graphdef, layer_state = nnx.split(self.layers)
         sliding = jnp.asarray(cfg.sliding_layers)
-        per_layer_cache = None if cache is None else cache.layer_arrays()
         if dropout_key is not None and (cfg.lora is None or not cfg.lora.dropout):
             dropout_key = None  # nothing to drop: the step stays the one without a key
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, cfg.num_layers)
 
-        def layer(h, xs):
-            state, is_sliding, inv_freq, kv, key = xs
+        def layer(carry, xs):
+            h, cache = carry
+            state, is_sliding, inv_freq, key, index = xs
             mask = full if local is None else jnp.where(is_sliding, local, full)
-            layer_cache = None if kv is None else cache.with_layer_arrays(kv)
-            h, layer_cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache, key)
-            return h, None if layer_cache is None else layer_cache.layer_arrays()
+            layer_cache = None if cache is None else cache.at_layer(index)
+            h, cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache, key)
+            return (h, cache), None
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        xs = (layer_state, sliding, inv_freqs, per_layer_cache, layer_keys)
+        xs = (layer_state, sliding, inv_freqs, layer_keys, jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        if cache is not None:
+            cache = cache.at_layer(jnp.int32(0))  # the carry keeps one structure from layer to layer
         if cfg.scan_layers:
-            h, new_kv = jax.lax.scan(layer, h, xs)
+            (h, cache), _ = jax.lax.scan(layer, (h, cache), xs)
         else:
-            outputs = []
             for i in range(cfg.num_layers):
-                h, out = layer(h, jax.tree.map(lambda a, i=i: a[i], xs))
-                outputs.append(out)
-            new_kv = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *outputs)
-        new_cache = None if cache is None else cache.with_layer_arrays(new_kv)
-        return self.norm(h), new_cache
+                (h, cache), _ = layer((h, cache), jax.tree.map(lambda a, i=i: a[i], xs))
+        return self.norm(h), None if cache is None else cache.at_layer(None)
 
     def token_log_probs(self, input_ids: jax.Array, targets: jax.Array, *, positions: jax.Array | None = None,
                         segment_ids: jax.Array | None = None, branch_ids: jax.Array | None = None,
