@@ -540,6 +540,39 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP endpoint over a checkpoint",
+                       description="Serve a checkpoint over HTTP as OpenAI's API does: GET /v1/models, POST "
+                                   "/v1/chat/completions (messages rendered with the checkpoint's chat template) and "
+                                   "POST /v1/completions, through the generation engine (requests join the running "
+                                   "batch as they arrive). Any OpenAI client works: base_url=http://HOST:PORT/v1. "
+                                   "No streaming. Needs the serve extra: pip install 'polyalign[serve]'.")
+    p.add_argument("--checkpoint", required=True, type=_location,
+                   help="Hugging Face checkpoint directory with its tokenizer, e.g. OUT/model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
+    p.add_argument("--slots", type=int, default=16, help="sequences decoded at once (default 16)")
+    p.add_argument("--max-sequence", type=int, default=2048,
+                   help="the longest prompt plus answer of one request, in tokens (default 2048)")
+    p.add_argument("--max-pending", type=int, default=64,
+                   help="requests waiting or running at once; more are answered 429 (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="a request's budget when it names no max_tokens (default 256)")
+    p.add_argument("--model-name", help="the model's name in /v1/models and responses (default: the run folder)")
+    p.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from polyalign.generate.serve import ServeOptions, serve  # heavy: jax, kept out of --help
+
+    serve(args.checkpoint, ServeOptions(host=args.host, port=args.port, slots=args.slots,
+                                        max_sequence=args.max_sequence, max_pending=args.max_pending,
+                                        max_new_tokens=args.max_new_tokens, model_name=args.model_name),
+          template=args.template)
+    return 0
+
+
 def _add_prompts(sub) -> None:
     p = sub.add_parser("prompts", help="the exact prompts of each record, for generating with vLLM or SGLang",
                        description="Write one row per record: {id, messages (the chat messages polyalign renders, "
@@ -762,6 +795,8 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
     "prompts": {"--limit": COUNT},
+    "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2), "--max-pending": COUNT,
+              "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
     "evaluate": {"--bootstrap-draws": COUNT, "--seed": SEED},
     "launch": {"--nproc": COUNT, "--cpu-devices": COUNT, "--port": Range(1, 65535)},
@@ -802,6 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build(sub)
     _add_train(sub)
     _add_generate(sub)
+    _add_serve(sub)
     _add_prompts(sub)
     _add_pairs(sub)
     _add_evaluate(sub)

@@ -17,9 +17,12 @@ rows, so neither the other requests in flight nor the slot a request gets change
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -291,7 +294,7 @@ class _Run:
     """One `Engine.generate` call: the waiting requests, the slots, the pages and the prefill queue."""
 
     def __init__(self, engine: Engine, requests: Sequence[Request], progress):
-        self.engine, self.requests, self.progress = engine, requests, progress
+        self.engine, self.requests, self.progress = engine, list(requests), progress
         cfg = engine.config
         # Longest budget first: the long requests start early and the short ones fill the gaps, so the run
         # does not end with one long sequence decoding alone. Order never changes a request's tokens.
@@ -308,6 +311,21 @@ class _Run:
         self.open_samples = [r.n for r in requests]
         self.counts = {"prefill_calls": 0, "decode_calls": 0, "slot_steps": 0, "live_slot_steps": 0}
         self.peak_pages = 0
+        self.on_done: dict[int, Callable[[list[Completion]], None]] = {}
+
+    def add(self, request: Request, on_done: Callable[[list[Completion]], None]) -> None:
+        """A request that arrived while the run goes on (served requests): it waits its turn behind
+        those before it, and `on_done` gets its completions, which the run then forgets."""
+        index = len(self.requests)
+        self.requests.append(request)
+        self.results.append([None] * request.n)
+        self.open_samples.append(request.n)
+        self.on_done[index] = on_done
+        self.waiting.append(index)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.owner)
 
     def stats(self) -> dict:
         """What the run did: program calls, slot-steps decoded and how many of them held a live
@@ -449,13 +467,90 @@ class _Run:
         self.results[index][sample] = completion
         self._release(slot)
         self.open_samples[index] -= 1
-        return int(self.open_samples[index] == 0)
+        if self.open_samples[index]:
+            return 0
+        if index in self.on_done:
+            self.on_done.pop(index)(self.results[index])
+            self.results[index] = self.requests[index] = None
+        return 1
+
+    def step(self) -> None:
+        """Admits what fits, runs one prefill call and one decoding call."""
+        self._admit()
+        if self.prefills:
+            self._prefill_step()
+        if self.slots["live"].any():
+            self._decode_step()
 
     def until_done(self) -> list[list[Completion]]:
-        while self.waiting or self.owner:
-            self._admit()
-            if self.prefills:
-                self._prefill_step()
-            if self.slots["live"].any():
-                self._decode_step()
+        while self.busy:
+            self.step()
         return self.results
+
+
+class EngineLoop:
+    """Serves requests that arrive over time (`polyalign serve`): one thread runs the engine, and a
+    request submitted while others decode joins them at the next step. At most `max_pending` requests
+    wait or run at once; `submit` refuses more (QueueFull), so a flood of requests cannot grow memory
+    without bound."""
+
+    def __init__(self, engine: Engine, max_pending: int = 64):
+        self.engine, self.max_pending = engine, max_pending
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="polyalign-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """A future of the request's completions. Raises GenerationError for a request the engine cannot
+        hold, QueueFull when max_pending requests are already in."""
+        self.engine._check(0, request)
+        with self._lock:
+            if self._failure is not None or self._closed.is_set():
+                raise GenerationError(f"the engine has stopped: {self._failure or 'closed'}")
+            if self._pending >= self.max_pending:
+                raise queue.Full(f"{self._pending} requests are already waiting or running")
+            self._pending += 1
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((request, future))
+        return future
+
+    def close(self) -> None:
+        self._closed.set()
+        self._inbox.put(None)
+        self._thread.join()
+
+    def _done(self, future: concurrent.futures.Future, completions: list[Completion]) -> None:
+        with self._lock:
+            self._pending -= 1
+        future.set_result(completions)
+
+    def _serve(self) -> None:
+        run = _Run(self.engine, [], None)
+        futures: list[concurrent.futures.Future] = []
+        try:
+            with jax.set_mesh(self.engine.mesh) if self.engine.mesh is not None else contextlib.nullcontext():
+                while not self._closed.is_set():
+                    # wait for work when idle; otherwise take what arrived and step
+                    arrivals = [self._inbox.get()] if not run.busy else []
+                    while not self._inbox.empty():
+                        arrivals.append(self._inbox.get())
+                    for item in arrivals:
+                        if item is None:
+                            continue
+                        request, future = item
+                        futures.append(future)
+                        run.add(request, functools.partial(self._done, future))
+                    if run.busy:
+                        run.step()
+                    futures = [f for f in futures if not f.done()]
+        except BaseException as error:  # every waiting caller hears why, instead of waiting forever
+            with self._lock:
+                self._failure = error
+            for future in futures:
+                if not future.done():
+                    future.set_exception(GenerationError(f"the engine stopped: {error}"))
+            raise

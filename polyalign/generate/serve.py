@@ -1,0 +1,246 @@
+"""`polyalign serve`: an OpenAI-compatible HTTP endpoint over the generation engine.
+
+GET /v1/models, POST /v1/chat/completions (messages rendered with the checkpoint's own chat template,
+as `generate` renders records) and POST /v1/completions (the prompt's own tokens). Requests join the
+engine's running batch as they arrive (EngineLoop). FastAPI parses and validates each request; anything
+malformed is answered 400 in OpenAI's error shape, an unknown model 404, and a request beyond the
+bounded queue 429; none of them reaches the engine. Streaming is not offered: a request asking for it
+is answered 400.
+"""
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
+
+import asyncio
+import queue
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from polyalign.core.errors import GenerationError
+from polyalign.core.extras import require
+from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
+from polyalign.generate.sampling import SamplingConfig
+from polyalign.tokens.chat import Message, encode_prompt
+
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """host, port; slots and max_sequence of the engine; max_pending: requests waiting or running at
+    once (more are answered 429); max_new_tokens: a request's budget when it names none; model_name:
+    what /v1/models lists (default: the checkpoint's run folder)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    slots: int = 16
+    max_sequence: int = 2048
+    max_pending: int = 64
+    max_new_tokens: int = 256
+    model_name: str | None = None
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+def _models():
+    """The request bodies, as pydantic models (FastAPI validates against them)."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class TextPart(BaseModel):
+        type: Literal["text"]
+        text: str
+
+    class ChatMessage(BaseModel):
+        role: Literal["system", "developer", "user", "assistant"]
+        content: str | list[TextPart]
+
+    class Sampling(BaseModel):
+        model_config = ConfigDict(extra="allow")  # other OpenAI fields (user, logit_bias...) are ignored
+        model: str | None = None
+        max_tokens: int | None = Field(None, ge=1)
+        max_completion_tokens: int | None = Field(None, ge=1)
+        temperature: float = Field(1.0, ge=0.0, le=2.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        top_k: int = Field(0, ge=0)
+        n: int = Field(1, ge=1, le=16)
+        seed: int | None = None
+        stop: str | list[str] | None = None
+        stream: bool = False
+
+    class ChatRequest(Sampling):
+        messages: list[ChatMessage] = Field(min_length=1)
+
+    class CompletionRequest(Sampling):
+        prompt: str | list[str]
+
+    return ChatRequest, CompletionRequest
+
+
+def _text(content) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The text up to the first stop string, and whether one was found."""
+    ends = [text.index(s) for s in stops if s and s in text]
+    return (text[:min(ends)], True) if ends else (text, False)
+
+
+class Service:
+    """What the endpoints do, without HTTP: turn a parsed request into engine requests and the
+    engine's completions into OpenAI's response objects."""
+
+    def __init__(self, engine: Engine, tokenizer, chat, model_name: str, options: ServeOptions):
+        self.tokenizer, self.chat, self.model_name, self.options = tokenizer, chat, model_name, options
+        self.engine = engine
+        self.loop = EngineLoop(engine, max_pending=options.max_pending)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "polyalign"}]}
+
+    def _sampling(self, body, prompt_tokens: int) -> tuple[SamplingConfig, int]:
+        if body.stream:
+            raise _ApiError(400, "polyalign serve does not stream; send the request without stream", param="stream")
+        if body.model is not None and body.model != self.model_name:
+            raise _ApiError(404, f"The model {body.model!r} does not exist; this server has {self.model_name!r}",
+                            kind="not_found_error", param="model")
+        budget = body.max_completion_tokens or body.max_tokens or min(
+            self.options.max_new_tokens, self.engine.config.max_sequence - prompt_tokens)
+        if budget < 1 or prompt_tokens + budget > self.engine.config.max_sequence:
+            raise _ApiError(400, f"{prompt_tokens} prompt tokens + {max(budget, 0)} new tokens exceed this server's "
+                                 f"{self.engine.config.max_sequence}-token context", param="max_tokens")
+        seed = body.seed if body.seed is not None else request_seed(uuid.uuid4().hex)
+        return SamplingConfig(budget, body.temperature, body.top_p, body.top_k), seed % 2 ** 32
+
+    async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int):
+        try:
+            future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n))
+        except queue.Full as error:
+            raise _ApiError(429, f"too many requests at once ({error}); retry later", kind="rate_limit_error") from None
+        except GenerationError as error:
+            raise _ApiError(400, str(error)) from None
+        return await asyncio.wrap_future(future)
+
+    def _choices(self, completions, stops: list[str]) -> tuple[list[tuple[str, str]], int]:
+        out = []
+        for completion in completions:
+            text, stopped = _cut_at_stop(self.tokenizer.decode(completion.tokens), stops)
+            out.append((text, "stop" if stopped else completion.finish_reason))
+        return out, sum(len(c.tokens) for c in completions)
+
+    async def chat_completion(self, body) -> dict:
+        messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
+        prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
+        sampling, seed = self._sampling(body, len(prompt))
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        choices, made = self._choices(await self._complete(prompt, sampling, seed, body.n), stops)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                             "logprobs": None} for i, (text, reason) in enumerate(choices)],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": made, "total_tokens": len(prompt) + made}}
+
+    async def completion(self, body) -> dict:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not prompts or not all(prompts):
+            raise _ApiError(400, "prompt must be a non-empty string or a list of them", param="prompt")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        requests = [self._sampling(body, len(ids)) for ids in encoded]
+        results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n)
+                                         for ids, (sampling, seed) in zip(encoded, requests)))
+        choices, made = [], 0
+        for completions in results:
+            texts, count = self._choices(completions, stops)
+            choices += texts
+            made += count
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                            for i, (text, reason) in enumerate(choices)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": made,
+                          "total_tokens": prompt_tokens + made}}
+
+
+def build_app(service: Service) -> Any:
+    """The FastAPI application over `service`."""
+    fastapi = require("fastapi", "serve", "polyalign serve")
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    chat_request, completion_request = _models()
+    app = fastapi.FastAPI(title="polyalign", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(_ApiError)
+    async def api_error(_, error: _ApiError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    def problem(e: dict) -> str:
+        if e.get("type") == "json_invalid":
+            return f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+        return f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, error: RequestValidationError):
+        problems = "; ".join(problem(e) for e in error.errors())
+        return JSONResponse(_ApiError(400, problems or "malformed request").body(), status_code=400)
+
+    @app.get("/v1/models")
+    async def models():
+        return service.models()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: chat_request):
+        return await service.chat_completion(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: completion_request):
+        return await service.completion(body)
+
+    return app
+
+
+def load_service(checkpoint, options: ServeOptions, template: str | None = None) -> Service:
+    """The engine over `checkpoint` (sharded when there are several devices) with its tokenizer and chat
+    template."""
+    from pathlib import Path
+
+    import jax
+
+    from polyalign.generate.run import stop_ids_of
+    from polyalign.mesh import parallel
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.tokens.chat import choose_template, get_template
+    from polyalign.tokens.tokenizer import load_tokenizer
+
+    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
+    model = load_hf_checkpoint(checkpoint, mesh=mesh)
+    tokenizer = load_tokenizer(checkpoint)
+    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)
+    engine = Engine(model, stop_ids_of(tokenizer, chat),
+                    EngineConfig(slots=options.slots, max_sequence=options.max_sequence), mesh=mesh)
+    folder = Path(str(checkpoint))
+    name = options.model_name or (folder.parent.name if folder.name == "model" else folder.name)
+    return Service(engine, tokenizer, chat, name, options)
+
+
+def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
+    """Runs the endpoint until interrupted."""
+    uvicorn = require("uvicorn", "serve", "polyalign serve")
+    require("fastapi", "serve", "polyalign serve")
+    service = load_service(checkpoint, options, template)
+    print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
+          f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
+    try:
+        uvicorn.run(build_app(service), host=options.host, port=options.port, log_level="warning")
+    finally:
+        service.loop.close()

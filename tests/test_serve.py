@@ -1,0 +1,151 @@
+"""`polyalign serve` with the real `openai` client against a server started here: answers equal the
+engine's, malformed requests get 4xx answers and never stop the server, a flood of requests is bounded."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from polyalign.generate.engine import Engine, EngineConfig, Request
+from polyalign.generate.run import stop_ids_of
+from polyalign.generate.sampling import SamplingConfig
+from polyalign.generate.serve import ServeOptions, build_app, load_service
+from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint
+from polyalign.model.presets import preset
+from polyalign.tokens.chat import Message, encode_prompt
+from tests.chat_exports import crosswoz_dialogues, crosswoz_messages, crosswoz_tasks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(demo_tokenizer, tmp_path_factory):
+    """A tiny random model with the demo's SentencePiece tokenizer, saved as transformers would load it."""
+    tokenizer = demo_tokenizer[0]
+    model = create_model(preset("tiny", vocab_size=tokenizer.vocab_size, num_layers=2, hidden_size=64, num_heads=4,
+                                num_kv_heads=2, head_dim=16, intermediate_size=128), seed=3)
+    folder = tmp_path_factory.mktemp("serve") / "sft" / "model"  # served as "sft", its run folder
+    directory = tokenizer.path.parent
+    save_hf_checkpoint(model, folder, extra_files={
+        name: (directory / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    return folder
+
+
+def call(url: str, method: str = "POST", body=None) -> tuple[int, dict | None]:
+    """One HTTP request, as any client would send it: (status, JSON body or None)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            status, text = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The endpoint in a thread of this process, as `polyalign serve` runs it."""
+
+    def __init__(self, checkpoint, **options):
+        self.options = ServeOptions(port=_free_port(), **options)
+        self.service = load_service(checkpoint, self.options)
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.service), host="127.0.0.1", port=self.options.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.server.started
+        self.url = f"http://127.0.0.1:{self.options.port}/v1"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.service.loop.close()
+
+
+def test_the_openai_client_gets_the_engines_answers(checkpoint):
+    # A CrossWOZ dialogue's first three turns, its task description as the system message.
+    dialogue = crosswoz_dialogues(1)[0][1]
+    messages = [{"role": "system", "content": " ".join(crosswoz_tasks(dialogue))}] + crosswoz_messages(dialogue, 3)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    with Server(checkpoint, slots=4, max_sequence=512) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        assert [m.id for m in client.models.list()] == ["sft"]
+        greedy = client.chat.completions.create(model="sft", messages=messages, max_tokens=12, temperature=0)
+        sampled = [client.chat.completions.create(model="sft", messages=messages, max_tokens=12, temperature=1.0,
+                                                  n=3, seed=5) for _ in range(2)]
+        text = client.completions.create(model="sft", prompt="The hotel is in the centre", max_tokens=6,
+                                         temperature=0)
+        service = server.service
+    # The same request made with the engine directly, with the checkpoint's template.
+    model = load_hf_checkpoint(checkpoint)
+    tokenizer, chat = service.tokenizer, service.chat
+    prompt = encode_prompt(chat, tokenizer, [Message(m["role"], m["content"]) for m in messages])
+    engine = Engine(model, stop_ids_of(tokenizer, chat), EngineConfig(slots=2, max_sequence=512))
+    expected = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=12))])[0][0]
+    assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens)
+    assert greedy.choices[0].finish_reason == expected.finish_reason
+    assert greedy.usage.prompt_tokens == len(prompt) and greedy.usage.completion_tokens == len(expected.tokens)
+    # a seed gives the same three samples twice; the three differ from one another
+    contents = [[c.message.content for c in response.choices] for response in sampled]
+    assert contents[0] == contents[1] and len(set(contents[0])) == 3
+    raw = engine.generate([Request(np.asarray(tokenizer.encode("The hotel is in the centre")),
+                                   SamplingConfig(max_new_tokens=6))])[0][0]
+    assert text.choices[0].text == tokenizer.decode(raw.tokens)
+
+
+def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpoint):
+    chat = [{"role": "user", "content": "Is there a cheap hotel nearby?"}]
+    bad = [
+        ("post", "/chat/completions", b"{not json", 400, "not valid JSON"),
+        ("post", "/chat/completions", {"messages": []}, 400, "messages"),
+        ("post", "/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+        ("post", "/chat/completions", {"messages": chat, "temperature": 5}, 400, "temperature"),
+        ("post", "/chat/completions", {"messages": chat, "n": 0}, 400, "n"),
+        ("post", "/chat/completions", {"messages": chat, "max_tokens": 0}, 400, "max_tokens"),
+        ("post", "/chat/completions", {"messages": chat, "max_tokens": 10_000}, 400, "context"),
+        ("post", "/chat/completions", {"messages": chat, "stream": True}, 400, "stream"),
+        ("post", "/chat/completions", {"model": "gpt-4o", "messages": chat}, 404, "does not exist"),
+        ("post", "/completions", {"prompt": ""}, 400, "prompt"),
+        ("post", "/completions", {"prompt": 7}, 400, "prompt"),
+        ("get", "/chat/completions", None, 405, ""),
+    ]
+    with Server(checkpoint, slots=2, max_sequence=256) as server:
+        for method, path, body, status, words in bad:
+            code, answer = call(server.url + path, method.upper(), body)
+            assert code == status, (path, body, answer)
+            if words:
+                assert words in answer["error"]["message"], answer
+        assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4})[0] == 200
+
+
+def test_a_flood_of_requests_is_refused_beyond_the_queue(checkpoint):
+    with Server(checkpoint, slots=1, max_sequence=256, max_pending=2) as server:
+        def ask(_):
+            return call(server.url + "/completions", body={"prompt": "A room for two nights", "max_tokens": 24})[0]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(ask, range(40)))
+        assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+        assert server.service.loop._pending == 0
+        assert ask(0) == 200
