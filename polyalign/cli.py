@@ -14,8 +14,9 @@ from pathlib import Path
 
 import polyalign
 from polyalign.beam import require_beam
-from polyalign.core.errors import Interrupted, PolyalignError
+from polyalign.core.errors import GenerationError, Interrupted, PolyalignError
 from polyalign.core.interrupts import interrupts_remembered
+from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh.launch import DEFAULT_PORT, main_command, run_local, run_slurm
@@ -496,8 +497,6 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
-    from polyalign.core.errors import GenerationError
-    from polyalign.core.outputs import sidecar
     from polyalign.generate.run import (  # heavy: jax, kept out of --help
         GenerateOptions,
         SamplingConfig,

@@ -14,13 +14,20 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from polyalign.core.errors import GenerationError
+import jax
+
+from polyalign.core.errors import GenerationError, PolyalignError
 from polyalign.core.extras import require
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
+from polyalign.generate.run import stop_ids_of
 from polyalign.generate.sampling import SamplingConfig
-from polyalign.tokens.chat import Message, encode_prompt
+from polyalign.mesh import parallel
+from polyalign.model import load_hf_checkpoint
+from polyalign.tokens.chat import Message, choose_template, encode_prompt, get_template
+from polyalign.tokens.tokenizer import load_tokenizer
 
 DEFAULT_PORT = 8000
 
@@ -40,7 +47,9 @@ class ServeOptions:
     model_name: str | None = None
 
 
-class _ApiError(Exception):
+class _ApiError(PolyalignError):
+    """A request the endpoint answers with an HTTP error in OpenAI's shape."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
@@ -51,7 +60,7 @@ class _ApiError(Exception):
 
 def _models():
     """The request bodies, as pydantic models (FastAPI validates against them)."""
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field  # installed with fastapi, the serve extra
 
     class TextPart(BaseModel):
         type: Literal["text"]
@@ -174,8 +183,8 @@ class Service:
 def build_app(service: Service) -> Any:
     """The FastAPI application over `service`."""
     fastapi = require("fastapi", "serve", "polyalign serve")
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.exceptions import RequestValidationError  # the serve extra, present once `require` passed
+    from fastapi.responses import JSONResponse  # the serve extra
 
     chat_request, completion_request = _models()
     app = fastapi.FastAPI(title="polyalign", docs_url=None, redoc_url=None)
@@ -212,16 +221,6 @@ def build_app(service: Service) -> Any:
 def load_service(checkpoint, options: ServeOptions, template: str | None = None) -> Service:
     """The engine over `checkpoint` (sharded when there are several devices) with its tokenizer and chat
     template."""
-    from pathlib import Path
-
-    import jax
-
-    from polyalign.generate.run import stop_ids_of
-    from polyalign.mesh import parallel
-    from polyalign.model import load_hf_checkpoint
-    from polyalign.tokens.chat import choose_template, get_template
-    from polyalign.tokens.tokenizer import load_tokenizer
-
     mesh = parallel.make_mesh() if jax.device_count() > 1 else None
     model = load_hf_checkpoint(checkpoint, mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
