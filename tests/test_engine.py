@@ -154,3 +154,46 @@ def test_request_seeds_are_stable_and_distinct():
     assert request_seed("a", 1) != request_seed("a", 0) and 0 <= request_seed("zh-123") < 2 ** 32
     key = jax.random.fold_in(jax.random.key(0), request_seed("zh-123"))  # usable as fold-in data
     assert key.shape == ()
+
+
+def test_an_adapted_quantised_model_samples_as_the_static_sampler_does():
+    """The engine merges adapters and dequantises once per model; the static sampler does it in every
+    step. Both give the same greedy tokens."""
+    from flax import nnx
+
+    from polyalign.model.architecture import LoraConfig
+    from polyalign.model.lora import add_adapters, quantize_base
+
+    base = load_hf_checkpoint(FIXTURES / "hf" / "qwen2")
+    model = add_adapters(quantize_base(base, "int8"), LoraConfig(rank=4, alpha=8.0), seed=2)
+    for path, value in nnx.iter_graph(model):
+        if isinstance(value, nnx.LoRAParam) and path[-1] == "lora_b":
+            value[...] = 0.05 * jax.random.normal(jax.random.key(len(path)), value[...].shape)
+    prompts = real_prompts()[:4]
+    config = SamplingConfig(max_new_tokens=16)
+    static = Sampler(model, [], 0, config).generate(prompts)
+    plain = Sampler(base, [], 0, config).generate(prompts)
+    assert [t for t, _ in static] != [t for t, _ in plain]  # the adapters change the answers
+    completions = Engine(model, [], SMALL).generate([Request(p, config) for p in prompts])
+    assert [c[0].tokens for c in completions] == [t for t, _ in static]
+
+
+def test_bucket_budgets_are_each_buckets_human_length_quantile():
+    from polyalign.data.records import Record
+    from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
+
+    texts = [m["content"] for d in camrest_dialogues(6) for m in camrest_messages(d) if m["role"] == "assistant"]
+    lengths = [len(t.split()) for t in texts]
+    records = [Record(id=f"r{i}", dataset="camrest676", split="train", language="en", track="multi",
+                      family="dialogue", style="task", question="q", context="", history=[], response=t,
+                      length_tokens=0, length_bin="short", bucket_id="en/dialogue" if i % 3 else "en/other", meta={})
+               for i, t in enumerate(texts)]
+    budgets = bucket_budgets(records, str.split, quantile=0.9, margin=1.5, ceiling=40)
+    for bucket, rows in (("en/dialogue", [n for i, n in enumerate(lengths) if i % 3]),
+                         ("en/other", [n for i, n in enumerate(lengths) if not i % 3])):
+        expected = min(40, max(8, int(np.ceil(np.quantile(rows, 0.9) * 1.5))))
+        assert budgets(bucket) == expected
+    assert budgets("zh/unseen") == max(budgets.by_bucket.values())
+    assert truncation_by_bucket(["a", "a", "b", "a"], ["length", "stop", "stop", "length"]) == {"a": 0.6667, "b": 0.0}
+    with pytest.raises(GenerationError, match="no answers"):
+        bucket_budgets([], str.split)

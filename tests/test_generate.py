@@ -99,6 +99,24 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert [r["id"] for r in rows] == [r.id for r in records]
     assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens", "profile"} for r in rows)
     assert all(r["new_tokens"] <= 6 and r["model"] == "ckpt" for r in rows)
+    # --max-new-tokens auto: each record within its bucket's budget, taken from train.jsonl beside the records
+    auto = tmp_path / "auto.jsonl"
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(auto), "--limit", "12", "--max-new-tokens", "auto", "--budget-ceiling", "9",
+                 "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "auto.manifest.json").read_text())["summary"]
+    budgets = summary["budgets"]["by_bucket"]
+    train_buckets = {r.bucket_id for r in read_records(run / "data" / "train.jsonl")}
+    assert set(budgets) == train_buckets and set(budgets.values()) <= set(range(8, 10))
+    assert all(row["new_tokens"] <= budgets.get(record.bucket_id, 9) for row, record in
+               zip((json.loads(line) for line in auto.read_text().splitlines()), records))
+    assert set(summary["truncated_by_bucket"]) == {r.bucket_id for r in records}
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
+                 str(tmp_path / "x.jsonl"), "--max-new-tokens", "auto"]) == 2  # no train.jsonl beside auto.jsonl
+    with pytest.raises(SystemExit) as refused:  # argparse: one usage line, exit status 2
+        main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
+              str(tmp_path / "x.jsonl"), "--max-new-tokens", "0"])
+    assert refused.value.code == 2
 
 
 @pytest.mark.slow
