@@ -461,7 +461,9 @@ def _add_generate(sub) -> None:
                                    "paged KV cache: a finished answer's slot takes the next record at once). Each "
                                    "record samples from its own seed, made from --seed and its id, so an answer does "
                                    "not depend on which records share the batch. Writes JSONL rows "
-                                   "{id, prediction, model, finish_reason, new_tokens} in record order.")
+                                   "{id, prediction, model, finish_reason, new_tokens, profile} in record order, "
+                                   "and OUT's .manifest.json beside it (settings, budgets, the share of each "
+                                   "bucket's answers that hit the length limit).")
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
     p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
@@ -486,7 +488,7 @@ def _add_generate(sub) -> None:
                                                            "holding this probability (default 1.0, no cut)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0, no cut)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded at once (default 16)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end (default 512)")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --sample's subset)")

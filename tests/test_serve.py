@@ -96,6 +96,13 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
                                                   n=3, seed=5) for _ in range(2)]
         text = client.completions.create(model="sft", prompt="The hotel is in the centre", max_tokens=6,
                                          temperature=0)
+        assert client.models.retrieve("sft").id == "sft"
+        # a stop string ends decoding (within one decoding call of 8 steps) and cuts the text there
+        long = client.chat.completions.create(model="sft", messages=messages, max_tokens=60, temperature=0)
+        content = long.choices[0].message.content
+        stop = next(c for c in content[3:] if not c.isspace())
+        stopped = client.chat.completions.create(model="sft", messages=messages, max_tokens=60, temperature=0,
+                                                 stop=[stop])
         service = server.service
     # The same request made with the engine directly, with the checkpoint's template.
     model = load_hf_checkpoint(checkpoint)
@@ -103,7 +110,7 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     prompt = encode_prompt(chat, tokenizer, [Message(m["role"], m["content"]) for m in messages])
     engine = Engine(model, stop_ids_of(tokenizer, chat), EngineConfig(slots=2, max_sequence=512))
     expected = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=12))])[0][0]
-    assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens)
+    assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens).lstrip()
     assert greedy.choices[0].finish_reason == expected.finish_reason
     assert greedy.usage.prompt_tokens == len(prompt) and greedy.usage.completion_tokens == len(expected.tokens)
     # a seed gives the same three samples twice; the three differ from one another
@@ -111,7 +118,10 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     assert contents[0] == contents[1] and len(set(contents[0])) == 3
     raw = engine.generate([Request(np.asarray(tokenizer.encode("The hotel is in the centre")),
                                    SamplingConfig(max_new_tokens=6))])[0][0]
-    assert text.choices[0].text == tokenizer.decode(raw.tokens)
+    assert text.choices[0].text == tokenizer.decode(raw.tokens).lstrip()
+    assert stopped.choices[0].message.content == content[:content.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop" and long.usage.completion_tokens == 60
+    assert stopped.usage.completion_tokens < 60
 
 
 def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpoint):
@@ -128,7 +138,14 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"model": "gpt-4o", "messages": chat}, 404, "does not exist"),
         ("post", "/completions", {"prompt": ""}, 400, "prompt"),
         ("post", "/completions", {"prompt": 7}, 400, "prompt"),
-        ("get", "/chat/completions", None, 405, ""),
+        ("get", "/chat/completions", None, 405, "Method Not Allowed"),
+        ("get", "/embeddings", None, 404, "Not Found"),
+        ("post", "/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+         "not valid Unicode"),
+        ("post", "/chat/completions", {"messages": chat, "max_tokens": "10"}, 400, "max_tokens"),
+        ("post", "/chat/completions", {"messages": chat, "stream": "yes"}, 400, "stream"),
+        ("post", "/chat/completions", {"messages": chat, "logprobs": True}, 400, "does not support logprobs"),
+        ("post", "/completions", {"prompt": "x", "echo": True}, 400, "does not support echo"),
     ]
     with Server(checkpoint, slots=2, max_sequence=256) as server:
         for method, path, body, status, words in bad:
@@ -149,3 +166,18 @@ def test_a_flood_of_requests_is_refused_beyond_the_queue(checkpoint):
         assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
         assert server.service.loop._pending == 0
         assert ask(0) == 200
+
+
+def test_a_request_nobody_waits_for_gives_its_slot_back(checkpoint):
+    from polyalign.generate.engine import EngineLoop
+
+    engine = Engine(load_hf_checkpoint(checkpoint), [], EngineConfig(slots=1, max_sequence=512))
+    loop = EngineLoop(engine, max_pending=4)
+    try:
+        long = loop.submit(Request([5, 6, 7], SamplingConfig(max_new_tokens=500)))
+        loop.cancel(long)
+        short = loop.submit(Request([5, 6, 7], SamplingConfig(max_new_tokens=4)))
+        assert len(short.result(timeout=60)[0].tokens) == 4
+        assert long.cancelled() and loop._pending == 0
+    finally:
+        loop.close()

@@ -140,6 +140,8 @@ def read_records(path: str | os.PathLike) -> list[Record]:
     """The records of a JSONL file written by `polyalign prepare` (blank lines skipped). `path` may be
     an epath (a bucket URI) as well as a local path."""
     records = []
+    if not (path.exists() if hasattr(path, "exists") else os.path.exists(path)):
+        raise InputError(f"{path}: no such records file (prepare writes RUN/data/{{train,val,test}}.jsonl)")
     with (path.open(encoding="utf-8") if hasattr(path, "open") else open(path, encoding="utf-8")) as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():

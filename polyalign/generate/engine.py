@@ -72,13 +72,15 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class Request:
-    """A prompt's token ids, how to sample it, its seed (`request_seed` derives one from an id) and the
-    number of samples."""
+    """A prompt's token ids, how to sample it, its seed (`request_seed` derives one from an id), the
+    number of samples, and optionally `stop_when(tokens)`: True ends a sample (finish reason "stop"),
+    checked after each decoding call (stop strings, which no single token id expresses)."""
 
     prompt: Sequence[int]
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0
     n: int = 1
+    stop_when: Callable[[list[int]], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,19 @@ class _Run:
         self.peak_pages = 0
         self.on_done: dict[int, Callable[[list[Completion]], None]] = {}
 
-    def add(self, request: Request, on_done: Callable[[list[Completion]], None]) -> None:
+    def cancel(self, index: int) -> None:
+        """Drops a request (its client has gone): out of the queue, or out of its slots and pages."""
+        if index in self.waiting:
+            self.waiting.remove(index)
+        for slot in [slot for slot, (owner, _) in self.owner.items() if owner == index]:
+            del self.owner[slot], self.made[slot]
+            self.slots["live"][slot] = False
+            self.prefills = deque(job for job in self.prefills if job.slot != slot)
+            self._release(slot)
+        self.on_done.pop(index, None)
+        self.results[index] = self.requests[index] = None
+
+    def add(self, request: Request, on_done: Callable[[list[Completion]], None]) -> int:
         """A request that arrived while the run goes on (served requests): it waits its turn behind
         those before it, and `on_done` gets its completions, which the run then forgets."""
         index = len(self.requests)
@@ -322,6 +336,7 @@ class _Run:
         self.open_samples.append(request.n)
         self.on_done[index] = on_done
         self.waiting.append(index)
+        return index
 
     @property
     def busy(self) -> bool:
@@ -451,16 +466,23 @@ class _Run:
         finished = 0
         for slot in np.flatnonzero(was_live).tolist():
             self.made[slot].extend(tokens[made[:, slot], slot].tolist())
-            if not self.slots["live"][slot]:
+            stop_when = self.requests[self.owner[slot][0]].stop_when
+            if self.slots["live"][slot] and stop_when is not None and stop_when(self.made[slot]):
+                self.slots["live"][slot] = False
+                finished += self._finish(slot, FINISH_STOP)
+            elif not self.slots["live"][slot]:
                 finished += self._finish(slot)
         if finished and self.progress is not None:
             self.progress(finished)
 
-    def _finish(self, slot: int) -> int:
-        """Records a finished sample; 1 when it was its request's last."""
+    def _finish(self, slot: int, reason: str | None = None) -> int:
+        """Records a finished sample (`reason`: why, when the scheduler ended it); 1 when it was its
+        request's last."""
         index, sample = self.owner.pop(slot)
         tokens = self.made.pop(slot)
-        if tokens and tokens[-1] in self.engine.stop_ids:
+        if reason is not None:
+            completion = Completion(tokens, reason)
+        elif tokens and tokens[-1] in self.engine.stop_ids:
             completion = Completion(tokens[:-1], FINISH_STOP)
         else:
             completion = Completion(tokens, FINISH_LENGTH)
@@ -518,6 +540,11 @@ class EngineLoop:
         self._inbox.put((request, future))
         return future
 
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        """Drops a submitted request whose answer nobody waits for any more; its slots and pages go to
+        the others at the next step."""
+        self._inbox.put(("cancel", future))
+
     def close(self) -> None:
         self._closed.set()
         self._inbox.put(None)
@@ -530,7 +557,7 @@ class EngineLoop:
 
     def _serve(self) -> None:
         run = _Run(self.engine, [], None)
-        futures: list[concurrent.futures.Future] = []
+        indices: dict[concurrent.futures.Future, int] = {}
         try:
             with jax.set_mesh(self.engine.mesh) if self.engine.mesh is not None else contextlib.nullcontext():
                 while not self._closed.is_set():
@@ -541,16 +568,25 @@ class EngineLoop:
                     for item in arrivals:
                         if item is None:
                             continue
+                        if item[0] == "cancel":
+                            if item[1] in indices and not item[1].done():
+                                run.cancel(indices.pop(item[1]))
+                                with self._lock:
+                                    self._pending -= 1
+                            item[1].cancel()
+                            continue
                         request, future = item
-                        futures.append(future)
-                        run.add(request, functools.partial(self._done, future))
+                        indices[future] = run.add(request, functools.partial(self._done, future))
                     if run.busy:
                         run.step()
-                    futures = [f for f in futures if not f.done()]
-        except BaseException as error:  # every waiting caller hears why, instead of waiting forever
+                    indices = {f: i for f, i in indices.items() if not f.done()}
+            error: BaseException = GenerationError("the server is shutting down")
+        except BaseException as failure:  # every waiting caller hears why, instead of waiting forever
+            error = failure
+            raise
+        finally:
             with self._lock:
                 self._failure = error
-            for future in futures:
+            for future in indices:
                 if not future.done():
                     future.set_exception(GenerationError(f"the engine stopped: {error}"))
-            raise

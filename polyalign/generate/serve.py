@@ -10,7 +10,9 @@ is answered 400.
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
 
 import asyncio
+import json
 import queue
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from polyalign.tokens.chat import Message, choose_template, encode_prompt, get_t
 from polyalign.tokens.tokenizer import load_tokenizer
 
 DEFAULT_PORT = 8000
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def _models():
         content: str | list[TextPart]
 
     class Sampling(BaseModel):
-        model_config = ConfigDict(extra="allow")  # other OpenAI fields (user, logit_bias...) are ignored
+        # strict: "10" is not a number and true is not 1; fields polyalign cannot honour are refused below
+        model_config = ConfigDict(extra="allow", strict=True)
         model: str | None = None
         max_tokens: int | None = Field(None, ge=1)
         max_completion_tokens: int | None = Field(None, ge=1)
@@ -80,7 +84,7 @@ def _models():
         top_k: int = Field(0, ge=0)
         n: int = Field(1, ge=1, le=16)
         seed: int | None = None
-        stop: str | list[str] | None = None
+        stop: str | list[str] | None = Field(None, max_length=4)
         stream: bool = False
 
     class ChatRequest(Sampling):
@@ -93,7 +97,20 @@ def _models():
 
 
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    text = content if isinstance(content, str) else "".join(part.text for part in content)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate such as "\ud800" (valid JSON, not text)
+        raise _ApiError(400, f"the text is not valid Unicode ({error.reason} at character {error.start})") from None
+    return text
+
+
+# OpenAI parameters the engine cannot honour, with the values that ask for nothing; any other value is
+# refused rather than silently dropped.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "stream_options": (None,)}
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -116,6 +133,11 @@ class Service:
                                             "owned_by": "polyalign"}]}
 
     def _sampling(self, body, prompt_tokens: int) -> tuple[SamplingConfig, int]:
+        extra = body.model_extra or {}
+        for name, harmless in UNSUPPORTED.items():
+            if name in extra and extra[name] not in harmless:
+                raise _ApiError(400, f"polyalign serve does not support {name}; send the request without it",
+                                param=name)
         if body.stream:
             raise _ApiError(400, "polyalign serve does not stream; send the request without stream", param="stream")
         if body.model is not None and body.model != self.model_name:
@@ -124,47 +146,68 @@ class Service:
         budget = body.max_completion_tokens or body.max_tokens or min(
             self.options.max_new_tokens, self.engine.config.max_sequence - prompt_tokens)
         if budget < 1 or prompt_tokens + budget > self.engine.config.max_sequence:
+            too_long = prompt_tokens >= self.engine.config.max_sequence
             raise _ApiError(400, f"{prompt_tokens} prompt tokens + {max(budget, 0)} new tokens exceed this server's "
-                                 f"{self.engine.config.max_sequence}-token context", param="max_tokens")
+                                 f"{self.engine.config.max_sequence}-token context",
+                            param="messages" if too_long else "max_tokens")
         seed = body.seed if body.seed is not None else request_seed(uuid.uuid4().hex)
         return SamplingConfig(budget, body.temperature, body.top_p, body.top_k), seed % 2 ** 32
 
-    async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int):
+    async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
+                        stops: list[str] = ()):
+        """The completions of one request; dropped from the engine when `client` (the HTTP request)
+        disconnects first, so an abandoned request does not hold slots others wait for. A sample ends
+        once its text holds one of `stops` (the answer is cut there afterwards)."""
+        stop_when = None
+        if stops:
+            def stop_when(tokens: list[int]) -> bool:
+                return _cut_at_stop(self.tokenizer.decode(tokens).lstrip(), stops)[1]
         try:
-            future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n))
+            future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when))
         except queue.Full as error:
             raise _ApiError(429, f"too many requests at once ({error}); retry later", kind="rate_limit_error") from None
         except GenerationError as error:
             raise _ApiError(400, str(error)) from None
-        return await asyncio.wrap_future(future)
+        answer = asyncio.wrap_future(future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return answer.result()
+                if client is not None and await client.is_disconnected():
+                    self.loop.cancel(future)
+                    raise _ApiError(499, "the client closed the connection")
+        except asyncio.CancelledError:
+            self.loop.cancel(future)
+            raise
 
     def _choices(self, completions, stops: list[str]) -> tuple[list[tuple[str, str]], int]:
         out = []
         for completion in completions:
-            text, stopped = _cut_at_stop(self.tokenizer.decode(completion.tokens), stops)
+            text, stopped = _cut_at_stop(self.tokenizer.decode(completion.tokens).lstrip(), stops)
             out.append((text, "stop" if stopped else completion.finish_reason))
         return out, sum(len(c.tokens) for c in completions)
 
-    async def chat_completion(self, body) -> dict:
+    async def chat_completion(self, body, client=None) -> dict:
         messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
         sampling, seed = self._sampling(body, len(prompt))
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        choices, made = self._choices(await self._complete(prompt, sampling, seed, body.n), stops)
+        choices, made = self._choices(await self._complete(prompt, sampling, seed, body.n, client, stops), stops)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                              "logprobs": None} for i, (text, reason) in enumerate(choices)],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": made, "total_tokens": len(prompt) + made}}
 
-    async def completion(self, body) -> dict:
+    async def completion(self, body, client=None) -> dict:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts or not all(prompts):
             raise _ApiError(400, "prompt must be a non-empty string or a list of them", param="prompt")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        encoded = [self.tokenizer.encode(p) for p in prompts]
+        encoded = [self.tokenizer.encode(_text(p)) for p in prompts]
         requests = [self._sampling(body, len(ids)) for ids in encoded]
-        results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n)
+        results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n, client, stops)
                                          for ids, (sampling, seed) in zip(encoded, requests)))
         choices, made = [], 0
         for completions in results:
@@ -185,6 +228,7 @@ def build_app(service: Service) -> Any:
     fastapi = require("fastapi", "serve", "polyalign serve")
     from fastapi.exceptions import RequestValidationError  # the serve extra, present once `require` passed
     from fastapi.responses import JSONResponse  # the serve extra
+    from starlette.exceptions import HTTPException  # installed with fastapi
 
     chat_request, completion_request = _models()
     app = fastapi.FastAPI(title="polyalign", docs_url=None, redoc_url=None)
@@ -192,6 +236,12 @@ def build_app(service: Service) -> Any:
     @app.exception_handler(_ApiError)
     async def api_error(_, error: _ApiError):
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, error: HTTPException):  # unknown paths, wrong methods, unreadable bodies
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(_ApiError(error.status_code, str(error.detail), kind).body(), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))
 
     def problem(e: dict) -> str:
         if e.get("type") == "json_invalid":
@@ -207,13 +257,20 @@ def build_app(service: Service) -> Any:
     async def models():
         return service.models()
 
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        if name != service.model_name:
+            raise _ApiError(404, f"The model {name!r} does not exist; this server has {service.model_name!r}",
+                            kind="not_found_error", param="model")
+        return service.models()["data"][0]
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: chat_request):
-        return await service.chat_completion(body)
+    async def chat_completions(body: chat_request, client: fastapi.Request):
+        return await service.chat_completion(body, client)
 
     @app.post("/v1/completions")
-    async def completions(body: completion_request):
-        return await service.completion(body)
+    async def completions(body: completion_request, client: fastapi.Request):
+        return await service.completion(body, client)
 
     return app
 
@@ -223,6 +280,11 @@ def load_service(checkpoint, options: ServeOptions, template: str | None = None)
     template."""
     mesh = parallel.make_mesh() if jax.device_count() > 1 else None
     model = load_hf_checkpoint(checkpoint, mesh=mesh)
+    config_file = Path(str(checkpoint)) / "config.json"
+    limit = json.loads(config_file.read_text()).get("max_position_embeddings") if config_file.is_file() else None
+    if limit and options.max_sequence > limit:
+        raise GenerationError(f"--max-sequence {options.max_sequence} is longer than the model's "
+                              f"{limit} positions (max_position_embeddings in {checkpoint}/config.json)")
     tokenizer = load_tokenizer(checkpoint)
     chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)
     engine = Engine(model, stop_ids_of(tokenizer, chat),
@@ -236,10 +298,17 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     """Runs the endpoint until interrupted."""
     uvicorn = require("uvicorn", "serve", "polyalign serve")
     require("fastapi", "serve", "polyalign serve")
+    with socket.socket() as probe:  # a taken port is one line, before the model loads
+        try:
+            probe.bind((options.host, options.port))
+        except OSError as error:
+            raise GenerationError(f"cannot listen on {options.host}:{options.port}: {error.strerror}") from None
     service = load_service(checkpoint, options, template)
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
     try:
-        uvicorn.run(build_app(service), host=options.host, port=options.port, log_level="warning")
+        # requests still running at shutdown get 5 s, then their callers hear the server is stopping
+        uvicorn.run(build_app(service), host=options.host, port=options.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
     finally:
         service.loop.close()
