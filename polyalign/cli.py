@@ -507,6 +507,14 @@ def _run_generate(args) -> int:
 
     auto = args.max_new_tokens == "auto"
     budget_records = None
+    if not auto:
+        given = [option for option, value, default in (("--budget-records", args.budget_records, None),
+                                                        ("--budget-quantile", args.budget_quantile, 0.99),
+                                                        ("--budget-margin", args.budget_margin, 1.2),
+                                                        ("--budget-ceiling", args.budget_ceiling, 1024))
+                 if value != default]
+        if given:
+            raise GenerationError(f"{', '.join(given)}: budgets by bucket, which only --max-new-tokens auto sets")
     if auto:
         budget_records = args.budget_records or args.records.parent / "train.jsonl"
         if not budget_records.is_file():

@@ -113,6 +113,8 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert set(summary["truncated_by_bucket"]) == {r.bucket_id for r in records}
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
                  str(tmp_path / "x.jsonl"), "--max-new-tokens", "auto"]) == 2  # no train.jsonl beside auto.jsonl
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
+                 str(tmp_path / "x.jsonl"), "--budget-ceiling", "5"]) == 2  # only with auto
     with pytest.raises(SystemExit) as refused:  # argparse: one usage line, exit status 2
         main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
               str(tmp_path / "x.jsonl"), "--max-new-tokens", "0"])
