@@ -59,6 +59,23 @@ def stop_ids_of(tokenizer, chat) -> list[int]:
     return stop_ids
 
 
+def open_checkpoint(checkpoint, template: str | None, config: EngineConfig):
+    """(engine, tokenizer, chat template) for `checkpoint`: with several devices the parameters are loaded
+    straight into their shardings and the sequences spread over data x fsdp; `template` None is the
+    checkpoint's own (tokens/chat.py choose_template)."""
+    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
+    model = load_hf_checkpoint(checkpoint, mesh=mesh)
+    tokenizer = load_tokenizer(checkpoint)
+    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)
+    return Engine(model, stop_ids_of(tokenizer, chat), config, mesh=mesh), tokenizer, chat
+
+
+def run_name(checkpoint) -> str:
+    """A checkpoint's name in predictions and /v1/models: its run folder (RUN/model -> RUN)."""
+    folder = Path(str(checkpoint))
+    return folder.parent.name if folder.name == "model" else folder.name
+
+
 def generate_predictions(checkpoint: Path, records_path: Path, out: Path, options: GenerateOptions = GenerateOptions(),
                          progress: bool = True, overwrite: bool = False) -> dict:
     """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. OUT.manifest.json
@@ -81,18 +98,11 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if not records:
         raise GenerationError(f"{records_path}: no records")
 
-    # Several devices: parameters loaded straight into their shardings, the sequences over data x fsdp.
-    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
-    model = load_hf_checkpoint(checkpoint, mesh=mesh)
-    tokenizer = load_tokenizer(checkpoint)
-    template_name = choose_template(tokenizer, options.template, model.config.family, str(checkpoint))
-    chat = get_template(template_name, tokenizer)
-    engine = Engine(model, stop_ids_of(tokenizer, chat),
-                    EngineConfig(slots=options.batch_size,
-                                 max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens),
-                    mesh=mesh)
-    folder = Path(str(checkpoint))
-    name = options.model_name or (folder.parent.name if folder.name == "model" else folder.name)
+    engine, tokenizer, chat = open_checkpoint(
+        checkpoint, options.template,
+        EngineConfig(slots=options.batch_size,
+                     max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens))
+    name = options.model_name or run_name(checkpoint)
     budgets = None
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,

@@ -19,17 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import jax
-
 from polyalign.core.errors import GenerationError, PolyalignError
 from polyalign.core.extras import require
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
-from polyalign.generate.run import stop_ids_of
+from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
-from polyalign.mesh import parallel
-from polyalign.model import load_hf_checkpoint
-from polyalign.tokens.chat import Message, choose_template, encode_prompt, get_template
-from polyalign.tokens.tokenizer import load_tokenizer
+from polyalign.tokens.chat import Message, encode_prompt
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -277,21 +272,15 @@ def build_app(service: Service) -> Any:
 
 def load_service(checkpoint, options: ServeOptions, template: str | None = None) -> Service:
     """The engine over `checkpoint` (sharded when there are several devices) with its tokenizer and chat
-    template."""
-    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
-    model = load_hf_checkpoint(checkpoint, mesh=mesh)
+    template; a context longer than the model's positions is refused before the weights load."""
     config_file = Path(str(checkpoint)) / "config.json"
     limit = json.loads(config_file.read_text()).get("max_position_embeddings") if config_file.is_file() else None
     if limit and options.max_sequence > limit:
         raise GenerationError(f"--max-sequence {options.max_sequence} is longer than the model's "
                               f"{limit} positions (max_position_embeddings in {checkpoint}/config.json)")
-    tokenizer = load_tokenizer(checkpoint)
-    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)
-    engine = Engine(model, stop_ids_of(tokenizer, chat),
-                    EngineConfig(slots=options.slots, max_sequence=options.max_sequence), mesh=mesh)
-    folder = Path(str(checkpoint))
-    name = options.model_name or (folder.parent.name if folder.name == "model" else folder.name)
-    return Service(engine, tokenizer, chat, name, options)
+    engine, tokenizer, chat = open_checkpoint(checkpoint, template,
+                                              EngineConfig(slots=options.slots, max_sequence=options.max_sequence))
+    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options)
 
 
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
