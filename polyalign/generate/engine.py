@@ -38,6 +38,9 @@ from polyalign.mesh import parallel
 from polyalign.model.lora import merge_adapters
 from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
 
+# The fewest positions a prefill or decoding call reads (see _Run._pages_to_read).
+MIN_READ = 64
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -405,9 +408,10 @@ class _Run:
     def _pages_to_read(self, positions: int) -> int:
         """Page-table columns that cover `positions` positions, rounded up to a power of two or 1.5 times
         one: attention reads only the pages a step can reach (at most a third more), and a few compiled
-        widths (two per doubling) serve every step."""
+        widths (two per doubling) serve every step. Never fewer than MIN_READ positions: reading a few
+        null pages more costs less than compiling the program again for each of the narrowest widths."""
         cfg = self.engine.config
-        needed = -(-positions // cfg.page_size)
+        needed = -(-max(positions, MIN_READ) // cfg.page_size)
         power = 1 << max(needed - 1, 0).bit_length()
         width = power * 3 // 4 if power >= 4 and needed <= power * 3 // 4 else power
         return min(cfg.pages_per_row, width)

@@ -8,7 +8,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -60,10 +59,11 @@ def stop_ids_of(tokenizer, chat) -> list[int]:
 
 
 def open_checkpoint(checkpoint, template: str | None, config: EngineConfig):
-    """(engine, tokenizer, chat template) for `checkpoint`: with several devices the parameters are loaded
-    straight into their shardings and the sequences spread over data x fsdp; `template` None is the
-    checkpoint's own (tokens/chat.py choose_template)."""
-    mesh = parallel.make_mesh() if jax.device_count() > 1 else None
+    """(engine, tokenizer, chat template) for `checkpoint`: the parameters are loaded straight into their
+    shardings and the sequences spread over data x fsdp; `template` None is the checkpoint's own
+    (tokens/chat.py choose_template). On one device too the engine runs under a mesh, as the drift probe's
+    does inside training: the programs are then traced alike and compiled once for both."""
+    mesh = parallel.make_mesh()
     model = load_hf_checkpoint(checkpoint, mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
     chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)

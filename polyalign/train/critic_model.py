@@ -4,6 +4,7 @@ score texts. Training it is polyalign/train/critic.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -67,8 +68,16 @@ def set_scores(pairs: list[dict], human: np.ndarray, generated: np.ndarray) -> N
         pair["critic_chosen"], pair["critic_rejected"] = round(float(c_h), 6), round(float(c_m), 6)
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _scores(state, pooled: jax.Array, bucket: jax.Array, *, graphdef) -> jax.Array:
+    return nnx.merge(graphdef, state)(pooled, bucket)
+
+
 def score(critic: Critic, pooled: np.ndarray, bucket: np.ndarray) -> np.ndarray:
-    return np.asarray(jax.jit(lambda p, b: critic(p, b))(pooled, bucket))
+    """c(y, b) for each row. One compiled program per critic shape and batch size, however often the
+    critic is scored (every epoch of its training)."""
+    graphdef, state = nnx.split(critic)
+    return np.asarray(_scores(state, pooled, bucket, graphdef=graphdef))
 
 
 class CriticScorer:
