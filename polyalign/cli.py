@@ -19,7 +19,7 @@ from polyalign.core.interrupts import interrupts_remembered
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.demo import STAGES, parse_stages, run_demo
-from polyalign.mesh.launch import DEFAULT_PORT, main_command, run_local, run_slurm
+from polyalign.mesh.launch import DEFAULT_PORT, main_command, refuse_several_processes, run_local, run_slurm
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
 DESCRIPTION = """\
@@ -499,6 +499,7 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args) -> int:
+    refuse_several_processes("polyalign generate")
     from polyalign.generate.run import (  # heavy: jax, kept out of --help
         GenerateOptions,
         SamplingConfig,
@@ -573,6 +574,7 @@ def _add_serve(sub) -> None:
 
 
 def _run_serve(args) -> int:
+    refuse_several_processes("polyalign serve")
     from polyalign.generate.serve import ServeOptions, serve  # heavy: jax, kept out of --help
 
     serve(args.checkpoint, ServeOptions(host=args.host, port=args.port, slots=args.slots,

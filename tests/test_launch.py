@@ -173,3 +173,21 @@ def test_a_process_killed_under_the_launcher_is_named_and_the_others_are_stopped
     assert run_local([sys.executable, "-c", program], nproc=3, cpu_devices=1) == 137
     assert time.monotonic() - started < 20
     assert "polyalign launch: process 1 was killed by SIGKILL; stopping the other 2" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "--checkpoint", "M", "--records", "R.jsonl", "--out", "P.jsonl"],
+                                     ["serve", "--checkpoint", "M"]])
+def test_single_process_commands_refuse_to_run_as_one_of_several(command, tmp_path, monkeypatch, capsys):
+    """Launched on several processes, each would write the same predictions (or bind the same port): one
+    line says to run it once, before anything is read."""
+    from polyalign.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "2")
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert f"polyalign {command[0]} runs in one process" in err and "POLYALIGN_NUM_PROCESSES=2" in err
+    assert "--nproc 1" in err and "Traceback" not in err
+    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "1")  # one process of one: it goes on to the missing files
+    assert main(command) == 2 and "runs in one process" not in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # a command stopped by a missing input leaves nothing behind

@@ -155,7 +155,12 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
         started.parent.mkdir(parents=True, exist_ok=True)
         started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str) + "\n",
                            encoding="utf-8")
-        yield
+        try:
+            yield
+        except BaseException:
+            if not Path(output).exists():  # stopped before writing anything (a missing input): nothing to resume
+                started.unlink(missing_ok=True)
+            raise
         started.unlink(missing_ok=True)
 
 

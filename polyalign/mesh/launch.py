@@ -145,3 +145,14 @@ def main_command(argv: Sequence[str]) -> list[str]:
     if command and command[0] == "polyalign":
         command = [sys.executable, "-m", "polyalign.cli", *command[1:]]
     return command
+
+
+def refuse_several_processes(command: str) -> None:
+    """`command` runs in one process, which uses every device of its host: started as one of several
+    processes (`polyalign launch --nproc N`, tpu_scripts/launch.sh --workers N), each would write the
+    same outputs, so it stops with one line saying how to run it once."""
+    processes = os.environ.get("POLYALIGN_NUM_PROCESSES", "").strip()
+    if processes.isdigit() and int(processes) > 1:
+        raise LaunchError(f"{command} runs in one process, which uses every device of its host; it was started "
+                            f"as one of {processes} (POLYALIGN_NUM_PROCESSES={processes}): run it once, on one "
+                            "host (`polyalign launch --nproc 1`, tpu_scripts/launch.sh --workers 1)")

@@ -7,6 +7,7 @@ model definition runs unsharded on a laptop, over data/fsdp/tensor on a GPU node
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -131,6 +132,13 @@ def param_shardings(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+@functools.lru_cache(maxsize=8)
+def _replicate(mesh):
+    """An identity whose result every device of `mesh` holds whole: one jitted function per mesh, so that
+    each shape compiles once, not once per array per call."""
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def to_host(tree):
     """Every array of `tree` as a NumPy array, on every process, one array at a time. An array this
     process holds whole is copied off its devices shard by shard; one spread over processes is first
@@ -138,8 +146,7 @@ def to_host(tree):
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return np.asarray(jax.device_get(x))
-        replicated = NamedSharding(x.sharding.mesh, PartitionSpec())
-        return np.asarray(jax.device_get(jax.jit(lambda a: a, out_shardings=replicated)(x)))
+        return np.asarray(jax.device_get(_replicate(x.sharding.mesh)(x)))
 
     return jax.tree.map(one, tree)
 
