@@ -532,6 +532,9 @@ def _run_generate(args) -> int:
                                    overwrite=args.overwrite)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
+    if summary["prompts_cut"]:
+        print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
+              f"{args.max_prompt_tokens}: their oldest turns were cut (a system message is kept)")
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "

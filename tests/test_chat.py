@@ -307,3 +307,23 @@ def test_template_choices_of_the_cli_are_the_templates():
     from polyalign.tokens.chat import TEMPLATE_CHOICES
 
     assert cli.TEMPLATE_CHOICES == TEMPLATE_CHOICES
+
+
+def test_a_prompt_over_its_budget_loses_its_oldest_turns_and_keeps_its_system_message(json_tokenizer):
+    from tests.chat_exports import camrest_dialogues, camrest_messages
+
+    messages = [Message("system", "Answer as the hotel desk would, briefly.")]
+    messages += [Message(m["role"], m["content"]) for m in camrest_messages(camrest_dialogues(1)[0])]
+    messages = messages[:-1] if messages[-1].role == "assistant" else messages
+    template = get_template("llama3")
+    full = encode_prompt(template, json_tokenizer, messages).tolist()
+    head = json_tokenizer.encode(template.render(messages[:1], add_generation_prompt=False))  # the system block
+    assert full[:len(head)] == head
+    budget = len(full) // 2
+    cut = encode_prompt(template, json_tokenizer, messages, max_tokens=budget).tolist()
+    assert len(cut) == budget and "Answer as the hotel desk would" in json_tokenizer.decode(cut)
+    assert cut[:len(head)] == head and cut[len(head):] == full[len(full) - (budget - len(head)):]
+    # Gemma folds the system message into the first user turn: the prompt keeps its end only
+    gemma = get_template("gemma")
+    full = encode_prompt(gemma, json_tokenizer, messages).tolist()
+    assert encode_prompt(gemma, json_tokenizer, messages, max_tokens=budget).tolist() == full[-budget:]

@@ -14,10 +14,11 @@ import openai
 import pytest
 import uvicorn
 
+from polyalign.core.errors import GenerationError
 from polyalign.generate.engine import Engine, EngineConfig, Request
 from polyalign.generate.run import stop_ids_of
 from polyalign.generate.sampling import SamplingConfig
-from polyalign.generate.serve import ServeOptions, build_app, load_service
+from polyalign.generate.serve import ServeOptions, _check_port, build_app, load_service
 from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint
 from polyalign.model.presets import preset
 from polyalign.tokens.chat import Message, encode_prompt
@@ -91,6 +92,8 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     with Server(checkpoint, slots=4, max_sequence=512) as server:
         client = openai.OpenAI(base_url=server.url, api_key="unused")
         assert [m.id for m in client.models.list()] == ["sft"]
+        # created: when the weights were written
+        assert client.models.list().data[0].created == int((checkpoint / "model.safetensors").stat().st_mtime)
         greedy = client.chat.completions.create(model="sft", messages=messages, max_tokens=12, temperature=0)
         sampled = [client.chat.completions.create(model="sft", messages=messages, max_tokens=12, temperature=1.0,
                                                   n=3, seed=5) for _ in range(2)]
@@ -146,6 +149,7 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"messages": chat, "stream": "yes"}, 400, "stream"),
         ("post", "/chat/completions", {"messages": chat, "logprobs": True}, 400, "does not support logprobs"),
         ("post", "/completions", {"prompt": "x", "echo": True}, 400, "does not support echo"),
+        ("post", "/completions", {"prompt": "A hotel near the station. " * 60}, 400, "context"),
     ]
     with Server(checkpoint, slots=2, max_sequence=256) as server:
         for method, path, body, status, words in bad:
@@ -153,7 +157,39 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
             assert code == status, (path, body, answer)
             if words:
                 assert words in answer["error"]["message"], answer
+        # the field at fault is named, as OpenAI names it
+        assert [call(server.url + "/chat/completions", body={"messages": chat, **extra})[1]["error"]["param"]
+                for extra in ({"max_tokens": "10"}, {"temperature": 5}, {"stream": True})] == [
+                    "max_tokens", "temperature", "stream"]
+        assert call(server.url + "/completions", body={"prompt": "A hotel near the station. " * 60}
+                    )[1]["error"]["param"] == "prompt"
         assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4})[0] == 200
+        # told to stop, a request still running after the grace gets a 503 in OpenAI's shape, not a bare 500
+        server.service.stopping_since = time.monotonic() - 60
+        code, answer = call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 100})
+        assert code == 503 and "the server is stopping" in answer["error"]["message"], answer
+        server.service.stopping_since = None
+        deadline = time.monotonic() + 30  # the engine's thread drops the cancelled request at its next step
+        while server.service.loop._pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.service.loop._pending == 0
+        assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4})[0] == 200
+
+
+def test_a_port_a_stopped_server_left_in_time_wait_is_free_and_a_taken_one_is_named():
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's listening socket has it
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    connection, _ = listener.accept()
+    with pytest.raises(GenerationError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+        _check_port("127.0.0.1", port)
+    connection.close()  # the server's side closes first, as a stopped server's does: its port is in TIME_WAIT
+    listener.close()
+    client.close()
+    _check_port("127.0.0.1", port)
 
 
 def test_a_flood_of_requests_is_refused_beyond_the_queue(checkpoint):

@@ -107,11 +107,12 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
-    requests = [Request(encode_prompt(chat, tokenizer, record_messages(record, options.profile, with_response=False),
-                                      max_tokens=options.max_prompt_tokens),
+    prompts = [record_messages(record, options.profile, with_response=False) for record in records]
+    cut = sum(len(encode_prompt(chat, tokenizer, m)) > options.max_prompt_tokens for m in prompts)
+    requests = [Request(encode_prompt(chat, tokenizer, messages, max_tokens=options.max_prompt_tokens),
                         options.sampling if budgets is None else
                         dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
-                        seed=request_seed(record.id, options.seed)) for record in records]
+                        seed=request_seed(record.id, options.seed)) for record, messages in zip(records, prompts)]
     with tqdm(total=len(records), desc="generate", unit="rec", disable=not progress) as bar:
         completions = engine.generate(requests, progress=bar.update)
     rows = []
@@ -127,6 +128,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
     summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
+               "prompts_cut": cut,  # over --max-prompt-tokens: oldest turns dropped, system message kept
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],
                                                            [row["finish_reason"] for row in rows]),

@@ -28,6 +28,7 @@ from polyalign.tokens.chat import Message, encode_prompt
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+STOP_ANSWER_S = 5  # after Ctrl-C or SIGTERM, how long running requests may still finish before a 503
 
 
 @dataclass(frozen=True)
@@ -118,16 +119,23 @@ class Service:
     """What the endpoints do, without HTTP: turn a parsed request into engine requests and the
     engine's completions into OpenAI's response objects."""
 
-    def __init__(self, engine: Engine, tokenizer, chat, model_name: str, options: ServeOptions):
+    def __init__(self, engine: Engine, tokenizer, chat, model_name: str, options: ServeOptions, created: int = 0):
+        """`created`: when the model was made (unix seconds; /v1/models says it)."""
         self.tokenizer, self.chat, self.model_name, self.options = tokenizer, chat, model_name, options
+        self.created = created
+        self.stopping_since: float | None = None  # set when the server is told to stop
         self.engine = engine
         self.loop = EngineLoop(engine, max_pending=options.max_pending)
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "polyalign"}]}
 
-    def _sampling(self, body, prompt_tokens: int) -> tuple[SamplingConfig, int]:
+    def _sampling(self, body, prompt: list[int], prompt_param: str = "messages") -> tuple[SamplingConfig, int]:
+        """The request's sampling settings and seed. A given seed is mixed with the prompt's tokens: the
+        same request draws the same answer, and other prompts (a list of them in one request) do not
+        share its random draws."""
+        prompt_tokens = len(prompt)
         extra = body.model_extra or {}
         for name, harmless in UNSUPPORTED.items():
             if name in extra and extra[name] not in harmless:
@@ -144,8 +152,9 @@ class Service:
             too_long = prompt_tokens >= self.engine.config.max_sequence
             raise _ApiError(400, f"{prompt_tokens} prompt tokens + {max(budget, 0)} new tokens exceed this server's "
                                  f"{self.engine.config.max_sequence}-token context",
-                            param="messages" if too_long else "max_tokens")
-        seed = body.seed if body.seed is not None else request_seed(uuid.uuid4().hex)
+                            param=prompt_param if too_long else "max_tokens")
+        seed = request_seed(uuid.uuid4().hex if body.seed is None else ",".join(map(str, prompt)),
+                            0 if body.seed is None else body.seed)
         return SamplingConfig(budget, body.temperature, body.top_p, body.top_k), seed % 2 ** 32
 
     async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
@@ -166,6 +175,10 @@ class Service:
         answer = asyncio.wrap_future(future)
         try:
             while True:
+                if self.stopping_since is not None and time.monotonic() - self.stopping_since > STOP_ANSWER_S:
+                    self.loop.cancel(future)
+                    raise _ApiError(503, "the server is stopping; send the request again once it is back",
+                                    kind="server_error")
                 done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
                 if done:
                     return answer.result()
@@ -186,7 +199,7 @@ class Service:
     async def chat_completion(self, body, client=None) -> dict:
         messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
-        sampling, seed = self._sampling(body, len(prompt))
+        sampling, seed = self._sampling(body, prompt)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         choices, made = self._choices(await self._complete(prompt, sampling, seed, body.n, client, stops), stops)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -201,7 +214,7 @@ class Service:
             raise _ApiError(400, "prompt must be a non-empty string or a list of them", param="prompt")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         encoded = [self.tokenizer.encode(_text(p)) for p in prompts]
-        requests = [self._sampling(body, len(ids)) for ids in encoded]
+        requests = [self._sampling(body, ids, "prompt") for ids in encoded]
         results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n, client, stops)
                                          for ids, (sampling, seed) in zip(encoded, requests)))
         choices, made = [], 0
@@ -245,8 +258,11 @@ def build_app(service: Service) -> Any:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, error: RequestValidationError):
-        problems = "; ".join(problem(e) for e in error.errors())
-        return JSONResponse(_ApiError(400, problems or "malformed request").body(), status_code=400)
+        errors = error.errors()
+        problems = "; ".join(problem(e) for e in errors)
+        fields = [e["loc"][1] for e in errors if len(e.get("loc", ())) > 1]  # ("body", field, ...)
+        return JSONResponse(_ApiError(400, problems or "malformed request", param=fields[0] if fields else None).body(),
+                            status_code=400)
 
     @app.get("/v1/models")
     async def models():
@@ -280,24 +296,42 @@ def load_service(checkpoint, options: ServeOptions, template: str | None = None)
                               f"{limit} positions (max_position_embeddings in {checkpoint}/config.json)")
     engine, tokenizer, chat = open_checkpoint(checkpoint, template,
                                               EngineConfig(slots=options.slots, max_sequence=options.max_sequence))
-    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options)
+    weights = sorted(Path(str(checkpoint)).glob("*.safetensors"))  # a local folder; 0 where it cannot be told
+    created = int(max(w.stat().st_mtime for w in weights)) if weights else 0
+    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created)
+
+
+def _check_port(host: str, port: int) -> None:
+    """A taken port is one line, before the model loads. Bound as uvicorn binds it (SO_REUSEADDR, the
+    host's own address family), so a port a stopped server left in TIME_WAIT is free, as it is to uvicorn."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as error:
+        raise GenerationError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
     """Runs the endpoint until interrupted."""
     uvicorn = require("uvicorn", "serve", "polyalign serve")
     require("fastapi", "serve", "polyalign serve")
-    with socket.socket() as probe:  # a taken port is one line, before the model loads
-        try:
-            probe.bind((options.host, options.port))
-        except OSError as error:
-            raise GenerationError(f"cannot listen on {options.host}:{options.port}: {error.strerror}") from None
+    if "://" not in str(checkpoint) and not Path(str(checkpoint)).is_dir():  # a missing model before a taken port
+        raise GenerationError(f"{checkpoint}: no such checkpoint folder (a training run writes OUT/model)")
+    _check_port(options.host, options.port)
     service = load_service(checkpoint, options, template)
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C, SIGTERM: running requests get STOP_ANSWER_S to finish
+            if service.stopping_since is None:
+                service.stopping_since = time.monotonic()
+            super().handle_exit(sig, frame)
+
     try:
-        # requests still running at shutdown get 5 s, then their callers hear the server is stopping
-        uvicorn.run(build_app(service), host=options.host, port=options.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        # requests still running after STOP_ANSWER_S are answered 503, before uvicorn's own deadline
+        Server(uvicorn.Config(build_app(service), host=options.host, port=options.port, log_level="warning",
+                              timeout_graceful_shutdown=STOP_ANSWER_S + 2)).run()
     finally:
         service.loop.close()

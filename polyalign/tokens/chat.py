@@ -455,9 +455,19 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
 
 def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
                   max_tokens: int | None = None) -> np.ndarray:
-    """Token ids of a prompt that ends with the assistant header, ready for generation; a prompt
-    over `max_tokens` keeps its end."""
+    """Token ids of a prompt that ends with the assistant header, ready for generation. A prompt over
+    `max_tokens` keeps its end, and its system message too where the template renders that first (the
+    profile's instructions are what a long conversation must not lose): the oldest turns are cut."""
     ids, _ = encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())
-    if max_tokens is not None:
-        ids = ids[-max_tokens:]
+    if max_tokens is not None and len(ids) > max_tokens:
+        head: list[int] = []
+        if messages and messages[0].role == "system":
+            try:
+                head, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
+            except ChatTemplateError:  # a template that folds it into the first user turn (Gemma)
+                head = []
+            # only a system part that opens the prompt and leaves at least half of the budget to the turns
+            if ids[:len(head)] != head or len(head) > max_tokens // 2:
+                head = []
+        ids = head + ids[len(ids) - (max_tokens - len(head)):]
     return np.asarray(ids, np.int32)
