@@ -38,10 +38,15 @@ def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
+def _shown(value: Any) -> str:
+    """A setting's value as the config and command line write it: null, true, 0.8, 'text'."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def describe_changes(keys: list[str], saved: dict, current: dict, old: bool = False) -> str:
     a, b = flatten(saved), flatten(current)
-    shown = [f"{k}={a.get(k)!r} (now {b.get(k)!r})" if old else f"{k}: {a.get(k)!r} there, {b.get(k)!r} now"
-             for k in keys[:4]]
+    shown = [f"{k}={_shown(a.get(k))} (now {_shown(b.get(k))})" if old
+             else f"{k}: {_shown(a.get(k))} there, {_shown(b.get(k))} now" for k in keys[:4]]
     return ", ".join(shown) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
