@@ -20,7 +20,7 @@ from polyalign.generate.engine import Engine, EngineConfig, Request, request_see
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
-from polyalign.tokens.chat import choose_template, encode_prompt, get_template, record_messages
+from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages
 from polyalign.tokens.tokenizer import load_tokenizer
 
 
@@ -107,12 +107,11 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
-    prompts = [record_messages(record, options.profile, with_response=False) for record in records]
-    cut = sum(len(encode_prompt(chat, tokenizer, m)) > options.max_prompt_tokens for m in prompts)
-    requests = [Request(encode_prompt(chat, tokenizer, messages, max_tokens=options.max_prompt_tokens),
-                        options.sampling if budgets is None else
+    prompts = [cut_prompt(chat, tokenizer, record_messages(record, options.profile, with_response=False),
+                          options.max_prompt_tokens) for record in records]
+    requests = [Request(ids, options.sampling if budgets is None else
                         dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
-                        seed=request_seed(record.id, options.seed)) for record, messages in zip(records, prompts)]
+                        seed=request_seed(record.id, options.seed)) for record, (ids, _) in zip(records, prompts)]
     with tqdm(total=len(records), desc="generate", unit="rec", disable=not progress) as bar:
         completions = engine.generate(requests, progress=bar.update)
     rows = []
@@ -128,7 +127,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
     summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
-               "prompts_cut": cut,  # over --max-prompt-tokens: oldest turns dropped, system message kept
+               "prompts_cut": sum(cut for _, cut in prompts),  # oldest turns dropped (chat.py cut_prompt)
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],
                                                            [row["finish_reason"] for row in rows]),

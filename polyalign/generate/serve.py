@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from polyalign.core.errors import GenerationError, PolyalignError
 from polyalign.core.extras import require
+from polyalign.core.paths import is_uri
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
@@ -153,8 +154,8 @@ class Service:
             raise _ApiError(400, f"{prompt_tokens} prompt tokens + {max(budget, 0)} new tokens exceed this server's "
                                  f"{self.engine.config.max_sequence}-token context",
                             param=prompt_param if too_long else "max_tokens")
-        seed = request_seed(uuid.uuid4().hex if body.seed is None else ",".join(map(str, prompt)),
-                            0 if body.seed is None else body.seed)
+        seed = (request_seed(uuid.uuid4().hex) if body.seed is None
+                else request_seed(",".join(map(str, prompt)), body.seed))
         return SamplingConfig(budget, body.temperature, body.top_p, body.top_k), seed % 2 ** 32
 
     async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
@@ -317,12 +318,13 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     """Runs the endpoint until interrupted."""
     uvicorn = require("uvicorn", "serve", "polyalign serve")
     require("fastapi", "serve", "polyalign serve")
-    if "://" not in str(checkpoint) and not Path(str(checkpoint)).is_dir():  # a missing model before a taken port
+    if not is_uri(checkpoint) and not Path(str(checkpoint)).is_dir():  # a missing model before a taken port
         raise GenerationError(f"{checkpoint}: no such checkpoint folder (a training run writes OUT/model)")
     _check_port(options.host, options.port)
     service = load_service(checkpoint, options, template)
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # Ctrl-C, SIGTERM: running requests get STOP_ANSWER_S to finish
             if service.stopping_since is None:

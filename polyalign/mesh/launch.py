@@ -154,5 +154,5 @@ def refuse_several_processes(command: str) -> None:
     processes = os.environ.get("POLYALIGN_NUM_PROCESSES", "").strip()
     if processes.isdigit() and int(processes) > 1:
         raise LaunchError(f"{command} runs in one process, which uses every device of its host; it was started "
-                            f"as one of {processes} (POLYALIGN_NUM_PROCESSES={processes}): run it once, on one "
-                            "host (`polyalign launch --nproc 1`, tpu_scripts/launch.sh --workers 1)")
+                          f"as one of {processes} (POLYALIGN_NUM_PROCESSES={processes}): run it once, on one "
+                          "host (`polyalign launch --nproc 1`, tpu_scripts/launch.sh --workers 1)")

@@ -455,11 +455,19 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
 
 def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
                   max_tokens: int | None = None) -> np.ndarray:
-    """Token ids of a prompt that ends with the assistant header, ready for generation. A prompt over
-    `max_tokens` keeps its end, and its system message too where the template renders that first (the
-    profile's instructions are what a long conversation must not lose): the oldest turns are cut."""
+    """Token ids of a prompt that ends with the assistant header, ready for generation; one over
+    `max_tokens` is cut as `cut_prompt` says."""
+    return cut_prompt(template, tokenizer, messages, max_tokens)[0]
+
+
+def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
+               max_tokens: int | None) -> tuple[np.ndarray, bool]:
+    """(encode_prompt's ids, whether they were cut). A prompt over `max_tokens` keeps its end, and its
+    system message too where the template renders that first (the profile's instructions are what a long
+    conversation must not lose): the oldest turns are cut."""
     ids, _ = encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())
-    if max_tokens is not None and len(ids) > max_tokens:
+    cut = max_tokens is not None and len(ids) > max_tokens
+    if cut:
         head: list[int] = []
         if messages and messages[0].role == "system":
             try:
@@ -470,4 +478,4 @@ def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequen
             if ids[:len(head)] != head or len(head) > max_tokens // 2:
                 head = []
         ids = head + ids[len(ids) - (max_tokens - len(head)):]
-    return np.asarray(ids, np.int32)
+    return np.asarray(ids, np.int32), cut
