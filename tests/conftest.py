@@ -22,6 +22,13 @@ CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 OWN_CACHE = "POLYALIGN_TEST_OWNS_JAX_CACHE"
 
 
+# Tests compile hundreds of small programs and run each for milliseconds, so XLA's backend optimisation
+# is most of a compile and buys nothing (tests/test_engine.py and test_losses.py: 89 -> 65 s). Every
+# test process and subprocess inherits this; the quick-demo test runs its demo without it (user_env),
+# at the optimisation users get.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def pytest_configure(config):
     # pytest-xdist's load scheduling first hands each worker a quarter of its share as one block of
     # consecutive tests: with the slow tests first (below), every slow test landed on worker 0, one after
@@ -29,6 +36,8 @@ def pytest_configure(config):
     # spreads them (unless --maxschedchunk is given).
     if getattr(config.option, "maxschedchunk", "no xdist") is None:
         config.option.maxschedchunk = 1
+    if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
     if CACHE_ENV in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="polyalign-jax-cache-")
@@ -122,10 +131,27 @@ def built_run(demo_run, demo_tokenizer, tmp_path_factory):
     return run, manifest
 
 
-def tiny_model_config(vocab_size: int, **overrides):
-    """A 2-layer Llama-structured model small enough for many compiles in one test session."""
-    from polyalign.model import family_defaults
+TINY_MODEL = FIXTURES / "tiny_model.yaml"
 
-    sizes = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=8)
-    return family_defaults("llama", **{**sizes, **overrides})
+
+def tiny_model_config(vocab_size: int, **overrides):
+    """A 2-layer Llama-structured model small enough for many compiles in one test session (the
+    architecture of tests/fixtures/tiny_model.yaml, which CLI runs take as model.preset)."""
+    from polyalign.model.presets import preset
+
+    return preset(str(TINY_MODEL), vocab_size=vocab_size, **overrides)
+
+
+def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess whose CPU is split into `devices` XLA devices, the session's
+    other XLA flags kept."""
+    from polyalign.mesh.launch import with_cpu_devices
+
+    return {**os.environ, "XLA_FLAGS": with_cpu_devices(os.environ.get("XLA_FLAGS"), devices), **extra}
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs as users run polyalign: XLA without TEST_XLA_FLAGS."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, **({"XLA_FLAGS": flags} if flags else {}), **extra}

@@ -29,6 +29,10 @@ def test_local_environments():
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1"]
     cpu = local_environments(2, 4000, cpu_devices=3)[1]
     assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3" and "CUDA_VISIBLE_DEVICES" not in cpu
+    # the launcher's own XLA flags are kept; only the device count is set
+    user = local_environments(1, 4000, cpu_devices=2, xla_flags="--xla_force_host_platform_device_count=8 "
+                                                                 "--xla_dump_to=/tmp/d")[0]
+    assert user["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=2"
 
 
 @pytest.mark.slow

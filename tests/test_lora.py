@@ -25,7 +25,7 @@ from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
 from polyalign.train.sft import SftObjective
 from polyalign.train.trainer import Trainer
-from tests.conftest import REPO, tiny_model_config
+from tests.conftest import REPO, TINY_MODEL, tiny_model_config
 from tests.train_checks import adapted_model, first_batch, gradients_of_first_batch
 
 WORKER = REPO / "tests" / "train_worker.py"
@@ -206,7 +206,8 @@ def _config(run, steps, *extra):
     return load_config(REPO / "configs" / "sft_demo.yaml", [
         f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=4",
         "train.checkpoint_every=2", "data.eval_limit=32", "data.eval_batch=16", f"model.lora.rank={RANK}",
-        f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.1", "optimizer.lr=0.01", *extra])
+        f"model.lora.alpha={ALPHA}", "model.lora.dropout=0.1", "optimizer.lr=0.01", f"model.preset={TINY_MODEL}",
+        *extra])
 
 
 def test_a_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports_both_ways(built_run, tmp_path):
@@ -225,7 +226,7 @@ def test_a_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports_both_w
     # The checkpoint holds the adapters and their optimizer state: a fraction of the model.
     full = train_sft(load_config(REPO / "configs" / "sft_demo.yaml", [
         f"data.dir={run}", "train.steps=2", "train.global_batch=8", "train.checkpoint_every=2",
-        "data.eval_limit=32", "data.eval_batch=16"]), tmp_path / "full", progress=False)
+        "data.eval_limit=32", "data.eval_batch=16", f"model.preset={TINY_MODEL}"]), tmp_path / "full", progress=False)
     assert full["end_step"] == 2
 
     def size(folder):

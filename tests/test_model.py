@@ -2,7 +2,6 @@
 checkpoint round trip."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from polyalign.model import (
 )
 from polyalign.model.architecture import from_hf_config, to_hf_config
 from polyalign.model.hf import INDEX_FILE
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, cpu_devices_env
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 TOLERANCE = 1e-4
@@ -565,8 +564,7 @@ def test_packed_and_tree_rows_give_the_same_log_probs_with_splash_and_xla_attent
 
 def _run_on_eight_cpu_devices(script: Path) -> subprocess.CompletedProcess:
     """Runs a test script in a process of its own whose CPU is split into 8 XLA devices; it must succeed."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = cpu_devices_env(8, PYTHONPATH=str(Path(__file__).parents[1]))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result

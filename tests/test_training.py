@@ -21,7 +21,7 @@ from polyalign.tokens.chat import encode_conversation, get_template, record_mess
 from polyalign.train.methods import load_config
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_MODEL, cpu_devices_env
 from tests.train_checks import first_batch, gradients_of_first_batch
 
 WORKER = REPO / "tests" / "train_worker.py"
@@ -163,7 +163,7 @@ def test_eight_devices_give_the_same_gradient_as_one(built_run, tmp_path):
 def _config(run, steps, *extra):
     return load_config(REPO / "configs" / "sft_demo.yaml", [
         f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=6",
-        "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", *extra])
+        "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", f"model.preset={TINY_MODEL}", *extra])
 
 
 def test_adaptive_weights_update_by_hand():
@@ -254,7 +254,7 @@ def test_resume_continues_exactly(built_run, tmp_path):
 
 
 def _cli(args, env_extra, devices):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env_extra}
+    env = cpu_devices_env(devices, **env_extra)
     return subprocess.Popen(["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -262,7 +262,8 @@ def _cli(args, env_extra, devices):
 def _train_args(run, out, *extra):
     return ["train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", str(out),
             "--no-progress", f"data.dir={run}", "train.steps=6", "train.global_batch=8", "train.eval_every=6",
-            "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", *extra]
+            "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", f"model.preset={TINY_MODEL}",
+            *extra]
 
 
 def _wait(processes):

@@ -23,8 +23,10 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from polyalign.mesh.launch import with_cpu_devices  # before JAX starts: XLA reads the flags once
+
+    os.environ["XLA_FLAGS"] = with_cpu_devices(os.environ.get("XLA_FLAGS"), args.devices)
 
     if args.mode == "generate":
         from tests.train_checks import sharded_generation_matches

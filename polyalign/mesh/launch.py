@@ -58,15 +58,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_environments(nproc: int, port: int, cpu_devices: int | None = None) -> list[dict[str, str]]:
-    """Per process: the start variables and either one GPU or `cpu_devices` CPU devices."""
+HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def with_cpu_devices(xla_flags: str | None, devices: int) -> str:
+    """XLA_FLAGS that split the CPU into `devices` XLA devices, keeping every other flag given (a user's
+    own, or a test session's)."""
+    kept = [flag for flag in (xla_flags or "").split() if not flag.startswith(HOST_DEVICE_COUNT_FLAG + "=")]
+    return " ".join([*kept, f"{HOST_DEVICE_COUNT_FLAG}={devices}"])
+
+
+def local_environments(nproc: int, port: int, cpu_devices: int | None = None,
+                       xla_flags: str | None = None) -> list[dict[str, str]]:
+    """Per process: the start variables and either one GPU or `cpu_devices` CPU devices (added to
+    `xla_flags`, the launcher's own XLA_FLAGS)."""
     envs = []
     for i in range(nproc):
         env = {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": str(nproc),
                "POLYALIGN_PROCESS_ID": str(i)}
         if cpu_devices:
             env["JAX_PLATFORMS"] = "cpu"
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
+            env["XLA_FLAGS"] = with_cpu_devices(xla_flags, cpu_devices)
         else:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         envs.append(env)
@@ -85,7 +97,7 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     require_program(command[0])
     port = port or free_port()
     processes = [subprocess.Popen(list(command), env={**os.environ, **env})
-                 for env in local_environments(nproc, port, cpu_devices)]
+                 for env in local_environments(nproc, port, cpu_devices, os.environ.get("XLA_FLAGS"))]
 
     def forward(signum, frame):
         for p in processes:
