@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -72,26 +73,53 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder that `make` fills once per test session for every pytest-xdist worker: the first worker
+    to take its lock makes it, the others wait for it and read it (each worker would otherwise prepare
+    and build the demo data again)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, above each worker's own
+    folder, made = base / name, base / f"{name}.made"
+    with FileLock(base / f"{name}.lock"):
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    return folder
+
+
+def _read_json(path: Path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    """prepare + stats on the bundled demo data, once per session."""
+    """prepare + stats on the bundled demo data, once per session: (RUN, its manifest, its stats)."""
     from polyalign.data.prepare import prepare
     from polyalign.reports.stats import compute_stats
 
-    run = tmp_path_factory.mktemp("demo_run")
-    manifest = prepare(REPO / "configs" / "data" / "demo.yaml", run, progress=False)
-    stats = compute_stats(run, progress=False)
-    return run, manifest, stats
+    def make(run):
+        prepare(REPO / "configs" / "data" / "demo.yaml", run, progress=False)
+        compute_stats(run, progress=False)
+
+    run = made_once(tmp_path_factory, "demo_run", make)
+    return run, _read_json(run / "data" / "manifest.json"), _read_json(run / "stats" / "stats.json")
 
 
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_run, tmp_path_factory):
-    """polyalign's SentencePiece tokenizer trained on the demo train split (8,000 pieces)."""
-    from polyalign.tokens.tokenizer_training import train_from_records
+    """polyalign's SentencePiece tokenizer trained on the demo train split (8,000 pieces), and its report."""
+    from polyalign.tokens.tokenizer import load_tokenizer
+    from polyalign.tokens.tokenizer_training import REPORT, train_from_records
 
     run, _, _ = demo_run
-    tokenizer, report = train_from_records(run / "data" / "train.jsonl", tmp_path_factory.mktemp("tokenizer"), 8000)
-    return tokenizer, report
+    directory = made_once(tmp_path_factory, "tokenizer",
+                          lambda out: train_from_records(run / "data" / "train.jsonl", out, 8000))
+    return load_tokenizer(directory), _read_json(directory / REPORT)
 
 
 @pytest.fixture(scope="session")
@@ -106,29 +134,34 @@ def json_tokenizer(demo_run, tmp_path_factory):
     from polyalign.tokens.tokenizer_training import record_texts
 
     run, _, _ = demo_run
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(record_texts(read_records(run / "data" / "train.jsonl")), trainer)
-    directory = tmp_path_factory.mktemp("json_tokenizer")
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>",
-                                                                 "eos_token": {"content": "<eos>"}}))
-    return load_tokenizer(directory)
+
+    def make(directory):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(record_texts(read_records(run / "data" / "train.jsonl")), trainer)
+        tok.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>",
+                                                                     "eos_token": {"content": "<eos>"}}))
+
+    return load_tokenizer(made_once(tmp_path_factory, "json_tokenizer", make))
 
 
 @pytest.fixture(scope="session")
 def built_run(demo_run, demo_tokenizer, tmp_path_factory):
     """A run directory with the demo data and a build (polyalign template, 64-token examples)."""
-    from polyalign.inputs.build import BuildOptions, build
+    from polyalign.inputs.build import BuildOptions, build, read_manifest
 
     source, _, _ = demo_run
-    run = tmp_path_factory.mktemp("built_run")
-    (run / "data").symlink_to(source / "data", target_is_directory=True)
-    manifest = build(run, BuildOptions(tokenizer=str(demo_tokenizer[0].path.parent), max_length=64), progress=False)
-    return run, manifest
+
+    def make(run):
+        (run / "data").symlink_to(source / "data", target_is_directory=True)
+        build(run, BuildOptions(tokenizer=str(demo_tokenizer[0].path.parent), max_length=64), progress=False)
+
+    run = made_once(tmp_path_factory, "built_run", make)
+    return run, read_manifest(run)
 
 
 TINY_MODEL = FIXTURES / "tiny_model.yaml"

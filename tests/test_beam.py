@@ -6,40 +6,19 @@ side of each comparison runs there, on this checkout's code, while the single-ma
 """
 
 import dataclasses
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from polyalign.data.prepare import PrepareError, prepare
 from polyalign.inputs.build import BuildOptions
+from tests.beam_env import in_beam_env
 from tests.conftest import DEMO_DATA, REPO, read_jsonl, write_config
 
 RUN_DEPENDENT = ("created", "timings_s", "engine")
-
-
-def beam_python() -> str:
-    """An interpreter with apache-beam: POLYALIGN_BEAM_PYTHON, the README's .venv-beam, or this one."""
-    candidates = [os.environ.get("POLYALIGN_BEAM_PYTHON"), str(REPO / ".venv-beam" / "bin" / "python")]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return candidate
-    if importlib.util.find_spec("apache_beam") is not None:
-        return sys.executable
-    pytest.fail("the Beam tests need an interpreter with apache-beam: run the README's test command (it makes "
-                ".venv-beam with `pip install -e '.[beam,langid]'`) or set POLYALIGN_BEAM_PYTHON")
-
-
-def in_beam_env(code: str, *args: str) -> subprocess.CompletedProcess:
-    """Runs `code` (with sys.argv[1:] = args) in the Beam environment on this checkout's polyalign."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([beam_python(), "-c", code, *args], capture_output=True, text=True, env=env, timeout=1800)
 
 
 def beam_cli(*argv: str) -> subprocess.CompletedProcess:

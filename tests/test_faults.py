@@ -20,8 +20,8 @@ from polyalign.data.prepare import PrepareError, prepare
 from polyalign.data.records import InputError
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
+from tests.cli_runs import sft_config, start_cli, train_args, wait_ok
 from tests.conftest import DEMO_DATA, read_jsonl, write_config
-from tests.test_training import _cli, _config, _train_args, _wait
 from tests.train_checks import first_batch
 
 SAMPLE = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:4]
@@ -680,11 +680,11 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(b
     from polyalign.core.errors import CheckpointError
 
     run, _ = built_run
-    train_sft(_config(run, 9), tmp_path / "straight", progress=False)
-    train_sft(_config(run, 9, "train.stop_at=6"), tmp_path / "resumed", progress=False)  # checkpoints 3 and 6
+    train_sft(sft_config(run, 9), tmp_path / "straight", progress=False)
+    train_sft(sft_config(run, 9, "train.stop_at=6"), tmp_path / "resumed", progress=False)  # checkpoints 3 and 6
     checkpoints = tmp_path / "resumed" / "checkpoints"
     _damage(checkpoints / "6")
-    resumed = train_sft(_config(run, 9), tmp_path / "resumed", progress=False)
+    resumed = train_sft(sft_config(run, 9), tmp_path / "resumed", progress=False)
     assert "checkpoint 6 cannot be restored" in capsys.readouterr().err
     assert resumed["start_step"] == 3 and resumed["end_step"] == 9
     assert (checkpoints / "6.unreadable" / "state").is_dir()  # kept, never deleted
@@ -693,11 +693,11 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(b
     for step in range(4, 10):  # steps 4-6 trained twice: the second time as the first
         assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-5, step
     # when no checkpoint restores, nothing is moved: a changed setting is the likelier cause
-    train_sft(_config(run, 9, "train.stop_at=6"), tmp_path / "broken", progress=False)
+    train_sft(sft_config(run, 9, "train.stop_at=6"), tmp_path / "broken", progress=False)
     for step in ("3", "6"):
         _damage(tmp_path / "broken" / "checkpoints" / step)
     with pytest.raises(CheckpointError, match="neither checkpoint 6 nor 3 can be restored"):
-        train_sft(_config(run, 9), tmp_path / "broken", progress=False)
+        train_sft(sft_config(run, 9), tmp_path / "broken", progress=False)
     assert sorted(p.name for p in (tmp_path / "broken" / "checkpoints").iterdir()) == ["3", "6"]
 
 
@@ -722,11 +722,11 @@ def test_a_failed_checkpoint_write_stops_at_once_and_keeps_the_committed_ones(bu
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", save)
     with pytest.raises(CheckpointError, match=r"writing checkpoint 6 failed \(OSError: \[Errno 28\] No space left"):
-        train_sft(_config(run, 9), out, progress=False)
+        train_sft(sft_config(run, 9), out, progress=False)
     assert max(r["step"] for r in read_metrics(out)) == 6  # stopped at the step whose save failed
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["3"]
     monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
-    resumed = train_sft(_config(run, 9), out, progress=False)
+    resumed = train_sft(sft_config(run, 9), out, progress=False)
     assert resumed["start_step"] == 3 and resumed["end_step"] == 9
 
 
@@ -769,8 +769,8 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(built_run, tmp_
 
     run, _ = built_run
     out = tmp_path / "preempted"
-    args = _train_args(run, out, "train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000")
-    process = _cli(args, {}, devices=1)
+    args = train_args(run, out, "train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000")
+    process = start_cli(args, {}, devices=1)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
@@ -781,7 +781,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(built_run, tmp_
     stopped = len(read_metrics(out))
     assert f"stopped at step {stopped}" in output
     assert (out / "checkpoints" / str(stopped)).is_dir()
-    output = _wait([_cli(args + [f"train.stop_at={stopped + 2}"], {}, devices=1)])[0]
+    output = wait_ok([start_cli(args + [f"train.stop_at={stopped + 2}"], {}, devices=1)])[0]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 3))
 
 
@@ -794,13 +794,13 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
     import time
     from pathlib import Path
 
-    from tests.test_training import _two_processes
+    from tests.cli_runs import start_two_processes
 
     run, _ = built_run
     out = tmp_path / "pair"
-    args = ("train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000", "train.hang_timeout=20",
-            "train.peer_timeout=120")
-    workers = _two_processes(run, out, *args)
+    args = ("train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000", "train.hang_timeout=8",
+            "train.peer_timeout=120")  # the first step may take 4 x 8 s (compiling)
+    workers = start_two_processes(run, out, *args)
     metrics = out / "metrics.jsonl"
 
     def wait_for_steps(n):
@@ -810,12 +810,12 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
 
     wait_for_steps(3)
     workers[1].send_signal(signal.SIGTERM)  # timeout(1) passes it on to its child
-    outputs = _wait(workers)
+    outputs = wait_ok(workers)
     stopped = len(read_metrics(out))
     assert f"stopped at step {stopped}" in outputs[0]
     assert (out / "checkpoints" / str(stopped)).is_dir()
 
-    workers = _two_processes(run, out, *args)
+    workers = start_two_processes(run, out, *args)
     wait_for_steps(stopped + 3)
     child = int(Path(f"/proc/{workers[1].pid}/task/{workers[1].pid}/children").read_text().split()[0])
     os.kill(child, signal.SIGSTOP)
@@ -829,7 +829,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
     assert time.time() - frozen < 60
     line = next(line for line in output.splitlines() if "made no progress" in line)
     assert re.match(r"polyalign: process 0 of 2: (step|evaluation after step|the stop agreement after step) \d+ "
-                    r"made no progress for \d+ s \(train.hang_timeout=20\)", line), line
+                    r"made no progress for \d+ s \(train.hang_timeout=8\)", line), line
     assert "Thread 0x" in output or "Current thread" in output  # the stacks
 
 
@@ -840,20 +840,20 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
 
     run, _ = built_run
     out = tmp_path / "out"
-    first = train_sft(_config(run, 3), out, progress=False)
+    first = train_sft(sft_config(run, 3), out, progress=False)
     with pytest.raises(ConfigError, match=r"made by another config \(optimizer.lr: 0.003 there, 0.002 now\)"):
-        train_sft(_config(run, 3, "optimizer.lr=0.002"), out, progress=False)
+        train_sft(sft_config(run, 3, "optimizer.lr=0.002"), out, progress=False)
     with pytest.raises(ConfigError, match=r"started with train.steps=3 \(now 4\); pass --resume"):
-        train_sft(_config(run, 4), out, progress=False)
+        train_sft(sft_config(run, 4), out, progress=False)
     capsys.readouterr()
-    resumed = train_sft(_config(run, 4), out, progress=False, existing="resume")
+    resumed = train_sft(sft_config(run, 4), out, progress=False, existing="resume")
     assert resumed["start_step"] == 3 and resumed["end_step"] == 4
     assert "resumed from step 3" in capsys.readouterr().out
-    again = train_sft(_config(run, 3, "optimizer.lr=0.002"), out, progress=False, existing="overwrite")
+    again = train_sft(sft_config(run, 3, "optimizer.lr=0.002"), out, progress=False, existing="overwrite")
     assert again["start_step"] == 0 and json.loads((out / "config.json").read_text())["optimizer"]["lr"] == 2e-3
     assert len([r for r in read_metrics(out) if "loss" in r]) == 3 and first["end_step"] == 3
     with pytest.raises(ConfigError, match="is the run's own data.dir"):
-        train_sft(_config(run, 3), run, progress=False)
+        train_sft(sft_config(run, 3), run, progress=False)
 
 
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_path, capsys):
@@ -865,11 +865,11 @@ def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_p
     out.mkdir()
     (out / LOCK).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "since": "now"}))
     with pytest.raises(ConfigError, match=f"another polyalign process \\(pid {os.getpid()} on"):
-        train_sft(_config(run, 1), out, progress=False)
+        train_sft(sft_config(run, 1), out, progress=False)
     assert not (out / "config.json").exists()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (out / LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "since": "then"}))
-    assert train_sft(_config(run, 1), out, progress=False)["end_step"] == 1
+    assert train_sft(sft_config(run, 1), out, progress=False)["end_step"] == 1
     assert "taking it over" in capsys.readouterr().out and not (out / LOCK).exists()
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from polyalign.mesh.launch import LaunchError, expand_nodelist, local_environments, slurm_environment
 from polyalign.train.metrics import read_metrics
-from tests.test_training import UNEVEN_EVAL, _cli, _train_args, _wait
+from tests.cli_runs import UNEVEN_EVAL, start_cli, train_args, wait_ok
 
 
 def test_nodelists_expand():
@@ -42,10 +42,10 @@ def test_launcher_runs_four_cpu_processes_like_one_with_four_devices(built_run, 
     and validate as one process with four devices."""
     run, _ = built_run
     settings = ("parallel.data=4", "weighting=adaptive", "adaptive.step_size=1.0", *UNEVEN_EVAL)
-    _wait([_cli(_train_args(run, tmp_path / "one", *settings), {}, devices=4)])
-    launched = _cli(["launch", "--nproc", "4", "--cpu-devices", "1", "--", "polyalign",
-                     *_train_args(run, tmp_path / "four", *settings)], {}, devices=1)
-    _wait([launched])
+    wait_ok([start_cli(train_args(run, tmp_path / "one", *settings), {}, devices=4)])
+    launched = start_cli(["launch", "--nproc", "4", "--cpu-devices", "1", "--", "polyalign",
+                          *train_args(run, tmp_path / "four", *settings)], {}, devices=1)
+    wait_ok([launched])
     one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
     assert [r["step"] for r in four] == list(range(1, 7))
     for a, b in zip(one, four):

@@ -161,6 +161,18 @@ def test_layering():
     assert graph["polyalign.train.losses"] == set()
 
 
+def test_test_modules_share_helpers_only_through_helper_modules():
+    """A test module imports what tests share from conftest.py or a helper module (tests/cli_runs.py,
+    train_checks.py, ...), never another test module's private helpers."""
+    tests = Path(__file__).resolve().parent
+    imported = {}
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
+                imported.setdefault(path.name, []).append(node.module)
+    assert imported == {}
+
+
 # Modules that import apache-beam at the top: they load in the Beam environment (the `beam` extra,
 # .venv-beam), which tests/test_beam.py runs them in, not in the suite's own.
 BEAM_MODULES = ("polyalign.beam.build", "polyalign.beam.prepare")
@@ -182,7 +194,7 @@ def foreign_errors(modules):
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_every_module_imports(module):
     if module in BEAM_MODULES:
-        from tests.test_beam import in_beam_env
+        from tests.beam_env import in_beam_env
 
         done = in_beam_env(f"import {module}")
         assert done.returncode == 0, done.stderr[-2000:]
@@ -192,7 +204,7 @@ def test_every_module_imports(module):
 
 def test_every_error_derives_from_the_base():
     from polyalign.core import errors
-    from tests.test_beam import in_beam_env
+    from tests.beam_env import in_beam_env
 
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
     assert len(classes) >= 15

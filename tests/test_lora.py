@@ -276,9 +276,9 @@ def test_hdpo_with_adapters_precomputed_and_in_step_references_train_alike(demo_
     computed in every step from the same base, gives the same run; the first step sits at the
     reference (margin 0) and the run writes the adapter folder beside the merged model."""
     from polyalign.train.run import train as train_preference
-    from tests.test_preference import _init_checkpoint_and_pair_files
+    from tests.real_inputs import init_checkpoint_and_pair_files
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=16, val=4)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=16, val=4)
     runs = {}
     for reference in ("precomputed", "in_step"):
         config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
@@ -310,16 +310,13 @@ def test_adapters_train_alike_on_two_processes_and_on_one(built_run, tmp_path):
     """LoRA SFT on two processes of two CPU devices (jax.distributed, gloo) equals one process with
     four devices step by step, and both export the same adapters."""
     from polyalign.mesh.launch import free_port
-    from tests.test_training import _cli, _train_args, _wait
+    from tests.cli_runs import process_env, start_cli, train_args, wait_ok
 
     run, _ = built_run
     lora = ("parallel.data=2", "parallel.fsdp=2", f"model.lora.rank={RANK}", "optimizer.lr=0.01")
-    _wait([_cli(_train_args(run, tmp_path / "one", *lora), {}, devices=4)])
+    wait_ok([start_cli(train_args(run, tmp_path / "one", *lora), {}, devices=4)])
     port = free_port()
-    _wait([_cli(_train_args(run, tmp_path / "two", *lora), {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}",
-                                                           "POLYALIGN_NUM_PROCESSES": "2",
-                                                           "POLYALIGN_PROCESS_ID": str(i)}, devices=2)
-           for i in range(2)])
+    wait_ok([start_cli(train_args(run, tmp_path / "two", *lora), process_env(port, i), devices=2) for i in range(2)])
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == list(range(1, 7))
     for a, b in zip(one, two):

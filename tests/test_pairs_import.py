@@ -9,6 +9,7 @@ import pytest
 from polyalign.cli import main
 from polyalign.data.records import InputError, read_records
 from tests.conftest import REPO
+from tests.real_inputs import real_trl_rows, write_jsonl
 
 
 def cli(capsys, *argv):
@@ -18,40 +19,8 @@ def cli(capsys, *argv):
     return code, captured.out, captured.err.strip()
 
 
-def real_rows(demo_run, split="test", n=40):
-    """TRL rows from real records: the prompt as messages (history, then the question with its
-    context), the person's answer chosen, another answer in the same bucket rejected; each row carries
-    the record's labels, as a user's file may."""
-    run, _, _ = demo_run
-    records = [r for r in read_records(run / "data" / f"{split}.jsonl") if r.response]
-    by_bucket = {}
-    for record in records:
-        by_bucket.setdefault(record.bucket_id, []).append(record)
-    rows, sources = [], []
-    for bucket, members in sorted(by_bucket.items()):
-        for record, other in zip(members, members[1:]):
-            if record.response == other.response:
-                continue
-            prompt = [{"role": t["role"], "content": t["text"]} for t in record.history]
-            prompt.append({"role": "user", "content": f"{record.context}\n\n{record.question}" if record.context
-                           else record.question})
-            rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": record.response}],
-                         "rejected": [{"role": "assistant", "content": other.response}],
-                         "language": record.language, "track": record.track, "family": record.family,
-                         "style": record.style})
-            sources.append(record)
-            if len(rows) == n:
-                return rows, sources
-    return rows, sources
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
 def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_run, tmp_path, capsys):
-    rows, sources = real_rows(demo_run)
+    rows, sources = real_trl_rows(demo_run)
     rows[1] = {**rows[1], "prompt": rows[1]["prompt"][-1]["content"], "chosen": rows[1]["chosen"][0]["content"],
                "rejected": rows[1]["rejected"][0]["content"]}  # the string form (without the history)
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
@@ -71,7 +40,7 @@ def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_ru
 
 
 def test_sharegpt_pairs_with_a_system_message_and_detected_language(demo_run, tmp_path, capsys):
-    rows, sources = real_rows(demo_run, n=6)
+    rows, sources = real_trl_rows(demo_run, n=6)
     sharegpt = [{"system": "You answer briefly.",
                  "conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
                                    for m in row["prompt"]],
@@ -88,7 +57,7 @@ def test_sharegpt_pairs_with_a_system_message_and_detected_language(demo_run, tm
 
 
 def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_path, capsys):
-    rows, _ = real_rows(demo_run, n=5)
+    rows, _ = real_trl_rows(demo_run, n=5)
     bad = [rows[0], {"prompt": "hi", "chosen": "x"}, rows[1], {"prompt": [{"role": "assistant", "content": "a"}],
                                                                "chosen": "b", "rejected": "c"},
            {**rows[2], "rejected": rows[2]["chosen"]}, rows[3]]
@@ -108,7 +77,7 @@ def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_p
 def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
     from polyalign.pairs.make import read_pairs
 
-    rows, _ = real_rows(demo_run, n=2)
+    rows, _ = real_trl_rows(demo_run, n=2)
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
     with pytest.raises(InputError, match=r"prefs.jsonl:1: not a polyalign pair \(no string field 'id'\); run "
                                          r"`polyalign pairs import --format trl"):
@@ -118,10 +87,10 @@ def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
 @pytest.mark.slow
 def test_imported_trl_pairs_train_with_dpo(demo_run, demo_tokenizer, tmp_path, capsys):
     from polyalign.train.metrics import read_metrics
-    from tests.test_preference import _init_checkpoint_and_pair_files
+    from tests.real_inputs import init_checkpoint_and_pair_files
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=1, val=1)  # the init checkpoint
-    rows, _ = real_rows(demo_run, n=12)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=1, val=1)  # the init checkpoint
+    rows, _ = real_trl_rows(demo_run, n=12)
     for name, part in (("train", rows[:8]), ("val", rows[8:])):
         source = write_jsonl(tmp_path / f"{name}_trl.jsonl", part)
         assert cli(capsys, "pairs", "import", "--format", "trl", "--input", source,
@@ -171,7 +140,7 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
     prompt on the same side, ids distinct from the training pairs'; the same seed gives the same split."""
     from polyalign.pairs.make import prompt_key, read_pairs
 
-    rows, _ = real_rows(demo_run, n=40)
+    rows, _ = real_trl_rows(demo_run, n=40)
     # a second pair for ten prompts (another rejected answer): the two must not straddle the split
     rows += [{**row, "rejected": [{"role": "assistant", "content": other["chosen"][0]["content"]}]}
              for row, other in zip(rows[:10], rows[10:20])]
@@ -216,7 +185,7 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
 def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_run, tmp_path, capsys):
     """`--language en` over a file holding Chinese rows buckets them as English, as asked, and says so
     where the user reads, not only in the summary."""
-    rows, sources = real_rows(demo_run, n=2000)
+    rows, sources = real_trl_rows(demo_run, n=2000)
     english = [i for i, record in enumerate(sources) if record.language == "en"][:10]
     chinese = [i for i, record in enumerate(sources) if record.language == "zh"][:10]
     assert len(english) == len(chinese) == 10

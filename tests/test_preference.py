@@ -11,6 +11,7 @@ from polyalign.data.records import InputError
 from polyalign.pairs.make import assign_weights, build_pairs, imbalance_gains, pair_weight, read_predictions
 from polyalign.train import losses
 from tests.conftest import REPO
+from tests.real_inputs import init_checkpoint_and_pair_files, real_pairs
 
 
 def _records(demo_run, n=40):
@@ -251,38 +252,11 @@ def test_preference_objective_equals_the_pure_loss_for_any_micro_batching(method
             np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def _real_pairs(demo_run, count: int) -> list[dict]:
-    """Pairs from real records (the shortest of each bucket, so that few are cut): the record's own
-    response is chosen, the response of the next record of the same bucket rejected; the first
-    pair's rejected side is its chosen response cut short, so the two sides share labelled tokens."""
-    import json
-    from collections import defaultdict
-
-    from polyalign.data.records import read_records
-
-    run, _, _ = demo_run
-    by_bucket = defaultdict(list)
-    for record in read_records(run / "data" / "train.jsonl"):
-        by_bucket[record.bucket_id].append(record)
-    rng = np.random.default_rng(0)
-    pairs = []
-    for bucket in sorted(by_bucket):
-        records = sorted(by_bucket[bucket], key=lambda r: len(json.dumps(r.to_json(), ensure_ascii=False)))
-        for record, other in zip(records[:2], records[1:3]):
-            pairs.append({"id": record.id, "bucket_id": bucket, "language": record.language, "record": record.to_json(),
-                          "chosen": record.response,
-                          "rejected": other.response, "weight": float(rng.uniform(0.5, 3.0)),
-                          "critic_chosen": float(rng.uniform(0, 1)), "critic_rejected": float(rng.uniform(0, 2))})
-    pairs = pairs[:count]
-    pairs[0]["rejected"] = pairs[0]["chosen"][: len(pairs[0]["chosen"]) // 2]
-    return pairs
-
-
 def _tokenised_real_pairs(demo_run, tokenizer, length: int, count: int):
     from polyalign.inputs.pair_rows import tokenise_pairs
     from polyalign.tokens.chat import get_template
 
-    pairs = _real_pairs(demo_run, count)
+    pairs = real_pairs(demo_run, count)
     buckets = sorted({p["bucket_id"] for p in pairs})
     return tokenise_pairs(pairs, tokenizer, get_template("polyalign"), "context", length, buckets), buckets
 
@@ -367,20 +341,6 @@ def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo
     assert float(sums_b["pairs"]) == count and float(sums_b["tokens"]) == float(sums_a["tokens"])
 
 
-def _init_checkpoint_and_pair_files(demo_run, tokenizer, directory, train: int, val: int) -> None:
-    """DIR/init (a tiny random model with the demo tokenizer), DIR/train.jsonl and DIR/val.jsonl (real pairs)."""
-    from polyalign.model import create_model, save_hf_checkpoint
-    from polyalign.pairs.make import write_pairs
-    from tests.conftest import tiny_model_config
-
-    files = tokenizer.path.parent
-    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), directory / "init", extra_files={
-        name: (files / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
-    pairs = _real_pairs(demo_run, train + val)
-    write_pairs(pairs[:train], directory / "train.jsonl")
-    write_pairs(pairs[train:], directory / "val.jsonl")
-
-
 @pytest.mark.slow
 def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     """`data.pack=true` end to end: rows of whole pairs, several pairs a step, a first step at the
@@ -389,7 +349,7 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     from polyalign.train.metrics import read_metrics
     from polyalign.train.run import train as train_preference
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=20, val=4)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=20, val=4)
     config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
         f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
         "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=3",
@@ -414,9 +374,9 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
 
     from polyalign.mesh.launch import free_port
     from polyalign.train.metrics import read_metrics
-    from tests.test_training import _cli, _wait
+    from tests.cli_runs import process_env, start_cli, wait_ok
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=24, val=5)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=24, val=5)
 
     def args(out):
         return ["train", "hdpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
@@ -425,10 +385,9 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
                 "train.global_batch=4", "train.eval_every=3", "train.checkpoint_every=3", "parallel.data=2",
                 "parallel.fsdp=2", "drift_prompts=3", "drift_new_tokens=8", f"data.dir={demo_run[0]}"]
 
-    _wait([_cli(args(tmp_path / "one"), {}, devices=4)])
+    wait_ok([start_cli(args(tmp_path / "one"), {}, devices=4)])
     port = free_port()
-    _wait([_cli(args(tmp_path / "two"), {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
-                                         "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)])
+    wait_ok([start_cli(args(tmp_path / "two"), process_env(port, i), devices=2) for i in range(2)])
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two if "loss" in r] == [1, 2, 3]
     for a, b in zip(one, two):
@@ -474,9 +433,9 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
     from polyalign.mesh.launch import free_port
     from polyalign.pairs.make import read_pairs
     from polyalign.train.metrics import read_metrics
-    from tests.test_training import _cli, _wait
+    from tests.cli_runs import process_env, start_cli, wait_ok
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=34, val=9)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=34, val=9)
 
     def args(out):  # no dropout: its draws follow the batch's padded shape, which the process count sets
         return ["train", "critic", "--config", str(REPO / "configs" / "critic_demo.yaml"), "--out", str(out),
@@ -484,11 +443,9 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
                 f"val_pairs={tmp_path / 'val.jsonl'}", f"data.dir={demo_run[0]}", "train.epochs=3",
                 "train.global_batch=12", "train.log_every=1", "pair_batch=5", "dropout=0", "parallel.data=4"]
 
-    _wait([_cli(args(tmp_path / "one"), {}, devices=4)])
+    wait_ok([start_cli(args(tmp_path / "one"), {}, devices=4)])
     port = free_port()
-    outputs = _wait([_cli(args(tmp_path / "two"), {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}",
-                                                   "POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_PROCESS_ID": str(i)},
-                          devices=2) for i in range(2)])
+    outputs = wait_ok([start_cli(args(tmp_path / "two"), process_env(port, i), devices=2) for i in range(2)])
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) > 10
     for a, b in zip(one, two):
@@ -514,7 +471,7 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     from polyalign.cli import main
     from polyalign.train.metrics import read_metrics
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
     out = tmp_path / "out"
     assert main(["train", method, "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
                  "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
@@ -547,7 +504,7 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     from polyalign.cli import main
     from polyalign.pairs.make import read_pairs
 
-    _init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
     critic = tmp_path / "critic"
     assert main(["train", "critic", "--config", str(REPO / "configs" / "critic_demo.yaml"), "--out", str(critic),
                  "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",

@@ -129,12 +129,12 @@ def test_per_token_distance_does_not_punish_long_human_answers(demo_run):
     import numpy as np
 
     from polyalign.features.response import text_features
-    from tests.test_support import _answer_sets, _halves
+    from tests.real_inputs import answer_sets, bucket_halves
 
     run, _, _ = demo_run
     references = json.loads((run / "stats" / "references.json").read_text())
-    pairs = [(p, o) for p, o in _halves(demo_run) if o.bucket_id in references["buckets"]]
-    sets = _answer_sets(pairs)
+    pairs = [(p, o) for p, o in bucket_halves(demo_run) if o.bucket_id in references["buckets"]]
+    sets = answer_sets(pairs)
     buckets = np.array([o.bucket_id for _, o in pairs])
     lengths = np.array([text_features(t)["token_count"] for t in sets["human"]])
     longest = np.zeros(len(pairs), bool)

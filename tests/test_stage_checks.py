@@ -108,9 +108,9 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
 
 def test_validation_pairs_sharing_ids_with_the_training_pairs_are_refused(demo_run, tmp_path, capsys):
     """Two files imported apart under one --dataset number their rows alike: training says so."""
-    from tests.test_pairs_import import real_rows, write_jsonl
+    from tests.real_inputs import real_trl_rows, write_jsonl
 
-    rows, _ = real_rows(demo_run, n=12)
+    rows, _ = real_trl_rows(demo_run, n=12)
     for name, part in (("train", rows[:8]), ("val", rows[8:])):
         source = write_jsonl(tmp_path / f"{name}_trl.jsonl", part)
         assert main(["pairs", "import", "--format", "trl", "--input", str(source), "--out",

@@ -9,6 +9,7 @@ import pytest
 from scipy.stats import wasserstein_distance
 
 from polyalign.evaluate import support as sp
+from tests.real_inputs import answer_sets, bucket_halves
 
 
 def test_signed_w1_equals_scipy_for_weighted_samples_and_many_draws_at_once():
@@ -74,68 +75,6 @@ def test_bng_floor_and_calibrated_hcr_by_hand_on_a_small_pool():
     assert low <= report["bng"] <= high and len(draws["bng"]) == 50
 
 
-def _halves(demo_run):
-    """Each test bucket's records shuffled (seeded) and split in two: the first half are the prompts,
-    the second half's human answers (of the same bucket) stand in for a model's."""
-    import random
-    from collections import defaultdict
-
-    from polyalign.data.records import read_records
-
-    run, _, _ = demo_run
-    by_bucket = defaultdict(list)
-    for record in read_records(run / "data" / "test.jsonl"):
-        by_bucket[record.bucket_id].append(record)
-    pairs = []
-    for bucket, records in sorted(by_bucket.items()):
-        random.Random(bucket).shuffle(records)
-        half = len(records) // 2
-        pairs += zip(records[:half], records[half:2 * half])
-    return pairs
-
-
-def _answer_sets(pairs) -> dict[str, list[str]]:
-    """The human set and answers built from the same real records that no person would give."""
-    import re
-
-    fixed = {}
-    for _, other in pairs:
-        fixed.setdefault(other.bucket_id, other.response)
-    by_language = {lang: [o.response for _, o in pairs if o.language == lang] for lang in ("en", "zh")}
-    return {
-        "human": [other.response for _, other in pairs],
-        "first_clause": [re.split(r"[,，.。!?！？;；:\n]", other.response.strip(), maxsplit=1)[0]
-                         for _, other in pairs],
-        "one_fixed_answer": [fixed[prompt.bucket_id] for prompt, _ in pairs],
-        "other_language_answers": [by_language["zh" if prompt.language == "en" else "en"][i % 50]
-                                   for i, (prompt, _) in enumerate(pairs)],
-        "echo_question": [prompt.question for prompt, _ in pairs],
-        "typical_people": _typical_answers(pairs),
-    }
-
-
-def _typical_answers(pairs) -> list[str]:
-    """Real people's answers with an LLM's mode-seeking spread: in each bucket, the tenth of the answers
-    nearest the bucket's median on the 134 features (mean |z|), cycled over the bucket's prompts."""
-    from collections import defaultdict
-
-    from polyalign.features.response import FEATURE_NAMES, text_features
-
-    rows_of = defaultdict(list)
-    for i, (prompt, _) in enumerate(pairs):
-        rows_of[prompt.bucket_id].append(i)
-    answers = [""] * len(pairs)
-    for rows in rows_of.values():
-        texts = [pairs[i][1].response for i in rows]
-        table = np.array([[text_features(t)[f] for f in FEATURE_NAMES] for t in texts])
-        spread = table.std(axis=0)
-        z = (table - np.median(table, axis=0)) / np.where(spread > 0, spread, 1.0)
-        typical = [texts[j] for j in np.argsort(np.abs(z).mean(axis=1), kind="stable")[:max(1, len(rows) // 10)]]
-        for k, i in enumerate(rows):
-            answers[i] = typical[k % len(typical)]
-    return answers
-
-
 @pytest.mark.slow
 def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_run, tmp_path):
     """Real text only: the human answers of half of each test bucket, measured against the train
@@ -148,12 +87,12 @@ def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_ru
     from polyalign.evaluate.run import EvaluateOptions, evaluate
 
     run, _, _ = demo_run
-    pairs = _halves(demo_run)
+    pairs = bucket_halves(demo_run)
     with (tmp_path / "records.jsonl").open("w") as f:
         for prompt, _ in pairs:
             f.write(json.dumps(prompt.to_json(), ensure_ascii=False) + "\n")
     results = {}
-    for name, answers in _answer_sets(pairs).items():
+    for name, answers in answer_sets(pairs).items():
         with (tmp_path / f"{name}.jsonl").open("w") as f:
             for (prompt, _), answer in zip(pairs, answers):
                 f.write(json.dumps({"id": prompt.id, "prediction": answer}, ensure_ascii=False) + "\n")

@@ -13,7 +13,7 @@ from polyalign.model.flops import flops_per_token, matmul_parameters
 from polyalign.model.presets import preset
 from polyalign.train.metrics import read_metrics
 from polyalign.train.throughput import Throughput, known_peak_tflops
-from tests.test_training import _config
+from tests.cli_runs import sft_config
 
 
 @pytest.mark.parametrize("kind, peak", [
@@ -61,8 +61,8 @@ def test_logged_steps_carry_throughput_and_reach_every_tracker(built_run, tmp_pa
     calls = {"wandb": [], "trackio": []}
     for name in calls:
         monkeypatch.setitem(sys.modules, name, _fake_tracker(name, calls[name]))
-    config = _config(run, 4, "train.report_to=[tensorboard, wandb, trackio]", "train.tracker_project=demo",
-                     "train.peak_tflops=0.001", "train.profile_steps=[2, 3]")
+    config = sft_config(run, 4, "train.report_to=[tensorboard, wandb, trackio]", "train.tracker_project=demo",
+                        "train.peak_tflops=0.001", "train.profile_steps=[2, 3]")
     out = tmp_path / "sft"
     train(config, out, progress=False)
     steps = [r for r in read_metrics(out) if "loss" in r]
@@ -90,7 +90,7 @@ def test_logged_steps_carry_throughput_and_reach_every_tracker(built_run, tmp_pa
 ])
 def test_bad_tracking_settings_are_named(override, fragment, tmp_path):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
-        _config(tmp_path, 1, override)
+        sft_config(tmp_path, 1, override)
 
 
 def test_a_tracker_without_its_extra_names_the_extra(tmp_path, monkeypatch):

@@ -16,12 +16,20 @@ from safetensors.numpy import load_file
 from polyalign.data.bucketing import WEIGHT_PRESETS, bucket_weights
 from polyalign.data.records import read_records
 from polyalign.inputs import pipeline
-from polyalign.mesh.launch import free_port
 from polyalign.tokens.chat import encode_conversation, get_template, record_messages
-from polyalign.train.methods import load_config
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
-from tests.conftest import REPO, TINY_MODEL, cpu_devices_env
+from tests.cli_runs import (
+    LONGER,
+    UNEVEN_EVAL,
+    checkpoint_begun,
+    sft_config,
+    start_cli,
+    start_two_processes,
+    train_args,
+    wait_ok,
+)
+from tests.conftest import REPO
 from tests.train_checks import first_batch, gradients_of_first_batch
 
 WORKER = REPO / "tests" / "train_worker.py"
@@ -160,12 +168,6 @@ def test_eight_devices_give_the_same_gradient_as_one(built_run, tmp_path):
             np.testing.assert_allclose(value, one[name], atol=1e-5, err_msg=f"mesh {sizes}: {name}")
 
 
-def _config(run, steps, *extra):
-    return load_config(REPO / "configs" / "sft_demo.yaml", [
-        f"data.dir={run}", f"train.steps={steps}", "train.global_batch=8", "train.eval_every=6",
-        "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", f"model.preset={TINY_MODEL}", *extra])
-
-
 def test_adaptive_weights_update_by_hand():
     from polyalign.train.sft import SftObjective
 
@@ -215,9 +217,9 @@ def test_adaptive_weights_are_exact_under_micro_batching(built_run):
 def test_adaptive_weights_resume_exactly(built_run, tmp_path):
     run, _ = built_run
     adaptive = ["weighting=adaptive", "adaptive.step_size=1.0"]
-    train_sft(_config(run, 8, *adaptive), tmp_path / "straight", progress=False)
-    train_sft(_config(run, 8, *adaptive, "train.stop_at=3"), tmp_path / "resumed", progress=False)
-    train_sft(_config(run, 8, *adaptive), tmp_path / "resumed", progress=False)
+    train_sft(sft_config(run, 8, *adaptive), tmp_path / "straight", progress=False)
+    train_sft(sft_config(run, 8, *adaptive, "train.stop_at=3"), tmp_path / "resumed", progress=False)
+    train_sft(sft_config(run, 8, *adaptive), tmp_path / "resumed", progress=False)
     straight = {r["step"]: r for r in read_metrics(tmp_path / "straight") if "loss" in r}
     again = {r["step"]: r for r in read_metrics(tmp_path / "resumed") if "loss" in r}
     first, last = straight[1]["adaptive_weights"], straight[8]["adaptive_weights"]
@@ -229,14 +231,14 @@ def test_adaptive_weights_resume_exactly(built_run, tmp_path):
 
 def test_resume_continues_exactly(built_run, tmp_path):
     run, _ = built_run
-    train_sft(_config(run, 12), tmp_path / "straight", progress=False)
-    stopped = train_sft(_config(run, 12, "train.stop_at=6"), tmp_path / "resumed", progress=False)
+    train_sft(sft_config(run, 12), tmp_path / "straight", progress=False)
+    stopped = train_sft(sft_config(run, 12, "train.stop_at=6"), tmp_path / "resumed", progress=False)
     assert stopped["end_step"] == 6 and stopped["stopped_early"]
     assert not (tmp_path / "resumed" / "model").exists()
-    resumed = train_sft(_config(run, 12), tmp_path / "resumed", progress=False)
+    resumed = train_sft(sft_config(run, 12), tmp_path / "resumed", progress=False)
     assert resumed["start_step"] == 6 and resumed["end_step"] == 12
     # the same command once more: nothing left to train, and the summary still says how it ended
-    again = train_sft(_config(run, 12), tmp_path / "resumed", progress=False)
+    again = train_sft(sft_config(run, 12), tmp_path / "resumed", progress=False)
     assert again["start_step"] == again["end_step"] == 12 and again["last"] == resumed["last"]
     straight = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
     again = {r["step"]: r for r in read_metrics(tmp_path / "resumed")}
@@ -253,44 +255,6 @@ def test_resume_continues_exactly(built_run, tmp_path):
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def _cli(args, env_extra, devices):
-    env = cpu_devices_env(devices, **env_extra)
-    return subprocess.Popen(["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _train_args(run, out, *extra):
-    return ["train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", str(out),
-            "--no-progress", f"data.dir={run}", "train.steps=6", "train.global_batch=8", "train.eval_every=6",
-            "train.checkpoint_every=3", "data.eval_limit=32", "data.eval_batch=16", f"model.preset={TINY_MODEL}",
-            *extra]
-
-
-def _wait(processes):
-    outputs = [p.communicate()[0] for p in processes]
-    for p, output in zip(processes, outputs):
-        assert p.returncode == 0, output[-3000:]
-    return outputs
-
-
-def _two_processes(run, out, *extra):
-    port = free_port()
-    return [_cli(_train_args(run, out, "parallel.data=4", *extra),
-                 {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
-                  "POLYALIGN_PROCESS_ID": str(i)}, devices=2) for i in range(2)]
-
-
-def _saving(out, step: int) -> bool:
-    """Whether checkpoint `step` has begun (its temporary folder, or the committed one, exists)."""
-    folder = out / "checkpoints"
-    return folder.is_dir() and any(p.name.split(".")[0] == str(step) for p in folder.iterdir())
-
-
-# Validation on 37 examples in batches of 12 (8 on two processes): the last batch is partial and padded.
-UNEVEN_EVAL = ("data.eval_limit=37", "data.eval_batch=12")
-LONGER = ("train.steps=12",)
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     """12 steps, validation after 6 and 12 in uneven batches; then one of two processes SIGKILLed after
@@ -301,8 +265,8 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     import time
 
     run, _ = built_run
-    _wait([_cli(_train_args(run, tmp_path / "one", "parallel.data=4", *UNEVEN_EVAL, *LONGER), {}, devices=4)])
-    _wait(_two_processes(run, tmp_path / "two", *UNEVEN_EVAL, *LONGER))
+    wait_ok([start_cli(train_args(run, tmp_path / "one", "parallel.data=4", *UNEVEN_EVAL, *LONGER), {}, devices=4)])
+    wait_ok(start_two_processes(run, tmp_path / "two", *UNEVEN_EVAL, *LONGER))
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == list(range(1, 13))
     print(f"\n2 processes vs 1: max |dloss| {max(abs(a['loss'] - b['loss']) for a, b in zip(one, two)):.2e}")
@@ -312,11 +276,11 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-5
 
     lost = tmp_path / "lost"
-    workers = _two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5")
+    workers = start_two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5")
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not _saving(lost, 6):  # checkpoint 3 is committed by then
+    while time.monotonic() < deadline and not checkpoint_begun(lost, 6):  # checkpoint 3 is committed by then
         time.sleep(0.1)
-    # _cli runs the command under timeout(1): the process to kill is its child
+    # start_cli runs the command under timeout(1): the process to kill is its child
     child = int(Path(f"/proc/{workers[1].pid}/task/{workers[1].pid}/children").read_text().split()[0])
     os.kill(child, signal.SIGKILL)
     killed = time.monotonic()
@@ -329,7 +293,7 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     committed = int(re.search(r"the last committed checkpoint is step (\d+) \(", last).group(1))
     assert committed in (3, 6) and f"({lost / 'checkpoints' / str(committed)})" in last
     assert "resume by running the same command on every process: polyalign train sft" in last
-    resumed_output = _wait(_two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5"))[0]
+    resumed_output = wait_ok(start_two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5"))[0]
     assert f"resumed from step {committed}" in resumed_output
     resumed = {r["step"]: r for r in read_metrics(lost)}
     for a in one[committed:]:
@@ -342,10 +306,11 @@ def test_a_checkpoint_restores_onto_a_different_mesh(built_run, tmp_path):
     """With adaptive bucket weights, so that their state is restored onto the new mesh too."""
     run, _ = built_run
     adaptive = ("weighting=adaptive", "adaptive.step_size=1.0")
-    _wait([_cli(_train_args(run, tmp_path / "straight", "parallel.data=4", *adaptive), {}, devices=4)])
-    _wait([_cli(_train_args(run, tmp_path / "moved", "parallel.data=4", "train.stop_at=3", *adaptive), {}, devices=4)])
-    output = _wait([_cli(_train_args(run, tmp_path / "moved", "parallel.data=1", "parallel.fsdp=2",
-                                     "parallel.tensor=2", *adaptive), {}, devices=4)])[0]
+    wait_ok([start_cli(train_args(run, tmp_path / "straight", "parallel.data=4", *adaptive), {}, devices=4)])
+    wait_ok([start_cli(train_args(run, tmp_path / "moved", "parallel.data=4", "train.stop_at=3", *adaptive), {},
+                       devices=4)])
+    output = wait_ok([start_cli(train_args(run, tmp_path / "moved", "parallel.data=1", "parallel.fsdp=2",
+                                           "parallel.tensor=2", *adaptive), {}, devices=4)])[0]
     assert "trained 6 steps" in output
     straight, moved = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "moved")
     assert [r["step"] for r in moved] == list(range(1, 7))
@@ -365,9 +330,9 @@ def test_unknown_config_keys_name_the_closest(built_run):
 
     run, _ = built_run
     with pytest.raises(ConfigError, match="unknown key 'micro_batch'; did you mean 'micro_batches'"):
-        _config(run, 4, "train.micro_batch=2")
+        sft_config(run, 4, "train.micro_batch=2")
     with pytest.raises(ConfigError, match="weighting must be one of bucket, uniform"):
-        _config(run, 4, "weighting=square")
+        sft_config(run, 4, "weighting=square")
 
 
 def test_packed_rows_keep_examples_apart():
