@@ -15,20 +15,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from polyalign.mesh.launch import free_port, with_cpu_devices
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _command(run: Path, out: Path, steps: int, extra: list[str]) -> list[str]:
@@ -42,7 +37,7 @@ def _losses(out: Path) -> list[tuple[int, float, float | None]]:
 
 
 def _start(command: list[str], devices: int, log: Path, env_extra: dict[str, str]) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_cpu_devices(os.environ.get("XLA_FLAGS"), devices),
            **env_extra}
     return subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
 
@@ -50,7 +45,7 @@ def _start(command: list[str], devices: int, log: Path, env_extra: dict[str, str
 def one_run(run: Path, work: Path, steps: int, timeout: float, extra: list[str]) -> tuple[str, float]:
     out = work / "two"
     shutil.rmtree(out, ignore_errors=True)
-    port = _port()
+    port = free_port()
     started = time.perf_counter()
     processes = [_start(_command(run, out, steps, extra), 2, work / f"worker-{i}.log",
                         {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
