@@ -21,17 +21,12 @@ def beam_python() -> str:
             return candidate
     if importlib.util.find_spec("apache_beam") is not None:
         return sys.executable
-    pytest.fail(
-        "the Beam tests need an interpreter with apache-beam: run the README's test command (it makes "
-        ".venv-beam with `pip install -e '.[beam,langid]'`) or set POLYALIGN_BEAM_PYTHON"
-    )
+    pytest.fail("the Beam tests need an interpreter with apache-beam: run the README's test command (it makes "
+                ".venv-beam with `pip install -e '.[beam,langid]'`) or set POLYALIGN_BEAM_PYTHON")
 
 
 def in_beam_env(code: str, *args: str) -> subprocess.CompletedProcess:
     """Runs `code` (with sys.argv[1:] = args) in the Beam environment on this checkout's polyalign."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "JAX_PLATFORMS": "cpu"}
     return subprocess.run([beam_python(), "-c", code, *args], capture_output=True, text=True, env=env, timeout=1800)

@@ -9,54 +9,29 @@ from polyalign.mesh.launch import free_port
 from polyalign.train.methods import load_config
 from tests.conftest import REPO, TINY_MODEL, cpu_devices_env
 
+SFT_CONFIG = REPO / "configs" / "sft_demo.yaml"
+# A few steps of 8 sequences, validation on 32 examples after step 6, a checkpoint every 3 steps.
+TINY_RUN = ("train.global_batch=8", "train.eval_every=6", "train.checkpoint_every=3", "data.eval_limit=32",
+            "data.eval_batch=16", f"model.preset={TINY_MODEL}")
+# Validation on 37 examples in batches of 12 (8 on two processes): the last batch is partial and padded.
+UNEVEN_EVAL = ("data.eval_limit=37", "data.eval_batch=12")
+LONGER = ("train.steps=12",)
+
 
 def sft_config(run, steps, *extra):
-    return load_config(
-        REPO / "configs" / "sft_demo.yaml",
-        [
-            f"data.dir={run}",
-            f"train.steps={steps}",
-            "train.global_batch=8",
-            "train.eval_every=6",
-            "train.checkpoint_every=3",
-            "data.eval_limit=32",
-            "data.eval_batch=16",
-            f"model.preset={TINY_MODEL}",
-            *extra,
-        ],
-    )
-
-
-def start_cli(args, env_extra, devices):
-    env = cpu_devices_env(devices, **env_extra)
-    return subprocess.Popen(
-        ["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return load_config(SFT_CONFIG, [f"data.dir={run}", f"train.steps={steps}", *TINY_RUN, *extra])
 
 
 def train_args(run, out, *extra):
-    return [
-        "train",
-        "sft",
-        "--config",
-        str(REPO / "configs" / "sft_demo.yaml"),
-        "--out",
-        str(out),
-        "--no-progress",
-        f"data.dir={run}",
-        "train.steps=6",
-        "train.global_batch=8",
-        "train.eval_every=6",
-        "train.checkpoint_every=3",
-        "data.eval_limit=32",
-        "data.eval_batch=16",
-        f"model.preset={TINY_MODEL}",
-        *extra,
-    ]
+    return ["train", "sft", "--config", str(SFT_CONFIG), "--out", str(out), "--no-progress", f"data.dir={run}",
+            "train.steps=6", *TINY_RUN, *extra]
+
+
+def start_cli(args, env_extra, devices):
+    """`polyalign ARGS` in a process of `devices` CPU devices, under timeout(1), output captured."""
+    env = cpu_devices_env(devices, **env_extra)
+    return subprocess.Popen(["timeout", "-k", "10", "300", sys.executable, "-m", "polyalign.cli", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_ok(processes):
@@ -82,8 +57,3 @@ def checkpoint_begun(out, step: int) -> bool:
     """Whether checkpoint `step` has begun (its temporary folder, or the committed one, exists)."""
     folder = out / "checkpoints"
     return folder.is_dir() and any(p.name.split(".")[0] == str(step) for p in folder.iterdir())
-
-
-# Validation on 37 examples in batches of 12 (8 on two processes): the last batch is partial and padded.
-UNEVEN_EVAL = ("data.eval_limit=37", "data.eval_batch=12")
-LONGER = ("train.steps=12",)

@@ -122,29 +122,38 @@ def demo_tokenizer(demo_run, tmp_path_factory):
     return load_tokenizer(directory), _read_json(directory / REPORT)
 
 
-@pytest.fixture(scope="session")
-def json_tokenizer(demo_run, tmp_path_factory):
-    """A byte-level BPE tokenizer.json (the `tokenizers` library) trained on the demo train split, with
-    the special tokens of every built-in chat template, loaded the way a checkpoint's would be."""
+def write_bpe_tokenizer(texts, vocab_size: int, folder: Path, special_tokens: dict) -> Path:
+    """FOLDER/tokenizer.json, a byte-level BPE (the `tokenizers` library) trained on `texts` with the
+    special tokens of every built-in chat template, and FOLDER/tokenizer_config.json naming
+    `special_tokens`, as a checkpoint holds them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from polyalign.data.records import read_records
     from polyalign.tokens.chat import TEMPLATE_SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(special_tokens))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def json_tokenizer(demo_run, tmp_path_factory):
+    """A byte-level BPE tokenizer.json trained on the demo train split (3,000 pieces), loaded the way a
+    checkpoint's would be."""
+    from polyalign.data.records import read_records
     from polyalign.tokens.tokenizer import load_tokenizer
     from polyalign.tokens.tokenizer_training import record_texts
 
     run, _, _ = demo_run
 
-    def make(directory):
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train_from_iterator(record_texts(read_records(run / "data" / "train.jsonl")), trainer)
-        tok.save(str(directory / "tokenizer.json"))
-        (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>",
-                                                                     "eos_token": {"content": "<eos>"}}))
+    def make(folder):
+        write_bpe_tokenizer(record_texts(read_records(run / "data" / "train.jsonl")), 3000, folder,
+                            {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}})
 
     return load_tokenizer(made_once(tmp_path_factory, "json_tokenizer", make))
 

@@ -29,19 +29,10 @@ def real_pairs(demo_run, count: int) -> list[dict]:
     for bucket in sorted(by_bucket):
         records = sorted(by_bucket[bucket], key=lambda r: len(json.dumps(r.to_json(), ensure_ascii=False)))
         for record, other in zip(records[:2], records[1:3]):
-            pairs.append(
-                {
-                    "id": record.id,
-                    "bucket_id": bucket,
-                    "language": record.language,
-                    "record": record.to_json(),
-                    "chosen": record.response,
-                    "rejected": other.response,
-                    "weight": float(rng.uniform(0.5, 3.0)),
-                    "critic_chosen": float(rng.uniform(0, 1)),
-                    "critic_rejected": float(rng.uniform(0, 2)),
-                }
-            )
+            pairs.append({"id": record.id, "bucket_id": bucket, "language": record.language, "record": record.to_json(),
+                          "chosen": record.response,
+                          "rejected": other.response, "weight": float(rng.uniform(0.5, 3.0)),
+                          "critic_chosen": float(rng.uniform(0, 1)), "critic_rejected": float(rng.uniform(0, 2))})
     pairs = pairs[:count]
     pairs[0]["rejected"] = pairs[0]["chosen"][: len(pairs[0]["chosen"]) // 2]
     return pairs
@@ -50,11 +41,8 @@ def real_pairs(demo_run, count: int) -> list[dict]:
 def init_checkpoint_and_pair_files(demo_run, tokenizer, directory, train: int, val: int) -> None:
     """DIR/init (a tiny random model with the demo tokenizer), DIR/train.jsonl and DIR/val.jsonl (real pairs)."""
     files = tokenizer.path.parent
-    save_hf_checkpoint(
-        create_model(tiny_model_config(tokenizer.vocab_size)),
-        directory / "init",
-        extra_files={name: (files / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")},
-    )
+    save_hf_checkpoint(create_model(tiny_model_config(tokenizer.vocab_size)), directory / "init", extra_files={
+        name: (files / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
     pairs = real_pairs(demo_run, train + val)
     write_pairs(pairs[:train], directory / "train.jsonl")
     write_pairs(pairs[train:], directory / "val.jsonl")
@@ -75,32 +63,16 @@ def real_trl_rows(demo_run, split="test", n=40):
             if record.response == other.response:
                 continue
             prompt = [{"role": t["role"], "content": t["text"]} for t in record.history]
-            prompt.append(
-                {
-                    "role": "user",
-                    "content": f"{record.context}\n\n{record.question}" if record.context else record.question,
-                }
-            )
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "chosen": [{"role": "assistant", "content": record.response}],
-                    "rejected": [{"role": "assistant", "content": other.response}],
-                    "language": record.language,
-                    "track": record.track,
-                    "family": record.family,
-                    "style": record.style,
-                }
-            )
+            prompt.append({"role": "user", "content": f"{record.context}\n\n{record.question}" if record.context
+                           else record.question})
+            rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": record.response}],
+                         "rejected": [{"role": "assistant", "content": other.response}],
+                         "language": record.language, "track": record.track, "family": record.family,
+                         "style": record.style})
             sources.append(record)
             if len(rows) == n:
                 return rows, sources
     return rows, sources
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def bucket_halves(demo_run):
@@ -114,7 +86,7 @@ def bucket_halves(demo_run):
     for bucket, records in sorted(by_bucket.items()):
         random.Random(bucket).shuffle(records)
         half = len(records) // 2
-        pairs += zip(records[:half], records[half : 2 * half])
+        pairs += zip(records[:half], records[half:2 * half])
     return pairs
 
 
@@ -126,13 +98,11 @@ def answer_sets(pairs) -> dict[str, list[str]]:
     by_language = {lang: [o.response for _, o in pairs if o.language == lang] for lang in ("en", "zh")}
     return {
         "human": [other.response for _, other in pairs],
-        "first_clause": [
-            re.split(r"[,，.。!?！？;；:\n]", other.response.strip(), maxsplit=1)[0] for _, other in pairs
-        ],
+        "first_clause": [re.split(r"[,，.。!?！？;；:\n]", other.response.strip(), maxsplit=1)[0]
+                         for _, other in pairs],
         "one_fixed_answer": [fixed[prompt.bucket_id] for prompt, _ in pairs],
-        "other_language_answers": [
-            by_language["zh" if prompt.language == "en" else "en"][i % 50] for i, (prompt, _) in enumerate(pairs)
-        ],
+        "other_language_answers": [by_language["zh" if prompt.language == "en" else "en"][i % 50]
+                                   for i, (prompt, _) in enumerate(pairs)],
         "echo_question": [prompt.question for prompt, _ in pairs],
         "typical_people": typical_answers(pairs),
     }
@@ -150,7 +120,7 @@ def typical_answers(pairs) -> list[str]:
         table = np.array([[text_features(t)[f] for f in FEATURE_NAMES] for t in texts])
         spread = table.std(axis=0)
         z = (table - np.median(table, axis=0)) / np.where(spread > 0, spread, 1.0)
-        typical = [texts[j] for j in np.argsort(np.abs(z).mean(axis=1), kind="stable")[: max(1, len(rows) // 10)]]
+        typical = [texts[j] for j in np.argsort(np.abs(z).mean(axis=1), kind="stable")[:max(1, len(rows) // 10)]]
         for k, i in enumerate(rows):
             answers[i] = typical[k % len(typical)]
     return answers

@@ -10,7 +10,6 @@ import pytest
 from polyalign.data.prepare import prepare
 from polyalign.data.records import read_records
 from polyalign.tokens.chat import (
-    TEMPLATE_SPECIAL_TOKENS,
     ChatTemplateError,
     JinjaTemplate,
     Message,
@@ -23,7 +22,7 @@ from polyalign.tokens.chat import (
     system_prompt,
 )
 from tests.chat_exports import camrest_dialogues, camrest_goal, openai_rows, sharegpt_rows, tool_row, write_jsonl
-from tests.conftest import FIXTURES, write_config
+from tests.conftest import FIXTURES, write_bpe_tokenizer, write_config
 
 EXPORTS = json.loads((FIXTURES / "chat" / "exports.json").read_text(encoding="utf-8"))
 
@@ -47,20 +46,10 @@ def export_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bpe_tokenizer(tmp_path_factory):
     """A byte-level BPE tokenizer.json trained on the fixture texts, with every template's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from polyalign.tokens.tokenizer import load_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(TEMPLATE_SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([m["content"] for case in EXPORTS for m in case["messages"]], trainer)
-    folder = tmp_path_factory.mktemp("bpe")
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    return load_tokenizer(folder)
+    texts = [m["content"] for case in EXPORTS for m in case["messages"]]
+    return load_tokenizer(write_bpe_tokenizer(texts, 600, tmp_path_factory.mktemp("bpe"), {"eos_token": "<eos>"}))
 
 
 def test_every_record_of_the_export_is_there(export_run):

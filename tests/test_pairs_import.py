@@ -8,8 +8,9 @@ import pytest
 
 from polyalign.cli import main
 from polyalign.data.records import InputError, read_records
+from tests.chat_exports import write_jsonl
 from tests.conftest import REPO
-from tests.real_inputs import real_trl_rows, write_jsonl
+from tests.real_inputs import real_trl_rows
 
 
 def cli(capsys, *argv):

@@ -108,7 +108,8 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
 
 def test_validation_pairs_sharing_ids_with_the_training_pairs_are_refused(demo_run, tmp_path, capsys):
     """Two files imported apart under one --dataset number their rows alike: training says so."""
-    from tests.real_inputs import real_trl_rows, write_jsonl
+    from tests.chat_exports import write_jsonl
+    from tests.real_inputs import real_trl_rows
 
     rows, _ = real_trl_rows(demo_run, n=12)
     for name, part in (("train", rows[:8]), ("val", rows[8:])):
