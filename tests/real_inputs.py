@@ -117,7 +117,7 @@ def typical_answers(pairs) -> list[str]:
     answers = [""] * len(pairs)
     for rows in rows_of.values():
         texts = [pairs[i][1].response for i in rows]
-        table = np.array([[text_features(t)[f] for f in FEATURE_NAMES] for t in texts])
+        table = np.array([[row[f] for f in FEATURE_NAMES] for row in map(text_features, texts)])
         spread = table.std(axis=0)
         z = (table - np.median(table, axis=0)) / np.where(spread > 0, spread, 1.0)
         typical = [texts[j] for j in np.argsort(np.abs(z).mean(axis=1), kind="stable")[:max(1, len(rows) // 10)]]
