@@ -320,7 +320,8 @@ def _printed(capsys, args) -> dict:
     code = main(["train", *args, "--print-config"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    return dict(_flat(yaml.safe_load(captured.out)))
+    # libyaml's safe loader when PyYAML has it: the same YAML, read ~10x faster, ~300 times a run
+    return dict(_flat(yaml.load(captured.out, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))))
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

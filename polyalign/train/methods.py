@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import textwrap
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ PREFERENCE_METHODS = tuple(name for name, spec in METHODS.items() if spec.pair_l
 SHARED_SECTIONS = ("model", "data", "optimizer", "train", "parallel")
 
 
+@functools.cache  # every parser build asks for every method's; a test session builds hundreds
 def settings_help(config_class: type) -> str:
     """The method's own keys as `polyalign train METHOD --help` lists them: each with its default, its
     range and its help, all read from the fields (train/config.py)."""
