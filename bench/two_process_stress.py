@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from polyalign.mesh.launch import free_port, with_cpu_devices
+from polyalign.mesh.launch import free_port, start_variables, with_cpu_devices
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,8 +48,7 @@ def one_run(run: Path, work: Path, steps: int, timeout: float, extra: list[str])
     port = free_port()
     started = time.perf_counter()
     processes = [_start(_command(run, out, steps, extra), 2, work / f"worker-{i}.log",
-                        {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": "2",
-                         "POLYALIGN_PROCESS_ID": str(i)}) for i in range(2)]
+                        start_variables(port, 2, i)) for i in range(2)]
     deadline = started + timeout
     codes = []
     for p in processes:

@@ -5,7 +5,7 @@ joined by jax.distributed on 127.0.0.1) and in-process SFT configs, all on the t
 import subprocess
 import sys
 
-from polyalign.mesh.launch import free_port
+from polyalign.mesh.launch import free_port, start_variables
 from polyalign.train.methods import load_config
 from tests.conftest import REPO, TINY_MODEL, cpu_devices_env
 
@@ -41,16 +41,10 @@ def wait_ok(processes):
     return outputs
 
 
-def process_env(port: int, index: int, count: int = 2) -> dict[str, str]:
-    """The start variables of process `index` of `count` joined through 127.0.0.1:`port`."""
-    return {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": str(count),
-            "POLYALIGN_PROCESS_ID": str(index)}
-
-
 def start_two_processes(run, out, *extra):
     port = free_port()
     args = train_args(run, out, "parallel.data=4", *extra)
-    return [start_cli(args, process_env(port, i), devices=2) for i in range(2)]
+    return [start_cli(args, start_variables(port, 2, i), devices=2) for i in range(2)]
 
 
 def checkpoint_begun(out, step: int) -> bool:

@@ -20,7 +20,7 @@ from polyalign.data.prepare import PrepareError, prepare
 from polyalign.data.records import InputError
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
-from tests.cli_runs import sft_config, start_cli, train_args, wait_ok
+from tests.cli_runs import sft_config, start_cli, start_two_processes, train_args, wait_ok
 from tests.conftest import DEMO_DATA, read_jsonl, write_config
 from tests.train_checks import first_batch
 
@@ -794,7 +794,6 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
     import time
     from pathlib import Path
 
-    from tests.cli_runs import start_two_processes
 
     run, _ = built_run
     out = tmp_path / "pair"

@@ -309,14 +309,15 @@ def test_an_in_step_reference_needs_adapters():
 def test_adapters_train_alike_on_two_processes_and_on_one(built_run, tmp_path):
     """LoRA SFT on two processes of two CPU devices (jax.distributed, gloo) equals one process with
     four devices step by step, and both export the same adapters."""
-    from polyalign.mesh.launch import free_port
-    from tests.cli_runs import process_env, start_cli, train_args, wait_ok
+    from polyalign.mesh.launch import free_port, start_variables
+    from tests.cli_runs import start_cli, train_args, wait_ok
 
     run, _ = built_run
     lora = ("parallel.data=2", "parallel.fsdp=2", f"model.lora.rank={RANK}", "optimizer.lr=0.01")
     wait_ok([start_cli(train_args(run, tmp_path / "one", *lora), {}, devices=4)])
     port = free_port()
-    wait_ok([start_cli(train_args(run, tmp_path / "two", *lora), process_env(port, i), devices=2) for i in range(2)])
+    wait_ok([start_cli(train_args(run, tmp_path / "two", *lora), start_variables(port, 2, i), devices=2)
+             for i in range(2)])
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == list(range(1, 7))
     for a, b in zip(one, two):

@@ -372,9 +372,9 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
     pairs (a partial last batch on either layout) and the drift probe's greedy samples agree too."""
     from safetensors.numpy import load_file
 
-    from polyalign.mesh.launch import free_port
+    from polyalign.mesh.launch import free_port, start_variables
     from polyalign.train.metrics import read_metrics
-    from tests.cli_runs import process_env, start_cli, wait_ok
+    from tests.cli_runs import start_cli, wait_ok
 
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=24, val=5)
 
@@ -387,7 +387,7 @@ def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokeniz
 
     wait_ok([start_cli(args(tmp_path / "one"), {}, devices=4)])
     port = free_port()
-    wait_ok([start_cli(args(tmp_path / "two"), process_env(port, i), devices=2) for i in range(2)])
+    wait_ok([start_cli(args(tmp_path / "two"), start_variables(port, 2, i), devices=2) for i in range(2)])
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two if "loss" in r] == [1, 2, 3]
     for a, b in zip(one, two):
@@ -430,10 +430,10 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
     with four devices, and only one process writes them."""
     from safetensors.numpy import load_file
 
-    from polyalign.mesh.launch import free_port
+    from polyalign.mesh.launch import free_port, start_variables
     from polyalign.pairs.make import read_pairs
     from polyalign.train.metrics import read_metrics
-    from tests.cli_runs import process_env, start_cli, wait_ok
+    from tests.cli_runs import start_cli, wait_ok
 
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=34, val=9)
 
@@ -445,7 +445,7 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
 
     wait_ok([start_cli(args(tmp_path / "one"), {}, devices=4)])
     port = free_port()
-    outputs = wait_ok([start_cli(args(tmp_path / "two"), process_env(port, i), devices=2) for i in range(2)])
+    outputs = wait_ok([start_cli(args(tmp_path / "two"), start_variables(port, 2, i), devices=2) for i in range(2)])
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) > 10
     for a, b in zip(one, two):

@@ -68,14 +68,19 @@ def with_cpu_devices(xla_flags: str | None, devices: int) -> str:
     return " ".join([*kept, f"{HOST_DEVICE_COUNT_FLAG}={devices}"])
 
 
+def start_variables(port: int, nproc: int, index: int) -> dict[str, str]:
+    """What process `index` of `nproc` on this node needs to join the others through 127.0.0.1:`port`."""
+    return {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": str(nproc),
+            "POLYALIGN_PROCESS_ID": str(index)}
+
+
 def local_environments(nproc: int, port: int, cpu_devices: int | None = None,
                        xla_flags: str | None = None) -> list[dict[str, str]]:
     """Per process: the start variables and either one GPU or `cpu_devices` CPU devices (added to
     `xla_flags`, the launcher's own XLA_FLAGS)."""
     envs = []
     for i in range(nproc):
-        env = {"POLYALIGN_COORDINATOR": f"127.0.0.1:{port}", "POLYALIGN_NUM_PROCESSES": str(nproc),
-               "POLYALIGN_PROCESS_ID": str(i)}
+        env = start_variables(port, nproc, i)
         if cpu_devices:
             env["JAX_PLATFORMS"] = "cpu"
             env["XLA_FLAGS"] = with_cpu_devices(xla_flags, cpu_devices)
