@@ -794,7 +794,6 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
     import time
     from pathlib import Path
 
-
     run, _ = built_run
     out = tmp_path / "pair"
     args = ("train.steps=400", "train.checkpoint_every=1000", "train.eval_every=1000", "train.hang_timeout=8",
