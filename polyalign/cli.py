@@ -530,6 +530,8 @@ def _run_generate(args) -> int:
                               budget_quantile=args.budget_quantile, budget_margin=args.budget_margin)
     summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
                                    overwrite=args.overwrite)
+    for note in summary["notes"]:
+        print(note)
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
     if summary["prompts_cut"]:
@@ -601,6 +603,9 @@ def _add_prompts(sub) -> None:
                    help="profile system prompt (default context, as generate)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--limit", type=int, help="only the first N records")
+    p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order): the records "
+                                              "`polyalign generate --sample N --seed S` answers")
+    p.add_argument("--seed", type=int, default=0, help="seed of --sample's subset (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")
     p.set_defaults(handler=_run_prompts)
 
@@ -609,7 +614,9 @@ def _run_prompts(args) -> int:
     from polyalign.generate.prompts import write_prompts  # heavy: jax, kept out of --help
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
-                            limit=args.limit, overwrite=args.overwrite)
+                            limit=args.limit, sample=args.sample, seed=args.seed, overwrite=args.overwrite)
+    for note in summary["notes"]:
+        print(note)
     print(f"{summary['records']} prompts rendered with the {summary['template']} template; stop generating at "
           f"{', '.join(summary['stop'])}")
     print(f"prompts: {args.out}")
@@ -808,7 +815,7 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
-    "prompts": {"--limit": COUNT},
+    "prompts": {"--limit": COUNT, "--sample": COUNT},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2), "--max-pending": COUNT,
               "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},

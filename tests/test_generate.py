@@ -135,3 +135,32 @@ def test_sharded_generation_equals_unsharded(tmp_path):
                    check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert json.loads(out.read_text()) == {"equal": True, "rows": 3, "engine_equal": True,
                                            "engine_greedy_equals_sampler": True}
+
+
+def test_every_limit_and_sample_takes_records_in_file_order_and_says_when_it_asked_for_more(demo_run):
+    """For every --limit and --sample (below, at and above the file's count): the records taken are the
+    file's, in its order, min(asked, held) of them, the same for the same seed; a note names each option
+    that asked for more than there was, and no note otherwise."""
+    from polyalign.data.records import read_records
+    from polyalign.generate.selection import select_records
+
+    run, _, _ = demo_run
+    source = run / "data" / "val.jsonl"
+    records = read_records(source)[:30]
+    position = {r.id: i for i, r in enumerate(records)}
+    for limit in (None, 1, 20, 30, 31, 500):
+        for sample in (None, 1, 7, 20, 30, 45):
+            taken, notes = select_records(records, source, limit, sample, seed=3)
+            held = min(limit or 30, 30)
+            assert len(taken) == min(sample or held, held)
+            order = [position[r.id] for r in taken]
+            assert order == sorted(set(order)) and max(order) < held
+            assert [r.id for r in select_records(records, source, limit, sample, seed=3)[0]] == [r.id for r in taken]
+            expected = [f"--limit {limit}: {source} holds 30 records; all are taken"] * bool(limit and limit > 30)
+            more = sample is not None and sample > held
+            expected += [f"--sample {sample}: {held} records to sample from; all are taken"] * more
+            assert notes == expected, (limit, sample, notes)
+    other = select_records(records, source, None, 7, seed=4)[0]
+    assert [r.id for r in other] != [r.id for r in select_records(records, source, None, 7, seed=3)[0]]
+    with pytest.raises(Exception, match="no records"):
+        select_records([], source)

@@ -8,16 +8,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from polyalign.core.errors import GenerationError
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import checkpoint_identity, file_digest
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
+from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages
@@ -91,12 +90,8 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
                           progress: bool) -> dict:
     started = time.perf_counter()
-    records = read_records(records_path)[:options.limit]
-    if options.sample is not None and options.sample < len(records):
-        keep = np.sort(np.random.default_rng(options.seed).choice(len(records), options.sample, replace=False))
-        records = [records[i] for i in keep]
-    if not records:
-        raise GenerationError(f"{records_path}: no records")
+    records, notes = select_records(read_records(records_path), records_path, options.limit, options.sample,
+                                    options.seed)
 
     engine, tokenizer, chat = open_checkpoint(
         checkpoint, options.template,
@@ -131,7 +126,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],
                                                            [row["finish_reason"] for row in rows]),
-               "engine": engine.stats}
+               "engine": engine.stats, "notes": notes}
     if budgets is not None:
         summary["budgets"] = {"by_bucket": budgets.by_bucket, "other_buckets": budgets.fallback,
                               "records": options.budget_records}
