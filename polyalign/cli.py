@@ -815,7 +815,7 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
-    "prompts": {"--limit": COUNT, "--sample": COUNT},
+    "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2), "--max-pending": COUNT,
               "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},

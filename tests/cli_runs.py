@@ -16,6 +16,10 @@ TINY_RUN = ("train.global_batch=8", "train.eval_every=6", "train.checkpoint_ever
 # Validation on 37 examples in batches of 12 (8 on two processes): the last batch is partial and padded.
 UNEVEN_EVAL = ("data.eval_limit=37", "data.eval_batch=12")
 LONGER = ("train.steps=12",)
+# Six steps on four data shards with adaptive bucket weights (their state moves and is agreed every
+# step) and the uneven validation: the one-process, four-device run that the launcher and mesh-change
+# tests compare against (conftest.py: adaptive_four_device_run).
+ADAPTIVE_FOUR_DEVICES = ("parallel.data=4", "weighting=adaptive", "adaptive.step_size=1.0", *UNEVEN_EVAL)
 
 
 def sft_config(run, steps, *extra):

@@ -173,6 +173,20 @@ def built_run(demo_run, demo_tokenizer, tmp_path_factory):
     return run, read_manifest(run)
 
 
+@pytest.fixture(scope="session")
+def adaptive_four_device_run(built_run, tmp_path_factory):
+    """`polyalign train sft` in one process of four CPU devices with tests/cli_runs.ADAPTIVE_FOUR_DEVICES,
+    once per session: the reference of the launcher and mesh-change tests (each ran its own)."""
+    from tests.cli_runs import ADAPTIVE_FOUR_DEVICES, start_cli, train_args, wait_ok  # cli_runs imports conftest
+
+    run, _ = built_run
+
+    def make(folder):
+        wait_ok([start_cli(train_args(run, folder / "run", *ADAPTIVE_FOUR_DEVICES), {}, devices=4)])
+
+    return made_once(tmp_path_factory, "adaptive_four_device_run", make) / "run"
+
+
 TINY_MODEL = FIXTURES / "tiny_model.yaml"
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from polyalign.mesh.launch import LaunchError, expand_nodelist, local_environments, slurm_environment
 from polyalign.train.metrics import read_metrics
-from tests.cli_runs import UNEVEN_EVAL, start_cli, train_args, wait_ok
+from tests.cli_runs import ADAPTIVE_FOUR_DEVICES, start_cli, train_args, wait_ok
 
 
 def test_nodelists_expand():
@@ -36,17 +36,15 @@ def test_local_environments():
 
 
 @pytest.mark.slow
-def test_launcher_runs_four_cpu_processes_like_one_with_four_devices(built_run, tmp_path):
+def test_launcher_runs_four_cpu_processes_like_one_with_four_devices(built_run, adaptive_four_device_run, tmp_path):
     """Four processes of one device each with adaptive bucket weights (agreed over every process each
     step) and validation on 37 examples in batches of 12 (3 per process, the last batch partial) train
     and validate as one process with four devices."""
     run, _ = built_run
-    settings = ("parallel.data=4", "weighting=adaptive", "adaptive.step_size=1.0", *UNEVEN_EVAL)
-    wait_ok([start_cli(train_args(run, tmp_path / "one", *settings), {}, devices=4)])
     launched = start_cli(["launch", "--nproc", "4", "--cpu-devices", "1", "--", "polyalign",
-                          *train_args(run, tmp_path / "four", *settings)], {}, devices=1)
+                          *train_args(run, tmp_path / "four", *ADAPTIVE_FOUR_DEVICES)], {}, devices=1)
     wait_ok([launched])
-    one, four = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    one, four = read_metrics(adaptive_four_device_run), read_metrics(tmp_path / "four")
     assert [r["step"] for r in four] == list(range(1, 7))
     for a, b in zip(one, four):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])

@@ -20,6 +20,7 @@ from polyalign.tokens.chat import encode_conversation, get_template, record_mess
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
 from tests.cli_runs import (
+    ADAPTIVE_FOUR_DEVICES,
     LONGER,
     UNEVEN_EVAL,
     checkpoint_begun,
@@ -302,17 +303,15 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_restores_onto_a_different_mesh(built_run, tmp_path):
-    """With adaptive bucket weights, so that their state is restored onto the new mesh too."""
+def test_a_checkpoint_restores_onto_a_different_mesh(built_run, adaptive_four_device_run, tmp_path):
+    """With adaptive bucket weights, so that their state is restored onto the new mesh too: stopped
+    after step 3 on mesh (4,1,1), resumed on (1,2,2), against the session's straight run on (4,1,1)."""
     run, _ = built_run
-    adaptive = ("weighting=adaptive", "adaptive.step_size=1.0")
-    wait_ok([start_cli(train_args(run, tmp_path / "straight", "parallel.data=4", *adaptive), {}, devices=4)])
-    wait_ok([start_cli(train_args(run, tmp_path / "moved", "parallel.data=4", "train.stop_at=3", *adaptive), {},
-                       devices=4)])
-    output = wait_ok([start_cli(train_args(run, tmp_path / "moved", "parallel.data=1", "parallel.fsdp=2",
-                                           "parallel.tensor=2", *adaptive), {}, devices=4)])[0]
+    wait_ok([start_cli(train_args(run, tmp_path / "moved", *ADAPTIVE_FOUR_DEVICES, "train.stop_at=3"), {}, devices=4)])
+    output = wait_ok([start_cli(train_args(run, tmp_path / "moved", *ADAPTIVE_FOUR_DEVICES, "parallel.data=1",
+                                           "parallel.fsdp=2", "parallel.tensor=2"), {}, devices=4)])[0]
     assert "trained 6 steps" in output
-    straight, moved = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "moved")
+    straight, moved = read_metrics(adaptive_four_device_run), read_metrics(tmp_path / "moved")
     assert [r["step"] for r in moved] == list(range(1, 7))
     print(f"\nmesh (4,1,1) -> (1,2,2) resume: max |dloss| "
           f"{max(abs(a['loss'] - b['loss']) for a, b in zip(straight[3:], moved[3:])):.2e}")
