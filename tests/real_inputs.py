@@ -30,8 +30,7 @@ def real_pairs(demo_run, count: int) -> list[dict]:
         records = sorted(by_bucket[bucket], key=lambda r: len(json.dumps(r.to_json(), ensure_ascii=False)))
         for record, other in zip(records[:2], records[1:3]):
             pairs.append({"id": record.id, "bucket_id": bucket, "language": record.language, "record": record.to_json(),
-                          "chosen": record.response,
-                          "rejected": other.response, "weight": float(rng.uniform(0.5, 3.0)),
+                          "chosen": record.response, "rejected": other.response, "weight": float(rng.uniform(0.5, 3.0)),
                           "critic_chosen": float(rng.uniform(0, 1)), "critic_rejected": float(rng.uniform(0, 2))})
     pairs = pairs[:count]
     pairs[0]["rejected"] = pairs[0]["chosen"][: len(pairs[0]["chosen"]) // 2]

@@ -130,15 +130,15 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
         assert row["prompt"] == template.render(messages, add_generation_prompt=True)
         assert row["prompt"].endswith("<|im_start|>assistant\n")
     # --sample takes the records `generate --sample` answers; asking for more than there are is said
-    sampled = tmp_path / "sampled.jsonl"
-    code, out, _ = cli(capsys, "prompts", "--records", run / "data" / "val.jsonl", "--checkpoint", checkpoint,
-                       "--out", sampled, "--sample", 7, "--seed", 3)
-    chosen = select_records(read_records(run / "data" / "val.jsonl"), run / "data" / "val.jsonl", sample=7, seed=3)[0]
+    val, sampled = run / "data" / "val.jsonl", tmp_path / "sampled.jsonl"
+    code, out, _ = cli(capsys, "prompts", "--records", val, "--checkpoint", checkpoint, "--out", sampled,
+                       "--sample", 7, "--seed", 3)
+    every = read_records(val)
+    chosen = select_records(every, val, sample=7, seed=3)[0]
     assert code == 0 and [json.loads(line)["id"] for line in sampled.read_text().splitlines()] == [r.id for r in chosen]
-    code, out, _ = cli(capsys, "prompts", "--records", run / "data" / "val.jsonl", "--checkpoint", checkpoint,
-                       "--out", tmp_path / "all.jsonl", "--limit", 100000)
-    held = len(read_records(run / "data" / "val.jsonl"))
-    assert code == 0 and f"--limit 100000: {run / 'data' / 'val.jsonl'} holds {held} records; all are taken" in out
+    code, out, _ = cli(capsys, "prompts", "--records", val, "--checkpoint", checkpoint, "--out", tmp_path / "all.jsonl",
+                       "--limit", 100000)
+    assert code == 0 and f"--limit 100000: {val} holds {len(every)} records; all are taken" in out
     # An engine's answers (here: the next record's human answer) come back as {id, prediction}.
     answers = [{"id": r["id"], "prediction": records[(i + 1) % 10].response} for i, r in enumerate(rows)]
     predictions = write_jsonl(tmp_path / "engine.jsonl", answers)

@@ -20,13 +20,11 @@ def select_records(records: list[Record], source: Path, limit: int | None = None
     if limit is not None and limit > len(records):
         notes.append(f"--limit {limit}: {source} holds {len(records)} records; all are taken")
     records = records[:limit]
-    if sample is not None:
-        if sample >= len(records):
-            if sample > len(records):
-                notes.append(f"--sample {sample}: {len(records)} records to sample from; all are taken")
-        else:
-            keep = np.sort(np.random.default_rng(seed).choice(len(records), sample, replace=False))
-            records = [records[i] for i in keep]
+    if sample is not None and sample > len(records):
+        notes.append(f"--sample {sample}: {len(records)} records to sample from; all are taken")
+    elif sample is not None and sample < len(records):
+        keep = np.sort(np.random.default_rng(seed).choice(len(records), sample, replace=False))
+        records = [records[i] for i in keep]
     if not records:
         raise GenerationError(f"{source}: no records")
     return records, notes
