@@ -481,3 +481,26 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     capsys.readouterr()
     assert main(["report", folders[0], folders[0] + "/", "--out", str(tmp_path / "cmp4")]) == 2
     assert "given more than once" in capsys.readouterr().err
+
+
+def test_per_bucket_charts_keep_their_legend_off_the_bars(tmp_path, monkeypatch):
+    """Bars of a per-bucket chart reach every corner of its axes (an AUC of 1 in the top bucket, say):
+    the legend sits beside the axes, never over a bar."""
+    import matplotlib.pyplot as plt
+
+    from polyalign.reports import evaluation
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # kept open to measure, closed below
+    buckets = {f"en|single|qa|{size}": {"rows": 30, "auc": 1.0, "auc_interval": [0.98, 1.0], "auc_floor": 0.6,
+                                        "auc_floor_interval": [0.5, 0.7], "backed_off": False}
+               for size in ("short", "medium", "long")}
+    evaluation._metric_by_bucket(buckets, "auc", "AUC", tmp_path / "auc.png")
+    evaluation._bucket_bars({"a": {b: 1.0 for b in buckets}, "b": {b: 0.0 for b in buckets}}, "AUC", tmp_path / "b.png")
+    assert len(figures) == 2
+    for figure in list(figures):
+        ax = figure.axes[0]
+        renderer = figure.canvas.get_renderer()
+        legend, axes = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        close(figure)
+        assert legend.x0 >= axes.x1, (legend, axes)

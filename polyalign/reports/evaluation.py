@@ -49,6 +49,12 @@ def _fmt(value) -> str:
     return "—" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
 
 
+def _legend_beside(ax) -> None:
+    """The legend right of the axes: bars reach every corner of a per-bucket chart, so a legend inside
+    would cover one."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -93,7 +99,7 @@ def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: P
     ax.set_yticks(y + 0.2, [_bucket_label(b, buckets[b]) for b in names], fontsize=7)
     ax.invert_yaxis()
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
+    _legend_beside(ax)
     return _save(fig, path)
 
 
@@ -108,7 +114,7 @@ def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path) ->
     ax.set_yticks(np.arange(len(buckets)) + 0.4 - height / 2, buckets, fontsize=7)
     ax.invert_yaxis()
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    _legend_beside(ax)
     return _save(fig, path)
 
 
