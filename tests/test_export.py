@@ -115,6 +115,56 @@ def test_the_exported_chat_template_renders_what_training_rendered(sentencepiece
     assert "| steps | 2 |" in card
 
 
+def _with_system_turns(record, other, shape: str):
+    """`record` with system turns from `other`'s real text: `shape` none, one or two opening the
+    conversation, or one in the middle of its history."""
+    import dataclasses
+
+    texts = [other.question, other.response]
+    history = list(record.history)
+    if shape == "middle":
+        history.insert(len(history) // 2, {"role": "system", "text": texts[0]})
+        return dataclasses.replace(record, history=history)
+    leading = [{"role": "system", "text": t} for t in texts[:{"none": 0, "one": 1, "two": 2}[shape]]]
+    return dataclasses.replace(record, history=leading + history)
+
+
+@pytest.mark.parametrize("name", ["polyalign", "qwen", "llama3", "gemma"])
+def test_every_system_mode_and_profile_renders_a_users_system_messages_as_training_did(demo_run, demo_tokenizer, name):
+    """A user's conversation with its own system messages (none, one or two opening it, one mid-way),
+    rendered by the exported template with the profile's variables, is what training rendered from the
+    same conversation, for every system mode (keep, replace, drop) and profile."""
+    from polyalign.model.export import export_template
+    from polyalign.tokens.chat import PROFILE_MODES, SYSTEM_MODES
+
+    tokenizer = demo_tokenizer[0]
+    template = get_template(name)
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:24]
+    shapes = ("none", "one", "two", "middle")
+    for system in SYSTEM_MODES:
+        # the template's own BOS (a Llama or Gemma tokenizer's), as that tokenizer's config would give it
+        renderer = JinjaRenderer(export_template(template, system), {**tokenizer.template_tokens(),
+                                                                     "bos_token": template.bos or ""})
+        for profile in PROFILE_MODES:
+            for i, record in enumerate(records):
+                trained = _with_system_turns(record, records[-1 - i], shapes[i % len(shapes)])
+                # the conversation as the user holds it: each turn its own message, in its own role
+                conversation = [{"role": t["role"], "content": t["text"]} for t in trained.history]
+                conversation = [m for m in conversation if m["role"] in ("system", "user", "assistant")]
+                conversation.append({"role": "user", "content": record_messages(trained, "none")[-2].content})
+                variables = {} if profile == "none" else {"family": trained.family, "track": trained.track,
+                                                          "style": trained.style}
+                if profile == "oracle":
+                    variables["length"] = trained.length_bin
+                renderer.variables.update(variables)
+                expected = template.render(record_messages(trained, profile, system=system)[:-1],
+                                           add_generation_prompt=True)
+                assert renderer.render(conversation, add_generation_prompt=True) == expected, (system, profile, i)
+                for key in variables:
+                    del renderer.variables[key]
+
+
 def test_a_checkpoint_template_is_exported_as_it_trained(json_tokenizer, tmp_path):
     """A fine-tuned checkpoint's own template stays its template (behind the profile preamble), and
     generation stops at the end-of-turn token that template writes."""
@@ -178,7 +228,7 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
     survive every export, and the chat template carries the profile preamble once."""
     from tokenizers import Tokenizer
 
-    from polyalign.model.export import PROFILE_PREAMBLE_JINJA
+    from polyalign.model.export import PROFILE_PREAMBLES_JINJA
 
     source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
     base = tmp_path / "base"
@@ -202,7 +252,8 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
                           profile="context", base=str(previous))
         previous = tmp_path / step
         chat_template = json.loads((previous / "tokenizer_config.json").read_text())["chat_template"]
-        assert chat_template.count(PROFILE_PREAMBLE_JINJA) == 1 and chat_template.endswith(source)
+        assert sum(chat_template.count(p) for p in PROFILE_PREAMBLES_JINJA.values()) == 1
+        assert chat_template.startswith(PROFILE_PREAMBLES_JINJA["keep"]) and chat_template.endswith(source)
         generation = json.loads((previous / "generation_config.json").read_text())
         assert generation["eos_token_id"] == eos and "transformers_version" not in generation
         assert {key: generation[key] for key in QWEN_SAMPLING} == QWEN_SAMPLING

@@ -47,28 +47,50 @@ from polyalign.tokens.tokenizer import (
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 PROFILE_KEYS = ("family", "track", "style", "length")  # the order profile_prompt writes them in
 
-# Written before the training template: polyalign's profile system prompt from template variables.
-PROFILE_PREAMBLE_JINJA = (
-    "{#- polyalign: with no system message, the profile system prompt the model was trained with, from the\n"
-    "    template variables family, track, style (and length for the oracle profile). -#}\n"
-    "{%- set polyalign_profile = namespace(parts=[]) -%}\n"
-    + "".join(f"{{%- if {key} is defined and {key} -%}}"
-              f"{{%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
-              " -%}{%- endif -%}\n" for key in PROFILE_KEYS)
-    + "{%- if polyalign_profile.parts and not (messages and messages[0]['role'] == 'system') -%}\n"
-    "    {%- set messages = [{'role': 'system', 'content': "
-    f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.'}}] + messages -%}}\n"
-    "{%- endif -%}\n")
+# Written before the training template: polyalign's profile system prompt from template variables,
+# composed with the conversation's own leading system messages as build composed them (SYSTEM_MODES):
+# keep: their text (joined by a newline), a blank line, the profile prompt; replace: the profile prompt
+# alone; drop: the profile prompt alone and no system message anywhere. Without profile variables the
+# prompt is only the conversation's own (keep) or nothing.
+_PREAMBLE_HEAD = (
+    "{#- polyalign: the system prompt the model was trained with: the profile prompt from the template variables\n"
+    "    family, track, style (and length for the oracle profile), composed with the conversation's own leading\n"
+    "    system messages as training composed them (system mode: %s). -#}\n"
+    "{%%- set polyalign_profile = namespace(parts=[], lead=0, texts=[]) -%%}\n"
+    + "".join(f"{{%%- if {key} is defined and {key} -%%}}"
+              f"{{%%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
+              " -%%}{%%- endif -%%}\n" for key in PROFILE_KEYS)
+    + "{%%- for message in messages -%%}\n"
+    "    {%%- if message['role'] == 'system' and polyalign_profile.lead == loop.index0 -%%}\n"
+    "        {%%- set polyalign_profile.lead = polyalign_profile.lead + 1 -%%}\n"
+    "        {%%- set polyalign_profile.texts = polyalign_profile.texts + [message['content']] -%%}\n"
+    "    {%%- endif -%%}\n"
+    "{%%- endfor -%%}\n"
+    "{%%- set polyalign_system = %s -%%}\n"
+    "{%%- if polyalign_profile.parts -%%}\n"
+    "    {%%- set polyalign_system = (polyalign_system + '\\n\\n' if polyalign_system else '') + "
+    f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.' -%%}}\n"
+    "{%%- endif -%%}\n"
+    "{%%- set messages = ([{'role': 'system', 'content': polyalign_system}] if polyalign_system else []) + %s -%%}\n")
+PROFILE_PREAMBLES_JINJA = {
+    mode: _PREAMBLE_HEAD % (mode, source, rest) for mode, source, rest in (
+        ("keep", "polyalign_profile.texts | join('\\n')", "messages[polyalign_profile.lead:]"),
+        ("replace", "''", "messages[polyalign_profile.lead:]"),
+        ("drop", "''", "messages | rejectattr('role', 'equalto', 'system') | list"))}
 
 
-def export_template(template: ChatTemplate) -> str:
-    """The chat_template an export carries: the training template behind the profile preamble, written
-    once however many exports are chained (a checkpoint template that is a polyalign export's already
-    starts with it)."""
+def export_template(template: ChatTemplate, system: str = "keep") -> str:
+    """The chat_template an export carries: the training template behind the profile preamble of the
+    build's system mode, written once however many exports are chained (a checkpoint template that is
+    a polyalign export's already starts with a preamble)."""
     source = template.jinja_source()
-    while source.startswith(PROFILE_PREAMBLE_JINJA):
-        source = source[len(PROFILE_PREAMBLE_JINJA):]
-    return PROFILE_PREAMBLE_JINJA + source
+    stripped = True
+    while stripped:
+        stripped = False
+        for preamble in PROFILE_PREAMBLES_JINJA.values():
+            if source.startswith(preamble):
+                source, stripped = source[len(preamble):], True
+    return PROFILE_PREAMBLES_JINJA[system] + source
 
 
 def base_reference(base: str | None) -> str | None:
@@ -107,9 +129,11 @@ def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
     return converted.to_str()
 
 
-def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str) -> dict[str, str | bytes]:
+def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, system: str = "keep"
+                    ) -> dict[str, str | bytes]:
     """tokenizer.json (and tokenizer.model where there is one) and a tokenizer_config.json with the
-    special tokens, the training template and, for a built-in template, its name."""
+    special tokens, the training template (behind the preamble of the build's system mode) and, for a
+    built-in template, its name."""
     source = as_path(tokenizer.path)
     directory = source if source.is_dir() else source.parent
     files: dict[str, str | bytes] = {}
@@ -127,8 +151,8 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str) 
     else:
         files[TOKENIZERS_FILE] = source.read_bytes()
     config.update({key: value for key, value in tokenizer.template_tokens().items() if value is not None})
-    config["chat_template"] = export_template(template)
-    config["polyalign_profile"] = profile
+    config["chat_template"] = export_template(template, system)
+    config["polyalign_profile"], config["polyalign_system"] = profile, system
     if template.name in TEMPLATES:
         config["polyalign_chat_template"] = template.name
     else:
@@ -159,18 +183,28 @@ def generation_config(tokenizer: Tokenizer, template: ChatTemplate, base: dict[s
     return merged
 
 
-def model_card(card: dict[str, Any], template: ChatTemplate, profile: str) -> str:
+SYSTEM_MODE_CARD = {
+    "keep": "your opening system messages come first in the system prompt (joined by a newline), then, when you "
+            "name the profile, a blank line and the profile prompt",
+    "replace": "a system message of yours that opens the conversation is left out: the model was trained with the "
+               "profile prompt in its place",
+    "drop": "system messages of yours are left out: the model was trained without them",
+}
+
+
+def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, system: str = "keep") -> str:
     """README.md: what the model was made from and how to prompt it."""
     rows = "\n".join(f"| {key} | {value} |" for key, value in card.items() if value is not None)
     variables = ", ".join(f'{k}="..."' for k in PROFILE_KEYS[:3 + (profile == "oracle")])
-    prompt = ("trained without a system prompt (profile `none`): pass the conversation as it is"
+    prompt = ("trained without a profile system prompt (profile `none`): pass the conversation as it is"
               if profile == "none" else
               f"trained with polyalign's profile system prompt (profile `{profile}`): `{PROFILE_PREAMBLE} "
-              "family=...; track=...; style=...`. The chat template writes it when you pass no system message "
-              f"and name the profile: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, "
-              f"{variables})`")
+              "family=...; track=...; style=...`. The chat template writes it when you name the profile: "
+              f"`tokenizer.apply_chat_template(messages, add_generation_prompt=True, {variables})`")
+    prompt += f". The template renders a system message of yours as training did: {SYSTEM_MODE_CARD[system]}"
     return (f"# {card.get('method', 'polyalign')} model\n\nTrained with polyalign.\n\n| | |\n|---|---|\n{rows}\n"
-            f"| chat template | {template.name} |\n| profile | {profile} |\n\n## Prompt format\n\nThe model was "
+            f"| chat template | {template.name} |\n| profile | {profile} |\n| system messages | {system} |\n\n"
+            "## Prompt format\n\nThe model was "
             f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n")
 
 
@@ -182,7 +216,7 @@ def training_card(config: Any) -> dict[str, Any]:
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
-                   template: ChatTemplate, profile: str) -> dict[str, str]:
+                   template: ChatTemplate, profile: str, system: str = "keep") -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
     weights W + (alpha / r) A B."""
@@ -194,7 +228,7 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
                       dtype=config.model.export_dtype or config.model.dtype, card=training_card(config),
-                      base=config.init)
+                      base=config.init, system=system)
     return {"model": str(as_path(out) / "model"), **written}
 
 
@@ -222,18 +256,19 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,
                       template: ChatTemplate, profile: str = "context", dtype: str | None = None,
                       card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES,
-                      base: str | None = None) -> None:
+                      base: str | None = None, system: str = "keep") -> None:
     """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
     whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'.
-    `base`, the checkpoint trained from: its generation_config.json is kept and merged."""
+    `base`, the checkpoint trained from: its generation_config.json is kept and merged. `system`: how
+    training composed a conversation's own system message with the profile prompt (SYSTEM_MODES)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         params = parallel.to_host(params)
     if jax.process_index() != 0:
         return
     generation = generation_config(tokenizer, template, base_generation_config(base))
-    extra = {**tokenizer_files(tokenizer, template, profile),
+    extra = {**tokenizer_files(tokenizer, template, profile, system),
              "generation_config.json": json.dumps(generation, indent=2) + "\n",
-             "README.md": model_card(card or {}, template, profile)}
+             "README.md": model_card(card or {}, template, profile, system)}
     save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, dtype=dtype, max_shard_bytes=max_shard_bytes,
                        overwrite=True, extra_files=extra)

@@ -222,8 +222,10 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         return record
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
+        options = manifest["options"]
         return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
-                              get_template(manifest["template"], tokenizer), manifest["options"]["profile"])
+                                     get_template(manifest["template"], tokenizer), options["profile"],
+                                     options.get("system", "keep"))  # builds before system modes: keep
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
