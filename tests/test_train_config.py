@@ -44,15 +44,19 @@ def test_every_method_has_the_shared_sections_with_the_same_types():
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-@pytest.mark.parametrize("typo, suggestion", [
-    ("model.dtpye=bfloat16", "dtype"), ("data.dri=RUN", "dir"), ("data.max_lenght=64", "max_length"),
-    ("train.micro_batch=2", "micro_batches"), ("optimizer.weight_decy=0", "weight_decay"), ("parallel.fsdb=2", "fsdp"),
-    ("initt=x", "init"),
+@pytest.mark.parametrize("typo, unknown, suggestion", [
+    ("model.dtpye=bfloat16", "dtpye", "dtype"), ("data.dri=RUN", "dri", "dir"),
+    ("data.max_lenght=64", "max_lenght", "max_length"), ("train.micro_batch=2", "micro_batch", "micro_batches"),
+    ("optimizer.weight_decy=0", "weight_decy", "weight_decay"), ("parallel.fsdb=2", "fsdb", "fsdp"),
+    ("initt=x", "initt", "init"), ("optimzer.lr=1e-3", "optimzer", "optimizer"),
+    ("model.lora.rnk=4", "rnk", "rank"), ("modle.lora.rank=4", "modle", "model"),
 ])
-def test_a_typo_anywhere_names_the_closest_key(method, typo, suggestion):
-    with pytest.raises(ConfigError, match=f"unknown key '{typo.split('=')[0].split('.')[-1]}'; did you mean "
-                                          f"'{suggestion}'"):
+def test_a_typo_anywhere_names_the_closest_key_and_the_override(method, typo, unknown, suggestion):
+    """A typo at any depth of an override's path is blamed on that override, never on the config file."""
+    with pytest.raises(ConfigError) as caught:
         load_config(CONFIGS[method], [typo], method=method)
+    assert str(caught.value).startswith(f"override {typo}: ")
+    assert f"unknown key '{unknown}'; did you mean '{suggestion}'" in str(caught.value)
 
 
 def test_the_same_override_means_the_same_thing_for_every_method():

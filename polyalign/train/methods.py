@@ -236,9 +236,10 @@ def _blamed_on_override(err: ConfigError, where: str, overrides: list[str]) -> C
     message = str(err)
     for item in reversed(overrides):  # the last override of a key is the one that took effect
         key = item.partition("=")[0]
-        parent, _, leaf = key.rpartition(".")
-        for blamed in (f"{where}.{key}:", f"{where}: {key}:", f"{where}: {key} ",
-                       f"{where}{'.' + parent if parent else ''}: unknown key {leaf!r}"):
+        parts = key.split(".")
+        # an unknown key anywhere along the override's path: `optimzer.lr=...` as well as `train.stepz=...`
+        unknown = [f"{where}{''.join('.' + p for p in parts[:k])}: unknown key {parts[k]!r}" for k in range(len(parts))]
+        for blamed in (f"{where}.{key}:", f"{where}: {key}:", f"{where}: {key} ", *unknown):
             if message.startswith(blamed):
                 rest = message[len(f"{where}.{key}:"):] if blamed == f"{where}.{key}:" else message[len(where) + 1:]
                 return ConfigError(f"override {item}: {rest.strip()}")
