@@ -177,3 +177,27 @@ def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
     manifest = prepare(config, tmp_path / "run", progress=False)
     assert manifest["scheme"]["name"] == "polyalign" and manifest["totals"]["kept"] == 4
     assert manifest["scheme"]["path"].endswith("polyalign/buckets/polyalign.yaml")
+
+
+@pytest.mark.parametrize("form", ["chat", "sharegpt"])
+def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form, tmp_path, capsys):
+    """Every user turn is a record's question, lies in a record's history, or is counted: a conversation
+    that ends with a user turn after its last reply says so in the manifest and in prepare's output."""
+    from polyalign.cli import main
+    from tests.chat_exports import camrest_messages
+
+    conversations = [camrest_messages(dialogue, n) for dialogue, n in zip(camrest_dialogues(4, start=20), (3, 4, 5, 6))]
+    if form == "chat":
+        path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
+    else:
+        path = tmp_path / "share.json"
+        path.write_text(json.dumps([{"conversations": [{"from": "human" if m["role"] == "user" else "gpt",
+                                                        "value": m["content"]} for m in c]} for c in conversations],
+                                   ensure_ascii=False), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [{"name": "mine", "format": form, "path": path.name}])
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]
+    unanswered = sum(len(c) % 2 for c in conversations)  # user first, so an odd length ends with a user turn
+    assert source["left_out"] == {"unanswered_last_user_turn": unanswered} and unanswered == 2
+    assert source["kept"] == sum(len(c) // 2 for c in conversations)
+    assert f"left out of kept rows: unanswered_last_user_turn {unanswered}" in capsys.readouterr().out

@@ -387,7 +387,7 @@ def project_dialogue(
     labels: dict[str, str] | None = None,
     meta: dict[str, Any] | None = None,
     context_of: Callable[[int], str] | None = None,
-) -> Iterator[Example | Skipped]:
+) -> Iterator[Example | Skipped | Notice]:
     """Multi-turn projection (METHOD.md section 1): every assistant turn with at least one earlier user
     or assistant turn becomes a record; question = the latest user turn before it; history = every
     turn before that user turn, and a system turn standing between the question and the reply is put
@@ -399,8 +399,13 @@ def project_dialogue(
     message: it names the turn itself, not how many records came before it. Its derived track is
     `multi` when its history holds a user or assistant turn. A turn marked `tool` (a tool call, a tool's
     answer) is never rendered: a record whose reply is one is skipped as `tool_call`, and a record with
-    one before its reply as `after_tool_call`."""
+    one before its reply as `after_tool_call`. A conversation that ends with user turns after its
+    last reply has nothing to learn from them: they are counted as a Notice (`unanswered_last_user_turn`),
+    never lost without a word."""
     turns = join_runs(turns)
+    targets = [k for k, t in enumerate(turns) if t["role"] == "assistant"]
+    if targets and any(t["role"] == "user" for t in turns[targets[-1] + 1:]):
+        yield Notice(location, "unanswered_last_user_turn")
     conversation = "\n".join(t["text"] for t in turns if t["role"] in ("user", "assistant") and not t.get("tool"))
     for k, turn in enumerate(turns):
         if turn["role"] != "assistant" or not any(t["role"] in ("user", "assistant") for t in turns[:k]):
