@@ -792,11 +792,13 @@ def _add_demo(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start every stage over (OUT holds a demo run with other settings, e.g. --quick); without "
                         "it the same command resumes where a run stopped")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
     p.set_defaults(handler=_run_demo)
 
 
 def _run_demo(args) -> int:
-    run_demo(args.out, parse_stages(args.stages), quick=args.quick, overwrite=args.overwrite)
+    run_demo(args.out, parse_stages(args.stages), quick=args.quick, overwrite=args.overwrite,
+             progress=not args.no_progress)
     return 0
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from polyalign.core.errors import Interrupted
@@ -14,53 +15,69 @@ from polyalign.data.records import read_records
 from polyalign.train.methods import load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """quick: the reduced sizes; overwrite: start every stage over; progress: progress bars."""
+
+    quick: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    @property
+    def existing(self) -> str:
+        """What a training stage does with a run already in its folder (polyalign/train/ownership.py)."""
+        return "overwrite" if self.overwrite else "continue"
 DEMO_DATA_CONFIG = REPO_ROOT / "configs" / "data" / "demo.yaml"
 
 
-def _prepare(run: Path, quick: bool, overwrite: bool) -> str:
+def _prepare(run: Path, settings: DemoSettings) -> str:
     from polyalign.data.prepare import prepare  # heavy: numpy, datasketch, kept out of --help
 
-    manifest = prepare(DEMO_DATA_CONFIG, run, overwrite=overwrite)
+    manifest = prepare(DEMO_DATA_CONFIG, run, progress=settings.progress, overwrite=settings.overwrite)
     totals = manifest["totals"]
     split_counts = ", ".join(f"{k} {v}" for k, v in totals["by_split"].items())
     return f"{totals['kept']} records ({split_counts}) -> {run / 'data'}"
 
 
-def _stats(run: Path, quick: bool, overwrite: bool) -> str:
+def _stats(run: Path, settings: DemoSettings) -> str:
     from polyalign.reports.stats import compute_stats  # heavy: matplotlib, numpy, kept out of --help
 
-    stats = compute_stats(run)
+    stats = compute_stats(run, progress=settings.progress)
     return f"{len(stats['counts']['by_bucket'])} buckets -> {run / 'stats' / 'report.html'}"
 
 
-def _tokenizer(run: Path, quick: bool, overwrite: bool) -> str:
+def _tokenizer(run: Path, settings: DemoSettings) -> str:
     from polyalign.tokens.tokenizer_training import train_from_records  # heavy: numpy, kept out of --help
 
     tokenizer, report = train_from_records(run / "data" / "train.jsonl", run / "tokenizer",
-                                           DEMO_VOCAB_SIZE_QUICK if quick else DEMO_VOCAB_SIZE, overwrite=overwrite)
+                                           DEMO_VOCAB_SIZE_QUICK if settings.quick else DEMO_VOCAB_SIZE,
+                                           overwrite=settings.overwrite)
     rates = ", ".join(f"{lang} {rate}" for lang, rate in report["chars_per_token"].items())
     return f"{tokenizer.vocab_size} pieces, characters per token {rates} -> {run / 'tokenizer'}"
 
 
-def _build(run: Path, quick: bool, overwrite: bool) -> str:
+def _build(run: Path, settings: DemoSettings) -> str:
     from polyalign.inputs.build import BuildOptions, build  # heavy: jax, kept out of --help
 
-    manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH), overwrite=overwrite)
+    manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH), progress=settings.progress,
+                     overwrite=settings.overwrite)
     train = manifest["splits"]["train"]
     return (f"{train['examples']} train examples, {train['tokens']} tokens, {train['truncated']} cut to "
             f"{DEMO_MAX_LENGTH} -> {run / 'build'}")
 
 
-def _sft(run: Path, quick: bool, overwrite: bool) -> str:
+def _sft(run: Path, settings: DemoSettings) -> str:
     """Plain SFT (RUN/sft) and Bucket-Aware SFT (RUN/bucket_sft) with the same seed and batches; the
     Bucket-SFT model is the initial policy of everything after."""
     from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     summaries = []
     for name, weighting in (("sft", "uniform"), ("bucket_sft", "bucket")):
-        overrides = [f"data.dir={run}", f"weighting={weighting}"] + (DEMO_QUICK_SFT if quick else [])
+        overrides = [f"data.dir={run}", f"weighting={weighting}"] + (DEMO_QUICK_SFT if settings.quick else [])
         config = load_config(DEMO_SFT_CONFIG, overrides, method="sft")
-        result = _finished(train(config, run / name, existing=_existing(overwrite)), name)
+        result = _finished(train(config, run / name, progress=settings.progress, existing=settings.existing), name)
         last = result["last"]
         summaries.append(f"{name} {result['end_step']} steps, validation loss {last['val_loss']:.3f} "
                          f"(worst bucket {last['val_worst_bucket']:.3f})")
@@ -70,8 +87,6 @@ def _sft(run: Path, quick: bool, overwrite: bool) -> str:
 POLICY = "bucket_sft"  # the initial policy and reference of HDPO and DPO
 
 
-def _existing(overwrite: bool) -> str:
-    return "overwrite" if overwrite else "continue"
 
 
 def _finished(result: dict, name: str) -> dict:
@@ -89,7 +104,7 @@ DEMO_SAMPLING = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9}
 DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=4", "data.max_length=128"]
 
 
-def _generate(run: Path, quick: bool, overwrite: bool) -> str:
+def _generate(run: Path, settings: DemoSettings) -> str:
     # heavy: jax, kept out of --help
     from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
     from polyalign.pairs.make import make_pairs  # heavy: etils.epath, kept out of --help
@@ -97,37 +112,37 @@ def _generate(run: Path, quick: bool, overwrite: bool) -> str:
     counts = []
     for split, sizes in DEMO_PAIR_SAMPLES.items():
         predictions = run / "generate" / f"{POLICY}_{split}.jsonl"
-        generate_predictions(run / POLICY / "model", run / "data" / f"{split}.jsonl", predictions,
-                             GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[quick], seed=0),
-                             overwrite=overwrite)
+        options = GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[settings.quick], seed=0)
+        generate_predictions(run / POLICY / "model", run / "data" / f"{split}.jsonl", predictions, options,
+                             progress=settings.progress, overwrite=settings.overwrite)
         summary = make_pairs(run / "data" / f"{split}.jsonl", predictions, run / "pairs" / f"{split}.jsonl",
-                             overwrite=overwrite)
+                             overwrite=settings.overwrite)
         counts.append(f"{split} {summary['pairs']}")
     return f"pairs from the Bucket-SFT model's samples: {', '.join(counts)} -> {run / 'pairs'}"
 
 
-def _critic(run: Path, quick: bool, overwrite: bool) -> str:
+def _critic(run: Path, settings: DemoSettings) -> str:
     from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
                                               f"val_pairs={run / 'pairs' / 'val.jsonl'}"], method="critic")
-    report = _finished(train(config, run / "critic", existing=_existing(overwrite)), "critic")
+    report = _finished(train(config, run / "critic", progress=settings.progress, existing=settings.existing), "critic")
     return (f"validation L1 {report['val']['l1']:.3f}, human ranked below model on "
             f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs (human-vs-model AUC "
             f"{report['val']['auc']:.2f}, 0.5 is chance) -> {run / 'critic'}")
 
 
-def _hdpo(run: Path, quick: bool, overwrite: bool) -> str:
+def _hdpo(run: Path, settings: DemoSettings) -> str:
     from polyalign.train.run import train  # heavy: jax, kept out of --help
 
     summaries = []
     for method in ("hdpo", "dpo"):
-        overrides = [f"data.dir={run}", f"init={run / POLICY / 'model'}"] + (DEMO_QUICK_HDPO if quick else [])
+        overrides = [f"data.dir={run}", f"init={run / POLICY / 'model'}"] + (DEMO_QUICK_HDPO if settings.quick else [])
         result = _finished(train(load_config(DEMO_HDPO_CONFIG, overrides, method=method), run / method,
-                                 existing=_existing(overwrite)), method)
+                                 progress=settings.progress, existing=settings.existing), method)
         summaries.append(f"{method} margin {result['last']['rewards/margin']:.3f}")
-    comparison = compare_generations(run, quick, overwrite)
+    comparison = compare_generations(run, settings)
 
     def distance(v):
         if not v["generations"]:
@@ -148,7 +163,7 @@ COMPARE_DECODINGS = ("sampled", "greedy")
 COMPARE_DECODING_LABELS = {"sampled": "as evaluate samples", "greedy": "as the drift probe decodes"}
 
 
-def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict:
+def compare_generations(run: Path, settings: DemoSettings) -> dict:
     """Generations of SFT, DPO and HDPO on the same validation records, sampled as evaluation samples and
     greedy as the drift probe decodes: per decoding, the answers, how many are empty, the non-empty ones'
     mean support distance to the bucket's human references and the critic's mean score
@@ -170,8 +185,8 @@ def compare_generations(run: Path, quick: bool, overwrite: bool = False) -> dict
         for decoding, sampling in decodings.items():
             path = run / "generate" / f"{method}_compare{'' if decoding == 'greedy' else '_' + decoding}.jsonl"
             generate_predictions(run / method / "model", run / "data" / "val.jsonl", path,
-                                 GenerateOptions(sampling=sampling, sample=DEMO_PAIR_SAMPLES["val"][quick], seed=1),
-                                 progress=False, overwrite=overwrite)
+                                 GenerateOptions(sampling=sampling, sample=DEMO_PAIR_SAMPLES["val"][settings.quick],
+                                                 seed=1), progress=False, overwrite=settings.overwrite)
             answers = list(read_predictions(path).values())
             rows = [r for r in answers if r["prediction"]]
             texts, buckets = [r["prediction"] for r in rows], [records[r["id"]].bucket_id for r in rows]
@@ -192,7 +207,7 @@ DEMO_TEST_SAMPLE = (256, 48)
 DEMO_METHODS = ("sft", "bucket_sft", "dpo", "hdpo")
 
 
-def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
+def _evaluate(run: Path, settings: DemoSettings) -> str:
     from polyalign.evaluate.run import EvaluateOptions, evaluate  # heavy: numpy, scipy, kept out of --help
 
     # heavy: jax, kept out of --help
@@ -208,14 +223,15 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
         predictions = run / "generate" / f"{method}_test.jsonl"
         # Sampled, as the pairs are: under greedy decoding the 7M-parameter demo models mostly end
         # their turn at once, and every metric would compare empty strings.
-        generate_predictions(run / method / "model", run / "data" / "test.jsonl", predictions,
-                             GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[quick],
-                                             seed=2), overwrite=overwrite)
+        options = GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=DEMO_TEST_SAMPLE[settings.quick],
+                                  seed=2)
+        generate_predictions(run / method / "model", run / "data" / "test.jsonl", predictions, options,
+                             progress=settings.progress, overwrite=settings.overwrite)
         # The predictions cover a sample of the test split: evaluate that intersection, and say so.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method,
                           EvaluateOptions(allow_partial=True, references=run / "stats" / "references.json",
                                           support=run / "data" / "train.jsonl", featurizer=featurizer),
-                          overwrite=overwrite)
+                          overwrite=settings.overwrite)
         bng, floor = result["metrics"]["bng"]["overall_macro"], result["metrics"]["bng"].get("floor_macro")
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}"
@@ -224,10 +240,10 @@ def _evaluate(run: Path, quick: bool, overwrite: bool) -> str:
            f"{DEMO_SAMPLING['top_p']}) -> {run / 'eval'}"
 
 
-def _report(run: Path, quick: bool, overwrite: bool) -> str:
+def _report(run: Path, settings: DemoSettings) -> str:
     from polyalign.reports.evaluation import compare  # heavy: matplotlib, numpy, kept out of --help
 
-    compare([run / "eval" / m for m in DEMO_METHODS], run / "report", overwrite=overwrite)
+    compare([run / "eval" / m for m in DEMO_METHODS], run / "report", overwrite=settings.overwrite)
     return f"{', '.join(DEMO_METHODS)} side by side -> {run / 'report' / 'report.html'}"
 
 
@@ -241,7 +257,7 @@ DEMO_QUICK_SFT = ["train.steps=20", "train.eval_every=10", "train.checkpoint_eve
 DEMO_MAX_LENGTH = 256
 DEMO_VOCAB_SIZE = 8000
 DEMO_VOCAB_SIZE_QUICK = 6000  # the demo's Chinese needs ~3,700 single-character pieces at 0.9995 coverage
-STAGES: dict[str, Callable[[Path, bool, bool], str]] = {
+STAGES: dict[str, Callable[[Path, DemoSettings], str]] = {
     "prepare": _prepare, "stats": _stats, "tokenizer": _tokenizer, "build": _build, "sft": _sft,
     "generate": _generate, "critic": _critic, "hdpo": _hdpo, "evaluate": _evaluate, "report": _report,
 }
@@ -262,17 +278,19 @@ def parse_stages(text: str | None) -> list[str]:
 
 
 def run_demo(out: Path, stages: Sequence[str], quick: bool = False, echo: Callable[[str], None] = print,
-             overwrite: bool = False) -> None:
+             overwrite: bool = False, progress: bool = True) -> None:
     """Runs `stages` into OUT. Run again, the same command resumes where it stopped (finished stages
     are redone from their outputs, training continues from its checkpoints); `overwrite` starts every
-    stage over, as when OUT holds a run made with other settings (--quick, say)."""
+    stage over, as when OUT holds a run made with other settings (--quick, say); `progress` False runs
+    every stage without progress bars (a log file stays readable)."""
     if not DEMO_DATA_CONFIG.is_file():
         raise ConfigError(f"{DEMO_DATA_CONFIG}: missing; the demo runs from a source checkout (pip install -e .)")
     out.mkdir(parents=True, exist_ok=True)
+    settings = DemoSettings(quick, overwrite, progress)
     for i, stage in enumerate(stages, start=1):
         started = time.perf_counter()
         echo(f"[{i}/{len(stages)}] {stage} ...")
-        summary = STAGES[stage](out, quick, overwrite)
+        summary = STAGES[stage](out, settings)
         echo(f"[{i}/{len(stages)}] {stage}: {summary} ({time.perf_counter() - started:.1f} s)")
     if "stats" in stages:
         echo(f"\nBucket statistics report: {out / 'stats' / 'report.html'}")

@@ -119,9 +119,14 @@ def test_bilingual_config_acceptance(tmp_path):
     print(f"\nbilingual prepare + stats: {len(records)} records, {elapsed:.1f} s")
 
 
-def test_cli_prepare_stats_and_demo(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "prepare"]) == 0
+def test_cli_prepare_stats_and_demo(tmp_path, capsys, monkeypatch):
+    from polyalign.data import prepare as preparing
+
+    real, asked = preparing.prepare, []
+    monkeypatch.setattr(preparing, "prepare", lambda *a, **k: asked.append(k["progress"]) or real(*a, **k))
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "prepare", "--no-progress"]) == 0
     assert (tmp_path / "demo/data/manifest.json").is_file() and not (tmp_path / "demo/stats").exists()
+    assert asked == [False]  # --no-progress reaches the stage: no bars in a log
     assert main(["stats", str(tmp_path / "demo"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "report: " in out and (tmp_path / "demo/stats/stats.json").is_file()
