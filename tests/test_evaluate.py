@@ -281,7 +281,7 @@ def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
 
 
 @pytest.mark.slow
-def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenizer, tmp_path):
+def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenizer, tmp_path, capfd):
     from polyalign.data.records import read_records
     from polyalign.model import create_model, save_hf_checkpoint
     from tests.conftest import tiny_model_config
@@ -302,6 +302,9 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     mauve = full["metrics"]["mauve"]
     assert mauve["status"] == "computed" and 0 < mauve["global"] <= 1
     assert set(mauve["by_bucket"]) == {"en|multi|dialogue|short"}
+    # 40 answers are too few for faiss's k-means: its warnings become one note, not lines on the terminal
+    assert "WARNING clustering" not in capfd.readouterr().err
+    assert mauve["note"].startswith("faiss warned ") and "noisy" in mauve["note"]
     assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
     assert full["metrics"]["aggregate"]["overall"] is not None
     # the featurizer's hidden states are a second detectability representation; without it, none
@@ -504,3 +507,17 @@ def test_per_bucket_charts_keep_their_legend_off_the_bars(tmp_path, monkeypatch)
         legend, axes = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
         close(figure)
         assert legend.x0 >= axes.x1, (legend, axes)
+
+
+def test_native_stderr_is_caught_at_the_file_descriptor(capfd):
+    import os
+    import sys
+
+    from polyalign.core.native_stderr import captured_stderr_lines
+
+    with captured_stderr_lines() as lines:
+        os.write(2, b"WARNING from C\n")  # as native code writes, past sys.stderr
+    assert lines == ["WARNING from C"]
+    assert capfd.readouterr().err == ""
+    print("after", file=sys.stderr)
+    assert capfd.readouterr().err == "after\n"  # the descriptor is restored

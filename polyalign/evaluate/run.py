@@ -8,6 +8,8 @@ import functools
 import json
 import math
 import random
+import re
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -17,6 +19,7 @@ import numpy as np
 
 from polyalign.core.errors import EvaluationError
 from polyalign.core.extras import require
+from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
@@ -278,15 +281,33 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     return bng, hcr, measured["by_bucket"], reference_rows
 
 
+# faiss's k-means (inside mauve-text) writes this to the native stderr for every clustering of fewer than
+# 39 points per cluster, which conditional MAUVE on small buckets always is: counted into the section's
+# note instead of a screenful of warnings.
+FAISS_FEW_POINTS = re.compile(r"WARNING clustering \d+ points to \d+ centroids: please provide at least \d+ "
+                              r"training points")
+
+
 def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:
     """MAUVE over all answers and conditional MAUVE per bucket."""
     if featurize is None:
         return {"status": "skipped", "reason": "no --featurizer model was given", "global": None, "by_bucket": {}}
     human, predictions = joined.human, joined.predictions
-    by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
-                 for b, idx in sorted(joined.by_bucket.items())}
-    return {"status": "computed", "global": _mauve(human, predictions, featurize),
-            "by_bucket": {b: v for b, v in by_bucket.items() if math.isfinite(v)}}
+    with captured_stderr_lines() as lines:
+        by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
+                     for b, idx in sorted(joined.by_bucket.items())}
+        overall = _mauve(human, predictions, featurize)
+    few_points = sum(bool(FAISS_FEW_POINTS.fullmatch(line.strip())) for line in lines)
+    for line in lines:
+        if not FAISS_FEW_POINTS.fullmatch(line.strip()):
+            print(line, file=sys.stderr)
+    section = {"status": "computed", "global": overall,
+               "by_bucket": {b: v for b, v in by_bucket.items() if math.isfinite(v)}}
+    if few_points:
+        section["note"] = (f"faiss warned {few_points} times that MAUVE's k-means had fewer than the 39 points per "
+                           "cluster it asks for (MAUVE makes one cluster per 10 answers): on so few answers MAUVE is "
+                           "noisy")
+    return section
 
 
 def _detectability_section(joined: Joined, options: EvaluateOptions, featurize) -> dict[str, Any]:

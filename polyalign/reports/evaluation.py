@@ -186,9 +186,11 @@ def _settings(result: dict) -> str:
                   + ("kept in Distinct-n and Self-BLEU as the authors' code keeps them (--compat reference)."
                      if kept else "left out of Distinct-n and Self-BLEU (as are people's empty answers).")
                   if empty else "")
+    mauve = result["metrics"]["mauve"]
+    mauve_note = f" ({html.escape(mauve['note'])})" if mauve.get("note") else ""
     return (f"<p>models {html.escape(', '.join(c['models']))}; profile {html.escape(', '.join(c['profile']))}; "
             f"{a['evaluated']} of {a['records']} test rows; compat {c['compat']}; MAUVE "
-            f"{html.escape(str(result['metrics']['mauve']['status']))}.{partial}{empty_note}</p>")
+            f"{html.escape(str(mauve['status']))}{mauve_note}.{partial}{empty_note}</p>")
 
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
