@@ -1,5 +1,7 @@
 """`polyalign plan`: memory and token estimates by hand."""
 
+import json
+
 import pytest
 
 from polyalign.cli import main
@@ -88,3 +90,18 @@ def test_sized_configs_fit_their_hardware(name):
     assert plan.mesh[0] * plan.mesh[1] * plan.mesh[2] == devices
     assert plan.total_bytes < 0.9 * gib * 1024 ** 3
     assert plan.tokens_per_step >= 32 * seq  # the reference's effective batch: 64 sequences or 32 pairs
+
+
+def test_a_preset_model_is_planned_with_the_builds_vocabulary_and_length(built_run, tmp_path, capsys):
+    """SFT from a preset trains on the build's tokenizer (its vocabulary, not the preset's) at the build's
+    max_length: the plan sizes that model. The build here is the demo's with a 6,000-piece tokenizer."""
+    build = json.loads((built_run[0] / "build" / "manifest.json").read_text())
+    build["vocab_size"] = 6000  # the quick demo's tokenizer; the tiny preset has 8,000
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "manifest.json").write_text(json.dumps(build))
+    assert preset("tiny").vocab_size == 8000
+    assert main(["plan", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--devices", "1",
+                 f"data.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab 6000)" in out and f"x {build['options']['max_length']})" in out
+    assert f"{preset('tiny', vocab_size=6000).num_parameters() / 1e6:,.1f}M parameters" in out

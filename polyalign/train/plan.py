@@ -94,26 +94,30 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
     policy = dict(dtype=config.model.dtype, remat=config.model.remat, logprob_chunk=config.model.logprob_chunk,
                   lora=lora, quantize=config.model.quantize,
                   param_dtype=config.model.dtype if lora is not None else "float32")
+    built = _build_options(config.data)
+    # A model trained from a preset takes the build's tokenizer's vocabulary, as training does (sft.py).
+    vocabulary = {"vocab_size": built["vocab_size"]} if built.get("vocab_size") else {}
     if model_preset:
-        model = preset(model_preset, **policy)
+        model = preset(model_preset, **vocabulary, **policy)
     elif config.init:
         model = from_hf_config(read_hf_config(config.init), str(Path(config.init) / "config.json"), **policy)
     elif isinstance(config, SftConfig):
-        model = preset(config.model.preset, **policy)
+        model = preset(config.model.preset, **vocabulary, **policy)
     else:
         raise ConfigError(f"{path}: set init= (a checkpoint) or pass --preset to plan a {config.method} config")
-    length = sequence_length or config.data.max_length or _built_length(config.data) or 512
+    length = sequence_length or config.data.max_length or built.get("max_length") or 512
     return estimate(model, mesh_shape(config.parallel, devices), config.train.global_batch,
                     config.train.micro_batches, length,
                     sequences_per_example=2 if isinstance(config, PreferenceConfig) else 1)
 
 
-def _built_length(data) -> int | None:
-    run = data.dir
-    manifest = Path(run or "") / "build" / "manifest.json"
-    if run and manifest.is_file():
-        return json.loads(manifest.read_text())["options"]["max_length"]
-    return None
+def _build_options(data) -> dict:
+    """What the run's build fixed: its max_length and its tokenizer's vocab_size ({} without a build)."""
+    manifest = Path(data.dir or "") / "build" / "manifest.json"
+    if not data.dir or not manifest.is_file():
+        return {}
+    built = json.loads(manifest.read_text())
+    return {"max_length": built["options"]["max_length"], "vocab_size": built.get("vocab_size")}
 
 
 def describe(plan: Plan, device_memory_gib: float | None = None) -> str:
