@@ -135,7 +135,7 @@ def test_every_system_mode_and_profile_renders_a_users_system_messages_as_traini
     rendered by the exported template with the profile's variables, is what training rendered from the
     same conversation, for every system mode (keep, replace, drop) and profile."""
     from polyalign.model.export import export_template
-    from polyalign.tokens.chat import PROFILE_MODES, SYSTEM_MODES
+    from polyalign.tokens.chat import PROFILE_MODES, SYSTEM_MODES, profile_text, with_system_prompt
 
     tokenizer = demo_tokenizer[0]
     template = get_template(name)
@@ -161,6 +161,10 @@ def test_every_system_mode_and_profile_renders_a_users_system_messages_as_traini
                 expected = template.render(record_messages(trained, profile, system=system)[:-1],
                                            add_generation_prompt=True)
                 assert renderer.render(conversation, add_generation_prompt=True) == expected, (system, profile, i)
+                # the same rule in Python, as `polyalign serve` composes a client's messages
+                held = [Message(m["role"], m["content"]) for m in conversation]
+                served = with_system_prompt(held, profile_text(variables), system)
+                assert template.render(served, add_generation_prompt=True) == expected, (system, profile, i)
                 for key in variables:
                     del renderer.variables[key]
 

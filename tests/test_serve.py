@@ -21,7 +21,7 @@ from polyalign.generate.sampling import SamplingConfig
 from polyalign.generate.serve import ServeOptions, _check_port, build_app, load_service
 from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint
 from polyalign.model.presets import preset
-from polyalign.tokens.chat import Message, encode_prompt
+from polyalign.tokens.chat import Message, encode_prompt, profile_text
 from tests.chat_exports import crosswoz_dialogues, crosswoz_messages, crosswoz_tasks
 
 
@@ -106,7 +106,18 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
         stop = next(c for c in content[3:] if not c.isspace())
         stopped = client.chat.completions.create(model="sft", messages=messages, max_tokens=60, temperature=0,
                                                  stop=[stop])
+        # the profile the model was trained with, named as vLLM names template variables
+        profile = {"family": "dialogue", "track": "multi", "style": "task"}
+        profiled = client.chat.completions.create(model="sft", messages=messages, max_tokens=2, temperature=0,
+                                                  extra_body={"chat_template_kwargs": profile})
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs colour"):
+            client.chat.completions.create(model="sft", messages=messages, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"colour": "red"}})
         service = server.service
+    # the client's system message, a blank line, the profile prompt: as training composes them (keep)
+    composed = [Message("system", f"{messages[0]['content']}\n\n{profile_text(profile)}")]
+    composed += [Message(m["role"], m["content"]) for m in messages[1:]]
+    assert profiled.usage.prompt_tokens == len(encode_prompt(service.chat, service.tokenizer, composed))
     # The same request made with the engine directly, with the checkpoint's template.
     model = load_hf_checkpoint(checkpoint)
     tokenizer, chat = service.tokenizer, service.chat

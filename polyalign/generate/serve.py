@@ -25,7 +25,7 @@ from polyalign.core.paths import is_uri
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
-from polyalign.tokens.chat import Message, encode_prompt
+from polyalign.tokens.chat import PROFILE_KEYS, Message, encode_prompt, profile_text, with_system_prompt
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -86,6 +86,8 @@ def _models():
 
     class ChatRequest(Sampling):
         messages: list[ChatMessage] = Field(min_length=1)
+        # vLLM's name for template variables: polyalign's profile (family, track, style, length)
+        chat_template_kwargs: dict[str, str] | None = None
 
     class CompletionRequest(Sampling):
         prompt: str | list[str]
@@ -120,9 +122,12 @@ class Service:
     """What the endpoints do, without HTTP: turn a parsed request into engine requests and the
     engine's completions into OpenAI's response objects."""
 
-    def __init__(self, engine: Engine, tokenizer, chat, model_name: str, options: ServeOptions, created: int = 0):
-        """`created`: when the model was made (unix seconds; /v1/models says it)."""
+    def __init__(self, engine: Engine, tokenizer, chat, model_name: str, options: ServeOptions, created: int = 0,
+                 system: str = "keep"):
+        """`created`: when the model was made (unix seconds; /v1/models says it); `system`: how its training
+        composed a conversation's own system messages with the profile prompt (its export's polyalign_system)."""
         self.tokenizer, self.chat, self.model_name, self.options = tokenizer, chat, model_name, options
+        self.system = system
         self.created = created
         self.stopping_since: float | None = None  # set when the server is told to stop
         self.engine = engine
@@ -199,6 +204,14 @@ class Service:
 
     async def chat_completion(self, body, client=None) -> dict:
         messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
+        variables = body.chat_template_kwargs or {}
+        unknown = sorted(set(variables) - set(PROFILE_KEYS))
+        if unknown:
+            raise _ApiError(400, f"chat_template_kwargs {', '.join(unknown)}: this model's template takes "
+                                 f"{', '.join(PROFILE_KEYS)} (the profile it was trained with)",
+                            param="chat_template_kwargs")
+        # the profile prompt, composed with the client's own system messages as training composed them
+        messages = with_system_prompt(messages, profile_text(variables), self.system)
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
         sampling, seed = self._sampling(body, prompt)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -299,7 +312,10 @@ def load_service(checkpoint, options: ServeOptions, template: str | None = None)
                                               EngineConfig(slots=options.slots, max_sequence=options.max_sequence))
     weights = sorted(Path(str(checkpoint)).glob("*.safetensors"))  # a local folder; 0 where it cannot be told
     created = int(max(w.stat().st_mtime for w in weights)) if weights else 0
-    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created)
+    tokenizer_config = Path(str(checkpoint)) / "tokenizer_config.json"
+    system = (json.loads(tokenizer_config.read_text()).get("polyalign_system", "keep") if tokenizer_config.is_file()
+              else "keep")
+    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created, system)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -35,7 +35,7 @@ from polyalign.mesh import parallel
 from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.lora import has_adapters, merge_adapters, peft_config, peft_state_dict
 from polyalign.model.transformer import Transformer
-from polyalign.tokens.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
+from polyalign.tokens.chat import PROFILE_KEYS, PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
 from polyalign.tokens.tokenizer import (
     SENTENCEPIECE_FILE,
     TOKENIZER_CONFIG,
@@ -45,7 +45,6 @@ from polyalign.tokens.tokenizer import (
 )
 
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
-PROFILE_KEYS = ("family", "track", "style", "length")  # the order profile_prompt writes them in
 
 # Written before the training template: polyalign's profile system prompt from template variables,
 # composed with the conversation's own leading system messages as build composed them (SYSTEM_MODES):

@@ -54,11 +54,19 @@ def profile_prompt(record: Record, mode: str) -> str:
         raise ChatTemplateError(f"profile mode {mode!r} is not one of {', '.join(PROFILE_MODES)}")
     if mode == "none":
         return ""
-    parts = [("family", record.family), ("track", record.track), ("style", record.style)]
+    parts = {"family": record.family, "track": record.track, "style": record.style}
     if mode == "oracle":
-        parts.append(("length", record.length_bin))
-    profile = "; ".join(f"{key}={value}" for key, value in parts if value)
-    return f"{PROFILE_PREAMBLE} {profile}." if profile else PROFILE_PREAMBLE
+        parts["length"] = record.length_bin
+    return profile_text(parts) or PROFILE_PREAMBLE
+
+
+PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile prompt names them in
+
+
+def profile_text(parts: dict[str, str]) -> str:
+    """The profile prompt naming `parts` (PROFILE_KEYS, in their order; empty ones left out); "" for none."""
+    profile = "; ".join(f"{key}={parts[key]}" for key in PROFILE_KEYS if parts.get(key))
+    return f"{PROFILE_PREAMBLE} {profile}." if profile else ""
 
 
 def user_turn(question: str, context: str) -> str:
@@ -92,6 +100,21 @@ def system_prompt(record: Record, profile: str = "context", system: str = "keep"
     profile_text = profile_prompt(record, profile)
     source = source_system(record) if system == "keep" else None
     return "\n\n".join(part for part in (source, profile_text) if part)
+
+
+def with_system_prompt(messages: Sequence[Message], profile: str, system: str = "keep") -> list[Message]:
+    """A conversation as a user holds it (its own system messages where they stand) composed with a
+    profile prompt by `system`, as record_messages composes a record's: keep: the opening system
+    messages joined by a newline, a blank line, the profile prompt; replace: the profile prompt in place
+    of the opening ones; drop: no system message of the conversation at all. The exported chat
+    template's preamble (model/export.py) is this rule in Jinja; `polyalign serve` calls it."""
+    if system not in SYSTEM_MODES:
+        raise ChatTemplateError(f"system mode {system!r} is not one of {', '.join(SYSTEM_MODES)}")
+    lead = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    own = "\n".join(m.content for m in messages[:lead]) if system == "keep" else ""
+    rest = [m for m in messages if m.role != "system"] if system == "drop" else list(messages[lead:])
+    prompt = "\n\n".join(part for part in (own, profile) if part)
+    return ([Message("system", prompt)] if prompt else []) + rest
 
 
 def record_messages(record: Record, profile: str = "context", with_response: bool = True,
