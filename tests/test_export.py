@@ -279,3 +279,21 @@ def test_an_adapter_names_its_base_so_that_it_loads_from_any_folder(tmp_path, mo
         export_adapter(model, "out/adapter", base=given)
         config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == recorded
+
+
+def test_training_on_from_an_export_made_before_system_modes_keeps_one_preamble():
+    """An init exported by an earlier polyalign (its preamble wrote the profile only without a system
+    message): the new export replaces that preamble rather than stacking a second one before it."""
+    from polyalign.model import export
+
+    source = get_template("polyalign").jinja_source()
+
+    class EarlierExport:
+        name = "checkpoint"
+
+        def jinja_source(self):
+            return export._LEGACY_PREAMBLE + source
+
+    assert "namespace(parts=[])" in export._LEGACY_PREAMBLE
+    exported = export.export_template(EarlierExport(), "keep")
+    assert exported == export.PROFILE_PREAMBLES_JINJA["keep"] + source

@@ -71,6 +71,19 @@ _PREAMBLE_HEAD = (
     f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.' -%%}}\n"
     "{%%- endif -%%}\n"
     "{%%- set messages = ([{'role': 'system', 'content': polyalign_system}] if polyalign_system else []) + %s -%%}\n")
+# The preamble of exports before system modes (it wrote the profile only when no system message opened
+# the conversation): recognised so that training on from such an export does not keep both.
+_LEGACY_PREAMBLE = (
+    "{#- polyalign: with no system message, the profile system prompt the model was trained with, from the\n"
+    "    template variables family, track, style (and length for the oracle profile). -#}\n"
+    "{%- set polyalign_profile = namespace(parts=[]) -%}\n"
+    + "".join(f"{{%- if {key} is defined and {key} -%}}"
+              f"{{%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
+              " -%}{%- endif -%}\n" for key in PROFILE_KEYS)
+    + "{%- if polyalign_profile.parts and not (messages and messages[0]['role'] == 'system') -%}\n"
+    "    {%- set messages = [{'role': 'system', 'content': "
+    f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.'}}] + messages -%}}\n"
+    "{%- endif -%}\n")
 PROFILE_PREAMBLES_JINJA = {
     mode: _PREAMBLE_HEAD % (mode, source, rest) for mode, source, rest in (
         ("keep", "polyalign_profile.texts | join('\\n')", "messages[polyalign_profile.lead:]"),
@@ -86,7 +99,7 @@ def export_template(template: ChatTemplate, system: str = "keep") -> str:
     stripped = True
     while stripped:
         stripped = False
-        for preamble in PROFILE_PREAMBLES_JINJA.values():
+        for preamble in (*PROFILE_PREAMBLES_JINJA.values(), _LEGACY_PREAMBLE):
             if source.startswith(preamble):
                 source, stripped = source[len(preamble):], True
     return PROFILE_PREAMBLES_JINJA[system] + source
