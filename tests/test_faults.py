@@ -175,6 +175,23 @@ def test_config_problems_are_named(tmp_path, problem, fragment):
         prepare(config, tmp_path / "run", progress=False)
 
 
+def test_every_sources_problem_is_named_at_once_with_its_config_and_source(tmp_path):
+    """A first config with several broken sources: one error, a line per problem, each naming the config
+    file and the source, so that one run shows everything to fix."""
+    (tmp_path / "c.jsonl").write_text(json.dumps(chat_row(CAMREST[0])) + "\n", encoding="utf-8")
+    problems = [{"path": "missing.jsonl"}, {"format": "sharegtp"}, {"split": "dev", "path": "gone/"}, {}]
+    sources = [{"name": f"s{i}", "format": "chat", "path": "c.jsonl", "split": "train", **p}
+               for i, p in enumerate(problems)]
+    config = write_config(tmp_path / "config.yaml", sources)
+    with pytest.raises(ConfigError) as caught:
+        prepare(config, tmp_path / "run", progress=False)
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"{config}: sources[") for line in lines)
+    assert "sources[0] (s0): " in lines[0] and "missing.jsonl: no such file or directory" in lines[0]
+    assert "sources[1] (s1): " in lines[1] and "did you mean 'sharegpt'" in lines[1]
+    assert "sources[2] (s2): split must be one of" in lines[2] and "gone: no such file" in lines[3]
+
+
 def test_bom_crlf_blank_lines_and_very_long_texts_are_valid(tmp_path):
     long_answer = "\n".join(t["utterance"] for d in CAMREST for t in d["turns"]) * 40  # real text, ~100k characters
     assert len(long_answer) > 50_000

@@ -117,13 +117,6 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
         raise ConfigError(f"{path}: 'sources' is empty")
     if config.length_unit is not None and config.length_unit not in LENGTH_UNIT_PATTERNS:
         raise ConfigError(f"{path}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}")
-    for i, source in enumerate(config.sources):
-        if source.split not in SOURCE_SPLITS:
-            raise ConfigError(f"{path}: sources[{i}] ({source.name}): split must be one of {', '.join(SOURCE_SPLITS)}")
-        try:
-            get_format(source.format)
-        except InputError as err:
-            raise ConfigError(f"{path}: sources[{i}] ({source.name}): {err}") from None
     bad = {k: v for k, v in config.split.weights.items() if k not in SPLITS or not isinstance(v, (int, float)) or v < 0}
     if bad or sum(config.split.weights.values()) <= 0:
         raise ConfigError(f"{path}: split.weights must give non-negative weights to train/val/test")
@@ -378,11 +371,27 @@ def load_context(config_path: Path, overrides: Iterable[str] = ()) -> PrepareCon
     base = config_path.parent
     scheme = load_scheme(scheme_path(config.scheme, base))
     roots = [resolve(source.path, base) for source in config.sources]
-    # Fail fast on missing inputs before reading anything.
-    files = [source_files(root, get_format(source.format).module.PATTERNS)
-             for source, root in zip(config.sources, roots)]
+    files = _checked_sources(config, roots, config_path)
     return PrepareContext(config_path, config, raw_config, scheme, config.length_unit or scheme.length_unit,
                           roots, files)
+
+
+def _checked_sources(config: DataConfig, roots: list[Path], config_path: Path) -> list[list[Path]]:
+    """Every source's files, before anything is read; every source's problem (its split, its format, its
+    missing files) in one error, a line each, so that a first config is fixed in one go."""
+    problems, files = [], []
+    for i, (source, root) in enumerate(zip(config.sources, roots)):
+        where = f"{config_path}: sources[{i}] ({source.name})"
+        if source.split not in SOURCE_SPLITS:
+            problems.append(f"{where}: split must be one of {', '.join(SOURCE_SPLITS)}")
+        try:
+            patterns = get_format(source.format).module.PATTERNS
+            files.append(source_files(root, patterns))
+        except InputError as err:
+            problems.append(f"{where}: {err}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return files
 
 
 def near_duplicate_report(options: NearDuplicateOptions, pairs: list[tuple[str, str, float]]) -> dict[str, Any]:
