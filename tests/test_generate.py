@@ -164,3 +164,34 @@ def test_every_limit_and_sample_takes_records_in_file_order_and_says_when_it_ask
     assert [r.id for r in other] != [r.id for r in select_records(records, source, None, 7, seed=3)[0]]
     with pytest.raises(Exception, match="no records"):
         select_records([], source)
+
+
+@pytest.mark.parametrize("system", ["keep", "replace", "drop"])
+def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, demo_run, demo_tokenizer, tmp_path):
+    """A checkpoint exported from a build with `--system MODE` says so (polyalign_system); `prompts` and
+    `generate` render every record as that build did, not always as `keep`."""
+    import dataclasses
+    import shutil
+
+    from polyalign.data.records import read_records
+    from polyalign.generate.prompts import write_prompts
+    from polyalign.tokens.chat import record_messages
+    from polyalign.tokens.tokenizer import load_tokenizer
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(demo_tokenizer[0].path.parent, checkpoint)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_system": system}))
+    assert load_tokenizer(checkpoint).system_mode == system
+    val = read_records(demo_run[0] / "data" / "val.jsonl")[:6]
+    # each record opens with a system turn of real text (another record's question)
+    records = [dataclasses.replace(r, history=[{"role": "system", "text": val[-1 - i].question}, *r.history])
+               for i, r in enumerate(val)]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    write_prompts(checkpoint, path, tmp_path / "prompts.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    for record, row in zip(records, rows):
+        expected = record_messages(record, "context", with_response=False, system=system)
+        assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
+        assert (record.history[0]["text"] in row["messages"][0]["content"]) == (system == "keep")

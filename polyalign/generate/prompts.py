@@ -41,7 +41,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed)
         with out.open("w", encoding="utf-8") as handle:
             for record in records:
-                messages = record_messages(record, profile, with_response=False)
+                messages = record_messages(record, profile, with_response=False, system=tokenizer.system_mode)
                 row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in messages],
                        "prompt": chat.render(messages, add_generation_prompt=True)}
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")

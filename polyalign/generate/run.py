@@ -102,8 +102,10 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
-    prompts = [cut_prompt(chat, tokenizer, record_messages(record, options.profile, with_response=False),
-                          options.max_prompt_tokens) for record in records]
+    # each record as the checkpoint was trained to read it (its export's system mode)
+    messages = [record_messages(record, options.profile, with_response=False, system=tokenizer.system_mode)
+                for record in records]
+    prompts = [cut_prompt(chat, tokenizer, m, options.max_prompt_tokens) for m in messages]
     requests = [Request(ids, options.sampling if budgets is None else
                         dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
                         seed=request_seed(record.id, options.seed)) for record, (ids, _) in zip(records, prompts)]

@@ -312,10 +312,8 @@ def load_service(checkpoint, options: ServeOptions, template: str | None = None)
                                               EngineConfig(slots=options.slots, max_sequence=options.max_sequence))
     weights = sorted(Path(str(checkpoint)).glob("*.safetensors"))  # a local folder; 0 where it cannot be told
     created = int(max(w.stat().st_mtime for w in weights)) if weights else 0
-    tokenizer_config = Path(str(checkpoint)) / "tokenizer_config.json"
-    system = (json.loads(tokenizer_config.read_text()).get("polyalign_system", "keep") if tokenizer_config.is_file()
-              else "keep")
-    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created, system)
+    return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created,
+                   tokenizer.system_mode)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -18,7 +18,8 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
     index = {b: i for i, b in enumerate(buckets)}
     examples = []
     for pair in pairs:
-        prompt = record_messages(Record.from_json(pair["record"]), profile, with_response=False)
+        prompt = record_messages(Record.from_json(pair["record"]), profile, with_response=False,
+                                 system=tokenizer.system_mode)
         example = {"id": pair["id"], "bucket": index[pair["bucket_id"]], "weight": float(pair.get("weight", 1.0)),
                    "critic_chosen": float(pair.get("critic_chosen", 0.0)),
                    "critic_rejected": float(pair.get("critic_rejected", 0.0))}

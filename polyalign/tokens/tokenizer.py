@@ -34,6 +34,9 @@ class Tokenizer(abc.ABC):
     template_source: str | None = None  # the checkpoint's own Jinja chat template, when it ships one
     unk_token: str | None = None
     listed_special_tokens: tuple[str, ...] = ()  # additional_special_tokens and added_tokens_decoder of the config
+    # How the model this tokenizer came with was trained to read a conversation's own system messages
+    # beside the profile prompt (tokens/chat.py SYSTEM_MODES): its export's polyalign_system.
+    system_mode: str = "keep"
 
     @property
     @abc.abstractmethod
@@ -97,6 +100,10 @@ class Tokenizer(abc.ABC):
             if field in config:
                 setattr(self, field, token(config[field]))
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
+        self.system_mode = config.get("polyalign_system", self.system_mode)
+        if self.system_mode not in ("keep", "replace", "drop"):
+            raise TokenizerError(f"{TOKENIZER_CONFIG}: polyalign_system {self.system_mode!r} is not keep, replace or "
+                                 "drop")
         listed = [token(t) for t in config.get("additional_special_tokens") or []]
         decoder = config.get("added_tokens_decoder")
         if isinstance(decoder, dict):

@@ -44,8 +44,9 @@ class DriftProbe:
         records = [Record.from_json(p["record"]) for p in pairs]
         self.buckets = [p["bucket_id"] for p in pairs]
         self.human_tokens = np.array([len(tokenizer.encode(p["chosen"])) for p in pairs], np.float64)
-        self.prompts = [np.asarray(encode_prompt(template, tokenizer, record_messages(r, profile, with_response=False),
-                                                 max_tokens=512), np.int32) for r in records]
+        # rendered as the policy was trained to read them (its export's system mode)
+        messages = [record_messages(r, profile, with_response=False, system=tokenizer.system_mode) for r in records]
+        self.prompts = [np.asarray(encode_prompt(template, tokenizer, m, max_tokens=512), np.int32) for m in messages]
         # greedy: the same prompts and the same policy give the same samples, so evaluations compare
         self.requests = [Request(prompt, SamplingConfig(max_new_tokens=max_new_tokens)) for prompt in self.prompts]
         self.engine = Engine(model, stop_ids_of(tokenizer, template),

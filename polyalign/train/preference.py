@@ -242,7 +242,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
-        return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile)
+        return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile,
+                                     tokenizer.system_mode)
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),
