@@ -893,31 +893,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = _out_of_range(args, dict(subcommands(parser))[args.command_path])
     if problem:
-        print(f"polyalign {args.command}: error: {problem}", file=sys.stderr)
+        print(f"polyalign {args.command_path}: error: {problem}", file=sys.stderr)
         return 2
     try:
         with interrupts_remembered():
             return args.handler(args)
     except Interrupted as stopped:
-        print(f"polyalign {args.command}: {stopped}", file=sys.stderr)
+        print(f"polyalign {args.command_path}: {stopped}", file=sys.stderr)
         return 130
     except PolyalignError as err:
-        print(f"polyalign {args.command}: error: {err}", file=sys.stderr)
+        print(f"polyalign {args.command_path}: error: {err}", file=sys.stderr)
         return 2
     except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as err:
         # a path of the wrong kind (a folder given for a file, an output path that is a file) or one
         # the user may not write: theirs to fix, so one line naming it, not a traceback
-        print(f"polyalign {args.command}: error: {_path_problem(err)}", file=sys.stderr)
+        print(f"polyalign {args.command_path}: error: {_path_problem(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"polyalign {args.command}: interrupted", file=sys.stderr)
+        print(f"polyalign {args.command_path}: interrupted", file=sys.stderr)
         return 130
     except OSError as err:
         if err.errno not in _FULL_OR_READ_ONLY:
             raise
         # a full disk, a quota or a read-only mount: nothing the code can mend; the rerun resumes
         where = f"{err.filename}: " if err.filename else ""
-        print(f"polyalign {args.command}: error: {where}{os.strerror(err.errno).lower()}; free space (or choose "
+        print(f"polyalign {args.command_path}: error: {where}{os.strerror(err.errno).lower()}; free space (or choose "
               "another place) and run the same command again", file=sys.stderr)
         return 2
 

@@ -279,10 +279,18 @@ def test_a_wrong_path_or_number_is_one_line_not_a_traceback(tmp_path, capsys, ar
     assert status == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and last.startswith(f"polyalign {argv[0]}: error: "), err
+    assert "Traceback" not in err and last.startswith(f"polyalign {_command_path(argv)}: error: "), err
     assert usage or err.count("\n") == 1, err
     named = [a for a in args if a in err or (a.startswith("--") and a in err)]
     assert named or "train.steps" in err, err  # the path or setting at fault is named
+
+
+def _command_path(argv) -> str:
+    """The subcommand argv runs, as errors name it (`train sft`, `tokenizer train`, `prepare`)."""
+    from polyalign.cli import build_parser, subcommands
+
+    paths = [path for path, _ in subcommands(build_parser()) if argv[:len(path.split())] == path.split()]
+    return max(paths, key=len)
 
 
 def _required_arguments(parser):
@@ -327,7 +335,7 @@ def test_every_numeric_option_of_every_subcommand_has_a_range_and_is_refused_out
             assert main(argv) == 2, argv
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and "Traceback" not in err, err
-            assert err.startswith(f"polyalign {path.split()[0]}: error: {option} must be "), err
+            assert err.startswith(f"polyalign {path}: error: {option} must be "), err
 
 
 def test_markdown_reports_escape_what_they_embed():
