@@ -109,9 +109,9 @@ def _run_prepare(args) -> int:
           f"{totals['by_split']['test']})")
     for source in manifest["sources"]:
         dropped = ", ".join(f"{k} {v}" for k, v in source["dropped"].items()) or "none dropped"
-        left_out = "".join(f", {k} {v}" for k, v in source.get("left_out", {}).items())
+        left_out = ", ".join(f"{k} {v}" for k, v in source.get("left_out", {}).items())
         print(f"  {source['name']:<20} rows {source['read']:>6}  records {source['records']:>6}  kept "
-              f"{source['kept']:>6}  {dropped}{'; left out of kept rows: ' + left_out[2:] if left_out else ''}")
+              f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
     if manifest["quarantine"]["rows"]:
         print(f"quarantined {manifest['quarantine']['rows']} rows -> {args.out / 'data' / 'quarantine.jsonl'}")
     for source in manifest["sources"]:

@@ -29,6 +29,8 @@ class DemoSettings:
     def existing(self) -> str:
         """What a training stage does with a run already in its folder (polyalign/train/ownership.py)."""
         return "overwrite" if self.overwrite else "continue"
+
+
 DEMO_DATA_CONFIG = REPO_ROOT / "configs" / "data" / "demo.yaml"
 
 
@@ -85,8 +87,6 @@ def _sft(run: Path, settings: DemoSettings) -> str:
 
 
 POLICY = "bucket_sft"  # the initial policy and reference of HDPO and DPO
-
-
 
 
 def _finished(result: dict, name: str) -> dict:

@@ -297,10 +297,10 @@ def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:
         by_bucket = {b: _mauve([human[i] for i in idx], [predictions[i] for i in idx], featurize)
                      for b, idx in sorted(joined.by_bucket.items())}
         overall = _mauve(human, predictions, featurize)
-    few_points = sum(bool(FAISS_FEW_POINTS.fullmatch(line.strip())) for line in lines)
-    for line in lines:
-        if not FAISS_FEW_POINTS.fullmatch(line.strip()):
-            print(line, file=sys.stderr)
+    others = [line for line in lines if not FAISS_FEW_POINTS.fullmatch(line.strip())]
+    few_points = len(lines) - len(others)
+    for line in others:
+        print(line, file=sys.stderr)
     section = {"status": "computed", "global": overall,
                "by_bucket": {b: v for b, v in by_bucket.items() if math.isfinite(v)}}
     if few_points:
