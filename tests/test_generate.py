@@ -13,6 +13,7 @@ from polyalign.generate.sampling import (
     GenerationError,
     Sampler,
     SamplingConfig,
+    nucleus_mask,
     sample_logits,
 )
 from polyalign.model import create_model, load_hf_checkpoint
@@ -66,6 +67,45 @@ def test_sampling_filters():
     assert (greedy == 0).all()
     with pytest.raises(GenerationError):
         SamplingConfig(top_p=0.0)
+
+
+def nucleus_by_sorting(logits: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """One row's kept tokens by the rule spelled out in float64 with a sort, and the top-k-renormalised
+    mass above each token (to tell a rounding tie at top_p from a wrong answer)."""
+    order = np.argsort(-logits, kind="stable")
+    count_above = np.empty(len(logits), int)
+    count_above[order] = [np.sum(logits > logits[i]) for i in order]
+    in_top_k = count_above < (top_k or len(logits))
+    finite = np.where(in_top_k, logits.astype(np.float64), -np.inf)
+    probs = np.exp(finite - finite.max())
+    probs /= probs.sum()
+    mass_above = np.array([probs[logits > logits[i]].sum() for i in range(len(logits))])
+    return in_top_k & (mass_above < top_p), mass_above
+
+
+def test_the_nucleus_keeps_what_a_sort_keeps_for_every_setting():
+    # Rows of every temperature-like spread, with ties (rounded logits) and masked tokens (-inf), under
+    # every mix of top-k and top-p, against the rule computed by sorting in float64.
+    rng = np.random.default_rng(0)
+    rows, vocab, checked = 48, 300, 0
+    for spread in (0.1, 1.0, 4.0, 20.0):
+        logits = rng.standard_normal((rows, vocab)) * spread
+        logits[::3] = np.round(logits[::3])  # ties
+        logits[::4, :40] = -np.inf
+        top_k = np.where(rng.random(rows) < 0.5, 0, rng.integers(1, 60, rows)).astype(np.int32)
+        top_p = np.where(rng.random(rows) < 0.2, 1.0, rng.uniform(0.05, 1.0, rows)).astype(np.float32)
+        kept = np.asarray(nucleus_mask(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p)))
+        for row in range(rows):
+            expected, mass_above = nucleus_by_sorting(logits[row].astype(np.float32), top_k[row], top_p[row])
+            # float32 sums meet top_p within rounding only on a token of the boundary
+            settled = np.abs(mass_above - top_p[row]) > 1e-5
+            np.testing.assert_array_equal(kept[row][settled], expected[settled], err_msg=f"spread {spread} row {row}")
+            assert kept[row][np.argmax(logits[row])]  # the most likely token always stays
+            # equal logits are kept or cut together
+            for value in np.unique(logits[row][kept[row]]):
+                assert kept[row][logits[row] == value].all()
+            checked += 1
+    assert checked == 4 * rows
 
 
 def test_temperature_sampling_is_seeded():

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from polyalign.core.errors import GenerationError
-from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
+from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig, nucleus_mask
 from polyalign.mesh import parallel
 from polyalign.model.lora import merge_adapters
 from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
@@ -105,20 +105,14 @@ def request_seed(key: str, seed: int = 0) -> int:
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
                 top_k: jax.Array) -> jax.Array:
     """Next tokens [B] from float32 logits [B, V] with each row's own settings: greedy where the
-    temperature is 0, else top-k (0 = none), then top-p (the most likely token always stays), then a
-    categorical draw with the row's key. Skips the sort when every row is greedy."""
+    temperature is 0, else top-k (0 = none) and top-p (sampling.nucleus_mask), then a categorical draw
+    with the row's key. Skips the filtering when every row is greedy."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        order = jnp.argsort(-scaled, axis=-1)
-        ranked = jnp.take_along_axis(scaled, order, axis=-1)
-        rank = jnp.arange(logits.shape[-1])[None, :]
-        keep = rank < jnp.where(top_k > 0, top_k, logits.shape[-1])[:, None]
-        probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
-        keep = keep & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, -jnp.inf))
-        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        keep = nucleus_mask(scaled, top_k, top_p)
+        drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)

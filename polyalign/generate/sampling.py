@@ -11,7 +11,7 @@ prefilled in one pass, then one jitted loop decodes until every row has stopped 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -40,22 +40,53 @@ class SamplingConfig:
             raise GenerationError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
 
 
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (-inf lowest, +inf highest; -0.0 counted as 0.0)."""
+    bits = jax.lax.bitcast_convert_type(x + 0.0, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _lowest_passing(passes: Callable[[jax.Array], jax.Array], rows: int) -> jax.Array:
+    """Per row, the smallest uint32 t for which passes(t) [rows] holds, `passes` being monotone in t
+    (False up to some t, then True) and True at the largest value: 32 bisection steps."""
+    def halve(_, bounds):
+        low, high = bounds
+        middle = low + (high - low) // 2
+        ok = passes(middle)
+        return jnp.where(ok, low, middle + 1), jnp.where(ok, middle, high)
+
+    bounds = (jnp.zeros((rows,), jnp.uint32), jnp.full((rows,), 0xFFFFFFFF, jnp.uint32))
+    return jax.lax.fori_loop(0, 32, halve, bounds)[1]
+
+
+def nucleus_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Which tokens of float32 logits [B, V] a row may draw: the top_k [B] most likely (0 = no cut),
+    then, renormalised over those, the most likely ones while the mass above them is below top_p [B]
+    (nucleus). Equal logits are kept or cut together; the most likely token always stays.
+
+    A token is kept when fewer than k tokens, and less than top_p of the mass, lie above it. Both
+    counts only fall as a token's logit rises, so each rule keeps the tokens at or above a threshold,
+    found by bisection over the logits' bit patterns: no sort of the vocabulary, which XLA runs on CPU
+    at about 18 ms for 16 rows of 6,000 (over nine tenths of a tiny model's decoding step)."""
+    rows, vocab = logits.shape
+    bits = _ordered_bits(logits)
+    k = jnp.where(top_k > 0, top_k, vocab)
+    in_top_k = bits >= _lowest_passing(lambda t: (bits > t[:, None]).sum(-1) < k, rows)[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)
+    above = _lowest_passing(lambda t: jnp.where(bits > t[:, None], probs, 0.0).sum(-1) < top_p, rows)
+    return in_top_k & (bits >= above[:, None])
+
+
 def sample_logits(logits: jax.Array, rng: jax.Array, config: SamplingConfig) -> jax.Array:
     """Next tokens [B] from float32 logits [B, V]: greedy at temperature 0, else top-k / top-p
-    (nucleus; the most likely token always stays) and a categorical draw."""
+    (nucleus_mask) and a categorical draw."""
     if config.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / config.temperature
-    if config.top_k:
-        kth = jax.lax.top_k(logits, config.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if config.top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token while the mass before it is below top_p.
-        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < config.top_p
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    if config.top_k or config.top_p < 1.0:
+        rows = logits.shape[0]
+        keep = nucleus_mask(logits, jnp.full((rows,), config.top_k, jnp.int32),
+                            jnp.full((rows,), config.top_p, jnp.float32))
         logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
