@@ -11,8 +11,7 @@ from polyalign.core.errors import GenerationError
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, Sampler, SamplingConfig
 from polyalign.model import load_hf_checkpoint
-from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
-from polyalign.model.transformer import attend
+from polyalign.model.paged_cache import NULL_PAGE, READ_BLOCK, PagedKVCache
 from tests.chat_exports import camrest_dialogues, camrest_messages, crosswoz_dialogues, crosswoz_messages
 from tests.conftest import FIXTURES
 
@@ -30,21 +29,24 @@ def real_prompts() -> list[np.ndarray]:
     return prompts + [prompts[0][:1], prompts[1][:2]]
 
 
-def test_paged_attention_equals_dense_attention_on_the_same_cache():
+@pytest.mark.parametrize("length", [10, 300])
+def test_paged_attention_equals_dense_attention_on_the_same_cache(length):
+    # 300 positions on pages of 4: three blocks of READ_BLOCK (128) positions, read one after another
     rng = np.random.default_rng(0)
-    batch, length, kv_heads, heads, dim, page_size = 2, 10, 2, 4, 8, 4
+    batch, kv_heads, heads, dim, page_size = 2, 2, 4, 8, 4
     keys = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
     values = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
     queries = rng.normal(size=(batch, 1, heads, dim)).astype(np.float32)
-    # Row 0 on pages 5, 2, 7; row 1 on pages 1, 6, 3: scattered, interleaved, with the rest null.
-    table = np.array([[5, 2, 7, NULL_PAGE], [1, 6, 3, NULL_PAGE]], np.int32)
-    pool = np.full((8, page_size, kv_heads, dim), 99.0, np.float32)  # unwritten slots hold junk
-    for row in range(batch):
-        for position in range(length - 1):
-            pool[table[row, position // page_size], position % page_size] = keys[row, position]
+    # Each row on its own scattered pages, the two rows interleaved, the rest of the table null.
+    pages_needed = -(-length // page_size)
+    order = rng.permutation(np.arange(1, 2 * pages_needed + 1))
+    table = np.full((batch, pages_needed + 1), NULL_PAGE, np.int32)
+    table[0, :pages_needed], table[1, :pages_needed] = order[::2], order[1::2]
+    pool = np.full((2 * pages_needed + 1, page_size, kv_heads, dim), 99.0, np.float32)  # unwritten slots hold junk
     pool_v = pool.copy()
     for row in range(batch):
         for position in range(length - 1):
+            pool[table[row, position // page_size], position % page_size] = keys[row, position]
             pool_v[table[row, position // page_size], position % page_size] = values[row, position]
     # The last token's keys and values are written by the update itself.
     positions = np.full((batch, 1), length - 1, np.int32)
@@ -52,14 +54,16 @@ def test_paged_attention_equals_dense_attention_on_the_same_cache():
     pools = [np.stack([np.full_like(p, -7.0), p, np.full_like(p, 5.0)]) for p in (pool, pool_v)]
     cache = PagedKVCache.for_tokens((jnp.asarray(pools[0]), jnp.asarray(pools[1])), jnp.asarray(table),
                                     jnp.asarray(positions), jnp.ones((batch, 1), bool)).at_layer(jnp.int32(1))
-    _, gathered_k, gathered_v = cache.update(jnp.asarray(keys[:, -1:]), jnp.asarray(values[:, -1:]))
-    for window in (None, 3):
+    assert int(cache.blocks) == -(-length // READ_BLOCK)
+    for window, softcap in ((None, None), (3, None), (None, 2.0), (200, 2.0)):
         full, local = cache.attention_masks(jnp.asarray(positions), window)
-        paged = attend(jnp.asarray(queries), gathered_k, gathered_v, full if local is None else local,
-                       scale=dim ** -0.5, softcap=None, implementation=None)
-        visible = slice(0, length) if window is None else slice(length - window, length)
+        _, paged = cache.store_and_attend(jnp.asarray(queries), jnp.asarray(keys[:, -1:]), jnp.asarray(values[:, -1:]),
+                                          full if local is None else local, scale=dim ** -0.5, softcap=softcap)
+        visible = slice(0, length) if window is None else slice(max(0, length - window), length)
         grouped_keys = np.repeat(keys[:, visible], heads // kv_heads, 2)
         scores = np.einsum("bhd,bshd->bhs", queries[:, 0], grouped_keys) * dim ** -0.5
+        if softcap:
+            scores = np.tanh(scores / softcap) * softcap
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         dense = np.einsum("bhs,bshd->bhd", probs, np.repeat(values[:, visible], heads // kv_heads, 2))

@@ -38,9 +38,6 @@ from polyalign.mesh import parallel
 from polyalign.model.lora import merge_adapters
 from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
 
-# The fewest positions a prefill or decoding call reads (see _Run._pages_to_read).
-MIN_READ = 64
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -399,17 +396,6 @@ class _Run:
         self.free_slots.append(slot)
         self.free_slots.sort()
 
-    def _pages_to_read(self, positions: int) -> int:
-        """Page-table columns that cover `positions` positions, rounded up to a power of two or 1.5 times
-        one: attention reads only the pages a step can reach (at most a third more), and a few compiled
-        widths (two per doubling) serve every step. Never fewer than MIN_READ positions: reading a few
-        null pages more costs less than compiling the program again for each of the narrowest widths."""
-        cfg = self.engine.config
-        needed = -(-max(positions, MIN_READ) // cfg.page_size)
-        power = 1 << max(needed - 1, 0).bit_length()
-        width = power * 3 // 4 if power >= 4 and needed <= power * 3 // 4 else power
-        return min(cfg.pages_per_row, width)
-
     # prefill
     def _prefill_step(self) -> None:
         engine, cfg = self.engine, self.engine.config
@@ -424,7 +410,6 @@ class _Run:
             positions = np.zeros((rows, chunk), np.int32)
             store = np.zeros((rows, chunk), bool)
             table = np.full((rows, cfg.pages_per_row), NULL_PAGE, np.int32)
-            width = self._pages_to_read(max(min(job.done_to + chunk, job.end) for job in jobs))
             for row, job in enumerate(jobs):
                 stop = min(job.done_to + chunk, job.end)
                 n = stop - job.done_to
@@ -433,7 +418,6 @@ class _Run:
                 store[row, :n] = True
                 table[row] = self.table[job.slot]
                 job.done_to = stop
-            table = table[:, :width]
             table, ids, positions, store = (engine._put(x, engine._replicated) for x in (table, ids, positions, store))
             engine._pool = _prefill(engine._state, engine._pool_arrays(), table, ids, positions, store,
                                     graphdef=engine._graphdef)
@@ -448,10 +432,8 @@ class _Run:
         engine = self.engine
         slots = {name: engine._put(values, engine._slot_sharding) for name, values in self.slots.items()}
         steps = engine.config.steps_per_sync
-        live = self.slots["live"]
-        width = self._pages_to_read(int((self.slots["position"][live] + steps).max()))
         engine._pool, (after, tokens, made) = _decode(
-            engine._state, engine._pool_arrays(), engine._put(self.table[:, :width], engine._slot_sharding), slots,
+            engine._state, engine._pool_arrays(), engine._put(self.table, engine._slot_sharding), slots,
             engine._put(np.bool_(bool(self.waiting)), engine._replicated), graphdef=engine._graphdef, steps=steps,
             stop_ids=engine.stop_ids, replicated=engine._replicated)
         after, tokens, made = jax.device_get((after, tokens, made))

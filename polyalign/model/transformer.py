@@ -186,16 +186,19 @@ class KVCache:
 
     # The cache protocol of Attention and Transformer._layers (PagedKVCache follows it too): the layer
     # loop carries the whole cache, so each layer's write is an update in place, never a copy of the
-    # cache; `at_layer` names the layer, `update` stores its new keys and values and returns the keys
-    # and values it attends over.
+    # cache; `at_layer` names the layer, `store_and_attend` stores its new keys and values and attends
+    # the queries over the cache.
     def at_layer(self, layer: jax.Array) -> KVCache:
         return dataclasses.replace(self, layer=layer)
 
-    def update(self, k: jax.Array, v: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
+    def store_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
+                         softcap: float | None, implementation: str | None) -> tuple[KVCache, jax.Array]:
         start = (self.layer, 0, self.index, 0, 0)
         k_all = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
-        return dataclasses.replace(self, k=k_all, v=v_all), k_all[self.layer], v_all[self.layer]
+        out = attend(q, k_all[self.layer], v_all[self.layer], mask, scale=scale, softcap=softcap,
+                     implementation=implementation)
+        return dataclasses.replace(self, k=k_all, v=v_all), out
 
 
 def cached_attention_masks(slots: int, index: jax.Array, length: int, kv_valid: jax.Array,
@@ -276,11 +279,11 @@ class Attention(nnx.Module):
         k = P.constrain(k, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
         v = P.constrain(v, (P.BATCH, P.LENGTH, P.ACT_KV_HEADS, P.HEAD_DIM))
         if cache is not None:
-            cache, k, v = cache.update(k, v)
-        implementation = self.implementation
-        if implementation is None and cache is None:
-            implementation = default_attention_implementation(self.config)
-        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, implementation=implementation)
+            cache, out = cache.store_and_attend(q, k, v, mask, scale=self.scale, softcap=self.softcap,
+                                                implementation=self.implementation)
+        else:
+            out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap,
+                         implementation=self.implementation or default_attention_implementation(self.config))
         return _project(self.o_proj, out.reshape(b, t, self.num_heads * self.head_dim), dropout_key, 3), cache
 
 
@@ -415,7 +418,8 @@ class Transformer(nnx.Module):
         def layer(carry, xs):
             h, cache = carry
             state, is_sliding, inv_freq, key, index = xs
-            mask = full if local is None else jnp.where(is_sliding, local, full)
+            # (a paged cache's masks are pytrees: positions and a window)
+            mask = full if local is None else jax.tree.map(lambda a, b: jnp.where(is_sliding, a, b), local, full)
             layer_cache = None if cache is None else cache.at_layer(index)
             h, cache = nnx.merge(graphdef, state)(h, positions, mask, inv_freq, layer_cache, key)
             return (h, cache), None
