@@ -50,7 +50,8 @@ SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 # composed with the conversation's own leading system messages as build composed them (SYSTEM_MODES):
 # keep: their text (joined by a newline), a blank line, the profile prompt; replace: the profile prompt
 # alone; drop: the profile prompt alone and no system message anywhere. Without profile variables the
-# prompt is only the conversation's own (keep) or nothing.
+# prompt is only the conversation's own (keep) or nothing. Then consecutive messages of one role are
+# joined with a newline, as training joined them.
 _PREAMBLE_HEAD = (
     "{#- polyalign: the system prompt the model was trained with: the profile prompt from the template variables\n"
     "    family, track, style (and length for the oracle profile), composed with the conversation's own leading\n"
@@ -70,7 +71,20 @@ _PREAMBLE_HEAD = (
     "    {%%- set polyalign_system = (polyalign_system + '\\n\\n' if polyalign_system else '') + "
     f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.' -%%}}\n"
     "{%%- endif -%%}\n"
-    "{%%- set messages = ([{'role': 'system', 'content': polyalign_system}] if polyalign_system else []) + %s -%%}\n")
+    "{%%- set messages = ([{'role': 'system', 'content': polyalign_system}] if polyalign_system else []) + %s -%%}\n"
+    # consecutive messages of one role joined with a newline, as training joined them (chat.joined_turns)
+    "{%%- set polyalign_turns = namespace(joined=[]) -%%}\n"
+    "{%%- for message in messages -%%}\n"
+    "    {%%- set previous = polyalign_turns.joined[-1] if polyalign_turns.joined else none -%%}\n"
+    "    {%%- if previous and previous['role'] == message['role'] and previous['content'] is string "
+    "and message['content'] is string -%%}\n"
+    "        {%%- set polyalign_turns.joined = polyalign_turns.joined[:-1] + [{'role': message['role'], "
+    "'content': previous['content'] + '\\n' + message['content']}] -%%}\n"
+    "    {%%- else -%%}\n"
+    "        {%%- set polyalign_turns.joined = polyalign_turns.joined + [message] -%%}\n"
+    "    {%%- endif -%%}\n"
+    "{%%- endfor -%%}\n"
+    "{%%- set messages = polyalign_turns.joined -%%}\n")
 # The preamble of exports before system modes (it wrote the profile only when no system message opened
 # the conversation): recognised so that training on from such an export does not keep both.
 _LEGACY_PREAMBLE = (

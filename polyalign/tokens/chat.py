@@ -114,7 +114,19 @@ def with_system_prompt(messages: Sequence[Message], profile: str, system: str = 
     own = "\n".join(m.content for m in messages[:lead]) if system == "keep" else ""
     rest = [m for m in messages if m.role != "system"] if system == "drop" else list(messages[lead:])
     prompt = "\n\n".join(part for part in (own, profile) if part)
-    return ([Message("system", prompt)] if prompt else []) + rest
+    return joined_turns(([Message("system", prompt)] if prompt else []) + rest)
+
+
+def joined_turns(messages: Sequence[Message]) -> list[Message]:
+    """Consecutive messages of one role joined with a newline, so that every template sees one message
+    per turn (two user messages in a row, or two left adjacent by a dropped system message)."""
+    out: list[Message] = []
+    for message in messages:
+        if out and out[-1].role == message.role:
+            out[-1] = Message(message.role, f"{out[-1].content}\n{message.content}")
+        else:
+            out.append(message)
+    return out
 
 
 def record_messages(record: Record, profile: str = "context", with_response: bool = True,
@@ -123,18 +135,9 @@ def record_messages(record: Record, profile: str = "context", with_response: boo
     preference pairs all call it): the system prompt (`system_prompt`), the history with each turn in
     its own role (a system turn inside the conversation stays a system turn), the question with its
     context, and the human response. Consecutive turns of one role are joined with a newline so that
-    every template sees one message per turn."""
-    messages: list[Message] = []
-
-    def add(role: str, text: str) -> None:
-        if messages and messages[-1].role == role:
-            messages[-1] = Message(role, f"{messages[-1].content}\n{text}")
-        else:
-            messages.append(Message(role, text))
-
+    every template sees one message per turn (joined_turns)."""
     prompt = system_prompt(record, profile, system)
-    if prompt:
-        messages.append(Message("system", prompt))
+    messages = [Message("system", prompt)] if prompt else []
     history = record.history
     opening = 0
     while opening < len(history) and history[opening]["role"] == "system":
@@ -143,11 +146,9 @@ def record_messages(record: Record, profile: str = "context", with_response: boo
         role = turn["role"] if turn["role"] in ("user", "assistant", "system") else "assistant"
         if role == "system" and system == "drop":
             continue
-        add(role, turn["text"])
-    add("user", user_turn(record.question, record.context))
-    if with_response:
-        messages.append(Message("assistant", record.response))
-    return messages
+        messages.append(Message(role, turn["text"]))
+    messages = joined_turns([*messages, Message("user", user_turn(record.question, record.context))])
+    return messages + [Message("assistant", record.response)] if with_response else messages
 
 
 def fold_system(messages: Sequence[Message]) -> list[tuple[int | None, Message]]:
