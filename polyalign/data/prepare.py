@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 import polyalign
 from polyalign.core.errors import PrepareError
 from polyalign.core.outputs import stage_output
+from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.data.dedup import (
@@ -481,7 +480,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
     agreement = AgreementCounts()
     first_seen: dict[str, str] = {}
     try:
-        bar = tqdm(total=len(tallies), desc="import", unit="source", disable=not progress or None)
+        bar = progress_bar(total=len(tallies), progress=progress, desc="import", unit="source")
         for tally, root in zip(tallies, context.source_roots):
             source = tally.config
             bar.set_postfix_str(source.name)

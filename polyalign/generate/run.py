@@ -8,10 +8,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import checkpoint_identity, file_digest
+from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
@@ -109,7 +108,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     requests = [Request(ids, options.sampling if budgets is None else
                         dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
                         seed=request_seed(record.id, options.seed)) for record, (ids, _) in zip(records, prompts)]
-    with tqdm(total=len(records), desc="generate", unit="rec", disable=not progress) as bar:
+    with progress_bar(total=len(records), progress=progress, desc="generate", unit="rec") as bar:
         completions = engine.generate(requests, progress=bar.update)
     rows = []
     for record, (completion,) in zip(records, completions):

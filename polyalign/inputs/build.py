@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
-from tqdm import tqdm
 
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import as_path, changed_since, file_digest, is_uri
+from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
     WEIGHT_PRESETS,
@@ -341,7 +341,8 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
 
     def examples(split):
         def generate():
-            for record in tqdm(records[split], desc=f"build {split}", unit="rec", disable=not progress, leave=False):
+            bar = progress_bar(records[split], progress=progress, desc=f"build {split}", unit="rec", leave=False)
+            for record in bar:
                 check_interrupted()
                 key, example, counts = encode_record(record, tokenizer, template, options, table)
                 stats[split].update(counts)

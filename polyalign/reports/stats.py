@@ -15,12 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 import polyalign
 from polyalign.core.errors import StatsError
 from polyalign.core.outputs import OutputLock
 from polyalign.core.paths import file_digest
+from polyalign.core.progress import progress_bar
 from polyalign.data.bucketing import (
     Scheme,
     bucket_weights,
@@ -85,7 +84,7 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
 
     train_features = [
         text_features(r.response)
-        for r in tqdm(train, desc="features (train)", unit="resp", disable=not progress or None, mininterval=1.0)
+        for r in progress_bar(train, progress=progress, desc="features (train)", unit="resp", mininterval=1.0)
     ]
     references = build_references(
         ((r.bucket_id, f) for r, f in zip(train, train_features)), min_bucket_size=scheme.reference_min_bucket_size,

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from polyalign.core.outputs import same_path
 from polyalign.core.paths import file_digest
+from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.pair_rows import (
@@ -91,8 +91,8 @@ def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2], out_shardings=replicated)
     rows, arrays_of = ordered_pair_rows(examples, length, pad_id, pack)
-    for start in tqdm(range(0, len(rows), batch_size), desc="reference log-probs", unit="batch",
-                      disable=not progress):
+    for start in progress_bar(range(0, len(rows), batch_size), progress=progress, desc="reference log-probs",
+                              unit="batch"):
         chunk = rows[start:start + batch_size]
         arrays = [arrays_of(row) for row in chunk] + [arrays_of(None)] * (batch_size - len(chunk))
         batch = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}

@@ -21,9 +21,9 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 from polyalign.core.errors import TrainingError
+from polyalign.core.progress import progress_bar
 from polyalign.inputs.pipeline import iterate
 from polyalign.mesh import parallel
 from polyalign.model.lora import has_adapters
@@ -297,8 +297,8 @@ class Trainer:
         start = self.step_number
         last = loop.steps if loop.stop_at is None else min(loop.steps, loop.stop_at)
         stop = _StopSignal()
-        bar = tqdm(total=last, initial=start, desc="train", unit="step",
-                   disable=not progress or jax.process_index() > 0)
+        bar = progress_bar(total=last, initial=start, desc="train", unit="step",
+                           progress=progress and jax.process_index() == 0)
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
         profile = _Profile(loop.profile_steps, self.profile_dir)
         phase = self.watchdog.phase if self.watchdog is not None else (lambda what, kind=None: None)
