@@ -273,16 +273,13 @@ def _run_build(args) -> int:
 
 
 def _budget(text: str) -> int | str:
-    """--max-new-tokens: a whole number of at least 1, or auto."""
+    """--max-new-tokens: a whole number (its range is checked with every other option's), or auto."""
     if text == "auto":
         return text
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1, or auto")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1, or auto") from None
 
 
 def _location(text: str):
@@ -802,6 +799,9 @@ def _run_demo(args) -> int:
     return 0
 
 
+# The option types that read numbers (--max-new-tokens also reads `auto`).
+NUMBER_TYPES = (int, float, _budget)
+
 # Every numeric option of every subcommand and the values it admits, checked after parsing and before the
 # stage runs: an out-of-range value (zero and negative ones included, NaN and infinities never) is one line
 # naming the option. tests/test_faults.py walks the parser so that no numeric option is missing here.
@@ -813,8 +813,9 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
-    "generate": {"--temperature": Range(0.0), "--budget-quantile": Range(0.0, 1.0, low_open=True),
-                 "--budget-margin": Range(0.0, low_open=True), "--budget-ceiling": COUNT,
+    "generate": {"--max-new-tokens": COUNT, "--temperature": Range(0.0),
+                 "--budget-quantile": Range(0.0, 1.0, low_open=True), "--budget-margin": Range(0.0, low_open=True),
+                 "--budget-ceiling": COUNT,
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
@@ -845,7 +846,8 @@ def _out_of_range(args, parser: argparse.ArgumentParser) -> str | None:
         action = next(a for a in parser._actions if option in a.option_strings)
         value = getattr(args, action.dest)
         for one in value if isinstance(value, list) else [value]:
-            if one is not None and not admitted.admits(one):
+            # a word the option also takes (--max-new-tokens auto) has no range
+            if one is not None and not isinstance(one, str) and not admitted.admits(one):
                 return admitted.refusal(option, one)
     return None
 

@@ -309,10 +309,10 @@ def _required_arguments(parser):
 
 
 def test_every_numeric_option_of_every_subcommand_has_a_range_and_is_refused_outside_it(capsys):
-    from polyalign.cli import NUMBER_RANGES, build_parser, subcommands
+    from polyalign.cli import NUMBER_RANGES, NUMBER_TYPES, build_parser, subcommands
 
     numeric = {(path, option): action for path, sub in subcommands(build_parser()) for action in sub._actions
-               if action.type in (int, float) for option in action.option_strings[:1]}
+               if action.type in NUMBER_TYPES for option in action.option_strings[:1]}
     declared = {(path, option) for path, options in NUMBER_RANGES.items() for option in options}
     assert declared == set(numeric), (set(numeric) - declared, declared - set(numeric))
     assert {"generate", "prompts", "evaluate", "pairs import", "build"} <= set(NUMBER_RANGES)  # report has none

@@ -110,9 +110,14 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
         profile = {"family": "dialogue", "track": "multi", "style": "task"}
         profiled = client.chat.completions.create(model="sft", messages=messages, max_tokens=2, temperature=0,
                                                   extra_body={"chat_template_kwargs": profile})
-        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs colour"):
+        # an unknown key is named as such whatever its value (vLLM clients send enable_thinking: false)
+        for unknown in ({"colour": "red"}, {"colour": False}):
+            with pytest.raises(openai.BadRequestError, match="chat_template_kwargs colour: this model's template"):
+                client.chat.completions.create(model="sft", messages=messages, max_tokens=2,
+                                               extra_body={"chat_template_kwargs": unknown})
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs.family must be a string, got 3"):
             client.chat.completions.create(model="sft", messages=messages, max_tokens=2,
-                                           extra_body={"chat_template_kwargs": {"colour": "red"}})
+                                           extra_body={"chat_template_kwargs": {"family": 3}})
         service = server.service
     # the client's system message, a blank line, the profile prompt: as training composes them (keep)
     composed = [Message("system", f"{messages[0]['content']}\n\n{profile_text(profile)}")]

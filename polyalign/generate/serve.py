@@ -87,7 +87,7 @@ def _models():
     class ChatRequest(Sampling):
         messages: list[ChatMessage] = Field(min_length=1)
         # vLLM's name for template variables: polyalign's profile (family, track, style, length)
-        chat_template_kwargs: dict[str, str] | None = None
+        chat_template_kwargs: dict[str, Any] | None = None  # keys checked before value types (below)
 
     class CompletionRequest(Sampling):
         prompt: str | list[str]
@@ -210,6 +210,10 @@ class Service:
             raise _ApiError(400, f"chat_template_kwargs {', '.join(unknown)}: this model's template takes "
                                  f"{', '.join(PROFILE_KEYS)} (the profile it was trained with)",
                             param="chat_template_kwargs")
+        for key, value in variables.items():
+            if not isinstance(value, str):
+                raise _ApiError(400, f"chat_template_kwargs.{key} must be a string, got {json.dumps(value)}",
+                                param=f"chat_template_kwargs.{key}")
         # the profile prompt, composed with the client's own system messages as training composed them
         messages = with_system_prompt(messages, profile_text(variables), self.system)
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
