@@ -117,7 +117,7 @@ def test_temperature_sampling_is_seeded():
 
 
 @pytest.mark.slow
-def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer):
+def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer, capsys):
     from polyalign.cli import main
     from polyalign.data.records import read_records
     from polyalign.model import save_hf_checkpoint
@@ -155,9 +155,13 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
                  str(tmp_path / "x.jsonl"), "--max-new-tokens", "auto"]) == 2  # no train.jsonl beside auto.jsonl
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
                  str(tmp_path / "x.jsonl"), "--budget-ceiling", "5"]) == 2  # only with auto
-    with pytest.raises(SystemExit) as refused:  # argparse: one usage line, exit status 2
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
+                 str(tmp_path / "x.jsonl"), "--max-new-tokens", "0"]) == 2
+    assert capsys.readouterr().err == "polyalign generate: error: --max-new-tokens must be at least 1, got 0\n"
+    with pytest.raises(SystemExit) as refused:  # neither a number nor auto: argparse's usage and error, status 2
         main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
-              str(tmp_path / "x.jsonl"), "--max-new-tokens", "0"])
+              str(tmp_path / "x.jsonl"), "--max-new-tokens", "many"])
     assert refused.value.code == 2
 
 
