@@ -1,7 +1,7 @@
 """The static-batch sampler: one batch of prompts decoded with a dense KV cache until all have stopped.
 
 The engine (generate/engine.py) generates for every stage; this sampler stays as the reference it is
-tested and measured against, and `sample_logits` and `SamplingConfig` are shared by both.
+tested and measured against; `SamplingConfig` and the top-k/top-p filter `nucleus_mask` are shared by both.
 
 Prompts are left-padded to a common length so that every row's next token goes to the same cache
 slot; positions count real tokens only, so padding never shifts the rotary embedding. The prompt is
