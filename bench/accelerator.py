@@ -99,7 +99,8 @@ def verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-0.5b", help="shapes, in the order to run them")
+    parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-0.5b",
+                        help="shapes, in the order to run them: preset names or architecture YAML files")
     parser.add_argument("--batch", type=int, default=4, help="sequences (SFT) or pairs (HDPO) per step")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
@@ -128,18 +129,22 @@ def main() -> None:
     ours = [*policy, "--stacks", "polyalign,plain"]
     tunix = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps",
              str(max(args.steps, 4)), "--peak-tflops", str(args.peak_tflops), "--check"]
+
+    def label(preset):  # a run's folder under OUT: an architecture file by its name, not its path
+        return Path(preset).stem if preset.endswith((".yaml", ".yml")) else preset
+
     plan = []  # (name, train_step arguments, extra environment, variant)
     for preset in args.presets.split(","):
-        plan.append((f"{preset}-jax", ["--preset", preset, *common, *ours], {}, None))
+        plan.append((f"{label(preset)}-jax", ["--preset", preset, *common, *ours], {}, None))
         if not args.no_peer:
-            plan.append((f"{preset}-peer", ["--preset", preset, *common, "--stacks", "peer"], {"JAX_PLATFORMS": "cpu"},
-                         None))
-            plan.append((f"{preset}-tunix", ["--preset", "tiny" if preset == "tiny" else preset, *tunix], {}, "tunix"))
-        plan.append((f"{preset}-packed", ["--preset", preset, *common, *policy, "--stacks", "polyalign", "--packed"],
-                     {}, "--packed"))
+            plan.append((f"{label(preset)}-peer", ["--preset", preset, *common, "--stacks", "peer"],
+                         {"JAX_PLATFORMS": "cpu"}, None))
+            plan.append((f"{label(preset)}-tunix", ["--preset", preset, *tunix], {}, "tunix"))
+        plan.append((f"{label(preset)}-packed",
+                     ["--preset", preset, *common, *policy, "--stacks", "polyalign", "--packed"], {}, "--packed"))
     for k, variant in enumerate(args.variant):
         preset, *flags = variant.split()
-        plan.append((f"variant{k}-{preset}", ["--preset", preset, *common, *ours, *flags], {}, " ".join(flags)))
+        plan.append((f"variant{k}-{label(preset)}", ["--preset", preset, *common, *ours, *flags], {}, " ".join(flags)))
 
     started, runs = time.perf_counter(), []
     for name, arguments, env_extra, variant in plan:
@@ -153,6 +158,10 @@ def main() -> None:
             if not Path(args.tunix_python).is_file():
                 runs.append({"name": name, "rows": [], "error": f"skipped: no Tunix environment at "
                                                                 f"{args.tunix_python} ({TUNIX_SETUP})"})
+                print(f"{name}: {runs[-1]['error']}", flush=True)
+                continue
+            if arguments[1].endswith((".yaml", ".yml")):
+                runs.append({"name": name, "rows": [], "error": "skipped: the Tunix peer builds named presets only"})
                 print(f"{name}: {runs[-1]['error']}", flush=True)
                 continue
             run = run_train_step(name, arguments, out, limit, env_extra, "tunix_peer.py", args.tunix_python)

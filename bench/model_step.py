@@ -21,12 +21,13 @@ import numpy as np
 from flax import nnx
 
 from polyalign.model import create_model
-from polyalign.model.presets import PRESETS, preset
+from polyalign.model.presets import preset, preset_or_file
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="tiny", type=preset_or_file,
+                        help="a preset name or an architecture YAML file (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_step import _pair_batch, _time, compiled_memory  # noqa: E402
 
 from polyalign.model import abstract_model, create_model  # noqa: E402
-from polyalign.model.presets import PRESETS, preset  # noqa: E402
+from polyalign.model.presets import preset, preset_or_file  # noqa: E402
 from polyalign.train.losses import dpo_loss  # noqa: E402
 
 LAYOUTS = {
@@ -98,7 +98,8 @@ def measure(args, cfg, name: str, one_forward: bool, fused_reference: bool) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--preset", default="tiny", type=preset_or_file,
+                        help="a preset name or an architecture YAML file (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4, help="pairs per step")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

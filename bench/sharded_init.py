@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from polyalign.model.presets import PRESETS, preset  # noqa: E402
+from polyalign.model.presets import preset, preset_or_file  # noqa: E402
 
 
 def most_on_one_device(model) -> int:
@@ -52,7 +52,8 @@ def timed(name: str, make) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b")
+    parser.add_argument("--preset", default="qwen2.5-0.5b", type=preset_or_file,
+                        help="a preset name or an architecture YAML file (default: %(default)s)")
     parser.add_argument("--fsdp", type=int, default=-1, help="fsdp axis of the mesh (-1: every device)")
     parser.add_argument("--tensor", type=int, default=1)
     args = parser.parse_args()

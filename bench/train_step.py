@@ -44,7 +44,7 @@ from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
 from polyalign.model.flops import flops_per_token, matmul_parameters  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
-from polyalign.model.presets import PRESETS, preset  # noqa: E402
+from polyalign.model.presets import preset, preset_or_file  # noqa: E402
 from polyalign.train.config import PreferenceConfig  # noqa: E402
 from polyalign.train.losses import dpo_loss  # noqa: E402
 from polyalign.train.preference import PreferenceObjective, sequence_logps  # noqa: E402
@@ -301,7 +301,8 @@ def bench_peer(args, cfg, method: str) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--preset", default="tiny", type=preset_or_file,
+                        help="a preset name or an architecture YAML file (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=4, help="sequences (SFT) or pairs (HDPO) per step")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--method", choices=("sft", "hdpo", "both"), default="both")

@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_MODEL
 
 
 @pytest.mark.slow
 def test_train_step_bench_on_cpu(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "--preset", "tiny", "--batch", "2",
-                             "--seq", "64", "--steps", "2", "--vocab-size", "512", "--no-peer", "--peak-tflops", "1"],
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "--preset", str(TINY_MODEL),
+                             "--batch", "2", "--seq", "64", "--steps", "2", "--vocab-size", "512", "--no-peer",
+                             "--peak-tflops", "1"],
                             capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "polyalign (JAX)" in result.stdout and "tokens/s" in result.stdout
@@ -112,13 +113,18 @@ def test_accelerator_verdicts_by_hand():
 
 @pytest.mark.slow
 def test_accelerator_script_runs_every_stack_in_its_process(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets", "tiny",
-                             "--batch", "2", "--seq", "64", "--vocab-size", "512", "--peak-tflops", "1", "--steps", "1",
-                             "--variant", "tiny --remat dots", "--tunix-python", str(tmp_path / "no-tunix")],
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator.py"), "--presets",
+                             str(TINY_MODEL), "--batch", "2", "--seq", "64", "--vocab-size", "512", "--peak-tflops",
+                             "1", "--steps", "1", "--variant", f"{TINY_MODEL} --remat dots", "--tunix-python",
+                             str(tmp_path / "no-tunix")],
                             capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "accelerator.json").read_text())
     jax_run, peer_run, tunix_run, packed_run, variant_run = report["runs"]
+    # an architecture file's runs are named after it and kept under OUT
+    assert [run["name"] for run in report["runs"]] == [
+        f"tiny_model-{kind}" for kind in ("jax", "peer", "tunix", "packed")] + ["variant0-tiny_model"]
+    assert (tmp_path / "tiny_model-jax").is_dir() and not list(TINY_MODEL.parent.glob("tiny_model.yaml-*"))
     # Tunix runs in an environment of its own; without one the run says how to make it
     assert tunix_run["rows"] == [] and "skipped: no Tunix environment" in tunix_run["error"]
     assert "pip install google-tunix" in tunix_run["error"]

@@ -6,6 +6,7 @@ come from the user's Hugging Face checkpoint through `load_hf_checkpoint`.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,15 @@ from polyalign.model.architecture import ModelConfig, ModelConfigError, RopeScal
 ARCHITECTURES = Path(__file__).with_name("architectures")
 PRESETS: dict[str, Path] = {path.stem: path for path in sorted(ARCHITECTURES.glob("*.yaml"))}
 _TUPLE_FIELDS = ("eos_token_id", "layer_types")
+
+
+def preset_or_file(value: str) -> str:
+    """argparse type for a model shape: a preset name or the path of an architecture YAML file, as
+    `model.preset` takes them."""
+    if value in PRESETS or (value.endswith((".yaml", ".yml")) and Path(value).is_file()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor an architecture "
+                                     "YAML file")
 
 
 def read_architecture(path: Path) -> tuple[str, dict[str, Any]]:
