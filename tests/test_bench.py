@@ -197,3 +197,14 @@ def test_methods_bench_aggregates_over_seeds_by_hand(tmp_path):
             "0.020 ± 0.000 |") in text
     methods.plot(summary, tmp_path / "methods.png")
     assert (tmp_path / "methods.png").stat().st_size > 5_000
+
+
+def test_a_bench_preset_is_a_name_or_an_architecture_file(tmp_path):
+    import argparse
+
+    from polyalign.model.presets import preset_or_file
+
+    assert preset_or_file("tiny") == "tiny" and preset_or_file(str(TINY_MODEL)) == str(TINY_MODEL)
+    for wrong in ("tiny2", str(tmp_path / "missing.yaml"), str(REPO / "README.md")):
+        with pytest.raises(argparse.ArgumentTypeError, match="neither a preset .*tiny.* nor an architecture YAML"):
+            preset_or_file(wrong)
