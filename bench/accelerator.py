@@ -97,6 +97,11 @@ def verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
     return out
 
 
+def label(preset: str) -> str:
+    """A shape's name in run folders and the table: an architecture file by its name, not its path."""
+    return Path(preset).stem if preset.endswith((".yaml", ".yml")) else preset
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="qwen2.5-1.5b,qwen2.5-0.5b",
@@ -130,9 +135,6 @@ def main() -> None:
     tunix = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps",
              str(max(args.steps, 4)), "--peak-tflops", str(args.peak_tflops), "--check"]
 
-    def label(preset):  # a run's folder under OUT: an architecture file by its name, not its path
-        return Path(preset).stem if preset.endswith((".yaml", ".yml")) else preset
-
     plan = []  # (name, train_step arguments, extra environment, variant)
     for preset in args.presets.split(","):
         plan.append((f"{label(preset)}-jax", ["--preset", preset, *common, *ours], {}, None))
@@ -160,10 +162,6 @@ def main() -> None:
                                                                 f"{args.tunix_python} ({TUNIX_SETUP})"})
                 print(f"{name}: {runs[-1]['error']}", flush=True)
                 continue
-            if arguments[1].endswith((".yaml", ".yml")):
-                runs.append({"name": name, "rows": [], "error": "skipped: the Tunix peer builds named presets only"})
-                print(f"{name}: {runs[-1]['error']}", flush=True)
-                continue
             run = run_train_step(name, arguments, out, limit, env_extra, "tunix_peer.py", args.tunix_python)
             variant = None
         else:
@@ -181,7 +179,7 @@ def main() -> None:
     for r in rows:
         def cell(key, spec, r=r):
             return "-" if r.get(key) is None else format(r[key], spec)
-        print(f"{r['preset']:14s} {r.get('variant') or '-':24s} {r['stack']:24s} {r['method']:6s} "
+        print(f"{label(r['preset']):14s} {r.get('variant') or '-':24s} {r['stack']:24s} {r['method']:6s} "
               f"{cell('step_s', '8.3f'):>8s} {cell('tokens_per_s', '10,.0f'):>10s} {cell('mfu', '.2f'):>5s} "
               f"{cell('peak_memory_gib', '.1f'):>8s} {cell('xla_peak_gib', '.2f'):>8s}")
     for run in runs:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from result_file import write_result
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO.parent / "shared" / "data" / "en" / "polyalign-sample" / "dist_sft_test.json"
@@ -65,9 +66,7 @@ def main() -> None:
     print(f"evaluate, {args.rows} rows (text metrics, compat {args.compat}, diversity "
           f"{'off' if args.no_diversity else 'on'}, detectability {'off' if args.no_detectability else 'on'}): "
           f"{seconds:.1f} s, {args.rows / seconds:.0f} rows/s")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "evaluate_throughput.json").write_text(json.dumps(result, indent=2))
+    write_result("evaluate_throughput", result)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ ratio to the static sampler, whether its tokens equal the engine's) and writes J
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from result_file import write_result
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,9 +153,7 @@ def main() -> None:
         result["rows"].append({"generator": name, "seconds": round(seconds, 3),
                                "new_tokens_per_s": round(new_tokens / seconds, 1),
                                "speedup_vs_static": round(static_s / seconds, 2), "equal_rows": equal})
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "generation.json").write_text(json.dumps(result, indent=2))
+    write_result("generation", result)
 
 
 if __name__ == "__main__":

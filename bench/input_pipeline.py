@@ -11,14 +11,14 @@ process. Prints a table and writes JSON to $OUT/input_pipeline.json when OUT is 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.build import read_manifest  # noqa: E402
@@ -71,9 +71,8 @@ def main() -> None:
     slowest = min(r["positions_per_s"] for r in rows)
     for name, consumed in H200_STEP_TOKENS_PER_S.items():
         print(f"{name} step on one H200 ({consumed:,} tokens/s): the pipeline delivers {slowest / consumed:.1f}x")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "input_pipeline.json").write_text(json.dumps(
-            {"batch": args.batch, "rows": rows, "h200_step_tokens_per_s": H200_STEP_TOKENS_PER_S}, indent=2))
+    write_result("input_pipeline",
+                 {"batch": args.batch, "rows": rows, "h200_step_tokens_per_s": H200_STEP_TOKENS_PER_S})
 
 
 if __name__ == "__main__":

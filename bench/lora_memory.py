@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,8 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from bench.train_step import _pair_batch, _time, compiled_memory  # noqa: E402
 from polyalign.mesh import parallel  # noqa: E402
@@ -137,10 +137,7 @@ def main() -> None:
             if args.time:
                 line += f"  {r['step_s']:>6.3f}  {r['reference_pass_s']:>9.3f}"
             print(line + ratio, flush=True)
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "lora_memory.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+    write_result("lora_memory", {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ and writes JSON to $OUT/model_step.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -19,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from result_file import write_result
 
 from polyalign.model import create_model
 from polyalign.model.presets import preset, preset_or_file
@@ -71,9 +70,7 @@ def main() -> None:
           f"{'step s':>8s} {'tokens/s':>10s}")
     print(f"{args.preset:14s} {result['parameters']:>10,d} {f'{args.batch} x {args.seq}':>12s} {args.dtype:>9s} "
           f"{compile_s:>10.2f} {step_s:>8.3f} {result['tokens_per_s']:>10,d}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "model_step.json"), "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_result("model_step", result)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ Prints a table and writes JSON to $OUT/packing.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +20,8 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.build import BuildOptions, build, read_manifest  # noqa: E402
@@ -102,8 +102,7 @@ def main() -> None:
     result = {"examples": len(lengths), "mean_positions": float(np.mean(lengths)), "max_length": length,
               "rows_per_epoch": {"unpacked": len(lengths), "packed": rows}, "runs": rows_out, "speedup": speedup,
               "device": jax.devices()[0].device_kind}
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "packing.json").write_text(json.dumps(result, indent=2))
+    write_result("packing", result)
 
 
 if __name__ == "__main__":

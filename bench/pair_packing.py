@@ -15,8 +15,6 @@ Prints a table and writes JSON to $OUT/pair_packing.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 from collections import defaultdict
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from packing import timed_steps  # noqa: E402
+from result_file import write_result  # noqa: E402
 
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.pair_rows import tokenise_pairs, train_pair_batches, tree_spans  # noqa: E402
@@ -114,8 +113,7 @@ def main() -> None:
               "share_a_prefix": float((shared > 0).mean()),
               "rows_per_epoch": {"unpacked": len(examples), "packed": rows},
               "runs": runs, "speedup": speedup, "device": jax.devices()[0].device_kind}
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "pair_packing.json").write_text(json.dumps(result, indent=2))
+    write_result("pair_packing", result)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from result_file import write_result  # noqa: E402
 from train_step import _pair_batch, _time, compiled_memory  # noqa: E402
 
 from polyalign.model import abstract_model, create_model  # noqa: E402
@@ -121,10 +120,8 @@ def main() -> None:
         ratio = "-" if r["step_s"] is None else f"{r['step_s'] / base['step_s']:.3f}"
         step = "-" if r["step_s"] is None else f"{r['step_s']:.4f}"
         print(f"{r['layout']:38s} {step:>8s} {ratio:>8s} {r['xla_peak_gib']:13.3f} {r['xla_temp_gib']:13.3f}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "preference_step.json").write_text(json.dumps(
-            {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
-             "device": jax.devices()[0].device_kind, "rows": rows}, indent=2))
+    write_result("preference_step", {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+                                     "remat": args.remat, "device": jax.devices()[0].device_kind, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ Prints a table; writes JSON to $OUT/quantize_drift.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from polyalign.data.records import read_records  # noqa: E402
 from polyalign.model import load_hf_checkpoint  # noqa: E402
@@ -65,10 +65,7 @@ def main() -> None:
         rows.append({"kind": kind, "bits_per_weight": bits_per_weight(kind), "max_abs_dlogp": float(diff),
                      "max_abs_logp": scale, "mean_kl": kl, "nll": nll, "base_nll": ref_nll})
         print(f"{kind:8} {bits_per_weight(kind):>5.2f} {diff:>12.4f} {kl:>10.2e} {nll:>8.4f} {nll - ref_nll:>+8.4f}")
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "quantize_drift.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
+    write_result("quantize_drift", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
 
 
 if __name__ == "__main__":

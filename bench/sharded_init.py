@@ -11,8 +11,6 @@ Prints a table and writes JSON to $OUT/sharded_init.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
 import sys
 import tempfile
@@ -24,6 +22,8 @@ import jax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
@@ -76,10 +76,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['how']:30s} {r['seconds']:8.2f} {r['most_on_one_device_gib']:23.3f}")
     print(f"process peak resident memory: {peak_rss:.2f} GiB")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "sharded_init.json").write_text(json.dumps(
-            {"preset": args.preset, "parameters": cfg.num_parameters(), "mesh": dict(mesh.shape),
-             "devices": jax.device_count(), "rows": rows, "peak_rss_gib": round(peak_rss, 2)}, indent=2))
+    write_result("sharded_init", {"preset": args.preset, "parameters": cfg.num_parameters(), "mesh": dict(mesh.shape),
+                                  "devices": jax.device_count(), "rows": rows, "peak_rss_gib": round(peak_rss, 2)})
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
 import sys
 import time
@@ -37,6 +35,8 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.pair_rows import packed_pair_arrays  # noqa: E402
@@ -371,8 +371,7 @@ def main() -> None:
               "dtype": args.dtype, "remat": args.remat, "attention": args.attention,
               "logprob_chunk": args.logprob_chunk, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "rows": rows}
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "train_step.json").write_text(json.dumps(result, indent=2))
+    write_result("train_step", result)
 
 
 if __name__ == "__main__":

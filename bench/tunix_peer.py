@@ -20,8 +20,6 @@ Writes $OUT/tunix_peer.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
@@ -32,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_file import write_result  # noqa: E402
 
 from polyalign.model import create_model, family_defaults, save_hf_checkpoint  # noqa: E402
 from polyalign.model.flops import flops_per_token  # noqa: E402
@@ -178,8 +178,7 @@ def main() -> None:
                                                        for name in ("policy", "reference"))
     with jax.set_mesh(mesh):
         measure(report, policy, reference, tunix_policy, tunix_reference, pairs, args, cfg)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "tunix_peer.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_result("tunix_peer", report)
 
 
 def measure(report, policy, reference, tunix_policy, tunix_reference, pairs, args, cfg) -> None:
