@@ -19,15 +19,6 @@ PRESETS: dict[str, Path] = {path.stem: path for path in sorted(ARCHITECTURES.glo
 _TUPLE_FIELDS = ("eos_token_id", "layer_types")
 
 
-def preset_or_file(value: str) -> str:
-    """argparse type for a model shape: a preset name or the path of an architecture YAML file, as
-    `model.preset` takes them."""
-    if value in PRESETS or (value.endswith((".yaml", ".yml")) and Path(value).is_file()):
-        return value
-    raise argparse.ArgumentTypeError(f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor an architecture "
-                                     "YAML file")
-
-
 def read_architecture(path: Path) -> tuple[str, dict[str, Any]]:
     """(family, fields) of an architecture file such as configs/models/qwen2.5-1.5b.yaml."""
     raw = load_yaml(Path(path))
@@ -59,3 +50,13 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
         return family_defaults(family, **{**fields, **overrides})
     except TypeError as err:  # an unknown field name
         raise ModelConfigError(f"{path}: {err}") from None
+
+
+def preset_or_file(value: str) -> str:
+    """argparse type for a model shape: what `preset` reads (a preset name or the path of an architecture
+    YAML file), refused with its message otherwise."""
+    try:
+        preset(value)
+    except ModelConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
