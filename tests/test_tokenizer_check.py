@@ -5,10 +5,13 @@ exported tokenizer.json with the `tokenizers` library, as transformers' fast tok
 splitting every digit as the Qwen2 tokenizer class's pre-tokenizer does (the case users met: "30"
 trained as one token, served as "3" "0")."""
 
+import itertools
 import json
 import sys
 import types
 import zipfile
+
+import pytest
 
 from polyalign.cli import main
 from polyalign.inputs.tokenizer_check import compare_encoders, probe_texts
@@ -37,11 +40,28 @@ def stand_in_transformers(split_digits: bool) -> types.ModuleType:
     return module
 
 
-def build_with(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch, transformers):
+# Records of each split the builds below read: the check probes 64 records spread over train and val,
+# whichever their number, and a build of the whole demo data took ten seconds to check one field.
+SAMPLE_RECORDS = 300
+
+
+@pytest.fixture(scope="module")
+def sample_data(demo_run, tmp_path_factory):
+    """The first SAMPLE_RECORDS records of each split of the demo run, with its prepare manifest."""
     source, _, _ = demo_run
+    data = tmp_path_factory.mktemp("tokenizer_check") / "data"
+    data.mkdir()
+    (data / "manifest.json").write_bytes((source / "data" / "manifest.json").read_bytes())
+    for split in ("train", "val", "test"):
+        with (source / "data" / f"{split}.jsonl").open(encoding="utf-8") as rows:
+            (data / f"{split}.jsonl").write_text("".join(itertools.islice(rows, SAMPLE_RECORDS)), encoding="utf-8")
+    return data
+
+
+def build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch, transformers):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "data").symlink_to(source / "data", target_is_directory=True)
+    (run / "data").symlink_to(sample_data, target_is_directory=True)
     monkeypatch.setitem(sys.modules, "transformers", transformers)
     status = main(["build", str(run), "--tokenizer", str(json_tokenizer.path.parent), "--template", "qwen",
                    "--max-length", "64", "--no-progress"])
@@ -50,23 +70,23 @@ def build_with(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch, transfor
     return json.loads((run / "build/manifest.json").read_text()), out, err
 
 
-def test_build_says_when_transformers_is_not_installed(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch):
-    manifest, out, _ = build_with(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch, None)  # import fails
+def test_build_says_when_transformers_is_not_installed(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch):
+    manifest, out, _ = build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch, None)  # import fails
     check = manifest["tokenizer_check"]
     assert check["checked"] is False and "transformers is not installed" in check["reason"]
     assert f"tokenizer: {check['reason']}" in out.splitlines()
 
 
-def test_build_compares_transformers_ids_on_the_records(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch):
-    manifest, out, err = build_with(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch,
+def test_build_compares_transformers_ids_on_the_records(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch):
+    manifest, out, err = build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch,
                                     stand_in_transformers(split_digits=False))
     check = manifest["tokenizer_check"]
     assert check["checked"] and check["differing"] == 0 and check["probes"] >= 64, check
     assert f"gives the same ids as polyalign on {check['probes']} probe texts" in out and "probe texts" not in err
 
 
-def test_build_warns_when_transformers_reads_other_ids(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch):
-    manifest, _, err = build_with(demo_run, json_tokenizer, tmp_path, capsys, monkeypatch,
+def test_build_warns_when_transformers_reads_other_ids(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch):
+    manifest, _, err = build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch,
                                   stand_in_transformers(split_digits=True))
     check = manifest["tokenizer_check"]
     assert check["checked"] and 0 < check["differing"] < check["probes"], check
