@@ -429,6 +429,12 @@ def test_default_attention_is_cudnn_only_where_it_applies():
     assert default_attention_implementation(qwen_f32, "gpu") is None  # cuDNN's kernel is half precision
     assert default_attention_implementation(preset("gemma2-2b", dtype="bfloat16"), "gpu") is None  # soft-cap, head 256
     assert default_attention_implementation(qwen_bf16, "cpu") is None
+    # Gemma 3's heads of 256 (no soft-cap): cuDNN from Hopper (compute capability 9.0) on, as jax allows
+    gemma3 = preset("gemma3-1b", dtype="bfloat16")
+    assert gemma3.head_dim == 256 and gemma3.attn_logit_softcap is None
+    assert default_attention_implementation(gemma3, "gpu", compute_capability="9.0") == "cudnn"
+    assert default_attention_implementation(gemma3, "gpu", compute_capability="8.0") is None
+    assert default_attention_implementation(qwen_bf16, "gpu", compute_capability="8.0") == "cudnn"  # head 128
     assert default_attention_implementation(qwen_bf16, "tpu") == "splash"  # head 128
     assert default_attention_implementation(preset("qwen2.5-0.5b"), "tpu") is None  # head 64
 
@@ -452,6 +458,94 @@ def test_packed_and_tree_rows_take_the_fused_kernel_outside_cached_decoding(monk
 
     model.decode(ids[:, :1], jnp.zeros((1, 1), jnp.int32), KVCache.empty(cfg, 1, 8), jnp.ones((1, 8), bool))
     assert chosen == ["cudnn", "cudnn", None]
+
+
+def test_each_layout_reaches_the_attention_kernel_causal_and_masked_only_where_it_must(monkeypatch):
+    """With cuDNN chosen, what jax.nn.dot_product_attention is asked for by each layout: SFT rows of one
+    example and row pairs run causal with no mask at all (the kernel's plain causal path); packed SFT
+    rows, tree-packed pairs and sliding windows pass their mask and still say causal (every such mask
+    lies inside the causal triangle, so the kernel may skip the tiles above it); an odd length with a
+    mask is padded to an even one (cuDNN's training kernel needs it) and gives the unpadded values;
+    decoding against a KV cache runs XLA with its mask and no causal flag, and the paged cache calls
+    no kernel. The calls run XLA here, on the CPU."""
+    from polyalign.inputs import pipeline
+    from polyalign.inputs.pair_rows import packed_pair_arrays, pair_arrays, tree_length
+    from polyalign.model.paged_cache import PagedKVCache
+    from polyalign.model.transformer import KVCache
+    from polyalign.train.preference import sequence_logps
+    from polyalign.train.sft import SftObjective
+
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def recorded(q, k, v, *, mask=None, is_causal=False, scale=None, implementation=None, **rest):
+        calls.append({"implementation": implementation, "causal": is_causal, "length": q.shape[1],
+                      "mask": None if mask is None else tuple(mask.shape)})
+        return real(q, k, v, mask=mask, is_causal=is_causal, scale=scale, implementation="xla", **rest)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+
+    def asked(run, *args):  # compiled: op by op the layouts took 10 s
+        calls.clear()
+        out = nnx.jit(lambda *a: run(*a))(*args)
+        return calls[:], out
+
+    def model_of(**extra):
+        return create_model(family_defaults("llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=1,
+                                            num_heads=4, num_kv_heads=2, head_dim=8, scan_layers=False,
+                                            attention_impl="cudnn", **extra), seed=0)
+
+    model = model_of()
+    rng = np.random.default_rng(0)
+
+    def example(n):
+        return {"input_ids": rng.integers(1, 97, n), "loss_mask": np.r_[np.zeros(n // 2), np.ones(n - n // 2)],
+                "weight": 1.0, "bucket": 0}
+
+    def stack(rows):
+        return {key: jnp.asarray(np.stack([row[key] for row in rows])) for key in rows[0]}
+
+    one_each = stack([pipeline.example_arrays(example(n), 12, 0) for n in (9, 13)])
+    packed = stack([pipeline.packed_arrays([example(5), example(6)], 12, 0)] * 2)
+    sft = SftObjective(1)
+    assert asked(sft.numerators, model, one_each)[0] == [
+        {"implementation": "cudnn", "causal": True, "length": 12, "mask": None}]
+    assert asked(sft.numerators, model, packed)[0] == [
+        {"implementation": "cudnn", "causal": True, "length": 12, "mask": (2, 1, 12, 12)}]
+
+    def pair(prompt, chosen, rejected):
+        p = rng.integers(1, 97, prompt)
+        c, r = np.r_[p, rng.integers(1, 97, chosen)], np.r_[p, rng.integers(1, 97, rejected)]
+        return {"id": str(prompt), "chosen_ids": c, "rejected_ids": r, "weight": 1.0, "bucket": 0,
+                "chosen_mask": np.r_[np.zeros(prompt), np.ones(chosen)],
+                "rejected_mask": np.r_[np.zeros(prompt), np.ones(rejected)], "critic_chosen": 0.0,
+                "critic_rejected": 0.0}
+
+    pairs = [pair(5, 3, 4), pair(4, 2, 3)]
+    row_pairs = stack([pair_arrays(p, 10, 0) for p in pairs])
+    assert asked(sequence_logps, model, row_pairs)[0] == [
+        {"implementation": "cudnn", "causal": True, "length": 10, "mask": None}]
+    width = sum(tree_length(p, 10) for p in pairs)
+    assert width % 2 == 1  # 8 + 7 positions: an odd row, so the masked kernel call is padded to 16
+    trees = stack([packed_pair_arrays(pairs, width, 0, 2, 10)])
+    seen, (chosen, rejected, _) = asked(sequence_logps, model, trees)
+    even = width + 1
+    assert seen == [{"implementation": "cudnn", "causal": True, "length": even, "mask": (1, 1, even, even)}]
+    unpacked = sequence_logps(model, row_pairs)
+    np.testing.assert_allclose(np.asarray(chosen)[0], np.asarray(unpacked[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rejected)[0], np.asarray(unpacked[1]), rtol=1e-5)
+
+    windowed = model_of(sliding_window=4)
+    assert asked(sft.numerators, windowed, one_each)[0] == [
+        {"implementation": "cudnn", "causal": True, "length": 12, "mask": (2, 1, 12, 12)}]
+
+    cfg = model.config
+    ids = jnp.ones((1, 3), jnp.int32)
+    seen, _ = asked(model.decode, ids, jnp.arange(3)[None], KVCache.empty(cfg, 1, 8), jnp.arange(8)[None] < 3)
+    assert seen == [{"implementation": None, "causal": False, "length": 3, "mask": (1, 1, 3, 8)}]
+    pool = PagedKVCache.empty_pool(cfg, 4, 16)
+    cache = PagedKVCache.for_tokens(pool, jnp.array([[1, 0]], jnp.int32), jnp.arange(3)[None], jnp.ones((1, 3), bool))
+    assert asked(model.decode_paged, ids, jnp.arange(3)[None], cache)[0] == []
 
 
 @pytest.mark.parametrize("softcap", [None, 20.0])

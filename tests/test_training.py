@@ -83,6 +83,7 @@ def test_batches_shift_targets_and_pad():
     assert arrays["targets"].tolist() == [6, 7, 8, 0, 0, 0]
     assert arrays["loss_mask"].tolist() == [0, 1, 1, 0, 0, 0]
     assert arrays["weight"] == 2.5 and arrays["bucket"] == 3 and arrays["valid"]
+    assert "segment_ids" not in arrays  # one example a row: causal attention alone (packed rows carry them)
     filler = pipeline.example_arrays(None, 6, pad_id=0)
     assert not filler["valid"] and filler["weight"] == 0 and not filler["loss_mask"].any()
 
@@ -419,7 +420,7 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
     rows.append(current)
     assert len(rows) < len(examples)
     packed = [pipeline.packed_arrays(r, length, pad) for r in rows]
-    packed += [pipeline.example_arrays(None, length, pad)] * (len(unpacked) - len(packed))  # same batch size
+    packed += [pipeline.packed_arrays([], length, pad)] * (len(unpacked) - len(packed))  # same batch size
 
     def stack(items):
         return {k: np.stack([item[k] for item in items])[None] for k in items[0]}

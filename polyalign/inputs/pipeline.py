@@ -77,9 +77,12 @@ def packed_arrays(examples: list[dict], length: int, pad_id: int) -> dict[str, n
 
 
 def example_arrays(example: dict | None, length: int, pad_id: int) -> dict[str, np.ndarray]:
-    """One example per row, padded on the right to `length` (`None`: a filler row). Padding needs no
-    attention mask: causal attention never lets a real token see a later pad."""
-    return packed_arrays([] if example is None else [example], length, pad_id)
+    """One example per row, padded on the right to `length` (`None`: a filler row). The row carries no
+    segment ids: causal attention alone never lets a real token see a later pad, so the model runs the
+    fused kernels' plain causal path, with no [T, T] mask."""
+    arrays = packed_arrays([] if example is None else [example], length, pad_id)
+    del arrays["segment_ids"]
+    return arrays
 
 
 @dataclass(frozen=True)

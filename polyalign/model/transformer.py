@@ -118,15 +118,28 @@ def attention_masks(length: int, segment_ids: jax.Array | None, attention_mask: 
     return mask, mask & near
 
 
-def default_attention_implementation(cfg: ModelConfig, backend: str | None = None) -> str | None:
-    """What `attention_impl: null` runs in training and scoring (not in cached decoding): cuDNN's fused
-    kernel on GPU when the compute dtype and head size suit it (with any mask: packed segments, trees,
-    windows, as a bias), splash attention on TPU for heads of 128 (or multiples; with any mask), else
-    XLA."""
+def cudnn_head_limit(compute_capability: str | None) -> int:
+    """The largest head cuDNN's fused attention takes in half precision: 256 from Hopper (compute
+    capability 9.0) on, 128 before (jax's cudnn/fused_attention_stablehlo.py checks the same)."""
+    if compute_capability is None:
+        return 128
+    major, _, minor = str(compute_capability).partition(".")
+    return 256 if (int(major), int(minor or 0)) >= (9, 0) else 128
+
+
+def default_attention_implementation(cfg: ModelConfig, backend: str | None = None,
+                                     compute_capability: str | None = None) -> str | None:
+    """What `attention_impl: null` runs in training and scoring (not in cached decoding, always XLA):
+    cuDNN's fused kernel on GPU when the compute dtype and head size suit it (with any mask: packed
+    segments, trees, windows, as a bias; heads up to cudnn_head_limit of the GPU's compute capability,
+    read from the first device unless given), splash attention on TPU for heads of 128 (or multiples;
+    with any mask), else XLA."""
     backend = backend or jax.default_backend()
-    if (backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.head_dim % 8 == 0
-            and cfg.head_dim <= 128 and cfg.attn_logit_softcap is None):
-        return "cudnn"
+    if backend in ("gpu", "cuda") and cfg.dtype in ("bfloat16", "float16") and cfg.attn_logit_softcap is None:
+        if compute_capability is None and jax.default_backend() == "gpu":
+            compute_capability = getattr(jax.devices()[0], "compute_capability", None)
+        if cfg.head_dim % 8 == 0 and cfg.head_dim <= cudnn_head_limit(compute_capability):
+            return "cudnn"
     # Mosaic lays the kernel's head dimension on the 128-lane axis; smaller heads stay on XLA until
     # measured on a TPU.
     if backend == "tpu" and cfg.head_dim % 128 == 0:
@@ -135,12 +148,15 @@ def default_attention_implementation(cfg: ModelConfig, backend: str | None = Non
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMask | None, *, scale: float,
-           softcap: float | None, implementation: str | None) -> jax.Array:
-    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K. `mask`
-    None means causal only, which the fused kernels apply without a [T, S] mask. Splash attention
-    (on TPU; interpreted elsewhere) takes packed segments as segment ids and any other mask (trees,
-    windows, padding) as the row's own block mask; it falls back to XLA for lengths its blocks do not
-    tile and for decoding against a cache."""
+           softcap: float | None, implementation: str | None, causal: bool = True) -> jax.Array:
+    """Grouped-query attention. q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K.
+
+    `causal` (a sequence attending to itself, as in training and scoring): every mask attention_masks
+    makes lies inside the causal triangle, so the kernels are told so (cuDNN then skips the tiles above
+    the diagonal) and `mask` None means causal only, with no [T, S] mask at all. Not causal (queries
+    against a KV cache): `mask` says everything. Splash attention (on TPU; interpreted elsewhere) takes
+    packed segments as segment ids and any other mask (trees, windows, padding) as the row's own block
+    mask; it falls back to XLA for lengths its blocks do not tile and for decoding against a cache."""
     if implementation == "splash":
         if q.shape[1] == k.shape[1] and splash.supports(q.shape[1]):
             return splash.splash_attention(q, k, v, scale=scale, softcap=softcap,
@@ -151,7 +167,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMa
     if isinstance(mask, SegmentMask):
         mask = mask.dense()
     if softcap is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None, scale=scale,
+        if implementation == "cudnn" and mask is not None and q.shape[1] % 2:
+            return _cudnn_at_even_length(q, k, v, mask, scale)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
                                             implementation=implementation)
     if mask is None:
         mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))[None, None]
@@ -165,6 +183,18 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | SegmentMa
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(b, t, h, d)
+
+
+def _cudnn_at_even_length(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Causal cuDNN attention with a mask over an odd length T: cuDNN's training kernel takes a mask (as a
+    bias) only at even lengths, so one position is appended and cut off again. It comes last, so the
+    causal triangle hides it from every real query; its own row sees everything (a row that sees
+    nothing would be a NaN in the gradient)."""
+    t = q.shape[1]
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 1), (0, 1)), constant_values=True)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale, implementation="cudnn")
+    return out[:, :t]
 
 
 @jax.tree_util.register_dataclass
@@ -196,8 +226,10 @@ class KVCache:
         start = (self.layer, 0, self.index, 0, 0)
         k_all = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
         v_all = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+        # XLA whatever the training kernel: no fused kernel's decoding against a cache is tested
+        del implementation
         out = attend(q, k_all[self.layer], v_all[self.layer], mask, scale=scale, softcap=softcap,
-                     implementation=implementation)
+                     implementation=None, causal=False)
         return dataclasses.replace(self, k=k_all, v=v_all), out
 
 

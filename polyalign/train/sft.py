@@ -101,7 +101,9 @@ class SftObjective:
         example) on labelled positions, so the NLL summed over an example's positions is its mean NLL
         l_i. The same code serves one example per row and packed rows."""
         log_probs = model.token_log_probs(micro_batch["input_ids"], micro_batch["targets"],
-                                          positions=micro_batch["positions"], segment_ids=micro_batch["segment_ids"],
+                                          positions=micro_batch["positions"],
+                                          # packed rows only: a row of one example is causal alone
+                                          segment_ids=micro_batch.get("segment_ids"),
                                           dropout_key=key)
         example_nll = -log_probs * micro_batch["token_scale"]  # sums to l_i over example i's positions
         weights = self._token_weights(micro_batch)
