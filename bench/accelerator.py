@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument("--remat", default="full")
     parser.add_argument("--logprob-chunk", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, default=800.0, help="the device's bf16 matmul peak (H200: 800)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the device's peak for MFU (default: the device kind's datasheet bf16 peak, "
+                             "polyalign/train/throughput.py: 989 for an H200 SXM)")
     parser.add_argument("--vocab-size", type=int, help="override the presets' vocabulary (CPU checks)")
     parser.add_argument("--variant", action="append", default=[],
                         help='an extra polyalign/plain run after the default ones: "PRESET --flag value ..."')
@@ -126,14 +128,15 @@ def main() -> None:
     args = parser.parse_args()
 
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="accelerator-"))
+    peak = ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
     common = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps", str(args.steps),
-              "--peak-tflops", str(args.peak_tflops)]
+              *peak]
     if args.vocab_size:
         common += ["--vocab-size", str(args.vocab_size)]
     policy = ["--remat", args.remat, "--logprob-chunk", str(args.logprob_chunk)]
     ours = [*policy, "--stacks", "polyalign,plain"]
     tunix = ["--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype, "--steps",
-             str(max(args.steps, 4)), "--peak-tflops", str(args.peak_tflops), "--check"]
+             str(max(args.steps, 4)), *peak, "--check"]
 
     plan = []  # (name, train_step arguments, extra environment, variant)
     for preset in args.presets.split(","):

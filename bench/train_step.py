@@ -3,14 +3,17 @@ same step in PyTorch + transformers: the peer).
 
     python bench/train_step.py --preset tiny --batch 4 --seq 128                       # CPU, seconds
     python bench/train_step.py --preset qwen2.5-1.5b --batch 4 --seq 1024 --dtype bfloat16 \\
-        --remat dots --attention cudnn --logprob-chunk 256 --peak-tflops 800          # one H200
+        --remat dots --attention cudnn --logprob-chunk 256                            # one H200
     python bench/train_step.py --preset qwen2.5-1.5b --batch 4 --seq 1024 --compile-only  # memory only
 
 A step is what the trainer runs: SFT on `batch` sequences; HDPO on `batch` pairs (chosen and
 rejected in one pass) with the reference log-probs of the batch computed by a frozen copy of the
-model (timed separately and added). MFU counts 6N FLOPs per token for the policy's forward and
-backward plus 2N for the reference forward (N = matmul parameters including the LM head), plus causal
-attention (halved). Prints a table and writes JSON to $OUT/train_step.json when OUT is set.
+model (timed separately and added). FLOPs as polyalign/model/flops.py counts them, the training
+loop's MFU too: 6N per token for the policy's weights (N = matmul parameters including the LM head),
+2N for the reference's forward, and attention over the keys each query sees (causal; packed segments
+and tree-packed pairs their own). MFU is reported against the device kind's datasheet bf16 peak
+(--peak-tflops overrides it) and against the rate one square matmul reaches here in the compute
+dtype (MFU/mm), measured first. Prints a table and writes JSON to $OUT/train_step.json when OUT is set.
 
 Each polyalign row is paired with a plain JAX step of the same model: one jitted value_and_grad of the
 plain loss over full logits plus optax AdamW, nothing else (no micro-batch scan, no global
@@ -42,18 +45,48 @@ from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.pair_rows import packed_pair_arrays  # noqa: E402
 from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
-from polyalign.model.flops import flops_per_token, matmul_parameters  # noqa: E402
+from polyalign.model.flops import matmul_parameters, step_flops  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
 from polyalign.model.presets import preset, preset_or_file  # noqa: E402
 from polyalign.train.config import PreferenceConfig  # noqa: E402
 from polyalign.train.losses import dpo_loss  # noqa: E402
 from polyalign.train.preference import PreferenceObjective, sequence_logps  # noqa: E402
 from polyalign.train.sft import SftObjective  # noqa: E402
+from polyalign.train.throughput import known_peak_tflops  # noqa: E402
 from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer  # noqa: E402
 
 
-def step_flops(cfg, tokens: int, seq: int, reference: bool) -> float:
-    return flops_per_token(cfg, seq, reference_forward=reference) * tokens
+def batch_segments(batch) -> list:
+    """The causal segments a batch's rows hold, as model/flops.py step_flops counts them: tree-packed pairs
+    as (prompt, [chosen, rejected]) trees, packed SFT rows segment by segment, row pairs as their two
+    sequences, SFT rows as one sequence each (real tokens only)."""
+    host = jax.tree.map(np.asarray, batch)
+    if "branch_ids" in host:
+        segments, branches = host["segment_ids"].reshape(-1, host["segment_ids"].shape[-1]), \
+            host["branch_ids"].reshape(-1, host["branch_ids"].shape[-1])
+        return [(int(((seg == s) & (branch == 0)).sum()), [int(((seg == s) & (branch == b)).sum()) for b in (1, 2)])
+                for seg, branch in zip(segments, branches) for s in np.unique(seg[seg > 0])]
+    if "segment_ids" in host:
+        ids = host["segment_ids"].reshape(-1, host["segment_ids"].shape[-1])
+        return [int((row == s).sum()) for row in ids for s in np.unique(row[row > 0])]
+    if "chosen_length" in host:
+        return [int(n) for side in ("chosen", "rejected") for n in host[f"{side}_length"].reshape(-1)]
+    return [int(n) for n in host["length"].reshape(-1)]
+
+
+def matmul_tflops(dtype: str, size: int | None = None) -> float:
+    """The rate this device reaches on one square matmul in `dtype` (TFLOP/s): the bench's own ceiling,
+    beside the datasheet peak (8192 on an accelerator, 1024 on a CPU)."""
+    size = size or (1024 if jax.default_backend() == "cpu" else 8192)
+    a = jnp.ones((size, size), dtype)
+    product = jax.jit(lambda x, y: x @ y)
+    seconds = _time(lambda: product(a, a), 5)[1]
+    return 2 * size ** 3 / seconds / 1e12
+
+
+def datasheet_peak(args) -> float | None:
+    """--peak-tflops, else the device kind's datasheet peak (polyalign/train/throughput.py), else None."""
+    return args.peak_tflops or known_peak_tflops(jax.devices()[0].device_kind)
 
 
 def _sft_batch(rng, micro, b, seq, vocab):
@@ -141,19 +174,21 @@ def compiled_memory(compiled) -> dict[str, float | None]:
     return {"xla_temp_gib": round(analysis.temp_size_in_bytes / 2**30, 3), "xla_peak_gib": round(peak / 2**30, 3)}
 
 
-def _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, tokens=None):
-    sequences = args.batch * (2 if method == "hdpo" else 1)
-    tokens = tokens or sequences * args.seq  # packed rows: the real tokens they hold
-    flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
+def _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, segments):
+    """A table row; FLOPs as model/flops.py counts the batch's `segments` (the HDPO reference's forward
+    pass included: it is timed and added)."""
+    tokens = sum(s if isinstance(s, int) else s[0] + sum(s[1]) for s in segments)
+    flops = step_flops(cfg, segments, reference_forward=method == "hdpo")
     row = {"stack": stack, "method": method, "compile_s": round(compile_s, 2), "tokens": tokens, **memory}
     if step_s is None:  # --compile-only
         return {**row, "step_s": None, "reference_s": None, "tokens_per_s": None, "tflops_per_s": None, "mfu": None,
-                "peak_memory_gib": None}
+                "mfu_vs_matmul": None, "peak_memory_gib": None}
     total_s = step_s + reference_s
-    peak = _peak_memory()
+    peak, rate = _peak_memory(), flops / total_s / 1e12
     return {**row, "step_s": round(total_s, 6), "reference_s": round(reference_s, 6),
-            "tokens_per_s": round(tokens / total_s, 1), "tflops_per_s": round(flops / total_s / 1e12, 3),
-            "mfu": round(flops / total_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
+            "tokens_per_s": round(tokens / total_s, 1), "tflops_per_s": round(rate, 3),
+            "mfu": round(rate / args.peak, 3) if args.peak else None,
+            "mfu_vs_matmul": round(rate / args.matmul_tflops, 3) if args.matmul_tflops else None,
             "peak_memory_gib": round(peak / 2**30, 2) if peak else None}
 
 
@@ -178,7 +213,7 @@ def bench_polyalign(args, cfg, method: str) -> dict:
     else:
         batch = _batch(rng, args, cfg, method)
     stack = "polyalign (JAX) packed" if args.packed else "polyalign (JAX)"
-    tokens = int(batch["length"].sum()) if args.packed else None
+    segments = batch_segments(batch)
     objective = SftObjective(1) if method == "sft" else PreferenceObjective(PreferenceConfig(init="bench"), 1)
     model = abstract_model(cfg) if args.compile_only else create_model(cfg)  # compile-only allocates nothing
     trainer = Trainer(model, objective, OptimizerConfig(lr=1e-5),
@@ -187,10 +222,10 @@ def bench_polyalign(args, cfg, method: str) -> dict:
     memory = compiled_memory(trainer.compiled_step(batch))
     compile_s = time.perf_counter() - started
     if args.compile_only:
-        return _row(args, cfg, stack, method, compile_s, None, None, memory, tokens)
+        return _row(args, cfg, stack, method, compile_s, None, None, memory, segments)
     step_s = _time(lambda: trainer.step(batch)["loss"], args.steps)[1]
     reference_s = _reference_seconds(args, cfg, batch) if method == "hdpo" else 0.0
-    return _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, tokens)
+    return _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, segments)
 
 
 def bench_plain(args, cfg, method: str) -> dict:
@@ -221,7 +256,7 @@ def bench_plain(args, cfg, method: str) -> dict:
     memory = compiled_memory(step.lower(params, opt_state, batch).compile())
     compile_s = time.perf_counter() - started
     if args.compile_only:
-        return _row(args, cfg, "plain JAX", method, compile_s, None, None, memory)
+        return _row(args, cfg, "plain JAX", method, compile_s, None, None, memory, batch_segments(batch))
     carry = [params, opt_state]
 
     def run():
@@ -231,7 +266,7 @@ def bench_plain(args, cfg, method: str) -> dict:
     step_s = _time(run, args.steps)[1]
     reference_s = _reference_seconds(args, cfg, _batch(np.random.default_rng(0), args, cfg, method)) \
         if method == "hdpo" else 0.0
-    return _row(args, cfg, "plain JAX", method, compile_s, step_s, reference_s, memory)
+    return _row(args, cfg, "plain JAX", method, compile_s, step_s, reference_s, memory, batch_segments(batch))
 
 
 def bench_peer(args, cfg, method: str) -> dict | None:
@@ -287,7 +322,7 @@ def bench_peer(args, cfg, method: str) -> dict | None:
         times.append(time.perf_counter() - started)
     step_s = statistics.median(times)
     tokens = sequences * args.seq
-    flops = step_flops(cfg, tokens, args.seq, reference=method == "hdpo")
+    flops = step_flops(cfg, [args.seq] * sequences, reference_forward=method == "hdpo")
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     return {"stack": "PyTorch + transformers", "method": method, "compile_s": round(compile_s, 2),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
@@ -295,7 +330,8 @@ def bench_peer(args, cfg, method: str) -> dict | None:
             "step_s": round(step_s, 6), "reference_s": None, "tokens": tokens,
             "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_s": round(flops / step_s / 1e12, 3),
-            "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None,
+            "mfu": round(flops / step_s / (args.peak * 1e12), 3) if args.peak else None,
+            "mfu_vs_matmul": round(flops / step_s / (args.matmul_tflops * 1e12), 3) if args.matmul_tflops else None,
             "peak_memory_gib": round(peak, 2) if peak else None, "xla_temp_gib": None, "xla_peak_gib": None}
 
 
@@ -310,7 +346,8 @@ def main() -> None:
     parser.add_argument("--remat", choices=("none", "full", "dots"), default="none")
     parser.add_argument("--attention", choices=("xla", "cudnn"), help="jax.nn.dot_product_attention implementation")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (e.g. 800 for an H200 in bf16)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the device's peak for MFU (default: the device kind's datasheet bf16 peak, none on CPU)")
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch + transformers peer")
     parser.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (small CPU runs)")
     parser.add_argument("--logprob-chunk", type=int, default=0,
@@ -325,6 +362,8 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true",
                         help="compile and report XLA's memory analysis only (implies --no-peer)")
     args = parser.parse_args()
+    args.peak = datasheet_peak(args)
+    args.matmul_tflops = None if args.compile_only else matmul_tflops(args.dtype)
 
     overrides = {"dtype": args.dtype, "remat": args.remat, "attention_impl": args.attention,
                  "logprob_chunk": args.logprob_chunk}
@@ -349,9 +388,10 @@ def main() -> None:
     print(f"{args.preset}: {cfg.num_parameters() / 1e6:,.1f}M parameters, {matmul_parameters(cfg) / 1e6:,.1f}M in "
           f"matmuls; batch {args.batch} x seq {args.seq}, {args.dtype}, remat {args.remat}, "
           f"logprob chunk {args.logprob_chunk or 'off'}; "
-          f"{jax.devices()[0].device_kind}")
+          f"{jax.devices()[0].device_kind} (peak {args.peak or '-'} TFLOP/s; one {args.dtype} matmul "
+          f"{'-' if args.matmul_tflops is None else f'{args.matmul_tflops:.3f}'} TFLOP/s)")
     print(f"{'stack':24s} {'method':6s} {'compile s':>9s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
-          f"{'MFU':>5s} {'peak GiB':>8s} {'XLA peak':>8s} {'XLA temp':>8s}")
+          f"{'MFU':>5s} {'MFU/mm':>6s} {'peak GiB':>8s} {'XLA peak':>8s} {'XLA temp':>8s}")
 
     def cell(value, spec):
         return "-" if value is None else format(value, spec)
@@ -359,7 +399,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['stack']:24s} {r['method']:6s} {r['compile_s']:9.2f} {cell(r['step_s'], '8.3f'):>8s} "
               f"{cell(r['tokens_per_s'], '10,.0f'):>10s} {cell(r['tflops_per_s'], '8.3f'):>8s} "
-              f"{cell(r['mfu'], '.2f'):>5s} "
+              f"{cell(r['mfu'], '.2f'):>5s} {cell(r['mfu_vs_matmul'], '.2f'):>6s} "
               f"{cell(r['peak_memory_gib'], '.1f'):>8s} {cell(r['xla_peak_gib'], '.3f'):>8s} "
               f"{cell(r['xla_temp_gib'], '.3f'):>8s}")
     for method in methods:
@@ -370,7 +410,7 @@ def main() -> None:
     result = {"preset": args.preset, "parameters": cfg.num_parameters(), "batch": args.batch, "seq": args.seq,
               "dtype": args.dtype, "remat": args.remat, "attention": args.attention,
               "logprob_chunk": args.logprob_chunk, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "rows": rows}
+              "peak_tflops": args.peak, "matmul_tflops": args.matmul_tflops, "rows": rows}
     write_result("train_step", result)
 
 

@@ -12,7 +12,7 @@ Tunix pins its own transformers and datasets, so it runs in an environment of it
     python -m venv .venv-tunix && .venv-tunix/bin/pip install google-tunix==0.1.7
     PYTHONPATH=. .venv-tunix/bin/python bench/tunix_peer.py --preset tiny --batch 2 --seq 64 --check
     PYTHONPATH=. .venv-tunix/bin/python bench/tunix_peer.py --preset qwen2.5-1.5b --batch 4 --seq 1024 \\
-        --dtype bfloat16 --peak-tflops 989
+        --dtype bfloat16
 
 Writes $OUT/tunix_peer.json when OUT is set.
 """
@@ -34,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from result_file import write_result  # noqa: E402
 
 from polyalign.model import create_model, family_defaults, save_hf_checkpoint  # noqa: E402
-from polyalign.model.flops import flops_per_token  # noqa: E402
+from polyalign.model.flops import step_flops  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402
 from polyalign.train.losses import dpo_loss  # noqa: E402
+from polyalign.train.throughput import known_peak_tflops  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, tie_embeddings=True)
@@ -146,10 +147,13 @@ def time_tunix(tunix_policy, tunix_reference, pairs, args, cfg) -> dict:
     step_s = float(np.median(steady))
     prompts, chosen, rejected = pairs  # both sides run the prompt
     tokens = sum(2 * len(p) + len(c) + len(r) for p, c, r in zip(prompts, chosen, rejected))
-    flops = flops_per_token(cfg, args.prompt_len + args.response_len, reference_forward=True) * tokens
+    # both sides as whole sequences with the reference's forward pass, as train_step.py counts polyalign's
+    sequences = [len(p) + len(side) for side_of_pair in (chosen, rejected) for p, side in zip(prompts, side_of_pair)]
+    flops = step_flops(cfg, sequences, reference_forward=True)
+    peak = args.peak_tflops or known_peak_tflops(jax.devices()[0].device_kind)
     return {"stack": "tunix", "method": "dpo", "step_s": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
             "tflops_per_s": round(flops / step_s / 1e12, 3),
-            "mfu": round(flops / step_s / (args.peak_tflops * 1e12), 3) if args.peak_tflops else None}
+            "mfu": round(flops / step_s / (peak * 1e12), 3) if peak else None}
 
 
 def main() -> None:
@@ -161,7 +165,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed Tunix steps (the first two compile)")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--check", action="store_true", help="first compare the DPO loss with polyalign's")
-    parser.add_argument("--peak-tflops", type=float, help="per-device peak for MFU (e.g. 989 for an H200 in bf16)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="per-device peak for MFU (default: the device kind's datasheet bf16 peak)")
     args = parser.parse_args()
     args.prompt_len, args.response_len = args.seq // 2, args.seq - args.seq // 2
     cfg = model_config(args)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO, TINY_MODEL
@@ -52,19 +53,19 @@ def test_compile_only_reports_that_chunked_log_probs_drop_the_logits(tmp_path):
     assert full - chunked > logits_bytes
 
 
-def test_flop_count_by_hand():
+def test_the_step_bench_counts_the_segments_each_layout_holds():
+    """train_step.py's FLOPs are model/flops.py's over what the batch really holds: SFT rows as their
+    real lengths, row pairs as both sides, packed rows segment by segment, tree-packed pairs as trees."""
     sys.path.insert(0, str(REPO / "bench"))
-    from train_step import matmul_parameters, step_flops
+    from train_step import _packed_pair_batch, _packed_sft_batch, _pair_batch, _sft_batch, batch_segments
 
-    from polyalign.model.presets import preset
-
-    cfg = preset("qwen2.5-0.5b")  # tied: the embedding counts once, as the LM head
-    norms = 896 * 2 * 24 + 896
-    assert matmul_parameters(cfg) == 494_032_768 - norms
-    attention = 2 * 2 * 24 * 1024 * 14 * 64 * 0.5
-    assert step_flops(cfg, 1024, 1024, reference=False) == pytest.approx(
-        6 * (matmul_parameters(cfg) + attention) * 1024)
-    assert step_flops(cfg, 1024, 1024, reference=True) == pytest.approx(8 * (matmul_parameters(cfg) + attention) * 1024)
+    rng = np.random.default_rng(0)
+    assert batch_segments(_sft_batch(rng, 1, 2, 64, 100)) == [64, 64]
+    assert batch_segments(_pair_batch(rng, 1, 3, 32, 100)) == [32] * 6
+    assert batch_segments(_packed_sft_batch(rng, 2, 64, 100)) == [16] * 8  # 4 examples of 17 ids a row
+    # a prompt of 64 / 8 = 8 tokens and two continuations of 3 x 64 / 16 = 12, as next-token inputs (19
+    # a side): the first 7 computed once, the prompt's last one in each branch (its targets differ)
+    assert batch_segments(_packed_pair_batch(rng, 1, 64, 100)) == [(7, [12, 12])] * 2
 
 
 def test_input_pipeline_bench_reports_both_layouts(built_run, tmp_path):

@@ -250,8 +250,9 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                evaluate=evaluate if val_examples else None, summarize=lambda host: summarize(host, buckets),
                checkpoint_meta={"method": config.method}, finish=finish,
                summary={"train_pairs": len(train_examples), "val_pairs": len(val_examples), **paths},
-               # the reference's log-probs were computed before training: a step runs the policy only
-               flops_per_token=flops_per_token(model.config, max_length))
+               # a reference in the step adds its forward pass; a precomputed one costs the step nothing
+               flops_per_token=flops_per_token(model.config, max_length, reference_forward=(
+                   method_spec(config.method).needs_reference and config.reference == "in_step")))
 
 
 def summary_line(result: dict[str, Any]) -> str:

@@ -11,26 +11,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Dense (no sparsity) bf16 tensor peaks in TFLOP/s per device, first match wins: a device kind as
-# jax reports it ("NVIDIA H100 80GB HBM3", "TPU v5 lite") contains the key, case-insensitively.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),  # SXM
-    ("H200", 989.0),
-    ("A100", 312.0),
-    ("TPU v4", 275.0),
-    ("TPU v5 lite", 197.0),  # v5e
-    ("TPU v5e", 197.0),
-    ("TPU v5", 459.0),  # v5p reports "TPU v5" or "TPU v5p"
-    ("TPU v6 lite", 918.0),  # v6e (Trillium)
-    ("TPU v6e", 918.0),
-)
+# Dense (no sparsity) bf16 tensor peaks in TFLOP/s per device, from the datasheets, by the device kind
+# exactly as jax reports it (case aside): "NVIDIA H200 NVL" is not an H200 SXM. A kind not listed gets
+# no MFU unless train.peak_tflops gives its peak.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "NVIDIA H200": 989.0,  # SXM
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,  # v5e
+    "TPU v5e": 197.0,
+    "TPU v5": 459.0,  # v5p
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,  # v6e (Trillium)
+    "TPU v6e": 918.0,
+}
+_PEAKS_BY_KIND = {kind.lower(): peak for kind, peak in PEAK_BF16_TFLOPS.items()}
 
 
 def known_peak_tflops(device_kind: str) -> float | None:
-    """The listed peak of this device kind, or None."""
-    kind = device_kind.lower()
-    return next((peak for name, peak in PEAK_BF16_TFLOPS if name.lower() in kind), None)
+    """The datasheet peak of this device kind, or None when it is not listed."""
+    return _PEAKS_BY_KIND.get(device_kind.strip().lower())
 
 
 @dataclass(frozen=True)
