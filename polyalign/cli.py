@@ -486,6 +486,7 @@ def _add_generate(sub) -> None:
                                                            "holding this probability (default 1.0, no cut)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0, no cut)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded at once (default 16)")
+    _dtype_option(p, "the model")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end (default 512)")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
@@ -494,6 +495,12 @@ def _add_generate(sub) -> None:
                                                             "(or not by polyalign)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_generate)
+
+
+def _dtype_option(parser, what: str) -> None:
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help=f"weights and computation of {what} (default auto: bfloat16 on GPU and TPU, float32 on "
+                             "a CPU)")
 
 
 def _run_generate(args) -> int:
@@ -525,7 +532,7 @@ def _run_generate(args) -> int:
                               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
                               sample=args.sample, seed=args.seed,
                               budget_records=None if budget_records is None else str(budget_records.resolve()),
-                              budget_quantile=args.budget_quantile, budget_margin=args.budget_margin)
+                              budget_quantile=args.budget_quantile, budget_margin=args.budget_margin, dtype=args.dtype)
     summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
                                    overwrite=args.overwrite)
     for note in summary["notes"]:
@@ -649,6 +656,7 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--featurizer", type=_location, help="checkpoint whose mean-pooled hidden states feed MAUVE and a "
                                                    "second detectability; without it MAUVE is reported as skipped")
     p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR")
+    _dtype_option(p, "the featurizer and the scorer")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
     p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
@@ -663,7 +671,7 @@ def _run_evaluate(args) -> int:
                               featurizer=args.featurizer, scorer=args.scorer, allow_partial=args.allow_partial,
                               intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
                               diversity=not args.no_diversity, baselines=not args.no_baselines,
-                              detectability=not args.no_detectability)
+                              detectability=not args.no_detectability, dtype=args.dtype)
     result = evaluate(args.records, args.predictions, args.out, options, overwrite=args.overwrite)
     m, reasons = result["metrics"], result.get("not_available", {})
 

@@ -138,6 +138,13 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert [r["id"] for r in rows] == [r.id for r in records]
     assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens", "profile"} for r in rows)
     assert all(r["new_tokens"] <= 6 and r["model"] == "ckpt" for r in rows)
+    # --dtype: auto is float32 on this CPU; the manifest records the dtype the model ran in
+    assert json.loads((tmp_path / "pred.manifest.json").read_text())["settings"]["dtype"] == "float32"
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(tmp_path / "half.jsonl"), "--limit", "4", "--max-new-tokens", "6", "--dtype", "bfloat16",
+                 "--no-progress"]) == 0
+    assert json.loads((tmp_path / "half.manifest.json").read_text())["settings"]["dtype"] == "bfloat16"
+    assert len((tmp_path / "half.jsonl").read_text().splitlines()) == 4
     # --max-new-tokens auto: each record within its bucket's budget, taken from train.jsonl beside the records
     auto = tmp_path / "auto.jsonl"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),

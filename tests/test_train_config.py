@@ -436,3 +436,21 @@ def test_train_help_lists_every_own_key_with_its_default_range_and_help(capsys):
             if f.metadata.get("range"):
                 assert f"({f.metadata['range']})" in line, line
             assert f.metadata.get("help"), (spec.name, key, "has no help")
+
+
+def test_model_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_a_cpu(monkeypatch, capsys):
+    """The compute dtype's default: bfloat16 where matrix units run it at full rate, float32 on a CPU;
+    training resolves it once (after jax.distributed) and says so on an accelerator; a dtype given stays."""
+    from polyalign.model.architecture import compute_dtype
+    from polyalign.train.run import with_compute_dtype
+
+    assert [compute_dtype("auto", backend) for backend in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
+    assert compute_dtype("float16", "tpu") == "float16" and compute_dtype("float32", "gpu") == "float32"
+    config = load_config(REPO / "configs" / "hdpo_demo.yaml", [], method="hdpo")
+    assert config.model.dtype == "auto"
+    assert with_compute_dtype(config).model.dtype == "float32" and capsys.readouterr().out == ""  # a CPU: no notice
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert with_compute_dtype(config).model.dtype == "bfloat16"
+    assert "polyalign: model.dtype auto: bfloat16 on gpu" in capsys.readouterr().out
+    given = load_config(REPO / "configs" / "hdpo_demo.yaml", ["model.dtype=float32"], method="hdpo")
+    assert with_compute_dtype(given).model.dtype == "float32"

@@ -468,3 +468,52 @@ def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(bui
     assert analysis.argument_size_in_bytes >= 3 * 4 * cfg.num_parameters()
     with pytest.raises(TrainingError, match="abstract model"):
         trainer.step(batch)
+
+
+def test_a_stop_between_checkpoints_saves_the_iterator_where_the_steps_left_it(built_run, tmp_path):
+    """The loop reads the next batch while a step runs. A stop (SIGTERM) after step 2, between two
+    checkpoint steps, must checkpoint the data iterator after the two batches trained, not after the
+    third one read ahead, or the resumed run would skip a batch; with no stop the read-ahead batch is
+    the next step's."""
+    import signal
+
+    from polyalign.mesh import parallel
+    from polyalign.model import create_model
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.sft import SftObjective
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+    from tests.conftest import tiny_model_config
+
+    run, manifest = built_run
+    source, length = pipeline.open_split(run, "train"), manifest["options"]["max_length"]
+
+    def batches():
+        return pipeline.iterate(pipeline.train_batches(source, pipeline.Layout(8, 1), 5, length, manifest["pad_id"],
+                                                       seed=0))
+
+    def trainer():
+        return Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
+                       SftObjective(len(manifest["buckets"])), OptimizerConfig(),
+                       LoopConfig(steps=5, global_batch=8, checkpoint_every=100), parallel.make_mesh())
+
+    steps = []
+
+    def stop_after_two(host):
+        steps.append(float(host["loss"]))
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler turns it into a stop after this step
+        return {}
+
+    stopped = batches()
+    result = trainer().fit(stopped, summarize=stop_after_two, checkpointer=Checkpointer(tmp_path / "ckpt", 100, 1),
+                           progress=False)
+    assert result["interrupted"] and result["end_step"] == 2 and (tmp_path / "ckpt" / "2").is_dir()
+    two_read = batches()
+    next(two_read), next(two_read)
+    assert stopped.get_state() == two_read.get_state()
+    # Uninterrupted, the batches are the same ones in the same order: the same losses as step by step.
+    by_hand, straight = trainer(), batches()
+    expected = [float(jax.device_get(by_hand.step(next(straight)))["loss"]) for _ in range(5)]
+    steps.clear()
+    trainer().fit(batches(), summarize=lambda host: steps.append(float(host["loss"])) or {}, progress=False)
+    assert steps == expected

@@ -33,6 +33,7 @@ from polyalign.features.lm import LMScorer, record_lm_features
 from polyalign.features.response import FEATURE_NAMES, text_features
 from polyalign.generate.predictions import check_generated_from, iter_predictions
 from polyalign.model import load_hf_checkpoint
+from polyalign.model.architecture import compute_dtype
 from polyalign.model.pooling import encode_responses
 from polyalign.tokens.tokenizer import load_tokenizer
 
@@ -119,6 +120,7 @@ class EvaluateOptions:
     diversity: bool = True
     baselines: bool = True
     detectability: bool = True
+    dtype: str = "auto"  # of the featurizer and scorer (model/architecture.py compute_dtype)
 
     @property
     def tokenize(self) -> str:
@@ -143,7 +145,9 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
                 "scorer": options.scorer and str(options.scorer), "allow_partial": options.allow_partial,
                 "plots": options.plots, "intervals": dataclasses.asdict(options.intervals),
                 "diversity": options.diversity, "baselines": options.baselines,
-                "detectability": options.detectability}
+                "detectability": options.detectability,
+                # the dtype a featurizer or scorer ran in, which changes their numbers (none: no model ran)
+                **({"dtype": compute_dtype(options.dtype)} if options.featurizer or options.scorer else {})}
     out = Path(out)
     check_generated_from(Path(predictions_path), Path(records_path))
     with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
@@ -192,7 +196,7 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
     utility = _utility(scores, joined)
     div = _diversity_section(joined, options)
     bng_metrics, hcr_metrics, bucket_reports, reference_rows = _naturalness(joined, scores, utility, options)
-    featurize = _featurizer(options.featurizer) if options.featurizer is not None else None
+    featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
     mauve_metrics = _mauve_section(joined, featurize)
     detect = _detectability_section(joined, options, featurize)
     for name, row in detect.get("baselines", {}).items():
@@ -246,7 +250,7 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
                  options: EvaluateOptions) -> tuple[dict, dict, dict, dict]:
     """The feature-based naturalness sections: BNG, HCR, the per-bucket reports and the reference rows
     (human floor and no-model baselines). The default mode also adds F1's intervals to `utility`."""
-    lm = _lm_scorer(options.scorer) if options.scorer is not None else None
+    lm = _lm_scorer(options.scorer, options.dtype) if options.scorer is not None else None
     records, by_bucket = joined.records, joined.by_bucket
     human_features = _answer_features(records, None, lm)
     generated_features = _answer_features(records, joined.predictions, lm)
@@ -589,10 +593,10 @@ def _finite(value):
     return value
 
 
-def _featurizer(checkpoint: Path):
+def _featurizer(checkpoint: Path, dtype: str):
     """Texts -> mean-pooled hidden states of the checkpoint; each distinct text is encoded once, since
     MAUVE (overall and per bucket) and detectability read the same answers again."""
-    model, tokenizer = load_hf_checkpoint(checkpoint), load_tokenizer(checkpoint)
+    model, tokenizer = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype)), load_tokenizer(checkpoint)
     seen: dict[str, np.ndarray] = {}
 
     def featurize(texts):
@@ -605,8 +609,8 @@ def _featurizer(checkpoint: Path):
     return featurize
 
 
-def _lm_scorer(scorer: Path):
-    return LMScorer(load_hf_checkpoint(scorer), load_tokenizer(scorer))
+def _lm_scorer(scorer: Path, dtype: str):
+    return LMScorer(load_hf_checkpoint(scorer, dtype=compute_dtype(dtype)), load_tokenizer(scorer))
 
 
 def _answer_features(records, answers: list[str] | None, lm) -> dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConf
 from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
+from polyalign.model.architecture import compute_dtype
 from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages
 from polyalign.tokens.tokenizer import load_tokenizer
 
@@ -32,7 +33,9 @@ class GenerateOptions:
     (each record draws from its own seed, made from this one and its id) and of `sample`; model_name:
     the `model` of every row (default: the checkpoint's run folder). budget_records: `max_new_tokens
     auto`, each record budgeted by its bucket's human answers in these records (budgets.py: the
-    budget_quantile of their token counts times budget_margin), sampling.max_new_tokens the ceiling."""
+    budget_quantile of their token counts times budget_margin), sampling.max_new_tokens the ceiling.
+    dtype: of the weights and the computation (model/architecture.py compute_dtype: auto is bfloat16
+    on GPU/TPU, float32 on a CPU); the manifest records the one used."""
 
     profile: str = "context"
     template: str | None = None
@@ -46,6 +49,7 @@ class GenerateOptions:
     budget_records: str | None = None
     budget_quantile: float = 0.99
     budget_margin: float = 1.2
+    dtype: str = "auto"
 
 
 def stop_ids_of(tokenizer, chat) -> list[int]:
@@ -56,13 +60,13 @@ def stop_ids_of(tokenizer, chat) -> list[int]:
     return stop_ids
 
 
-def open_checkpoint(checkpoint, template: str | None, config: EngineConfig):
+def open_checkpoint(checkpoint, template: str | None, config: EngineConfig, dtype: str = "auto"):
     """(engine, tokenizer, chat template) for `checkpoint`: the parameters are loaded straight into their
     shardings and the sequences spread over data x fsdp; `template` None is the checkpoint's own
     (tokens/chat.py choose_template). On one device too the engine runs under a mesh, as the drift probe's
     does inside training: the programs are then traced alike and compiled once for both."""
     mesh = parallel.make_mesh()
-    model = load_hf_checkpoint(checkpoint, mesh=mesh)
+    model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype), mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
     chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)
     return Engine(model, stop_ids_of(tokenizer, chat), config, mesh=mesh), tokenizer, chat
@@ -79,6 +83,7 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     """Writes one JSONL row per record: {id, prediction, model, finish_reason, new_tokens}. OUT.manifest.json
     records the settings, the records' digest and the checkpoint; predictions made with other settings are
     not replaced unless `overwrite`."""
+    options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
     settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), **asdict(options)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
@@ -95,7 +100,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     engine, tokenizer, chat = open_checkpoint(
         checkpoint, options.template,
         EngineConfig(slots=options.batch_size,
-                     max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens))
+                     max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens), options.dtype)
     name = options.model_name or run_name(checkpoint)
     budgets = None
     if options.budget_records is not None:

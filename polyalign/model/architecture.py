@@ -18,6 +18,21 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "q
 LAYER_TYPES = ("full_attention", "sliding_attention")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "splash")
+# Compute dtypes of training, generation and evaluation; `auto` is resolved by compute_dtype.
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def compute_dtype(name: str, backend: str | None = None) -> str:
+    """`auto`: bfloat16 on GPU and TPU (the precision their matrix units run at full rate; parameters
+    and optimizer state stay float32 in training), float32 on a CPU (exact, and faster there); any other
+    name as it is. `backend` defaults to JAX's, so call this after jax.distributed is set up."""
+    if name != "auto":
+        return name
+    if backend is None:
+        import jax  # heavy: kept out of the module, which --help imports
+
+        backend = jax.default_backend()
+    return "float32" if backend == "cpu" else "bfloat16"
 ROPE_TYPES = ("llama3", "linear")
 QUANTIZE_KINDS = ("nf4", "int8")  # storage of a frozen base's projections (polyalign/model/quantize.py)
 

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as Tokenizers
 from polyalign.core.errors import CheckpointError
 from polyalign.core.paths import as_path
 from polyalign.mesh import parallel
+from polyalign.model.architecture import compute_dtype
 from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.lora import has_adapters, merge_adapters, peft_config, peft_state_dict
 from polyalign.model.transformer import Transformer
@@ -238,7 +239,7 @@ def training_card(config: Any) -> dict[str, Any]:
     """The model card's rows from a training config."""
     return {"method": config.method,
             "base": base_reference(config.init) or f"trained from scratch (preset {config.model.preset})",
-            "data": config.data.dir, "steps": config.train.steps, "training dtype": config.model.dtype}
+            "data": config.data.dir, "steps": config.train.steps, "training dtype": compute_dtype(config.model.dtype)}
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
@@ -253,7 +254,7 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
-                      dtype=config.model.export_dtype or config.model.dtype, card=training_card(config),
+                      dtype=config.model.export_dtype or compute_dtype(config.model.dtype), card=training_card(config),
                       base=config.init, system=system)
     return {"model": str(as_path(out) / "model"), **written}
 

@@ -45,7 +45,7 @@ class LoraSection:
 @dataclass(frozen=True)
 class ModelSection:
     preset: str = "tiny"  # architecture for a model trained from scratch (ignored with `init`)
-    dtype: str = "float32"  # compute dtype; parameters stay float32
+    dtype: str = "auto"  # compute dtype, auto: bfloat16 on GPU/TPU, float32 on CPU; parameters stay float32
     export_dtype: str | None = None  # weights of OUT/model: float32, bfloat16, float16; None: model.dtype
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots

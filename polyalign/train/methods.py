@@ -290,9 +290,9 @@ def check_ranges(config: Any, where: str = "config") -> None:
 def check_config(config: Any, where: str = "config") -> None:
     """Values every method shares the meaning of, and each method's own choices."""
     # heavy: polyalign.model imports jax, kept out of --help
-    from polyalign.model.architecture import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+    from polyalign.model.architecture import ATTENTION_IMPLEMENTATIONS, COMPUTE_DTYPES, REMAT_POLICIES
 
-    _check_choice(where, "model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
+    _check_choice(where, "model.dtype", config.model.dtype, COMPUTE_DTYPES)
     _check_choice(where, "model.export_dtype", config.model.export_dtype, (None, "float32", "bfloat16", "float16"))
     _check_choice(where, "model.remat", config.model.remat, REMAT_POLICIES)
     _check_choice(where, "model.attention_impl", config.model.attention_impl, ATTENTION_IMPLEMENTATIONS)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from polyalign.core.yaml_config import ConfigError
 from polyalign.mesh.parallel import mesh_shape
-from polyalign.model.architecture import ModelConfig, from_hf_config
+from polyalign.model.architecture import ModelConfig, compute_dtype, from_hf_config
 from polyalign.model.hf import read_hf_config
 from polyalign.model.presets import preset
 from polyalign.model.quantize import bits_per_weight
@@ -90,10 +90,11 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
         raise ConfigError(f"{path}: plan covers the methods that train a decoder (sft, hdpo, dpo, ipo), "
                           f"not {config.method!r}")
     lora = config.model.lora.to_model()
-    # Adapted runs keep the frozen base in the compute dtype (polyalign/train/run.py: load_init).
-    policy = dict(dtype=config.model.dtype, remat=config.model.remat, logprob_chunk=config.model.logprob_chunk,
-                  lora=lora, quantize=config.model.quantize,
-                  param_dtype=config.model.dtype if lora is not None else "float32")
+    # Adapted runs keep the frozen base in the compute dtype (polyalign/train/run.py: load_init); a plan
+    # is for accelerators, where `auto` computes in bfloat16.
+    dtype = compute_dtype(config.model.dtype, backend="gpu")
+    policy = dict(dtype=dtype, remat=config.model.remat, logprob_chunk=config.model.logprob_chunk,
+                  lora=lora, quantize=config.model.quantize, param_dtype=dtype if lora is not None else "float32")
     built = _build_options(config.data)
     # A model trained from a preset takes the build's tokenizer's vocabulary, as training does (sft.py).
     vocabulary = {"vocab_size": built["vocab_size"]} if built.get("vocab_size") else {}

@@ -31,6 +31,7 @@ from polyalign.inputs.pipeline import Layout
 from polyalign.mesh import parallel
 from polyalign.mesh.watchdog import Watchdog, resolve_timeout
 from polyalign.model import load_hf_checkpoint
+from polyalign.model.architecture import compute_dtype
 from polyalign.model.lora import add_adapters, quantize_base
 from polyalign.train import ownership
 from polyalign.train.checkpoint import Checkpointer
@@ -93,8 +94,9 @@ def load_init(config, mesh=None) -> nnx.Module:
     """The config's `init` checkpoint in its compute dtype and execution policy, placed over `mesh`;
     with `model.lora`, frozen in the compute dtype (or `model.quantize`d) and carrying fresh adapters."""
     # A frozen base needs no float32 master copy: it is stored as it computes.
-    dtype = config.model.dtype if config.model.lora.rank else "float32"
-    model = load_hf_checkpoint(config.init, dtype=dtype, compute_dtype=config.model.dtype, mesh=mesh,
+    compute = compute_dtype(config.model.dtype)
+    dtype = compute if config.model.lora.rank else "float32"
+    model = load_hf_checkpoint(config.init, dtype=dtype, compute_dtype=compute, mesh=mesh,
                                **model_policy(config.model))
     return with_adapters(model, config, mesh)
 
@@ -115,11 +117,25 @@ def save_config(out, config) -> None:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str) + "\n")
 
 
+def with_compute_dtype(config):
+    """The config with `model.dtype: auto` resolved for this backend (model/architecture.py
+    compute_dtype), said once on accelerators; the run's config.json records what it trained in."""
+    model = getattr(config, "model", None)
+    if getattr(model, "dtype", None) != "auto":
+        return config
+    dtype = compute_dtype("auto")
+    if jax.default_backend() != "cpu" and jax.process_index() == 0:
+        print(f"polyalign: model.dtype auto: {dtype} on {jax.default_backend()} (model.dtype=float32 for full "
+              "precision)", flush=True)
+    return dataclasses.replace(config, model=dataclasses.replace(model, dtype=dtype))
+
+
 def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
     """Runs (or resumes) the training run `config` describes into OUT; returns its summary. `existing`
     says what to do when OUT holds a run of another config (polyalign/train/ownership.py): continue
     only a run of the same config, resume with changed resumable keys, or overwrite."""
     parallel.initialize_distributed()
+    config = with_compute_dtype(config)
     if getattr(config, "rounds", 1) > 1:
         return train_rounds(config, out, functools.partial(train, existing=existing), progress)
 

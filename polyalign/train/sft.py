@@ -19,6 +19,7 @@ from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import build_tokenizer_path, read_manifest
 from polyalign.model import create_model, export
+from polyalign.model.architecture import compute_dtype
 from polyalign.model.flops import flops_per_token
 from polyalign.model.presets import preset
 from polyalign.tokens.chat import get_template
@@ -159,8 +160,8 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
             raise ConfigError(f"init {config.init}: vocabulary {model.config.vocab_size} is smaller than the "
                               f"build's tokenizer ({vocab_size}); build with the checkpoint's own tokenizer")
         return model
-    cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=config.model.dtype, **model_policy(config.model),
-                 **tokenizer_ids)
+    cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=compute_dtype(config.model.dtype),
+                 **model_policy(config.model), **tokenizer_ids)
     return with_adapters(create_model(cfg, seed=config.model.seed, mesh=mesh), config, mesh)
 
 

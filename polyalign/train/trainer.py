@@ -248,10 +248,18 @@ class Trainer:
                                     self.state.get("objective", {}))
 
     def step(self, local_batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        return self._run_step(self._device_batch(local_batch))
+
+    def _device_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        with jax.set_mesh(self.mesh):
+            return self.global_batch(local_batch)
+
+    def _run_step(self, batch: dict[str, jax.Array]) -> dict[str, Any]:
+        """Dispatches one step on a batch already on the devices; returns its metrics without waiting."""
         if self.abstract:
             raise TrainingError("this trainer was made from an abstract model: it compiles steps, it cannot run them")
         with jax.set_mesh(self.mesh):
-            self.state, metrics = self._step(self.state, self.frozen, self.global_batch(local_batch))
+            self.state, metrics = self._step(self.state, self.frozen, batch)
         return metrics
 
     def compiled_step(self, local_batch: dict[str, np.ndarray]):
@@ -302,14 +310,26 @@ class Trainer:
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
         profile = _Profile(loop.profile_steps, self.profile_dir)
         phase = self.watchdog.phase if self.watchdog is not None else (lambda what, kind=None: None)
+        # The next batch is read and put on the devices while a step runs (the step is dispatched, its
+        # metrics waited for after): the input pipeline's time hides behind the step's. A checkpoint
+        # records the iterator where the steps it saves left it, so no batch is read ahead of a
+        # checkpoint step, and a stop between two checkpoints puts the iterator back before it saves.
+        ahead, before_ahead = None, None
+        rewinds = hasattr(train_iterator, "set_state")  # grain's iterators; a plain one is never checkpointed
         try:
             with stop, profile:
-                while self.step_number < last:
-                    phase(f"step {self.step_number + 1}", "step")
-                    profile.before(self.step_number + 1)
+                step = start  # counted here: reading the state's own counter would wait for the step
+                while step < last:
+                    phase(f"step {step + 1}", "step")
+                    profile.before(step + 1)
                     timer = time.perf_counter()
-                    metrics = self.step(next(train_iterator))
-                    step = self.step_number
+                    batch = ahead if ahead is not None else self._device_batch(next(train_iterator))
+                    metrics = self._run_step(batch)
+                    step += 1
+                    ahead = None
+                    if step < last and not (checkpointer is not None and step % loop.checkpoint_every == 0):
+                        before_ahead = train_iterator.get_state() if rewinds else None
+                        ahead = self._device_batch(next(train_iterator))
                     host = jax.device_get(metrics)
                     step_seconds = time.perf_counter() - timer
                     profile.after(step)
@@ -339,6 +359,9 @@ class Trainer:
                     phase(f"the stop agreement after step {step}")
                     if stop.requested(self.mesh):
                         result["interrupted"] = True
+                        if ahead is not None and rewinds:  # unread: the resumed run reads it first
+                            train_iterator.set_state(before_ahead)
+                        ahead = None
                         if checkpointer is not None:
                             phase(f"checkpoint {step}", "checkpoint")
                             checkpointer.save(step, self.state, train_iterator, force=True)
