@@ -209,3 +209,25 @@ def test_a_bench_preset_is_a_name_or_an_architecture_file(tmp_path):
     for wrong in ("tiny2", str(tmp_path / "missing.yaml"), str(REPO / "README.md")):
         with pytest.raises(argparse.ArgumentTypeError, match="unknown model preset .*tiny.*or a YAML file|no such"):
             preset_or_file(wrong)
+
+
+def test_the_device_script_keeps_every_finished_stage_when_it_is_killed(tmp_path):
+    """bench/device_run.py --smoke-cpu (the H200 script's stages on the CPU): killed while its third stage
+    runs, the two before have their rows, logs and summary on disk."""
+    import signal
+    import time
+
+    out = tmp_path / "device"
+    process = subprocess.Popen([sys.executable, str(REPO / "bench" / "device_run.py"), "--smoke-cpu", "--out",
+                                str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    summary = out / "summary.md"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (summary.is_file() and "| matmul |" in summary.read_text()):
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    backend, matmul = (json.loads((out / "rows" / f"{name}.json").read_text()) for name in ("backend", "matmul"))
+    assert backend["status"] == "ok" and backend["result"]["backend"] == "cpu"
+    assert matmul["status"] == "ok" and matmul["result"]["tflops"] > 0
+    assert (out / "logs" / "matmul.log").is_file()
+    assert "| matmul | ok |" in summary.read_text()
