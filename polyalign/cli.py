@@ -767,7 +767,9 @@ def _add_plan(sub) -> None:
                                    "parameters, gradients, AdamW moments, activations and logits, and tokens per "
                                    "step, for the config's mesh on --devices devices.")
     p.add_argument("--config", required=True, type=Path, help="an SFT or HDPO/DPO config")
-    p.add_argument("--devices", type=int, help="devices the mesh spans (default: the devices JAX sees)")
+    p.add_argument("--devices", type=int, help="devices the mesh spans (default: the devices JAX sees, and "
+                                               "model.dtype auto is read for them; with --devices, as on GPUs: "
+                                               "bfloat16)")
     p.add_argument("--device-memory", type=float, help="GiB per device, to say whether it fits (e.g. 16, 95, 141)")
     p.add_argument("--preset", help="plan this model preset instead of the config's model (e.g. qwen2.5-1.5b)")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's, the build's, or 512)")
@@ -779,11 +781,13 @@ def _add_plan(sub) -> None:
 def _run_plan(args) -> int:
     from polyalign.train.plan import describe, plan_config  # heavy: jax, kept out of --help
 
+    backend = "gpu"  # devices named by --devices: a launch elsewhere, planned as on GPUs
     if args.devices is None:
         import jax  # heavy: jax, kept out of --help
 
-        args.devices = jax.device_count()
-    print(describe(plan_config(args.config, args.overrides, args.devices, args.seq, args.preset), args.device_memory))
+        args.devices, backend = jax.device_count(), jax.default_backend()
+    print(describe(plan_config(args.config, args.overrides, args.devices, args.seq, args.preset, backend),
+                   args.device_memory))
     return 0
 
 

@@ -63,12 +63,19 @@ def test_plan_takes_the_training_overrides(capsys):
 
 
 def test_cli_plans_a_config(capsys):
-    code = main(["plan", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--devices", "8", "--preset",
-                 "qwen2.5-1.5b", "--seq", "1024", "--device-memory", "16", "parallel.fsdp=8", "parallel.data=1"])
-    assert code == 0
+    args = ["plan", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--devices", "8", "--preset",
+            "qwen2.5-1.5b", "--seq", "1024", "--device-memory", "16", "parallel.fsdp=8", "parallel.data=1"]
+    assert main([*args, "model.dtype=float32"]) == 0
     out = capsys.readouterr().out
     assert "1,543.7M parameters" in out and "tokens per step: 16,384 (16 sequences x 1024)" in out
-    assert "does NOT fit in 16 GiB" in out
+    assert "compute float32, remat" in out and "does NOT fit in 16 GiB" in out
+    # model.dtype auto, planned for 8 devices named on the command line: as on GPUs, in bfloat16 (half
+    # the activations: it fits); for this machine's own devices (a CPU), as training would run here
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "compute bfloat16 (model.dtype auto on gpu)" in out and "fits in 16 GiB" in out
+    assert main(["plan", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--preset", "qwen2.5-1.5b"]) == 0
+    assert "compute float32 (model.dtype auto on cpu)" in capsys.readouterr().out
 
 
 # configs/sizes/<name>.yaml: (devices, model preset, GiB per device, sequence length)

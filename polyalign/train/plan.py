@@ -11,6 +11,7 @@ gradients and AdamW moments, and the frozen base is counted in the compute dtype
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ class Plan:
     optimizer_bytes: float
     activation_bytes: float
     logits_bytes: float
+    dtype_note: str = ""  # how `model.dtype: auto` was read, said beside the compute dtype
 
     @property
     def tokens_per_step(self) -> int:
@@ -81,7 +83,7 @@ def estimate(model: ModelConfig, mesh: tuple[int, int, int], global_batch: int, 
 
 
 def plan_config(path: Path, overrides: list[str], devices: int, sequence_length: int | None = None,
-                model_preset: str | None = None) -> Plan:
+                model_preset: str | None = None, backend: str = "gpu") -> Plan:
     """The plan of a training config; preference pairs (chosen + rejected) double the sequences. The
     model comes from `model_preset`, else the config's `init` checkpoint (its config.json), else its
     model.preset."""
@@ -90,9 +92,9 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
         raise ConfigError(f"{path}: plan covers the methods that train a decoder (sft, hdpo, dpo, ipo), "
                           f"not {config.method!r}")
     lora = config.model.lora.to_model()
-    # Adapted runs keep the frozen base in the compute dtype (polyalign/train/run.py: load_init); a plan
-    # is for accelerators, where `auto` computes in bfloat16.
-    dtype = compute_dtype(config.model.dtype, backend="gpu")
+    # Adapted runs keep the frozen base in the compute dtype (polyalign/train/run.py: load_init); `auto`
+    # as training would read it on `backend` (the devices planned for: a GPU unless they are this machine's).
+    dtype = compute_dtype(config.model.dtype, backend=backend)
     policy = dict(dtype=dtype, remat=config.model.remat, logprob_chunk=config.model.logprob_chunk,
                   lora=lora, quantize=config.model.quantize, param_dtype=dtype if lora is not None else "float32")
     built = _build_options(config.data)
@@ -107,9 +109,11 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
     else:
         raise ConfigError(f"{path}: set init= (a checkpoint) or pass --preset to plan a {config.method} config")
     length = sequence_length or config.data.max_length or built.get("max_length") or 512
-    return estimate(model, mesh_shape(config.parallel, devices), config.train.global_batch,
+    plan = estimate(model, mesh_shape(config.parallel, devices), config.train.global_batch,
                     config.train.micro_batches, length,
                     sequences_per_example=2 if isinstance(config, PreferenceConfig) else 1)
+    note = f" (model.dtype auto on {backend})" if config.model.dtype == "auto" else ""
+    return dataclasses.replace(plan, dtype_note=note)
 
 
 def _build_options(data) -> dict:
@@ -133,7 +137,8 @@ def describe(plan: Plan, device_memory_gib: float | None = None) -> str:
                       if m.quantize else ""))
     lines = [
         f"model: {m.family}, {plan.parameters / 1e6:,.1f}M parameters ({m.num_layers} layers, width "
-        f"{m.hidden_size}, vocab {m.vocab_size}), parameters {m.param_dtype}, compute {m.dtype}, remat {m.remat}",
+        f"{m.hidden_size}, vocab {m.vocab_size}), parameters {m.param_dtype}, compute {m.dtype}{plan.dtype_note}, "
+        f"remat {m.remat}",
         f"training: {trained}",
         f"mesh: data={plan.mesh[0]} fsdp={plan.mesh[1]} tensor={plan.mesh[2]} "
         f"({plan.mesh[0] * plan.mesh[1] * plan.mesh[2]} devices)",
