@@ -39,7 +39,7 @@ from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
 from polyalign.train.methods import method_spec, require
-from polyalign.train.run import Job, load_init, steps_phrase
+from polyalign.train.run import Job, load_init, steps_phrase, steps_run
 from polyalign.train.trainer import Trainer
 
 
@@ -257,7 +257,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
-    trained = steps_phrase(result, f"{result['end_step']} steps")
+    trained = steps_phrase(result, steps_run(result))
     return (f"{result['method']}: {trained} on {result['train_pairs']} pairs; reward margin "
             f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}"
             + (f" (round {result['round']} of {len(result['rounds'])})" if "rounds" in result else "")

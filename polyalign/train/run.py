@@ -213,6 +213,12 @@ def steps_phrase(result: dict[str, Any], trained: str) -> str:
     return trained
 
 
+def steps_run(result: dict[str, Any]) -> str:
+    """"12 steps", or after a resume "to step 12 (4 steps this run)": a summary's time is this run's."""
+    start, end = result.get("start_step", 0), result["end_step"]
+    return f"{end} steps" if not start else f"to step {end} ({end - start} steps this run)"
+
+
 def _lost_peer_error(error: BaseException) -> bool:
     """Whether `error` is what a collective or the coordination service raises when a peer is gone."""
     text = f"{type(error).__name__}: {error}"

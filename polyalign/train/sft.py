@@ -26,7 +26,7 @@ from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import require
-from polyalign.train.run import Job, load_init, model_policy, steps_phrase, with_adapters
+from polyalign.train.run import Job, load_init, model_policy, steps_phrase, steps_run, with_adapters
 from polyalign.train.trainer import Trainer
 
 
@@ -239,7 +239,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
-    trained = steps_phrase(result, f"trained {result['end_step']} steps in {result['seconds']} s")
+    trained = steps_phrase(result, f"trained {steps_run(result)} in {result['seconds']} s")
     return (f"{trained}; final loss {last.get('loss', float('nan')):.4f}"
             + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
             + f"\nmodel: {result['model']}")
