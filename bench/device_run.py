@@ -16,8 +16,9 @@ written after every stage. The stages:
    lowers to (rows, packed rows, row pairs, tree-packed pairs); three real steps of SFT and HDPO on a
    two-layer model of Qwen2.5-1.5B's shape.
 3. the target rows (bench/train_step.py, one process each): HDPO 1.5B with its PyTorch peer, SFT 1.5B,
-   tree-packed HDPO 1.5B, HDPO and SFT 0.5B with peers, packed SFT 1.5B, then Tunix's DPO at 1.5B when
-   .venv-tunix exists (bench/tunix_peer.py).
+   tree-packed HDPO 1.5B, HDPO and SFT 0.5B with peers, packed SFT 1.5B, LoRA and QLoRA (NF4) HDPO at 7B
+   (bench/lora_memory.py: memory and step seconds), then Tunix's DPO at 1.5B when .venv-tunix exists
+   (bench/tunix_peer.py).
 
 XLA_PYTHON_CLIENT_MEM_FRACTION is set for every stage (0.92 unless already set): HDPO at 1.5B without
 remat needs more than JAX's default 75%.
@@ -43,6 +44,9 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
     """(name, command, seconds it may take) in the order they run."""
     here = [sys.executable, str(Path(__file__).resolve())]
     step = [sys.executable, str(REPO / "bench" / "train_step.py")]
+    # LoRA and QLoRA HDPO: XLA's memory of the step and its seconds (tokens: 2 x batch x seq a step)
+    lora = [sys.executable, str(REPO / "bench" / "lora_memory.py"), "--variants", "lora r16", "qlora nf4 r16",
+            "--time", "--steps", "3"]
     if smoke_cpu:
         tiny = ["--preset", str(TINY), "--dtype", "float32", "--seq", "64", "--batch", "2", "--steps", "3"]
         return [("backend", [*here, "--stage", "backend", "--smoke-cpu"], 60),
@@ -50,7 +54,9 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
                 ("attention", [*here, "--stage", "attention", "--smoke-cpu"], 90),
                 ("kernels", [*here, "--stage", "kernels", "--smoke-cpu"], 90),
                 ("steps-tiny", [*step, *tiny, "--no-peer"], 120),
-                ("packed-tiny", [*step, *tiny, "--packed", "--stacks", "polyalign"], 120)]
+                ("packed-tiny", [*step, *tiny, "--packed", "--stacks", "polyalign"], 120),
+                ("lora-qlora-tiny", [*lora, "--presets", str(TINY), "--dtype", "float32", "--batch", "2", "--seq",
+                                     "64"], 120)]
     big = ["--dtype", "bfloat16", "--seq", "1024", "--steps", "5", "--remat", "none", "--logprob-chunk", "256"]
     rows = [("backend", [*here, "--stage", "backend"], 60),
             ("matmul", [*here, "--stage", "matmul"], 60),
@@ -66,7 +72,8 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
             ("hdpo-0.5b", [*step, "--preset", "qwen2.5-0.5b", "--method", "hdpo", *big, "--batch", "8"], 180),
             ("sft-0.5b", [*step, "--preset", "qwen2.5-0.5b", "--method", "sft", *big, "--batch", "16"], 180),
             ("sft-1.5b-packed", [*step, "--preset", "qwen2.5-1.5b", "--method", "sft", *big, "--batch", "8",
-                                 "--packed", "--stacks", "polyalign"], 180)]
+                                 "--packed", "--stacks", "polyalign"], 180),
+            ("lora-qlora-hdpo-7b", [*lora, "--presets", "qwen2.5-7b", "--batch", "4", "--seq", "1024"], 240)]
     if TUNIX_PYTHON.is_file():
         rows.append(("tunix-dpo-1.5b", [str(TUNIX_PYTHON), str(REPO / "bench" / "tunix_peer.py"), "--preset",
                                         "qwen2.5-1.5b", "--batch", "4", "--seq", "1024", "--dtype", "bfloat16"], 240))
@@ -228,9 +235,12 @@ def summary(rows: list[dict]) -> str:
     lines = ["| stage | status | s | numbers |", "|---|---|---|---|"]
     for row in rows:
         result = row.get("result") or {}
-        if "rows" in result:  # bench/train_step.py
+        if "rows" in result and all("stack" in r for r in result["rows"]):  # bench/train_step.py
             numbers = "; ".join(f"{r['stack']} {r['method']}: {r.get('tokens_per_s')} tok/s, MFU {r.get('mfu')}"
                                 for r in result["rows"])
+        elif "rows" in result:  # bench/lora_memory.py
+            numbers = "; ".join(f"{r.get('preset')} {r.get('variant')}: step {r.get('step_s')} s, XLA peak "
+                                f"{r.get('xla_peak_gib')} GiB" for r in result["rows"])
         else:
             numbers = json.dumps(result, default=str)[:300]
         lines.append(f"| {row['name']} | {row['status']} | {row['seconds']} | {numbers} |")
