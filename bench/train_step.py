@@ -45,7 +45,7 @@ from polyalign.inputs import pipeline  # noqa: E402
 from polyalign.inputs.pair_rows import packed_pair_arrays  # noqa: E402
 from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import abstract_model, create_model  # noqa: E402
-from polyalign.model.flops import matmul_parameters, step_flops  # noqa: E402
+from polyalign.model.flops import matmul_parameters, segment_tokens, step_flops  # noqa: E402
 from polyalign.model.log_probs import token_log_probs  # noqa: E402
 from polyalign.model.presets import preset, preset_or_file  # noqa: E402
 from polyalign.train.config import PreferenceConfig  # noqa: E402
@@ -177,7 +177,7 @@ def compiled_memory(compiled) -> dict[str, float | None]:
 def _row(args, cfg, stack, method, compile_s, step_s, reference_s, memory, segments):
     """A table row; FLOPs as model/flops.py counts the batch's `segments` (the HDPO reference's forward
     pass included: it is timed and added)."""
-    tokens = sum(s if isinstance(s, int) else s[0] + sum(s[1]) for s in segments)
+    tokens = segment_tokens(segments)
     flops = step_flops(cfg, segments, reference_forward=method == "hdpo")
     row = {"stack": stack, "method": method, "compile_s": round(compile_s, 2), "tokens": tokens, **memory}
     if step_s is None:  # --compile-only

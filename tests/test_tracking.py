@@ -53,7 +53,7 @@ def test_flops_count_what_each_layout_and_method_runs():
     """Packed segments see only their own keys, a sliding window caps them, a frozen base under adapters
     has no weight gradient, and the adapters count as trained weights: by hand on small numbers."""
     from polyalign.model.architecture import LoraConfig
-    from polyalign.model.flops import adapter_parameters, attended_keys, step_flops
+    from polyalign.model.flops import attended_keys, step_flops
 
     assert attended_keys([4]) == 1 + 2 + 3 + 4 and attended_keys([4, 2]) == 10 + 3
     assert attended_keys([5], window=2) == 1 + 2 + 2 + 2 + 2
@@ -70,12 +70,12 @@ def test_flops_count_what_each_layout_and_method_runs():
     assert step_flops(gemma, [1000]) == (6 * matmul_parameters(gemma) * 1000 + 12 * 4 * 256 * (
         sliding * attended_keys([1000], 512) + (26 - sliding) * attended_keys([1000])))
     lora = dataclasses.replace(cfg, lora=LoraConfig(rank=8, targets=("q", "down")))
-    assert adapter_parameters(lora) == 24 * 8 * ((896 + 896) + (4864 + 896))
+    assert lora.adapter_parameters() == 24 * 8 * ((896 + 896) + (4864 + 896))
     attention = 3 * 4 * hq * 24 * 64 * 65 // 2
-    assert step_flops(lora, [64]) == (4 * n + 6 * adapter_parameters(lora)) * 64 + attention
+    assert step_flops(lora, [64]) == (4 * n + 6 * lora.adapter_parameters()) * 64 + attention
     # the in-step reference is the base with the adapters off: a forward pass of the base
     assert step_flops(lora, [64], reference_forward=True) == (
-        (6 * n + 6 * adapter_parameters(lora)) * 64 + attention * 4 // 3)
+        (6 * n + 6 * lora.adapter_parameters()) * 64 + attention * 4 // 3)
 
 
 def _fake_tracker(name, calls):

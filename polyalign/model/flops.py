@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polyalign.model.architecture import LORA_TARGETS, ModelConfig
+from polyalign.model.architecture import ModelConfig
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -30,18 +30,6 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     norms = per_layer_norms * cfg.num_layers + d
     untied_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return cfg.num_parameters() - norms - untied_embedding
-
-
-def adapter_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the LoRA adapters (rank r on a d_in -> d_out projection: r (d_in + d_out)); 0
-    without adapters."""
-    if cfg.lora is None:
-        return 0
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
-    assert set(shapes) == set(LORA_TARGETS)
-    return cfg.num_layers * sum(cfg.lora.rank * sum(shapes[t]) for t in cfg.lora.targets)
 
 
 Segment = int | tuple[int, Sequence[int]]  # a causal sequence's length, or a tree: (prefix, branch lengths)
@@ -59,20 +47,24 @@ def attended_keys(lengths: Sequence[int], window: int | None = None) -> int:
     return total
 
 
-def _tokens_and_keys(segment: Segment, window: int | None) -> tuple[int, int]:
-    """A segment's tokens and the keys its queries see. A tree (tree-packed pair) computes its prefix
-    once; a branch's position p, counted from the prefix's start, sees p + 1 keys (the prefix and its
-    own branch), as the same position of the unpacked sequence does."""
+def segment_tokens(segments: Sequence[Segment]) -> int:
+    """The tokens these segments hold (a tree's prefix once)."""
+    return sum(s if isinstance(s, int) else s[0] + sum(s[1]) for s in segments)
+
+
+def _keys(segment: Segment, window: int | None) -> int:
+    """The keys a segment's queries see. A tree (tree-packed pair) computes its prefix once; a branch's
+    position p, counted from the prefix's start, sees p + 1 keys (the prefix and its own branch), as the
+    same position of the unpacked sequence does."""
     if isinstance(segment, int):
-        return segment, attended_keys([segment], window)
+        return attended_keys([segment], window)
     prefix, branches = segment
     shared = attended_keys([prefix], window)
-    return (prefix + sum(branches),
-            shared + sum(attended_keys([prefix + branch], window) - shared for branch in branches))
+    return shared + sum(attended_keys([prefix + branch], window) - shared for branch in branches)
 
 
 def _matmul_flops_per_token(cfg: ModelConfig, reference_forward: bool) -> int:
-    base, adapters = matmul_parameters(cfg), adapter_parameters(cfg)
+    base, adapters = matmul_parameters(cfg), cfg.adapter_parameters()
     weight_passes = 4 if cfg.lora is not None else 6  # a frozen base under adapters: no weight gradient
     return weight_passes * base + 6 * adapters + (2 * base if reference_forward else 0)
 
@@ -87,12 +79,9 @@ def step_flops(cfg: ModelConfig, segments: Sequence[Segment], *, reference_forwa
     """Training FLOPs of a step over these causal segments (rows of one sequence, packed segments,
     trees); with `reference_forward`, a frozen copy of the base (adapters off) runs a forward pass over
     the same tokens in the step. Padding is not counted."""
-    tokens = keys = 0
-    for sliding in cfg.sliding_layers:
-        window = cfg.sliding_window if sliding else None
-        counts = [_tokens_and_keys(segment, window) for segment in segments]
-        keys += sum(k for _, k in counts)
-        tokens = sum(t for t, _ in counts)
+    tokens = segment_tokens(segments)
+    keys = sum(_keys(segment, cfg.sliding_window if sliding else None)
+               for sliding in cfg.sliding_layers for segment in segments)
     return (_matmul_flops_per_token(cfg, reference_forward) * tokens
             + _attention_flops_per_key(cfg, reference_forward) * keys)
 
