@@ -471,10 +471,11 @@ def test_an_abstract_trainer_compiles_without_allocating_and_refuses_to_step(bui
 
 
 def test_a_stop_between_checkpoints_saves_the_iterator_where_the_steps_left_it(built_run, tmp_path):
-    """The loop reads the next batch while a step runs. A stop (SIGTERM) after step 2, between two
-    checkpoint steps, must checkpoint the data iterator after the two batches trained, not after the
-    third one read ahead, or the resumed run would skip a batch; with no stop the read-ahead batch is
-    the next step's."""
+    """The loop reads a step's metrics once the next step is dispatched, and reads the batch after that
+    one while both run. A stop (SIGTERM) while step 2 is read, between two checkpoint steps, ends the
+    run after step 3 (the one already dispatched) and must checkpoint the data iterator after the three
+    batches trained, not after the fourth one read ahead, or the resumed run would skip a batch; with no
+    stop the read-ahead batches are the next steps'."""
     import signal
 
     from polyalign.mesh import parallel
@@ -488,32 +489,79 @@ def test_a_stop_between_checkpoints_saves_the_iterator_where_the_steps_left_it(b
     source, length = pipeline.open_split(run, "train"), manifest["options"]["max_length"]
 
     def batches():
-        return pipeline.iterate(pipeline.train_batches(source, pipeline.Layout(8, 1), 3, length, manifest["pad_id"],
+        return pipeline.iterate(pipeline.train_batches(source, pipeline.Layout(8, 1), 4, length, manifest["pad_id"],
                                                        seed=0))
 
     def trainer():
         return Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
                        SftObjective(len(manifest["buckets"])), OptimizerConfig(),
-                       LoopConfig(steps=3, global_batch=8, checkpoint_every=100), parallel.make_mesh())
+                       LoopConfig(steps=4, global_batch=8, checkpoint_every=100), parallel.make_mesh())
 
     steps = []
 
     def stop_after_two(host):
         steps.append(float(host["loss"]))
         if len(steps) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler turns it into a stop after this step
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler turns it into a stop
         return {}
 
     stopped = batches()
     result = trainer().fit(stopped, summarize=stop_after_two, checkpointer=Checkpointer(tmp_path / "ckpt", 100, 1),
                            progress=False)
-    assert result["interrupted"] and result["end_step"] == 2 and (tmp_path / "ckpt" / "2").is_dir()
-    two_read = batches()
-    next(two_read), next(two_read)
-    assert stopped.get_state() == two_read.get_state()
+    assert result["interrupted"] and result["end_step"] == 3 and (tmp_path / "ckpt" / "3").is_dir()
+    assert len(steps) == 3  # the step in flight is read and logged before the run ends
+    three_read = batches()
+    next(three_read), next(three_read), next(three_read)
+    assert stopped.get_state() == three_read.get_state()
     # Uninterrupted, the batches are the same ones in the same order: the same losses as step by step.
     by_hand, straight = trainer(), batches()
-    expected = [float(jax.device_get(by_hand.step(next(straight)))["loss"]) for _ in range(3)]
+    expected = [float(jax.device_get(by_hand.step(next(straight)))["loss"]) for _ in range(4)]
     steps.clear()
     trainer().fit(batches(), summarize=lambda host: steps.append(float(host["loss"])) or {}, progress=False)
     assert steps == expected
+
+
+def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_checkpoints_in_step(built_run,
+                                                                                                      tmp_path,
+                                                                                                      monkeypatch):
+    """The host never waits for the step it has just dispatched: step N's metrics are read after step
+    N + 1 is queued. A step that is evaluated, checkpointed or last is read before anything else is
+    dispatched, so evaluation and the checkpoint see that step's state."""
+    from polyalign.mesh import parallel
+    from polyalign.model import create_model
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.sft import SftObjective
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+    from tests.conftest import tiny_model_config
+
+    run, manifest = built_run
+    source, length = pipeline.open_split(run, "train"), manifest["options"]["max_length"]
+    trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
+                      SftObjective(len(manifest["buckets"])), OptimizerConfig(),
+                      LoopConfig(steps=7, global_batch=8, eval_every=3, checkpoint_every=5), parallel.make_mesh())
+    events, counts = [], {"dispatch": 0, "read": 0}
+    run_step, save = trainer._run_step, Checkpointer.save
+
+    def count(kind):
+        counts[kind] += 1
+        events.append(f"{kind} {counts[kind]}")
+
+    def saved(checkpointer, step, state, iterator, force=False):
+        events.append(f"checkpoint {step} at state {int(state['step'])}")
+        return save(checkpointer, step, state, iterator, force)
+
+    def read(host):
+        assert int(host["nonfinite_steps"]) == 0
+        count("read")
+        return {}
+
+    monkeypatch.setattr(trainer, "_run_step", lambda batch: count("dispatch") or run_step(batch))
+    monkeypatch.setattr(Checkpointer, "save", saved)
+    trainer.fit(pipeline.iterate(pipeline.train_batches(source, pipeline.Layout(8, 1), 7, length, manifest["pad_id"],
+                                                        seed=0)),
+                evaluate=lambda: events.append(f"evaluate at state {trainer.step_number}") or {},
+                summarize=read, checkpointer=Checkpointer(tmp_path / "ckpt", 5, 2), progress=False)
+    assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "read 3", "evaluate at state 3",
+                      "dispatch 4", "dispatch 5", "read 4", "read 5", "checkpoint 5 at state 5",
+                      "dispatch 6", "read 6", "evaluate at state 6",
+                      "dispatch 7", "read 7", "evaluate at state 7", "checkpoint 7 at state 7"]

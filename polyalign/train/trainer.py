@@ -9,6 +9,7 @@ update is therefore the same whatever the micro-batch size, device count or host
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from collections.abc import Callable
@@ -224,7 +225,10 @@ class Trainer:
             "rng": jax.random.key_data(next_key),
             "nonfinite": state["nonfinite"] + (~finite).astype(jnp.int32),
         }
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), "finite": finite, **sums}
+        # The non-finite count rides with the metrics: the loop reads them a step late, when this state has
+        # been donated to the next step.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), "finite": finite,
+                   "nonfinite_steps": new_state["nonfinite"], **sums}
         if objective_state:  # the state the step used, then the state after it (kept as is after a skip)
             updated = self.objective.update_state(objective_state, sums)
             new_state["objective"] = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
@@ -310,62 +314,84 @@ class Trainer:
         result: dict[str, Any] = {"start_step": start, "interrupted": False}
         profile = _Profile(loop.profile_steps, self.profile_dir)
         phase = self.watchdog.phase if self.watchdog is not None else (lambda what, kind=None: None)
-        # The next batch is read and put on the devices while a step runs (the step is dispatched, its
-        # metrics waited for after): the input pipeline's time hides behind the step's. A checkpoint
-        # records the iterator where the steps it saves left it, so no batch is read ahead of a
-        # checkpoint step, and a stop between two checkpoints puts the iterator back before it saves.
+        # The host never waits for the step it has just dispatched: step N's metrics are read once step
+        # N + 1 is queued behind it, and the next batch is read and put on the devices while both run.
+        # A step that is evaluated, checkpointed or last is read at once (evaluation and checkpoints see
+        # its state, not the next one's), and no batch is read ahead of a checkpoint step: a checkpoint
+        # records the iterator where the steps it saves left it, and a stop between two checkpoints puts
+        # the iterator back before it saves.
         ahead, before_ahead = None, None
         rewinds = hasattr(train_iterator, "set_state")  # grain's iterators; a plain one is never checkpointed
+        read_until = time.perf_counter()  # when the last step read finished on the devices, as the host saw it
+
+        def finish(done: _Dispatched) -> bool:
+            """Reads step `done`'s metrics (waiting for it), logs, evaluates and checkpoints it; whether
+            every process has been asked to stop."""
+            nonlocal read_until
+            host = jax.device_get(done.metrics)
+            # From the later of its start and the previous step's end: the device's time for it alone
+            # when steps queue back to back, input reading included when they do not.
+            now = time.perf_counter()
+            step_seconds, read_until = now - max(done.started, read_until), now
+            step = done.step
+            profile.after(step)
+            if int(host["nonfinite_steps"]) > loop.max_nonfinite:
+                raise TrainingError(f"step {step}: more than {loop.max_nonfinite} steps had a non-finite "
+                                    "loss or gradient; stopping (lower the learning rate?)")
+            record = {"step": step, "loss": float(host["loss"]), "lr": float(host["lr"]),
+                      "grad_norm": float(host["grad_norm"]), "skipped": not bool(host["finite"])}
+            if summarize is not None:
+                record.update(summarize(host))
+            # Real (unpadded) tokens the step ran per second.
+            record["step_s"] = round(step_seconds, 4)
+            tokens = float(host.get("processed_tokens", host.get("tokens", 0.0)))
+            record.update(self.throughput(tokens, step_seconds))
+            if done.evaluated:
+                phase(f"evaluation after step {step}", "evaluation")
+                record.update(evaluate())
+            if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
+                self.metrics.write(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+            result["last"] = record
+            if done.checkpointed:
+                phase(f"checkpoint {step}", "checkpoint")
+                checkpointer.save(step, self.state, train_iterator, force=step == last)
+            phase(f"the stop agreement after step {step}")
+            return stop.requested(self.mesh)
+
         try:
             with stop, profile:
                 step = start  # counted here: reading the state's own counter would wait for the step
-                while step < last:
+                waiting, stopping = None, False  # the step dispatched and not read yet
+                while step < last and not stopping:
                     phase(f"step {step + 1}", "step")
                     profile.before(step + 1)
-                    timer = time.perf_counter()
+                    started = time.perf_counter()
                     batch = ahead if ahead is not None else self._device_batch(next(train_iterator))
                     metrics = self._run_step(batch)
                     step += 1
+                    checkpointed = checkpointer is not None and (step % loop.checkpoint_every == 0 or step == last)
+                    evaluated = evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0)
+                                                          or step == last)
+                    dispatched = _Dispatched(step, metrics, started, evaluated, checkpointed)
                     ahead = None
-                    if step < last and not (checkpointer is not None and step % loop.checkpoint_every == 0):
+                    if step < last and not checkpointed:
                         before_ahead = train_iterator.get_state() if rewinds else None
                         ahead = self._device_batch(next(train_iterator))
-                    host = jax.device_get(metrics)
-                    step_seconds = time.perf_counter() - timer
-                    profile.after(step)
-                    if int(jax.device_get(self.state["nonfinite"])) > loop.max_nonfinite:
-                        raise TrainingError(f"step {step}: more than {loop.max_nonfinite} steps had a non-finite "
-                                            "loss or gradient; stopping (lower the learning rate?)")
-                    record = {"step": step, "loss": float(host["loss"]), "lr": float(host["lr"]),
-                              "grad_norm": float(host["grad_norm"]), "skipped": not bool(host["finite"])}
-                    if summarize is not None:
-                        record.update(summarize(host))
-                    # Real (unpadded) tokens the step ran per second, input reading included.
-                    record["step_s"] = round(step_seconds, 4)
-                    tokens = float(host.get("processed_tokens", host.get("tokens", 0.0)))
-                    record.update(self.throughput(tokens, step_seconds))
-                    if evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0) or step == last):
-                        phase(f"evaluation after step {step}", "evaluation")
-                        record.update(evaluate())
-                    if self.metrics is not None and (step % loop.log_every == 0 or step == last
-                                                     or "val_loss" in record):
-                        self.metrics.write(record)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}")
-                    result["last"] = record
-                    if checkpointer is not None and (step % loop.checkpoint_every == 0 or step == last):
+                    if waiting is not None:
+                        stopping = finish(waiting)
+                    waiting = dispatched
+                    if stopping or evaluated or checkpointed or step == last:
+                        stopping = finish(waiting) or stopping
+                        waiting = None
+                if stopping:
+                    result["interrupted"] = True
+                    if ahead is not None and rewinds:  # unread: the resumed run reads it first
+                        train_iterator.set_state(before_ahead)
+                    if checkpointer is not None:
                         phase(f"checkpoint {step}", "checkpoint")
-                        checkpointer.save(step, self.state, train_iterator, force=step == last)
-                    phase(f"the stop agreement after step {step}")
-                    if stop.requested(self.mesh):
-                        result["interrupted"] = True
-                        if ahead is not None and rewinds:  # unread: the resumed run reads it first
-                            train_iterator.set_state(before_ahead)
-                        ahead = None
-                        if checkpointer is not None:
-                            phase(f"checkpoint {step}", "checkpoint")
-                            checkpointer.save(step, self.state, train_iterator, force=True)
-                        break
+                        checkpointer.save(step, self.state, train_iterator, force=True)
         finally:
             bar.close()
             if checkpointer is not None:
@@ -374,6 +400,18 @@ class Trainer:
         result["end_step"] = self.step_number
         result["stopped_early"] = self.step_number < loop.steps
         return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    """A step the loop has dispatched: its metrics (device arrays, not read yet), when the loop began it
+    (reading its batch), and whether it is evaluated and checkpointed once read."""
+
+    step: int
+    metrics: dict[str, jax.Array]
+    started: float
+    evaluated: bool
+    checkpointed: bool
 
 
 class _Profile:
