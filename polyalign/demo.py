@@ -148,8 +148,8 @@ def _hdpo(run: Path, settings: DemoSettings) -> str:
 
     def distance(v):
         if not v["generations"]:
-            return f"n/a ({v['empty']} of {v['answers']} answers empty)"
-        return f"{v['support_distance']:.2f}" + (f" ({v['empty']} of {v['answers']} empty)" if v["empty"] else "")
+            return f"n/a ({v['empty']} of {v['answers']} answers blank)"
+        return f"{v['support_distance']:.2f}" + (f" ({v['empty']} of {v['answers']} blank)" if v["empty"] else "")
 
     lines = "; ".join(f"{decoding} ({COMPARE_DECODING_LABELS[decoding]}): "
                       + ", ".join(f"{m} {distance(v[decoding])}" for m, v in comparison["methods"].items())
@@ -159,8 +159,9 @@ def _hdpo(run: Path, settings: DemoSettings) -> str:
 
 # The demo compares its preference models' validation answers decoded two ways, labelled: sampled as
 # the evaluate stage samples (DEMO_SAMPLING) and greedy as the training drift probe decodes. Under greedy
-# decoding the 7M-parameter models often end their turn at once; empty answers have no distance and are
-# counted, never averaged in.
+# decoding the 7M-parameter models often end their turn at once, or repeat the space piece until the token
+# budget runs out; such blank answers (empty once stripped, as predictions are) have no distance and are
+# counted as `empty`, never averaged in.
 COMPARE_DECODINGS = ("sampled", "greedy")
 COMPARE_DECODING_LABELS = {"sampled": "as evaluate samples", "greedy": "as the drift probe decodes"}
 
