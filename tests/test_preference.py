@@ -278,22 +278,13 @@ def test_reference_log_probs_from_packed_rows_equal_the_unpacked_ones(demo_run, 
         np.testing.assert_allclose([e[side] for e in packed], expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["hdpo", "dpo", "orpo"])
-def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo_run, demo_tokenizer, tmp_path):
-    """Pairs packed as trees (the prompt once, both responses seeing it) give every pair's sequence
-    log-probs, the objective and its gradient exactly as one pair per row pair."""
-    from flax import nnx
-
+def _packed_pair_layouts(demo_run, tokenizer):
+    """24 real pairs cut to 192 tokens a side, with their references' log-probs, one pair per row pair
+    and packed as trees (the prompt once, both responses seeing it) into rows of 384 positions, at most
+    8 pairs a row: (count, buckets, rows, unpacked batch, packed batch)."""
     from polyalign.inputs import pipeline
     from polyalign.inputs.pair_rows import packed_pair_arrays, pair_arrays, tree_length, tree_spans
-    from polyalign.mesh import parallel
-    from polyalign.model import create_model
-    from polyalign.train.config import PreferenceConfig
-    from polyalign.train.preference import PreferenceObjective, sequence_logps
-    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
-    from tests.conftest import tiny_model_config
 
-    tokenizer = demo_tokenizer[0]
     length, count = 192, 24
     examples, buckets = _tokenised_real_pairs(demo_run, tokenizer, length, count)
     rng = np.random.default_rng(1)
@@ -312,25 +303,52 @@ def test_packed_pairs_give_the_unpacked_log_probs_loss_and_gradient(method, demo
     rows = [packer(r) for r in range(packer.rows_per_epoch())]
     assert sorted(i for row in rows for i in row) == list(range(count)) and len(rows) < count
     assert max(len(row) for row in rows) <= slots
-    packed = [packed_pair_arrays([examples[i] for i in row], row_length, tokenizer.pad_id, slots, length)
-              for row in rows]
-    unpacked = [pair_arrays(e, length, tokenizer.pad_id) for e in examples]
 
     def stack(items):
         return {k: np.stack([item[k] for item in items]) for k in items[0]}
 
+    packed = stack([packed_pair_arrays([examples[i] for i in row], row_length, tokenizer.pad_id, slots, length)
+                    for row in rows])
+    return count, buckets, rows, stack([pair_arrays(e, length, tokenizer.pad_id) for e in examples]), packed
+
+
+def test_packed_pairs_give_the_unpacked_sequence_log_probs(demo_run, demo_tokenizer):
+    """Every pair's chosen and rejected sequence log-probs, and its response lengths, read from the tree
+    rows equal those of one pair per row pair."""
+    from flax import nnx
+
+    from polyalign.model import create_model
+    from polyalign.train.preference import sequence_logps
+    from tests.conftest import tiny_model_config
+
+    tokenizer = demo_tokenizer[0]
+    _, _, rows, unpacked, packed = _packed_pair_layouts(demo_run, tokenizer)
     model = create_model(tiny_model_config(tokenizer.vocab_size), seed=0)
     logps = nnx.jit(sequence_logps)  # compiled: op by op, the two layouts took 4-5 s
-    pc, pr, n = (np.asarray(x) for x in logps(model, {k: jnp.asarray(v) for k, v in stack(unpacked).items()}))
-    qc, qr, m = (np.asarray(x) for x in logps(model, {k: jnp.asarray(v) for k, v in stack(packed).items()}))
+    pc, pr, n = (np.asarray(x) for x in logps(model, {k: jnp.asarray(v) for k, v in unpacked.items()}))
+    qc, qr, m = (np.asarray(x) for x in logps(model, {k: jnp.asarray(v) for k, v in packed.items()}))
     for r, row in enumerate(rows):
         for slot, i in enumerate(row):
             np.testing.assert_allclose([qc[r, slot], qr[r, slot]], [pc[i], pr[i]], rtol=1e-5)
             assert m[r, slot] == n[i]
 
+
+@pytest.mark.parametrize("method", ["hdpo", "dpo", "orpo"])
+def test_packed_pairs_give_the_unpacked_loss_and_gradient(method, demo_run, demo_tokenizer):
+    """The objective, its gradient and its metric sums over the tree rows equal those over one pair per
+    row pair."""
+    from polyalign.mesh import parallel
+    from polyalign.model import create_model
+    from polyalign.train.config import PreferenceConfig
+    from polyalign.train.preference import PreferenceObjective
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+    from tests.conftest import tiny_model_config
+
+    tokenizer = demo_tokenizer[0]
+    count, buckets, rows, unpacked, packed = _packed_pair_layouts(demo_run, tokenizer)
     config = PreferenceConfig(method=method, init="unused", lambda_dist=0.3, gamma_ftx=0.05)
     results = []
-    for batch, batch_rows in ((stack(unpacked), count), (stack(packed), len(rows))):
+    for batch, batch_rows in ((unpacked, count), (packed, len(rows))):
         trainer = Trainer(create_model(tiny_model_config(tokenizer.vocab_size), seed=0),
                           PreferenceObjective(config, len(buckets)), OptimizerConfig(),
                           LoopConfig(steps=1, global_batch=batch_rows), parallel.make_mesh())
