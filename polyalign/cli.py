@@ -344,8 +344,12 @@ def _run_train(args) -> int:
     result = train(config, args.out, progress=not args.no_progress, existing=existing)
     if jax.process_index() > 0:  # several processes ran one job: its outcome is said once, by process 0
         return 0
-    if result["interrupted"] or result["stopped_early"]:
+    if result["interrupted"]:
         print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
+        return 0
+    if result["stopped_early"]:  # train.stop_at: the same command would stop there again
+        print(f"stopped at step {result['end_step']} (train.stop_at); checkpoint saved. To go on, run the same "
+              "command with a later train.stop_at, or without it to train to the end.")
         return 0
     print(method_spec(config.method).implementation().summary_line(result))
     return 0
@@ -904,8 +908,16 @@ _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    problem = _out_of_range(args, dict(subcommands(parser))[args.command_path])
+    args, extra = parser.parse_known_args(argv)
+    command = dict(subcommands(parser))[args.command_path]
+    if extra:
+        # argparse takes one run of positionals: key=value overrides written after an option
+        # (`--out X a=1 --no-progress b=2`) come back unparsed, and are overrides all the same
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+    problem = _out_of_range(args, command)
     if problem:
         print(f"polyalign {args.command_path}: error: {problem}", file=sys.stderr)
         return 2

@@ -194,6 +194,21 @@ def test_print_config_shows_every_key_and_reads_back(method, capsys):
     assert set(printed["model"]) == set(_fields(schema.ModelSection))
 
 
+def test_overrides_may_come_before_between_and_after_options(capsys):
+    """key=value overrides anywhere on the line, in the order written (the last one wins); an unknown
+    option is refused with the subcommand's own usage."""
+    sft = str(CONFIGS["sft"])
+    assert main(["train", "sft", "train.steps=3", "--config", sft, "data.max_length=64", "--print-config",
+                 "train.steps=5", "optimizer.lr=0.001"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["steps"] == 5 and printed["data"]["max_length"] == 64
+    assert printed["optimizer"]["lr"] == 0.001
+    with pytest.raises(SystemExit):
+        main(["train", "sft", "--config", sft, "--print-config", "train.steps=5", "--bogus"])
+    err = capsys.readouterr().err
+    assert "usage: polyalign train sft" in err and "unrecognized arguments: --bogus" in err
+
+
 def test_print_config_without_a_file_gives_the_defaults(capsys):
     assert main(["train", "critic", "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)

@@ -521,9 +521,26 @@ def test_a_stop_between_checkpoints_saves_the_iterator_where_the_steps_left_it(b
     assert steps == expected
 
 
-def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_checkpoints_in_step(built_run,
-                                                                                                      tmp_path,
-                                                                                                      monkeypatch):
+LOOP_ORDER = {
+    # one process: step N is read once N + 1 is queued, except the evaluated, checkpointed and last steps
+    "pipelined": ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "read 3", "evaluate at state 3",
+                  "dispatch 4", "dispatch 5", "read 4", "read 5", "checkpoint 5 at state 5",
+                  "dispatch 6", "read 6", "evaluate at state 6",
+                  "dispatch 7", "read 7", "evaluate at state 7", "checkpoint 7 at state 7"],
+    # several CPU processes, where a call waits for its program anyway: each step is read as it ends
+    "in step": ["dispatch 1", "read 1", "dispatch 2", "read 2", "dispatch 3", "read 3", "evaluate at state 3",
+                "dispatch 4", "read 4", "dispatch 5", "read 5", "checkpoint 5 at state 5",
+                "dispatch 6", "read 6", "evaluate at state 6",
+                "dispatch 7", "read 7", "evaluate at state 7", "checkpoint 7 at state 7"],
+    # train.stop_at=5 of 7 steps: checkpointed there, but validated only where an unbroken run validates
+    "stop_at": ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "read 3", "evaluate at state 3",
+                "dispatch 4", "dispatch 5", "read 4", "read 5", "checkpoint 5 at state 5"],
+}
+
+
+@pytest.mark.parametrize("mode", LOOP_ORDER)
+def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_checkpoints_in_step(
+        mode, built_run, tmp_path, monkeypatch):
     """The host never waits for the step it has just dispatched: step N's metrics are read after step
     N + 1 is queued. A step that is evaluated, checkpointed or last is read before anything else is
     dispatched, so evaluation and the checkpoint see that step's state."""
@@ -536,9 +553,11 @@ def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_c
 
     run, manifest = built_run
     source, length = pipeline.open_split(run, "train"), manifest["options"]["max_length"]
+    monkeypatch.setattr(parallel, "orders_programs", lambda: mode == "in step")
     trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
                       SftObjective(len(manifest["buckets"])), OptimizerConfig(),
-                      LoopConfig(steps=7, global_batch=8, eval_every=3, checkpoint_every=5), parallel.make_mesh())
+                      LoopConfig(steps=7, global_batch=8, eval_every=3, checkpoint_every=5,
+                                 stop_at=5 if mode == "stop_at" else None), parallel.make_mesh())
     events, counts = [], {"dispatch": 0, "read": 0}
     run_step, save = trainer._run_step, Checkpointer.save
 
@@ -561,7 +580,83 @@ def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_c
                                                         seed=0)),
                 evaluate=lambda: events.append(f"evaluate at state {trainer.step_number}") or {},
                 summarize=read, checkpointer=Checkpointer(tmp_path / "ckpt", 5, 2), progress=False)
-    assert events == ["dispatch 1", "dispatch 2", "read 1", "dispatch 3", "read 2", "read 3", "evaluate at state 3",
-                      "dispatch 4", "dispatch 5", "read 4", "read 5", "checkpoint 5 at state 5",
-                      "dispatch 6", "read 6", "evaluate at state 6",
-                      "dispatch 7", "read 7", "evaluate at state 7", "checkpoint 7 at state 7"]
+    assert events == LOOP_ORDER[mode]
+
+
+def test_a_resumed_run_takes_out_the_steps_logged_after_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """A run killed after step 14 with checkpoint 10 had logged steps 11-14 (the last line cut short):
+    resumed from 10, metrics.jsonl keeps steps 1-10 and says what it took out, and TensorBoard is told to
+    drop its events from step 11 on; a run with nothing after its checkpoint is left as it is."""
+    import tensorboardX
+
+    from polyalign.train import metrics as metrics_module
+    from polyalign.train.metrics import MetricsWriter, read_metrics
+
+    purges = []
+    real_writer = tensorboardX.SummaryWriter
+
+    def writer(folder, purge_step=None):
+        purges.append(purge_step)
+        return real_writer(folder, purge_step=purge_step)
+
+    monkeypatch.setattr(metrics_module, "SummaryWriter", writer)
+    first = MetricsWriter(tmp_path)
+    for step in range(1, 15):
+        first.write({"step": step, "loss": 10.0 - step / 10})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 15, "lo')
+    capsys.readouterr()
+    resumed = MetricsWriter(tmp_path)
+    resumed.resume_at(14)
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 15))
+    resumed.resume_at(10)
+    resumed.write({"step": 11, "loss": 0.5})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 12))
+    assert read_metrics(tmp_path)[-1]["loss"] == 0.5
+    out = capsys.readouterr().out
+    assert out.count("note: ") == 2
+    assert "held 1 cut line logged after step 14" in out
+    assert "held steps 11-14 logged after step 10" in out
+    assert purges == [None, None, 15, 11]
+    again = MetricsWriter(tmp_path)
+    again.resume_at(11)
+    again.close()
+    assert capsys.readouterr().out == "" and purges[-1] is None
+
+
+def test_a_step_that_fails_after_taking_the_state_raises_its_own_error(built_run, tmp_path, monkeypatch):
+    """A step that fails mid-collective (a peer gone) has been given the donated state, which is then
+    deleted: the loop must still raise the step's error, the one the lost-peer report recognises, not
+    one from reading the deleted state while it closes the checkpoints."""
+    from polyalign.mesh import parallel
+    from polyalign.model import create_model
+    from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.run import _lost_peer_error
+    from polyalign.train.sft import SftObjective
+    from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
+    from tests.conftest import tiny_model_config
+
+    run, manifest = built_run
+    source, length = pipeline.open_split(run, "train"), manifest["options"]["max_length"]
+    trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
+                      SftObjective(len(manifest["buckets"])), OptimizerConfig(),
+                      LoopConfig(steps=4, global_batch=8, checkpoint_every=2), parallel.make_mesh())
+    run_step, calls = trainer._run_step, []
+
+    def fails_at_the_third(batch):
+        calls.append(1)
+        if len(calls) < 3:
+            return run_step(batch)
+        for leaf in jax.tree.leaves(trainer.state):  # as a donated state is after the step took it
+            leaf.delete()
+        raise RuntimeError("UNKNOWN: Gloo all-reduce failed: Read error [127.0.0.1]:14055: Connection reset by peer")
+
+    monkeypatch.setattr(trainer, "_run_step", fails_at_the_third)
+    with pytest.raises(RuntimeError, match="Gloo all-reduce failed") as raised:
+        trainer.fit(pipeline.iterate(pipeline.train_batches(source, pipeline.Layout(8, 1), 4, length,
+                                                            manifest["pad_id"], seed=0)),
+                    checkpointer=Checkpointer(tmp_path / "ckpt", 2, 2), progress=False)
+    assert _lost_peer_error(raised.value)
+    assert (tmp_path / "ckpt" / "2").is_dir()

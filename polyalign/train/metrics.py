@@ -23,7 +23,13 @@ from polyalign.core.paths import as_path
 
 class _TensorBoard:
     def __init__(self, out, project: str, config: dict[str, Any]):
-        self._writer = SummaryWriter(str(as_path(out) / "tensorboard"))
+        self._folder = str(as_path(out) / "tensorboard")
+        self._writer = SummaryWriter(self._folder)
+
+    def resume_at(self, step: int) -> None:
+        # TensorBoard drops what earlier event files hold from step + 1 on (the steps logged again)
+        self._writer.close()
+        self._writer = SummaryWriter(self._folder, purge_step=step + 1)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():
@@ -92,6 +98,36 @@ class MetricsWriter:
                        and math.isfinite(value)}
             for sink in self._sinks:
                 sink.log(scalars, record["step"])
+
+    def resume_at(self, step: int) -> None:
+        """The run goes on from checkpoint `step`: steps a run logged after it and never checkpointed (it
+        was killed) are taken out of metrics.jsonl and TensorBoard, and said so, since this run logs them
+        again; without this every such step would appear twice."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept, later, cut = [], [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a process killed while writing it
+                cut += 1
+                continue
+            (later if record.get("step", 0) > step else kept).append(line)
+        if not later and not cut:
+            return
+        temporary = self.path.with_name(self.path.name + ".partial")
+        temporary.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        temporary.replace(self.path)
+        steps = sorted({json.loads(line)["step"] for line in later})
+        what = [f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"] if steps else []
+        what += [f"{cut} cut line{'s' if cut > 1 else ''}"] if cut else []
+        print(f"note: {self.path} held {' and '.join(what)} logged after step {step} by a run that ended without "
+              "checkpointing them; taken out, this run logs those steps again")
+        for sink in self._sinks:
+            if hasattr(sink, "resume_at"):
+                sink.resume_at(step)
 
     def close(self) -> None:
         for sink in self._sinks:

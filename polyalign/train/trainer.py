@@ -307,6 +307,8 @@ class Trainer:
                 if jax.process_index() == 0:
                     print(f"resumed from step {self.step_number}")
         start = self.step_number
+        if self.metrics is not None:
+            self.metrics.resume_at(start)
         last = loop.steps if loop.stop_at is None else min(loop.steps, loop.stop_at)
         stop = _StopSignal()
         bar = progress_bar(total=last, initial=start, desc="train", unit="step",
@@ -317,16 +319,17 @@ class Trainer:
         # The host never waits for the step it has just dispatched: step N's metrics are read once step
         # N + 1 is queued behind it, and the next batch is read and put on the devices while both run.
         # A step that is evaluated, checkpointed or last is read at once (evaluation and checkpoints see
-        # its state, not the next one's), and no batch is read ahead of a checkpoint step: a checkpoint
-        # records the iterator where the steps it saves left it, and a stop between two checkpoints puts
-        # the iterator back before it saves.
+        # its state, not the next one's), as is every step where a call waits for its program anyway
+        # (several CPU processes: parallel.orders_programs). No batch is read ahead of a checkpoint step:
+        # a checkpoint records the iterator where the steps it saves left it, and a stop between two
+        # checkpoints puts the iterator back before it saves.
         ahead, before_ahead = None, None
         rewinds = hasattr(train_iterator, "set_state")  # grain's iterators; a plain one is never checkpointed
-        read_until = time.perf_counter()  # when the last step read finished on the devices, as the host saw it
+        in_step = parallel.orders_programs()
+        read_until = time.perf_counter()  # when the host saw the last step read finish
 
-        def finish(done: _Dispatched) -> bool:
-            """Reads step `done`'s metrics (waiting for it), logs, evaluates and checkpoints it; whether
-            every process has been asked to stop."""
+        def finish(done: _Dispatched) -> None:
+            """Reads step `done`'s metrics (waiting for it), logs, evaluates and checkpoints it."""
             nonlocal read_until
             host = jax.device_get(done.metrics)
             # From the later of its start and the previous step's end: the device's time for it alone
@@ -357,14 +360,21 @@ class Trainer:
             if done.checkpointed:
                 phase(f"checkpoint {step}", "checkpoint")
                 checkpointer.save(step, self.state, train_iterator, force=step == last)
-            phase(f"the stop agreement after step {step}")
-            return stop.requested(self.mesh)
 
+        # Counted here: reading the state's own counter would wait for the step, and after a step that
+        # failed (a peer gone mid-collective) the state it was given is donated and gone.
+        step = start
         try:
             with stop, profile:
-                step = start  # counted here: reading the state's own counter would wait for the step
                 waiting, stopping = None, False  # the step dispatched and not read yet
-                while step < last and not stopping:
+                while step < last:
+                    # Asked before each step but the first (every process agrees): a stop ends the run
+                    # after the step on the devices, dispatching nothing more.
+                    if step > start:
+                        phase(f"the stop agreement after step {step}")
+                        if stop.requested(self.mesh):
+                            stopping = True
+                            break
                     phase(f"step {step + 1}", "step")
                     profile.before(step + 1)
                     started = time.perf_counter()
@@ -372,20 +382,24 @@ class Trainer:
                     metrics = self._run_step(batch)
                     step += 1
                     checkpointed = checkpointer is not None and (step % loop.checkpoint_every == 0 or step == last)
+                    # Validation at eval_every and at the last of train.steps, not where train.stop_at
+                    # stops a run (a preemption does not validate either)
                     evaluated = evaluate is not None and ((loop.eval_every and step % loop.eval_every == 0)
-                                                          or step == last)
+                                                          or step == loop.steps)
                     dispatched = _Dispatched(step, metrics, started, evaluated, checkpointed)
                     ahead = None
                     if step < last and not checkpointed:
                         before_ahead = train_iterator.get_state() if rewinds else None
                         ahead = self._device_batch(next(train_iterator))
                     if waiting is not None:
-                        stopping = finish(waiting)
+                        finish(waiting)
                     waiting = dispatched
-                    if stopping or evaluated or checkpointed or step == last:
-                        stopping = finish(waiting) or stopping
+                    if in_step or evaluated or checkpointed or step == last:
+                        finish(waiting)
                         waiting = None
                 if stopping:
+                    if waiting is not None:
+                        finish(waiting)
                     result["interrupted"] = True
                     if ahead is not None and rewinds:  # unread: the resumed run reads it first
                         train_iterator.set_state(before_ahead)
@@ -395,7 +409,7 @@ class Trainer:
         finally:
             bar.close()
             if checkpointer is not None:
-                phase(f"writing checkpoints after step {self.step_number}")
+                phase(f"writing checkpoints after step {step}")
                 checkpointer.wait()
         result["end_step"] = self.step_number
         result["stopped_early"] = self.step_number < loop.steps
