@@ -547,6 +547,7 @@ def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_c
     from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.checkpoint import Checkpointer
+    from polyalign.train.metrics import MetricsWriter, read_metrics
     from polyalign.train.sft import SftObjective
     from polyalign.train.trainer import LoopConfig, OptimizerConfig, Trainer
     from tests.conftest import tiny_model_config
@@ -557,7 +558,8 @@ def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_c
     trainer = Trainer(create_model(tiny_model_config(manifest["vocab_size"]), seed=0),
                       SftObjective(len(manifest["buckets"])), OptimizerConfig(),
                       LoopConfig(steps=7, global_batch=8, eval_every=3, checkpoint_every=5,
-                                 stop_at=5 if mode == "stop_at" else None), parallel.make_mesh())
+                                 stop_at=5 if mode == "stop_at" else None), parallel.make_mesh(),
+                      metrics=MetricsWriter(tmp_path / "run", report_to=[]))
     events, counts = [], {"dispatch": 0, "read": 0}
     run_step, save = trainer._run_step, Checkpointer.save
 
@@ -581,6 +583,11 @@ def test_the_loop_reads_each_step_after_dispatching_the_next_but_evaluates_and_c
                 evaluate=lambda: events.append(f"evaluate at state {trainer.step_number}") or {},
                 summarize=read, checkpointer=Checkpointer(tmp_path / "ckpt", 5, 2), progress=False)
     assert events == LOOP_ORDER[mode]
+    # every step logged once, and the evaluated ones say how long validation took
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 6 if mode == "stop_at" else 8))
+    evaluated = [int(e.split()[-1]) for e in events if e.startswith("evaluate")]
+    assert [r["step"] for r in records if "eval_s" in r] == evaluated and all(r["step_s"] > 0 for r in records)
 
 
 def test_a_resumed_run_takes_out_the_steps_logged_after_its_checkpoint(tmp_path, monkeypatch, capsys):

@@ -351,7 +351,9 @@ class Trainer:
             record.update(self.throughput(tokens, step_seconds))
             if done.evaluated:
                 phase(f"evaluation after step {step}", "evaluation")
+                evaluating = time.perf_counter()
                 record.update(evaluate())
+                record["eval_s"] = round(time.perf_counter() - evaluating, 4)
             if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
                 self.metrics.write(record)
             bar.update(1)
