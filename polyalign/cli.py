@@ -348,8 +348,11 @@ def _run_train(args) -> int:
         print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
         return 0
     if result["stopped_early"]:  # train.stop_at: the same command would stop there again
-        print(f"stopped at step {result['end_step']} (train.stop_at); checkpoint saved. To go on, run the same "
-              "command with a later train.stop_at, or without it to train to the end.")
+        where = (f"already at step {result['end_step']}, at or past train.stop_at={config.train.stop_at}; nothing "
+                 "trained" if result.get("start_step") == result["end_step"] else
+                 f"stopped at step {result['end_step']} (train.stop_at); checkpoint saved")
+        print(f"{where}. To go on, run the same command with a later train.stop_at, or without it to train to "
+              "the end.")
         return 0
     print(method_spec(config.method).implementation().summary_line(result))
     return 0

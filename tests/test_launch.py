@@ -1,6 +1,9 @@
 """The launcher: SLURM variables to the POLYALIGN_* start variables, a 4-process CPU training run, cluster
 detection and the peer monitor."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from polyalign.mesh.launch import LaunchError, expand_nodelist, local_environments, slurm_environment
@@ -52,6 +55,38 @@ def test_launcher_runs_four_cpu_processes_like_one_with_four_devices(built_run, 
     assert four[-1]["adaptive_weights"] != four[0]["adaptive_weights"]  # they moved
     assert abs(one[-1]["val_loss"] - four[-1]["val_loss"]) <= 1e-5
     assert one[-1]["val_by_bucket"].keys() == four[-1]["val_by_bucket"].keys()
+
+
+@pytest.mark.slow
+def test_a_launched_process_that_dies_makes_its_peer_say_where_to_resume_at_once(built_run, tmp_path):
+    """One of two launched processes SIGKILLed after checkpoint 3: the survivor, blocked in a collective
+    with the dead one, hears it from the launcher's notice within seconds (not the 30 s peer timeout)
+    and says who is gone, the last committed checkpoint and the launch command that resumes."""
+    import signal
+    import time
+
+    from tests.cli_runs import checkpoint_begun
+
+    run, _ = built_run
+    out = tmp_path / "lost"
+    launched = start_cli(["launch", "--nproc", "2", "--cpu-devices", "1", "--", "polyalign",
+                          *train_args(run, out, "train.steps=40", "train.checkpoint_every=3")], {}, devices=1)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not checkpoint_begun(out, 6):  # checkpoint 3 is committed by then
+        time.sleep(0.1)
+    launcher = int(Path(f"/proc/{launched.pid}/task/{launched.pid}/children").read_text().split()[0])
+    workers = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    os.kill(int(workers[1]), signal.SIGKILL)
+    killed = time.monotonic()
+    output = launched.communicate(timeout=120)[0]
+    assert launched.returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert time.monotonic() - killed < 15, output[-3000:]  # the peer timeout would be 30 s
+    assert "polyalign launch: process 1 was killed by SIGKILL; stopping the other 1" in output
+    line = next(line for line in output.splitlines() if line.startswith("polyalign: process 0 stops:"))
+    assert line.startswith("polyalign: process 0 stops: process 1 of 2 is gone (the launcher saw it end: was killed "
+                           "by SIGKILL); the last committed checkpoint is step "), line
+    assert "resume by running the same launch command: polyalign launch --nproc 2 --cpu-devices 1 -- polyalign " \
+           "train sft" in line
 
 
 @pytest.fixture

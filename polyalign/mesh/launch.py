@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from polyalign.core.errors import LaunchError
 
 DEFAULT_PORT = 12355
+# The launcher's folder of notices (gone-<process id>, holding how it ended) and its own command line, in
+# every process's environment; polyalign/mesh/parallel.py's PeerMonitor and the lost-peer line read them.
+NOTICES_ENV = "POLYALIGN_LAUNCH_NOTICES"
+LAUNCH_COMMAND_ENV = "POLYALIGN_LAUNCH_COMMAND"
+NOTICE_GRACE = 10.0  # seconds the others get to read a notice and stop by themselves
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -101,7 +110,12 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
         raise LaunchError(f"--cpu-devices must be at least 1, got {cpu_devices}")
     require_program(command[0])
     port = port or free_port()
-    processes = [subprocess.Popen(list(command), env={**os.environ, **env})
+    # A survivor blocked in a collective with a dead peer cannot run a signal handler, but its peer
+    # monitor (a thread) reads this folder every second: a notice there names the process that ended,
+    # and the survivor says so with its checkpoint and the command to rerun, which is this launch.
+    notices = tempfile.mkdtemp(prefix="polyalign-launch-")
+    shared = {NOTICES_ENV: notices, LAUNCH_COMMAND_ENV: shlex.join(["polyalign", *sys.argv[1:]])}
+    processes = [subprocess.Popen(list(command), env={**os.environ, **shared, **env})
                  for env in local_environments(nproc, port, cpu_devices, os.environ.get("XLA_FLAGS"))]
 
     def forward(signum, frame):
@@ -111,7 +125,9 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = 0
+        # After a failure the others read its notice and stop by themselves; one that does not (not
+        # training yet, or past hearing it) gets SIGTERM after a grace, then SIGKILL after another.
+        code, deadlines = 0, []
         remaining = list(processes)
         while remaining:
             for p in list(remaining):
@@ -120,16 +136,23 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
                 except subprocess.TimeoutExpired:
                     continue
                 remaining.remove(p)
+                if result != 0:
+                    Path(notices, f"gone-{processes.index(p)}").write_text(ended(result))
                 if result != 0 and code == 0:
                     code = result if result > 0 else 128 - result  # a signal: the shell's 128 + N
                     print(f"polyalign launch: process {processes.index(p)} {ended(result)}; stopping the other "
                           f"{len(remaining)} (each says where it stopped)", file=sys.stderr, flush=True)
-                    for other in remaining:
-                        other.terminate()
+                    now = time.monotonic()
+                    deadlines = [(now + NOTICE_GRACE, signal.SIGTERM), (now + 2 * NOTICE_GRACE, signal.SIGKILL)]
+            if deadlines and remaining and time.monotonic() > deadlines[0][0]:
+                _, sig = deadlines.pop(0)
+                for other in remaining:
+                    other.send_signal(sig)
         return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(notices, ignore_errors=True)
 
 
 def ended(returncode: int) -> str:

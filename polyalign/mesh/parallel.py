@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from jax._src import clusters, distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from polyalign.core.errors import ParallelError
+from polyalign.mesh.launch import NOTICES_ENV
 from polyalign.mesh.shape import ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -275,8 +277,12 @@ class PeerMonitor:
         seen: dict[int, tuple[str | None, float]] = {}
         answered = time.monotonic()
         beat = 0
+        notices = os.environ.get(NOTICES_ENV)
         while not self._stop.wait(self.interval):
             now = time.monotonic()
+            gone = _launcher_notices(notices)
+            if gone:
+                report_peer_lost(sorted(gone), f"the launcher saw it end: {'; '.join(gone.values())}")
             try:
                 beat += 1
                 self.client.key_value_set(f"{BEAT_KEY}{self.me}", str(beat), allow_overwrite=True)
@@ -298,6 +304,17 @@ class PeerMonitor:
             lost = sorted(p for p, (_, since) in seen.items() if now - since > self.timeout)
             if lost and not self._stop.is_set():
                 report_peer_lost(lost, f"no sign of life for {self.timeout:g} s")
+
+
+def _launcher_notices(folder: str | None) -> dict[int, str]:
+    """Processes `polyalign launch` saw end with a failure (its notices folder): id -> how it ended."""
+    if not folder:
+        return {}
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith("gone-")]
+        return {int(name[5:]): Path(folder, name).read_text() for name in names}
+    except (OSError, ValueError):  # the launcher is gone too, or a notice is being written
+        return {}
 
 
 def _initialize(**arguments) -> None:

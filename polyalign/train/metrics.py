@@ -123,7 +123,8 @@ class MetricsWriter:
         steps = sorted({json.loads(line)["step"] for line in later})
         what = [f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"] if steps else []
         what += [f"{cut} cut line{'s' if cut > 1 else ''}"] if cut else []
-        print(f"note: {self.path} held {' and '.join(what)} logged after step {step} by a run that ended without "
+        since = f"after step {step}" if step else "before any checkpoint"
+        print(f"note: {self.path} held {' and '.join(what)} logged {since} by a run that ended without "
               "checkpointing them; taken out, this run logs those steps again")
         for sink in self._sinks:
             if hasattr(sink, "resume_at"):

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -29,6 +30,7 @@ from polyalign.core.paths import as_path, is_uri
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
 from polyalign.mesh import parallel
+from polyalign.mesh.launch import LAUNCH_COMMAND_ENV
 from polyalign.mesh.watchdog import Watchdog, resolve_timeout
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
@@ -241,8 +243,10 @@ def report_lost_peer(lost: list[int] | None, cause: str, checkpointer) -> str:
     where = (f"the last committed checkpoint is step {steps[-1]} ({checkpointer.directory / str(steps[-1])})"
              if steps else "no checkpoint was committed yet (the run starts over)")
     first = cause.strip().splitlines()[0][:120] if cause.strip() else "no reason given"
-    return (f"polyalign: process {jax.process_index()} stops: {who} is gone ({first}); {where}; resume by "
-            f"running the same command on every process: {resume_command()}")
+    launched = os.environ.get(LAUNCH_COMMAND_ENV)  # started by `polyalign launch`: that is what to rerun
+    rerun = (f"running the same launch command: {launched}" if launched else
+             f"running the same command on every process: {resume_command()}")
+    return f"polyalign: process {jax.process_index()} stops: {who} is gone ({first}); {where}; resume by {rerun}"
 
 
 @contextlib.contextmanager
