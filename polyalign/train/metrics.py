@@ -114,13 +114,16 @@ class MetricsWriter:
             except json.JSONDecodeError:  # the last line of a process killed while writing it
                 cut += 1
                 continue
-            (later if record.get("step", 0) > step else kept).append(line)
+            if record.get("step", 0) > step:
+                later.append(record["step"])
+            else:
+                kept.append(line)
         if not later and not cut:
             return
         temporary = self.path.with_name(self.path.name + ".partial")
         temporary.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
         temporary.replace(self.path)
-        steps = sorted({json.loads(line)["step"] for line in later})
+        steps = sorted(set(later))
         what = [f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"] if steps else []
         what += [f"{cut} cut line{'s' if cut > 1 else ''}"] if cut else []
         since = f"after step {step}" if step else "before any checkpoint"
