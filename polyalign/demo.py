@@ -103,7 +103,7 @@ def _finished(result: dict, name: str) -> dict:
 # (docs/preference.md).
 DEMO_PAIR_SAMPLES = {"train": (256, 96), "val": (64, 24)}
 DEMO_SAMPLING = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9}
-DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=4", "train.checkpoint_every=4", "data.max_length=128"]
+DEMO_QUICK_HDPO = ["train.steps=8", "train.eval_every=8", "train.checkpoint_every=4", "data.max_length=128"]
 
 
 def _generate(run: Path, settings: DemoSettings) -> str:

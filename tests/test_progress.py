@@ -1,7 +1,8 @@
-"""Progress bars: shown on a terminal, never in a log file or when the user turns them off."""
+"""Progress: a bar on a terminal, plain lines now and then in a log, nothing when the user turns it off."""
 
 import io
 
+from polyalign.core import progress as progress_module
 from polyalign.core.progress import progress_bar
 
 
@@ -10,8 +11,54 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_bars_draw_on_a_terminal_only_and_never_with_no_progress():
-    for stream, progress, drawn in ((Terminal(), True, True), (io.StringIO(), True, False),
-                                    (Terminal(), False, False)):
+def test_a_bar_on_a_terminal_lines_in_a_log_and_nothing_with_no_progress():
+    terminal, log, quiet = Terminal(), io.StringIO(), Terminal()
+    for stream, progress in ((terminal, True), (log, True), (quiet, False)):
         assert list(progress_bar(range(3), progress=progress, file=stream, desc="work")) == [0, 1, 2]
-        assert ("work: 100%" in stream.getvalue()) == drawn, (progress, type(stream).__name__)
+    assert "\r" in terminal.getvalue() and "work: 100%" in terminal.getvalue()
+    # a log holds whole lines, no carriage returns and no bar, from the start to the end
+    lines = log.getvalue().splitlines(keepends=True)
+    assert "\r" not in log.getvalue() and all(line.endswith("\n") and line.strip() for line in lines)
+    assert lines[0].startswith("work: 0/3 [") and lines[-1].startswith("work: 3/3 [") and "█" not in log.getvalue()
+    assert quiet.getvalue() == ""
+
+
+def test_a_log_gets_a_line_per_interval_however_many_updates(monkeypatch):
+    """Thousands of updates within one interval write the first line and the last, whatever the postfix
+    does between them; an iterable of unknown length says how far it got."""
+    monkeypatch.setattr(progress_module, "LOG_LINE_SECONDS", 3600.0)
+    log = io.StringIO()
+    bar = progress_bar(total=5000, progress=True, file=log, desc="train", unit="step")
+    for step in range(5000):
+        bar.set_postfix(loss=f"{1 / (step + 1):.4f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    first, last = log.getvalue().splitlines()
+    assert first.startswith("train: 0/5000 [") and last.startswith("train: 5000/5000 [") and "loss=0.0002" in last
+    log = io.StringIO()
+    assert sum(1 for _ in progress_bar(iter(range(7)), progress=True, file=log, desc="generate", unit="rec")) == 7
+    assert log.getvalue().splitlines()[-1].startswith("generate: 7 [")
+
+
+def test_a_bar_an_error_leaves_writes_no_line_after_it(monkeypatch):
+    """The error's message is the last thing a failed command prints: a bar the failed function held
+    writes nothing more when it is collected, after the message."""
+    import gc
+
+    monkeypatch.setattr(progress_module, "LOG_LINE_SECONDS", 3600.0)
+    log = io.StringIO()
+
+    def import_rows():
+        bar = progress_bar(total=10, progress=True, file=log, desc="import", unit="source")
+        for row in range(10):
+            if row == 4:
+                raise ValueError("row 4")
+            bar.update(1)
+        bar.close()
+
+    try:
+        import_rows()
+    except ValueError as error:  # the traceback holds the bar until the message is out
+        log.write(f"polyalign prepare: error: {error}\n")
+    gc.collect()
+    assert log.getvalue().splitlines() == [log.getvalue().splitlines()[0], "polyalign prepare: error: row 4"]

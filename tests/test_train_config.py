@@ -435,6 +435,20 @@ def test_epochs_say_the_steps_they_set_in_place_of_train_steps(capsys):
     assert capsys.readouterr().err == ""  # nothing to say when they agree
 
 
+def test_a_stop_at_or_past_the_last_step_says_the_run_ends_as_usual(capsys):
+    from polyalign.train.config import LoopConfig
+    from polyalign.train.run import resolve_loop
+
+    for stop_at, said in ((5, False), (6, True), (500, True)):
+        assert resolve_loop(LoopConfig(steps=6, stop_at=stop_at), epoch_size=10, method="sft").stop_at == stop_at
+        err = capsys.readouterr().err
+        assert (err.strip() == f"polyalign: train.stop_at={stop_at} is at or past the last step (train.steps=6); "
+                               "the run trains to step 6 and ends as usual") == said, err
+    # with train.epochs, against the steps they set
+    resolve_loop(LoopConfig(epochs=2, global_batch=4, stop_at=7), epoch_size=10, method="sft")
+    assert "train.stop_at=7 is at or past the last step (train.steps=6)" in capsys.readouterr().err
+
+
 def test_train_help_lists_every_own_key_with_its_default_range_and_help(capsys):
     from polyalign.core.yaml_config import settings_of
     from polyalign.train.methods import SHARED_SECTIONS

@@ -483,7 +483,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
         bar = progress_bar(total=len(tallies), progress=progress, desc="import", unit="source")
         for tally, root in zip(tallies, context.source_roots):
             source = tally.config
-            bar.set_postfix_str(source.name)
+            bar.set_postfix_str(source.name, refresh=False)
             for key, item in read_source(source.format, root):
                 built = build_item(builder, source, tally, key, item, sink)
                 if built is None:

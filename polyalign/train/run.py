@@ -83,6 +83,9 @@ def resolve_loop(loop: LoopConfig, epoch_size: int | None, method: str) -> LoopC
         loop = dataclasses.replace(loop, steps=loop.epochs * epoch_steps)
     if loop.eval_every is None and epoch_steps is not None:
         loop = dataclasses.replace(loop, eval_every=epoch_steps)
+    if loop.stop_at is not None and loop.stop_at >= loop.steps:
+        print(f"polyalign: train.stop_at={loop.stop_at} is at or past the last step (train.steps={loop.steps}); "
+              f"the run trains to step {loop.steps} and ends as usual", file=sys.stderr)
     return loop
 
 

@@ -356,8 +356,8 @@ class Trainer:
                 record["eval_s"] = round(time.perf_counter() - evaluating, 4)
             if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
                 self.metrics.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)  # drawn by the update, when due
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}")
             result["last"] = record
             if done.checkpointed:
                 phase(f"checkpoint {step}", "checkpoint")
