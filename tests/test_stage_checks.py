@@ -4,6 +4,7 @@ SFT init trained on a build encoded with another tokenizer."""
 
 import json
 import shutil
+import tempfile
 
 import pytest
 
@@ -208,7 +209,12 @@ def test_an_interrupted_build_restarts_with_the_same_command_and_equals_an_unint
     assert build(runs["cut"], "--max-length", "32") == 2
     err = capsys.readouterr().err
     assert "an unfinished run with other settings was writing here (max_length: 64 there, 32 now)" in err, err
+    # and a build leaves nothing in the temporary folder (TFDS would leave an empty tmp*tfds each)
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
     assert build(runs["cut"]) == 0 and build(runs["straight"]) == 0
+    assert list(system_tmp.iterdir()) == []
     assert _examples(runs["cut"]) == _examples(runs["straight"])
     assert not list((runs["cut"] / "build").glob(".*.started"))
 

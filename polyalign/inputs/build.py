@@ -94,6 +94,14 @@ def dataset_dir(run) -> epath.Path:
     return as_path(run) / BUILD_DIR / DATASET_NAME / DATASET_VERSION
 
 
+class _RunDatasetInfo(tfds.core.DatasetInfo):
+    """A run's dataset is never on TFDS's public bucket: TFDS would look there, which it cannot, after
+    making a temporary folder it never removes (one empty /tmp/tmp*tfds a build)."""
+
+    def initialize_from_bucket(self) -> None:
+        pass
+
+
 @functools.cache  # TFDS registers builder classes by name: define it once per process
 def _builder_class():
     class SftExamples(tfds.core.GeneratorBasedBuilder):
@@ -118,7 +126,7 @@ def _builder_class():
             # TFDS stores examples in the order of a salted hash of their key (the record id), on one
             # machine and in Beam alike, so both engines write the same files. Training shuffles again
             # at read time, from the training seed.
-            return tfds.core.DatasetInfo(builder=self, features=features)
+            return _RunDatasetInfo(builder=self, features=features)
 
         def _split_generators(self, dl_manager):
             return {split: examples() for split, examples in self._split_examples.items()}
