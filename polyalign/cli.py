@@ -587,6 +587,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="a request's budget when it names no max_tokens (default 256)")
     p.add_argument("--model-name", help="the model's name in /v1/models and responses (default: the run folder)")
+    p.add_argument("--no-request-log", dest="log_requests", action="store_false",
+                   help="no line per request (by default: time, method, path, status, seconds, prompt + completion "
+                        "tokens, on standard output)")
     p.set_defaults(handler=_run_serve)
 
 
@@ -596,7 +599,8 @@ def _run_serve(args) -> int:
 
     serve(args.checkpoint, ServeOptions(host=args.host, port=args.port, slots=args.slots,
                                         max_sequence=args.max_sequence, max_pending=args.max_pending,
-                                        max_new_tokens=args.max_new_tokens, model_name=args.model_name),
+                                        max_new_tokens=args.max_new_tokens, model_name=args.model_name,
+                                        log_requests=args.log_requests),
           template=args.template)
     return 0
 

@@ -3,6 +3,7 @@ engine's, malformed requests get 4xx answers and never stop the server, a flood 
 
 import concurrent.futures
 import json
+import re
 import socket
 import threading
 import time
@@ -65,8 +66,9 @@ class Server:
     def __init__(self, checkpoint, **options):
         self.options = ServeOptions(port=_free_port(), **options)
         self.service = load_service(checkpoint, self.options)
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.service), host="127.0.0.1", port=self.options.port,
-                                                    log_level="warning"))
+        self.log: list[str] = []  # the request log, a line per request
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.service, self.log.append), host="127.0.0.1",
+                                                    port=self.options.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -141,6 +143,14 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     assert stopped.choices[0].message.content == content[:content.index(stop)]
     assert stopped.choices[0].finish_reason == "stop" and long.usage.completion_tokens == 60
     assert stopped.usage.completion_tokens < 60
+    # a line per request: when, what, the answer's status, seconds, and the tokens of an answered one
+    lines = server.log
+    line_form = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (GET|POST) (/v1/\S+) (\d{3}) \d+\.\d\d s( \d+\+\d+ tokens)?"
+    logged = [re.fullmatch(line_form, line) for line in lines]
+    assert all(logged), lines
+    assert [m.group(1, 2, 3) for m in logged].count(("POST", "/v1/chat/completions", "400")) == 3
+    assert sum(m.group(2) == "/v1/models" for m in logged) == 2 and len(logged) == 13
+    assert " 200 " in lines[2] and lines[2].endswith(f" s {len(prompt)}+{len(expected.tokens)} tokens"), lines[2]
 
 
 def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpoint):
@@ -179,6 +189,7 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
                     "max_tokens", "temperature", "stream"]
         assert call(server.url + "/completions", body={"prompt": "A hotel near the station. " * 60}
                     )[1]["error"]["param"] == "prompt"
+        assert call(server.url + "/chat/completions", body=b"{not json")[1]["error"]["param"] is None  # no field
         assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4})[0] == 200
         # told to stop, a request still running after the grace gets a 503 in OpenAI's shape, not a bare 500
         server.service.stopping_since = time.monotonic() - 60

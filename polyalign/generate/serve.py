@@ -15,6 +15,7 @@ import queue
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,8 @@ STOP_ANSWER_S = 5  # after Ctrl-C or SIGTERM, how long running requests may stil
 class ServeOptions:
     """host, port; slots and max_sequence of the engine; max_pending: requests waiting or running at
     once (more are answered 429); max_new_tokens: a request's budget when it names none; model_name:
-    what /v1/models lists (default: the checkpoint's run folder)."""
+    what /v1/models lists (default: the checkpoint's run folder); log_requests: a line per request on
+    standard output (time, method, path, status, seconds, prompt + completion tokens)."""
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -45,6 +47,7 @@ class ServeOptions:
     max_pending: int = 64
     max_new_tokens: int = 256
     model_name: str | None = None
+    log_requests: bool = True
 
 
 class _ApiError(PolyalignError):
@@ -249,8 +252,9 @@ class Service:
                           "total_tokens": prompt_tokens + made}}
 
 
-def build_app(service: Service) -> Any:
-    """The FastAPI application over `service`."""
+def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any:
+    """The FastAPI application over `service`; `log` takes a line per request (time, method, path, status,
+    seconds, prompt + completion tokens of an answered one), None: no request log."""
     fastapi = require("fastapi", "serve", "polyalign serve")
     from fastapi.exceptions import RequestValidationError  # the serve extra, present once `require` passed
     from fastapi.responses import JSONResponse  # the serve extra
@@ -278,7 +282,8 @@ def build_app(service: Service) -> Any:
     async def invalid(_, error: RequestValidationError):
         errors = error.errors()
         problems = "; ".join(problem(e) for e in errors)
-        fields = [e["loc"][1] for e in errors if len(e.get("loc", ())) > 1]  # ("body", field, ...)
+        # ("body", field, ...); a body that is no JSON at all has a character offset there, not a field
+        fields = [e["loc"][1] for e in errors if len(e.get("loc", ())) > 1 and isinstance(e["loc"][1], str)]
         return JSONResponse(_ApiError(400, problems or "malformed request", param=fields[0] if fields else None).body(),
                             status_code=400)
 
@@ -295,11 +300,26 @@ def build_app(service: Service) -> Any:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: chat_request, client: fastapi.Request):
-        return await service.chat_completion(body, client)
+        answer = await service.chat_completion(body, client)
+        client.state.usage = answer["usage"]
+        return answer
 
     @app.post("/v1/completions")
     async def completions(body: completion_request, client: fastapi.Request):
-        return await service.completion(body, client)
+        answer = await service.completion(body, client)
+        client.state.usage = answer["usage"]
+        return answer
+
+    if log is not None:
+        @app.middleware("http")
+        async def log_request(request: fastapi.Request, call_next):
+            started = time.monotonic()
+            response = await call_next(request)
+            usage = getattr(request.state, "usage", None)
+            tokens = f" {usage['prompt_tokens']}+{usage['completion_tokens']} tokens" if usage else ""
+            log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {request.method} {request.url.path} {response.status_code} "
+                f"{time.monotonic() - started:.2f} s{tokens}")
+            return response
 
     return app
 
@@ -351,7 +371,8 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
 
     try:
         # requests still running after STOP_ANSWER_S are answered 503, before uvicorn's own deadline
-        Server(uvicorn.Config(build_app(service), host=options.host, port=options.port, log_level="warning",
+        log = (lambda line: print(line, flush=True)) if options.log_requests else None
+        Server(uvicorn.Config(build_app(service, log), host=options.host, port=options.port, log_level="warning",
                               timeout_graceful_shutdown=STOP_ANSWER_S + 2)).run()
     finally:
         service.loop.close()
