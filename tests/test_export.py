@@ -253,7 +253,7 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
     survive every export, and the chat template carries the profile preamble once."""
     from tokenizers import Tokenizer
 
-    from polyalign.model.export import PROFILE_PREAMBLES_JINJA
+    from polyalign.tokens.profile_template import PROFILE_PREAMBLES_JINJA
 
     source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
     base = tmp_path / "base"
@@ -306,6 +306,7 @@ def test_training_on_from_an_export_made_before_system_modes_keeps_one_preamble(
     """An init exported by an earlier polyalign (its preamble wrote the profile only without a system
     message): the new export replaces that preamble rather than stacking a second one before it."""
     from polyalign.model import export
+    from polyalign.tokens import profile_template
 
     source = get_template("polyalign").jinja_source()
 
@@ -313,8 +314,8 @@ def test_training_on_from_an_export_made_before_system_modes_keeps_one_preamble(
         name = "checkpoint"
 
         def jinja_source(self):
-            return export._LEGACY_PREAMBLE + source
+            return profile_template._LEGACY_PREAMBLE + source
 
-    assert "namespace(parts=[])" in export._LEGACY_PREAMBLE
+    assert "namespace(parts=[])" in profile_template._LEGACY_PREAMBLE
     exported = export.export_template(EarlierExport(), "keep")
-    assert exported == export.PROFILE_PREAMBLES_JINJA["keep"] + source
+    assert exported == profile_template.PROFILE_PREAMBLES_JINJA["keep"] + source

@@ -216,22 +216,31 @@ def test_every_limit_and_sample_takes_records_in_file_order_and_says_when_it_ask
         select_records([], source)
 
 
+@pytest.mark.parametrize("template", ["built-in", "exported jinja"])
 @pytest.mark.parametrize("system", ["keep", "replace", "drop"])
-def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, demo_run, demo_tokenizer, tmp_path):
+def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, template, demo_run, demo_tokenizer,
+                                                                   tmp_path):
     """A checkpoint exported from a build with `--system MODE` says so (polyalign_system); `prompts` and
-    `generate` render every record as that build did, not always as `keep`."""
+    `generate` render every record as that build did, not always as `keep`: with a built-in template, and
+    with the Jinja template an export carries (whose profile preamble must not compose the composed
+    conversation again: under replace and drop it would drop the profile prompt)."""
     import dataclasses
     import shutil
 
     from polyalign.data.records import read_records
     from polyalign.generate.prompts import write_prompts
-    from polyalign.tokens.chat import record_messages
+    from polyalign.model.export import export_template
+    from polyalign.tokens.chat import get_template, record_messages
     from polyalign.tokens.tokenizer import load_tokenizer
 
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(demo_tokenizer[0].path.parent, checkpoint)
-    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_system": system}))
+    config = {**json.loads((checkpoint / "tokenizer_config.json").read_text()), "polyalign_system": system}
+    trained = get_template("polyalign")
+    if template == "exported jinja":  # as an export of a checkpoint with its own template writes it
+        config.pop("polyalign_chat_template")
+        config["chat_template"] = export_template(trained, system)
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_tokenizer(checkpoint).system_mode == system
     val = read_records(demo_run[0] / "data" / "val.jsonl")[:6]
     # each record opens with a system turn of real text (another record's question)
@@ -245,3 +254,5 @@ def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, demo_
         expected = record_messages(record, "context", with_response=False, system=system)
         assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
         assert (record.history[0]["text"] in row["messages"][0]["content"]) == (system == "keep")
+        assert row["prompt"] == trained.render(expected, add_generation_prompt=True)
+        assert "Follow the target response profile" in row["prompt"]

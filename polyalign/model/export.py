@@ -37,6 +37,7 @@ from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.lora import has_adapters, merge_adapters, peft_config, peft_state_dict
 from polyalign.model.transformer import Transformer
 from polyalign.tokens.chat import PROFILE_KEYS, PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
+from polyalign.tokens.profile_template import exported_source
 from polyalign.tokens.tokenizer import (
     SENTENCEPIECE_FILE,
     TOKENIZER_CONFIG,
@@ -47,77 +48,10 @@ from polyalign.tokens.tokenizer import (
 
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 
-# Written before the training template: polyalign's profile system prompt from template variables,
-# composed with the conversation's own leading system messages as build composed them (SYSTEM_MODES):
-# keep: their text (joined by a newline), a blank line, the profile prompt; replace: the profile prompt
-# alone; drop: the profile prompt alone and no system message anywhere. Without profile variables the
-# prompt is only the conversation's own (keep) or nothing. Then consecutive messages of one role are
-# joined with a newline, as training joined them.
-_PREAMBLE_HEAD = (
-    "{#- polyalign: the system prompt the model was trained with: the profile prompt from the template variables\n"
-    "    family, track, style (and length for the oracle profile), composed with the conversation's own leading\n"
-    "    system messages as training composed them (system mode: %s). -#}\n"
-    "{%%- set polyalign_profile = namespace(parts=[], lead=0, texts=[]) -%%}\n"
-    + "".join(f"{{%%- if {key} is defined and {key} -%%}}"
-              f"{{%%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
-              " -%%}{%%- endif -%%}\n" for key in PROFILE_KEYS)
-    + "{%%- for message in messages -%%}\n"
-    "    {%%- if message['role'] == 'system' and polyalign_profile.lead == loop.index0 -%%}\n"
-    "        {%%- set polyalign_profile.lead = polyalign_profile.lead + 1 -%%}\n"
-    "        {%%- set polyalign_profile.texts = polyalign_profile.texts + [message['content']] -%%}\n"
-    "    {%%- endif -%%}\n"
-    "{%%- endfor -%%}\n"
-    "{%%- set polyalign_system = %s -%%}\n"
-    "{%%- if polyalign_profile.parts -%%}\n"
-    "    {%%- set polyalign_system = (polyalign_system + '\\n\\n' if polyalign_system else '') + "
-    f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.' -%%}}\n"
-    "{%%- endif -%%}\n"
-    "{%%- set messages = ([{'role': 'system', 'content': polyalign_system}] if polyalign_system else []) + %s -%%}\n"
-    # consecutive messages of one role joined with a newline, as training joined them (chat.joined_turns)
-    "{%%- set polyalign_turns = namespace(joined=[]) -%%}\n"
-    "{%%- for message in messages -%%}\n"
-    "    {%%- set previous = polyalign_turns.joined[-1] if polyalign_turns.joined else none -%%}\n"
-    "    {%%- if previous and previous['role'] == message['role'] and previous['content'] is string "
-    "and message['content'] is string -%%}\n"
-    "        {%%- set polyalign_turns.joined = polyalign_turns.joined[:-1] + [{'role': message['role'], "
-    "'content': previous['content'] + '\\n' + message['content']}] -%%}\n"
-    "    {%%- else -%%}\n"
-    "        {%%- set polyalign_turns.joined = polyalign_turns.joined + [message] -%%}\n"
-    "    {%%- endif -%%}\n"
-    "{%%- endfor -%%}\n"
-    "{%%- set messages = polyalign_turns.joined -%%}\n")
-# The preamble of exports before system modes (it wrote the profile only when no system message opened
-# the conversation): recognised so that training on from such an export does not keep both.
-_LEGACY_PREAMBLE = (
-    "{#- polyalign: with no system message, the profile system prompt the model was trained with, from the\n"
-    "    template variables family, track, style (and length for the oracle profile). -#}\n"
-    "{%- set polyalign_profile = namespace(parts=[]) -%}\n"
-    + "".join(f"{{%- if {key} is defined and {key} -%}}"
-              f"{{%- set polyalign_profile.parts = polyalign_profile.parts + ['{key}=' + {key}]"
-              " -%}{%- endif -%}\n" for key in PROFILE_KEYS)
-    + "{%- if polyalign_profile.parts and not (messages and messages[0]['role'] == 'system') -%}\n"
-    "    {%- set messages = [{'role': 'system', 'content': "
-    f"'{PROFILE_PREAMBLE} ' + polyalign_profile.parts | join('; ') + '.'}}] + messages -%}}\n"
-    "{%- endif -%}\n")
-PROFILE_PREAMBLES_JINJA = {
-    mode: _PREAMBLE_HEAD % (mode, source, rest) for mode, source, rest in (
-        ("keep", "polyalign_profile.texts | join('\\n')", "messages[polyalign_profile.lead:]"),
-        ("replace", "''", "messages[polyalign_profile.lead:]"),
-        ("drop", "''", "messages | rejectattr('role', 'equalto', 'system') | list"))}
-
-
 def export_template(template: ChatTemplate, system: str = "keep") -> str:
     """The chat_template an export carries: the training template behind the profile preamble of the
-    build's system mode, written once however many exports are chained (a checkpoint template that is
-    a polyalign export's already starts with a preamble)."""
-    source = template.jinja_source()
-    stripped = True
-    while stripped:
-        stripped = False
-        for preamble in (*PROFILE_PREAMBLES_JINJA.values(), _LEGACY_PREAMBLE):
-            if source.startswith(preamble):
-                source, stripped = source[len(preamble):], True
-    return PROFILE_PREAMBLES_JINJA[system] + source
+    build's system mode (tokens/profile_template.py), written once however many exports are chained."""
+    return exported_source(template.jinja_source(), system)
 
 
 def base_reference(base: str | None) -> str | None:

@@ -18,6 +18,7 @@ import numpy as np
 from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record
 from polyalign.tokens.chat_jinja import JinjaRenderer, as_dicts, split_pieces
+from polyalign.tokens.profile_template import PROFILE_KEYS, training_source
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
 PROFILE_MODES = ("oracle", "context", "none")
@@ -60,7 +61,6 @@ def profile_prompt(record: Record, mode: str) -> str:
     return profile_text(parts) or PROFILE_PREAMBLE
 
 
-PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile prompt names them in
 
 
 def profile_text(parts: dict[str, str]) -> str:
@@ -305,8 +305,10 @@ class JinjaTemplate(ChatTemplate):
     name = CHECKPOINT_TEMPLATE
 
     def __init__(self, source: str, tokenizer: Tokenizer, kwargs: dict | None = None):
-        self.source = source
-        self.renderer = JinjaRenderer(source, tokenizer.template_tokens(), kwargs or {})
+        # An export's template composes the profile prompt itself (tokens/profile_template.py); the
+        # conversations polyalign renders are composed already, so it renders what training rendered.
+        self.source = training_source(source)
+        self.renderer = JinjaRenderer(self.source, tokenizer.template_tokens(), kwargs or {})
         self.added_tokens = tokenizer.added_tokens()
         self.end_of_turn = self._end_of_turn(tokenizer)
 
