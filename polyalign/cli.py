@@ -10,11 +10,12 @@ import argparse
 import errno
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import polyalign
 from polyalign.beam import require_beam
-from polyalign.core.errors import GenerationError, Interrupted, PolyalignError
+from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, PrepareError
 from polyalign.core.interrupts import interrupts_remembered
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
@@ -120,6 +121,13 @@ def _run_prepare(args) -> int:
     for warning in manifest.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
     print(f"manifest: {args.out / 'data' / 'manifest.json'}")
+    if not totals["kept"]:
+        reasons = Counter()
+        for source in manifest["sources"]:
+            reasons.update(source["dropped"])
+        why = ", ".join(f"{reason} {count}" for reason, count in reasons.most_common()) or "no rows read"
+        raise PrepareError(f"nothing kept: every one of {totals['records']} records was dropped ({why}); the "
+                           "manifest counts them per source")
     return 0
 
 

@@ -426,7 +426,10 @@ def test_an_empty_source_is_a_warning_in_the_manifest_and_on_stderr(tmp_path, ca
         {"name": "empty", "format": "chat", "path": "empty.jsonl", "split": "train", "language": "en"}])
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     manifest = json.loads((tmp_path / "run/data/manifest.json").read_text())
-    assert manifest["warnings"] == [f"source empty: no rows read from {tmp_path / 'empty.jsonl'}"]
+    assert manifest["warnings"] == [f"source empty: no rows read from {tmp_path / 'empty.jsonl'}", *[
+        f"split {split}: no records (none from a `split: {split}` source, none from `split: auto` sources by "
+        f"split.weights); {then}" for split, then in (("val", "build needs train and val records"),
+                                                      ("test", "nothing to evaluate on"))]]
     assert f"warning: source empty: no rows read from {tmp_path / 'empty.jsonl'}" in capsys.readouterr().err
 
 
@@ -472,6 +475,51 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
                  "--no-progress"]) == 0
     assert ("warning: source 'src': 1 rows en declared, han script; they are bucketed as declared. Check its "
             "`language:` in the data config") in capsys.readouterr().err
+
+
+def test_a_source_in_a_language_outside_the_scheme_is_refused_once_and_said_plainly(tmp_path, capsys):
+    """Every row of a source declared in a language the scheme has no buckets for is dropped, so no
+    row is "bucketed as declared" whatever its script; a prepare that kept nothing fails naming why."""
+    chinese = {"messages": [{"role": "user", "content": KDCONV_TURNS[0]},
+                            {"role": "assistant", "content": KDCONV_TURNS[1]}],
+               "track": "multi", "family": "dialogue", "style": "task_dialogue"}
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(chat_row(CAMREST[0])), chinese]), language="fr")
+    source = manifest["sources"][0]
+    records = source["records"]  # a record per answered turn
+    assert records > 2 and source["kept"] == 0 and source["dropped"] == {"language_not_in_scheme:fr": records}
+    assert "language_mismatches" not in source
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "bucketed as declared" not in err
+    assert err.strip().splitlines()[-1] == (f"polyalign prepare: error: nothing kept: every one of {records} "
+                                            f"records was dropped (language_not_in_scheme:fr {records}); the "
+                                            "manifest counts them per source")
+
+
+def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_split_is_named(tmp_path, capsys):
+    """`split.weights.test=0.2` on a config without a split section changes that weight of the defaults
+    (the others kept, the sum said); a split left with no records is a warning at prepare and one line
+    naming it at build, before anything is written."""
+    from polyalign.data.prepare import load_data_config
+    from polyalign.inputs.build import BuildOptions, build
+
+    config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl",
+                                                      "split": "auto", "language": "en"}], dedup=False)
+    (tmp_path / "c.jsonl").write_text(jsonl([chat_row(d) for d in CAMREST]), encoding="utf-8")
+    loaded, _ = load_data_config(config, ["split.weights.test=0.2"])
+    assert loaded.split.weights == {"train": 0.9, "val": 0.05, "test": 0.2}
+    assert ("polyalign: split.weights sum to 1.15, not 1; each split gets its share of the sum: train 78.3%, "
+            "val 4.3%, test 17.4%") in capsys.readouterr().err
+    manifest = prepare(config, tmp_path / "run", progress=False, overrides=["split.weights.val=0"])
+    assert manifest["totals"]["by_split"]["val"] == 0 and manifest["totals"]["kept"] == manifest["totals"]["records"]
+    assert ("split val: no records (none from a `split: val` source, none from `split: auto` sources by "
+            "split.weights); build needs train and val records") in manifest["warnings"]
+    with pytest.raises(InputError, match=r"run/data: no val records; build makes the training and validation "
+                                         r"examples, and prepare put none there"):
+        build(tmp_path / "run", BuildOptions(tokenizer="unused"), progress=False)
+    assert not (tmp_path / "run" / "build").exists()
 
 
 def test_a_quarantined_row_never_renames_another_record(tmp_path):

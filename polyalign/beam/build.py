@@ -30,6 +30,7 @@ from polyalign.inputs.build import (
     claim_build,
     encode_record,
     probe_records,
+    require_records,
     split_files,
     tokenizer_and_template,
     write_dataset,
@@ -69,6 +70,7 @@ def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: 
                overwrite: bool = False) -> dict[str, Any]:
     """Builds RUN/build/sft_examples with a Beam pipeline; returns the manifest (RUN/build/manifest.json).
     A build made with other options is not replaced unless `overwrite`."""
+    require_records(run)
     with claim_build(run, options, overwrite):
         return _build_beam(Path(run), options, beam_options)
 

@@ -3,6 +3,7 @@ closest known key suggested, and dotted `key=value` overrides from the command l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -118,18 +119,22 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None) 
     return cls(**kwargs)
 
 
-def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = "override") -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping, in place."""
+def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = "override",
+                    schema: type | None = None) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested mapping, in place. With `schema`
+    (the dataclass the mapping becomes), an override into a mapping-valued setting the file does not
+    give (`split.weights.test=0.2`) changes that key of its default and keeps the others."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"{where}: expected key=value, got {item!r}")
-        node = mapping
+        node, section = mapping, schema
         parts = key.split(".")
         for part in parts[:-1]:
             if node.get(part) is None:  # absent, or a section left empty in the file (`optimizer:`)
-                node[part] = {}
+                node[part] = _default_mapping(section, part)
             node = node[part]
+            section = _section_type(section, part)
             if not isinstance(node, dict):
                 raise ConfigError(f"{where}: {key!r} goes through a value that is not a mapping")
         try:
@@ -139,6 +144,21 @@ def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = 
             raise ConfigError(f"{where}: {key}={raw} is not a value YAML reads ({problem}); quote strings, "
                               "and no tags") from None
     return mapping
+
+
+def _default_mapping(section: type | None, name: str) -> dict[str, Any]:
+    """A copy of setting `name`'s default where it is a mapping (not a section), else an empty one."""
+    fields = {f.name: f for f in dataclasses.fields(section)} if dataclasses.is_dataclass(section) else {}
+    default = _field_default(fields[name]) if name in fields else None
+    return copy.deepcopy(default) if isinstance(default, dict) else {}
+
+
+def _section_type(section: type | None, name: str) -> type | None:
+    """The dataclass of section `name` inside `section`, or None where it is no section."""
+    if not dataclasses.is_dataclass(section):
+        return None
+    annotation = typing.get_type_hints(section).get(name)
+    return annotation if dataclasses.is_dataclass(annotation) else None
 
 
 def load_mapping(path: Path | None) -> dict[str, Any]:

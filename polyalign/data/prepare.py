@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -108,7 +109,7 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
     raw = load_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with 'scheme' and 'sources'")
-    apply_overrides(raw, list(overrides))
+    apply_overrides(raw, list(overrides), schema=DataConfig)
     if missing := missing_keys(raw):
         raise ConfigError(f"{path}: missing {'; '.join(missing)}")
     config = from_mapping(DataConfig, raw, str(path))
@@ -119,6 +120,11 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
     bad = {k: v for k, v in config.split.weights.items() if k not in SPLITS or not isinstance(v, (int, float)) or v < 0}
     if bad or sum(config.split.weights.values()) <= 0:
         raise ConfigError(f"{path}: split.weights must give non-negative weights to train/val/test")
+    total = sum(config.split.weights.values())
+    if abs(total - 1.0) > 1e-9:
+        shares = ", ".join(f"{name} {config.split.weights.get(name, 0) / total:.1%}" for name in SPLITS)
+        print(f"polyalign: split.weights sum to {total:g}, not 1; each split gets its share of the sum: {shares}",
+              file=sys.stderr)
     return config, raw
 
 
@@ -254,17 +260,18 @@ class RecordBuilder:
         history = [{"role": t["role"], "text": normalize(t["text"])} for t in example.history]
         history = self.system_turns(history, tally)
         labels = self.labels(example, source)
-        language = example.labels.get("language") or source.language
+        declared = example.labels.get("language") or source.language
+        language = declared
         if language is None:
             prompt = "\n".join([context, *(t["text"] for t in history if t["role"] != "system"), question])
             language = self.languages.choose(response, prompt, example.conversation)
             tally.detected_languages[language] += 1
-        elif (script := contradicting_script(language, response)) is not None:
+        if language not in self.scheme.values["language"]:
+            return Skipped(example.location, f"language_not_in_scheme:{language}")
+        if declared is not None and (script := contradicting_script(language, response)) is not None:
             # kept under the declared label (it is the user's), but counted: a mislabelled source
             # would otherwise fill a bucket with another language's answers unnoticed
             tally.language_mismatches[f"{language} declared, {script} script"] += 1
-        if language not in self.scheme.values["language"]:
-            return Skipped(example.location, f"language_not_in_scheme:{language}")
         length = length_units(response, self.length_unit)
         values = {"language": language, **labels, "length_bin": self.scheme.length_bin(length)}
         # Rows without a conversation/passage id are their own group; the declared split is part of the
@@ -416,6 +423,11 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
     # than let its buckets quietly go missing.
     warnings = [f"source {e['name']}: no rows read from {', '.join(e['files']) or 'its files'}"
                 for e in sources_json if e["read"] == 0]
+    if sum(by_split.values()):  # none kept at all is an error of its own (the CLI's)
+        warnings += [f"split {split}: no records (none from a `split: {split}` source, none from `split: auto` "
+                     f"sources by split.weights); "
+                     + ("build needs train and val records" if split != "test" else "nothing to evaluate on")
+                     for split in SPLITS if by_split[split] == 0]
     return {
         "polyalign_version": polyalign.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

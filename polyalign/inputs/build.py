@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from polyalign.core.errors import InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import as_path, changed_since, file_digest, is_uri
@@ -330,6 +331,7 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
     """Builds RUN/build/sft_examples from RUN/data/{train,val}.jsonl on this machine; returns the manifest
     (also written to RUN/build/manifest.json). polyalign.beam.build does the same as a Beam pipeline.
     A build made with other options is not replaced unless `overwrite`."""
+    require_records(run)
     with claim_build(run, options, overwrite):
         return _build(Path(run), options, progress)
 
@@ -363,6 +365,25 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
                           time.perf_counter() - started, warnings=[*warnings, *[mismatch] * bool(mismatch)],
                           tokenizer_check=check)
+
+
+def require_records(run) -> None:
+    """Training needs examples to train on and to validate on: an empty split is one line naming it,
+    before anything is written (TFDS would stop half way with its own assertion)."""
+    empty = [split for split in SPLITS if not _has_records(run, split)]
+    if empty:
+        raise InputError(f"{as_path(run) / 'data'}: no {' and no '.join(empty)} records; build makes the training "
+                         "and validation examples, and prepare put none there (give it a source with `split: "
+                         f"{empty[0]}`, or `split: auto` sources a share: `polyalign prepare ... "
+                         f"split.weights.{empty[0]}=0.05`; the manifest there counts every row)")
+
+
+def _has_records(run, split: str) -> bool:
+    for path in split_files(run, split):
+        with as_path(path).open(encoding="utf-8") as lines:
+            if any(line.strip() for line in lines):
+                return True
+    return False
 
 
 def build_tokenizer_path(run, manifest: dict[str, Any]):
