@@ -247,14 +247,21 @@ def _add_build(sub) -> None:
     p.set_defaults(handler=_run_build)
 
 
-def _run_build(args) -> int:
-    from polyalign.inputs.build import BuildOptions, build  # heavy: jax, kept out of --help
+def build_options(args):
+    """The BuildOptions a `polyalign build` command line gives."""
+    from polyalign.inputs.build import BuildOptions  # heavy: jax, kept out of --help
 
     given = {"preset": args.weight_preset, "temperature": args.weight_temperature, "borrow_below": args.borrow_below,
              "min_bucket_size": args.min_bucket_size, "clip": list(args.clip_weights) if args.clip_weights else None}
-    options = BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
-                           max_length=args.max_length, train_on=args.train_on, system=args.system,
-                           weights={key: value for key, value in given.items() if value is not None})
+    return BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
+                        max_length=args.max_length, train_on=args.train_on, system=args.system,
+                        weights={key: value for key, value in given.items() if value is not None})
+
+
+def _run_build(args) -> int:
+    from polyalign.inputs.build import build  # heavy: jax, kept out of --help
+
+    options = build_options(args)
     if args.beam:
         require_beam()
         from polyalign.beam.build import build_beam  # optional extra: apache-beam

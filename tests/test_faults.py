@@ -3,9 +3,11 @@ faults during training (a damaged or unwritable checkpoint, non-finite steps, SI
 clear line naming file, location and problem, or quarantine; never a traceback, a silent wrong result
 or a replaced output. docs/reliability.md lists the promises and the test of each."""
 
+import dataclasses
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -738,8 +740,29 @@ def test_a_build_is_refused_once_the_prepare_it_was_made_from_is_replaced(built_
     assert read_manifest(moved)["buckets"] == manifest["buckets"]  # the same prepare: accepted
     prepared_again = json.loads((moved / "data" / "manifest.json").read_text()) | {"created": "later"}
     (moved / "data" / "manifest.json").write_text(json.dumps(prepared_again))
-    with pytest.raises(ConfigError, match=f"made from another data/manifest.json .*rerun `polyalign build {moved}`"):
+    with pytest.raises(ConfigError, match="made from another data/manifest.json ") as refused:
         read_manifest(moved)
+    # the command it gives is the one that made the build (its tokenizer and cutoff), not bare `build RUN`
+    command = shlex.join(["polyalign", "build", str(moved), "--tokenizer", manifest["settings"]["tokenizer"],
+                          "--max-length", "64"])
+    assert str(refused.value).endswith(f"rerun `{command}`")
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"tokenizer": "ckpt/tiny qwen2", "max_length": 128},
+    {"template": "qwen", "profile": "none", "system": "drop", "train_on": "all", "max_length": 512},
+    {"weights": {"preset": "method"}},
+    {"weights": {"temperature": 0.7, "clip": [0.1, 4.0], "borrow_below": 20, "min_bucket_size": 3}}])
+def test_the_rebuild_command_gives_the_options_the_build_was_made_with(settings):
+    """Whatever options a build was made with, the command an error suggests to make it again parses,
+    through the CLI's own parser, to those options."""
+    from polyalign.cli import build_options, build_parser
+    from polyalign.inputs.build import BuildOptions, rebuild_command
+
+    made = dataclasses.replace(BuildOptions(), **settings)
+    words = shlex.split(rebuild_command("runs/my run", {"settings": dataclasses.asdict(made)}))
+    assert words[:3] == ["polyalign", "build", "runs/my run"]
+    assert build_options(build_parser().parse_args(words[1:])) == made
 
 
 def _damage(checkpoint: Path) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import io
 import json
+import shlex
 import shutil
 import time
 from collections import Counter
@@ -401,5 +402,28 @@ def read_manifest(run) -> dict[str, Any]:
     manifest = json.loads(path.read_text())
     for name in changed_since(run, manifest.get("made_from", {})):  # builds made before it was recorded: unchecked
         raise ConfigError(f"{as_path(run) / BUILD_DIR}: made from another {name} than the one there now "
-                          f"(`polyalign prepare` ran again?); rerun `polyalign build {run}`")
+                          f"(`polyalign prepare` ran again?); rerun `{rebuild_command(run, manifest)}`")
     return manifest
+
+
+# The build command's flags for BuildOptions' fields and weight keys, to say the command that made a build.
+BUILD_FLAGS = {"tokenizer": "--tokenizer", "template": "--template", "profile": "--profile", "system": "--system",
+               "max_length": "--max-length", "train_on": "--train-on"}
+WEIGHT_FLAGS = {"preset": "--weights", "temperature": "--weight-temperature", "clip": "--clip-weights",
+                "borrow_below": "--borrow-below", "min_bucket_size": "--min-bucket-size"}
+
+
+def rebuild_command(run, manifest: dict[str, Any]) -> str:
+    """The `polyalign build` command with the options a build was made with (as they were given, its
+    settings), the ones at their defaults left out: what makes that build again."""
+    given = manifest.get("settings") or {}
+    defaults = asdict(BuildOptions())
+    words = ["polyalign", "build", str(run)]
+    for key, flag in BUILD_FLAGS.items():
+        if given.get(key) is not None and given[key] != defaults[key]:
+            words += [flag, str(given[key])]
+    for key, flag in WEIGHT_FLAGS.items():
+        value = (given.get("weights") or {}).get(key)
+        if value is not None:
+            words += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(words)
