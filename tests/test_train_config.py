@@ -483,3 +483,42 @@ def test_model_dtype_auto_is_bfloat16_on_accelerators_and_float32_on_a_cpu(monke
     assert "polyalign: model.dtype auto: bfloat16 on gpu" in capsys.readouterr().out
     given = load_config(REPO / "configs" / "hdpo_demo.yaml", ["model.dtype=float32"], method="hdpo")
     assert with_compute_dtype(given).model.dtype == "float32"
+
+
+@pytest.mark.parametrize("override, suggested", [
+    ("optimizer.learning_rate=1e-3", "lr"), ("train.max_steps=10", "steps"), ("data.max_seq_length=128", "max_length"),
+    ("train.gradient_accumulation_steps=2", "micro_batches"), ("model.lora.lora_r=8", "rank")])
+def test_a_setting_named_as_other_trainers_name_it_points_at_polyaligns_name(override, suggested, capsys):
+    from polyalign.cli import main
+
+    assert main(["train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", "unused", override,
+                 "--print-config"]) == 2
+    key = override.split("=")[0].split(".")[-1]
+    assert f"unknown key {key!r}; did you mean {suggested!r}?" in capsys.readouterr().err
+
+
+def test_every_other_trainers_name_points_at_a_setting_that_exists():
+    """The table is only as good as its targets: each is a setting of some method's schema."""
+    import dataclasses
+    import typing
+
+    from polyalign.core.yaml_config import OTHER_TRAINERS_NAMES
+    from polyalign.data.prepare import DataConfig
+    from polyalign.train.methods import METHODS
+
+    names, seen = set(), set()
+
+    def walk(cls):
+        if cls in seen:
+            return
+        seen.add(cls)
+        for name, annotation in typing.get_type_hints(cls).items():
+            names.add(name)
+            for inner in (annotation, *typing.get_args(annotation)):
+                if dataclasses.is_dataclass(inner):
+                    walk(inner)
+
+    for spec in METHODS.values():
+        walk(spec.config)
+    walk(DataConfig)
+    assert set(OTHER_TRAINERS_NAMES.values()) <= names, set(OTHER_TRAINERS_NAMES.values()) - names

@@ -36,8 +36,20 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from None
 
 
+# Names other trainers (transformers' TrainingArguments, TRL, optax examples) give settings that
+# polyalign names otherwise: an unknown key that is one of them is pointed at polyalign's name.
+OTHER_TRAINERS_NAMES = {
+    "learning_rate": "lr", "max_steps": "steps", "num_train_epochs": "epochs", "num_epochs": "epochs",
+    "batch_size": "global_batch", "train_batch_size": "global_batch", "gradient_accumulation_steps": "micro_batches",
+    "warmup": "warmup_ratio", "max_grad_norm": "clip", "grad_clip": "clip", "adam_beta1": "b1", "adam_beta2": "b2",
+    "adam_epsilon": "eps", "max_seq_length": "max_length", "max_len": "max_length", "logging_steps": "log_every",
+    "eval_steps": "eval_every", "save_steps": "checkpoint_every", "save_total_limit": "keep_checkpoints",
+    "lora_r": "rank", "r": "rank", "lora_alpha": "alpha"}
+
+
 def _unknown_key_message(key: str, known: list[str], where: str) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    alias = OTHER_TRAINERS_NAMES.get(key)
+    close = [alias] if alias in known else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
     return f"{where}: unknown key {key!r}{hint}"
 
