@@ -446,6 +446,42 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     assert "compat: cjk | cjk | reference" in (tmp_path / "cmp" / "report.html").read_text()
 
 
+def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, tmp_path, capsys):
+    """The aggregate is the geometric mean of the parts measured; an evaluation with MAUVE beside one
+    without is compared over the parts both have (the same answers score the same), and runs that
+    measured the same parts keep their own aggregate."""
+    import shutil
+
+    from polyalign.cli import main
+    from polyalign.core.scores import combined
+    from polyalign.evaluate import naturalness as nat
+
+    run, _, _ = demo_run
+    records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    result = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "plain", EvaluateOptions(plots=False))
+    metrics = result["metrics"]
+    parts = nat.aggregate_parts(metrics["utility"]["overall"]["qa_f1"], metrics["bng"]["overall_macro"], None,
+                                metrics["nuf"]["overall"]["hypervolume"])
+    assert metrics["aggregate"] == {"overall": combined(parts), "parts": parts} and parts["mauve"] is None
+    # the same answers evaluated with a featurizer: MAUVE joins the aggregate
+    shutil.copytree(tmp_path / "plain", tmp_path / "mauve")
+    with_mauve = json.loads((tmp_path / "mauve" / "metrics.json").read_text())
+    with_mauve["metrics"]["aggregate"]["parts"]["mauve"] = 0.05
+    with_mauve["metrics"]["aggregate"]["overall"] = combined(with_mauve["metrics"]["aggregate"]["parts"])
+    (tmp_path / "mauve" / "metrics.json").write_text(json.dumps(with_mauve))
+    assert main(["report", str(tmp_path / "plain"), str(tmp_path / "mauve"), "--out", str(tmp_path / "cmp")]) == 0
+    row = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "Aggregate" in line)
+    value = f"{combined(parts):.4f}"
+    assert row.split("|")[1:4] == [" Aggregate over F1, BNG, NUF (the parts every run measured) ", f" {value} ",
+                                   f" {value} "], row
+    # the same parts measured: each run's own aggregate, under its own name
+    shutil.copytree(tmp_path / "plain", tmp_path / "again")
+    assert main(["report", str(tmp_path / "plain"), str(tmp_path / "again"), "--out", str(tmp_path / "same")]) == 0
+    row = next(line for line in (tmp_path / "same" / "report.md").read_text().splitlines() if "Aggregate" in line)
+    assert row.split("|")[1:4] == [" Aggregate ", f" {value} ", f" {value} "], row
+
+
 def test_report_does_not_call_differences_supported_between_other_records_or_supports(demo_run, tmp_path, capsys):
     from polyalign.cli import main
 

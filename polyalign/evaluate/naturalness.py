@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.stats import wasserstein_distance
 
+from polyalign.core.scores import clip01, combined, geometric_mean
 from polyalign.features.references import nearest_rank
 
 MIN_BUCKET_ROWS = 20
@@ -57,16 +58,6 @@ def macro_and_weighted(values: Mapping[str, float], sizes: Mapping[str, int]) ->
             "weighted": float(sum(v * sizes[b] for b, v in finite.items()) / total)}
 
 
-def geometric_mean(values: Sequence[float]) -> float:
-    if any(v <= 0 for v in values):
-        return 0.0
-    return float(math.exp(sum(math.log(v) for v in values) / len(values)))
-
-
-def clip01(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else min(max(value, 0.0), 1.0)
-
-
 def naturalness_score(bng: float | None, *others: float | None) -> float | None:
     """Geometric mean of 1/(1 + max(BNG, 0)) and the clipped other components that are available."""
     parts = [] if bng is None or not math.isfinite(bng) else [1.0 / (1.0 + max(bng, 0.0))]
@@ -94,11 +85,16 @@ def hypervolume(frontier: Sequence[tuple[float, float]]) -> float:
     return area
 
 
+def aggregate_parts(f1: float | None, bng_macro: float | None, mauve: float | None,
+                    nuf_hypervolume: float | None) -> dict[str, float | None]:
+    """The aggregate's parts (core/scores.py AGGREGATE_PARTS): clip(F1), 1/(1 + BNG macro), clip(MAUVE) and
+    clip(NUF hypervolume), None where not measured."""
+    return {"f1": clip01(f1), "bng": None if bng_macro is None else 1.0 / (1.0 + max(bng_macro, 0.0)),
+            "mauve": clip01(mauve), "nuf": clip01(nuf_hypervolume)}
+
+
 def aggregate(f1: float | None, bng_macro: float | None, mauve: float | None,
               nuf_hypervolume: float | None) -> float | None:
-    """Geometric mean of the finite components among clip(F1), 1/(1 + BNG macro), clip(MAUVE) and
+    """Geometric mean of the measured parts among clip(F1), 1/(1 + BNG macro), clip(MAUVE) and
     clip(NUF hypervolume); None with fewer than two."""
-    parts = [clip01(f1), None if bng_macro is None else 1.0 / (1.0 + max(bng_macro, 0.0)), clip01(mauve),
-             clip01(nuf_hypervolume)]
-    parts = [p for p in parts if p is not None]
-    return geometric_mean(parts) if len(parts) >= 2 else None
+    return combined(aggregate_parts(f1, bng_macro, mauve, nuf_hypervolume))

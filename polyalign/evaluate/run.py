@@ -22,6 +22,7 @@ from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
+from polyalign.core.scores import combined
 from polyalign.data.records import read_records
 from polyalign.evaluate import detectability as dt
 from polyalign.evaluate import naturalness as nat
@@ -212,8 +213,9 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
     metrics = {"utility": utility, "diversity": div, "bng": bng_metrics, "hcr": hcr_metrics,
                "buckets": bucket_reports, "reference_rows": reference_rows, "mauve": mauve_metrics,
                "detectability": detect, "tdm": tdm, "nuf": nuf}
-    metrics["aggregate"] = {"overall": nat.aggregate(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
-                                                      mauve_metrics["global"], nuf["overall"]["hypervolume"])}
+    parts = nat.aggregate_parts(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"], mauve_metrics["global"],
+                                nuf["overall"]["hypervolume"])
+    metrics["aggregate"] = {"overall": combined(parts), "parts": parts}
     result = _result(joined, metrics, records_path, predictions_path, options, settings)
     result["config"]["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)

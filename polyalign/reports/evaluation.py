@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
+from polyalign.core.scores import AGGREGATE_PARTS, combined  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 
 OVERALL_ROWS = (
@@ -421,6 +422,23 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     return summary
 
 
+AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"}
+
+
+def _aggregate_row(runs: dict[str, dict]) -> tuple[str, ...]:
+    """The aggregate of each run over the parts every run measured: an evaluation with MAUVE (a
+    featurizer) and one without would otherwise be compared on different means. Evaluations written
+    before the parts were recorded show their own aggregate."""
+    parts = [_get(r["metrics"], ("aggregate", "parts")) for r in runs.values()]
+    if any(p is None for p in parts):
+        return ("Aggregate", *(_fmt(_get(r["metrics"], ("aggregate", "overall"))) for r in runs.values()))
+    common = [name for name in AGGREGATE_PARTS if all(p.get(name) is not None for p in parts)]
+    measured = [[name for name in AGGREGATE_PARTS if p.get(name) is not None] for p in parts]
+    label = "Aggregate" if all(m == common for m in measured) else \
+        f"Aggregate over {', '.join(AGGREGATE_PART_NAMES[n] for n in common)} (the parts every run measured)"
+    return (label, *(_fmt(combined(p, common)) for p in parts))
+
+
 def run_names(evals: Sequence[Path]) -> list[str]:
     """A column name per EVAL folder: its name, or as many of its last path parts as tell it from the
     others (runs/a/eval and runs/b/eval: a/eval and b/eval). One folder given twice is refused, since
@@ -448,7 +466,9 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
             raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
         runs[name] = json.loads(path.read_text())
     header = ["metric", *runs]
-    rows = [(name, *(_fmt(_get(r["metrics"], p)) for r in runs.values())) for name, p in OVERALL_ROWS]
+    rows = [(name, *(_fmt(_get(r["metrics"], p)) for r in runs.values())) for name, p in OVERALL_ROWS
+            if name != "Aggregate"]
+    rows.append(_aggregate_row(runs))
     settings_rows = [("test rows", *(str(r["alignment"]["evaluated"]) for r in runs.values())),
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
