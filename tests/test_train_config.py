@@ -522,3 +522,23 @@ def test_every_other_trainers_name_points_at_a_setting_that_exists():
         walk(spec.config)
     walk(DataConfig)
     assert set(OTHER_TRAINERS_NAMES.values()) <= names, set(OTHER_TRAINERS_NAMES.values()) - names
+
+
+def test_a_run_says_what_it_is_about_to_do():
+    """The steps, batch, devices, schedule and start of a run, from its resolved config (the warmup as
+    make_optimizer computes it)."""
+    from pathlib import Path
+
+    from polyalign.mesh import parallel
+    from polyalign.train.methods import load_config
+    from polyalign.train.run import start_line
+
+    config = load_config(CONFIGS["hdpo"], ["init=runs/bucket_sft/model", "train.steps=40", "train.global_batch=8",
+                                           "train.micro_batches=2", "optimizer.min_lr_ratio=0.5"], method="hdpo")
+    line = start_line(config, config.train, parallel.make_mesh(), Path("runs/hdpo"))
+    assert line == ("polyalign: training hdpo for 40 steps, global batch 8 in 2 micro-batches, on 1 cpu device "
+                    "(data 1, fsdp 1, tensor 1); learning rate 2.0e-04, 4 warmup steps, cosine to 1.0e-04; from "
+                    "runs/bucket_sft/model -> runs/hdpo")
+    config = load_config(CONFIGS["sft"], ["optimizer.warmup_ratio=0"], method="sft")
+    assert "; learning rate 3.0e-03, cosine to 3.0e-04; from scratch (model.preset tiny) -> " in start_line(
+        config, config.train, parallel.make_mesh(), Path("out"))

@@ -30,7 +30,7 @@ from tests.cli_runs import (
     train_args,
     wait_ok,
 )
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_MODEL
 from tests.train_checks import first_batch, gradients_of_first_batch
 
 WORKER = REPO / "tests" / "train_worker.py"
@@ -312,6 +312,10 @@ def test_a_checkpoint_restores_onto_a_different_mesh(built_run, adaptive_four_de
     output = wait_ok([start_cli(train_args(run, tmp_path / "moved", *ADAPTIVE_FOUR_DEVICES, "parallel.data=1",
                                            "parallel.fsdp=2", "parallel.tensor=2"), {}, devices=4)])[0]
     assert "trained to step 6 (3 steps this run)" in output  # the summary's time is the resumed run's
+    # what the run is about to do, before it does it: on the new mesh
+    assert ("polyalign: training sft for 6 steps, global batch 8 in 1 micro-batch, on 4 cpu devices (data 1, fsdp 2, "
+            "tensor 2); learning rate 3.0e-03, 1 warmup step, cosine to 3.0e-04; from scratch (model.preset "
+            f"{TINY_MODEL}) -> {tmp_path / 'moved'}") in output
     straight, moved = read_metrics(adaptive_four_device_run), read_metrics(tmp_path / "moved")
     assert [r["step"] for r in moved] == list(range(1, 7))
     print(f"\nmesh (4,1,1) -> (1,2,2) resume: max |dloss| "

@@ -42,7 +42,7 @@ from polyalign.train.methods import method_spec
 from polyalign.train.metrics import MetricsWriter, read_metrics
 from polyalign.train.rounds import train_rounds
 from polyalign.train.throughput import Throughput
-from polyalign.train.trainer import Objective, Trainer
+from polyalign.train.trainer import Objective, Trainer, warmup_steps
 
 
 @dataclass
@@ -170,6 +170,8 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     if job.checkpoint_meta is not None:
         checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                     meta=job.checkpoint_meta)
+    if jax.process_index() == 0:
+        print(start_line(config, loop, mesh, out), flush=True)
     evaluate = None if job.evaluate is None else (lambda: job.evaluate(trainer))
     watchdog = Watchdog(resolve_timeout(loop.hang_timeout, jax.process_count()), jax.process_index(),
                         jax.process_count())
@@ -196,6 +198,22 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+def start_line(config, loop: LoopConfig, mesh, out: Path) -> str:
+    """What a run is about to do, said before it starts: the steps and batch, the devices and their
+    layout, the learning-rate schedule, where it starts from and where it writes."""
+    optimizer = config.optimizer
+    warmup = warmup_steps(optimizer, loop.steps)
+    warming = f", {warmup} warmup step{'s' if warmup > 1 else ''}" if warmup else ""
+    schedule = f"learning rate {optimizer.lr:.1e}{warming}, cosine to {optimizer.lr * optimizer.min_lr_ratio:.1e}"
+    layout = ", ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
+    micro = f"{loop.micro_batches} micro-batch{'es' if loop.micro_batches > 1 else ''}"
+    init = getattr(config, "init", None)
+    start = f"from {init}" if init else f"from scratch (model.preset {config.model.preset})"
+    return (f"polyalign: training {config.method} for {loop.steps} steps, global batch {loop.global_batch} in "
+            f"{micro}, on {mesh.devices.size} {jax.default_backend()} device{'s' if mesh.devices.size > 1 else ''} "
+            f"({layout}); {schedule}; {start} -> {out}")
 
 
 def logged_step(out: Path, step: int) -> dict[str, Any]:

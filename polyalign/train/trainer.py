@@ -52,9 +52,14 @@ class Objective(Protocol):
         a fresh random key for each micro-batch of each step (dropout); None when evaluating."""
 
 
+def warmup_steps(config: OptimizerConfig, steps: int) -> int:
+    """The steps of the linear warmup: warmup_ratio of the run, at least one when there is any."""
+    return max(1, int(round(config.warmup_ratio * steps))) if config.warmup_ratio > 0 else 0
+
+
 def make_optimizer(config: OptimizerConfig, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup then cosine decay; global-norm clipping; no decay on norms and biases."""
-    warmup = max(1, int(round(config.warmup_ratio * steps))) if config.warmup_ratio > 0 else 0
+    warmup = warmup_steps(config, steps)
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(steps, warmup + 1),
                                                   end_value=config.lr * config.min_lr_ratio)
 
