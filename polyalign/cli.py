@@ -115,6 +115,9 @@ def _run_prepare(args) -> int:
               f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
     if manifest["quarantine"]["rows"]:
         print(f"quarantined {manifest['quarantine']['rows']} rows -> {args.out / 'data' / 'quarantine.jsonl'}")
+    if manifest["dropped_rows"]["rows"]:
+        print(f"{manifest['dropped_rows']['rows']} rows left out as they were read, each with its reason -> "
+              f"{args.out / 'data' / 'dropped.jsonl'}")
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")

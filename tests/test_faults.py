@@ -524,6 +524,23 @@ def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_sp
     assert not (tmp_path / "run" / "build").exists()
 
 
+def test_every_row_prepare_leaves_out_is_listed_with_where_it_is_and_why(demo_run):
+    """For every source and reason, the rows in dropped.jsonl are the ones the manifest counts as left
+    out while reading (dedup's removals are in its own report), each naming a file that exists."""
+    from collections import Counter
+
+    run, manifest, _ = demo_run
+    rows = read_jsonl(run / "data" / "dropped.jsonl")
+    dedup_reasons = {"exact_duplicate", "near_duplicate_of_test"}
+    counted = Counter({(source["name"], reason): count for source in manifest["sources"]
+                       for reason, count in source["dropped"].items()
+                       if reason not in dedup_reasons | {"malformed"}})
+    assert Counter((row["source"], row["reason"]) for row in rows) == counted
+    assert len(rows) == manifest["dropped_rows"]["rows"] > 0 and manifest["dropped_rows"]["file"] == "dropped.jsonl"
+    assert "answer_not_human_written:llm" in {row["reason"] for row in rows}  # COIG-CQIA's LLM-written answers
+    assert all(Path(row["where"]["file"].split("!")[0]).exists() for row in rows)
+
+
 def test_a_quarantined_row_never_renames_another_record(tmp_path):
     """Record ids come from the row's own position: the rows after a quarantined one keep the ids they
     have when that row is good."""

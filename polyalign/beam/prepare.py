@@ -51,6 +51,7 @@ from polyalign.data.records import SPLIT_PRIORITY, SPLITS, Malformed, Record
 
 EVENTS = "events"
 QUARANTINE = "quarantine"
+DROPPED = "dropped"
 EVENTS_DIR = "_beam_events"
 
 Order = tuple[int, int, int]  # (source, file, item): the single-machine path's reading order
@@ -75,6 +76,7 @@ class ImportFile(beam.DoFn):
         offset = sum(offsets.get((source_index, i), 0) for i in range(file_index))
         tally = SourceTally(source)
         quarantined: list[dict[str, Any]] = []
+        dropped: list[dict[str, Any]] = []
 
         def sink(name: str, malformed: Malformed) -> None:
             if self.on_error == "fail":
@@ -83,10 +85,13 @@ class ImportFile(beam.DoFn):
 
         builder = context.builder
         for position, (key, item) in enumerate(read_file(source.format, file, root, offset)):
-            record = build_item(builder, source, tally, key, item, sink)
+            record = build_item(builder, source, tally, key, item, sink, dropped.append)
             for row in quarantined:
                 yield beam.pvalue.TaggedOutput(QUARANTINE, json.dumps(row, ensure_ascii=False))
+            for row in dropped:
+                yield beam.pvalue.TaggedOutput(DROPPED, json.dumps(row, ensure_ascii=False))
             quarantined.clear()
+            dropped.clear()
             if record is None:
                 continue
             for name, agree in label_votes(record, item.labels):
@@ -228,11 +233,12 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
                        | "Count rows" >> beam.Map(count_rows))
             imported = (pipeline | "Files" >> beam.Create(specs) | "Reshuffle files" >> beam.Reshuffle()
                         | "Import" >> beam.ParDo(ImportFile(context, on_error), beam.pvalue.AsDict(offsets))
-                        .with_outputs(EVENTS, QUARANTINE, main="records"))
+                        .with_outputs(EVENTS, QUARANTINE, DROPPED, main="records"))
             records = imported.records
             events = [imported[EVENTS]]
             if on_error == "quarantine":
                 _write_lines(imported[QUARANTINE], data_dir / "quarantine", num_shards, "quarantine")
+            _write_lines(imported[DROPPED], data_dir / "dropped", num_shards, "dropped")
 
             _ = (records | "Id" >> beam.Map(lambda k: (k[1].id, k[1].meta["source_row"]))
                  | "Group ids" >> beam.GroupByKey() | "Unique ids" >> beam.FlatMap(_check_unique_id))

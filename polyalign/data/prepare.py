@@ -174,6 +174,26 @@ class SourceTally:
         }
 
 
+def dropped_row(source: str, location: Any, reason: str) -> dict[str, Any]:
+    """A row of RUN/data/dropped.jsonl: a well-formed row prepare left out, where it is and why."""
+    return {"source": source, "location": str(location), "where": location.to_json(), "reason": reason}
+
+
+class DroppedRows:
+    """Every well-formed row prepare leaves out (the manifest counts them by reason), one line each in
+    dropped.jsonl: where it is and why. Malformed rows go to quarantine.jsonl (or stop the run)."""
+
+    def __init__(self, path: Path):
+        self.handle, self.count = path.open("w", encoding="utf-8"), 0
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.count += 1
+        self.handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self.handle.close()
+
+
 def quarantine_row(source: str, malformed: Malformed) -> dict[str, Any]:
     return {"source": source, "location": str(malformed.location), "where": malformed.location.to_json(),
             "problem": malformed.problem, "raw": malformed.raw}
@@ -449,6 +469,10 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
            if any(e.get("detected_languages") for e in sources_json) else {}),
         "warnings": warnings,
         "dedup": dedup_report,
+        # well-formed rows left out as they were read, one line each (dedup's are in "dedup")
+        "dropped_rows": {"file": "dropped.jsonl", "rows": sum(
+            sum(t.dropped.values()) - t.dropped["malformed"] - sum(sum(c.values()) for c in t.dropped_by_split.values())
+            for t in tallies)},
         "quarantine": {"enabled": on_error == "quarantine", "rows": quarantined,
                        **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},
         **agreement.to_manifest(),
@@ -487,6 +511,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
 
     data_dir.mkdir(parents=True, exist_ok=True)
     sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
+    dropped = DroppedRows(data_dir / "dropped.jsonl")
     records: list[Record] = []
     tally_of: dict[str, SourceTally] = {}
     agreement = AgreementCounts()
@@ -497,7 +522,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
             source = tally.config
             bar.set_postfix_str(source.name, refresh=False)
             for key, item in read_source(source.format, root):
-                built = build_item(builder, source, tally, key, item, sink)
+                built = build_item(builder, source, tally, key, item, sink, dropped)
                 if built is None:
                     continue
                 if built.id in first_seen:
@@ -511,6 +536,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
         bar.close()
     finally:
         sink.close()
+        dropped.close()
     timings["import"] = time.perf_counter() - started
 
     # Group protection: a conversation, dialogue or passage lives in one split only.
@@ -572,9 +598,16 @@ def duplicate_id_message(record_id: str, locations: list[str]) -> str:
 
 
 def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally, key: str | None,
-               item: Any, sink: Callable[[str, Malformed], None]) -> Record | None:
+               item: Any, sink: Callable[[str, Malformed], None],
+               dropped: Callable[[dict[str, Any]], None]) -> Record | None:
     """One imported item through the record builder: a Record, or None after counting why it was dropped
-    (malformed rows also go to `sink`). A Notice is counted under `left_out` and is no row."""
+    (malformed rows also go to `sink`, the others to `dropped` as dropped_row). A Notice is counted under
+    `left_out` and is no row."""
+
+    def drop(reason: str) -> None:
+        tally.drop(reason)
+        dropped(dropped_row(source.name, item.location, reason))
+
     if item.location != tally.last_location:  # an importer yields a row's items one after another
         tally.read, tally.last_location = tally.read + 1, item.location
     if isinstance(item, Notice):
@@ -586,7 +619,7 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         tally.drop("malformed")
         return None
     if isinstance(item, Skipped):
-        tally.drop(item.reason)
+        drop(item.reason)
         return None
     try:
         built = builder.build(key, item, source, tally)
@@ -595,11 +628,11 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         tally.drop("malformed")
         return None
     if isinstance(built, Skipped):
-        tally.drop(built.reason)
+        drop(built.reason)
         return None
     if built.response == "" and built.family not in EMPTY_ANSWER_FAMILIES:
         # an empty reply would teach a model to answer with nothing; only a QA "no answer" is a real one
-        tally.drop("empty_response")
+        drop("empty_response")
         return None
     tally.empty_responses += int(built.response == "")
     return built
