@@ -49,7 +49,7 @@ def progress_bar(iterable: Iterable | None = None, *, progress: bool, **options:
     if not progress:
         return tqdm(iterable, disable=True, **options)
     stream = options.pop("file", None) or sys.stderr
-    if stream.isatty():
+    if getattr(stream, "isatty", lambda: False)():
         return tqdm(iterable, file=stream, **options)
     known_total = options.get("total") is not None or hasattr(iterable, "__len__")
     options.update(mininterval=LOG_LINE_SECONDS, maxinterval=LOG_LINE_SECONDS, miniters=1, leave=True,
