@@ -491,9 +491,10 @@ def _add_generate(sub) -> None:
                    help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
     p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
     p.add_argument("--out", required=True, type=Path, help="predictions JSONL")
-    p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
-                   help="profile system prompt (default context: what a real request reveals; oracle adds the "
-                        "gold length bin and must be labelled as such in reports)")
+    p.add_argument("--profile", choices=("context", "oracle", "none"),
+                   help="profile system prompt (default: the one the checkpoint was trained with, else context: "
+                        "what a real request reveals; oracle adds the gold length bin and must be labelled as such "
+                        "in reports)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--max-new-tokens", type=_budget, default=128,
                    help="most tokens per answer (default 128), or auto: each record's bucket's human length (the "
@@ -633,8 +634,8 @@ def _add_prompts(sub) -> None:
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="checkpoint (or tokenizer) directory whose tokenizer and chat template render the prompts")
     p.add_argument("--out", required=True, type=Path, help="prompts JSONL")
-    p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
-                   help="profile system prompt (default context, as generate)")
+    p.add_argument("--profile", choices=("context", "oracle", "none"),
+                   help="profile system prompt (default: the one the checkpoint was trained with, else context)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order): the records "
@@ -651,8 +652,8 @@ def _run_prompts(args) -> int:
                             limit=args.limit, sample=args.sample, seed=args.seed, overwrite=args.overwrite)
     for note in summary["notes"]:
         print(note)
-    print(f"{summary['records']} prompts rendered with the {summary['template']} template; stop generating at "
-          f"{', '.join(summary['stop'])}")
+    print(f"{summary['records']} prompts rendered with the {summary['template']} template, profile "
+          f"{summary['profile']}, system messages {summary['system']}; stop generating at {', '.join(summary['stop'])}")
     print(f"prompts: {args.out}")
     return 0
 

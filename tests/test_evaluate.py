@@ -469,12 +469,14 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     with_mauve = json.loads((tmp_path / "mauve" / "metrics.json").read_text())
     with_mauve["metrics"]["aggregate"]["parts"]["mauve"] = 0.05
     with_mauve["metrics"]["aggregate"]["overall"] = combined(with_mauve["metrics"]["aggregate"]["parts"])
+    with_mauve["metrics"]["nuf"]["naturalness_components"] = ["1/(1+BNG)", "C-MAUVE"]  # NUF measured otherwise
     (tmp_path / "mauve" / "metrics.json").write_text(json.dumps(with_mauve))
     assert main(["report", str(tmp_path / "plain"), str(tmp_path / "mauve"), "--out", str(tmp_path / "cmp")]) == 0
     row = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "Aggregate" in line)
-    value = f"{combined(parts):.4f}"
-    assert row.split("|")[1:4] == [" Aggregate over F1, BNG, NUF (the parts every run measured) ", f" {value} ",
+    value = f"{combined(parts, ['f1', 'bng']):.4f}"
+    assert row.split("|")[1:4] == [" Aggregate over F1, BNG (the parts every run measured alike) ", f" {value} ",
                                    f" {value} "], row
+    value = f"{combined(parts):.4f}"
     # the same parts measured: each run's own aggregate, under its own name
     shutil.copytree(tmp_path / "plain", tmp_path / "again")
     assert main(["report", str(tmp_path / "plain"), str(tmp_path / "again"), "--out", str(tmp_path / "same")]) == 0

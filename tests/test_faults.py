@@ -514,6 +514,14 @@ def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_sp
     assert loaded.split.weights == {"train": 0.9, "val": 0.05, "test": 0.2}
     assert ("polyalign: split.weights sum to 1.15, not 1; each split gets its share of the sum: train 78.3%, "
             "val 4.3%, test 17.4%") in capsys.readouterr().err
+    for override, problem in (("split.weights.val=-0.1", "split.weights.val must be a number >= 0, got -0.1"),
+                              ("split.weights.val=abc", "split.weights.val must be a number >= 0, got 'abc'"),
+                              ("split.weights.dev=0.1", "split.weights.dev: no such split (train, val, test)")):
+        with pytest.raises(ConfigError) as refused:
+            load_data_config(config, [override])
+        assert str(refused.value) == f"{config} with the overrides {override}: {problem}"
+    with pytest.raises(ConfigError, match="split.weights are all 0; give at least one split a positive weight"):
+        load_data_config(config, ["split.weights={train: 0, val: 0, test: 0}"])
     manifest = prepare(config, tmp_path / "run", progress=False, overrides=["split.weights.val=0"])
     assert manifest["totals"]["by_split"]["val"] == 0 and manifest["totals"]["kept"] == manifest["totals"]["records"]
     assert ("split val: no records (none from a `split: val` source, none from `split: auto` sources by "

@@ -256,3 +256,30 @@ def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, templ
         assert (record.history[0]["text"] in row["messages"][0]["content"]) == (system == "keep")
         assert row["prompt"] == trained.render(expected, add_generation_prompt=True)
         assert "Follow the target response profile" in row["prompt"]
+
+
+@pytest.mark.parametrize("trained", ["context", "oracle", "none"])
+def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_run, demo_tokenizer, tmp_path, capsys):
+    """A checkpoint exported from a build with `--profile P` says so (polyalign_profile): `prompts` and
+    `generate` render its records with P unless asked otherwise, and asking for another is said."""
+    import shutil
+
+    from polyalign.data.records import read_records
+    from polyalign.generate.prompts import write_prompts
+    from polyalign.tokens.chat import record_messages
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(demo_tokenizer[0].path.parent, checkpoint)
+    config = {**json.loads((checkpoint / "tokenizer_config.json").read_text()), "polyalign_profile": trained}
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
+    path = demo_run[0] / "data" / "val.jsonl"
+    records = read_records(path)[:4]
+    summary = write_prompts(checkpoint, path, tmp_path / "default.jsonl", limit=4)
+    rows = [json.loads(line) for line in (tmp_path / "default.jsonl").read_text().splitlines()]
+    assert summary["profile"] == trained and capsys.readouterr().err == ""
+    for record, row in zip(records, rows):
+        expected = record_messages(record, trained, with_response=False)
+        assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
+    other = "context" if trained != "context" else "none"
+    assert write_prompts(checkpoint, path, tmp_path / "asked.jsonl", profile=other, limit=4)["profile"] == other
+    assert f"was trained with profile {trained!r}; rendering with {other!r} as asked" in capsys.readouterr().err

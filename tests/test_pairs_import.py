@@ -119,7 +119,8 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
     prompts = tmp_path / "prompts.jsonl"
     code, out, _ = cli(capsys, "prompts", "--records", run / "data" / "val.jsonl", "--checkpoint", checkpoint,
                        "--out", prompts, "--limit", 10)
-    assert code == 0 and "10 prompts rendered with the polyalign template; stop generating at <|im_end|>" in out
+    assert code == 0 and ("10 prompts rendered with the polyalign template, profile context, system messages keep; "
+                          "stop generating at <|im_end|>") in out
     rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
     records = read_records(run / "data" / "val.jsonl")[:10]
     template = get_template("polyalign")

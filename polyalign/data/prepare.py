@@ -106,6 +106,7 @@ def scheme_path(scheme: str, base: Path) -> Path:
 
 
 def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataConfig, dict[str, Any]]:
+    overrides = list(overrides)
     raw = load_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with 'scheme' and 'sources'")
@@ -117,10 +118,15 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
         raise ConfigError(f"{path}: 'sources' is empty")
     if config.length_unit is not None and config.length_unit not in LENGTH_UNIT_PATTERNS:
         raise ConfigError(f"{path}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}")
-    bad = {k: v for k, v in config.split.weights.items() if k not in SPLITS or not isinstance(v, (int, float)) or v < 0}
-    if bad or sum(config.split.weights.values()) <= 0:
-        raise ConfigError(f"{path}: split.weights must give non-negative weights to train/val/test")
+    where = f"{path}{' with the overrides ' + ' '.join(overrides) if overrides else ''}"
+    for name, value in config.split.weights.items():
+        if name not in SPLITS:
+            raise ConfigError(f"{where}: split.weights.{name}: no such split (train, val, test)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{where}: split.weights.{name} must be a number >= 0, got {value!r}")
     total = sum(config.split.weights.values())
+    if total <= 0:
+        raise ConfigError(f"{where}: split.weights are all 0; give at least one split a positive weight")
     if abs(total - 1.0) > 1e-9:
         shares = ", ".join(f"{name} {config.split.weights.get(name, 0) / total:.1%}" for name in SPLITS)
         print(f"polyalign: split.weights sum to {total:g}, not 1; each split gets its share of the sum: {shares}",

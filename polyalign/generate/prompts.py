@@ -19,14 +19,14 @@ from polyalign.core.paths import file_digest
 from polyalign.data.records import read_records
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
-from polyalign.tokens.chat import PROFILE_MODES, choose_template, get_template, record_messages
+from polyalign.tokens.chat import PROFILE_MODES, choose_template, get_template, record_messages, trained_profile
 from polyalign.tokens.tokenizer import load_tokenizer
 
 
-def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "context", template: str | None = None,
+def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
                   overwrite: bool = False) -> dict[str, Any]:
-    if profile not in PROFILE_MODES:
+    if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
     settings = {"checkpoint": str(checkpoint), "records": str(records_path.resolve()), "profile": profile,
@@ -36,6 +36,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out)):
         tokenizer = load_tokenizer(checkpoint)
+        profile = trained_profile(tokenizer, profile, str(checkpoint))
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint))
         chat = get_template(name, tokenizer)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed)
@@ -45,7 +46,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str = "
                 row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in messages],
                        "prompt": chat.render(messages, add_generation_prompt=True)}
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        summary = {"records": len(records), "template": name, "stop": list(chat.stop_tokens()), "out": str(out),
+        summary = {"records": len(records), "template": name, "profile": profile, "system": tokenizer.system_mode,
+                   "stop": list(chat.stop_tokens()), "out": str(out),
                    "notes": notes}
         write_record(sidecar(out), settings, {"records": file_digest(records_path)}, summary=summary)
     return summary

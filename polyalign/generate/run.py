@@ -19,7 +19,7 @@ from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
-from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages
+from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages, trained_profile
 from polyalign.tokens.tokenizer import load_tokenizer
 
 
@@ -27,7 +27,8 @@ from polyalign.tokens.tokenizer import load_tokenizer
 class GenerateOptions:
     """What `generate_predictions` samples and from which records; OUT.manifest.json records each field.
 
-    profile: the system-prompt profile of the prompts (tokens/chat.py PROFILE_MODES); template: a chat
+    profile: the system-prompt profile of the prompts (tokens/chat.py PROFILE_MODES; None: the one the
+    checkpoint was trained with, else context); template: a chat
     template name (default: the checkpoint's own); batch_size: sequences the engine decodes at once;
     limit: the first N records; sample: a seeded random N of them, in file order; seed: of the sampling
     (each record draws from its own seed, made from this one and its id) and of `sample`; model_name:
@@ -37,7 +38,7 @@ class GenerateOptions:
     dtype: of the weights and the computation (model/architecture.py compute_dtype: auto is bfloat16
     on GPU/TPU, float32 on a CPU); the manifest records the one used."""
 
-    profile: str = "context"
+    profile: str | None = None
     template: str | None = None
     sampling: SamplingConfig = SamplingConfig()
     batch_size: int = 16
@@ -106,8 +107,9 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
-    # each record as the checkpoint was trained to read it (its export's system mode)
-    messages = [record_messages(record, options.profile, with_response=False, system=tokenizer.system_mode)
+    # each record as the checkpoint was trained to read it (its export's profile and system mode)
+    profile = trained_profile(tokenizer, options.profile, str(checkpoint))
+    messages = [record_messages(record, profile, with_response=False, system=tokenizer.system_mode)
                 for record in records]
     prompts = [cut_prompt(chat, tokenizer, m, options.max_prompt_tokens) for m in messages]
     requests = [Request(ids, options.sampling if budgets is None else
@@ -119,7 +121,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     for record, (completion,) in zip(records, completions):
         rows.append({"id": record.id, "prediction": tokenizer.decode(completion.tokens).strip(), "model": name,
                      "finish_reason": completion.finish_reason, "new_tokens": len(completion.tokens),
-                     "profile": options.profile})
+                     "profile": profile})
     with out.open("w", encoding="utf-8") as handle:
         for row in rows:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")

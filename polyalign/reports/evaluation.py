@@ -426,16 +426,20 @@ AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"
 
 
 def _aggregate_row(runs: dict[str, dict]) -> tuple[str, ...]:
-    """The aggregate of each run over the parts every run measured: an evaluation with MAUVE (a
-    featurizer) and one without would otherwise be compared on different means. Evaluations written
-    before the parts were recorded show their own aggregate."""
+    """The aggregate of each run over the parts every run measured alike: an evaluation with a
+    featurizer (MAUVE, and C-MAUVE inside NUF) and one without would otherwise be compared on different
+    means. Evaluations written before the parts were recorded show their own aggregate."""
     parts = [_get(r["metrics"], ("aggregate", "parts")) for r in runs.values()]
     if any(p is None for p in parts):
         return ("Aggregate", *(_fmt(_get(r["metrics"], ("aggregate", "overall"))) for r in runs.values()))
     common = [name for name in AGGREGATE_PARTS if all(p.get(name) is not None for p in parts)]
+    # NUF's naturalness axis takes C-MAUVE where there is a featurizer: the same part, measured otherwise
+    nuf_components = {tuple(_get(r["metrics"], ("nuf", "naturalness_components")) or ()) for r in runs.values()}
+    if len(nuf_components) > 1 and "nuf" in common:
+        common.remove("nuf")
     measured = [[name for name in AGGREGATE_PARTS if p.get(name) is not None] for p in parts]
     label = "Aggregate" if all(m == common for m in measured) else \
-        f"Aggregate over {', '.join(AGGREGATE_PART_NAMES[n] for n in common)} (the parts every run measured)"
+        f"Aggregate over {', '.join(AGGREGATE_PART_NAMES[n] for n in common)} (the parts every run measured alike)"
     return (label, *(_fmt(combined(p, common)) for p in parts))
 
 

@@ -8,6 +8,7 @@ content and its end-of-turn token are the pieces a loss may cover.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
@@ -127,6 +128,17 @@ def joined_turns(messages: Sequence[Message]) -> list[Message]:
         else:
             out.append(message)
     return out
+
+
+def trained_profile(tokenizer: Tokenizer, asked: str | None, where: str) -> str:
+    """The profile a checkpoint's prompts are rendered with: the one asked for, else the one it was
+    trained with (its export's polyalign_profile), else context. Asking for another than the trained one
+    is said: the model never read such prompts."""
+    trained = tokenizer.profile_mode
+    if asked is not None and trained is not None and asked != trained:
+        print(f"note: {where} was trained with profile {trained!r}; rendering with {asked!r} as asked",
+              file=sys.stderr)
+    return asked or trained or "context"
 
 
 def record_messages(record: Record, profile: str = "context", with_response: bool = True,

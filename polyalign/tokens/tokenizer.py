@@ -37,6 +37,8 @@ class Tokenizer(abc.ABC):
     # How the model this tokenizer came with was trained to read a conversation's own system messages
     # beside the profile prompt (tokens/chat.py SYSTEM_MODES): its export's polyalign_system.
     system_mode: str = "keep"
+    # The profile prompt a checkpoint was trained with (its export's polyalign_profile); None: not said.
+    profile_mode: str | None = None
 
     @property
     @abc.abstractmethod
@@ -101,6 +103,10 @@ class Tokenizer(abc.ABC):
                 setattr(self, field, token(config[field]))
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
         self.system_mode = config.get("polyalign_system", self.system_mode)
+        self.profile_mode = config.get("polyalign_profile", self.profile_mode)
+        if self.profile_mode not in (None, "context", "oracle", "none"):
+            raise TokenizerError(f"{TOKENIZER_CONFIG}: polyalign_profile {self.profile_mode!r} is not context, oracle "
+                                 "or none")
         if self.system_mode not in ("keep", "replace", "drop"):
             raise TokenizerError(f"{TOKENIZER_CONFIG}: polyalign_system {self.system_mode!r} is not keep, replace or "
                                  "drop")
