@@ -500,6 +500,18 @@ def test_a_source_in_a_language_outside_the_scheme_is_refused_once_and_said_plai
                                             "manifest counts them per source")
 
 
+def test_a_conversation_nobody_answered_is_dropped_and_listed_not_a_malformed_row(tmp_path):
+    """A chat log's question with no reply (user turns only) has nothing to train on: under the default
+    --on-error fail it neither stops the run nor goes to quarantine; it is dropped as `no_reply` and listed."""
+    unanswered = {"messages": [{"role": "system", "content": "Answer briefly."},
+                               {"role": "user", "content": CAMREST[0]["turns"][0]["utterance"]}]}
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl([chat_row(CAMREST[1]), unanswered]))
+    source = manifest["sources"][0]
+    assert source["read"] == 2 and source["dropped"] == {"no_reply": 1} and source["kept"] == source["records"] - 1
+    assert [(row["reason"], row["location"]) for row in read_jsonl(tmp_path / "run" / "data" / "dropped.jsonl")] == [
+        ("no_reply", f"{tmp_path / 'c.jsonl'}:2")]
+
+
 def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_split_is_named(tmp_path, capsys):
     """`split.weights.test=0.2` on a config without a split section changes that weight of the defaults
     (the others kept, the sum said); a split left with no records is a warning at prepare and one line

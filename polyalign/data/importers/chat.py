@@ -27,7 +27,7 @@ from polyalign.data.importers.reading import (
     require_dict,
     string_labels,
 )
-from polyalign.data.records import ImportItem, Location, RowProblem
+from polyalign.data.records import ImportItem, Location, RowProblem, Skipped
 
 PATTERNS = ("*.jsonl", "*.json")
 DEFAULTS = {"track": "single", "family": "assistant", "style": "assistant_like"}
@@ -46,10 +46,14 @@ def dialogue_id(row: dict[str, Any], location: Location) -> str:
 
 
 def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]]) -> Iterator[ImportItem]:
+    key = dialogue_id(row, location)
     if not any(turn["role"] == "assistant" and any(t["role"] in ("user", "assistant") for t in turns[:k])
                for k, turn in enumerate(turns)):
-        raise RowProblem("the conversation has no assistant turn after a user turn")
-    return project_dialogue(turns, dialogue_id(row, location), location, labels=string_labels(row, ROW_LABELS))
+        # well-formed, and common in real chat logs (a question nobody answered): nothing to learn from,
+        # so dropped with its reason and listed, rather than stopping the run as malformed
+        yield Skipped(location, "no_reply", key)
+        return
+    yield from project_dialogue(turns, key, location, labels=string_labels(row, ROW_LABELS))
 
 
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
