@@ -62,8 +62,6 @@ def profile_prompt(record: Record, mode: str) -> str:
     return profile_text(parts) or PROFILE_PREAMBLE
 
 
-
-
 def profile_text(parts: dict[str, str]) -> str:
     """The profile prompt naming `parts` (PROFILE_KEYS, in their order; empty ones left out); "" for none."""
     profile = "; ".join(f"{key}={parts[key]}" for key in PROFILE_KEYS if parts.get(key))
