@@ -219,6 +219,36 @@ def test_a_port_a_stopped_server_left_in_time_wait_is_free_and_a_taken_one_is_na
     _check_port("127.0.0.1", port)
 
 
+@pytest.mark.parametrize("trained, good", [("context", {"family": "dialogue", "track": "multi", "style": "task"}),
+                                           ("none", None)])
+def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good, checkpoint, tmp_path):
+    """An export says which profile its model read (polyalign_profile): a partial profile, a key it
+    never read, or any profile for a model trained without one is answered 400 naming the keys."""
+    import shutil
+
+    copy = tmp_path / "sft" / "model"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_profile": trained}))
+    chat = [{"role": "user", "content": "Is there a cheap hotel nearby?"}]
+    with Server(copy, slots=2, max_sequence=256) as server:
+        if good is not None:
+            assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 2,
+                                                                "chat_template_kwargs": good})[0] == 200
+        partial = {"family": "dialogue"}
+        code, answer = call(server.url + "/chat/completions", body={"messages": chat, "chat_template_kwargs": partial})
+        wanted = "give all of family, track, style" if trained == "context" else "send no profile"
+        assert code == 400 and answer["error"] == {
+            "message": f"chat_template_kwargs family: this model was trained with profile {trained}; {wanted}",
+            "type": "invalid_request_error", "param": "chat_template_kwargs", "code": None}
+        if good is not None:
+            code, answer = call(server.url + "/chat/completions",
+                                body={"messages": chat, "chat_template_kwargs": {**good, "length": "long"}})
+            assert code == 400 and "family, track, style, length: this model was trained with profile context" \
+                in answer["error"]["message"]
+        assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 2})[0] == 200
+
+
 def test_a_flood_of_requests_is_refused_beyond_the_queue(checkpoint):
     with Server(checkpoint, slots=1, max_sequence=256, max_pending=2) as server:
         def ask(_):

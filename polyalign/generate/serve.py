@@ -205,6 +205,21 @@ class Service:
             out.append((text, "stop" if stopped else completion.finish_reason))
         return out, sum(len(c.tokens) for c in completions)
 
+    def _check_profile(self, variables: dict[str, str]) -> None:
+        """A profile is the one the model was trained with, whole (its export's polyalign_profile: context
+        names family, track and style; oracle adds length; none names nothing): a partial one, or one with
+        a key it never read, renders a prompt the model never saw. Values are not checked: a checkpoint
+        carries no bucket scheme."""
+        trained = self.tokenizer.profile_mode
+        if not variables or trained is None:
+            return
+        wanted = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}[trained]
+        if set(variables) != set(wanted):
+            what = f"give all of {', '.join(wanted)}" if wanted else "send no profile"
+            raise _ApiError(400, f"chat_template_kwargs {', '.join(k for k in PROFILE_KEYS if k in variables)}: "
+                                 f"this model was trained with profile {trained}; {what}",
+                            param="chat_template_kwargs")
+
     async def chat_completion(self, body, client=None) -> dict:
         messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
         variables = body.chat_template_kwargs or {}
@@ -217,6 +232,7 @@ class Service:
             if not isinstance(value, str):
                 raise _ApiError(400, f"chat_template_kwargs.{key} must be a string, got {json.dumps(value)}",
                                 param=f"chat_template_kwargs.{key}")
+        self._check_profile(variables)
         # the profile prompt, composed with the client's own system messages as training composed them
         messages = with_system_prompt(messages, profile_text(variables), self.system)
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
