@@ -172,6 +172,11 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
          "not valid Unicode"),
         ("post", "/chat/completions", {"messages": chat, "max_tokens": "10"}, 400, "max_tokens"),
+        ("post", "/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+         400, "a content part of type 'image_url': polyalign serve reads text only"),
+        ("post", "/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+         "a text part without text"),
         ("post", "/chat/completions", {"messages": chat, "stream": "yes"}, 400, "stream"),
         ("post", "/chat/completions", {"messages": chat, "logprobs": True}, 400, "does not support logprobs"),
         ("post", "/completions", {"prompt": "x", "echo": True}, 400, "does not support echo"),

@@ -65,13 +65,14 @@ def _models():
     """The request bodies, as pydantic models (FastAPI validates against them)."""
     from pydantic import BaseModel, ConfigDict, Field  # installed with fastapi, the serve extra
 
-    class TextPart(BaseModel):
-        type: Literal["text"]
-        text: str
+    class ContentPart(BaseModel):  # text is read; any other kind is refused by name (_text)
+        model_config = ConfigDict(extra="allow")
+        type: str
+        text: str | None = None
 
     class ChatMessage(BaseModel):
         role: Literal["system", "developer", "user", "assistant"]
-        content: str | list[TextPart]
+        content: str | list[ContentPart]
 
     class Sampling(BaseModel):
         # strict: "10" is not a number and true is not 1; fields polyalign cannot honour are refused below
@@ -99,6 +100,10 @@ def _models():
 
 
 def _text(content) -> str:
+    for part in [] if isinstance(content, str) else content:
+        if part.type != "text" or part.text is None:
+            what = f"a content part of type {part.type!r}" if part.type != "text" else "a text part without text"
+            raise _ApiError(400, f"{what}: polyalign serve reads text only", param="messages")
     text = content if isinstance(content, str) else "".join(part.text for part in content)
     try:
         text.encode("utf-8")
