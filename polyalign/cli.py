@@ -578,12 +578,20 @@ def _run_generate(args) -> int:
                                                               sorted(cut.items(), key=lambda kv: -kv[1])[:6])
               + (" ..." if len(cut) > 6 else "") + f" (all in {sidecar(args.out)})")
     if summary["empty"]:
-        print(f"warning: {summary['empty']} of {summary['records']} answers are empty after decoding (the model "
-              "ended its turn or produced only whitespace); evaluate counts them and leaves them out of diversity"
-              + ("; greedy decoding of a small model often does this, --temperature 0.8 samples instead"
-                 if args.temperature == 0 else ""))
+        print(empty_answers_warning(summary, greedy=args.temperature == 0))
     print(f"predictions: {args.out}")
     return 0
+
+
+def empty_answers_warning(summary: dict, greedy: bool) -> str:
+    """What `generate` says of answers that are empty once decoded and stripped: how many ended the turn
+    at once and how many decoded only whitespace until the token budget."""
+    at_budget = summary.get("empty_at_budget", 0)
+    return (f"warning: {summary['empty']} of {summary['records']} answers are empty after decoding "
+            f"({summary['empty'] - at_budget} ended the turn at once, {at_budget} decoded only whitespace until "
+            "the token budget); evaluate counts them and leaves them out of diversity"
+            + ("; greedy decoding of a small model often does this, --temperature 0.8 samples instead"
+               if greedy else ""))
 
 
 def _add_serve(sub) -> None:

@@ -117,7 +117,7 @@ def test_temperature_sampling_is_seeded():
 
 @pytest.mark.slow
 def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer, capsys):
-    from polyalign.cli import main
+    from polyalign.cli import empty_answers_warning, main
     from polyalign.data.records import read_records
     from polyalign.model import save_hf_checkpoint
     from polyalign.model.presets import preset
@@ -138,6 +138,13 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert [r["id"] for r in rows] == [r.id for r in records]
     assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens", "profile"} for r in rows)
     assert all(r["new_tokens"] <= 6 and r["model"] == "ckpt" for r in rows)
+    # empty answers, by how they ended: the turn at once, or whitespace until the budget
+    summary = json.loads((tmp_path / "pred.manifest.json").read_text())["summary"]
+    assert summary["empty"] == sum(not r["prediction"] for r in rows)
+    assert summary["empty_at_budget"] == sum(not r["prediction"] and r["finish_reason"] == "length" for r in rows)
+    assert empty_answers_warning({"empty": 49, "records": 49, "empty_at_budget": 49}, greedy=True).startswith(
+        "warning: 49 of 49 answers are empty after decoding (0 ended the turn at once, 49 decoded only whitespace "
+        "until the token budget); evaluate counts them")
     # --dtype: auto is float32 on this CPU; the manifest records the dtype the model ran in
     assert json.loads((tmp_path / "pred.manifest.json").read_text())["settings"]["dtype"] == "float32"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),

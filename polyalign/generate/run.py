@@ -130,6 +130,9 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
     summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
+               # of them, the ones that decoded whitespace until the budget (the others ended the turn at once)
+               "empty_at_budget": sum(1 for row in rows
+                                      if not row["prediction"] and row["finish_reason"] == FINISH_LENGTH),
                "prompts_cut": sum(cut for _, cut in prompts),  # oldest turns dropped (chat.py cut_prompt)
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],
