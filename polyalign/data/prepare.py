@@ -190,10 +190,9 @@ class DroppedRows:
     dropped.jsonl: where it is and why. Malformed rows go to quarantine.jsonl (or stop the run)."""
 
     def __init__(self, path: Path):
-        self.handle, self.count = path.open("w", encoding="utf-8"), 0
+        self.handle = path.open("w", encoding="utf-8")
 
     def __call__(self, row: dict[str, Any]) -> None:
-        self.count += 1
         self.handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def close(self) -> None:

@@ -26,7 +26,14 @@ from polyalign.core.paths import is_uri
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
-from polyalign.tokens.chat import PROFILE_KEYS, Message, encode_prompt, profile_text, with_system_prompt
+from polyalign.tokens.chat import (
+    PROFILE_KEYS,
+    PROFILE_MODE_KEYS,
+    Message,
+    encode_prompt,
+    profile_text,
+    with_system_prompt,
+)
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -218,7 +225,7 @@ class Service:
         trained = self.tokenizer.profile_mode
         if not variables or trained is None:
             return
-        wanted = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}[trained]
+        wanted = PROFILE_MODE_KEYS[trained]
         if set(variables) != set(wanted):
             what = f"give all of {', '.join(wanted)}" if wanted else "send no profile"
             raise _ApiError(400, f"chat_template_kwargs {', '.join(k for k in PROFILE_KEYS if k in variables)}: "

@@ -23,6 +23,8 @@ from polyalign.tokens.profile_template import PROFILE_KEYS, training_source
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
 PROFILE_MODES = ("oracle", "context", "none")
+# The keys each profile mode's prompt names (profile_prompt): what `serve` takes as template variables.
+PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
 TRAIN_ON = ("last", "all")
 
 
