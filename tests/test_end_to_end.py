@@ -281,3 +281,13 @@ def test_help_imports_nothing_heavy():
              "'datasketch', 'lingua', 'tensorflow', 'torch'}))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_training_process_imports_only_what_training_uses():
+    """Every `polyalign train` process (one per host, several per test) starts without the report,
+    evaluation and chat-template stacks: jinja2 only loads for a checkpoint's own template."""
+    probe = ("import sys; import polyalign.cli; from polyalign.train.run import train; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'jinja2', 'matplotlib', 'sklearn', 'scipy', "
+             "'mauve', 'lingua', 'tensorflow', 'torch', 'apache_beam', 'fastapi', 'nltk'}))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

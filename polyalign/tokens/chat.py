@@ -18,7 +18,6 @@ import numpy as np
 
 from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record
-from polyalign.tokens.chat_jinja import JinjaRenderer, as_dicts, split_pieces
 from polyalign.tokens.profile_template import PROFILE_KEYS, training_source
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
@@ -320,6 +319,9 @@ class JinjaTemplate(ChatTemplate):
         # An export's template composes the profile prompt itself (tokens/profile_template.py); the
         # conversations polyalign renders are composed already, so it renders what training rendered.
         self.source = training_source(source)
+        # jinja2 (~0.1 s to import) only for checkpoints that bring their own template
+        from polyalign.tokens.chat_jinja import JinjaRenderer
+
         self.renderer = JinjaRenderer(self.source, tokenizer.template_tokens(), kwargs or {})
         self.added_tokens = tokenizer.added_tokens()
         self.end_of_turn = self._end_of_turn(tokenizer)
@@ -341,6 +343,8 @@ class JinjaTemplate(ChatTemplate):
 
     def locate_turns(self, messages: Sequence[Message]) -> tuple[str, dict[int, tuple[int, int]]]:
         """The rendering and the characters of each assistant turn it can locate, by message index."""
+        from polyalign.tokens.chat_jinja import as_dicts
+
         try:
             return self.renderer.turn_spans(as_dicts(messages))
         except ChatTemplateError:
@@ -351,6 +355,8 @@ class JinjaTemplate(ChatTemplate):
             return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
 
     def render(self, messages, add_generation_prompt=False):
+        from polyalign.tokens.chat_jinja import as_dicts
+
         try:
             return self.renderer.render(as_dicts(messages), add_generation_prompt)
         except ChatTemplateError:
@@ -363,6 +369,8 @@ class JinjaTemplate(ChatTemplate):
             text, spans = self.render(messages, add_generation_prompt=True), {}
         else:
             text, spans = self.locate_turns(messages)
+        from polyalign.tokens.chat_jinja import split_pieces
+
         return [Piece(t, special=special, turn=turn)
                 for t, special, turn in split_pieces(text, spans, self.added_tokens)]
 
