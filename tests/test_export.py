@@ -15,8 +15,8 @@ from polyalign.data.records import read_records
 from polyalign.model import create_model, load_hf_checkpoint
 from polyalign.model.export import export_checkpoint
 from polyalign.model.presets import preset
-from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
-from polyalign.tokens.chat_jinja import JinjaRenderer, as_dicts
+from polyalign.tokens.chat import Message, as_dicts, encode_conversation, get_template, record_messages
+from polyalign.tokens.chat_jinja import JinjaRenderer
 from polyalign.tokens.tokenizer import JsonTokenizer, load_tokenizer
 from polyalign.tokens.tokenizer_training import record_texts
 from tests.conftest import FIXTURES

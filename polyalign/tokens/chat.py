@@ -8,8 +8,9 @@ content and its end-of-turn token are the pieces a loss may cover.
 
 from __future__ import annotations
 
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Literal
@@ -307,6 +308,28 @@ class Gemma(ChatTemplate):
         return out
 
 
+def as_dicts(messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def split_pieces(text: str, spans: Mapping[int, tuple[int, int]], special_tokens: Sequence[str]):
+    """`text` as (piece text, is special, turn) triples: special tokens on their own, assistant spans
+    (cut after their last special token) labelled with their turn."""
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(set(special_tokens), key=len, reverse=True) if t))
+    specials = [(m.start(), m.end()) for m in pattern.finditer(text)] if pattern.pattern else []
+    labelled = {}
+    for turn, (start, end) in spans.items():
+        inside = [e for s, e in specials if start <= s and e <= end]
+        labelled[turn] = (start, max(inside) if inside else end)
+    cuts = sorted({0, len(text), *(p for span in labelled.values() for p in span), *(p for s in specials for p in s)})
+    special_starts = {s: e for s, e in specials}
+    pieces = []
+    for start, end in zip(cuts, cuts[1:]):
+        turn = next((t for t, (s, e) in labelled.items() if s <= start and end <= e), None)
+        pieces.append((text[start:end], special_starts.get(start) == end, turn))
+    return pieces
+
+
 class JinjaTemplate(ChatTemplate):
     """A checkpoint's own Jinja chat template (polyalign.tokens.chat_jinja): the string transformers renders,
     with each assistant turn located by rendering. A template that refuses a conversation with a system
@@ -343,8 +366,6 @@ class JinjaTemplate(ChatTemplate):
 
     def locate_turns(self, messages: Sequence[Message]) -> tuple[str, dict[int, tuple[int, int]]]:
         """The rendering and the characters of each assistant turn it can locate, by message index."""
-        from polyalign.tokens.chat_jinja import as_dicts
-
         try:
             return self.renderer.turn_spans(as_dicts(messages))
         except ChatTemplateError:
@@ -355,8 +376,6 @@ class JinjaTemplate(ChatTemplate):
             return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
 
     def render(self, messages, add_generation_prompt=False):
-        from polyalign.tokens.chat_jinja import as_dicts
-
         try:
             return self.renderer.render(as_dicts(messages), add_generation_prompt)
         except ChatTemplateError:
@@ -369,8 +388,6 @@ class JinjaTemplate(ChatTemplate):
             text, spans = self.render(messages, add_generation_prompt=True), {}
         else:
             text, spans = self.locate_turns(messages)
-        from polyalign.tokens.chat_jinja import split_pieces
-
         return [Piece(t, special=special, turn=turn)
                 for t, special, turn in split_pieces(text, spans, self.added_tokens)]
 

@@ -71,10 +71,6 @@ def _environment():
 MARK_OPEN, MARK_CLOSE = "\U000f0001", "\U000f0002"
 
 
-def as_dicts(messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
-
-
 class JinjaRenderer:
     """Renders one template source; `special_tokens` are bos_token, eos_token, ... as the template sees
     them, `kwargs` the extra template variables (enable_thinking, date_string, ...)."""
@@ -141,21 +137,3 @@ class JinjaRenderer:
             if text.startswith(upto) and upto.startswith(prompt):
                 spans[k] = (len(prompt), len(upto))
         return text, spans
-
-
-def split_pieces(text: str, spans: Mapping[int, tuple[int, int]], special_tokens: Sequence[str]):
-    """`text` as (piece text, is special, turn) triples: special tokens on their own, assistant spans
-    (cut after their last special token) labelled with their turn."""
-    pattern = re.compile("|".join(re.escape(t) for t in sorted(set(special_tokens), key=len, reverse=True) if t))
-    specials = [(m.start(), m.end()) for m in pattern.finditer(text)] if pattern.pattern else []
-    labelled = {}
-    for turn, (start, end) in spans.items():
-        inside = [e for s, e in specials if start <= s and e <= end]
-        labelled[turn] = (start, max(inside) if inside else end)
-    cuts = sorted({0, len(text), *(p for span in labelled.values() for p in span), *(p for s in specials for p in s)})
-    special_starts = {s: e for s, e in specials}
-    pieces = []
-    for start, end in zip(cuts, cuts[1:]):
-        turn = next((t for t, (s, e) in labelled.items() if s <= start and end <= e), None)
-        pieces.append((text[start:end], special_starts.get(start) == end, turn))
-    return pieces
