@@ -1,6 +1,7 @@
 """Evaluation metrics by hand, against NLTK and scikit-learn, with oracle predictions, and the authors'
 published diversity values on their English sample."""
 
+import dataclasses
 import json
 import math
 import random
@@ -493,11 +494,13 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     (tmp_path / "fewer").mkdir()
     fewer = tmp_path / "fewer" / "test.jsonl"
     fewer.write_text("".join(line for line in single.read_text().splitlines(keepends=True)[:-20]))
-    evaluate(single, tmp_path / "p.jsonl", tmp_path / "a", EvaluateOptions(plots=False, allow_partial=True))
-    evaluate(single, tmp_path / "p.jsonl", tmp_path / "same", EvaluateOptions(plots=False, allow_partial=True))
-    evaluate(single, tmp_path / "p.jsonl", tmp_path / "support", EvaluateOptions(plots=False, allow_partial=True,
-                                                                                 support=run / "data" / "train.jsonl"))
-    evaluate(fewer, tmp_path / "p.jsonl", tmp_path / "records", EvaluateOptions(plots=False, allow_partial=True))
+    # The report's verdicts read BNG; detectability's classifiers (about 1 s an evaluation) are not needed.
+    options = EvaluateOptions(plots=False, allow_partial=True, detectability=False)
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "a", options)
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "same", options)
+    evaluate(single, tmp_path / "p.jsonl", tmp_path / "support",
+             dataclasses.replace(options, support=run / "data" / "train.jsonl"))
+    evaluate(fewer, tmp_path / "p.jsonl", tmp_path / "records", options)
     folders = [str(tmp_path / n) for n in ("a", "same", "support", "records")]
     assert main(["report", *folders, "--out", str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out
