@@ -21,6 +21,7 @@ from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh.launch import DEFAULT_PORT, main_command, refuse_several_processes, run_local, run_slurm
+from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
 DESCRIPTION = """\
@@ -223,10 +224,10 @@ def _add_build(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory or file (default RUN/tokenizer); a Hugging Face "
                                        "checkpoint directory works")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
-    p.add_argument("--profile", choices=("context", "oracle", "none"), default="context",
+    p.add_argument("--profile", choices=PROFILE_MODES, default="context",
                    help="profile system prompt: context (family, track, style; default), oracle (+ the gold "
                         "length bin, as the reference trained), none")
-    p.add_argument("--system", choices=("keep", "replace", "drop"), default="keep",
+    p.add_argument("--system", choices=SYSTEM_MODES, default="keep",
                    help="a record's own system prompt (its source's system message): keep it and add the profile "
                         "prompt after a blank line (default), replace it with the profile prompt, or drop every "
                         "system message of the source (docs/model.md, System messages)")
@@ -491,7 +492,7 @@ def _add_generate(sub) -> None:
                    help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
     p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
     p.add_argument("--out", required=True, type=Path, help="predictions JSONL")
-    p.add_argument("--profile", choices=("context", "oracle", "none"),
+    p.add_argument("--profile", choices=PROFILE_MODES,
                    help="profile system prompt (default: the one the checkpoint was trained with, else context: "
                         "what a real request reveals; oracle adds the gold length bin and must be labelled as such "
                         "in reports)")
@@ -642,7 +643,7 @@ def _add_prompts(sub) -> None:
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="checkpoint (or tokenizer) directory whose tokenizer and chat template render the prompts")
     p.add_argument("--out", required=True, type=Path, help="prompts JSONL")
-    p.add_argument("--profile", choices=("context", "oracle", "none"),
+    p.add_argument("--profile", choices=PROFILE_MODES,
                    help="profile system prompt (default: the one the checkpoint was trained with, else context)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--limit", type=int, help="only the first N records")

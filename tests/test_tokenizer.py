@@ -91,3 +91,19 @@ def test_a_vocabulary_larger_than_the_records_can_fill_says_the_most_they_can(de
     err = capsys.readouterr().err
     assert "vocab size 8000 is more than these records can fill: at most" in err and "--vocab-size" in err
     assert "INTERNAL" not in err
+
+
+@pytest.mark.parametrize(("key", "value", "modes"), [("polyalign_system", "merge", "keep, replace, drop"),
+                                                      ("polyalign_profile", "full", "context, oracle, none")])
+def test_a_checkpoint_naming_an_unknown_profile_or_system_mode_is_refused_with_the_modes(
+        json_tokenizer, tmp_path, key, value, modes):
+    import json
+    import shutil
+
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(json_tokenizer.path.parent, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(TokenizerError) as error:
+        load_tokenizer(folder)
+    assert str(error.value) == f"{folder / 'tokenizer_config.json'}: {key} {value!r} is not one of {modes}"

@@ -19,10 +19,9 @@ import numpy as np
 
 from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record
-from polyalign.tokens.profile_template import PROFILE_KEYS, training_source
+from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODES, SYSTEM_MODES, training_source
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
-PROFILE_MODES = ("oracle", "context", "none")
 # The keys each profile mode's prompt names (profile_prompt): what `serve` takes as template variables.
 PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
 TRAIN_ON = ("last", "all")
@@ -75,11 +74,6 @@ def user_turn(question: str, context: str) -> str:
     return f"{context}\n\n{question}" if context else question
 
 
-# How a source's own system message and the profile prompt compose (docs/model.md, "System messages"):
-# keep: the source's text, a blank line, the profile prompt; replace: the profile prompt alone (the
-# source's leading system text is not shown; later system turns stay); drop: every system turn of the
-# source left out, the profile prompt alone.
-SYSTEM_MODES = ("keep", "replace", "drop")
 
 
 def source_system(record: Record) -> str | None:

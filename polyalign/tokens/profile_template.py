@@ -11,6 +11,13 @@ from __future__ import annotations
 from polyalign.data.records import PROFILE_PREAMBLE
 
 PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile prompt names them in
+# The profile prompts a model can be trained with (chat.profile_prompt), and how a conversation's own
+# system messages compose with it (docs/model.md, "System messages"): keep: the source's text, a blank
+# line, the profile prompt; replace: the profile prompt alone (the source's leading system text is not
+# shown; later system turns stay); drop: every system turn of the source left out, the profile prompt
+# alone. A checkpoint's tokenizer config names both (polyalign_profile, polyalign_system).
+PROFILE_MODES = ("context", "oracle", "none")  # context: the default
+SYSTEM_MODES = ("keep", "replace", "drop")
 
 # Written before the training template: polyalign's profile system prompt from template variables,
 # composed with the conversation's own leading system messages as build composed them (SYSTEM_MODES):

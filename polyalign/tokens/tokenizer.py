@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as _Tokenizer
 
 from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path
+from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -35,7 +36,7 @@ class Tokenizer(abc.ABC):
     unk_token: str | None = None
     listed_special_tokens: tuple[str, ...] = ()  # additional_special_tokens and added_tokens_decoder of the config
     # How the model this tokenizer came with was trained to read a conversation's own system messages
-    # beside the profile prompt (tokens/chat.py SYSTEM_MODES): its export's polyalign_system.
+    # beside the profile prompt (profile_template.SYSTEM_MODES): its export's polyalign_system.
     system_mode: str = "keep"
     # The profile prompt a checkpoint was trained with (its export's polyalign_profile); None: not said.
     profile_mode: str | None = None
@@ -104,12 +105,13 @@ class Tokenizer(abc.ABC):
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
         self.system_mode = config.get("polyalign_system", self.system_mode)
         self.profile_mode = config.get("polyalign_profile", self.profile_mode)
-        if self.profile_mode not in (None, "context", "oracle", "none"):
-            raise TokenizerError(f"{TOKENIZER_CONFIG}: polyalign_profile {self.profile_mode!r} is not context, oracle "
-                                 "or none")
-        if self.system_mode not in ("keep", "replace", "drop"):
-            raise TokenizerError(f"{TOKENIZER_CONFIG}: polyalign_system {self.system_mode!r} is not keep, replace or "
-                                 "drop")
+        where = self.path.parent / TOKENIZER_CONFIG
+        if self.profile_mode is not None and self.profile_mode not in PROFILE_MODES:
+            raise TokenizerError(f"{where}: polyalign_profile {self.profile_mode!r} is not one of "
+                                 f"{', '.join(PROFILE_MODES)}")
+        if self.system_mode not in SYSTEM_MODES:
+            raise TokenizerError(f"{where}: polyalign_system {self.system_mode!r} is not one of "
+                                 f"{', '.join(SYSTEM_MODES)}")
         listed = [token(t) for t in config.get("additional_special_tokens") or []]
         decoder = config.get("added_tokens_decoder")
         if isinstance(decoder, dict):
