@@ -74,8 +74,6 @@ def user_turn(question: str, context: str) -> str:
     return f"{context}\n\n{question}" if context else question
 
 
-
-
 def source_system(record: Record) -> str | None:
     """The conversation's own system prompt: the system turns that open the record's history, joined
     by a newline; None when the history does not open with one."""
@@ -303,6 +301,7 @@ class Gemma(ChatTemplate):
 
 
 def as_dicts(messages) -> list[dict[str, str]]:
+    """Messages as the role/content mappings a Jinja chat template reads."""
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
