@@ -107,3 +107,21 @@ def test_a_checkpoint_naming_an_unknown_profile_or_system_mode_is_refused_with_t
     with pytest.raises(TokenizerError) as error:
         load_tokenizer(folder)
     assert str(error.value) == f"{folder / 'tokenizer_config.json'}: {key} {value!r} is not one of {modes}"
+
+
+def test_a_checkpoint_naming_an_unknown_chat_template_is_refused_naming_its_config(json_tokenizer, tmp_path):
+    import json
+    import shutil
+
+    from polyalign.tokens.chat import ChatTemplateError, choose_template
+
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(json_tokenizer.path.parent, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_chat_template": "polyalgin"}))
+    tokenizer = load_tokenizer(folder)
+    with pytest.raises(ChatTemplateError) as error:
+        choose_template(tokenizer)
+    assert str(error.value).startswith(f"{folder / 'tokenizer_config.json'}: polyalign_chat_template 'polyalgin' "
+                                       "is not one of checkpoint, polyalign, ")
+    assert choose_template(tokenizer, requested="qwen") == "qwen"  # --template still renders
