@@ -1,8 +1,12 @@
 """Tokenizers: SentencePiece trained on the demo data and a tokenizer.json, behind one interface."""
 
+import json
+import shutil
+
 import pytest
 
 from polyalign.cli import main
+from polyalign.tokens.chat import ChatTemplateError, choose_template
 from polyalign.tokens.tokenizer import JsonTokenizer, SentencePieceTokenizer, TokenizerError, load_tokenizer
 
 ROUND_TRIP = {
@@ -93,32 +97,27 @@ def test_a_vocabulary_larger_than_the_records_can_fill_says_the_most_they_can(de
     assert "INTERNAL" not in err
 
 
+
+def _checkpoint_with(tokenizer, folder, **entries):
+    """A copy of `tokenizer`'s folder whose tokenizer_config.json also holds `entries`."""
+    shutil.copytree(tokenizer.path.parent, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **entries}))
+    return folder
+
+
 @pytest.mark.parametrize(("key", "value", "modes"), [("polyalign_system", "merge", "keep, replace, drop"),
                                                       ("polyalign_profile", "full", "context, oracle, none")])
 def test_a_checkpoint_naming_an_unknown_profile_or_system_mode_is_refused_with_the_modes(
         json_tokenizer, tmp_path, key, value, modes):
-    import json
-    import shutil
-
-    folder = tmp_path / "checkpoint"
-    shutil.copytree(json_tokenizer.path.parent, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
+    folder = _checkpoint_with(json_tokenizer, tmp_path / "checkpoint", **{key: value})
     with pytest.raises(TokenizerError) as error:
         load_tokenizer(folder)
     assert str(error.value) == f"{folder / 'tokenizer_config.json'}: {key} {value!r} is not one of {modes}"
 
 
 def test_a_checkpoint_naming_an_unknown_chat_template_is_refused_naming_its_config(json_tokenizer, tmp_path):
-    import json
-    import shutil
-
-    from polyalign.tokens.chat import ChatTemplateError, choose_template
-
-    folder = tmp_path / "checkpoint"
-    shutil.copytree(json_tokenizer.path.parent, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_chat_template": "polyalgin"}))
+    folder = _checkpoint_with(json_tokenizer, tmp_path / "checkpoint", polyalign_chat_template="polyalgin")
     tokenizer = load_tokenizer(folder)
     with pytest.raises(ChatTemplateError) as error:
         choose_template(tokenizer)

@@ -418,7 +418,7 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
         raise ChatTemplateError(f"{where}: --template {CHECKPOINT_TEMPLATE} asks for the checkpoint's own chat "
                                 "template, and its tokenizer_config.json has none (nor chat_template.jinja)")
     if not requested and tokenizer.chat_template and tokenizer.chat_template not in TEMPLATE_CHOICES:
-        raise ChatTemplateError(f"{tokenizer.path.parent / 'tokenizer_config.json'}: polyalign_chat_template "
+        raise ChatTemplateError(f"{tokenizer.config_file}: polyalign_chat_template "
                                 f"{tokenizer.chat_template!r} is not one of {', '.join(TEMPLATE_CHOICES)}; "
                                 "--template renders with another")
     name = requested or tokenizer.chat_template or (CHECKPOINT_TEMPLATE if tokenizer.template_source else None) \

@@ -42,6 +42,11 @@ class Tokenizer(abc.ABC):
     profile_mode: str | None = None
 
     @property
+    def config_file(self) -> Path:
+        """The tokenizer_config.json beside the tokenizer's file: where a checkpoint says how it was trained."""
+        return self.path.parent / TOKENIZER_CONFIG
+
+    @property
     @abc.abstractmethod
     def vocab_size(self) -> int: ...
 
@@ -105,12 +110,11 @@ class Tokenizer(abc.ABC):
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
         self.system_mode = config.get("polyalign_system", self.system_mode)
         self.profile_mode = config.get("polyalign_profile", self.profile_mode)
-        where = self.path.parent / TOKENIZER_CONFIG
         if self.profile_mode is not None and self.profile_mode not in PROFILE_MODES:
-            raise TokenizerError(f"{where}: polyalign_profile {self.profile_mode!r} is not one of "
+            raise TokenizerError(f"{self.config_file}: polyalign_profile {self.profile_mode!r} is not one of "
                                  f"{', '.join(PROFILE_MODES)}")
         if self.system_mode not in SYSTEM_MODES:
-            raise TokenizerError(f"{where}: polyalign_system {self.system_mode!r} is not one of "
+            raise TokenizerError(f"{self.config_file}: polyalign_system {self.system_mode!r} is not one of "
                                  f"{', '.join(SYSTEM_MODES)}")
         listed = [token(t) for t in config.get("additional_special_tokens") or []]
         decoder = config.get("added_tokens_decoder")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from polyalign.core.ranges import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Range
 from polyalign.core.yaml_config import ConfigError, setting
 from polyalign.mesh.shape import ParallelConfig
-from polyalign.tokens.profile_template import PROFILE_MODES
 
 
 @dataclass(frozen=True)
@@ -131,7 +130,6 @@ class LoopConfig:
 WEIGHTINGS = ("bucket", "uniform", "adaptive")
 NORMALIZATIONS = ("global", "microbatch")
 DISTANCE_FEATURES = ("nonconstant", "all")
-PROFILES = PROFILE_MODES
 REFERENCES = ("precomputed", "in_step")
 
 

@@ -28,6 +28,7 @@ from polyalign.core.yaml_config import (
     out_of_range,
     settings_of,
 )
+from polyalign.tokens.profile_template import PROFILE_MODES
 from polyalign.train import config as schema
 
 
@@ -310,7 +311,7 @@ def check_config(config: Any, where: str = "config") -> None:
         _check_choice(where, "weight_normalization", config.weight_normalization, schema.NORMALIZATIONS)
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, PREFERENCE_METHODS)
-        _check_choice(where, "profile", config.profile, schema.PROFILES)
+        _check_choice(where, "profile", config.profile, PROFILE_MODES)
         _check_choice(where, "reference", config.reference, schema.REFERENCES)
         if config.data.max_length is None:
             raise ConfigError(f"{where}: data.max_length: each side of a pair is cut to it (docs/model.md), so "
