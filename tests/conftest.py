@@ -23,11 +23,12 @@ CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 OWN_CACHE = "POLYALIGN_TEST_OWNS_JAX_CACHE"
 
 
-# Tests compile hundreds of small programs and run each for milliseconds, so XLA's backend optimisation
-# is most of a compile and buys nothing (tests/test_engine.py and test_losses.py: 89 -> 65 s). Every
-# test process and subprocess inherits this; the quick-demo test runs its demo without it (user_env),
-# at the optimisation users get.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# Tests compile hundreds of small programs and run each for milliseconds, so compiling is most of their
+# time: XLA's backend optimisation buys nothing there (tests/test_engine.py and test_losses.py: 89 -> 65
+# s), and XLA:CPU's MLIR fusion emitters cost more to compile than the loop emitters they replace
+# (test_model.py and test_lora.py: 225 -> 165 CPU-s; bench/RESULTS.md). Every test process and
+# subprocess inherits these; the quick-demo test runs its demo without them (user_env), as users do.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def pytest_configure(config):
