@@ -25,10 +25,13 @@ OWN_CACHE = "POLYALIGN_TEST_OWNS_JAX_CACHE"
 
 # Tests compile hundreds of small programs and run each for milliseconds, so compiling is most of their
 # time: XLA's backend optimisation buys nothing there (tests/test_engine.py and test_losses.py: 89 -> 65
-# s), and XLA:CPU's MLIR fusion emitters cost more to compile than the loop emitters they replace
-# (test_model.py and test_lora.py: 225 -> 165 CPU-s; bench/RESULTS.md). Every test process and
-# subprocess inherits these; the quick-demo test runs its demo without them (user_env), as users do.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# s), XLA:CPU's MLIR fusion emitters cost more to compile than the loop emitters they replace, and
+# splitting each program's code generation over threads costs more than it saves when every core
+# already runs a test (test_model.py and test_lora.py: 225 -> 165 -> 136 CPU-s; bench/RESULTS.md).
+# Every test process and subprocess inherits these; the quick-demo test runs its demo without them
+# (user_env), as users do.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def pytest_configure(config):
