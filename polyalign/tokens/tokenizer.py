@@ -4,6 +4,7 @@ tokenizer.model) and `tokenizers` JSON files (a checkpoint's tokenizer.json)."""
 from __future__ import annotations
 
 import abc
+import difflib
 import json
 import os
 import re
@@ -21,6 +22,9 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 TOKENIZERS_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save a checkpoint's template
+# What polyalign's export writes into a checkpoint's tokenizer config (polyalign/model/export.py): any other
+# key with the prefix is a typing slip that would otherwise render the chats as if it were absent.
+POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "polyalign_profile", "polyalign_system")
 # Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
@@ -107,6 +111,15 @@ class Tokenizer(abc.ABC):
         for field in ("bos_token", "eos_token", "pad_token", "unk_token"):
             if field in config:
                 setattr(self, field, token(config[field]))
+        for key in config:
+            if key.startswith("polyalign_") and key not in POLYALIGN_CONFIG_KEYS:
+                # matched without the shared prefix, which would make every key look close
+                close = difflib.get_close_matches(key.removeprefix("polyalign_"),
+                                                  [k.removeprefix("polyalign_") for k in POLYALIGN_CONFIG_KEYS], n=1)
+                close = [f"polyalign_{c}" for c in close]
+                raise TokenizerError(f"{self.config_file}: unknown key {key!r}"
+                                     + (f" (did you mean {close[0]!r}?)" if close else "")
+                                     + f"; polyalign reads {', '.join(POLYALIGN_CONFIG_KEYS)}")
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
         self.system_mode = config.get("polyalign_system", self.system_mode)
         self.profile_mode = config.get("polyalign_profile", self.profile_mode)
