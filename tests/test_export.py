@@ -47,8 +47,8 @@ def test_weights_are_in_the_training_dtype_and_sharded_with_an_index(sentencepie
     with safe_open(str(out / shards[0]), "np") as f:
         assert all(f.get_slice(k).get_dtype() == "BF16" for k in f.keys())
     loaded = load_hf_checkpoint(out)
-    ours = nnx.state(model, nnx.Param).flat_state()
-    theirs = dict(nnx.state(loaded, nnx.Param).flat_state())
+    ours = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    theirs = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
     for path, value in ours:
         expected = np.asarray(value.get_value()).astype(ml_dtypes.bfloat16).astype(np.float32)
         assert np.array_equal(np.asarray(theirs[path].get_value(), np.float32), expected), path

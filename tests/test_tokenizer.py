@@ -135,3 +135,15 @@ def test_a_checkpoint_naming_an_unknown_chat_template_is_refused_naming_its_conf
     assert str(error.value).startswith(f"{folder / 'tokenizer_config.json'}: polyalign_chat_template 'polyalgin' "
                                        "is not one of checkpoint, polyalign, ")
     assert choose_template(tokenizer, requested="qwen") == "qwen"  # --template still renders
+
+
+def test_a_template_other_than_the_checkpoints_own_is_rendered_with_a_note(json_tokenizer, tmp_path, capsys):
+    named = load_tokenizer(_checkpoint_with(json_tokenizer, tmp_path / "named", polyalign_chat_template="polyalign"))
+    assert choose_template(named, requested="qwen", where="CKPT") == "qwen"
+    assert capsys.readouterr().err == "note: CKPT names chat template 'polyalign'; rendering with 'qwen' as asked\n"
+    assert choose_template(named, requested="polyalign", where="CKPT") == "polyalign"
+    assert choose_template(named, where="CKPT") == "polyalign"
+    assert capsys.readouterr().err == ""  # asked for its own, or for none: nothing to say
+    own = load_tokenizer(_checkpoint_with(json_tokenizer, tmp_path / "own", chat_template="{{ messages }}"))
+    assert choose_template(own, requested="llama3", where="CKPT") == "llama3"
+    assert capsys.readouterr().err == "note: CKPT names chat template 'checkpoint'; rendering with 'llama3' as asked\n"

@@ -421,8 +421,11 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
         raise ChatTemplateError(f"{tokenizer.config_file}: polyalign_chat_template "
                                 f"{tokenizer.chat_template!r} is not one of {', '.join(TEMPLATE_CHOICES)}; "
                                 "--template renders with another")
-    name = requested or tokenizer.chat_template or (CHECKPOINT_TEMPLATE if tokenizer.template_source else None) \
-        or FAMILY_TEMPLATES.get(family)
+    own = tokenizer.chat_template or (CHECKPOINT_TEMPLATE if tokenizer.template_source else None)
+    if requested and own and requested != own:
+        # as trained_profile says of a profile: the model may never have read such a rendering
+        print(f"note: {where} names chat template {own!r}; rendering with {requested!r} as asked", file=sys.stderr)
+    name = requested or own or FAMILY_TEMPLATES.get(family)
     if name is None:
         raise ChatTemplateError(f"{where}: the tokenizer has no chat template and the model family is unknown; "
                                 f"pass --template with one of {', '.join(TEMPLATES)}")
