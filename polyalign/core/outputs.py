@@ -43,10 +43,16 @@ def _shown(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
 
 
+def _setting(value: Any) -> str:
+    """A recorded setting's value; None is a setting left unset (an option not given, a key an older run
+    did not record), which "null" would not tell a user."""
+    return "not set" if value is None else _shown(value)
+
+
 def describe_changes(keys: list[str], saved: dict, current: dict, old: bool = False) -> str:
     a, b = flatten(saved), flatten(current)
     shown = [f"{k}={_shown(a.get(k))} (now {_shown(b.get(k))})" if old
-             else f"{k}: {_shown(a.get(k))} there, {_shown(b.get(k))} now" for k in keys[:4]]
+             else f"{k}: {_setting(a.get(k))} there, {_setting(b.get(k))} now" for k in keys[:4]]
     return ", ".join(shown) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
