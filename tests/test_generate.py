@@ -288,5 +288,9 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
         expected = record_messages(record, trained, with_response=False)
         assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
     other = "context" if trained != "context" else "none"
-    assert write_prompts(checkpoint, path, tmp_path / "asked.jsonl", profile=other, limit=4)["profile"] == other
-    assert f"was trained with profile {trained!r}; rendering with {other!r} as asked" in capsys.readouterr().err
+    asked = write_prompts(checkpoint, path, tmp_path / "asked.jsonl", profile=other, limit=4)
+    note = f"{checkpoint} was trained with profile {trained!r}; rendering with {other!r} as asked"
+    assert asked["profile"] == other and f"note: {note}\n" in capsys.readouterr().err
+    # and in the manifest, where a later reader of the prompts finds it
+    manifest = json.loads((tmp_path / "asked.manifest.json").read_text())
+    assert manifest["summary"]["notes"] == [note] and asked["notes"] == [note]

@@ -36,10 +36,10 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out)):
         tokenizer = load_tokenizer(checkpoint)
-        profile = trained_profile(tokenizer, profile, str(checkpoint))
-        name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint))
-        chat = get_template(name, tokenizer)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed)
+        profile = trained_profile(tokenizer, profile, str(checkpoint), notes)
+        name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)
+        chat = get_template(name, tokenizer)
         with out.open("w", encoding="utf-8") as handle:
             for record in records:
                 messages = record_messages(record, profile, with_response=False, system=tokenizer.system_mode)

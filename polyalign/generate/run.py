@@ -61,15 +61,17 @@ def stop_ids_of(tokenizer, chat) -> list[int]:
     return stop_ids
 
 
-def open_checkpoint(checkpoint, template: str | None, config: EngineConfig, dtype: str = "auto"):
+def open_checkpoint(checkpoint, template: str | None, config: EngineConfig, dtype: str = "auto",
+                    notes: list[str] | None = None):
     """(engine, tokenizer, chat template) for `checkpoint`: the parameters are loaded straight into their
     shardings and the sequences spread over data x fsdp; `template` None is the checkpoint's own
-    (tokens/chat.py choose_template). On one device too the engine runs under a mesh, as the drift probe's
-    does inside training: the programs are then traced alike and compiled once for both."""
+    (tokens/chat.py choose_template, which adds to `notes` a template other than that). On one device too
+    the engine runs under a mesh, as the drift probe's does inside training: the programs are then traced
+    alike and compiled once for both."""
     mesh = parallel.make_mesh()
     model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype), mesh=mesh)
     tokenizer = load_tokenizer(checkpoint)
-    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint)), tokenizer)
+    chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint), notes), tokenizer)
     return Engine(model, stop_ids_of(tokenizer, chat), config, mesh=mesh), tokenizer, chat
 
 
@@ -101,14 +103,14 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     engine, tokenizer, chat = open_checkpoint(
         checkpoint, options.template,
         EngineConfig(slots=options.batch_size,
-                     max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens), options.dtype)
+                     max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens), options.dtype, notes)
     name = options.model_name or run_name(checkpoint)
     budgets = None
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
     # each record as the checkpoint was trained to read it (its export's profile and system mode)
-    profile = trained_profile(tokenizer, options.profile, str(checkpoint))
+    profile = trained_profile(tokenizer, options.profile, str(checkpoint), notes)
     messages = [record_messages(record, profile, with_response=False, system=tokenizer.system_mode)
                 for record in records]
     prompts = [cut_prompt(chat, tokenizer, m, options.max_prompt_tokens) for m in messages]

@@ -122,14 +122,20 @@ def joined_turns(messages: Sequence[Message]) -> list[Message]:
     return out
 
 
-def trained_profile(tokenizer: Tokenizer, asked: str | None, where: str) -> str:
+def _say(note: str, notes: list[str] | None) -> None:
+    """A note on stderr, and in `notes` (a stage's manifest summary) when given."""
+    print(f"note: {note}", file=sys.stderr)
+    if notes is not None:
+        notes.append(note)
+
+
+def trained_profile(tokenizer: Tokenizer, asked: str | None, where: str, notes: list[str] | None = None) -> str:
     """The profile a checkpoint's prompts are rendered with: the one asked for, else the one it was
     trained with (its export's polyalign_profile), else context. Asking for another than the trained one
-    is said: the model never read such prompts."""
+    is said (and added to `notes`): the model never read such prompts."""
     trained = tokenizer.profile_mode
     if asked is not None and trained is not None and asked != trained:
-        print(f"note: {where} was trained with profile {trained!r}; rendering with {asked!r} as asked",
-              file=sys.stderr)
+        _say(f"{where} was trained with profile {trained!r}; rendering with {asked!r} as asked", notes)
     return asked or trained or "context"
 
 
@@ -409,11 +415,12 @@ TEMPLATE_CHOICES = (CHECKPOINT_TEMPLATE, *TEMPLATES)
 
 
 def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: str | None = None,
-                    where: str = "tokenizer") -> str:
+                    where: str = "tokenizer", notes: list[str] | None = None) -> str:
     """The one rule for which chat template renders a conversation: the one asked for; else the
     built-in one a polyalign tokenizer names; else the checkpoint's own Jinja template (so that a
     fine-tuned checkpoint's custom template is never replaced by a built-in one); else the official
-    template of the model's family."""
+    template of the model's family. Asking for another than the one the tokenizer names is said (and
+    added to `notes`)."""
     if requested == CHECKPOINT_TEMPLATE and tokenizer.template_source is None:
         raise ChatTemplateError(f"{where}: --template {CHECKPOINT_TEMPLATE} asks for the checkpoint's own chat "
                                 "template, and its tokenizer_config.json has none (nor chat_template.jinja)")
@@ -424,7 +431,7 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
     own = tokenizer.chat_template or (CHECKPOINT_TEMPLATE if tokenizer.template_source else None)
     if requested and own and requested != own:
         # as trained_profile says of a profile: the model may never have read such a rendering
-        print(f"note: {where} names chat template {own!r}; rendering with {requested!r} as asked", file=sys.stderr)
+        _say(f"{where} names chat template {own!r}; rendering with {requested!r} as asked", notes)
     name = requested or own or FAMILY_TEMPLATES.get(family)
     if name is None:
         raise ChatTemplateError(f"{where}: the tokenizer has no chat template and the model family is unknown; "
