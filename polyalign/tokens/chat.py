@@ -123,9 +123,10 @@ def joined_turns(messages: Sequence[Message]) -> list[Message]:
 
 
 def _say(note: str, notes: list[str] | None) -> None:
-    """A note on stderr, and in `notes` (a stage's manifest summary) when given."""
-    print(f"note: {note}", file=sys.stderr)
-    if notes is not None:
+    """A note in `notes`, a stage's summary (its manifest keeps it, the command prints it), else on stderr."""
+    if notes is None:
+        print(f"note: {note}", file=sys.stderr)
+    else:
         notes.append(note)
 
 
