@@ -9,7 +9,7 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,9 +47,13 @@ OTHER_TRAINERS_NAMES = {
     "lora_r": "rank", "r": "rank", "lora_alpha": "alpha"}
 
 
-def _unknown_key_message(key: str, known: list[str], where: str) -> str:
+def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str = "") -> str:
+    """`where: unknown key 'k'` with the nearest known key, else the known ones. Keys that all begin with
+    `prefix` are compared without it, which would make every key look close to every other."""
     alias = OTHER_TRAINERS_NAMES.get(key)
-    close = [alias] if alias in known else difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    stems = {k.removeprefix(prefix): k for k in known}
+    close = [alias] if alias in known else [
+        stems[c] for c in difflib.get_close_matches(key.removeprefix(prefix), list(stems), n=1, cutoff=0.5)]
     hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
     return f"{where}: unknown key {key!r}{hint}"
 
@@ -119,7 +123,7 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None) 
     kwargs = {}
     for key, value in mapping.items():
         if key not in fields:
-            raise ConfigError(_unknown_key_message(str(key), list(fields), where))
+            raise ConfigError(unknown_key_message(str(key), list(fields), where))
         default = getattr(base, key) if base is not None else _field_default(fields[key])
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default)
     if base is not None:

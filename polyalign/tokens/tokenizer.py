@@ -4,7 +4,6 @@ tokenizer.model) and `tokenizers` JSON files (a checkpoint's tokenizer.json)."""
 from __future__ import annotations
 
 import abc
-import difflib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ from tokenizers import Tokenizer as _Tokenizer
 
 from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path
+from polyalign.core.yaml_config import unknown_key_message
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -113,13 +113,8 @@ class Tokenizer(abc.ABC):
                 setattr(self, field, token(config[field]))
         for key in config:
             if key.startswith("polyalign_") and key not in POLYALIGN_CONFIG_KEYS:
-                # matched without the shared prefix, which would make every key look close
-                close = difflib.get_close_matches(key.removeprefix("polyalign_"),
-                                                  [k.removeprefix("polyalign_") for k in POLYALIGN_CONFIG_KEYS], n=1)
-                close = [f"polyalign_{c}" for c in close]
-                raise TokenizerError(f"{self.config_file}: unknown key {key!r}"
-                                     + (f" (did you mean {close[0]!r}?)" if close else "")
-                                     + f"; polyalign reads {', '.join(POLYALIGN_CONFIG_KEYS)}")
+                raise TokenizerError(unknown_key_message(key, POLYALIGN_CONFIG_KEYS, str(self.config_file),
+                                                         prefix="polyalign_"))
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
         self.system_mode = config.get("polyalign_system", self.system_mode)
         self.profile_mode = config.get("polyalign_profile", self.profile_mode)
