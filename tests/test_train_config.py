@@ -215,6 +215,29 @@ def test_print_config_without_a_file_gives_the_defaults(capsys):
     assert printed == dataclasses.asdict(schema.CriticConfig())
 
 
+def test_print_config_says_the_builds_max_length_and_the_run_refuses_another(tmp_path, capsys):
+    """SFT's rows were cut when `polyalign build` ran: --print-config reads the build's max_length beside
+    the keys, and a different data.max_length is flagged there in the words the run refuses it with."""
+    (tmp_path / "build").mkdir()
+    manifest = {"options": {"max_length": 96}, "buckets": ["en"], "bucket_weights": {"en": 1.0}}
+    (tmp_path / "build" / "manifest.json").write_text(json.dumps(manifest))
+    notes = {}
+    for length in ("null", "96", "64"):
+        assert main(["train", "sft", "--print-config", f"data.dir={tmp_path}", f"data.max_length={length}"]) == 0
+        notes[length] = [line for line in capsys.readouterr().out.splitlines() if "max_length" in line
+                         and line.startswith("#")]
+    assert notes["null"] == [f"# data.max_length is 96, {tmp_path / 'build'}'s (rows were cut when the build ran)"]
+    assert notes["96"] == []
+    refusal = (f"data.max_length=64: {tmp_path / 'build'} was built with max_length 96; rebuild with "
+               "`polyalign build --max-length` or leave data.max_length unset")
+    assert notes["64"] == [f"# {refusal} (the run refuses it)"]
+    assert main(["train", "sft", "--out", str(tmp_path / "out"), f"data.dir={tmp_path}", "data.max_length=64"]) == 2
+    assert refusal in capsys.readouterr().err
+    # no build there yet: nothing to say, the run names what is missing
+    assert main(["train", "sft", "--print-config", f"data.dir={tmp_path / 'none'}"]) == 0
+    assert "# data.max_length" not in capsys.readouterr().out
+
+
 def test_train_without_out_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "sft", "--config", str(CONFIGS["sft"])])

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,7 +268,35 @@ def derived_notes(config: Any) -> list[str]:
     if config.train.epochs is not None:
         notes.append(f"train.steps {config.train.steps} is not used: train.epochs={config.train.epochs} sets the steps "
                      "when the run starts, from the training data's epoch size (the run prints the number)")
+    if isinstance(config, schema.SftConfig):
+        notes.extend(_built_length_notes(config))
     return notes
+
+
+def built_length_mismatch(config: Any, built: int) -> str | None:
+    """SFT trains on the rows `polyalign build` cut to its --max-length: another data.max_length is refused
+    by the run (this message) and flagged by --print-config beside the keys."""
+    if config.data.max_length in (None, built):
+        return None
+    run = Path(str(config.data.dir))
+    return (f"data.max_length={config.data.max_length}: {run / 'build'} was built with max_length {built}; rebuild "
+            "with `polyalign build --max-length` or leave data.max_length unset")
+
+
+def _built_length_notes(config: Any) -> list[str]:
+    """The build's max_length when data.dir has a build to read it from (none yet: the run checks it)."""
+    if config.data.dir is None:
+        return []
+    path = Path(str(config.data.dir)) / "build" / "manifest.json"
+    try:
+        built = json.loads(path.read_text())["options"]["max_length"]
+    except (OSError, ValueError, KeyError, TypeError):  # no build yet, or not one this can read: the run says
+        return []
+    mismatch = built_length_mismatch(config, built)
+    if mismatch:
+        return [f"{mismatch} (the run refuses it)"]
+    return [f"data.max_length is {built}, {path.parent}'s (rows were cut when the build ran)"] \
+        if config.data.max_length is None else []
 
 
 def _check_choice(where: str, key: str, value: Any, choices: tuple) -> None:

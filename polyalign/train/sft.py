@@ -25,7 +25,7 @@ from polyalign.model.presets import preset
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
-from polyalign.train.methods import require
+from polyalign.train.methods import built_length_mismatch, require
 from polyalign.train.run import Job, load_init, model_policy, steps_phrase, steps_run, with_adapters
 from polyalign.train.trainer import Trainer
 
@@ -192,9 +192,9 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     buckets = manifest["buckets"]
     weights = np.array([manifest["bucket_weights"][b] for b in buckets], np.float32)
     length = manifest["options"]["max_length"]
-    if config.data.max_length not in (None, length):
-        raise ConfigError(f"data.max_length={config.data.max_length}: {run / 'build'} was built with max_length "
-                          f"{length}; rebuild with `polyalign build --max-length` or leave data.max_length unset")
+    mismatch = built_length_mismatch(config, length)
+    if mismatch:
+        raise ConfigError(mismatch)
     pad_id = manifest["pad_id"]
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
     check_init_tokenizer(config, tokenizer, run)
