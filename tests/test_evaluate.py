@@ -445,6 +445,31 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     assert "compat: cjk | cjk | reference" in note and "support: the test records' own answers | train.jsonl (" in note
     assert "intervals: 200 draws, seed 0 | 200 draws, seed 0 | none" in note and "test rows" not in note
     assert "compat: cjk | cjk | reference" in (tmp_path / "cmp" / "report.html").read_text()
+    # The overall table: each run's number with its interval, and people's own number (the human floor)
+    # beside it, one where every run measured people alike, each run's where they did not.
+    metrics = {n: json.loads((tmp_path / n / "metrics.json").read_text())["metrics"] for n in "abc"}
+    rows = {line.split(" | ")[0].strip("| "): [c.strip(" |") for c in line.split(" | ")[1:]]
+            for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if line.startswith("| ")}
+    assert rows["metric (value [interval])"] == ["a", "b", "c", "human floor (people's own answers)"]
+
+    def shown(value, interval=None):
+        return f"{value:.4f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+    def human(cells):
+        return cells[0] if len(set(cells)) == 1 else "; ".join(f"{n}: {c}" for n, c in zip("abc", cells))
+
+    for name, key in (("BNG macro (lower is more human-like)", "bng"), ("HCR macro", "hcr")):
+        assert rows[name][:3] == [shown(metrics[n][key]["overall_macro"], metrics[n][key].get("macro_interval"))
+                                  for n in "abc"], name
+        # the paper's mode (c) measures no floor
+        assert rows[name][3] == human([shown(metrics[n][key]["floor_macro"]) if "floor_macro" in metrics[n][key]
+                                       else "—" for n in "abc"]), name
+    # another support measures people against other answers: their BNG differs, and the table says whose
+    assert metrics["a"]["bng"]["floor_macro"] != metrics["b"]["bng"]["floor_macro"]
+    people = [metrics[n]["diversity"]["overall"] for n in "abc"]  # c counts words as the paper's code does
+    assert rows["Distinct-2"][3] == human([shown(p["human"]["distinct_2"],
+                                                 (p.get("human_interval") or {}).get("distinct_2")) for p in people])
+    assert rows["F1"][3] == "—" and rows["Aggregate"][3] == "—"
 
 
 def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, tmp_path, capsys):

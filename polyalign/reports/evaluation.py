@@ -7,6 +7,7 @@ import base64
 import html
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +23,47 @@ from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 
+
+@dataclass(frozen=True)
+class OverallRow:
+    """A row of the overall tables: where metrics.json keeps the model's number, its interval, and the same
+    measure of people's own answers to the same prompts (the human floor), where there is one."""
+
+    name: str
+    path: tuple[str, ...]
+    interval: tuple[str, ...] | None = None
+    human: tuple[str, ...] | None = None
+    human_interval: tuple[str, ...] | None = None
+    optional: bool = False  # shown only where some evaluation measured it
+
+
+def _diversity_row(name: str, key: str) -> OverallRow:
+    side = ("diversity", "overall")
+    return OverallRow(name, (*side, "generated", key), (*side, "generated_interval", key), (*side, "human", key),
+                      (*side, "human_interval", key))
+
+
+def _macro_row(name: str, *metric: str, optional: bool = False) -> OverallRow:
+    return OverallRow(name, (*metric, "overall_macro"), (*metric, "macro_interval"), (*metric, "floor_macro"),
+                      (*metric, "floor_macro_interval"), optional)
+
+
 OVERALL_ROWS = (
-    ("F1", ("utility", "overall", "qa_f1")),
-    ("ROUGE-L", ("utility", "overall", "rouge_l_f1")),
-    ("EM", ("utility", "overall", "em")),
-    ("Distinct-2 (generated)", ("diversity", "overall", "generated", "distinct_2")),
-    ("Self-BLEU-4 (generated)", ("diversity", "overall", "generated", "self_bleu_4")),
-    ("BNG macro (lower is better)", ("bng", "overall_macro")),
-    ("HCR macro", ("hcr", "overall_macro")),
-    ("Detectability AUC macro (0.5: as people)", ("detectability", "overall_macro")),
-    ("MAUVE", ("mauve", "global")),
-    ("TDM", ("tdm", "overall_macro")),
-    ("NUF hypervolume", ("nuf", "overall", "hypervolume")),
-    ("Aggregate", ("aggregate", "overall")),
+    OverallRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
+    OverallRow("ROUGE-L", ("utility", "overall", "rouge_l_f1")),
+    OverallRow("EM", ("utility", "overall", "em")),
+    _diversity_row("Distinct-2", "distinct_2"),
+    _diversity_row("Self-BLEU-4 (lower is more diverse)", "self_bleu_4"),
+    _macro_row("BNG macro (lower is more human-like)", "bng"),
+    _macro_row("HCR macro", "hcr"),
+    _macro_row("Detectability AUC macro (0.5: as people)", "detectability"),
+    _macro_row("Detectability AUC macro, hidden states", "detectability", "hidden_states", optional=True),
+    OverallRow("MAUVE", ("mauve", "global")),
+    OverallRow("TDM", ("tdm", "overall_macro")),
+    OverallRow("NUF hypervolume", ("nuf", "overall", "hypervolume")),
+    OverallRow("Aggregate", ("aggregate", "overall")),
 )
+HUMAN_COLUMN = "human floor (people's own answers)"
 
 
 def _get(metrics: dict, path: Sequence[str]):
@@ -199,11 +227,37 @@ REASON_OF = {"utility": "utility", "bng": "bng", "hcr": "hcr", "mauve": "mauve",
              "aggregate": "aggregate", "detectability": "detectability"}
 
 
-def _overall_value(result: dict, path: Sequence[str]) -> str:
-    """A number of the overall table, or n/a with the reason it is missing."""
-    value = _get(result["metrics"], path)
+def _with_interval(metrics: dict, path: Sequence[str] | None, interval: Sequence[str] | None) -> str | None:
+    """A number and its interval where one was measured ("0.0354 [0.025, 0.049]"); None where no number."""
+    value = _get(metrics, path) if path else None
+    if value is None:
+        return None
+    spread = _get(metrics, interval) if interval else None
+    return _fmt(value) + (f" {_interval(spread)}" if spread else "")
+
+
+def _human_cell(runs: Sequence[dict], row: OverallRow, names: Sequence[str]) -> str:
+    """The human floor of a row: one number where every run measured people alike (the same test rows),
+    each run's otherwise."""
+    cells = [_with_interval(r["metrics"], row.human, row.human_interval) for r in runs]
+    if all(c is None for c in cells):
+        return "—"
+    if len(set(cells)) == 1:
+        return cells[0]
+    return "; ".join(f"{name}: {cell or '—'}" for name, cell in zip(names, cells))
+
+
+def _shown_rows(runs: Sequence[dict]) -> list[OverallRow]:
+    return [row for row in OVERALL_ROWS if not row.optional or any(_get(r["metrics"], row.path) is not None
+                                                                    for r in runs)]
+
+
+def _overall_value(result: dict, row: OverallRow) -> str:
+    """A number of the overall table with its interval, or n/a with the reason it is missing."""
+    path = row.path
+    value = _with_interval(result["metrics"], path, row.interval)
     if value is not None:
-        return _fmt(value)
+        return value
     if path[0] == "diversity":
         reason = _get(result["metrics"], ("diversity", "overall", "generated_reason")) or (
             "skipped (--no-diversity)" if result["metrics"]["diversity"].get("status") == "skipped" else None)
@@ -285,7 +339,9 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
     """OUT/report.html of one evaluation, self-contained (images inline; the PNGs are kept beside it);
     the lengths (in evaluation tokens) are per row, as `buckets`."""
     m = result["metrics"]
-    table, _ = _table(["metric", "value"], [(name, _overall_value(result, path)) for name, path in OVERALL_ROWS])
+    table, _ = _table(["metric", "value [interval]", HUMAN_COLUMN],
+                      [(row.name, _overall_value(result, row), _human_cell([result], row, ["this run"]))
+                       for row in _shown_rows([result])])
     sections = [_settings(result), "<h2>Overall</h2>", table]
     images = []
     if m.get("buckets"):
@@ -469,10 +525,11 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         if not path.is_file():
             raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
         runs[name] = json.loads(path.read_text())
-    header = ["metric", *runs]
-    rows = [(name, *(_fmt(_get(r["metrics"], p)) for r in runs.values())) for name, p in OVERALL_ROWS
-            if name != "Aggregate"]
-    rows.append(_aggregate_row(runs))
+    header = ["metric (value [interval])", *runs, HUMAN_COLUMN]
+    rows = [(row.name, *(_with_interval(r["metrics"], row.path, row.interval) or "—" for r in runs.values()),
+             _human_cell(list(runs.values()), row, list(runs))) for row in _shown_rows(list(runs.values()))
+            if row.name != "Aggregate"]
+    rows.append((*_aggregate_row(runs), "—"))
     settings_rows = [("test rows", *(str(r["alignment"]["evaluated"]) for r in runs.values())),
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
@@ -502,8 +559,11 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                  "<h2>Which differences the intervals support</h2>", differences_html]
                 + [_embedded(out / i) for i in images])
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
-    (out / "report.md").write_text("# polyalign comparison\n\n" + settings_md + "\n" + table_md + "\n" + differences_md
-                                   + "\n" + "".join(f"![{i}]({i})\n" for i in images), encoding="utf-8")
+    markdown = ["# polyalign comparison", "## Settings", settings_md,
+                *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
+                "## Overall", table_md,
+                "## Which differences the intervals support", differences_md, "".join(f"![{i}]({i})\n" for i in images)]
+    (out / "report.md").write_text("\n\n".join(part.strip("\n") for part in markdown) + "\n", encoding="utf-8")
     return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
             "intervals_compared_across_data": allow_different_data, "out": str(out)}
 
