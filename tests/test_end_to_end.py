@@ -1,5 +1,6 @@
 """prepare + stats end to end: the bundled demo data, the authors' sample labels, and all of ../shared/data."""
 
+import base64
 import json
 import subprocess
 import sys
@@ -68,8 +69,10 @@ def test_demo_prepare_and_stats(demo_run):
         expected, train, Counter(r["bucket_id"] for r in records if r["split"] == "val"),
         Counter(r["bucket_id"] for r in records if r["split"] == "test"), 10.0)
     html = (run / "stats/report.html").read_text(encoding="utf-8")
-    for png in ("counts.png", "lengths.png", "weights.png", "features.png"):
-        assert f'src="{png}"' in html and (run / "stats" / png).stat().st_size > 10_000
+    for png in ("counts.png", "lengths.png", "weights.png", "features.png"):  # inline: the page stands alone
+        inline = base64.b64encode((run / "stats" / png).read_bytes()).decode("ascii")
+        assert f"src='data:image/png;base64,{inline}'" in html and (run / "stats" / png).stat().st_size > 10_000
+        assert f"({png})</figcaption>" in html
     assert "| zh\\|multi\\|dialogue\\|short |" in (run / "stats/report.md").read_text(encoding="utf-8")
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
+from polyalign.reports.plots import embedded_img  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,7 @@ def _save(fig, path: Path) -> str:
 
 
 def _embedded(path: Path) -> str:
-    """An <img> carrying its PNG inline, so that report.html is one self-contained file."""
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f"<p><img alt='{html.escape(path.name)}' src='data:image/png;base64,{data}'></p>"
+    return f"<p>{embedded_img(path)}</p>"
 
 
 def _interval(values) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import html
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,6 +14,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SPLIT_COLORS = {"train": "#4C72B0", "val": "#DD8452", "test": "#55A868"}
+
+
+def embedded_img(path: Path, alt: str | None = None) -> str:
+    """An <img> carrying its PNG inline, so that a report.html is one self-contained file (mailed or
+    copied alone, it keeps its plots); the PNG stays beside it."""
+    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    return f"<img alt='{html.escape(alt or Path(path).name)}' src='data:image/png;base64,{data}'>"
 
 
 def _save(fig, path: Path) -> Path:
@@ -39,7 +48,9 @@ def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[s
         ax.invert_yaxis()
         ax.set_title(f"records per bucket ({lang})", fontsize=10, loc="left")
         ax.tick_params(axis="y", labelsize=8)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.margins(x=0.08)  # room for the total printed after the longest bar
+        # beside the axes: a bar of any length, at any row, would run under a legend inside them
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return _save(fig, path)
 
 

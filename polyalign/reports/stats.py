@@ -156,7 +156,7 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     stats["timings_s"] = {"total": round(time.perf_counter() - started, 3)}
     (out / "stats.json").write_text(json.dumps(stats, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     (out / "report.md").write_text(render_markdown(stats, manifest), encoding="utf-8")
-    (out / "report.html").write_text(render_html(stats, manifest), encoding="utf-8")
+    (out / "report.html").write_text(render_html(stats, manifest, out), encoding="utf-8")
     return stats
 
 
@@ -218,11 +218,22 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def render_html(stats: dict[str, Any], manifest: dict[str, Any]) -> str:
+# What each figure of stats["figures"] shows, as its caption says it.
+FIGURE_CAPTIONS = {
+    "counts": "Records per bucket and split, one panel per language (the number: all splits).",
+    "lengths": "Human response length per bucket, in the scheme's length units (log scale); dashed lines: the "
+               "length bins' bounds.",
+    "weights": "Bucket-SFT weight per train record in each bucket (mean over records 1; n: train records).",
+    "features": "Main response features of the train split's human answers per bucket (boxes: quartiles).",
+}
+
+
+def render_html(stats: dict[str, Any], manifest: dict[str, Any], folder: Path) -> str:
+    """The report as one self-contained page: the plots (`folder`'s PNGs) inline."""
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(stats, manifest))
     figures = "".join(
-        f'<figure><img src="{html.escape(file)}" alt="{html.escape(name)}">'
-        f'<figcaption>{html.escape(name)}</figcaption></figure>'
+        f"<figure>{plots.embedded_img(folder / file, name)}"
+        f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(name, name))} ({html.escape(file)})</figcaption></figure>"
         for name, file in stats["figures"].items()
     )
     return f"""<!doctype html>
@@ -232,7 +243,7 @@ body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px;
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; font-family: monospace; }}
-figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; font-size: 0.9em; }}
 </style></head><body>
 <h1>Bucket statistics: {html.escape(Path(stats['run']).name)}</h1>
 <ul>{summary}</ul>
