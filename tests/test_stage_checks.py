@@ -260,6 +260,43 @@ def test_a_stage_output_recognises_its_own_unfinished_output_and_nothing_else(tm
             pass
 
 
+def test_a_folder_stage_that_fails_before_writing_leaves_no_folder_and_no_marker(tmp_path):
+    """A folder output (evaluate's EVAL, build's RUN/build): a first run that fails before writing removes
+    the folder it made for its marker and lock; one that wrote something keeps its marker, so the same
+    command resumes; a folder the user made is kept, emptied of the marker."""
+    from polyalign.core.outputs import stage_output, started_record
+
+    def stage(out, write=False):
+        with stage_output(out, out / "metrics.json", {"seed": 0}, False, ours=[out / "metrics.json"]):
+            if write:
+                (out / "lengths.png").write_bytes(b"png")
+            raise ValueError("predictions.jsonl line 3: not JSON")
+
+    for out, made_by_user in ((tmp_path / "eval", False), (tmp_path / "mine", True)):
+        if made_by_user:
+            out.mkdir()
+        with pytest.raises(ValueError, match="line 3"):
+            stage(out)
+        assert out.is_dir() == made_by_user and (not made_by_user or not any(out.iterdir()))
+    with pytest.raises(ValueError):
+        stage(tmp_path / "half", write=True)
+    assert sorted(p.name for p in (tmp_path / "half").iterdir()) == [".metrics.json.started", "lengths.png"]
+    assert started_record(tmp_path / "half" / "metrics.json").is_file()
+
+
+def test_evaluate_on_predictions_it_cannot_read_leaves_nothing_behind(demo_run, tmp_path, capsys):
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"id": "x", "prediction": "ok"}\nnot json\n')
+    code = main(["evaluate", "--records", str(run / "data" / "test.jsonl"), "--predictions", str(bad), "--out",
+                 str(tmp_path / "eval")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{bad}:2: Expecting value" in err and "Traceback" not in err, err
+    assert not (tmp_path / "eval").exists()
+
+
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
     """A KeyboardInterrupt raised inside a garbage-collector callback (where JAX runs one) is ignored by
     Python; the flag SIGINT also sets makes the next check raise it again."""

@@ -160,19 +160,35 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
     where the record keeps the settings (check_settings)."""
     check_output(output, record, settings, overwrite, ours, inputs, elsewhere, option, key)
     started = started_record(record)
-    with lock if lock is not None else OutputLock(Path(output)):
-        if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming the output
-            Path(record).unlink(missing_ok=True)
-        started.parent.mkdir(parents=True, exist_ok=True)
-        started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str) + "\n",
-                           encoding="utf-8")
-        try:
-            yield
-        except BaseException:
-            if not Path(output).exists():  # stopped before writing anything (a missing input): nothing to resume
-                started.unlink(missing_ok=True)
-            raise
-        started.unlink(missing_ok=True)
+    lock = lock if lock is not None else OutputLock(Path(output))
+    output = Path(output)
+    existed = output.exists()
+    try:
+        with lock:
+            if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming it
+                Path(record).unlink(missing_ok=True)
+            started.parent.mkdir(parents=True, exist_ok=True)
+            started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str)
+                               + "\n", encoding="utf-8")
+            try:
+                yield
+            except BaseException:
+                if not _written(output, {started, lock.path}):  # stopped before writing (a bad input): no resume
+                    started.unlink(missing_ok=True)
+                raise
+            started.unlink(missing_ok=True)
+    except BaseException:
+        if not existed and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()  # made only to hold the marker and the lock: a failed first run leaves no empty folder
+        raise
+
+
+def _written(output: Path, own: set[Path]) -> bool:
+    """Whether a stage wrote anything of its output: the file, or in the folder something beside the stage's
+    own marker and lock."""
+    if not output.is_dir():
+        return output.exists()
+    return any(path not in own for path in output.iterdir())
 
 
 def write_record(path: str | os.PathLike, settings: Mapping[str, Any], made_from: Mapping[str, Any],
