@@ -189,6 +189,31 @@ def test_adaptive_weights_update_by_hand():
     assert q[0] > q0[0] > q[1] and q.sum() == pytest.approx(1.0)
 
 
+def test_adaptive_weights_stay_the_builds_where_losses_do_not_differ():
+    """The floor mixes q with the distribution it started from: with equal losses, however many steps, every
+    weight stays the build's (a mixture with the uniform distribution would carry a 6-record bucket's weight
+    from 1 toward N / (K n_b) = 104); a bucket whose loss stays above the others' rises, and none falls below
+    floor times its starting share."""
+    from polyalign.train.sft import SftObjective
+
+    counts = np.array([6.0, 400.0, 2000.0, 1959.0])
+    build = np.array([1.0, 2.5, 1.0, 0.8])  # clipped Bucket-SFT weights
+    objective = SftObjective(4, "adaptive", train_counts=counts, initial_weights=build, step_size=0.1, floor=0.1)
+    state = objective.initial_state()
+    q0 = np.asarray(state["bucket_q"])
+    even = {"bucket_loss": jnp.array([0.0, 4.0, 8.0, 6.0]), "bucket_examples": jnp.array([0.0, 2.0, 4.0, 3.0])}
+    for _ in range(50):
+        state = objective.update_state(state, even)
+    weights = np.asarray(objective.adaptive_weights(jnp.asarray(state["bucket_q"])))
+    np.testing.assert_allclose(weights / weights[2], build / build[2], rtol=1e-4)
+    hard = {"bucket_loss": jnp.array([0.0, 12.0, 8.0, 6.0]), "bucket_examples": jnp.array([0.0, 2.0, 4.0, 3.0])}
+    for _ in range(200):
+        state = objective.update_state(state, hard)
+        assert np.all(np.asarray(state["bucket_q"]) >= 0.1 * q0 * (1 - 1e-5))
+    q = np.asarray(state["bucket_q"])
+    assert q[1] > 0.5 and q[1] / q0[1] > 2  # bucket 1's loss stays highest: it takes most of the objective
+
+
 def test_adaptive_weights_are_exact_under_micro_batching(built_run):
     """Denominators and numerators take the same per-bucket weights from the trainer's state, so the
     gradient of a global batch is the same for 1 and 4 micro-batches with a non-uniform q."""

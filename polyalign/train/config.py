@@ -139,8 +139,9 @@ class AdaptiveSection:
 
     step_size: float = setting(0.1, range=NON_NEGATIVE,
                                help="eta in q_b <- q_b exp(eta (L_b - mean L)) after every step")
-    floor: float = setting(0.1, range=PROBABILITY, help="share of the uniform distribution mixed into q after "
-                                                        "each update")
+    floor: float = setting(0.1, range=PROBABILITY, help="share of the starting distribution (the build's "
+                                                        "weights) mixed into q after each update: no bucket falls "
+                                                        "below floor times its Bucket-SFT share")
 
 
 @dataclass(frozen=True)

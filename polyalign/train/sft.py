@@ -38,8 +38,11 @@ class SftObjective:
     (q_b proportional to w_b p_b, p_b the bucket's share of train records). A step weights its examples
     with w_b = q_b / p_b, computed from the q it started with, so the global-batch normalisation stays
     exact; after the step q_b <- q_b exp(eta (L_b - mean L)) over the buckets the batch held (L_b their
-    mean losses), renormalised and mixed with the uniform distribution (floor), so no bucket is ever
-    starved.
+    mean losses), renormalised and mixed with the distribution it started from (floor): no bucket falls
+    below `floor` times its Bucket-SFT share, and where losses do not differ q stays the build's. (Mixing
+    with the uniform distribution, as DoReMi does, pulls every bucket toward an equal share of the
+    objective whatever its loss: a 6-record bucket's weight then climbs toward N / (K n_b), far past the
+    build's clip.)
     """
 
     def __init__(self, num_buckets: int, weighting: str = "bucket", normalization: str = "global",
@@ -75,8 +78,7 @@ class SftObjective:
         losses = jnp.where(present, sums["bucket_loss"] / jnp.where(present, examples, 1.0), 0.0)
         excess = jnp.where(present, losses - losses.sum() / jnp.maximum(present.sum(), 1), 0.0)
         q = q * jnp.exp(self.step_size * excess)
-        uniform = jnp.asarray(self.in_train, jnp.float32) / max(int(self.in_train.sum()), 1)
-        q = (1.0 - self.floor) * q / q.sum() + self.floor * uniform
+        q = (1.0 - self.floor) * q / q.sum() + self.floor * jnp.asarray(self.q0)
         return {"bucket_q": q}
 
     def _token_weights(self, batch) -> jax.Array | float:
