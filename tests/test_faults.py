@@ -964,14 +964,26 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
     assert "Thread 0x" in output or "Current thread" in output  # the stacks
 
 
-def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsys):
+def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsys, monkeypatch):
     """Another config into the same OUT is refused with the differing keys named; changed resumable
-    keys need existing="resume" (--resume); --overwrite starts over; OUT may not be an input."""
+    keys need existing="resume" (--resume); --overwrite starts over; OUT may not be an input. The same
+    input spelled another way (relative, from another folder) is the same config."""
     from polyalign.core.yaml_config import ConfigError
 
     run, _ = built_run
     out = tmp_path / "out"
     first = train_sft(sft_config(run, 3), out, progress=False)
+    assert json.loads((out / "config.json").read_text())["data"]["dir"] == str(Path(run).resolve())
+    monkeypatch.chdir(Path(run).parent)
+    for spelled in (Path(run).name, f"./{Path(run).name}", f"../{Path(run).parent.name}/{Path(run).name}"):
+        same = train_sft(sft_config(spelled, 3), out, progress=False)
+        assert same["start_step"] == same["end_step"] == 3, spelled
+    # a run recorded before paths were made absolute: its relative path read from this folder
+    saved = json.loads((out / "config.json").read_text())
+    saved["data"]["dir"] = Path(run).name
+    (out / "config.json").write_text(json.dumps(saved))
+    assert train_sft(sft_config(run, 3), out, progress=False)["end_step"] == 3
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"made by another config \(optimizer.lr: 0.003 there, 0.002 now\)"):
         train_sft(sft_config(run, 3, "optimizer.lr=0.002"), out, progress=False)
     with pytest.raises(ConfigError, match=r"started with train.steps=3 \(now 4\); pass --resume"):

@@ -297,6 +297,32 @@ def test_evaluate_on_predictions_it_cannot_read_leaves_nothing_behind(demo_run, 
     assert not (tmp_path / "eval").exists()
 
 
+def test_a_path_setting_is_one_setting_however_it_is_spelled(tmp_path, monkeypatch):
+    """build's --tokenizer and generate's --checkpoint are recorded absolute (BuildOptions, recorded_path), so
+    the same command from another folder or with ./ matches its record; a record written with a relative
+    path (before they were recorded absolute) is read relative to the folder the command runs in."""
+    from polyalign.core.outputs import check_settings
+    from polyalign.core.yaml_config import ConfigError
+    from polyalign.inputs.build import BuildOptions
+
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert BuildOptions(tokenizer="ckpt").tokenizer == BuildOptions(tokenizer="./ckpt/").tokenizer == \
+        str((tmp_path / "ckpt").resolve())
+    record = tmp_path / "out" / "manifest.json"
+    record.parent.mkdir()
+    for saved in ("ckpt", str(tmp_path / "ckpt")):
+        record.write_text(json.dumps({"settings": {"tokenizer": saved, "max_length": 64}}))
+        for spelled in ("ckpt", "./ckpt", str(tmp_path / "ckpt"), f"../{tmp_path.name}/ckpt"):
+            check_settings(record.parent, record, {"tokenizer": spelled, "max_length": 64}, False,
+                           paths=["tokenizer"])
+    with pytest.raises(ConfigError, match="made with other settings"):  # without `paths`, compared as text
+        check_settings(record.parent, record, {"tokenizer": "./ckpt", "max_length": 64}, False)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ConfigError, match="tokenizer: .* there"):
+        check_settings(record.parent, record, {"tokenizer": "other", "max_length": 64}, False, paths=["tokenizer"])
+
+
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
     """A KeyboardInterrupt raised inside a garbage-collector callback (where JAX runs one) is ignored by
     Python; the flag SIGINT also sets makes the next check raise it again."""

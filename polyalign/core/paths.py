@@ -26,6 +26,15 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     return epath.Path(os.path.abspath(os.path.expanduser(str(path))))
 
 
+def recorded_path(path: str | os.PathLike | None) -> str | None:
+    """A path as a record of settings keeps it: a bucket URI as given, a local path absolute with links
+    resolved, so that `run`, `./run` and `/home/me/run` are one setting whichever folder a command is
+    started from (a preempted job resubmitted elsewhere still continues its run)."""
+    if path is None or is_uri(path):
+        return None if path is None else str(path)
+    return os.path.realpath(os.path.expanduser(str(path)))
+
+
 def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, local or in a bucket: what a later stage compares to tell whether the
     input it was made from has been replaced."""

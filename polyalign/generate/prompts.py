@@ -15,7 +15,7 @@ from typing import Any
 
 from polyalign.core.errors import GenerationError
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
-from polyalign.core.paths import file_digest
+from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
@@ -29,12 +29,12 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
     if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
-    settings = {"checkpoint": str(checkpoint), "records": str(records_path.resolve()), "profile": profile,
+    settings = {"checkpoint": recorded_path(checkpoint), "records": str(records_path.resolve()), "profile": profile,
                 "template": template, "limit": limit,
                 # only when sampled, so that prompts written before --sample existed keep their settings
                 **({"sample": sample, "seed": seed} if sample is not None else {})}
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
-                      lock=OutputLock.for_file(out)):
+                      lock=OutputLock.for_file(out), paths=["checkpoint"]):
         tokenizer = load_tokenizer(checkpoint)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed)
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
-from polyalign.core.paths import checkpoint_identity, file_digest
+from polyalign.core.paths import checkpoint_identity, file_digest, recorded_path
 from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
@@ -87,10 +87,11 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     records the settings, the records' digest and the checkpoint; predictions made with other settings are
     not replaced unless `overwrite`."""
     options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
-    settings = {"checkpoint": str(checkpoint), "records": str(Path(records_path).resolve()), **asdict(options)}
+    settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
+                **asdict(options)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
-                      lock=OutputLock.for_file(out)):
+                      lock=OutputLock.for_file(out), paths=["checkpoint"]):
         return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress)
 
 

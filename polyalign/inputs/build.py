@@ -27,7 +27,7 @@ from etils import epath
 from polyalign.core.errors import InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import as_path, changed_since, file_digest, is_uri
+from polyalign.core.paths import as_path, changed_since, file_digest, is_uri, recorded_path
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
@@ -75,6 +75,9 @@ class BuildOptions:
     # Bucket-SFT weights: the scheme's (buckets/*.yaml `weights:`), with these keys replacing its own;
     # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
     weights: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):  # the manifest names the tokenizer whichever folder the build ran from
+        object.__setattr__(self, "tokenizer", recorded_path(self.tokenizer))
 
 
 def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, str]:
@@ -324,7 +327,8 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     hold while writing it."""
     out = Path(run) / BUILD_DIR
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
-                        ours=[out / "manifest.json", out / DATASET_NAME], elsewhere="build another RUN")
+                        ours=[out / "manifest.json", out / DATASET_NAME], elsewhere="build another RUN",
+                        paths=["tokenizer"])
 
 
 def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True,

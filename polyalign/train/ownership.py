@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.core.outputs import describe_changes, differing_keys, same_path
+from polyalign.core.paths import recorded_path
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
@@ -56,6 +57,11 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
                               "new folder, or --overwrite to replace them")
         return "new"
     saved = json.loads(saved_path.read_text())
+    for key in inputs:  # runs recorded before paths were made absolute: read relative to this folder
+        section, _, name = key.rpartition(".")
+        holder = saved.get(section, {}) if section else saved
+        if isinstance(holder, dict) and isinstance(holder.get(name), str):
+            holder[name] = recorded_path(holder[name])
     current = json.loads(json.dumps(config, default=str))
     changed = differing_keys(saved, current)
     if existing == "overwrite":

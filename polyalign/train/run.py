@@ -26,7 +26,7 @@ import jax
 from flax import nnx
 
 from polyalign.core.outputs import OutputLock
-from polyalign.core.paths import as_path, is_uri
+from polyalign.core.paths import as_path, is_uri, recorded_path
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
 from polyalign.mesh import parallel
@@ -135,19 +135,32 @@ def with_compute_dtype(config):
     return dataclasses.replace(config, model=dataclasses.replace(model, dtype=dtype))
 
 
+# The config keys that name files or folders a run reads.
+INPUT_PATH_KEYS = ("init", "pairs", "val_pairs", "references")
+
+
+def with_recorded_paths(config):
+    """The config with every input path as its record keeps it (core/paths.py recorded_path): config.json
+    names the files read, and a run started again from another folder, or with `./run` for `run`, is the
+    same run."""
+    changes = {key: recorded_path(getattr(config, key)) for key in INPUT_PATH_KEYS if hasattr(config, key)}
+    data = dataclasses.replace(config.data, dir=recorded_path(config.data.dir))
+    return dataclasses.replace(config, data=data, **changes)
+
+
 def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
     """Runs (or resumes) the training run `config` describes into OUT; returns its summary. `existing`
     says what to do when OUT holds a run of another config (polyalign/train/ownership.py): continue
     only a run of the same config, resume with changed resumable keys, or overwrite."""
     parallel.initialize_distributed()
-    config = with_compute_dtype(config)
+    config = with_recorded_paths(with_compute_dtype(config))
     if getattr(config, "rounds", 1) > 1:
         return train_rounds(config, out, functools.partial(train, existing=existing), progress)
 
     local = not is_uri(out)
     out = as_path(out) if not local else Path(as_path(out))
     if local:
-        inputs = {key: getattr(config, key, None) for key in ("init", "pairs", "val_pairs", "references")}
+        inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
         ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
                         remove=jax.process_index() == 0)
     lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
