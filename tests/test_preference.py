@@ -517,6 +517,33 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     assert "drift/support_distance" in drift and "drift/critic" not in drift  # references given, no critic
 
 
+def test_the_drift_probe_measures_only_answers_with_text(demo_run):
+    """Empty answers are counted (drift/empty), never scored: all empty gives no distance and no critic score;
+    mixed gives the numbers of the answers with text alone, per bucket as overall."""
+    from polyalign.data.records import read_records
+    from polyalign.train.critic_model import support_targets
+    from polyalign.train.drift import answer_scores, load_references
+
+    run = demo_run[0]
+    references = load_references(str(run))
+    records = [r for r in read_records(run / "data" / "val.jsonl") if r.bucket_id in references["buckets"]][:6]
+    texts, buckets = [r.response for r in records], [r.bucket_id for r in records]
+    critic_calls = []
+
+    def critic(texts, buckets):
+        critic_calls.append(list(texts))
+        return np.full(len(texts), 0.25)
+
+    assert answer_scores([""] * len(texts), buckets, references, critic) == {} and critic_calls == []
+    mixed = [t if i % 2 else "" for i, t in enumerate(texts)]
+    scores = answer_scores(mixed, buckets, references, critic)
+    kept = [i for i in range(len(texts)) if i % 2]
+    expected = support_targets([texts[i] for i in kept], [buckets[i] for i in kept], references)
+    assert scores["drift/support_distance"] == pytest.approx(round(float(np.nanmean(expected)), 4))
+    assert set(scores["drift/support_distance_by_bucket"]) == {buckets[i] for i in kept}
+    assert critic_calls == [[texts[i] for i in kept]] and scores["drift/critic"] == 0.25
+
+
 @pytest.mark.slow
 def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer, tmp_path, capsys):
     """rounds=2 end to end on a tiny model: interrupted inside round 1, the same command resumes it from

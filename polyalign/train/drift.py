@@ -71,16 +71,29 @@ class DriftProbe:
                 for b, rows in sorted(by_bucket.items())},
             "drift/empty": round(float(np.mean([not t for t in texts])), 4),
         }
-        if self.references is not None:
-            distance = support_targets(texts, self.buckets, self.references)
-            if np.isfinite(distance).any():
-                out["drift/support_distance"] = round(float(np.nanmean(distance)), 4)
-                out["drift/support_distance_by_bucket"] = _mean_by_bucket(distance, self.buckets)
-        if self.critic is not None:
-            scores = self.critic(texts, self.buckets)
-            out["drift/critic"] = round(float(np.mean(scores)), 4)
-            out["drift/critic_by_bucket"] = _mean_by_bucket(scores, self.buckets)
+        return {**out, **answer_scores(texts, self.buckets, self.references, self.critic)}
+
+
+def answer_scores(texts: Sequence[str], buckets: Sequence[str], references: dict | None,
+                  critic: Any = None) -> dict[str, Any]:
+    """The support distance and the critic's score of the non-empty answers, overall and per bucket. An
+    empty answer has no text to measure (drift/empty counts it): scoring it would log the distance of the
+    empty string, a number for answers that all said nothing."""
+    answered = [i for i, text in enumerate(texts) if text]
+    texts, buckets = [texts[i] for i in answered], [buckets[i] for i in answered]
+    out: dict[str, Any] = {}
+    if not texts:
         return out
+    if references is not None:
+        distance = support_targets(texts, buckets, references)
+        if np.isfinite(distance).any():
+            out["drift/support_distance"] = round(float(np.nanmean(distance)), 4)
+            out["drift/support_distance_by_bucket"] = _mean_by_bucket(distance, buckets)
+    if critic is not None:
+        scores = critic(texts, buckets)
+        out["drift/critic"] = round(float(np.mean(scores)), 4)
+        out["drift/critic_by_bucket"] = _mean_by_bucket(scores, buckets)
+    return out
 
 
 def load_references(run: str | None) -> dict | None:
