@@ -694,7 +694,8 @@ def _add_evaluate(sub) -> None:
                         "from people's answers to the same prompts (character n-grams; 0.5: it cannot tell)")
     p.add_argument("--featurizer", type=_location, help="checkpoint whose mean-pooled hidden states feed MAUVE and a "
                                                    "second detectability; without it MAUVE is reported as skipped")
-    p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR")
+    p.add_argument("--scorer", type=_location, help="checkpoint for the LM features added to BNG and HCR (not with "
+                                                    "--support: the support is then the test records' own answers)")
     _dtype_option(p, "the featurizer and the scorer")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
@@ -721,9 +722,12 @@ def _run_evaluate(args) -> int:
 
     floors = "" if m["bng"].get("floor_macro") is None else \
         f" (human floor: BNG {show(m['bng']['floor_macro'])}, HCR {show(m['hcr']['floor_macro'])})"
-    empty = result.get("answers", {}).get("empty", 0)
+    answers = result.get("answers", {})
+    empty = answers.get("empty", 0)
+    # --compat reference keeps them in Distinct-n and Self-BLEU, as the authors' code does
+    kept = "kept in diversity, as the authors' code does" if answers.get("in_diversity") else "left out of diversity"
     rows = f"{result['alignment']['evaluated']} rows" + (
-        f" ({empty} empty answer{'s' * (empty != 1)}, left out of diversity)" if empty else "")
+        f" ({empty} empty answer{'s' * (empty != 1)}, {kept})" if empty else "")
     mauve = show(m["mauve"]["global"]) if m["mauve"]["status"] == "computed" else \
         f"skipped ({reasons.get('mauve', 'not computed')})"
     print(f"{rows}: F1 {show(m['utility']['overall'].get('qa_f1'), 'utility')}, ROUGE-L "

@@ -388,6 +388,9 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     assert overall["human"] == pytest.approx(diversity([r.response for r in records if r.response.strip()], "cjk"))
     assert overall["generated_empty"] == 40
     assert "<b>40 of 200 answers are empty</b>" in (tmp_path / "eval" / "report.html").read_text()
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "eval_ref"), "--compat", "reference"]) == 0
+    assert "200 rows (40 empty answers, kept in diversity, as the authors' code does)" in capsys.readouterr().out
     reference = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "ref", EvaluateOptions(compat="reference",
                                                                                                plots=False))
     assert reference["metrics"]["diversity"]["overall"]["generated"] == pytest.approx(
@@ -427,6 +430,20 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
                  str(tmp_path / "ref"), "--compat", "reference"]) == 0
     out = capsys.readouterr().out
     assert "TDM n/a (no multi-turn test rows)" in out and "MAUVE skipped (no --featurizer model was given)" in out
+
+
+def test_a_scorer_beside_a_support_is_refused_before_any_work(demo_run, tmp_path, capsys):
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    records_path, records = _subset(run, tmp_path, lambda r: r.track == "single")
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "eval"), "--support", str(run / "data" / "train.jsonl"), "--scorer",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--scorer and --support cannot be combined" in err and "drop --support" in err and "Traceback" not in err
+    assert not (tmp_path / "eval").exists()
 
 
 def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):

@@ -128,6 +128,11 @@ class EvaluateOptions:
         return "reference" if self.compat == "reference" else "cjk"
 
 
+SCORER_WITH_SUPPORT = ("--scorer and --support cannot be combined: the scorer's LM features are measured on the "
+                       "test rows only, and a support file is measured on the text features alone; drop --support "
+                       "(each bucket is then measured against the test records' own human answers) or --scorer")
+
+
 def evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions = EvaluateOptions(),
              overwrite: bool = False) -> dict[str, Any]:
     """Every metric of one predictions file. In the default mode every bucket is measured (small ones
@@ -139,6 +144,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
     if options.featurizer is not None:
         require("mauve", "mauve", "MAUVE (--featurizer)")
+    if options.scorer is not None and options.support is not None:  # before any work, not after the first metrics
+        raise EvaluationError(SCORER_WITH_SUPPORT)
     inputs = {"records": records_path, "predictions": predictions_path, "references": options.references,
               "support": options.support}
     settings = {**{k: None if v is None else str(Path(v).resolve()) for k, v in inputs.items()},
@@ -538,8 +545,7 @@ def _supports(by_bucket_idx, human_features, support_path: Path | None, referenc
     else:
 
         if set(names) != set(FEATURE_NAMES):
-            raise EvaluationError("a support file measures the text features only; it cannot be combined with "
-                                  "--scorer")
+            raise EvaluationError(SCORER_WITH_SUPPORT)
         path = Path(support_path).resolve()
         if not path.is_file():
             raise EvaluationError(f"{support_path}: no such support file; pass the train split's records "
