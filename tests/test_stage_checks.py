@@ -323,6 +323,24 @@ def test_a_path_setting_is_one_setting_however_it_is_spelled(tmp_path, monkeypat
         check_settings(record.parent, record, {"tokenizer": "other", "max_length": 64}, False, paths=["tokenizer"])
 
 
+@pytest.mark.parametrize("method", ["hdpo", "dpo"])
+def test_missing_pairs_say_what_makes_them_for_the_method(tmp_path, capsys, method):
+    """HDPO's missing RUN/critic/train_pairs.jsonl points at the critic, which writes scored pairs there
+    (`polyalign pairs` alone makes unscored ones HDPO refuses); DPO's at making pairs."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["train", method, "--out", str(tmp_path / "out"), f"init={tmp_path}", f"data.dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run}/critic/train_pairs.jsonl: no such pairs file; " in err and "Traceback" not in err
+    if method == "hdpo":
+        assert (f"HDPO reads pairs the critic scored: make pairs with `polyalign pairs` or `polyalign pairs "
+                f"import`, then `polyalign train critic --out {run}/critic pairs=... val_pairs=...` writes them "
+                f"scored to {run}/critic/train_pairs.jsonl") in err
+    else:
+        assert err.rstrip().endswith("make pairs with `polyalign pairs` or `polyalign pairs import` and set pairs= "
+                                     "to the file")
+
+
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
     """A KeyboardInterrupt raised inside a garbage-collector callback (where JAX runs one) is ignored by
     Python; the flag SIGINT also sets makes the next check raise it again."""

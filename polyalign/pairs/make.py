@@ -115,12 +115,12 @@ def write_pairs(pairs: Sequence[dict], out) -> None:
             handle.write(json.dumps(pair, ensure_ascii=False) + "\n")
 
 
-def read_pairs(path: Path) -> list[dict]:
+def read_pairs(path: Path, missing: str = "run `polyalign pairs` first") -> list[dict]:
     """The pairs of a pairs file, each checked to be one: a row that is not (a TRL row, a missing field)
-    is an error naming the file, the line and what to run."""
+    is an error naming the file, the line and what to run. `missing`: what to do when there is no file."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: no such pairs file; run `polyalign pairs` first")
+        raise InputError(f"{path}: no such pairs file; {missing}")
     try:
         rows = list(jsonl.read_lines(path))
     except jsonl.JsonProblem as problem:

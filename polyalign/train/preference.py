@@ -205,11 +205,25 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
                               "lambda_dist=0 to train without the distance term")
 
 
+def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
+    """What to run when a pairs file is missing: the critic writes the scored pairs HDPO's distance term
+    needs into RUN/critic/ (the default place); `polyalign pairs` makes unscored ones, enough for the
+    other methods."""
+    scored = (config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0
+    made = "make pairs with `polyalign pairs` or `polyalign pairs import`"
+    if scored:
+        out = f"{str(config.data.dir).rstrip('/')}/critic" if getattr(config, key) is None else "CRITIC"
+        return (f"HDPO reads pairs the critic scored: {made}, then `polyalign train critic --out {out} pairs=... "
+                f"val_pairs=...` writes them scored to {out}/train_pairs.jsonl and {out}/val_pairs.jsonl")
+    return made + (f" and set {key}= to the file" if getattr(config, key) is None else "")
+
+
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     require(config, "init", hint="the SFT checkpoint")
     paths = config.pair_files()
     max_length = config.data.max_length
-    train_pairs, val_pairs = read_pairs(Path(paths["pairs"])), read_pairs(Path(paths["val_pairs"]))
+    train_pairs, val_pairs = (read_pairs(Path(paths[key]), _missing_pairs_hint(config, key))
+                              for key in ("pairs", "val_pairs"))
     if not train_pairs:
         raise ConfigError(f"{paths['pairs']}: no pairs")
     check_pairs(config, paths, train_pairs, val_pairs)
