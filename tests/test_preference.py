@@ -1,6 +1,7 @@
 """Pairs, the critic and the HDPO/DPO method on the shared trainer."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -595,11 +596,12 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert (out / "round-2" / "metrics.jsonl").read_text() == before
 
 
-def test_the_critic_refuses_references_made_from_an_earlier_prepare(demo_run, tmp_path):
+def test_the_critic_and_evaluate_refuse_references_made_from_an_earlier_prepare(demo_run, tmp_path, capsys):
     import shutil
 
+    from polyalign.cli import main
+    from polyalign.core.errors import StatsError
     from polyalign.core.paths import file_digest
-    from polyalign.core.yaml_config import ConfigError
     from polyalign.train import critic
     from polyalign.train.methods import load_config
 
@@ -615,8 +617,17 @@ def test_the_critic_refuses_references_made_from_an_earlier_prepare(demo_run, tm
     config = load_config(REPO / "configs" / "critic_demo.yaml", [f"data.dir={moved}", "init=unused",
                                                                   f"pairs={tmp_path / 'pairs.jsonl'}",
                                                                   f"val_pairs={tmp_path / 'pairs.jsonl'}"])
-    with pytest.raises(ConfigError, match=f"made from another data/manifest.json .*rerun `polyalign stats {moved}`"):
+    stale = f"made from another data/manifest.json than the one there now .*rerun `polyalign stats {moved}`"
+    with pytest.raises(StatsError, match=stale):
         critic.setup(config, None, progress=False)
+    test = run / "data" / "test.jsonl"
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": json.loads(line)["id"], "prediction": "Yes."}) + "\n"
+                                              for line in test.read_text().splitlines()[:20]))
+    assert main(["evaluate", "--records", str(test), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "eval"), "--allow-partial", "--references",
+                 str(moved / "stats" / "references.json")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(stale, err) and "Traceback" not in err, err
 
 
 def test_a_batch_carries_its_layout_and_one_of_neither_is_refused():

@@ -31,6 +31,7 @@ from polyalign.evaluate.baselines import BASELINES, baseline_answers
 from polyalign.evaluate.dynamics import turn_dynamics
 from polyalign.evaluate.text_metrics import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
 from polyalign.features.lm import LMScorer, record_lm_features
+from polyalign.features.references import read_references
 from polyalign.features.response import FEATURE_NAMES, text_features
 from polyalign.generate.predictions import check_generated_from, iter_predictions
 from polyalign.model import load_hf_checkpoint
@@ -263,7 +264,7 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     records, by_bucket = joined.records, joined.by_bucket
     human_features = _answer_features(records, None, lm)
     generated_features = _answer_features(records, joined.predictions, lm)
-    references = json.loads(Path(options.references).read_text()) if options.references else None
+    references = read_references(options.references) if options.references else None
     if options.compat == "reference":
         bng, hcr = _paper_naturalness(by_bucket, human_features, generated_features, references)
         return bng, hcr, {}, {}

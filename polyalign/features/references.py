@@ -6,16 +6,35 @@ References are built from the human responses of the train split only; buckets w
 
 from __future__ import annotations
 
+import json
+import os
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from polyalign.core.errors import StatsError
+from polyalign.core.paths import changed_since
 from polyalign.features.response import FEATURE_NAMES, FEATURE_SET
 
 QUANTILES = {"q10": 0.10, "q25": 0.25, "q50": 0.50, "q75": 0.75, "q90": 0.90}
+
+
+def read_references(path: str | os.PathLike) -> dict[str, Any]:
+    """RUN/stats/references.json (or a copy elsewhere), refused when the prepare it was made from has been
+    replaced since (`polyalign prepare` ran again): its bands would describe other train answers."""
+    path = Path(path)
+    if not path.is_file():
+        raise StatsError(f"{path}: bucket references missing; run `polyalign stats RUN`")
+    references = json.loads(path.read_text(encoding="utf-8"))
+    run = path.parent.parent if path.parent.name == "stats" else None  # a copy elsewhere cannot be checked
+    for name in changed_since(run, references.get("made_from", {})) if run else ():
+        raise StatsError(f"{path}: made from another {name} than the one there now (`polyalign prepare` ran "
+                         f"again?); rerun `polyalign stats {run}`")
+    return references
 
 
 def nearest_rank(sorted_values: Sequence[float], p: float) -> float:

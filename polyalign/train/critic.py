@@ -24,8 +24,8 @@ from safetensors.numpy import save
 from sklearn.metrics import roc_auc_score
 
 from polyalign.core.errors import CriticCollapse
-from polyalign.core.paths import changed_since
 from polyalign.core.yaml_config import ConfigError
+from polyalign.features.references import read_references
 from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
 from polyalign.mesh import parallel
 from polyalign.model.pooling import encode_responses
@@ -127,11 +127,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     if references_path is None or not references_path.is_file():
         raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` "
                           "or pass references=")
-    references = json.loads(references_path.read_text())
-    run_of_references = references_path.parent.parent if references_path.parent.name == "stats" else None
-    for name in changed_since(run_of_references, references.get("made_from", {})) if run_of_references else ():
-        raise ConfigError(f"{references_path}: made from another {name} than the one there now (`polyalign "
-                          f"prepare` ran again?); rerun `polyalign stats {run_of_references}`")
+    references = read_references(references_path)
     if config.distance_counts == "per_token" and not all("rates" in r for r in references["buckets"].values()):
         raise ConfigError(f"{references_path}: made before references had per-token rates; rerun "
                           "`polyalign stats RUN`, or set distance_counts=raw")

@@ -10,7 +10,6 @@ folder is known). Every process runs the same sampling, so it works on a mesh an
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from polyalign.data.records import Record
+from polyalign.features.references import read_references
 from polyalign.generate.engine import Engine, EngineConfig, Request
 from polyalign.generate.run import stop_ids_of
 from polyalign.generate.sampling import SamplingConfig
@@ -101,7 +101,7 @@ def load_references(run: str | None) -> dict | None:
     path = Path(run) / "stats" / "references.json" if run else None
     if path is None or not path.is_file():
         return None
-    references = json.loads(path.read_text())
+    references = read_references(path)  # one made from an earlier prepare is refused, as the critic does
     if not all("rates" in r for r in references["buckets"].values()):
         print(f"note: {path} predates per-token rates; drift is logged without the support distance "
               "(rerun `polyalign stats RUN` to have it)")
