@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -453,11 +454,18 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
     from safetensors.numpy import load_file
 
     from polyalign.mesh.launch import free_port, start_variables
-    from polyalign.pairs.make import read_pairs
+    from polyalign.pairs.make import read_pairs, write_pairs
     from polyalign.train.metrics import read_metrics
     from tests.cli_runs import start_cli, wait_ok
 
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=34, val=9)
+    # four pairs in a bucket too small for a reference: no distance target, said once, recorded
+    references = json.loads((demo_run[0] / "stats" / "references.json").read_text())
+    small = next(b for b in references["skipped_buckets"])
+    pairs = read_pairs(tmp_path / "train.jsonl")
+    for pair in pairs[:4]:
+        pair["bucket_id"] = small
+    write_pairs(pairs, tmp_path / "train.jsonl")
 
     def args(out):  # no dropout: its draws follow the batch's padded shape, which the process count sets
         return ["train", "critic", "--config", str(REPO / "configs" / "critic_demo.yaml"), "--out", str(out),
@@ -483,6 +491,14 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
     for name, array in heads[0].items():  # Adam over 24 steps amplifies the last bits of a reduction order
         np.testing.assert_allclose(heads[1][name], array, atol=1e-5, err_msg=name)
     assert "critic: best epoch" in outputs[0]
+    unreferenced = Counter(p["bucket_id"] for p in pairs if p["bucket_id"] not in references["buckets"])
+    assert unreferenced[small] >= 4
+    note = (f"note: {sum(unreferenced.values())} of 34 train pairs are in buckets {demo_run[0] / 'stats'}"
+            "/references.json has no reference for: ")
+    shown = ", ".join(f"{b} ({n})" for b, n in sorted(unreferenced.items()))
+    assert f"{note}{shown}. They train the critic's ranking only" in outputs[0] and note not in outputs[1]
+    assert json.loads((tmp_path / "two" / "critic.json").read_text())["train_pairs_without_references"] == \
+        dict(sorted(unreferenced.items()))
 
 
 @pytest.mark.slow

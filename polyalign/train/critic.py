@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,20 @@ def evaluate_split(critic: Critic, split: EncodedPairs, buckets: list[str]) -> d
             "auc_by_bucket": {b: round(v, 4) for b, v in sorted(by_bucket.items()) if v is not None}}
 
 
+def pairs_without_references(pairs: list[dict], references: dict) -> dict[str, int]:
+    """Pairs by bucket whose bucket has no human-support reference (too few train answers, or a bucket the
+    prepared data lacks): they give the critic no distance target, only the ranking term."""
+    counts = Counter(p["bucket_id"] for p in pairs if p["bucket_id"] not in references["buckets"])
+    return dict(sorted(counts.items()))
+
+
+def unreferenced_note(unreferenced: dict[str, int], total: int, references_path: Path) -> str:
+    shown = ", ".join(f"{bucket} ({n})" for bucket, n in unreferenced.items())
+    return (f"note: {sum(unreferenced.values())} of {total} train pairs are in buckets {references_path} has no "
+            f"reference for: {shown}. They train the critic's ranking only (no support-distance target); a "
+            "bucket gets a reference from enough train answers (`polyalign stats` lists the buckets without one)")
+
+
 def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     """Encodes every pair with the frozen encoder, then trains the head on the encodings; `finish`
     writes OUT/critic.safetensors, OUT/critic.json and the scored pairs (OUT/train_pairs.jsonl,
@@ -135,6 +150,9 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     val_pairs = val_pairs[:config.data.eval_limit]
     if not train_pairs or not val_pairs:
         raise ConfigError("the critic needs train and validation pairs; one of the pair files is empty")
+    unreferenced = pairs_without_references(train_pairs, references)
+    if unreferenced and jax.process_index() == 0:
+        print(unreferenced_note(unreferenced, len(train_pairs), references_path), flush=True)
     encoder = load_init(config)
     tokenizer = load_tokenizer(config.init)
     buckets = sorted({p["bucket_id"] for p in train_pairs} | set(references["buckets"]))
@@ -176,6 +194,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
             "train_pairs": len(train_pairs), "val_pairs": len(val_pairs), "regression_rows": regression_rows,
             "buckets": buckets, "hidden_size": encoder.config.hidden_size, "encoder": str(config.init),
             "max_tokens": config.data.max_length, "config": asdict(config),
+            "train_pairs_without_references": unreferenced,
             "seconds": round(time.perf_counter() - started, 1),
         }
         if jax.process_index() == 0:  # every process scored the same pairs; one writes them, as export does
