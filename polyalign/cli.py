@@ -608,8 +608,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--slots", type=int, default=16, help="sequences decoded at once (default 16)")
-    p.add_argument("--max-sequence", type=int, default=2048,
-                   help="the longest prompt plus answer of one request, in tokens (default 2048)")
+    p.add_argument("--max-sequence", type=int, default=None,
+                   help="the longest prompt plus answer of one request, in tokens (default: the model's positions, "
+                        "at most 2048)")
     p.add_argument("--max-pending", type=int, default=64,
                    help="requests waiting or running at once; more are answered 429 (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=256,
@@ -875,8 +876,8 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
     "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED},
-    "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2), "--max-pending": COUNT,
-              "--max-new-tokens": COUNT},
+    "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
+              "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
     "evaluate": {"--bootstrap-draws": COUNT, "--seed": SEED},
     "launch": {"--nproc": COUNT, "--cpu-devices": COUNT, "--port": Range(1, 65535)},

@@ -3,6 +3,7 @@ distance term on pairs the critic never scored, validation pairs that are the tr
 SFT init trained on a build encoded with another tokenizer."""
 
 import json
+import re
 import shutil
 import tempfile
 
@@ -339,6 +340,40 @@ def test_missing_pairs_say_what_makes_them_for_the_method(tmp_path, capsys, meth
     else:
         assert err.rstrip().endswith("make pairs with `polyalign pairs` or `polyalign pairs import` and set pairs= "
                                      "to the file")
+
+
+def test_sequences_past_the_models_positions_are_refused_before_anything_loads(built_run, tmp_path, capsys):
+    """A checkpoint made for 32 positions (its config.json's max_position_embeddings): SFT on a build of
+    64-token rows, DPO and the critic with data.max_length 64, generate's prompt + answer budget and serve's
+    context past 32 are each refused naming the file; serve without --max-sequence takes the model's 32."""
+    from polyalign.core.errors import GenerationError
+    from polyalign.generate.serve import ServeOptions, with_max_sequence
+
+    run, _ = built_run
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 32}))
+    limit = f"is longer than the model's 32 positions (max_position_embeddings in {ckpt / 'config.json'}); "
+    runs = {
+        "sft": ([], f"{run / 'build'}'s max_length 64 {limit}rebuild with a smaller `polyalign build --max-length`"),
+        "dpo": (["data.max_length=64"], f"data.max_length 64 {limit}set a smaller data.max_length"),
+        "critic": (["data.max_length=64", f"pairs={tmp_path}/p.jsonl", f"val_pairs={tmp_path}/p.jsonl"],
+                   f"data.max_length 64 {limit}set a smaller data.max_length"),
+    }
+    for method, (extra, refusal) in runs.items():
+        assert main(["train", method, "--out", str(tmp_path / method), f"init={ckpt}", f"data.dir={run}",
+                     *extra]) == 2, method
+        err = capsys.readouterr().err
+        assert refusal in err and "Traceback" not in err, (method, err)
+    assert main(["generate", "--checkpoint", str(ckpt), "--records", str(run / "data" / "test.jsonl"), "--out",
+                 str(tmp_path / "p.jsonl"), "--max-prompt-tokens", "30", "--max-new-tokens", "8"]) == 2
+    assert f"--max-prompt-tokens 30 + --max-new-tokens 8 = 38 {limit}lower --max-prompt-tokens or --max-new-tokens" \
+        in capsys.readouterr().err and not (tmp_path / "p.jsonl").exists()
+    assert with_max_sequence(ServeOptions(), ckpt).max_sequence == 32
+    assert with_max_sequence(ServeOptions(max_sequence=24), ckpt).max_sequence == 24
+    with pytest.raises(GenerationError, match=f"--max-sequence 64 {re.escape(limit)}give a smaller --max-sequence"):
+        with_max_sequence(ServeOptions(max_sequence=64), ckpt)
+    assert with_max_sequence(ServeOptions(), tmp_path).max_sequence == 2048  # no config.json says otherwise
 
 
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():

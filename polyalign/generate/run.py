@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from polyalign.core.errors import GenerationError
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import checkpoint_identity, file_digest, recorded_path
 from polyalign.core.progress import progress_bar
@@ -18,7 +19,7 @@ from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConf
 from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
-from polyalign.model.architecture import compute_dtype
+from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages, trained_profile
 from polyalign.tokens.tokenizer import load_tokenizer
 
@@ -87,6 +88,12 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     records the settings, the records' digest and the checkpoint; predictions made with other settings are
     not replaced unless `overwrite`."""
     options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
+    longest = options.max_prompt_tokens + options.sampling.max_new_tokens
+    problem = longer_than_positions(
+        str(checkpoint), longest, f"--max-prompt-tokens {options.max_prompt_tokens} + --max-new-tokens "
+        f"{options.sampling.max_new_tokens} = {longest}", "lower --max-prompt-tokens or --max-new-tokens")
+    if problem:
+        raise GenerationError(problem)
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)

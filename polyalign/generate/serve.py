@@ -10,6 +10,7 @@ is answered 400.
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
 
 import asyncio
+import dataclasses
 import json
 import queue
 import socket
@@ -26,6 +27,7 @@ from polyalign.core.paths import is_uri
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
+from polyalign.model.architecture import longer_than_positions, position_limit
 from polyalign.tokens.chat import (
     PROFILE_KEYS,
     PROFILE_MODE_KEYS,
@@ -50,7 +52,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     slots: int = 16
-    max_sequence: int = 2048
+    max_sequence: int | None = None  # None: the model's positions, at most DEFAULT_MAX_SEQUENCE
     max_pending: int = 64
     max_new_tokens: int = 256
     model_name: str | None = None
@@ -352,14 +354,26 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
     return app
 
 
+DEFAULT_MAX_SEQUENCE = 2048
+
+
+def with_max_sequence(options: ServeOptions, checkpoint) -> ServeOptions:
+    """`options` with the context the engine holds: --max-sequence as given (refused past the model's
+    positions), else the model's positions up to DEFAULT_MAX_SEQUENCE."""
+    limit = position_limit(str(checkpoint))
+    if options.max_sequence is None:
+        return dataclasses.replace(options, max_sequence=min(DEFAULT_MAX_SEQUENCE, limit or DEFAULT_MAX_SEQUENCE))
+    problem = longer_than_positions(str(checkpoint), options.max_sequence, f"--max-sequence {options.max_sequence}",
+                                    "give a smaller --max-sequence, or leave it out to use the model's positions")
+    if problem:
+        raise GenerationError(problem)
+    return options
+
+
 def load_service(checkpoint, options: ServeOptions, template: str | None = None) -> Service:
     """The engine over `checkpoint` (sharded when there are several devices) with its tokenizer and chat
     template; a context longer than the model's positions is refused before the weights load."""
-    config_file = Path(str(checkpoint)) / "config.json"
-    limit = json.loads(config_file.read_text()).get("max_position_embeddings") if config_file.is_file() else None
-    if limit and options.max_sequence > limit:
-        raise GenerationError(f"--max-sequence {options.max_sequence} is longer than the model's "
-                              f"{limit} positions (max_position_embeddings in {checkpoint}/config.json)")
+    options = with_max_sequence(options, checkpoint)
     engine, tokenizer, chat = open_checkpoint(checkpoint, template,
                                               EngineConfig(slots=options.slots, max_sequence=options.max_sequence))
     weights = sorted(Path(str(checkpoint)).glob("*.safetensors"))  # a local folder; 0 where it cannot be told
@@ -388,6 +402,7 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
         raise GenerationError(f"{checkpoint}: no such checkpoint folder (a training run writes OUT/model)")
     _check_port(options.host, options.port)
     service = load_service(checkpoint, options, template)
+    options = service.options
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
 

@@ -249,6 +249,28 @@ _FAMILY_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "gemma3": "gemma3_text"}
 
 
+def position_limit(directory: str | os.PathLike) -> int | None:
+    """The positions a checkpoint was made for (max_position_embeddings in its config.json); None where
+    its folder has no config.json or the config says none."""
+    config = as_path(directory) / "config.json"
+    try:
+        limit = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return int(limit) if isinstance(limit, int | float) else None
+
+
+def longer_than_positions(directory: str | os.PathLike, length: int, what: str, fix: str) -> str | None:
+    """The refusal of sequences of `length` tokens (`what` names the setting) on a checkpoint made for fewer
+    positions, saying `fix`; None when they fit. Positions past the ones a model was trained on run without
+    error and read as noise to it, so every command checks before it loads the weights."""
+    limit = position_limit(directory)
+    if limit is None or length is None or length <= limit:
+        return None
+    return (f"{what} is longer than the model's {limit} positions (max_position_embeddings in "
+            f"{as_path(directory) / 'config.json'}); {fix}")
+
+
 def checkpoint_family(directory: str | os.PathLike) -> str | None:
     """The model family a checkpoint directory's config.json names; None where there is no config.json
     (a tokenizer folder) or its model_type is not one polyalign builds."""

@@ -29,6 +29,7 @@ from polyalign.core.yaml_config import ConfigError
 from polyalign.features.references import read_references
 from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
 from polyalign.mesh import parallel
+from polyalign.model.architecture import longer_than_positions
 from polyalign.model.pooling import encode_responses
 from polyalign.pairs.make import assign_weights, read_pairs, write_pairs
 from polyalign.tokens.tokenizer import load_tokenizer
@@ -136,6 +137,10 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     OUT/val_pairs.jsonl, reweighted with the critic term)."""
     started = time.perf_counter()
     require(config, "init", "pairs", "val_pairs")
+    too_long = longer_than_positions(config.init, config.data.max_length, f"data.max_length {config.data.max_length}",
+                                     "set a smaller data.max_length")
+    if too_long:
+        raise ConfigError(too_long)
     run = Path(config.data.dir) if config.data.dir else None
     references_path = (Path(config.references) if config.references
                        else (run / "stats" / "references.json" if run else None))

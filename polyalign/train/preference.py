@@ -30,6 +30,7 @@ from polyalign.inputs.pair_rows import (
     train_pair_batches,
 )
 from polyalign.model import export
+from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.lora import base_model
 from polyalign.pairs.make import read_pairs
@@ -222,6 +223,10 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     require(config, "init", hint="the SFT checkpoint")
     paths = config.pair_files()
     max_length = config.data.max_length
+    too_long = longer_than_positions(config.init, max_length, f"data.max_length {max_length}",
+                                     "set a smaller data.max_length")
+    if too_long:
+        raise ConfigError(too_long)
     train_pairs, val_pairs = (read_pairs(Path(paths[key]), _missing_pairs_hint(config, key))
                               for key in ("pairs", "val_pairs"))
     if not train_pairs:

@@ -19,7 +19,7 @@ from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import build_tokenizer_path, read_manifest
 from polyalign.model import create_model, export
-from polyalign.model.architecture import compute_dtype
+from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.presets import preset
 from polyalign.tokens.chat import get_template
@@ -197,6 +197,11 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     mismatch = built_length_mismatch(config, length)
     if mismatch:
         raise ConfigError(mismatch)
+    too_long = config.init and longer_than_positions(
+        config.init, length, f"{run / 'build'}'s max_length {length}",
+        "rebuild with a smaller `polyalign build --max-length`")
+    if too_long:
+        raise ConfigError(too_long)
     pad_id = manifest["pad_id"]
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
     check_init_tokenizer(config, tokenizer, run)
