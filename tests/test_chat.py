@@ -327,3 +327,48 @@ def test_a_prompt_over_its_budget_loses_its_oldest_turns_and_keeps_its_system_me
     gemma = get_template("gemma")
     full = encode_prompt(gemma, json_tokenizer, messages).tolist()
     assert encode_prompt(gemma, json_tokenizer, messages, max_tokens=budget).tolist() == full[-budget:]
+
+
+def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_naming_the_ones_it_can_take(demo_run, tmp_path,
+                                                                                             capsys):
+    """A checkpoint with no chat template of its own and a tokenizer holding ChatML's tokens only: its
+    family's template (llama3) is refused before anything is rendered, naming why it was chosen, the tokens
+    it lacks and the templates whose tokens it has; --template qwen renders."""
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+    from polyalign.tokens.chat import TEMPLATES, ChatTemplateError, choose_template
+    from polyalign.tokens.tokenizer import load_tokenizer
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "val.jsonl")[:200]
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([r.question + r.response for r in records], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    ckpt = tmp_path / "llama_notmpl"
+    ckpt.mkdir()
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    tokenizer = load_tokenizer(ckpt)
+    vocab = tok.get_vocab()
+    fitting = [name for name, t in TEMPLATES.items() if all(s in vocab for s in t.special_tokens())]
+    assert "qwen" in fitting and "llama3" not in fitting
+    with pytest.raises(ChatTemplateError) as refused:
+        choose_template(tokenizer, None, "llama", str(ckpt))
+    assert str(refused.value) == (
+        f"{ckpt}: chat template 'llama3' (the llama family's, since the tokenizer has no chat template of its own) "
+        "needs '<|begin_of_text|>', '<|start_header_id|>', '<|end_header_id|>', '<|eot_id|>', which the tokenizer "
+        f"does not have as tokens; pass --template with one whose tokens it has ({', '.join(fitting)})")
+    with pytest.raises(ChatTemplateError, match=r"chat template 'gemma' \(asked for\) needs '<bos>'"):
+        choose_template(tokenizer, "gemma", "llama", str(ckpt))
+    out = tmp_path / "p.jsonl"
+    args = ["prompts", "--records", str(run / "data" / "val.jsonl"), "--checkpoint", str(ckpt), "--limit", "2"]
+    assert main([*args, "--out", str(out)]) == 2
+    assert "chat template 'llama3' (the llama family's" in capsys.readouterr().err and not out.exists()
+    assert main([*args, "--out", str(out), "--template", "qwen"]) == 0
+    assert json.loads(out.read_text().splitlines()[0])["prompt"].startswith("<|im_start|>system")

@@ -217,6 +217,13 @@ class ChatTemplate:
     def stop_tokens(self) -> tuple[str, ...]:
         return (self.end_of_turn,)
 
+    def special_tokens(self) -> list[str]:
+        """The special tokens a rendering uses (every turn kind, the generation prompt): each must be one
+        token of the tokenizer."""
+        probe = [Message("system", "s"), Message("user", "u"), Message("assistant", "a"), Message("user", "u")]
+        pieces = self.pieces(probe, add_generation_prompt=True)
+        return list(dict.fromkeys([p.text for p in pieces if p.special] + list(self.stop_tokens())))
+
     def jinja_source(self) -> str:
         """The template as Jinja, rendering what this class renders (bos_token, eos_token as variables):
         what exports carry as their chat_template."""
@@ -437,7 +444,25 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
     if name is None:
         raise ChatTemplateError(f"{where}: the tokenizer has no chat template and the model family is unknown; "
                                 f"pass --template with one of {', '.join(TEMPLATES)}")
+    missing = _missing_tokens(name, tokenizer)
+    if missing:
+        why = ("asked for" if requested else f"named by {tokenizer.config_file}" if own else
+               f"the {family} family's, since the tokenizer has no chat template of its own")
+        fitting = [t for t in TEMPLATES if not _missing_tokens(t, tokenizer)]
+        fix = (f"pass --template with one whose tokens it has ({', '.join(fitting)})" if fitting else
+               "give the tokenizer a chat_template (tokenizer_config.json) and pass --template checkpoint")
+        raise ChatTemplateError(f"{where}: chat template {name!r} ({why}) needs {', '.join(map(repr, missing))}, "
+                                f"which the tokenizer does not have as tokens; {fix}")
     return name
+
+
+def _missing_tokens(name: str, tokenizer: Tokenizer) -> list[str]:
+    """The special tokens built-in template `name` renders that `tokenizer` lacks (none for the
+    checkpoint's own template, which its tokenizer defines)."""
+    template = TEMPLATES.get(name)
+    if template is None:
+        return []
+    return [token for token in template.special_tokens() if tokenizer.token_to_id(token) is None]
 
 
 def get_template(name: str, tokenizer: Tokenizer | None = None, kwargs: dict | None = None) -> ChatTemplate:
