@@ -947,6 +947,9 @@ _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers, imported by MAUVE and the build's tokenizer check where it is installed, advises on
+    # stderr that PyTorch is missing: polyalign never asks it for a model, so the advice is noise.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     command = dict(subcommands(parser))[args.command_path]

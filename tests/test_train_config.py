@@ -565,3 +565,17 @@ def test_a_run_says_what_it_is_about_to_do():
     config = load_config(CONFIGS["sft"], ["optimizer.warmup_ratio=0"], method="sft")
     assert "; learning rate 3.0e-03, cosine to 3.0e-04; from scratch (model.preset tiny) -> " in start_line(
         config, config.train, parallel.make_mesh(), Path("out"))
+
+
+def test_the_cli_silences_transformers_advice_that_pytorch_is_missing(monkeypatch, capsys):
+    """MAUVE and the build's tokenizer check import transformers where it is installed, which advises on
+    stderr that PyTorch is missing; polyalign asks it for no model, so the CLI turns the advice off
+    (TRANSFORMERS_NO_ADVISORY_WARNINGS), leaving a user's own setting alone."""
+    import os
+
+    monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", raising=False)
+    assert main(["train", "critic", "--print-config"]) == 0
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "1"
+    monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "0")
+    assert main(["train", "critic", "--print-config"]) == 0
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "0"
