@@ -592,6 +592,27 @@ def test_per_bucket_charts_keep_their_legend_off_the_bars(tmp_path, monkeypatch)
         assert legend.x0 >= axes.x1, (legend, axes)
 
 
+def test_per_bucket_comparison_charts_mark_the_human_floor_missing_numbers_and_rows(tmp_path, monkeypatch):
+    """A comparison's per-bucket chart: people's own value as one black mark per bucket, "n/a" where a run
+    has no number (a bar of 0 is a 0), and the test rows in each bucket's label."""
+    import matplotlib.pyplot as plt
+
+    from polyalign.reports import evaluation
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    series = {"a": {"x|short": 0.5, "y|long": 0.0}, "b": {"x|short": 0.25}}
+    evaluation._bucket_bars(series, "HCR", tmp_path / "hcr.png", floor={"x|short": 0.9, "y|long": 0.8},
+                            rows={"x|short": 20, "y|long": 3})
+    ax = figures[0].axes[0]
+    marks = [line for line in ax.lines if line.get_color() == "black"]
+    assert sorted(line.get_xdata()[0] for line in marks) == [0.8, 0.9]
+    assert [t.get_text() for t in ax.texts] == [" n/a"]  # b has no y|long; a's 0.0 is drawn as a bar
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["x|short (n=20)", "y|long (n=3)"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["people (human floor)", "a", "b"]
+    close(figures[0])
+
+
 def test_native_stderr_is_caught_at_the_file_descriptor(capfd):
     import os
     import sys

@@ -130,15 +130,30 @@ def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: P
     return _save(fig, path)
 
 
-def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path) -> str:
-    """Grouped horizontal bars: one group per bucket, one bar per series (run or metric)."""
+def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path,
+                 floor: dict[str, float] | None = None, rows: dict[str, int] | None = None) -> str:
+    """Grouped horizontal bars: one group per bucket, one bar per series (run or metric). A bucket a series
+    has no number for reads "n/a" (a bar of 0 is a 0); `floor`: people's own value per bucket, a black mark
+    across the group; `rows`: test rows per bucket, in the labels (a 3-row bucket's bar is noise)."""
     buckets = sorted({b for values in series.values() for b in values})
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.3 * len(buckets) * max(1, len(series)) ** 0.5))
     height = 0.8 / max(1, len(series))
     for k, (name, values) in enumerate(series.items()):
         y = np.arange(len(buckets)) + k * height
-        ax.barh(y, [values.get(b, np.nan) for b in buckets], height=height, label=name)
-    ax.set_yticks(np.arange(len(buckets)) + 0.4 - height / 2, buckets, fontsize=7)
+        shown = [values.get(b) for b in buckets]
+        ax.barh(y, [np.nan if v is None else v for v in shown], height=height, label=name)
+        for row, value in zip(y, shown):
+            if value is None:
+                ax.text(0, row, " n/a", va="center", fontsize=6, color="#666666")
+    if floor:
+        label = "people (human floor)"
+        for i, bucket in enumerate(buckets):
+            if floor.get(bucket) is not None:
+                ax.plot([floor[bucket]] * 2, [i - height / 2, i + 0.8 - height / 2], color="black", linewidth=1.5,
+                        label=label)
+                label = None  # one legend entry
+    labels = [f"{b} (n={rows[b]})" if rows and b in rows else b for b in buckets]
+    ax.set_yticks(np.arange(len(buckets)) + 0.4 - height / 2, labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_title(title)
     _legend_beside(ax)
@@ -147,22 +162,26 @@ def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path) ->
 
 def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False) -> str:
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for name, nuf in runs.items():
+    for k, (name, nuf) in enumerate(runs.items()):
+        color = f"C{k}"  # a run's points and its frontier in one colour
         points = nuf.get("points", {})
         if points:
             ax.scatter([p["utility"] for p in points.values()], [p["naturalness"] for p in points.values()], s=14,
-                       alpha=0.5)
+                       alpha=0.5, color=color)
         if label_points:
             for bucket, p in points.items():
                 ax.annotate(bucket, (p["utility"], p["naturalness"]), fontsize=5, alpha=0.8)
         front = nuf.get("frontier") or []
         if front:
-            ax.step([p[0] for p in front], [p[1] for p in front], where="post",
+            ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=color,
                     label=f"{name} (HV {_fmt(nuf.get('hypervolume'))})")
     ax.set_xlabel("utility (F1, higher is better)")
     ax.set_ylabel("naturalness 1/(1 + BNG) (higher is more human-like)")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
+    # axes from 0 to a little past the farthest point: small F1s on a fixed 0-1 axis crowd into its corner
+    xs = [p["utility"] for nuf in runs.values() for p in (nuf.get("points") or {}).values()] or [1.0]
+    ys = [p["naturalness"] for nuf in runs.values() for p in (nuf.get("points") or {}).values()] or [1.0]
+    ax.set_xlim(0, min(1.0, max(max(xs) * 1.15, 0.05)))
+    ax.set_ylim(0, min(1.0, max(max(ys) * 1.15, 0.05)))
     ax.set_title("Naturalness-utility frontier (one point per bucket)")
     ax.legend(fontsize=7)
     return _save(fig, path)
@@ -199,6 +218,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[str, s
 def _page(title: str, sections: list[str]) -> str:
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}img{max-width:100%}"
+             # a long cell (the features farthest from people) wraps instead of widening the page
+             "td{max-width:22em;overflow-wrap:anywhere}"
              ".sample{border-left:3px solid #ccc;padding:2px 8px;margin:6px 0;font-size:13px}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>" \
            f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>"
@@ -476,6 +497,19 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     return summary
 
 
+def _shared_floor(runs: dict[str, dict], metric: str) -> dict[str, float] | None:
+    """People's own value per bucket, where every run measured it alike (the same test rows and support);
+    None otherwise: one mark could not stand for several floors."""
+    floors = [(r["metrics"].get(metric) or {}).get("floor_by_bucket") for r in runs.values()]
+    return floors[0] if floors[0] and all(f == floors[0] for f in floors) else None
+
+
+def _shared_rows(runs: dict[str, dict]) -> dict[str, int] | None:
+    """Test rows per bucket where every run evaluated the same number."""
+    rows = [{b: v.get("rows") for b, v in r["metrics"]["utility"]["by_bucket"].items()} for r in runs.values()]
+    return rows[0] if all(r == rows[0] for r in rows) else None
+
+
 AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"}
 
 
@@ -539,16 +573,19 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     differences_html, differences_md = _differences(runs, allow_different_data)
     first = next(iter(runs.values()))
     other = [name for name, run in list(runs.items())[1:] if other_data(first, run)]
+    rows = _shared_rows(runs)
     images = [
         _bucket_bars({n: {b: v["qa_f1"] for b, v in r["metrics"]["utility"]["by_bucket"].items()}
-                      for n, r in runs.items()}, "F1 per bucket", out / "f1_by_bucket.png"),
+                      for n, r in runs.items()}, "F1 per bucket", out / "f1_by_bucket.png", rows=rows),
         _bucket_bars({n: r["metrics"]["bng"]["by_bucket"] for n, r in runs.items()},
-                     "BNG per bucket (lower is more human-like)", out / "bng_by_bucket.png"),
+                     "BNG per bucket (lower is more human-like)", out / "bng_by_bucket.png",
+                     _shared_floor(runs, "bng"), rows),
         _bucket_bars({n: r["metrics"]["hcr"]["by_bucket"] for n, r in runs.items()},
-                     "HCR per bucket (higher is more human-like)", out / "hcr_by_bucket.png"),
+                     "HCR per bucket (higher is more human-like)", out / "hcr_by_bucket.png",
+                     _shared_floor(runs, "hcr"), rows),
         _bucket_bars({n: (r["metrics"].get("detectability") or {}).get("by_bucket", {}) for n, r in runs.items()},
                      "Detectability AUC per bucket (0.5: as people; lower is more human-like)",
-                     out / "detectability_by_bucket.png"),
+                     out / "detectability_by_bucket.png", _shared_floor(runs, "detectability"), rows),
         _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png"),
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"

@@ -231,9 +231,9 @@ FIGURE_CAPTIONS = {
 def render_html(stats: dict[str, Any], manifest: dict[str, Any], folder: Path) -> str:
     """The report as one self-contained page: the plots (`folder`'s PNGs) inline."""
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in _summary_lines(stats, manifest))
-    figures = "".join(
-        f"<figure>{plots.embedded_img(folder / file, name)}"
-        f"<figcaption>{html.escape(FIGURE_CAPTIONS.get(name, name))} ({html.escape(file)})</figcaption></figure>"
+    figures = "".join(  # the caption above its figure, so it does not read as the next one's heading
+        f"<figure><figcaption>{html.escape(FIGURE_CAPTIONS.get(name, name))} ({html.escape(file)})</figcaption>"
+        f"{plots.embedded_img(folder / file, name)}</figure>"
         for name, file in stats["figures"].items()
     )
     return f"""<!doctype html>
@@ -243,7 +243,7 @@ body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px;
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 3px 8px; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; font-family: monospace; }}
-figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; font-size: 0.9em; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ font-weight: 600; margin-bottom: 0.4em; }}
 </style></head><body>
 <h1>Bucket statistics: {html.escape(Path(stats['run']).name)}</h1>
 <ul>{summary}</ul>
