@@ -568,6 +568,7 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     retrained on those pairs (refresh_critic) and scores them; a third run of the command trains nothing."""
     from polyalign.cli import main
     from polyalign.pairs.make import read_pairs
+    from polyalign.train.metrics import read_metrics
 
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
     critic = tmp_path / "critic"
@@ -583,7 +584,12 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert main(command + ["train.stop_at=1"]) == 0  # interrupted inside round 1
     assert not (out / "round-2").exists() and not (out / "summary.json").exists()
     assert main(command) == 0
-    assert "(round 2 of 2)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(round 2 of 2)" in printed
+    assert (f"round-2: the rejected side of 8 pairs answered anew by {out / 'round-1' / 'model'} (on-policy rounds: "
+            f"the rejected answers of {critic / 'train_pairs.jsonl'} serve the first round only)") in printed
+    for r in (1, 2):  # each round's drift probe reads the critic that scored its pairs
+        assert "drift/critic" in [m for m in read_metrics(out / f"round-{r}") if "drift/length_ratio" in m][-1]
     round1 = json.loads((out / "round-1" / "summary.json").read_text())
     assert (round1["start_step"], round1["end_step"]) == (1, 2)  # resumed from its checkpoint
     original = {p["id"]: p for p in read_pairs(critic / "train_pairs.jsonl")}
@@ -610,6 +616,12 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     before = (out / "round-2" / "metrics.jsonl").read_text()
     assert main(command) == 0  # both rounds finished: nothing trains again
     assert (out / "round-2" / "metrics.jsonl").read_text() == before
+    # without refresh_critic, the first critic scores round 2's pairs, and its files sit beside them for the drift
+    kept = tmp_path / "kept"
+    assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false"]) == 0
+    copied = kept / "round-2" / "pairs" / "critic.safetensors"
+    assert copied.read_bytes() == (critic / "critic.safetensors").read_bytes()
+    assert "drift/critic" in [m for m in read_metrics(kept / "round-2") if "drift/length_ratio" in m][-1]
 
 
 def test_the_critic_and_evaluate_refuse_references_made_from_an_earlier_prepare(demo_run, tmp_path, capsys):

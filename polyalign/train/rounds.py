@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,17 @@ def _finished(directory) -> dict[str, Any] | None:
     return result if not result.get("stopped_early") and (directory / "model").is_dir() else None
 
 
+CRITIC_FILES = ("critic.json", "critic.safetensors")
+
+
 def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | None, config,
                      progress: bool = True) -> dict[str, Any]:
     """DIR/train_pairs.jsonl: the pairs of `pairs_path` with the rejected side answered anew by
     `policy` (sampled), rescored by the critic in `critic_dir` when it has one, reweighted."""
     directory.mkdir(parents=True, exist_ok=True)
     pairs = read_pairs(Path(pairs_path))
+    print(f"{directory.parent.name}: the rejected side of {len(pairs)} pairs answered anew by {policy} (on-policy "
+          f"rounds: the rejected answers of {pairs_path} serve the first round only)", flush=True)
     records = [Record.from_json(p["record"]) for p in pairs]
     records_file, predictions_file = directory / "prompts.jsonl", directory / "policy_answers.jsonl"
     records_file.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
@@ -63,6 +69,8 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
         buckets = [p["bucket_id"] for p in fresh]
         set_scores(fresh, scorer([p["chosen"] for p in fresh], buckets),
                    scorer([p["rejected"] for p in fresh], buckets))
+        for name in CRITIC_FILES:  # beside the pairs it scored, where the round's drift probe looks for it
+            shutil.copyfile(critic_dir / name, directory / name)
     assign_weights(fresh)
     out = directory / "train_pairs.jsonl"
     write_pairs(fresh, out)
