@@ -279,6 +279,7 @@ def test_resume_continues_exactly(built_run, tmp_path):
     record = straight[12]
     assert record["val_by_bucket"] and record["train_by_bucket"]
     assert record["val_worst_bucket"] == max(record["val_by_bucket"].values())
+    assert record["val_by_bucket"][record["val_worst_bucket_id"]] == record["val_worst_bucket"]
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
 
 

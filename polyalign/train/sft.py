@@ -145,7 +145,8 @@ def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, length: i
         return {
             "val_loss": round(float(host["bucket_loss"].sum() / examples.sum()), 6),
             "val_loss_weighted": round(float((weights * host["bucket_loss"]).sum() / (weights * examples).sum()), 6),
-            "val_worst_bucket": round(float(mean_by_bucket[present].max()), 6),
+            "val_worst_bucket": round(float(mean_by_bucket[present].max()), 6),  # the loss; its bucket below
+            "val_worst_bucket_id": buckets[int(np.argmax(np.where(present, mean_by_bucket, -np.inf)))],
             "val_bucket_spread": round(float(mean_by_bucket[present].std()), 6),
             **per_bucket(host, buckets, "val_by_bucket"),
         }
