@@ -525,6 +525,8 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
         assert steps[0]["rewards/chosen"] < 0 and steps[0]["rewards/rejected"] < 0
     assert json.loads((out / "summary.json").read_text())["method"] == method
     assert (out / "model" / "model.safetensors").is_file()
+    card = (out / "model" / "README.md").read_text()
+    assert f"| pairs | {(tmp_path / 'train.jsonl').resolve()} |" in card and f"| method | {method} |" in card
     # drift of the policy's own greedy samples on the first 3 validation prompts, against their human answers
     val = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()][:3]
     drift = [r for r in read_metrics(out) if "drift/length_ratio" in r][-1]

@@ -171,9 +171,11 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
 
 def training_card(config: Any) -> dict[str, Any]:
     """The model card's rows from a training config."""
+    pairs = config.pair_files()["pairs"] if hasattr(config, "pair_files") else None  # the preference methods'
     return {"method": config.method,
             "base": base_reference(config.init) or f"trained from scratch (preset {config.model.preset})",
-            "data": config.data.dir, "steps": config.train.steps, "training dtype": compute_dtype(config.model.dtype)}
+            "data": config.data.dir, "pairs": pairs, "steps": config.train.steps,
+            "training dtype": compute_dtype(config.model.dtype)}
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
