@@ -697,3 +697,21 @@ def test_a_step_that_fails_after_taking_the_state_raises_its_own_error(built_run
                     checkpointer=Checkpointer(tmp_path / "ckpt", 2, 2), progress=False)
     assert _lost_peer_error(raised.value)
     assert (tmp_path / "ckpt" / "2").is_dir()
+
+
+def test_the_learning_rate_schedule_starts_learning_at_the_first_step():
+    """Step k uses the warmup's k-th rung: lr / warmup at step 1 (optax's own schedule gives 0 there, so a
+    one-step run would change nothing), lr at the warmup's last step, then cosine down to lr * min_lr_ratio
+    at the run's last step."""
+    from polyalign.train.config import OptimizerConfig
+    from polyalign.train.trainer import make_optimizer
+
+    config = OptimizerConfig(lr=1e-3, warmup_ratio=0.1, min_lr_ratio=0.1)
+    _, schedule = make_optimizer(config, 40)  # 4 warmup steps
+    lrs = [float(schedule(step - 1)) for step in range(1, 41)]
+    np.testing.assert_allclose(lrs[:4], [2.5e-4, 5e-4, 7.5e-4, 1e-3], rtol=1e-6)
+    decay = [1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + np.cos(np.pi * (k - 4) / 36)) for k in range(5, 41)]
+    np.testing.assert_allclose(lrs[4:], decay, rtol=1e-5)
+    assert lrs[-1] == pytest.approx(1e-4)
+    _, one = make_optimizer(config, 1)  # one step: the whole warmup in it
+    assert float(one(0)) == pytest.approx(1e-3)

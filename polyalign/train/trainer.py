@@ -58,10 +58,16 @@ def warmup_steps(config: OptimizerConfig, steps: int) -> int:
 
 
 def make_optimizer(config: OptimizerConfig, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay; global-norm clipping; no decay on norms and biases."""
+    """AdamW with linear warmup then cosine decay; global-norm clipping; no decay on norms and biases.
+    Step k (1-based; the optimiser's count is k - 1) takes the warmup's k-th rung, lr k / warmup: the first
+    step learns (lr / warmup rather than optax's 0, which left a one-step run where it started), the
+    warmup's last reaches lr and the run's last step the cosine's end, lr * min_lr_ratio."""
     warmup = warmup_steps(config, steps)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(steps, warmup + 1),
-                                                  end_value=config.lr * config.min_lr_ratio)
+    base = optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(steps, warmup + 1),
+                                              end_value=config.lr * config.min_lr_ratio)
+
+    def schedule(count):
+        return base(count + 1)
 
     def decayed(params):
         return jax.tree_util.tree_map_with_path(
