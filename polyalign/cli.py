@@ -234,6 +234,10 @@ def _add_build(sub) -> None:
     p.add_argument("--max-length", type=int, default=512, help="tokens per example, the truncation cutoff (512)")
     p.add_argument("--train-on", choices=("last", "all"), default="last",
                    help="loss on the final response only (default) or on every assistant turn")
+    p.add_argument("--truncation", choices=("keep_system", "left"), default="keep_system",
+                   help="how a prompt over its share of --max-length is cut: keep_system (default) keeps the "
+                        "system message that opens it (the profile prompt) and cuts the oldest turns, as "
+                        "generation does; left cuts from its start, METHOD's reference recipe")
     weights = p.add_argument_group(
         "Bucket-SFT weights (default: the bucket scheme's `weights:`; each flag replaces one of its keys)")
     weights.add_argument("--weights", choices=("default", "method"), dest="weight_preset",
@@ -259,6 +263,7 @@ def build_options(args):
              "min_bucket_size": args.min_bucket_size, "clip": list(args.clip_weights) if args.clip_weights else None}
     return BuildOptions(tokenizer=args.tokenizer, template=args.template, profile=args.profile,
                         max_length=args.max_length, train_on=args.train_on, system=args.system,
+                        truncation=args.truncation,
                         weights={key: value for key, value in given.items() if value is not None})
 
 

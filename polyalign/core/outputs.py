@@ -87,20 +87,22 @@ def settings_record(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_settings(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                    overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str | None = "settings",
-                   elsewhere: str = "give another --out", paths: Iterable[str] = ()) -> None:
+                   elsewhere: str = "give another --out", paths: Iterable[str] = (),
+                   legacy: Mapping[str, Any] | None = None) -> None:
     """Refuses to write `output` over what other settings made. `record` is the JSON file holding the
     earlier run's settings under `key`; `ours` are the paths the stage writes (when one exists without
     a record, it is not known to be polyalign's, and is not replaced either). With `key` None the settings
     sit at the record's top level, beside what else it holds (prepare's manifest). `paths` are settings
     that name a file or folder: compared as core/paths.py recorded_path keeps them, so a record written
-    with a relative path still matches the same path spelled another way."""
+    with a relative path still matches the same path spelled another way. `legacy`: the value a setting
+    had before records kept it (a record without the key was made with that value)."""
     if overwrite:
         return
     record = Path(record)
     settings = _with_recorded_paths(settings, paths)
     if not record.is_file():
         present = [str(p) for p in ours if Path(p).exists()]
-        started = _with_recorded_paths(_saved_settings(started_record(record)), paths)
+        started = _with_legacy(_with_recorded_paths(_saved_settings(started_record(record)), paths), legacy)
         if present and started is not None:  # this stage's own unfinished output: the same command redoes it
             changed = differing_keys(started, settings_record(settings))
             if changed:
@@ -112,7 +114,7 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
             raise ConfigError(f"{output}: {', '.join(present)} exists without {record.name}, the record of the "
                               f"command that made it; pass --overwrite to replace it, or {elsewhere}")
         return
-    saved = _with_recorded_paths(_saved_settings(record, key, settings), paths)
+    saved = _with_legacy(_with_recorded_paths(_saved_settings(record, key, settings), paths), legacy)
     if saved is None:
         raise ConfigError(f"{record}: does not record the settings that made {output}; pass --overwrite to "
                           f"replace it, or {elsewhere}")
@@ -127,6 +129,10 @@ def _with_recorded_paths(settings: Mapping[str, Any] | None, paths: Iterable[str
     if settings is None:
         return None
     return {**settings, **{k: recorded_path(settings[k]) for k in paths if isinstance(settings.get(k), str)}}
+
+
+def _with_legacy(settings: dict[str, Any] | None, legacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if settings is None else {**(legacy or {}), **settings}
 
 
 def started_record(record: str | os.PathLike) -> Path:
@@ -148,12 +154,14 @@ def _saved_settings(path: Path, key: str | None = "settings", names: Iterable[st
 def check_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
                  inputs: Mapping[str, str | os.PathLike | None] | None = None, elsewhere: str = "give another --out",
-                 option: str = "--out", key: str | None = "settings", paths: Iterable[str] = ()) -> None:
+                 option: str = "--out", key: str | None = "settings", paths: Iterable[str] = (),
+                 legacy: Mapping[str, Any] | None = None) -> None:
     """stage_output's refusals alone, for a stage writing several outputs: it checks every one before it
     starts writing any, so a refusal of the second leaves no trace of the first."""
     if inputs:
         refuse_output_as_input(output, inputs, option)
-    check_settings(output, record, settings, overwrite, ours, key=key, elsewhere=elsewhere, paths=paths)
+    check_settings(output, record, settings, overwrite, ours, key=key, elsewhere=elsewhere, paths=paths,
+                   legacy=legacy)
 
 
 @contextlib.contextmanager
@@ -161,14 +169,16 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
                  inputs: Mapping[str, str | os.PathLike | None] | None = None,
                  lock: OutputLock | None = None, elsewhere: str = "give another --out",
-                 option: str = "--out", key: str | None = "settings", paths: Iterable[str] = ()) -> Iterator[None]:
+                 option: str = "--out", key: str | None = "settings", paths: Iterable[str] = (),
+                 legacy: Mapping[str, Any] | None = None) -> Iterator[None]:
     """The prologue and epilogue a stage's output shares: the output is none of its `inputs`, is not written
     over what other settings made (`check_settings`), is held by one writer (`lock`, default OUT's), and
     carries its settings as started while it is written. A run interrupted before its `record` is written
     thus restarts with the same command, which recognises its own unfinished output, while another
     command is refused naming the settings that differ. `option` names the output in refusals; `key` is
-    where the record keeps the settings and `paths` which of them name files (check_settings)."""
-    check_output(output, record, settings, overwrite, ours, inputs, elsewhere, option, key, paths)
+    where the record keeps the settings, `paths` which of them name files and `legacy` the values older
+    records left unsaid (check_settings)."""
+    check_output(output, record, settings, overwrite, ours, inputs, elsewhere, option, key, paths, legacy)
     started = started_record(record)
     lock = lock if lock is not None else OutputLock(Path(output))
     output = Path(output)

@@ -45,6 +45,7 @@ from polyalign.tokens.chat import (
     PROFILE_MODES,
     SYSTEM_MODES,
     TRAIN_ON,
+    TRUNCATIONS,
     choose_template,
     encode_conversation,
     get_template,
@@ -75,6 +76,9 @@ class BuildOptions:
     # Bucket-SFT weights: the scheme's (buckets/*.yaml `weights:`), with these keys replacing its own;
     # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
     weights: dict[str, Any] = field(default_factory=dict)
+    # How a prompt over its share of max_length is cut (chat.TRUNCATIONS): keep_system keeps the opening system
+    # message (the profile prompt) and cuts the oldest turns, as generation does; left is METHOD's recipe.
+    truncation: str = "keep_system"
 
     def __post_init__(self):  # the manifest names the tokenizer whichever folder the build ran from
         object.__setattr__(self, "tokenizer", recorded_path(self.tokenizer))
@@ -166,6 +170,8 @@ def check_options(options: BuildOptions) -> None:
         raise ConfigError(f"system must be one of {', '.join(SYSTEM_MODES)}, got {options.system!r}")
     if options.train_on not in TRAIN_ON:
         raise ConfigError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {options.train_on!r}")
+    if options.truncation not in TRUNCATIONS:
+        raise ConfigError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {options.truncation!r}")
     if options.max_length < 8:
         raise ConfigError(f"max_length {options.max_length} is too short for a chat template")
 
@@ -251,7 +257,8 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                   ) -> tuple[str, dict[str, Any], Counter]:
     """(key, example, counts) for one record."""
     messages = record_messages(record, options.profile, system=options.system)
-    encoded = encode_conversation(template, tokenizer, messages, train_on=options.train_on, cutoff=options.max_length)
+    encoded = encode_conversation(template, tokenizer, messages, train_on=options.train_on, cutoff=options.max_length,
+                                  truncation=options.truncation)
     mask = np.asarray(encoded.loss_mask, bool)
     # replies with loss in this example: one with --train-on last, every assistant turn left after the cut with all
     trained_replies = int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1])) if mask.size else 0
@@ -328,7 +335,7 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     out = Path(run) / BUILD_DIR
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
                         ours=[out / "manifest.json", out / DATASET_NAME], elsewhere="build another RUN",
-                        paths=["tokenizer"])
+                        paths=["tokenizer"], legacy=LEGACY_SETTINGS)
 
 
 def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = True,
@@ -412,15 +419,19 @@ def read_manifest(run) -> dict[str, Any]:
 
 # The build command's flags for BuildOptions' fields and weight keys, to say the command that made a build.
 BUILD_FLAGS = {"tokenizer": "--tokenizer", "template": "--template", "profile": "--profile", "system": "--system",
-               "max_length": "--max-length", "train_on": "--train-on"}
+               "max_length": "--max-length", "train_on": "--train-on", "truncation": "--truncation"}
 WEIGHT_FLAGS = {"preset": "--weights", "temperature": "--weight-temperature", "clip": "--clip-weights",
                 "borrow_below": "--borrow-below", "min_bucket_size": "--min-bucket-size"}
+
+
+# What a build recorded without saying: builds made before --truncation existed cut prompts from the left.
+LEGACY_SETTINGS = {"truncation": "left"}
 
 
 def rebuild_command(run, manifest: dict[str, Any]) -> str:
     """The `polyalign build` command with the options a build was made with (as they were given, its
     settings), the ones at their defaults left out: what makes that build again."""
-    given = manifest.get("settings") or {}
+    given = {**LEGACY_SETTINGS, **(manifest.get("settings") or {})}
     defaults = asdict(BuildOptions())
     words = ["polyalign", "build", str(run)]
     for key, flag in BUILD_FLAGS.items():

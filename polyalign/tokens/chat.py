@@ -512,15 +512,24 @@ def encode_pieces(pieces: Sequence[Piece], tokenizer: Tokenizer,
     return ids, mask
 
 
+TRUNCATIONS = ("keep_system", "left")  # how a prompt over its share of the cutoff is cut (encode_conversation)
+
+
 def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], *,
-                        train_on: str = "last", cutoff: int | None = None) -> Encoded:
+                        train_on: str = "last", cutoff: int | None = None,
+                        truncation: str = "keep_system") -> Encoded:
     """Token ids and loss mask for a conversation ending with the assistant response to learn.
 
     The mask covers the final response and its end-of-turn token (train_on="last"), or every
     assistant turn (train_on="all"). Whatever the template puts after the final end-of-turn token
     is left out: nothing would learn from it. A cutoff truncates as `truncation_lengths` says:
-    the prompt loses tokens from its start, the response from its end.
+    the response loses tokens from its end, the prompt from its start, where `truncation` "keep_system"
+    keeps the system message that opens it (the profile prompt Bucket-SFT and HDPO condition on, which
+    generation keeps too: `cut_prompt`) and cuts the oldest turns after it; "left" cuts the prompt from
+    its very start, as METHOD section 8's reference recipe does.
     """
+    if truncation not in TRUNCATIONS:
+        raise ChatTemplateError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
     if train_on not in TRAIN_ON:
         raise ChatTemplateError(f"train_on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
     if not messages or messages[-1].role != "assistant":
@@ -541,8 +550,10 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     truncated = False
     if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
         keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
-        start = len(source_ids) - keep_source
-        source_ids, source_mask = source_ids[start:], source_mask[start:]
+        head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation == "keep_system" \
+            else 0
+        start = len(source_ids) - (keep_source - head)
+        source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
         target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
         truncated = True
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
@@ -564,14 +575,20 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
     ids, _ = encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())
     cut = max_tokens is not None and len(ids) > max_tokens
     if cut:
-        head: list[int] = []
-        if messages and messages[0].role == "system":
-            try:
-                head, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
-            except ChatTemplateError:  # a template that folds it into the first user turn (Gemma)
-                head = []
-            # only a system part that opens the prompt and leaves at least half of the budget to the turns
-            if ids[:len(head)] != head or len(head) > max_tokens // 2:
-                head = []
-        ids = head + ids[len(ids) - (max_tokens - len(head)):]
+        head = system_head(template, tokenizer, messages, ids, max_tokens)
+        ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
     return np.asarray(ids, np.int32), cut
+
+
+def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
+                budget: int) -> int:
+    """How many of a prompt's first `ids` are its opening system message, as the template renders it alone:
+    what a cut prompt keeps before its latest turns. 0 when there is none, when the template folds it into
+    the first user turn (Gemma), or when it would take more than half of the `budget` of tokens kept."""
+    if not messages or messages[0].role != "system":
+        return 0
+    try:
+        head, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
+    except ChatTemplateError:  # a template that folds it into the first user turn
+        return 0
+    return len(head) if list(ids[:len(head)]) == head and len(head) <= budget // 2 else 0
