@@ -2,6 +2,7 @@
 distance term on pairs the critic never scored, validation pairs that are the training pairs, and an
 SFT init trained on a build encoded with another tokenizer."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -374,6 +375,27 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
     with pytest.raises(GenerationError, match=f"--max-sequence 64 {re.escape(limit)}give a smaller --max-sequence"):
         with_max_sequence(ServeOptions(max_sequence=64), ckpt)
     assert with_max_sequence(ServeOptions(), tmp_path).max_sequence == 2048  # no config.json says otherwise
+
+
+def test_a_build_recorded_before_truncation_was_an_option_reads_as_left(tmp_path):
+    """Builds made before --truncation cut prompts from the left and did not record it: the same options
+    with --truncation left match such a record, the new default does not (the rows would differ), and the
+    command that makes it again says --truncation left."""
+    from polyalign.core.yaml_config import ConfigError
+    from polyalign.inputs.build import BuildOptions, claim_build, rebuild_command
+
+    run = tmp_path / "run"
+    (run / "build").mkdir(parents=True)
+    old = {k: v for k, v in dataclasses.asdict(BuildOptions(max_length=256)).items() if k != "truncation"}
+    (run / "build" / "manifest.json").write_text(json.dumps({"settings": old}))
+    with claim_build(run, BuildOptions(max_length=256, truncation="left"), overwrite=False):
+        pass
+    with pytest.raises(ConfigError, match="truncation: 'left' there, 'keep_system' now"):
+        with claim_build(run, BuildOptions(max_length=256), overwrite=False):
+            pass
+    assert rebuild_command(run, {"settings": old}) == f"polyalign build {run} --max-length 256 --truncation left"
+    new = dataclasses.asdict(BuildOptions(max_length=256))
+    assert rebuild_command(run, {"settings": new}) == f"polyalign build {run} --max-length 256"
 
 
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
