@@ -370,6 +370,18 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
                  str(tmp_path / "p.jsonl"), "--max-prompt-tokens", "30", "--max-new-tokens", "8"]) == 2
     assert f"--max-prompt-tokens 30 + --max-new-tokens 8 = 38 {limit}lower --max-prompt-tokens or --max-new-tokens" \
         in capsys.readouterr().err and not (tmp_path / "p.jsonl").exists()
+    # --max-new-tokens auto: the budgets' ceiling comes down to the positions the prompt leaves, said
+    from polyalign.generate.run import GenerateOptions, fitted_to_positions
+    from polyalign.generate.sampling import SamplingConfig
+
+    auto = GenerateOptions(sampling=SamplingConfig(1024), max_prompt_tokens=20, budget_records="train.jsonl")
+    fitted, notes = fitted_to_positions(ckpt, auto)
+    assert fitted.sampling.max_new_tokens == 12 and notes == [
+        "--budget-ceiling 1024 lowered to 12: the model has 32 positions and --max-prompt-tokens takes 20"]
+    with pytest.raises(GenerationError, match="--max-prompt-tokens 40 \\+ --budget-ceiling 1024 = 1064 is longer"):
+        fitted_to_positions(ckpt, dataclasses.replace(auto, max_prompt_tokens=40))
+    assert fitted_to_positions(ckpt, GenerateOptions(sampling=SamplingConfig(8), max_prompt_tokens=24)) == (
+        GenerateOptions(sampling=SamplingConfig(8), max_prompt_tokens=24), [])
     assert with_max_sequence(ServeOptions(), ckpt).max_sequence == 32
     assert with_max_sequence(ServeOptions(max_sequence=24), ckpt).max_sequence == 24
     with pytest.raises(GenerationError, match=f"--max-sequence 64 {re.escape(limit)}give a smaller --max-sequence"):

@@ -19,7 +19,7 @@ from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConf
 from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
-from polyalign.model.architecture import compute_dtype, longer_than_positions
+from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit
 from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages, trained_profile
 from polyalign.tokens.tokenizer import load_tokenizer
 
@@ -88,25 +88,43 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     records the settings, the records' digest and the checkpoint; predictions made with other settings are
     not replaced unless `overwrite`."""
     options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
-    longest = options.max_prompt_tokens + options.sampling.max_new_tokens
-    problem = longer_than_positions(
-        str(checkpoint), longest, f"--max-prompt-tokens {options.max_prompt_tokens} + --max-new-tokens "
-        f"{options.sampling.max_new_tokens} = {longest}", "lower --max-prompt-tokens or --max-new-tokens")
-    if problem:
-        raise GenerationError(problem)
+    options, fitted = fitted_to_positions(checkpoint, options)
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
-        return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress)
+        return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress, fitted)
+
+
+def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateOptions, list[str]]:
+    """`options` whose longest sequence (the prompt's tokens and the answer's) fits the checkpoint's
+    positions, with what was changed to fit: per-bucket budgets (`--max-new-tokens auto`) have their ceiling
+    lowered to the positions the prompt leaves (the budgets themselves are usually far below it); a fixed
+    --max-new-tokens past them is refused, since the user asked for that many."""
+    longest = options.max_prompt_tokens + options.sampling.max_new_tokens
+    limit = position_limit(str(checkpoint))
+    if limit is None or longest <= limit:
+        return options, []
+    room = limit - options.max_prompt_tokens
+    if options.budget_records is not None and room > 0:
+        sampling = dataclasses.replace(options.sampling, max_new_tokens=room)
+        return dataclasses.replace(options, sampling=sampling), [
+            f"--budget-ceiling {options.sampling.max_new_tokens} lowered to {room}: the model has {limit} positions "
+            f"and --max-prompt-tokens takes {options.max_prompt_tokens}"]
+    what = (f"--max-prompt-tokens {options.max_prompt_tokens} + "
+            f"{'--budget-ceiling' if options.budget_records is not None else '--max-new-tokens'} "
+            f"{options.sampling.max_new_tokens} = {longest}")
+    raise GenerationError(longer_than_positions(str(checkpoint), longest, what,
+                                                "lower --max-prompt-tokens or --max-new-tokens"))
 
 
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
-                          progress: bool) -> dict:
+                          progress: bool, fitted: list[str]) -> dict:
     started = time.perf_counter()
     records, notes = select_records(read_records(records_path), records_path, options.limit, options.sample,
                                     options.seed)
+    notes = [*fitted, *notes]
 
     engine, tokenizer, chat = open_checkpoint(
         checkpoint, options.template,
