@@ -997,6 +997,12 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     assert len([r for r in read_metrics(out) if "loss" in r]) == 3 and first["end_step"] == 3
     with pytest.raises(ConfigError, match="is the run's own data.dir"):
         train_sft(sft_config(run, 3), run, progress=False)
+    # --overwrite with a mistyped input: refused before anything of the earlier run is removed
+    kept = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConfigError, match=f"data.dir={tmp_path / 'nowhere'}: no such file or folder; nothing in "
+                                          "--out was removed"):
+        train_sft(sft_config(tmp_path / "nowhere", 3), out, progress=False, existing="overwrite")
+    assert sorted(p.name for p in out.iterdir()) == kept and "checkpoints" in kept
 
 
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(built_run, tmp_path, capsys):

@@ -40,6 +40,7 @@ def real_pairs(demo_run, tmp_path_factory):
 
 
 def _train(capsys, method, pairs_dir, tmp_path, *overrides, val="val.jsonl"):
+    (tmp_path / "no-init").mkdir(exist_ok=True)  # a folder with no checkpoint: the run stops when it loads it
     code = main(["train", method, "--out", str(tmp_path / "out"), "--no-progress", f"init={tmp_path / 'no-init'}",
                  f"pairs={pairs_dir / 'train.jsonl'}", f"val_pairs={pairs_dir / val}", *overrides])
     return code, capsys.readouterr().err
@@ -358,7 +359,7 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
     runs = {
         "sft": ([], f"{run / 'build'}'s max_length 64 {limit}rebuild with a smaller `polyalign build --max-length`"),
         "dpo": (["data.max_length=64"], f"data.max_length 64 {limit}set a smaller data.max_length"),
-        "critic": (["data.max_length=64", f"pairs={tmp_path}/p.jsonl", f"val_pairs={tmp_path}/p.jsonl"],
+        "critic": (["data.max_length=64", f"pairs={ckpt}/config.json", f"val_pairs={ckpt}/config.json"],
                    f"data.max_length 64 {limit}set a smaller data.max_length"),
     }
     for method, (extra, refusal) in runs.items():

@@ -148,6 +148,15 @@ def with_recorded_paths(config):
     return dataclasses.replace(config, data=data, **changes)
 
 
+def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
+    """Every local input path the config names exists, checked before OUT is claimed: --overwrite removes
+    the earlier run's checkpoints, which a mistyped path must not cost."""
+    for key, path in inputs.items():
+        if path and not is_uri(path) and not Path(path).exists():
+            kept = "; nothing in --out was removed" if existing == "overwrite" else ""
+            raise ConfigError(f"{key}={path}: no such file or folder{kept}")
+
+
 def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
     """Runs (or resumes) the training run `config` describes into OUT; returns its summary. `existing`
     says what to do when OUT holds a run of another config (polyalign/train/ownership.py): continue
@@ -161,6 +170,7 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
     out = as_path(out) if not local else Path(as_path(out))
     if local:
         inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
+        check_inputs_exist({**inputs, "data.dir": config.data.dir}, existing)
         ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
                         remove=jax.process_index() == 0)
     lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
