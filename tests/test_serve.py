@@ -242,15 +242,23 @@ def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good
                                                                 "chat_template_kwargs": good})[0] == 200
         partial = {"family": "dialogue"}
         code, answer = call(server.url + "/chat/completions", body={"messages": chat, "chat_template_kwargs": partial})
-        wanted = "give all of family, track, style" if trained == "context" else "send no profile"
+        said = ("this model was trained with profile context: family, track, style; give track, style too"
+                if trained == "context" else "this model was trained with profile none: no variables; leave out family")
         assert code == 400 and answer["error"] == {
-            "message": f"chat_template_kwargs family: this model was trained with profile {trained}; {wanted}",
+            "message": f"chat_template_kwargs family: {said}",
             "type": "invalid_request_error", "param": "chat_template_kwargs", "code": None}
-        if good is not None:
+        code, answer = call(server.url + "/chat/completions",
+                            body={"messages": chat, "chat_template_kwargs": {"enable_thinking": "yes"}})
+        taken = "family, track, style" if trained == "context" else "none"
+        assert code == 400 and answer["error"]["message"] == (
+            f"chat_template_kwargs enable_thinking: this model's template takes {taken} (this model was trained "
+            f"with profile {trained}: {'family, track, style' if trained == 'context' else 'no variables'})")
+        if good is not None:  # the key this model never read is the one named
             code, answer = call(server.url + "/chat/completions",
                                 body={"messages": chat, "chat_template_kwargs": {**good, "length": "long"}})
-            assert code == 400 and "family, track, style, length: this model was trained with profile context" \
-                in answer["error"]["message"]
+            assert code == 400 and answer["error"]["message"] == (
+                "chat_template_kwargs family, track, style, length: this model was trained with profile context: "
+                "family, track, style; leave out length")
         assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 2})[0] == 200
 
 

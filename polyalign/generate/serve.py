@@ -228,19 +228,30 @@ class Service:
         if not variables or trained is None:
             return
         wanted = PROFILE_MODE_KEYS[trained]
-        if set(variables) != set(wanted):
-            what = f"give all of {', '.join(wanted)}" if wanted else "send no profile"
+        extra = [k for k in PROFILE_KEYS if k in variables and k not in wanted]
+        missing = [k for k in wanted if k not in variables]
+        if extra or missing:
+            what = "; ".join([*([f"leave out {', '.join(extra)}"] if extra else []),
+                              *([f"give {', '.join(missing)} too"] if missing else [])])
             raise _ApiError(400, f"chat_template_kwargs {', '.join(k for k in PROFILE_KEYS if k in variables)}: "
-                                 f"this model was trained with profile {trained}; {what}",
-                            param="chat_template_kwargs")
+                                 f"{self._profile_said(trained)}; {what}", param="chat_template_kwargs")
+
+    @staticmethod
+    def _profile_said(trained: str | None) -> str:
+        if trained is None:
+            return "the profile it was trained with is not recorded"
+        keys = PROFILE_MODE_KEYS[trained]
+        return (f"this model was trained with profile {trained}: " + (", ".join(keys) if keys else "no variables"))
 
     async def chat_completion(self, body, client=None) -> dict:
         messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
         variables = body.chat_template_kwargs or {}
-        unknown = sorted(set(variables) - set(PROFILE_KEYS))
+        trained = self.tokenizer.profile_mode
+        taken = PROFILE_MODE_KEYS[trained] if trained is not None else PROFILE_KEYS
+        unknown = [k for k in variables if k not in PROFILE_KEYS]
         if unknown:
             raise _ApiError(400, f"chat_template_kwargs {', '.join(unknown)}: this model's template takes "
-                                 f"{', '.join(PROFILE_KEYS)} (the profile it was trained with)",
+                                 f"{', '.join(taken) or 'none'} ({self._profile_said(trained)})",
                             param="chat_template_kwargs")
         for key, value in variables.items():
             if not isinstance(value, str):

@@ -218,8 +218,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> tuple[str, s
 def _page(title: str, sections: list[str]) -> str:
     style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}img{max-width:100%}"
-             # a long cell (the features farthest from people) wraps instead of widening the page
-             "td{max-width:22em;overflow-wrap:anywhere}"
+             # a long cell (the features farthest from people) wraps at its spaces instead of widening the
+             # page; a number is never split
+             "td{max-width:22em;overflow-wrap:break-word}"
              ".sample{border-left:3px solid #ccc;padding:2px 8px;margin:6px 0;font-size:13px}")
     return f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>" \
            f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>"
@@ -337,8 +338,8 @@ def _bucket_table(buckets: dict[str, dict], detect: dict[str, dict]) -> tuple[st
                      _interval(d.get("auc_interval")) if d.get("auc_interval") else small, _fmt(d.get("auc_floor")),
                      _fmt(r.get("f1")),
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
-    return _table(["bucket", "rows", "support", "BNG", "interval", "human floor", "gap", "HCR", "interval",
-                   "human floor", "detectability AUC", "interval", "human floor", "F1",
+    return _table(["bucket", "rows", "support", "BNG", "BNG interval", "BNG human floor", "BNG gap", "HCR",
+                   "HCR interval", "HCR human floor", "detectability AUC", "AUC interval", "AUC human floor", "F1",
                    "features farthest from people (W1/std)"], rows)
 
 
