@@ -147,3 +147,18 @@ def test_a_template_other_than_the_checkpoints_own_is_rendered_with_a_note(json_
     own = load_tokenizer(_checkpoint_with(json_tokenizer, tmp_path / "own", chat_template="{{ messages }}"))
     assert choose_template(own, requested="llama3", where="CKPT") == "llama3"
     assert capsys.readouterr().err == "note: CKPT names chat template 'checkpoint'; rendering with 'llama3' as asked\n"
+
+
+def test_a_generated_answer_is_decoded_without_chat_markers(demo_tokenizer, json_tokenizer):
+    """Both tokenizer kinds: skip_special leaves out the chat template's markers and the special tokens a
+    model may emit inside an answer (as vLLM shows answers), and keeps the text around them whole; the
+    default keeps them (what a rendered prompt needs)."""
+    from polyalign.tokens.chat import TEMPLATE_SPECIAL_TOKENS
+
+    text = ROUND_TRIP["simplified"]
+    for tokenizer in (demo_tokenizer[0], json_tokenizer):
+        markers = [t for t in TEMPLATE_SPECIAL_TOKENS if tokenizer.token_to_id(t) is not None]
+        assert "<|im_start|>" in markers and "<|im_end|>" in markers
+        ids = [tokenizer.token_to_id("<|im_start|>"), *tokenizer.encode(text), tokenizer.token_to_id("<|im_end|>")]
+        assert tokenizer.decode(ids, skip_special=True) == text
+        assert tokenizer.decode(ids) == f"<|im_start|>{text}<|im_end|>"

@@ -147,7 +147,8 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
         completions = engine.generate(requests, progress=bar.update)
     rows = []
     for record, (completion,) in zip(records, completions):
-        rows.append({"id": record.id, "prediction": tokenizer.decode(completion.tokens).strip(), "model": name,
+        prediction = tokenizer.decode(completion.tokens, skip_special=True).strip()  # no chat markers in the text
+        rows.append({"id": record.id, "prediction": prediction, "model": name,
                      "finish_reason": completion.finish_reason, "new_tokens": len(completion.tokens),
                      "profile": profile})
     with out.open("w", encoding="utf-8") as handle:

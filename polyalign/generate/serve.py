@@ -188,7 +188,7 @@ class Service:
         stop_when = None
         if stops:
             def stop_when(tokens: list[int]) -> bool:
-                return _cut_at_stop(self.tokenizer.decode(tokens).lstrip(), stops)[1]
+                return _cut_at_stop(self.tokenizer.decode(tokens, skip_special=True).lstrip(), stops)[1]
         try:
             future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when))
         except queue.Full as error:
@@ -215,7 +215,7 @@ class Service:
     def _choices(self, completions, stops: list[str]) -> tuple[list[tuple[str, str]], int]:
         out = []
         for completion in completions:
-            text, stopped = _cut_at_stop(self.tokenizer.decode(completion.tokens).lstrip(), stops)
+            text, stopped = _cut_at_stop(self.tokenizer.decode(completion.tokens, skip_special=True).lstrip(), stops)
             out.append((text, "stop" if stopped else completion.finish_reason))
         return out, sum(len(c.tokens) for c in completions)
 

@@ -4,6 +4,7 @@ tokenizer.model) and `tokenizers` JSON files (a checkpoint's tokenizer.json)."""
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import os
 import re
@@ -61,7 +62,9 @@ class Tokenizer(abc.ABC):
         return [self.encode(t) for t in texts]
 
     @abc.abstractmethod
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """The text of `ids`; with `skip_special` the special tokens left out, as a generated answer is
+        shown (vLLM's and transformers' pipelines do the same), rather than written into it."""
 
     @abc.abstractmethod
     def token_to_id(self, token: str) -> int | None:
@@ -162,8 +165,15 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        if skip_special:  # SentencePiece drops its control symbols itself, not the chat markers added as pieces
+            special = self._special_ids
+            ids = [i for i in ids if int(i) not in special]
         return self._sp.decode([int(i) for i in ids])
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.token_to_id(t) for t in self.added_tokens())
 
     def token_to_id(self, token: str) -> int | None:
         token_id = self._sp.piece_to_id(token)
@@ -197,8 +207,8 @@ class JsonTokenizer(Tokenizer):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -59,7 +59,7 @@ class DriftProbe:
         self.engine.set_model(trainer.model(trainer.state["params"]))  # the current parameters, no copy kept
         samples = [completions[0].tokens for completions in self.engine.generate(self.requests)]
         self.engine.release()  # the trainer's memory is the trainer's between probes
-        texts = [self.tokenizer.decode(tokens).strip() for tokens in samples]
+        texts = [self.tokenizer.decode(tokens, skip_special=True).strip() for tokens in samples]
         generated = np.array([len(tokens) for tokens in samples], np.float64)
         by_bucket: dict[str, list[int]] = defaultdict(list)
         for i, bucket in enumerate(self.buckets):
