@@ -579,3 +579,16 @@ def test_the_cli_silences_transformers_advice_that_pytorch_is_missing(monkeypatc
     monkeypatch.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "0")
     assert main(["train", "critic", "--print-config"]) == 0
     assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "0"
+
+
+def test_a_critic_ranking_held_out_pairs_backwards_is_warned_about():
+    from polyalign.train.critic import summary_line
+
+    result = {"best_epoch": 4, "val_pairs": 22, "out": "critic",
+              "val": {"l1": 0.0341, "ranking_accuracy": 0.273, "auc": 0.285}}
+    line = summary_line(result)
+    assert line.splitlines()[0] == ("critic: best epoch 4, validation L1 0.0341, ranking accuracy 0.273 on 22 "
+                                    "held-out pairs, chosen-vs-rejected AUC 0.285 (0.5 is chance)")
+    assert line.splitlines()[-1].startswith("warning: the critic ranks held-out pairs worse than chance (0.273)")
+    result["val"]["ranking_accuracy"] = 0.75
+    assert "warning" not in summary_line(result)

@@ -215,7 +215,13 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     val = result["val"]
-    return (f"critic: best epoch {result['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
-            f"{val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs, human-vs-model AUC "
+    line = (f"critic: best epoch {result['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
+            f"{val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs, chosen-vs-rejected AUC "
             f"{val['auc']:.3f} (0.5 is chance)\n"
             f"scored pairs: {result['out']}/train_pairs.jsonl, {result['out']}/val_pairs.jsonl")
+    if val["ranking_accuracy"] < 0.5:
+        # HDPO's distance term follows the critic: one that ranks held-out pairs backwards pushes the wrong way
+        line += (f"\nwarning: the critic ranks held-out pairs worse than chance ({val['ranking_accuracy']:.3f}): "
+                 "HDPO's distance term would push toward the rejected answers. Check that `chosen` is the human "
+                 "answer of each pair, train longer (train.epochs), or set lambda_dist=0 in HDPO")
+    return line
