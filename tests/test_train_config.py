@@ -592,3 +592,15 @@ def test_a_critic_ranking_held_out_pairs_backwards_is_warned_about():
     assert line.splitlines()[-1].startswith("warning: the critic ranks held-out pairs worse than chance (0.273)")
     result["val"]["ranking_accuracy"] = 0.75
     assert "warning" not in summary_line(result)
+
+
+def test_a_model_card_says_the_objective_and_the_data_it_was_trained_on():
+    """training_card: SFT names its weighting (Bucket-SFT, plain or adaptive: their exports are otherwise
+    alike), a preference method its pairs file (the default one under data.dir when none is set)."""
+    from polyalign.model.export import training_card
+
+    for weighting in ("bucket", "uniform", "adaptive"):
+        card = training_card(load_config(CONFIGS["sft"], [f"weighting={weighting}", "data.dir=runs/x"], method="sft"))
+        assert card["weighting"] == weighting and card["pairs"] is None and card["data"] == "runs/x"
+    card = training_card(load_config(CONFIGS["hdpo"], ["data.dir=runs/x", "init=runs/x/sft/model"], method="hdpo"))
+    assert card["pairs"] == "runs/x/critic/train_pairs.jsonl" and card["weighting"] is None

@@ -174,7 +174,9 @@ def training_card(config: Any) -> dict[str, Any]:
     pairs = config.pair_files()["pairs"] if hasattr(config, "pair_files") else None  # the preference methods'
     return {"method": config.method,
             "base": base_reference(config.init) or f"trained from scratch (preset {config.model.preset})",
-            "data": config.data.dir, "pairs": pairs, "steps": config.train.steps,
+            "data": config.data.dir, "pairs": pairs,
+            # SFT's objective: bucket (Bucket-SFT), uniform (plain SFT) or adaptive
+            "weighting": getattr(config, "weighting", None), "steps": config.train.steps,
             "training dtype": compute_dtype(config.model.dtype)}
 
 
