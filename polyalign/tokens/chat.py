@@ -448,7 +448,11 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
     if missing:
         why = ("asked for" if requested else f"named by {tokenizer.config_file}" if own else
                f"the {family} family's, since the tokenizer has no chat template of its own")
-        fitting = [t for t in TEMPLATES if not _missing_tokens(t, tokenizer)]
+        # a template with its own default system prompt (Qwen's "You are Qwen...") says so: the model would
+        # read it in every conversation that has no system message
+        fitting = [t + (" (adds its own default system prompt where a conversation has none)"
+                        if getattr(TEMPLATES[t], "default_system", None) else "")
+                   for t in TEMPLATES if not _missing_tokens(t, tokenizer)]
         fix = (f"pass --template with one whose tokens it has ({', '.join(fitting)})" if fitting else
                "give the tokenizer a chat_template (tokenizer_config.json) and pass --template checkpoint")
         raise ChatTemplateError(f"{where}: chat template {name!r} ({why}) needs {', '.join(map(repr, missing))}, "
