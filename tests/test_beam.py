@@ -18,7 +18,8 @@ from polyalign.inputs.build import BuildOptions
 from tests.beam_env import in_beam_env
 from tests.conftest import DEMO_DATA, REPO, read_jsonl, write_config
 
-RUN_DEPENDENT = ("created", "timings_s", "engine")
+# file_digests: each engine writes its own files (one train.jsonl, or shards of it)
+RUN_DEPENDENT = ("created", "timings_s", "engine", "file_digests")
 
 
 def beam_cli(*argv: str) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@ import json
 import zipfile
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 from polyalign.data.dedup import NearDuplicateOptions, exact_dedup, exact_key, near_duplicates
 from polyalign.data.prepare import prepare
@@ -122,3 +123,30 @@ def test_near_duplicate_removal_is_optional_and_counted(tmp_path):
     assert manifest["sources"][0]["kept"] == 30 - sum(dropped.values())
     kept_train = {r["id"] for r in read_jsonl(tmp_path / "run/data/train.jsonl")}
     assert not kept_train & {p["train_id"] for p in read_jsonl(tmp_path / "run/data/near_duplicates.jsonl")}
+
+
+def test_an_unchanged_prepare_run_again_from_anywhere_changes_nothing_downstream(tmp_path, monkeypatch):
+    """A resubmitted job runs prepare again: the same data from the same config, from another folder and
+    with the config named relatively, leaves data/manifest.json byte for byte (build, stats and evaluations
+    record its digest) and the records the same (their source_file absolute and normalised). Changed
+    content with the same counts is another manifest (the written files' digests)."""
+    rows = [{"messages": [{"role": "user", "content": d["turns"][0]["utterance"]},
+                          {"role": "assistant", "content": d["turns"][1]["utterance"]}]} for d in CAMREST[:40]]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (tmp_path / "cfg").mkdir()
+    source = {"name": "mine", "format": "chat", "path": "../data/c.jsonl", "split": "auto", "language": "en"}
+    write_config(tmp_path / "cfg" / "data.yaml", [source])
+    monkeypatch.chdir(tmp_path)
+    prepare(Path("cfg/data.yaml"), Path("run"), progress=False)
+    manifest = (tmp_path / "run/data/manifest.json").read_bytes()
+    train = (tmp_path / "run/data/train.jsonl").read_bytes()
+    assert json.loads(train.splitlines()[0])["meta"]["source_file"] == str(tmp_path / "data" / "c.jsonl")
+    monkeypatch.chdir(tmp_path / "cfg")
+    prepare(Path("data.yaml"), Path("../run"), progress=False)
+    assert (tmp_path / "run/data/manifest.json").read_bytes() == manifest
+    assert (tmp_path / "run/data/train.jsonl").read_bytes() == train
+    rows[0]["messages"][1]["content"] += " Thanks."  # same rows, same counts, other text
+    (tmp_path / "data" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    prepare(Path("data.yaml"), Path("../run"), progress=False)
+    assert (tmp_path / "run/data/manifest.json").read_bytes() != manifest

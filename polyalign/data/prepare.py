@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -20,6 +21,7 @@ from typing import Any
 import polyalign
 from polyalign.core.errors import PrepareError
 from polyalign.core.outputs import stage_output
+from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
@@ -135,8 +137,11 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
 
 
 def resolve(path: str, base: Path) -> Path:
+    """A config's path, relative to the config file's folder, made absolute and normalised: records name their
+    source file alike wherever prepare runs from (`cfg/../data/x.jsonl` from one folder, `data/x.jsonl` from
+    another would make other bytes of the same records)."""
     candidate = Path(path).expanduser()
-    return candidate if candidate.is_absolute() else (base / candidate)
+    return Path(os.path.abspath(candidate if candidate.is_absolute() else base / candidate))
 
 
 @dataclass
@@ -485,8 +490,29 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
     }
 
 
+# What differs between two prepares of the same data: when, and how long each stage took.
+VOLATILE_MANIFEST_KEYS = ("created", "timings_s")
+
+
 def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
-    (data_dir / "manifest.json").write_text(json.dumps(manifest, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    """OUT/data/manifest.json, left as it is when a prepare made the same data again (it differs only in
+    VOLATILE_MANIFEST_KEYS): build, stats and evaluations record its digest, and an unchanged prepare rerun
+    by a resubmitted job must not make them all stale."""
+    path = data_dir / "manifest.json"
+    # the written files' digests: data made anew with other content (the same counts) is another manifest
+    manifest["file_digests"] = {p.name: file_digest(p) for p in sorted(Path(data_dir).glob("*.jsonl"))}
+    text = json.dumps(manifest, ensure_ascii=False, indent=2) + "\n"
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    if isinstance(old, dict) and _lasting(old) == _lasting(json.loads(text)):
+        return
+    path.write_text(text, encoding="utf-8")
+
+
+def _lasting(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in manifest.items() if k not in VOLATILE_MANIFEST_KEYS}
 
 
 def prepare_settings(context: PrepareContext, on_error: str) -> dict[str, Any]:
