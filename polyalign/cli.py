@@ -234,10 +234,10 @@ def _add_build(sub) -> None:
     p.add_argument("--max-length", type=int, default=512, help="tokens per example, the truncation cutoff (512)")
     p.add_argument("--train-on", choices=("last", "all"), default="last",
                    help="loss on the final response only (default) or on every assistant turn")
-    p.add_argument("--truncation", choices=("keep_system", "left"), default="keep_system",
-                   help="how a prompt over its share of --max-length is cut: keep_system (default) keeps the "
-                        "system message that opens it (the profile prompt) and cuts the oldest turns, as "
-                        "generation does; left cuts from its start, METHOD's reference recipe")
+    p.add_argument("--truncation", choices=("left", "keep_system"), default="left",
+                   help="how a prompt over its share of --max-length is cut: left (default, METHOD's recipe) "
+                        "from its start, the profile prompt with it; keep_system keeps the system message that "
+                        "opens it (the profile prompt) and cuts the oldest turns, as generation does")
     weights = p.add_argument_group(
         "Bucket-SFT weights (default: the bucket scheme's `weights:`; each flag replaces one of its keys)")
     weights.add_argument("--weights", choices=("default", "method"), dest="weight_preset",

@@ -119,23 +119,23 @@ def test_cutoff_keeps_the_end_of_the_prompt_and_the_start_of_the_response(demo_t
     source_len = int(np.argmax(full.loss_mask))
     target_len = len(full.ids) - source_len
     cutoff = 2 * target_len + 2  # the whole response fits, the prompt is cut
-    cut = encode_conversation(template, tokenizer, messages, cutoff=cutoff, truncation="left")
+    cut = encode_conversation(template, tokenizer, messages, cutoff=cutoff)  # left, METHOD's recipe
     assert cut.truncated and len(cut.ids) == cutoff
     np.testing.assert_array_equal(cut.ids, full.ids[-cutoff:])
     np.testing.assert_array_equal(cut.loss_mask, full.loss_mask[-cutoff:])
-    # the default keeps the system message that opens the prompt (the profile prompt), then the latest tokens
+    # keep_system keeps the system message that opens the prompt (the profile prompt), then the latest tokens
     end_of_turn = int(np.argmax(full.ids == tokenizer.special_id("<|im_end|>")))  # the system turn's end
     head = full.ids[:end_of_turn + 1 + len(tokenizer.encode("\n"))]
     budget = 2 * len(head) + target_len + 2  # the whole response, and a head within half of the prompt kept
     assert messages[0].role == "system" and budget < len(full.ids)
-    kept = encode_conversation(template, tokenizer, messages, cutoff=budget)
+    kept = encode_conversation(template, tokenizer, messages, cutoff=budget, truncation="keep_system")
     assert kept.truncated and len(kept.ids) == budget
     np.testing.assert_array_equal(kept.ids, np.concatenate([head, full.ids[-(budget - len(head)):]]))
     np.testing.assert_array_equal(kept.loss_mask, full.loss_mask[-budget:])  # the head carries no loss
     assert messages[0].content.strip() in tokenizer.decode(kept.ids[:len(head)])  # the profile prompt, whole
     # a head over half of what is kept is not kept: the prompt is cut from its start
-    np.testing.assert_array_equal(encode_conversation(template, tokenizer, messages, cutoff=len(head)).ids,
-                                  full.ids[-len(head):])
+    np.testing.assert_array_equal(encode_conversation(template, tokenizer, messages, cutoff=len(head),
+                                                      truncation="keep_system").ids, full.ids[-len(head):])
     tiny = encode_conversation(template, tokenizer, messages, cutoff=8)
     keep_source, keep_target = truncation_lengths(source_len, target_len, 8)
     assert len(tiny.ids) == 8 and tiny.loss_mask.sum() == keep_target

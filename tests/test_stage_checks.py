@@ -392,8 +392,8 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
 
 def test_a_build_recorded_before_truncation_was_an_option_reads_as_left(tmp_path):
     """Builds made before --truncation cut prompts from the left and did not record it: the same options
-    with --truncation left match such a record, the new default does not (the rows would differ), and the
-    command that makes it again says --truncation left."""
+    match such a record (left is the default), keep_system does not (the rows would differ), and the
+    command that makes it again says --truncation only for keep_system."""
     from polyalign.core.yaml_config import ConfigError
     from polyalign.inputs.build import BuildOptions, claim_build, rebuild_command
 
@@ -401,14 +401,15 @@ def test_a_build_recorded_before_truncation_was_an_option_reads_as_left(tmp_path
     (run / "build").mkdir(parents=True)
     old = {k: v for k, v in dataclasses.asdict(BuildOptions(max_length=256)).items() if k != "truncation"}
     (run / "build" / "manifest.json").write_text(json.dumps({"settings": old}))
-    with claim_build(run, BuildOptions(max_length=256, truncation="left"), overwrite=False):
+    with claim_build(run, BuildOptions(max_length=256), overwrite=False):
         pass
     with pytest.raises(ConfigError, match="truncation: 'left' there, 'keep_system' now"):
-        with claim_build(run, BuildOptions(max_length=256), overwrite=False):
+        with claim_build(run, BuildOptions(max_length=256, truncation="keep_system"), overwrite=False):
             pass
-    assert rebuild_command(run, {"settings": old}) == f"polyalign build {run} --max-length 256 --truncation left"
-    new = dataclasses.asdict(BuildOptions(max_length=256))
-    assert rebuild_command(run, {"settings": new}) == f"polyalign build {run} --max-length 256"
+    assert rebuild_command(run, {"settings": old}) == f"polyalign build {run} --max-length 256"
+    kept = dataclasses.asdict(BuildOptions(max_length=256, truncation="keep_system"))
+    assert rebuild_command(run, {"settings": kept}) == \
+        f"polyalign build {run} --max-length 256 --truncation keep_system"
 
 
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():

@@ -516,21 +516,20 @@ def encode_pieces(pieces: Sequence[Piece], tokenizer: Tokenizer,
     return ids, mask
 
 
-TRUNCATIONS = ("keep_system", "left")  # how a prompt over its share of the cutoff is cut (encode_conversation)
+TRUNCATIONS = ("left", "keep_system")  # how a prompt over its share of the cutoff is cut (encode_conversation)
 
 
 def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], *,
                         train_on: str = "last", cutoff: int | None = None,
-                        truncation: str = "keep_system") -> Encoded:
+                        truncation: str = "left") -> Encoded:
     """Token ids and loss mask for a conversation ending with the assistant response to learn.
 
     The mask covers the final response and its end-of-turn token (train_on="last"), or every
     assistant turn (train_on="all"). Whatever the template puts after the final end-of-turn token
     is left out: nothing would learn from it. A cutoff truncates as `truncation_lengths` says:
-    the response loses tokens from its end, the prompt from its start, where `truncation` "keep_system"
-    keeps the system message that opens it (the profile prompt Bucket-SFT and HDPO condition on, which
-    generation keeps too: `cut_prompt`) and cuts the oldest turns after it; "left" cuts the prompt from
-    its very start, as METHOD section 8's reference recipe does.
+    the response loses tokens from its end, the prompt from its start: with `truncation` "left" (METHOD
+    section 8's reference recipe) from its very start, with "keep_system" after the system message that
+    opens it (the profile prompt Bucket-SFT and HDPO condition on, which generation keeps: `cut_prompt`).
     """
     if truncation not in TRUNCATIONS:
         raise ChatTemplateError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
