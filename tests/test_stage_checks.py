@@ -412,6 +412,20 @@ def test_a_build_recorded_before_truncation_was_an_option_reads_as_left(tmp_path
         f"polyalign build {run} --max-length 256 --truncation keep_system"
 
 
+def test_sft_on_an_unbuilt_run_names_the_build_command_that_works(tmp_path, capsys):
+    """A run with no build and no tokenizer of its own: the suggested command builds with init's tokenizer
+    (`polyalign build RUN` alone would look for RUN/tokenizer); with RUN/tokenizer, the plain command."""
+    run, init = tmp_path / "my run", tmp_path / "ckpt"
+    (run / "data").mkdir(parents=True)
+    init.mkdir()
+    assert main(["train", "sft", "--out", str(tmp_path / "out"), f"data.dir={run}", f"init={init}"]) == 2
+    assert f"missing; run `polyalign build '{run}' --tokenizer {init}` (or the demo's build stage) first" in \
+        capsys.readouterr().err
+    (run / "tokenizer").mkdir()
+    assert main(["train", "sft", "--out", str(tmp_path / "out"), f"data.dir={run}", f"init={init}"]) == 2
+    assert f"missing; run `polyalign build '{run}'` (or the demo's build stage) first" in capsys.readouterr().err
+
+
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():
     """A KeyboardInterrupt raised inside a garbage-collector callback (where JAX runs one) is ignored by
     Python; the flag SIGINT also sets makes the next check raise it again."""

@@ -406,11 +406,15 @@ def build_tokenizer_path(run, manifest: dict[str, Any]):
     return recorded if recorded.exists() or not inside.exists() else inside
 
 
-def read_manifest(run) -> dict[str, Any]:
-    """RUN/build/manifest.json, once checked to have been made from the prepare that RUN/data holds now."""
+def read_manifest(run, init: str | None = None) -> dict[str, Any]:
+    """RUN/build/manifest.json, once checked to have been made from the prepare that RUN/data holds now.
+    `init`: the checkpoint a run trains from, whose tokenizer the build command it suggests names when RUN
+    has no tokenizer of its own (`polyalign build RUN` alone would look for RUN/tokenizer)."""
     path = as_path(run) / BUILD_DIR / "manifest.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: missing; run `polyalign build {run}` (or the demo's build stage) first")
+        own = (as_path(run) / "tokenizer").exists() or init is None
+        command = shlex.join(["polyalign", "build", str(run), *([] if own else ["--tokenizer", str(init)])])
+        raise ConfigError(f"{path}: missing; run `{command}` (or the demo's build stage) first")
     manifest = json.loads(path.read_text())
     for name in changed_since(run, manifest.get("made_from", {})):  # builds made before it was recorded: unchecked
         raise ConfigError(f"{as_path(run) / BUILD_DIR}: made from another {name} than the one there now "

@@ -191,7 +191,7 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
 def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     require(config, "data.dir", hint="a run with a build/ folder")
     run = as_path(config.data.dir)
-    manifest = read_manifest(run)
+    manifest = read_manifest(run, config.init)
     buckets = manifest["buckets"]
     weights = np.array([manifest["bucket_weights"][b] for b in buckets], np.float32)
     length = manifest["options"]["max_length"]
