@@ -599,6 +599,8 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     answers = {json.loads(line)["id"]: json.loads(line) for line in
                (out / "round-2" / "pairs" / "policy_answers.jsonl").read_text().splitlines()}
     assert regenerated and all(answers[p["id"]]["model"] == "round-1" for p in regenerated)
+    left_out = 8 - len(regenerated)  # empty policy answers, or the person's own answer: said with the reasons
+    assert (f"round-2: {left_out} of 8 pairs left out (" in printed) == (left_out > 0), printed
     assert sum(p["rejected"] != original[p["id"]]["rejected"] for p in regenerated) > 0
     # the refreshed critic: trained on round 2's pairs, with the first critic's settings, scoring them
     refreshed = json.loads((out / "round-2" / "critic" / "critic.json").read_text())
@@ -670,3 +672,27 @@ def test_a_batch_carries_its_layout_and_one_of_neither_is_refused():
         is_packed(hand_made)
     with pytest.raises(ValueError, match=r"unexpected \['branch_ids'\]"):
         is_packed({**rows, "branch_ids": trees["branch_ids"]})
+
+
+def test_round_two_says_which_pairs_it_left_out_and_why(demo_run, tmp_path, monkeypatch, capsys):
+    """Regenerating the rejected side: a pair whose policy answer is empty, or is the person's own answer,
+    cannot be a pair; the round says how many it left out and why instead of training on silently fewer."""
+    from polyalign.pairs.make import write_pairs
+    from polyalign.train import rounds
+    from polyalign.train.methods import load_config
+
+    pairs = real_pairs(demo_run, 6)
+    write_pairs(pairs, tmp_path / "pairs.jsonl")
+
+    def answer(policy, records_file, out, options, progress=True):  # the policy's answers, without a model
+        answers = ["", pairs[1]["chosen"], *("A fresh answer." for _ in pairs[2:])]
+        out.write_text("".join(json.dumps({"id": p["id"], "prediction": a}) + "\n"
+                                     for p, a in zip(pairs, answers)))
+
+    monkeypatch.setattr(rounds, "generate_predictions", answer)
+    config = load_config(REPO / "configs" / "hdpo_demo.yaml", ["init=unused"], method="hdpo")
+    result = rounds.regenerate_pairs("round-1/model", tmp_path / "pairs.jsonl", tmp_path / "round-2" / "pairs", None,
+                                     config, progress=False)
+    assert result["pairs"] == 4 and result["dropped"] == {"empty_side": 1, "chosen_equals_rejected": 1}
+    assert ("round-2: 2 of 6 pairs left out (1 answered as the person did, 1 with an empty policy answer)"
+            in capsys.readouterr().out)

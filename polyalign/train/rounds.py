@@ -47,6 +47,7 @@ def _finished(directory) -> dict[str, Any] | None:
 
 
 CRITIC_FILES = ("critic.json", "critic.safetensors")
+DROP_REASONS = {"empty_side": "with an empty policy answer", "chosen_equals_rejected": "answered as the person did"}
 
 
 def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | None, config,
@@ -64,6 +65,9 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
     generate_predictions(policy, records_file, predictions_file,
                          GenerateOptions(sampling=sampling, seed=config.train.seed), progress=progress)
     fresh, dropped = build_pairs(records, read_predictions(predictions_file))
+    if dropped:  # a pair the round cannot use is said, not silently fewer
+        print(f"{directory.parent.name}: {sum(dropped.values())} of {len(pairs)} pairs left out (" + ", ".join(
+            f"{n} {DROP_REASONS.get(reason, reason)}" for reason, n in sorted(dropped.items())) + ")", flush=True)
     if critic_dir is not None and (critic_dir / "critic.json").is_file():
         scorer = CriticScorer(critic_dir)
         buckets = [p["bucket_id"] for p in fresh]
