@@ -262,9 +262,13 @@ def _human_cell(runs: Sequence[dict], row: OverallRow, names: Sequence[str]) -> 
     cells = [_with_interval(r["metrics"], row.human, row.human_interval) for r in runs]
     if all(c is None for c in cells):
         return "—"
-    if len(set(cells)) == 1:
-        return cells[0]
-    return "; ".join(f"{name}: {cell or '—'}" for name, cell in zip(names, cells))
+    shared = _same_in_every_run(cells)
+    return shared if shared is not None else "; ".join(f"{name}: {cell or '—'}" for name, cell in zip(names, cells))
+
+
+def _same_in_every_run(values: Sequence[Any]) -> Any:
+    """The value every run has alike (one human floor, one row count stands for all of them), else None."""
+    return values[0] if values and all(v == values[0] for v in values) else None
 
 
 def _shown_rows(runs: Sequence[dict]) -> list[OverallRow]:
@@ -501,14 +505,13 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
 def _shared_floor(runs: dict[str, dict], metric: str) -> dict[str, float] | None:
     """People's own value per bucket, where every run measured it alike (the same test rows and support);
     None otherwise: one mark could not stand for several floors."""
-    floors = [(r["metrics"].get(metric) or {}).get("floor_by_bucket") for r in runs.values()]
-    return floors[0] if floors[0] and all(f == floors[0] for f in floors) else None
+    return _same_in_every_run([(r["metrics"].get(metric) or {}).get("floor_by_bucket") for r in runs.values()]) or None
 
 
 def _shared_rows(runs: dict[str, dict]) -> dict[str, int] | None:
     """Test rows per bucket where every run evaluated the same number."""
-    rows = [{b: v.get("rows") for b, v in r["metrics"]["utility"]["by_bucket"].items()} for r in runs.values()]
-    return rows[0] if all(r == rows[0] for r in rows) else None
+    return _same_in_every_run([{b: v.get("rows") for b, v in r["metrics"]["utility"]["by_bucket"].items()}
+                               for r in runs.values()])
 
 
 AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"}
