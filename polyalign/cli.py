@@ -19,6 +19,7 @@ from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, 
 from polyalign.core.interrupts import interrupts_remembered
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
+from polyalign.core.scores import interval_text
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh.launch import DEFAULT_PORT, main_command, refuse_several_processes, run_local, run_slurm
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
@@ -751,7 +752,7 @@ def _run_evaluate(args) -> int:
 
 
 def _bracket(interval) -> str:
-    return "" if not interval else f"[{interval[0]:.3f}, {interval[1]:.3f}]"
+    return "" if not interval else interval_text(interval)
 
 
 def _add_report(sub) -> None:

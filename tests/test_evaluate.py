@@ -519,12 +519,18 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     value = f"{combined(parts, ['f1', 'bng']):.4f}"
     assert row.split("|")[1:4] == [" Aggregate over F1, BNG (the parts every run measured alike) ", f" {value} ",
                                    f" {value} "], row
+    # the hypervolumes, two measures of one name, each say their naturalness axis
+    hypervolume = f"{metrics['nuf']['overall']['hypervolume']:.4f}"
+    nuf = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "NUF" in line)
+    assert nuf.split("|")[2:4] == [f" {hypervolume} (naturalness: 1/(1+BNG)) ",
+                                   f" {hypervolume} (naturalness: 1/(1+BNG) + C-MAUVE) "], nuf
     value = f"{combined(parts):.4f}"
     # the same parts measured: each run's own aggregate, under its own name
     shutil.copytree(tmp_path / "plain", tmp_path / "again")
     assert main(["report", str(tmp_path / "plain"), str(tmp_path / "again"), "--out", str(tmp_path / "same")]) == 0
     row = next(line for line in (tmp_path / "same" / "report.md").read_text().splitlines() if "Aggregate" in line)
     assert row.split("|")[1:4] == [" Aggregate ", f" {value} ", f" {value} "], row
+    assert "(naturalness:" not in (tmp_path / "same" / "report.md").read_text()
 
 
 def test_report_does_not_call_differences_supported_between_other_records_or_supports(demo_run, tmp_path, capsys):
@@ -569,6 +575,35 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     assert "given more than once" in capsys.readouterr().err
 
 
+def test_intervals_are_shown_rounded_outward_so_they_hold_what_they_held():
+    """For every interval the text's bounds hold the computed ones, and lie within one unit of the third
+    decimal of them: a point estimate inside its interval is inside the interval shown."""
+    from polyalign.core.scores import interval_text
+
+    assert interval_text([0.99996, 1.0]) == "[0.999, 1.000]"  # to the nearest: [1.000, 1.000], beside 0.9999
+    assert interval_text([0.025, 0.049]) == "[0.025, 0.049]"  # a bound on the grid stays there
+    assert interval_text([-0.0004, 0.0004]) == "[-0.001, 0.001]"
+    rng = np.random.default_rng(0)
+    for low, high in np.sort(rng.uniform(-3, 3, (2000, 2)), axis=1):
+        shown_low, shown_high = (float(x) for x in interval_text([low, high]).strip("[]").split(", "))
+        assert shown_low <= low <= shown_low + 0.001 + 1e-12 and shown_high - 0.001 - 1e-12 <= high <= shown_high
+
+
+def test_per_bucket_table_says_which_detectability_numbers_come_from_a_parent_group():
+    """A bucket with too few prompts is classified within its parent group: its AUC cell names the pool,
+    as the support column names a backed-off BNG pool; a bucket classified on its own reads as a number."""
+    from polyalign.reports.evaluation import _bucket_table
+
+    bucket = {"rows": 30, "pool": "en|single|qa", "backed_off": True, "pool_rows": 80, "bands": 3, "bng": 1.25}
+    detect = {"en|single|qa|long": {"auc": 0.75, "pool": "en|single|qa", "backed_off": True},
+              "en|single|qa|short": {"auc": 0.5, "pool": "en|single|qa|short", "backed_off": False}}
+    page, _ = _bucket_table({b: bucket for b in detect}, detect)
+    long_row, short_row = page.split("<tr>")[2:]
+    assert long_row.startswith("<td>en|single|qa|long</td>") and short_row.startswith("<td>en|single|qa|short</td>")
+    assert "<td>0.7500 (within en|single|qa)</td>" in long_row, long_row
+    assert "<td>0.5000</td>" in short_row and "within" not in short_row, short_row
+
+
 def test_per_bucket_charts_keep_their_legend_off_the_bars(tmp_path, monkeypatch):
     """Bars of a per-bucket chart reach every corner of its axes (an AUC of 1 in the top bucket, say):
     the legend sits beside the axes, never over a bar."""
@@ -611,6 +646,13 @@ def test_per_bucket_comparison_charts_mark_the_human_floor_missing_numbers_and_r
     assert [t.get_text() for t in ax.get_yticklabels()] == ["x|short (n=20)", "y|long (n=3)"]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["people (human floor)", "a", "b"]
     close(figures[0])
+    # each run's interval per bucket as an error bar; a run without intervals draws none
+    evaluation._bucket_bars(series, "HCR", tmp_path / "hcr2.png", intervals={"a": {"x|short": [0.4, 0.6]}, "b": {}})
+    bars = [c for c in figures[1].axes[0].containers if hasattr(c, "errorbar")]
+    assert bars[1].errorbar is None
+    segments = [s.tolist() for s in bars[0].errorbar.lines[2][0].get_segments()]
+    assert segments == [[[0.4, 0.0], [0.6, 0.0]], [[0.0, 1.0], [0.0, 1.0]]]  # y|long: no interval, no length
+    close(figures[1])
 
 
 def test_native_stderr_is_caught_at_the_file_descriptor(capfd):

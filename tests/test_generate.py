@@ -139,7 +139,12 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert all(set(r) == {"id", "prediction", "model", "finish_reason", "new_tokens", "profile"} for r in rows)
     assert all(r["new_tokens"] <= 6 and r["model"] == "ckpt" for r in rows)
     # empty answers, by how they ended: the turn at once, or whitespace until the budget
-    summary = json.loads((tmp_path / "pred.manifest.json").read_text())["summary"]
+    record = json.loads((tmp_path / "pred.manifest.json").read_text())
+    summary = record["summary"]
+    # what the prompts were rendered with, resolved (the tokenizer names the polyalign template), beside the
+    # settings' request (None: the checkpoint's own)
+    assert (summary["template"], summary["profile"]) == ("polyalign", rows[0]["profile"])
+    assert (record["settings"]["template"], record["settings"]["profile"]) == (None, None)
     assert summary["empty"] == sum(not r["prediction"] for r in rows)
     assert summary["empty_at_budget"] == sum(not r["prediction"] and r["finish_reason"] == "length" for r in rows)
     assert empty_answers_warning({"empty": 49, "records": 49, "empty_at_budget": 49}, greedy=True).startswith(

@@ -102,7 +102,9 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
 
     code, err = train(other)
     assert code == 2 and err.count("\n") == 1 and "the ids would stand for other tokens" in err
-    assert f"--tokenizer {other}" in err and "--allow-tokenizer-mismatch" in err
+    assert "--allow-tokenizer-mismatch" in err
+    # The suggested rebuild keeps the build's other options (64 tokens), only the tokenizer changes.
+    assert f"rebuild with `polyalign build {run} --tokenizer {other} --max-length 64`" in err, err
     for init, flags in ((other, ["--allow-tokenizer-mismatch"]), (same, [])):
         code, err = train(init, *flags)  # past the check: the init has no weights, which is the next refusal
         assert code == 2 and "other tokens" not in err and "config.json" in err, err

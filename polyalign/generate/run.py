@@ -157,7 +157,9 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     seconds = time.perf_counter() - started
     new_tokens = sum(row["new_tokens"] for row in rows)
     counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
-    summary = {"records": len(records), "finish_reasons": counts, "new_tokens": new_tokens,
+    # the template and profile the prompts were rendered with (settings keep what was asked, None for the default)
+    summary = {"records": len(records), "template": chat.name, "profile": profile, "system": tokenizer.system_mode,
+               "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
                # of them, the ones that decoded whitespace until the budget (the others ended the turn at once)
                "empty_at_budget": sum(1 for row in rows

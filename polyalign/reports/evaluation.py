@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
-from polyalign.core.scores import AGGREGATE_PARTS, combined  # noqa: E402
+from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
 
@@ -96,11 +96,20 @@ def _embedded(path: Path) -> str:
 
 
 def _interval(values) -> str:
-    return "—" if not values else f"[{values[0]:.3f}, {values[1]:.3f}]"
+    return "—" if not values else interval_text(values)
 
 
 def _bucket_label(bucket: str, report: dict) -> str:
     return f"{bucket} (n={report['rows']}{', backed off to ' + report['pool'] if report['backed_off'] else ''})"
+
+
+def _error_bars(values: Sequence[float | None], intervals: Sequence[Sequence[float] | None]) -> np.ndarray:
+    """matplotlib's xerr (2 x n lengths below and above each value) from intervals; none where a value has
+    no interval. A percentile interval need not hold its estimate (few draws, or an AUC at a tie-heavy
+    edge): the bar then shows the side that does, not a negative length matplotlib refuses."""
+    lengths = [[v - (i or [v, v])[0], (i or [v, v])[1] - v] if v is not None else [0.0, 0.0]
+               for v, i in zip(values, intervals)]
+    return np.clip(np.array(lengths, float).reshape(-1, 2).T, 0.0, None)
 
 
 def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: Path) -> str:
@@ -113,11 +122,7 @@ def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: P
     def bars(key, offset, label, color):
         values = [buckets[b].get(key) for b in names]
         shown = [np.nan if v is None else v for v in values]
-        # A percentile interval need not hold its estimate (few draws, or an AUC at a tie-heavy edge):
-        # the bar then shows the side that does, not a negative length matplotlib refuses.
-        errors = np.clip(np.array([[v - (buckets[b].get(f"{key}_interval") or [v, v])[0],
-                                    (buckets[b].get(f"{key}_interval") or [v, v])[1] - v] if v is not None else [0, 0]
-                                   for b, v in zip(names, values)]).T, 0.0, None)
+        errors = _error_bars(values, [buckets[b].get(f"{key}_interval") for b in names])
         ax.barh(y + offset, shown, height=0.38, xerr=errors, capsize=2, label=label, color=color)
 
     bars(metric, 0.0, "model", "#4C72B0")
@@ -131,17 +136,22 @@ def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: P
 
 
 def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path,
-                 floor: dict[str, float] | None = None, rows: dict[str, int] | None = None) -> str:
+                 floor: dict[str, float] | None = None, rows: dict[str, int] | None = None,
+                 intervals: dict[str, dict[str, Sequence[float]]] | None = None) -> str:
     """Grouped horizontal bars: one group per bucket, one bar per series (run or metric). A bucket a series
     has no number for reads "n/a" (a bar of 0 is a 0); `floor`: people's own value per bucket, a black mark
-    across the group; `rows`: test rows per bucket, in the labels (a 3-row bucket's bar is noise)."""
+    across the group; `rows`: test rows per bucket, in the labels (a 3-row bucket's bar is noise);
+    `intervals`: per series, each bucket's interval, drawn as error bars (two runs' bars apart by less
+    than them are not told apart)."""
     buckets = sorted({b for values in series.values() for b in values})
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.3 * len(buckets) * max(1, len(series)) ** 0.5))
     height = 0.8 / max(1, len(series))
     for k, (name, values) in enumerate(series.items()):
         y = np.arange(len(buckets)) + k * height
         shown = [values.get(b) for b in buckets]
-        ax.barh(y, [np.nan if v is None else v for v in shown], height=height, label=name)
+        spreads = (intervals or {}).get(name, {})
+        ax.barh(y, [np.nan if v is None else v for v in shown], height=height, label=name, capsize=2,
+                xerr=_error_bars(shown, [spreads.get(b) for b in buckets]) if spreads else None)
         for row, value in zip(y, shown):
             if value is None:
                 ax.text(0, row, " n/a", va="center", fontsize=6, color="#666666")
@@ -338,7 +348,9 @@ def _bucket_table(buckets: dict[str, dict], detect: dict[str, dict]) -> tuple[st
         rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), spread("bng_interval"),
                      _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")) if r.get("bng_gap") is not None else small,
                      _fmt(r.get("hcr")) + (" (above people: too uniform)" if r.get("hcr_above_people") else ""),
-                     spread("hcr_interval"), _fmt(r.get("hcr_floor")), _fmt(d.get("auc")),
+                     spread("hcr_interval"), _fmt(r.get("hcr_floor")),
+                     # a small bucket's classifier reads its parent group's answers too (detectability.MIN_PROMPTS)
+                     _fmt(d.get("auc")) + (f" (within {d['pool']})" if d.get("backed_off") else ""),
                      _interval(d.get("auc_interval")) if d.get("auc_interval") else small, _fmt(d.get("auc_floor")),
                      _fmt(r.get("f1")),
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
@@ -508,6 +520,11 @@ def _shared_floor(runs: dict[str, dict], metric: str) -> dict[str, float] | None
     return _same_in_every_run([(r["metrics"].get(metric) or {}).get("floor_by_bucket") for r in runs.values()]) or None
 
 
+def _bucket_intervals(runs: dict[str, dict], metric: str) -> dict[str, dict[str, Sequence[float]]]:
+    """Each run's per-bucket intervals of a metric (none in evaluations made with --compat reference)."""
+    return {n: (r["metrics"].get(metric) or {}).get("interval_by_bucket") or {} for n, r in runs.items()}
+
+
 def _shared_rows(runs: dict[str, dict]) -> dict[str, int] | None:
     """Test rows per bucket where every run evaluated the same number."""
     return _same_in_every_run([{b: v.get("rows") for b, v in r["metrics"]["utility"]["by_bucket"].items()}
@@ -515,6 +532,13 @@ def _shared_rows(runs: dict[str, dict]) -> dict[str, int] | None:
 
 
 AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"}
+
+
+def _nuf_axes(runs: dict[str, dict]) -> list[str] | None:
+    """Each run's NUF naturalness axis where the runs measured it otherwise, else None: it takes C-MAUVE
+    beside 1/(1+BNG) where there is a featurizer, so two hypervolumes of one name are not one measure."""
+    axes = [" + ".join(_get(r["metrics"], ("nuf", "naturalness_components")) or ["?"]) for r in runs.values()]
+    return None if _same_in_every_run(axes) is not None else axes
 
 
 def _aggregate_row(runs: dict[str, dict]) -> tuple[str, ...]:
@@ -525,9 +549,7 @@ def _aggregate_row(runs: dict[str, dict]) -> tuple[str, ...]:
     if any(p is None for p in parts):
         return ("Aggregate", *(_fmt(_get(r["metrics"], ("aggregate", "overall"))) for r in runs.values()))
     common = [name for name in AGGREGATE_PARTS if all(p.get(name) is not None for p in parts)]
-    # NUF's naturalness axis takes C-MAUVE where there is a featurizer: the same part, measured otherwise
-    nuf_components = {tuple(_get(r["metrics"], ("nuf", "naturalness_components")) or ()) for r in runs.values()}
-    if len(nuf_components) > 1 and "nuf" in common:
+    if _nuf_axes(runs) is not None and "nuf" in common:
         common.remove("nuf")
     measured = [[name for name in AGGREGATE_PARTS if p.get(name) is not None] for p in parts]
     label = "Aggregate" if all(m == common for m in measured) else \
@@ -565,6 +587,11 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     rows = [(row.name, *(_with_interval(r["metrics"], row.path, row.interval) or "—" for r in runs.values()),
              _human_cell(list(runs.values()), row, list(runs))) for row in _shown_rows(list(runs.values()))
             if row.name != "Aggregate"]
+    axes = _nuf_axes(runs)
+    if axes is not None:  # each hypervolume says its naturalness axis
+        rows = [(name, *(f"{cell} (naturalness: {axis})" if cell != "—" else cell
+                         for cell, axis in zip(cells, axes)), human) if name == "NUF hypervolume" else
+                (name, *cells, human) for name, *cells, human in rows]
     rows.append((*_aggregate_row(runs), "—"))
     settings_rows = [("test rows", *(str(r["alignment"]["evaluated"]) for r in runs.values())),
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
@@ -580,16 +607,19 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     rows = _shared_rows(runs)
     images = [
         _bucket_bars({n: {b: v["qa_f1"] for b, v in r["metrics"]["utility"]["by_bucket"].items()}
-                      for n, r in runs.items()}, "F1 per bucket", out / "f1_by_bucket.png", rows=rows),
+                      for n, r in runs.items()}, "F1 per bucket", out / "f1_by_bucket.png", rows=rows,
+                     intervals={n: {b: v["f1_interval"] for b, v in (r["metrics"].get("buckets") or {}).items()
+                                    if v.get("f1_interval")} for n, r in runs.items()}),
         _bucket_bars({n: r["metrics"]["bng"]["by_bucket"] for n, r in runs.items()},
                      "BNG per bucket (lower is more human-like)", out / "bng_by_bucket.png",
-                     _shared_floor(runs, "bng"), rows),
+                     _shared_floor(runs, "bng"), rows, _bucket_intervals(runs, "bng")),
         _bucket_bars({n: r["metrics"]["hcr"]["by_bucket"] for n, r in runs.items()},
                      "HCR per bucket (higher is more human-like)", out / "hcr_by_bucket.png",
-                     _shared_floor(runs, "hcr"), rows),
+                     _shared_floor(runs, "hcr"), rows, _bucket_intervals(runs, "hcr")),
         _bucket_bars({n: (r["metrics"].get("detectability") or {}).get("by_bucket", {}) for n, r in runs.items()},
                      "Detectability AUC per bucket (0.5: as people; lower is more human-like)",
-                     out / "detectability_by_bucket.png", _shared_floor(runs, "detectability"), rows),
+                     out / "detectability_by_bucket.png", _shared_floor(runs, "detectability"), rows,
+                     _bucket_intervals(runs, "detectability")),
         _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png"),
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"

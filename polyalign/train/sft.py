@@ -17,7 +17,7 @@ from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path, file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
-from polyalign.inputs.build import build_tokenizer_path, read_manifest
+from polyalign.inputs.build import build_tokenizer_path, read_manifest, rebuild_command
 from polyalign.model import create_model, export
 from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
@@ -168,10 +168,11 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
     return with_adapters(create_model(cfg, seed=config.model.seed, mesh=mesh), config, mesh)
 
 
-def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
+def check_init_tokenizer(config: SftConfig, build_tokenizer, run, manifest: dict[str, Any]) -> None:
     """Refuses to train `init` on a build encoded with another tokenizer: the file each tokenizer is
     read from (tokenizer.json or tokenizer.model) must have the same digest, unless
-    allow_tokenizer_mismatch. An init without tokenizer files is trained with a notice."""
+    allow_tokenizer_mismatch. An init without tokenizer files is trained with a notice. The rebuild it
+    suggests keeps every other option the build was made with (template, length, weights)."""
     if not config.init or config.allow_tokenizer_mismatch:
         return
     try:
@@ -182,9 +183,11 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run) -> None:
         return
     build_digest, init_digest = file_digest(build_tokenizer.path), file_digest(init_tokenizer.path)
     if build_digest != init_digest:
+        rebuild = rebuild_command(run, {**manifest, "settings": {**(manifest.get("settings") or {}),
+                                                                 "tokenizer": str(config.init)}})
         raise ConfigError(f"{as_path(run) / 'build'} was encoded with {build_tokenizer.path} ({build_digest[:19]}), "
                           f"not init's tokenizer {init_tokenizer.path} ({init_digest[:19]}): the ids would stand for "
-                          f"other tokens; rebuild with `polyalign build {run} --tokenizer {config.init}`, or pass "
+                          f"other tokens; rebuild with `{rebuild}`, or pass "
                           "--allow-tokenizer-mismatch if that is meant")
 
 
@@ -205,7 +208,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         raise ConfigError(too_long)
     pad_id = manifest["pad_id"]
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
-    check_init_tokenizer(config, tokenizer, run)
+    check_init_tokenizer(config, tokenizer, run, manifest)
     model = build_model(config, manifest["vocab_size"],
                         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                          "pad_token_id": tokenizer.pad_id}, mesh)
