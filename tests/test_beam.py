@@ -87,7 +87,7 @@ def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(d
     assert beam_manifest["totals"]["kept"] > 4500 and beam_manifest["dedup"]["near_duplicates"]["pairs"] > 0
     assert {s["name"] for s in beam_manifest["sources"]} == {"polyalign_sample", "cmrc2018", "kdconv", "coig_cqia"}
     assert next(s for s in beam_manifest["sources"] if s["name"] == "coig_cqia")["dropped"]
-    for name in ("train", "val", "test", "near_duplicates", "dropped"):
+    for name in ("train", "val", "test", "near_duplicates", "exact_duplicates", "dropped"):
         assert lines(beam_run / "data", name) == lines(local_run / "data", name), name
     assert len(list((beam_run / "data").glob("train-*-of-00002.jsonl"))) == 2
 
@@ -143,8 +143,12 @@ def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     assert local["dedup"]["exact"]["by_kind"] == {"train_vs_test": 1}
     assert local["dedup"]["near_duplicates"]["removed"] >= 1
     assert local["sources"][0]["read"] == 38 + 171 and len(local["sources"][0]["files"]) == 2
-    for name in ("train", "val", "test", "near_duplicates", "quarantine", "dropped"):
+    for name in ("train", "val", "test", "near_duplicates", "exact_duplicates", "quarantine", "dropped"):
         assert lines(tmp_path / "beam/data", name) == lines(tmp_path / "local/data", name), name
+    # the removed duplicate is listed beside the test record it repeats
+    (duplicate,) = read_jsonl(tmp_path / "local/data/exact_duplicates.jsonl")
+    assert duplicate["kind"] == "train_vs_test" and duplicate["split"] == "train"
+    assert duplicate["kept_id"] in {r["id"] for r in read_jsonl(tmp_path / "local/data/test.jsonl")}
     assert local["dropped_rows"]["rows"] == len(lines(tmp_path / "local/data", "dropped"))
     assert read_jsonl(tmp_path / "beam/data/quarantine.jsonl")[0]["location"].endswith("chat.jsonl:3")
 

@@ -99,6 +99,12 @@ def test_dedup_false_keeps_duplicates(tmp_path):
     off = prepare(write_config(tmp_path / "off.yaml", [source], dedup=False), tmp_path / "off", progress=False)
     assert on["totals"]["kept"] == 1 and on["sources"][0]["dropped"] == {"exact_duplicate": 2}
     assert on["dedup"]["exact"]["by_kind"] == {"within_train": 2}
+    # each removed row is listed by id, beside the one kept in its place
+    (kept,) = read_jsonl(tmp_path / "on/data/train.jsonl")
+    listed = read_jsonl(tmp_path / "on/data/exact_duplicates.jsonl")
+    assert [(r["kept_id"], r["kind"], r["split"], r["dataset"]) for r in listed] == [(kept["id"], "within_train",
+                                                                                      "train", "dup")] * 2
+    assert len({r["id"] for r in listed} | {kept["id"]}) == 3
     assert off["totals"]["kept"] == 3 and off["dedup"]["near_duplicates"] == {"enabled": False}
 
 

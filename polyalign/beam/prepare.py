@@ -28,7 +28,15 @@ import numpy as np
 from polyalign.beam import pipeline_options
 from polyalign.core.outputs import stage_output
 from polyalign.core.yaml_config import ConfigError
-from polyalign.data.dedup import NearDuplicateOptions, band_keys, exact_key, minhash_signature
+from polyalign.data.dedup import (
+    EXACT_DUPLICATES_FILE,
+    Duplicate,
+    NearDuplicateOptions,
+    band_keys,
+    duplicate_row,
+    exact_key,
+    minhash_signature,
+)
 from polyalign.data.importers import read_file, rows_in_file
 from polyalign.data.prepare import (
     ON_ERROR_MODES,
@@ -52,6 +60,7 @@ from polyalign.data.records import SPLIT_PRIORITY, SPLITS, Malformed, Record
 EVENTS = "events"
 QUARANTINE = "quarantine"
 DROPPED = "dropped"
+DUPLICATES = "exact_duplicates"
 EVENTS_DIR = "_beam_events"
 
 Order = tuple[int, int, int]  # (source, file, item): the single-machine path's reading order
@@ -142,6 +151,8 @@ def _keep_first(item: tuple[str, Iterable[Keyed]]) -> Iterator[Any]:
         kind = f"within_{record.split}" if kept.split == record.split else f"{record.split}_vs_{kept.split}"
         yield _event("exact_kind", kind)
         yield _event("drop", order[0], "exact_duplicate", record.split)
+        yield beam.pvalue.TaggedOutput(DUPLICATES, json.dumps(duplicate_row(Duplicate(record, kept.id, kind)),
+                                                              ensure_ascii=False))
 
 
 class BandKeys(beam.DoFn):
@@ -252,8 +263,11 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
             if config.dedup:
                 deduped = (records | "By content" >> beam.Map(lambda k: (exact_key(k[1]), k))
                            | "Group content" >> beam.GroupByKey()
-                           | "Keep first" >> beam.FlatMap(_keep_first).with_outputs(EVENTS, main="records"))
+                           | "Keep first" >> beam.FlatMap(_keep_first).with_outputs(EVENTS, DUPLICATES,
+                                                                                     main="records"))
                 records, events = deduped.records, [*events, deduped[EVENTS]]
+                _write_lines(deduped[DUPLICATES], data_dir / Path(EXACT_DUPLICATES_FILE).stem, num_shards,
+                             "exact duplicates")
             if config.dedup and near.enabled:
                 pairs = (records | "Band keys" >> beam.ParDo(BandKeys(near))
                          | "Group bands" >> beam.GroupByKey()
@@ -365,7 +379,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             quarantined += count
     dedup_report: dict[str, Any] = {"enabled": config.dedup, "group_protection": {"moved": dict(sorted(moved.items()))}}
     if config.dedup:
-        dedup_report["exact"] = {"removed": sum(kinds.values()), "by_kind": dict(sorted(kinds.items()))}
+        dedup_report["exact"] = {"removed": sum(kinds.values()), "by_kind": dict(sorted(kinds.items())),
+                                 "file": EXACT_DUPLICATES_FILE}
     near = config.near_dedup
     if config.dedup and near.enabled:
         dedup_report["near_duplicates"] = near_duplicate_report(near, read_near_duplicates(data_dir))

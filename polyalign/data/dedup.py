@@ -50,6 +50,17 @@ def exact_dedup(records: Sequence[Record]) -> tuple[list[Record], list[Duplicate
     return kept_records, [removed[i] for i in sorted(removed)]
 
 
+# Every removed duplicate, one line each, beside the record it repeats: nothing leaves the data unlisted.
+EXACT_DUPLICATES_FILE = "exact_duplicates.jsonl"
+
+
+def duplicate_row(duplicate: Duplicate) -> dict[str, str]:
+    """A line of exact_duplicates.jsonl: the removed record, the record kept in its place, and how they met."""
+    record = duplicate.record
+    return {"id": record.id, "kept_id": duplicate.kept_id, "kind": duplicate.kind, "split": record.split,
+            "dataset": record.dataset}
+
+
 def count_kinds(duplicates: Sequence[Duplicate]) -> dict[str, int]:
     return dict(sorted(Counter(d.kind for d in duplicates).items()))
 

@@ -26,8 +26,10 @@ from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.data.dedup import (
+    EXACT_DUPLICATES_FILE,
     NearDuplicateOptions,
     count_kinds,
+    duplicate_row,
     exact_dedup,
     near_duplicates,
 )
@@ -585,7 +587,9 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
         records, duplicates = exact_dedup(records)
         for duplicate in duplicates:
             tally_of[duplicate.record.id].drop("exact_duplicate", duplicate.record.split)
-        dedup_report["exact"] = {"removed": len(duplicates), "by_kind": count_kinds(duplicates)}
+        _write_jsonl(data_dir / EXACT_DUPLICATES_FILE, (duplicate_row(d) for d in duplicates))
+        dedup_report["exact"] = {"removed": len(duplicates), "by_kind": count_kinds(duplicates),
+                                 "file": EXACT_DUPLICATES_FILE}
     timings["split_and_dedup"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
