@@ -423,7 +423,12 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
     assert set(small) <= set(result["metrics"]["bng"]["floor_by_bucket"])
     assert not set(small) & set(result["metrics"]["bng"]["gap_by_bucket"])
     page = (tmp_path / "eval" / "report.html").read_text()
-    assert f"{len(small)} buckets have fewer than 5 test rows" in page and "none (too few rows)" in page
+    assert f"{len(small)} buckets have fewer than 5 test rows" in page
+    # each small bucket's row marks its numbers, and the note under the table says what the mark means
+    assert "<p>* fewer than 5 test rows: no interval or gap.</p>" in page
+    for bucket in small:
+        row = page.split(f"<tr><td>{bucket}</td>")[1].split("</tr>")[0]
+        assert f"<td>{buckets[bucket]['bng']:.4f} *</td>" in row and "<td>*</td>" in row, row
     # no multi-turn rows: TDM is n/a and says why; MAUVE says why it was skipped
     assert result["not_available"]["tdm"] == "no multi-turn test rows"
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
@@ -469,8 +474,10 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
             for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if line.startswith("| ")}
     assert rows["metric (value [interval])"] == ["a", "b", "c", "human floor (people's own answers)"]
 
-    def shown(value, interval=None):
-        return f"{value:.4f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+    def shown(value, interval=None):  # intervals rounded outward (interval_text)
+        low, high = (math.floor(interval[0] * 1000 + 1e-9) / 1000, math.ceil(interval[1] * 1000 - 1e-9) / 1000) \
+            if interval else (None, None)
+        return f"{value:.4f}" + (f" [{low:.3f}, {high:.3f}]" if interval else "")
 
     def human(cells):
         return cells[0] if len(set(cells)) == 1 else "; ".join(f"{n}: {c}" for n, c in zip("abc", cells))

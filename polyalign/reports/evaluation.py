@@ -300,22 +300,30 @@ def _overall_value(result: dict, row: OverallRow) -> str:
     return f"n/a ({reason})" if reason else "—"
 
 
+def _spread(value, interval, small: bool = False) -> str:
+    """A number and its interval in one cell ("2.4101 [2.357, 2.480]"), as the overall table shows them;
+    `small`: the bucket has too few rows for an interval (TOO_FEW_MARK, said under the table)."""
+    if value is None:
+        return "—"
+    return _fmt(value) + (f" {_interval(interval)}" if interval else TOO_FEW_MARK if small else "")
+
+
+TOO_FEW_MARK = " *"
+
+
 def _reference_rows(m: dict) -> tuple[str, str]:
     """People and the no-model answers, measured as the model is."""
     detect = m.get("detectability") or {}
-    rows = [("model", _fmt(m["bng"]["overall_macro"]), _interval(m["bng"].get("macro_interval")),
-             _fmt(m["hcr"]["overall_macro"]), _interval(m["hcr"].get("macro_interval")),
-             _fmt(detect.get("overall_macro")), _interval(detect.get("macro_interval")),
-             _fmt(m["utility"]["overall"].get("qa_f1")), _interval(m["utility"]["overall"].get("qa_f1_interval")))]
+    rows = [("model", _spread(m["bng"]["overall_macro"], m["bng"].get("macro_interval")),
+             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
+             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
+             _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")))]
     for name, row in m.get("reference_rows", {}).items():
-        rows.append((name, _fmt(row.get("bng_macro")), _interval(row.get("bng_macro_interval")),
-                     _fmt(row.get("hcr_macro")), _interval(row.get("hcr_macro_interval")),
-                     _fmt(row.get("detectability_macro")), _interval(row.get("detectability_macro_interval")),
-                     _fmt(row.get("f1")),
-                     _interval(row.get("f1_interval"))))
+        rows.append((name, *(_spread(row.get(key), row.get(f"{key}_interval"))
+                              for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
-    return _table(["answers", "BNG macro (lower is more human-like)", "interval", hcr, "interval",
-                   "detectability AUC macro (people near 0.5)", "interval", "F1", "interval"], rows)
+    return _table(["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
+                   "F1"], rows)
 
 
 DIVERSITY_COLUMNS = (("distinct_1", "Distinct-1"), ("distinct_2", "Distinct-2"), ("distinct_3", "Distinct-3"),
@@ -327,35 +335,32 @@ def _diversity_table(overall: dict) -> tuple[str, str]:
     rows = []
     for side, name in (("human", "people"), ("generated", "model")):
         intervals = overall.get(f"{side}_interval") or {}
-        rows.append((name, *(_fmt(overall[side][key]) + (f" {_interval(intervals[key])}" if intervals.get(key) else "")
-                             for key, _ in DIVERSITY_COLUMNS)))
+        rows.append((name, *(_spread(overall[side][key], intervals.get(key)) for key, _ in DIVERSITY_COLUMNS)))
     return _table(["answers", *(label for _, label in DIVERSITY_COLUMNS)], rows)
 
 
 def _bucket_table(buckets: dict[str, dict], detect: dict[str, dict]) -> tuple[str, str]:
     """Per bucket: BNG, HCR and detectability (`detect`: its per-bucket reports), each with its interval
-    and human floor."""
+    and human floor; a bucket too small for intervals carries TOO_FEW_MARK."""
     rows = []
     for bucket, r in buckets.items():
         d = detect.get(bucket, {})
         support = (r["pool"] + (" (backed off)" if r["backed_off"] else "")
                    + f", {r['pool_rows']} answers, bands: {r['bands']}")
-        small = "none (too few rows)" if r.get("too_small") else "—"
-
-        def spread(key):
-            return _interval(r.get(key)) if r.get(key) else small
-
-        rows.append((bucket, str(r["rows"]), support, _fmt(r.get("bng")), spread("bng_interval"),
-                     _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")) if r.get("bng_gap") is not None else small,
-                     _fmt(r.get("hcr")) + (" (above people: too uniform)" if r.get("hcr_above_people") else ""),
-                     spread("hcr_interval"), _fmt(r.get("hcr_floor")),
+        small = bool(r.get("too_small"))
+        rows.append((bucket, str(r["rows"]), support, _spread(r.get("bng"), r.get("bng_interval"), small),
+                     _fmt(r.get("bng_floor")), _fmt(r.get("bng_gap")) if r.get("bng_gap") is not None else
+                     TOO_FEW_MARK.strip() if small else "—",
+                     _spread(r.get("hcr"), r.get("hcr_interval"), small)
+                     + (" (above people: too uniform)" if r.get("hcr_above_people") else ""),
+                     _fmt(r.get("hcr_floor")),
                      # a small bucket's classifier reads its parent group's answers too (detectability.MIN_PROMPTS)
-                     _fmt(d.get("auc")) + (f" (within {d['pool']})" if d.get("backed_off") else ""),
-                     _interval(d.get("auc_interval")) if d.get("auc_interval") else small, _fmt(d.get("auc_floor")),
-                     _fmt(r.get("f1")),
+                     _spread(d.get("auc"), d.get("auc_interval"), small)
+                     + (f" (within {d['pool']})" if d.get("backed_off") else ""),
+                     _fmt(d.get("auc_floor")), _fmt(r.get("f1")),
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
-    return _table(["bucket", "rows", "support", "BNG", "BNG interval", "BNG human floor", "BNG gap", "HCR",
-                   "HCR interval", "HCR human floor", "detectability AUC", "AUC interval", "AUC human floor", "F1",
+    return _table(["bucket", "rows", "support", "BNG [interval]", "BNG human floor", "BNG gap", "HCR [interval]",
+                   "HCR human floor", "detectability AUC [interval]", "AUC human floor", "F1",
                    "features farthest from people (W1/std)"], rows)
 
 
@@ -409,8 +414,10 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                         "people against other people (0.5: it cannot tell; 1.0: it always can). It reads none "
                         "of the features behind BNG, HCR and the critic, so training cannot move it by matching "
                         "those.</p>")
+        small_note = (f"<p>{TOO_FEW_MARK.strip()} fewer than {bng.get('min_interval_rows')} test rows: no interval "
+                      "or gap.</p>" if bng.get("small_buckets") else "")
         sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html,
-                     "<h2>Per bucket</h2>", bucket_html]
+                     "<h2>Per bucket</h2>", bucket_html, small_note]
     if m["diversity"].get("overall"):
         diversity_html, _ = _diversity_table(m["diversity"]["overall"])
         measured = any(key.endswith("_interval") for key in m["diversity"]["overall"])
