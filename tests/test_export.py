@@ -137,25 +137,39 @@ def _with_system_turns(record, other, shape: str):
     return dataclasses.replace(record, history=leading + history)
 
 
-@pytest.mark.parametrize("name", ["polyalign", "qwen", "llama3", "gemma"])
+@pytest.mark.parametrize("name", ["polyalign", "qwen", "llama3", "gemma", "checkpoint gemma2"])
 def test_every_system_mode_and_profile_renders_a_users_system_messages_as_training_did(demo_run, demo_tokenizer, name):
     """A user's conversation with its own system messages (none, one or two opening it, one mid-way, one
     between two user turns) or two user turns in a row, rendered by the exported template with the
     profile's variables, is what training rendered from the same conversation, for every system mode
-    (keep, replace, drop) and profile."""
+    (keep, replace, drop) and profile. `checkpoint gemma2`: a checkpoint's own template that refuses
+    system messages (Gemma 2's official one), whose export folds them into user turns as training did."""
     from polyalign.model.export import export_template
-    from polyalign.tokens.chat import PROFILE_MODES, SYSTEM_MODES, profile_text, user_turn, with_system_prompt
+    from polyalign.tokens.chat import (
+        PROFILE_MODES,
+        SYSTEM_MODES,
+        JinjaTemplate,
+        profile_text,
+        user_turn,
+        with_system_prompt,
+    )
 
     tokenizer = demo_tokenizer[0]
-    template = get_template(name)
+    if name == "checkpoint gemma2":
+        template = JinjaTemplate((FIXTURES / "chat" / "templates" / "gemma2.jinja").read_text(encoding="utf-8"),
+                                 tokenizer)
+        assert not template.takes_system
+    else:
+        template = get_template(name)
     run, _, _ = demo_run
     records = read_records(run / "data" / "test.jsonl")[:24]
     shapes = ("none", "one", "two", "middle", "between", "doubled")
     refused = 0
     for system in SYSTEM_MODES:
         # the template's own BOS (a Llama or Gemma tokenizer's), as that tokenizer's config would give it
-        renderer = JinjaRenderer(export_template(template, system), {**tokenizer.template_tokens(),
-                                                                     "bos_token": template.bos or ""})
+        # (a checkpoint's template renders the tokenizer's own)
+        bos = {} if isinstance(template, JinjaTemplate) else {"bos_token": template.bos or ""}
+        renderer = JinjaRenderer(export_template(template, system), {**tokenizer.template_tokens(), **bos})
         for profile in PROFILE_MODES:
             for i, record in enumerate(records):
                 trained = _with_system_turns(record, records[-1 - i], shapes[i % len(shapes)])
@@ -176,7 +190,8 @@ def test_every_system_mode_and_profile_renders_a_users_system_messages_as_traini
                 except ChatTemplateError:
                     # Gemma folds a system message between two user turns into the second: training refuses
                     # the conversation (roles must alternate), and so do the export and serve
-                    assert name == "gemma" and shapes[i % len(shapes)] == "between" and system != "drop"
+                    assert name in ("gemma", "checkpoint gemma2") and shapes[i % len(shapes)] == "between" \
+                        and system != "drop"
                     refused += 1
                     for render in (lambda: renderer.render(conversation, add_generation_prompt=True),
                                    lambda: template.render(served, add_generation_prompt=True)):
@@ -187,7 +202,7 @@ def test_every_system_mode_and_profile_renders_a_users_system_messages_as_traini
                     assert template.render(served, add_generation_prompt=True) == expected, (system, profile, i)
                 for key in variables:
                     del renderer.variables[key]
-    assert refused == (2 * len(PROFILE_MODES) * len(records) // len(shapes) if name == "gemma" else 0)
+    assert refused == (2 * len(PROFILE_MODES) * len(records) // len(shapes) if "gemma" in name else 0)
 
 
 def test_a_checkpoint_template_is_exported_as_it_trained(json_tokenizer, tmp_path):

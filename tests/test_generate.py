@@ -228,28 +228,34 @@ def test_every_limit_and_sample_takes_records_in_file_order_and_says_when_it_ask
         select_records([], source)
 
 
-@pytest.mark.parametrize("template", ["built-in", "exported jinja"])
+@pytest.mark.parametrize("template", ["built-in", "exported jinja", "exported gemma2 jinja"])
 @pytest.mark.parametrize("system", ["keep", "replace", "drop"])
 def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, template, demo_run, demo_tokenizer,
                                                                    tmp_path):
     """A checkpoint exported from a build with `--system MODE` says so (polyalign_system); `prompts` and
     `generate` render every record as that build did, not always as `keep`: with a built-in template, and
     with the Jinja template an export carries (whose profile preamble must not compose the composed
-    conversation again: under replace and drop it would drop the profile prompt)."""
+    conversation again: under replace and drop it would drop the profile prompt). A template that refuses
+    system messages (Gemma 2's) gets them folded into user turns in `messages` too, as an engine applying
+    it needs them."""
     import dataclasses
     import shutil
 
     from polyalign.data.records import read_records
     from polyalign.generate.prompts import write_prompts
     from polyalign.model.export import export_template
-    from polyalign.tokens.chat import get_template, record_messages
+    from polyalign.tokens.chat import JinjaTemplate, fold_system, get_template, record_messages
     from polyalign.tokens.tokenizer import load_tokenizer
+    from tests.conftest import FIXTURES
 
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(demo_tokenizer[0].path.parent, checkpoint)
     config = {**json.loads((checkpoint / "tokenizer_config.json").read_text()), "polyalign_system": system}
     trained = get_template("polyalign")
-    if template == "exported jinja":  # as an export of a checkpoint with its own template writes it
+    if template == "exported gemma2 jinja":
+        trained = JinjaTemplate((FIXTURES / "chat" / "templates" / "gemma2.jinja").read_text(encoding="utf-8"),
+                                demo_tokenizer[0])
+    if template != "built-in":  # as an export of a checkpoint with its own template writes it
         config.pop("polyalign_chat_template")
         config["chat_template"] = export_template(trained, system)
     (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
@@ -264,8 +270,11 @@ def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, templ
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     for record, row in zip(records, rows):
         expected = record_messages(record, "context", with_response=False, system=system)
-        assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
-        assert (record.history[0]["text"] in row["messages"][0]["content"]) == (system == "keep")
+        sent = expected if trained.takes_system else [m for _, m in fold_system(expected)]
+        assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in sent]
+        assert trained.takes_system or all(m["role"] != "system" for m in row["messages"])
+        if trained.takes_system:  # (folded, the first message holds the user's own text too)
+            assert (record.history[0]["text"] in row["messages"][0]["content"]) == (system == "keep")
         assert row["prompt"] == trained.render(expected, add_generation_prompt=True)
         assert "Follow the target response profile" in row["prompt"]
 

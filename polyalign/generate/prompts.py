@@ -19,7 +19,14 @@ from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
-from polyalign.tokens.chat import PROFILE_MODES, choose_template, get_template, record_messages, trained_profile
+from polyalign.tokens.chat import (
+    PROFILE_MODES,
+    choose_template,
+    fold_system,
+    get_template,
+    record_messages,
+    trained_profile,
+)
 from polyalign.tokens.tokenizer import load_tokenizer
 
 
@@ -43,7 +50,9 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         with out.open("w", encoding="utf-8") as handle:
             for record in records:
                 messages = record_messages(record, profile, with_response=False, system=tokenizer.system_mode)
-                row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in messages],
+                # an engine applying a template that refuses system messages gets them folded, as trained
+                sent = messages if chat.takes_system else [m for _, m in fold_system(messages)]
+                row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in sent],
                        "prompt": chat.render(messages, add_generation_prompt=True)}
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
         summary = {"records": len(records), "template": name, "profile": profile, "system": tokenizer.system_mode,

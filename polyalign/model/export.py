@@ -50,8 +50,9 @@ SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 
 def export_template(template: ChatTemplate, system: str = "keep") -> str:
     """The chat_template an export carries: the training template behind the profile preamble of the
-    build's system mode (tokens/profile_template.py), written once however many exports are chained."""
-    return exported_source(template.jinja_source(), system)
+    build's system mode (tokens/profile_template.py), written once however many exports are chained; a
+    template that takes no system message gets them folded into user turns, as training folded them."""
+    return exported_source(template.jinja_source(), system, fold=not template.takes_system)
 
 
 def base_reference(base: str | None) -> str | None:

@@ -8,6 +8,7 @@ content and its end-of-turn token are the pieces a loss may cover.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -224,6 +225,10 @@ class ChatTemplate:
         pieces = self.pieces(probe, add_generation_prompt=True)
         return list(dict.fromkeys([p.text for p in pieces if p.special] + list(self.stop_tokens())))
 
+    # Whether the template's Jinja renders a system message (the built-in ones do, Gemma's by folding it
+    # into a user turn itself); a checkpoint's own template may refuse one (JinjaTemplate.takes_system).
+    takes_system = True
+
     def jinja_source(self) -> str:
         """The template as Jinja, rendering what this class renders (bos_token, eos_token as variables):
         what exports carry as their chat_template."""
@@ -359,6 +364,16 @@ class JinjaTemplate(ChatTemplate):
     def jinja_source(self) -> str:
         return self.source
 
+    @functools.cached_property
+    def takes_system(self) -> bool:  # type: ignore[override]
+        """False for a template that refuses a system message (Gemma 2's raises on one): polyalign folds
+        system messages into user turns for it (fold_system), and its export's preamble does the same."""
+        try:
+            self.renderer.render(as_dicts([Message("system", "s"), Message("user", "u")]), True)
+        except ChatTemplateError:
+            return False
+        return True
+
     def _end_of_turn(self, tokenizer: Tokenizer) -> str:
         """The special token that closes an assistant turn: the first one the template writes after it."""
         text, spans = self.locate_turns([Message("user", "ping"), Message("assistant", "pong")])
@@ -371,24 +386,32 @@ class JinjaTemplate(ChatTemplate):
         raise ChatTemplateError("the chat template ends an assistant turn with no special token, and the tokenizer "
                                 "has no EOS token to stop generation with")
 
+    def _as_is(self, messages: Sequence[Message]) -> bool:
+        """Whether to render `messages` unfolded: they hold no system message, or the template takes one.
+        A template that refuses a system message has every one folded, wherever it stands (Gemma 2's
+        accepts one mid-way, as a turn of a role the model never saw), which is what its export does."""
+        return self.takes_system or not any(m.role == "system" for m in messages)
+
     def locate_turns(self, messages: Sequence[Message]) -> tuple[str, dict[int, tuple[int, int]]]:
         """The rendering and the characters of each assistant turn it can locate, by message index."""
-        try:
-            return self.renderer.turn_spans(as_dicts(messages))
-        except ChatTemplateError:
-            if not any(m.role == "system" for m in messages):
-                raise
-            folded = fold_system(messages)
-            text, spans = self.renderer.turn_spans(as_dicts([m for _, m in folded]))
-            return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
+        if self._as_is(messages):
+            try:
+                return self.renderer.turn_spans(as_dicts(messages))
+            except ChatTemplateError:
+                if not any(m.role == "system" for m in messages):
+                    raise
+        folded = fold_system(messages)
+        text, spans = self.renderer.turn_spans(as_dicts([m for _, m in folded]))
+        return text, {folded[k][0]: span for k, span in spans.items()}  # indices of the unfolded messages
 
     def render(self, messages, add_generation_prompt=False):
-        try:
-            return self.renderer.render(as_dicts(messages), add_generation_prompt)
-        except ChatTemplateError:
-            if not any(m.role == "system" for m in messages):
-                raise
-            return self.renderer.render(as_dicts([m for _, m in fold_system(messages)]), add_generation_prompt)
+        if self._as_is(messages):
+            try:
+                return self.renderer.render(as_dicts(messages), add_generation_prompt)
+            except ChatTemplateError:
+                if not any(m.role == "system" for m in messages):
+                    raise
+        return self.renderer.render(as_dicts([m for _, m in fold_system(messages)]), add_generation_prompt)
 
     def pieces(self, messages, add_generation_prompt=False):
         if add_generation_prompt:

@@ -78,19 +78,53 @@ PROFILE_PREAMBLES_JINJA = {
         ("drop", "''", "messages | rejectattr('role', 'equalto', 'system') | list"))}
 
 
+# Written after the preamble for a training template that refuses system messages (Gemma 2's): every
+# system message folded into a user turn by chat.fold_system's rule, as training folded them: it opens
+# the next user turn (its text, a blank line, the user's), or, directly followed by an assistant turn or
+# by nothing, closes the user turn before it; with no user turn to take it, refused as training refuses.
+FOLD_SYSTEM_JINJA = (
+    "{#- polyalign: this template takes no system message; each one is folded into a user turn, as training "
+    "folded them. -#}\n"
+    "{%- set polyalign_fold = namespace(out=[], pending=[]) -%}\n"
+    "{%- macro polyalign_close() -%}\n"
+    "    {%- if not polyalign_fold.out or polyalign_fold.out[-1]['role'] != 'user' -%}\n"
+    "        {{- raise_exception('a system message with no user turn beside it to fold into (this template takes "
+    "no system message)') -}}\n"
+    "    {%- endif -%}\n"
+    "    {%- set polyalign_fold.out = polyalign_fold.out[:-1] + [{'role': 'user', 'content': "
+    "([polyalign_fold.out[-1]['content']] + polyalign_fold.pending) | join('\\n\\n')}] -%}\n"
+    "    {%- set polyalign_fold.pending = [] -%}\n"
+    "{%- endmacro -%}\n"
+    "{%- for message in messages -%}\n"
+    "    {%- if message['role'] == 'system' -%}\n"
+    "        {%- set polyalign_fold.pending = polyalign_fold.pending + [message['content']] -%}\n"
+    "    {%- elif polyalign_fold.pending and message['role'] == 'user' -%}\n"
+    "        {%- set polyalign_fold.out = polyalign_fold.out + [{'role': 'user', 'content': "
+    "(polyalign_fold.pending + [message['content']]) | join('\\n\\n')}] -%}\n"
+    "        {%- set polyalign_fold.pending = [] -%}\n"
+    "    {%- else -%}\n"
+    "        {%- if polyalign_fold.pending -%}{{- polyalign_close() -}}{%- endif -%}\n"
+    "        {%- set polyalign_fold.out = polyalign_fold.out + [message] -%}\n"
+    "    {%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if polyalign_fold.pending -%}{{- polyalign_close() -}}{%- endif -%}\n"
+    "{%- set messages = polyalign_fold.out -%}\n")
+
+
 def training_source(source: str) -> str:
     """A chat template without the profile preambles exports wrote before it (however many chained
     exports wrote, of this release or an earlier one): the template training rendered."""
     stripped = True
     while stripped:
         stripped = False
-        for preamble in (*PROFILE_PREAMBLES_JINJA.values(), _LEGACY_PREAMBLE):
+        for preamble in (*PROFILE_PREAMBLES_JINJA.values(), FOLD_SYSTEM_JINJA, _LEGACY_PREAMBLE):
             if source.startswith(preamble):
                 source, stripped = source[len(preamble):], True
     return source
 
 
-def exported_source(source: str, system: str = "keep") -> str:
+def exported_source(source: str, system: str = "keep", fold: bool = False) -> str:
     """The chat_template an export carries: the training template behind the preamble of the build's
-    system mode, written once."""
-    return PROFILE_PREAMBLES_JINJA[system] + training_source(source)
+    system mode, written once; `fold`: the template takes no system message, which the preamble then
+    folds into user turns (FOLD_SYSTEM_JINJA)."""
+    return PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "") + training_source(source)
