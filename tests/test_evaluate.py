@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import shutil
 
 import numpy as np
@@ -561,16 +562,19 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     out = capsys.readouterr().out
     assert ("note: support, records evaluated other test records or another support than a: their intervals are "
             "not compared (--allow-different-data compares them)") in out
-    rows = [line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if line.startswith("| ")]
-    verdicts = {(r.split(" | ")[0].strip("| "), r.split(" | ")[1]): r.split(" | ")[3].strip(" |") for r in rows
-                if " - a" in r}
-    assert verdicts[("same - a", "BNG macro")] == "within the intervals"
-    assert verdicts[("support - a", "BNG macro")] == "not compared: other support"
-    assert verdicts[("records - a", "BNG macro")] == "not compared: other test records"
+    verdicts = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["summary"]["differences"]
+    # every pair, the later run minus the earlier
+    assert list(verdicts) == ["same - a", "support - a", "records - a", "support - same", "records - same",
+                              "records - support"]
+    small = json.loads((tmp_path / "a" / "metrics.json").read_text())["metrics"]["bng"]["small_buckets"]
+    assert verdicts["same - a"]["BNG weighted"] == {"difference": 0.0, "verdict": "overlap"}
+    assert verdicts["same - a"]["BNG macro"]["verdict"] == ("not judged †" if small else "overlap")
+    assert verdicts["support - a"]["BNG weighted"]["verdict"] == "not compared: other support"
+    assert verdicts["records - a"]["BNG weighted"]["verdict"] == "not compared: other test records"
     assert main(["report", *folders, "--out", str(tmp_path / "cmp2"), "--allow-different-data"]) == 0
     assert "not compared" not in capsys.readouterr().out
     page = (tmp_path / "cmp2" / "report.md").read_text()
-    assert "not compared" not in page and "the intervals (other test records)" in page
+    assert "not compared" not in page and re.search(r"(overlap|apart) \(other test records\)", page)
     # two folders of one name get a column each, named by as much of their paths as tells them apart
     (tmp_path / "x").mkdir()
     shutil.copytree(tmp_path / "a", tmp_path / "x" / "a")
@@ -594,6 +598,29 @@ def test_intervals_are_shown_rounded_outward_so_they_hold_what_they_held():
     for low, high in np.sort(rng.uniform(-3, 3, (2000, 2)), axis=1):
         shown_low, shown_high = (float(x) for x in interval_text([low, high]).strip("[]").split(", "))
         assert shown_low <= low <= shown_low + 0.001 + 1e-12 and shown_high - 0.001 - 1e-12 <= high <= shown_high
+
+
+def test_differences_are_judged_on_intervals_except_macros_over_buckets_without_spread():
+    """Two runs' numbers are apart when their intervals do not overlap, overlap otherwise; a macro over
+    buckets too small for an interval of their own is not judged (its interval leaves out their noise),
+    while the row-weighted value is."""
+    from polyalign.reports.evaluation import _differences
+
+    def run(bng, small=()):
+        return {"config": {"records": "r.jsonl"}, "made_from": {"records": "sha256:1"},
+                "metrics": {"bng": {"overall_macro": bng, "macro_interval": [bng - 0.1, bng + 0.1],
+                                    "overall_weighted": bng, "weighted_interval": [bng - 0.3, bng + 0.3],
+                                    "small_buckets": list(small)},
+                            "utility": {"overall": {}}, "diversity": {"overall": {}}}}
+
+    _, _, verdicts = _differences({"a": run(1.0), "b": run(1.5), "c": run(1.5, ["en|single|qa|short"])}, False)
+    assert verdicts["b - a"]["BNG macro"]["verdict"] == "apart"  # [0.9, 1.1] and [1.4, 1.6]
+    assert verdicts["b - a"]["BNG weighted"]["verdict"] == "overlap"  # [0.7, 1.3] and [1.2, 1.8]
+    assert verdicts["b - a"]["BNG macro"]["difference"] == pytest.approx(0.5)
+    assert verdicts["c - a"]["BNG macro"]["verdict"] == "not judged †"
+    assert verdicts["c - a"]["BNG weighted"]["verdict"] == "overlap"
+    assert verdicts["c - b"]["BNG macro"] == {"difference": 0.0, "verdict": "not judged †"}
+    assert verdicts["b - a"]["F1"] == {"difference": None, "verdict": "no interval"}
 
 
 def test_per_bucket_table_says_which_detectability_numbers_come_from_a_parent_group():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,19 +312,44 @@ def _spread(value, interval, small: bool = False) -> str:
 TOO_FEW_MARK = " *"
 
 
-def _reference_rows(m: dict) -> tuple[str, str]:
-    """People and the no-model answers, measured as the model is."""
+def _model_row(name: str, m: dict) -> tuple[str, ...]:
+    """A run's answers in the table of people and no-model answers, measured as they are."""
     detect = m.get("detectability") or {}
-    rows = [("model", _spread(m["bng"]["overall_macro"], m["bng"].get("macro_interval")),
-             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
-             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
-             _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")))]
+    return (name, _spread(m["bng"]["overall_macro"], m["bng"].get("macro_interval")),
+            _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
+            _spread(detect.get("overall_macro"), detect.get("macro_interval")),
+            _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")))
+
+
+def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -> tuple[str, str]:
+    """People and the no-model answers, measured as the model is; `models`: (name, metrics) of several
+    runs of these test rows (a comparison), instead of this one's."""
+    rows = [_model_row(name, metrics) for name, metrics in (models or [("model", m)])]
     for name, row in m.get("reference_rows", {}).items():
         rows.append((name, *(_spread(row.get(key), row.get(f"{key}_interval"))
                               for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
     return _table(["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
                    "F1"], rows)
+
+
+def _baseline_notes(m: dict) -> str:
+    """A no-model answer that BNG ranks at or below people's own: BNG reads response features (length,
+    punctuation, word shapes), which repeating the prompt can match; the other numbers tell it apart."""
+    references = m.get("reference_rows") or {}
+    people = references.get("human") or {}
+    floor = people.get("bng_macro")
+    notes = []
+    for name, row in references.items():
+        if name == "human" or floor is None or row.get("bng_macro") is None or row["bng_macro"] > floor:
+            continue
+        detect = ("" if row.get("detectability_macro") is None else
+                  f"; detectability {_fmt(row['detectability_macro'])} (people "
+                  f"{_fmt(people.get('detectability_macro'))}) tells it from people's answers")
+        notes.append(f"{name}, a no-model answer, scores BNG {_fmt(row['bng_macro'])}, at or below people's own "
+                     f"{_fmt(floor)}: BNG reads the features of an answer (its length, punctuation, word shapes), "
+                     f"which repeating the prompt can match{detect}. Read BNG beside the other numbers.")
+    return "".join(f"<p>{html.escape(note)}</p>" for note in notes)
 
 
 DIVERSITY_COLUMNS = (("distinct_1", "Distinct-1"), ("distinct_2", "Distinct-2"), ("distinct_3", "Distinct-3"),
@@ -416,7 +442,7 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                         "those.</p>")
         small_note = (f"<p>{TOO_FEW_MARK.strip()} fewer than {bng.get('min_interval_rows')} test rows: no interval "
                       "or gap.</p>" if bng.get("small_buckets") else "")
-        sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html,
+        sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html, _baseline_notes(m),
                      "<h2>Per bucket</h2>", bucket_html, small_note]
     if m["diversity"].get("overall"):
         diversity_html, _ = _diversity_table(m["diversity"]["overall"])
@@ -448,23 +474,44 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
 
 
 def _separated(a: dict, b: dict, path: Sequence[str]) -> str:
-    """Whether two runs' intervals of one number overlap."""
+    """Whether two runs' intervals of one number are apart (a difference the resampling supports) or
+    overlap (it may be the test sample's noise)."""
     first, second = _get(a, path), _get(b, path)
     if not first or not second:
         return "no interval"
-    return "outside the intervals" if first[1] < second[0] or second[1] < first[0] else "within the intervals"
+    return "apart" if first[1] < second[0] or second[1] < first[0] else "overlap"
+
+
+@dataclass(frozen=True)
+class IntervalRow:
+    """A number of the differences table: where its value and interval are, and whether it is a macro
+    over buckets (one that counts a few-row bucket as much as any other)."""
+
+    name: str
+    value: tuple[str, ...]
+    interval: tuple[str, ...]
+    macro: bool = False
 
 
 INTERVAL_ROWS = (
-    ("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval")),
-    ("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval")),
-    ("Detectability AUC macro", ("detectability", "overall_macro"), ("detectability", "macro_interval")),
-    ("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
-    ("Distinct-2", ("diversity", "overall", "generated", "distinct_2"),
-     ("diversity", "overall", "generated_interval", "distinct_2")),
-    ("Self-BLEU-4", ("diversity", "overall", "generated", "self_bleu_4"),
-     ("diversity", "overall", "generated_interval", "self_bleu_4")),
+    IntervalRow("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval"), macro=True),
+    IntervalRow("BNG weighted", ("bng", "overall_weighted"), ("bng", "weighted_interval")),
+    IntervalRow("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval"), macro=True),
+    IntervalRow("HCR weighted", ("hcr", "overall_weighted"), ("hcr", "weighted_interval")),
+    IntervalRow("Detectability AUC macro", ("detectability", "overall_macro"), ("detectability", "macro_interval"),
+                macro=True),
+    IntervalRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
+    IntervalRow("Distinct-2", ("diversity", "overall", "generated", "distinct_2"),
+                ("diversity", "overall", "generated_interval", "distinct_2")),
+    IntervalRow("Self-BLEU-4", ("diversity", "overall", "generated", "self_bleu_4"),
+                ("diversity", "overall", "generated_interval", "self_bleu_4")),
 )
+NOT_JUDGED = "not judged †"
+
+
+def _small_buckets(run: dict) -> list[str]:
+    """The buckets with too few test rows for an interval of their own (the same for every macro)."""
+    return (run["metrics"].get("bng") or {}).get("small_buckets") or []
 
 
 def _data_of(run: dict, name: str) -> str | None:
@@ -479,25 +526,62 @@ def other_data(first: dict, run: dict) -> list[str]:
             if _data_of(first, name) != _data_of(run, name)]
 
 
-def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str, str]:
-    """Each run against the first on the numbers that carry intervals: the difference, and whether
-    the two intervals are apart (a difference a reader can rely on) or overlap. Between evaluations of
-    other test records or another support the intervals are not compared unless `allow_different_data`:
-    apart intervals there say nothing about the models."""
-    first_name, first = next(iter(runs.items()))
-    rows = []
-    for name, run in list(runs.items())[1:]:
-        differs = other_data(first, run)
-        for metric, value_path, interval_path in INTERVAL_ROWS:
-            a, b = _get(first["metrics"], value_path), _get(run["metrics"], value_path)
-            difference = "—" if a is None or b is None else f"{b - a:+.4f}"
-            verdict = _separated(first["metrics"], run["metrics"], interval_path)
-            if differs and not allow_different_data:
-                verdict = f"not compared: other {' and '.join(differs)}"
-            elif differs:
-                verdict += f" (other {' and '.join(differs)})"
-            rows.append((f"{name} - {first_name}", metric, difference, verdict))
-    return _table(["runs", "metric", "difference", "intervals"], rows)
+def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str, str, dict[str, dict]]:
+    """Every pair of runs (the later minus the earlier) on the numbers that carry intervals: the
+    difference, and whether the two intervals are apart or overlap. A macro is not judged where either
+    run has buckets too small for intervals (they count fully in it and carry no spread: its interval
+    understates the noise); the weighted value is. Between evaluations of other test records or another
+    support the intervals are not compared unless `allow_different_data`: apart intervals there say
+    nothing about the models. Returns the table (HTML, Markdown) and the verdicts by pair and number."""
+    names = list(runs)
+    rows, verdicts = [], {}
+    for i, earlier in enumerate(names):
+        for later in names[i + 1:]:
+            a, b = runs[earlier], runs[later]
+            differs = other_data(a, b)
+            small = bool(_small_buckets(a) or _small_buckets(b))
+            cells, pair = [], {}
+            for row in INTERVAL_ROWS:
+                x, y = _get(a["metrics"], row.value), _get(b["metrics"], row.value)
+                difference = None if x is None or y is None else y - x
+                verdict = _separated(a["metrics"], b["metrics"], row.interval)
+                if differs and not allow_different_data:
+                    verdict = f"not compared: other {' and '.join(differs)}"
+                elif row.macro and small and verdict != "no interval":
+                    verdict = NOT_JUDGED
+                elif differs:
+                    verdict += f" (other {' and '.join(differs)})"
+                pair[row.name] = {"difference": difference, "verdict": verdict}
+                cells.append("—" if difference is None else f"{difference:+.4f} {verdict}")
+            verdicts[f"{later} - {earlier}"] = pair
+            rows.append((f"{later} - {earlier}", *cells))
+    html_table, markdown = _table(["runs", *(row.name for row in INTERVAL_ROWS)], rows)
+    return html_table, markdown, verdicts
+
+
+def _plain(paragraph: str) -> str:
+    """A <p> of this module's, as Markdown text."""
+    return html.unescape(re.sub(r"</?(p|b)>", "", paragraph))
+
+
+def _differences_note(runs: dict[str, dict]) -> str:
+    """What the differences table's words mean, and which buckets keep a macro from being judged."""
+    levels = {(r["config"].get("intervals") or {}).get("level") for r in runs.values()} - {None}
+    level = f"{next(iter(levels)):.0%} " if len(levels) == 1 else ""
+    text = (f"Each cell: the later run's number minus the earlier's, and how their {level}bootstrap intervals lie: "
+            "apart (they do not overlap: a difference the resampling of the test answers supports) or overlap "
+            "(it may be the test sample's noise; overlapping intervals do not show the runs equal). "
+            "Macros count every bucket once; weighted numbers weigh each by its test rows.")
+    small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
+    if small:
+        shared = _same_in_every_run(list(small.values())) if len(small) == len(runs) else None
+        which = (", ".join(shared) if shared is not None else
+                 "; ".join(f"{name}: {', '.join(b)}" for name, b in small.items()))
+        rows = next(iter(runs.values()))["metrics"]["bng"].get("min_interval_rows")
+        text += (f" † not judged: the macros count buckets with fewer than {rows} test rows ({which}) as fully as "
+                 "any other, and their few answers carry no spread of their own, so a macro's interval understates "
+                 "its noise; the weighted columns weigh those buckets by their rows.")
+    return f"<p>{html.escape(text)}</p>"
 
 
 COMPARISON_RECORD = "comparison.json"
@@ -539,6 +623,9 @@ def _shared_rows(runs: dict[str, dict]) -> dict[str, int] | None:
 
 
 AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"}
+AGGREGATE_NOTE = ("Aggregate: the geometric mean of the parts measured, each on [0, 1] with higher better: "
+                  "clip(F1), 1/(1 + BNG macro), MAUVE and the NUF hypervolume; a comparison takes the parts every "
+                  "run measured alike. One number for a ranking; the rows above say why.")
 
 
 def _nuf_axes(runs: dict[str, dict]) -> list[str] | None:
@@ -608,7 +695,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     unequal = bool(differing)
     table_html, table_md = _table(header, rows)
     settings_html, settings_md = _table(["setting", *runs], settings_rows)
-    differences_html, differences_md = _differences(runs, allow_different_data)
+    differences_html, differences_md, verdicts = _differences(runs, allow_different_data)
+    differences_note = _differences_note(runs)
     first = next(iter(runs.values()))
     other = [name for name, run in list(runs.items())[1:] if other_data(first, run)]
     rows = _shared_rows(runs)
@@ -631,17 +719,26 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
                if unequal else "")
-    sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
-                 "<h2>Which differences the intervals support</h2>", differences_html]
+    aggregate_note = f"<p>{html.escape(AGGREGATE_NOTE)}</p>"
+    answers = []  # people and the no-model answers beside the runs, where all of them share those test rows
+    if not other and all(r["metrics"].get("buckets") for r in runs.values()):
+        answers_html, answers_md = _reference_rows(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
+        answers = [("<h2>Against people and no-model answers</h2>", answers_html + _baseline_notes(first["metrics"])),
+                   ("## Against people and no-model answers",
+                    answers_md + "\n" + _plain(_baseline_notes(first["metrics"])))]
+    sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html, aggregate_note,
+                 *(answers[0] if answers else ()),
+                 "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
                 + [_embedded(out / i) for i in images])
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
-                "## Overall", table_md,
-                "## Which differences the intervals support", differences_md, "".join(f"![{i}]({i})\n" for i in images)]
+                "## Overall", table_md, AGGREGATE_NOTE, *(answers[1] if answers else ()),
+                "## Which differences the intervals support", _plain(differences_note), differences_md,
+                "".join(f"![{i}]({i})\n" for i in images)]
     (out / "report.md").write_text("\n\n".join(part.strip("\n") for part in markdown) + "\n", encoding="utf-8")
     return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
-            "intervals_compared_across_data": allow_different_data, "out": str(out)}
+            "intervals_compared_across_data": allow_different_data, "differences": verdicts, "out": str(out)}
 
 
 def differing_settings(runs: dict[str, dict]) -> list[str]:
