@@ -707,6 +707,7 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
     p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_evaluate)
 
 
@@ -719,7 +720,8 @@ def _run_evaluate(args) -> int:
                               intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
                               diversity=not args.no_diversity, baselines=not args.no_baselines,
                               detectability=not args.no_detectability, dtype=args.dtype)
-    result = evaluate(args.records, args.predictions, args.out, options, overwrite=args.overwrite)
+    result = evaluate(args.records, args.predictions, args.out, options, overwrite=args.overwrite,
+                      progress=not args.no_progress)
     m, reasons = result["metrics"], result.get("not_available", {})
 
     def show(value, metric=None):

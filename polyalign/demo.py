@@ -234,7 +234,7 @@ def _evaluate(run: Path, settings: DemoSettings) -> str:
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method,
                           EvaluateOptions(allow_partial=True, references=run / "stats" / "references.json",
                                           support=run / "data" / "train.jsonl", featurizer=featurizer),
-                          overwrite=settings.overwrite)
+                          overwrite=settings.overwrite, progress=settings.progress)
         bng, floor = result["metrics"]["bng"]["overall_macro"], result["metrics"]["bng"].get("floor_macro")
         summaries.append(f"{method} F1 {result['metrics']['utility']['overall']['qa_f1']:.3f} "
                          f"BNG {'n/a' if bng is None else f'{bng:.2f}'}"

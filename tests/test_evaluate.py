@@ -391,7 +391,13 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     assert "<b>40 of 200 answers are empty</b>" in (tmp_path / "eval" / "report.html").read_text()
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval_ref"), "--compat", "reference"]) == 0
-    assert "200 rows (40 empty answers, kept in diversity, as the authors' code does)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "200 rows (40 empty answers, kept in diversity, as the authors' code does)" in printed.out
+    # a progress bar over the evaluation's parts (a log line each off a terminal), none with --no-progress
+    assert "evaluate: 7/7" in printed.err and "report" in printed.err.splitlines()[-1]
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "eval_ref2"), "--compat", "reference", "--no-progress", "--no-diversity"]) == 0
+    assert "evaluate:" not in capsys.readouterr().err
     reference = evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "ref", EvaluateOptions(compat="reference",
                                                                                                plots=False))
     assert reference["metrics"]["diversity"]["overall"]["generated"] == pytest.approx(

@@ -416,6 +416,13 @@ def test_qlora_trains_from_a_checkpoint_and_exports(built_run, demo_tokenizer, t
     got = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))["model.layers.0.mlp.gate_proj.weight"]
     np.testing.assert_allclose(got, dequantised + ALPHA / RANK * b @ a, atol=1e-6)
     assert merged.config.quantize is None and merged.config.lora is None
+    # both cards say the adapter learned against the NF4 base, which only OUT/model holds
+    card = (tmp_path / "out" / "model" / "README.md").read_text()
+    assert "| frozen base | quantised to nf4 in training (QLoRA); this folder's weights are that base, " \
+        "dequantised, with the adapter merged: what was trained |" in card
+    adapter_card = (tmp_path / "out" / "adapter" / "README.md").read_text()
+    assert "**The base was quantised to nf4 in training (QLoRA).**" in adapter_card
+    assert "`../model` is what was trained" in adapter_card and "frozen base |" not in adapter_card
 
 
 def test_an_adapter_peft_made_gives_peft_logits_and_our_export_reads_back(tmp_path):

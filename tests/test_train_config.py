@@ -594,6 +594,22 @@ def test_a_critic_ranking_held_out_pairs_backwards_is_warned_about():
     assert "warning" not in summary_line(result)
 
 
+def test_a_preference_run_says_which_numbers_are_its_last_batch_and_which_validation():
+    """The last step's batch (4 pairs) can read accuracy 1.000 where validation reads 0.818: the summary
+    names each; without an evaluation at the last step it shows the batch's alone."""
+    from polyalign.train.preference import summary_line
+
+    last = {"rewards/margin": 0.1636, "rewards/accuracy": 1.0, "val_rewards/margin": 0.0912,
+            "val_rewards/accuracy": 0.8182}
+    result = {"method": "dpo", "end_step": 4, "start_step": 0, "seconds": 9.0, "train_pairs": 86, "val_pairs": 22,
+              "last": last, "model": "out/model"}
+    line = summary_line(result).splitlines()[0]
+    assert line.endswith("on 86 pairs; last step's batch: reward margin 0.1636, accuracy 1.000; validation "
+                         "(22 pairs): reward margin 0.0912, accuracy 0.818"), line
+    result["last"] = {k: v for k, v in last.items() if not k.startswith("val_")}
+    assert summary_line(result).splitlines()[0].endswith("last step's batch: reward margin 0.1636, accuracy 1.000")
+
+
 def test_a_model_card_says_the_objective_and_the_data_it_was_trained_on():
     """training_card: SFT names its weighting (Bucket-SFT, plain or adaptive: their exports are otherwise
     alike), a preference method its pairs file (the default one under data.dir when none is set)."""

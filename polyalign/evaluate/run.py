@@ -22,6 +22,7 @@ from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
+from polyalign.core.progress import progress_bar
 from polyalign.core.scores import combined
 from polyalign.data.records import read_records
 from polyalign.evaluate import detectability as dt
@@ -135,12 +136,12 @@ SCORER_WITH_SUPPORT = ("--scorer and --support cannot be combined: the scorer's 
 
 
 def evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions = EvaluateOptions(),
-             overwrite: bool = False) -> dict[str, Any]:
+             overwrite: bool = False, progress: bool = False) -> dict[str, Any]:
     """Every metric of one predictions file. In the default mode every bucket is measured (small ones
     against their parent group's human answers), with its human floor and bootstrap intervals, and the
     no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code.
     EVAL/metrics.json records the settings and the inputs' digests; an evaluation made with other
-    settings is not replaced unless `overwrite`."""
+    settings is not replaced unless `overwrite`. `progress`: a bar over its parts, naming the one running."""
     if options.compat not in COMPAT_MODES:
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
     if options.featurizer is not None:
@@ -161,7 +162,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
     check_generated_from(Path(predictions_path), Path(records_path))
     with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
                       inputs=inputs):
-        return _evaluate(Path(records_path), Path(predictions_path), out, options, settings)
+        with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar:
+            return _evaluate(Path(records_path), Path(predictions_path), out, options, settings, bar)
 
 
 @dataclasses.dataclass
@@ -197,22 +199,38 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool) -> Jo
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
 
 
+# What the progress bar counts, in the order they run (the featurizer's and scorer's model runs are the
+# long parts where there is one).
+EVALUATION_PARTS = ("utility", "diversity", "BNG and HCR", "MAUVE", "detectability", "turn dynamics", "report")
+
+
 def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions,
-              settings: dict[str, Any]) -> dict[str, Any]:
+              settings: dict[str, Any], bar) -> dict[str, Any]:
     started = time.perf_counter()
+
+    def running(name: str) -> None:  # the part about to run: the ones before it are done
+        bar.update(EVALUATION_PARTS.index(name) - bar.n)
+        bar.set_postfix_str(name)
+
+    running("utility")
     joined = _join(records_path, predictions_path, options.allow_partial)
     scores = [utility_scores(p, g, options.tokenize) for p, g in zip(joined.predictions, joined.human)]
     utility = _utility(scores, joined)
+    running("diversity")
     div = _diversity_section(joined, options)
+    running("BNG and HCR")
     bng_metrics, hcr_metrics, bucket_reports, reference_rows = _naturalness(joined, scores, utility, options)
+    running("MAUVE")
     featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
     mauve_metrics = _mauve_section(joined, featurize)
+    running("detectability")
     detect = _detectability_section(joined, options, featurize)
     for name, row in detect.get("baselines", {}).items():
         reference_rows.setdefault(name, {}).update(row)
     if "human" in reference_rows and detect["status"] == "computed":
         reference_rows["human"] |= {"detectability_macro": detect["floor_macro"],
                                     "detectability_macro_interval": detect["floor_macro_interval"]}
+    running("turn dynamics")
     multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
     tdm = turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
                         [joined.predictions[i] for i in multi], [joined.records[i].bucket_id for i in multi],
@@ -228,8 +246,10 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
     result["config"]["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(_finite(result), indent=2, ensure_ascii=False) + "\n")
+    running("report")
     if options.plots:
         _write_report(result, joined, options.tokenize, out)
+    bar.update(len(EVALUATION_PARTS) - bar.n)
     return result
 
 

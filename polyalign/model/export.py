@@ -178,7 +178,11 @@ def training_card(config: Any) -> dict[str, Any]:
             "data": config.data.dir, "pairs": pairs,
             # SFT's objective: bucket (Bucket-SFT), uniform (plain SFT) or adaptive
             "weighting": getattr(config, "weighting", None), "steps": config.train.steps,
-            "training dtype": compute_dtype(config.model.dtype)}
+            "training dtype": compute_dtype(config.model.dtype),
+            # QLoRA: the adapter learned against the quantised base, which OUT/model holds dequantised
+            "frozen base": (f"quantised to {config.model.quantize} in training (QLoRA); this folder's weights are "
+                            "that base, dequantised, with the adapter merged: what was trained"
+                            if getattr(config.model, "quantize", None) else None)}
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
@@ -213,10 +217,17 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
               metadata={"format": "pt"})
     config = peft_config(model.config, base_reference(base))
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    rows = "".join(f"| {key} | {value} |\n" for key, value in (card or {}).items())
+    card = dict(card or {})
+    quantised = card.pop("frozen base", None)
+    rows = "".join(f"| {key} | {value} |\n" for key, value in card.items() if value is not None)
+    caveat = ("" if quantised is None else
+              f"\n**The base was {quantised.split(' (QLoRA)')[0]} (QLoRA).** The adapter learned against that "
+              "quantised base: on the full-precision base named above it gives other outputs than the model that "
+              "was trained. `../model` is what was trained (the quantised base, dequantised, with the adapter "
+              "merged); load the adapter onto the base only where that difference is acceptable.\n")
     (path / "README.md").write_text(f"# LoRA adapter (PEFT format)\n\n| | |\n|---|---|\n{rows}\n"
                                     "Load with `PeftModel.from_pretrained(base, this_folder)`; `../model` holds the "
-                                    "weights with the adapter merged.\n")
+                                    f"weights with the adapter merged.\n{caveat}")
 
 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,

@@ -277,7 +277,11 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
     trained = steps_phrase(result, steps_run(result))
-    return (f"{result['method']}: {trained} on {result['train_pairs']} pairs; reward margin "
-            f"{last.get('rewards/margin', float('nan')):.4f}, accuracy {last.get('rewards/accuracy', float('nan')):.3f}"
+    nan = float("nan")
+    # the last step's batch, then the validation pairs where the last step evaluated them
+    validation = (f"; validation ({result['val_pairs']} pairs): reward margin {last['val_rewards/margin']:.4f}, "
+                  f"accuracy {last.get('val_rewards/accuracy', nan):.3f}" if "val_rewards/margin" in last else "")
+    return (f"{result['method']}: {trained} on {result['train_pairs']} pairs; last step's batch: reward margin "
+            f"{last.get('rewards/margin', nan):.4f}, accuracy {last.get('rewards/accuracy', nan):.3f}{validation}"
             + (f" (round {result['round']} of {len(result['rounds'])})" if "rounds" in result else "")
             + f"\nmodel: {result['model']}")
