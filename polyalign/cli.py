@@ -284,8 +284,12 @@ def _run_build(args) -> int:
         repeats = "" if args.train_on == "last" or not counts["examples"] else (
             f"; {counts['trained_replies']} replies trained: with --train-on all each record also trains its "
             f"dialogue's earlier replies, so a reply is a target in {per_reply:.2f} records on average")
+        # with --truncation left a cut prompt loses its start: the profile prompt Bucket-SFT conditions on
+        lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, the profile "
+                "prompt; --truncation keep_system keeps it)" if counts.get("system_cut") else "")
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
-              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}{repeats}")
+              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}{lost}"
+              f"{repeats}")
     check = manifest["tokenizer_check"]
     if check["checked"] and not check["differing"]:
         print(f"tokenizer: {check['reader']} gives the same ids as polyalign on {check['probes']} probe texts")

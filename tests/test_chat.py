@@ -120,7 +120,8 @@ def test_cutoff_keeps_the_end_of_the_prompt_and_the_start_of_the_response(demo_t
     target_len = len(full.ids) - source_len
     cutoff = 2 * target_len + 2  # the whole response fits, the prompt is cut
     cut = encode_conversation(template, tokenizer, messages, cutoff=cutoff)  # left, METHOD's recipe
-    assert cut.truncated and len(cut.ids) == cutoff
+    assert cut.truncated and cut.system_cut and len(cut.ids) == cutoff  # the profile prompt's start went
+    assert not full.truncated and not full.system_cut
     np.testing.assert_array_equal(cut.ids, full.ids[-cutoff:])
     np.testing.assert_array_equal(cut.loss_mask, full.loss_mask[-cutoff:])
     # keep_system keeps the system message that opens the prompt (the profile prompt), then the latest tokens
@@ -129,13 +130,14 @@ def test_cutoff_keeps_the_end_of_the_prompt_and_the_start_of_the_response(demo_t
     budget = 2 * len(head) + target_len + 2  # the whole response, and a head within half of the prompt kept
     assert messages[0].role == "system" and budget < len(full.ids)
     kept = encode_conversation(template, tokenizer, messages, cutoff=budget, truncation="keep_system")
-    assert kept.truncated and len(kept.ids) == budget
+    assert kept.truncated and not kept.system_cut and len(kept.ids) == budget
     np.testing.assert_array_equal(kept.ids, np.concatenate([head, full.ids[-(budget - len(head)):]]))
     np.testing.assert_array_equal(kept.loss_mask, full.loss_mask[-budget:])  # the head carries no loss
     assert messages[0].content.strip() in tokenizer.decode(kept.ids[:len(head)])  # the profile prompt, whole
     # a head over half of what is kept is not kept: the prompt is cut from its start
-    np.testing.assert_array_equal(encode_conversation(template, tokenizer, messages, cutoff=len(head),
-                                                      truncation="keep_system").ids, full.ids[-len(head):])
+    headless = encode_conversation(template, tokenizer, messages, cutoff=len(head), truncation="keep_system")
+    np.testing.assert_array_equal(headless.ids, full.ids[-len(head):])
+    assert headless.system_cut
     tiny = encode_conversation(template, tokenizer, messages, cutoff=8)
     keep_source, keep_target = truncation_lengths(source_len, target_len, 8)
     assert len(tiny.ids) == 8 and tiny.loss_mask.sum() == keep_target

@@ -60,6 +60,12 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
         np.testing.assert_array_equal(example["loss_mask"].astype(bool), expected.loss_mask)
         assert manifest["buckets"][example["bucket"]] == record.bucket_id
         assert example["weight"] == pytest.approx(weights[record.bucket_id])
+    # the examples whose cut took their profile prompt's start (left truncation), counted as they encode
+    encoded = [encode_conversation(get_template("polyalign"), demo_tokenizer[0], record_messages(r, "context"),
+                                   cutoff=64) for r in records.values()]
+    train = manifest["splits"]["train"]
+    assert train["system_cut"] == sum(e.system_cut for e in encoded) > 0
+    assert train["truncated"] == sum(e.truncated for e in encoded) >= train["system_cut"]
     assert "tensorflow" not in sys.modules  # read and written without TensorFlow
 
 

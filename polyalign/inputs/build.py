@@ -59,8 +59,8 @@ PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
 SPLITS = ("train", "val")
-STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "truncated", "source_system_prompts",
-             "system_turns_in_history")
+STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "truncated", "system_cut",
+             "source_system_prompts", "system_turns_in_history")
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,8 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
     trained_replies = int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1])) if mask.size else 0
     counts = Counter(examples=1, tokens=len(encoded.ids), target_tokens=int(encoded.loss_mask.sum()),
                      trained_replies=trained_replies,
-                     truncated=int(encoded.truncated), source_system_prompts=int(source_system(record) is not None),
+                     truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
+                     source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
     return record.id, {
         "input_ids": encoded.ids,

@@ -47,6 +47,8 @@ class Encoded:
     ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]: True where the token is a training target
     truncated: bool = False
+    # the cut took the start of the system message that opens the prompt (the profile prompt)
+    system_cut: bool = False
 
 
 # --- records to messages --------------------------------------------------------------------------
@@ -573,7 +575,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     first = min(i for i, p in enumerate(pieces) if p.turn == last)
     source_ids, source_mask = encode_pieces(pieces[:first], tokenizer, labelled)
     target_ids, target_mask = encode_pieces(pieces[first:final + 1], tokenizer, labelled)
-    truncated = False
+    truncated = system_cut = False
     if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
         keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
         head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation == "keep_system" \
@@ -581,9 +583,9 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         start = len(source_ids) - (keep_source - head)
         source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
         target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
-        truncated = True
+        truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
-                   truncated)
+                   truncated, system_cut)
 
 
 def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
