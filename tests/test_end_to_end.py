@@ -74,6 +74,10 @@ def test_demo_prepare_and_stats(demo_run):
         assert f"src='data:image/png;base64,{inline}'" in html and (run / "stats" / png).stat().st_size > 10_000
         assert f"({png})</figcaption>" in html
     assert "| zh\\|multi\\|dialogue\\|short |" in (run / "stats/report.md").read_text(encoding="utf-8")
+    # each source's records with system messages of their own, as the manifest counts them
+    sample = next(s for s in manifest["sources"] if s["name"] == "polyalign_sample")["system_messages"]
+    assert sample["system_is_profile_prompt"] > 0
+    assert f"profile prompt (left out): {sample['system_is_profile_prompt']}</td>" in html
 
 
 def test_authors_sample_labels_are_reproduced_with_v1(tmp_path):

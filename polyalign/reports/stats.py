@@ -175,10 +175,16 @@ BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / 
 
 def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
     return [[s["name"], s["format"], str(s["read"]), str(s.get("records", "-")), str(s["kept"]),
-             ", ".join(f"{k}: {v}" for k, v in s["dropped"].items()) or "-"] for s in manifest["sources"]]
+             ", ".join(f"{k}: {v}" for k, v in s["dropped"].items()) or "-",
+             # records whose conversation carries system messages of its own (a chat export's system prompt),
+             # which the build composes with the profile prompt (--system)
+             ", ".join(f"{SYSTEM_MESSAGE_NAMES.get(k, k)}: {v}" for k, v in s.get("system_messages", {}).items())
+             or "-"] for s in manifest["sources"]]
 
 
-SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped"]
+SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped", "records with system messages"]
+SYSTEM_MESSAGE_NAMES = {"system_prompt": "opening", "system_turn_in_history": "later in the conversation",
+                        "system_is_profile_prompt": "polyalign's profile prompt (left out)"}
 
 
 def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
