@@ -327,6 +327,7 @@ def test_training_on_from_an_export_made_before_system_modes_keeps_one_preamble(
 
     class EarlierExport:
         name = "checkpoint"
+        takes_system = True
 
         def jinja_source(self):
             return profile_template._LEGACY_PREAMBLE + source
