@@ -162,8 +162,7 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
     check_generated_from(Path(predictions_path), Path(records_path))
     with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
                       inputs=inputs):
-        with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar:
-            return _evaluate(Path(records_path), Path(predictions_path), out, options, settings, bar)
+        return _evaluate(Path(records_path), Path(predictions_path), out, options, settings, progress)
 
 
 @dataclasses.dataclass
@@ -205,15 +204,23 @@ EVALUATION_PARTS = ("utility", "diversity", "BNG and HCR", "MAUVE", "detectabili
 
 
 def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions,
-              settings: dict[str, Any], bar) -> dict[str, Any]:
+              settings: dict[str, Any], progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
+    # the inputs are read before the bar starts: a bad row is one line, with no bar before it
+    joined = _join(records_path, predictions_path, options.allow_partial)
+    with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar:
+        return _measure(joined, out, options, settings, bar, started, records_path, predictions_path)
+
+
+def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict[str, Any], bar, started: float,
+             records_path: Path, predictions_path: Path) -> dict[str, Any]:
+    """Every metric of the joined rows, counted on `bar` part by part."""
 
     def running(name: str) -> None:  # the part about to run: the ones before it are done
         bar.update(EVALUATION_PARTS.index(name) - bar.n)
         bar.set_postfix_str(name)
 
     running("utility")
-    joined = _join(records_path, predictions_path, options.allow_partial)
     scores = [utility_scores(p, g, options.tokenize) for p, g in zip(joined.predictions, joined.human)]
     utility = _utility(scores, joined)
     running("diversity")
