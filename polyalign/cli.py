@@ -285,8 +285,10 @@ def _run_build(args) -> int:
             f"; {counts['trained_replies']} replies trained: with --train-on all each record also trains its "
             f"dialogue's earlier replies, so a reply is a target in {per_reply:.2f} records on average")
         # with --truncation left a cut prompt loses its start: the profile prompt Bucket-SFT conditions on
-        lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, the profile "
-                "prompt; --truncation keep_system keeps it)" if counts.get("system_cut") else "")
+        why = ("--truncation keep_system keeps it" if args.truncation == "left" else
+               "it took over half of the prompt's share of --max-length")  # keep_system keeps it within half
+        lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, where the "
+                f"profile prompt is; {why})" if counts.get("system_cut") else "")
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
               f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}{lost}"
               f"{repeats}")
@@ -577,8 +579,11 @@ def _run_generate(args) -> int:
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
     if summary["prompts_cut"]:
+        lost = summary.get("prompts_cut_system_lost", 0)
         print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
-              f"{args.max_prompt_tokens}: their oldest turns were cut (a system message is kept)")
+              f"{args.max_prompt_tokens}: their oldest turns were cut, "
+              + (f"and {lost} lost their opening system message (the profile prompt), which took over half of "
+                 "--max-prompt-tokens" if lost else "their opening system message kept"))
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "

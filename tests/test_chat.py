@@ -338,10 +338,15 @@ def test_a_prompt_over_its_budget_loses_its_oldest_turns_and_keeps_its_system_me
     cut = encode_prompt(template, json_tokenizer, messages, max_tokens=budget).tolist()
     assert len(cut) == budget and "Answer as the hotel desk would" in json_tokenizer.decode(cut)
     assert cut[:len(head)] == head and cut[len(head):] == full[len(full) - (budget - len(head)):]
-    # Gemma folds the system message into the first user turn: the prompt keeps its end only
+    # Gemma folds the system message into the first user turn: the prompt keeps that turn's start (BOS, its
+    # header, the system text), then its end (cut from its start, it lost all three)
     gemma = get_template("gemma")
     full = encode_prompt(gemma, json_tokenizer, messages).tolist()
-    assert encode_prompt(gemma, json_tokenizer, messages, max_tokens=budget).tolist() == full[-budget:]
+    cut = encode_prompt(gemma, json_tokenizer, messages, max_tokens=budget).tolist()
+    opening = json_tokenizer.decode(cut[:32])
+    assert opening.startswith("<bos><start_of_turn>user\nAnswer as the hotel desk would, briefly."), opening
+    head = next(i for i, (a, b) in enumerate(zip(cut, full)) if a != b)
+    assert len(cut) == budget and cut[head:] == full[len(full) - (budget - head):]
 
 
 def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_naming_the_ones_it_can_take(demo_run, tmp_path,

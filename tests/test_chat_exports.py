@@ -87,6 +87,36 @@ def test_rendering_equals_transformers_on_the_source_messages(case, export_run, 
     assert np.array_equal(both[0].ids, both[1].ids) and np.array_equal(both[0].loss_mask, both[1].loss_mask)
 
 
+@pytest.mark.parametrize("name", ["qwen", "llama3", "gemma"])
+def test_a_cut_prompt_keeps_its_system_message_in_every_template(name, export_run, bpe_tokenizer):
+    """Every export conversation cut to fewer tokens than it has keeps its latest tokens and, first, its
+    opening system message (the profile prompt): rendered alone where the template writes a system turn,
+    at the head of the first user turn where it folds it there (Gemma: BOS, the turn's header, the text;
+    a cut from the start lost all three)."""
+    from polyalign.tokens.chat import cut_prompt, system_head
+
+    _, records = export_run
+    template = get_template(name)
+    kept = 0
+    for case in (c for c in EXPORTS if c["template"] == name):
+        messages = record_messages(records[case["key"]], "context")[:-1]
+        whole = cut_prompt(template, bpe_tokenizer, messages, None).ids
+        # room for the system message in half of what is kept (its rendering: markers, Llama's dates)
+        budget = 2 * system_head(template, bpe_tokenizer, messages, whole.tolist(), 10 ** 9) + 8
+        if budget >= len(whole):
+            continue
+        ids, cut, lost = cut_prompt(template, bpe_tokenizer, messages, budget)
+        assert cut and not lost and len(ids) == budget
+        head = next(i for i in range(budget + 1) if i == budget or ids[i] != whole[i])
+        assert ids[head:].tolist() == whole[len(whole) - (budget - head):].tolist()  # the latest tokens
+        assert messages[0].content.strip() in bpe_tokenizer.decode(ids[:head].tolist()), case["key"]
+        kept += 1
+        tight = cut_prompt(template, bpe_tokenizer, messages, 8)  # no room for it: cut, and said to be lost
+        assert tight.cut and tight.system_lost and len(tight.ids) == 8
+    assert kept >= 2
+    assert name != "gemma" or template.bos in bpe_tokenizer.decode(ids[:head].tolist(), skip_special=False)
+
+
 def test_the_fixtures_hold_the_shapes_users_bring():
     keys = {case["key"] for case in EXPORTS}
     assert {case["template"] for case in EXPORTS} == {"qwen", "llama3", "gemma"}

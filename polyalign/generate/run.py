@@ -142,7 +142,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     prompts = [cut_prompt(chat, tokenizer, m, options.max_prompt_tokens) for m in messages]
     requests = [Request(ids, options.sampling if budgets is None else
                         dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
-                        seed=request_seed(record.id, options.seed)) for record, (ids, _) in zip(records, prompts)]
+                        seed=request_seed(record.id, options.seed)) for record, (ids, *_) in zip(records, prompts)]
     with progress_bar(total=len(records), progress=progress, desc="generate", unit="rec") as bar:
         completions = engine.generate(requests, progress=bar.update)
     rows = []
@@ -164,7 +164,9 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                # of them, the ones that decoded whitespace until the budget (the others ended the turn at once)
                "empty_at_budget": sum(1 for row in rows
                                       if not row["prediction"] and row["finish_reason"] == FINISH_LENGTH),
-               "prompts_cut": sum(cut for _, cut in prompts),  # oldest turns dropped (chat.py cut_prompt)
+               "prompts_cut": sum(p.cut for p in prompts),  # oldest turns dropped (chat.py cut_prompt)
+               # of them, the ones whose opening system message went too (over half of --max-prompt-tokens)
+               "prompts_cut_system_lost": sum(p.system_lost for p in prompts),
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],
                                                            [row["finish_reason"] for row in rows]),

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -592,31 +592,46 @@ def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequen
                   max_tokens: int | None = None) -> np.ndarray:
     """Token ids of a prompt that ends with the assistant header, ready for generation; one over
     `max_tokens` is cut as `cut_prompt` says."""
-    return cut_prompt(template, tokenizer, messages, max_tokens)[0]
+    return cut_prompt(template, tokenizer, messages, max_tokens).ids
+
+
+class CutPrompt(NamedTuple):
+    ids: np.ndarray  # int32
+    cut: bool  # longer than max_tokens: its oldest turns were cut
+    system_lost: bool  # cut, and its opening system message (the profile prompt) went with them
 
 
 def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
-               max_tokens: int | None) -> tuple[np.ndarray, bool]:
-    """(encode_prompt's ids, whether they were cut). A prompt over `max_tokens` keeps its end, and its
-    system message too where the template renders that first (the profile's instructions are what a long
-    conversation must not lose): the oldest turns are cut."""
+               max_tokens: int | None) -> CutPrompt:
+    """encode_prompt's ids, and what a cut took. A prompt over `max_tokens` keeps its end, and its opening
+    system message too (the profile's instructions are what a long conversation must not lose; system_head
+    says where it ends, and that it is kept only within half of `max_tokens`): the oldest turns are cut."""
     ids, _ = encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())
     cut = max_tokens is not None and len(ids) > max_tokens
+    lost = False
     if cut:
         head = system_head(template, tokenizer, messages, ids, max_tokens)
         ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
-    return np.asarray(ids, np.int32), cut
+        lost = head == 0 and messages[0].role == "system"
+    return CutPrompt(np.asarray(ids, np.int32), cut, lost)
 
 
 def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
                 budget: int) -> int:
     """How many of a prompt's first `ids` are its opening system message, as the template renders it alone:
-    what a cut prompt keeps before its latest turns. 0 when there is none, when the template folds it into
-    the first user turn (Gemma), or when it would take more than half of the `budget` of tokens kept."""
+    what a cut prompt keeps before its latest turns. A template that folds it into the first user turn
+    (Gemma) renders no system message alone: there the head is what the prompt shares with that turn
+    holding the system text alone (BOS, the turn's header, the system text). 0 when there is none, or
+    when it would take more than half of the `budget` of tokens kept."""
     if not messages or messages[0].role != "system":
         return 0
     try:
         head, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
-    except ChatTemplateError:  # a template that folds it into the first user turn
-        return 0
+    except ChatTemplateError:  # folded into the first user turn: the prefix before the user's own text
+        try:
+            alone, _ = encode_pieces(template.pieces([messages[0], Message("user", "")]), tokenizer, set())
+        except ChatTemplateError:
+            return 0
+        shared = next((i for i, (a, b) in enumerate(zip(alone, ids)) if a != b), min(len(alone), len(ids)))
+        head = list(ids[:shared])
     return len(head) if list(ids[:len(head)]) == head and len(head) <= budget // 2 else 0
