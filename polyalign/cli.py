@@ -757,7 +757,8 @@ def _run_evaluate(args) -> int:
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "
               f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} against a human floor of "
-              f"{show(detect.get('floor_macro'))} over {detect['buckets']} buckets")
+              f"{show(detect.get('floor_macro'))} {_bracket(detect.get('floor_macro_interval'))} over "
+              f"{detect['buckets']} buckets")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
 

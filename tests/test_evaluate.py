@@ -474,6 +474,13 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     assert "compat: cjk | cjk | reference" in note and "support: the test records' own answers | train.jsonl (" in note
     assert "intervals: 200 draws, seed 0 | 200 draws, seed 0 | none" in note and "test rows" not in note
     assert "compat: cjk | cjk | reference" in (tmp_path / "cmp" / "report.html").read_text()
+    assert "featurizer" not in note  # none ran in any
+    # another featurizer is another measure of MAUVE and hidden-state detectability: said as a setting
+    from polyalign.reports.evaluation import differing_settings
+
+    runs = {n: json.loads((tmp_path / n / "metrics.json").read_text()) for n in "ab"}
+    runs["b"]["config"]["featurizer"] = "/runs/demo/sft/model"
+    assert "featurizer: none | /runs/demo/sft/model" in differing_settings(runs)
     # The overall table: each run's number with its interval, and people's own number (the human floor)
     # beside it, one where every run measured people alike, each run's where they did not.
     metrics = {n: json.loads((tmp_path / n / "metrics.json").read_text())["metrics"] for n in "abc"}
@@ -576,6 +583,9 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     assert verdicts["same - a"]["BNG weighted"] == {"difference": 0.0, "verdict": "overlap"}
     assert verdicts["same - a"]["BNG macro"]["verdict"] == ("not judged †" if small else "overlap")
     assert verdicts["support - a"]["BNG weighted"]["verdict"] == "not compared: other support"
+    # F1, diversity and detectability read the test rows alone: another support leaves them comparable
+    assert verdicts["support - a"]["F1"]["verdict"] in ("overlap", "apart")
+    assert verdicts["records - a"]["F1"]["verdict"] == "not compared: other test records"
     assert verdicts["records - a"]["BNG weighted"]["verdict"] == "not compared: other test records"
     assert main(["report", *folders, "--out", str(tmp_path / "cmp2"), "--allow-different-data"]) == 0
     assert "not compared" not in capsys.readouterr().out
@@ -627,6 +637,28 @@ def test_differences_are_judged_on_intervals_except_macros_over_buckets_without_
     assert verdicts["c - a"]["BNG weighted"]["verdict"] == "overlap"
     assert verdicts["c - b"]["BNG macro"] == {"difference": 0.0, "verdict": "not judged †"}
     assert verdicts["b - a"]["F1"] == {"difference": None, "verdict": "no interval"}
+
+
+def test_the_frontier_draws_the_area_each_run_dominates_and_names_its_naturalness_axis(tmp_path, monkeypatch):
+    """A frontier is the edge of the area its points dominate (its hypervolume), a one-point frontier a
+    box; the axis names C-MAUVE where a featurizer ran."""
+    import matplotlib.pyplot as plt
+
+    from polyalign.reports import evaluation
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    runs = {"a": {"frontier": [[0.1, 0.8], [0.3, 0.5]], "hypervolume": 0.14, "points": {}},
+            "b": {"frontier": [[0.2, 0.6]], "hypervolume": 0.12, "points": {}}}
+    evaluation._frontier(runs, tmp_path / "f.png", components={
+        "a": {"naturalness_components": ["1/(1+BNG)", "C-MAUVE"]}, "b": {"naturalness_components": ["1/(1+BNG)"]}})
+    ax = figures[0].axes[0]
+    edges = [list(zip(*line.get_data())) for line in ax.lines]
+    assert edges == [[(0.0, 0.8), (0.1, 0.8), (0.1, 0.5), (0.3, 0.5), (0.3, 0.0)],
+                     [(0.0, 0.6), (0.2, 0.6), (0.2, 0.0)]]
+    assert ax.get_ylabel() == ("naturalness (higher is more human-like)\n1/(1+BNG) or 1/(1+BNG) x C-MAUVE, "
+                               "geometric mean")
+    close(figures[0])
 
 
 def test_per_bucket_table_says_which_detectability_numbers_come_from_a_parent_group():

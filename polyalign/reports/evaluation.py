@@ -171,7 +171,11 @@ def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path,
     return _save(fig, path)
 
 
-def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False) -> str:
+def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False,
+              components: dict[str, dict] | None = None) -> str:
+    """The naturalness-utility frontier of each run (`runs`: name -> its NUF overall section);
+    `components`: name -> its NUF section, whose naturalness_components name the axis."""
+    components = components or {}
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for k, (name, nuf) in enumerate(runs.items()):
         color = f"C{k}"  # a run's points and its frontier in one colour
@@ -182,12 +186,20 @@ def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False) -> 
         if label_points:
             for bucket, p in points.items():
                 ax.annotate(bucket, (p["utility"], p["naturalness"]), fontsize=5, alpha=0.8)
-        front = nuf.get("frontier") or []
+        front = sorted(nuf.get("frontier") or [])
         if front:
-            ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=color,
-                    label=f"{name} (HV {_fmt(nuf.get('hypervolume'))})")
+            # the edge of the area the frontier dominates (its hypervolume): from the naturalness axis across
+            # and down each step to the utility axis, so that a one-point frontier draws its box too
+            edge = [(0.0, front[0][1])]
+            for i, (x, y) in enumerate(front):
+                edge += [(x, y)] + ([(x, front[i + 1][1])] if i + 1 < len(front) else [(x, 0.0)])
+            ax.plot(*zip(*edge), color=color, label=f"{name} (HV {_fmt(nuf.get('hypervolume'))})")
     ax.set_xlabel("utility (F1, higher is better)")
-    ax.set_ylabel("naturalness 1/(1 + BNG) (higher is more human-like)")
+    # the naturalness axis: 1/(1 + BNG), with C-MAUVE beside it (geometric mean) where a featurizer ran;
+    # a bucket too small for C-MAUVE has 1/(1 + BNG) alone
+    axes = sorted({" x ".join(nuf.get("naturalness_components") or ["1/(1+BNG)"]) for nuf in components.values()})
+    ax.set_ylabel("naturalness (higher is more human-like)\n" + " or ".join(axes)
+                  + (", geometric mean" if any(" x " in a for a in axes) else ""), fontsize=8)
     # axes from 0 to a little past the farthest point: small F1s on a fixed 0-1 axis crowd into its corner
     xs = [p["utility"] for nuf in runs.values() for p in (nuf.get("points") or {}).values()] or [1.0]
     ys = [p["naturalness"] for nuf in runs.values() for p in (nuf.get("points") or {}).values()] or [1.0]
@@ -464,7 +476,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                       "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
         images.append(_bucket_bars({k: v for k, v in per_bucket.items() if v}, "Per bucket", out / "buckets.png"))
     images += [_length_distributions(human_lengths, generated_lengths, buckets, out / "lengths.png"),
-               _frontier({"run": m["nuf"]["overall"]}, out / "frontier.png", label_points=True)]
+               _frontier({"run": m["nuf"]["overall"]}, out / "frontier.png", label_points=True,
+                         components={"run": m["nuf"]})]
     sections += [_embedded(out / i) for i in images]
     if samples:
         sections += ["<h2>Sample answers beside a human one</h2>", _samples(samples)]
@@ -491,13 +504,14 @@ class IntervalRow:
     value: tuple[str, ...]
     interval: tuple[str, ...]
     macro: bool = False
+    support: bool = False  # measured against the human support (BNG, HCR); the others read the test rows alone
 
 
 INTERVAL_ROWS = (
-    IntervalRow("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval"), macro=True),
-    IntervalRow("BNG weighted", ("bng", "overall_weighted"), ("bng", "weighted_interval")),
-    IntervalRow("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval"), macro=True),
-    IntervalRow("HCR weighted", ("hcr", "overall_weighted"), ("hcr", "weighted_interval")),
+    IntervalRow("BNG macro", ("bng", "overall_macro"), ("bng", "macro_interval"), macro=True, support=True),
+    IntervalRow("BNG weighted", ("bng", "overall_weighted"), ("bng", "weighted_interval"), support=True),
+    IntervalRow("HCR macro", ("hcr", "overall_macro"), ("hcr", "macro_interval"), macro=True, support=True),
+    IntervalRow("HCR weighted", ("hcr", "overall_weighted"), ("hcr", "weighted_interval"), support=True),
     IntervalRow("Detectability AUC macro", ("detectability", "overall_macro"), ("detectability", "macro_interval"),
                 macro=True),
     IntervalRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
@@ -538,10 +552,10 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
     for i, earlier in enumerate(names):
         for later in names[i + 1:]:
             a, b = runs[earlier], runs[later]
-            differs = other_data(a, b)
             small = bool(_small_buckets(a) or _small_buckets(b))
             cells, pair = [], {}
             for row in INTERVAL_ROWS:
+                differs = [d for d in other_data(a, b) if row.support or d != "support"]
                 x, y = _get(a["metrics"], row.value), _get(b["metrics"], row.value)
                 difference = None if x is None or y is None else y - x
                 verdict = _separated(a["metrics"], b["metrics"], row.interval)
@@ -687,10 +701,18 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                          for cell, axis in zip(cells, axes)), human) if name == "NUF hypervolume" else
                 (name, *cells, human) for name, *cells, human in rows]
     rows.append((*_aggregate_row(runs), "—"))
-    settings_rows = [("test rows", *(str(r["alignment"]["evaluated"]) for r in runs.values())),
+    settings_rows = [("test rows", *(f"{r['alignment']['evaluated']}"
+                                     + (f" of {r['alignment']['records']} (partial: the ones with predictions)"
+                                        if r["alignment"].get("partial") else "") for r in runs.values())),
+                     # empty answers: scored by F1 and BNG, left out of (or, compat reference, kept in) diversity
+                     ("empty answers", *(str((r.get("answers") or {}).get("empty", 0)) for r in runs.values())),
+                     ("featurizer", *("/".join(Path(r["config"]["featurizer"]).parts[-2:])
+                                      if r["config"].get("featurizer") else "none" for r in runs.values())),
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
-                     ("MAUVE", *(str(r["metrics"]["mauve"]["status"]) for r in runs.values()))]
+                     ("MAUVE", *(str(r["metrics"]["mauve"]["status"])
+                                 + (" (noisy: few answers)" if r["metrics"]["mauve"].get("note") else "")
+                                 for r in runs.values()))]
     differing = differing_settings(runs)
     unequal = bool(differing)
     table_html, table_md = _table(header, rows)
@@ -715,11 +737,19 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      "Detectability AUC per bucket (0.5: as people; lower is more human-like)",
                      out / "detectability_by_bucket.png", _shared_floor(runs, "detectability"), rows,
                      _bucket_intervals(runs, "detectability")),
-        _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png"),
+        _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png",
+                  components={n: r["metrics"]["nuf"] for n, r in runs.items()}),
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
                if unequal else "")
-    aggregate_note = f"<p>{html.escape(AGGREGATE_NOTE)}</p>"
+    small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
+    overall_note = AGGREGATE_NOTE + (
+        f" Macros count every bucket once, the ones with fewer than "
+        f"{first['metrics']['bng'].get('min_interval_rows')} test rows too "
+        f"({'; '.join(f'{n}: {len(b)}' for n, b in small.items())}), whose few answers carry no spread of their "
+        "own: those macros' intervals understate their noise (the differences below do not judge them)."
+        if small else "")
+    aggregate_note = f"<p>{html.escape(overall_note)}</p>"
     answers = []  # people and the no-model answers beside the runs, where all of them share those test rows
     if not other and all(r["metrics"].get("buckets") for r in runs.values()):
         answers_html, answers_md = _reference_rows(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
@@ -733,7 +763,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
-                "## Overall", table_md, AGGREGATE_NOTE, *(answers[1] if answers else ()),
+                "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]
     (out / "report.md").write_text("\n\n".join(part.strip("\n") for part in markdown) + "\n", encoding="utf-8")
@@ -760,6 +790,9 @@ def differing_settings(runs: dict[str, dict]) -> list[str]:
         ("intervals", lambda r: "none" if not r["config"].get("intervals") else
          f"{r['config']['intervals']['draws']} draws, seed {r['config']['intervals']['seed']}"),
         ("MAUVE", lambda r: r["metrics"]["mauve"]["status"]),
+        # MAUVE, C-MAUVE and hidden-state detectability read this model's hidden states: another featurizer,
+        # another measure
+        ("featurizer", lambda r: r["config"].get("featurizer") or "none"),
     ]
     out = []
     for name, value_of in checks:
