@@ -299,6 +299,8 @@ def _run_build(args) -> int:
         print(f"tokenizer: {check['reason']}")
     for warning in manifest["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
+    print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
+          f"{options.system}, truncation {options.truncation}")
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")
     return 0
 

@@ -420,6 +420,7 @@ def test_qlora_trains_from_a_checkpoint_and_exports(built_run, demo_tokenizer, t
     card = (tmp_path / "out" / "model" / "README.md").read_text()
     assert "| frozen base | quantised to nf4 in training (QLoRA); this folder's weights are that base, " \
         "dequantised, with the adapter merged: what was trained |" in card
+    assert "| adapters | LoRA rank 4, alpha " in card and "merged into this folder's weights" in card
     adapter_card = (tmp_path / "out" / "adapter" / "README.md").read_text()
     assert "**The base was quantised to nf4 in training (QLoRA).**" in adapter_card
     assert "`../model` is what was trained" in adapter_card and "frozen base |" not in adapter_card

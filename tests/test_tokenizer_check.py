@@ -83,6 +83,9 @@ def test_build_compares_transformers_ids_on_the_records(sample_data, json_tokeni
     check = manifest["tokenizer_check"]
     assert check["checked"] and check["differing"] == 0 and check["probes"] >= 64, check
     assert f"gives the same ids as polyalign on {check['probes']} probe texts" in out and "probe texts" not in err
+    # what the examples were rendered with, as chosen (the tokenizer names no template: its family's, polyalign)
+    assert (f"rendered with chat template {manifest['template']}, profile context, system messages keep, "
+            "truncation left") in out
 
 
 def test_build_warns_when_transformers_reads_other_ids(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch):

@@ -66,6 +66,10 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
     train = manifest["splits"]["train"]
     assert train["system_cut"] == sum(e.system_cut for e in encoded) > 0
     assert train["truncated"] == sum(e.truncated for e in encoded) >= train["system_cut"]
+    # examples the cut left nothing to train on are counted, and warned about where there are any
+    assert train["untrained"] == sum(not e.loss_mask.any() for e in encoded)
+    said = [w for w in manifest["warnings"] if "keep no token to train on" in w]
+    assert len(said) == sum(split["untrained"] > 0 for split in manifest["splits"].values())
     assert "tensorflow" not in sys.modules  # read and written without TensorFlow
 
 

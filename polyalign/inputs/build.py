@@ -59,7 +59,7 @@ PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
 SPLITS = ("train", "val")
-STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "truncated", "system_cut",
+STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
              "source_system_prompts", "system_turns_in_history")
 
 
@@ -264,7 +264,7 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
     # replies with loss in this example: one with --train-on last, every assistant turn left after the cut with all
     trained_replies = int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1])) if mask.size else 0
     counts = Counter(examples=1, tokens=len(encoded.ids), target_tokens=int(encoded.loss_mask.sum()),
-                     trained_replies=trained_replies,
+                     trained_replies=trained_replies, untrained=int(not mask.any()),
                      truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
@@ -310,7 +310,7 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         "bucket_weights": {b: table.weight(b) for b in table.index},
         "weight_options": {**asdict(table.options), "source": table.source},
         "train_bucket_counts": table.train_counts,
-        "warnings": list(warnings),
+        "warnings": [*warnings, *untrained_warnings(stats, options.max_length)],
         "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
         "settings": asdict(options),
         "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST),
@@ -319,6 +319,14 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
     }
     (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
+
+
+def untrained_warnings(stats: dict[str, Counter], max_length: int) -> list[str]:
+    """A split with examples that keep no trained token (at a very short --max-length the prompt's share
+    leaves the reply none): they cost a row each and teach nothing."""
+    return [f"{stats[split]['untrained']} of {stats[split]['examples']} {split} examples keep no token to train on "
+            f"at --max-length {max_length} (their reply was cut away); a longer --max-length keeps them"
+            for split in SPLITS if stats[split]["untrained"]]
 
 
 def split_bucket_counts(run: Path, split: str) -> Counter | None:

@@ -173,12 +173,15 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
 def training_card(config: Any) -> dict[str, Any]:
     """The model card's rows from a training config."""
     pairs = config.pair_files()["pairs"] if hasattr(config, "pair_files") else None  # the preference methods'
+    lora = getattr(config.model, "lora", None)
     return {"method": config.method,
             "base": base_reference(config.init) or f"trained from scratch (preset {config.model.preset})",
             "data": config.data.dir, "pairs": pairs,
             # SFT's objective: bucket (Bucket-SFT), uniform (plain SFT) or adaptive
             "weighting": getattr(config, "weighting", None), "steps": config.train.steps,
             "training dtype": compute_dtype(config.model.dtype),
+            "adapters": (f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; merged into "
+                         "this folder's weights (OUT/adapter holds them apart)" if lora and lora.rank else None),
             # QLoRA: the adapter learned against the quantised base, which OUT/model holds dequantised
             "frozen base": (f"quantised to {config.model.quantize} in training (QLoRA); this folder's weights are "
                             "that base, dequantised, with the adapter merged: what was trained"
@@ -219,6 +222,7 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     card = dict(card or {})
     quantised = card.pop("frozen base", None)
+    card.pop("adapters", None)  # the model card's row, said of OUT/model
     rows = "".join(f"| {key} | {value} |\n" for key, value in card.items() if value is not None)
     caveat = ("" if quantised is None else
               f"\n**The base was {quantised.split(' (QLoRA)')[0]} (QLoRA).** The adapter learned against that "

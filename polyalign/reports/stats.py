@@ -182,7 +182,8 @@ def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
              or "-"] for s in manifest["sources"]]
 
 
-SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped", "records with system messages"]
+SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped",
+                 "records with system messages (as read, before dedup)"]
 SYSTEM_MESSAGE_NAMES = {"system_prompt": "opening", "system_turn_in_history": "later in the conversation",
                         "system_is_profile_prompt": "polyalign's profile prompt (left out)"}
 
