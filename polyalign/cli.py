@@ -761,6 +761,8 @@ def _run_evaluate(args) -> int:
               f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} against a human floor of "
               f"{show(detect.get('floor_macro'))} {_bracket(detect.get('floor_macro_interval'))} over "
               f"{detect['buckets']} buckets")
+    elif detect.get("reason"):
+        print(f"detectability skipped ({detect['reason']})")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
 

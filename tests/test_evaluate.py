@@ -442,6 +442,7 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
                  str(tmp_path / "ref"), "--compat", "reference"]) == 0
     out = capsys.readouterr().out
     assert "TDM n/a (no multi-turn test rows)" in out and "MAUVE skipped (no --featurizer model was given)" in out
+    assert "detectability skipped (--compat reference computes the authors' metrics only)" in out
 
 
 def test_a_scorer_beside_a_support_is_refused_before_any_work(demo_run, tmp_path, capsys):
