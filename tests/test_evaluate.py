@@ -252,7 +252,7 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
 
     assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp")]) == 0
     markdown = (tmp_path / "cmp" / "report.md").read_text()
-    assert "| test rows | 297 | 300 |" in markdown and "| F1 |" in markdown
+    assert "| test rows | 297 of 300 (partial: the ones with predictions) | 300 |" in markdown and "| F1 |" in markdown
     assert "differ in test rows: 297 | 300" in (tmp_path / "cmp" / "report.html").read_text()
 
 
