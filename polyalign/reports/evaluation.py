@@ -275,8 +275,7 @@ def _with_interval(metrics: dict, path: Sequence[str] | None, interval: Sequence
     value = _get(metrics, path) if path else None
     if value is None:
         return None
-    spread = _get(metrics, interval) if interval else None
-    return _fmt(value) + (f" {_interval(spread)}" if spread else "")
+    return _spread(value, _get(metrics, interval) if interval else None)
 
 
 def _human_cell(runs: Sequence[dict], row: OverallRow, names: Sequence[str]) -> str:
