@@ -96,7 +96,8 @@ def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(d
     local_build_manifest = build(local_run, options, progress=False)
     beam_build_manifest = beam_build(beam_run, options)
     assert beam_build_manifest["engine"]["name"] == "beam"
-    for key in ("buckets", "bucket_weights", "train_bucket_counts", "splits", "vocab_size", "template"):
+    for key in ("buckets", "bucket_weights", "train_bucket_counts", "splits", "train_profile_values", "vocab_size",
+                "template"):
         assert beam_build_manifest[key] == local_build_manifest[key], key
     for split in ("train", "val"):
         local_rows = dataset_rows(local_run, split)

@@ -21,7 +21,18 @@ from polyalign.tokens.chat import (
     record_messages,
     system_prompt,
 )
-from tests.chat_exports import camrest_dialogues, camrest_goal, openai_rows, sharegpt_rows, tool_row, write_jsonl
+from tests.chat_exports import (
+    camrest_dialogues,
+    camrest_goal,
+    camrest_messages,
+    crosswoz_dialogues,
+    crosswoz_messages,
+    crosswoz_tasks,
+    openai_rows,
+    sharegpt_rows,
+    tool_row,
+    write_jsonl,
+)
 from tests.conftest import FIXTURES, write_bpe_tokenizer, write_config
 
 EXPORTS = json.loads((FIXTURES / "chat" / "exports.json").read_text(encoding="utf-8"))
@@ -189,6 +200,62 @@ def test_sharegpt_system_field_is_the_system_prompt(tmp_path):
         messages = record_messages(record, "context")
         assert messages[0].role == "system" and messages[0].content.startswith(record.history[0]["text"])
         assert [m.role for m in messages[1:]][::2] == ["user"] * (len(messages[1:]) // 2)
+
+
+def system_everywhere_rows() -> list[dict]:
+    """OpenAI rows with system messages wherever a conversation can hold one: none opening it, one
+    between a question and its reply (first turn and later), two in a row, one after a reply; English
+    (CamRest676 goals) and Chinese (CrossWOZ task descriptions)."""
+    rows = []
+    for i, dialogue in enumerate(camrest_dialogues(2, start=20)):
+        goal, body = camrest_goal(dialogue), camrest_messages(dialogue, 6)
+        system = [{"role": "system", "content": text} for text in goal]
+        if i == 0:  # user, system, assistant, ...: no opening system message
+            messages = [body[0], system[0], *body[1:]]
+        else:  # opening, two between the second question and its reply, one after a reply
+            messages = [system[0], *body[:3], *system[1:3], *body[3:4], system[-1], *body[4:]]
+        rows.append({"id": f"everywhere-{dialogue['dialogue_id']}", "messages": messages})
+    # one between the first question and its reply, one between the third question and its reply
+    dialogue_id, dialogue = next((k, d) for k, d in crosswoz_dialogues(20, start=3) if len(crosswoz_tasks(d)) >= 3)
+    tasks, body = crosswoz_tasks(dialogue), crosswoz_messages(dialogue, 6)
+    messages = [{"role": "system", "content": tasks[0]}, body[0], {"role": "system", "content": tasks[1]},
+                *body[1:5], {"role": "system", "content": tasks[-1]}, body[5]]
+    rows.append({"id": f"everywhere-crosswoz-{dialogue_id}", "messages": messages})
+    return rows
+
+
+@pytest.mark.parametrize("system", ["keep", "replace", "drop"])
+def test_training_renders_every_reply_as_serving_renders_the_conversation_before_it(tmp_path, system):
+    """The invariant between training and serving: for every record prepare makes of an export, its
+    messages are what `serve` (and the exported template, test_export.py) makes of the conversation as
+    the user holds it up to that reply, with the same profile prompt and system mode, and then the
+    reply. System messages anywhere: opening, mid-way, between a question and its reply."""
+    from polyalign.data.importers.reading import content_text
+    from polyalign.data.text import normalize
+    from polyalign.tokens.chat import with_system_prompt
+
+    rows = openai_rows() + system_everywhere_rows()
+    write_jsonl(tmp_path / "chats.jsonl", rows)
+    config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    records = [r for s in ("train", "val", "test") for r in read_records(tmp_path / "run" / "data" / f"{s}.jsonl")]
+    assert manifest["sources"][0]["system_messages"]["system_turn_before_reply"] == 4
+    by_id = {row["id"]: row["messages"] for row in rows}
+
+    def message(m):  # as the user holds it (`developer` is a system role), with the texts normalised
+        role = "system" if m["role"] == "developer" else m["role"]
+        return Message(role, normalize(content_text(m["content"], "")[0]))
+
+    before_reply = 0
+    for record in records:
+        source = by_id[record.meta["dialogue_id"]]
+        held = [message(m) for m in source[:record.meta["turn"]]]
+        before_reply += held[-1].role == "system"
+        for profile in ("none", "context"):
+            trained = record_messages(record, profile, system=system)
+            assert trained[:-1] == with_system_prompt(held, profile_prompt(record, profile), system), record.id
+            assert trained[-1] == message(source[record.meta["turn"]])
+    assert before_reply == 4
 
 
 def test_a_first_data_config_names_everything_missing_at_once(tmp_path):

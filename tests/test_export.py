@@ -94,11 +94,15 @@ def test_polyalign_reads_the_sentencepiece_model_of_its_own_export(sentencepiece
 def test_the_exported_chat_template_renders_what_training_rendered(sentencepiece_export, demo_run, profile):
     """The template in tokenizer_config.json, rendered as transformers renders it, with the profile's
     variables and no system message, gives polyalign's rendering with the profile system prompt."""
+    from polyalign.model import export
+
     _, tokenizer, out = sentencepiece_export
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["polyalign_chat_template"] == "polyalign" and config["polyalign_profile"] == "context"
-    renderer = JinjaRenderer(config["chat_template"], tokenizer.template_tokens())
     template = get_template("polyalign")
+    # the export's own template (context), or the one an export trained with the other profile carries
+    source = config["chat_template"] if profile == "context" else export.export_template(template, "keep", profile)
+    renderer = JinjaRenderer(source, tokenizer.template_tokens())
     run, _, _ = demo_run
     for record in read_records(run / "data" / "test.jsonl")[:40]:
         variables = {"family": record.family, "track": record.track, "style": record.style}
@@ -114,6 +118,59 @@ def test_the_exported_chat_template_renders_what_training_rendered(sentencepiece
     card = (out / "README.md").read_text()
     assert "profile `context`" in card and 'family="...", track="...", style="..."' in card
     assert "| steps | 2 |" in card
+
+
+@pytest.mark.parametrize("profile", ["context", "oracle", "none"])
+def test_the_exported_template_refuses_the_profiles_serve_refuses_and_changes_nothing_else(demo_run, profile):
+    """For every set of template variables (each subset of the profile keys, each value one the training
+    data held or a misspelling of one): the exported template raises exactly when `serve` refuses
+    (profile_problem), naming what serve names, and otherwise renders what the template without the
+    check renders. Values from the demo's records, as a build counts them."""
+    import itertools
+
+    from polyalign.model.export import export_template
+    from polyalign.tokens.profile_template import (
+        PROFILE_FIELDS,
+        PROFILE_KEYS,
+        profile_problem,
+        seen_profile_values,
+        trained_profile_text,
+    )
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:200]
+    held = {key: {getattr(r, field) for r in records} for key, field in PROFILE_FIELDS.items()}
+    values = seen_profile_values(profile, held)
+    template = get_template("polyalign")
+    checked = JinjaRenderer(export_template(template, "keep", profile, values), {})
+    unchecked = JinjaRenderer(export_template(template, "keep"), {})
+    conversation = as_dicts(record_messages(records[0], "none"))[:-1]
+    refused = passed = 0
+    for size in range(len(PROFILE_KEYS) + 1):
+        for keys in itertools.combinations(PROFILE_KEYS, size):
+            # the record's own values, then each key in turn misspelled
+            for wrong in (None, *keys):
+                variables = {key: getattr(records[0], PROFILE_FIELDS[key]) + ("x" if key == wrong else "")
+                             for key in keys}
+                problem = profile_problem(variables, profile, values)
+                checked.variables.update(variables)
+                unchecked.variables.update(variables)
+                if problem is None:
+                    passed += 1
+                    assert checked.render(conversation, True) == unchecked.render(conversation, True)
+                else:
+                    refused += 1
+                    with pytest.raises(ChatTemplateError) as refusal:
+                        checked.render(conversation, True)
+                    if "training data" in problem:
+                        assert problem in str(refusal.value)
+                    else:
+                        assert trained_profile_text(profile) in str(refusal.value)
+                for key in keys:
+                    del checked.variables[key], unchecked.variables[key]
+    wanted = {"context": 3, "oracle": 4, "none": 0}[profile]
+    assert passed == (2 if wanted else 1)  # nothing named, and the whole profile with held values
+    assert refused == 2 ** len(PROFILE_KEYS) + len(PROFILE_KEYS) * 2 ** (len(PROFILE_KEYS) - 1) - passed
 
 
 def _with_system_turns(record, other, shape: str):
@@ -268,7 +325,7 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
     survive every export, and the chat template carries the profile preamble once."""
     from tokenizers import Tokenizer
 
-    from polyalign.tokens.profile_template import PROFILE_PREAMBLES_JINJA
+    from polyalign.tokens.profile_template import PROFILE_PREAMBLES_JINJA, profile_check_jinja
 
     source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
     base = tmp_path / "base"
@@ -293,7 +350,9 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
         previous = tmp_path / step
         chat_template = json.loads((previous / "tokenizer_config.json").read_text())["chat_template"]
         assert sum(chat_template.count(p) for p in PROFILE_PREAMBLES_JINJA.values()) == 1
-        assert chat_template.startswith(PROFILE_PREAMBLES_JINJA["keep"]) and chat_template.endswith(source)
+        assert chat_template.count("polyalign: profile check") == 1
+        assert chat_template.startswith(profile_check_jinja("context") + PROFILE_PREAMBLES_JINJA["keep"])
+        assert chat_template.endswith(source)
         generation = json.loads((previous / "generation_config.json").read_text())
         assert generation["eos_token_id"] == eos and "transformers_version" not in generation
         assert {key: generation[key] for key in QWEN_SAMPLING} == QWEN_SAMPLING

@@ -57,6 +57,25 @@ def test_sharegpt_pairs_with_a_system_message_and_detected_language(demo_run, tm
     assert {p["record"]["family"] for p in pairs} == {"dialogue"}
 
 
+def test_a_system_message_after_the_question_is_rendered_after_it(demo_run, tmp_path, capsys):
+    """A TRL prompt whose last user message is followed by a system message: imported, and rendered
+    with that system message after the question, where it stood (as prepare and serve have it)."""
+    from polyalign.data.records import Record
+    from polyalign.tokens.chat import Message, record_messages
+
+    rows, _ = real_trl_rows(demo_run, n=2)
+    note = {"role": "system", "content": "Answer in one sentence."}
+    rows = [{**row, "prompt": [*row["prompt"], note]} for row in rows]
+    source = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                       tmp_path / "pairs.jsonl")
+    assert code == 0 and "2 training pairs from 2 rows" in out
+    for row, line in zip(rows, (tmp_path / "pairs.jsonl").read_text().splitlines()):
+        record = Record.from_json(json.loads(line)["record"])
+        messages = record_messages(record, "none", with_response=False)
+        assert messages[-2:] == [Message("user", row["prompt"][-2]["content"]), Message("system", note["content"])]
+
+
 def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_path, capsys):
     rows, _ = real_trl_rows(demo_run, n=5)
     bad = [rows[0], {"prompt": "hi", "chosen": "x"}, rows[1], {"prompt": [{"role": "assistant", "content": "a"}],

@@ -527,6 +527,11 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     assert (out / "model" / "model.safetensors").is_file()
     card = (out / "model" / "README.md").read_text()
     assert f"| pairs | {(tmp_path / 'train.jsonl').resolve()} |" in card and f"| method | {method} |" in card
+    # the profile values its pairs held (the init, made on the spot, names none of its own)
+    pairs = [json.loads(line)["record"] for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    config = json.loads((out / "model" / "tokenizer_config.json").read_text())
+    assert config["polyalign_profile_values"] == {key: sorted({p[key] for p in pairs}) for key in ("family", "track",
+                                                                                                  "style")}
     # drift of the policy's own greedy samples on the first 3 validation prompts, against their human answers
     val = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()][:3]
     drift = [r for r in read_metrics(out) if "drift/length_ratio" in r][-1]

@@ -227,19 +227,27 @@ def test_a_port_a_stopped_server_left_in_time_wait_is_free_and_a_taken_one_is_na
 @pytest.mark.parametrize("trained, good", [("context", {"family": "dialogue", "track": "multi", "style": "task"}),
                                            ("none", None)])
 def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good, checkpoint, tmp_path):
-    """An export says which profile its model read (polyalign_profile): a partial profile, a key it
-    never read, or any profile for a model trained without one is answered 400 naming the keys."""
+    """An export says which profile its model read (polyalign_profile) and the values its data held
+    (polyalign_profile_values): a partial profile, a key it never read, a value its data never held, or
+    any profile for a model trained without one is answered 400 naming them."""
     import shutil
 
     copy = tmp_path / "sft" / "model"
     shutil.copytree(checkpoint, copy)
     config = json.loads((copy / "tokenizer_config.json").read_text())
-    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_profile": trained}))
+    held = {"family": ["dialogue", "qa"], "track": ["multi", "single"], "style": ["open_chat", "task"]}
+    (copy / "tokenizer_config.json").write_text(json.dumps({
+        **config, "polyalign_profile": trained, **({"polyalign_profile_values": held} if good else {})}))
     chat = [{"role": "user", "content": "Is there a cheap hotel nearby?"}]
     with Server(copy, slots=2, max_sequence=256) as server:
         if good is not None:
             assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 2,
                                                                 "chat_template_kwargs": good})[0] == 200
+            # a value the training data never held (a misspelling) renders a prompt the model never saw
+            code, answer = call(server.url + "/chat/completions",
+                                body={"messages": chat, "chat_template_kwargs": {**good, "style": "tsak"}})
+            said = "style 'tsak' was not in this model's training data (style there: open_chat, task)"
+            assert code == 400 and answer["error"]["message"] == f"chat_template_kwargs {said}"
         partial = {"family": "dialogue"}
         code, answer = call(server.url + "/chat/completions", body={"messages": chat, "chat_template_kwargs": partial})
         said = ("this model was trained with profile context: family, track, style; give track, style too"

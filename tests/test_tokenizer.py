@@ -118,13 +118,26 @@ def test_a_checkpoint_naming_an_unknown_profile_or_system_mode_is_refused_with_t
 
 @pytest.mark.parametrize(("key", "hint"), [
     ("polyalign_profle", "; did you mean 'polyalign_profile'?"),
-    ("polyalign_seed", " (known: polyalign_tokenizer, polyalign_chat_template, polyalign_profile, polyalign_system)")])
+    ("polyalign_seed", " (known: polyalign_tokenizer, polyalign_chat_template, polyalign_profile, polyalign_system, "
+                       "polyalign_profile_values)")])
 def test_a_checkpoint_with_an_unknown_polyalign_key_is_refused_naming_the_nearest_one(json_tokenizer, tmp_path, key,
                                                                                       hint):
     folder = _checkpoint_with(json_tokenizer, tmp_path / "checkpoint", **{key: "oracle"})
     with pytest.raises(TokenizerError) as error:
         load_tokenizer(folder)
     assert str(error.value) == f"{folder / 'tokenizer_config.json'}: unknown key {key!r}{hint}"
+
+
+@pytest.mark.parametrize("values", [{"family": "dialogue"}, {"colour": ["red"]}, ["dialogue"]])
+def test_a_checkpoint_with_malformed_profile_values_is_refused_naming_its_config(json_tokenizer, tmp_path, values):
+    folder = _checkpoint_with(json_tokenizer, tmp_path / "checkpoint", polyalign_profile_values=values)
+    with pytest.raises(TokenizerError) as error:
+        load_tokenizer(folder)
+    assert str(error.value).startswith(f"{folder / 'tokenizer_config.json'}: polyalign_profile_values must map "
+                                       "profile keys (family, track, style, length) to lists of strings, got ")
+    held = {"family": ["dialogue", "qa"], "style": ["open_chat"]}
+    good = _checkpoint_with(json_tokenizer, tmp_path / "good", polyalign_profile_values=held)
+    assert load_tokenizer(good).profile_values == held
 
 
 def test_a_checkpoint_naming_an_unknown_chat_template_is_refused_naming_its_config(json_tokenizer, tmp_path):

@@ -285,6 +285,16 @@ def test_resume_continues_exactly(built_run, tmp_path):
         assert again[step]["lr"] == pytest.approx(straight[step]["lr"])
     assert again[12]["val_loss"] == pytest.approx(straight[12]["val_loss"], abs=1e-5)
     assert (tmp_path / "resumed" / "model" / "model.safetensors").is_file()
+    # The export names the profile values its training data held (the build counted them), and the card lists them.
+    manifest = json.loads((run / "build" / "manifest.json").read_text())
+    held = {key: sorted({getattr(r, field) for r in read_records(run / "data" / "train.jsonl")})
+            for key, field in (("family", "family"), ("track", "track"), ("style", "style"), ("length", "length_bin"))}
+    assert {key: sorted(counts) for key, counts in manifest["train_profile_values"].items()} == held
+    assert sum(manifest["train_profile_values"]["family"].values()) == manifest["splits"]["train"]["examples"]
+    config = json.loads((tmp_path / "resumed" / "model" / "tokenizer_config.json").read_text())
+    assert config["polyalign_profile_values"] == {key: held[key] for key in ("family", "track", "style")}
+    card = (tmp_path / "resumed" / "model" / "README.md").read_text()
+    assert f"| style | {', '.join(held['style'])} |" in card and "It refuses a profile named in part" in card
     # Weighting and per-bucket logging.
     record = straight[12]
     assert record["val_by_bucket"] and record["train_by_bucket"]

@@ -37,6 +37,7 @@ from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers.reading import source_files
 from polyalign.data.language import LanguageChooser, contradicting_script
 from polyalign.data.records import (
+    AFTER_QUESTION,
     PROFILE_PREAMBLE,
     SPLITS,
     Example,
@@ -46,6 +47,8 @@ from polyalign.data.records import (
     Record,
     RowProblem,
     Skipped,
+    after_question,
+    before_question,
 )
 from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
 from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize
@@ -265,18 +268,24 @@ class RecordBuilder:
     @staticmethod
     def system_turns(history: list[dict[str, str]], tally: SourceTally) -> list[dict[str, str]]:
         """The history's system turns, counted: the ones that open it are the record's system prompt
-        (`system_prompt`); later ones stay where they stand (`system_turn_in_history`). An opening system
+        (`system_prompt`); later ones stay where they stand (`system_turn_in_history`, or
+        `system_turn_before_reply` for one between the question and the reply). An opening system
         turn that is polyalign's own profile prompt (the PolyAlign authors' sample carries one on every
         row) is left out (`system_is_profile_prompt`): the profile prompt is written from the record's
         labels when it is rendered, never twice."""
-        if history and history[0]["role"] == "system" and history[0]["text"].startswith(PROFILE_PREAMBLE):
+        first = history[0] if history else {}
+        if first.get("role") == "system" and not first.get(AFTER_QUESTION) and first["text"].startswith(
+                PROFILE_PREAMBLE):
             tally.system_messages["system_is_profile_prompt"] += 1
             history = history[1:]
-        opening = next((i for i, t in enumerate(history) if t["role"] != "system"), len(history))
+        before = before_question(history)
+        opening = next((i for i, t in enumerate(before) if t["role"] != "system"), len(before))
         if opening:
             tally.system_messages["system_prompt"] += 1
-        if any(t["role"] == "system" for t in history[opening:]):
+        if any(t["role"] == "system" for t in before[opening:]):
             tally.system_messages["system_turn_in_history"] += 1
+        if after_question(history):
+            tally.system_messages["system_turn_before_reply"] += 1
         return history
 
     def split_of(self, example: Example, source: SourceConfig, group: str) -> str:
@@ -289,7 +298,7 @@ class RecordBuilder:
     def build(self, key: str, example: Example, source: SourceConfig, tally: SourceTally) -> Record | Skipped:
         question, context, response = (normalize(example.question), normalize(example.context),
                                        normalize(example.response))
-        history = [{"role": t["role"], "text": normalize(t["text"])} for t in example.history]
+        history = [{**t, "text": normalize(t["text"])} for t in example.history]
         history = self.system_turns(history, tally)
         labels = self.labels(example, source)
         declared = example.labels.get("language") or source.language

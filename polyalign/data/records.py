@@ -19,6 +19,10 @@ ROLES = ("user", "assistant", "system")
 PROFILE_PREAMBLE = "You are a helpful assistant. Follow the target response profile when answering."
 # Split names corpora use for their own splits, mapped to ours.
 OFFICIAL_SPLITS = {"train": "train", "valid": "val", "validation": "val", "dev": "val", "val": "val", "test": "test"}
+# A history turn marked with this key is a system message that stood between the question and the reply
+# (`[..., user, system, assistant]`); such turns come last in a record's history and are rendered after
+# the question, where they stood (tokens/chat.record_messages), never before it.
+AFTER_QUESTION = "after_question"
 RECORD_FIELDS = (
     "id", "dataset", "split", "language", "track", "family", "style", "question", "context", "history",
     "response", "length_tokens", "length_bin", "bucket_id", "meta",
@@ -134,6 +138,16 @@ class Record:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Record":
         return cls(**{name: obj[name] for name in RECORD_FIELDS})
+
+
+def before_question(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history turns that precede the question (all but the AFTER_QUESTION ones)."""
+    return [turn for turn in history if not turn.get(AFTER_QUESTION)]
+
+
+def after_question(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system turns that stood between the question and the reply, in their order."""
+    return [turn for turn in history if turn.get(AFTER_QUESTION)]
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from polyalign.data.records import after_question, before_question
 from polyalign.model.log_probs import token_log_probs
 
 BLOCK_STATS = (
@@ -27,9 +28,10 @@ ROLE_NAMES = {"user": "User", "assistant": "Assistant", "system": "System"}
 
 
 def conditional_prefix(question: str, context: str, history: Sequence[dict]) -> str:
-    """Context, dialogue history and the current user message as labelled blocks, then the response
-    header; "" when there is nothing to condition on."""
-    turns = list(history)
+    """Context, dialogue history and the current user message as labelled blocks (a system message that
+    stood between the question and the reply after it), then the response header; "" when there is
+    nothing to condition on."""
+    turns = before_question(list(history))
     if turns and turns[-1]["role"] == "user" and turns[-1]["text"] == question:
         turns = turns[:-1]
     blocks = []
@@ -40,6 +42,8 @@ def conditional_prefix(question: str, context: str, history: Sequence[dict]) -> 
                                                        for t in turns))
     if question:
         blocks.append(f"Current User Message:\n{question}")
+    if later := after_question(list(history)):
+        blocks.append("System Message:\n" + "\n".join(t["text"] for t in later))
     return "\n\n".join(blocks) + "\n\nAssistant Response:\n" if blocks else ""
 
 

@@ -28,14 +28,8 @@ from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request,
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
 from polyalign.model.architecture import longer_than_positions, position_limit
-from polyalign.tokens.chat import (
-    PROFILE_KEYS,
-    PROFILE_MODE_KEYS,
-    Message,
-    encode_prompt,
-    profile_text,
-    with_system_prompt,
-)
+from polyalign.tokens.chat import Message, encode_prompt, profile_text, with_system_prompt
+from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODE_KEYS, profile_problem, trained_profile_text
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -219,29 +213,9 @@ class Service:
             out.append((text, "stop" if stopped else completion.finish_reason))
         return out, sum(len(c.tokens) for c in completions)
 
-    def _check_profile(self, variables: dict[str, str]) -> None:
-        """A profile is the one the model was trained with, whole (its export's polyalign_profile: context
-        names family, track and style; oracle adds length; none names nothing): a partial one, or one with
-        a key it never read, renders a prompt the model never saw. Values are not checked: a checkpoint
-        carries no bucket scheme."""
+    def _profile_said(self) -> str:
         trained = self.tokenizer.profile_mode
-        if not variables or trained is None:
-            return
-        wanted = PROFILE_MODE_KEYS[trained]
-        extra = [k for k in PROFILE_KEYS if k in variables and k not in wanted]
-        missing = [k for k in wanted if k not in variables]
-        if extra or missing:
-            what = "; ".join([*([f"leave out {', '.join(extra)}"] if extra else []),
-                              *([f"give {', '.join(missing)} too"] if missing else [])])
-            raise _ApiError(400, f"chat_template_kwargs {', '.join(k for k in PROFILE_KEYS if k in variables)}: "
-                                 f"{self._profile_said(trained)}; {what}", param="chat_template_kwargs")
-
-    @staticmethod
-    def _profile_said(trained: str | None) -> str:
-        if trained is None:
-            return "the profile it was trained with is not recorded"
-        keys = PROFILE_MODE_KEYS[trained]
-        return (f"this model was trained with profile {trained}: " + (", ".join(keys) if keys else "no variables"))
+        return "the profile it was trained with is not recorded" if trained is None else trained_profile_text(trained)
 
     async def chat_completion(self, body, client=None) -> dict:
         messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
@@ -251,13 +225,15 @@ class Service:
         unknown = [k for k in variables if k not in PROFILE_KEYS]
         if unknown:
             raise _ApiError(400, f"chat_template_kwargs {', '.join(unknown)}: this model's template takes "
-                                 f"{', '.join(taken) or 'none'} ({self._profile_said(trained)})",
+                                 f"{', '.join(taken) or 'none'} ({self._profile_said()})",
                             param="chat_template_kwargs")
         for key, value in variables.items():
             if not isinstance(value, str):
                 raise _ApiError(400, f"chat_template_kwargs.{key} must be a string, got {json.dumps(value)}",
                                 param=f"chat_template_kwargs.{key}")
-        self._check_profile(variables)
+        # a partial profile, or a value the training data never held, renders a prompt the model never saw
+        if problem := profile_problem(variables, trained, self.tokenizer.profile_values):
+            raise _ApiError(400, f"chat_template_kwargs {problem}", param="chat_template_kwargs")
         # the profile prompt, composed with the client's own system messages as training composed them
         messages = with_system_prompt(messages, profile_text(variables), self.system)
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()

@@ -52,6 +52,7 @@ from polyalign.tokens.chat import (
     record_messages,
     source_system,
 )
+from polyalign.tokens.profile_template import PROFILE_FIELDS
 from polyalign.tokens.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_CONFIG, TOKENIZERS_FILE, load_tokenizer
 
 BUILD_DIR = "build"
@@ -59,6 +60,10 @@ PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
 SPLITS = ("train", "val")
+# Examples per profile value, counted beside STAT_KEYS as "profile:family=dialogue": the values a model
+# trained on this build read in its profile prompts (the manifest's train_profile_values; the export
+# lists them and its chat template refuses others).
+PROFILE_COUNT = "profile:"
 STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
              "source_system_prompts", "system_turns_in_history")
 
@@ -268,6 +273,7 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                      truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
+    counts.update(f"{PROFILE_COUNT}{key}={getattr(record, field)}" for key, field in PROFILE_FIELDS.items())
     return record.id, {
         "input_ids": encoded.ids,
         "loss_mask": encoded.loss_mask.astype(np.uint8),
@@ -312,6 +318,7 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         "train_bucket_counts": table.train_counts,
         "warnings": [*warnings, *untrained_warnings(stats, options.max_length)],
         "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
+        "train_profile_values": profile_value_counts(stats["train"]),
         "settings": asdict(options),
         "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST),
                       **tokenizer_digests(run, tokenizer_path)},
@@ -319,6 +326,16 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
     }
     (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
+
+
+def profile_value_counts(counts: Counter) -> dict[str, dict[str, int]]:
+    """{profile key: {value: examples}} from a split's PROFILE_COUNT counters."""
+    values: dict[str, dict[str, int]] = {key: {} for key in PROFILE_FIELDS}
+    for name, count in sorted(counts.items()):
+        if name.startswith(PROFILE_COUNT):
+            key, value = name[len(PROFILE_COUNT):].split("=", 1)
+            values[key][value] = count
+    return values
 
 
 def untrained_warnings(stats: dict[str, Counter], max_length: int) -> list[str]:

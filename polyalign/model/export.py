@@ -36,8 +36,8 @@ from polyalign.model.architecture import compute_dtype
 from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.lora import has_adapters, merge_adapters, peft_config, peft_state_dict
 from polyalign.model.transformer import Transformer
-from polyalign.tokens.chat import PROFILE_KEYS, PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
-from polyalign.tokens.profile_template import exported_source
+from polyalign.tokens.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
+from polyalign.tokens.profile_template import PROFILE_MODE_KEYS, exported_source
 from polyalign.tokens.tokenizer import (
     SENTENCEPIECE_FILE,
     TOKENIZER_CONFIG,
@@ -48,11 +48,14 @@ from polyalign.tokens.tokenizer import (
 
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 
-def export_template(template: ChatTemplate, system: str = "keep") -> str:
+def export_template(template: ChatTemplate, system: str = "keep", profile: str | None = None,
+                    values: dict[str, list[str]] | None = None) -> str:
     """The chat_template an export carries: the training template behind the profile preamble of the
     build's system mode (tokens/profile_template.py), written once however many exports are chained; a
-    template that takes no system message gets them folded into user turns, as training folded them."""
-    return exported_source(template.jinja_source(), system, fold=not template.takes_system)
+    template that takes no system message gets them folded into user turns, as training folded them;
+    with the `profile` trained (and the `values` its data held), the variables are checked first."""
+    return exported_source(template.jinja_source(), system, fold=not template.takes_system, profile=profile,
+                           values=values)
 
 
 def base_reference(base: str | None) -> str | None:
@@ -91,11 +94,11 @@ def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
     return converted.to_str()
 
 
-def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, system: str = "keep"
-                    ) -> dict[str, str | bytes]:
+def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, system: str = "keep",
+                    values: dict[str, list[str]] | None = None) -> dict[str, str | bytes]:
     """tokenizer.json (and tokenizer.model where there is one) and a tokenizer_config.json with the
-    special tokens, the training template (behind the preamble of the build's system mode) and, for a
-    built-in template, its name."""
+    special tokens, the training template (behind the preamble of the build's system mode and the
+    profile check) and, for a built-in template, its name; `values`: the profile values training saw."""
     source = as_path(tokenizer.path)
     directory = source if source.is_dir() else source.parent
     files: dict[str, str | bytes] = {}
@@ -113,8 +116,11 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, 
     else:
         files[TOKENIZERS_FILE] = source.read_bytes()
     config.update({key: value for key, value in tokenizer.template_tokens().items() if value is not None})
-    config["chat_template"] = export_template(template, system)
+    config["chat_template"] = export_template(template, system, profile, values)
     config["polyalign_profile"], config["polyalign_system"] = profile, system
+    config.pop("polyalign_profile_values", None)  # a base export's, when this one's data says nothing
+    if values:
+        config["polyalign_profile_values"] = values
     if template.name in TEMPLATES:
         config["polyalign_chat_template"] = template.name
     else:
@@ -154,20 +160,27 @@ SYSTEM_MODE_CARD = {
 }
 
 
-def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, system: str = "keep") -> str:
+def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, system: str = "keep",
+               values: dict[str, list[str]] | None = None) -> str:
     """README.md: what the model was made from and how to prompt it."""
     rows = "\n".join(f"| {key} | {value} |" for key, value in card.items() if value is not None)
-    variables = ", ".join(f'{k}="..."' for k in PROFILE_KEYS[:3 + (profile == "oracle")])
+    keys = PROFILE_MODE_KEYS[profile]
+    variables = ", ".join(f'{k}="{values[k][0]}"' if values and values.get(k) else f'{k}="..."' for k in keys)
     prompt = ("trained without a profile system prompt (profile `none`): pass the conversation as it is"
               if profile == "none" else
               f"trained with polyalign's profile system prompt (profile `{profile}`): `{PROFILE_PREAMBLE} "
               "family=...; track=...; style=...`. The chat template writes it when you name the profile: "
               f"`tokenizer.apply_chat_template(messages, add_generation_prompt=True, {variables})`")
     prompt += f". The template renders a system message of yours as training did: {SYSTEM_MODE_CARD[system]}"
+    if keys:
+        prompt += (". It refuses a profile named in part" + (", or with a value the training data did not hold (the "
+                                                              "values it held are listed below)" if values else ""))
+    seen = "".join(f"| {key} | {', '.join(values[key])} |\n" for key in keys if values and values.get(key))
+    seen = f"\n## Profile values in the training data\n\n| variable | values |\n|---|---|\n{seen}" if seen else ""
     return (f"# {card.get('method', 'polyalign')} model\n\nTrained with polyalign.\n\n| | |\n|---|---|\n{rows}\n"
             f"| chat template | {template.name} |\n| profile | {profile} |\n| system messages | {system} |\n\n"
             "## Prompt format\n\nThe model was "
-            f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n")
+            f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n{seen}")
 
 
 def training_card(config: Any) -> dict[str, Any]:
@@ -189,10 +202,11 @@ def training_card(config: Any) -> dict[str, Any]:
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
-                   template: ChatTemplate, profile: str, system: str = "keep") -> dict[str, str]:
+                   template: ChatTemplate, profile: str, system: str = "keep",
+                   values: dict[str, list[str]] | None = None) -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
-    weights W + (alpha / r) A B."""
+    weights W + (alpha / r) A B. `values`: the profile values the run's data held (seen_profile_values)."""
     written = {}
     if has_adapters(model):
         export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=training_card(config))
@@ -201,7 +215,7 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
                       dtype=config.model.export_dtype or compute_dtype(config.model.dtype), card=training_card(config),
-                      base=config.init, system=system)
+                      base=config.init, system=system, values=values)
     return {"model": str(as_path(out) / "model"), **written}
 
 
@@ -237,19 +251,21 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,
                       template: ChatTemplate, profile: str = "context", dtype: str | None = None,
                       card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES,
-                      base: str | None = None, system: str = "keep") -> None:
+                      base: str | None = None, system: str = "keep", values: dict[str, list[str]] | None = None
+                      ) -> None:
     """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
     whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'.
     `base`, the checkpoint trained from: its generation_config.json is kept and merged. `system`: how
-    training composed a conversation's own system message with the profile prompt (SYSTEM_MODES)."""
+    training composed a conversation's own system message with the profile prompt (SYSTEM_MODES).
+    `values`: the profile values training saw (the card lists them, the chat template refuses others)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         params = parallel.to_host(params)
     if jax.process_index() != 0:
         return
     generation = generation_config(tokenizer, template, base_generation_config(base))
-    extra = {**tokenizer_files(tokenizer, template, profile, system),
+    extra = {**tokenizer_files(tokenizer, template, profile, system, values),
              "generation_config.json": json.dumps(generation, indent=2) + "\n",
-             "README.md": model_card(card or {}, template, profile, system)}
+             "README.md": model_card(card or {}, template, profile, system, values)}
     save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, dtype=dtype, max_shard_bytes=max_shard_bytes,
                        overwrite=True, extra_files=extra)

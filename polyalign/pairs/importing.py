@@ -14,7 +14,8 @@ the dataset name), language detection where none is declared, length bin of the 
 bucket), with the rejected answer beside it. A row that cannot be read stops the import with its file
 and line, or goes to OUT.quarantine.jsonl with its reason under --on-error quarantine. A system message
 is kept as prepare keeps one (a history turn of role system: the record's system prompt, composed with
-the profile prompt when the pair is rendered; counted as `system_messages`), and the track is derived
+the profile prompt when the pair is rendered; counted as `system_messages`; one after the prompt's last
+user message is rendered after it, where it stood), and the track is derived
 from the conversation as prepare derives it (multi when earlier user/assistant turns exist).
 """
 
@@ -40,7 +41,17 @@ from polyalign.data.importers.reading import (
 )
 from polyalign.data.importers.sharegpt import ROLES as SHAREGPT_ROLES
 from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
-from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, Record, RowProblem, Skipped
+from polyalign.data.records import (
+    AFTER_QUESTION,
+    Example,
+    ImportItem,
+    InputError,
+    Location,
+    Malformed,
+    Record,
+    RowProblem,
+    Skipped,
+)
 from polyalign.data.text import normalize
 from polyalign.pairs.make import write_pair_split
 
@@ -97,10 +108,12 @@ def _sharegpt_pairs(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str
 def _example(row: Any, location: Location, fmt: str) -> Iterator[ImportItem]:
     row = require_dict(row)
     prompt, chosen, rejected = (_trl if fmt == "trl" else _sharegpt_pairs)(row)
-    if not prompt or prompt[-1]["role"] != "user":
-        raise RowProblem("the prompt must end with a user message")
-    history = prompt[:-1]  # system turns stay where they stand, as prepare keeps them
-    yield Example(question=prompt[-1]["text"], response=chosen, location=location, history=history,
+    last_user = max((i for i, turn in enumerate(prompt) if turn["role"] == "user"), default=None)
+    if last_user is None or any(turn["role"] != "system" for turn in prompt[last_user + 1:]):
+        raise RowProblem("the prompt must end with a user message (system messages may follow it)")
+    # system turns stay where they stand, as prepare keeps them: those after the question marked so
+    history = prompt[:last_user] + [{**turn, AFTER_QUESTION: True} for turn in prompt[last_user + 1:]]
+    yield Example(question=prompt[last_user]["text"], response=chosen, location=location, history=history,
                   labels=string_labels(row, ROW_LABELS), derived={"track": conversation_track(history)},
                   meta={"rejected": rejected})
 

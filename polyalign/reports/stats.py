@@ -185,6 +185,7 @@ def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
 SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped",
                  "records with system messages (as read, before dedup)"]
 SYSTEM_MESSAGE_NAMES = {"system_prompt": "opening", "system_turn_in_history": "later in the conversation",
+                        "system_turn_before_reply": "just before the reply",
                         "system_is_profile_prompt": "polyalign's profile prompt (left out)"}
 
 

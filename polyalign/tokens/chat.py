@@ -19,12 +19,10 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from polyalign.core.errors import ChatTemplateError
-from polyalign.data.records import PROFILE_PREAMBLE, Record
+from polyalign.data.records import PROFILE_PREAMBLE, Record, after_question, before_question
 from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODES, SYSTEM_MODES, training_source
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
-# The keys each profile mode's prompt names (profile_prompt): what `serve` takes as template variables.
-PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
 TRAIN_ON = ("last", "all")
 
 
@@ -81,7 +79,7 @@ def source_system(record: Record) -> str | None:
     """The conversation's own system prompt: the system turns that open the record's history, joined
     by a newline; None when the history does not open with one."""
     texts = []
-    for turn in record.history:
+    for turn in before_question(record.history):
         if turn["role"] != "system":
             break
         texts.append(turn["text"])
@@ -148,20 +146,23 @@ def record_messages(record: Record, profile: str = "context", with_response: boo
     """The one rule by which a record becomes chat messages (build, prompts, generate, evaluation and
     preference pairs all call it): the system prompt (`system_prompt`), the history with each turn in
     its own role (a system turn inside the conversation stays a system turn), the question with its
-    context, and the human response. Consecutive turns of one role are joined with a newline so that
-    every template sees one message per turn (joined_turns)."""
+    context, a system turn that stood between the question and the reply (AFTER_QUESTION) after it,
+    and the human response. Consecutive turns of one role are joined with a newline so that every
+    template sees one message per turn (joined_turns)."""
     prompt = system_prompt(record, profile, system)
     messages = [Message("system", prompt)] if prompt else []
-    history = record.history
+    history = before_question(record.history)
     opening = 0
     while opening < len(history) and history[opening]["role"] == "system":
         opening += 1  # the source's own system prompt, composed into `prompt` above
-    for turn in history[opening:]:
+    later = [*history[opening:], {"role": "user", "text": user_turn(record.question, record.context)},
+             *after_question(record.history)]
+    for turn in later:
         role = turn["role"] if turn["role"] in ("user", "assistant", "system") else "assistant"
         if role == "system" and system == "drop":
             continue
         messages.append(Message(role, turn["text"]))
-    messages = joined_turns([*messages, Message("user", user_turn(record.question, record.context))])
+    messages = joined_turns(messages)
     return messages + [Message("assistant", record.response)] if with_response else messages
 
 

@@ -8,6 +8,8 @@ messages)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from polyalign.data.records import PROFILE_PREAMBLE
 
 PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile prompt names them in
@@ -18,6 +20,10 @@ PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile p
 # alone. A checkpoint's tokenizer config names both (polyalign_profile, polyalign_system).
 PROFILE_MODES = ("context", "oracle", "none")  # context: the default
 SYSTEM_MODES = ("keep", "replace", "drop")
+# The template variables each profile names (the oracle profile adds the answer's length bin).
+PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
+# A record's field for each profile key.
+PROFILE_FIELDS = {"family": "family", "track": "track", "style": "style", "length": "length_bin"}
 
 # Written before the training template: polyalign's profile system prompt from template variables,
 # composed with the conversation's own leading system messages as build composed them (SYSTEM_MODES):
@@ -111,20 +117,104 @@ FOLD_SYSTEM_JINJA = (
     "{%- set messages = polyalign_fold.out -%}\n")
 
 
+def seen_profile_values(profile: str, *sources: dict[str, Iterable[str]] | None) -> dict[str, list[str]] | None:
+    """The values of each key `profile` names that any of `sources` held ({key: values}: a build's
+    train_profile_values, a checkpoint's polyalign_profile_values, the pairs' records), sorted; None
+    when no source says (nothing to check against)."""
+    known = [source for source in sources if source]
+    if not known or not PROFILE_MODE_KEYS[profile]:
+        return None
+    return {key: sorted({value for source in known for value in source.get(key) or ()})
+            for key in PROFILE_MODE_KEYS[profile]}
+
+
+def trained_profile_text(profile: str) -> str:
+    """How a model's profile is named to whoever prompts it (serve's errors, the template's, the card)."""
+    keys = PROFILE_MODE_KEYS[profile]
+    return f"this model was trained with profile {profile}: " + (", ".join(keys) if keys else "no variables")
+
+
+def profile_problem(variables: dict[str, str], profile: str | None,
+                    values: dict[str, list[str]] | None = None) -> str | None:
+    """What is wrong with the template variables a caller names for a model trained with `profile`
+    (None: not recorded, nothing checked), or None: a profile is named whole or not at all (a partial
+    one, or one with a key the model never read, renders a prompt it never saw), and each value is one
+    the model's training data held (`values`, its export's polyalign_profile_values; unchecked where
+    it has none). The exported template checks the same (profile_check_jinja)."""
+    given = {key: value for key, value in variables.items() if key in PROFILE_KEYS and value}
+    if not given or profile is None:
+        return None
+    wanted = PROFILE_MODE_KEYS[profile]
+    extra = [k for k in PROFILE_KEYS if k in given and k not in wanted]
+    missing = [k for k in wanted if k not in given]
+    if extra or missing:
+        what = "; ".join([*([f"leave out {', '.join(extra)}"] if extra else []),
+                          *([f"give {', '.join(missing)} too"] if missing else [])])
+        return f"{', '.join(k for k in PROFILE_KEYS if k in given)}: {trained_profile_text(profile)}; {what}"
+    for key in wanted:
+        seen = (values or {}).get(key)
+        if seen and given[key] not in seen:
+            return unseen_value_text(key, given[key], seen)
+    return None
+
+
+def unseen_value_text(key: str, value: str, seen: list[str]) -> str:
+    return f"{key} '{value}' was not in this model's training data ({key} there: {', '.join(seen)})"
+
+
+_CHECK_HEAD = "{#- polyalign: profile check"
+_CHECK_END = "{#- polyalign: end of profile check -#}\n"
+
+
+def _jinja_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def profile_check_jinja(profile: str, values: dict[str, list[str]] | None = None) -> str:
+    """Written first in an exported template: refuses, as `serve` does (profile_problem), template
+    variables that name the profile in part or with a key the model never read, and a value its training
+    data never held, so that a misspelled style never renders a prompt the model never saw."""
+    wanted = PROFILE_MODE_KEYS[profile]
+    lines = [f"{_CHECK_HEAD} ({trained_profile_text(profile)}) -#}}\n",
+             "{%- set polyalign_given = namespace(keys=[]) -%}\n"]
+    lines += [f"{{%- if {key} is defined and {key} -%}}{{%- set polyalign_given.keys = polyalign_given.keys + "
+              f"['{key}'] -%}}{{%- endif -%}}\n" for key in PROFILE_KEYS]
+    whole = "[" + ", ".join(f"'{key}'" for key in PROFILE_KEYS if key in wanted) + "]"
+    refusal = (f"{trained_profile_text(profile)}; name " + (f"all of {', '.join(wanted)} or none" if wanted
+                                                             else "no profile variables"))
+    lines.append(f"{{%- if polyalign_given.keys and polyalign_given.keys != {whole} -%}}"
+                 f"{{{{- raise_exception({_jinja_string(refusal)} + ' (given: ' + polyalign_given.keys | join(', ')"
+                 " + ')') -}}{%- endif -%}\n")
+    for key in wanted:
+        seen = sorted((values or {}).get(key) or [])
+        if seen:
+            listed = "[" + ", ".join(_jinja_string(v) for v in seen) + "]"
+            message = "'" + unseen_value_text(key, "", seen).split("''", 1)[1]
+            lines.append(f"{{%- if {key} is defined and {key} and {key} not in {listed} -%}}"
+                         f"{{{{- raise_exception(\"{key} '\" ~ {key} ~ {_jinja_string(message)}) -}}}}"
+                         "{%- endif -%}\n")
+    return "".join(lines) + _CHECK_END
+
+
 def training_source(source: str) -> str:
     """A chat template without the profile preambles exports wrote before it (however many chained
     exports wrote, of this release or an earlier one): the template training rendered."""
     stripped = True
     while stripped:
         stripped = False
+        if source.startswith(_CHECK_HEAD) and _CHECK_END in source:
+            source, stripped = source.split(_CHECK_END, 1)[1], True
         for preamble in (*PROFILE_PREAMBLES_JINJA.values(), FOLD_SYSTEM_JINJA, _LEGACY_PREAMBLE):
             if source.startswith(preamble):
                 source, stripped = source[len(preamble):], True
     return source
 
 
-def exported_source(source: str, system: str = "keep", fold: bool = False) -> str:
+def exported_source(source: str, system: str = "keep", fold: bool = False, profile: str | None = None,
+                    values: dict[str, list[str]] | None = None) -> str:
     """The chat_template an export carries: the training template behind the preamble of the build's
     system mode, written once; `fold`: the template takes no system message, which the preamble then
-    folds into user turns (FOLD_SYSTEM_JINJA)."""
-    return PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "") + training_source(source)
+    folds into user turns (FOLD_SYSTEM_JINJA); `profile` (and the `values` training saw): the variables
+    are checked first (profile_check_jinja)."""
+    check = profile_check_jinja(profile, values) if profile is not None else ""
+    return check + PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "") + training_source(source)

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as _Tokenizer
 from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path
 from polyalign.core.yaml_config import unknown_key_message
-from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
+from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODES, SYSTEM_MODES
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -25,7 +25,8 @@ TOKENIZERS_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save a checkpoint's template
 # What polyalign's export writes into a checkpoint's tokenizer config (polyalign/model/export.py): any other
 # key with the prefix is a typing slip that would otherwise render the chats as if it were absent.
-POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "polyalign_profile", "polyalign_system")
+POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "polyalign_profile", "polyalign_system",
+                         "polyalign_profile_values")
 # Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
@@ -45,6 +46,9 @@ class Tokenizer(abc.ABC):
     system_mode: str = "keep"
     # The profile prompt a checkpoint was trained with (its export's polyalign_profile); None: not said.
     profile_mode: str | None = None
+    # The profile values the checkpoint's training data held, per key (its export's
+    # polyalign_profile_values: {"family": [...], ...}); None: not said.
+    profile_values: dict[str, list[str]] | None = None
 
     @property
     def config_file(self) -> Path:
@@ -127,6 +131,13 @@ class Tokenizer(abc.ABC):
         if self.system_mode not in SYSTEM_MODES:
             raise TokenizerError(f"{self.config_file}: polyalign_system {self.system_mode!r} is not one of "
                                  f"{', '.join(SYSTEM_MODES)}")
+        values = config.get("polyalign_profile_values", self.profile_values)
+        if values is not None and not (isinstance(values, dict) and all(
+                key in PROFILE_KEYS and isinstance(seen, list) and all(isinstance(v, str) for v in seen)
+                for key, seen in values.items())):
+            raise TokenizerError(f"{self.config_file}: polyalign_profile_values must map profile keys "
+                                 f"({', '.join(PROFILE_KEYS)}) to lists of strings, got {json.dumps(values)[:200]}")
+        self.profile_values = values
         listed = [token(t) for t in config.get("additional_special_tokens") or []]
         decoder = config.get("added_tokens_decoder")
         if isinstance(decoder, dict):

@@ -35,6 +35,7 @@ from polyalign.model.flops import flops_per_token
 from polyalign.model.lora import base_model
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template
+from polyalign.tokens.profile_template import PROFILE_FIELDS, seen_profile_values
 from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
@@ -261,8 +262,11 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
+        # the values the pairs held and those the policy's SFT data held (its export says them)
+        pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
         return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile,
-                                     tokenizer.system_mode)
+                                     tokenizer.system_mode,
+                                     seen_profile_values(config.profile, pair_values, tokenizer.profile_values))
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),

@@ -23,6 +23,7 @@ from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.presets import preset
 from polyalign.tokens.chat import get_template
+from polyalign.tokens.profile_template import seen_profile_values
 from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import built_length_mismatch, require
@@ -237,9 +238,12 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         options = manifest["options"]
+        # the values the data held, and those of the checkpoint trained on from (its own SFT data)
+        values = seen_profile_values(options["profile"], manifest.get("train_profile_values"),
+                                     tokenizer.profile_values)
         return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
                                      get_template(manifest["template"], tokenizer), options["profile"],
-                                     options.get("system", "keep"))  # builds before system modes: keep
+                                     options.get("system", "keep"), values)  # builds before system modes: keep
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),

@@ -15,7 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.core import jsonl
-from polyalign.data.records import Example, ImportItem, InputError, Location, Malformed, Notice, RowProblem, Skipped
+from polyalign.data.records import (
+    AFTER_QUESTION,
+    Example,
+    ImportItem,
+    InputError,
+    Location,
+    Malformed,
+    Notice,
+    RowProblem,
+    Skipped,
+)
 
 _DOCUMENTATION = re.compile(r"^(readme|provenance|licen[cs]e|notice|copying)\b", re.IGNORECASE)
 
@@ -390,8 +400,8 @@ def project_dialogue(
 ) -> Iterator[Example | Skipped | Notice]:
     """Multi-turn projection (METHOD.md section 1): every assistant turn with at least one earlier user
     or assistant turn becomes a record; question = the latest user turn before it; history = every
-    turn before that user turn, and a system turn standing between the question and the reply is put
-    just before the question (a record has no place after its question). Consecutive turns of one role
+    turn before that user turn, then the system turns standing between the question and the reply,
+    marked AFTER_QUESTION (rendered after the question, where they stood). Consecutive turns of one role
     are joined first (`join_runs`). Task-dialogue importers map the system agent to `assistant`, so
     only its turns are targets.
 
@@ -421,7 +431,8 @@ def project_dialogue(
         question = turns[user_index]["text"] if user_index is not None else ""
         before = turns[: user_index if user_index is not None else k]
         between = [t for t in turns[user_index + 1:k] if t["role"] == "system"] if user_index is not None else []
-        history = [{"role": t["role"], "text": t["text"]} for t in [*before, *between]]
+        history = [{"role": t["role"], "text": t["text"]} for t in before]
+        history += [{"role": "system", "text": t["text"], AFTER_QUESTION: True} for t in between]
         yield Example(
             question=question,
             response=turn["text"],
