@@ -307,3 +307,14 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
     assert asked["profile"] == other and asked["notes"] == [note]  # the command prints its summary's notes
     # and the manifest keeps it, where a later reader of the prompts finds it
     assert json.loads((tmp_path / "asked.manifest.json").read_text())["summary"]["notes"] == [note]
+    if trained == "none":
+        return
+    # Records naming values the checkpoint's training data did not hold (its polyalign_profile_values) are said.
+    styles = sorted({r.style for r in records} - {records[-1].style}) or ["a style none of them has"]
+    held = {"family": sorted({r.family for r in records}), "track": ["multi", "single"], "style": styles,
+            "length": sorted({r.length_bin for r in records})}
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_profile_values": held}))
+    unseen = [r for r in records if r.style not in styles]
+    said = write_prompts(checkpoint, path, tmp_path / "unseen.jsonl", limit=4)["notes"]
+    assert said == [f"{len(unseen)} of 4 records name profile values {checkpoint}'s training data did not hold "
+                    f"(style {records[-1].style!r} {len(unseen)}): the model never read such profile prompts"]

@@ -25,6 +25,7 @@ from polyalign.tokens.chat import (
     fold_system,
     get_template,
     record_messages,
+    say_unseen_profile_values,
     trained_profile,
 )
 from polyalign.tokens.tokenizer import load_tokenizer
@@ -45,6 +46,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         tokenizer = load_tokenizer(checkpoint)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed)
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)
+        say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)
         chat = get_template(name, tokenizer)
         with out.open("w", encoding="utf-8") as handle:

@@ -20,7 +20,14 @@ from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit
-from polyalign.tokens.chat import choose_template, cut_prompt, get_template, record_messages, trained_profile
+from polyalign.tokens.chat import (
+    choose_template,
+    cut_prompt,
+    get_template,
+    record_messages,
+    say_unseen_profile_values,
+    trained_profile,
+)
 from polyalign.tokens.tokenizer import load_tokenizer
 
 
@@ -137,6 +144,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
     # each record as the checkpoint was trained to read it (its export's profile and system mode)
     profile = trained_profile(tokenizer, options.profile, str(checkpoint), notes)
+    say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
     messages = [record_messages(record, profile, with_response=False, system=tokenizer.system_mode)
                 for record in records]
     prompts = [cut_prompt(chat, tokenizer, m, options.max_prompt_tokens) for m in messages]

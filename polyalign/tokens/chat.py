@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
@@ -20,7 +21,14 @@ import numpy as np
 
 from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record, after_question, before_question
-from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODES, SYSTEM_MODES, training_source
+from polyalign.tokens.profile_template import (
+    PROFILE_FIELDS,
+    PROFILE_KEYS,
+    PROFILE_MODE_KEYS,
+    PROFILE_MODES,
+    SYSTEM_MODES,
+    training_source,
+)
 from polyalign.tokens.tokenizer import BOS, Tokenizer
 
 TRAIN_ON = ("last", "all")
@@ -129,6 +137,25 @@ def _say(note: str, notes: list[str] | None) -> None:
         print(f"note: {note}", file=sys.stderr)
     else:
         notes.append(note)
+
+
+def say_unseen_profile_values(tokenizer: Tokenizer, records: Sequence[Record], profile: str, where: str,
+                              notes: list[str] | None = None) -> None:
+    """A note when records name profile values the checkpoint's training data did not hold (its export's
+    polyalign_profile_values): their prompts are ones the model never read (another dataset's styles,
+    say). Nothing is said for a checkpoint that lists none."""
+    values = tokenizer.profile_values or {}
+    unseen: Counter = Counter()
+    affected = 0
+    for record in records:
+        missing = [(key, getattr(record, PROFILE_FIELDS[key])) for key in PROFILE_MODE_KEYS[profile]
+                   if values.get(key) and getattr(record, PROFILE_FIELDS[key]) not in values[key]]
+        unseen.update(missing)
+        affected += bool(missing)
+    if affected:
+        listed = ", ".join(f"{key} {value!r} {n}" for (key, value), n in unseen.most_common())
+        _say(f"{affected} of {len(records)} records name profile values {where}'s training data did not hold "
+             f"({listed}): the model never read such profile prompts", notes)
 
 
 def trained_profile(tokenizer: Tokenizer, asked: str | None, where: str, notes: list[str] | None = None) -> str:
