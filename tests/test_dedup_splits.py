@@ -59,6 +59,14 @@ def test_exact_dedup_prefers_test_then_val_and_ignores_case():
         ("a-train", "b-test", "train_vs_test"), ("d-train", "c-train", "within_train")]
     assert exact_key(records[0]) == exact_key(records[1])
     assert exact_key(records[0]) != exact_key(replace(records[0], history=[{"role": "user", "text": other_q}]))
+    # the same system text before the question and after it are two conversations; the key of a record
+    # without such a turn is what it always was (an earlier prepare's dedup stands)
+    note = CAMREST[0]["goal"]["description"]
+    before = replace(records[0], history=[{"role": "system", "text": note}])
+    after = replace(records[0], history=[{"role": "system", "text": note, "after_question": True}])
+    assert exact_key(before) != exact_key(after)
+    content = ["en", "multi", "dialogue", turn_q.lower(), "", turn_a.lower(), [["system", note.lower()]]]
+    assert exact_key(before) == hashlib.sha1(json.dumps(content, ensure_ascii=False).encode()).hexdigest()
 
 
 def test_near_duplicates_flag_light_edits_only():

@@ -142,7 +142,11 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     assert text.choices[0].text == tokenizer.decode(raw.tokens).lstrip()
     assert stopped.choices[0].message.content == content[:content.index(stop)]
     assert stopped.choices[0].finish_reason == "stop" and long.usage.completion_tokens == 60
-    assert stopped.usage.completion_tokens < 60
+    # counted up to the token that completed the stop string (as vLLM counts), not the decoding call's end
+    made = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=60))])[0][0].tokens
+    assert tokenizer.decode(made).lstrip() == content
+    upto = next(k for k in range(1, 61) if stop in tokenizer.decode(made[:k]).lstrip())
+    assert stopped.usage.completion_tokens == upto
     # a line per request: when, what, the answer's status, seconds, and the tokens of an answered one
     lines = server.log
     line_form = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (GET|POST) (/v1/\S+) (\d{3}) \d+\.\d\d s( \d+\+\d+ tokens)?"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
-from polyalign.data.records import SPLIT_PRIORITY, Record
+from polyalign.data.records import AFTER_QUESTION, SPLIT_PRIORITY, Record
 
 
 def exact_key(record: Record) -> str:
@@ -21,7 +21,10 @@ def exact_key(record: Record) -> str:
     lower-cased (the texts are already normalised)."""
     content = [
         record.language, record.track, record.family, record.question.lower(), record.context.lower(),
-        record.response.lower(), [[turn["role"], turn["text"].lower()] for turn in record.history],
+        record.response.lower(),
+        # a system turn after the question is marked, so that it never equals the same text before it
+        [[turn["role"], turn["text"].lower(), *[AFTER_QUESTION] * bool(turn.get(AFTER_QUESTION))]
+         for turn in record.history],
     ]
     return hashlib.sha1(json.dumps(content, ensure_ascii=False).encode("utf-8")).hexdigest()
 

@@ -182,7 +182,7 @@ class Service:
         stop_when = None
         if stops:
             def stop_when(tokens: list[int]) -> bool:
-                return _cut_at_stop(self.tokenizer.decode(tokens, skip_special=True).lstrip(), stops)[1]
+                return self._cut(tokens, stops)[1]
         try:
             future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when))
         except queue.Full as error:
@@ -207,11 +207,30 @@ class Service:
             raise
 
     def _choices(self, completions, stops: list[str]) -> tuple[list[tuple[str, str]], int]:
-        out = []
+        """(text, finish reason) of each completion, and the completion tokens they count: a stopped one
+        counts up to the token that completed its stop string, as vLLM counts (decoding runs in calls of
+        several tokens, so a few past it were made)."""
+        out, made = [], 0
         for completion in completions:
-            text, stopped = _cut_at_stop(self.tokenizer.decode(completion.tokens, skip_special=True).lstrip(), stops)
+            text, stopped = self._cut(completion.tokens, stops)
             out.append((text, "stop" if stopped else completion.finish_reason))
-        return out, sum(len(c.tokens) for c in completions)
+            made += self._tokens_to_stop(completion.tokens, stops) if stopped else len(completion.tokens)
+        return out, made
+
+    def _cut(self, tokens, stops: list[str]) -> tuple[str, bool]:
+        return _cut_at_stop(self.tokenizer.decode(list(tokens), skip_special=True).lstrip(), stops)
+
+    def _tokens_to_stop(self, tokens, stops: list[str]) -> int:
+        """The fewest leading tokens whose text holds a stop string (bisection: a prefix that holds one,
+        every longer prefix holds it too)."""
+        low, high = 1, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            if self._cut(tokens[:middle], stops)[1]:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def _profile_said(self) -> str:
         trained = self.tokenizer.profile_mode
