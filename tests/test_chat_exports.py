@@ -229,10 +229,13 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
     """The invariant between training and serving: for every record prepare makes of an export, its
     messages are what `serve` (and the exported template, test_export.py) makes of the conversation as
     the user holds it up to that reply, with the same profile prompt and system mode, and then the
-    reply. System messages anywhere: opening, mid-way, between a question and its reply."""
+    reply; and what the exported chat template renders from the messages as sent (a `developer` role,
+    content-part lists). System messages anywhere: opening, mid-way, between a question and its reply."""
     from polyalign.data.importers.reading import content_text
     from polyalign.data.text import normalize
+    from polyalign.model.export import export_template
     from polyalign.tokens.chat import with_system_prompt
+    from polyalign.tokens.chat_jinja import JinjaRenderer
 
     rows = openai_rows() + system_everywhere_rows()
     write_jsonl(tmp_path / "chats.jsonl", rows)
@@ -246,7 +249,22 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
         role = "system" if m["role"] == "developer" else m["role"]
         return Message(role, normalize(content_text(m["content"], "")[0]))
 
-    before_reply = 0
+    def sent_text(text):  # as the user has it where the template reads it as training did (edge whitespace)
+        return text if normalize(text) == text.strip() else normalize(text)
+
+    def as_sent(m):  # the source message, its role and content parts as they are
+        content = m["content"]
+        content = sent_text(content) if isinstance(content, str) else [
+            {**part, "text": sent_text(part["text"])} for part in content]
+        return {"role": m["role"], "content": content}
+
+    from polyalign.data.importers.reading import TEXT_PARTS
+    from polyalign.tokens.profile_template import READ_MESSAGES_JINJA
+
+    assert f"part['type'] in {list(TEXT_PARTS)}" in READ_MESSAGES_JINJA  # the parts prepare reads as text
+    template = get_template("qwen")
+    exported = JinjaRenderer(export_template(template, system, "context"), {})
+    before_reply = sent_as_is = 0
     for record in records:
         source = by_id[record.meta["dialogue_id"]]
         held = [message(m) for m in source[:record.meta["turn"]]]
@@ -255,7 +273,17 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
             trained = record_messages(record, profile, system=system)
             assert trained[:-1] == with_system_prompt(held, profile_prompt(record, profile), system), record.id
             assert trained[-1] == message(source[record.meta["turn"]])
-    assert before_reply == 4
+        # the exported template on the messages as sent (a developer role, content-part lists) with the
+        # profile's variables renders what training rendered
+        variables = {"family": record.family, "track": record.track, "style": record.style}
+        exported.variables.update(variables)
+        sent = [as_sent(m) for m in source[:record.meta["turn"]]]
+        sent_as_is += any(m["role"] == "developer" or not isinstance(m["content"], str) for m in sent)
+        expected = template.render(record_messages(record, "context", system=system)[:-1], add_generation_prompt=True)
+        assert exported.render(sent, add_generation_prompt=True) == expected, record.id
+    assert before_reply == 4 and sent_as_is >= 2
+    assert sum(m["content"] != m["content"].strip() for row in rows for m in row["messages"]
+               if isinstance(m["content"], str)) >= 5  # CamRest's utterances that end with a space
 
 
 def test_a_first_data_config_names_everything_missing_at_once(tmp_path):

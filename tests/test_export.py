@@ -325,7 +325,7 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
     survive every export, and the chat template carries the profile preamble once."""
     from tokenizers import Tokenizer
 
-    from polyalign.tokens.profile_template import PROFILE_PREAMBLES_JINJA, profile_check_jinja
+    from polyalign.tokens.profile_template import PROFILE_PREAMBLES_JINJA, READ_MESSAGES_JINJA, profile_check_jinja
 
     source = (FIXTURES / "chat" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
     base = tmp_path / "base"
@@ -351,7 +351,9 @@ def test_chained_exports_keep_the_base_generation_config_and_write_the_preamble_
         chat_template = json.loads((previous / "tokenizer_config.json").read_text())["chat_template"]
         assert sum(chat_template.count(p) for p in PROFILE_PREAMBLES_JINJA.values()) == 1
         assert chat_template.count("polyalign: profile check") == 1
-        assert chat_template.startswith(profile_check_jinja("context") + PROFILE_PREAMBLES_JINJA["keep"])
+        assert chat_template.startswith(profile_check_jinja("context") + READ_MESSAGES_JINJA
+                                        + PROFILE_PREAMBLES_JINJA["keep"])
+        assert chat_template.count("polyalign: messages read as training read them") == 1
         assert chat_template.endswith(source)
         generation = json.loads((previous / "generation_config.json").read_text())
         assert generation["eos_token_id"] == eos and "transformers_version" not in generation
@@ -393,4 +395,4 @@ def test_training_on_from_an_export_made_before_system_modes_keeps_one_preamble(
 
     assert "namespace(parts=[])" in profile_template._LEGACY_PREAMBLE
     exported = export.export_template(EarlierExport(), "keep")
-    assert exported == profile_template.PROFILE_PREAMBLES_JINJA["keep"] + source
+    assert exported == profile_template.READ_MESSAGES_JINJA + profile_template.PROFILE_PREAMBLES_JINJA["keep"] + source

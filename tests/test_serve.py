@@ -247,6 +247,17 @@ def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good
         if good is not None:
             assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 2,
                                                                 "chat_template_kwargs": good})[0] == 200
+            # read as prepare read the training data: developer is system, text parts joined by a newline,
+            # whitespace at the ends of a text dropped
+            sent = [{"role": "developer", "content": " Is there a cheap hotel nearby? "},
+                    {"role": "user", "content": [{"type": "text", "text": "Is there a cheap "},
+                                                 {"type": "text", "text": "hotel nearby?"}]}]
+            read = [{"role": "system", "content": "Is there a cheap hotel nearby?"},
+                    {"role": "user", "content": "Is there a cheap\nhotel nearby?"}]
+            tokens = [call(server.url + "/chat/completions", body={"messages": m, "max_tokens": 1, "temperature": 0,
+                                                                   "chat_template_kwargs": good})[1]["usage"]
+                      for m in (sent, read)]
+            assert tokens[0] == tokens[1]
             # a value the training data never held (a misspelling) renders a prompt the model never saw
             code, answer = call(server.url + "/chat/completions",
                                 body={"messages": chat, "chat_template_kwargs": {**good, "style": "tsak"}})

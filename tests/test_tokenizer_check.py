@@ -20,13 +20,22 @@ from tests.conftest import DEMO_DATA
 CAMREST = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:40]
 
 
-def stand_in_transformers(split_digits: bool) -> types.ModuleType:
+def stand_in_transformers(split_digits: bool | str) -> types.ModuleType:
+    """`split_digits`: True, or a model type for which the stand-in splits digits only when the folder's
+    config.json names it (transformers 5 picks the class by config.json's model_type: Qwen2Tokenizer)."""
+    from pathlib import Path
+
     from tokenizers import Tokenizer, pre_tokenizers
 
     class Loaded:
         def __init__(self, folder):
             self._tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
-            if split_digits:
+            config = Path(folder) / "config.json"
+            if isinstance(split_digits, str):
+                splits = config.is_file() and json.loads(config.read_text())["model_type"] == split_digits
+            else:
+                splits = split_digits
+            if splits:
                 self._tok.pre_tokenizer = pre_tokenizers.Sequence(
                     [pre_tokenizers.Digits(individual_digits=True), self._tok.pre_tokenizer])
 
@@ -58,13 +67,13 @@ def sample_data(demo_run, tmp_path_factory):
     return data
 
 
-def build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch, transformers):
+def build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch, transformers, tokenizer_dir=None):
     run = tmp_path / "run"
-    run.mkdir()
+    run.mkdir(parents=True)
     (run / "data").symlink_to(sample_data, target_is_directory=True)
     monkeypatch.setitem(sys.modules, "transformers", transformers)
-    status = main(["build", str(run), "--tokenizer", str(json_tokenizer.path.parent), "--template", "qwen",
-                   "--max-length", "64", "--no-progress"])
+    status = main(["build", str(run), "--tokenizer", str(tokenizer_dir or json_tokenizer.path.parent), "--template",
+                   "qwen", "--max-length", "64", "--no-progress"])
     assert status == 0
     out, err = capsys.readouterr()
     return json.loads((run / "build/manifest.json").read_text()), out, err
@@ -98,6 +107,27 @@ def test_build_warns_when_transformers_reads_other_ids(sample_data, json_tokeniz
     warning = next(line for line in err.splitlines() if "probe texts" in line)
     assert warning.startswith("warning: transformers stand-in") and f"on {check['differing']} of" in warning
     assert manifest["warnings"][-1] in warning
+
+
+def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_it(sample_data, json_tokenizer,
+                                                                                      tmp_path, capsys, monkeypatch):
+    """A checkpoint of the user's own (a BPE tokenizer.json and a config.json of model_type qwen2, as
+    save_pretrained writes them): transformers reads it through the class the model type names, which
+    splits digits; the check loads it so too, with the checkpoint's config.json, and warns."""
+    import shutil
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(json_tokenizer.path.parent, checkpoint)
+    transformers = stand_in_transformers(split_digits="qwen2")
+    manifest, _, _ = build_with(sample_data, json_tokenizer, tmp_path / "a", capsys, monkeypatch, transformers,
+                                checkpoint)
+    assert manifest["tokenizer_check"]["differing"] == 0  # no config.json: the tokenizer.json as it is
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 600}))
+    manifest, _, err = build_with(sample_data, json_tokenizer, tmp_path / "b", capsys, monkeypatch, transformers,
+                                  checkpoint)
+    check = manifest["tokenizer_check"]
+    assert check["differing"] > 0 and check["reader"].endswith("(Loaded, chosen for config.json's model_type qwen2)")
+    assert "chosen for config.json's model_type qwen2) reads" in err and "pre-tokenizer" in err
 
 
 def test_compare_encoders_names_the_first_difference():

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from polyalign.core.errors import GenerationError, PolyalignError
 from polyalign.core.extras import require
 from polyalign.core.paths import is_uri
+from polyalign.data.text import normalize
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
@@ -107,7 +108,8 @@ def _text(content) -> str:
         if part.type != "text" or part.text is None:
             what = f"a content part of type {part.type!r}" if part.type != "text" else "a text part without text"
             raise _ApiError(400, f"{what}: polyalign serve reads text only", param="messages")
-    text = content if isinstance(content, str) else "".join(part.text for part in content)
+    # text parts joined by a newline, as prepare read them in training (and the exported template reads them)
+    text = content if isinstance(content, str) else "\n".join(part.text for part in content)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:  # a lone surrogate such as "\ud800" (valid JSON, not text)
@@ -237,7 +239,9 @@ class Service:
         return "the profile it was trained with is not recorded" if trained is None else trained_profile_text(trained)
 
     async def chat_completion(self, body, client=None) -> dict:
-        messages = [Message("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
+        # read as prepare read the training conversations: developer is a system role, whitespace normalised
+        messages = [Message("system" if m.role == "developer" else m.role, normalize(_text(m.content)))
+                    for m in body.messages]
         variables = body.chat_template_kwargs or {}
         trained = self.tokenizer.profile_mode
         taken = PROFILE_MODE_KEYS[trained] if trained is not None else PROFILE_KEYS

@@ -10,6 +10,7 @@ installed it says so there and in its output instead.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,15 +42,32 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
         return None, ("not checked: transformers is not installed (pip install transformers to check that it "
                       "reads this tokenizer with the same ids as polyalign)")
 
+    model_type = None
     with tempfile.TemporaryDirectory(prefix="polyalign-tokenizer-check-") as folder:
         for name, content in tokenizer_files(tokenizer, template, profile).items():
             (Path(folder) / name).write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+        # A checkpoint's config.json goes beside them, as in the export a model trained from it carries:
+        # transformers picks the tokenizer class by its model_type (Qwen2Tokenizer for qwen2, whatever
+        # tokenizer_config.json names) and that class may rebuild the pre-tokenizer (every digit apart).
+        checkpoint_config = tokenizer.path.parent / "config.json"
+        if checkpoint_config.is_file():
+            (Path(folder) / "config.json").write_bytes(checkpoint_config.read_bytes())
+            model_type = _model_type(checkpoint_config)
         try:
             loaded = transformers.AutoTokenizer.from_pretrained(folder)
         except Exception as err:  # transformers raises many kinds for files it cannot read
             return None, f"not checked: transformers {transformers.__version__} could not load it ({err})"
+    chosen = f", chosen for config.json's model_type {model_type}" if model_type else ""
     return (lambda text: list(loaded.encode(text, add_special_tokens=False))), \
-        f"transformers {transformers.__version__} AutoTokenizer ({type(loaded).__name__})"
+        f"transformers {transformers.__version__} AutoTokenizer ({type(loaded).__name__}{chosen})"
+
+
+def _model_type(config) -> str | None:
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError):  # not JSON, or not an object: transformers will say so when it loads
+        return None
+    return value if isinstance(value, str) else None
 
 
 def compare_encoders(ours: Encode, theirs: Encode | None, reader: str, texts: Sequence[str],
@@ -74,7 +92,8 @@ def compare_encoders(ours: Encode, theirs: Encode | None, reader: str, texts: Se
                    f"{len(texts)} probe texts from the records (first {first['text'][:60]!r}: polyalign "
                    f"{first['polyalign']} vs transformers {first['transformers']} from token "
                    f"{first['first_difference']}); a model trained on this build sees other ids at inference "
-                   "than in training (RUN/build/manifest.json, tokenizer_check)")
+                   "than in training (RUN/build/manifest.json, tokenizer_check). A tokenizer.json whose "
+                   "pre-tokenizer is the one transformers builds for that class reads alike in both")
 
 
 def check_tokenizer(tokenizer, template, profile: str, records: Sequence, tokenizer_name: str,

@@ -84,6 +84,42 @@ PROFILE_PREAMBLES_JINJA = {
         ("drop", "''", "messages | rejectattr('role', 'equalto', 'system') | list"))}
 
 
+# Written first in an export's template (after the profile check): the messages as polyalign reads a
+# conversation (data/importers/reading.py, content_text and the roles; data/text.py, normalize; `serve`
+# alike): a `developer` message is a system message, a content-part list is its text parts joined by a
+# newline (other parts left out), and a text loses its leading and trailing whitespace (training's
+# normalisation also folds runs of spaces inside a line, which this does not). A message that needs
+# none of it is passed on as it is.
+READ_MESSAGES_JINJA = (
+    "{#- polyalign: messages read as training read them: developer is a system role, text parts joined, texts "
+    "trimmed. -#}\n"
+    "{%- set polyalign_read = namespace(out=[]) -%}\n"
+    "{%- for message in messages -%}\n"
+    "    {%- set polyalign_text = message['content'] -%}\n"
+    "    {%- if polyalign_text is not none and polyalign_text is not string and polyalign_text is iterable "
+    "and polyalign_text is not mapping -%}\n"
+    "        {%- set polyalign_parts = namespace(texts=[]) -%}\n"
+    "        {%- for part in polyalign_text -%}\n"
+    "            {%- if part is string -%}\n"
+    "                {%- set polyalign_parts.texts = polyalign_parts.texts + [part] -%}\n"
+    "            {%- elif part['type'] in ['text', 'input_text', 'output_text'] or (part['type'] is not defined "
+    "and part['text'] is defined) -%}\n"
+    "                {%- set polyalign_parts.texts = polyalign_parts.texts + [part['text']] -%}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "        {%- set polyalign_text = polyalign_parts.texts | join('\\n') -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- if polyalign_text is string -%}{%- set polyalign_text = polyalign_text | trim -%}{%- endif -%}\n"
+    "    {%- if message['role'] == 'developer' or polyalign_text != message['content'] -%}\n"
+    "        {%- set polyalign_read.out = polyalign_read.out + [dict(message, role='system' if message['role'] == "
+    "'developer' else message['role'], content=polyalign_text)] -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set polyalign_read.out = polyalign_read.out + [message] -%}\n"
+    "    {%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- set messages = polyalign_read.out -%}\n")
+
+
 # Written after the preamble for a training template that refuses system messages (Gemma 2's): every
 # system message folded into a user turn by chat.fold_system's rule, as training folded them: it opens
 # the next user turn (its text, a blank line, the user's), or, directly followed by an assistant turn or
@@ -204,7 +240,8 @@ def training_source(source: str) -> str:
         stripped = False
         if source.startswith(_CHECK_HEAD) and _CHECK_END in source:
             source, stripped = source.split(_CHECK_END, 1)[1], True
-        for preamble in (*PROFILE_PREAMBLES_JINJA.values(), FOLD_SYSTEM_JINJA, _LEGACY_PREAMBLE):
+        preambles = (READ_MESSAGES_JINJA, *PROFILE_PREAMBLES_JINJA.values(), FOLD_SYSTEM_JINJA, _LEGACY_PREAMBLE)
+        for preamble in preambles:
             if source.startswith(preamble):
                 source, stripped = source[len(preamble):], True
     return source
@@ -215,6 +252,8 @@ def exported_source(source: str, system: str = "keep", fold: bool = False, profi
     """The chat_template an export carries: the training template behind the preamble of the build's
     system mode, written once; `fold`: the template takes no system message, which the preamble then
     folds into user turns (FOLD_SYSTEM_JINJA); `profile` (and the `values` training saw): the variables
-    are checked first (profile_check_jinja)."""
+    are checked first (profile_check_jinja). The messages are read as training read them first
+    (READ_MESSAGES_JINJA)."""
     check = profile_check_jinja(profile, values) if profile is not None else ""
-    return check + PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "") + training_source(source)
+    return (check + READ_MESSAGES_JINJA + PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "")
+            + training_source(source))
