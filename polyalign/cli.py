@@ -287,8 +287,11 @@ def _run_build(args) -> int:
         # with --truncation left a cut prompt loses its start: the profile prompt Bucket-SFT conditions on
         why = ("--truncation keep_system keeps it" if args.truncation == "left" else
                "it took over half of the prompt's share of --max-length")  # keep_system keeps it within half
-        lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, where the "
-                f"profile prompt is; {why})" if counts.get("system_cut") else "")
+        # under keep the message opens with the conversation's own system text, the profile prompt after it
+        held = ("the conversation's own system text, then the profile prompt" if args.system == "keep" and
+                counts.get("source_system_prompts") else "the profile prompt")
+        lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, which holds "
+                f"{held}; {why})" if counts.get("system_cut") else "")
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
               f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}{lost}"
               f"{repeats}")

@@ -297,6 +297,14 @@ def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
     message = str(error.value)
     for key in ("scheme", "sources[0].name", "sources[0].path", "sources[1].format"):
         assert key in message
+    # a misspelt required key is named beside the key it stands for
+    config.write_text("scheme: polyalign\nsource:\n  - {name: b, fromat: chat, path: chats.jsonl}\n")
+    with pytest.raises(ConfigError, match=r"missing sources \(a list of \{name, format, path\}\) \('source' there: "
+                                          r"a misspelling of sources\?\)"):
+        prepare(config, tmp_path / "run", progress=False)
+    config.write_text("scheme: polyalign\nsources:\n  - {name: b, fromat: chat, path: chats.jsonl}\n")
+    with pytest.raises(ConfigError, match=r"missing sources\[0\]\.format \('fromat' there: a misspelling of format"):
+        prepare(config, tmp_path / "run", progress=False)
     # the scheme shipped in the package, by name; family and style from the format's defaults
     config.write_text("scheme: polyalign\nsources:\n  - {name: chats, format: chat, path: chats.jsonl}\n")
     manifest = prepare(config, tmp_path / "run", progress=False)

@@ -430,7 +430,7 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
     assert set(small) <= set(result["metrics"]["bng"]["floor_by_bucket"])
     assert not set(small) & set(result["metrics"]["bng"]["gap_by_bucket"])
     page = (tmp_path / "eval" / "report.html").read_text()
-    assert f"{len(small)} buckets have fewer than 5 test rows" in page
+    assert f"{len(small)} {'bucket has' if len(small) == 1 else 'buckets have'} fewer than 5 test rows" in page
     # each small bucket's row marks its numbers, and the note under the table says what the mark means
     assert "<p>* fewer than 5 test rows: no interval or gap.</p>" in page
     for bucket in small:

@@ -170,6 +170,19 @@ def test_the_exported_template_refuses_the_profiles_serve_refuses_and_changes_no
                     del checked.variables[key], unchecked.variables[key]
     wanted = {"context": 3, "oracle": 4, "none": 0}[profile]
     assert passed == (2 if wanted else 1)  # nothing named, and the whole profile with held values
+    # messages that already hold the profile prompt (a `polyalign prompts` row's) naming it again: refused,
+    # where the same messages alone render as they are
+    from polyalign.tokens.profile_template import PROFILE_TWICE
+
+    written = as_dicts(record_messages(records[0], "oracle" if profile == "oracle" else "context"))[:-1]
+    whole = {key: getattr(records[0], PROFILE_FIELDS[key]) for key in PROFILE_KEYS[:wanted]} or {"family": "qa"}
+    assert profile_problem(whole, profile, values, written) == PROFILE_TWICE
+    checked.variables.update(whole)
+    with pytest.raises(ChatTemplateError, match="already open with polyalign's profile prompt"):
+        checked.render(written, True)
+    for key in whole:
+        del checked.variables[key]
+    assert checked.render(written, True) == unchecked.render(written, True)
     assert refused == 2 ** len(PROFILE_KEYS) + len(PROFILE_KEYS) * 2 ** (len(PROFILE_KEYS) - 1) - passed
 
 

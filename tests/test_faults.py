@@ -168,6 +168,9 @@ def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
     ({"path": "missing.jsonl"}, "missing.jsonl: no such file or directory"),
     ({"split": "dev"}, "split must be one of train, val, test, auto"),
     ({"colour": "blue"}, "unknown key 'colour'"),
+    # checked before any row is read (it would drop them all, after reading them)
+    ({"language": "english"}, r"sources\[0\] \(src\): language: unknown language 'english' \(the scheme allows "),
+    ({"family": "chat"}, r"sources\[0\] \(src\): family: unknown family 'chat'"),
 ])
 def test_config_problems_are_named(tmp_path, problem, fragment):
     (tmp_path / "c.jsonl").write_text(json.dumps(chat_row(CAMREST[0])) + "\n", encoding="utf-8")

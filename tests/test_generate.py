@@ -157,6 +157,11 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
                  "--no-progress"]) == 0
     assert json.loads((tmp_path / "half.manifest.json").read_text())["settings"]["dtype"] == "bfloat16"
     assert len((tmp_path / "half.jsonl").read_text().splitlines()) == 4
+    # a misspelled checkpoint folder is named as missing, not as a folder without config.json
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "cktp"), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(tmp_path / "x.jsonl"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path / 'cktp'}: no such checkpoint folder")
     # --max-new-tokens auto: each record within its bucket's budget, taken from train.jsonl beside the records
     auto = tmp_path / "auto.jsonl"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),

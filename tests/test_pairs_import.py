@@ -198,6 +198,15 @@ def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_pa
     assert [p["id"] for p in again_val] == [p["id"] for p in val] and len(again) == len(train)
     _, _, other_val = run(4, tmp_path / "c")
     assert {p["id"] for p in other_val} != {p["id"] for p in val}
+    # without --val-out the held-out pairs lie beside --out, and training that forgets them is told where
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                       tmp_path / "d" / "train.jsonl", "--val-fraction", "0.25")
+    assert code == 0 and (tmp_path / "d" / "train.val.jsonl").is_file(), err
+    (tmp_path / "sft").mkdir()  # the init is looked at before the pairs
+    code, _, err = cli(capsys, "train", "dpo", "--out", tmp_path / "dpo", f"init={tmp_path / 'sft'}",
+                       f"pairs={tmp_path / 'd' / 'train.jsonl'}")
+    assert code == 2 and f"is there: val_pairs={tmp_path / 'd' / 'train.val.jsonl'}" in err
+    assert not (tmp_path / "dpo").exists()  # a run refused before it starts leaves no folder behind
     manifest = json.loads((tmp_path / "a" / "val.manifest.json").read_text())
     assert manifest["settings"]["val_fraction"] == 0.25 and manifest["summary"]["val_pairs"] == len(val)
     # each file's manifest counts its own pairs and buckets

@@ -516,14 +516,17 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
                  f"val_pairs={tmp_path / 'val.jsonl'}", "data.max_length=128", "train.steps=2",
                  "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2", f"data.dir={demo_run[0]}",
                  "drift_prompts=3", "drift_new_tokens=8"]) == 0
-    assert f"{method}: 2 steps on 8 pairs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"{method}: 2 steps on 8 pairs" in printed and "; validation (4 pairs): reward margin" in printed
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     if method == "kto":
         assert abs(steps[0]["rewards/margin"]) < 1e-4 and steps[0]["loss"] == pytest.approx(0.5, abs=1e-4)
     else:
         assert steps[0]["rewards/chosen"] < 0 and steps[0]["rewards/rejected"] < 0
-    assert json.loads((out / "summary.json").read_text())["method"] == method
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == method and summary["val_pairs"] == 4
+    assert summary["val_pairs_file"] == str(tmp_path / "val.jsonl")
     assert (out / "model" / "model.safetensors").is_file()
     card = (out / "model" / "README.md").read_text()
     assert f"| pairs | {(tmp_path / 'train.jsonl').resolve()} |" in card and f"| method | {method} |" in card

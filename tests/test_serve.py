@@ -258,6 +258,12 @@ def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good
                                                                    "chat_template_kwargs": good})[1]["usage"]
                       for m in (sent, read)]
             assert tokens[0] == tokens[1]
+            # messages that already hold the profile prompt, with the profile named again: it would be written twice
+            profiled = [{"role": "system", "content": profile_text(good)}, *chat]
+            code, answer = call(server.url + "/chat/completions",
+                                body={"messages": profiled, "chat_template_kwargs": good})
+            assert code == 400 and "already open with polyalign's profile prompt" in answer["error"]["message"]
+            assert call(server.url + "/chat/completions", body={"messages": profiled, "max_tokens": 1})[0] == 200
             # a value the training data never held (a misspelling) renders a prompt the model never saw
             code, answer = call(server.url + "/chat/completions",
                                 body={"messages": chat, "chat_template_kwargs": {**good, "style": "tsak"}})

@@ -295,6 +295,7 @@ def test_resume_continues_exactly(built_run, tmp_path):
     assert config["polyalign_profile_values"] == {key: held[key] for key in ("family", "track", "style")}
     card = (tmp_path / "resumed" / "model" / "README.md").read_text()
     assert f"| style | {', '.join(held['style'])} |" in card and "It refuses a profile named in part" in card
+    assert "without the variables the template writes none, a prompt this model never read" in card
     # Weighting and per-bucket logging.
     record = straight[12]
     assert record["val_by_bucket"] and record["train_by_bucket"]

@@ -8,13 +8,14 @@ quarantine, rows the format excludes, languages outside the scheme, duplicates).
 from __future__ import annotations
 
 import datetime
+import difflib
 import json
 import os
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,15 +90,28 @@ class DataConfig:
 
 
 def missing_keys(raw: dict[str, Any]) -> list[str]:
-    """Every required key an incomplete data config lacks, so that one error names them all."""
-    missing = [] if "scheme" in raw else ["scheme (a bucket scheme file, or `polyalign` for the one polyalign ships)"]
+    """Every required key an incomplete data config lacks, so that one error names them all, each with
+    the key written in its place when one looks like a misspelling of it (`fromat` for `format`)."""
+    top = [f.name for f in fields(DataConfig)]
+    missing = [] if "scheme" in raw else [
+        "scheme (a bucket scheme file, or `polyalign` for the one polyalign ships)" + _misspelt("scheme", raw, top)]
     sources = raw.get("sources")
     if not isinstance(sources, list) or not sources:
-        return missing + ["sources (a list of {name, format, path})"]
+        return missing + ["sources (a list of {name, format, path})" + _misspelt("sources", raw, top)]
+    known = [f.name for f in fields(SourceConfig)]
     for i, source in enumerate(sources):
         if isinstance(source, dict):
-            missing += [f"sources[{i}].{key}" for key in ("name", "format", "path") if key not in source]
+            missing += [f"sources[{i}].{key}{_misspelt(key, source, known)}" for key in ("name", "format", "path")
+                        if key not in source]
     return missing
+
+
+def _misspelt(key: str, given: dict[str, Any], known: Sequence[str]) -> str:
+    """` ('fromat' there: a misspelling of format?)` when a key of `given` that is no known key is close to
+    `key`; "" otherwise."""
+    unknown = [k for k in given if isinstance(k, str) and k not in known]
+    close = difflib.get_close_matches(key, unknown, n=1, cutoff=0.7)
+    return f" ({close[0]!r} there: a misspelling of {key}?)" if close else ""
 
 
 PACKAGED_SCHEMES = Path(__file__).resolve().parents[1] / "buckets"
@@ -418,19 +432,24 @@ def load_context(config_path: Path, overrides: Iterable[str] = ()) -> PrepareCon
     base = config_path.parent
     scheme = load_scheme(scheme_path(config.scheme, base))
     roots = [resolve(source.path, base) for source in config.sources]
-    files = _checked_sources(config, roots, config_path)
+    files = _checked_sources(config, roots, config_path, scheme)
     return PrepareContext(config_path, config, raw_config, scheme, config.length_unit or scheme.length_unit,
                           roots, files)
 
 
-def _checked_sources(config: DataConfig, roots: list[Path], config_path: Path) -> list[list[Path]]:
-    """Every source's files, before anything is read; every source's problem (its split, its format, its
-    missing files) in one error, a line each, so that a first config is fixed in one go."""
+def _checked_sources(config: DataConfig, roots: list[Path], config_path: Path, scheme: Scheme) -> list[list[Path]]:
+    """Every source's files, before anything is read; every source's problem (its split, a label value
+    the scheme does not allow, its format, its missing files) in one error, a line each, so that a first
+    config is fixed in one go (a `language: english` would otherwise drop every row after reading them)."""
     problems, files = [], []
     for i, (source, root) in enumerate(zip(config.sources, roots)):
         where = f"{config_path}: sources[{i}] ({source.name})"
         if source.split not in SOURCE_SPLITS:
             problems.append(f"{where}: split must be one of {', '.join(SOURCE_SPLITS)}")
+        for label in ("language", *LABEL_FIELDS):
+            value = getattr(source, label)
+            if value is not None and (problem := scheme.check_value(label, value)):
+                problems.append(f"{where}: {label}: {problem}")
         try:
             patterns = get_format(source.format).module.PATTERNS
             files.append(source_files(root, patterns))

@@ -255,7 +255,7 @@ class Service:
                 raise _ApiError(400, f"chat_template_kwargs.{key} must be a string, got {json.dumps(value)}",
                                 param=f"chat_template_kwargs.{key}")
         # a partial profile, or a value the training data never held, renders a prompt the model never saw
-        if problem := profile_problem(variables, trained, self.tokenizer.profile_values):
+        if problem := profile_problem(variables, trained, self.tokenizer.profile_values, messages):
             raise _ApiError(400, f"chat_template_kwargs {problem}", param="chat_template_kwargs")
         # the profile prompt, composed with the client's own system messages as training composed them
         messages = with_system_prompt(messages, profile_text(variables), self.system)
@@ -415,6 +415,11 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     options = service.options
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
+    if keys := PROFILE_MODE_KEYS.get(service.tokenizer.profile_mode or "none"):
+        # the most common slip: a client that names no profile gets a prompt this model never read
+        print(f"profile: name {', '.join(keys)} in each request's chat_template_kwargs; a request without them "
+              f"gets no profile prompt, which this model ({service.tokenizer.profile_mode} profile) read in every "
+              "training example", flush=True)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # Ctrl-C, SIGTERM: running requests get STOP_ANSWER_S to finish

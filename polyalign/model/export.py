@@ -174,7 +174,12 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
     prompt += f". The template renders a system message of yours as training did: {SYSTEM_MODE_CARD[system]}"
     if keys:
         prompt += (". It refuses a profile named in part" + (", or with a value the training data did not hold (the "
-                                                              "values it held are listed below)" if values else ""))
+                                                              "values it held are listed below)" if values else "")
+                   + ". Every training example had the profile prompt: without the variables the template writes "
+                   "none, a prompt this model never read. `track` is `multi` when the conversation has an earlier "
+                   "user or assistant turn and `single` for its first question (as polyalign labels conversations "
+                   "unless a data source sets it); `family` is the kind of interaction (assistant, qa, dialogue) "
+                   "and `style` the kind of answer, as the training data's buckets name them")
     seen = "".join(f"| {key} | {', '.join(values[key])} |\n" for key in keys if values and values.get(key))
     seen = f"\n## Profile values in the training data\n\n| variable | values |\n|---|---|\n{seen}" if seen else ""
     return (f"# {card.get('method', 'polyalign')} model\n\nTrained with polyalign.\n\n| | |\n|---|---|\n{rows}\n"

@@ -96,6 +96,8 @@ def _safetensors_files(path: epath.Path) -> list[epath.Path]:
 def read_hf_config(path: str | os.PathLike) -> dict:
     config_path = as_path(path) / "config.json"
     if not config_path.is_file():
+        if not as_path(path).exists():
+            raise CheckpointError(f"{path}: no such checkpoint folder")
         raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory is expected")
     try:
         return json.loads(config_path.read_text())

@@ -433,7 +433,9 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                    f"over {bng['buckets']} buckets, {bng['rows']} rows; {len(bng.get('backed_off', []))} small "
                    "buckets measured against their parent group). Intervals: bootstrap over responses, "
                    f"{result['config'].get('intervals', {}).get('draws', '?')} draws. "
-                   + (f"{len(bng['small_buckets'])} buckets have fewer than {bng.get('min_interval_rows')} test rows "
+                   + (f"{len(bng['small_buckets'])} "
+                      f"{'bucket has' if len(bng['small_buckets']) == 1 else 'buckets have'} "
+                      f"fewer than {bng.get('min_interval_rows')} test rows "
                       f"({', '.join(bng['small_buckets'])}): no interval or gap of their own, and each still counts "
                       "as much as any other in the macro (the rows column says what each carries)."
                       if bng.get("small_buckets") else "") + "</p>")

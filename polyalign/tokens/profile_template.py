@@ -8,7 +8,8 @@ messages)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from polyalign.data.records import PROFILE_PREAMBLE
 
@@ -170,14 +171,33 @@ def trained_profile_text(profile: str) -> str:
     return f"this model was trained with profile {profile}: " + (", ".join(keys) if keys else "no variables")
 
 
+# Messages that already carry the profile prompt (a `polyalign prompts` row's) and name it again.
+PROFILE_TWICE = ("the messages already open with polyalign's profile prompt (as `polyalign prompts` writes them): "
+                 "send them without the profile variables, or the conversation without that system message")
+
+
+def opens_with_profile_prompt(messages: Sequence[Any] | None) -> bool:
+    """Whether the first message is a system (or developer) message holding polyalign's profile prompt;
+    messages as dicts (role, content) or chat.Message."""
+    if not messages:
+        return False
+    first = messages[0]
+    role, content = (first.get("role"), first.get("content")) if isinstance(first, dict) else (first.role,
+                                                                                                first.content)
+    return role in ("system", "developer") and isinstance(content, str) and PROFILE_PREAMBLE in content
+
+
 def profile_problem(variables: dict[str, str], profile: str | None,
-                    values: dict[str, list[str]] | None = None) -> str | None:
+                    values: dict[str, list[str]] | None = None, messages: Sequence[Any] | None = None) -> str | None:
     """What is wrong with the template variables a caller names for a model trained with `profile`
     (None: not recorded, nothing checked), or None: a profile is named whole or not at all (a partial
     one, or one with a key the model never read, renders a prompt it never saw), and each value is one
     the model's training data held (`values`, its export's polyalign_profile_values; unchecked where
-    it has none). The exported template checks the same (profile_check_jinja)."""
+    it has none); and `messages` do not already hold the profile prompt (it would be written twice). The
+    exported template checks the same (profile_check_jinja)."""
     given = {key: value for key, value in variables.items() if key in PROFILE_KEYS and value}
+    if given and opens_with_profile_prompt(messages):
+        return PROFILE_TWICE
     if not given or profile is None:
         return None
     wanted = PROFILE_MODE_KEYS[profile]
@@ -218,6 +238,9 @@ def profile_check_jinja(profile: str, values: dict[str, list[str]] | None = None
     whole = "[" + ", ".join(f"'{key}'" for key in PROFILE_KEYS if key in wanted) + "]"
     refusal = (f"{trained_profile_text(profile)}; name " + (f"all of {', '.join(wanted)} or none" if wanted
                                                              else "no profile variables"))
+    lines.append("{%- if polyalign_given.keys and messages and messages[0]['role'] in ['system', 'developer'] and "
+                 f"messages[0]['content'] is string and {_jinja_string(PROFILE_PREAMBLE)} in messages[0]['content'] "
+                 f"-%}}{{{{- raise_exception({_jinja_string(PROFILE_TWICE)}) -}}}}{{%- endif -%}}\n")
     lines.append(f"{{%- if polyalign_given.keys and polyalign_given.keys != {whole} -%}}"
                  f"{{{{- raise_exception({_jinja_string(refusal)} + ' (given: ' + polyalign_given.keys | join(', ')"
                  " + ')') -}}{%- endif -%}\n")

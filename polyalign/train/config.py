@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from polyalign.core.paths import as_path
 from polyalign.core.ranges import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Range
 from polyalign.core.yaml_config import ConfigError, setting
 from polyalign.mesh.shape import ParallelConfig
@@ -220,9 +221,20 @@ class PreferenceConfig:
             files[key] = getattr(self, key)
             if files[key] is None:
                 if self.data.dir is None:
-                    raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)")
+                    raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)"
+                                      + (_val_pairs_hint(self.pairs) if key == "val_pairs" else ""))
                 files[key] = f"{str(self.data.dir).rstrip('/')}/critic/{name}"
         return files
+
+
+def _val_pairs_hint(pairs: str | None) -> str:
+    """Where held-out pairs come from, naming the file `pairs import --val-fraction` wrote beside `pairs`."""
+    hint = ("; held-out pairs come from `polyalign pairs import ... --val-fraction 0.1` (written beside its --out "
+            "as NAME.val.jsonl) or `polyalign pairs` (RUN/pairs/val.jsonl)")
+    beside = str(pairs)[:-len(".jsonl")] + ".val.jsonl" if pairs and str(pairs).endswith(".jsonl") else None
+    if beside and as_path(beside).exists():
+        hint += f"; {beside} is there: val_pairs={beside}"
+    return hint
 
 
 @dataclass(frozen=True)

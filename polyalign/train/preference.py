@@ -272,7 +272,9 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                epoch_size=None if config.data.pack else len(train_examples),
                evaluate=evaluate if val_examples else None, summarize=lambda host: summarize(host, buckets),
                checkpoint_meta={"method": config.method}, finish=finish,
-               summary={"train_pairs": len(train_examples), "val_pairs": len(val_examples), **paths},
+               # the files under their own names: `val_pairs` is the count, as the metrics have it
+               summary={"pairs_file": paths["pairs"], "val_pairs_file": paths["val_pairs"],
+                        "train_pairs": len(train_examples), "val_pairs": len(val_examples)},
                # a reference in the step adds its forward pass; a precomputed one costs the step nothing
                flops_per_token=flops_per_token(model.config, max_length, reference_forward=(
                    method_spec(config.method).needs_reference and config.reference == "in_step")))

@@ -168,14 +168,21 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
 
     local = not is_uri(out)
     out = as_path(out) if not local else Path(as_path(out))
-    if local:
-        inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
-        check_inputs_exist({**inputs, "data.dir": config.data.dir}, existing)
-        ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
-                        remove=jax.process_index() == 0)
-    lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
-    with lock:
-        return _train(config, out, progress)
+    new_folder = local and not out.exists()
+    try:
+        if local:
+            inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
+            check_inputs_exist({**inputs, "data.dir": config.data.dir}, existing)
+            ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
+                            remove=jax.process_index() == 0)
+        lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
+        with lock:
+            return _train(config, out, progress)
+    except BaseException:
+        # a run refused before it wrote anything (a missing setting, a bad pairs file) leaves no empty OUT
+        if new_folder and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def _train(config, out, progress: bool) -> dict[str, Any]:
