@@ -88,11 +88,11 @@ PROFILE_PREAMBLES_JINJA = {
 # Written first in an export's template (after the profile check): the messages as polyalign reads a
 # conversation (data/importers/reading.py, content_text and the roles; data/text.py, normalize; `serve`
 # alike): a `developer` message is a system message, a content-part list is its text parts joined by a
-# newline (other parts left out), and a text loses its leading and trailing whitespace (training's
-# normalisation also folds runs of spaces inside a line, which this does not). A message that needs
-# none of it is passed on as it is.
+# newline (other parts left out), and each line of a text loses its leading and trailing whitespace
+# (training's normalisation also folds runs of spaces inside a line and of blank lines, which this does
+# not). A message that needs none of it is passed on as it is.
 READ_MESSAGES_JINJA = (
-    "{#- polyalign: messages read as training read them: developer is a system role, text parts joined, texts "
+    "{#- polyalign: messages read as training read them: developer is a system role, text parts joined, lines "
     "trimmed. -#}\n"
     "{%- set polyalign_read = namespace(out=[]) -%}\n"
     "{%- for message in messages -%}\n"
@@ -110,7 +110,8 @@ READ_MESSAGES_JINJA = (
     "        {%- endfor -%}\n"
     "        {%- set polyalign_text = polyalign_parts.texts | join('\\n') -%}\n"
     "    {%- endif -%}\n"
-    "    {%- if polyalign_text is string -%}{%- set polyalign_text = polyalign_text | trim -%}{%- endif -%}\n"
+    "    {%- if polyalign_text is string -%}{%- set polyalign_text = polyalign_text.split('\\n') | map('trim') | "
+    "join('\\n') | trim -%}{%- endif -%}\n"
     "    {%- if message['role'] == 'developer' or polyalign_text != message['content'] -%}\n"
     "        {%- set polyalign_read.out = polyalign_read.out + [dict(message, role='system' if message['role'] == "
     "'developer' else message['role'], content=polyalign_text)] -%}\n"
