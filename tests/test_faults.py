@@ -482,25 +482,26 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
             "`language:` in the data config") in capsys.readouterr().err
 
 
-def test_a_source_in_a_language_outside_the_scheme_is_refused_once_and_said_plainly(tmp_path, capsys):
-    """Every row of a source declared in a language the scheme has no buckets for is dropped, so no
-    row is "bucketed as declared" whatever its script; a prepare that kept nothing fails naming why."""
+def test_a_source_in_a_language_outside_the_scheme_is_refused_before_any_row_is_read(tmp_path, capsys):
+    """A source declared in a language the scheme has no buckets for would have every row dropped: it is
+    refused before anything is read or written, in one line naming the source and the scheme's languages,
+    and the corrected command then runs (no record of the refused one stands in its way)."""
     chinese = {"messages": [{"role": "user", "content": KDCONV_TURNS[0]},
                             {"role": "assistant", "content": KDCONV_TURNS[1]}],
                "track": "multi", "family": "dialogue", "style": "task_dialogue"}
-    manifest = run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(chat_row(CAMREST[0])), chinese]), language="fr")
-    source = manifest["sources"][0]
-    records = source["records"]  # a record per answered turn
-    assert records > 2 and source["kept"] == 0 and source["dropped"] == {"language_not_in_scheme:fr": records}
-    assert "language_mismatches" not in source
+    with pytest.raises(ConfigError, match=r"sources\[0\] \(src\): language: unknown language 'fr' \(the scheme "
+                                          r"allows en, zh\)"):
+        run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(chat_row(CAMREST[0])), chinese]), language="fr")
+    assert not (tmp_path / "run").exists()
     capsys.readouterr()
     assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"),
                  "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert "bucketed as declared" not in err
-    assert err.strip().splitlines()[-1] == (f"polyalign prepare: error: nothing kept: every one of {records} "
-                                            f"records was dropped (language_not_in_scheme:fr {records}); the "
-                                            "manifest counts them per source")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "language: unknown language 'fr'" in err[0] and not (tmp_path / "cli").exists()
+    write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl", "split": "train"}],
+                 dedup=False)
+    assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"),
+                 "--no-progress"]) == 0
 
 
 def test_a_conversation_nobody_answered_is_dropped_and_listed_not_a_malformed_row(tmp_path):

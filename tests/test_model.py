@@ -260,8 +260,11 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
                                                       "architectures": ["MistralForCausalLM"]}))
     with pytest.raises(CheckpointError, match="unsupported model_type 'mistral'.*MistralForCausalLM"):
         load_hf_checkpoint(tmp_path)
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="nowhere: no such checkpoint folder"):
         load_hf_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty: no config.json"):
+        load_hf_checkpoint(tmp_path / "empty")
 
 
 def test_missing_and_misshapen_tensors_are_listed(tmp_path):
