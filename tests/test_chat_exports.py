@@ -249,14 +249,8 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
         role = "system" if m["role"] == "developer" else m["role"]
         return Message(role, normalize(content_text(m["content"], "")[0]))
 
-    def sent_text(text):  # as the user has it where the template reads it as training did (edge whitespace)
-        return text if normalize(text) == text.strip() else normalize(text)
-
-    def as_sent(m):  # the source message, its role and content parts as they are
-        content = m["content"]
-        content = sent_text(content) if isinstance(content, str) else [
-            {**part, "text": sent_text(part["text"])} for part in content]
-        return {"role": m["role"], "content": content}
+    def as_sent(m):  # the source message, its role, content parts and whitespace as they are
+        return {"role": m["role"], "content": m["content"]}
 
     from polyalign.data.importers.reading import TEXT_PARTS
     from polyalign.tokens.profile_template import READ_MESSAGES_JINJA
@@ -282,8 +276,34 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
         expected = template.render(record_messages(record, "context", system=system)[:-1], add_generation_prompt=True)
         assert exported.render(sent, add_generation_prompt=True) == expected, record.id
     assert before_reply == 4 and sent_as_is >= 2
-    assert sum(m["content"] != m["content"].strip() for row in rows for m in row["messages"]
-               if isinstance(m["content"], str)) >= 5  # CamRest's utterances that end with a space
+    texts = [m["content"] for row in rows for m in row["messages"] if isinstance(m["content"], str)]
+    assert sum(t != t.strip() for t in texts) >= 5  # CamRest's utterances that end with a space
+    assert sum("  " in t.strip() for t in texts) >= 1  # and runs of spaces inside them
+
+
+def test_the_exported_template_normalises_every_text_as_prepare_does():
+    """Property: for 2,000 texts of real English and Chinese words joined by random whitespace (spaces,
+    tabs, CR LF, CR, blank lines, no-break and ideographic spaces), the exported template's reading of a
+    message (READ_MESSAGES_JINJA, rendered as transformers renders it) equals data/text.py's normalize."""
+    import random
+
+    from polyalign.data.text import normalize
+    from polyalign.tokens.chat_jinja import JinjaRenderer
+    from polyalign.tokens.profile_template import READ_MESSAGES_JINJA
+
+    words = [w for d in camrest_dialogues(3) for t in d["turns"] for w in t["utterance"].split()]
+    words += [m["content"][:6] for _, d in crosswoz_dialogues(2) for m in d["messages"]]
+    gaps = [" ", "  ", "\t", " \t ", "\n", "\r\n", "\r", "\n\n\n", " \n ", "\u00a0", "\u3000", "\n \n"]
+    renderer = JinjaRenderer(READ_MESSAGES_JINJA + "{{ messages[0]['content'] }}|{{ messages[1]['content'] }}", {})
+    rng = random.Random(0)
+    for _ in range(2000):
+        pieces = [rng.choice(gaps) if rng.random() < 0.3 else ""]
+        for _ in range(rng.randint(0, 8)):
+            pieces += [rng.choice(words), rng.choice(gaps)]
+        text = "".join(pieces)
+        parts = [{"type": "text", "text": text}, {"type": "input_text", "text": text[::-1]}]
+        rendered = renderer.render([{"role": "developer", "content": text}, {"role": "user", "content": parts}])
+        assert rendered == f"{normalize(text)}|{normalize(text + chr(10) + text[::-1])}", repr(text)
 
 
 def test_a_first_data_config_names_everything_missing_at_once(tmp_path):

@@ -108,6 +108,10 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
         stop = next(c for c in content[3:] if not c.isspace())
         stopped = client.chat.completions.create(model="sft", messages=messages, max_tokens=60, temperature=0,
                                                  stop=[stop])
+        # one string, as OpenAI takes it, of any length (the four-item limit is a list's)
+        word = content[content.index(stop):][:6]
+        stopped_at_word = client.chat.completions.create(model="sft", messages=messages, max_tokens=60, temperature=0,
+                                                         stop=word)
         # the profile the model was trained with, named as vLLM names template variables
         profile = {"family": "dialogue", "track": "multi", "style": "task"}
         profiled = client.chat.completions.create(model="sft", messages=messages, max_tokens=2, temperature=0,
@@ -117,6 +121,10 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
             with pytest.raises(openai.BadRequestError, match="chat_template_kwargs colour: this model's template"):
                 client.chat.completions.create(model="sft", messages=messages, max_tokens=2,
                                                extra_body={"chat_template_kwargs": unknown})
+        # the profile put at the top of the request would be ignored there: refused, saying where it goes
+        with pytest.raises(openai.BadRequestError, match="family, track, style: profile variables go in "
+                                                         "chat_template_kwargs"):
+            client.chat.completions.create(model="sft", messages=messages, max_tokens=2, extra_body=profile)
         with pytest.raises(openai.BadRequestError, match="chat_template_kwargs.family must be a string, got 3"):
             client.chat.completions.create(model="sft", messages=messages, max_tokens=2,
                                            extra_body={"chat_template_kwargs": {"family": 3}})
@@ -141,6 +149,7 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
                                    SamplingConfig(max_new_tokens=6))])[0][0]
     assert text.choices[0].text == tokenizer.decode(raw.tokens).lstrip()
     assert stopped.choices[0].message.content == content[:content.index(stop)]
+    assert len(word) == 6 and stopped_at_word.choices[0].message.content == content[:content.index(word)]
     assert stopped.choices[0].finish_reason == "stop" and long.usage.completion_tokens == 60
     # counted up to the token that completed the stop string (as vLLM counts), not the decoding call's end
     made = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=60))])[0][0].tokens
@@ -152,8 +161,8 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     line_form = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (GET|POST) (/v1/\S+) (\d{3}) \d+\.\d\d s( \d+\+\d+ tokens)?"
     logged = [re.fullmatch(line_form, line) for line in lines]
     assert all(logged), lines
-    assert [m.group(1, 2, 3) for m in logged].count(("POST", "/v1/chat/completions", "400")) == 3
-    assert sum(m.group(2) == "/v1/models" for m in logged) == 2 and len(logged) == 13
+    assert [m.group(1, 2, 3) for m in logged].count(("POST", "/v1/chat/completions", "400")) == 4
+    assert sum(m.group(2) == "/v1/models" for m in logged) == 2 and len(logged) == 15
     assert " 200 " in lines[2] and lines[2].endswith(f" s {len(prompt)}+{len(expected.tokens)} tokens"), lines[2]
 
 

@@ -67,6 +67,8 @@ class _ApiError(PolyalignError):
 
 def _models():
     """The request bodies, as pydantic models (FastAPI validates against them)."""
+    from typing import Annotated
+
     from pydantic import BaseModel, ConfigDict, Field  # installed with fastapi, the serve extra
 
     class ContentPart(BaseModel):  # text is read; any other kind is refused by name (_text)
@@ -89,7 +91,8 @@ def _models():
         top_k: int = Field(0, ge=0)
         n: int = Field(1, ge=1, le=16)
         seed: int | None = None
-        stop: str | list[str] | None = Field(None, max_length=4)
+        # one string or up to four (the limit is the list's, not the string's length)
+        stop: str | Annotated[list[str], Field(max_length=4)] | None = None
         stream: bool = False
 
     class ChatRequest(Sampling):
@@ -160,6 +163,11 @@ class Service:
             if name in extra and extra[name] not in harmless:
                 raise _ApiError(400, f"polyalign serve does not support {name}; send the request without it",
                                 param=name)
+        misplaced = [key for key in PROFILE_KEYS if key in extra]
+        if misplaced:  # ignored there, the request would run without the profile the client meant to give
+            raise _ApiError(400, f"{', '.join(misplaced)}: profile variables go in chat_template_kwargs "
+                                 f"({{\"chat_template_kwargs\": {{\"{misplaced[0]}\": ...}}}}), not at the top "
+                                 "of the request", param=misplaced[0])
         if body.stream:
             raise _ApiError(400, "polyalign serve does not stream; send the request without stream", param="stream")
         if body.model is not None and body.model != self.model_name:

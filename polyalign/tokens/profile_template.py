@@ -88,12 +88,12 @@ PROFILE_PREAMBLES_JINJA = {
 # Written first in an export's template (after the profile check): the messages as polyalign reads a
 # conversation (data/importers/reading.py, content_text and the roles; data/text.py, normalize; `serve`
 # alike): a `developer` message is a system message, a content-part list is its text parts joined by a
-# newline (other parts left out), and each line of a text loses its leading and trailing whitespace
-# (training's normalisation also folds runs of spaces inside a line and of blank lines, which this does
-# not). A message that needs none of it is passed on as it is.
+# newline (other parts left out), and a text is normalised as training normalised it (data/text.py
+# normalize: runs of whitespace inside a line as one space, none at a line's ends, at most one blank line
+# in a row). A message that needs none of it is passed on as it is.
 READ_MESSAGES_JINJA = (
-    "{#- polyalign: messages read as training read them: developer is a system role, text parts joined, lines "
-    "trimmed. -#}\n"
+    "{#- polyalign: messages read as training read them: developer is a system role, text parts joined, "
+    "whitespace normalised. -#}\n"
     "{%- set polyalign_read = namespace(out=[]) -%}\n"
     "{%- for message in messages -%}\n"
     "    {%- set polyalign_text = message['content'] -%}\n"
@@ -110,8 +110,18 @@ READ_MESSAGES_JINJA = (
     "        {%- endfor -%}\n"
     "        {%- set polyalign_text = polyalign_parts.texts | join('\\n') -%}\n"
     "    {%- endif -%}\n"
-    "    {%- if polyalign_text is string -%}{%- set polyalign_text = polyalign_text.split('\\n') | map('trim') | "
-    "join('\\n') | trim -%}{%- endif -%}\n"
+    # data/text.py normalize: CR LF and CR as LF; in each line, every run of whitespace one space and none
+    # at the ends (str.split() with no argument splits at any whitespace run); at most one blank line in a row
+    "    {%- if polyalign_text is string -%}\n"
+    "        {%- set polyalign_lines = namespace(out=[]) -%}\n"
+    "        {%- for line in polyalign_text.replace('\\r\\n', '\\n').replace('\\r', '\\n').split('\\n') -%}\n"
+    "            {%- set polyalign_line = line.split() | join(' ') -%}\n"
+    "            {%- if polyalign_line or (polyalign_lines.out and polyalign_lines.out[-1]) -%}\n"
+    "                {%- set polyalign_lines.out = polyalign_lines.out + [polyalign_line] -%}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "        {%- set polyalign_text = polyalign_lines.out | join('\\n') | trim -%}\n"
+    "    {%- endif -%}\n"
     "    {%- if message['role'] == 'developer' or polyalign_text != message['content'] -%}\n"
     "        {%- set polyalign_read.out = polyalign_read.out + [dict(message, role='system' if message['role'] == "
     "'developer' else message['role'], content=polyalign_text)] -%}\n"
@@ -244,7 +254,7 @@ def profile_check_jinja(profile: str, values: dict[str, list[str]] | None = None
                  f"-%}}{{{{- raise_exception({_jinja_string(PROFILE_TWICE)}) -}}}}{{%- endif -%}}\n")
     lines.append(f"{{%- if polyalign_given.keys and polyalign_given.keys != {whole} -%}}"
                  f"{{{{- raise_exception({_jinja_string(refusal)} + ' (given: ' + polyalign_given.keys | join(', ')"
-                 " + ')') -}}{%- endif -%}\n")
+                 " + '; a misspelt name counts as not given)') -}}{%- endif -%}\n")
     for key in wanted:
         seen = sorted((values or {}).get(key) or [])
         if seen:
