@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from polyalign.core.errors import GenerationError, PolyalignError
 from polyalign.core.extras import require
@@ -67,8 +67,6 @@ class _ApiError(PolyalignError):
 
 def _models():
     """The request bodies, as pydantic models (FastAPI validates against them)."""
-    from typing import Annotated
-
     from pydantic import BaseModel, ConfigDict, Field  # installed with fastapi, the serve extra
 
     class ContentPart(BaseModel):  # text is read; any other kind is refused by name (_text)
