@@ -165,6 +165,19 @@ def check_output(output: str | os.PathLike, record: str | os.PathLike, settings:
 
 
 @contextlib.contextmanager
+def no_empty_folder_left(folder: Path) -> Iterator[None]:
+    """A folder the block creates (to hold a marker, a lock, a claim) is removed again when the block fails
+    before writing anything into it: a refused or failed first run leaves no empty folder behind."""
+    existed = folder.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
+
+
+@contextlib.contextmanager
 def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
                  inputs: Mapping[str, str | os.PathLike | None] | None = None,
@@ -182,25 +195,19 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
     started = started_record(record)
     lock = lock if lock is not None else OutputLock(Path(output))
     output = Path(output)
-    existed = output.exists()
-    try:
-        with lock:
-            if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming it
-                Path(record).unlink(missing_ok=True)
-            started.parent.mkdir(parents=True, exist_ok=True)
-            started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str)
-                               + "\n", encoding="utf-8")
-            try:
-                yield
-            except BaseException:
-                if not _written(output, {started, lock.path}):  # stopped before writing (a bad input): no resume
-                    started.unlink(missing_ok=True)
-                raise
-            started.unlink(missing_ok=True)
-    except BaseException:
-        if not existed and output.is_dir() and not any(output.iterdir()):
-            output.rmdir()  # made only to hold the marker and the lock: a failed first run leaves no empty folder
-        raise
+    with no_empty_folder_left(output), lock:
+        if overwrite:  # what it recorded is being replaced: an interruption must not leave it claiming it
+            Path(record).unlink(missing_ok=True)
+        started.parent.mkdir(parents=True, exist_ok=True)
+        started.write_text(json.dumps({"settings": settings_record(settings)}, ensure_ascii=False, default=str)
+                           + "\n", encoding="utf-8")
+        try:
+            yield
+        except BaseException:
+            if not _written(output, {started, lock.path}):  # stopped before writing (a bad input): no resume
+                started.unlink(missing_ok=True)
+            raise
+        started.unlink(missing_ok=True)
 
 
 def _written(output: Path, own: set[Path]) -> bool:

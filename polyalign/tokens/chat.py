@@ -66,10 +66,12 @@ def profile_prompt(record: Record, mode: str) -> str:
         raise ChatTemplateError(f"profile mode {mode!r} is not one of {', '.join(PROFILE_MODES)}")
     if mode == "none":
         return ""
-    parts = {"family": record.family, "track": record.track, "style": record.style}
-    if mode == "oracle":
-        parts["length"] = record.length_bin
-    return profile_text(parts) or PROFILE_PREAMBLE
+    return profile_text(record_profile(record, mode)) or PROFILE_PREAMBLE
+
+
+def record_profile(record: Record, mode: str) -> dict[str, str]:
+    """{profile key: the record's value} for the keys profile `mode` names (PROFILE_MODE_KEYS)."""
+    return {key: getattr(record, PROFILE_FIELDS[key]) for key in PROFILE_MODE_KEYS[mode]}
 
 
 def profile_text(parts: dict[str, str]) -> str:
@@ -148,8 +150,8 @@ def say_unseen_profile_values(tokenizer: Tokenizer, records: Sequence[Record], p
     unseen: Counter = Counter()
     affected = 0
     for record in records:
-        missing = [(key, getattr(record, PROFILE_FIELDS[key])) for key in PROFILE_MODE_KEYS[profile]
-                   if values.get(key) and getattr(record, PROFILE_FIELDS[key]) not in values[key]]
+        missing = [(key, value) for key, value in record_profile(record, profile).items()
+                   if values.get(key) and value not in values[key]]
         unseen.update(missing)
         affected += bool(missing)
     if affected:

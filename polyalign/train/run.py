@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from polyalign.core.outputs import OutputLock
+from polyalign.core.outputs import OutputLock, no_empty_folder_left
 from polyalign.core.paths import as_path, is_uri, recorded_path
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
@@ -168,8 +168,8 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
 
     local = not is_uri(out)
     out = as_path(out) if not local else Path(as_path(out))
-    new_folder = local and not out.exists()
-    try:
+    # a run refused before it wrote anything (a missing setting, a bad pairs file) leaves no empty OUT
+    with no_empty_folder_left(out) if local else contextlib.nullcontext():
         if local:
             inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
             check_inputs_exist({**inputs, "data.dir": config.data.dir}, existing)
@@ -178,11 +178,6 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
         lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
         with lock:
             return _train(config, out, progress)
-    except BaseException:
-        # a run refused before it wrote anything (a missing setting, a bad pairs file) leaves no empty OUT
-        if new_folder and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        raise
 
 
 def _train(config, out, progress: bool) -> dict[str, Any]:
