@@ -391,6 +391,12 @@ def _run_train(args) -> int:
               "the end.")
         return 0
     print(method_spec(config.method).implementation().summary_line(result))
+    check = result.get("tokenizer_check", {})
+    if check.get("checked") and not check["differing"]:
+        print(f"tokenizer: {check['reader']} reads {result['model']} with the ids training used on "
+              f"{check['probes']} probe texts")
+    elif result.get("tokenizer_warning"):
+        print(f"warning: {result['tokenizer_warning']}", file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 from collections import Counter
 
 import jax
@@ -502,12 +503,20 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
 
 
 @pytest.mark.slow
+def exported_model_type(out):
+    return json.loads((out / "model" / "config.json").read_text())["model_type"]
+
+
 @pytest.mark.parametrize("method", ["kto", "simpo"])
-def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokenizer, tmp_path, capsys):
+def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokenizer, tmp_path, capsys, monkeypatch):
     """`polyalign train kto` / `train simpo` on real pairs: KTO starts at the reference (margin 0),
     SimPO needs no reference pass (its rewards are beta x the policy's own log-probs)."""
     from polyalign.cli import main
     from polyalign.train.metrics import read_metrics
+    from tests.test_tokenizer_check import stand_in_transformers
+
+    # transformers stood in for: reading as polyalign does (kto), or lowercasing (simpo), which the export's check finds
+    monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(False, lowercase=method == "simpo"))
 
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
     out = tmp_path / "out"
@@ -516,8 +525,19 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
                  f"val_pairs={tmp_path / 'val.jsonl'}", "data.max_length=128", "train.steps=2",
                  "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2", f"data.dir={demo_run[0]}",
                  "drift_prompts=3", "drift_new_tokens=8"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     assert f"{method}: 2 steps on 8 pairs" in printed and "; validation (4 pairs): reward margin" in printed
+    check = json.loads((out / "summary.json").read_text())["tokenizer_check"]
+    reader = f"transformers stand-in AutoTokenizer (Loaded, loaded with config.json's model_type {exported_model_type(out)})"
+    assert check["checked"] and check["reader"] == reader and check["probes"] > 20, check
+    if method == "kto":
+        assert check["differing"] == 0 and not err
+        assert f"tokenizer: {reader} reads {out / 'model'} with the ids training used on {check['probes']} probe " \
+               "texts" in printed.splitlines()
+    else:
+        assert 0 < check["differing"] < check["probes"], check
+        assert f"warning: {reader} reads {out / 'model'} with other ids than polyalign on {check['differing']} of " \
+               f"{check['probes']} probe texts" in err
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     if method == "kto":

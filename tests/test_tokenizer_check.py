@@ -20,9 +20,11 @@ from tests.conftest import DEMO_DATA
 CAMREST = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:40]
 
 
-def stand_in_transformers(split_digits: bool | str) -> types.ModuleType:
+def stand_in_transformers(split_digits: bool | str, lowercase: bool = False) -> types.ModuleType:
     """`split_digits`: True, or a model type for which the stand-in splits digits only when the folder's
-    config.json names it (transformers 5 picks the class by config.json's model_type: Qwen2Tokenizer)."""
+    config.json names it (transformers 5 picks the class by config.json's model_type: Qwen2Tokenizer).
+    `lowercase`: a class that adds a lowercasing normalizer (other ids for a SentencePiece model, which
+    splits digits itself)."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, pre_tokenizers
@@ -36,12 +38,13 @@ def stand_in_transformers(split_digits: bool | str) -> types.ModuleType:
             else:
                 splits = split_digits
             if splits:
-                self._tok.pre_tokenizer = pre_tokenizers.Sequence(
-                    [pre_tokenizers.Digits(individual_digits=True), self._tok.pre_tokenizer])
+                digits = pre_tokenizers.Digits(individual_digits=True)
+                rest = self._tok.pre_tokenizer  # None for a Unigram tokenizer.json (its Metaspace is a normalizer)
+                self._tok.pre_tokenizer = digits if rest is None else pre_tokenizers.Sequence([digits, rest])
 
         def encode(self, text, add_special_tokens=True):
             assert add_special_tokens is False
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._tok.encode(text.lower() if lowercase else text, add_special_tokens=False).ids
 
     module = types.ModuleType("transformers")
     module.__version__ = "stand-in"
@@ -126,8 +129,8 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
     manifest, _, err = build_with(sample_data, json_tokenizer, tmp_path / "b", capsys, monkeypatch, transformers,
                                   checkpoint)
     check = manifest["tokenizer_check"]
-    assert check["differing"] > 0 and check["reader"].endswith("(Loaded, chosen for config.json's model_type qwen2)")
-    assert "chosen for config.json's model_type qwen2) reads" in err and "pre-tokenizer" in err
+    assert check["differing"] > 0 and check["reader"].endswith("(Loaded, loaded with config.json's model_type qwen2)")
+    assert "loaded with config.json's model_type qwen2) reads" in err and "pre-tokenizer" in err
 
 
 def test_compare_encoders_names_the_first_difference():
@@ -144,3 +147,60 @@ def test_compare_encoders_names_the_first_difference():
     assert compare_encoders(ours, None, "not checked: why", texts, "TOK") == (
         {"checked": False, "reason": "not checked: why"}, None)
     assert probe_texts([]) == []
+
+
+def test_training_checks_its_export_as_transformers_loads_it(json_tokenizer, tmp_path, monkeypatch):
+    """The build cannot know the config.json an export of a model trained from a preset carries (its
+    model_type picks transformers' tokenizer class); training checks the exported folder itself."""
+    from polyalign.inputs.tokenizer_check import EXPORT_CONSEQUENCE, check_export
+    from polyalign.model import create_model
+    from polyalign.model.export import export_checkpoint
+    from polyalign.tokens.chat import get_template
+    from tests.conftest import tiny_model_config
+
+    folder = tmp_path / "model"
+    export_checkpoint(create_model(tiny_model_config(json_tokenizer.vocab_size), seed=0), json_tokenizer, folder,
+                      template=get_template("qwen"), profile="context")
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    card = (folder / "README.md").read_text()
+    texts = [t["utterance"] for dialogue in CAMREST for t in dialogue["turns"]]
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert check_export(folder, json_tokenizer, texts) == {"tokenizer_check": {
+        "checked": False, "reason": "not checked: transformers is not installed"}}
+    section = "\n## Tokenizer check\n\nNot checked: transformers is not installed where this model was trained"
+    assert (folder / "README.md").read_text().startswith(card + section)
+
+    (folder / "README.md").write_text(card)
+    monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(split_digits=model_type))
+    result = check_export(folder, json_tokenizer, texts)
+    check = result["tokenizer_check"]
+    digits = sum(any(c.isdigit() for c in t) for t in texts)
+    assert check["reader"] == f"transformers stand-in AutoTokenizer (Loaded, loaded with config.json's model_type " \
+                              f"{model_type})" and 0 < check["differing"] <= digits and check["probes"] == len(texts)
+    assert result["tokenizer_warning"].endswith(f"{EXPORT_CONSEQUENCE}. A tokenizer.json whose pre-tokenizer is the "
+                                                "one transformers builds for that class reads alike in both")
+    assert f"**{check['reader']} reads this folder's tokenizer with other ids than training used**, on " \
+           f"{check['differing']} of {len(texts)} probe texts" in (folder / "README.md").read_text()
+
+    (folder / "README.md").write_text(card)
+    monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(split_digits="another_type"))
+    assert check_export(folder, json_tokenizer, texts)["tokenizer_check"]["differing"] == 0
+    assert (folder / "README.md").read_text().endswith(
+        f"reads this folder's tokenizer with the ids training used, on all {len(texts)} probe texts of the "
+        "training data.\n")
+
+
+def test_pair_texts_spread_over_the_pairs_and_hold_both_answers():
+    from polyalign.inputs.tokenizer_check import pair_texts
+
+    turns = [t["utterance"] for dialogue in CAMREST for t in dialogue["turns"]]
+    record = {"id": "r", "dataset": "camrest676", "split": "train", "language": "en", "track": "single",
+              "family": "dialogue", "style": "open_chat", "question": turns[0], "context": "", "history": [],
+              "response": turns[1], "length_tokens": 9, "length_bin": "short", "bucket_id": "b", "meta": {}}
+    pairs = [{"record": {**record, "id": f"r{i}", "question": turns[2 * i]}, "chosen": turns[2 * i + 1],
+              "rejected": turns[2 * i + 3]} for i in range(100)]
+    texts = pair_texts(pairs, count=10)
+    assert turns[0] in texts and turns[20] in texts and turns[2] not in texts  # every 10th pair
+    assert turns[23] in texts and len(texts) == len(set(texts))  # a rejected answer; no text twice
+    assert pair_texts([], count=10) == []

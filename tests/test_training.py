@@ -266,7 +266,11 @@ def test_adaptive_weights_resume_exactly(built_run, tmp_path):
         assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-5, step
 
 
-def test_resume_continues_exactly(built_run, tmp_path):
+def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
+    from tests.test_tokenizer_check import stand_in_transformers
+
+    # transformers (dev-only) stood in for: the export's tokenizer check reads OUT/model as it would
+    monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(split_digits=False))
     run, _ = built_run
     train_sft(sft_config(run, 12), tmp_path / "straight", progress=False)
     stopped = train_sft(sft_config(run, 12, "train.stop_at=6"), tmp_path / "resumed", progress=False)
@@ -296,6 +300,11 @@ def test_resume_continues_exactly(built_run, tmp_path):
     card = (tmp_path / "resumed" / "model" / "README.md").read_text()
     assert f"| style | {', '.join(held['style'])} |" in card and "It refuses a profile named in part" in card
     assert "without the variables the template writes none, a prompt this model never read" in card
+    # the export read back as transformers loads it: polyalign's SentencePiece model as tokenizer.json, the same ids
+    check = json.loads((tmp_path / "resumed" / "summary.json").read_text())["tokenizer_check"]
+    assert check["checked"] and check["differing"] == 0 and check["probes"] > 100, check
+    assert card.endswith(f"reads this folder's tokenizer with the ids training used, on all {check['probes']} probe "
+                         "texts of the training data.\n") and card.count("## Tokenizer check") == 1
     # Weighting and per-bucket logging.
     record = straight[12]
     assert record["val_by_bucket"] and record["train_by_bucket"]

@@ -1,21 +1,27 @@
-"""Does transformers read the build's tokenizer as polyalign does? A build encodes with polyalign's own
-reader; a model trained on it is later served through transformers (or vLLM/SGLang, which load the
-tokenizer as transformers does) from the exported tokenizer files. When the two readers give other ids
-for the same text (a tokenizer class whose pre-tokenizer transformers rebuilds, e.g. one splitting every
-digit; a SentencePiece model's near-ties converted differently), the model sees other ids at inference
-than in training. `polyalign build` therefore encodes a probe set of the run's own records both ways
-and records the outcome in RUN/build/manifest.json (`tokenizer_check`); when transformers is not
-installed it says so there and in its output instead.
+"""Does transformers read a tokenizer as polyalign does? A build encodes with polyalign's own reader; a
+model trained on it is later served through transformers (or vLLM/SGLang, which load the tokenizer as
+transformers does) from the exported tokenizer files. When the two readers give other ids for the same
+text (a tokenizer class whose pre-tokenizer transformers rebuilds, e.g. one splitting every digit; a
+SentencePiece model's near-ties converted differently), the model sees other ids at inference than in
+training. `polyalign build` therefore encodes a probe set of the run's own records both ways and records
+the outcome in RUN/build/manifest.json (`tokenizer_check`); training checks its exported folder again,
+as transformers loads it (its config.json, which picks the tokenizer class, is known only then: a model
+trained from a preset on a tokenizer.json of the user's), in OUT/summary.json and the model card. When
+transformers is not installed both say so instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from polyalign.data.records import Record
 from polyalign.model.export import tokenizer_files
 from polyalign.tokens.tokenizer_training import record_texts
 
@@ -42,7 +48,6 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
         return None, ("not checked: transformers is not installed (pip install transformers to check that it "
                       "reads this tokenizer with the same ids as polyalign)")
 
-    model_type = None
     with tempfile.TemporaryDirectory(prefix="polyalign-tokenizer-check-") as folder:
         for name, content in tokenizer_files(tokenizer, template, profile).items():
             (Path(folder) / name).write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
@@ -52,12 +57,28 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
         checkpoint_config = tokenizer.path.parent / "config.json"
         if checkpoint_config.is_file():
             (Path(folder) / "config.json").write_bytes(checkpoint_config.read_bytes())
-            model_type = _model_type(checkpoint_config)
-        try:
-            loaded = transformers.AutoTokenizer.from_pretrained(folder)
-        except Exception as err:  # transformers raises many kinds for files it cannot read
-            return None, f"not checked: transformers {transformers.__version__} could not load it ({err})"
-    chosen = f", chosen for config.json's model_type {model_type}" if model_type else ""
+        return _auto_tokenizer(transformers, folder)
+
+
+def folder_encoder(folder) -> tuple[Encode | None, str]:
+    """transformers' AutoTokenizer on an exported model folder as it is (its config.json picks the class)."""
+    try:
+        import transformers  # optional, as in transformers_encoder
+    except ImportError:
+        return None, "not checked: transformers is not installed"
+    return _auto_tokenizer(transformers, folder)
+
+
+def _auto_tokenizer(transformers, folder) -> tuple[Encode | None, str]:
+    """AutoTokenizer.from_pretrained(folder) as text -> ids without special tokens, and its name: the
+    version, the class it chose and the config.json model_type that chose it."""
+    config = Path(folder) / "config.json"
+    model_type = _model_type(config) if config.is_file() else None
+    try:
+        loaded = transformers.AutoTokenizer.from_pretrained(os.fspath(folder))
+    except Exception as err:  # transformers raises many kinds for files it cannot read
+        return None, f"not checked: transformers {transformers.__version__} could not load it ({err})"
+    chosen = f", loaded with config.json's model_type {model_type}" if model_type else ""
     return (lambda text: list(loaded.encode(text, add_special_tokens=False))), \
         f"transformers {transformers.__version__} AutoTokenizer ({type(loaded).__name__}{chosen})"
 
@@ -70,10 +91,17 @@ def _model_type(config) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# What other ids mean, said by the build and by training's check of its export
+BUILD_CONSEQUENCE = ("a model trained on this build sees other ids at inference than in training "
+                     "(RUN/build/manifest.json, tokenizer_check)")
+EXPORT_CONSEQUENCE = ("the model was trained on polyalign's ids and reads others where transformers, vLLM or SGLang "
+                      "load this folder (OUT/summary.json, tokenizer_check; the model card says so)")
+
+
 def compare_encoders(ours: Encode, theirs: Encode | None, reader: str, texts: Sequence[str],
-                     tokenizer_name: str) -> tuple[dict[str, Any], str | None]:
-    """The manifest's `tokenizer_check` entry and a warning (None when the ids agree or nothing was
-    compared): how many probe texts each reader encodes, how many differ, and the first few of those."""
+                     tokenizer_name: str, consequence: str = BUILD_CONSEQUENCE) -> tuple[dict[str, Any], str | None]:
+    """The `tokenizer_check` entry and a warning (None when the ids agree or nothing was compared): how
+    many probe texts each reader encodes, how many differ, and the first few of those."""
     if theirs is None:
         return {"checked": False, "reason": reader}, None
     differing = []
@@ -91,9 +119,8 @@ def compare_encoders(ours: Encode, theirs: Encode | None, reader: str, texts: Se
     return entry, (f"{reader} reads {tokenizer_name} with other ids than polyalign on {len(differing)} of "
                    f"{len(texts)} probe texts from the records (first {first['text'][:60]!r}: polyalign "
                    f"{first['polyalign']} vs transformers {first['transformers']} from token "
-                   f"{first['first_difference']}); a model trained on this build sees other ids at inference "
-                   "than in training (RUN/build/manifest.json, tokenizer_check). A tokenizer.json whose "
-                   "pre-tokenizer is the one transformers builds for that class reads alike in both")
+                   f"{first['first_difference']}); {consequence}. A tokenizer.json whose pre-tokenizer is the "
+                   "one transformers builds for that class reads alike in both")
 
 
 def check_tokenizer(tokenizer, template, profile: str, records: Sequence, tokenizer_name: str,
@@ -102,3 +129,43 @@ def check_tokenizer(tokenizer, template, profile: str, records: Sequence, tokeni
     """`compare_encoders` on the probe texts of `records`, transformers' reader made by `encoder`."""
     theirs, reader = encoder(tokenizer, template, profile)
     return compare_encoders(tokenizer.encode, theirs, reader, probe_texts(records), tokenizer_name)
+
+
+def check_export(folder, tokenizer, texts: Sequence[str],
+                 encoder: Callable[..., tuple[Encode | None, str]] = folder_encoder) -> dict[str, Any]:
+    """Training's check of its exported folder (OUT/model) as transformers loads it, on probe texts of the
+    training data: `tokenizer_check` (and `tokenizer_warning` when the ids differ) for OUT/summary.json,
+    and a section of the model card saying the outcome. Process 0 alone, which wrote the folder."""
+    if jax.process_index() != 0:
+        return {}
+    folder = Path(folder)
+    theirs, reader = encoder(folder)
+    entry, warning = compare_encoders(tokenizer.encode, theirs, reader, texts, str(folder), EXPORT_CONSEQUENCE)
+    with (folder / "README.md").open("a", encoding="utf-8") as card:
+        card.write(card_section(entry))
+    return {"tokenizer_check": entry, **({"tokenizer_warning": warning} if warning else {})}
+
+
+def card_section(entry: dict[str, Any]) -> str:
+    """The model card's words on the export's tokenizer check."""
+    if not entry["checked"]:
+        body = (f"{entry['reason'].replace('not checked: ', 'Not checked: ', 1)} where this model was trained, so "
+                "nothing compared the ids transformers reads from this folder with the ids training used.")
+    elif not entry["differing"]:
+        body = (f"{entry['reader']} reads this folder's tokenizer with the ids training used, on all "
+                f"{entry['probes']} probe texts of the training data.")
+    else:
+        first = entry["examples"][0]
+        body = (f"**{entry['reader']} reads this folder's tokenizer with other ids than training used**, on "
+                f"{entry['differing']} of {entry['probes']} probe texts of the training data (first "
+                f"{first['text'][:60]!r}: training {first['polyalign']}, transformers {first['transformers']} from "
+                f"token {first['first_difference']}). Loaded with transformers, vLLM or SGLang, this model reads "
+                "other ids than it was trained on.")
+    return f"\n## Tokenizer check\n\n{body}\n"
+
+
+def pair_texts(pairs: Sequence[dict], count: int = PROBE_RECORDS) -> list[str]:
+    """Probe texts of `count` preference pairs spread evenly over them: each one's record and both answers."""
+    chosen = list(pairs[::max(1, len(pairs) // count)])[:count]
+    answers = (pair[side][:PROBE_CHARS] for pair in chosen for side in ("chosen", "rejected") if pair[side])
+    return list(dict.fromkeys([*probe_texts([Record.from_json(pair["record"]) for pair in chosen]), *answers]))

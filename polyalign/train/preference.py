@@ -29,6 +29,7 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
+from polyalign.inputs.tokenizer_check import check_export, pair_texts
 from polyalign.model import export
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
@@ -264,9 +265,10 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         # the values the pairs held and those the policy's SFT data held (its export says them)
         pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
-        return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template, config.profile,
-                                     tokenizer.system_mode,
-                                     seen_profile_values(config.profile, pair_values, tokenizer.profile_values))
+        written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template,
+                                        config.profile, tokenizer.system_mode,
+                                        seen_profile_values(config.profile, pair_values, tokenizer.profile_values))
+        return {**written, **check_export(written["model"], tokenizer, pair_texts(train_pairs))}
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),

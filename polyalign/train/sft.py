@@ -17,7 +17,8 @@ from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path, file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
-from polyalign.inputs.build import build_tokenizer_path, read_manifest, rebuild_command
+from polyalign.inputs.build import build_tokenizer_path, probe_records, read_manifest, rebuild_command
+from polyalign.inputs.tokenizer_check import check_export, probe_texts
 from polyalign.model import create_model, export
 from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
@@ -241,9 +242,10 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         # the values the data held, and those of the checkpoint trained on from (its own SFT data)
         values = seen_profile_values(options["profile"], manifest.get("train_profile_values"),
                                      tokenizer.profile_values)
-        return export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
-                                     get_template(manifest["template"], tokenizer), options["profile"],
-                                     options.get("system", "keep"), values)  # builds before system modes: keep
+        written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
+                                        get_template(manifest["template"], tokenizer), options["profile"],
+                                        options.get("system", "keep"), values)  # builds before system modes: keep
+        return {**written, **check_export(written["model"], tokenizer, probe_texts(probe_records(run)))}
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
