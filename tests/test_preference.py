@@ -386,6 +386,8 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     val = [r for r in read_metrics(tmp_path / "out") if "val_pairs" in r]
     assert val and val[-1]["val_pairs"] == 4
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+    # scored pairs: the critic's terms logged, on training and validation pairs (0 < R < 2, the scores' range)
+    assert all(0 < r["dist_reg"] < 2 and "dist_gap" in r for r in steps) and 0 < val[-1]["val_dist_reg"] < 2
 
 
 @pytest.mark.slow

@@ -164,14 +164,16 @@ class PreferenceObjective:
         return numerators, sums
 
 
-def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "") -> dict[str, Any]:
+def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "", scored: bool = True
+              ) -> dict[str, Any]:
+    """The logged means over the pairs. `scored`: the pairs carry the critic's scores; without them the
+    critic's terms (dist_reg, dist_gap) read 0.0, which would look like a measurement, and are left out."""
     n = max(float(host["pairs"]), 1.0)
     out = {f"{prefix}rewards/{k}": round(float(host[f"rewards_{k}"]) / n, 6)
            for k in ("chosen", "rejected", "margin", "accuracy")}
+    critic = ("dist_reg", "dist_gap") if scored else ()
     out.update({f"{prefix}pairs": int(host["pairs"]),
-                f"{prefix}dist_reg": round(float(host["dist_reg"]) / n, 6),
-                f"{prefix}sft_anchor": round(float(host["sft_anchor"]) / n, 6),
-                f"{prefix}dist_gap": round(float(host["dist_gap"]) / n, 6)})
+                **{f"{prefix}{k}": round(float(host[k]) / n, 6) for k in ("sft_anchor", *critic)}})
     margins = {b: round(float(host["bucket_margin"][i] / host["bucket_pairs"][i]), 6)
                for i, b in enumerate(buckets) if host["bucket_pairs"][i] > 0}
     out[f"{prefix}margin_by_bucket"] = margins
@@ -260,7 +262,10 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         dataset = pipeline.eval_batches(val_examples, trainer.eval_batch_size(config.data.eval_batch), max_length,
                                         tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
-        return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_"), **(drift(trainer) if drift else {})}
+        return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_", scored=not unscored_pairs(val_pairs)),
+                **(drift(trainer) if drift else {})}
+
+    train_scored = not unscored_pairs(train_pairs)
 
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         # the values the pairs held and those the policy's SFT data held (its export says them)
@@ -272,7 +277,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
                epoch_size=None if config.data.pack else len(train_examples),
-               evaluate=evaluate if val_examples else None, summarize=lambda host: summarize(host, buckets),
+               evaluate=evaluate if val_examples else None,
+               summarize=lambda host: summarize(host, buckets, scored=train_scored),
                checkpoint_meta={"method": config.method}, finish=finish,
                # the files under their own names: `val_pairs` is the count, as the metrics have it
                summary={"pairs_file": paths["pairs"], "val_pairs_file": paths["val_pairs"],
