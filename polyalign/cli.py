@@ -677,6 +677,10 @@ def _add_prompts(sub) -> None:
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order): the records "
                                               "`polyalign generate --sample N --seed S` answers")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample's subset (default 0)")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="cut prompts as `polyalign generate --max-prompt-tokens N` does (its default 512): each row "
+                        "gains prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt), and a longer "
+                        "conversation's messages lose their oldest whole turns (default: whole prompts)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")
     p.set_defaults(handler=_run_prompts)
 
@@ -685,11 +689,20 @@ def _run_prompts(args) -> int:
     from polyalign.generate.prompts import write_prompts  # heavy: jax, kept out of --help
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
-                            limit=args.limit, sample=args.sample, seed=args.seed, overwrite=args.overwrite)
+                            limit=args.limit, sample=args.sample, seed=args.seed,
+                            max_prompt_tokens=args.max_prompt_tokens, overwrite=args.overwrite)
     for note in summary["notes"]:
         print(note)
     print(f"{summary['records']} prompts rendered with the {summary['template']} template, profile "
           f"{summary['profile']}, system messages {summary['system']}; stop generating at {', '.join(summary['stop'])}")
+    if args.max_prompt_tokens is not None:
+        over = (f"; {summary['messages_over_budget']} rows' messages stay over it with only the opening system "
+                "message and the last question left" if summary["messages_over_budget"] else "")
+        lost = (f"; {summary['prompts_cut_system_lost']} lost their opening system message too (over half of the "
+                "budget)" if summary["prompts_cut_system_lost"] else "")
+        print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
+              f"{args.max_prompt_tokens}: prompt_token_ids keep their end as generate does, and "
+              f"{summary['messages_turns_dropped']} rows' messages lost their oldest whole turns{lost}{over}")
     print(f"prompts: {args.out}")
     return 0
 
@@ -906,7 +919,7 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
-    "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED},
+    "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},

@@ -171,6 +171,55 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
     assert code == 0 and out.startswith("10 pairs from 10 predictions")
 
 
+def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fit(demo_run, demo_tokenizer,
+                                                                                  tmp_path, capsys):
+    """`prompts --max-prompt-tokens N`: for every record, prompt_token_ids are the ids `generate` feeds
+    (cut_prompt), and messages are the conversation less its oldest whole turns, as few as make it fit
+    (the profile's system message kept, a user turn first, the last question kept)."""
+    from polyalign.tokens.chat import Message, cut_prompt, get_template, record_messages
+
+    run, _, _ = demo_run
+    checkpoint = demo_tokenizer[0].path.parent
+    records = [r for r in read_records(run / "data" / "val.jsonl") if len(r.history) >= 4][:40]
+    source = write_jsonl(tmp_path / "long.jsonl", [r.to_json() for r in records])
+    budget, prompts = 96, tmp_path / "prompts.jsonl"
+    code, out, _ = cli(capsys, "prompts", "--records", source, "--checkpoint", checkpoint, "--out", prompts,
+                       "--max-prompt-tokens", budget)
+    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
+    template, tokenizer = get_template("polyalign"), demo_tokenizer[0]
+
+    def length(messages):
+        return len(cut_prompt(template, tokenizer, messages, None).ids)
+
+    cut = dropped = over = 0
+    for row, record in zip(rows, records, strict=True):
+        whole = record_messages(record, "context", with_response=False)
+        assert row["prompt_token_ids"] == cut_prompt(template, tokenizer, whole, budget).ids.tolist()
+        sent = [Message(m["role"], m["content"]) for m in row["messages"]]
+        assert row["prompt"] == template.render(sent, add_generation_prompt=True)
+        if length(whole) <= budget:
+            assert sent == whole and len(row["prompt_token_ids"]) == length(whole)
+            continue
+        cut += 1
+        assert len(row["prompt_token_ids"]) == budget
+        assert sent[0] == whole[0] and sent[0].role == "system" and whole[len(whole) - len(sent) + 1:] == sent[1:]
+        assert sent[1].role == "user" and sent[-1] == whole[-1]
+        dropped += sent != whole
+        if length(sent) > budget:  # only the last question (and what follows it) is left
+            over += 1
+            assert [m.role for m in sent[1:]].count("user") == 1
+        else:  # as few turns dropped as fit: the one user turn before the kept ones would not
+            earlier = max(i for i, m in enumerate(whole[:len(whole) - len(sent) + 1]) if m.role == "user" and i > 0)
+            assert length([whole[0], *whole[earlier:]]) > budget
+    assert cut > 10 and dropped > 5, (cut, dropped)
+    assert code == 0 and (f"{cut} of {len(records)} prompts were longer than --max-prompt-tokens {budget}: "
+                          f"prompt_token_ids keep their end as generate does, and {dropped} rows' messages lost their "
+                          "oldest whole turns") in out
+    summary = json.loads((tmp_path / "prompts.manifest.json").read_text())["summary"]
+    assert (summary["prompts_cut"], summary["messages_turns_dropped"], summary["messages_over_budget"]) == (
+        cut, dropped, over)
+
+
 def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_path, capsys):
     """`--val-fraction`: about that share of the pairs goes to the validation file, every pair of one
     prompt on the same side, ids distinct from the training pairs'; the same seed gives the same split."""

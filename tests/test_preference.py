@@ -505,10 +505,6 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
 
 
 @pytest.mark.slow
-def exported_model_type(out):
-    return json.loads((out / "model" / "config.json").read_text())["model_type"]
-
-
 @pytest.mark.parametrize("method", ["kto", "simpo"])
 def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokenizer, tmp_path, capsys, monkeypatch):
     """`polyalign train kto` / `train simpo` on real pairs: KTO starts at the reference (margin 0),
@@ -530,7 +526,8 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     printed, err = capsys.readouterr()
     assert f"{method}: 2 steps on 8 pairs" in printed and "; validation (4 pairs): reward margin" in printed
     check = json.loads((out / "summary.json").read_text())["tokenizer_check"]
-    reader = f"transformers stand-in AutoTokenizer (Loaded, loaded with config.json's model_type {exported_model_type(out)})"
+    model_type = json.loads((out / "model" / "config.json").read_text())["model_type"]
+    reader = f"transformers stand-in AutoTokenizer (Loaded, loaded with config.json's model_type {model_type})"
     assert check["checked"] and check["reader"] == reader and check["probes"] > 20, check
     if method == "kto":
         assert check["differing"] == 0 and not err

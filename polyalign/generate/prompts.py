@@ -5,11 +5,16 @@ One row per record: {"id", "messages", "prompt"}. `messages` are the chat messag
 chat API, SGLang); `prompt` is the rendered string ending with the assistant header, for engines
 given raw text. Either way the answers, as rows {"id", "prediction"}, feed `polyalign pairs` and
 `polyalign evaluate` unchanged (docs/evaluation.md).
+
+With a token budget (`--max-prompt-tokens`, as `polyalign generate` cuts its prompts) each row also
+holds `prompt_token_ids`, the very ids `generate` would feed (vLLM's TokensPrompt), and a long
+conversation's `messages` and `prompt` lose their oldest whole turns until they fit (chat.fit_messages).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,8 @@ from polyalign.model.architecture import checkpoint_family
 from polyalign.tokens.chat import (
     PROFILE_MODES,
     choose_template,
+    cut_prompt,
+    fit_messages,
     fold_system,
     get_template,
     record_messages,
@@ -33,14 +40,15 @@ from polyalign.tokens.tokenizer import load_tokenizer
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
-                  overwrite: bool = False) -> dict[str, Any]:
+                  max_prompt_tokens: int | None = None, overwrite: bool = False) -> dict[str, Any]:
     if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(records_path.resolve()), "profile": profile,
                 "template": template, "limit": limit,
                 # only when sampled, so that prompts written before --sample existed keep their settings
-                **({"sample": sample, "seed": seed} if sample is not None else {})}
+                **({"sample": sample, "seed": seed} if sample is not None else {}),
+                **({"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens is not None else {})}
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
         tokenizer = load_tokenizer(checkpoint)
@@ -49,16 +57,29 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)
         chat = get_template(name, tokenizer)
+        cut = Counter()
         with out.open("w", encoding="utf-8") as handle:
             for record in records:
                 messages = record_messages(record, profile, with_response=False, system=tokenizer.system_mode)
+                row = {"id": record.id}
+                if max_prompt_tokens is not None:
+                    ids = cut_prompt(chat, tokenizer, messages, max_prompt_tokens)
+                    fitted = fit_messages(chat, tokenizer, messages, max_prompt_tokens) if ids.cut else messages
+                    cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=fitted != messages,
+                               over=ids.cut and len(cut_prompt(chat, tokenizer, fitted, None).ids) > max_prompt_tokens)
+                    row["prompt_token_ids"], messages = ids.ids.tolist(), fitted
                 # an engine applying a template that refuses system messages gets them folded, as trained
                 sent = messages if chat.takes_system else [m for _, m in fold_system(messages)]
-                row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in sent],
-                       "prompt": chat.render(messages, add_generation_prompt=True)}
+                row.update(messages=[{"role": m.role, "content": m.content} for m in sent],
+                           prompt=chat.render(messages, add_generation_prompt=True))
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
         summary = {"records": len(records), "template": name, "profile": profile, "system": tokenizer.system_mode,
-                   "stop": list(chat.stop_tokens()), "out": str(out),
-                   "notes": notes}
+                   "stop": list(chat.stop_tokens()), "out": str(out), "notes": notes,
+                   # what the budget took: prompts over it (their ids cut as generate cuts them), those whose
+                   # opening system message went too, those whose messages lost whole turns, and those whose
+                   # messages stay over it (with only the opening system message and the last question left)
+                   **({"max_prompt_tokens": max_prompt_tokens, "prompts_cut": cut["cut"],
+                       "prompts_cut_system_lost": cut["system_lost"], "messages_turns_dropped": cut["turns_dropped"],
+                       "messages_over_budget": cut["over"]} if max_prompt_tokens is not None else {})}
         write_record(sidecar(out), settings, {"records": file_digest(records_path)}, summary=summary)
     return summary

@@ -646,6 +646,26 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
     return CutPrompt(np.asarray(ids, np.int32), cut, lost)
 
 
+def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
+                 max_tokens: int) -> list[Message]:
+    """`messages` whose rendered prompt fits `max_tokens`, for an engine given messages rather than ids: the
+    oldest whole turns dropped (the opening system message kept, the conversation resuming at a user turn),
+    never the last question or what follows it. Messages still over the budget then stay so (only
+    cut_prompt's ids can cut inside a turn)."""
+    head = 1 if messages and messages[0].role == "system" else 0
+    last_question = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
+    start = head
+
+    def length(kept: Sequence[Message]) -> int:
+        return len(cut_prompt(template, tokenizer, kept, None).ids)
+
+    while start < last_question and length([*messages[:head], *messages[start:]]) > max_tokens:
+        start += 1
+        while start < last_question and messages[start].role != "user":
+            start += 1
+    return [*messages[:head], *messages[start:]]
+
+
 def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
                 budget: int) -> int:
     """How many of a prompt's first `ids` are its opening system message, as the template renders it alone:

@@ -68,9 +68,9 @@ _PREFERENCE_EPILOG = """\
 `polyalign train dpo` (and ipo, robust_dpo, ln_dpo, simpo, orpo, kto) is `train hdpo` with that
 method; hdpo_terms=true adds HDPO's pair weights, distance term and SFT anchor to any of them.
 Reference log-probs come from the initial checkpoint, computed once (not for simpo and orpo, which
-need none). Logs rewards (chosen, rejected, margin,
-accuracy), sft_anchor, and dist_reg and dist_gap where the pairs carry critic scores, per step, margins
-per bucket, and the same on the validation pairs every train.eval_every steps. Writes OUT/model at the end; resumes like train sft.
+need none). Logs rewards (chosen, rejected, margin, accuracy), sft_anchor, and dist_reg and dist_gap
+where the pairs carry critic scores, per step, margins per bucket, and the same on the validation pairs
+every train.eval_every steps. Writes OUT/model at the end; resumes like train sft.
 """
 
 
