@@ -325,3 +325,56 @@ def test_a_request_nobody_waits_for_gives_its_slot_back(checkpoint):
         assert long.cancelled() and loop._pending == 0
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("config, expected", [
+    (None, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),  # OpenAI's defaults
+    ({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
+     {"temperature": 0.7, "top_p": 0.8, "top_k": 20}),
+    ({"temperature": 0.6, "top_k": 50}, {"temperature": 0.6, "top_p": 1.0, "top_k": 0}),  # 50: transformers' default
+])
+def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config(config, expected, checkpoint,
+                                                                                 tmp_path):
+    """As vLLM's server does (generation_config auto): unset temperature, top_p, top_k come from the
+    checkpoint's generation_config.json, else OpenAI's defaults; what the request sets wins, key by key.
+    `generate` stays greedy by default and says when the checkpoint's settings sample."""
+    import shutil
+
+    from polyalign.generate.run import say_checkpoint_sampling
+    from polyalign.generate.serve import _models, sampling_line
+
+    folder = tmp_path / "model"
+    shutil.copytree(checkpoint, folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if config is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **config}))
+    service = load_service(folder, ServeOptions(slots=1, max_sequence=128))
+    chat_request, _ = _models()
+    messages = [{"role": "user", "content": crosswoz_messages(crosswoz_dialogues(1)[0][1], 1)[0]["content"]}]
+
+    def sampling(**fields):
+        body = chat_request.model_validate({"messages": messages, "max_tokens": 4, **fields})
+        config, _ = service._sampling(body, [5, 6, 7])
+        return {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+
+    try:
+        assert sampling() == expected
+        assert sampling(temperature=0) == {**expected, "temperature": 0}
+        assert sampling(top_p=0.5, top_k=3) == {**expected, "top_p": 0.5, "top_k": 3}
+        line = sampling_line(service, folder)
+        notes = []
+        say_checkpoint_sampling(folder, SamplingConfig(temperature=0.0), notes)
+        say_checkpoint_sampling(folder, SamplingConfig(temperature=0.9), notes)  # sampling already: nothing to say
+        if config is None:
+            assert line == ("sampling: a request that sets none of temperature, top_p, top_k gets temperature 1, "
+                            "top_p 1, top_k 0: OpenAI's defaults (the checkpoint's generation_config.json sets none); "
+                            "send temperature 0 for greedy answers") and notes == []
+        else:
+            given = {k: v for k, v in config.items() if k != "do_sample" and (k, v) != ("top_k", 50)}
+            said = ", ".join(f"{k} {v:g}" for k, v in given.items())
+            assert f"sets {said}, which vLLM takes too" in line
+            flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())
+            assert len(notes) == 1 and notes[0].endswith(f"these answers are greedy (--temperature 0, the default): "
+                                                         f"give {flags} to decode as they do")
+    finally:
+        service.loop.close()

@@ -15,7 +15,13 @@ from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
-from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
+from polyalign.generate.sampling import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SamplingConfig,
+    checkpoint_sampling,
+    describe_sampling,
+)
 from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
@@ -126,6 +132,17 @@ def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateO
                                                 "lower --max-prompt-tokens or --max-new-tokens"))
 
 
+def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[str]) -> None:
+    """A note when greedy decoding meets a checkpoint whose generation_config.json samples: vLLM (and
+    `serve`) decode its requests with those settings, so answers from there differ from these."""
+    theirs = checkpoint_sampling(checkpoint)
+    if sampling.temperature == 0 and theirs.get("temperature", 0) > 0:
+        flags = " ".join(f"--{key.replace('_', '-')} {value:g}" for key, value in theirs.items())
+        notes.append(f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(theirs)}: vLLM and "
+                     f"`polyalign serve` sample with them for requests that set none; these answers are greedy "
+                     f"(--temperature 0, the default): give {flags} to decode as they do")
+
+
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
                           progress: bool, fitted: list[str]) -> dict:
     started = time.perf_counter()
@@ -138,6 +155,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
         EngineConfig(slots=options.batch_size,
                      max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens), options.dtype, notes)
     name = options.model_name or run_name(checkpoint)
+    say_checkpoint_sampling(checkpoint, options.sampling, notes)
     budgets = None
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,

@@ -11,8 +11,10 @@ prefilled in one pass, then one jitted loop decodes until every row has stopped 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,34 @@ from polyalign.mesh import parallel
 from polyalign.model.transformer import KVCache, Transformer
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+# OpenAI's defaults for a request that sets none (vLLM's too, where the checkpoint's generation_config.json
+# sets none); transformers' own default top_k, which vLLM leaves out as no setting of the checkpoint's
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+TRANSFORMERS_DEFAULT_TOP_K = 50
+
+
+def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
+    """The sampling settings a checkpoint's generation_config.json sets (temperature, top_p, top_k), read
+    as vLLM reads them for requests that set none (its `generation_config: auto`): a value equal to
+    transformers' default is no setting. {} for a checkpoint without the file or a remote one."""
+    path = Path(str(checkpoint)) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or not JSON: transformers and vLLM fall back to their defaults too
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    found = {key: config[key] for key in OPENAI_SAMPLING
+             if isinstance(config.get(key), int | float) and not isinstance(config.get(key), bool)}
+    if found.get("top_k") == TRANSFORMERS_DEFAULT_TOP_K:
+        del found["top_k"]
+    return found
+
+
+def describe_sampling(settings: dict[str, float | int]) -> str:
+    return ", ".join(f"{key} {settings[key]:g}" for key in OPENAI_SAMPLING if key in settings)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from polyalign.core.paths import is_uri
 from polyalign.data.text import normalize
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
-from polyalign.generate.sampling import SamplingConfig
+from polyalign.generate.sampling import OPENAI_SAMPLING, SamplingConfig, checkpoint_sampling, describe_sampling
 from polyalign.model.architecture import longer_than_positions, position_limit
 from polyalign.tokens.chat import Message, encode_prompt, profile_text, with_system_prompt
 from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODE_KEYS, profile_problem, trained_profile_text
@@ -84,9 +84,10 @@ def _models():
         model: str | None = None
         max_tokens: int | None = Field(None, ge=1)
         max_completion_tokens: int | None = Field(None, ge=1)
-        temperature: float = Field(1.0, ge=0.0, le=2.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
-        top_k: int = Field(0, ge=0)
+        # unset: the checkpoint's generation_config.json, else OpenAI's (Service.sampling_defaults)
+        temperature: float | None = Field(None, ge=0.0, le=2.0)
+        top_p: float | None = Field(None, gt=0.0, le=1.0)
+        top_k: int | None = Field(None, ge=0)
         n: int = Field(1, ge=1, le=16)
         seed: int | None = None
         # one string or up to four (the limit is the list's, not the string's length)
@@ -137,11 +138,15 @@ class Service:
     engine's completions into OpenAI's response objects."""
 
     def __init__(self, engine: Engine, tokenizer, chat, model_name: str, options: ServeOptions, created: int = 0,
-                 system: str = "keep"):
+                 system: str = "keep", sampling: dict[str, float | int] | None = None):
         """`created`: when the model was made (unix seconds; /v1/models says it); `system`: how its training
-        composed a conversation's own system messages with the profile prompt (its export's polyalign_system)."""
+        composed a conversation's own system messages with the profile prompt (its export's polyalign_system);
+        `sampling`: what its generation_config.json sets (checkpoint_sampling), for requests that set none."""
         self.tokenizer, self.chat, self.model_name, self.options = tokenizer, chat, model_name, options
         self.system = system
+        self.checkpoint_sampling = dict(sampling or {})
+        # a request's unset temperature, top_p, top_k: the checkpoint's, as vLLM takes them, else OpenAI's
+        self.sampling_defaults = {**OPENAI_SAMPLING, **self.checkpoint_sampling}
         self.created = created
         self.stopping_since: float | None = None  # set when the server is told to stop
         self.engine = engine
@@ -180,7 +185,9 @@ class Service:
                             param=prompt_param if too_long else "max_tokens")
         seed = (request_seed(uuid.uuid4().hex) if body.seed is None
                 else request_seed(",".join(map(str, prompt)), body.seed))
-        return SamplingConfig(budget, body.temperature, body.top_p, body.top_k), seed % 2 ** 32
+        given = {key: getattr(body, key) for key in OPENAI_SAMPLING if getattr(body, key) is not None}
+        chosen = {**self.sampling_defaults, **given}
+        return SamplingConfig(budget, chosen["temperature"], chosen["top_p"], chosen["top_k"]), seed % 2 ** 32
 
     async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
                         stops: list[str] = ()):
@@ -395,7 +402,7 @@ def load_service(checkpoint, options: ServeOptions, template: str | None = None)
     weights = sorted(Path(str(checkpoint)).glob("*.safetensors"))  # a local folder; 0 where it cannot be told
     created = int(max(w.stat().st_mtime for w in weights)) if weights else 0
     return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created,
-                   tokenizer.system_mode)
+                   tokenizer.system_mode, checkpoint_sampling(checkpoint))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -410,6 +417,16 @@ def _check_port(host: str, port: int) -> None:
         raise GenerationError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
+def sampling_line(service: Service, checkpoint) -> str:
+    """What a request that sets no temperature, top_p or top_k is decoded with, and where that comes from."""
+    chosen = describe_sampling(service.sampling_defaults)
+    where = (f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(service.checkpoint_sampling)}"
+             ", which vLLM takes too" if service.checkpoint_sampling else
+             "OpenAI's defaults (the checkpoint's generation_config.json sets none)")
+    greedy = "; send temperature 0 for greedy answers" if service.sampling_defaults["temperature"] > 0 else ""
+    return f"sampling: a request that sets none of temperature, top_p, top_k gets {chosen}: {where}{greedy}"
+
+
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
     """Runs the endpoint until interrupted."""
     uvicorn = require("uvicorn", "serve", "polyalign serve")
@@ -421,6 +438,7 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     options = service.options
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
+    print(sampling_line(service, checkpoint), flush=True)
     if keys := PROFILE_MODE_KEYS.get(service.tokenizer.profile_mode or "none"):
         # the most common slip: a client that names no profile gets a prompt this model never read
         print(f"profile: name {', '.join(keys)} in each request's chat_template_kwargs; a request without them "
