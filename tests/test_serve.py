@@ -331,7 +331,7 @@ def test_a_request_nobody_waits_for_gives_its_slot_back(checkpoint):
     (None, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),  # OpenAI's defaults
     ({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
      {"temperature": 0.7, "top_p": 0.8, "top_k": 20}),
-    ({"temperature": 0.6, "top_k": 50}, {"temperature": 0.6, "top_p": 1.0, "top_k": 0}),  # 50: transformers' default
+    ({"temperature": 0.6, "top_k": 50, "repetition_penalty": 1.05}, {"temperature": 0.6, "top_p": 1.0, "top_k": 0}),
 ])
 def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config(config, expected, checkpoint,
                                                                                  tmp_path):
@@ -370,7 +370,10 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
                             "top_p 1, top_k 0: OpenAI's defaults (the checkpoint's generation_config.json sets none); "
                             "send temperature 0 for greedy answers") and notes == []
         else:
-            given = {k: v for k, v in config.items() if k != "do_sample" and (k, v) != ("top_k", 50)}
+            # top_k 50 is transformers' default, no setting; repetition_penalty is said, not applied
+            given = {k: v for k, v in config.items() if k in ("temperature", "top_p", "top_k") and v != 50}
+            assert line.endswith("; its repetition_penalty 1.05 is not applied (polyalign's sampler has no such "
+                                 "setting; vLLM applies it)") == ("repetition_penalty" in config)
             said = ", ".join(f"{k} {v:g}" for k, v in given.items())
             assert f"sets {said}, which vLLM takes too" in line
             flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())

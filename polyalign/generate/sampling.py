@@ -34,10 +34,28 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 TRANSFORMERS_DEFAULT_TOP_K = 50
 
 
+# Settings vLLM also takes from generation_config.json that polyalign's sampler has no counterpart for,
+# with the value that asks for nothing
+NOT_APPLIED = {"repetition_penalty": 1.0, "min_p": 0.0}
+
+
 def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
     """The sampling settings a checkpoint's generation_config.json sets (temperature, top_p, top_k), read
     as vLLM reads them for requests that set none (its `generation_config: auto`): a value equal to
     transformers' default is no setting. {} for a checkpoint without the file or a remote one."""
+    found = _numbers(checkpoint, OPENAI_SAMPLING)
+    if found.get("top_k") == TRANSFORMERS_DEFAULT_TOP_K:
+        del found["top_k"]
+    return found
+
+
+def sampling_not_applied(checkpoint) -> dict[str, float]:
+    """What else the checkpoint's generation_config.json sets that vLLM applies and polyalign cannot
+    (Qwen2.5-Instruct's repetition_penalty 1.05): said, so that answers differing from vLLM's are explained."""
+    return {key: value for key, value in _numbers(checkpoint, NOT_APPLIED).items() if value != NOT_APPLIED[key]}
+
+
+def _numbers(checkpoint, keys) -> dict[str, float | int]:
     path = Path(str(checkpoint)) / "generation_config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -45,15 +63,12 @@ def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
         return {}
     if not isinstance(config, dict):
         return {}
-    found = {key: config[key] for key in OPENAI_SAMPLING
-             if isinstance(config.get(key), int | float) and not isinstance(config.get(key), bool)}
-    if found.get("top_k") == TRANSFORMERS_DEFAULT_TOP_K:
-        del found["top_k"]
-    return found
+    return {key: config[key] for key in keys
+            if isinstance(config.get(key), int | float) and not isinstance(config.get(key), bool)}
 
 
-def describe_sampling(settings: dict[str, float | int]) -> str:
-    return ", ".join(f"{key} {settings[key]:g}" for key in OPENAI_SAMPLING if key in settings)
+def describe_sampling(settings: dict[str, float | int], keys=tuple(OPENAI_SAMPLING)) -> str:
+    return ", ".join(f"{key} {settings[key]:g}" for key in keys if key in settings)
 
 
 @dataclass(frozen=True)

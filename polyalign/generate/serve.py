@@ -27,7 +27,13 @@ from polyalign.core.paths import is_uri
 from polyalign.data.text import normalize
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
-from polyalign.generate.sampling import OPENAI_SAMPLING, SamplingConfig, checkpoint_sampling, describe_sampling
+from polyalign.generate.sampling import (
+    OPENAI_SAMPLING,
+    SamplingConfig,
+    checkpoint_sampling,
+    describe_sampling,
+    sampling_not_applied,
+)
 from polyalign.model.architecture import longer_than_positions, position_limit
 from polyalign.tokens.chat import Message, encode_prompt, profile_text, with_system_prompt
 from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODE_KEYS, profile_problem, trained_profile_text
@@ -424,7 +430,10 @@ def sampling_line(service: Service, checkpoint) -> str:
              ", which vLLM takes too" if service.checkpoint_sampling else
              "OpenAI's defaults (the checkpoint's generation_config.json sets none)")
     greedy = "; send temperature 0 for greedy answers" if service.sampling_defaults["temperature"] > 0 else ""
-    return f"sampling: a request that sets none of temperature, top_p, top_k gets {chosen}: {where}{greedy}"
+    skipped = sampling_not_applied(checkpoint)
+    skipped = (f"; its {describe_sampling(skipped, tuple(skipped))} {'is' if len(skipped) == 1 else 'are'} not "
+               "applied (polyalign's sampler has no such setting; vLLM applies it)" if skipped else "")
+    return f"sampling: a request that sets none of temperature, top_p, top_k gets {chosen}: {where}{greedy}{skipped}"
 
 
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
