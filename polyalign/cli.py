@@ -94,6 +94,23 @@ def _add_prepare(sub) -> None:
     p.set_defaults(handler=_run_prepare)
 
 
+def _label_defaults_note(source: dict) -> str | None:
+    """A source whose family or style nobody named (no row, the data config or the scheme) took its format's
+    default: said, since a dialogue corpus imported as `chat` is then bucketed as assistant chats."""
+    from polyalign.data.importers import get_format  # kept out of --help, as every command keeps its modules
+
+    defaulted = {name: count for name, count in source.get("label_defaults", {}).items() if name != "track"}
+    if not defaulted:
+        return None
+    defaults = get_format(source["format"]).defaults
+    named = " and ".join(f"{name} {defaults[name]}" for name in defaulted)
+    counts = " and ".join(map(str, dict.fromkeys(defaulted.values())))
+    keys = " and ".join(f"`{name}:`" for name in defaulted)
+    return (f"note: source {source['name']!r}: {named} are the {source['format']} format's defaults, taken by "
+            f"{counts} of its records (no row, data config or scheme entry named them); set {keys} on the source "
+            "when its conversations are not assistant chats (docs/data.md: Users' own conversations)")
+
+
 def _run_prepare(args) -> int:
     if args.beam:
         require_beam()
@@ -123,6 +140,8 @@ def _run_prepare(args) -> int:
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")
+        if line := _label_defaults_note(source):
+            print(line)
     for warning in manifest.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
     print(f"manifest: {args.out / 'data' / 'manifest.json'}")

@@ -126,8 +126,8 @@ def _edge_case_config(tmp_path: Path) -> Path:
         {"name": "coig", "format": "coig", "path": "coig", "split": "auto"},
         {"name": "sample", "format": "llamafactory", "path": "train.json", "split": "train", "language": "en"},
         {"name": "sample", "format": "llamafactory", "path": "test.json", "split": "test", "language": "en"},
-        {"name": "chat", "format": "chat", "path": "chat.jsonl", "split": "val", "language": "en",
-         "track": "single", "family": "assistant", "style": "assistant_like"},
+        # family and style left to the format's defaults (assistant, assistant_like), counted alike by both
+        {"name": "chat", "format": "chat", "path": "chat.jsonl", "split": "val", "language": "en", "track": "single"},
     ], dedup=True, near_dedup={"enabled": True, "threshold": 0.8, "remove": True})
 
 
@@ -151,6 +151,9 @@ def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     assert duplicate["kind"] == "train_vs_test" and duplicate["split"] == "train"
     assert duplicate["kept_id"] in {r["id"] for r in read_jsonl(tmp_path / "local/data/test.jsonl")}
     assert local["dropped_rows"]["rows"] == len(lines(tmp_path / "local/data", "dropped"))
+    chat = next(source for source in local["sources"] if source["name"] == "chat")
+    labelled = chat["records"] - chat["dropped"]["malformed"]  # the quarantined row never reaches its labels
+    assert chat["label_defaults"] == {"family": labelled, "style": labelled} and labelled == 6
     assert read_jsonl(tmp_path / "beam/data/quarantine.jsonl")[0]["location"].endswith("chat.jsonl:3")
 
 

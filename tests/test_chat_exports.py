@@ -64,8 +64,13 @@ def bpe_tokenizer(tmp_path_factory):
 
 
 def test_every_record_of_the_export_is_there(export_run):
-    _, records = export_run
+    manifest, records = export_run
     assert sorted(records) == sorted({case["key"] for case in EXPORTS} | {"camrest-train-5-turn-2"})
+    # nothing named family or style: every record took the chat format's defaults, and the manifest says so
+    # (the tool-call records are left out before they are labelled)
+    (source,) = manifest["sources"]
+    assert source["label_defaults"] == {"family": len(records), "style": len(records)}
+    assert {(r.family, r.style) for r in records.values()} == {("assistant", "assistant_like")}
 
 
 def case_id(case):
@@ -353,4 +358,16 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     unanswered = sum(len(c) % 2 for c in conversations)  # user first, so an odd length ends with a user turn
     assert source["left_out"] == {"unanswered_last_user_turn": unanswered} and unanswered == 2
     assert source["kept"] == sum(len(c) // 2 for c in conversations)
-    assert f"left out of kept rows: unanswered_last_user_turn {unanswered}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"left out of kept rows: unanswered_last_user_turn {unanswered}" in printed
+    # CamRest dialogues, bucketed as assistant chats since nothing named them otherwise: said, with the fix
+    assert source["label_defaults"] == {"family": source["records"], "style": source["records"]}
+    assert (f"note: source 'mine': family assistant and style assistant_like are the {form} format's defaults, "
+            f"taken by {source['records']} of its records (no row, data config or scheme entry named them); set "
+            "`family:` and `style:` on the source when its conversations are not assistant chats") in printed
+    config = write_config(tmp_path / "named.yaml", [{"name": "mine", "format": form, "path": path.name,
+                                                     "family": "dialogue", "style": "task_dialogue"}])
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "named"), "--no-progress"]) == 0
+    assert "note: source" not in capsys.readouterr().out
+    source = json.loads((tmp_path / "named" / "data" / "manifest.json").read_text())["sources"][0]
+    assert "label_defaults" not in source

@@ -119,6 +119,8 @@ class ImportFile(beam.DoFn):
             yield _event("system", source_index, what, count=count)
         for reason, count in tally.notes.items():
             yield _event("note", source_index, reason, count=count)
+        for name, count in tally.label_defaults.items():
+            yield _event("default", source_index, name, count=count)
         if self.on_error == "quarantine":
             yield _event("quarantined", count=tally.dropped["malformed"])
 
@@ -365,6 +367,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             tallies[fields[0]].system_messages[fields[1]] += count
         elif kind == "note":
             tallies[fields[0]].notes[fields[1]] += count
+        elif kind == "default":
+            tallies[fields[0]].label_defaults[fields[1]] += count
         elif kind == "kept":
             tallies[fields[0]].kept_by_split[fields[1]] += count
         elif kind == "label":

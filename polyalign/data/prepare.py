@@ -178,6 +178,8 @@ class SourceTally:
     language_mismatches: Counter = field(default_factory=Counter)
     system_messages: Counter = field(default_factory=Counter)
     notes: Counter = field(default_factory=Counter)
+    # records whose track, family or style is the format's default: no row, config or scheme entry named it
+    label_defaults: Counter = field(default_factory=Counter)
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -201,6 +203,7 @@ class SourceTally:
                if self.language_mismatches else {}),
             **({"system_messages": dict(sorted(self.system_messages.items()))} if self.system_messages else {}),
             **({"left_out": dict(sorted(self.notes.items()))} if self.notes else {}),
+            **({"label_defaults": dict(sorted(self.label_defaults.items()))} if self.label_defaults else {}),
         }
 
 
@@ -256,9 +259,11 @@ class RecordBuilder:
         self.scheme, self.length_unit, self.split_options = scheme, length_unit, split_options
         self.languages = LanguageChooser(scheme.values["language"])
 
-    def labels(self, example: Example, source: SourceConfig) -> dict[str, str]:
+    def labels(self, example: Example, source: SourceConfig, tally: SourceTally | None = None) -> dict[str, str]:
         """track/family/style from, in order: the row, the source config, the scheme's entry for the
-        source, what the importer read off the conversation (the track), the format's default."""
+        source, what the importer read off the conversation (the track), the format's default (counted in
+        `tally.label_defaults`: a dialogue corpus imported as `chat` is bucketed as assistant chats unless
+        its source says otherwise)."""
         layers = [
             example.labels,
             {k: getattr(source, k) for k in LABEL_FIELDS if getattr(source, k)},
@@ -268,7 +273,10 @@ class RecordBuilder:
         ]
         labels = {}
         for name in LABEL_FIELDS:
-            value = next((layer[name] for layer in layers if layer.get(name)), None)
+            found = next((i for i, layer in enumerate(layers) if layer.get(name)), None)
+            value = None if found is None else layers[found][name]
+            if found == len(layers) - 1 and tally is not None:
+                tally.label_defaults[name] += 1
             if value is None:
                 raise RowProblem(
                     f"no {name} for source {source.name!r}: set `{name}:` on the source in the data config "
@@ -314,7 +322,7 @@ class RecordBuilder:
                                        normalize(example.response))
         history = [{**t, "text": normalize(t["text"])} for t in example.history]
         history = self.system_turns(history, tally)
-        labels = self.labels(example, source)
+        labels = self.labels(example, source, tally)
         declared = example.labels.get("language") or source.language
         language = declared
         if language is None:
