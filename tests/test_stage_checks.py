@@ -222,6 +222,13 @@ def test_an_interrupted_build_restarts_with_the_same_command_and_equals_an_unint
     assert list(system_tmp.iterdir()) == []
     assert _examples(runs["cut"]) == _examples(runs["straight"])
     assert not list((runs["cut"] / "build").glob(".*.started"))
+    # a second tokenizer's build is refused with the recipe these runs follow: a RUN of its own on the same data
+    capsys.readouterr()
+    assert build(runs["cut"], "--max-length", "32") == 2
+    other = f"{runs['cut'].resolve()}-2"
+    err = capsys.readouterr().err
+    assert (f"pass --overwrite to replace it, or build into a RUN of its own beside it: mkdir {other} && ln -s "
+            f"{runs['cut'].resolve() / 'data'} {other}/data, then polyalign build {other} ...") in err, err
 
 
 def test_a_stage_output_recognises_its_own_unfinished_output_and_nothing_else(tmp_path):

@@ -360,8 +360,14 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     prepare ran again, or the same command after an interrupted build), or `overwrite`; the context to
     hold while writing it."""
     out = Path(run) / BUILD_DIR
+    # a second tokenizer (another base model) on the same prepared data: a RUN of its own that reads the
+    # same RUN/data, which build and training only read
+    other = Path(f"{Path(run).resolve()}-2")
+    elsewhere = (f"build into a RUN of its own beside it: mkdir {shlex.quote(str(other))} && ln -s "
+                 f"{shlex.quote(str(Path(run).resolve() / 'data'))} {shlex.quote(str(other / 'data'))}, then "
+                 f"polyalign build {shlex.quote(str(other))} ... (and polyalign stats on it where HDPO needs them)")
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
-                        ours=[out / "manifest.json", out / DATASET_NAME], elsewhere="build another RUN",
+                        ours=[out / "manifest.json", out / DATASET_NAME], elsewhere=elsewhere,
                         paths=["tokenizer"], legacy=LEGACY_SETTINGS)
 
 
