@@ -726,6 +726,13 @@ def _run_prompts(args) -> int:
     return 0
 
 
+def _halvings(detect: dict) -> str:
+    """The floor's range over its people-against-people halvings, where it has them."""
+    spread = detect.get("floor_macro_spread")
+    return "" if not spread else (f" (mean of {detect['floor_halvings']} halvings of the people, "
+                                  f"{spread[0]:.4f} to {spread[1]:.4f})")
+
+
 def _add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="utility, diversity and naturalness metrics of predictions",
                        description="Evaluate predictions against the test records, joined by id. Writes "
@@ -800,8 +807,8 @@ def _run_evaluate(args) -> int:
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "
               f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} against a human floor of "
-              f"{show(detect.get('floor_macro'))} {_bracket(detect.get('floor_macro_interval'))} over "
-              f"{detect['buckets']} buckets")
+              f"{show(detect.get('floor_macro'))} {_bracket(detect.get('floor_macro_interval'))}{_halvings(detect)} "
+              f"over {detect['buckets']} buckets")
     elif detect.get("reason"):
         print(f"detectability skipped ({detect['reason']})")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")

@@ -57,3 +57,39 @@ def test_the_floor_is_people_against_people_and_folds_are_grouped_by_prompt():
     assert marked["auc"] == 1.0 and same["auc"] == pytest.approx(0.5, abs=1e-12)
     assert marked["auc_floor"] == same["auc_floor"] and abs(same["auc_floor"] - 0.5) < 0.15
     assert marked["floor_pairs"] == 40 and marked["auc_gap"] == pytest.approx(1.0 - marked["auc_floor"])
+
+
+def test_the_floor_is_the_mean_over_halvings_and_says_how_far_one_halving_moves():
+    """On real answers (CamRest676 and CrossWOZ system turns, a bucket each): each bucket's floor is the
+    mean of the AUCs of FLOOR_HALVINGS people-against-people halvings, computed here one by one, with
+    their range beside it; the macro's range over halvings holds the macro, and one halving alone would
+    have moved it by that much."""
+    from tests.chat_exports import camrest_dialogues, camrest_messages, crosswoz_dialogues, crosswoz_messages
+
+    def replies(messages):
+        return [m["content"] for m in messages if m["role"] == "assistant"]
+
+    english = [text for d in camrest_dialogues(40) for text in replies(camrest_messages(d))]
+    chinese = [text for _, d in crosswoz_dialogues(30) for text in replies(crosswoz_messages(d))]
+    human = english[:70] + chinese[:50]
+    buckets = {"en|multi|dialogue|short": list(range(70)), "zh|multi|dialogue|short": list(range(70, 120))}
+    options = IntervalOptions(draws=30, seed=4)
+    matrix = dt.char_ngram_counts(human)
+    measured = dt.measure(buckets, matrix, matrix, options)
+    macro_by_halving = np.zeros(dt.FLOOR_HALVINGS)
+    for bucket, rows in buckets.items():
+        report = measured["by_bucket"][bucket]
+        halvings = []
+        for halving in range(dt.FLOOR_HALVINGS):
+            rows0, rows1 = dt._floor_pairs(bucket, {bucket: rows}, options.seed, halving)
+            scores0, scores1 = dt.pair_scores(matrix[rows0], matrix[rows1], dt.CHAR_NGRAMS)
+            halvings.append(roc_auc_score(np.repeat([0, 1], len(rows0)), np.r_[scores0, scores1]))
+        assert report["auc_floor"] == pytest.approx(np.mean(halvings), abs=1e-12)
+        assert report["auc_floor_spread"] == pytest.approx([min(halvings), max(halvings)], abs=1e-12)
+        assert report["floor_halvings"] == dt.FLOOR_HALVINGS and report["floor_pairs"] == len(rows) // 2
+        low, high = report["auc_floor_interval"]
+        assert low < report["auc_floor"] < high
+        macro_by_halving += np.array(halvings) / len(buckets)
+    assert measured["floor_macro_spread"] == pytest.approx([macro_by_halving.min(), macro_by_halving.max()])
+    assert measured["floor_macro"] == pytest.approx(macro_by_halving.mean())
+    assert macro_by_halving.max() - macro_by_halving.min() > 0.02  # what a single halving would have left to chance

@@ -351,6 +351,12 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
     assert saved["metrics"]["detectability"]["status"] == ("computed" if detects else "skipped")
     assert ("Detectability per bucket" in page or "detectability.png" in page) == detects
     assert ("detectability (classifier AUC" in printed.out) == detects
+    if detects:  # the floor said as the mean of its halvings, with their range, in the summary line and the report
+        detect = saved["metrics"]["detectability"]
+        low, high = detect["floor_macro_spread"]
+        assert low <= detect["floor_macro"] <= high and detect["floor_halvings"] == 8
+        assert f"(mean of 8 halvings of the people, {low:.4f} to {high:.4f}) over" in printed.out
+        assert "(the mean of 8 random halvings of the people; one halving alone ranged" in page
 
 
 def _subset(run, tmp_path, keep):

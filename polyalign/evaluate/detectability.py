@@ -15,13 +15,15 @@ is balanced. A bucket with fewer than MIN_PROMPTS prompts is classified within i
 group (language|track|family, then language), and its AUC is read on its own rows' out-of-fold scores.
 
 The floor is the same test between people and people: one random half of the pool's human answers
-against the other half, read on the bucket's rows. It is not exactly 0.5: out-of-fold scores are
-biased against the held-out rows (a text seen with the other label in training pulls its copies
-that way), so short, repetitive buckets land below 0.5 even for people; a model is read against its
-floor, not against 0.5. The floor holds half as many prompts a side as the model's test, so its
-interval is wider. Intervals are percentile bootstraps over prompts (both answers of a drawn prompt go
-together) of the out-of-fold scores; they carry the sampling of prompts, not the refitting of the
-classifier.
+against the other half, read on the bucket's rows, averaged over FLOOR_HALVINGS halvings (one halving's
+floor moved from 0.31 to 0.60 with the seed on 102 rows; the spread over the halvings is reported). It
+is not exactly 0.5: out-of-fold scores are biased against the held-out rows (a text seen with the other
+label in training pulls its copies that way), so short, repetitive buckets land below 0.5 even for
+people; a model is read against its floor, not against 0.5. The floor holds half as many prompts a side
+as the model's test, so its interval is wider: it is the first halving's bootstrap, centred on the mean
+of the halvings (the mean's own sampling spread is no wider). Intervals are percentile bootstraps over
+prompts (both answers of a drawn prompt go together) of the out-of-fold scores; they carry the sampling
+of prompts, not the refitting of the classifier.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from polyalign.evaluate.support import IntervalOptions, choose_pools, interval
 
 MIN_PROMPTS = 20  # fewer prompts than this: the bucket is classified within its parent group
 FOLDS = 5
+FLOOR_HALVINGS = 8  # people-against-people halvings the floor is averaged over
 CHAR_NGRAMS = "char_ngrams"
 HIDDEN_STATES = "hidden_states"
 
@@ -128,7 +131,8 @@ def _bucket_rng(seed: int, bucket: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(bucket.encode("utf-8")), 7])
 
 
-def _floor_pairs(pool: str, rows_by_bucket: Mapping[str, Sequence[int]], seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _floor_pairs(pool: str, rows_by_bucket: Mapping[str, Sequence[int]], seed: int, halving: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """People against people for one pool: within each of its buckets, the test rows of one seeded half
     (side 0) and of the other (side 1), paired in order (with an odd count, one row sits out). Halved
     bucket by bucket, so that both sides of a pool that mixes buckets (a parent group, "all") hold
@@ -136,8 +140,8 @@ def _floor_pairs(pool: str, rows_by_bucket: Mapping[str, Sequence[int]], seed: i
     the classifier detects (floors of 0.8 on the quick demo's 48 rows). The test's own answers, not the
     train split's: a bucket's train and test answers can come from its sources in other proportions
     (AUC 0.56-0.61 on the demo data's large dialogue buckets), while the model answers exactly the
-    test's prompts."""
-    rng = np.random.default_rng([seed, zlib.crc32(pool.encode("utf-8")), 11])
+    test's prompts. `halving`: which of the FLOOR_HALVINGS draws."""
+    rng = np.random.default_rng([seed, zlib.crc32(pool.encode("utf-8")), 11, halving])
     side0, side1 = [], []
     for _, rows in sorted(rows_by_bucket.items()):
         order = rng.permutation(np.asarray(rows, dtype=int))
@@ -154,7 +158,7 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: 
     baselines share the model's floor), and macro and row-weighted averages with intervals."""
     pools = choose_pools(list(bucket_rows), bucket_rows, MIN_PROMPTS)
     model_scores: dict[str, Scored | None] = {}
-    floor_scores: dict[str, Scored | None] = {}
+    floor_scores: dict[str, list[Scored | None]] = {}
     bucket_of = {row: bucket for bucket, rows in bucket_rows.items() for row in rows}
     for pool, rows in sorted({p: np.asarray(r, dtype=int) for p, r in pools.values()}.items()):
         model_scores[pool] = _scored(rows, rows, human, generated, representation)
@@ -162,12 +166,13 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: 
             members: dict[str, list[int]] = {}
             for row in rows:
                 members.setdefault(bucket_of[row], []).append(row)
-            rows0, rows1 = _floor_pairs(pool, members, options.seed)
-            floor_scores[pool] = _scored(rows0, rows1, human, human, representation)
+            floor_scores[pool] = [_scored(*_floor_pairs(pool, members, options.seed, halving), human, human,
+                                          representation) for halving in range(FLOOR_HALVINGS)]
     by_bucket, draws = {}, {}
     for bucket, rows in sorted(bucket_rows.items()):
         pool = pools[bucket][0]
-        report, draws[bucket] = _bucket(bucket, list(rows), pool, model_scores[pool], floor_scores.get(pool), options)
+        report, draws[bucket] = _bucket(bucket, list(rows), pool, model_scores[pool], floor_scores.get(pool, []),
+                                        options)
         by_bucket[bucket] = report
     return {"by_bucket": by_bucket, **summarize(by_bucket, draws, options)}
 
@@ -189,27 +194,37 @@ def _touching(scored: Scored, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return scores0[held], scores1[held]
 
 
-def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floor_scored: Scored | None,
+def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floor_scored: Sequence[Scored | None],
             options: IntervalOptions) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     rng = _bucket_rng(options.seed, bucket)
     report: dict[str, Any] = {"rows": len(rows), "pool": pool, "backed_off": pool != bucket}
     nothing = np.full(options.draws, np.nan)
+    halvings = np.full(len(floor_scored), np.nan)  # the floor of each halving (NaN: the bucket sat out of it)
     if scored is None:
         return report | {"auc": None, "reason": "fewer than two prompts, or no text to read"}, \
-            {"auc": nothing, "floor": nothing}
+            {"auc": nothing, "floor": nothing, "floor_halvings": halvings}
     auc, auc_draws = _auc_with_draws(*_touching(scored, rows), options, rng)
     report |= {"auc": auc, "auc_interval": interval(auc_draws, options.level)}
     floor_draws = nothing
-    if floor_scored is not None:
-        scores0, scores1 = _touching(floor_scored, rows)
+    first = None  # the first halving holding the bucket: its pairs, its bootstrap
+    for halving, one in enumerate(floor_scored):
+        scores0, scores1 = _touching(one, rows) if one is not None else ((), ())
         if len(scores0):
-            floor, floor_draws = _auc_with_draws(scores0, scores1, options, rng)
-            report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
-                       "floor_pairs": len(scores0), "auc_gap": auc - floor}
+            labels = np.repeat([0, 1], len(scores0))
+            halvings[halving] = roc_auc_score(labels, np.concatenate([scores0, scores1]))
+            first = first or (scores0, scores1)
+    if first is not None:
+        floor = float(np.nanmean(halvings))
+        value, first_draws = _auc_with_draws(*first, options, rng)
+        floor_draws = first_draws - value + floor  # the one halving's sampling spread, about the mean
+        report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
+                   "auc_floor_spread": [float(np.nanmin(halvings)), float(np.nanmax(halvings))],
+                   "floor_halvings": int(np.isfinite(halvings).sum()), "floor_pairs": len(first[0]),
+                   "auc_gap": auc - floor}
     if len(rows) < options.min_rows:
         report |= {key: None for key in ("auc_interval", "auc_floor_interval", "auc_gap") if key in report}
         report["too_small"] = f"{len(rows)} test rows, fewer than {options.min_rows}: no interval or gap"
-    return report, {"auc": auc_draws, "floor": floor_draws}
+    return report, {"auc": auc_draws, "floor": floor_draws, "floor_halvings": halvings}
 
 
 def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np.ndarray]],
@@ -231,10 +246,14 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
     floored = [b for b in measured if by_bucket[b].get("auc_floor") is not None]
     if floored:
         floor_macro = float(np.mean([by_bucket[b]["auc_floor"] for b in floored]))
+        # the macro of each halving, over the buckets it holds: how far one halving's floor would have moved
+        by_halving = np.nanmean(np.stack([draws[b]["floor_halvings"] for b in floored]), axis=0)
+        by_halving = by_halving[np.isfinite(by_halving)]
         summary |= {"floor_macro": floor_macro, "floor_buckets": len(floored),
                     "floor_macro_interval": _finite_interval(np.stack([draws[b]["floor"] for b in floored])
                                                              .mean(axis=0), options.level),
-                    "gap_macro": macro - floor_macro}
+                    "floor_macro_spread": [float(by_halving.min()), float(by_halving.max())],
+                    "floor_halvings": FLOOR_HALVINGS, "gap_macro": macro - floor_macro}
     return summary
 
 

@@ -393,6 +393,8 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
     return {"overall_macro": measured["macro"], "overall_weighted": measured["weighted"],
             "macro_interval": measured.get("macro_interval"), "weighted_interval": measured.get("weighted_interval"),
             "floor_macro": measured.get("floor_macro"), "floor_macro_interval": measured.get("floor_macro_interval"),
+            # the floor is a mean over people-against-people halvings: the range of their macros
+            "floor_macro_spread": measured.get("floor_macro_spread"), "floor_halvings": measured.get("floor_halvings"),
             "floor_buckets": measured.get("floor_buckets", 0),
             "gap_macro": measured.get("gap_macro"), "buckets": measured["buckets"], "rows": measured["rows"],
             "backed_off": measured.get("backed_off", []), "by_bucket": per_bucket("auc"),

@@ -450,7 +450,11 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                         "the ROC AUC of a classifier (character n-grams, logistic regression, folds grouped by "
                         "prompt) telling the model's answers from people's answers to the same prompts, against "
                         f"{_fmt(detect.get('floor_macro'))} {_interval(detect.get('floor_macro_interval'))} for "
-                        "people against other people (0.5: it cannot tell; 1.0: it always can). It reads none "
+                        "people against other people" + (
+                            f" (the mean of {detect['floor_halvings']} random halvings of the people; one halving "
+                            f"alone ranged {_fmt(detect['floor_macro_spread'][0])} to "
+                            f"{_fmt(detect['floor_macro_spread'][1])})" if detect.get("floor_macro_spread") else "")
+                        + " (0.5: it cannot tell; 1.0: it always can). It reads none "
                         "of the features behind BNG, HCR and the critic, so training cannot move it by matching "
                         "those.</p>")
         small_note = (f"<p>{TOO_FEW_MARK.strip()} fewer than {bng.get('min_interval_rows')} test rows: no interval "
