@@ -228,3 +228,17 @@ def test_single_process_commands_refuse_to_run_as_one_of_several(command, tmp_pa
     monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "1")  # one process of one: it goes on to the missing files
     assert main(command) == 2 and "runs in one process" not in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # a command stopped by a missing input leaves nothing behind
+
+
+def test_a_launched_polyalign_is_the_installed_one_whatever_folder_it_starts_in(tmp_path, monkeypatch, capfd):
+    """Started from a folder holding a clone named polyalign/ (git's default), `python -m polyalign.cli`
+    imported that folder as a namespace package (no __version__: every child died). The launcher's
+    children run the package this interpreter has installed."""
+    import polyalign
+    from polyalign.mesh.launch import main_command, run_local
+
+    (tmp_path / "polyalign" / "polyalign").mkdir(parents=True)  # a clone: the package one level down
+    monkeypatch.chdir(tmp_path)
+    assert run_local(main_command(["polyalign", "--version"]), nproc=2, cpu_devices=1) == 0
+    out = capfd.readouterr().out
+    assert out.count(polyalign.__version__) == 2, out

@@ -180,10 +180,12 @@ def require_program(program: str) -> None:
 
 
 def main_command(argv: Sequence[str]) -> list[str]:
-    """The command after `--`; a leading `polyalign` runs this interpreter's polyalign."""
+    """The command after `--`; a leading `polyalign` runs this interpreter's polyalign. `-P`: the working
+    folder is not put first on the module path, where `python -m` puts it, so a folder holding a clone
+    named polyalign/ (git's default name) cannot stand in for the installed package."""
     command = list(argv)
     if command and command[0] == "polyalign":
-        command = [sys.executable, "-m", "polyalign.cli", *command[1:]]
+        command = [sys.executable, "-P", "-m", "polyalign.cli", *command[1:]]
     return command
 
 
