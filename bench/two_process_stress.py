@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _command(run: Path, out: Path, steps: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-P", "-m", "polyalign.cli", "train", "sft", "--config", str(REPO / "configs" / "sft_demo.yaml"),
-            "--out", str(out), "--no-progress", f"data.dir={run}", f"train.steps={steps}", "parallel.data=4", *extra]
+    return [sys.executable, "-P", "-m", "polyalign.cli", "train", "sft",
+            "--config", str(REPO / "configs" / "sft_demo.yaml"), "--out", str(out), "--no-progress",
+            f"data.dir={run}", f"train.steps={steps}", "parallel.data=4", *extra]
 
 
 def _losses(out: Path) -> list[tuple[int, float, float | None]]:

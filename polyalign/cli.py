@@ -727,10 +727,15 @@ def _run_prompts(args) -> int:
 
 
 def _halvings(detect: dict) -> str:
-    """The floor's range over its people-against-people halvings, where it has them."""
+    """The floor's range over its people-against-people halvings, where it has them, and the buckets it
+    covers when they are fewer than the model's (one-answer buckets have none)."""
     spread = detect.get("floor_macro_spread")
-    return "" if not spread else (f" (mean of {detect['floor_halvings']} halvings of the people, "
+    said = "" if not spread else (f" (mean of {detect['floor_halvings']} halvings of the people, "
                                   f"{spread[0]:.4f} to {spread[1]:.4f})")
+    if detect.get("floor_buckets") and detect["floor_buckets"] < detect["buckets"]:
+        said += (f", the floor over {detect['floor_buckets']} of the {detect['buckets']} buckets, where the model "
+                 f"reads {detect['macro_floored']:.4f}")
+    return said
 
 
 def _add_evaluate(sub) -> None:
@@ -806,9 +811,9 @@ def _run_evaluate(args) -> int:
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "
-              f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} against a human floor of "
-              f"{show(detect.get('floor_macro'))} {_bracket(detect.get('floor_macro_interval'))}{_halvings(detect)} "
-              f"over {detect['buckets']} buckets")
+              f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} over {detect['buckets']} "
+              f"buckets, against a human floor of {show(detect.get('floor_macro'))} "
+              f"{_bracket(detect.get('floor_macro_interval'))}{_halvings(detect)}")
     elif detect.get("reason"):
         print(f"detectability skipped ({detect['reason']})")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")

@@ -71,12 +71,17 @@ def test_the_floor_is_the_mean_over_halvings_and_says_how_far_one_halving_moves(
 
     english = [text for d in camrest_dialogues(40) for text in replies(camrest_messages(d))]
     chinese = [text for _, d in crosswoz_dialogues(30) for text in replies(crosswoz_messages(d))]
-    human = english[:70] + chinese[:50]
-    buckets = {"en|multi|dialogue|short": list(range(70)), "zh|multi|dialogue|short": list(range(70, 120))}
+    human = english[:70] + chinese[:51]
+    # and a one-answer bucket: no floor of its own (its answer has no other person's to pair with)
+    buckets = {"en|multi|dialogue|short": list(range(70)), "zh|multi|dialogue|short": list(range(70, 120)),
+               "zh|multi|dialogue|long": [120]}
     options = IntervalOptions(draws=30, seed=4)
     matrix = dt.char_ngram_counts(human)
     measured = dt.measure(buckets, matrix, matrix, options)
     macro_by_halving = np.zeros(dt.FLOOR_HALVINGS)
+    lone = measured["by_bucket"].pop("zh|multi|dialogue|long")
+    assert "auc_floor" not in lone and lone["auc"] is not None
+    del buckets["zh|multi|dialogue|long"]
     for bucket, rows in buckets.items():
         report = measured["by_bucket"][bucket]
         halvings = []
@@ -92,4 +97,9 @@ def test_the_floor_is_the_mean_over_halvings_and_says_how_far_one_halving_moves(
         macro_by_halving += np.array(halvings) / len(buckets)
     assert measured["floor_macro_spread"] == pytest.approx([macro_by_halving.min(), macro_by_halving.max()])
     assert measured["floor_macro"] == pytest.approx(macro_by_halving.mean())
+    # the gap is taken over the two buckets with a floor, on both sides
+    assert (measured["buckets"], measured["floor_buckets"]) == (3, 2)
+    there = np.mean([measured["by_bucket"][b]["auc"] for b in buckets])
+    assert measured["macro_floored"] == pytest.approx(there) and measured["gap_macro"] == pytest.approx(
+        there - measured["floor_macro"])
     assert macro_by_halving.max() - macro_by_halving.min() > 0.02  # what a single halving would have left to chance

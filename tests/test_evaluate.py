@@ -355,7 +355,11 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
         detect = saved["metrics"]["detectability"]
         low, high = detect["floor_macro_spread"]
         assert low <= detect["floor_macro"] <= high and detect["floor_halvings"] == 8
-        assert f"(mean of 8 halvings of the people, {low:.4f} to {high:.4f}) over" in printed.out
+        assert f"(mean of 8 halvings of the people, {low:.4f} to {high:.4f})" in printed.out
+        if detect["floor_buckets"] < detect["buckets"]:  # one-answer buckets: the gap over the floor's buckets
+            assert (f", the floor over {detect['floor_buckets']} of the {detect['buckets']} buckets, where the model "
+                    f"reads {detect['macro_floored']:.4f}") in printed.out
+        assert detect["gap_macro"] == pytest.approx(detect["macro_floored"] - detect["floor_macro"])
         assert "(the mean of 8 random halvings of the people; one halving alone ranged" in page
 
 
@@ -607,6 +611,17 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     capsys.readouterr()
     assert main(["report", folders[0], folders[0] + "/", "--out", str(tmp_path / "cmp4")]) == 2
     assert "given more than once" in capsys.readouterr().err
+    # an --allow-partial evaluation of the same file reads other rows of it: not compared with the whole,
+    # compared with another partial evaluation of the same rows
+    rows = (tmp_path / "p.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "part.jsonl").write_text("".join(rows[:-20]))
+    for name in ("part", "part_again"):
+        evaluate(single, tmp_path / "part.jsonl", tmp_path / name, options)
+    parts = [str(tmp_path / n) for n in ("a", "part", "part_again")]
+    assert main(["report", *parts, "--out", str(tmp_path / "cmp5")]) == 0
+    verdicts = json.loads((tmp_path / "cmp5" / "comparison.json").read_text())["summary"]["differences"]
+    assert verdicts["part - a"]["BNG weighted"]["verdict"] == "not compared: other test records"
+    assert verdicts["part_again - part"]["BNG weighted"] == {"difference": 0.0, "verdict": "overlap"}
 
 
 def test_intervals_are_shown_rounded_outward_so_they_hold_what_they_held():

@@ -249,11 +249,13 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
         # the macro of each halving, over the buckets it holds: how far one halving's floor would have moved
         by_halving = np.nanmean(np.stack([draws[b]["floor_halvings"] for b in floored]), axis=0)
         by_halving = by_halving[np.isfinite(by_halving)]
-        summary |= {"floor_macro": floor_macro, "floor_buckets": len(floored),
+        # the gap over the buckets the floor has (a one-answer bucket has none): the same buckets on both sides
+        macro_floored = float(np.mean([by_bucket[b]["auc"] for b in floored]))
+        summary |= {"floor_macro": floor_macro, "floor_buckets": len(floored), "macro_floored": macro_floored,
                     "floor_macro_interval": _finite_interval(np.stack([draws[b]["floor"] for b in floored])
                                                              .mean(axis=0), options.level),
                     "floor_macro_spread": [float(by_halving.min()), float(by_halving.max())],
-                    "floor_halvings": FLOOR_HALVINGS, "gap_macro": macro - floor_macro}
+                    "floor_halvings": FLOOR_HALVINGS, "gap_macro": macro_floored - floor_macro}
     return summary
 
 

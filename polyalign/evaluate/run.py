@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import random
@@ -71,7 +72,14 @@ def align(records, rows: list[dict], seen: Counter, allow_partial: bool) -> tupl
     kept = [r for r in records if r.id in first and seen[r.id] == 1]
     alignment["evaluated"] = len(kept)
     alignment["partial"] = len(kept) < len(records)
+    if alignment["partial"]:  # which rows: two partial evaluations of one file compare only on the same ones
+        alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in kept)
     return kept, [first[r.id] for r in kept], alignment
+
+
+def evaluated_ids_digest(ids) -> str:
+    """The identity of the set of test rows an evaluation read (sorted ids, hashed)."""
+    return "sha256:" + hashlib.sha256("\n".join(sorted(ids)).encode("utf-8")).hexdigest()
 
 
 def _mean_dict(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -395,7 +403,7 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
             "floor_macro": measured.get("floor_macro"), "floor_macro_interval": measured.get("floor_macro_interval"),
             # the floor is a mean over people-against-people halvings: the range of their macros
             "floor_macro_spread": measured.get("floor_macro_spread"), "floor_halvings": measured.get("floor_halvings"),
-            "floor_buckets": measured.get("floor_buckets", 0),
+            "floor_buckets": measured.get("floor_buckets", 0), "macro_floored": measured.get("macro_floored"),
             "gap_macro": measured.get("gap_macro"), "buckets": measured["buckets"], "rows": measured["rows"],
             "backed_off": measured.get("backed_off", []), "by_bucket": per_bucket("auc"),
             "interval_by_bucket": per_bucket("auc_interval"), "floor_by_bucket": per_bucket("auc_floor"),

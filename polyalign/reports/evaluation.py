@@ -454,6 +454,9 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                             f" (the mean of {detect['floor_halvings']} random halvings of the people; one halving "
                             f"alone ranged {_fmt(detect['floor_macro_spread'][0])} to "
                             f"{_fmt(detect['floor_macro_spread'][1])})" if detect.get("floor_macro_spread") else "")
+                        + (f", over the {detect['floor_buckets']} of {detect['buckets']} buckets with more than one "
+                           f"answer, where the model reads {_fmt(detect.get('macro_floored'))}"
+                           if detect.get("floor_buckets") and detect["floor_buckets"] < detect["buckets"] else "")
                         + " (0.5: it cannot tell; 1.0: it always can). It reads none "
                         "of the features behind BNG, HCR and the critic, so training cannot move it by matching "
                         "those.</p>")
@@ -539,10 +542,20 @@ def _data_of(run: dict, name: str) -> str | None:
 
 
 def other_data(first: dict, run: dict) -> list[str]:
-    """What makes two evaluations' numbers not comparable as the models' alone: other test records, or
-    another human support (the floors and distances are measured against it)."""
-    return [what for name, what in (("records", "test records"), ("support", "support"))
-            if _data_of(first, name) != _data_of(run, name)]
+    """What makes two evaluations' numbers not comparable as the models' alone: other test records (another
+    file, or other rows of it: an `--allow-partial` evaluation of a part), or another human support (the
+    floors and distances are measured against it)."""
+    records = (_data_of(first, "records"), _evaluated_rows(first)) != (_data_of(run, "records"), _evaluated_rows(run))
+    return ["test records"] * records + ["support"] * (_data_of(first, "support") != _data_of(run, "support"))
+
+
+def _evaluated_rows(run: dict) -> str:
+    """Which rows of its records file an evaluation read: all, or the part a partial one names."""
+    alignment = run.get("alignment") or {}
+    if not alignment.get("partial"):
+        return "all"
+    # older partial evaluations did not name their rows: their count tells most apart
+    return alignment.get("evaluated_ids") or f"{alignment.get('evaluated')} rows"
 
 
 def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str, str, dict[str, dict]]:
