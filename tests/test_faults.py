@@ -995,7 +995,13 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     capsys.readouterr()
     resumed = train_sft(sft_config(run, 4), out, progress=False, existing="resume")
     assert resumed["start_step"] == 3 and resumed["end_step"] == 4
-    assert "resumed from step 3" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resumed from step 3" in printed and "; resuming at step 3 (OUT/checkpoints) of a run that started from " \
+                                                 "scratch (model.preset " in printed
+    # the schedule of the new length from step 4 on, said with the rate step 3 took and the one step 4 takes
+    rates = {r["step"]: r["lr"] for r in read_metrics(out) if "lr" in r}
+    assert (f"note: the run's length changed on resume, so the learning-rate schedule is the one for 4 steps from "
+            f"here: step 4 takes {rates[4]:.2e}, where step 3 took {rates[3]:.2e}") in printed
     again = train_sft(sft_config(run, 3, "optimizer.lr=0.002"), out, progress=False, existing="overwrite")
     assert again["start_step"] == 0 and json.loads((out / "config.json").read_text())["optimizer"]["lr"] == 2e-3
     assert len([r for r in read_metrics(out) if "loss" in r]) == 3 and first["end_step"] == 3

@@ -42,7 +42,7 @@ from polyalign.train.methods import method_spec
 from polyalign.train.metrics import MetricsWriter, read_metrics
 from polyalign.train.rounds import train_rounds
 from polyalign.train.throughput import Throughput
-from polyalign.train.trainer import Objective, Trainer, warmup_steps
+from polyalign.train.trainer import Objective, Trainer, make_optimizer, warmup_steps
 
 
 @dataclass
@@ -185,6 +185,7 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
+    previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
     metrics = MetricsWriter(out, loop.report_to, loop.tracker_project, dataclasses.asdict(config))
     throughput = Throughput.for_devices(mesh.devices.flat, job.flops_per_token, loop.peak_tflops)
@@ -195,8 +196,11 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     if job.checkpoint_meta is not None:
         checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                     meta=job.checkpoint_meta)
+    resume_at = checkpointer.latest_step() if checkpointer is not None else None
     if jax.process_index() == 0:
-        print(start_line(config, loop, mesh, out), flush=True)
+        print(start_line(config, loop, mesh, out, resume_at), flush=True)
+        if note := schedule_note(config, loop, previous, resume_at, out):
+            print(note, flush=True)
     evaluate = None if job.evaluate is None else (lambda: job.evaluate(trainer))
     watchdog = Watchdog(resolve_timeout(loop.hang_timeout, jax.process_count()), jax.process_index(),
                         jax.process_count())
@@ -225,9 +229,32 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     return result
 
 
-def start_line(config, loop: LoopConfig, mesh, out: Path) -> str:
+def saved_train_section(out: Path) -> dict[str, Any] | None:
+    """The `train` section of the config OUT's run was started (or last resumed) with, if any."""
+    try:
+        return json.loads((out / "config.json").read_text()).get("train")
+    except (OSError, ValueError, AttributeError):  # a new run, or a folder without a readable config
+        return None
+
+
+def schedule_note(config, loop: LoopConfig, previous: dict[str, Any] | None, resume_at: int | None,
+                  out: Path) -> str | None:
+    """A resumed run whose length changed (`train.steps`, `train.epochs` with --resume) follows the schedule
+    of its new length from the step it resumes at: the learning rate can rise again (a longer cosine sits
+    higher at that step). Said with both rates, the last one logged and the next one."""
+    if not resume_at or previous is None or all(previous.get(k) == getattr(config.train, k) for k in ("steps",
+                                                                                                         "epochs")):
+        return None
+    _, schedule = make_optimizer(config.optimizer, loop.steps)
+    before = logged_step(out, resume_at).get("lr")
+    was = f", where step {resume_at} took {before:.2e}" if isinstance(before, int | float) else ""
+    return (f"note: the run's length changed on resume, so the learning-rate schedule is the one for {loop.steps} "
+            f"steps from here: step {resume_at + 1} takes {float(schedule(resume_at)):.2e}{was}")
+
+
+def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None = None) -> str:
     """What a run is about to do, said before it starts: the steps and batch, the devices and their
-    layout, the learning-rate schedule, where it starts from and where it writes."""
+    layout, the learning-rate schedule, where it starts from (or resumes) and where it writes."""
     optimizer = config.optimizer
     warmup = warmup_steps(optimizer, loop.steps)
     warming = f", {warmup} warmup step{'s' if warmup > 1 else ''}" if warmup else ""
@@ -236,6 +263,8 @@ def start_line(config, loop: LoopConfig, mesh, out: Path) -> str:
     micro = f"{loop.micro_batches} micro-batch{'es' if loop.micro_batches > 1 else ''}"
     init = getattr(config, "init", None)
     start = f"from {init}" if init else f"from scratch (model.preset {config.model.preset})"
+    if resume_at:
+        start = f"resuming at step {resume_at} (OUT/checkpoints) of a run that started {start}"
     return (f"polyalign: training {config.method} for {loop.steps} steps, global batch {loop.global_batch} in "
             f"{micro}, on {mesh.devices.size} {jax.default_backend()} device{'s' if mesh.devices.size > 1 else ''} "
             f"({layout}); {schedule}; {start} -> {out}")
