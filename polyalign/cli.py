@@ -805,8 +805,9 @@ def _run_evaluate(args) -> int:
         f"skipped ({reasons.get('mauve', 'not computed')})"
     print(f"{rows}: F1 {show(m['utility']['overall'].get('qa_f1'), 'utility')}, ROUGE-L "
           f"{show(m['utility']['overall'].get('rouge_l_f1'), 'utility')}, BNG "
-          f"{show(m['bng']['overall_macro'], 'bng')}, "
-          f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{floors}, TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
+          f"{show(m['bng']['overall_macro'], 'bng')}{_bracket(m['bng'].get('macro_interval'), ' ')}, "
+          f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{_bracket(m['hcr'].get('macro_interval'), ' ')}{floors}, "
+          f"TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
           f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}")
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
@@ -820,8 +821,9 @@ def _run_evaluate(args) -> int:
     return 0
 
 
-def _bracket(interval) -> str:
-    return "" if not interval else interval_text(interval)
+def _bracket(interval, before: str = "") -> str:
+    """An interval as the reports write it, after `before`; nothing where there is none."""
+    return "" if not interval else before + interval_text(interval)
 
 
 def _add_report(sub) -> None:

@@ -351,6 +351,13 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
     assert saved["metrics"]["detectability"]["status"] == ("computed" if detects else "skipped")
     assert ("Detectability per bucket" in page or "detectability.png" in page) == detects
     assert ("detectability (classifier AUC" in printed.out) == detects
+    bng = saved["metrics"]["bng"]
+    if bng.get("macro_interval"):  # the summary line's BNG and HCR with their intervals, as the report writes them
+        from polyalign.core.scores import interval_text
+
+        hcr = saved["metrics"]["hcr"]
+        assert (f"BNG {bng['overall_macro']:.4f} {interval_text(bng['macro_interval'])}, HCR "
+                f"{hcr['overall_macro']:.4f} {interval_text(hcr['macro_interval'])}") in printed.out
     if detects:  # the floor said as the mean of its halvings, with their range, in the summary line and the report
         detect = saved["metrics"]["detectability"]
         low, high = detect["floor_macro_spread"]
