@@ -321,10 +321,21 @@ def _run_build(args) -> int:
         print(f"tokenizer: {check['reason']}")
     for warning in manifest["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
+    train = manifest["splits"]["train"]
+    if args.truncation == "left" and train.get("system_cut", 0) > SYSTEM_CUT_WARNING * max(train["examples"], 1):
+        # the line above says it in passing; this many examples trained without their profile prompt is a warning
+        print(f"warning: {train['system_cut']} of {train['examples']} train examples "
+              f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message, the "
+              "profile prompt Bucket-SFT conditions on, to --truncation left (METHOD's recipe); --truncation "
+              "keep_system keeps it and cuts the oldest turns, as generation does, or raise --max-length",
+              file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")
     return 0
+
+
+SYSTEM_CUT_WARNING = 0.05  # the share of train examples losing their profile prompt that build warns about
 
 
 def _budget(text: str) -> int | str:

@@ -95,6 +95,11 @@ def test_build_compares_transformers_ids_on_the_records(sample_data, json_tokeni
     check = manifest["tokenizer_check"]
     assert check["checked"] and check["differing"] == 0 and check["probes"] >= 64, check
     assert f"gives the same ids as polyalign on {check['probes']} probe texts" in out and "probe texts" not in err
+    # at --max-length 64 most examples lost their profile prompt to left truncation: a warning, not an aside
+    train = manifest["splits"]["train"]
+    assert train["system_cut"] > 0.05 * train["examples"]
+    assert (f"warning: {train['system_cut']} of {train['examples']} train examples "
+            f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message") in err
     # what the examples were rendered with, as chosen (the tokenizer names no template: its family's, polyalign)
     assert (f"rendered with chat template {manifest['template']}, profile context, system messages keep, "
             "truncation left") in out
