@@ -136,6 +136,8 @@ def test_malformed_input_stops_with_one_clear_line(tmp_path, name, fmt, filename
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
+    # a first prepare stopped by its input leaves nothing: no OUT, no half-written dropped or quarantine list
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):

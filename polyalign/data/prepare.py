@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import polyalign
-from polyalign.core.errors import PrepareError
-from polyalign.core.outputs import stage_output
+from polyalign.core.errors import PolyalignError, PrepareError
+from polyalign.core.outputs import no_empty_folder_left, stage_output
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
@@ -217,6 +217,7 @@ class DroppedRows:
     dropped.jsonl: where it is and why. Malformed rows go to quarantine.jsonl (or stop the run)."""
 
     def __init__(self, path: Path):
+        self.path = path
         self.handle = path.open("w", encoding="utf-8")
 
     def __call__(self, row: dict[str, Any]) -> None:
@@ -566,8 +567,10 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     config is refused unless `overwrite`; a second process preparing into the same OUT is refused."""
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
-    with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-                      ours=[data_dir / f"{split}.jsonl" for split in ("train", "val", "test")], key=None):
+    # a first prepare stopped by a bad row leaves neither OUT/data nor OUT behind
+    with no_empty_folder_left(Path(out)), stage_output(
+            data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
+            ours=[data_dir / f"{split}.jsonl" for split in ("train", "val", "test")], key=None):
         return _prepare(context, data_dir, on_error, progress)
 
 
@@ -603,6 +606,10 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
                 tally_of[built.id] = tally
             bar.update(1)
         bar.close()
+    except PolyalignError:  # a problem the user fixes and reruns: no half-written list of this run is left
+        for path in (sink.path, dropped.path):
+            path.unlink(missing_ok=True)
+        raise
     finally:
         sink.close()
         dropped.close()

@@ -278,6 +278,16 @@ def _with_interval(metrics: dict, path: Sequence[str] | None, interval: Sequence
     return _spread(value, _get(metrics, interval) if interval else None)
 
 
+def _backed_off(section: dict) -> str:
+    """The buckets whose support was too small to stand alone, said apart from the buckets with too few test
+    rows for an interval (another set)."""
+    count = len(section.get("backed_off", []))
+    if not count:
+        return "no bucket measured against a parent group"
+    return (f"{count} bucket{'s' * (count != 1)} with too few human answers of {'its' if count == 1 else 'their'} "
+            f"own measured against {'its' if count == 1 else 'their'} parent group")
+
+
 def _human_cell(runs: Sequence[dict], row: OverallRow, names: Sequence[str]) -> str:
     """The human floor of a row: one number where every run measured people alike (the same test rows),
     each run's otherwise."""
@@ -430,8 +440,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
         summary = (f"<p>BNG {_fmt(bng['overall_macro'])} {_interval(bng.get('macro_interval'))} against a human "
                    f"floor of {_fmt(bng.get('floor_macro'))}: the model's answers are {_fmt(bng.get('gap_macro'))} "
                    "farther from the people of their buckets than people's own answers to the same prompts (macro "
-                   f"over {bng['buckets']} buckets, {bng['rows']} rows; {len(bng.get('backed_off', []))} small "
-                   "buckets measured against their parent group). Intervals: bootstrap over responses, "
+                   f"over {bng['buckets']} buckets, {bng['rows']} rows; {_backed_off(bng)}). Intervals: bootstrap "
+                   "over responses, "
                    f"{result['config'].get('intervals', {}).get('draws', '?')} draws. "
                    + (f"{len(bng['small_buckets'])} "
                       f"{'bucket has' if len(bng['small_buckets']) == 1 else 'buckets have'} "
