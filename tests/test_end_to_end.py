@@ -199,6 +199,10 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         detect = metrics["metrics"]["detectability"]
         assert detect["overall_macro"] > detect["floor_macro"] + 0.1, (method, detect["overall_macro"])
     assert (run / "report" / "report.html").is_file() and (run / "report" / "report.md").is_file()
+    # the report says how the models were trained, read from each predictions' checkpoint's run
+    summary = json.loads((run / "report" / "comparison.json").read_text())["summary"]
+    assert "method (sft | sft | dpo | hdpo)" in summary["models_differ_in"]
+    assert "weighting (uniform | bucket | — | —)" in summary["models_differ_in"], summary["models_differ_in"]
     # The same command again redoes a stage from its outputs; the full demo's settings are refused in a
     # quick run's folder, naming the key, until --overwrite.
     capsys.readouterr()

@@ -768,3 +768,38 @@ def test_native_stderr_is_caught_at_the_file_descriptor(capfd):
     assert capfd.readouterr().err == ""
     print("after", file=sys.stderr)
     assert capfd.readouterr().err == "after\n"  # the descriptor is restored
+
+
+def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
+    """Predictions `generate` wrote name their checkpoint; a checkpoint that is a training run's OUT/model
+    has the run's config.json beside it: metrics.json keeps how the model was trained, and the comparison
+    names what differs between the models (the method always)."""
+    from polyalign.core.outputs import sidecar
+    from polyalign.evaluate.run import trained_with
+    from polyalign.reports.evaluation import differing_models
+
+    def trained_run(name, weighting):
+        (tmp_path / name / "model").mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(json.dumps({
+            "method": "sft", "weighting": weighting, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "train": {"steps": 300},
+            "optimizer": {"lr": 2e-5}, "model": {"preset": "tiny", "lora": {"rank": 0}}, "data": {"dir": "/runs/r"}}))
+        predictions = tmp_path / f"{name}.jsonl"
+        predictions.write_text('{"id": "a", "prediction": "b"}\n')
+        sidecar(predictions).write_text(json.dumps({"settings": {"checkpoint": str(tmp_path / name / "model")}}))
+        return trained_with(predictions)
+
+    bucket, uniform = trained_run("bucket_sft", "bucket"), trained_run("sft", "uniform")
+    assert bucket == {"checkpoint": str(tmp_path / "bucket_sft" / "model"), "method": "sft", "weighting": "bucket",
+                      "steps": 300, "learning rate": 2e-5, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "preset": "tiny",
+                      "LoRA rank": 0, "data": "/runs/r"}
+    external = tmp_path / "engine.jsonl"
+    external.write_text('{"id": "a", "prediction": "b"}\n')
+    assert trained_with(external) is None  # an external engine's predictions name no checkpoint
+    runs = {name: {"config": {"trained": t}} for name, t in (("a", bucket), ("b", uniform), ("c", None))}
+    assert differing_models(runs) == {"method": ["sft", "sft", "—"], "weighting": ["bucket", "uniform", "—"],
+                                      "steps": ["300", "300", "—"], "learning rate": ["2e-05", "2e-05", "—"],
+                                      "init": ["ckpt/Qwen2.5-0.5B-Instruct"] * 2 + ["—"],
+                                      "preset": ["tiny", "tiny", "—"], "LoRA rank": ["0", "0", "—"],
+                                      "data": ["runs/r", "runs/r", "—"]}
+    assert differing_models({"a": {"config": {"trained": bucket}}, "b": {"config": {"trained": uniform}}}) == {
+        "method": ["sft", "sft"], "weighting": ["bucket", "uniform"]}

@@ -21,7 +21,7 @@ import numpy as np
 from polyalign.core.errors import EvaluationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
-from polyalign.core.outputs import stage_output
+from polyalign.core.outputs import read_record, stage_output
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
 from polyalign.core.scores import combined
@@ -430,6 +430,35 @@ def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, utility: d
             "naturalness_components": ["1/(1+BNG)"] + (["C-MAUVE"] if featurizer else [])}
 
 
+# What the comparison report shows of the model behind the predictions, from its training run's config.json
+# (predictions -> their manifest's checkpoint OUT/model -> OUT/config.json), as (name, path in the config)
+TRAINING_SETTINGS = (("method", ("method",)), ("weighting", ("weighting",)), ("steps", ("train", "steps")),
+                     ("learning rate", ("optimizer", "lr")), ("init", ("init",)), ("preset", ("model", "preset")),
+                     ("LoRA rank", ("model", "lora", "rank")), ("data", ("data", "dir")), ("pairs", ("pairs",)),
+                     ("beta", ("beta",)), ("lambda_dist", ("lambda_dist",)), ("profile", ("profile",)))
+
+
+def trained_with(predictions_path: Path) -> dict[str, Any] | None:
+    """The model the predictions came from and how it was trained, where `polyalign generate` wrote them
+    from a training run's OUT/model; None for an external engine's predictions or another checkpoint."""
+    record = read_record(predictions_path) or {}
+    checkpoint = (record.get("settings") or {}).get("checkpoint")
+    if not isinstance(checkpoint, str):
+        return None
+    try:
+        config = json.loads((Path(checkpoint).parent / "config.json").read_text())
+    except (OSError, ValueError):  # a base checkpoint (no training run around it), or one moved since
+        return {"checkpoint": checkpoint}
+    settings = {}
+    for name, keys in TRAINING_SETTINGS:
+        value = config
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            settings[name] = value
+    return {"checkpoint": checkpoint, **settings}
+
+
 def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predictions_path: Path,
             options: EvaluateOptions, settings: dict[str, Any]) -> dict[str, Any]:
     """metrics.json: what was evaluated and how, the alignment, the answers, and the metrics."""
@@ -442,6 +471,7 @@ def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predict
                    "featurizer": str(options.featurizer) if options.featurizer else None,
                    "scorer": str(options.scorer) if options.scorer else None,
                    "allow_partial": options.allow_partial, "profile": joined.profiles, "models": joined.models,
+                   "trained": trained_with(predictions_path),
                    "test_rows": joined.alignment["evaluated"], "min_bucket_rows": nat.MIN_BUCKET_ROWS,
                    "intervals": None if options.compat == "reference" else dataclasses.asdict(options.intervals),
                    "diversity": options.diversity, "seconds": None},

@@ -741,6 +741,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      ("MAUVE", *(str(r["metrics"]["mauve"]["status"])
                                  + (" (noisy: few answers)" if r["metrics"]["mauve"].get("note") else "")
                                  for r in runs.values()))]
+    models = differing_models(runs)
+    settings_rows += [(f"model: {name}", *values) for name, values in models.items()]
     differing = differing_settings(runs)
     unequal = bool(differing)
     table_html, table_md = _table(header, rows)
@@ -770,6 +772,10 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     ]
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
                if unequal else "")
+    # what sets the models apart in training (the comparison's point, not a caution): said beside the settings
+    trained_apart = [f"{name} ({' | '.join(values)})" for name, values in models.items() if len(set(values)) > 1]
+    if trained_apart:
+        warning += f"<p>The models were trained with other {html.escape('; '.join(trained_apart))}.</p>"
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
@@ -791,12 +797,33 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
+                *([f"The models were trained with other {'; '.join(trained_apart)}."] if trained_apart else []),
                 "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]
     (out / "report.md").write_text("\n\n".join(part.strip("\n") for part in markdown) + "\n", encoding="utf-8")
     return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
+            "models_differ_in": trained_apart,
             "intervals_compared_across_data": allow_different_data, "differences": verdicts, "out": str(out)}
+
+
+def differing_models(runs: dict[str, dict]) -> dict[str, list[str]]:
+    """How the models behind the runs were trained (metrics.json's config.trained, read from each training
+    run's config.json): the method, and every setting that differs between them, with each run's value
+    ("—" where a run's model has no such setting, was not trained by polyalign, or its run folder is gone)."""
+    trained = [r["config"].get("trained") or {} for r in runs.values()]
+    if not any(len(t) > 1 for t in trained):
+        return {}
+    names = [name for name in dict.fromkeys(k for t in trained for k in t) if name != "checkpoint"]
+    return {name: [_short(t.get(name, "—")) for t in trained] for name in names
+            if name == "method" or len({json.dumps(t.get(name), default=str) for t in trained}) > 1}
+
+
+def _short(value: Any) -> str:
+    """A setting as a table cell: paths by their last two parts, numbers as written."""
+    if isinstance(value, str) and "/" in value:
+        return "/".join(Path(value).parts[-2:])
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def differing_settings(runs: dict[str, dict]) -> list[str]:
