@@ -828,6 +828,9 @@ def _run_evaluate(args) -> int:
               f"{_bracket(detect.get('floor_macro_interval'))}{_halvings(detect)}")
     elif detect.get("reason"):
         print(f"detectability skipped ({detect['reason']})")
+    for note in (m["mauve"].get("featurizer_note"), m["mauve"].get("note")):
+        if note:
+            print(f"note: MAUVE: {note}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
 

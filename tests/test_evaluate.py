@@ -297,6 +297,8 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     subset = tmp_path / "records.jsonl"
     subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: r.question)
+    # as `generate` records them: these answers came from the checkpoint that is also the featurizer below
+    (tmp_path / "p.manifest.json").write_text(json.dumps({"settings": {"checkpoint": str(tmp_path / "ckpt")}}))
     plain = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "plain", EvaluateOptions(plots=False))
     full = evaluate(subset, tmp_path / "p.jsonl", tmp_path / "full", EvaluateOptions(featurizer=tmp_path / "ckpt",
                                                                                      scorer=tmp_path / "ckpt",
@@ -307,6 +309,11 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     # 40 answers are too few for faiss's k-means: its warnings become one note, not lines on the terminal
     assert "WARNING clustering" not in capfd.readouterr().err
     assert mauve["note"].startswith("faiss warned ") and "noisy" in mauve["note"]
+    # the featurizer is the model that answered: said, since its hidden states favour its own answers
+    from polyalign.evaluate.run import FEATURIZER_IS_MODEL
+
+    assert mauve["featurizer_note"] == FEATURIZER_IS_MODEL and "featurizer_note" not in plain["metrics"]["mauve"]
+    assert full["config"]["trained"] == {"checkpoint": str(tmp_path / "ckpt")}  # no training run around it
     assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
     assert full["metrics"]["aggregate"]["overall"] is not None
     # the featurizer's hidden states are a second detectability representation; without it, none

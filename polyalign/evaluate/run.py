@@ -21,8 +21,8 @@ import numpy as np
 from polyalign.core.errors import EvaluationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
-from polyalign.core.outputs import read_record, stage_output
-from polyalign.core.paths import file_digest
+from polyalign.core.outputs import read_record, same_path, stage_output
+from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.core.scores import combined
 from polyalign.data.records import read_records
@@ -238,6 +238,8 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     running("MAUVE")
     featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
     mauve_metrics = _mauve_section(joined, featurize)
+    if featurize is not None and featurizer_is_the_model(options.featurizer, predictions_path):
+        mauve_metrics["featurizer_note"] = FEATURIZER_IS_MODEL
     running("detectability")
     detect = _detectability_section(joined, options, featurize)
     for name, row in detect.get("baselines", {}).items():
@@ -335,6 +337,17 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
 # note instead of a screenful of warnings.
 FAISS_FEW_POINTS = re.compile(r"WARNING clustering \d+ points to \d+ centroids: please provide at least \d+ "
                               r"training points")
+
+
+FEATURIZER_IS_MODEL = ("the featurizer is the model whose answers are measured: its own hidden states read "
+                       "its answers as it wrote them, so MAUVE and hidden-state detectability can say 'human' where a "
+                       "separate, larger featurizer would not; give another checkpoint as --featurizer")
+
+
+def featurizer_is_the_model(featurizer, predictions_path: Path) -> bool:
+    """Whether --featurizer is the checkpoint that wrote the predictions (their manifest names it)."""
+    checkpoint = ((read_record(predictions_path) or {}).get("settings") or {}).get("checkpoint")
+    return isinstance(checkpoint, str) and not is_uri(str(featurizer)) and same_path(featurizer, checkpoint)
 
 
 def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:

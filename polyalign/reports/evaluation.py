@@ -259,7 +259,7 @@ def _settings(result: dict) -> str:
                      if kept else "left out of Distinct-n and Self-BLEU (as are people's empty answers).")
                   if empty else "")
     mauve = result["metrics"]["mauve"]
-    mauve_note = f" ({html.escape(mauve['note'])})" if mauve.get("note") else ""
+    mauve_note = "".join(f" ({html.escape(mauve[key])})" for key in ("note", "featurizer_note") if mauve.get(key))
     return (f"<p>models {html.escape(', '.join(c['models']))}; profile {html.escape(', '.join(c['profile']))}; "
             f"{a['evaluated']} of {a['records']} test rows; compat {c['compat']}; MAUVE "
             f"{html.escape(str(mauve['status']))}{mauve_note}.{partial}{empty_note}</p>")
@@ -740,6 +740,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
                      ("MAUVE", *(str(r["metrics"]["mauve"]["status"])
                                  + (" (noisy: few answers)" if r["metrics"]["mauve"].get("note") else "")
+                                 + (" (featurizer: the model itself)" if r["metrics"]["mauve"].get("featurizer_note")
+                                    else "")
                                  for r in runs.values()))]
     models = differing_models(runs)
     settings_rows += [(f"model: {name}", *values) for name, values in models.items()]
