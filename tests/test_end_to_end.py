@@ -80,6 +80,25 @@ def test_demo_prepare_and_stats(demo_run):
     assert f"profile prompt (left out): {sample['system_is_profile_prompt']}</td>" in html
 
 
+def test_every_bucket_total_is_printed_inside_its_counts_panel(demo_run, tmp_path, monkeypatch):
+    """The stats report's records-per-bucket chart on the demo's counts, the longest bucket of each language
+    left without test rows (its last, zero-width bar sat at the panel's edge and cancelled the margin: the
+    total was drawn outside the axes, under the legend)."""
+    from polyalign.reports import plots
+
+    _, _, stats = demo_run
+    counts = {b: dict(c) for b, c in stats["counts"]["by_bucket"].items()}
+    for language in ("en", "zh"):
+        longest = max((b for b in counts if b.startswith(f"{language}|")), key=lambda b: counts[b]["total"])
+        counts[longest]["test"] = 0
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    plots.bucket_counts(counts, ["en", "zh"], tmp_path / "counts.png")
+    for ax in figures[0].axes:
+        totals = [float(text.get_position()[0]) for text in ax.texts]
+        assert totals and max(totals) <= 0.95 * ax.get_xlim()[1], (ax.get_title(), max(totals), ax.get_xlim())
+
+
 def test_authors_sample_labels_are_reproduced_with_v1(tmp_path):
     """The bundled half of the sample here; the next test checks both files from ../shared/data."""
     sample = DEMO_DATA / "en/polyalign-sample/dist_sft_val.json"

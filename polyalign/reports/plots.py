@@ -48,7 +48,9 @@ def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[s
         ax.invert_yaxis()
         ax.set_title(f"records per bucket ({lang})", fontsize=10, loc="left")
         ax.tick_params(axis="y", labelsize=8)
-        ax.margins(x=0.08)  # room for the total printed after the longest bar
+        # room for the total printed after the longest bar; set outright, since a split with no record ends
+        # in a zero-width bar at the longest total, whose sticky edge would cancel a margin
+        ax.set_xlim(0, max(max(left, default=0), 1) * 1.1)
         # beside the axes: a bar of any length, at any row, would run under a legend inside them
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return _save(fig, path)
