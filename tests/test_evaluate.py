@@ -810,3 +810,14 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
                                       "data": ["runs/r", "runs/r", "—"]}
     assert differing_models({"a": {"config": {"trained": bucket}}, "b": {"config": {"trained": uniform}}}) == {
         "method": ["sft", "sft"], "weighting": ["bucket", "uniform"]}
+
+
+def test_error_bars_draw_nothing_where_a_bucket_has_no_interval():
+    """A bucket too small for an interval gets no error bar and no cap; an interval that does not hold its
+    estimate shows the side that does."""
+    from polyalign.reports.evaluation import _error_bars
+
+    bars = _error_bars([0.5, 0.7, None, 0.9], [[0.4, 0.65], None, None, [0.95, 0.99]])
+    np.testing.assert_allclose(bars[:, 0], [0.1, 0.15])
+    assert np.isnan(bars[:, 1]).all() and np.isnan(bars[:, 2]).all()
+    np.testing.assert_allclose(bars[:, 3], [0.0, 0.09], atol=1e-12)

@@ -105,11 +105,11 @@ def _bucket_label(bucket: str, report: dict) -> str:
 
 
 def _error_bars(values: Sequence[float | None], intervals: Sequence[Sequence[float] | None]) -> np.ndarray:
-    """matplotlib's xerr (2 x n lengths below and above each value) from intervals; none where a value has
-    no interval. A percentile interval need not hold its estimate (few draws, or an AUC at a tie-heavy
-    edge): the bar then shows the side that does, not a negative length matplotlib refuses."""
-    lengths = [[v - (i or [v, v])[0], (i or [v, v])[1] - v] if v is not None else [0.0, 0.0]
-               for v, i in zip(values, intervals)]
+    """matplotlib's xerr (2 x n lengths below and above each value) from intervals; NaN where a value has
+    no interval (a bucket too small for one), which draws no bar and no cap (a zero length drew a cap, as
+    if the interval were exact). A percentile interval need not hold its estimate (few draws, or an AUC at a
+    tie-heavy edge): the bar then shows the side that does, not a negative length matplotlib refuses."""
+    lengths = [[v - i[0], i[1] - v] if v is not None and i else [np.nan, np.nan] for v, i in zip(values, intervals)]
     return np.clip(np.array(lengths, float).reshape(-1, 2).T, 0.0, None)
 
 
