@@ -796,9 +796,10 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
         return trained_with(predictions)
 
     bucket, uniform = trained_run("bucket_sft", "bucket"), trained_run("sft", "uniform")
+    # the preset the config still names is left out: the architecture was init's
     assert bucket == {"checkpoint": str(tmp_path / "bucket_sft" / "model"), "method": "sft", "weighting": "bucket",
-                      "steps": 300, "learning rate": 2e-5, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "preset": "tiny",
-                      "LoRA rank": 0, "data": "/runs/r"}
+                      "steps": 300, "learning rate": 2e-5, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "LoRA rank": 0,
+                      "data": "/runs/r"}
     external = tmp_path / "engine.jsonl"
     external.write_text('{"id": "a", "prediction": "b"}\n')
     assert trained_with(external) is None  # an external engine's predictions name no checkpoint
@@ -806,8 +807,7 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     assert differing_models(runs) == {"method": ["sft", "sft", "—"], "weighting": ["bucket", "uniform", "—"],
                                       "steps": ["300", "300", "—"], "learning rate": ["2e-05", "2e-05", "—"],
                                       "init": ["ckpt/Qwen2.5-0.5B-Instruct"] * 2 + ["—"],
-                                      "preset": ["tiny", "tiny", "—"], "LoRA rank": ["0", "0", "—"],
-                                      "data": ["runs/r", "runs/r", "—"]}
+                                      "LoRA rank": ["0", "0", "—"], "data": ["runs/r", "runs/r", "—"]}
     assert differing_models({"a": {"config": {"trained": bucket}}, "b": {"config": {"trained": uniform}}}) == {
         "method": ["sft", "sft"], "weighting": ["bucket", "uniform"]}
 

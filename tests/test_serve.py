@@ -332,6 +332,7 @@ def test_a_request_nobody_waits_for_gives_its_slot_back(checkpoint):
     ({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
      {"temperature": 0.7, "top_p": 0.8, "top_k": 20}),
     ({"temperature": 0.6, "top_k": 50, "repetition_penalty": 1.05}, {"temperature": 0.6, "top_p": 1.0, "top_k": 0}),
+    ({"do_sample": False}, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),  # polyalign's own export from a preset
 ])
 def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config(config, expected, checkpoint,
                                                                                  tmp_path):
@@ -367,8 +368,11 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
         say_checkpoint_sampling(folder, SamplingConfig(temperature=0.9), notes)  # sampling already: nothing to say
         if config is None:
             assert line == ("sampling: a request that sets none of temperature, top_p, top_k gets temperature 1, "
-                            "top_p 1, top_k 0: OpenAI's defaults (the checkpoint's generation_config.json sets none); "
-                            "send temperature 0 for greedy answers") and notes == []
+                            "top_p 1, top_k 0: OpenAI's defaults (the checkpoint's generation_config.json sets no "
+                            "temperature, top_p or top_k); send temperature 0 for greedy answers") and notes == []
+        elif "temperature" not in config:  # do_sample false: transformers decodes greedily, vLLM reads no such key
+            assert ("OpenAI's defaults, as vLLM's: the checkpoint's generation_config.json sets do_sample false, "
+                    "which transformers' generate() follows (greedy) and vLLM does not") in line and notes == []
         else:
             # top_k 50 is transformers' default, no setting; repetition_penalty is said, not applied
             given = {k: v for k, v in config.items() if k in ("temperature", "top_p", "top_k") and v != 50}
@@ -377,7 +381,9 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
             said = ", ".join(f"{k} {v:g}" for k, v in given.items())
             assert f"sets {said}, which vLLM takes too" in line
             flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())
+            unmatched = (" (its repetition_penalty 1.05, which vLLM applies, polyalign's sampler has no setting for)"
+                         if "repetition_penalty" in config else "")
             assert len(notes) == 1 and notes[0].endswith(f"these answers are greedy (--temperature 0, the default): "
-                                                         f"give {flags} to decode as they do")
+                                                         f"give {flags} to decode as they do{unmatched}")
     finally:
         service.loop.close()

@@ -433,6 +433,12 @@ def test_sft_on_an_unbuilt_run_names_the_build_command_that_works(tmp_path, caps
     (run / "tokenizer").mkdir()
     assert main(["train", "sft", "--out", str(tmp_path / "out"), f"data.dir={run}", f"init={init}"]) == 2
     assert f"missing; run `polyalign build '{run}'` (or the demo's build stage) first" in capsys.readouterr().err
+    # RUN/data given for RUN: named as prepare's folder, not a run to build (`polyalign build RUN/data` fails)
+    for name in ("manifest.json", "train.jsonl"):
+        (run / "data" / name).write_text("{}\n")
+    assert main(["train", "sft", "--out", str(tmp_path / "out"), f"data.dir={run / 'data'}", f"init={init}"]) == 2
+    assert (f"{run / 'data'}: this is prepare's output folder inside a run; give the run itself, data.dir={run}"
+            in capsys.readouterr().err)
 
 
 def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stage():

@@ -469,6 +469,8 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
             value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
             settings[name] = value
+    if settings.get("init"):  # the architecture is init's: a preset the config still names was not used
+        settings.pop("preset", None)
     return {"checkpoint": checkpoint, **settings}
 
 

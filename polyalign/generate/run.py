@@ -21,6 +21,7 @@ from polyalign.generate.sampling import (
     SamplingConfig,
     checkpoint_sampling,
     describe_sampling,
+    sampling_not_applied,
 )
 from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
@@ -138,9 +139,12 @@ def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[st
     theirs = checkpoint_sampling(checkpoint)
     if sampling.temperature == 0 and theirs.get("temperature", 0) > 0:
         flags = " ".join(f"--{key.replace('_', '-')} {value:g}" for key, value in theirs.items())
+        skipped = sampling_not_applied(checkpoint)
+        unmatched = (f" (its {describe_sampling(skipped, tuple(skipped))}, which vLLM applies, polyalign's sampler "
+                     "has no setting for)" if skipped else "")
         notes.append(f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(theirs)}: vLLM and "
                      f"`polyalign serve` sample with them for requests that set none; these answers are greedy "
-                     f"(--temperature 0, the default): give {flags} to decode as they do")
+                     f"(--temperature 0, the default): give {flags} to decode as they do{unmatched}")
 
 
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,

@@ -49,6 +49,16 @@ def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
     return found
 
 
+def checkpoint_greedy(checkpoint) -> bool:
+    """Whether the checkpoint's generation_config.json says `do_sample: false` (transformers decodes it
+    greedily; vLLM reads no such key)."""
+    path = Path(str(checkpoint)) / "generation_config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("do_sample") is False
+    except (OSError, ValueError, AttributeError):  # none, not JSON, or not an object: nothing said
+        return False
+
+
 def sampling_not_applied(checkpoint) -> dict[str, float]:
     """What else the checkpoint's generation_config.json sets that vLLM applies and polyalign cannot
     (Qwen2.5-Instruct's repetition_penalty 1.05): said, so that answers differing from vLLM's are explained."""

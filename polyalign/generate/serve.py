@@ -30,6 +30,7 @@ from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import (
     OPENAI_SAMPLING,
     SamplingConfig,
+    checkpoint_greedy,
     checkpoint_sampling,
     describe_sampling,
     sampling_not_applied,
@@ -426,9 +427,12 @@ def _check_port(host: str, port: int) -> None:
 def sampling_line(service: Service, checkpoint) -> str:
     """What a request that sets no temperature, top_p or top_k is decoded with, and where that comes from."""
     chosen = describe_sampling(service.sampling_defaults)
+    greedy_file = checkpoint_greedy(checkpoint)
     where = (f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(service.checkpoint_sampling)}"
              ", which vLLM takes too" if service.checkpoint_sampling else
-             "OpenAI's defaults (the checkpoint's generation_config.json sets none)")
+             "OpenAI's defaults, as vLLM's: the checkpoint's generation_config.json sets do_sample false, which "
+             "transformers' generate() follows (greedy) and vLLM does not" if greedy_file else
+             "OpenAI's defaults (the checkpoint's generation_config.json sets no temperature, top_p or top_k)")
     greedy = "; send temperature 0 for greedy answers" if service.sampling_defaults["temperature"] > 0 else ""
     skipped = sampling_not_applied(checkpoint)
     skipped = (f"; its {describe_sampling(skipped, tuple(skipped))} {'is' if len(skipped) == 1 else 'are'} not "
@@ -451,8 +455,8 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     if keys := PROFILE_MODE_KEYS.get(service.tokenizer.profile_mode or "none"):
         # the most common slip: a client that names no profile gets a prompt this model never read
         print(f"profile: name {', '.join(keys)} in each request's chat_template_kwargs; a request without them "
-              f"gets no profile prompt, which this model ({service.tokenizer.profile_mode} profile) read in every "
-              "training example", flush=True)
+              f"gets no profile prompt, which this model ({service.tokenizer.profile_mode} profile) was trained with "
+              "(its model card says in how many training examples)", flush=True)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # Ctrl-C, SIGTERM: running requests get STOP_ANSWER_S to finish

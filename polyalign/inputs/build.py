@@ -443,6 +443,12 @@ def read_manifest(run, init: str | None = None) -> dict[str, Any]:
     `init`: the checkpoint a run trains from, whose tokenizer the build command it suggests names when RUN
     has no tokenizer of its own (`polyalign build RUN` alone would look for RUN/tokenizer)."""
     path = as_path(run) / BUILD_DIR / "manifest.json"
+    if not path.is_file() and (as_path(run) / "manifest.json").is_file() and (as_path(run) / "train.jsonl").is_file():
+        # RUN/data given for RUN: prepare's output folder, whose parent is the run the build goes into
+        parent = as_path(run).parent
+        built = " (built there already)" if (parent / BUILD_DIR / "manifest.json").is_file() else ""
+        raise ConfigError(f"{run}: this is prepare's output folder inside a run; give the run itself, "
+                          f"data.dir={parent}{built}")
     if not path.is_file():
         own = (as_path(run) / "tokenizer").exists() or init is None
         command = shlex.join(["polyalign", "build", str(run), *([] if own else ["--tokenizer", str(init)])])

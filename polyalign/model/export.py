@@ -160,6 +160,18 @@ SYSTEM_MODE_CARD = {
 }
 
 
+PROFILE_COVERAGE = "profile prompt in training"  # the card row an SFT run fills from its build's counts
+
+
+def _profile_coverage(card: dict[str, Any]) -> str:
+    """How many training examples held the profile prompt, as the card's row says (an SFT run counts the
+    ones truncation cut it from); without the row, what every example was rendered with."""
+    said = card.get(PROFILE_COVERAGE)
+    if not said:
+        return "Every training example was rendered with the profile prompt (an example cut to fit may have lost it)"
+    return f"The profile prompt was {said}"
+
+
 def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, system: str = "keep",
                values: dict[str, list[str]] | None = None) -> str:
     """README.md: what the model was made from and how to prompt it."""
@@ -175,8 +187,8 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
     if keys:
         prompt += (". It refuses a profile named in part" + (", or with a value the training data did not hold (the "
                                                               "values it held are listed below)" if values else "")
-                   + ". Every training example had the profile prompt: without the variables the template writes "
-                   "none, a prompt this model never read. `track` is `multi` when the conversation has an earlier "
+                   + f". {_profile_coverage(card)}; without the variables the template writes none. `track` is "
+                   "`multi` when the conversation has an earlier "
                    "user or assistant turn and `single` for its first question (as polyalign labels conversations "
                    "unless a data source sets it); `family` is the kind of interaction (assistant, qa, dialogue) "
                    "and `style` the kind of answer, as the training data's buckets name them")
@@ -186,6 +198,18 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
             f"| chat template | {template.name} |\n| profile | {profile} |\n| system messages | {system} |\n\n"
             "## Prompt format\n\nThe model was "
             f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n{seen}")
+
+
+def profile_coverage(train: dict[str, Any], truncation: str) -> str | None:
+    """The card's words for a build's train split (RUN/build/manifest.json): in how many examples the profile
+    prompt stood whole, and how many lost its start to truncation."""
+    examples, cut = train.get("examples"), train.get("system_cut")
+    if not examples or cut is None:
+        return None
+    if not cut:
+        return f"whole in all {examples} training examples"
+    return (f"whole in {examples - cut} of {examples} training examples; {cut} lost its start to --truncation "
+            f"{truncation} (long conversations cut to fit), so the model also read conversations without it")
 
 
 def training_card(config: Any) -> dict[str, Any]:
@@ -208,10 +232,11 @@ def training_card(config: Any) -> dict[str, Any]:
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
                    template: ChatTemplate, profile: str, system: str = "keep",
-                   values: dict[str, list[str]] | None = None) -> dict[str, str]:
+                   values: dict[str, list[str]] | None = None, coverage: str | None = None) -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
-    weights W + (alpha / r) A B. `values`: the profile values the run's data held (seen_profile_values)."""
+    weights W + (alpha / r) A B. `values`: the profile values the run's data held (seen_profile_values);
+    `coverage`: how many training examples held the profile prompt whole (profile_coverage)."""
     written = {}
     if has_adapters(model):
         export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=training_card(config))
@@ -219,7 +244,8 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
-                      dtype=config.model.export_dtype or compute_dtype(config.model.dtype), card=training_card(config),
+                      dtype=config.model.export_dtype or compute_dtype(config.model.dtype),
+                      card={**training_card(config), **({PROFILE_COVERAGE: coverage} if coverage else {})},
                       base=config.init, system=system, values=values)
     return {"model": str(as_path(out) / "model"), **written}
 

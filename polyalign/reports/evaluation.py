@@ -775,7 +775,9 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
                if unequal else "")
     # what sets the models apart in training (the comparison's point, not a caution): said beside the settings
-    trained_apart = [f"{name} ({' | '.join(values)})" for name, values in models.items() if len(set(values)) > 1]
+    # settings two known models differ in ("—": a model polyalign did not train, or a setting it has not)
+    trained_apart = [f"{name} ({' | '.join(values)})" for name, values in models.items()
+                     if len(set(values) - {"—"}) > 1]
     if trained_apart:
         warning += f"<p>The models were trained with other {html.escape('; '.join(trained_apart))}.</p>"
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}

@@ -242,9 +242,11 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         # the values the data held, and those of the checkpoint trained on from (its own SFT data)
         values = seen_profile_values(options["profile"], manifest.get("train_profile_values"),
                                      tokenizer.profile_values)
+        coverage = export.profile_coverage(manifest["splits"]["train"], options.get("truncation", "left"))
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
                                         get_template(manifest["template"], tokenizer), options["profile"],
-                                        options.get("system", "keep"), values)  # builds before system modes: keep
+                                        options.get("system", "keep"), values,  # builds before system modes: keep
+                                        None if options["profile"] == "none" else coverage)
         return {**written, **check_export(written["model"], tokenizer, probe_texts(probe_records(run)))}
 
     return Job(model, objective, batches,
