@@ -550,17 +550,7 @@ def _add_generate(sub) -> None:
                         "what a real request reveals; oracle adds the gold length bin and must be labelled as such "
                         "in reports)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
-    p.add_argument("--max-new-tokens", type=_budget, default=128,
-                   help="most tokens per answer (default 128), or auto: each record's bucket's human length (the "
-                        "--budget-quantile of the bucket's answers in --budget-records, in this model's tokens, times "
-                        "--budget-margin; at most --budget-ceiling)")
-    p.add_argument("--budget-records", type=Path,
-                   help="with --max-new-tokens auto: the records whose human answers set each bucket's budget "
-                        "(default: train.jsonl beside --records, e.g. RUN/data/train.jsonl)")
-    p.add_argument("--budget-quantile", type=float, default=0.99, help="with auto: the length quantile (default 0.99)")
-    p.add_argument("--budget-margin", type=float, default=1.2, help="with auto: times this (default 1.2)")
-    p.add_argument("--budget-ceiling", type=int, default=1024, help="with auto: the most tokens of any bucket "
-                                                                    "(default 1024)")
+    _budget_options(p, 128, "most tokens per answer (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
                                                            "holding this probability (default 1.0, no cut)")
@@ -575,6 +565,41 @@ def _add_generate(sub) -> None:
                                                             "(or not by polyalign)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_generate)
+
+
+def _budget_options(parser, default: int | None, what: str) -> None:
+    """--max-new-tokens and the per-bucket budget options of `auto`, as generate and prompts take them."""
+    parser.add_argument("--max-new-tokens", type=_budget, default=default,
+                        help=f"{what}, or auto: each record's bucket's human length (the --budget-quantile of the "
+                             "bucket's answers in --budget-records, in this model's tokens, times --budget-margin; at "
+                             "most --budget-ceiling)")
+    parser.add_argument("--budget-records", type=Path,
+                        help="with --max-new-tokens auto: the records whose human answers set each bucket's budget "
+                             "(default: train.jsonl beside --records, e.g. RUN/data/train.jsonl)")
+    parser.add_argument("--budget-quantile", type=float, default=0.99,
+                        help="with auto: the length quantile (default 0.99)")
+    parser.add_argument("--budget-margin", type=float, default=1.2, help="with auto: times this (default 1.2)")
+    parser.add_argument("--budget-ceiling", type=int, default=1024,
+                        help="with auto: the most tokens of any bucket (default 1024)")
+
+
+def _budget_records(args) -> Path | None:
+    """With --max-new-tokens auto, the records whose answers set the budgets (checked to exist); otherwise
+    None, and the budget options refused, since only auto reads them."""
+    if args.max_new_tokens != "auto":
+        given = [option for option, value, default in (("--budget-records", args.budget_records, None),
+                                                        ("--budget-quantile", args.budget_quantile, 0.99),
+                                                        ("--budget-margin", args.budget_margin, 1.2),
+                                                        ("--budget-ceiling", args.budget_ceiling, 1024))
+                 if value != default]
+        if given:
+            raise GenerationError(f"{', '.join(given)}: budgets by bucket, which only --max-new-tokens auto sets")
+        return None
+    budget_records = args.budget_records or args.records.parent / "train.jsonl"
+    if not budget_records.is_file():
+        raise GenerationError(f"--max-new-tokens auto: {budget_records} does not exist; name the records whose "
+                              "human answers set the budgets with --budget-records (e.g. RUN/data/train.jsonl)")
+    return budget_records
 
 
 def _dtype_option(parser, what: str) -> None:
@@ -592,20 +617,7 @@ def _run_generate(args) -> int:
     )
 
     auto = args.max_new_tokens == "auto"
-    budget_records = None
-    if not auto:
-        given = [option for option, value, default in (("--budget-records", args.budget_records, None),
-                                                        ("--budget-quantile", args.budget_quantile, 0.99),
-                                                        ("--budget-margin", args.budget_margin, 1.2),
-                                                        ("--budget-ceiling", args.budget_ceiling, 1024))
-                 if value != default]
-        if given:
-            raise GenerationError(f"{', '.join(given)}: budgets by bucket, which only --max-new-tokens auto sets")
-    if auto:
-        budget_records = args.budget_records or args.records.parent / "train.jsonl"
-        if not budget_records.is_file():
-            raise GenerationError(f"--max-new-tokens auto: {budget_records} does not exist; name the records whose "
-                                  "human answers set the budgets with --budget-records (e.g. RUN/data/train.jsonl)")
+    budget_records = _budget_records(args)
     options = GenerateOptions(profile=args.profile, template=args.template,
                               sampling=SamplingConfig(args.budget_ceiling if auto else args.max_new_tokens,
                                                       args.temperature, args.top_p, args.top_k),
@@ -711,6 +723,8 @@ def _add_prompts(sub) -> None:
                    help="cut prompts as `polyalign generate --max-prompt-tokens N` does (its default 512): each row "
                         "gains prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt), and a longer "
                         "conversation's messages lose their oldest whole turns (default: whole prompts)")
+    _budget_options(p, None, "each row's max_tokens, as `polyalign generate --max-new-tokens` budgets its answer "
+                             "(default: none in the rows)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")
     p.set_defaults(handler=_run_prompts)
 
@@ -720,7 +734,10 @@ def _run_prompts(args) -> int:
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
                             limit=args.limit, sample=args.sample, seed=args.seed,
-                            max_prompt_tokens=args.max_prompt_tokens, overwrite=args.overwrite)
+                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                            budget_records=_budget_records(args), budget_quantile=args.budget_quantile,
+                            budget_margin=args.budget_margin, budget_ceiling=args.budget_ceiling,
+                            overwrite=args.overwrite)
     for note in summary["notes"]:
         print(note)
     print(f"{summary['records']} prompts rendered with the {summary['template']} template, profile "
@@ -733,6 +750,9 @@ def _run_prompts(args) -> int:
         print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
               f"{args.max_prompt_tokens}: prompt_token_ids keep their end as generate does, and "
               f"{summary['messages_turns_dropped']} rows' messages lost their oldest whole turns{lost}{over}")
+    if budgets := summary.get("budgets"):
+        print(f"max_tokens by bucket ({len(budgets)} buckets of {summary['budget_records']}): "
+              f"{min(budgets.values())}-{max(budgets.values())} tokens, as generate --max-new-tokens auto budgets them")
     print(f"prompts: {args.out}")
     return 0
 
@@ -954,6 +974,9 @@ NUMBER_TYPES = (int, float, _budget)
 # Every numeric option of every subcommand and the values it admits, checked after parsing and before the
 # stage runs: an out-of-range value (zero and negative ones included, NaN and infinities never) is one line
 # naming the option. tests/test_faults.py walks the parser so that no numeric option is missing here.
+# --max-new-tokens and the budgets of its `auto`, as generate and prompts take them (_budget_options)
+BUDGET_RANGES = {"--max-new-tokens": COUNT, "--budget-quantile": Range(0.0, 1.0, low_open=True),
+                 "--budget-margin": Range(0.0, low_open=True), "--budget-ceiling": COUNT}
 NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "prepare": {"--num-shards": COUNT},
     "tokenizer train": {
@@ -962,13 +985,11 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
-    "generate": {"--max-new-tokens": COUNT, "--temperature": Range(0.0),
-                 "--budget-quantile": Range(0.0, 1.0, low_open=True), "--budget-margin": Range(0.0, low_open=True),
-                 "--budget-ceiling": COUNT,
+    "generate": {"--temperature": Range(0.0), **BUDGET_RANGES,
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},
-    "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT},
+    "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT, **BUDGET_RANGES},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},

@@ -218,6 +218,23 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
     summary = json.loads((tmp_path / "prompts.manifest.json").read_text())["summary"]
     assert (summary["prompts_cut"], summary["messages_turns_dropped"], summary["messages_over_budget"]) == (
         cut, dropped, over)
+    assert all("max_tokens" not in row for row in rows)  # no answer budget asked for: none written
+    # each answer's budget as generate gives it: one number, or its bucket's from the train answers (auto)
+    from polyalign.generate.budgets import bucket_budgets
+
+    code, out, _ = cli(capsys, "prompts", "--records", source, "--checkpoint", checkpoint, "--out",
+                       tmp_path / "fixed.jsonl", "--max-new-tokens", 64)
+    assert code == 0 and {json.loads(line)["max_tokens"] for line in (tmp_path / "fixed.jsonl").open()} == {64}
+    train = run / "data" / "train.jsonl"
+    code, out, _ = cli(capsys, "prompts", "--records", source, "--checkpoint", checkpoint, "--out",
+                       tmp_path / "auto.jsonl", "--max-new-tokens", "auto", "--budget-records", train)
+    budgets = bucket_budgets(read_records(train), tokenizer.encode)
+    auto = [json.loads(line) for line in (tmp_path / "auto.jsonl").open()]
+    assert code == 0 and [row["max_tokens"] for row in auto] == [budgets(r.bucket_id) for r in records]
+    assert len({row["max_tokens"] for row in auto}) > 1 and "max_tokens by bucket (" in out
+    code, _, err = cli(capsys, "prompts", "--records", source, "--checkpoint", checkpoint, "--out",
+                       tmp_path / "x.jsonl", "--budget-margin", 2)
+    assert code == 2 and "--budget-margin: budgets by bucket, which only --max-new-tokens auto sets" in err
 
 
 def test_val_fraction_holds_out_whole_prompts_with_distinct_ids(demo_run, tmp_path, capsys):

@@ -9,6 +9,8 @@ given raw text. Either way the answers, as rows {"id", "prediction"}, feed `poly
 With a token budget (`--max-prompt-tokens`, as `polyalign generate` cuts its prompts) each row also
 holds `prompt_token_ids`, the very ids `generate` would feed (vLLM's TokensPrompt), and a long
 conversation's `messages` and `prompt` lose their oldest whole turns until they fit (chat.fit_messages).
+With `--max-new-tokens N|auto` each row holds `max_tokens`, the answer budget `generate` would give it
+(auto: its bucket's, from the human answers of the budget records).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from polyalign.core.errors import GenerationError
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
 from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
+from polyalign.generate.budgets import bucket_budgets
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
 from polyalign.tokens.chat import (
@@ -40,7 +43,11 @@ from polyalign.tokens.tokenizer import load_tokenizer
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
-                  max_prompt_tokens: int | None = None, overwrite: bool = False) -> dict[str, Any]:
+                  max_prompt_tokens: int | None = None, max_new_tokens: int | str | None = None,
+                  budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
+                  budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
+    """`max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from the answers of
+    `budget_records`, as `generate --max-new-tokens auto` sets it); None writes none."""
     if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
@@ -48,7 +55,11 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 "template": template, "limit": limit,
                 # only when sampled, so that prompts written before --sample existed keep their settings
                 **({"sample": sample, "seed": seed} if sample is not None else {}),
-                **({"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens is not None else {})}
+                **({"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens is not None else {}),
+                **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}),
+                **({"budget_records": str(Path(budget_records).resolve()), "budget_quantile": budget_quantile,
+                    "budget_margin": budget_margin, "budget_ceiling": budget_ceiling}
+                   if max_new_tokens == "auto" else {})}
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
         tokenizer = load_tokenizer(checkpoint)
@@ -57,6 +68,10 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)
         chat = get_template(name, tokenizer)
+        budgets = None
+        if max_new_tokens == "auto":
+            budgets = bucket_budgets(read_records(budget_records), tokenizer.encode, budget_quantile, budget_margin,
+                                     ceiling=budget_ceiling)
         cut = Counter()
         with out.open("w", encoding="utf-8") as handle:
             for record in records:
@@ -72,6 +87,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 sent = messages if chat.takes_system else [m for _, m in fold_system(messages)]
                 row.update(messages=[{"role": m.role, "content": m.content} for m in sent],
                            prompt=chat.render(messages, add_generation_prompt=True))
+                if max_new_tokens is not None:  # the answer's budget, as generate gives it (vLLM's max_tokens)
+                    row["max_tokens"] = budgets(record.bucket_id) if budgets is not None else max_new_tokens
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
         summary = {"records": len(records), "template": name, "profile": profile, "system": tokenizer.system_mode,
                    "stop": list(chat.stop_tokens()), "out": str(out), "notes": notes,
@@ -80,6 +97,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                    # messages stay over it (with only the opening system message and the last question left)
                    **({"max_prompt_tokens": max_prompt_tokens, "prompts_cut": cut["cut"],
                        "prompts_cut_system_lost": cut["system_lost"], "messages_turns_dropped": cut["turns_dropped"],
-                       "messages_over_budget": cut["over"]} if max_prompt_tokens is not None else {})}
+                       "messages_over_budget": cut["over"]} if max_prompt_tokens is not None else {}),
+                   **({"budgets": budgets.by_bucket, "budget_fallback": budgets.fallback,
+                       "budget_records": str(budget_records)} if budgets is not None else {})}
         write_record(sidecar(out), settings, {"records": file_digest(records_path)}, summary=summary)
     return summary
