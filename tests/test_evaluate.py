@@ -759,7 +759,7 @@ def test_per_bucket_comparison_charts_mark_the_human_floor_missing_numbers_and_r
     bars = [c for c in figures[1].axes[0].containers if hasattr(c, "errorbar")]
     assert bars[1].errorbar is None
     segments = [s.tolist() for s in bars[0].errorbar.lines[2][0].get_segments()]
-    assert segments == [[[0.4, 0.0], [0.6, 0.0]], [[0.0, 1.0], [0.0, 1.0]]]  # y|long: no interval, no length
+    assert segments == [[[0.4, 0.0], [0.6, 0.0]], []]  # y|long: no interval, no bar and no cap
     close(figures[1])
 
 

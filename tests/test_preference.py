@@ -511,7 +511,7 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     SimPO needs no reference pass (its rewards are beta x the policy's own log-probs)."""
     from polyalign.cli import main
     from polyalign.train.metrics import read_metrics
-    from tests.test_tokenizer_check import stand_in_transformers
+    from tests.transformers_stand_in import stand_in_transformers
 
     # transformers stood in for: reading as polyalign does (kto), or lowercasing (simpo), which the export's check finds
     monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(False, lowercase=method == "simpo"))

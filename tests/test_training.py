@@ -267,7 +267,7 @@ def test_adaptive_weights_resume_exactly(built_run, tmp_path):
 
 
 def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
-    from tests.test_tokenizer_check import stand_in_transformers
+    from tests.transformers_stand_in import stand_in_transformers
 
     # transformers (dev-only) stood in for: the export's tokenizer check reads OUT/model as it would
     monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(split_digits=False))
@@ -375,8 +375,9 @@ def test_a_checkpoint_restores_onto_a_different_mesh(built_run, adaptive_four_de
     assert "trained to step 6 (3 steps this run)" in output  # the summary's time is the resumed run's
     # what the run is about to do, before it does it: on the new mesh
     assert ("polyalign: training sft for 6 steps, global batch 8 in 1 micro-batch, on 4 cpu devices (data 1, fsdp 2, "
-            "tensor 2); learning rate 3.0e-03, 1 warmup step, cosine to 3.0e-04; from scratch (model.preset "
-            f"{TINY_MODEL}) -> {tmp_path / 'moved'}") in output
+            "tensor 2); learning rate 3.0e-03, 1 warmup step, cosine to 3.0e-04; resuming at step 3 (OUT/checkpoints) "
+            f"of a run that started from scratch (model.preset {TINY_MODEL}) -> {tmp_path / 'moved'}") in output
+    assert "note: the run's length changed" not in output  # stopped by train.stop_at: the same 6-step schedule
     straight, moved = read_metrics(adaptive_four_device_run), read_metrics(tmp_path / "moved")
     assert [r["step"] for r in moved] == list(range(1, 7))
     print(f"\nmesh (4,1,1) -> (1,2,2) resume: max |dloss| "
