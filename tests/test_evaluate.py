@@ -803,6 +803,11 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     external = tmp_path / "engine.jsonl"
     external.write_text('{"id": "a", "prediction": "b"}\n')
     assert trained_with(external) is None  # an external engine's predictions name no checkpoint
+    # a checkpoint in a folder whose config.json is not a training run's (a model zoo's, say): no settings read
+    (tmp_path / "zoo" / "qwen").mkdir(parents=True)
+    (tmp_path / "zoo" / "config.json").write_text(json.dumps({"model_type": "qwen2", "train": {"steps": 1}}))
+    sidecar(external).write_text(json.dumps({"settings": {"checkpoint": str(tmp_path / "zoo" / "qwen")}}))
+    assert trained_with(external) == {"checkpoint": str(tmp_path / "zoo" / "qwen")}
     runs = {name: {"config": {"trained": t}} for name, t in (("a", bucket), ("b", uniform), ("c", None))}
     assert differing_models(runs) == {"method": ["sft", "sft", "—"], "weighting": ["bucket", "uniform", "—"],
                                       "steps": ["300", "300", "—"], "learning rate": ["2e-05", "2e-05", "—"],

@@ -247,8 +247,9 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
     if floored:
         floor_macro = float(np.mean([by_bucket[b]["auc_floor"] for b in floored]))
         # the macro of each halving, over the buckets it holds: how far one halving's floor would have moved
-        by_halving = np.nanmean(np.stack([draws[b]["floor_halvings"] for b in floored]), axis=0)
-        by_halving = by_halving[np.isfinite(by_halving)]
+        stacked_halvings = np.stack([draws[b]["floor_halvings"] for b in floored])
+        by_halving = np.array([column[np.isfinite(column)].mean() for column in stacked_halvings.T
+                               if np.isfinite(column).any()])
         # the gap over the buckets the floor has (a one-answer bucket has none): the same buckets on both sides
         macro_floored = float(np.mean([by_bucket[b]["auc"] for b in floored]))
         summary |= {"floor_macro": floor_macro, "floor_buckets": len(floored), "macro_floored": macro_floored,

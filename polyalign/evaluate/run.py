@@ -462,6 +462,8 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
         config = json.loads((Path(checkpoint).parent / "config.json").read_text())
     except (OSError, ValueError):  # a base checkpoint (no training run around it), or one moved since
         return {"checkpoint": checkpoint}
+    if not isinstance(config, dict) or "method" not in config:  # a config.json beside it, not a training run's
+        return {"checkpoint": checkpoint}
     settings = {}
     for name, keys in TRAINING_SETTINGS:
         value = config
