@@ -344,10 +344,17 @@ FEATURIZER_IS_MODEL = ("the featurizer is the model whose answers are measured: 
                        "separate, larger featurizer would not; give another checkpoint as --featurizer")
 
 
-def featurizer_is_the_model(featurizer, predictions_path: Path) -> bool:
-    """Whether --featurizer is the checkpoint that wrote the predictions (their manifest names it)."""
+def predictions_checkpoint(predictions_path: Path) -> str | None:
+    """The checkpoint `polyalign generate` wrote the predictions with (their manifest names it); None for an
+    external engine's."""
     checkpoint = ((read_record(predictions_path) or {}).get("settings") or {}).get("checkpoint")
-    return isinstance(checkpoint, str) and not is_uri(str(featurizer)) and same_path(featurizer, checkpoint)
+    return checkpoint if isinstance(checkpoint, str) else None
+
+
+def featurizer_is_the_model(featurizer, predictions_path: Path) -> bool:
+    """Whether --featurizer is the checkpoint that wrote the predictions."""
+    checkpoint = predictions_checkpoint(predictions_path)
+    return checkpoint is not None and not is_uri(str(featurizer)) and same_path(featurizer, checkpoint)
 
 
 def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:
@@ -454,9 +461,8 @@ TRAINING_SETTINGS = (("method", ("method",)), ("weighting", ("weighting",)), ("s
 def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     """The model the predictions came from and how it was trained, where `polyalign generate` wrote them
     from a training run's OUT/model; None for an external engine's predictions or another checkpoint."""
-    record = read_record(predictions_path) or {}
-    checkpoint = (record.get("settings") or {}).get("checkpoint")
-    if not isinstance(checkpoint, str):
+    checkpoint = predictions_checkpoint(predictions_path)
+    if checkpoint is None:
         return None
     try:
         config = json.loads((Path(checkpoint).parent / "config.json").read_text())

@@ -52,11 +52,7 @@ def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
 def checkpoint_greedy(checkpoint) -> bool:
     """Whether the checkpoint's generation_config.json says `do_sample: false` (transformers decodes it
     greedily; vLLM reads no such key)."""
-    path = Path(str(checkpoint)) / "generation_config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8")).get("do_sample") is False
-    except (OSError, ValueError, AttributeError):  # none, not JSON, or not an object: nothing said
-        return False
+    return _generation_config(checkpoint).get("do_sample") is False
 
 
 def sampling_not_applied(checkpoint) -> dict[str, float]:
@@ -66,15 +62,20 @@ def sampling_not_applied(checkpoint) -> dict[str, float]:
 
 
 def _numbers(checkpoint, keys) -> dict[str, float | int]:
-    path = Path(str(checkpoint)) / "generation_config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none, or not JSON: transformers and vLLM fall back to their defaults too
-        return {}
-    if not isinstance(config, dict):
-        return {}
+    """The numeric settings among `keys` the checkpoint's generation_config.json holds."""
+    config = _generation_config(checkpoint)
     return {key: config[key] for key in keys
             if isinstance(config.get(key), int | float) and not isinstance(config.get(key), bool)}
+
+
+def _generation_config(checkpoint) -> dict:
+    """A checkpoint's generation_config.json as read for serving: {} where there is none, or none that reads
+    as a JSON object (transformers and vLLM then fall back to their own defaults too)."""
+    try:
+        config = json.loads((Path(str(checkpoint)) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def describe_sampling(settings: dict[str, float | int], keys=tuple(OPENAI_SAMPLING)) -> str:
