@@ -555,6 +555,17 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
                                                            "holding this probability (default 1.0, no cut)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0, no cut)")
+    p.add_argument("--min-p", type=float, default=0.0, help="sample among the tokens at least this share as likely "
+                                                           "as the likeliest (default 0, no cut)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the positive logits of tokens in the prompt or the answer so far by this, multiply "
+                        "the negative ones (as transformers and vLLM; Qwen2.5-Instruct's generation_config sets "
+                        "1.05; default 1, none; applies to greedy decoding too)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of each token the answer holds (OpenAI's, -2 to 2; default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times the number of times the answer holds a token (OpenAI's, -2 to 2; "
+                        "default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded at once (default 16)")
     _dtype_option(p, "the model")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end (default 512)")
@@ -620,7 +631,9 @@ def _run_generate(args) -> int:
     budget_records = _budget_records(args)
     options = GenerateOptions(profile=args.profile, template=args.template,
                               sampling=SamplingConfig(args.budget_ceiling if auto else args.max_new_tokens,
-                                                      args.temperature, args.top_p, args.top_k),
+                                                      args.temperature, args.top_p, args.top_k, args.min_p,
+                                                      args.repetition_penalty, args.presence_penalty,
+                                                      args.frequency_penalty),
                               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
                               sample=args.sample, seed=args.seed,
                               budget_records=None if budget_records is None else str(budget_records.resolve()),
@@ -985,7 +998,9 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
-    "generate": {"--temperature": Range(0.0), **BUDGET_RANGES,
+    "generate": {"--temperature": Range(0.0), **BUDGET_RANGES, "--min-p": Range(0.0, 1.0),
+                 "--repetition-penalty": Range(0.0, low_open=True), "--presence-penalty": Range(-2.0, 2.0),
+                 "--frequency-penalty": Range(-2.0, 2.0),
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--seed": SEED},

@@ -157,6 +157,21 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
                  "--no-progress"]) == 0
     assert json.loads((tmp_path / "half.manifest.json").read_text())["settings"]["dtype"] == "bfloat16"
     assert len((tmp_path / "half.jsonl").read_text().splitlines()) == 4
+    # penalties: recorded when asked for (so earlier versions' manifests still match), and they are applied
+    assert "repetition_penalty" not in record["settings"]["sampling"]
+    penalised = tmp_path / "penalised.jsonl"
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(penalised), "--limit", "12", "--max-new-tokens", "6", "--batch-size", "5",
+                 "--repetition-penalty", "1.8", "--frequency-penalty", "1", "--no-progress"]) == 0
+    sampling = json.loads((tmp_path / "penalised.manifest.json").read_text())["settings"]["sampling"]
+    assert (sampling["repetition_penalty"], sampling["frequency_penalty"]) == (1.8, 1.0)
+    assert "presence_penalty" not in sampling
+    assert [json.loads(line)["prediction"] for line in penalised.read_text().splitlines()] != [
+        r["prediction"] for r in rows]
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(penalised), "--presence-penalty", "3"]) == 2
+    assert "--presence-penalty must be in [-2, 2], got 3" in capsys.readouterr().err
     # a misspelled checkpoint folder is named as missing, not as a folder without config.json
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path / "cktp"), "--records", str(run / "data" / "test.jsonl"),

@@ -327,18 +327,23 @@ def test_a_request_nobody_waits_for_gives_its_slot_back(checkpoint):
         loop.close()
 
 
+OPENAI = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 @pytest.mark.parametrize("config, expected", [
-    (None, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),  # OpenAI's defaults
+    (None, OPENAI),  # OpenAI's defaults
     ({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
-     {"temperature": 0.7, "top_p": 0.8, "top_k": 20}),
-    ({"temperature": 0.6, "top_k": 50, "repetition_penalty": 1.05}, {"temperature": 0.6, "top_p": 1.0, "top_k": 0}),
-    ({"do_sample": False}, {"temperature": 1.0, "top_p": 1.0, "top_k": 0}),  # polyalign's own export from a preset
+     {**OPENAI, "temperature": 0.7, "top_p": 0.8, "top_k": 20}),
+    ({"temperature": 0.6, "top_k": 50, "min_p": 0.05, "repetition_penalty": 1.05},
+     {**OPENAI, "temperature": 0.6, "repetition_penalty": 1.05, "min_p": 0.05}),
+    ({"do_sample": False}, OPENAI),  # polyalign's own export from a preset
 ])
 def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config(config, expected, checkpoint,
                                                                                  tmp_path):
-    """As vLLM's server does (generation_config auto): unset temperature, top_p, top_k come from the
-    checkpoint's generation_config.json, else OpenAI's defaults; what the request sets wins, key by key.
-    `generate` stays greedy by default and says when the checkpoint's settings sample."""
+    """As vLLM's server does (generation_config auto): unset temperature, top_p, top_k, min_p and
+    repetition_penalty come from the checkpoint's generation_config.json, else OpenAI's defaults; what the
+    request sets wins, key by key. `generate` stays greedy by default and says when the checkpoint's
+    settings sample."""
     import shutil
 
     from polyalign.generate.run import say_checkpoint_sampling
@@ -356,12 +361,17 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
     def sampling(**fields):
         body = chat_request.model_validate({"messages": messages, "max_tokens": 4, **fields})
         config, _ = service._sampling(body, [5, 6, 7])
-        return {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k}
+        assert (config.presence_penalty, config.frequency_penalty) == (fields.get("presence_penalty", 0.0),
+                                                                     fields.get("frequency_penalty", 0.0))
+        return {key: getattr(config, key) for key in OPENAI}
 
     try:
         assert sampling() == expected
         assert sampling(temperature=0) == {**expected, "temperature": 0}
         assert sampling(top_p=0.5, top_k=3) == {**expected, "top_p": 0.5, "top_k": 3}
+        assert sampling(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.25) == {
+            **expected, "repetition_penalty": 1.2}
+        assert sampling(min_p=0.0) == {**expected, "min_p": 0.0}
         line = sampling_line(service, folder)
         notes = []
         say_checkpoint_sampling(folder, SamplingConfig(temperature=0.0), notes)
@@ -374,16 +384,13 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
             assert ("OpenAI's defaults, as vLLM's: the checkpoint's generation_config.json sets do_sample false, "
                     "which transformers' generate() follows (greedy) and vLLM does not") in line and notes == []
         else:
-            # top_k 50 is transformers' default, no setting; repetition_penalty is said, not applied
-            given = {k: v for k, v in config.items() if k in ("temperature", "top_p", "top_k") and v != 50}
-            assert line.endswith("; its repetition_penalty 1.05 is not applied (polyalign's sampler has no such "
-                                 "setting; vLLM applies it)") == ("repetition_penalty" in config)
+            # top_k 50 is transformers' default, no setting; repetition_penalty and min_p are applied too
+            given = {k: v for k, v in config.items() if k in OPENAI and v != 50}
             said = ", ".join(f"{k} {v:g}" for k, v in given.items())
             assert f"sets {said}, which vLLM takes too" in line
+            assert f"gets {said.replace('temperature 0.6', 'temperature 0.6, top_p 1, top_k 0')}:" in line
             flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())
-            unmatched = (" (its repetition_penalty 1.05, which vLLM applies, polyalign's sampler has no setting for)"
-                         if "repetition_penalty" in config else "")
             assert len(notes) == 1 and notes[0].endswith(f"these answers are greedy (--temperature 0, the default): "
-                                                         f"give {flags} to decode as they do{unmatched}")
+                                                         f"give {flags} to decode as they do")
     finally:
         service.loop.close()

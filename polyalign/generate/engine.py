@@ -33,7 +33,14 @@ import numpy as np
 from flax import nnx
 
 from polyalign.core.errors import GenerationError
-from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig, nucleus_mask
+from polyalign.generate.sampling import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SamplingConfig,
+    apply_penalties,
+    min_p_mask,
+    nucleus_mask,
+)
 from polyalign.mesh import parallel
 from polyalign.model.lora import merge_adapters
 from polyalign.model.paged_cache import NULL_PAGE, PagedKVCache
@@ -100,14 +107,17 @@ def request_seed(key: str, seed: int = 0) -> int:
 # --- the compiled programs --------------------------------------------------------------------------
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                top_k: jax.Array) -> jax.Array:
+                top_k: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
     """Next tokens [B] from float32 logits [B, V] with each row's own settings: greedy where the
-    temperature is 0, else top-k (0 = none) and top-p (sampling.nucleus_mask), then a categorical draw
-    with the row's key. Skips the filtering when every row is greedy."""
+    temperature is 0, else min-p (0 = none), then top-k (0 = none) and top-p (sampling.nucleus_mask) over
+    what min-p kept, as vLLM orders them, then a categorical draw with the row's key. Skips the
+    filtering when every row is greedy."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        if min_p is not None:
+            scaled = jnp.where(min_p_mask(scaled, min_p), scaled, -jnp.inf)
         keep = nucleus_mask(scaled, top_k, top_p)
         drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
@@ -128,41 +138,61 @@ def _prefill(state, pool, page_table, ids, positions, store, *, graphdef):
     return cache.pool
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "stop_ids", "replicated"), donate_argnames=("pool",))
-def _decode(state, pool, page_table, slots, refill, *, graphdef, steps: int, stop_ids: tuple[int, ...], replicated):
+@functools.partial(jax.jit, donate_argnames=("history",))
+def _reset_history(history, rows, prompts, valid):
+    """Clears the penalty history of slots `rows` [S] and marks their prompts' tokens (prompts [S, P] with
+    valid [S, P]) as seen: a new request's repetition penalty covers its prompt."""
+    counts, seen = history
+    vocab = seen.shape[1]
+    seen = seen & ~rows[:, None]
+    columns = jnp.where(valid & rows[:, None], prompts, vocab)  # out of range: dropped
+    seen = seen.at[jnp.arange(seen.shape[0])[:, None], columns].set(True, mode="drop")
+    return jnp.where(rows[:, None], 0, counts), seen
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "stop_ids", "replicated"),
+                   donate_argnames=("pool", "history"))
+def _decode(state, pool, history, page_table, slots, refill, *, graphdef, steps: int, stop_ids: tuple[int, ...],
+            replicated):
     """Up to `steps` decoding steps of every live slot; with `refill` (requests are waiting) it returns
     as soon as a sequence finishes, so that its slot takes the next one. `slots` holds per-slot arrays
     [S]: token (the next input), position, count (tokens made so far), budget, seed, sample,
-    temperature, top_p, top_k, live. Returns the pool, the updated slots and the tokens made
-    [steps, S] with a mask of which are real."""
+    temperature, top_p, top_k, min_p, the penalties, live; `history` the penalties' memory of each slot:
+    how often its answer holds each token [S, V] and which tokens its prompt holds [S, V]. Returns the
+    pool, the history, the updated slots and the tokens made [steps, S] with a mask of which are real."""
     model = nnx.merge(graphdef, state)
     stop = jnp.asarray(stop_ids, jnp.int32)
     base = jax.random.key(0)
     batch = slots["live"].shape[0]
+    penalised = (slots["repetition"] != 1) | (slots["presence"] != 0) | (slots["frequency"] != 0)
 
     def step(carry):
-        index, pool, slots, tokens, made, _ = carry
+        index, pool, (counts, seen), slots, tokens, made, _ = carry
         live = slots["live"]
         cache = PagedKVCache.for_tokens(pool, page_table, slots["position"][:, None], live[:, None])
         logits, cache = model.decode_paged(slots["token"][:, None], slots["position"][:, None], cache)
+        logits = jax.lax.cond(jnp.any(live & penalised), lambda x: apply_penalties(
+            x, seen, counts, slots["repetition"], slots["presence"], slots["frequency"]), lambda x: x, logits[:, 0])
         keys = jax.vmap(lambda s, j, c: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, s), j), c))(
             slots["seed"], slots["sample"], slots["count"])
-        new = sample_rows(logits[:, 0], keys, slots["temperature"], slots["top_p"], slots["top_k"])
+        new = sample_rows(logits, keys, slots["temperature"], slots["top_p"], slots["top_k"], slots["min_p"])
+        counts = counts.at[jnp.arange(batch), new].add(live.astype(counts.dtype))
         count = slots["count"] + live
         finished = live & (jnp.isin(new, stop) | (count >= slots["budget"]))
         # a slot waiting for its prefill keeps its first input (the prompt's last token)
         slots = {**slots, "token": jnp.where(live, new, slots["token"]), "position": slots["position"] + live,
                  "count": count, "live": live & ~finished}
-        return index + 1, cache.pool, slots, tokens.at[index].set(new), made.at[index].set(live), finished.any()
+        return (index + 1, cache.pool, (counts, seen), slots, tokens.at[index].set(new), made.at[index].set(live),
+                finished.any())
 
     def running(carry):
-        index, _, slots, _, _, finished = carry
+        index, _, _, slots, _, _, finished = carry
         return (index < steps) & slots["live"].any() & ~(refill & finished)
 
-    carry = (jnp.int32(0), pool, slots, jnp.zeros((steps, batch), jnp.int32), jnp.zeros((steps, batch), bool),
-             jnp.bool_(False))
-    _, pool, slots, tokens, made, _ = jax.lax.while_loop(running, step, carry)
-    return pool, _replicated((slots, tokens, made), replicated)
+    carry = (jnp.int32(0), pool, history, slots, jnp.zeros((steps, batch), jnp.int32),
+             jnp.zeros((steps, batch), bool), jnp.bool_(False))
+    _, pool, history, slots, tokens, made, _ = jax.lax.while_loop(running, step, carry)
+    return pool, history, _replicated((slots, tokens, made), replicated)
 
 
 # --- the scheduler ----------------------------------------------------------------------------------
@@ -191,7 +221,9 @@ class _Prefill:
 
 
 _SLOT_FIELDS = {"token": np.int32, "position": np.int32, "count": np.int32, "budget": np.int32, "seed": np.uint32,
-                "sample": np.int32, "temperature": np.float32, "top_p": np.float32, "top_k": np.int32, "live": bool}
+                "sample": np.int32, "temperature": np.float32, "top_p": np.float32, "top_k": np.int32,
+                "min_p": np.float32, "repetition": np.float32, "presence": np.float32, "frequency": np.float32,
+                "live": bool}
 
 
 class Engine:
@@ -218,7 +250,7 @@ class Engine:
             tensor = "tensor" if cfg.num_kv_heads % mesh.shape["tensor"] == 0 else None
             self._pool_sharding = jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec(None, None, None, tensor, None))
-        self._pool = None
+        self._pool = self._history = None
         self.stats: dict = {}  # of the last `generate`: calls, steps, peak pages, pages left in use
 
     def set_model(self, model) -> None:
@@ -233,7 +265,7 @@ class Engine:
 
     def release(self) -> None:
         """Lets go of the weights and the page pool until the next `set_model`."""
-        self._state = self._pool = None
+        self._state = self._pool = self._history = None
 
     def _pool_arrays(self):
         if self._pool is None:
@@ -243,6 +275,16 @@ class Engine:
             self._pool = jax.jit(empty, out_shardings=sharding)()  # made in place, shard by shard
         pool, self._pool = self._pool, None  # donated to the next program
         return pool
+
+    def _history_arrays(self):
+        """The penalties' memory of each slot (answer token counts, prompt tokens seen), [slots, vocab]."""
+        if self._history is None or self._history[0].shape[1] != self.model_config.vocab_size:
+            shape = (self.slots, self.model_config.vocab_size)
+            sharding = None if self._slot_sharding is None else (self._slot_sharding,) * 2
+            self._history = jax.jit(lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)),
+                                    out_shardings=sharding)()
+        history, self._history = self._history, None  # donated to the next program
+        return history
 
     def _put(self, array, sharding):
         return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
@@ -308,6 +350,7 @@ class _Run:
         self.counts = {"prefill_calls": 0, "decode_calls": 0, "slot_steps": 0, "live_slot_steps": 0}
         self.peak_pages = 0
         self.on_done: dict[int, Callable[[list[Completion]], None]] = {}
+        self.new_histories: dict[int, np.ndarray] = {}  # slot -> prompt, for a penalised request's slot
 
     def cancel(self, index: int) -> None:
         """Drops a request (its client has gone): out of the queue, or out of its slots and pages."""
@@ -382,7 +425,11 @@ class _Run:
         s["count"][slot], s["budget"][slot] = 0, sampling.max_new_tokens
         s["seed"][slot], s["sample"][slot] = request.seed, sample
         s["temperature"][slot], s["top_p"][slot] = sampling.temperature, sampling.top_p
-        s["top_k"][slot] = sampling.top_k
+        s["top_k"][slot], s["min_p"][slot] = sampling.top_k, sampling.min_p
+        s["repetition"][slot], s["presence"][slot] = sampling.repetition_penalty, sampling.presence_penalty
+        s["frequency"][slot] = sampling.frequency_penalty
+        if sampling.penalised:  # other slots' histories are never read: neutral penalties change nothing
+            self.new_histories[slot] = prompt
         s["live"][slot] = False  # until its prompt is in the cache
         self.owner[slot], self.made[slot] = (index, sample), []
 
@@ -428,12 +475,28 @@ class _Run:
                 self.slots["live"][job.slot] = True
 
     # decoding
+    def _history_arrays(self):
+        """The penalty history, with the slots of newly admitted penalised requests reset to their prompts."""
+        engine = self.engine
+        history = engine._history_arrays()
+        if self.new_histories:
+            width = 64 * 2 ** max(0, int(np.ceil(np.log2(max(map(len, self.new_histories.values())) / 64))))
+            rows = np.zeros(engine.slots, bool)
+            prompts = np.zeros((engine.slots, width), np.int32)
+            valid = np.zeros((engine.slots, width), bool)
+            for slot, prompt in self.new_histories.items():
+                rows[slot], prompts[slot, :len(prompt)], valid[slot, :len(prompt)] = True, prompt, True
+            history = _reset_history(history, *(engine._put(x, engine._slot_sharding) for x in (rows, prompts, valid)))
+            self.new_histories.clear()
+        return history
+
     def _decode_step(self) -> None:
         engine = self.engine
         slots = {name: engine._put(values, engine._slot_sharding) for name, values in self.slots.items()}
         steps = engine.config.steps_per_sync
-        engine._pool, (after, tokens, made) = _decode(
-            engine._state, engine._pool_arrays(), engine._put(self.table, engine._slot_sharding), slots,
+        engine._pool, engine._history, (after, tokens, made) = _decode(
+            engine._state, engine._pool_arrays(), self._history_arrays(),
+            engine._put(self.table, engine._slot_sharding), slots,
             engine._put(np.bool_(bool(self.waiting)), engine._replicated), graphdef=engine._graphdef, steps=steps,
             stop_ids=engine.stop_ids, replicated=engine._replicated)
         after, tokens, made = jax.device_get((after, tokens, made))

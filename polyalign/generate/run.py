@@ -18,10 +18,10 @@ from polyalign.generate.engine import Engine, EngineConfig, Request, request_see
 from polyalign.generate.sampling import (
     FINISH_LENGTH,
     FINISH_STOP,
+    NEUTRAL,
     SamplingConfig,
     checkpoint_sampling,
     describe_sampling,
-    sampling_not_applied,
 )
 from polyalign.generate.selection import select_records
 from polyalign.mesh import parallel
@@ -105,6 +105,9 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     options, fitted = fitted_to_positions(checkpoint, options)
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
+    # penalties and min_p recorded when asked for: predictions of earlier versions, made without them, match
+    settings["sampling"] = {key: value for key, value in settings["sampling"].items()
+                            if key not in NEUTRAL or value != NEUTRAL[key]}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
@@ -139,12 +142,9 @@ def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[st
     theirs = checkpoint_sampling(checkpoint)
     if sampling.temperature == 0 and theirs.get("temperature", 0) > 0:
         flags = " ".join(f"--{key.replace('_', '-')} {value:g}" for key, value in theirs.items())
-        skipped = sampling_not_applied(checkpoint)
-        unmatched = (f" (its {describe_sampling(skipped, tuple(skipped))}, which vLLM applies, polyalign's sampler "
-                     "has no setting for)" if skipped else "")
         notes.append(f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(theirs)}: vLLM and "
                      f"`polyalign serve` sample with them for requests that set none; these answers are greedy "
-                     f"(--temperature 0, the default): give {flags} to decode as they do{unmatched}")
+                     f"(--temperature 0, the default): give {flags} to decode as they do")
 
 
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,

@@ -33,32 +33,27 @@ FINISH_STOP, FINISH_LENGTH = "stop", "length"
 OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 TRANSFORMERS_DEFAULT_TOP_K = 50
 
-
-# Settings vLLM also takes from generation_config.json that polyalign's sampler has no counterpart for,
-# with the value that asks for nothing
-NOT_APPLIED = {"repetition_penalty": 1.0, "min_p": 0.0}
+# vLLM's further settings, with the values that ask for nothing. min_p and repetition_penalty are also
+# read from a checkpoint's generation_config.json (Qwen2.5-Instruct sets repetition_penalty 1.05); the
+# presence and frequency penalties are OpenAI's request parameters.
+NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+CHECKPOINT_KEYS = (*OPENAI_SAMPLING, "min_p", "repetition_penalty")
 
 
 def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
-    """The sampling settings a checkpoint's generation_config.json sets (temperature, top_p, top_k), read
-    as vLLM reads them for requests that set none (its `generation_config: auto`): a value equal to
-    transformers' default is no setting. {} for a checkpoint without the file or a remote one."""
-    found = _numbers(checkpoint, OPENAI_SAMPLING)
+    """The sampling settings a checkpoint's generation_config.json sets (temperature, top_p, top_k, min_p,
+    repetition_penalty), read as vLLM reads them for requests that set none (its `generation_config: auto`):
+    a value equal to transformers' default is no setting. {} for a checkpoint without the file or a remote one."""
+    found = _numbers(checkpoint, CHECKPOINT_KEYS)
     if found.get("top_k") == TRANSFORMERS_DEFAULT_TOP_K:
         del found["top_k"]
-    return found
+    return {key: value for key, value in found.items() if NEUTRAL.get(key) != value}
 
 
 def checkpoint_greedy(checkpoint) -> bool:
     """Whether the checkpoint's generation_config.json says `do_sample: false` (transformers decodes it
     greedily; vLLM reads no such key)."""
     return _generation_config(checkpoint).get("do_sample") is False
-
-
-def sampling_not_applied(checkpoint) -> dict[str, float]:
-    """What else the checkpoint's generation_config.json sets that vLLM applies and polyalign cannot
-    (Qwen2.5-Instruct's repetition_penalty 1.05): said, so that answers differing from vLLM's are explained."""
-    return {key: value for key, value in _numbers(checkpoint, NOT_APPLIED).items() if value != NOT_APPLIED[key]}
 
 
 def _numbers(checkpoint, keys) -> dict[str, float | int]:
@@ -78,8 +73,11 @@ def _generation_config(checkpoint) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def describe_sampling(settings: dict[str, float | int], keys=tuple(OPENAI_SAMPLING)) -> str:
-    return ", ".join(f"{key} {settings[key]:g}" for key in keys if key in settings)
+def describe_sampling(settings: dict[str, float | int]) -> str:
+    """temperature, top_p and top_k as set, then the further settings that ask for something."""
+    said = [key for key in OPENAI_SAMPLING if key in settings]
+    said += [key for key in NEUTRAL if key in settings and settings[key] != NEUTRAL[key]]
+    return ", ".join(f"{key} {settings[key]:g}" for key in said)
 
 
 @dataclass(frozen=True)
@@ -88,12 +86,28 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one (0 = no cut)
+    # vLLM's (and transformers') repetition penalty over the prompt's and the answer's tokens: a logit
+    # above 0 is divided by it, one below 0 multiplied; 1 = none
+    repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from a token's logit once if the answer holds it / per time it does
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise GenerationError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+        if not 0 <= self.min_p <= 1 or not self.repetition_penalty > 0:
+            raise GenerationError("0 <= min_p <= 1 and repetition_penalty > 0 are required")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise GenerationError("presence_penalty and frequency_penalty must lie in [-2, 2], as OpenAI's")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the tokens seen so far change the next token's logits."""
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:
@@ -136,6 +150,25 @@ def nucleus_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.A
     probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)
     above = _lowest_passing(lambda t: jnp.where(bits > t[:, None], probs, 0.0).sum(-1) < top_p, rows)
     return in_top_k & (bits >= above[:, None])
+
+
+def min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Which tokens of float32 logits [B, V] are at least min_p [B] times as likely as the row's likeliest
+    (vLLM's rule, on the probabilities after temperature); min_p 0 keeps every token."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    return probs >= min_p[:, None] * probs.max(axis=-1, keepdims=True)
+
+
+def apply_penalties(logits: jax.Array, prompt_seen: jax.Array, counts: jax.Array, repetition: jax.Array,
+                    presence: jax.Array, frequency: jax.Array) -> jax.Array:
+    """Logits [B, V] after vLLM's penalties, in its order: the repetition penalty [B] on every token of the
+    prompt (prompt_seen [B, V]) or the answer so far (counts [B, V], how often it holds each token), then
+    OpenAI's frequency and presence penalties [B] on the answer's tokens. Neutral settings (1, 0, 0) leave
+    a row's logits exactly as they were."""
+    made = counts > 0
+    factor = jnp.where(prompt_seen | made, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / factor, logits * factor)
+    return logits - frequency[:, None] * counts - presence[:, None] * made
 
 
 def sample_logits(logits: jax.Array, rng: jax.Array, config: SamplingConfig) -> jax.Array:
@@ -215,6 +248,9 @@ class Sampler:
     def __init__(self, model: Transformer, stop_ids: Sequence[int], pad_id: int, config: SamplingConfig,
                  mesh=None):
         """With a mesh, parameters are sharded by their logical axes and the batch over data x fsdp."""
+        if config.penalised or config.min_p:
+            raise GenerationError("the static-batch sampler has no penalties or min_p; the engine "
+                                  "(generate/engine.py) has")
         self.config, self.pad_id, self.mesh = config, pad_id, mesh
         graphdef, self.state = nnx.split(model)
         self._static = {"graphdef": graphdef, "model_config": model.config, "config": config, "pad_id": pad_id,

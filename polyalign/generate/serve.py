@@ -28,12 +28,12 @@ from polyalign.data.text import normalize
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import (
+    NEUTRAL,
     OPENAI_SAMPLING,
     SamplingConfig,
     checkpoint_greedy,
     checkpoint_sampling,
     describe_sampling,
-    sampling_not_applied,
 )
 from polyalign.model.architecture import longer_than_positions, position_limit
 from polyalign.tokens.chat import Message, encode_prompt, profile_text, with_system_prompt
@@ -95,6 +95,11 @@ def _models():
         temperature: float | None = Field(None, ge=0.0, le=2.0)
         top_p: float | None = Field(None, gt=0.0, le=1.0)
         top_k: int | None = Field(None, ge=0)
+        # vLLM's extra sampling parameters, then OpenAI's penalties (sampling.SamplingConfig says what they do)
+        min_p: float | None = Field(None, ge=0.0, le=1.0)
+        repetition_penalty: float | None = Field(None, gt=0.0)
+        presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+        frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
         n: int = Field(1, ge=1, le=16)
         seed: int | None = None
         # one string or up to four (the limit is the list's, not the string's length)
@@ -130,7 +135,7 @@ def _text(content) -> str:
 # refused rather than silently dropped.
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "logit_bias": (None, {}),
                "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "stream_options": (None,)}
 
 
@@ -192,9 +197,8 @@ class Service:
                             param=prompt_param if too_long else "max_tokens")
         seed = (request_seed(uuid.uuid4().hex) if body.seed is None
                 else request_seed(",".join(map(str, prompt)), body.seed))
-        given = {key: getattr(body, key) for key in OPENAI_SAMPLING if getattr(body, key) is not None}
-        chosen = {**self.sampling_defaults, **given}
-        return SamplingConfig(budget, chosen["temperature"], chosen["top_p"], chosen["top_k"]), seed % 2 ** 32
+        given = {key: getattr(body, key) for key in (*OPENAI_SAMPLING, *NEUTRAL) if getattr(body, key) is not None}
+        return SamplingConfig(budget, **{**self.sampling_defaults, **given}), seed % 2 ** 32
 
     async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
                         stops: list[str] = ()):
@@ -434,10 +438,7 @@ def sampling_line(service: Service, checkpoint) -> str:
              "transformers' generate() follows (greedy) and vLLM does not" if greedy_file else
              "OpenAI's defaults (the checkpoint's generation_config.json sets no temperature, top_p or top_k)")
     greedy = "; send temperature 0 for greedy answers" if service.sampling_defaults["temperature"] > 0 else ""
-    skipped = sampling_not_applied(checkpoint)
-    skipped = (f"; its {describe_sampling(skipped, tuple(skipped))} {'is' if len(skipped) == 1 else 'are'} not "
-               "applied (polyalign's sampler has no such setting; vLLM applies it)" if skipped else "")
-    return f"sampling: a request that sets none of temperature, top_p, top_k gets {chosen}: {where}{greedy}{skipped}"
+    return f"sampling: a request that sets none of temperature, top_p, top_k gets {chosen}: {where}{greedy}"
 
 
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
