@@ -21,7 +21,14 @@ from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
 from polyalign.demo import STAGES, parse_stages, run_demo
-from polyalign.mesh.launch import DEFAULT_PORT, main_command, refuse_several_processes, run_local, run_slurm
+from polyalign.mesh.launch import (
+    DEFAULT_PORT,
+    main_command,
+    refuse_several_processes,
+    run_local,
+    run_slurm,
+    said_by_another_process,
+)
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
@@ -1075,6 +1082,12 @@ def _path_problem(error: OSError) -> str:
 _FULL_OR_READ_ONLY = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
+def _say(line: str) -> None:
+    """How a command ended, on stderr: once for a launched run whose processes all end alike."""
+    if not said_by_another_process(line):
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers, imported by MAUVE and the build's tokenizer check where it is installed, advises on
     # stderr that PyTorch is missing: polyalign never asks it for a model, so the advice is noise.
@@ -1091,32 +1104,32 @@ def main(argv: list[str] | None = None) -> int:
             command.error(f"unrecognized arguments: {' '.join(extra)}")
     problem = _out_of_range(args, command)
     if problem:
-        print(f"polyalign {args.command_path}: error: {problem}", file=sys.stderr)
+        _say(f"polyalign {args.command_path}: error: {problem}")
         return 2
     try:
         with interrupts_remembered():
             return args.handler(args)
     except Interrupted as stopped:
-        print(f"polyalign {args.command_path}: {stopped}", file=sys.stderr)
+        _say(f"polyalign {args.command_path}: {stopped}")
         return 130
     except PolyalignError as err:
-        print(f"polyalign {args.command_path}: error: {err}", file=sys.stderr)
+        _say(f"polyalign {args.command_path}: error: {err}")
         return 2
     except (IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError) as err:
         # a path of the wrong kind (a folder given for a file, an output path that is a file) or one
         # the user may not write: theirs to fix, so one line naming it, not a traceback
-        print(f"polyalign {args.command_path}: error: {_path_problem(err)}", file=sys.stderr)
+        _say(f"polyalign {args.command_path}: error: {_path_problem(err)}")
         return 2
     except KeyboardInterrupt:
-        print(f"polyalign {args.command_path}: interrupted", file=sys.stderr)
+        _say(f"polyalign {args.command_path}: interrupted")
         return 130
     except OSError as err:
         if err.errno not in _FULL_OR_READ_ONLY:
             raise
         # a full disk, a quota or a read-only mount: nothing the code can mend; the rerun resumes
         where = f"{err.filename}: " if err.filename else ""
-        print(f"polyalign {args.command_path}: error: {where}{os.strerror(err.errno).lower()}; free space (or choose "
-              "another place) and run the same command again", file=sys.stderr)
+        _say(f"polyalign {args.command_path}: error: {where}{os.strerror(err.errno).lower()}; free space (or choose "
+             "another place) and run the same command again")
         return 2
 
 

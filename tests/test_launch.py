@@ -242,3 +242,22 @@ def test_a_launched_polyalign_is_the_installed_one_whatever_folder_it_starts_in(
     assert run_local(main_command(["polyalign", "--version"]), nproc=2, cpu_devices=1) == 0
     out = capfd.readouterr().out
     assert out.count(polyalign.__version__) == 2, out
+
+
+def test_an_error_every_launched_process_meets_is_printed_once(tmp_path, monkeypatch, capfd):
+    """Each of two launched processes refuses the same way; the user reads the line once, and a line only
+    one process prints still comes through."""
+    import sys
+
+    from polyalign.mesh.launch import main_command, run_local
+
+    monkeypatch.chdir(tmp_path)
+    command = ["polyalign", "generate", "--checkpoint", "M", "--records", "R.jsonl", "--out", "P.jsonl"]
+    assert run_local(main_command(command), nproc=2, cpu_devices=1) == 2
+    err = capfd.readouterr().err
+    assert err.count("polyalign generate: error: polyalign generate runs in one process") == 1, err
+    program = ("import os\nfrom polyalign.cli import _say\n"
+               "_say('the same line')\n_say('process ' + os.environ['POLYALIGN_PROCESS_ID'])\n")
+    assert run_local([sys.executable, "-c", program], nproc=3, cpu_devices=1) == 0
+    err = capfd.readouterr().err
+    assert err.count("the same line") == 1 and all(err.count(f"process {i}") == 1 for i in range(3)), err

@@ -8,6 +8,7 @@ processes itself (one GPU each through CUDA_VISIBLE_DEVICES, or CPU devices for 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -153,6 +154,24 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(notices, ignore_errors=True)
+
+
+def said_by_another_process(line: str) -> bool:
+    """Under `polyalign launch`, whether another process of the run has printed this very line: every
+    process of a run meets the same bad input, and one line says it once. The first to print it leaves
+    a mark in the launcher's notices folder (created exclusively, so two cannot both be first); other
+    lines, and processes started without the launcher (SLURM, TPU scripts), print as they are."""
+    folder = os.environ.get(NOTICES_ENV)
+    if not folder:
+        return False
+    mark = Path(folder, f"said-{hashlib.sha256(line.encode()).hexdigest()[:20]}")
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return True
+    except OSError:  # the folder is gone (the launcher ended): say it
+        return False
+    return False
 
 
 def ended(returncode: int) -> str:
