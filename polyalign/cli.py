@@ -649,8 +649,10 @@ def _run_generate(args) -> int:
                                    overwrite=args.overwrite)
     for note in summary["notes"]:
         print(note)
+    rate = f" ({summary['tokens_per_s']} tokens/s)" if summary["new_tokens"] else ""
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
-          f"{summary['finish_reasons']['length']} hit the length limit), {summary['tokens_per_s']} new tokens/s")
+          f"{summary['finish_reasons']['length']} hit the length limit): {summary['new_tokens']} new tokens in "
+          f"{summary['seconds']} s{rate}")
     if summary["prompts_cut"]:
         lost = summary.get("prompts_cut_system_lost", 0)
         print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "

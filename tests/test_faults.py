@@ -596,7 +596,8 @@ def test_prepare_into_an_output_of_another_config_is_refused_unless_overwrite(tm
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "made with other settings (config.dedup: not set there, false now); pass --overwrite" in err, err
+    assert ("made with other settings (config.dedup: not set (the default) there, false now); pass --overwrite"
+            in err), err
     assert main([*argv, "--overwrite"]) == 0
     assert json.loads((tmp_path / "run/data/manifest.json").read_text())["config"]["dedup"] is False
 

@@ -141,6 +141,8 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     # empty answers, by how they ended: the turn at once, or whitespace until the budget
     record = json.loads((tmp_path / "pred.manifest.json").read_text())
     summary = record["summary"]
+    rate = f" ({summary['tokens_per_s']} tokens/s)" if summary["new_tokens"] else ""  # no "0.0 tokens/s"
+    assert f": {summary['new_tokens']} new tokens in {summary['seconds']} s{rate}\n" in capsys.readouterr().out
     # what the prompts were rendered with, resolved (the tokenizer names the polyalign template), beside the
     # settings' request (None: the checkpoint's own)
     assert (summary["template"], summary["profile"]) == ("polyalign", rows[0]["profile"])

@@ -47,7 +47,7 @@ def _shown(value: Any) -> str:
 def _setting(value: Any) -> str:
     """A recorded setting's value; None is a setting left unset (an option not given, a key an older run
     did not record), which "null" would not tell a user."""
-    return "not set" if value is None else _shown(value)
+    return "not set (the default)" if value is None else _shown(value)
 
 
 def describe_changes(keys: list[str], saved: dict, current: dict, old: bool = False) -> str:
