@@ -862,6 +862,9 @@ def _run_evaluate(args) -> int:
           f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{_bracket(m['hcr'].get('macro_interval'), ' ')}{floors}, "
           f"TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
           f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}")
+    baselines = _baselines_line(m.get("reference_rows") or {}, m)
+    if baselines:
+        print(baselines)
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "
@@ -875,6 +878,18 @@ def _run_evaluate(args) -> int:
             print(f"note: MAUVE: {note}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
+
+
+def _baselines_line(references: dict, m: dict) -> str:
+    """The no-model answers' TDM and aggregate, which have no human floor: what the model's read against."""
+    said = []
+    shown = (("TDM", "tdm_macro", m["tdm"]["overall_macro"]), ("aggregate", "aggregate", m["aggregate"]["overall"]))
+    for name, row in references.items():
+        values = [f"{label} {row[key]:.4f}" for label, key, model in shown
+                  if row.get(key) is not None and model is not None]
+        if values:
+            said.append(f"{name} {', '.join(values)}")
+    return f"no-model answers, measured as the model's: {'; '.join(said)}" if said else ""
 
 
 def _bracket(interval, before: str = "") -> str:

@@ -316,6 +316,22 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     assert full["config"]["trained"] == {"checkpoint": str(tmp_path / "ckpt")}  # no training run around it
     assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
     assert full["metrics"]["aggregate"]["overall"] is not None
+    # these answers are the echo_question baseline's: its reference row's TDM, MAUVE, NUF and aggregate, which
+    # have no human floor, are computed as the model's and equal them (with and without a featurizer)
+    for result in (plain, full):
+        m = result["metrics"]
+        echo = m["reference_rows"]["echo_question"]
+        assert m["tdm"]["overall_macro"] is not None and m["nuf"]["overall"]["hypervolume"] is not None
+        assert (echo["tdm_macro"], echo["nuf_hypervolume"], echo["mauve"]) == (
+            m["tdm"]["overall_macro"], m["nuf"]["overall"]["hypervolume"], m["mauve"]["global"])
+        # F1 is summed in another order there (a weighted mean over buckets)
+        assert echo["aggregate"] == pytest.approx(m["aggregate"]["overall"], rel=1e-12)
+        parts = m["aggregate"]["parts"]
+        assert {k for k, v in echo["aggregate_parts"].items() if v is not None} == {k for k, v in parts.items()
+                                                                                      if v is not None}
+        assert all(v == pytest.approx(parts[k], rel=1e-12) for k, v in echo["aggregate_parts"].items() if v)
+        first = m["reference_rows"]["first_sentence"]
+        assert first["tdm_macro"] != echo["tdm_macro"] and first["aggregate"] is not None
     # the featurizer's hidden states are a second detectability representation; without it, none
     hidden = full["metrics"]["detectability"]["hidden_states"]
     assert hidden["buckets"] == 1 and 0.0 <= hidden["overall_macro"] <= 1.0 and hidden["floor_macro"] is not None
@@ -358,6 +374,20 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
     assert saved["metrics"]["detectability"]["status"] == ("computed" if detects else "skipped")
     assert ("Detectability per bucket" in page or "detectability.png" in page) == detects
     assert ("detectability (classifier AUC" in printed.out) == detects
+    references = saved["metrics"]["reference_rows"]
+    if "reference" not in mode and "--no-baselines" not in mode:
+        # the no-model answers' TDM and aggregate (no human floor for them) in a line and in the report's table;
+        # these predictions are the first_sentence baseline's answers, so its row equals the model's numbers
+        m, first = saved["metrics"], references["first_sentence"]
+        assert first["tdm_macro"] == m["tdm"]["overall_macro"]
+        assert first["aggregate"] == pytest.approx(m["aggregate"]["overall"], rel=1e-12)  # F1 summed in another order
+        echo = references["echo_question"]
+        assert (f"no-model answers, measured as the model's: echo_question TDM {echo['tdm_macro']:.4f}, aggregate "
+                f"{echo['aggregate']:.4f}; first_sentence TDM {first['tdm_macro']:.4f}, aggregate "
+                f"{first['aggregate']:.4f}\n") in printed.out
+        assert "<th>NUF hypervolume</th><th>aggregate</th>" in page and f"<td>{first['aggregate']:.4f}</td>" in page
+    else:
+        assert "no-model answers" not in printed.out and "tdm_macro" not in str(references)
     bng = saved["metrics"]["bng"]
     if bng.get("macro_interval"):  # the summary line's BNG and HCR with their intervals, as the report writes them
         from polyalign.core.scores import interval_text

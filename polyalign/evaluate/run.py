@@ -234,7 +234,8 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     running("diversity")
     div = _diversity_section(joined, options)
     running("BNG and HCR")
-    bng_metrics, hcr_metrics, bucket_reports, reference_rows = _naturalness(joined, scores, utility, options)
+    bng_metrics, hcr_metrics, bucket_reports, reference_rows, baseline_buckets = _naturalness(joined, scores, utility,
+                                                                                             options)
     running("MAUVE")
     featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
     mauve_metrics = _mauve_section(joined, featurize)
@@ -248,17 +249,18 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
         reference_rows["human"] |= {"detectability_macro": detect["floor_macro"],
                                     "detectability_macro_interval": detect["floor_macro_interval"]}
     running("turn dynamics")
-    multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
-    tdm = turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
-                        [joined.predictions[i] for i in multi], [joined.records[i].bucket_id for i in multi],
-                        options.tokenize)
-    nuf = _frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, utility, options.featurizer)
+    tdm = _turn_dynamics(joined, joined.predictions, options)
+    f1_by_bucket = {b: row["qa_f1"] for b, row in utility["by_bucket"].items()}
+    nuf = _frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, f1_by_bucket, options.featurizer)
     metrics = {"utility": utility, "diversity": div, "bng": bng_metrics, "hcr": hcr_metrics,
                "buckets": bucket_reports, "reference_rows": reference_rows, "mauve": mauve_metrics,
                "detectability": detect, "tdm": tdm, "nuf": nuf}
     parts = nat.aggregate_parts(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"], mauve_metrics["global"],
                                 nuf["overall"]["hypervolume"])
     metrics["aggregate"] = {"overall": combined(parts), "parts": parts}
+    for name, buckets in baseline_buckets.items():
+        reference_rows[name] |= _baseline_composites(joined, baseline_answers(name, joined.records), buckets,
+                                                     reference_rows[name], featurize, options)
     result = _result(joined, metrics, records_path, predictions_path, options, settings)
     result["config"]["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,9 +296,10 @@ def _diversity_section(joined: Joined, options: EvaluateOptions) -> dict[str, An
 
 
 def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[str, Any],
-                 options: EvaluateOptions) -> tuple[dict, dict, dict, dict]:
-    """The feature-based naturalness sections: BNG, HCR, the per-bucket reports and the reference rows
-    (human floor and no-model baselines). The default mode also adds F1's intervals to `utility`."""
+                 options: EvaluateOptions) -> tuple[dict, dict, dict, dict, dict]:
+    """The feature-based naturalness sections: BNG, HCR, the per-bucket reports, the reference rows
+    (human floor and no-model baselines) and each baseline's BNG and F1 by bucket (its frontier's points).
+    The default mode also adds F1's intervals to `utility`."""
     lm = _lm_scorer(options.scorer, options.dtype) if options.scorer is not None else None
     records, by_bucket = joined.records, joined.by_bucket
     human_features = _answer_features(records, None, lm)
@@ -304,7 +307,7 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     references = read_references(options.references) if options.references else None
     if options.compat == "reference":
         bng, hcr = _paper_naturalness(by_bucket, human_features, generated_features, references)
-        return bng, hcr, {}, {}
+        return bng, hcr, {}, {}, {}
     intervals = options.intervals
     supports = _supports(by_bucket, human_features, options.support, references, intervals)
     f1 = np.array([s["qa_f1"] for s in scores])
@@ -316,20 +319,43 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
                         "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
     reference_rows = {"human": {"bng_macro": bng.get("floor_macro"), "hcr_macro": hcr.get("floor_macro"),
                                 "rows": len(records)}}
+    baseline_buckets = {}
     if options.baselines:
         human_tokens = [tokens(h, options.tokenize) for h in joined.human]
         for name in BASELINES:
             answers = baseline_answers(name, records)
             answer_f1 = np.array([token_f1(tokens(a, options.tokenize), g) for a, g in zip(answers, human_tokens)])
-            summary = sp.measure(by_bucket, supports, _feature_matrix(_answer_features(records, answers, lm)),
-                                 answer_f1, intervals, human_table)["summary"]
+            baseline = sp.measure(by_bucket, supports, _feature_matrix(_answer_features(records, answers, lm)),
+                                  answer_f1, intervals, human_table)
+            summary = baseline["summary"]
+            baseline_buckets[name] = {b: {"bng": r["bng"], "f1": r["f1"]} for b, r in baseline["by_bucket"].items()}
             reference_rows[name] = {"bng_macro": summary["bng"]["macro"],
                                     "bng_macro_interval": summary["bng"].get("macro_interval"),
                                     "hcr_macro": summary["hcr"]["macro"],
                                     "hcr_macro_interval": summary["hcr"].get("macro_interval"),
                                     "f1": summary["f1"]["weighted"],
                                     "f1_interval": summary["f1"]["weighted_interval"], "rows": len(records)}
-    return bng, hcr, measured["by_bucket"], reference_rows
+    return bng, hcr, measured["by_bucket"], reference_rows, baseline_buckets
+
+
+def _turn_dynamics(joined: Joined, answers: list[str], options: EvaluateOptions) -> dict[str, Any]:
+    """TDM of `answers` (the model's, or a no-model baseline's) on the multi-turn rows."""
+    multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
+    return turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
+                         [answers[i] for i in multi], [joined.records[i].bucket_id for i in multi], options.tokenize)
+
+
+def _baseline_composites(joined: Joined, answers: list[str], buckets: dict[str, dict], row: dict[str, Any],
+                         featurize, options: EvaluateOptions) -> dict[str, Any]:
+    """A no-model baseline's TDM, NUF hypervolume, MAUVE (with a featurizer) and aggregate, computed as the
+    model's are, so that those numbers too have something beside them to be read against."""
+    tdm = _turn_dynamics(joined, answers, options)
+    mauve_metrics = _mauve_section(dataclasses.replace(joined, predictions=answers), featurize)
+    bng = {b: r["bng"] for b, r in buckets.items() if r["bng"] is not None}
+    nuf = _frontiers(bng, mauve_metrics, tdm, {b: r["f1"] for b, r in buckets.items()}, options.featurizer)
+    parts = nat.aggregate_parts(row["f1"], row["bng_macro"], mauve_metrics["global"], nuf["overall"]["hypervolume"])
+    return {"tdm_macro": tdm["overall_macro"], "mauve": mauve_metrics["global"],
+            "nuf_hypervolume": nuf["overall"]["hypervolume"], "aggregate": combined(parts), "aggregate_parts": parts}
 
 
 # faiss's k-means (inside mauve-text) writes this to the native stderr for every clustering of fewer than
@@ -430,9 +456,10 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
             "reports": reports}
 
 
-def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, utility: dict,
+def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, f1: dict[str, float],
                featurizer: Path | None) -> dict[str, Any]:
-    """The naturalness-utility frontier over all buckets and over the multi-turn ones (with TDM)."""
+    """The naturalness-utility frontier over all buckets and over the multi-turn ones (with TDM); `f1`:
+    each bucket's mean F1."""
     def frontier(with_tdm: bool) -> dict[str, Any]:
         points = {}
         for b in bng:
@@ -441,7 +468,7 @@ def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, utility: d
             extra = [tdm["by_bucket"][b]["tdm"]] if with_tdm else []
             n = nat.naturalness_score(bng[b], mauve_metrics["by_bucket"].get(b), *extra)
             if n is not None:
-                points[b] = (nat.clip01(utility["by_bucket"][b]["qa_f1"]), n)
+                points[b] = (nat.clip01(f1[b]), n)
         front = nat.pareto_frontier(list(points.values()))
         return {"hypervolume": nat.hypervolume(front) if points else None, "frontier": front,
                 "points": {b: {"utility": u, "naturalness": n} for b, (u, n) in points.items()}}

@@ -339,19 +339,24 @@ def _model_row(name: str, m: dict) -> tuple[str, ...]:
     return (name, _spread(m["bng"]["overall_macro"], m["bng"].get("macro_interval")),
             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
-            _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")))
+            _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")),
+            _fmt(m["tdm"]["overall_macro"]), _fmt(_get(m, ("nuf", "overall", "hypervolume"))),
+            _fmt(m["aggregate"]["overall"]))
 
 
 def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -> tuple[str, str]:
     """People and the no-model answers, measured as the model is; `models`: (name, metrics) of several
-    runs of these test rows (a comparison), instead of this one's."""
+    runs of these test rows (a comparison), instead of this one's. TDM, the NUF hypervolume and the
+    aggregate have no human floor (people score 1 against themselves): the no-model answers are what
+    they are read against."""
     rows = [_model_row(name, metrics) for name, metrics in (models or [("model", m)])]
     for name, row in m.get("reference_rows", {}).items():
         rows.append((name, *(_spread(row.get(key), row.get(f"{key}_interval"))
-                              for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1"))))
+                              for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1")),
+                     *(_fmt(row.get(key)) for key in ("tdm_macro", "nuf_hypervolume", "aggregate"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
     return _table(["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
-                   "F1"], rows)
+                   "F1", "TDM", "NUF hypervolume", "aggregate"], rows)
 
 
 def _baseline_notes(m: dict) -> str:
