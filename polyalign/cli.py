@@ -846,8 +846,9 @@ def _run_evaluate(args) -> int:
             return f"{value:.4f}"
         return f"n/a ({reasons[metric]})" if metric in reasons else "n/a"
 
-    floors = "" if m["bng"].get("floor_macro") is None else \
-        f" (human floor: BNG {show(m['bng']['floor_macro'])}, HCR {show(m['hcr']['floor_macro'])})"
+    floors = "" if m["bng"].get("floor_macro") is None else (
+        f" (human floor: BNG {show(m['bng']['floor_macro'])}{_bracket(m['bng'].get('floor_macro_interval'), ' ')}, "
+        f"HCR {show(m['hcr']['floor_macro'])}{_bracket(m['hcr'].get('floor_macro_interval'), ' ')})")
     answers = result.get("answers", {})
     empty = answers.get("empty", 0)
     # --compat reference keeps them in Distinct-n and Self-BLEU, as the authors' code does

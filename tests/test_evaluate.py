@@ -211,6 +211,14 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
     for bucket, r in m["buckets"].items():
         assert r["bng"] == r["bng_floor"] and r["hcr"] == r["hcr_floor"], bucket
     assert m["bng"]["gap_macro"] == 0.0 and m["bng"]["overall_macro"] > 0.0
+    # the floors' macros have intervals from their buckets' draws: people measured as the model is, on other
+    # bootstrap draws, so about as wide as the model's
+    for metric in ("bng", "hcr"):
+        section = m[metric]
+        low, high = section["floor_macro_interval"]
+        assert low <= section["floor_macro"] <= high
+        assert 0.5 < (high - low) / (section["macro_interval"][1] - section["macro_interval"][0]) < 2
+        assert m["reference_rows"]["human"][f"{metric}_macro_interval"] == section["floor_macro_interval"]
     assert m["tdm"]["overall_macro"] == pytest.approx(1.0)
     assert m["diversity"]["overall"]["human"] == m["diversity"]["overall"]["generated"]
     assert m["mauve"]["status"] == "skipped" and m["mauve"]["global"] is None
@@ -394,7 +402,11 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
 
         hcr = saved["metrics"]["hcr"]
         assert (f"BNG {bng['overall_macro']:.4f} {interval_text(bng['macro_interval'])}, HCR "
-                f"{hcr['overall_macro']:.4f} {interval_text(hcr['macro_interval'])}") in printed.out
+                f"{hcr['overall_macro']:.4f} {interval_text(hcr['macro_interval'])} (human floor: BNG "
+                f"{bng['floor_macro']:.4f} {interval_text(bng['floor_macro_interval'])}, HCR {hcr['floor_macro']:.4f} "
+                f"{interval_text(hcr['floor_macro_interval'])})") in printed.out
+        # held-out halves (no --support) or the test answers against the support: either way an interval
+        assert bng["floor_macro_interval"][0] <= bng["floor_macro"] <= bng["floor_macro_interval"][1]
     if detects:  # the floor said as the mean of its halvings, with their range, in the summary line and the report
         detect = saved["metrics"]["detectability"]
         low, high = detect["floor_macro_spread"]
@@ -554,9 +566,9 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     for name, key in (("BNG macro (lower is more human-like)", "bng"), ("HCR macro", "hcr")):
         assert rows[name][:3] == [shown(metrics[n][key]["overall_macro"], metrics[n][key].get("macro_interval"))
                                   for n in "abc"], name
-        # the paper's mode (c) measures no floor
-        assert rows[name][3] == human([shown(metrics[n][key]["floor_macro"]) if "floor_macro" in metrics[n][key]
-                                       else "—" for n in "abc"]), name
+        # the paper's mode (c) measures no floor; the others' floors have their intervals
+        assert rows[name][3] == human([shown(metrics[n][key]["floor_macro"], metrics[n][key]["floor_macro_interval"])
+                                       if "floor_macro" in metrics[n][key] else "—" for n in "abc"]), name
     # another support measures people against other answers: their BNG differs, and the table says whose
     assert metrics["a"]["bng"]["floor_macro"] != metrics["b"]["bng"]["floor_macro"]
     people = [metrics[n]["diversity"]["overall"] for n in "abc"]  # c counts words as the paper's code does

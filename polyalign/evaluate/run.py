@@ -317,8 +317,8 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     utility["overall"]["qa_f1_interval"] = measured["summary"]["f1"]["weighted_interval"]
     utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
                         "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
-    reference_rows = {"human": {"bng_macro": bng.get("floor_macro"), "hcr_macro": hcr.get("floor_macro"),
-                                "rows": len(records)}}
+    reference_rows = {"human": {**{f"{name}_macro{end}": section.get(f"floor_macro{end}") for name, section in
+                                   (("bng", bng), ("hcr", hcr)) for end in ("", "_interval")}, "rows": len(records)}}
     baseline_buckets = {}
     if options.baselines:
         human_tokens = [tokens(h, options.tokenize) for h in joined.human]
@@ -691,7 +691,8 @@ def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[d
         s = summary[metric]
         return {"overall_macro": s["macro"], "overall_weighted": s["weighted"],
                 "macro_interval": s.get("macro_interval"), "weighted_interval": s.get("weighted_interval"),
-                "floor_macro": s.get("floor_macro"), "buckets": s["buckets"], "rows": s["rows"],
+                "floor_macro": s.get("floor_macro"), "floor_macro_interval": s.get("floor_macro_interval"),
+                "buckets": s["buckets"], "rows": s["rows"],
                 "backed_off": s.get("backed_off", []), "small_buckets": s.get("small_buckets", []),
                 "min_interval_rows": options.min_rows, "by_bucket": per_bucket(metric),
                 "interval_by_bucket": per_bucket(f"{metric}_interval"),

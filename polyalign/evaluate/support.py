@@ -173,7 +173,8 @@ def human_floor(support: Support, n: int, options: IntervalOptions, rng: np.rand
     shares = support.inside_share(support.values)
     hcr = np.array([(shares[mask] >= calibrated_threshold(shares[~mask], options.coverage)).mean() for mask in held])
     return {"bng": float(bng.mean()), "bng_interval": interval(bng, options.level),
-            "hcr": float(hcr.mean()), "hcr_interval": interval(hcr, options.level), "k": k}
+            "hcr": float(hcr.mean()), "hcr_interval": interval(hcr, options.level), "k": k,
+            "draws": {"bng": bng, "hcr": hcr}}
 
 
 def choose_pools(buckets: Sequence[str], support_rows: Mapping[str, Sequence[int]],
@@ -247,11 +248,14 @@ def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.
     if report["bng"] is None:
         return report, draws
     if human is not None:
-        floor, _ = _measure_sample(support, human, np.zeros(human.shape[1]), options,
-                                   _bucket_rng(options.seed + 1, bucket))
+        floor, floor_draws = _measure_sample(support, human, np.zeros(human.shape[1]), options,
+                                             _bucket_rng(options.seed + 1, bucket))
         floor = {k: floor[k] for k in ("bng", "bng_interval", "hcr", "hcr_interval")}
     else:
         floor = human_floor(support, generated.shape[1], options, _bucket_rng(options.seed + 1, bucket))
+        floor_draws = floor.pop("draws", None)
+    if floor_draws is not None:  # the floor's bootstrap draws (or held-out repeats), for the macro's interval
+        draws = {**draws, "bng_floor": floor_draws["bng"], "hcr_floor": floor_draws["hcr"]}
     report |= {"bng_floor": floor["bng"], "bng_floor_interval": floor["bng_interval"],
                "bng_gap": None if floor["bng"] is None else report["bng"] - floor["bng"],
                "hcr_floor": floor["hcr"], "hcr_floor_interval": floor["hcr_interval"]}
@@ -291,11 +295,26 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
         floors = [by_bucket[b].get(f"{metric}_floor") for b in measured]
         if metric != "f1" and all(f is not None for f in floors):
             entry["floor_macro"] = float(np.mean(floors))
+            floor_draws = _floor_draws([draws[b].get(f"{metric}_floor") for b in measured])
+            if floor_draws is not None:
+                entry["floor_macro_interval"] = interval(floor_draws.mean(axis=0), options.level, entry["floor_macro"])
             if metric == "bng":
                 entry["gap_macro"] = entry["macro"] - entry["floor_macro"]
                 entry["gap_macro_interval"] = [v - entry["floor_macro"] for v in entry["macro_interval"]]
         summary[metric] = entry
     return summary
+
+
+def _floor_draws(per_bucket: Sequence[np.ndarray | None]) -> np.ndarray | None:
+    """The buckets' floor draws stacked [buckets, draws]: bootstrap draws against a separate support, or
+    held-out repeats (one where holding out every answer has one outcome, repeated to the others'
+    count). None where a bucket has none or their counts differ otherwise."""
+    if any(d is None for d in per_bucket):
+        return None
+    longest = max(len(d) for d in per_bucket)
+    if any(len(d) not in (1, longest) for d in per_bucket):
+        return None
+    return np.stack([np.broadcast_to(d, (longest,)) for d in per_bucket])
 
 
 def measure(bucket_rows: Mapping[str, Sequence[int]], supports: Mapping[str, Support], generated: np.ndarray,
