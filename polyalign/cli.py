@@ -862,7 +862,7 @@ def _run_evaluate(args) -> int:
           f"{show(m['bng']['overall_macro'], 'bng')}{_bracket(m['bng'].get('macro_interval'), ' ')}, "
           f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{_bracket(m['hcr'].get('macro_interval'), ' ')}{floors}, "
           f"TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
-          f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}")
+          f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}{_aggregate_parts(m['aggregate'])}")
     baselines = _baselines_line(m.get("reference_rows") or {}, m)
     if baselines:
         print(baselines)
@@ -879,6 +879,17 @@ def _run_evaluate(args) -> int:
             print(f"note: MAUVE: {note}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
+
+
+# the aggregate's parts as METHOD names them, each on [0, 1] with higher better
+AGGREGATE_PART_LABELS = {"f1": "F1", "bng": "1/(1+BNG)", "mauve": "MAUVE", "nuf": "NUF"}
+
+
+def _aggregate_parts(aggregate: dict) -> str:
+    """What the aggregate is the geometric mean of: one part near 0 (F1 of a small model) pulls it there."""
+    parts = aggregate.get("parts") or {}
+    said = [f"{label} {parts[key]:.4f}" for key, label in AGGREGATE_PART_LABELS.items() if parts.get(key) is not None]
+    return f" (geometric mean of {', '.join(said)})" if aggregate.get("overall") is not None and said else ""
 
 
 def _baselines_line(references: dict, m: dict) -> str:

@@ -389,6 +389,9 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
         m, first = saved["metrics"], references["first_sentence"]
         assert first["tdm_macro"] == m["tdm"]["overall_macro"]
         assert first["aggregate"] == pytest.approx(m["aggregate"]["overall"], rel=1e-12)  # F1 summed in another order
+        parts = m["aggregate"]["parts"]
+        assert (f"aggregate {m['aggregate']['overall']:.4f} (geometric mean of F1 {parts['f1']:.4f}, 1/(1+BNG) "
+                f"{parts['bng']:.4f}, NUF {parts['nuf']:.4f})") in printed.out
         echo = references["echo_question"]
         assert (f"no-model answers, measured as the model's: echo_question TDM {echo['tdm_macro']:.4f}, aggregate "
                 f"{echo['aggregate']:.4f}; first_sentence TDM {first['tdm_macro']:.4f}, aggregate "
@@ -737,6 +740,33 @@ def test_the_frontier_draws_the_area_each_run_dominates_and_names_its_naturalnes
     assert ax.get_ylabel() == ("naturalness (higher is more human-like)\n1/(1+BNG) or 1/(1+BNG) x C-MAUVE, "
                                "geometric mean")
     close(figures[0])
+
+
+def test_the_frontiers_bucket_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Sixteen buckets of a small model sit within a few hundredths of each other: their names are moved
+    apart (adjustText), each still tied to its point by a line."""
+    import itertools
+
+    import matplotlib.pyplot as plt
+
+    from polyalign.reports import evaluation
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    rng = np.random.default_rng(0)
+    buckets = [f"{lang}|{track}|{family}|{length}" for lang, track, family, length in
+               itertools.product(("en", "zh"), ("single", "multi"), ("assistant", "dialogue"), ("short", "long"))]
+    points = {b: {"utility": float(u), "naturalness": float(n)}
+              for b, u, n in zip(buckets, rng.uniform(0.01, 0.05, 16), rng.uniform(0.35, 0.45, 16))}
+    evaluation._frontier({"model": {"frontier": [], "hypervolume": 0.0, "points": points}}, tmp_path / "f.png",
+                         label_points=True)
+    fig = figures[0]
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in fig.axes[0].texts]
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == sorted(buckets)
+    overlapping = [(a, b) for a, b in itertools.combinations(range(len(boxes)), 2) if boxes[a].overlaps(boxes[b])]
+    assert overlapping == []
+    close(fig)
 
 
 def test_per_bucket_table_says_which_detectability_numbers_come_from_a_parent_group():

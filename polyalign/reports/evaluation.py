@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from adjustText import adjust_text  # noqa: E402
 
 from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import stage_output  # noqa: E402
@@ -177,6 +178,7 @@ def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False,
     `components`: name -> its NUF section, whose naturalness_components name the axis."""
     components = components or {}
     fig, ax = plt.subplots(figsize=(6, 4.5))
+    labels = []
     for k, (name, nuf) in enumerate(runs.items()):
         color = f"C{k}"  # a run's points and its frontier in one colour
         points = nuf.get("points", {})
@@ -184,8 +186,8 @@ def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False,
             ax.scatter([p["utility"] for p in points.values()], [p["naturalness"] for p in points.values()], s=14,
                        alpha=0.5, color=color)
         if label_points:
-            for bucket, p in points.items():
-                ax.annotate(bucket, (p["utility"], p["naturalness"]), fontsize=5, alpha=0.8)
+            labels += [ax.text(p["utility"], p["naturalness"], bucket, fontsize=5, alpha=0.8)
+                       for bucket, p in points.items()]
         front = sorted(nuf.get("frontier") or [])
         if front:
             # the edge of the area the frontier dominates (its hypervolume): from the naturalness axis across
@@ -206,7 +208,10 @@ def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False,
     ax.set_xlim(0, min(1.0, max(max(xs) * 1.15, 0.05)))
     ax.set_ylim(0, min(1.0, max(max(ys) * 1.15, 0.05)))
     ax.set_title("Naturalness-utility frontier (one point per bucket)")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # runs without a frontier have nothing to name
+        ax.legend(fontsize=7)
+    if labels:  # buckets of like F1 and naturalness crowd together: their names moved apart, a line to each point
+        adjust_text(labels, x=xs, y=ys, ax=ax, iter_lim=300, arrowprops={"arrowstyle": "-", "color": "grey", "lw": 0.3})
     return _save(fig, path)
 
 
