@@ -16,7 +16,7 @@ from pathlib import Path
 import polyalign
 from polyalign.beam import require_beam
 from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, PrepareError
-from polyalign.core.interrupts import interrupts_remembered
+from polyalign.core.interrupts import Terminated, interrupts_remembered
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
@@ -1149,6 +1149,9 @@ def main(argv: list[str] | None = None) -> int:
         # the user may not write: theirs to fix, so one line naming it, not a traceback
         _say(f"polyalign {args.command_path}: error: {_path_problem(err)}")
         return 2
+    except Terminated:
+        _say(f"polyalign {args.command_path}: stopped by SIGTERM")
+        return 143
     except KeyboardInterrupt:
         _say(f"polyalign {args.command_path}: interrupted")
         return 130

@@ -472,3 +472,43 @@ def test_a_ctrl_c_swallowed_where_python_ignores_exceptions_still_stops_the_stag
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_sigterm_before_a_command_handles_it_stops_in_one_line_with_status_143(monkeypatch, capsys):
+    """A scheduler's stop (or `kill`) arriving before the training loop takes SIGTERM over (while the data
+    loads or the step compiles) ended the process with status 143 and no word. It now stops the command as
+    Ctrl-C does, says so once, exits 143 as a killed process would, and leaves SIGTERM as it found it."""
+    import os
+    import signal
+    import time
+
+    from polyalign import cli
+    from polyalign.core.interrupts import Terminated, check_interrupted, interrupts_remembered
+
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    try:
+        def stopped_while_loading(args):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # interrupted here
+            raise AssertionError("SIGTERM did not stop the command")
+
+        monkeypatch.setattr(cli, "_run_generate", stopped_while_loading)
+        assert cli.main(["generate", "--checkpoint", "M", "--records", "R.jsonl", "--out", "P.jsonl"]) == 143
+        assert capsys.readouterr().err == "polyalign generate: stopped by SIGTERM\n"
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        # a SIGTERM swallowed where Python ignores exceptions is remembered as Ctrl-C is
+        with interrupts_remembered():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+                time.sleep(0.01)
+            except Terminated:
+                pass
+            with pytest.raises(Terminated):
+                check_interrupted()
+        # a handler of the caller's own is left alone
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with interrupts_remembered():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,6 +1,9 @@
-"""Ctrl-C that is never lost. Python ignores an exception raised inside a garbage-collector callback
-(JAX runs one), so a KeyboardInterrupt that lands there vanishes and the stage runs on. While a command
-runs, SIGINT also sets a flag, and long loops call `check_interrupted()`, which raises it again."""
+"""Ctrl-C and SIGTERM that are never lost. Python ignores an exception raised inside a garbage-collector
+callback (JAX runs one), so a KeyboardInterrupt that lands there vanishes and the stage runs on. While a
+command runs, SIGINT also sets a flag, and long loops call `check_interrupted()`, which raises it again.
+SIGTERM (a scheduler's stop, `kill`, `polyalign launch` stopping its other processes) is taken the same
+way as `Terminated`, so that a command stopped before its own handler (the training loop's checkpoint on
+SIGTERM) says so in one line instead of vanishing with status 143 and no word."""
 
 from __future__ import annotations
 
@@ -9,32 +12,50 @@ import signal
 import threading
 from collections.abc import Iterator
 
-_requested = threading.Event()
+_requested: dict[int, threading.Event] = {signal.SIGINT: threading.Event(), signal.SIGTERM: threading.Event()}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: the command stops as after Ctrl-C, and exits 143 as a process killed by it would."""
 
 
 def _on_sigint(signum, frame) -> None:
-    _requested.set()
+    _requested[signal.SIGINT].set()
     raise KeyboardInterrupt
+
+
+def _on_sigterm(signum, frame) -> None:
+    _requested[signal.SIGTERM].set()
+    raise Terminated
 
 
 @contextlib.contextmanager
 def interrupts_remembered() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt as usual and is remembered for `check_interrupted` (main thread
-    only, and only over Python's own handler: a caller's handler is left alone)."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    """SIGINT raises KeyboardInterrupt as usual and SIGTERM `Terminated`, each remembered for
+    `check_interrupted` (main thread only, and only over Python's own handlers: a caller's handler is
+    left alone)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _requested.clear()
-    signal.signal(signal.SIGINT, _on_sigint)
+    ours = {sig: handler for sig, handler, python_default in ((signal.SIGINT, _on_sigint, signal.default_int_handler),
+                                                              (signal.SIGTERM, _on_sigterm, signal.SIG_DFL))
+            if signal.getsignal(sig) is python_default}
+    previous = {}
+    for sig, handler in ours.items():
+        _requested[sig].clear()
+        previous[sig] = signal.signal(sig, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        _requested.clear()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+            _requested[sig].clear()
 
 
 def check_interrupted() -> None:
-    """Raises KeyboardInterrupt if Ctrl-C came since the command started, even when the first was lost."""
-    if _requested.is_set():
+    """Raises KeyboardInterrupt (Terminated for SIGTERM) if either came since the command started, even
+    when the first was lost."""
+    if _requested[signal.SIGTERM].is_set():
+        raise Terminated
+    if _requested[signal.SIGINT].is_set():
         raise KeyboardInterrupt
