@@ -192,6 +192,8 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
          "a text part without text"),
         ("post", "/chat/completions", {"messages": chat, "stream": "yes"}, 400, "stream"),
         ("post", "/chat/completions", {"messages": chat, "logprobs": True}, 400, "does not support logprobs"),
+        ("post", "/chat/completions", {"messages": chat, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ("post", "/chat/completions", {"messages": chat, "repetition_penalty": 0}, 400, "repetition_penalty"),
         ("post", "/completions", {"prompt": "x", "echo": True}, 400, "does not support echo"),
         ("post", "/completions", {"prompt": "A hotel near the station. " * 60}, 400, "context"),
     ]
@@ -209,6 +211,10 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
                     )[1]["error"]["param"] == "prompt"
         assert call(server.url + "/chat/completions", body=b"{not json")[1]["error"]["param"] is None  # no field
         assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4})[0] == 200
+        # OpenAI's penalties and vLLM's extras are taken (they were refused), greedy with a penalty too
+        penalised = {"messages": chat, "max_tokens": 4, "temperature": 0, "presence_penalty": 0.5,
+                     "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.05}
+        assert call(server.url + "/chat/completions", body=penalised)[0] == 200
         # told to stop, a request still running after the grace gets a 503 in OpenAI's shape, not a bare 500
         server.service.stopping_since = time.monotonic() - 60
         code, answer = call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 100})
