@@ -963,7 +963,7 @@ def _add_launch(sub) -> None:
 def _run_launch(args) -> int:
     command = main_command(args.launched[1:] if args.launched[:1] == ["--"] else args.launched)
     if args.slurm:
-        return run_slurm(command, args.port or DEFAULT_PORT)
+        run_slurm(command, args.port or DEFAULT_PORT)  # becomes the command: never returns
     return run_local(command, args.nproc, args.port, args.cpu_devices)
 
 

@@ -217,7 +217,7 @@ def test_sharded_generation_equals_unsharded(tmp_path):
     subprocess.run([sys.executable, str(REPO / "tests" / "train_worker.py"), "generate", str(tmp_path), str(out),
                     "--devices", "8", "--data", "4", "--fsdp", "1", "--tensor", "2"],
                    check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert json.loads(out.read_text()) == {"equal": True, "rows": 3, "engine_equal": True,
+    assert json.loads(out.read_text()) == {"equal": True, "rows": 3, "engine_equal": True, "decode_programs": 1,
                                            "engine_greedy_equals_sampler": True}
 
 

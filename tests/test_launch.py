@@ -261,3 +261,33 @@ def test_an_error_every_launched_process_meets_is_printed_once(tmp_path, monkeyp
     assert run_local([sys.executable, "-c", program], nproc=3, cpu_devices=1) == 0
     err = capfd.readouterr().err
     assert err.count("the same line") == 1 and all(err.count(f"process {i}") == 1 for i in range(3)), err
+
+
+def test_a_slurm_task_becomes_its_command_so_preemption_reaches_the_training_process(tmp_path):
+    """Under SLURM the launcher waited on the command in a child; SLURM's SIGTERM on preemption stopped
+    the launcher first, which killed the command before it could checkpoint. The task now becomes the
+    command: same process, SLURM's start variables mapped, SIGTERM going to the command alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready, saved = tmp_path / "ready", tmp_path / "saved"
+    program = ("import os, signal, sys, time\n"
+               "def stop(*_):\n"
+               "    time.sleep(1.0)  # a checkpoint being written\n"
+               f"    open({str(saved)!r}, 'w').write(os.environ['POLYALIGN_PROCESS_ID'] + ' ' + str(os.getpid()))\n"
+               "    sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, stop)\n"
+               f"open({str(ready)!r}, 'w').write('')\n"
+               "time.sleep(60)\n")
+    env = {**os.environ, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[07-08]"}
+    task = subprocess.Popen([sys.executable, "-P", "-m", "polyalign.cli", "launch", "--slurm", "--", sys.executable,
+                             "-c", program], env=env)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    task.send_signal(signal.SIGTERM)  # as SLURM preempts: to the task's process
+    assert task.wait(timeout=30) == 0
+    assert saved.read_text() == f"1 {task.pid}"

@@ -58,8 +58,9 @@ def whole_sequence_logits(model, tokens: list[int], length: int = 128) -> jax.Ar
 
 def reference_greedy(model, prompt: np.ndarray, steps: int, sampling: SamplingConfig) -> tuple[list[int], int]:
     """Greedy tokens of a decoder that runs the whole model on the sequence so far at every step and
-    applies the penalties to a copy of the logits in numpy, with how many of them are trustworthy: a step
-    whose two best logits lie within 1e-3 could go either way under another summation order."""
+    applies the penalties to a copy of the logits in numpy, with how many of them are trustworthy: those
+    before the first step whose two best logits lie within 1e-3 (which could go either way under another
+    summation order, and everything after it with it)."""
     tokens, made, sure = list(prompt), [], None
     for step in range(steps):
         logits = np.asarray(whole_sequence_logits(model, tokens), np.float64)
@@ -73,7 +74,7 @@ def reference_greedy(model, prompt: np.ndarray, steps: int, sampling: SamplingCo
             sure = step
         made.append(int(np.argmax(logits)))
         tokens.append(made[-1])
-    return made, steps if sure is None else sure + 1
+    return made, steps if sure is None else sure
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])

@@ -383,9 +383,10 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
         say_checkpoint_sampling(folder, SamplingConfig(temperature=0.0), notes)
         say_checkpoint_sampling(folder, SamplingConfig(temperature=0.9), notes)  # sampling already: nothing to say
         if config is None:
-            assert line == ("sampling: a request that sets none of temperature, top_p, top_k gets temperature 1, "
-                            "top_p 1, top_k 0: OpenAI's defaults (the checkpoint's generation_config.json sets no "
-                            "temperature, top_p or top_k); send temperature 0 for greedy answers") and notes == []
+            assert line == ("sampling: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty "
+                            "unset gets temperature 1, top_p 1, top_k 0: OpenAI's defaults (the checkpoint's "
+                            "generation_config.json sets none of them); send temperature 0 for greedy answers"
+                            ) and notes == []
         elif "temperature" not in config:  # do_sample false: transformers decodes greedily, vLLM reads no such key
             assert ("OpenAI's defaults, as vLLM's: the checkpoint's generation_config.json sets do_sample false, "
                     "which transformers' generate() follows (greedy) and vLLM does not") in line and notes == []

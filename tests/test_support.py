@@ -157,3 +157,16 @@ def test_a_missing_support_file_is_named(demo_run, tmp_path, capsys):
     assert main(["evaluate", "--records", str(records), "--predictions", str(predictions), "--out",
                  str(tmp_path / "eval"), "--support", str(tmp_path / "missing.jsonl"), "--no-diversity"]) == 2
     assert "missing.jsonl: no such support file" in capsys.readouterr().err
+
+
+def test_the_floors_macro_interval_needs_every_buckets_spread():
+    """A bucket whose floor has one held-out outcome (all its answers held out) has no spread to give: a
+    constant in its place would narrow the macro's interval where the bucket is least sure, so there is
+    none then; draws of equal count stack."""
+    from polyalign.evaluate.support import _floor_draws
+
+    two = [np.array([0.1, 0.3, 0.2]), np.array([0.5, 0.4, 0.6])]
+    np.testing.assert_array_equal(_floor_draws(two), np.stack(two))
+    assert _floor_draws([*two, np.array([0.7])]) is None
+    assert _floor_draws([*two, None]) is None
+    assert _floor_draws([two[0], np.array([0.1, 0.2])]) is None

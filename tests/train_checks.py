@@ -87,11 +87,19 @@ def sharded_generation_matches(out: Path, parallel_sizes) -> None:
     sharded = Sampler(model, [], 0, config, mesh=mesh)
     # The engine: greedy and sampled requests, more of them than slots, on the mesh and on one device.
     engine_config = EngineConfig(slots=4, page_size=4, max_sequence=64, prefill_chunk=8, steps_per_sync=4)
+    from polyalign.generate import engine as engine_module
+
     requests = [Request(p, SamplingConfig(12, temperature=t), seed=i) for i, p in enumerate(prompts * 3)
                 for t in (0.0, 1.0)]
+    # penalised ones beside them: their [slots, vocab] histories are sharded over the slots too
+    requests += [Request(p, SamplingConfig(12, temperature=t, repetition_penalty=1.3, frequency_penalty=0.5,
+                                           min_p=0.05), seed=i) for i, p in enumerate(prompts) for t in (0.0, 1.0)]
     engine_plain = Engine(model, [], engine_config).generate(requests)
+    compiled = engine_module._decode._cache_size()
     engine_sharded = Engine(model, [], engine_config, mesh=mesh).generate(requests)
     Path(out).write_text(json.dumps({"equal": sharded.generate(prompts) == plain, "rows": len(plain),
                                      "engine_equal": engine_sharded == engine_plain,
+                                     # the histories come back as they went: one decoding program, not two
+                                     "decode_programs": engine_module._decode._cache_size() - compiled,
                                      "engine_greedy_equals_sampler": [c[0].tokens for c in engine_plain[:6:2]]
                                      == [tokens for tokens, _ in plain]}))

@@ -307,14 +307,12 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
 
 def _floor_draws(per_bucket: Sequence[np.ndarray | None]) -> np.ndarray | None:
     """The buckets' floor draws stacked [buckets, draws]: bootstrap draws against a separate support, or
-    held-out repeats (one where holding out every answer has one outcome, repeated to the others'
-    count). None where a bucket has none or their counts differ otherwise."""
-    if any(d is None for d in per_bucket):
+    held-out repeats without one. None where a bucket has none, or one outcome only (every answer held
+    out, a bucket backed off to a parent pool): a constant there would narrow the macro's interval
+    exactly where a small bucket is least sure."""
+    if any(d is None or len(d) < 2 for d in per_bucket) or len({len(d) for d in per_bucket}) != 1:
         return None
-    longest = max(len(d) for d in per_bucket)
-    if any(len(d) not in (1, longest) for d in per_bucket):
-        return None
-    return np.stack([np.broadcast_to(d, (longest,)) for d in per_bucket])
+    return np.stack(per_bucket)
 
 
 def measure(bucket_rows: Mapping[str, Sequence[int]], supports: Mapping[str, Support], generated: np.ndarray,

@@ -107,7 +107,7 @@ def request_seed(key: str, seed: int = 0) -> int:
 # --- the compiled programs --------------------------------------------------------------------------
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                top_k: jax.Array, min_p: jax.Array | None = None) -> jax.Array:
+                top_k: jax.Array, min_p: jax.Array) -> jax.Array:
     """Next tokens [B] from float32 logits [B, V] with each row's own settings: greedy where the
     temperature is 0, else min-p (0 = none), then top-k (0 = none) and top-p (sampling.nucleus_mask) over
     what min-p kept, as vLLM orders them, then a categorical draw with the row's key. Skips the
@@ -116,8 +116,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
 
     def sampled(_):
         scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        if min_p is not None:
-            scaled = jnp.where(min_p_mask(scaled, min_p), scaled, -jnp.inf)
+        scaled = jnp.where(min_p_mask(scaled, min_p), scaled, -jnp.inf)
         keep = nucleus_mask(scaled, top_k, top_p)
         drawn = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
@@ -126,20 +125,21 @@ def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_
 
 
 def _replicated(tree, sharding):
+    """`tree` laid out as `sharding` says (None: as the compiler likes, one device)."""
     return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
-def _prefill(state, pool, page_table, ids, positions, store, *, graphdef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "pool_sharding"), donate_argnames=("pool",))
+def _prefill(state, pool, page_table, ids, positions, store, *, graphdef, pool_sharding):
     """Writes the keys and values of prompt chunks ids [R, C] (store False: padding) into the pool."""
     model = nnx.merge(graphdef, state)
     cache = PagedKVCache.for_tokens(pool, page_table, positions, store)
     _, cache = model.decode_paged(ids, positions, cache, logits=False)
-    return cache.pool
+    return _replicated(cache.pool, pool_sharding)
 
 
-@functools.partial(jax.jit, donate_argnames=("history",))
-def _reset_history(history, rows, prompts, valid):
+@functools.partial(jax.jit, static_argnames=("sharding",), donate_argnames=("history",))
+def _reset_history(history, rows, prompts, valid, *, sharding):
     """Clears the penalty history of slots `rows` [S] and marks their prompts' tokens (prompts [S, P] with
     valid [S, P]) as seen: a new request's repetition penalty covers its prompt."""
     counts, seen = history
@@ -147,13 +147,13 @@ def _reset_history(history, rows, prompts, valid):
     seen = seen & ~rows[:, None]
     columns = jnp.where(valid & rows[:, None], prompts, vocab)  # out of range: dropped
     seen = seen.at[jnp.arange(seen.shape[0])[:, None], columns].set(True, mode="drop")
-    return jnp.where(rows[:, None], 0, counts), seen
+    return _replicated((jnp.where(rows[:, None], 0, counts), seen), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "stop_ids", "replicated"),
-                   donate_argnames=("pool", "history"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "stop_ids", "replicated", "pool_sharding",
+                                             "history_sharding"), donate_argnames=("pool", "history"))
 def _decode(state, pool, history, page_table, slots, refill, *, graphdef, steps: int, stop_ids: tuple[int, ...],
-            replicated):
+            replicated, pool_sharding, history_sharding):
     """Up to `steps` decoding steps of every live slot; with `refill` (requests are waiting) it returns
     as soon as a sequence finishes, so that its slot takes the next one. `slots` holds per-slot arrays
     [S]: token (the next input), position, count (tokens made so far), budget, seed, sample,
@@ -192,7 +192,9 @@ def _decode(state, pool, history, page_table, slots, refill, *, graphdef, steps:
     carry = (jnp.int32(0), pool, history, slots, jnp.zeros((steps, batch), jnp.int32),
              jnp.zeros((steps, batch), bool), jnp.bool_(False))
     _, pool, history, slots, tokens, made, _ = jax.lax.while_loop(running, step, carry)
-    return pool, history, _replicated((slots, tokens, made), replicated)
+    # the pool and the history leave laid out as they came: the next call reuses this program and the buffers
+    return (_replicated(pool, pool_sharding), _replicated(history, history_sharding),
+            _replicated((slots, tokens, made), replicated))
 
 
 # --- the scheduler ----------------------------------------------------------------------------------
@@ -280,9 +282,11 @@ class Engine:
         """The penalties' memory of each slot (answer token counts, prompt tokens seen), [slots, vocab]."""
         if self._history is None or self._history[0].shape[1] != self.model_config.vocab_size:
             shape = (self.slots, self.model_config.vocab_size)
-            sharding = None if self._slot_sharding is None else (self._slot_sharding,) * 2
-            self._history = jax.jit(lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)),
-                                    out_shardings=sharding)()
+            # laid out by the constraint `_decode` puts on its output, which names the layout in its own
+            # words (P('data') for P(('data', 'fsdp')) when fsdp is 1): an input spelt otherwise would be
+            # another program to compile for the second call
+            self._history = jax.jit(lambda: _replicated((jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)),
+                                                        self._slot_sharding))()
         history, self._history = self._history, None  # donated to the next program
         return history
 
@@ -360,6 +364,7 @@ class _Run:
             del self.owner[slot], self.made[slot]
             self.slots["live"][slot] = False
             self.prefills = deque(job for job in self.prefills if job.slot != slot)
+            self.new_histories.pop(slot, None)
             self._release(slot)
         self.on_done.pop(index, None)
         self.results[index] = self.requests[index] = None
@@ -467,7 +472,7 @@ class _Run:
                 job.done_to = stop
             table, ids, positions, store = (engine._put(x, engine._replicated) for x in (table, ids, positions, store))
             engine._pool = _prefill(engine._state, engine._pool_arrays(), table, ids, positions, store,
-                                    graphdef=engine._graphdef)
+                                    graphdef=engine._graphdef, pool_sharding=engine._pool_sharding)
             self.counts["prefill_calls"] += 1
         for job in [j for j in self.prefills if j.finished]:
             self.prefills.remove(job)
@@ -475,18 +480,20 @@ class _Run:
                 self.slots["live"][job.slot] = True
 
     # decoding
-    def _history_arrays(self):
+    def _history_with_resets(self):
         """The penalty history, with the slots of newly admitted penalised requests reset to their prompts."""
         engine = self.engine
         history = engine._history_arrays()
         if self.new_histories:
+            # prompts padded to 64, 128, 256, ... tokens: a handful of compiled resets serve every length
             width = 64 * 2 ** max(0, int(np.ceil(np.log2(max(map(len, self.new_histories.values())) / 64))))
             rows = np.zeros(engine.slots, bool)
             prompts = np.zeros((engine.slots, width), np.int32)
             valid = np.zeros((engine.slots, width), bool)
             for slot, prompt in self.new_histories.items():
                 rows[slot], prompts[slot, :len(prompt)], valid[slot, :len(prompt)] = True, prompt, True
-            history = _reset_history(history, *(engine._put(x, engine._slot_sharding) for x in (rows, prompts, valid)))
+            history = _reset_history(history, *(engine._put(x, engine._slot_sharding) for x in (rows, prompts, valid)),
+                                     sharding=engine._slot_sharding)
             self.new_histories.clear()
         return history
 
@@ -495,10 +502,11 @@ class _Run:
         slots = {name: engine._put(values, engine._slot_sharding) for name, values in self.slots.items()}
         steps = engine.config.steps_per_sync
         engine._pool, engine._history, (after, tokens, made) = _decode(
-            engine._state, engine._pool_arrays(), self._history_arrays(),
+            engine._state, engine._pool_arrays(), self._history_with_resets(),
             engine._put(self.table, engine._slot_sharding), slots,
             engine._put(np.bool_(bool(self.waiting)), engine._replicated), graphdef=engine._graphdef, steps=steps,
-            stop_ids=engine.stop_ids, replicated=engine._replicated)
+            stop_ids=engine.stop_ids, replicated=engine._replicated, pool_sharding=engine._pool_sharding,
+            history_sharding=engine._slot_sharding)
         after, tokens, made = jax.device_get((after, tokens, made))
         self.counts["decode_calls"] += 1
         self.counts["slot_steps"] += int(made.any(axis=1).sum()) * made.shape[1]  # steps run x slots

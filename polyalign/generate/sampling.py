@@ -107,7 +107,7 @@ class SamplingConfig:
     @property
     def penalised(self) -> bool:
         """Whether the tokens seen so far change the next token's logits."""
-        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+        return any(getattr(self, key) != NEUTRAL[key] for key in NEUTRAL if key != "min_p")
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:

@@ -28,6 +28,7 @@ from polyalign.data.text import normalize
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import (
+    CHECKPOINT_KEYS,
     NEUTRAL,
     OPENAI_SAMPLING,
     SamplingConfig,
@@ -429,16 +430,16 @@ def _check_port(host: str, port: int) -> None:
 
 
 def sampling_line(service: Service, checkpoint) -> str:
-    """What a request that sets no temperature, top_p or top_k is decoded with, and where that comes from."""
+    """What a request decodes with for the settings it leaves unset, and where that comes from."""
     chosen = describe_sampling(service.sampling_defaults)
     greedy_file = checkpoint_greedy(checkpoint)
     where = (f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(service.checkpoint_sampling)}"
              ", which vLLM takes too" if service.checkpoint_sampling else
              "OpenAI's defaults, as vLLM's: the checkpoint's generation_config.json sets do_sample false, which "
              "transformers' generate() follows (greedy) and vLLM does not" if greedy_file else
-             "OpenAI's defaults (the checkpoint's generation_config.json sets no temperature, top_p or top_k)")
+             "OpenAI's defaults (the checkpoint's generation_config.json sets none of them)")
     greedy = "; send temperature 0 for greedy answers" if service.sampling_defaults["temperature"] > 0 else ""
-    return f"sampling: a request that sets none of temperature, top_p, top_k gets {chosen}: {where}{greedy}"
+    return f"sampling: a request that leaves {', '.join(CHECKPOINT_KEYS)} unset gets {chosen}: {where}{greedy}"
 
 
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:

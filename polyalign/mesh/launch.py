@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from polyalign.core.errors import LaunchError
 
@@ -176,6 +177,8 @@ def said_by_another_process(line: str) -> bool:
 
 def ended(returncode: int) -> str:
     """How a process ended, in words: `exited with status 3`, `was killed by SIGKILL`."""
+    if returncode == 128 + signal.SIGTERM:  # polyalign's own exit on a SIGTERM it took (cli.main)
+        return f"exited with status {returncode} (stopped by SIGTERM)"
     if returncode >= 0:
         return f"exited with status {returncode}"
     try:
@@ -184,12 +187,17 @@ def ended(returncode: int) -> str:
         return f"was killed by signal {-returncode}"
 
 
-def run_slurm(command: Sequence[str], port: int = DEFAULT_PORT) -> int:
+def run_slurm(command: Sequence[str], port: int = DEFAULT_PORT) -> NoReturn:
+    """Becomes the command (exec) with the start variables of this SLURM task: SLURM's SIGTERM on
+    preemption then reaches the training process itself, which checkpoints after its current step; a
+    launcher waiting in between would be stopped by it first and take the command down with it."""
     if not command:
         raise LaunchError("nothing to launch: give the command after --")
     require_program(command[0])
     env = {**os.environ, **slurm_environment(os.environ, port)}
-    return subprocess.call(list(command), env=env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], list(command), env)
 
 
 def require_program(program: str) -> None:
