@@ -291,3 +291,11 @@ def test_a_slurm_task_becomes_its_command_so_preemption_reaches_the_training_pro
     task.send_signal(signal.SIGTERM)  # as SLURM preempts: to the task's process
     assert task.wait(timeout=30) == 0
     assert saved.read_text() == f"1 {task.pid}"
+
+
+def test_how_a_process_ended_is_said_in_words():
+    from polyalign.mesh.launch import ended
+
+    assert ended(2) == "exited with status 2"
+    assert ended(143) == "exited with status 143 (stopped by SIGTERM)"  # polyalign's own exit on SIGTERM
+    assert ended(-9) == "was killed by SIGKILL"
