@@ -140,6 +140,27 @@ def test_n_samples_share_the_prompt_pages():
     assert engine.stats["pages_in_use"] == 0
 
 
+@pytest.mark.parametrize("length", [97, 9])
+def test_samples_wait_for_the_shared_prompt_pages_when_nothing_of_the_prompt_is_their_own(length):
+    """A prompt of 4k + 1 tokens on pages of 4: every page but the last token's is shared, so each sample's
+    own prefill is empty. Those empty prefills counted as done at once, and the samples decoded while the
+    shared pages were still being written (over several prefill calls): sample 0 answered right, the
+    others from half-written pages, and differently on a server whose pool held an earlier request's."""
+    from polyalign.generate.engine import _Run
+
+    model = load_hf_checkpoint(FIXTURES / "hf" / "llama")
+    prompt = np.concatenate(real_prompts())[:length]
+    assert (len(prompt) - 1) % SMALL.page_size == 0 and len(prompt) > SMALL.prefill_chunk * (length > 16)
+    engine = Engine(model, [], SMALL)
+    run = _Run(engine, [Request(prompt, SamplingConfig(max_new_tokens=10), n=3)], None)
+    run._admit()
+    while run.prefills:  # no sample decodes before every prompt position it reads is in the cache
+        run._prefill_step()
+        assert not run.slots["live"].any() or not run.prefills, [(j.slot, j.done_to, j.end) for j in run.prefills]
+    single = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=10))])[0][0]
+    assert engine.generate([Request(prompt, SamplingConfig(max_new_tokens=10), n=3)])[0] == [single] * 3
+
+
 def test_requests_the_engine_cannot_hold_are_refused_in_one_line():
     model = load_hf_checkpoint(FIXTURES / "hf" / "llama")
     engine = Engine(model, [], SMALL)

@@ -221,6 +221,12 @@ class _Prefill:
     def ready(self) -> bool:
         return not self.finished and (self.after is None or self.after.finished)
 
+    @property
+    def cached(self) -> bool:
+        """Every prompt position of its slot up to `end` is in the cache: its own and the shared ones
+        before it (a sample whose own part is empty waits for the shared pages all the same)."""
+        return self.finished and (self.after is None or self.after.finished)
+
 
 _SLOT_FIELDS = {"token": np.int32, "position": np.int32, "count": np.int32, "budget": np.int32, "seed": np.uint32,
                 "sample": np.int32, "temperature": np.float32, "top_p": np.float32, "top_k": np.int32,
@@ -451,10 +457,6 @@ class _Run:
     # prefill
     def _prefill_step(self) -> None:
         engine, cfg = self.engine, self.engine.config
-        # zero-length prefills (one-token prompts, a tail that starts at the last token) finish at once
-        for job in self.prefills:
-            if job.start >= job.end:
-                job.done_to = job.end
         jobs = [job for job in self.prefills if job.ready][:cfg.prefill_rows]
         if jobs:
             rows, chunk = cfg.prefill_rows, cfg.prefill_chunk
@@ -474,7 +476,9 @@ class _Run:
             engine._pool = _prefill(engine._state, engine._pool_arrays(), table, ids, positions, store,
                                     graphdef=engine._graphdef, pool_sharding=engine._pool_sharding)
             self.counts["prefill_calls"] += 1
-        for job in [j for j in self.prefills if j.finished]:
+        # a zero-length prefill (a one-token prompt, a sample's tail starting at the last token) is finished
+        # from the start, but its slot decodes only once the shared pages before it are written too
+        for job in [j for j in self.prefills if j.cached]:
             self.prefills.remove(job)
             if not any(other.slot == job.slot for other in self.prefills):
                 self.slots["live"][job.slot] = True
