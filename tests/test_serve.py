@@ -193,6 +193,12 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"messages": chat, "stream": "yes"}, 400, "stream"),
         ("post", "/chat/completions", {"messages": chat, "logprobs": True}, 400, "does not support logprobs"),
         ("post", "/chat/completions", {"messages": chat, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        # a misspelt or unknown setting is refused, not decoded with the default; vLLM's extras it cannot honour too
+        ("post", "/chat/completions", {"messages": chat, "tempreature": 0}, 400,
+         "unknown parameter 'tempreature'; did you mean 'temperature'?"),
+        ("post", "/completions", {"prompt": "x", "foo": 1}, 400, "unknown parameter 'foo'"),
+        ("post", "/chat/completions", {"messages": chat, "min_tokens": 20}, 400, "does not support min_tokens"),
+        ("post", "/chat/completions", {"messages": chat, "ignore_eos": True}, 400, "does not support ignore_eos"),
         ("post", "/chat/completions", {"messages": chat, "repetition_penalty": 0}, 400, "repetition_penalty"),
         ("post", "/completions", {"prompt": "x", "echo": True}, 400, "does not support echo"),
         ("post", "/completions", {"prompt": "A hotel near the station. " * 60}, 400, "context"),
@@ -215,6 +221,10 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         penalised = {"messages": chat, "max_tokens": 4, "temperature": 0, "presence_penalty": 0.5,
                      "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.05}
         assert call(server.url + "/chat/completions", body=penalised)[0] == 200
+        # what changes no answer is taken as given (user, metadata), and vLLM's top_k -1 means no cut as 0 does
+        assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4, "user": "u-17",
+                                                            "metadata": {"run": "a"}, "top_k": -1,
+                                                            "min_tokens": 0})[0] == 200
         # told to stop, a request still running after the grace gets a 503 in OpenAI's shape, not a bare 500
         server.service.stopping_since = time.monotonic() - 60
         code, answer = call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 100})

@@ -11,6 +11,7 @@ is answered 400.
 
 import asyncio
 import dataclasses
+import difflib
 import json
 import queue
 import socket
@@ -95,7 +96,7 @@ def _models():
         # unset: the checkpoint's generation_config.json, else OpenAI's (Service.sampling_defaults)
         temperature: float | None = Field(None, ge=0.0, le=2.0)
         top_p: float | None = Field(None, gt=0.0, le=1.0)
-        top_k: int | None = Field(None, ge=0)
+        top_k: int | None = Field(None, ge=-1)  # vLLM's -1 or 0: no cut
         # vLLM's extra sampling parameters, then OpenAI's penalties (sampling.SamplingConfig says what they do)
         min_p: float | None = Field(None, ge=0.0, le=1.0)
         repetition_penalty: float | None = Field(None, gt=0.0)
@@ -132,12 +133,20 @@ def _text(content) -> str:
     return text
 
 
-# OpenAI parameters the engine cannot honour, with the values that ask for nothing; any other value is
-# refused rather than silently dropped.
+# OpenAI's and vLLM's parameters the engine cannot honour, with the values that ask for nothing; any other
+# value is refused rather than silently dropped.
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
-               "logit_bias": (None, {}),
-               "echo": (None, False), "suffix": (None,), "best_of": (None, 1), "stream_options": (None,)}
+               "logit_bias": (None, {}), "echo": (None, False), "suffix": (None,), "best_of": (None, 1),
+               "stream_options": (None,), "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
+               "reasoning_effort": (None,), "min_tokens": (None, 0), "ignore_eos": (None, False),
+               "stop_token_ids": (None, []), "skip_special_tokens": (None, True), "use_beam_search": (None, False),
+               "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
+               "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
+               "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+               "prompt_logprobs": (None, 0)}
+# OpenAI's parameters that do not change an answer (who asked, what to keep of the exchange): taken as given
+NO_EFFECT = ("user", "metadata", "store", "service_tier")
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -179,6 +188,14 @@ class Service:
             if name in extra and extra[name] not in harmless:
                 raise _ApiError(400, f"polyalign serve does not support {name}; send the request without it",
                                 param=name)
+        unknown = [key for key in extra if key not in UNSUPPORTED and key not in NO_EFFECT and key not in PROFILE_KEYS]
+        if unknown:  # a misspelt setting would otherwise decode with the default, unnoticed
+            known = [*type(body).model_fields, *UNSUPPORTED, *NO_EFFECT]
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise _ApiError(400, f"unknown parameter {unknown[0]!r}{hint} (polyalign serve takes the OpenAI "
+                                 "parameters it can honour and vLLM's top_k, min_p, repetition_penalty and "
+                                 "chat_template_kwargs)", param=unknown[0])
         misplaced = [key for key in PROFILE_KEYS if key in extra]
         if misplaced:  # ignored there, the request would run without the profile the client meant to give
             raise _ApiError(400, f"{', '.join(misplaced)}: profile variables go in chat_template_kwargs "
@@ -199,6 +216,8 @@ class Service:
         seed = (request_seed(uuid.uuid4().hex) if body.seed is None
                 else request_seed(",".join(map(str, prompt)), body.seed))
         given = {key: getattr(body, key) for key in (*OPENAI_SAMPLING, *NEUTRAL) if getattr(body, key) is not None}
+        if given.get("top_k") == -1:
+            given["top_k"] = 0
         return SamplingConfig(budget, **{**self.sampling_defaults, **given}), seed % 2 ** 32
 
     async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
