@@ -102,6 +102,15 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
         text = client.completions.create(model="sft", prompt="The hotel is in the centre", max_tokens=6,
                                          temperature=0)
         assert client.models.retrieve("sft").id == "sft"
+        # the chat request's rendering sent as text (its special tokens written out, as `prompts` writes a
+        # row's prompt) or as token ids (a row's prompt_token_ids) is the same prompt
+        own = [Message(m["role"], m["content"]) for m in messages]
+        rendered = server.service.chat.render(own, add_generation_prompt=True)
+        as_text = client.completions.create(model="sft", prompt=rendered, max_tokens=12, temperature=0)
+        as_ids = client.completions.create(model="sft", max_tokens=12, temperature=0, prompt=encode_prompt(
+            server.service.chat, server.service.tokenizer, own).tolist())
+        with pytest.raises(openai.BadRequestError, match="prompt token id 99999 is outside this model's vocabulary"):
+            client.completions.create(model="sft", prompt=[5, 99999], max_tokens=2)
         # a stop string ends decoding (within one decoding call of 8 steps) and cuts the text there
         long = client.chat.completions.create(model="sft", messages=messages, max_tokens=60, temperature=0)
         content = long.choices[0].message.content
@@ -142,6 +151,9 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens).lstrip()
     assert greedy.choices[0].finish_reason == expected.finish_reason
     assert greedy.usage.prompt_tokens == len(prompt) and greedy.usage.completion_tokens == len(expected.tokens)
+    for completion in (as_text, as_ids):
+        assert completion.usage.prompt_tokens == len(prompt)
+        assert completion.choices[0].text == greedy.choices[0].message.content
     # a seed gives the same three samples twice; the three differ from one another
     contents = [[c.message.content for c in response.choices] for response in sampled]
     assert contents[0] == contents[1] and len(set(contents[0])) == 3
@@ -162,7 +174,7 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     logged = [re.fullmatch(line_form, line) for line in lines]
     assert all(logged), lines
     assert [m.group(1, 2, 3) for m in logged].count(("POST", "/v1/chat/completions", "400")) == 4
-    assert sum(m.group(2) == "/v1/models" for m in logged) == 2 and len(logged) == 15
+    assert sum(m.group(2) == "/v1/models" for m in logged) == 2 and len(logged) == 18
     assert " 200 " in lines[2] and lines[2].endswith(f" s {len(prompt)}+{len(expected.tokens)} tokens"), lines[2]
 
 

@@ -38,7 +38,7 @@ from polyalign.generate.sampling import (
     describe_sampling,
 )
 from polyalign.model.architecture import longer_than_positions, position_limit
-from polyalign.tokens.chat import Message, encode_prompt, profile_text, with_system_prompt
+from polyalign.tokens.chat import Message, encode_prompt, encode_rendered, profile_text, with_system_prompt
 from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODE_KEYS, profile_problem, trained_profile_text
 
 DEFAULT_PORT = 8000
@@ -114,7 +114,9 @@ def _models():
         chat_template_kwargs: dict[str, Any] | None = None  # keys checked before value types (below)
 
     class CompletionRequest(Sampling):
-        prompt: str | list[str]
+        # text (special tokens written out are read as such), or token ids as OpenAI's API takes them
+        # (`polyalign prompts --max-prompt-tokens` writes each row's prompt_token_ids)
+        prompt: str | list[str] | list[int] | list[list[int]]
 
     return ChatRequest, CompletionRequest
 
@@ -252,6 +254,17 @@ class Service:
             self.loop.cancel(future)
             raise
 
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids: ids as given (each checked against the vocabulary), or the text's
+        with its special tokens (`<s>`, `<|im_start|>`) read as tokens, as a chat request's rendering is."""
+        if isinstance(prompt, list):
+            outside = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
+            if outside:
+                raise _ApiError(400, f"prompt token id {outside[0]} is outside this model's vocabulary of "
+                                     f"{self.tokenizer.vocab_size}", param="prompt")
+            return list(prompt)
+        return encode_rendered(_text(prompt), self.tokenizer)
+
     def _choices(self, completions, stops: list[str]) -> tuple[list[tuple[str, str]], int]:
         """(text, finish reason) of each completion, and the completion tokens they count: a stopped one
         counts up to the token that completed its stop string, as vLLM counts (decoding runs in calls of
@@ -314,11 +327,13 @@ class Service:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": made, "total_tokens": len(prompt) + made}}
 
     async def completion(self, body, client=None) -> dict:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+        prompts = [body.prompt] if single else body.prompt
         if not prompts or not all(prompts):
-            raise _ApiError(400, "prompt must be a non-empty string or a list of them", param="prompt")
+            raise _ApiError(400, "prompt must be a non-empty string or token id list, or a list of them",
+                            param="prompt")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        encoded = [self.tokenizer.encode(_text(p)) for p in prompts]
+        encoded = [self._prompt_ids(p) for p in prompts]
         requests = [self._sampling(body, ids, "prompt") for ids in encoded]
         results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n, client, stops)
                                          for ids, (sampling, seed) in zip(encoded, requests)))

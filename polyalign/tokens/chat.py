@@ -571,6 +571,14 @@ def encode_pieces(pieces: Sequence[Piece], tokenizer: Tokenizer,
     return ids, mask
 
 
+def encode_rendered(text: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a text that may hold special tokens written out (a rendered chat template, `prompts`'
+    `prompt` field): each one read as its id, as transformers and vLLM read such text, and the text between
+    them encoded as usual. Nothing is added (no BOS the text does not hold)."""
+    pieces = [Piece(t, special=special) for t, special, _ in split_pieces(text, {}, tokenizer.added_tokens())]
+    return encode_pieces(pieces, tokenizer, set())[0]
+
+
 TRUNCATIONS = ("left", "keep_system")  # how a prompt over its share of the cutoff is cut (encode_conversation)
 
 
