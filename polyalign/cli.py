@@ -559,15 +559,17 @@ def _add_generate(sub) -> None:
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     _budget_options(p, 128, "most tokens per answer (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                                                           "holding this probability (default 1.0, no cut)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0, no cut)")
-    p.add_argument("--min-p", type=float, default=0.0, help="sample among the tokens at least this share as likely "
-                                                           "as the likeliest (default 0, no cut)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    left = ("; left unset, the checkpoint's generation_config.json value where it sets one, as serve and vLLM "
+            "take it, else ")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: keep the smallest set of tokens holding this "
+                                               f"probability{left}1.0, no cut")
+    p.add_argument("--top-k", type=int, help=f"sample among the k most likely tokens{left}0, no cut")
+    p.add_argument("--min-p", type=float, help="sample among the tokens at least this share as likely as the "
+                                               f"likeliest{left}0, no cut")
+    p.add_argument("--repetition-penalty", type=float,
                    help="divide the positive logits of tokens in the prompt or the answer so far by this, multiply "
                         "the negative ones (as transformers and vLLM; Qwen2.5-Instruct's generation_config sets "
-                        "1.05; default 1, none; applies to greedy decoding too)")
+                        f"1.05; applies to greedy decoding too){left}1, none")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of each token the answer holds (OpenAI's, -2 to 2; default 0)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -633,14 +635,27 @@ def _run_generate(args) -> int:
         SamplingConfig,
         generate_predictions,
     )
+    from polyalign.generate.sampling import (  # beside run's imports: jax
+        NEUTRAL_FLAGS,
+        describe_sampling,
+        unset_from_checkpoint,
+    )
 
     auto = args.max_new_tokens == "auto"
     budget_records = _budget_records(args)
+    given = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+             "repetition_penalty": args.repetition_penalty}
+    chosen, taken = unset_from_checkpoint(given, args.checkpoint)
+    if taken:
+        print(f"note: {describe_sampling(taken)} from {args.checkpoint}/generation_config.json for the settings not "
+              "given, as `polyalign serve` and vLLM take them (give them, e.g. "
+              f"{' '.join('--' + k.replace('_', '-') + ' ' + format(NEUTRAL_FLAGS[k], 'g') for k in taken)}, to "
+              "decode without)")
     options = GenerateOptions(profile=args.profile, template=args.template,
                               sampling=SamplingConfig(args.budget_ceiling if auto else args.max_new_tokens,
-                                                      args.temperature, args.top_p, args.top_k, args.min_p,
-                                                      args.repetition_penalty, args.presence_penalty,
-                                                      args.frequency_penalty),
+                                                      args.temperature, **chosen,
+                                                      presence_penalty=args.presence_penalty,
+                                                      frequency_penalty=args.frequency_penalty),
                               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
                               sample=args.sample, seed=args.seed,
                               budget_records=None if budget_records is None else str(budget_records.resolve()),

@@ -203,6 +203,25 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
         main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(auto), "--out",
               str(tmp_path / "x.jsonl"), "--max-new-tokens", "many"])
     assert refused.value.code == 2
+    # settings not given come from the checkpoint's generation_config.json, as serve and vLLM take them (its
+    # temperature aside: greedy unless told); given ones win
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 3, "repetition_penalty": 1.8}))
+    capsys.readouterr()
+    taken = tmp_path / "taken.jsonl"
+    base = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+            "--limit", "12", "--max-new-tokens", "6", "--batch-size", "5", "--no-progress"]
+    assert main([*base, "--out", str(taken)]) == 0
+    printed = capsys.readouterr().out
+    assert (f"note: top_k 3, repetition_penalty 1.8 from {tmp_path / 'ckpt'}/generation_config.json for the settings "
+            "not given, as `polyalign serve` and vLLM take them (give them, e.g. --top-k 0 --repetition-penalty 1, "
+            "to decode without)") in printed
+    sampling = json.loads((tmp_path / "taken.manifest.json").read_text())["settings"]["sampling"]
+    assert (sampling["temperature"], sampling["top_k"], sampling["repetition_penalty"]) == (0.0, 3, 1.8)
+    assert main([*base, "--out", str(tmp_path / "given.jsonl"), "--repetition-penalty", "1"]) == 0
+    sampling = json.loads((tmp_path / "given.manifest.json").read_text())["settings"]["sampling"]
+    assert sampling["top_k"] == 3 and "repetition_penalty" not in sampling
+    assert "repetition_penalty 1.8" not in capsys.readouterr().out.split("\n")[0]
 
 
 @pytest.mark.slow

@@ -418,8 +418,17 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
             said = ", ".join(f"{k} {v:g}" for k, v in given.items())
             assert f"sets {said}, which vLLM takes too" in line
             assert f"gets {said.replace('temperature 0.6', 'temperature 0.6, top_p 1, top_k 0')}:" in line
-            flags = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())
-            assert len(notes) == 1 and notes[0].endswith(f"these answers are greedy (--temperature 0, the default): "
-                                                         f"give {flags} to decode as they do")
+            assert len(notes) == 1 and notes[0].endswith(
+                "these answers are greedy (--temperature 0, the default): give --temperature "
+                f"{config['temperature']:g} to decode as they do (`generate` takes the file's other settings that are "
+                "not given)")
+            # generate takes the file's settings that are not given (not its temperature), as serve does
+            from polyalign.generate.sampling import unset_from_checkpoint
+
+            chosen, taken = unset_from_checkpoint({"top_p": None, "top_k": 5, "min_p": None,
+                                                   "repetition_penalty": None}, folder)
+            assert taken == {k: v for k, v in given.items() if k not in ("temperature", "top_k")}
+            assert chosen == {"top_p": config.get("top_p", 1.0), "top_k": 5, "min_p": config.get("min_p", 0.0),
+                              "repetition_penalty": config.get("repetition_penalty", 1.0)}
     finally:
         service.loop.close()

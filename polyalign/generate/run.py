@@ -138,13 +138,13 @@ def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateO
 
 def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[str]) -> None:
     """A note when greedy decoding meets a checkpoint whose generation_config.json samples: vLLM (and
-    `serve`) decode its requests with those settings, so answers from there differ from these."""
+    `serve`) decode its requests with its temperature, so answers from there differ from these."""
     theirs = checkpoint_sampling(checkpoint)
     if sampling.temperature == 0 and theirs.get("temperature", 0) > 0:
-        flags = " ".join(f"--{key.replace('_', '-')} {value:g}" for key, value in theirs.items())
         notes.append(f"{Path(str(checkpoint)) / 'generation_config.json'} sets {describe_sampling(theirs)}: vLLM and "
                      f"`polyalign serve` sample with them for requests that set none; these answers are greedy "
-                     f"(--temperature 0, the default): give {flags} to decode as they do")
+                     f"(--temperature 0, the default): give --temperature {theirs['temperature']:g} to decode as "
+                     "they do (`generate` takes the file's other settings that are not given)")
 
 
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,

@@ -50,6 +50,22 @@ def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
     return {key: value for key, value in found.items() if NEUTRAL.get(key) != value}
 
 
+# What a sampling setting that is neither given nor set by the checkpoint decodes with
+NEUTRAL_FLAGS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def unset_from_checkpoint(given: dict[str, float | int | None], checkpoint) -> tuple[dict, dict]:
+    """`given` (top_p, top_k, min_p, repetition_penalty; None = not given) completed as `serve` and vLLM
+    complete a request: the checkpoint's generation_config.json value where it sets one, else none. The
+    temperature is not taken (`generate` decodes greedily unless told). Returns (chosen, taken from the
+    checkpoint)."""
+    theirs = checkpoint_sampling(checkpoint)
+    taken = {key: theirs[key] for key in NEUTRAL_FLAGS if given.get(key) is None and key in theirs}
+    chosen = {key: given[key] if given.get(key) is not None else taken.get(key, NEUTRAL_FLAGS[key])
+              for key in NEUTRAL_FLAGS}
+    return chosen, taken
+
+
 def checkpoint_greedy(checkpoint) -> bool:
     """Whether the checkpoint's generation_config.json says `do_sample: false` (transformers decodes it
     greedily; vLLM reads no such key)."""
