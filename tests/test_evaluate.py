@@ -570,7 +570,8 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     def human(cells):
         return cells[0] if len(set(cells)) == 1 else "; ".join(f"{n}: {c}" for n, c in zip("abc", cells))
 
-    for name, key in (("BNG macro (lower is more human-like)", "bng"), ("HCR macro", "hcr")):
+    for name, key in (("BNG macro (lower is more human-like)", "bng"), ("HCR macro (people land near their floor)",
+                                                                       "hcr")):
         assert rows[name][:3] == [shown(metrics[n][key]["overall_macro"], metrics[n][key].get("macro_interval"))
                                   for n in "abc"], name
         # the paper's mode (c) measures no floor; the others' floors have their intervals
@@ -579,9 +580,9 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     # another support measures people against other answers: their BNG differs, and the table says whose
     assert metrics["a"]["bng"]["floor_macro"] != metrics["b"]["bng"]["floor_macro"]
     people = [metrics[n]["diversity"]["overall"] for n in "abc"]  # c counts words as the paper's code does
-    assert rows["Distinct-2"][3] == human([shown(p["human"]["distinct_2"],
+    assert rows["Distinct-2 (higher is more diverse)"][3] == human([shown(p["human"]["distinct_2"],
                                                  (p.get("human_interval") or {}).get("distinct_2")) for p in people])
-    assert rows["F1"][3] == "—" and rows["Aggregate"][3] == "—"
+    assert rows["F1 (higher is better)"][3] == "—" and rows["Aggregate"][3] == "—"
 
 
 def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, tmp_path, capsys):

@@ -50,19 +50,22 @@ def _macro_row(name: str, *metric: str, optional: bool = False) -> OverallRow:
                       (*metric, "floor_macro_interval"), optional)
 
 
+NUF_ROW = "NUF hypervolume (higher is better)"
+# each name says which way is better: a reader of one number should not need the docs for that
 OVERALL_ROWS = (
-    OverallRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
-    OverallRow("ROUGE-L", ("utility", "overall", "rouge_l_f1")),
-    OverallRow("EM", ("utility", "overall", "em")),
-    _diversity_row("Distinct-2", "distinct_2"),
+    OverallRow("F1 (higher is better)", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
+    OverallRow("ROUGE-L (higher is better)", ("utility", "overall", "rouge_l_f1")),
+    OverallRow("EM (higher is better)", ("utility", "overall", "em")),
+    _diversity_row("Distinct-2 (higher is more diverse)", "distinct_2"),
     _diversity_row("Self-BLEU-4 (lower is more diverse)", "self_bleu_4"),
     _macro_row("BNG macro (lower is more human-like)", "bng"),
-    _macro_row("HCR macro", "hcr"),
+    _macro_row("HCR macro (people land near their floor)", "hcr"),
     _macro_row("Detectability AUC macro (0.5: as people)", "detectability"),
-    _macro_row("Detectability AUC macro, hidden states", "detectability", "hidden_states", optional=True),
-    OverallRow("MAUVE", ("mauve", "global")),
-    OverallRow("TDM", ("tdm", "overall_macro")),
-    OverallRow("NUF hypervolume", ("nuf", "overall", "hypervolume")),
+    _macro_row("Detectability AUC macro, hidden states (0.5: as people)", "detectability", "hidden_states",
+               optional=True),
+    OverallRow("MAUVE (higher is closer to people)", ("mauve", "global")),
+    OverallRow("TDM (higher is closer to people's turns; the no-model answers' below)", ("tdm", "overall_macro")),
+    OverallRow(NUF_ROW, ("nuf", "overall", "hypervolume")),
     OverallRow("Aggregate", ("aggregate", "overall")),
 )
 HUMAN_COLUMN = "human floor (people's own answers)"
@@ -345,8 +348,8 @@ def _model_row(name: str, m: dict) -> tuple[str, ...]:
             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
             _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")),
-            _fmt(m["tdm"]["overall_macro"]), _fmt(_get(m, ("nuf", "overall", "hypervolume"))),
-            _fmt(m["aggregate"]["overall"]))
+            _fmt(m["mauve"]["global"]), _fmt(m["tdm"]["overall_macro"]),
+            _fmt(_get(m, ("nuf", "overall", "hypervolume"))), _fmt(m["aggregate"]["overall"]))
 
 
 def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -> tuple[str, str]:
@@ -358,10 +361,14 @@ def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -
     for name, row in m.get("reference_rows", {}).items():
         rows.append((name, *(_spread(row.get(key), row.get(f"{key}_interval"))
                               for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1")),
-                     *(_fmt(row.get(key)) for key in ("tdm_macro", "nuf_hypervolume", "aggregate"))))
+                     *(_fmt(row.get(key)) for key in ("mauve", "tdm_macro", "nuf_hypervolume", "aggregate"))))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
-    return _table(["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
-                   "F1", "TDM", "NUF hypervolume", "aggregate"], rows)
+    header = ["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
+              "F1", "MAUVE", "TDM", "NUF hypervolume", "aggregate"]
+    if m["mauve"].get("status") != "computed":  # no featurizer: a column of dashes says nothing
+        rows = [row[:5] + row[6:] for row in rows]
+        header.remove("MAUVE")
+    return _table(header, rows)
 
 
 def _baseline_notes(m: dict) -> str:
@@ -736,7 +743,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     axes = _nuf_axes(runs)
     if axes is not None:  # each hypervolume says its naturalness axis
         rows = [(name, *(f"{cell} (naturalness: {axis})" if cell != "—" else cell
-                         for cell, axis in zip(cells, axes)), human) if name == "NUF hypervolume" else
+                         for cell, axis in zip(cells, axes)), human) if name == NUF_ROW else
                 (name, *cells, human) for name, *cells, human in rows]
     rows.append((*_aggregate_row(runs), "—"))
     settings_rows = [("test rows", *(f"{r['alignment']['evaluated']}"
