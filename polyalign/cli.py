@@ -635,11 +635,7 @@ def _run_generate(args) -> int:
         SamplingConfig,
         generate_predictions,
     )
-    from polyalign.generate.sampling import (  # beside run's imports: jax
-        NEUTRAL_FLAGS,
-        describe_sampling,
-        unset_from_checkpoint,
-    )
+    from polyalign.generate.settings import NEUTRAL_FLAGS, describe_sampling, unset_from_checkpoint  # this command's
 
     auto = args.max_new_tokens == "auto"
     budget_records = _budget_records(args)

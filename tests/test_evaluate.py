@@ -903,3 +903,35 @@ def test_error_bars_draw_nothing_where_a_bucket_has_no_interval():
     np.testing.assert_allclose(bars[:, 0], [0.1, 0.15])
     assert np.isnan(bars[:, 1]).all() and np.isnan(bars[:, 2]).all()
     np.testing.assert_allclose(bars[:, 3], [0.0, 0.09], atol=1e-12)
+
+
+def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
+    """Greedy answers against sampled ones of one checkpoint differ by the decoding as much as by the model:
+    metrics.json keeps what `generate` recorded, and the comparison names it where runs differ."""
+    from polyalign.core.outputs import sidecar
+    from polyalign.evaluate.run import decoding_of
+    from polyalign.reports.evaluation import decoding_text, differing_settings
+
+    def predictions(name, settings):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text('{"id": "a", "prediction": "b"}\n')
+        if settings is not None:
+            sidecar(path).write_text(json.dumps({"settings": settings}))
+        return decoding_of(path)
+
+    greedy = predictions("greedy", {"sampling": {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                                 "min_p": 0.0}, "budget_records": None})  # min_p 0 asks nothing
+    sampled = predictions("sampled", {"sampling": {"max_new_tokens": 512, "temperature": 0.7, "top_p": 0.8,
+                                                   "top_k": 20, "repetition_penalty": 1.05},
+                                      "budget_records": "/runs/r/data/train.jsonl"})
+    assert sampled["max_new_tokens"] == "auto" and greedy["max_new_tokens"] == 128
+    assert predictions("external", None) is None
+    assert [decoding_text(d) for d in (greedy, sampled, None)] == [
+        "greedy", "temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05",
+        "not recorded (answers not from polyalign generate)"]
+    assert "min_p" not in greedy
+    assert decoding_text({"temperature": 0.0, "frequency_penalty": 0.5}) == "greedy, frequency_penalty 0.5"
+    runs = {name: {"config": {"decoding": d, "profile": ["context"], "compat": "cjk"}, "alignment": {"evaluated": 9},
+                   "metrics": {"mauve": {"status": "skipped"}}} for name, d in (("a", greedy), ("b", sampled))}
+    assert ("decoding: greedy | temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05"
+            in differing_settings(runs))

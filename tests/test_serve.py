@@ -423,7 +423,7 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
                 f"{config['temperature']:g} to decode as they do (`generate` takes the file's other settings that are "
                 "not given)")
             # generate takes the file's settings that are not given (not its temperature), as serve does
-            from polyalign.generate.sampling import unset_from_checkpoint
+            from polyalign.generate.settings import unset_from_checkpoint
 
             chosen, taken = unset_from_checkpoint({"top_p": None, "top_k": 5, "min_p": None,
                                                    "repetition_penalty": None}, folder)

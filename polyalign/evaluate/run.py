@@ -36,6 +36,7 @@ from polyalign.features.lm import LMScorer, record_lm_features
 from polyalign.features.references import read_references
 from polyalign.features.response import FEATURE_NAMES, text_features
 from polyalign.generate.predictions import check_generated_from, iter_predictions
+from polyalign.generate.settings import NEUTRAL
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
 from polyalign.model.pooling import encode_responses
@@ -377,6 +378,17 @@ def predictions_checkpoint(predictions_path: Path) -> str | None:
     return checkpoint if isinstance(checkpoint, str) else None
 
 
+def decoding_of(predictions_path: Path) -> dict[str, Any] | None:
+    """How `polyalign generate` decoded the predictions (its manifest's sampling settings, and `auto` where
+    each bucket had its own budget); None for an external engine's."""
+    settings = (read_record(predictions_path) or {}).get("settings") or {}
+    sampling = settings.get("sampling")
+    if not isinstance(sampling, dict):
+        return None
+    asked = {key: value for key, value in sampling.items() if key not in NEUTRAL or value != NEUTRAL[key]}
+    return {**asked, **({"max_new_tokens": "auto"} if settings.get("budget_records") else {})}
+
+
 def featurizer_is_the_model(featurizer, predictions_path: Path) -> bool:
     """Whether --featurizer is the checkpoint that wrote the predictions."""
     checkpoint = predictions_checkpoint(predictions_path)
@@ -521,7 +533,7 @@ def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predict
                    "featurizer": str(options.featurizer) if options.featurizer else None,
                    "scorer": str(options.scorer) if options.scorer else None,
                    "allow_partial": options.allow_partial, "profile": joined.profiles, "models": joined.models,
-                   "trained": trained_with(predictions_path),
+                   "trained": trained_with(predictions_path), "decoding": decoding_of(predictions_path),
                    "test_rows": joined.alignment["evaluated"], "min_bucket_rows": nat.MIN_BUCKET_ROWS,
                    "intervals": None if options.compat == "reference" else dataclasses.asdict(options.intervals),
                    "diversity": options.diversity, "seconds": None},

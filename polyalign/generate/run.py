@@ -15,15 +15,9 @@ from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
-from polyalign.generate.sampling import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    NEUTRAL,
-    SamplingConfig,
-    checkpoint_sampling,
-    describe_sampling,
-)
+from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
 from polyalign.generate.selection import select_records
+from polyalign.generate.settings import NEUTRAL, checkpoint_sampling, describe_sampling
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit

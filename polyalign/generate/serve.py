@@ -28,11 +28,11 @@ from polyalign.core.paths import is_uri
 from polyalign.data.text import normalize
 from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
-from polyalign.generate.sampling import (
+from polyalign.generate.sampling import SamplingConfig
+from polyalign.generate.settings import (
     CHECKPOINT_KEYS,
     NEUTRAL,
     OPENAI_SAMPLING,
-    SamplingConfig,
     checkpoint_greedy,
     checkpoint_sampling,
     describe_sampling,

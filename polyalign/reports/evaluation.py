@@ -754,6 +754,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      ("featurizer", *("/".join(Path(r["config"]["featurizer"]).parts[-2:])
                                       if r["config"].get("featurizer") else "none" for r in runs.values())),
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
+                     ("decoding", *(decoding_text(r["config"].get("decoding")) for r in runs.values())),
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
                      ("MAUVE", *(str(r["metrics"]["mauve"]["status"])
                                  + (" (noisy: few answers)" if r["metrics"]["mauve"].get("note") else "")
@@ -847,6 +848,20 @@ def _short(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def decoding_text(decoding: dict | None) -> str:
+    """How the answers were decoded, in a cell: greedy or the sampling settings, with any penalty; what
+    `generate` recorded (metrics.json's config.decoding)."""
+    if not decoding:
+        return "not recorded (answers not from polyalign generate)"
+    # evaluate keeps the penalties and min_p only where they ask for something (decoding_of)
+    penalties = [f"{key} {value:g}" for key, value in decoding.items()
+                 if key not in ("max_new_tokens", "temperature", "top_p", "top_k")]
+    said = ["greedy"] if not decoding.get("temperature") else [
+        f"{key} {decoding[key]:g}" for key in ("temperature", "top_p", "top_k") if key in decoding]
+    return ", ".join(said + penalties)
+
+
+
 def differing_settings(runs: dict[str, dict]) -> list[str]:
     """Each setting the evaluations do not share, named with its value in each run (in run order,
     separated by |): what a reader must know before reading a difference as the models'."""
@@ -866,6 +881,8 @@ def differing_settings(runs: dict[str, dict]) -> list[str]:
         ("intervals", lambda r: "none" if not r["config"].get("intervals") else
          f"{r['config']['intervals']['draws']} draws, seed {r['config']['intervals']['seed']}"),
         ("MAUVE", lambda r: r["metrics"]["mauve"]["status"]),
+        # greedy answers against sampled ones differ by the decoding as much as by the model
+        ("decoding", lambda r: decoding_text(r["config"].get("decoding"))),
         # MAUVE, C-MAUVE and hidden-state detectability read this model's hidden states: another featurizer,
         # another measure
         ("featurizer", lambda r: r["config"].get("featurizer") or "none"),
