@@ -143,7 +143,8 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
                 if result != 0 and code == 0:
                     code = result if result > 0 else 128 - result  # a signal: the shell's 128 + N
                     print(f"polyalign launch: process {processes.index(p)} {ended(result)}; stopping the other "
-                          f"{len(remaining)} (each says where it stopped)", file=sys.stderr, flush=True)
+                          f"{len(remaining)} (each says where it stopped; a line they print alike is shown once)",
+                          file=sys.stderr, flush=True)
                     now = time.monotonic()
                     deadlines = [(now + NOTICE_GRACE, signal.SIGTERM), (now + 2 * NOTICE_GRACE, signal.SIGKILL)]
             if deadlines and remaining and time.monotonic() > deadlines[0][0]:
