@@ -24,6 +24,21 @@ def test_detect_language(text, expected):
     assert detect_language(text) == expected
 
 
+def test_a_chinese_turn_naming_a_japanese_title_stays_chinese():
+    """KdConv (film, test dialogue 33, turn 6): a Chinese question naming a film by its Japanese title. Its
+    kana are over a tenth of its characters, which read as Japanese and dropped the turn from a zh
+    dialogue; the Chinese-only characters around the title (你, 还, 吗) keep it Chinese. Japanese text
+    stays Japanese."""
+    from tests.conftest import SHARED_DATA
+
+    dialogue = json.loads((SHARED_DATA / "zh/kdconv/film/test.json").read_text(encoding="utf-8"))[33]
+    turn = dialogue["messages"][5]["message"]
+    assert "借りぐらしのアリエッティ" in turn
+    assert detect_language(turn) == "zh" and language.read_script(turn).language == "zh"
+    assert LanguageChooser(["zh", "en"]).choose(turn, "", None) == "zh"
+    assert language.read_script("東京は日本の首都であり、世界最大の都市圏を形成している。").language == "ja"
+
+
 # --- choosing among the scheme's languages (prepare's rule) ------------------------------------------
 
 

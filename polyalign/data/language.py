@@ -44,6 +44,21 @@ def _script_counts(text: str) -> dict[str, int]:
     return counts
 
 
+# Everyday Chinese characters Japanese writing does not use (pronouns, question particles, simplified
+# forms): a Chinese sentence quoting a Japanese title has kana, but a Japanese sentence has none of these.
+_CHINESE_ONLY = frozenset("你们吗呢吧这还么说对个为时过给让哪谁啊呀"  # pronouns, particles
+                          "电车门见问长东书语话请谢认识读买卖钱饭馆发经样进实关开网")  # simplified forms
+
+
+def _japanese(counts: dict[str, int], text: str) -> bool:
+    """Han text with kana reads as Japanese (kana over a tenth of it), unless the kana are the smaller part
+    and Chinese-only characters show the sentence around them is Chinese (`原版名称叫：借りぐらしのアリエッ
+    ティ，你知道还有其他名字吗？` is a Chinese question naming a Japanese film)."""
+    if counts["kana"] * 10 <= counts["han"] + counts["kana"]:
+        return False
+    return counts["kana"] >= counts["han"] or sum(ch in _CHINESE_ONLY for ch in text) < 2
+
+
 # The script each declared language is written in; a language not listed is not checked.
 _SCRIPT_OF = {"zh": ("han",), "ja": ("kana", "han"), "ko": ("hangul", "han")}
 _LATIN_LANGUAGES = frozenset("en fr de es it pt nl sv da no fi pl cs sk sl hr ro hu tr id ms vi".split())
@@ -94,9 +109,7 @@ def detect_language(text: str) -> str:
     if cjk * 3 >= counts["latin"] + counts["other"]:
         if counts["hangul"] > counts["han"] + counts["kana"]:
             return "ko"
-        if counts["kana"] * 10 > counts["han"] + counts["kana"]:
-            return "ja"
-        return "zh"
+        return "ja" if _japanese(counts, text) else "zh"
     if counts["latin"] >= counts["other"]:
         if counts["latin"] < _MIN_LETTERS_FOR_DETECTOR:
             return "en"
@@ -128,7 +141,8 @@ _MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|\\[A-Za-z]+", re.DOTALL)
 
 def read_script(text: str) -> ScriptReading:
     """The script most of `text`'s letters are in (TeX math left out), its share and the letter count."""
-    counts = _script_counts(_MATH.sub(" ", text))
+    text = _MATH.sub(" ", text)
+    counts = _script_counts(text)
     weighed = {script: n * (3 if script in ("han", "kana", "hangul") else 1) for script, n in counts.items()}
     total = sum(weighed.values())
     if total == 0:
@@ -137,10 +151,8 @@ def read_script(text: str) -> ScriptReading:
     if cjk * 2 >= total:
         if counts["hangul"] > counts["han"] + counts["kana"]:
             language = "ko"
-        elif counts["kana"] * 10 > counts["han"] + counts["kana"]:
-            language = "ja"
         else:
-            language = "zh"
+            language = "ja" if _japanese(counts, text) else "zh"
         return ScriptReading(language, cjk / total, total)
     if weighed["latin"] >= weighed["other"]:
         return ScriptReading("latin", weighed["latin"] / total, total)
