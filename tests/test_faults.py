@@ -518,6 +518,22 @@ def test_a_conversation_nobody_answered_is_dropped_and_listed_not_a_malformed_ro
         ("no_reply", f"{tmp_path / 'c.jsonl'}:2")]
 
 
+def test_a_reply_left_out_of_a_conversation_is_listed_with_its_start(tmp_path):
+    """A conversation is one line holding many replies: a dropped reply's row says which, by its start."""
+    dialogue = json.loads(json.dumps(CAMREST[0]))
+    replies = [t for t in dialogue["turns"] if t["speaker"] != "user"]
+    replies[1]["utterance"] = "   "  # nothing to learn: dropped as empty_response
+    run(tmp_path, "chat", "c.jsonl", jsonl([chat_row(dialogue)]))
+    rows = read_jsonl(tmp_path / "run" / "data" / "dropped.jsonl")
+    assert [(r["reason"], r["location"], r["response"]) for r in rows] == [
+        ("empty_response", f"{tmp_path / 'c.jsonl'}:1", "")]
+    from polyalign.data.prepare import DROPPED_RESPONSE_CHARS, dropped_row
+    from polyalign.data.records import Location
+
+    long = dropped_row("src", Location("c.jsonl", line=3), "language_not_in_scheme:ja", replies[0]["utterance"] * 5)
+    assert long["response"] == (replies[0]["utterance"] * 5)[:DROPPED_RESPONSE_CHARS]
+
+
 def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_split_is_named(tmp_path, capsys):
     """`split.weights.test=0.2` on a config without a split section changes that weight of the defaults
     (the others kept, the sum said); a split left with no records is a warning at prepare and one line

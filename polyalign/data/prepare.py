@@ -207,9 +207,14 @@ class SourceTally:
         }
 
 
-def dropped_row(source: str, location: Any, reason: str) -> dict[str, Any]:
-    """A row of RUN/data/dropped.jsonl: a well-formed row prepare left out, where it is and why."""
-    return {"source": source, "location": str(location), "where": location.to_json(), "reason": reason}
+def dropped_row(source: str, location: Any, reason: str, response: str | None = None) -> dict[str, Any]:
+    """A row of RUN/data/dropped.jsonl: a well-formed row prepare left out, where it is and why; for a reply
+    of a conversation (one line, many replies), the start of the reply it left out."""
+    row = {"source": source, "location": str(location), "where": location.to_json(), "reason": reason}
+    return row if response is None else {**row, "response": response[:DROPPED_RESPONSE_CHARS]}
+
+
+DROPPED_RESPONSE_CHARS = 80
 
 
 class DroppedRows:
@@ -682,9 +687,9 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
     (malformed rows also go to `sink`, the others to `dropped` as dropped_row). A Notice is counted under
     `left_out` and is no row."""
 
-    def drop(reason: str) -> None:
+    def drop(reason: str, response: str | None = None) -> None:
         tally.drop(reason)
-        dropped(dropped_row(source.name, item.location, reason))
+        dropped(dropped_row(source.name, item.location, reason, response))
 
     if item.location != tally.last_location:  # an importer yields a row's items one after another
         tally.read, tally.last_location = tally.read + 1, item.location
@@ -706,11 +711,11 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         tally.drop("malformed")
         return None
     if isinstance(built, Skipped):
-        drop(built.reason)
+        drop(built.reason, item.response)
         return None
     if built.response == "" and built.family not in EMPTY_ANSWER_FAMILIES:
         # an empty reply would teach a model to answer with nothing; only a QA "no answer" is a real one
-        drop("empty_response")
+        drop("empty_response", "")
         return None
     tally.empty_responses += int(built.response == "")
     return built
