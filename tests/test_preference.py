@@ -483,8 +483,8 @@ def test_the_critic_on_two_processes_matches_one_process(demo_run, demo_tokenize
     assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) > 10
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
-        if "val_l1" in a:
-            assert b["val_l1"] == pytest.approx(a["val_l1"], abs=1e-6)
+        if "val_l1" in a:  # logged to 6 decimals: values a hair apart can round 1e-6 apart
+            assert b["val_l1"] == pytest.approx(a["val_l1"], abs=2e-6)
     assert [sum("val_l1" in r for r in m) for m in (one, two)] == [3, 3]  # once per epoch
     for name in ("train_pairs.jsonl", "val_pairs.jsonl"):
         for a, b in zip(read_pairs(tmp_path / "one" / name), read_pairs(tmp_path / "two" / name), strict=True):
