@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -1162,7 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Terminated:
         _say(f"polyalign {args.command_path}: stopped by SIGTERM")
-        return 143
+        return TERMINATED
     except KeyboardInterrupt:
         _say(f"polyalign {args.command_path}: interrupted")
         return 130
@@ -1176,5 +1177,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process SIGTERM ended
+
+
+def entry() -> None:
+    """The `polyalign` program: `main`'s status as the process's. A command stopped by SIGTERM ends at once
+    after its line (os._exit), as the signal's default would have ended it: stopped while JAX's backend was
+    starting, the interpreter's shutdown can crash in a half-initialised native library (status 139)."""
+    code = main()
+    if code == TERMINATED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -512,3 +512,26 @@ def test_sigterm_before_a_command_handles_it_stops_in_one_line_with_status_143(m
             assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_program_stopped_by_sigterm_says_so_and_ends_with_status_143(tmp_path):
+    """As a program (`polyalign ...`, `python -m polyalign.cli`): one line and status 143, ended at once
+    after it; stopped while JAX's backend was starting, interpreter shutdown crashed (status 139)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready"
+    program = ("import sys, time\nfrom pathlib import Path\nfrom polyalign import cli\n"
+               f"def slow(args):\n    Path({str(ready)!r}).write_text('')\n    time.sleep(30)\n"
+               "cli._run_generate = slow\n"
+               "sys.argv = ['polyalign', 'generate', '--checkpoint', 'M', '--records', 'R.jsonl', '--out', 'P.jsonl']\n"
+               "cli.entry()\n")
+    process = subprocess.Popen([sys.executable, "-c", program], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 143
+    assert process.stderr.read() == "polyalign generate: stopped by SIGTERM\n"
