@@ -467,7 +467,7 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     printed = capsys.readouterr()
     assert "200 rows (40 empty answers, kept in diversity, as the authors' code does)" in printed.out
     # a progress bar over the evaluation's parts (a log line each off a terminal), none with --no-progress
-    assert "evaluate: 7/7" in printed.err and "report" in printed.err.splitlines()[-1]
+    assert "evaluate: 8/8" in printed.err and "report" in printed.err.splitlines()[-1]
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval_ref2"), "--compat", "reference", "--no-progress", "--no-diversity"]) == 0
     assert "evaluate:" not in capsys.readouterr().err

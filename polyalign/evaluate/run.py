@@ -209,7 +209,8 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool) -> Jo
 
 # What the progress bar counts, in the order they run (the featurizer's and scorer's model runs are the
 # long parts where there is one).
-EVALUATION_PARTS = ("utility", "diversity", "BNG and HCR", "MAUVE", "detectability", "turn dynamics", "report")
+EVALUATION_PARTS = ("utility", "diversity", "BNG and HCR", "MAUVE", "detectability", "turn dynamics",
+                    "no-model answers", "report")
 
 
 def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: EvaluateOptions,
@@ -259,6 +260,7 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     parts = nat.aggregate_parts(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"], mauve_metrics["global"],
                                 nuf["overall"]["hypervolume"])
     metrics["aggregate"] = {"overall": combined(parts), "parts": parts}
+    running("no-model answers")  # their TDM, MAUVE, frontier and aggregate, as the model's
     for name, buckets in baseline_buckets.items():
         reference_rows[name] |= _baseline_composites(joined, baseline_answers(name, joined.records), buckets,
                                                      reference_rows[name], featurize, options)
