@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import polyalign
 from polyalign.beam import require_beam
 from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, PrepareError
-from polyalign.core.interrupts import Terminated, interrupts_remembered
+from polyalign.core.interrupts import TERMINATED, Terminated, interrupts_remembered
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
@@ -1175,9 +1174,6 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"polyalign {args.command_path}: error: {where}{os.strerror(err.errno).lower()}; free space (or choose "
              "another place) and run the same command again")
         return 2
-
-
-TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process SIGTERM ended
 
 
 def entry() -> None:

@@ -15,6 +15,9 @@ from collections.abc import Iterator
 _requested: dict[int, threading.Event] = {signal.SIGINT: threading.Event(), signal.SIGTERM: threading.Event()}
 
 
+TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process SIGTERM ended; polyalign's after one
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived: the command stops as after Ctrl-C, and exits 143 as a process killed by it would."""
 

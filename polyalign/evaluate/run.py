@@ -36,7 +36,7 @@ from polyalign.features.lm import LMScorer, record_lm_features
 from polyalign.features.references import read_references
 from polyalign.features.response import FEATURE_NAMES, text_features
 from polyalign.generate.predictions import check_generated_from, iter_predictions
-from polyalign.generate.settings import NEUTRAL
+from polyalign.generate.settings import asked_for
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
 from polyalign.model.pooling import encode_responses
@@ -387,8 +387,7 @@ def decoding_of(predictions_path: Path) -> dict[str, Any] | None:
     sampling = settings.get("sampling")
     if not isinstance(sampling, dict):
         return None
-    asked = {key: value for key, value in sampling.items() if key not in NEUTRAL or value != NEUTRAL[key]}
-    return {**asked, **({"max_new_tokens": "auto"} if settings.get("budget_records") else {})}
+    return {**asked_for(sampling), **({"max_new_tokens": "auto"} if settings.get("budget_records") else {})}
 
 
 def featurizer_is_the_model(featurizer, predictions_path: Path) -> bool:

@@ -17,7 +17,7 @@ from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
 from polyalign.generate.selection import select_records
-from polyalign.generate.settings import NEUTRAL, checkpoint_sampling, describe_sampling
+from polyalign.generate.settings import asked_for, checkpoint_sampling, describe_sampling
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit
@@ -100,8 +100,7 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
     # penalties and min_p recorded when asked for: predictions of earlier versions, made without them, match
-    settings["sampling"] = {key: value for key, value in settings["sampling"].items()
-                            if key not in NEUTRAL or value != NEUTRAL[key]}
+    settings["sampling"] = asked_for(settings["sampling"])
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):

@@ -26,11 +26,18 @@ def checkpoint_sampling(checkpoint) -> dict[str, float | int]:
     found = _numbers(checkpoint, CHECKPOINT_KEYS)
     if found.get("top_k") == TRANSFORMERS_DEFAULT_TOP_K:
         del found["top_k"]
-    return {key: value for key, value in found.items() if NEUTRAL.get(key) != value}
+    return asked_for(found)
 
 
-# What a sampling setting that is neither given nor set by the checkpoint decodes with
-NEUTRAL_FLAGS = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+def asked_for(settings: dict) -> dict:
+    """`settings` without the penalties and min_p that ask for nothing (as records of earlier versions,
+    which had none, read)."""
+    return {key: value for key, value in settings.items() if key not in NEUTRAL or value != NEUTRAL[key]}
+
+
+# What a sampling setting that is neither given nor set by the checkpoint decodes with (its temperature
+# aside: `generate` decodes greedily unless told)
+NEUTRAL_FLAGS = {key: {**OPENAI_SAMPLING, **NEUTRAL}[key] for key in CHECKPOINT_KEYS if key != "temperature"}
 
 
 def unset_from_checkpoint(given: dict[str, float | int | None], checkpoint) -> tuple[dict, dict]:
@@ -70,6 +77,6 @@ def _generation_config(checkpoint) -> dict:
 
 def describe_sampling(settings: dict[str, float | int]) -> str:
     """temperature, top_p and top_k as set, then the further settings that ask for something."""
-    said = [key for key in OPENAI_SAMPLING if key in settings]
-    said += [key for key in NEUTRAL if key in settings and settings[key] != NEUTRAL[key]]
-    return ", ".join(f"{key} {settings[key]:g}" for key in said)
+    asked = asked_for(settings)
+    said = [key for key in (*OPENAI_SAMPLING, *NEUTRAL) if key in asked]
+    return ", ".join(f"{key} {asked[key]:g}" for key in said)

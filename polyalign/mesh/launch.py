@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from polyalign.core.errors import LaunchError
+from polyalign.core.interrupts import TERMINATED
 
 DEFAULT_PORT = 12355
 # The launcher's folder of notices (gone-<process id>, holding how it ended) and its own command line, in
@@ -178,7 +179,7 @@ def said_by_another_process(line: str) -> bool:
 
 def ended(returncode: int) -> str:
     """How a process ended, in words: `exited with status 3`, `was killed by SIGKILL`."""
-    if returncode == 128 + signal.SIGTERM:  # polyalign's own exit on a SIGTERM it took (cli.main)
+    if returncode == TERMINATED:  # polyalign's own exit on a SIGTERM it took (cli.main)
         return f"exited with status {returncode} (stopped by SIGTERM)"
     if returncode >= 0:
         return f"exited with status {returncode}"

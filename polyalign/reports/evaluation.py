@@ -341,15 +341,22 @@ def _spread(value, interval, small: bool = False) -> str:
 TOO_FEW_MARK = " *"
 
 
-def _model_row(name: str, m: dict) -> tuple[str, ...]:
-    """A run's answers in the table of people and no-model answers, measured as they are."""
+def _model_row(name: str, m: dict, unfloored: Sequence[str]) -> tuple[str, ...]:
+    """A run's answers in the table of people and no-model answers, measured as they are; `unfloored`: the
+    reference rows' keys of the numbers without a human floor that the table shows."""
     detect = m.get("detectability") or {}
+    own = {"mauve": m["mauve"]["global"], "tdm_macro": m["tdm"]["overall_macro"],
+           "nuf_hypervolume": _get(m, ("nuf", "overall", "hypervolume")), "aggregate": m["aggregate"]["overall"]}
     return (name, _spread(m["bng"]["overall_macro"], m["bng"].get("macro_interval")),
             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
             _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")),
-            _fmt(m["mauve"]["global"]), _fmt(m["tdm"]["overall_macro"]),
-            _fmt(_get(m, ("nuf", "overall", "hypervolume"))), _fmt(m["aggregate"]["overall"]))
+            *(_fmt(own[key]) for key in unfloored))
+
+
+# the numbers without a human floor (people score 1 against themselves), by reference-row key
+UNFLOORED_COLUMNS = {"mauve": "MAUVE", "tdm_macro": "TDM", "nuf_hypervolume": "NUF hypervolume",
+                     "aggregate": "aggregate"}
 
 
 def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -> tuple[str, str]:
@@ -357,18 +364,16 @@ def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -
     runs of these test rows (a comparison), instead of this one's. TDM, the NUF hypervolume and the
     aggregate have no human floor (people score 1 against themselves): the no-model answers are what
     they are read against."""
-    rows = [_model_row(name, metrics) for name, metrics in (models or [("model", m)])]
+    # no featurizer: a MAUVE column of dashes says nothing
+    unfloored = [key for key in UNFLOORED_COLUMNS if key != "mauve" or m["mauve"].get("status") == "computed"]
+    rows = [_model_row(name, metrics, unfloored) for name, metrics in (models or [("model", m)])]
     for name, row in m.get("reference_rows", {}).items():
         rows.append((name, *(_spread(row.get(key), row.get(f"{key}_interval"))
                               for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1")),
-                     *(_fmt(row.get(key)) for key in ("mauve", "tdm_macro", "nuf_hypervolume", "aggregate"))))
+                     *(_fmt(row.get(key)) for key in unfloored)))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
-    header = ["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
-              "F1", "MAUVE", "TDM", "NUF hypervolume", "aggregate"]
-    if m["mauve"].get("status") != "computed":  # no featurizer: a column of dashes says nothing
-        rows = [row[:5] + row[6:] for row in rows]
-        header.remove("MAUVE")
-    return _table(header, rows)
+    return _table(["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
+                   "F1", *(UNFLOORED_COLUMNS[key] for key in unfloored)], rows)
 
 
 def _baseline_notes(m: dict) -> str:
