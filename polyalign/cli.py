@@ -872,8 +872,9 @@ def _run_evaluate(args) -> int:
           f"{show(m['utility']['overall'].get('rouge_l_f1'), 'utility')}, BNG "
           f"{show(m['bng']['overall_macro'], 'bng')}{_bracket(m['bng'].get('macro_interval'), ' ')}, "
           f"HCR {show(m['hcr']['overall_macro'], 'hcr')}{_bracket(m['hcr'].get('macro_interval'), ' ')}{floors}, "
-          f"TDM {show(m['tdm']['overall_macro'], 'tdm')}, MAUVE "
-          f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}{_aggregate_parts(m['aggregate'])}")
+          f"TDM {show(m['tdm']['overall_macro'], 'tdm')}{_bracket(m['tdm'].get('macro_interval'), ' ')}, MAUVE "
+          f"{mauve}, aggregate {show(m['aggregate']['overall'], 'aggregate')}"
+          f"{_bracket(m['aggregate'].get('interval'), ' ')}{_aggregate_parts(m['aggregate'])}")
     baselines = _baselines_line(m.get("reference_rows") or {}, m)
     if baselines:
         print(baselines)
@@ -908,7 +909,7 @@ def _baselines_line(references: dict, m: dict) -> str:
     said = []
     shown = (("TDM", "tdm_macro", m["tdm"]["overall_macro"]), ("aggregate", "aggregate", m["aggregate"]["overall"]))
     for name, row in references.items():
-        values = [f"{label} {row[key]:.4f}" for label, key, model in shown
+        values = [f"{label} {row[key]:.4f}{_bracket(row.get(f'{key}_interval'), ' ')}" for label, key, model in shown
                   if row.get(key) is not None and model is not None]
         if values:
             said.append(f"{name} {', '.join(values)}")

@@ -135,6 +135,36 @@ def test_frontier_and_aggregate_by_hand():
     assert nat.aggregate(0.5, None, None, None) is None
 
 
+def test_intervals_of_combined_numbers_by_hand():
+    """One bucket, no MAUVE: the frontier is its single point, so the hypervolume of draw d is
+    F1_d / (1 + BNG_d) and the aggregate the geometric mean of F1_d, 1/(1 + BNG_d) and that hypervolume,
+    (F1_d / (1 + BNG_d))^(2/3); two buckets of TDM draws give the macro's draws. Each interval is the
+    central 95% of its draws moved by their median's bias from the estimate."""
+    from polyalign.evaluate.composites import combined_intervals
+    from polyalign.evaluate.support import Resamples
+
+    rng = np.random.default_rng(3)
+    f1, bng = rng.uniform(0.2, 0.6, 400), rng.uniform(0.5, 2.0, 400)
+    tdm = {"x": rng.uniform(0.3, 0.5, 400), "y": rng.uniform(0.6, 0.9, 400)}
+    resamples = Resamples(np.ones((400, 7)), {"a": f1}, {"a": bng}, {"a": 7})
+    estimates = {"tdm_macro": 0.55, "nuf_hypervolume": 0.3 / 2.0, "aggregate": (0.3 / 2.0) ** (2 / 3)}
+    said = combined_intervals(resamples, {"a": 1.0}, tdm, {"by_bucket": {}, "global": None}, estimates, 0.95)
+
+    def expected(draws, estimate):
+        shift = np.median(draws) - estimate
+        return [np.quantile(draws, 0.025) - shift, np.quantile(draws, 0.975) - shift]
+
+    by_hand = {"tdm_macro": (tdm["x"] + tdm["y"]) / 2, "nuf_hypervolume": f1 / (1 + bng),
+               "aggregate": (f1 / (1 + bng)) ** (2 / 3)}
+    for key, draws in by_hand.items():
+        assert said[key] == pytest.approx(expected(draws, estimates[key]), rel=1e-12), key
+    # nothing to draw from (--compat reference), or no estimate: no interval
+    assert combined_intervals(None, {"a": 1.0}, tdm, {"by_bucket": {}, "global": None}, estimates, 0.95) == \
+        dict.fromkeys(estimates)
+    assert combined_intervals(resamples, {"a": 1.0}, {}, {"by_bucket": {}, "global": None},
+                              {**estimates, "tdm_macro": None}, 0.95)["tdm_macro"] is None
+
+
 def test_bng_and_hcr_by_hand():
     human = {"f": np.array([1.0, 2.0, 3.0, 4.0]), "g": np.array([5.0, 5.0, 5.0, 5.0])}
     generated = {"f": np.array([2.0, 3.0, 4.0, 5.0]), "g": np.array([5.0, 5.0, 6.0, 5.0])}
@@ -148,11 +178,15 @@ def test_bng_and_hcr_by_hand():
 
 
 def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
+    """TDM's gaps against scipy and scikit-learn on the rows, and each bootstrap draw's against the same
+    computation on the rows the draw takes (repeated as often as it takes them; the TF-IDF and SVD stay
+    those of the rows themselves)."""
     from scipy.stats import wasserstein_distance
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfVectorizer
 
     from polyalign.data.records import read_records
+    from polyalign.evaluate.dynamics import turn_dynamics_with_draws
 
     run, _, _ = demo_run
     records = [r for r in read_records(run / "data" / "test.jsonl") if r.track == "multi"][:120]
@@ -178,15 +212,28 @@ def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
     qlen = np.array([max(len(tokens(q, "cjk")), 1) for q in questions])
     ratio = {s: np.array([len(tokens(t, "cjk")) for t in texts]) / qlen
              for s, texts in (("h", human), ("g", generated))}
-    expected = {"length_ratio": gap(ratio["g"], ratio["h"]),
-                "lexical": gap(cos(Q.toarray(), G.toarray()), cos(Q.toarray(), H.toarray())),
-                "semantic": gap(cos(lq, lg), cos(lq, lh))}
-    qc, hc, gc = (m - m.mean(0) for m in (lq, lh, lg))
-    n = len(records)
-    expected["transition"] = np.linalg.norm(qc.T @ gc / n - qc.T @ hc / n) / np.linalg.norm(qc.T @ hc / n)
+    lexical = {"h": cos(Q.toarray(), H.toarray()), "g": cos(Q.toarray(), G.toarray())}
+    semantic = {"h": cos(lq, lh), "g": cos(lq, lg)}
+
+    def expected_gaps(take):
+        out = {name: gap(values["g"][take], values["h"][take])
+               for name, values in (("length_ratio", ratio), ("lexical", lexical), ("semantic", semantic))}
+        qc, hc, gc = (m[take] - m[take].mean(0) for m in (lq, lh, lg))
+        n = len(take)
+        out["transition"] = np.linalg.norm(qc.T @ gc / n - qc.T @ hc / n) / np.linalg.norm(qc.T @ hc / n)
+        return out
+
+    expected = expected_gaps(np.arange(len(records)))
     for key, value in expected.items():
         assert ours["gaps"][key] == pytest.approx(value, rel=1e-9), key
     assert ours["tdm"] == pytest.approx(np.mean([1 / (1 + v) for v in expected.values()]), rel=1e-9)
+    counts = np.random.default_rng(0).multinomial(len(records), np.full(len(records), 1 / len(records)), size=3)
+    report, draws = turn_dynamics_with_draws(questions, human, generated, bucket, "cjk", weights=counts.astype(float))
+    assert report["by_bucket"]["b"] == ours and draws["b"].shape == (3,)
+    for draw, taken in zip(draws["b"], counts):
+        gaps = expected_gaps(np.repeat(np.arange(len(records)), taken))
+        assert draw == pytest.approx(np.mean([1 / (1 + v) for v in gaps.values()]), rel=1e-9)
+    assert len(set(draws["b"].round(12))) == 3 and ours["tdm"] not in draws["b"]
 
 
 def _write_predictions(path, records, text_of):
@@ -338,6 +385,14 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
         assert {k for k, v in echo["aggregate_parts"].items() if v is not None} == {k for k, v in parts.items()
                                                                                       if v is not None}
         assert all(v == pytest.approx(parts[k], rel=1e-12) for k, v in echo["aggregate_parts"].items() if v)
+        # the same answers, the same bootstrap draws: the same intervals, which hold their estimates
+        assert echo["tdm_macro_interval"] == m["tdm"]["macro_interval"]
+        assert echo["nuf_hypervolume_interval"] == m["nuf"]["overall"]["hypervolume_interval"]
+        assert echo["aggregate_interval"] == pytest.approx(m["aggregate"]["interval"], rel=1e-9)
+        for value, (low, high) in ((m["tdm"]["overall_macro"], m["tdm"]["macro_interval"]),
+                                   (m["nuf"]["overall"]["hypervolume"], m["nuf"]["overall"]["hypervolume_interval"]),
+                                   (m["aggregate"]["overall"], m["aggregate"]["interval"])):
+            assert low < value < high
         first = m["reference_rows"]["first_sentence"]
         assert first["tdm_macro"] != echo["tdm_macro"] and first["aggregate"] is not None
     # the featurizer's hidden states are a second detectability representation; without it, none
@@ -390,13 +445,21 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
         assert first["tdm_macro"] == m["tdm"]["overall_macro"]
         assert first["aggregate"] == pytest.approx(m["aggregate"]["overall"], rel=1e-12)  # F1 summed in another order
         parts = m["aggregate"]["parts"]
-        assert (f"aggregate {m['aggregate']['overall']:.4f} (geometric mean of F1 {parts['f1']:.4f}, 1/(1+BNG) "
-                f"{parts['bng']:.4f}, NUF {parts['nuf']:.4f})") in printed.out
+        from polyalign.core.scores import interval_text as said
+
+        assert (f"TDM {m['tdm']['overall_macro']:.4f} {said(m['tdm']['macro_interval'])}, MAUVE skipped" in printed.out)
+        assert (f"aggregate {m['aggregate']['overall']:.4f} {said(m['aggregate']['interval'])} (geometric mean of F1 "
+                f"{parts['f1']:.4f}, 1/(1+BNG) {parts['bng']:.4f}, NUF {parts['nuf']:.4f})") in printed.out
         echo = references["echo_question"]
-        assert (f"no-model answers, measured as the model's: echo_question TDM {echo['tdm_macro']:.4f}, aggregate "
-                f"{echo['aggregate']:.4f}; first_sentence TDM {first['tdm_macro']:.4f}, aggregate "
-                f"{first['aggregate']:.4f}\n") in printed.out
-        assert "<th>NUF hypervolume</th><th>aggregate</th>" in page and f"<td>{first['aggregate']:.4f}</td>" in page
+        assert (f"no-model answers, measured as the model's: echo_question TDM {echo['tdm_macro']:.4f} "
+                f"{said(echo['tdm_macro_interval'])}, aggregate {echo['aggregate']:.4f} "
+                f"{said(echo['aggregate_interval'])}; first_sentence TDM {first['tdm_macro']:.4f} "
+                f"{said(first['tdm_macro_interval'])}, aggregate {first['aggregate']:.4f} "
+                f"{said(first['aggregate_interval'])}\n") in printed.out
+        assert "<th>NUF hypervolume</th><th>aggregate</th>" in page
+        assert f"<td>{first['aggregate']:.4f} {said(first['aggregate_interval'])}</td>" in page
+        assert (f"<td>Aggregate</td><td>{m['aggregate']['overall']:.4f} {said(m['aggregate']['interval'])}</td>"
+                in page)
     else:
         assert "no-model answers" not in printed.out and "tdm_macro" not in str(references)
     bng = saved["metrics"]["bng"]
@@ -592,7 +655,7 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     import shutil
 
     from polyalign.cli import main
-    from polyalign.core.scores import combined
+    from polyalign.core.scores import combined, interval_text
     from polyalign.evaluate import naturalness as nat
 
     run, _, _ = demo_run
@@ -602,7 +665,10 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     metrics = result["metrics"]
     parts = nat.aggregate_parts(metrics["utility"]["overall"]["qa_f1"], metrics["bng"]["overall_macro"], None,
                                 metrics["nuf"]["overall"]["hypervolume"])
-    assert metrics["aggregate"] == {"overall": combined(parts), "parts": parts} and parts["mauve"] is None
+    aggregate = metrics["aggregate"]
+    assert (aggregate["overall"], aggregate["parts"]) == (combined(parts), parts) and parts["mauve"] is None
+    low, high = aggregate["interval"]
+    assert low < aggregate["overall"] < high
     # the same answers evaluated with a featurizer: MAUVE joins the aggregate
     shutil.copytree(tmp_path / "plain", tmp_path / "mauve")
     with_mauve = json.loads((tmp_path / "mauve" / "metrics.json").read_text())
@@ -616,7 +682,8 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     assert row.split("|")[1:4] == [" Aggregate over F1, BNG (the parts every run measured alike) ", f" {value} ",
                                    f" {value} "], row
     # the hypervolumes, two measures of one name, each say their naturalness axis
-    hypervolume = f"{metrics['nuf']['overall']['hypervolume']:.4f}"
+    hypervolume = (f"{metrics['nuf']['overall']['hypervolume']:.4f} "
+                   f"{interval_text(metrics['nuf']['overall']['hypervolume_interval'])}")
     nuf = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "NUF" in line)
     assert nuf.split("|")[2:4] == [f" {hypervolume} (naturalness: 1/(1+BNG)) ",
                                    f" {hypervolume} (naturalness: 1/(1+BNG) + C-MAUVE) "], nuf
@@ -625,6 +692,7 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     shutil.copytree(tmp_path / "plain", tmp_path / "again")
     assert main(["report", str(tmp_path / "plain"), str(tmp_path / "again"), "--out", str(tmp_path / "same")]) == 0
     row = next(line for line in (tmp_path / "same" / "report.md").read_text().splitlines() if "Aggregate" in line)
+    value += f" {interval_text(metrics['aggregate']['interval'])}"  # each run's own aggregate: its own interval
     assert row.split("|")[1:4] == [" Aggregate ", f" {value} ", f" {value} "], row
     assert "(naturalness:" not in (tmp_path / "same" / "report.md").read_text()
 
@@ -723,6 +791,27 @@ def test_differences_are_judged_on_intervals_except_macros_over_buckets_without_
     assert verdicts["c - a"]["BNG weighted"]["verdict"] == "overlap"
     assert verdicts["c - b"]["BNG macro"] == {"difference": 0.0, "verdict": "not judged †"}
     assert verdicts["b - a"]["F1"] == {"difference": None, "verdict": "no interval"}
+
+    # the numbers that combine MAUVE hold it fixed in their draws: not judged where a run measured MAUVE;
+    # TDM (buckets of 20 rows or more, no MAUVE) is judged beside few-row buckets
+    def combining(value, mauve, small=()):
+        metrics = run(1.0, small)["metrics"] | {
+            "tdm": {"overall_macro": value, "macro_interval": [value - 0.01, value + 0.01]},
+            "nuf": {"overall": {"hypervolume": value, "hypervolume_interval": [value - 0.01, value + 0.01]}},
+            "aggregate": {"overall": value, "interval": [value - 0.01, value + 0.01]},
+            "mauve": {"status": "computed" if mauve else "skipped"}}
+        return run(1.0) | {"metrics": metrics}
+
+    _, _, verdicts = _differences({"a": combining(0.2, False), "b": combining(0.3, False),
+                                   "c": combining(0.3, True), "d": combining(0.3, False, ["zh|multi|dialogue|long"])},
+                                  False)
+    for name in ("TDM macro", "NUF hypervolume", "Aggregate"):
+        assert verdicts["b - a"][name]["verdict"] == "apart", name
+        assert verdicts["b - a"][name]["difference"] == pytest.approx(0.1)
+    assert [verdicts["c - a"][name]["verdict"] for name in ("TDM macro", "NUF hypervolume", "Aggregate")] == [
+        "apart", "not judged ‡", "not judged ‡"]
+    assert [verdicts["d - a"][name]["verdict"] for name in ("TDM macro", "NUF hypervolume", "Aggregate")] == [
+        "apart", "not judged †", "not judged †"]
 
 
 def test_the_frontier_draws_the_area_each_run_dominates_and_names_its_naturalness_axis(tmp_path, monkeypatch):

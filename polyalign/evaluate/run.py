@@ -24,13 +24,13 @@ from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import read_record, same_path, stage_output
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
-from polyalign.core.scores import combined
 from polyalign.data.records import read_records
 from polyalign.evaluate import detectability as dt
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate import support as sp
 from polyalign.evaluate.baselines import BASELINES, baseline_answers
-from polyalign.evaluate.dynamics import turn_dynamics
+from polyalign.evaluate.composites import aggregate_section, combined_intervals, frontiers
+from polyalign.evaluate.dynamics import turn_dynamics_with_draws
 from polyalign.evaluate.text_metrics import diversity, diversity_with_intervals, token_f1, tokens, utility_scores
 from polyalign.features.lm import LMScorer, record_lm_features
 from polyalign.features.references import read_references
@@ -236,8 +236,8 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     running("diversity")
     div = _diversity_section(joined, options)
     running("BNG and HCR")
-    bng_metrics, hcr_metrics, bucket_reports, reference_rows, baseline_buckets = _naturalness(joined, scores, utility,
-                                                                                             options)
+    feature_based = _naturalness(joined, scores, utility, options)
+    bng_metrics, hcr_metrics, reference_rows = feature_based.bng, feature_based.hcr, feature_based.reference_rows
     running("MAUVE")
     featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
     mauve_metrics = _mauve_section(joined, featurize)
@@ -251,19 +251,24 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
         reference_rows["human"] |= {"detectability_macro": detect["floor_macro"],
                                     "detectability_macro_interval": detect["floor_macro_interval"]}
     running("turn dynamics")
-    tdm = _turn_dynamics(joined, joined.predictions, options)
+    resamples = feature_based.resamples.get(MODEL_ANSWERS)
+    tdm, tdm_draws = _turn_dynamics(joined, joined.predictions, options, resamples)
     f1_by_bucket = {b: row["qa_f1"] for b, row in utility["by_bucket"].items()}
-    nuf = _frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, f1_by_bucket, options.featurizer)
+    nuf = frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, f1_by_bucket, options.featurizer)
+    aggregate = aggregate_section(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
+                                  mauve_metrics["global"], nuf["overall"]["hypervolume"])
+    said = combined_intervals(resamples, bng_metrics["by_bucket"], tdm_draws, mauve_metrics,
+                              {"tdm_macro": tdm["overall_macro"], "nuf_hypervolume": nuf["overall"]["hypervolume"],
+                               "aggregate": aggregate["overall"]}, options.intervals.level)
+    tdm["macro_interval"], nuf["overall"]["hypervolume_interval"], aggregate["interval"] = said.values()
     metrics = {"utility": utility, "diversity": div, "bng": bng_metrics, "hcr": hcr_metrics,
-               "buckets": bucket_reports, "reference_rows": reference_rows, "mauve": mauve_metrics,
-               "detectability": detect, "tdm": tdm, "nuf": nuf}
-    parts = nat.aggregate_parts(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"], mauve_metrics["global"],
-                                nuf["overall"]["hypervolume"])
-    metrics["aggregate"] = {"overall": combined(parts), "parts": parts}
+               "buckets": feature_based.buckets, "reference_rows": reference_rows, "mauve": mauve_metrics,
+               "detectability": detect, "tdm": tdm, "nuf": nuf, "aggregate": aggregate}
     running("no-model answers")  # their TDM, MAUVE, frontier and aggregate, as the model's
-    for name, buckets in baseline_buckets.items():
+    for name, buckets in feature_based.baseline_buckets.items():
         reference_rows[name] |= _baseline_composites(joined, baseline_answers(name, joined.records), buckets,
-                                                     reference_rows[name], featurize, options)
+                                                     reference_rows[name], featurize, options,
+                                                     feature_based.resamples.get(name))
     result = _result(joined, metrics, records_path, predictions_path, options, settings)
     result["config"]["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)
@@ -298,19 +303,34 @@ def _diversity_section(joined: Joined, options: EvaluateOptions) -> dict[str, An
             "by_bucket": {b: side_by_side(idx) for b, idx in sorted(joined.by_bucket.items())}}
 
 
-def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[str, Any],
-                 options: EvaluateOptions) -> tuple[dict, dict, dict, dict, dict]:
+MODEL_ANSWERS = "model"  # FeatureBased.resamples' key of the predictions' own draws
+
+
+@dataclasses.dataclass
+class FeatureBased:
     """The feature-based naturalness sections: BNG, HCR, the per-bucket reports, the reference rows
-    (human floor and no-model baselines) and each baseline's BNG and F1 by bucket (its frontier's points).
-    The default mode also adds F1's intervals to `utility`."""
+    (human floor and no-model baselines), each baseline's BNG and F1 by bucket (its frontier's points), and
+    the bootstrap draws of the model's answers (MODEL_ANSWERS) and each baseline's; no draws under --compat
+    reference."""
+    bng: dict
+    hcr: dict
+    buckets: dict = dataclasses.field(default_factory=dict)
+    reference_rows: dict = dataclasses.field(default_factory=dict)
+    baseline_buckets: dict = dataclasses.field(default_factory=dict)
+    resamples: dict[str, sp.Resamples] = dataclasses.field(default_factory=dict)
+
+
+def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[str, Any],
+                 options: EvaluateOptions) -> FeatureBased:
+    """BNG, HCR and what goes with them (FeatureBased). The default mode also adds F1's intervals to
+    `utility`."""
     lm = _lm_scorer(options.scorer, options.dtype) if options.scorer is not None else None
     records, by_bucket = joined.records, joined.by_bucket
     human_features = _answer_features(records, None, lm)
     generated_features = _answer_features(records, joined.predictions, lm)
     references = read_references(options.references) if options.references else None
     if options.compat == "reference":
-        bng, hcr = _paper_naturalness(by_bucket, human_features, generated_features, references)
-        return bng, hcr, {}, {}, {}
+        return FeatureBased(*_paper_naturalness(by_bucket, human_features, generated_features, references))
     intervals = options.intervals
     supports = _supports(by_bucket, human_features, options.support, references, intervals)
     f1 = np.array([s["qa_f1"] for s in scores])
@@ -322,7 +342,7 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
                         "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
     reference_rows = {"human": {**{f"{name}_macro{end}": section.get(f"floor_macro{end}") for name, section in
                                    (("bng", bng), ("hcr", hcr)) for end in ("", "_interval")}, "rows": len(records)}}
-    baseline_buckets = {}
+    baseline_buckets, resamples = {}, {MODEL_ANSWERS: measured["resamples"]}
     if options.baselines:
         human_tokens = [tokens(h, options.tokenize) for h in joined.human]
         for name in BASELINES:
@@ -330,7 +350,7 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
             answer_f1 = np.array([token_f1(tokens(a, options.tokenize), g) for a, g in zip(answers, human_tokens)])
             baseline = sp.measure(by_bucket, supports, _feature_matrix(_answer_features(records, answers, lm)),
                                   answer_f1, intervals, human_table)
-            summary = baseline["summary"]
+            summary, resamples[name] = baseline["summary"], baseline["resamples"]
             baseline_buckets[name] = {b: {"bng": r["bng"], "f1": r["f1"]} for b, r in baseline["by_bucket"].items()}
             reference_rows[name] = {"bng_macro": summary["bng"]["macro"],
                                     "bng_macro_interval": summary["bng"].get("macro_interval"),
@@ -338,27 +358,39 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
                                     "hcr_macro_interval": summary["hcr"].get("macro_interval"),
                                     "f1": summary["f1"]["weighted"],
                                     "f1_interval": summary["f1"]["weighted_interval"], "rows": len(records)}
-    return bng, hcr, measured["by_bucket"], reference_rows, baseline_buckets
+    return FeatureBased(bng, hcr, measured["by_bucket"], reference_rows, baseline_buckets, resamples)
 
 
-def _turn_dynamics(joined: Joined, answers: list[str], options: EvaluateOptions) -> dict[str, Any]:
-    """TDM of `answers` (the model's, or a no-model baseline's) on the multi-turn rows."""
+def _turn_dynamics(joined: Joined, answers: list[str], options: EvaluateOptions,
+                   resamples: sp.Resamples | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """TDM of `answers` (the model's, or a no-model baseline's) on the multi-turn rows, each bucket's with
+    its interval, and each bucket's TDM under every draw of `resamples` (none without)."""
     multi = [i for i, r in enumerate(joined.records) if r.track == "multi"]
-    return turn_dynamics([joined.records[i].question for i in multi], [joined.human[i] for i in multi],
-                         [answers[i] for i in multi], [joined.records[i].bucket_id for i in multi], options.tokenize)
+    tdm, draws = turn_dynamics_with_draws(
+        [joined.records[i].question for i in multi], [joined.human[i] for i in multi], [answers[i] for i in multi],
+        [joined.records[i].bucket_id for i in multi], options.tokenize,
+        None if resamples is None else resamples.weights[:, multi])
+    for bucket, report in tdm["by_bucket"].items():
+        report["tdm_interval"] = None if bucket not in draws else sp.interval(draws[bucket], options.intervals.level,
+                                                                                report["tdm"])
+    return tdm, draws
 
 
 def _baseline_composites(joined: Joined, answers: list[str], buckets: dict[str, dict], row: dict[str, Any],
-                         featurize, options: EvaluateOptions) -> dict[str, Any]:
-    """A no-model baseline's TDM, NUF hypervolume, MAUVE (with a featurizer) and aggregate, computed as the
-    model's are, so that those numbers too have something beside them to be read against."""
-    tdm = _turn_dynamics(joined, answers, options)
+                         featurize, options: EvaluateOptions, resamples: sp.Resamples | None) -> dict[str, Any]:
+    """A no-model baseline's TDM, NUF hypervolume, MAUVE (with a featurizer) and aggregate with their
+    intervals, computed as the model's are, so that those numbers too have something beside them to be
+    read against."""
+    tdm, tdm_draws = _turn_dynamics(joined, answers, options, resamples)
     mauve_metrics = _mauve_section(dataclasses.replace(joined, predictions=answers), featurize)
     bng = {b: r["bng"] for b, r in buckets.items() if r["bng"] is not None}
-    nuf = _frontiers(bng, mauve_metrics, tdm, {b: r["f1"] for b, r in buckets.items()}, options.featurizer)
-    parts = nat.aggregate_parts(row["f1"], row["bng_macro"], mauve_metrics["global"], nuf["overall"]["hypervolume"])
-    return {"tdm_macro": tdm["overall_macro"], "mauve": mauve_metrics["global"],
-            "nuf_hypervolume": nuf["overall"]["hypervolume"], "aggregate": combined(parts), "aggregate_parts": parts}
+    nuf = frontiers(bng, mauve_metrics, tdm, {b: r["f1"] for b, r in buckets.items()}, options.featurizer)
+    aggregate = aggregate_section(row["f1"], row["bng_macro"], mauve_metrics["global"], nuf["overall"]["hypervolume"])
+    estimates = {"tdm_macro": tdm["overall_macro"], "nuf_hypervolume": nuf["overall"]["hypervolume"],
+                 "aggregate": aggregate["overall"]}
+    said = combined_intervals(resamples, bng, tdm_draws, mauve_metrics, estimates, options.intervals.level)
+    return {**estimates, **{f"{key}_interval": value for key, value in said.items()}, "mauve": mauve_metrics["global"],
+            "aggregate_parts": aggregate["parts"]}
 
 
 # faiss's k-means (inside mauve-text) writes this to the native stderr for every clustering of fewer than
@@ -467,27 +499,6 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
             "backed_off": measured.get("backed_off", []), "by_bucket": per_bucket("auc"),
             "interval_by_bucket": per_bucket("auc_interval"), "floor_by_bucket": per_bucket("auc_floor"),
             "reports": reports}
-
-
-def _frontiers(bng: dict[str, float], mauve_metrics: dict, tdm: dict, f1: dict[str, float],
-               featurizer: Path | None) -> dict[str, Any]:
-    """The naturalness-utility frontier over all buckets and over the multi-turn ones (with TDM); `f1`:
-    each bucket's mean F1."""
-    def frontier(with_tdm: bool) -> dict[str, Any]:
-        points = {}
-        for b in bng:
-            if with_tdm and b not in tdm["by_bucket"]:
-                continue
-            extra = [tdm["by_bucket"][b]["tdm"]] if with_tdm else []
-            n = nat.naturalness_score(bng[b], mauve_metrics["by_bucket"].get(b), *extra)
-            if n is not None:
-                points[b] = (nat.clip01(f1[b]), n)
-        front = nat.pareto_frontier(list(points.values()))
-        return {"hypervolume": nat.hypervolume(front) if points else None, "frontier": front,
-                "points": {b: {"utility": u, "naturalness": n} for b, (u, n) in points.items()}}
-
-    return {"overall": frontier(False), "multi_turn": frontier(True),
-            "naturalness_components": ["1/(1+BNG)"] + (["C-MAUVE"] if featurizer else [])}
 
 
 # What the comparison report shows of the model behind the predictions, from its training run's config.json

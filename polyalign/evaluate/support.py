@@ -202,6 +202,19 @@ def choose_pools(buckets: Sequence[str], support_rows: Mapping[str, Sequence[int
     return pools
 
 
+@dataclass(frozen=True)
+class Resamples:
+    """One set of answers' bootstrap draws, for the intervals of the numbers that combine buckets or
+    metrics (TDM's macro, the frontier's hypervolume, the aggregate). Draw d resamples every bucket at
+    once, each bucket from its own stream, and a combined number is computed draw by draw on that one
+    stratified resample, so that its parts move together as they would in another test sample."""
+
+    weights: np.ndarray  # (draws, test rows): how often draw d takes each row
+    f1: Mapping[str, np.ndarray]  # bucket -> (draws,) its mean F1
+    bng: Mapping[str, np.ndarray]  # bucket -> (draws,) its BNG (NaN where it has no feature to measure)
+    rows: Mapping[str, int]  # bucket -> its test rows
+
+
 def _bucket_rng(seed: int, bucket: str) -> np.random.Generator:
     """Each bucket draws from its own stream: its intervals do not change when other buckets come or go."""
     return np.random.default_rng([seed, zlib.crc32(bucket.encode("utf-8"))])
@@ -212,12 +225,14 @@ def _measure_sample(support: Support, generated: np.ndarray, f1: np.ndarray, opt
     """BNG, calibrated HCR and F1 of one bucket's responses (`generated`: all features x responses)
     with bootstrap intervals over the responses, and the draws themselves."""
     n = generated.shape[1]
-    masses = np.concatenate([np.full((1, n), 1.0 / n), bootstrap_counts(n, options, rng) / n])
+    counts = bootstrap_counts(n, options, rng)
+    masses = np.concatenate([np.full((1, n), 1.0 / n), counts / n])
     f1_draws = masses @ f1
     report = {"f1": float(f1_draws[0]), "f1_interval": interval(f1_draws[1:], options.level, f1_draws[0])}
     if not support.features:  # every feature constant in the pool: nothing to measure
         nothing = np.full(options.draws, np.nan)
-        return report | {"bng": None, "hcr": None}, {"bng": nothing, "hcr": nothing, "f1": f1_draws[1:]}
+        return report | {"bng": None, "hcr": None}, {"bng": nothing, "hcr": nothing, "f1": f1_draws[1:],
+                                                     "counts": counts}
     chosen = generated[list(support.indices)]
     distances = feature_distances(support, chosen, masses)
     bng = distances.mean(axis=0)
@@ -230,7 +245,7 @@ def _measure_sample(support: Support, generated: np.ndarray, f1: np.ndarray, opt
         "hcr_strict": float((shares == 1.0).mean()), "feature_inside": float(shares.mean()),
         "farthest_features": {support.features[f]: round(float(distances[f, 0]), 4) for f in farthest},
     }
-    return report, {"bng": bng[1:], "hcr": hcr[1:], "f1": f1_draws[1:]}
+    return report, {"bng": bng[1:], "hcr": hcr[1:], "f1": f1_draws[1:], "counts": counts}
 
 
 def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.ndarray, options: IntervalOptions,
@@ -320,8 +335,12 @@ def measure(bucket_rows: Mapping[str, Sequence[int]], supports: Mapping[str, Sup
     """Every bucket of one set of responses (`generated`: features x rows, `f1`: per row) and the
     averages over buckets; `human` (features x rows) when the supports are a separate human set."""
     by_bucket, draws = {}, {}
+    weights = np.zeros((options.draws, generated.shape[1]))
     for bucket, rows in sorted(bucket_rows.items()):
         rows = list(rows)
         by_bucket[bucket], draws[bucket] = measure_bucket(bucket, supports[bucket], generated[:, rows], f1[rows],
                                                           options, None if human is None else human[:, rows])
-    return {"by_bucket": by_bucket, "summary": summarize(by_bucket, draws, options)}
+        weights[:, rows] = draws[bucket]["counts"]
+    resamples = Resamples(weights, {b: d["f1"] for b, d in draws.items()}, {b: d["bng"] for b, d in draws.items()},
+                          {b: r["rows"] for b, r in by_bucket.items()})
+    return {"by_bucket": by_bucket, "summary": summarize(by_bucket, draws, options), "resamples": resamples}

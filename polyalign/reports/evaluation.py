@@ -64,9 +64,10 @@ OVERALL_ROWS = (
     _macro_row("Detectability AUC macro, hidden states (0.5: as people)", "detectability", "hidden_states",
                optional=True),
     OverallRow("MAUVE (higher is closer to people)", ("mauve", "global")),
-    OverallRow("TDM (higher is closer to people's turns; the no-model answers' below)", ("tdm", "overall_macro")),
-    OverallRow(NUF_ROW, ("nuf", "overall", "hypervolume")),
-    OverallRow("Aggregate", ("aggregate", "overall")),
+    OverallRow("TDM (higher is closer to people's turns; the no-model answers' below)", ("tdm", "overall_macro"),
+               ("tdm", "macro_interval")),
+    OverallRow(NUF_ROW, ("nuf", "overall", "hypervolume"), ("nuf", "overall", "hypervolume_interval")),
+    OverallRow("Aggregate", ("aggregate", "overall"), ("aggregate", "interval")),
 )
 HUMAN_COLUMN = "human floor (people's own answers)"
 
@@ -345,18 +346,23 @@ def _model_row(name: str, m: dict, unfloored: Sequence[str]) -> tuple[str, ...]:
     """A run's answers in the table of people and no-model answers, measured as they are; `unfloored`: the
     reference rows' keys of the numbers without a human floor that the table shows."""
     detect = m.get("detectability") or {}
-    own = {"mauve": m["mauve"]["global"], "tdm_macro": m["tdm"]["overall_macro"],
-           "nuf_hypervolume": _get(m, ("nuf", "overall", "hypervolume")), "aggregate": m["aggregate"]["overall"]}
     return (name, _spread(m["bng"]["overall_macro"], m["bng"].get("macro_interval")),
             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
             _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")),
-            *(_fmt(own[key]) for key in unfloored))
+            *(_spread(_get(m, UNFLOORED_OF_MODEL[key]), _get(m, UNFLOORED_OF_MODEL[f"{key}_interval"]))
+              for key in unfloored))
 
 
 # the numbers without a human floor (people score 1 against themselves), by reference-row key
 UNFLOORED_COLUMNS = {"mauve": "MAUVE", "tdm_macro": "TDM", "nuf_hypervolume": "NUF hypervolume",
                      "aggregate": "aggregate"}
+# where a model's metrics.json keeps those numbers and their intervals (MAUVE has none)
+UNFLOORED_OF_MODEL = {"mauve": ("mauve", "global"), "mauve_interval": ("mauve", "interval"),
+                      "tdm_macro": ("tdm", "overall_macro"), "tdm_macro_interval": ("tdm", "macro_interval"),
+                      "nuf_hypervolume": ("nuf", "overall", "hypervolume"),
+                      "nuf_hypervolume_interval": ("nuf", "overall", "hypervolume_interval"),
+                      "aggregate": ("aggregate", "overall"), "aggregate_interval": ("aggregate", "interval")}
 
 
 def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -> tuple[str, str]:
@@ -370,7 +376,7 @@ def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -
     for name, row in m.get("reference_rows", {}).items():
         rows.append((name, *(_spread(row.get(key), row.get(f"{key}_interval"))
                               for key in ("bng_macro", "hcr_macro", "detectability_macro", "f1")),
-                     *(_fmt(row.get(key)) for key in unfloored)))
+                     *(_spread(row.get(key), row.get(f"{key}_interval")) for key in unfloored)))
     hcr = f"HCR macro (people land near {m['hcr'].get('coverage', 0.9):g})"
     return _table(["answers", "BNG macro (lower is more human-like)", hcr, "detectability AUC macro (people near 0.5)",
                    "F1", *(UNFLOORED_COLUMNS[key] for key in unfloored)], rows)
@@ -545,6 +551,7 @@ class IntervalRow:
     interval: tuple[str, ...]
     macro: bool = False
     support: bool = False  # measured against the human support (BNG, HCR); the others read the test rows alone
+    mauve_fixed: bool = False  # combines MAUVE, whose interval holds MAUVE at its estimate
 
 
 INTERVAL_ROWS = (
@@ -559,8 +566,15 @@ INTERVAL_ROWS = (
                 ("diversity", "overall", "generated_interval", "distinct_2")),
     IntervalRow("Self-BLEU-4", ("diversity", "overall", "generated", "self_bleu_4"),
                 ("diversity", "overall", "generated_interval", "self_bleu_4")),
+    # TDM measures buckets of 20 rows or more only: never a few-row bucket without spread
+    IntervalRow("TDM macro", ("tdm", "overall_macro"), ("tdm", "macro_interval")),
+    IntervalRow("NUF hypervolume", ("nuf", "overall", "hypervolume"), ("nuf", "overall", "hypervolume_interval"),
+                macro=True, support=True, mauve_fixed=True),
+    IntervalRow("Aggregate", ("aggregate", "overall"), ("aggregate", "interval"), macro=True, support=True,
+                mauve_fixed=True),
 )
 NOT_JUDGED = "not judged †"
+NOT_JUDGED_MAUVE = "not judged ‡"
 
 
 def _small_buckets(run: dict) -> list[str]:
@@ -603,6 +617,7 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
         for later in names[i + 1:]:
             a, b = runs[earlier], runs[later]
             small = bool(_small_buckets(a) or _small_buckets(b))
+            mauve = _measured_mauve(a) or _measured_mauve(b)
             cells, pair = [], {}
             for row in INTERVAL_ROWS:
                 differs = [d for d in other_data(a, b) if row.support or d != "support"]
@@ -613,6 +628,8 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
                     verdict = f"not compared: other {' and '.join(differs)}"
                 elif row.macro and small and verdict != "no interval":
                     verdict = NOT_JUDGED
+                elif row.mauve_fixed and mauve and verdict != "no interval":
+                    verdict = NOT_JUDGED_MAUVE
                 elif differs:
                     verdict += f" (other {' and '.join(differs)})"
                 pair[row.name] = {"difference": difference, "verdict": verdict}
@@ -621,6 +638,10 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
             rows.append((f"{later} - {earlier}", *cells))
     html_table, markdown = _table(["runs", *(row.name for row in INTERVAL_ROWS)], rows)
     return html_table, markdown, verdicts
+
+
+def _measured_mauve(run: dict) -> bool:
+    return _get(run["metrics"], ("mauve", "status")) == "computed"
 
 
 def _plain(paragraph: str) -> str:
@@ -636,6 +657,10 @@ def _differences_note(runs: dict[str, dict]) -> str:
             "apart (they do not overlap: a difference the resampling of the test answers supports) or overlap "
             "(it may be the test sample's noise; overlapping intervals do not show the runs equal). "
             "Macros count every bucket once; weighted numbers weigh each by its test rows.")
+    if any(_measured_mauve(r) for r in runs.values()):
+        text += (" ‡ not judged: MAUVE is part of the NUF hypervolume and the aggregate, and their intervals hold "
+                 "it at its estimate (a MAUVE is a clustering, too costly to redo for every bootstrap draw), so "
+                 "they leave MAUVE's own noise out.")
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     if small:
         shared = _same_in_every_run(list(small.values())) if len(small) == len(runs) else None
@@ -710,8 +735,11 @@ def _aggregate_row(runs: dict[str, dict]) -> tuple[str, ...]:
     if _nuf_axes(runs) is not None and "nuf" in common:
         common.remove("nuf")
     measured = [[name for name in AGGREGATE_PARTS if p.get(name) is not None] for p in parts]
-    label = "Aggregate" if all(m == common for m in measured) else \
-        f"Aggregate over {', '.join(AGGREGATE_PART_NAMES[n] for n in common)} (the parts every run measured alike)"
+    if all(m == common for m in measured):  # each run's own aggregate, with its interval
+        return ("Aggregate", *(_spread(_get(r["metrics"], ("aggregate", "overall")),
+                                       _get(r["metrics"], ("aggregate", "interval"))) for r in runs.values()))
+    # recombined over fewer parts: its draws were not kept, so no interval
+    label = f"Aggregate over {', '.join(AGGREGATE_PART_NAMES[n] for n in common)} (the parts every run measured alike)"
     return (label, *(_fmt(combined(p, common)) for p in parts))
 
 
