@@ -56,7 +56,8 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
                 ("steps-tiny", [*step, *tiny, "--no-peer"], 120),
                 ("packed-tiny", [*step, *tiny, "--packed", "--stacks", "polyalign"], 120),
                 ("lora-qlora-tiny", [*lora, "--presets", str(TINY), "--dtype", "float32", "--batch", "2", "--seq",
-                                     "64"], 120)]
+                                     "64"], 120),
+                ("sampling", [*here, "--stage", "sampling", "--smoke-cpu"], 60)]
     big = ["--dtype", "bfloat16", "--seq", "1024", "--steps", "5", "--remat", "none", "--logprob-chunk", "256"]
     rows = [("backend", [*here, "--stage", "backend"], 60),
             ("matmul", [*here, "--stage", "matmul"], 60),
@@ -73,7 +74,8 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
             ("sft-0.5b", [*step, "--preset", "qwen2.5-0.5b", "--method", "sft", *big, "--batch", "16"], 180),
             ("sft-1.5b-packed", [*step, "--preset", "qwen2.5-1.5b", "--method", "sft", *big, "--batch", "8",
                                  "--packed", "--stacks", "polyalign"], 180),
-            ("lora-qlora-hdpo-7b", [*lora, "--presets", "qwen2.5-7b", "--batch", "4", "--seq", "1024"], 240)]
+            ("lora-qlora-hdpo-7b", [*lora, "--presets", "qwen2.5-7b", "--batch", "4", "--seq", "1024"], 240),
+            ("sampling", [*here, "--stage", "sampling"], 60)]
     if TUNIX_PYTHON.is_file():
         rows.append(("tunix-dpo-1.5b", [str(TUNIX_PYTHON), str(REPO / "bench" / "tunix_peer.py"), "--preset",
                                         "qwen2.5-1.5b", "--batch", "4", "--seq", "1024", "--dtype", "bfloat16"], 240))
@@ -184,7 +186,39 @@ def stage_kernels(smoke_cpu: bool) -> dict:
             "backend": jax.default_backend()}
 
 
-STAGES = {"backend": stage_backend, "matmul": stage_matmul, "attention": stage_attention, "kernels": stage_kernels}
+def stage_sampling(smoke_cpu: bool) -> dict:
+    """The engine's per-step token choice (generate/engine.py sample_rows) at a serving batch over Qwen2.5's
+    vocabulary, for greedy rows and for the sampling settings checkpoints ship (Qwen2.5-Instruct's
+    temperature 0.7, top_p 0.8, top_k 20), beside the 1.5B model's output projection at the same batch:
+    what sampling adds to a decoding step. The top-k/top-p cut bisects over the logits (64 passes)."""
+    import jax
+    import jax.numpy as jnp
+
+    from polyalign.generate.engine import sample_rows
+
+    rows, vocab, hidden = (16, 2048, 64) if smoke_cpu else (256, 151936, 1536)
+    keys = jax.random.split(jax.random.key(0), rows + 2)
+    logits = jax.random.normal(keys[0], (rows, vocab), jnp.float32) * 4
+    row_keys = keys[2:]
+
+    def settings(temperature, top_p, top_k, min_p=0.0):
+        return (jnp.full((rows,), temperature, jnp.float32), jnp.full((rows,), top_p, jnp.float32),
+                jnp.full((rows,), top_k, jnp.int32), jnp.full((rows,), min_p, jnp.float32))
+
+    cases = {"greedy": settings(0.0, 1.0, 0), "temperature 0.7": settings(0.7, 1.0, 0),
+             "top_p 0.95": settings(0.7, 0.95, 0), "top_k 20, top_p 0.8": settings(0.7, 0.8, 20),
+             "min_p 0.05": settings(0.7, 1.0, 0, 0.05)}
+    choose = jax.jit(sample_rows)
+    found = {f"{case}_ms": round(_timed(choose, logits, row_keys, *values) * 1e3, 3) for case, values in cases.items()}
+    dtype = jnp.float32 if smoke_cpu else jnp.bfloat16
+    states = jax.random.normal(keys[1], (rows, hidden), dtype)
+    head = jax.random.normal(keys[1], (hidden, vocab), dtype)
+    found["output_projection_ms"] = round(_timed(jax.jit(jnp.matmul), states, head) * 1e3, 3)
+    return {"rows": rows, "vocab": vocab, **found, "backend": jax.default_backend()}
+
+
+STAGES = {"backend": stage_backend, "matmul": stage_matmul, "attention": stage_attention, "kernels": stage_kernels,
+          "sampling": stage_sampling}
 
 
 # --- the driver ---------------------------------------------------------------------------------------

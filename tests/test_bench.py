@@ -231,3 +231,23 @@ def test_the_device_script_keeps_every_finished_stage_when_it_is_killed(tmp_path
     assert matmul["status"] == "ok" and matmul["result"]["tflops"] > 0
     assert (out / "logs" / "matmul.log").is_file()
     assert "| matmul | ok |" in summary.read_text()
+
+
+def test_the_device_scripts_measuring_stages_run_on_the_cpu(monkeypatch):
+    """The device script's own stages (attention values and times, the kernel each layout lowers to, the
+    engine's per-step sampling) in their --smoke-cpu form: an H200 run must not be the first to execute
+    them. On the CPU every layout lowers to XLA's attention."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    device_run = importlib.import_module("device_run")
+    attention = device_run.stage_attention(True)
+    assert set(attention["cases"]) == {"causal", "mask", "mask+causal"}
+    assert all(case["xla_ms"] > 0 and not any(k.endswith("_error") for k in case)
+               for case in attention["cases"].values())
+    kernels = device_run.stage_kernels(True)
+    assert kernels["layouts"] == dict.fromkeys(["rows", "padded rows", "packed rows", "tree-packed pairs"], "xla")
+    sampling = device_run.stage_sampling(True)
+    timed = {key for key in sampling if key.endswith("_ms")}
+    assert timed == {"greedy_ms", "temperature 0.7_ms", "top_p 0.95_ms", "top_k 20, top_p 0.8_ms", "min_p 0.05_ms",
+                     "output_projection_ms"} and all(sampling[key] > 0 for key in timed)
