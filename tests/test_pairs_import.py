@@ -307,3 +307,31 @@ def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_ru
                        "--language", "en")
     assert code == 0
     assert f"warning: {source}: {len(chinese)} rows en declared, han script; they are bucketed as declared" in err
+
+
+def test_an_export_given_to_training_names_the_format_that_imports_it(demo_run, tmp_path, capsys):
+    """A ShareGPT preference export given as pairs= says `--format sharegpt-pairs` (its rows have chosen and
+    rejected too, as TRL's), and the pairs file is read before a missing val_pairs is asked for."""
+    rows, _ = real_trl_rows(demo_run, n=2)
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [
+        {"conversations": [{"from": "human", "value": m["content"]} for m in row["prompt"]],
+         "chosen": {"from": "gpt", "value": row["chosen"][0]["content"]},
+         "rejected": {"from": "gpt", "value": row["rejected"][0]["content"]}} for row in rows])
+    trl = write_jsonl(tmp_path / "trl.jsonl", rows)
+    for source, form in ((sharegpt, "sharegpt-pairs"), (trl, "trl")):
+        assert main(["train", "dpo", "--out", str(tmp_path / "out"), f"init={tmp_path}", f"pairs={source}"]) == 2
+        err = capsys.readouterr().err
+        assert err.rstrip().endswith(f"{source}:1: not a polyalign pair (no string field 'id'); run `polyalign pairs "
+                                     f"import --format {form} --input {source} --out PAIRS` first"), err
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag, value, known", [("--language", "fr", "en, zh"), ("--family", "chat",
+                                                                                 "assistant, qa, dialogue")])
+def test_a_label_outside_the_scheme_is_refused_before_reading(demo_run, tmp_path, capsys, flag, value, known):
+    rows, _ = real_trl_rows(demo_run, n=2)
+    source = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                         tmp_path / "p.jsonl", flag, value)
+    assert code == 2 and f"error: {flag} {value} is not one of the scheme's: {known} (" in err and out == ""
+    assert not (tmp_path / "p.jsonl").exists()

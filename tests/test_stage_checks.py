@@ -353,6 +353,19 @@ def test_missing_pairs_say_what_makes_them_for_the_method(tmp_path, capsys, meth
                                      "to the file")
 
 
+def test_a_critic_without_references_says_where_they_come_from(tmp_path, capsys):
+    """No data.dir and no references=: the critic says what to give (it printed `None: bucket references
+    missing`)."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("")
+    assert main(["train", "critic", "--out", str(tmp_path / "out"), f"init={tmp_path}", f"pairs={pairs}",
+                 f"val_pairs={pairs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("the critic measures each answer against its bucket's human references: set "
+                                 "data.dir=RUN (its stats/references.json, from `polyalign stats RUN`) or "
+                                 "references=FILE") and "None" not in err
+
+
 def test_sequences_past_the_models_positions_are_refused_before_anything_loads(built_run, tmp_path, capsys):
     """A checkpoint made for 32 positions (its config.json's max_position_embeddings): SFT on a build of
     64-token rows, DPO and the critic with data.max_length 64, generate's prompt + answer budget and serve's

@@ -146,6 +146,11 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     if scheme_path is None and not DEFAULT_SCHEME.is_file():
         raise InputError(f"{DEFAULT_SCHEME}: missing (polyalign is not a source checkout); pass --scheme")
     scheme = load_scheme(Path(scheme_path or DEFAULT_SCHEME))
+    for dimension, value in (("language", language), ("track", track), ("family", family), ("style", style)):
+        known = scheme.values.get(dimension, ())
+        if value is not None and value not in known:
+            raise InputError(f"--{dimension} {value} is not one of the scheme's: {', '.join(known)} "
+                             f"({scheme_path or DEFAULT_SCHEME}); every row would be dropped")
     source = SourceConfig(name=dataset, format="chat", path=str(input_path), split="train", language=language,
                           track=track, family=family, style=style or _default_style(scheme, family))
     builder = RecordBuilder(scheme, scheme.length_unit, SplitOptions())

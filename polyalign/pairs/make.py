@@ -127,10 +127,19 @@ def read_pairs(path: Path, missing: str = "run `polyalign pairs` first") -> list
         raise InputError(f"not JSON: {problem}") from None
     for number, row in rows:
         if problem := pair_problem(row):
-            hint = (f"; run `polyalign pairs import --format trl --input {path} --out PAIRS` first"
-                    if isinstance(row, dict) and {"chosen", "rejected"} <= set(row) else "")
+            form = export_format(row)
+            hint = f"; run `polyalign pairs import --format {form} --input {path} --out PAIRS` first" if form else ""
             raise InputError(f"{path}:{number}: not a polyalign pair ({problem}){hint}")
     return [row for _, row in rows]
+
+
+def export_format(row: Any) -> str | None:
+    """The `pairs import --format` a row of another tool's preference export reads with: LLaMA-Factory's
+    ShareGPT rows keep their prompt in `conversations` and each answer as one turn object; TRL's carry
+    chosen and rejected as text or message lists. None for anything else."""
+    if not isinstance(row, dict) or not {"chosen", "rejected"} <= set(row):
+        return None
+    return "sharegpt-pairs" if "conversations" in row or isinstance(row["chosen"], dict) else "trl"
 
 
 def pair_problem(row: Any) -> str | None:

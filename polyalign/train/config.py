@@ -214,17 +214,18 @@ class PreferenceConfig:
     train: LoopConfig = field(default_factory=lambda: LoopConfig(global_batch=8))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def pair_file(self, key: str) -> str:
+        """`pairs` or `val_pairs` as set, else the scored pairs in RUN/critic/."""
+        if getattr(self, key) is not None:
+            return getattr(self, key)
+        if self.data.dir is None:
+            raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)"
+                              + (_val_pairs_hint(self.pairs) if key == "val_pairs" else ""))
+        return f"{str(self.data.dir).rstrip('/')}/critic/{'train_pairs' if key == 'pairs' else key}.jsonl"
+
     def pair_files(self) -> dict[str, str]:
-        """{"pairs": ..., "val_pairs": ...}: as set, else the scored pairs in RUN/critic/."""
-        files = {}
-        for key, name in (("pairs", "train_pairs.jsonl"), ("val_pairs", "val_pairs.jsonl")):
-            files[key] = getattr(self, key)
-            if files[key] is None:
-                if self.data.dir is None:
-                    raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)"
-                                      + (_val_pairs_hint(self.pairs) if key == "val_pairs" else ""))
-                files[key] = f"{str(self.data.dir).rstrip('/')}/critic/{name}"
-        return files
+        """{"pairs": ..., "val_pairs": ...} (pair_file)."""
+        return {key: self.pair_file(key) for key in ("pairs", "val_pairs")}
 
 
 def _val_pairs_hint(pairs: str | None) -> str:

@@ -144,7 +144,10 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     run = Path(config.data.dir) if config.data.dir else None
     references_path = (Path(config.references) if config.references
                        else (run / "stats" / "references.json" if run else None))
-    if references_path is None or not references_path.is_file():
+    if references_path is None:
+        raise ConfigError("the critic measures each answer against its bucket's human references: set data.dir=RUN "
+                          "(its stats/references.json, from `polyalign stats RUN`) or references=FILE")
+    if not references_path.is_file():
         raise ConfigError(f"{references_path}: bucket references missing; run `polyalign stats RUN` "
                           "or pass references=")
     references = read_references(references_path)

@@ -225,14 +225,17 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
 
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     require(config, "init", hint="the SFT checkpoint")
-    paths = config.pair_files()
     max_length = config.data.max_length
     too_long = longer_than_positions(config.init, max_length, f"data.max_length {max_length}",
                                      "set a smaller data.max_length")
     if too_long:
         raise ConfigError(too_long)
-    train_pairs, val_pairs = (read_pairs(Path(paths[key]), _missing_pairs_hint(config, key))
-                              for key in ("pairs", "val_pairs"))
+    # the training pairs are read before val_pairs is looked for: a file that needs `pairs import` says so first
+    paths, read = {}, {}
+    for key in ("pairs", "val_pairs"):
+        paths[key] = config.pair_file(key)
+        read[key] = read_pairs(Path(paths[key]), _missing_pairs_hint(config, key))
+    train_pairs, val_pairs = read["pairs"], read["val_pairs"]
     if not train_pairs:
         raise ConfigError(f"{paths['pairs']}: no pairs")
     check_pairs(config, paths, train_pairs, val_pairs)
