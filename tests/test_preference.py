@@ -517,6 +517,12 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     monkeypatch.setitem(sys.modules, "transformers", stand_in_transformers(False, lowercase=method == "simpo"))
 
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=4)
+    # the init as a Hugging Face folder ships it: with the tokenizer.json transformers reads
+    from polyalign.model.export import tokenizer_files
+    from polyalign.tokens.chat import get_template
+
+    shipped = tokenizer_files(demo_tokenizer[0], get_template("polyalign", demo_tokenizer[0]), "context")
+    (tmp_path / "init" / "tokenizer.json").write_text(shipped["tokenizer.json"])
     out = tmp_path / "out"
     assert main(["train", method, "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(out),
                  "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
@@ -537,6 +543,9 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
         assert 0 < check["differing"] < check["probes"], check
         assert f"warning: {reader} reads {out / 'model'} with other ids than polyalign on {check['differing']} of " \
                f"{check['probes']} probe texts" in err
+        # the same check on the init, before any step (the init folder has a config.json too)
+        started = f"warning: {reader} reads {tmp_path / 'init'} with other ids than polyalign on "
+        assert started in err and err.index(started) < err.index(f"warning: {reader} reads {out / 'model'}")
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     if method == "kto":
@@ -723,3 +732,78 @@ def test_round_two_says_which_pairs_it_left_out_and_why(demo_run, tmp_path, monk
     assert result["pairs"] == 4 and result["dropped"] == {"empty_side": 1, "chosen_equals_rejected": 1}
     assert ("round-2: 2 of 6 pairs left out (1 answered as the person did, 1 with an empty policy answer)"
             in capsys.readouterr().out)
+
+
+def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_steps(demo_run, demo_tokenizer,
+                                                                                      monkeypatch, tmp_path):
+    """The notes under a preference run's start line: how many training pairs data.max_length cuts (counted
+    against the pairs encoded whole), that an init not trained with polyalign's profile prompt gets one, and
+    transformers' reading of the init's tokenizer where it differs from polyalign's."""
+    from polyalign.inputs.pair_rows import tokenise_pairs
+    from polyalign.tokens.chat import get_template
+    from polyalign.train import preference
+    from polyalign.train.config import PreferenceConfig
+
+    tokenizer = demo_tokenizer[0]
+    template = get_template("polyalign", tokenizer)
+    pairs = real_pairs(demo_run, 12)
+    buckets = sorted({p["bucket_id"] for p in pairs})
+    whole = tokenise_pairs(pairs, tokenizer, template, "context", 10**6, buckets)
+    longest = [max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in whole]
+    limit = sorted(longest)[len(longest) // 2]  # about half are longer
+    cut = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets)
+    over = sum(length > limit for length in longest)
+    assert 0 < over < len(pairs) and not any(e["truncated"] for e in whole)
+    note = preference.truncation_note(cut, "p.jsonl", limit)
+    assert note.startswith(f"note: {over} of {len(pairs)} training pairs of p.jsonl ({over / len(pairs):.0%}) are "
+                           f"longer than data.max_length {limit} and are cut")
+    assert preference.truncation_note(whole, "p.jsonl", 10**6) is None
+
+    config = PreferenceConfig(method="dpo", init="lab/model")
+    assert tokenizer.profile_mode is None  # the demo's tokenizer: trained by polyalign, no model behind it
+    said = preference.profile_note(config, tokenizer, pairs[0])
+    assert said.startswith("note: lab/model was not trained with polyalign's profile prompt; profile=context opens "
+                           "every pair's prompt with one (the first pair's: 'You are a helpful assistant.")
+    unprofiled = PreferenceConfig(method="dpo", init="x", profile="none")
+    assert preference.profile_note(unprofiled, tokenizer, pairs[0]) is None
+    monkeypatch.setattr(tokenizer, "profile_mode", "context")
+    assert preference.profile_note(config, tokenizer, pairs[0]) is None
+
+    # transformers stood in for: one reader drops every text's first id, another reads as polyalign does
+    folder = tmp_path / "init"  # a Hugging Face folder: its config.json picks transformers' tokenizer class
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    init_config = PreferenceConfig(method="dpo", init=str(folder))
+    for encoder, expected in ((lambda text: tokenizer.encode(text)[1:], "other ids"), (tokenizer.encode, None)):
+        monkeypatch.setattr(preference, "folder_encoder", lambda path, encoder=encoder: (encoder, "stand-in reader"))
+        warning = preference.tokenizer_note(init_config, tokenizer, pairs)
+        assert (warning is None) if expected is None else warning.startswith(
+            f"warning: stand-in reader reads {folder} with other ids than polyalign on ")
+    monkeypatch.setattr(preference, "folder_encoder", lambda path: (None, "not checked: transformers is not installed"))
+    assert preference.tokenizer_note(init_config, tokenizer, pairs) is None
+
+
+def test_a_lora_run_says_what_it_trains(demo_tokenizer):
+    """The start line's LoRA part: rank, targets and the trained parameters, counted by hand (rank x
+    (fan-in + fan-out) for each target of each layer), and every parameter of the unquantised model as the
+    whole, also when the base is stored NF4."""
+    from polyalign.model import create_model
+    from polyalign.model.architecture import LoraConfig
+    from polyalign.model.lora import add_adapters, quantize_base
+    from polyalign.train.run import trained_parameters
+    from tests.conftest import tiny_model_config
+
+    cfg = tiny_model_config(demo_tokenizer[0].vocab_size)
+    base = create_model(cfg)
+    whole = sum(x.size for x in jax.tree.leaves(__import__("flax").nnx.state(base)))
+    assert trained_parameters(base) == ""
+    hidden, head = cfg.hidden_size, cfg.head_dim
+    fans = {"q": (hidden, cfg.num_heads * head), "k": (hidden, cfg.num_kv_heads * head),
+            "v": (hidden, cfg.num_kv_heads * head), "o": (cfg.num_heads * head, hidden)}
+    adapted = add_adapters(base, LoraConfig(rank=4, targets=("q", "k", "v", "o")))
+    trained = cfg.num_layers * sum(4 * (fan_in + fan_out) for fan_in, fan_out in fans.values())
+    expected = (f"LoRA rank 4 (alpha 32) on q, k, v, o over the frozen base: {trained:,} parameters trained "
+                f"({trained / (whole + trained):.2%} of {whole + trained:,}); ")
+    assert trained_parameters(adapted) == expected
+    assert trained_parameters(quantize_base(adapted, "nf4")) == expected.replace("the frozen base",
+                                                                                 "the NF4-quantised base")

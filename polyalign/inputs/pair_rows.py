@@ -27,6 +27,9 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
             encoded = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
                                           cutoff=max_length)
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
+            # whether a side was cut to max_length, and whether that cut into its opening system message
+            example["truncated"] = example.get("truncated", False) or encoded.truncated
+            example["system_cut"] = example.get("system_cut", False) or encoded.system_cut
         examples.append(example)
     return examples
 

@@ -17,9 +17,10 @@ import numpy as np
 from flax import nnx
 
 from polyalign.core.outputs import same_path
-from polyalign.core.paths import file_digest
+from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
+from polyalign.data.records import Record
 from polyalign.inputs import pipeline
 from polyalign.inputs.pair_rows import (
     PAIR_FIELDS,
@@ -29,13 +30,13 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
-from polyalign.inputs.tokenizer_check import check_export, pair_texts
+from polyalign.inputs.tokenizer_check import check_export, compare_encoders, folder_encoder, pair_texts
 from polyalign.model import export
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.lora import base_model
 from polyalign.pairs.make import read_pairs
-from polyalign.tokens.chat import choose_template, get_template
+from polyalign.tokens.chat import choose_template, get_template, profile_prompt
 from polyalign.tokens.profile_template import PROFILE_FIELDS, seen_profile_values
 from polyalign.tokens.tokenizer import load_tokenizer
 from polyalign.train import losses
@@ -223,6 +224,49 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
     return made + (f" and set {key}= to the file" if getattr(config, key) is None else "")
 
 
+def truncation_note(examples: list[dict], pairs_file: str, max_length: int) -> str | None:
+    """How many training pairs were cut to data.max_length, and how many of those lost the start of their
+    opening system message (the profile prompt), as `build` says of SFT examples."""
+    cut = [e for e in examples if e["truncated"]]
+    if not cut:
+        return None
+    lost = sum(e["system_cut"] for e in cut)
+    return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
+            f"longer than data.max_length {max_length} and are cut, the prompt from its start and each answer from "
+            f"its end" + (f"; {lost} of them lose the start of their opening system message" if lost else "")
+            + "; a larger data.max_length keeps more")
+
+
+def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
+    """Said when the init checkpoint was not trained with polyalign's profile prompt (a user's own model)
+    and this run adds one: the trained model then expects it wherever it is served."""
+    if tokenizer.profile_mode is not None or config.profile == "none":
+        return None
+    shown = profile_prompt(Record.from_json(pair["record"]), config.profile)
+    return (f"note: {config.init} was not trained with polyalign's profile prompt; profile={config.profile} opens "
+            f"every pair's prompt with one (the first pair's: {shown[:90]!r}...), so the trained model expects it: "
+            "polyalign generate and serve write it, a chat template needs the profile variables (docs/model.md); "
+            "profile=none trains on the pairs' own prompts")
+
+
+def tokenizer_note(config: PreferenceConfig, tokenizer, pairs: list[dict]) -> str | None:
+    """transformers' reading of the init checkpoint's tokenizer against polyalign's, on the pairs, before
+    any step: the same check the export gets afterwards (inputs/tokenizer_check.py). Process 0 only; nothing
+    when transformers is missing or the init is no local Hugging Face folder."""
+    init = Path(str(config.init))
+    if jax.process_index() != 0 or is_uri(str(config.init)) or not (init / "config.json").is_file():
+        return None
+    theirs, reader = folder_encoder(init)
+    if theirs is None:
+        return None
+    _, warning = compare_encoders(tokenizer.encode, theirs, reader, pair_texts(pairs), str(init), START_CONSEQUENCE)
+    return None if warning is None else f"warning: {warning}"
+
+
+START_CONSEQUENCE = ("training on these pairs teaches the model polyalign's ids, and it reads others where "
+                     "transformers, vLLM or SGLang load it")
+
+
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     require(config, "init", hint="the SFT checkpoint")
     max_length = config.data.max_length
@@ -247,6 +291,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
+    notes = [truncation_note(train_examples, paths["pairs"], max_length),
+             profile_note(config, tokenizer, train_pairs[0]), tokenizer_note(config, tokenizer, train_pairs)]
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
             reference_logps(base_model(model), train_examples + val_examples, max_length, tokenizer.pad_id,
@@ -285,7 +331,9 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                checkpoint_meta={"method": config.method}, finish=finish,
                # the files under their own names: `val_pairs` is the count, as the metrics have it
                summary={"pairs_file": paths["pairs"], "val_pairs_file": paths["val_pairs"],
-                        "train_pairs": len(train_examples), "val_pairs": len(val_examples)},
+                        "train_pairs": len(train_examples), "val_pairs": len(val_examples),
+                        "train_pairs_cut": sum(e["truncated"] for e in train_examples)},
+               notes=[note for note in notes if note],
                # a reference in the step adds its forward pass; a precomputed one costs the step nothing
                flops_per_token=flops_per_token(model.config, max_length, reference_forward=(
                    method_spec(config.method).needs_reference and config.reference == "in_step")))

@@ -34,7 +34,8 @@ from polyalign.mesh.launch import LAUNCH_COMMAND_ENV
 from polyalign.mesh.watchdog import Watchdog, resolve_timeout
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
-from polyalign.model.lora import add_adapters, quantize_base
+from polyalign.model.lora import add_adapters, has_adapters, quantize_base
+from polyalign.model.transformer import abstract_model
 from polyalign.train import ownership
 from polyalign.train.checkpoint import Checkpointer
 from polyalign.train.config import LoopConfig, ModelSection
@@ -64,6 +65,9 @@ class Job:
     summary: dict[str, Any] = field(default_factory=dict)  # facts known at setup (pairs, examples)
     # Model FLOPs per token a step runs (polyalign/model/flops.py), for MFU; None: not logged.
     flops_per_token: float | None = None
+    # What the user should know before the steps start (pairs cut to data.max_length, a tokenizer transformers
+    # reads otherwise), printed under the start line by process 0
+    notes: list[str] = field(default_factory=list)
 
 
 def steps_per_epoch(epoch_size: int, global_batch: int) -> int:
@@ -198,9 +202,10 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
                                     meta=job.checkpoint_meta)
     resume_at = checkpointer.latest_step() if checkpointer is not None else None
     if jax.process_index() == 0:
-        print(start_line(config, loop, mesh, out, resume_at), flush=True)
-        if note := schedule_note(config, loop, previous, resume_at, out):
-            print(note, flush=True)
+        print(start_line(config, loop, mesh, out, resume_at, trained_parameters(job.model)), flush=True)
+        for note in [schedule_note(config, loop, previous, resume_at, out), *job.notes]:
+            if note:
+                print(note, file=sys.stderr if note.startswith("warning:") else sys.stdout, flush=True)
     evaluate = None if job.evaluate is None else (lambda: job.evaluate(trainer))
     watchdog = Watchdog(resolve_timeout(loop.hang_timeout, jax.process_count()), jax.process_index(),
                         jax.process_count())
@@ -252,9 +257,25 @@ def schedule_note(config, loop: LoopConfig, previous: dict[str, Any] | None, res
             f"steps from here: step {resume_at + 1} takes {float(schedule(resume_at)):.2e}{was}")
 
 
-def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None = None) -> str:
+def trained_parameters(model) -> str:
+    """What a step trains, where only part of the model learns: the adapters' rank and targets, the
+    quantised base, and how many of the parameters are trained. Empty for full tuning."""
+    if not has_adapters(model):
+        return ""
+    lora, kind = model.config.lora, model.config.quantize
+    trained = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    # counted on the unquantised shapes: a quantised kernel's codes are not its weights (NF4 packs two a byte)
+    total = sum(x.size for x in jax.tree.leaves(nnx.state(
+        abstract_model(dataclasses.replace(model.config, quantize=None)), nnx.Param)))
+    base = f"the {kind.upper()}-quantised base" if kind else "the frozen base"
+    return (f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {', '.join(lora.targets)} over {base}: "
+            f"{trained:,} parameters trained ({trained / total:.2%} of {total:,}); ")
+
+
+def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None = None, trained: str = "") -> str:
     """What a run is about to do, said before it starts: the steps and batch, the devices and their
-    layout, the learning-rate schedule, where it starts from (or resumes) and where it writes."""
+    layout, the learning-rate schedule, what it trains (`trained`: trained_parameters), where it starts
+    from (or resumes) and where it writes."""
     optimizer = config.optimizer
     warmup = warmup_steps(optimizer, loop.steps)
     warming = f", {warmup} warmup step{'s' if warmup > 1 else ''}" if warmup else ""
@@ -267,7 +288,7 @@ def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None 
         start = f"resuming at step {resume_at} (OUT/checkpoints) of a run that started {start}"
     return (f"polyalign: training {config.method} for {loop.steps} steps, global batch {loop.global_batch} in "
             f"{micro}, on {mesh.devices.size} {jax.default_backend()} device{'s' if mesh.devices.size > 1 else ''} "
-            f"({layout}); {schedule}; {start} -> {out}")
+            f"({layout}); {schedule}; {trained}{start} -> {out}")
 
 
 def logged_step(out: Path, step: int) -> dict[str, Any]:
