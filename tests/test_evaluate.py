@@ -951,11 +951,12 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     from polyalign.evaluate.run import trained_with
     from polyalign.reports.evaluation import differing_models
 
-    def trained_run(name, weighting):
+    def trained_run(name, weighting, **method):
         (tmp_path / name / "model").mkdir(parents=True)
         (tmp_path / name / "config.json").write_text(json.dumps({
             "method": "sft", "weighting": weighting, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "train": {"steps": 300},
-            "optimizer": {"lr": 2e-5}, "model": {"preset": "tiny", "lora": {"rank": 0}}, "data": {"dir": "/runs/r"}}))
+            "optimizer": {"lr": 2e-5}, "model": {"preset": "tiny", "lora": {"rank": 0}}, "data": {"dir": "/runs/r"},
+            **method}))
         predictions = tmp_path / f"{name}.jsonl"
         predictions.write_text('{"id": "a", "prediction": "b"}\n')
         sidecar(predictions).write_text(json.dumps({"settings": {"checkpoint": str(tmp_path / name / "model")}}))
@@ -966,6 +967,11 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     assert bucket == {"checkpoint": str(tmp_path / "bucket_sft" / "model"), "method": "sft", "weighting": "bucket",
                       "steps": 300, "learning rate": 2e-5, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "LoRA rank": 0,
                       "data": "/runs/r"}
+    # lambda_dist is HDPO's term: said for HDPO and for a method with hdpo_terms, not for plain DPO
+    for name, method in (("dpo", {"method": "dpo"}), ("hdpo", {"method": "hdpo"}),
+                         ("dpo_terms", {"method": "dpo", "hdpo_terms": True})):
+        said = trained_run(name, None, beta=0.1, lambda_dist=0.3, **method)
+        assert said["beta"] == 0.1 and said.get("lambda_dist") == (None if name == "dpo" else 0.3), name
     external = tmp_path / "engine.jsonl"
     external.write_text('{"id": "a", "prediction": "b"}\n')
     assert trained_with(external) is None  # an external engine's predictions name no checkpoint

@@ -849,6 +849,12 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(b
     again = {r["step"]: r for r in read_metrics(tmp_path / "resumed") if "loss" in r}
     for step in range(4, 10):  # steps 4-6 trained twice: the second time as the first
         assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-5, step
+    # a stop before the step the run is already at cannot be honoured: refused, not ignored
+    from polyalign.core.yaml_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.stop_at=6: the run in .*resumed is already at step 9; give a later "
+                                          r"step \(train.steps is 9\), or leave stop_at out"):
+        train_sft(sft_config(run, 9, "train.stop_at=6"), tmp_path / "resumed", progress=False)
     # when no checkpoint restores, nothing is moved: a changed setting is the likelier cause
     train_sft(sft_config(run, 9, "train.stop_at=6"), tmp_path / "broken", progress=False)
     for step in ("3", "6"):

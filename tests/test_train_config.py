@@ -193,6 +193,14 @@ def test_print_config_shows_every_key_and_reads_back(method, capsys):
     # every default is there, not just what the file sets
     assert set(printed["model"]) == set(_fields(schema.ModelSection))
 
+def test_print_config_says_which_keys_are_hdpos(capsys):
+    for method, overrides, said in (("dpo", [], True), ("hdpo", [], False), ("dpo", ["hdpo_terms=true"], False),
+                                    ("sft", [], False)):
+        assert main(["train", method, "--print-config", *overrides]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert (first == f"# lambda_dist and gamma_ftx are HDPO's terms: {method} reads them only with hdpo_terms: "
+                         "true") == said, (method, overrides)
+
 
 def test_overrides_may_come_before_between_and_after_options(capsys):
     """key=value overrides anywhere on the line, in the order written (the last one wins); an unknown

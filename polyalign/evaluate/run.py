@@ -530,6 +530,8 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
             settings[name] = value
     if settings.get("init"):  # the architecture is init's: a preset the config still names was not used
         settings.pop("preset", None)
+    if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's term: the others never read it
+        settings.pop("lambda_dist", None)
     return {"checkpoint": checkpoint, **settings}
 
 

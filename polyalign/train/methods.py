@@ -401,5 +401,10 @@ def require(config: Any, *keys: str, hint: str = "") -> None:
 
 
 def config_as_yaml(config: Any) -> str:
-    """Every key of a resolved config with its value, as YAML a run could read back."""
-    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, allow_unicode=True)
+    """Every key of a resolved config with its value, as YAML a run could read back; a preference method
+    other than HDPO is told, in a comment, which keys are HDPO's."""
+    text = yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, allow_unicode=True)
+    if getattr(config, "hdpo_terms", True) or config.method == "hdpo":
+        return text
+    return (f"# lambda_dist and gamma_ftx are HDPO's terms: {config.method} reads them only with hdpo_terms: true\n"
+            + text)
