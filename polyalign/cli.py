@@ -833,7 +833,8 @@ def _add_evaluate(sub) -> None:
                                                     "--support: the support is then the test records' own answers)")
     _dtype_option(p, "the featurizer and the scorer")
     p.add_argument("--allow-partial", action="store_true",
-                   help="evaluate the intersection when ids are missing, duplicated or extra (said in the report)")
+                   help="evaluate the intersection when ids are missing, duplicated or extra (said in the report); "
+                        "not needed for the records `generate --limit/--sample` chose from this file")
     p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_evaluate)
@@ -864,8 +865,11 @@ def _run_evaluate(args) -> int:
     empty = answers.get("empty", 0)
     # --compat reference keeps them in Distinct-n and Self-BLEU, as the authors' code does
     kept = "kept in diversity, as the authors' code does" if answers.get("in_diversity") else "left out of diversity"
-    rows = f"{result['alignment']['evaluated']} rows" + (
-        f" ({empty} empty answer{'s' * (empty != 1)}, {kept})" if empty else "")
+    alignment = result["alignment"]
+    said = ([f"the ones `{alignment['selected_by']}` answered"] if alignment.get("selected_by") else []) + (
+        [f"{empty} empty answer{'s' * (empty != 1)}, {kept}"] if empty else [])
+    of = f" of {alignment['records']}" if alignment.get("selected_by") else ""
+    rows = f"{alignment['evaluated']}{of} rows" + (f" ({'; '.join(said)})" if said else "")
     mauve = show(m["mauve"]["global"]) if m["mauve"]["status"] == "computed" else \
         f"skipped ({reasons.get('mauve', 'not computed')})"
     print(f"{rows}: F1 {show(m['utility']['overall'].get('qa_f1'), 'utility')}, ROUGE-L "

@@ -311,6 +311,43 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
     assert "differ in test rows: 297 | 300" in (tmp_path / "cmp" / "report.html").read_text()
 
 
+def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_run, tmp_path, capsys):
+    """Predictions whose manifest says `generate --sample` chose them from this very records file are the
+    part they answer: evaluated as a partial evaluation that names the selection, with no flag; an extra
+    id, or a selection from other records, still stops."""
+    from polyalign.cli import main
+    from polyalign.core.outputs import sidecar
+    from polyalign.core.paths import file_digest
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:60]
+    subset = tmp_path / "records.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    chosen = records[::3]
+    _write_predictions(tmp_path / "p.jsonl", chosen, lambda r: r.question)
+    manifest = {"settings": {"records": str(subset), "limit": None, "sample": len(chosen), "seed": 4},
+                "made_from": {"records": file_digest(subset)}}
+    sidecar(tmp_path / "p.jsonl").write_text(json.dumps(manifest))
+    assert main(["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(tmp_path / "eval"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{len(chosen)} of 60 rows (the ones `generate --sample {len(chosen)} --seed 4` "
+                              "answered): F1 ")
+    alignment = json.loads((tmp_path / "eval" / "metrics.json").read_text())["alignment"]
+    assert alignment["partial"] and alignment["evaluated"] == len(chosen) and alignment["missing"] == 60 - len(chosen)
+    # an id the records do not hold is no selection's doing
+    _write_predictions(tmp_path / "p.jsonl", [*chosen, records[1]], lambda r: r.question)
+    with open(tmp_path / "p.jsonl", "a") as handle:
+        handle.write(json.dumps({"id": "nope", "prediction": "x"}) + "\n")
+    with pytest.raises(EvaluationError, match="1 extra ids"):
+        evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval2", EvaluateOptions(plots=False))
+    # a selection the manifest does not record (an external engine's subset) needs the flag, as before
+    _write_predictions(tmp_path / "q.jsonl", chosen, lambda r: r.question)
+    with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
+        evaluate(subset, tmp_path / "q.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False))
+
+
 @pytest.mark.slow
 def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
     from polyalign.data.prepare import prepare

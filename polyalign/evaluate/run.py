@@ -53,16 +53,20 @@ def load_predictions(path: Path) -> tuple[list[dict], Counter]:
     return rows, Counter(row["id"] for row in rows)
 
 
-def align(records, rows: list[dict], seen: Counter, allow_partial: bool) -> tuple[list, list[str], dict]:
+def align(records, rows: list[dict], seen: Counter, allow_partial: bool,
+          selected_by: str | None = None) -> tuple[list, list[str], dict]:
     """Records and their predictions joined by id; missing, duplicate or extra ids stop the run
-    (with counts) unless allow_partial, which keeps the intersection."""
+    (with counts) unless allow_partial, which keeps the intersection. `selected_by`: how `generate` chose
+    the records it answered from this very file (generate_selection), whose missing ids are expected."""
     ids = {r.id for r in records}
     missing = [r.id for r in records if r.id not in seen]
     duplicate = sorted(i for i, c in seen.items() if c > 1)
     extra = sorted(set(seen) - ids)
     alignment = {"records": len(records), "predictions": len(rows), "missing": len(missing),
                  "duplicate": len(duplicate), "extra": len(extra), "partial": False}
-    if (missing or duplicate or extra) and not allow_partial:
+    if missing and selected_by and not (duplicate or extra):
+        alignment["selected_by"] = selected_by
+    elif (missing or duplicate or extra) and not allow_partial:
         examples = ", ".join((missing + duplicate + extra)[:3])
         raise EvaluationError(f"predictions do not match the records: {len(missing)} missing, {len(duplicate)} "
                               f"duplicate, {len(extra)} extra ids (e.g. {examples}); pass --allow-partial to "
@@ -200,9 +204,24 @@ def _rows_by(keys) -> dict[str, list[int]]:
     return rows
 
 
+def generate_selection(predictions_path: Path, records_path: Path) -> str | None:
+    """How `polyalign generate` chose the records it answered (--limit, --sample) when it read them from
+    this records file, unchanged since (its manifest's digest); None otherwise."""
+    manifest = read_record(predictions_path) or {}
+    settings = manifest.get("settings") or {}
+    chosen = [f"--{key} {settings[key]}" for key in ("limit", "sample") if settings.get(key) is not None]
+    recorded = (manifest.get("made_from") or {}).get("records")
+    if not chosen or not isinstance(recorded, str) or is_uri(str(records_path)) or \
+            recorded != file_digest(records_path):
+        return None
+    seed = f" --seed {settings['seed']}" if settings.get("sample") is not None else ""
+    return f"generate {' '.join(chosen)}{seed}"
+
+
 def _join(records_path: Path, predictions_path: Path, allow_partial: bool) -> Joined:
     rows, seen = load_predictions(predictions_path)
-    records, predictions, alignment = align(read_records(records_path), rows, seen, allow_partial)
+    records, predictions, alignment = align(read_records(records_path), rows, seen, allow_partial,
+                                            generate_selection(predictions_path, records_path))
     return Joined(records, predictions, alignment, profiles=sorted({r.get("profile", "unknown") for r in rows}),
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
 

@@ -260,7 +260,9 @@ def _page(title: str, sections: list[str]) -> str:
 
 def _settings(result: dict) -> str:
     c, a = result["config"], result["alignment"]
-    partial = " <b>Partial: only the intersection of records and predictions was evaluated.</b>" if a["partial"] else ""
+    partial = "" if not a["partial"] else (
+        f" <b>Partial: the {a['evaluated']} records `{html.escape(a['selected_by'])}` answered.</b>"
+        if a.get("selected_by") else " <b>Partial: only the intersection of records and predictions was evaluated.</b>")
     empty = result.get("answers", {}).get("empty", 0)
     kept = result.get("answers", {}).get("in_diversity")
     empty_note = (f" <b>{empty} of {a['evaluated']} answers are empty</b>: scored as answers by F1 and BNG, "
