@@ -62,3 +62,22 @@ def test_a_bar_an_error_leaves_writes_no_line_after_it(monkeypatch):
         log.write(f"polyalign prepare: error: {error}\n")
     gc.collect()
     assert log.getvalue().splitlines() == [log.getvalue().splitlines()[0], "polyalign prepare: error: row 4"]
+
+
+def test_work_every_process_does_alike_shows_one_bar(demo_run, demo_tokenizer, monkeypatch, capsys):
+    """The critic's encoding and the reference log-probs run on every process of a launched run: process 0
+    alone shows their bar (each process printed it)."""
+    import jax
+
+    from polyalign.data.records import read_records
+    from polyalign.model import create_model
+    from polyalign.model.pooling import encode_responses
+    from tests.conftest import tiny_model_config
+
+    answers = [r.response for r in read_records(demo_run[0] / "data" / "test.jsonl")[:4]]
+    tokenizer = demo_tokenizer[0]
+    model = create_model(tiny_model_config(tokenizer.vocab_size))
+    for index, shown in ((0, True), (1, False)):
+        monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+        encode_responses(model, tokenizer, answers, 16, 2, progress=True)
+        assert ("encode: " in capsys.readouterr().err) == shown

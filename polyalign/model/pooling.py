@@ -20,7 +20,9 @@ def encode_responses(model, tokenizer, texts: list[str], max_tokens: int, batch_
     encoded = [tokenizer.encode(t)[:max_tokens] or [tokenizer.pad_id] for t in texts]
     order = np.argsort([len(e) for e in encoded])  # similar lengths share a padded batch
     out = np.zeros((len(texts), model.config.hidden_size), np.float32)
-    for start in progress_bar(range(0, len(order), batch_size), progress=progress, desc="encode", unit="batch"):
+    # the critic encodes on every process alike: one bar says how far they are
+    for start in progress_bar(range(0, len(order), batch_size), progress=progress and jax.process_index() == 0,
+                              desc="encode", unit="batch"):
         rows = order[start:start + batch_size]
         length = padded_length(max(len(encoded[i]) for i in rows), max_tokens)
         ids = np.full((batch_size, length), tokenizer.pad_id, np.int32)

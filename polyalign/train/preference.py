@@ -95,8 +95,9 @@ def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch
     replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     run = jax.jit(lambda state, batch: sequence_logps(nnx.merge(graphdef, state), batch)[:2], out_shardings=replicated)
     rows, arrays_of = ordered_pair_rows(examples, length, pad_id, pack)
-    for start in progress_bar(range(0, len(rows), batch_size), progress=progress, desc="reference log-probs",
-                              unit="batch"):
+    # every process computes every value; one bar says how far they are
+    for start in progress_bar(range(0, len(rows), batch_size), progress=progress and jax.process_index() == 0,
+                              desc="reference log-probs", unit="batch"):
         chunk = rows[start:start + batch_size]
         arrays = [arrays_of(row) for row in chunk] + [arrays_of(None)] * (batch_size - len(chunk))
         batch = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
