@@ -475,7 +475,8 @@ def _add_pairs(sub) -> None:
     imported.add_argument("--language", help="declared language (en, zh); default: each row's own, else detected")
     imported.add_argument("--track", choices=("single", "multi"),
                           help="default: each row's own, else multi when the prompt has earlier turns")
-    imported.add_argument("--family", default="assistant", help="response family (default assistant)")
+    imported.add_argument("--family", help="response family of rows that name none: assistant (the default), qa or "
+                                           "dialogue (conversations between people)")
     imported.add_argument("--style", help="style label (default: the scheme's usual style for the family)")
     imported.add_argument("--scheme", type=Path, help="bucket scheme (default buckets/polyalign.yaml)")
     imported.add_argument("--on-error", choices=("fail", "quarantine"), default="fail",
@@ -516,7 +517,8 @@ def _run_pairs_import(args) -> int:
     from polyalign.pairs.importing import import_pairs  # heavy: numpy, datasketch (data.prepare), kept out of --help
 
     summary = import_pairs(args.input, args.out, args.format, dataset=args.dataset, language=args.language,
-                           track=args.track, family=args.family, style=args.style, scheme_path=args.scheme,
+                           track=args.track, family=args.family or "assistant", style=args.style,
+                           scheme_path=args.scheme,
                            on_error=args.on_error, overwrite=args.overwrite, val_fraction=args.val_fraction,
                            val_out=args.val_out, seed=args.seed)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
@@ -530,6 +532,10 @@ def _run_pairs_import(args) -> int:
         print("note: rows detected in a language outside the scheme were dropped; --language LANG labels every "
               "row of the file instead", file=sys.stderr)
     _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language")
+    conversations = summary["multi_turn_families"].get("assistant", 0)
+    if args.family is None and conversations:
+        print(f"note: {conversations} multi-turn pairs are labelled family assistant, --family's default; "
+              "conversations between people (KdConv, MultiWOZ-like dialogues) belong in --family dialogue")
     if summary["system_messages"]:
         print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
               "adds the profile prompt after it; docs/model.md, System messages)")

@@ -335,3 +335,19 @@ def test_a_label_outside_the_scheme_is_refused_before_reading(demo_run, tmp_path
                          tmp_path / "p.jsonl", flag, value)
     assert code == 2 and f"error: {flag} {value} is not one of the scheme's: {known} (" in err and out == ""
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_conversations_left_to_the_default_family_are_said(demo_run, tmp_path, capsys):
+    """Multi-turn rows that name no family get --family's default, assistant: the import says how many, and
+    nothing once --family is given."""
+    rows, sources = real_trl_rows(demo_run)
+    unlabelled = [{k: v for k, v in row.items() if k not in ("family", "style", "track")} for row in rows]
+    source = write_jsonl(tmp_path / "prefs.jsonl", unlabelled)
+    multi = sum(len(row["prompt"]) > 1 for row in rows)
+    assert 0 < multi < len(rows)
+    _, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "a.jsonl")
+    assert (f"note: {multi} multi-turn pairs are labelled family assistant, --family's default; conversations "
+            "between people (KdConv, MultiWOZ-like dialogues) belong in --family dialogue") in out
+    _, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "b.jsonl",
+                    "--family", "dialogue")
+    assert "--family's default" not in out

@@ -198,6 +198,9 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    "languages_detected": dict(tally.detected_languages),
                    "language_mismatches": dict(tally.language_mismatches),
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
+                   # the family of the conversations (earlier turns in the prompt): the default's fit is worth a word
+                   "multi_turn_families": dict(Counter(p["record"]["family"] for p in pairs
+                                                       if p["record"]["track"] == "multi")),
                    "quarantined": sink.count, "out": str(out)}
         val_buckets = split.pop("val_buckets", None)
         summary.update(split)
