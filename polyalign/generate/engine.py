@@ -57,7 +57,7 @@ class EngineConfig:
     page_size: int = 16
     max_sequence: int = 1024
     pages: int | None = None
-    prefill_chunk: int = 64
+    prefill_chunk: int = 128
     prefill_rows: int = 4
     steps_per_sync: int = 8
 
