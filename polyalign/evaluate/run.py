@@ -273,12 +273,9 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     resamples = feature_based.resamples.get(MODEL_ANSWERS)
     tdm, tdm_draws = _turn_dynamics(joined, joined.predictions, options, resamples)
     f1_by_bucket = {b: row["qa_f1"] for b, row in utility["by_bucket"].items()}
-    nuf = frontiers(bng_metrics["by_bucket"], mauve_metrics, tdm, f1_by_bucket, options.featurizer)
-    aggregate = aggregate_section(utility["overall"].get("qa_f1"), bng_metrics["overall_macro"],
-                                  mauve_metrics["global"], nuf["overall"]["hypervolume"])
-    said = combined_intervals(resamples, bng_metrics["by_bucket"], tdm_draws, mauve_metrics,
-                              {"tdm_macro": tdm["overall_macro"], "nuf_hypervolume": nuf["overall"]["hypervolume"],
-                               "aggregate": aggregate["overall"]}, options.intervals.level)
+    nuf, aggregate, _, said = _combined(bng_metrics["by_bucket"], f1_by_bucket, utility["overall"].get("qa_f1"),
+                                        bng_metrics["overall_macro"], mauve_metrics, (tdm, tdm_draws), resamples,
+                                        options)
     tdm["macro_interval"], nuf["overall"]["hypervolume_interval"], aggregate["interval"] = said.values()
     metrics = {"utility": utility, "diversity": div, "bng": bng_metrics, "hcr": hcr_metrics,
                "buckets": feature_based.buckets, "reference_rows": reference_rows, "mauve": mauve_metrics,
@@ -400,16 +397,27 @@ def _baseline_composites(joined: Joined, answers: list[str], buckets: dict[str, 
     """A no-model baseline's TDM, NUF hypervolume, MAUVE (with a featurizer) and aggregate with their
     intervals, computed as the model's are, so that those numbers too have something beside them to be
     read against."""
-    tdm, tdm_draws = _turn_dynamics(joined, answers, options, resamples)
+    tdm = _turn_dynamics(joined, answers, options, resamples)
     mauve_metrics = _mauve_section(dataclasses.replace(joined, predictions=answers), featurize)
     bng = {b: r["bng"] for b, r in buckets.items() if r["bng"] is not None}
-    nuf = frontiers(bng, mauve_metrics, tdm, {b: r["f1"] for b, r in buckets.items()}, options.featurizer)
-    aggregate = aggregate_section(row["f1"], row["bng_macro"], mauve_metrics["global"], nuf["overall"]["hypervolume"])
-    estimates = {"tdm_macro": tdm["overall_macro"], "nuf_hypervolume": nuf["overall"]["hypervolume"],
-                 "aggregate": aggregate["overall"]}
-    said = combined_intervals(resamples, bng, tdm_draws, mauve_metrics, estimates, options.intervals.level)
+    _, aggregate, estimates, said = _combined(bng, {b: r["f1"] for b, r in buckets.items()}, row["f1"],
+                                              row["bng_macro"], mauve_metrics, tdm, resamples, options)
     return {**estimates, **{f"{key}_interval": value for key, value in said.items()}, "mauve": mauve_metrics["global"],
             "aggregate_parts": aggregate["parts"]}
+
+
+def _combined(bng: dict[str, float], f1: dict[str, float], f1_overall: float | None, bng_macro: float | None,
+              mauve_metrics: dict, tdm: tuple[dict, dict], resamples: sp.Resamples | None,
+              options: EvaluateOptions) -> tuple[dict, dict, dict, dict]:
+    """One set of answers' frontiers, aggregate, and TDM's macro, the hypervolume and the aggregate with
+    their intervals (composites.combined_intervals), from their bucket numbers and `tdm` (report, draws)."""
+    report, draws = tdm
+    nuf = frontiers(bng, mauve_metrics, report, f1, options.featurizer)
+    aggregate = aggregate_section(f1_overall, bng_macro, mauve_metrics["global"], nuf["overall"]["hypervolume"])
+    estimates = {"tdm_macro": report["overall_macro"], "nuf_hypervolume": nuf["overall"]["hypervolume"],
+                 "aggregate": aggregate["overall"]}
+    intervals = combined_intervals(resamples, bng, draws, mauve_metrics, estimates, options.intervals.level)
+    return nuf, aggregate, estimates, intervals
 
 
 # faiss's k-means (inside mauve-text) writes this to the native stderr for every clustering of fewer than
