@@ -871,10 +871,17 @@ def _run_evaluate(args) -> int:
     empty = answers.get("empty", 0)
     # --compat reference keeps them in Distinct-n and Self-BLEU, as the authors' code does
     kept = "kept in diversity, as the authors' code does" if answers.get("in_diversity") else "left out of diversity"
-    alignment = result["alignment"]
-    said = ([f"the ones `{alignment['selected_by']}` answered"] if alignment.get("selected_by") else []) + (
-        [f"{empty} empty answer{'s' * (empty != 1)}, {kept}"] if empty else [])
-    of = f" of {alignment['records']}" if alignment.get("selected_by") else ""
+    alignment, wordless = result["alignment"], answers.get("without_words", 0)
+    said = []
+    if alignment.get("selected_by"):
+        said.append(f"the ones `{alignment['selected_by']}` answered")
+    elif alignment.get("partial"):
+        said.append("partial: the ids with one prediction")
+    unworded = [f"{empty} empty answer{'s' * (empty != 1)}"] * bool(empty) + [
+        f"{wordless} answer{'s' * (wordless != 1)} without a word (punctuation only)"] * bool(wordless)
+    if unworded:
+        said.append(f"{' and '.join(unworded)}, {kept}")
+    of = f" of {alignment['records']}" if alignment.get("partial") else ""
     rows = f"{alignment['evaluated']}{of} rows" + (f" ({'; '.join(said)})" if said else "")
     mauve = show(m["mauve"]["global"]) if m["mauve"]["status"] == "computed" else \
         f"skipped ({reasons.get('mauve', 'not computed')})"

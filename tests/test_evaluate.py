@@ -550,21 +550,27 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     records_path, records = _subset(run, tmp_path, lambda r: True)
     records = records[:200]
     records_path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
-    answer = {r.id: "" if i % 5 == 0 else first_sentence(r.context or r.question) for i, r in enumerate(records)}
+    # every fifth empty, and every seventh (not fifth) punctuation alone, as a degenerate model writes it
+    answer = {r.id: "" if i % 5 == 0 else "，，，" if i % 7 == 3 else first_sentence(r.context or r.question)
+              for i, r in enumerate(records)}
+    wordless = sum(1 for i in range(200) if i % 5 and i % 7 == 3)
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: answer[r.id])
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval"), "--bootstrap-draws", "10", "--no-baselines"]) == 0
-    assert "200 rows (40 empty answers, left out of diversity)" in capsys.readouterr().out
+    assert (f"200 rows (40 empty answers and {wordless} answers without a word (punctuation only), left out of "
+            "diversity)") in capsys.readouterr().out
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert saved["answers"]["empty"] == 40 and saved["answers"]["empty_ids"][0] == records[0].id
+    assert saved["answers"]["without_words"] == wordless
     overall = saved["metrics"]["diversity"]["overall"]
-    assert overall["generated"] == pytest.approx(diversity([a for a in answer.values() if a], "cjk"))
+    assert overall["generated"] == pytest.approx(diversity([a for a in answer.values() if a and a != "，，，"], "cjk"))
     assert overall["human"] == pytest.approx(diversity([r.response for r in records if r.response.strip()], "cjk"))
-    assert overall["generated_empty"] == 40
+    assert overall["generated_empty"] == 40 + wordless
     assert "<b>40 of 200 answers are empty</b>" in (tmp_path / "eval" / "report.html").read_text()
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval_ref"), "--compat", "reference"]) == 0
     printed = capsys.readouterr()
+    # SQuAD's normalisation there drops ASCII punctuation only: "，，，" is a word to it
     assert "200 rows (40 empty answers, kept in diversity, as the authors' code does)" in printed.out
     # a progress bar over the evaluation's parts (a log line each off a terminal), none with --no-progress
     assert "evaluate: 8/8" in printed.err and "report" in printed.err.splitlines()[-1]
@@ -581,7 +587,7 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
                       EvaluateOptions(intervals=IntervalOptions(draws=10), baselines=False))
     overall = result["metrics"]["diversity"]["overall"]
     assert overall["generated"]["self_bleu_4"] is None and overall["generated_reason"].startswith("undefined: 1")
-    assert "n/a (undefined: 1 non-empty answer (needs 2))" in (tmp_path / "one" / "report.html").read_text()
+    assert "n/a (undefined: 1 answer with a word (needs 2))" in (tmp_path / "one" / "report.html").read_text()
 
 
 def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tmp_path, capsys):
@@ -1067,3 +1073,21 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
                    "metrics": {"mauve": {"status": "skipped"}}} for name, d in (("a", greedy), ("b", sampled))}
     assert ("decoding: greedy | temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05"
             in differing_settings(runs))
+
+
+def test_diversity_of_answers_without_words_or_without_pairs_of_words_is_undefined():
+    """Punctuation alone has no word once tokenised: left out like an empty answer, so identical "，，，"
+    answers are not read as perfectly diverse; answers of one word each have no 2- or 3-gram, so their
+    Distinct-2 and -3 are undefined, not 0."""
+    from polyalign.evaluate.run import _diversity
+    from polyalign.evaluate.support import IntervalOptions as Options
+
+    human = ["我们 明天 去 公园", "好的 我 也 去", "那 下午 见"]
+    one_word = ["，，，"] * 5 + ["oooo"] * 4 + ["嗯"] * 3
+    section = _diversity(human, one_word, "cjk", Options(draws=10))
+    assert section["generated_empty"] == 5 and section["generated"]["distinct_1"] == pytest.approx(2 / 7)
+    assert section["generated"]["distinct_2"] is None and section["generated"]["distinct_3"] is None
+    assert section["generated_interval"]["distinct_2"] is None
+    only_punctuation = _diversity(human, ["，，，", "...", "！"], "cjk", Options(draws=10))
+    assert only_punctuation["generated"] == dict.fromkeys(["distinct_1", "distinct_2", "distinct_3", "self_bleu_4"])
+    assert only_punctuation["generated_reason"] == "undefined: 0 answers with a word (needs 2)"

@@ -582,6 +582,9 @@ def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predict
         # empty answers: scored as answers by utility and naturalness; left out of diversity but in
         # --compat reference, which keeps them as the authors' code does
         "answers": {"evaluated": len(joined.predictions), "empty": len(empty), "empty_ids": empty[:10],
+                    # answers with characters but no word once tokenised ("，，，"): left out of diversity too
+                    "without_words": sum(1 for p in joined.predictions
+                                         if p.strip() and not tokens(p, options.tokenize)),
                     "in_diversity": options.compat == "reference"},
         "not_available": not_available_reasons(metrics, options.compat),
         "metrics": metrics,
@@ -609,24 +612,35 @@ DIVERSITY_KEYS = ("distinct_1", "distinct_2", "distinct_3", "self_bleu_4")
 def _diversity(human: list[str], generated: list[str], tokenize: str,
                intervals: sp.IntervalOptions | None, drop_empty: bool = True) -> dict[str, Any]:
     """Distinct-n and Self-BLEU of the human answers and the predictions, with intervals unless None.
-    An empty answer has no n-grams and no BLEU against the others, so it reads as perfectly diverse:
-    with `drop_empty` (the default mode) empty answers on either side are left out and counted, and
-    with fewer than two left the numbers are undefined (None, with the reason). --compat reference
-    keeps them, as the authors' code does (its published values include them)."""
+    An answer without a word (empty, or punctuation only: nothing once tokenised) has no n-grams and no
+    BLEU against the others, so it reads as perfectly diverse: with `drop_empty` (the default mode) such
+    answers on either side are left out and counted, with fewer than two left the numbers are undefined
+    (None, with the reason), and a Distinct-n with no n-gram at all (every answer one word, for n = 2) is
+    None too. --compat reference keeps them, as the authors' code does (its published values include
+    them)."""
     section: dict[str, Any] = {}
     for side, texts in (("human", human), ("generated", generated)):
-        kept = [text for text in texts if text.strip()] if drop_empty else list(texts)
-        section[f"{side}_empty"] = sum(1 for text in texts if not text.strip())
+        worded = [text for text in texts if tokens(text, tokenize)]
+        kept = worded if drop_empty else list(texts)
+        section[f"{side}_empty"] = len(texts) - len(worded)
         if len(kept) < 2:
             section[side] = {key: None for key in DIVERSITY_KEYS}
-            section[f"{side}_reason"] = f"undefined: {len(kept)} non-empty answer{'s' * (len(kept) != 1)} (needs 2)"
+            section[f"{side}_reason"] = (f"undefined: {len(kept)} answer{'s' * (len(kept) != 1)} with a word "
+                                         "(needs 2)")
             if intervals is not None:
                 section[f"{side}_interval"] = {key: None for key in DIVERSITY_KEYS}
-        elif intervals is None:
+            continue
+        if intervals is None:
             section[side] = diversity(kept, tokenize)
         else:
             section[side], section[f"{side}_interval"] = diversity_with_intervals(
                 kept, tokenize, intervals.draws, intervals.seed, intervals.level)
+        longest = max(len(tokens(text, tokenize)) for text in kept)
+        for n in (2, 3):  # no n-gram to count: undefined, not "no variety"
+            if drop_empty and longest < n:
+                section[side][f"distinct_{n}"] = None
+                if intervals is not None:
+                    section[f"{side}_interval"][f"distinct_{n}"] = None
     return section
 
 
