@@ -177,10 +177,12 @@ def test_bng_and_hcr_by_hand():
     assert share == pytest.approx(2 / 4) and per_feature == pytest.approx((3 / 4 + 3 / 4) / 2)
 
 
-def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
+@pytest.mark.parametrize("tokenize", ["cjk", "squad"])
+def test_tdm_against_a_direct_scikit_learn_computation(demo_run, tokenize):
     """TDM's gaps against scipy and scikit-learn on the rows, and each bootstrap draw's against the same
     computation on the rows the draw takes (repeated as often as it takes them; the TF-IDF and SVD stay
-    those of the rows themselves)."""
+    those of the rows themselves). The default mode's TF-IDF reads every CJK character as a word, as F1
+    does; --compat reference's (squad) reads `\\b\\w+\\b`, so a Chinese turn is one or two "words"."""
     from scipy.stats import wasserstein_distance
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfVectorizer
@@ -189,12 +191,15 @@ def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
     from polyalign.evaluate.dynamics import turn_dynamics_with_draws
 
     run, _, _ = demo_run
-    records = [r for r in read_records(run / "data" / "test.jsonl") if r.track == "multi"][:120]
+    multi = [r for r in read_records(run / "data" / "test.jsonl") if r.track == "multi"]
+    records = [r for r in multi if r.language == "en"][:60] + [r for r in multi if r.language == "zh"][:60]
     questions, human = [r.question for r in records], [r.response for r in records]
     generated = [records[(i + 1) % len(records)].response for i in range(len(records))]  # another row's answer
     bucket = ["b"] * len(records)
-    ours = turn_dynamics(questions, human, generated, bucket, "cjk")["by_bucket"]["b"]
-    vec = TfidfVectorizer(lowercase=True, token_pattern=r"\b\w+\b", norm="l2").fit(questions + human + generated)
+    ours = turn_dynamics(questions, human, generated, bucket, tokenize)["by_bucket"]["b"]
+    vec = (TfidfVectorizer(tokenizer=lambda text: tokens(text, "cjk"), token_pattern=None, lowercase=False)
+           if tokenize == "cjk" else TfidfVectorizer(lowercase=True, token_pattern=r"\b\w+\b"))
+    vec.fit(questions + human + generated)
     Q, H, G = (vec.transform(x) for x in (questions, human, generated))
     svd = TruncatedSVD(n_components=min(64, min(len(records) - 1, len(vec.vocabulary_) - 1)), random_state=0).fit(Q)
     lq, lh, lg = (svd.transform(m) for m in (Q, H, G))
@@ -209,10 +214,15 @@ def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
     def gap(g, h):
         return wasserstein_distance(g, h) / (h.std() if h.std() > 1e-12 else 1.0)
 
-    qlen = np.array([max(len(tokens(q, "cjk")), 1) for q in questions])
-    ratio = {s: np.array([len(tokens(t, "cjk")) for t in texts]) / qlen
+    qlen = np.array([max(len(tokens(q, tokenize)), 1) for q in questions])
+    ratio = {s: np.array([len(tokens(t, tokenize)) for t in texts]) / qlen
              for s, texts in (("h", human), ("g", generated))}
     lexical = {"h": cos(Q.toarray(), H.toarray()), "g": cos(Q.toarray(), G.toarray())}
+    chinese = np.array([r.language == "zh" for r in records])
+    assert chinese.sum() >= 20
+    # people's Chinese turns share words with what they answer once characters are words
+    sharing = (lexical["h"][chinese] > 0).mean()
+    assert sharing > 0.5 if tokenize == "cjk" else sharing < 0.2, sharing
     semantic = {"h": cos(lq, lh), "g": cos(lq, lg)}
 
     def expected_gaps(take):
@@ -228,7 +238,8 @@ def test_tdm_against_a_direct_scikit_learn_computation(demo_run):
         assert ours["gaps"][key] == pytest.approx(value, rel=1e-9), key
     assert ours["tdm"] == pytest.approx(np.mean([1 / (1 + v) for v in expected.values()]), rel=1e-9)
     counts = np.random.default_rng(0).multinomial(len(records), np.full(len(records), 1 / len(records)), size=3)
-    report, draws = turn_dynamics_with_draws(questions, human, generated, bucket, "cjk", weights=counts.astype(float))
+    report, draws = turn_dynamics_with_draws(questions, human, generated, bucket, tokenize,
+                                             weights=counts.astype(float))
     assert report["by_bucket"]["b"] == ours and draws["b"].shape == (3,)
     for draw, taken in zip(draws["b"], counts):
         gaps = expected_gaps(np.repeat(np.arange(len(records)), taken))

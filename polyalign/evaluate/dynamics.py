@@ -17,6 +17,16 @@ from polyalign.evaluate.text_metrics import tokens
 ROW_MEASURES = ("length_ratio", "lexical", "semantic")
 
 
+def tfidf(tokenize: str) -> TfidfVectorizer:
+    """TDM's TF-IDF: in the default mode over the evaluation's own tokens (every CJK character one, as F1
+    and diversity count them: a run of Chinese characters is otherwise one "word", so a Chinese answer
+    shares no word with its question); --compat reference's `\\b\\w+\\b`, as the authors' code."""
+    if tokenize == "cjk":
+        return TfidfVectorizer(tokenizer=lambda text: tokens(text, tokenize), token_pattern=None, lowercase=False,
+                               norm="l2")
+    return TfidfVectorizer(lowercase=True, token_pattern=r"\b\w+\b", norm="l2")
+
+
 def _cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
     dots = (a * b).sum(axis=1)
@@ -75,7 +85,7 @@ def turn_dynamics_with_draws(questions: Sequence[str], human: Sequence[str], gen
     n = len(questions)
     if n == 0:
         return {"overall_macro": None, "by_bucket": {}}, {}
-    vectorizer = TfidfVectorizer(lowercase=True, token_pattern=r"\b\w+\b", norm="l2")
+    vectorizer = tfidf(tokenize)
     vectorizer.fit(list(questions) + list(human) + list(generated))
     q, h, g = (vectorizer.transform(list(x)) for x in (questions, human, generated))
     r = min(n - 1, len(vectorizer.vocabulary_) - 1)
