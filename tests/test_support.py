@@ -170,3 +170,35 @@ def test_the_floors_macro_interval_needs_every_buckets_spread():
     assert _floor_draws([*two, np.array([0.7])]) is None
     assert _floor_draws([*two, None]) is None
     assert _floor_draws([two[0], np.array([0.1, 0.2])]) is None
+
+
+def test_the_gap_interval_counts_the_floors_noise_too():
+    """BNG macro - floor macro: with the floor's bootstrap draws (as many as the model's), the gap's draws are
+    the model's minus the floor's, so its interval is wider than the model's alone shifted by the floor's
+    estimate (what it was); with fewer floor draws (held-out repeats) they are resampled to as many; with
+    none, the floor is taken as it is."""
+    rng = np.random.default_rng(0)
+    options = sp.IntervalOptions(draws=400)
+    buckets = ("a", "b")
+    model = {b: rng.normal(2.0 + i, 0.1, 400) for i, b in enumerate(buckets)}
+    floor = {b: rng.normal(0.4, 0.05, 400) for b in buckets}
+    by_bucket = {b: {"rows": 30, "bng": 2.0 + i, "hcr": 0.5, "f1": 0.1, "backed_off": False, "bng_floor": 0.4,
+                     "hcr_floor": 0.9} for i, b in enumerate(buckets)}
+
+    def summary(floor_draws):
+        draws = {b: {"bng": model[b], "hcr": np.full(400, 0.5), "f1": np.full(400, 0.1),
+                     **({"bng_floor": floor_draws[b], "hcr_floor": np.full(len(floor_draws[b]), 0.9)}
+                        if floor_draws else {})} for b in buckets}
+        return sp.summarize(by_bucket, draws, options)["bng"]
+
+    paired = summary(floor)
+    gap = 2.5 - 0.4
+    model_macro, floor_macro = (model["a"] + model["b"]) / 2, (floor["a"] + floor["b"]) / 2
+    assert paired["gap_macro"] == pytest.approx(gap)
+    assert paired["gap_macro_interval"] == pytest.approx(sp.interval(model_macro - floor_macro, 0.95, gap))
+    shifted = [v - 0.4 for v in paired["macro_interval"]]
+    assert paired["gap_macro_interval"][1] - paired["gap_macro_interval"][0] > shifted[1] - shifted[0]
+    fewer = summary({b: floor[b][:50] for b in buckets})  # 50 held-out repeats against 400 draws
+    width = fewer["gap_macro_interval"][1] - fewer["gap_macro_interval"][0]
+    assert width > shifted[1] - shifted[0] and fewer["gap_macro_interval"][0] < gap < fewer["gap_macro_interval"][1]
+    assert summary(None)["gap_macro_interval"] == pytest.approx(shifted)

@@ -315,9 +315,23 @@ def summarize(by_bucket: Mapping[str, dict], draws: Mapping[str, Mapping[str, np
                 entry["floor_macro_interval"] = interval(floor_draws.mean(axis=0), options.level, entry["floor_macro"])
             if metric == "bng":
                 entry["gap_macro"] = entry["macro"] - entry["floor_macro"]
-                entry["gap_macro_interval"] = [v - entry["floor_macro"] for v in entry["macro_interval"]]
+                entry["gap_macro_interval"] = _gap_interval(stacked.mean(axis=0), floor_draws, entry, options)
         summary[metric] = entry
     return summary
+
+
+def _gap_interval(model_draws: np.ndarray, floor_draws: np.ndarray | None, entry: dict,
+                  options: IntervalOptions) -> list[float]:
+    """The interval of BNG macro - floor macro. The model's draws and the floor's are independent (the
+    floor resamples people's answers, or holds out halves of them), so the gap's draws are the model's
+    minus the floor's drawn beside them (resampled with replacement to as many, a seeded stream): both
+    noises count. Where the floor has no draws (one held-out outcome), the floor is taken as it is."""
+    if floor_draws is None:
+        return [v - entry["floor_macro"] for v in entry["macro_interval"]]
+    floor_macro = floor_draws.mean(axis=0)
+    if len(floor_macro) != len(model_draws):
+        floor_macro = np.random.default_rng([options.seed, 2]).choice(floor_macro, size=len(model_draws))
+    return interval(model_draws - floor_macro, options.level, entry["gap_macro"])
 
 
 def _floor_draws(per_bucket: Sequence[np.ndarray | None]) -> np.ndarray | None:
