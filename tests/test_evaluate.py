@@ -499,11 +499,18 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
         assert (f"aggregate {m['aggregate']['overall']:.4f} {said(m['aggregate']['interval'])} (geometric mean of F1 "
                 f"{parts['f1']:.4f}, 1/(1+BNG) {parts['bng']:.4f}, NUF {parts['nuf']:.4f})") in printed.out
         echo = references["echo_question"]
+        silent = references["empty_answer"]
         assert (f"no-model answers, measured as the model's: echo_question TDM {echo['tdm_macro']:.4f} "
                 f"{said(echo['tdm_macro_interval'])}, aggregate {echo['aggregate']:.4f} "
                 f"{said(echo['aggregate_interval'])}; first_sentence TDM {first['tdm_macro']:.4f} "
                 f"{said(first['tdm_macro_interval'])}, aggregate {first['aggregate']:.4f} "
-                f"{said(first['aggregate_interval'])}\n") in printed.out
+                f"{said(first['aggregate_interval'])}; empty_answer TDM {silent['tdm_macro']:.4f} "
+                f"{said(silent['tdm_macro_interval'])}, aggregate {silent['aggregate']:.4f} "
+                f"{said(silent['aggregate_interval'])}\n") in printed.out
+        # saying nothing: F1 only where people said nothing too, and every answer without a feature of text
+        records_by_id = {r.id: r for r in records}
+        assert silent["f1"] == pytest.approx(sum(not tokens(r.response, "cjk") for r in records_by_id.values())
+                                             / len(records), abs=1e-12)
         assert "<th>NUF hypervolume</th><th>aggregate</th>" in page
         assert f"<td>{first['aggregate']:.4f} {said(first['aggregate_interval'])}</td>" in page
         assert (f"<td>Aggregate</td><td>{m['aggregate']['overall']:.4f} {said(m['aggregate']['interval'])}</td>"
