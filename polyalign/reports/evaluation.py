@@ -59,7 +59,10 @@ OVERALL_ROWS = (
     _diversity_row("Distinct-2 (higher is more diverse)", "distinct_2"),
     _diversity_row("Self-BLEU-4 (lower is more diverse)", "self_bleu_4"),
     _macro_row("BNG macro (lower is more human-like)", "bng"),
+    # each bucket by its test rows: judged where a macro is not (buckets too small for a spread of their own)
+    OverallRow("BNG weighted by test rows", ("bng", "overall_weighted"), ("bng", "weighted_interval")),
     _macro_row("HCR macro (people land near their floor)", "hcr"),
+    OverallRow("HCR weighted by test rows", ("hcr", "overall_weighted"), ("hcr", "weighted_interval")),
     _macro_row("Detectability AUC macro (0.5: as people)", "detectability"),
     _macro_row("Detectability AUC macro, hidden states (0.5: as people)", "detectability", "hidden_states",
                optional=True),
