@@ -101,6 +101,11 @@ def _add_prepare(sub) -> None:
     p.set_defaults(handler=_run_prepare)
 
 
+def _share(share: float) -> str:
+    """A share above 0 as a percentage that never reads 0% (or 100% short of all)."""
+    return "<1%" if share < 0.01 else ">99%" if 0.99 < share < 1 else f"{share:.0%}"
+
+
 def _label_defaults_note(source: dict) -> str | None:
     """A source whose family or style nobody named (no row, the data config or the scheme) took its format's
     default: said, since a dialogue corpus imported as `chat` is then bucketed as assistant chats."""
@@ -115,7 +120,7 @@ def _label_defaults_note(source: dict) -> str | None:
     keys = " and ".join(f"`{name}:`" for name in defaulted)
     return (f"note: source {source['name']!r}: {named} are the {source['format']} format's defaults, taken by "
             f"{counts} of its records (no row, data config or scheme entry named them); set {keys} on the source "
-            "when its conversations are not assistant chats (docs/data.md: Users' own conversations)")
+            "where its records are of another kind (docs/data.md: Users' own conversations)")
 
 
 def _run_prepare(args) -> int:
@@ -682,7 +687,7 @@ def _run_generate(args) -> int:
               f"{min(budgets.values())}-{max(budgets.values())} tokens")
     cut = {b: share for b, share in summary["truncated_by_bucket"].items() if share > 0}
     if cut:
-        print("hit the length limit, by bucket: " + ", ".join(f"{b} {share:.0%}" for b, share in
+        print("hit the length limit, by bucket: " + ", ".join(f"{b} {_share(share)}" for b, share in
                                                               sorted(cut.items(), key=lambda kv: -kv[1])[:6])
               + (" ..." if len(cut) > 6 else "") + f" (all in {sidecar(args.out)})")
     if summary["empty"]:
@@ -901,6 +906,8 @@ def _run_evaluate(args) -> int:
               f"{show(detect['overall_macro'])} {_bracket(detect.get('macro_interval'))} over {detect['buckets']} "
               f"buckets, against a human floor of {show(detect.get('floor_macro'))} "
               f"{_bracket(detect.get('floor_macro_interval'))}{_halvings(detect)}")
+        if line := _hidden_states_line(detect.get("hidden_states") or {}):
+            print(line)
     elif detect.get("reason"):
         print(f"detectability skipped ({detect['reason']})")
     for note in (m["mauve"].get("featurizer_note"), m["mauve"].get("note")):
@@ -908,6 +915,17 @@ def _run_evaluate(args) -> int:
             print(f"note: MAUVE: {note}")
     print(f"metrics: {args.out / 'metrics.json'}; report: {args.out / 'report.html'}")
     return 0
+
+
+def _hidden_states_line(hidden: dict) -> str | None:
+    """Detectability on the featurizer's hidden states (with --featurizer), as the n-gram one is said."""
+    if hidden.get("overall_macro") is None:
+        return None
+    floor = "" if hidden.get("floor_macro") is None else (
+        f", against a human floor of {hidden['floor_macro']:.4f}{_bracket(hidden.get('floor_macro_interval'), ' ')}")
+    return (f"detectability on the featurizer's hidden states: {hidden['overall_macro']:.4f}"
+            f"{_bracket(hidden.get('macro_interval'), ' ')} over {hidden['buckets']} "
+            f"bucket{'s' * (hidden['buckets'] != 1)}{floor}")
 
 
 # the aggregate's parts as METHOD names them, each on [0, 1] with higher better

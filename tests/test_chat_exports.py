@@ -364,7 +364,7 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     assert source["label_defaults"] == {"family": source["records"], "style": source["records"]}
     assert (f"note: source 'mine': family assistant and style assistant_like are the {form} format's defaults, "
             f"taken by {source['records']} of its records (no row, data config or scheme entry named them); set "
-            "`family:` and `style:` on the source when its conversations are not assistant chats") in printed
+            "`family:` and `style:` on the source where its records are of another kind") in printed
     config = write_config(tmp_path / "named.yaml", [{"name": "mine", "format": form, "path": path.name,
                                                      "family": "dialogue", "style": "task_dialogue"}])
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "named"), "--no-progress"]) == 0

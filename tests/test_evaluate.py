@@ -446,6 +446,15 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     # the featurizer's hidden states are a second detectability representation; without it, none
     hidden = full["metrics"]["detectability"]["hidden_states"]
     assert hidden["buckets"] == 1 and 0.0 <= hidden["overall_macro"] <= 1.0 and hidden["floor_macro"] is not None
+    from polyalign.cli import _hidden_states_line  # evaluate's console says it, as the n-gram one
+    from polyalign.core.scores import interval_text
+
+    assert _hidden_states_line(hidden) == (
+        f"detectability on the featurizer's hidden states: {hidden['overall_macro']:.4f}"
+        + (f" {interval_text(hidden['macro_interval'])}" if hidden.get("macro_interval") else "")
+        + f" over 1 bucket, against a human floor of {hidden['floor_macro']:.4f}"
+        + (f" {interval_text(hidden['floor_macro_interval'])}" if hidden.get("floor_macro_interval") else ""))
+    assert _hidden_states_line({}) is None
     assert "hidden_states" not in plain["metrics"]["detectability"]
 
 

@@ -359,3 +359,10 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
     said = write_prompts(checkpoint, path, tmp_path / "unseen.jsonl", limit=4)["notes"]
     assert said == [f"{len(unseen)} of 4 records name profile values {checkpoint}'s training data did not hold "
                     f"(style {records[-1].style!r} {len(unseen)}): the model never read such profile prompts"]
+
+
+def test_a_share_above_nothing_never_reads_zero_percent():
+    from polyalign.cli import _share
+
+    assert [_share(x) for x in (0.001, 0.005, 0.0099, 0.01, 0.5, 0.99, 0.996, 1.0)] == [
+        "<1%", "<1%", "<1%", "1%", "50%", "99%", ">99%", "100%"]
