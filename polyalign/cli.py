@@ -7,6 +7,7 @@ Each subcommand parses its arguments and calls its stage; errors that come from 
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import sys
@@ -1120,9 +1121,30 @@ def _out_of_range(args, parser: argparse.ArgumentParser) -> str | None:
     return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Options written out in full: argparse would take `--bootstrap-draw` for `--bootstrap-draws`, and an
+    abbreviation that is unique today can mean another option once one is added. Every subcommand's
+    parser is of this class (argparse makes subparsers of their parent's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message: str):
+        """argparse's refusal, with the option meant where an unknown one is close to a known one."""
+        unknown = message.removeprefix("unrecognized arguments: ").split() if message.startswith(
+            "unrecognized arguments: ") else []
+        known = [option for action in self._actions for option in action.option_strings]
+        for word in (w.split("=")[0] for w in unknown if w.startswith("--")):
+            # an abbreviation names every option it begins; a misspelling the closest one
+            close = sorted(o for o in known if o.startswith(word)) or difflib.get_close_matches(word, known, n=1)
+            if close:
+                message += f"; did you mean {' or '.join(close[:3])}?"
+                break
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polyalign", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="polyalign", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"polyalign {polyalign.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_prepare(sub)

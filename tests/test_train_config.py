@@ -628,3 +628,18 @@ def test_a_model_card_says_the_objective_and_the_data_it_was_trained_on():
         assert card["weighting"] == weighting and card["pairs"] is None and card["data"] == "runs/x"
     card = training_card(load_config(CONFIGS["hdpo"], ["data.dir=runs/x", "init=runs/x/sft/model"], method="hdpo"))
     assert card["pairs"] == "runs/x/critic/train_pairs.jsonl" and card["weighting"] is None
+
+
+def test_an_abbreviated_or_misspelt_option_is_refused_naming_the_one_meant(capsys):
+    """argparse took `--bootstrap-draw` for `--bootstrap-draws`: options are written out in full, and the
+    refusal names the option meant."""
+    for argv, meant in ((["evaluate", "--records", "r", "--predictions", "p", "--out", "o", "--bootstrap-draw", "50"],
+                         "--bootstrap-draws"),
+                        (["generate", "--checkpoint", "c", "--records", "r", "--out", "o", "--temp", "0.7"],
+                         "--temperature or --template"),
+                        (["generate", "--checkpoint", "c", "--records", "r", "--out", "o", "--temperture", "0.7"],
+                         "--temperature")):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err.rstrip().endswith(f"; did you mean {meant}?")
