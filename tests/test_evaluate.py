@@ -765,6 +765,8 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     value += f" {interval_text(metrics['aggregate']['interval'])}"  # each run's own aggregate: its own interval
     assert row.split("|")[1:4] == [" Aggregate ", f" {value} ", f" {value} "], row
     assert "(naturalness:" not in (tmp_path / "same" / "report.md").read_text()
+    # the same answers evaluated twice: said, so that a row of +0.0000 is not read as two equal models
+    assert "<b>plain and again evaluated the same answers</b>" in (tmp_path / "same" / "report.html").read_text()
 
 
 def test_report_does_not_call_differences_supported_between_other_records_or_supports(demo_run, tmp_path, capsys):

@@ -645,6 +645,16 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
     return html_table, markdown, verdicts
 
 
+def same_answers(runs: dict[str, dict]) -> list[list[str]]:
+    """Groups of runs that evaluated the same predictions (their recorded digests are equal)."""
+    groups: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        digest = (run.get("made_from") or {}).get("predictions")
+        if digest:
+            groups.setdefault(digest, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def _measured_mauve(run: dict) -> bool:
     return _get(run["metrics"], ("mauve", "status")) == "computed"
 
@@ -836,6 +846,9 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      if len(set(values) - {"—"}) > 1]
     if trained_apart:
         warning += f"<p>The models were trained with other {html.escape('; '.join(trained_apart))}.</p>"
+    for names in same_answers(runs):
+        warning += (f"<p><b>{html.escape(' and '.join(names))} evaluated the same answers</b> (one predictions file's "
+                    "contents): what differs between them is the evaluation's settings, not a model.</p>")
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
