@@ -1133,12 +1133,17 @@ class _Parser(argparse.ArgumentParser):
         """argparse's refusal, with the option meant where an unknown one is close to a known one."""
         unknown = message.removeprefix("unrecognized arguments: ").split() if message.startswith(
             "unrecognized arguments: ") else []
-        known = [option for action in self._actions for option in action.option_strings]
+        known = [option for action in self._actions for option in action.option_strings
+                 if option not in ("-h", "--help")]
         for word in (w.split("=")[0] for w in unknown if w.startswith("--")):
-            # an abbreviation names every option it begins; a misspelling the closest one
-            close = sorted(o for o in known if o.startswith(word)) or difflib.get_close_matches(word, known, n=1)
+            # an abbreviation names every option it begins; a misspelling the closest one, if close at all
+            close = sorted(o for o in known if o.startswith(word)) or difflib.get_close_matches(word, known, n=1,
+                                                                                                cutoff=0.75)
             if close:
                 message += f"; did you mean {' or '.join(close[:3])}?"
+                break
+            if self.prog.startswith("polyalign train "):  # a config setting written as an option
+                message += "; settings are key=value overrides (train.steps=5), not options"
                 break
         super().error(message)
 

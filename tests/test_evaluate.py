@@ -335,7 +335,9 @@ def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_r
     records = read_records(run / "data" / "test.jsonl")[:60]
     subset = tmp_path / "records.jsonl"
     subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
-    chosen = records[::3]
+    from polyalign.generate.selection import select_records
+
+    chosen, _ = select_records(records, subset, None, 20, 4)  # what `generate --sample 20 --seed 4` answers
     _write_predictions(tmp_path / "p.jsonl", chosen, lambda r: r.question)
     manifest = {"settings": {"records": str(subset), "limit": None, "sample": len(chosen), "seed": 4},
                 "made_from": {"records": file_digest(subset)}}
@@ -347,6 +349,10 @@ def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_r
                               "answered): F1 ")
     alignment = json.loads((tmp_path / "eval" / "metrics.json").read_text())["alignment"]
     assert alignment["partial"] and alignment["evaluated"] == len(chosen) and alignment["missing"] == 60 - len(chosen)
+    # a file cut short since is no selection of generate's: refused as before
+    _write_predictions(tmp_path / "p.jsonl", chosen[:-1], lambda r: r.question)
+    with pytest.raises(EvaluationError, match=f"{61 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
+        evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval1", EvaluateOptions(plots=False))
     # an id the records do not hold is no selection's doing
     _write_predictions(tmp_path / "p.jsonl", [*chosen, records[1]], lambda r: r.question)
     with open(tmp_path / "p.jsonl", "a") as handle:

@@ -762,12 +762,14 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     config = PreferenceConfig(method="dpo", init="lab/model")
     assert tokenizer.profile_mode is None  # the demo's tokenizer: trained by polyalign, no model behind it
     said = preference.profile_note(config, tokenizer, pairs[0])
-    assert said.startswith("note: lab/model was not trained with polyalign's profile prompt; profile=context opens "
+    assert said.startswith("note: lab/model was not trained with a profile prompt; profile=context opens "
                            "every pair's prompt with one (the first pair's: 'You are a helpful assistant.")
     unprofiled = PreferenceConfig(method="dpo", init="x", profile="none")
     assert preference.profile_note(unprofiled, tokenizer, pairs[0]) is None
     monkeypatch.setattr(tokenizer, "profile_mode", "context")
     assert preference.profile_note(config, tokenizer, pairs[0]) is None
+    monkeypatch.setattr(tokenizer, "profile_mode", "none")  # an export trained without one: said too
+    assert preference.profile_note(config, tokenizer, pairs[0]).startswith("note: lab/model was not trained with")
 
     # transformers stood in for: one reader drops every text's first id, another reads as polyalign does
     folder = tmp_path / "init"  # a Hugging Face folder: its config.json picks transformers' tokenizer class

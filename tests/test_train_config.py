@@ -643,3 +643,10 @@ def test_an_abbreviated_or_misspelt_option_is_refused_naming_the_one_meant(capsy
             main(argv)
         assert stopped.value.code == 2
         assert capsys.readouterr().err.rstrip().endswith(f"; did you mean {meant}?")
+    # nothing close: no guess (never --help); a training command says how its settings are given
+    for argv, said in ((["evaluate", "--records", "r", "--predictions", "p", "--out", "o", "--hlep"], "--hlep"),
+                       (["train", "sft", "--stepz", "5"],
+                        "--stepz; settings are key=value overrides (train.steps=5), not options")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert capsys.readouterr().err.rstrip().endswith(f"unrecognized arguments: {said}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from polyalign.core.errors import EvaluationError
+from polyalign.core.errors import EvaluationError, GenerationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import read_record, same_path, stage_output
@@ -36,6 +36,7 @@ from polyalign.features.lm import LMScorer, record_lm_features
 from polyalign.features.references import read_references
 from polyalign.features.response import FEATURE_NAMES, text_features
 from polyalign.generate.predictions import check_generated_from, iter_predictions
+from polyalign.generate.selection import select_records
 from polyalign.generate.settings import asked_for
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
@@ -204,9 +205,11 @@ def _rows_by(keys) -> dict[str, list[int]]:
     return rows
 
 
-def generate_selection(predictions_path: Path, records_path: Path) -> str | None:
+def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str]) -> str | None:
     """How `polyalign generate` chose the records it answered (--limit, --sample) when it read them from
-    this records file, unchanged since (its manifest's digest); None otherwise."""
+    this records file, unchanged since (its manifest's digest), and the predictions answer exactly the
+    records that selection takes (generate's own `select_records` again); None otherwise: a file cut short
+    or filtered since is no selection of generate's."""
     manifest = read_record(predictions_path) or {}
     settings = manifest.get("settings") or {}
     chosen = [f"--{key} {settings[key]}" for key in ("limit", "sample") if settings.get(key) is not None]
@@ -214,14 +217,22 @@ def generate_selection(predictions_path: Path, records_path: Path) -> str | None
     if not chosen or not isinstance(recorded, str) or is_uri(str(records_path)) or \
             recorded != file_digest(records_path):
         return None
+    try:
+        taken, _ = select_records(records, records_path, settings.get("limit"), settings.get("sample"),
+                                  int(settings.get("seed") or 0))
+    except (GenerationError, TypeError, ValueError):  # settings no generate wrote: no selection of its
+        return None
+    if {r.id for r in taken} != answered:
+        return None
     seed = f" --seed {settings['seed']}" if settings.get("sample") is not None else ""
     return f"generate {' '.join(chosen)}{seed}"
 
 
 def _join(records_path: Path, predictions_path: Path, allow_partial: bool) -> Joined:
     rows, seen = load_predictions(predictions_path)
-    records, predictions, alignment = align(read_records(records_path), rows, seen, allow_partial,
-                                            generate_selection(predictions_path, records_path))
+    records = read_records(records_path)
+    records, predictions, alignment = align(records, rows, seen, allow_partial,
+                                            generate_selection(predictions_path, records_path, records, set(seen)))
     return Joined(records, predictions, alignment, profiles=sorted({r.get("profile", "unknown") for r in rows}),
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
 

@@ -150,7 +150,8 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
         known = scheme.values.get(dimension, ())
         if value is not None and value not in known:
             raise InputError(f"--{dimension} {value} is not one of the scheme's: {', '.join(known)} "
-                             f"({scheme_path or DEFAULT_SCHEME}); every row would be dropped")
+                             f"({scheme_path or DEFAULT_SCHEME}); every row that names no {dimension} of its own "
+                             "would be dropped")
     source = SourceConfig(name=dataset, format="chat", path=str(input_path), split="train", language=language,
                           track=track, family=family, style=style or _default_style(scheme, family))
     builder = RecordBuilder(scheme, scheme.length_unit, SplitOptions())

@@ -241,10 +241,10 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int) -> s
 def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
     """Said when the init checkpoint was not trained with polyalign's profile prompt (a user's own model)
     and this run adds one: the trained model then expects it wherever it is served."""
-    if tokenizer.profile_mode is not None or config.profile == "none":
+    if tokenizer.profile_mode not in (None, "none") or config.profile == "none":
         return None
     shown = profile_prompt(Record.from_json(pair["record"]), config.profile)
-    return (f"note: {config.init} was not trained with polyalign's profile prompt; profile={config.profile} opens "
+    return (f"note: {config.init} was not trained with a profile prompt; profile={config.profile} opens "
             f"every pair's prompt with one (the first pair's: {shown[:90]!r}...), so the trained model expects it: "
             "polyalign generate and serve write it, a chat template needs the profile variables (docs/model.md); "
             "profile=none trains on the pairs' own prompts")

@@ -195,6 +195,7 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
                                     meta=job.checkpoint_meta)
     resume_at = checkpointer.latest_step() if checkpointer is not None else None
     if loop.stop_at is not None and resume_at is not None and resume_at > loop.stop_at:
+        checkpointer.close()  # its manager's threads end before the refusal does
         raise ConfigError(f"train.stop_at={loop.stop_at}: the run in {out} is already at step {resume_at}; give a "
                           f"later step (train.steps is {loop.steps}), or leave stop_at out to train on to the end")
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
