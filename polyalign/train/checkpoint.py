@@ -17,6 +17,15 @@ from polyalign.core.errors import CheckpointError
 from polyalign.core.paths import as_path
 
 
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps whose checkpoint is complete on disk in `directory` (a folder named by its step alone; a write
+    in progress or cut short has another name), read from the folder: nothing is created or opened."""
+    try:
+        return sorted(int(p.name) for p in as_path(directory).iterdir() if p.name.isdigit())
+    except OSError:
+        return []
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, every: int, keep: int, meta: dict[str, Any] | None = None):
         self.directory = as_path(directory)
@@ -44,12 +53,8 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def committed_steps(self) -> list[int]:
-        """Steps whose checkpoint is complete on disk (a folder named by its step alone; a write in
-        progress or cut short has another name), read from the folder, not from the manager's memory."""
-        try:
-            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
-        except OSError:
-            return []
+        """Steps whose checkpoint is complete on disk (committed_steps)."""
+        return committed_steps(self.directory)
 
     def restore_latest(self, template_state, shardings, data_iterator):
         """The latest state, placed with `shardings` (the current mesh's, whatever mesh saved it), and

@@ -37,7 +37,7 @@ from polyalign.model.architecture import compute_dtype
 from polyalign.model.lora import add_adapters, has_adapters, quantize_base
 from polyalign.model.transformer import abstract_model
 from polyalign.train import ownership
-from polyalign.train.checkpoint import Checkpointer
+from polyalign.train.checkpoint import Checkpointer, committed_steps
 from polyalign.train.config import LoopConfig, ModelSection
 from polyalign.train.methods import method_spec
 from polyalign.train.metrics import MetricsWriter, read_metrics
@@ -186,6 +186,10 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
 
 def _train(config, out, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
+    stop_at, done = config.train.stop_at, committed_steps(out / "checkpoints")
+    if stop_at is not None and done and done[-1] > stop_at:  # said before the model loads, not after
+        raise ConfigError(f"train.stop_at={stop_at}: the run in {out} is already at step {done[-1]}; give a later "
+                          f"step (train.steps is {config.train.steps}), or leave stop_at out to train on to the end")
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
@@ -194,10 +198,6 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
         checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                     meta=job.checkpoint_meta)
     resume_at = checkpointer.latest_step() if checkpointer is not None else None
-    if loop.stop_at is not None and resume_at is not None and resume_at > loop.stop_at:
-        checkpointer.close()  # its manager's threads end before the refusal does
-        raise ConfigError(f"train.stop_at={loop.stop_at}: the run in {out} is already at step {resume_at}; give a "
-                          f"later step (train.steps is {loop.steps}), or leave stop_at out to train on to the end")
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
     metrics = MetricsWriter(out, loop.report_to, loop.tracker_project, dataclasses.asdict(config))
