@@ -739,6 +739,7 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     """The notes under a preference run's start line: how many training pairs data.max_length cuts (counted
     against the pairs encoded whole), that an init not trained with polyalign's profile prompt gets one, and
     transformers' reading of the init's tokenizer where it differs from polyalign's."""
+    from polyalign.inputs import tokenizer_check
     from polyalign.inputs.pair_rows import tokenise_pairs
     from polyalign.tokens.chat import get_template
     from polyalign.train import preference
@@ -777,11 +778,13 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     (folder / "config.json").write_text("{}")
     init_config = PreferenceConfig(method="dpo", init=str(folder))
     for encoder, expected in ((lambda text: tokenizer.encode(text)[1:], "other ids"), (tokenizer.encode, None)):
-        monkeypatch.setattr(preference, "folder_encoder", lambda path, encoder=encoder: (encoder, "stand-in reader"))
+        monkeypatch.setattr(tokenizer_check, "folder_encoder",
+                            lambda path, encoder=encoder: (encoder, "stand-in reader"))
         warning = preference.tokenizer_note(init_config, tokenizer, pairs)
         assert (warning is None) if expected is None else warning.startswith(
             f"warning: stand-in reader reads {folder} with other ids than polyalign on ")
-    monkeypatch.setattr(preference, "folder_encoder", lambda path: (None, "not checked: transformers is not installed"))
+    monkeypatch.setattr(tokenizer_check, "folder_encoder",
+                        lambda path: (None, "not checked: transformers is not installed"))
     assert preference.tokenizer_note(init_config, tokenizer, pairs) is None
 
 

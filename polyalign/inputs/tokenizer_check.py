@@ -94,6 +94,8 @@ def _model_type(config) -> str | None:
 # What other ids mean, said by the build and by training's check of its export
 BUILD_CONSEQUENCE = ("a model trained on this build sees other ids at inference than in training "
                      "(RUN/build/manifest.json, tokenizer_check)")
+INIT_CONSEQUENCE = ("training on these pairs teaches the model polyalign's ids, and it reads others where "
+                    "transformers, vLLM or SGLang load it")
 EXPORT_CONSEQUENCE = ("the model was trained on polyalign's ids and reads others where transformers, vLLM or SGLang "
                       "load this folder (OUT/summary.json, tokenizer_check; the model card says so)")
 
@@ -129,6 +131,16 @@ def check_tokenizer(tokenizer, template, profile: str, records: Sequence, tokeni
     """`compare_encoders` on the probe texts of `records`, transformers' reader made by `encoder`."""
     theirs, reader = encoder(tokenizer, template, profile)
     return compare_encoders(tokenizer.encode, theirs, reader, probe_texts(records), tokenizer_name)
+
+
+def check_init(folder, tokenizer, texts: Sequence[str]) -> str | None:
+    """A preference run's check of its init folder as transformers loads it, before any step: the warning
+    where the ids differ; None where they agree or transformers cannot read it (the export's check says
+    why afterwards)."""
+    theirs, reader = folder_encoder(folder)
+    if theirs is None:
+        return None
+    return compare_encoders(tokenizer.encode, theirs, reader, texts, str(folder), INIT_CONSEQUENCE)[1]
 
 
 def check_export(folder, tokenizer, texts: Sequence[str],

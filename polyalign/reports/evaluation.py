@@ -355,19 +355,19 @@ def _model_row(name: str, m: dict, unfloored: Sequence[str]) -> tuple[str, ...]:
             _spread(m["hcr"]["overall_macro"], m["hcr"].get("macro_interval")),
             _spread(detect.get("overall_macro"), detect.get("macro_interval")),
             _spread(m["utility"]["overall"].get("qa_f1"), m["utility"]["overall"].get("qa_f1_interval")),
-            *(_spread(_get(m, UNFLOORED_OF_MODEL[key]), _get(m, UNFLOORED_OF_MODEL[f"{key}_interval"]))
-              for key in unfloored))
+            *(_spread(_get(m, value), interval and _get(m, interval))
+              for value, interval in (UNFLOORED_OF_MODEL[key] for key in unfloored)))
 
 
 # the numbers without a human floor (people score 1 against themselves), by reference-row key
 UNFLOORED_COLUMNS = {"mauve": "MAUVE", "tdm_macro": "TDM", "nuf_hypervolume": "NUF hypervolume",
                      "aggregate": "aggregate"}
-# where a model's metrics.json keeps those numbers and their intervals (MAUVE has none)
-UNFLOORED_OF_MODEL = {"mauve": ("mauve", "global"), "mauve_interval": ("mauve", "interval"),
-                      "tdm_macro": ("tdm", "overall_macro"), "tdm_macro_interval": ("tdm", "macro_interval"),
-                      "nuf_hypervolume": ("nuf", "overall", "hypervolume"),
-                      "nuf_hypervolume_interval": ("nuf", "overall", "hypervolume_interval"),
-                      "aggregate": ("aggregate", "overall"), "aggregate_interval": ("aggregate", "interval")}
+# where a model's metrics.json keeps those numbers, and their intervals (MAUVE has none)
+UNFLOORED_OF_MODEL = {"mauve": (("mauve", "global"), None),
+                      "tdm_macro": (("tdm", "overall_macro"), ("tdm", "macro_interval")),
+                      "nuf_hypervolume": (("nuf", "overall", "hypervolume"),
+                                          ("nuf", "overall", "hypervolume_interval")),
+                      "aggregate": (("aggregate", "overall"), ("aggregate", "interval"))}
 
 
 def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -> tuple[str, str]:

@@ -30,7 +30,7 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
-from polyalign.inputs.tokenizer_check import check_export, compare_encoders, folder_encoder, pair_texts
+from polyalign.inputs.tokenizer_check import check_export, check_init, pair_texts
 from polyalign.model import export
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
@@ -257,15 +257,8 @@ def tokenizer_note(config: PreferenceConfig, tokenizer, pairs: list[dict]) -> st
     init = Path(str(config.init))
     if jax.process_index() != 0 or is_uri(str(config.init)) or not (init / "config.json").is_file():
         return None
-    theirs, reader = folder_encoder(init)
-    if theirs is None:
-        return None
-    _, warning = compare_encoders(tokenizer.encode, theirs, reader, pair_texts(pairs), str(init), START_CONSEQUENCE)
+    warning = check_init(init, tokenizer, pair_texts(pairs))
     return None if warning is None else f"warning: {warning}"
-
-
-START_CONSEQUENCE = ("training on these pairs teaches the model polyalign's ids, and it reads others where "
-                     "transformers, vLLM or SGLang load it")
 
 
 def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:

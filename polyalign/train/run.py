@@ -193,11 +193,6 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
-    checkpointer = None
-    if job.checkpoint_meta is not None:
-        checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
-                                    meta=job.checkpoint_meta)
-    resume_at = checkpointer.latest_step() if checkpointer is not None else None
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
     metrics = MetricsWriter(out, loop.report_to, loop.tracker_project, dataclasses.asdict(config))
@@ -205,6 +200,11 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     trainer = Trainer(job.model, job.objective, config.optimizer, loop, mesh, metrics=metrics, throughput=throughput,
                       profile_dir=out / "profile")
     layout = Layout(loop.global_batch, loop.micro_batches, jax.process_index(), jax.process_count())
+    checkpointer = None
+    if job.checkpoint_meta is not None:
+        checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
+                                    meta=job.checkpoint_meta)
+    resume_at = checkpointer.latest_step() if checkpointer is not None else None
     if jax.process_index() == 0:
         print(start_line(config, loop, mesh, out, resume_at, trained_parameters(job.model)), flush=True)
         for note in [schedule_note(config, loop, previous, resume_at, out), *job.notes]:
