@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
+from polyalign.core.scores import combined
 from polyalign.evaluate import naturalness as nat
 from polyalign.evaluate.baselines import first_sentence
 from polyalign.evaluate.dynamics import turn_dynamics
@@ -131,8 +132,9 @@ def test_frontier_and_aggregate_by_hand():
     assert nat.hypervolume(front) == pytest.approx(0.09 + 0.24 + 0.08)
     assert nat.naturalness_score(1.0, 0.25) == pytest.approx(math.sqrt(0.5 * 0.25))
     assert nat.naturalness_score(1.0, 0.0) == 0.0
-    assert nat.aggregate(0.5, 1.0, None, None) == pytest.approx(0.5)
-    assert nat.aggregate(0.5, None, None, None) is None
+    # the geometric mean of the measured parts: F1 0.5 and 1/(1 + 1.0); None with fewer than two parts
+    assert combined(nat.aggregate_parts(0.5, 1.0, None, None)) == pytest.approx(0.5)
+    assert combined(nat.aggregate_parts(0.5, None, None, None)) is None
 
 
 def test_intervals_of_combined_numbers_by_hand():

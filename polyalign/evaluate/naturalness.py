@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from scipy.stats import wasserstein_distance
 
-from polyalign.core.scores import clip01, combined, geometric_mean
+from polyalign.core.scores import clip01, geometric_mean
 from polyalign.features.references import nearest_rank
 
 MIN_BUCKET_ROWS = 20
@@ -91,10 +91,3 @@ def aggregate_parts(f1: float | None, bng_macro: float | None, mauve: float | No
     clip(NUF hypervolume), None where not measured."""
     return {"f1": clip01(f1), "bng": None if bng_macro is None else 1.0 / (1.0 + max(bng_macro, 0.0)),
             "mauve": clip01(mauve), "nuf": clip01(nuf_hypervolume)}
-
-
-def aggregate(f1: float | None, bng_macro: float | None, mauve: float | None,
-              nuf_hypervolume: float | None) -> float | None:
-    """Geometric mean of the measured parts among clip(F1), 1/(1 + BNG macro), clip(MAUVE) and
-    clip(NUF hypervolume); None with fewer than two."""
-    return combined(aggregate_parts(f1, bng_macro, mauve, nuf_hypervolume))
