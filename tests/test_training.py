@@ -322,7 +322,8 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
 def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     """12 steps, validation after 6 and 12 in uneven batches; then one of two processes SIGKILLed after
     step 8: the other ends by itself with one line naming it, the last committed checkpoint and the
-    command, which resumes to the same losses."""
+    command; the checkpoint resumes on one process with four devices to the same losses (two processes
+    resuming: test_faults.py)."""
     import re
     import signal
     import time
@@ -356,7 +357,9 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     committed = int(re.search(r"the last committed checkpoint is step (\d+) \(", last).group(1))
     assert committed in (3, 6) and f"({lost / 'checkpoints' / str(committed)})" in last
     assert "resume by running the same command on every process: polyalign train sft" in last
-    resumed_output = wait_ok(start_two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5"))[0]
+    # the survivor carries on alone (the host lost for good): a checkpoint of two processes resumes on one
+    resumed_output = wait_ok([start_cli(train_args(run, lost, "parallel.data=4", *UNEVEN_EVAL, *LONGER,
+                                                   "train.peer_timeout=5"), {}, devices=4)])[0]
     assert f"resumed from step {committed}" in resumed_output
     resumed = {r["step"]: r for r in read_metrics(lost)}
     for a in one[committed:]:

@@ -3,6 +3,7 @@ restorable onto a different mesh."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -24,6 +25,23 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
         return sorted(int(p.name) for p in as_path(directory).iterdir() if p.name.isdigit())
     except OSError:
         return []
+
+
+def restore_data_state(folder, data_iterator) -> None:
+    """Moves the data iterator to where checkpoint folder `folder` (its `data` item) left it. grain writes
+    one `process_{i}-of-{n}.json` per process and reads back the file of the current process index and
+    count, so a run checkpointed on 2 hosts could not resume on 1 (a host lost for good) or on 4. The
+    state is global (pipeline.py: the number of steps taken, the same on every process), so any process
+    count resumes from the writers' common state; files that disagree cannot be resumed elsewhere."""
+    own = folder / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    files = [own] if own.exists() else sorted(folder.glob("process_*-of-*.json"))
+    if not files:
+        raise ValueError(f"{folder}: no data iterator state")
+    states = {json.dumps(json.loads(f.read_text()), sort_keys=True) for f in files}
+    if len(states) > 1:
+        raise ValueError(f"{folder}: the {len(files)} processes that wrote it left their data iterators in different "
+                         f"states, so it resumes only on {len(files)} processes")
+    data_iterator.set_state(json.loads(states.pop()))
 
 
 class Checkpointer:
@@ -71,9 +89,10 @@ class Checkpointer:
                                 template_state, shardings)
 
         def restore(step):
-            return self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract),
-                data=grain.checkpoint.CheckpointRestore(data_iterator))).state
+            state = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract))).state
+            restore_data_state(self.directory / str(step) / "data", data_iterator)
+            return state
 
         try:
             return restore(steps[0])
