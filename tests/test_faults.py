@@ -681,15 +681,33 @@ def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tok
     (run / "build" / "sft_examples").mkdir()
     code, err = cli(capsys, "build", run, "--tokenizer", tokenizer, "--no-progress")
     assert code == 2 and "sft_examples exists without manifest.json" in err
-    # A build records its tokenizer's digest; training refuses it once the tokenizer is trained again.
+    # A build records its tokenizer's digests; training refuses it once the tokenizer is trained again,
+    # its chat template edited, or a chat_template.jinja (which transformers reads first) added.
     (run / "tokenizer").mkdir()
-    (run / "tokenizer" / "tokenizer.model").write_bytes((tokenizer / "tokenizer.model").read_bytes())
-    made_from = {**manifest["made_from"], **tokenizer_digests(run, run / "tokenizer")}
-    assert "tokenizer/tokenizer.model" in made_from
-    (run / "build" / "manifest.json").write_text(json.dumps({**manifest, "made_from": made_from}))
-    assert read_manifest(run)["made_from"] == made_from
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (run / "tokenizer" / name).write_bytes((tokenizer / name).read_bytes())
+
+    def recorded():
+        made_from = {**manifest["made_from"], **tokenizer_digests(run, run / "tokenizer")}
+        (run / "build" / "manifest.json").write_text(json.dumps({**manifest, "made_from": made_from}))
+        assert read_manifest(run)["made_from"] == made_from
+        return made_from
+
+    made_from = recorded()
+    assert {"tokenizer/tokenizer.model", "tokenizer/tokenizer_config.json"} <= set(made_from)
+    assert made_from["tokenizer/chat_template.jinja"] is None
+    template = run / "tokenizer" / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}")
+    with pytest.raises(ConfigError, match="encoded before tokenizer/chat_template.jinja was there .* rerun `polyalign"):
+        read_manifest(run)
+    recorded()
+    template.write_text(template.read_text().replace(">>", ":"))
+    with pytest.raises(ConfigError, match="encoded with another tokenizer/chat_template.jinja than the one there now "
+                                          r"\(the tokenizer or its chat template changed since"):
+        read_manifest(run)
+    recorded()
     (run / "tokenizer" / "tokenizer.model").write_bytes(b"trained again")
-    with pytest.raises(ConfigError, match="made from another tokenizer/tokenizer.model .* rerun `polyalign build"):
+    with pytest.raises(ConfigError, match="encoded with another tokenizer/tokenizer.model .* rerun `polyalign build"):
         read_manifest(run)
 
 

@@ -55,13 +55,14 @@ def checkpoint_identity(path: str | os.PathLike) -> dict[str, Any]:
     return identity
 
 
-def changed_since(base: str | os.PathLike, made_from: dict[str, str]) -> list[str]:
+def changed_since(base: str | os.PathLike, made_from: dict[str, str | None]) -> list[str]:
     """The files named in `made_from` (paths relative to `base`, with the digests they had when an
     output was made from them) that differ now. A missing one is not counted: an output copied without
-    its inputs (a build alone in a bucket, say) cannot be checked, and is not wrong for that."""
+    its inputs (a build alone in a bucket, say) cannot be checked, and is not wrong for that. A digest
+    of None records a file absent then: one there now counts as changed."""
     changed = []
     for name, digest in made_from.items():
         path = as_path(base) / name
-        if path.is_file() and file_digest(path) != digest:
+        if path.is_file() and (digest is None or file_digest(path) != digest):
             changed.append(name)
     return changed

@@ -53,7 +53,13 @@ from polyalign.tokens.chat import (
     source_system,
 )
 from polyalign.tokens.profile_template import PROFILE_FIELDS
-from polyalign.tokens.tokenizer import SENTENCEPIECE_FILE, TOKENIZER_CONFIG, TOKENIZERS_FILE, load_tokenizer
+from polyalign.tokens.tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    SENTENCEPIECE_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZERS_FILE,
+    load_tokenizer,
+)
 
 BUILD_DIR = "build"
 PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
@@ -214,20 +220,22 @@ def probe_records(run: Path, count: int = PROBE_RECORDS) -> list[Record]:
 
 def tokenizer_digests(run: Path, tokenizer_path: Path) -> dict[str, str]:
     """Digests of the tokenizer files a build encoded with, named relative to RUN when they lie inside
-    it, so that training refuses a build whose tokenizer was trained again since."""
+    it, so that training refuses a build whose tokenizer or chat template changed since (trained again,
+    edited). A folder's chat_template.jinja, which transformers reads before the config's template, is
+    recorded as None when absent: one added later changes the template too."""
     tokenizer_path = Path(tokenizer_path)
     if is_uri(tokenizer_path):
         return {}
     files = [tokenizer_path] if tokenizer_path.is_file() else \
-        [tokenizer_path / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG)
-         if (tokenizer_path / name).is_file()]
+        [tokenizer_path / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)
+         if (tokenizer_path / name).is_file() or name == CHAT_TEMPLATE_FILE]
     digests = {}
     for path in files:
         try:
             name = str(path.resolve().relative_to(Path(run).resolve()))
         except ValueError:
             name = str(path.resolve())
-        digests[name] = file_digest(path)
+        digests[name] = file_digest(path) if path.is_file() else None
     return digests
 
 
@@ -454,9 +462,15 @@ def read_manifest(run, init: str | None = None) -> dict[str, Any]:
         command = shlex.join(["polyalign", "build", str(run), *([] if own else ["--tokenizer", str(init)])])
         raise ConfigError(f"{path}: missing; run `{command}` (or the demo's build stage) first")
     manifest = json.loads(path.read_text())
-    for name in changed_since(run, manifest.get("made_from", {})):  # builds made before it was recorded: unchecked
-        raise ConfigError(f"{as_path(run) / BUILD_DIR}: made from another {name} than the one there now "
-                          f"(`polyalign prepare` ran again?); rerun `{rebuild_command(run, manifest)}`")
+    made_from = manifest.get("made_from", {})
+    for name in changed_since(run, made_from):  # builds made before it was recorded: unchecked
+        if name == PREPARE_MANIFEST:
+            why = f"made from another {name} than the one there now (`polyalign prepare` ran again?)"
+        else:  # the tokenizer's own files: its ids or its chat template are no longer the ones the build encoded
+            why = (f"encoded with another {name} than the one there now (the tokenizer or its chat template "
+                   "changed since; training on it would teach ids or a template its export does not have)"
+                   if made_from[name] else f"encoded before {name} was there (it replaces the chat template)")
+        raise ConfigError(f"{as_path(run) / BUILD_DIR}: {why}; rerun `{rebuild_command(run, manifest)}`")
     return manifest
 
 
