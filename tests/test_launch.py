@@ -299,3 +299,34 @@ def test_how_a_process_ended_is_said_in_words():
     assert ended(2) == "exited with status 2"
     assert ended(143) == "exited with status 143 (stopped by SIGTERM)"  # polyalign's own exit on SIGTERM
     assert ended(-9) == "was killed by SIGKILL"
+
+
+@pytest.mark.parametrize("process_id", [0, 1])  # the coordinator's host, and a host that cannot reach it
+def test_a_process_whose_peers_never_join_says_what_it_waits_for_and_ends_with_one_line(process_id, tmp_path):
+    """One host of two started: it says what it waits for, then ends at POLYALIGN_JOIN_TIMEOUT with one
+    line (exit 2), before JAX's own timeout aborts it in C++ with a stack trace."""
+    import subprocess
+    import sys
+    import time
+
+    from polyalign.mesh.launch import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "POLYALIGN_COORDINATOR": address, "POLYALIGN_NUM_PROCESSES": "2",
+           "POLYALIGN_PROCESS_ID": str(process_id), "POLYALIGN_JOIN_TIMEOUT": "6", "JAX_PLATFORMS": "cpu"}
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", "from polyalign.mesh.parallel import initialize_distributed; "
+                           "initialize_distributed(); print('joined')"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "joined" not in done.stdout, done.stderr[-2000:]
+    assert time.monotonic() - began < 60
+    ours = [line for line in done.stderr.splitlines() if line.startswith("polyalign:")]
+    start = ("start the same command on every host, each with its own POLYALIGN_PROCESS_ID (0 to 1), the same "
+             "POLYALIGN_COORDINATOR and POLYALIGN_NUM_PROCESSES")
+    assert ours == [
+        f"polyalign: process {process_id} of 2 is waiting for the job's other processes to join at {address} "
+        f"(up to 6 s, POLYALIGN_JOIN_TIMEOUT): {start}",
+        f"polyalign: error: process {process_id} of 2: the job's processes did not all join at {address} within "
+        f"6 s; {start} (a firewall between the hosts, or a coordinator address the others cannot reach, looks "
+        "the same)"], done.stderr[-2000:]
+    assert "Check failure" not in done.stderr
