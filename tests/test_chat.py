@@ -286,6 +286,25 @@ def test_train_on_all_needs_every_turn_located(checkpoint_tokenizers):
     assert tokenizer.decode(both.ids[both.loss_mask]) == messages[1].content + "</s>" + messages[3].content + "</s>"
 
 
+def test_a_generation_prompt_that_does_not_open_the_written_turn_is_refused_saying_where_they_part(
+        checkpoint_tokenizers):
+    """A template that writes `assistant:` in a turn but prompts generation with `assistant`: the final
+    answer cannot be located after the generation prompt, and the error says where the two part."""
+    from polyalign.tokens.chat import JinjaTemplate
+
+    case = next(c for c in JINJA_CASES if c["template"] == "fine_tuned.jinja")
+    messages = [Message(m["role"], m["content"]) for m in case["messages"]]
+    tokenizer = checkpoint_tokenizers["fine_tuned.jinja"]
+    source = ("{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}</s>\n{% endfor %}"
+              "{% if add_generation_prompt %}assistant\n{% endif %}")
+    with pytest.raises(ChatTemplateError) as refused:
+        encode_conversation(JinjaTemplate(source, tokenizer), tokenizer, messages)
+    message = str(refused.value)
+    assert "does not begin with the prompt the template writes for generation" in message
+    assert "the prompt goes on with '\\n', the written turn with ':\\n" in message, message
+    assert message.endswith("or mark answers with {% generation %} blocks")
+
+
 def test_the_checkpoint_template_is_found_where_transformers_keeps_it(checkpoint_tokenizers, tmp_path):
     from polyalign.tokens.chat import choose_template
     from polyalign.tokens.tokenizer import load_tokenizer

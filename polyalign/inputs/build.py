@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from polyalign.core.errors import InputError
+from polyalign.core.errors import ChatTemplateError, InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import as_path, changed_since, file_digest, is_uri, recorded_path
@@ -271,8 +271,11 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                   ) -> tuple[str, dict[str, Any], Counter]:
     """(key, example, counts) for one record."""
     messages = record_messages(record, options.profile, system=options.system)
-    encoded = encode_conversation(template, tokenizer, messages, train_on=options.train_on, cutoff=options.max_length,
-                                  truncation=options.truncation)
+    try:
+        encoded = encode_conversation(template, tokenizer, messages, train_on=options.train_on,
+                                      cutoff=options.max_length, truncation=options.truncation)
+    except ChatTemplateError as error:  # a template problem shows on the first record; say which one
+        raise ChatTemplateError(f"record {record.id} ({record.split}): {error}") from None
     mask = np.asarray(encoded.loss_mask, bool)
     # replies with loss in this example: one with --train-on last, every assistant turn left after the cut with all
     trained_replies = int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1])) if mask.size else 0

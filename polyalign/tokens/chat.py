@@ -606,9 +606,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     pieces = template.pieces(messages)
     located = {p.turn for p in pieces}
     for turn in sorted(labelled - located):
-        raise ChatTemplateError(f"{template.name}: cannot tell where assistant turn {turn} lies (the template writes "
-                                "earlier turns differently once later ones follow); train on the last turn, or use "
-                                "a template with {% generation %} blocks")
+        raise ChatTemplateError(unlocated_turn(template, messages, turn))
     final = max(i for i, p in enumerate(pieces) if p.turn == last)  # the final end-of-turn piece
     first = min(i for i, p in enumerate(pieces) if p.turn == last)
     source_ids, source_mask = encode_pieces(pieces[:first], tokenizer, labelled)
@@ -624,6 +622,23 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
                    truncated, system_cut)
+
+
+def unlocated_turn(template: ChatTemplate, messages: Sequence[Message], turn: int) -> str:
+    """Why a template's rendering does not show where assistant turn `turn` lies (JinjaTemplate locates a
+    turn by rendering the conversation up to it after its generation prompt)."""
+    if turn == len(messages) - 1:
+        prompt = template.render(messages[:turn], add_generation_prompt=True)
+        written = template.render(messages)
+        at = next((i for i, (a, b) in enumerate(zip(prompt, written)) if a != b), min(len(prompt), len(written)))
+        return (f"{template.name}: the conversation written with its final answer does not begin with the prompt the "
+                f"template writes for generation (add_generation_prompt=True): after {prompt[max(at - 30, 0):at]!r} "
+                f"the prompt goes on with {prompt[at:at + 20]!r}, the written turn with {written[at:at + 20]!r}; a "
+                "model trained on the written turns would be prompted with a header it never saw. Make the generation "
+                "prompt the opening of the template's assistant turn, or mark answers with {% generation %} blocks")
+    return (f"{template.name}: cannot tell where assistant turn {turn} lies (the template writes earlier turns "
+            "differently once later ones follow); train on the last turn (build --train-on last), or use a template "
+            "with {% generation %} blocks")
 
 
 def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
