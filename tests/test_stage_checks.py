@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -227,8 +228,14 @@ def test_an_interrupted_build_restarts_with_the_same_command_and_equals_an_unint
     assert build(runs["cut"], "--max-length", "32") == 2
     other = f"{runs['cut'].resolve()}-2"
     err = capsys.readouterr().err
+    command = f"polyalign build {other} --tokenizer {tokenizer} --max-length 32"
     assert (f"pass --overwrite to replace it, or build into a RUN of its own beside it: mkdir {other} && ln -s "
-            f"{runs['cut'].resolve() / 'data'} {other}/data, then polyalign build {other} ...") in err, err
+            f"{runs['cut'].resolve() / 'data'} {other}/data, then {command} (and polyalign stats") in err, err
+    # the recipe as given builds (the new RUN has no tokenizer/ of its own: the command names the one used)
+    Path(other).mkdir()
+    Path(other, "data").symlink_to(runs["cut"].resolve() / "data", target_is_directory=True)
+    assert main([*command.split()[1:], "--no-progress"]) == 0
+    assert json.loads(Path(other, "build", "manifest.json").read_text())["options"]["max_length"] == 32
 
 
 def test_a_stage_output_recognises_its_own_unfinished_output_and_nothing_else(tmp_path):

@@ -374,9 +374,12 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     # a second tokenizer (another base model) on the same prepared data: a RUN of its own that reads the
     # same RUN/data, which build and training only read
     other = Path(f"{Path(run).resolve()}-2")
+    # the command with this build's options, its tokenizer named: the new RUN has no tokenizer/ of its own
+    tokenizer = options.tokenizer or str(Path(run).resolve() / "tokenizer")
+    command = rebuild_command(other, {"settings": {**asdict(options), "tokenizer": tokenizer}})
     elsewhere = (f"build into a RUN of its own beside it: mkdir {shlex.quote(str(other))} && ln -s "
                  f"{shlex.quote(str(Path(run).resolve() / 'data'))} {shlex.quote(str(other / 'data'))}, then "
-                 f"polyalign build {shlex.quote(str(other))} ... (and polyalign stats on it where HDPO needs them)")
+                 f"{command} (and polyalign stats on it where HDPO needs them)")
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
                         ours=[out / "manifest.json", out / DATASET_NAME], elsewhere=elsewhere,
                         paths=["tokenizer"], legacy=LEGACY_SETTINGS)
