@@ -59,6 +59,33 @@ def test_a_typo_anywhere_names_the_closest_key_and_the_override(method, typo, un
     assert f"unknown key '{unknown}'; did you mean '{suggestion}'" in str(caught.value)
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_key_given_without_its_section_is_pointed_at_its_section(method):
+    """Every key of every section (at any depth), given bare (`lr=1e-3`, `steps=3`, `rank=8`), is refused
+    naming a dotted key that ends in it; one of other trainers' names (`learning_rate`) likewise."""
+    config_class = METHODS[method].config
+    top = set(_fields(config_class))
+
+    def leaves(cls, path=""):
+        for f in dataclasses.fields(cls):
+            annotation = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(annotation):
+                yield from leaves(annotation, f"{path}{f.name}.")
+            elif path:
+                yield f"{path}{f.name}"
+
+    dotted = list(leaves(config_class))
+    # a deprecated bare key still works, with a notice (test_old_flat_keys_still_load_with_a_notice_naming_the_new_key)
+    bare = {key.rsplit(".", 1)[1] for key in dotted} - top - set(schema.DEPRECATED_KEYS.get(config_class, {}))
+    assert {"lr", "steps", "rank", "b1"} <= bare
+    for key in sorted(bare) + ["learning_rate"]:
+        with pytest.raises(ConfigError) as caught:
+            load_config(CONFIGS[method], [f"{key}=1"], method=method)
+        suggested = re.search(r"did you mean '([\w.]+)'\?$", str(caught.value))
+        assert suggested and suggested.group(1) in dotted, (key, str(caught.value))
+        assert suggested.group(1).rsplit(".", 1)[1] == {"learning_rate": "lr"}.get(key, key)
+
+
 def test_the_same_override_means_the_same_thing_for_every_method():
     for method in METHODS:
         config = load_config(CONFIGS[method], ["model.dtype=bfloat16", "model.remat=full", "data.max_length=64",

@@ -47,15 +47,33 @@ OTHER_TRAINERS_NAMES = {
     "lora_r": "rank", "r": "rank", "lora_alpha": "alpha"}
 
 
-def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str = "") -> str:
+def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str = "",
+                        nested: Sequence[str] = ()) -> str:
     """`where: unknown key 'k'` with the nearest known key, else the known ones. Keys that all begin with
-    `prefix` are compared without it, which would make every key look close to every other."""
+    `prefix` are compared without it, which would make every key look close to every other. `nested`:
+    dotted keys of the sections below that end in `key` (or in its name in other trainers), meant when
+    a key is given without its section (`lr=1e-3` for optimizer.lr)."""
     alias = OTHER_TRAINERS_NAMES.get(key)
     stems = {k.removeprefix(prefix): k for k in known}
-    close = [alias] if alias in known else [
+    close = [alias] if alias in known else list(nested[:1]) or [
         stems[c] for c in difflib.get_close_matches(key.removeprefix(prefix), list(stems), n=1, cutoff=0.5)]
     hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
     return f"{where}: unknown key {key!r}{hint}"
+
+
+def section_keys(cls: type, key: str, path: str = "") -> list[str]:
+    """The dotted keys of `cls`'s sections (dataclass fields, at any depth) whose last part is `key` or
+    its name in other trainers: where a key given without its section belongs."""
+    names = {key, OTHER_TRAINERS_NAMES.get(key)}
+    found = []
+    for f in dataclasses.fields(cls):
+        annotation = typing.get_type_hints(cls)[f.name]
+        if not dataclasses.is_dataclass(annotation):
+            continue
+        inner = {g.name for g in dataclasses.fields(annotation)}
+        found += [f"{path}{f.name}.{name}" for name in sorted(names & inner)]
+        found += section_keys(annotation, key, f"{path}{f.name}.")
+    return found
 
 
 # A number as YAML 1.2 writes it and YAML 1.1 (PyYAML) reads as a string: 1e-3, 5E-7, +2e4.
@@ -123,7 +141,7 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None) 
     kwargs = {}
     for key, value in mapping.items():
         if key not in fields:
-            raise ConfigError(unknown_key_message(str(key), list(fields), where))
+            raise ConfigError(unknown_key_message(str(key), list(fields), where, nested=section_keys(cls, str(key))))
         default = getattr(base, key) if base is not None else _field_default(fields[key])
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default)
     if base is not None:
