@@ -30,6 +30,7 @@ from polyalign.mesh.launch import (
     run_slurm,
     said_by_another_process,
 )
+from polyalign.reports.no_model import ahead_of_the_model
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
@@ -901,6 +902,8 @@ def _run_evaluate(args) -> int:
     baselines = _baselines_line(m.get("reference_rows") or {}, m)
     if baselines:
         print(baselines)
+    if behind := ahead_of_the_model(m):
+        print(f"warning: {behind} (docs/evaluation.md, Reference rows)", file=sys.stderr)
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "

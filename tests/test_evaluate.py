@@ -528,6 +528,15 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
         records_by_id = {r.id: r for r in records}
         assert silent["f1"] == pytest.approx(sum(not tokens(r.response, "cjk") for r in records_by_id.values())
                                              / len(records), abs=1e-12)
+        # the no-model answers said to do better are exactly those whose interval lies wholly on the better
+        # side of the model's, on the aggregate (higher better) or BNG macro (lower better); never its own answers
+        ahead = {name for name, row in references.items() if name != "human" and (
+            row["aggregate_interval"][0] > m["aggregate"]["interval"][1]
+            or row["bng_macro_interval"][1] < m["bng"]["macro_interval"][0])}
+        assert "first_sentence" not in ahead
+        warned = [line for line in printed.err.splitlines() if "answers that need no model do better" in line]
+        assert len(warned) == bool(ahead) and all(f" {name} " in "".join(warned) for name in ahead)
+        assert ("Answers that need no model do better" in page) == bool(ahead)
         assert "<th>NUF hypervolume</th><th>aggregate</th>" in page
         assert f"<td>{first['aggregate']:.4f} {said(first['aggregate_interval'])}</td>" in page
         assert (f"<td>Aggregate</td><td>{m['aggregate']['overall']:.4f} {said(m['aggregate']['interval'])}</td>"
@@ -1110,6 +1119,36 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
                    "metrics": {"mauve": {"status": "skipped"}}} for name, d in (("a", greedy), ("b", sampled))}
     assert ("decoding: greedy | temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05"
             in differing_settings(runs))
+
+
+def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals_are_apart():
+    from polyalign.reports.evaluation import _baseline_notes
+    from polyalign.reports.no_model import ahead_of_the_model
+
+    def metrics(aggregate, bng, rows):
+        return {"aggregate": {"overall": aggregate[0], "interval": aggregate[1]},
+                "bng": {"overall_macro": bng[0], "macro_interval": bng[1]}, "reference_rows": rows}
+
+    rows = {"human": {"bng_macro": 0.5, "bng_macro_interval": [0.4, 0.6]},
+            "echo_question": {"aggregate": 0.21, "aggregate_interval": [0.18, 0.25], "bng_macro": 2.0,
+                              "bng_macro_interval": [1.9, 2.1]},
+            "first_sentence": {"aggregate": 0.19, "aggregate_interval": [0.17, 0.22], "bng_macro": 2.5,
+                               "bng_macro_interval": [2.3, 2.7]},
+            "empty_answer": {"aggregate": 0.04, "aggregate_interval": [0.03, 0.05], "bng_macro": 2.2,
+                             "bng_macro_interval": [2.1999, 2.2001]}}
+    behind = metrics((0.05, [0.03, 0.07]), (2.6, [2.4, 2.8]), rows)
+    assert ahead_of_the_model(behind) == (
+        "answers that need no model do better than this model, their intervals apart from its: on the aggregate, "
+        "echo_question 0.2100 [0.180, 0.250] and first_sentence 0.1900 [0.170, 0.220] against the model's 0.0500 "
+        "[0.030, 0.070]; on BNG macro, echo_question 2.0000 [1.900, 2.100] and empty_answer 2.2000 [2.199, 2.201] "
+        "against the model's 2.6000 [2.400, 2.800]. It has not yet beaten copying the question, quoting the first "
+        "sentence of the context or saying nothing")
+    # intervals that touch or cross are not said, whichever way the estimates point; no interval, nothing judged
+    assert ahead_of_the_model(metrics((0.15, [0.10, 0.18]), (2.2, [1.8, 2.6]), rows)) is None
+    assert ahead_of_the_model(metrics((0.05, None), (2.6, None), rows)) is None
+    # the reports lead with it, in bold, per run of a comparison
+    page = _baseline_notes(behind, [("sft", behind), ("hdpo", metrics((0.3, [0.26, 0.34]), (1.0, [0.9, 1.1]), rows))])
+    assert page.startswith("<p><b>sft: Answers that need no model do better than this model") and "hdpo:" not in page
 
 
 def test_diversity_of_answers_without_words_or_without_pairs_of_words_is_undefined():

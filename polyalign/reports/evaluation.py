@@ -23,6 +23,7 @@ from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
+from polyalign.reports.no_model import ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
 
 
@@ -387,9 +388,18 @@ def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -
                    "F1", *(UNFLOORED_COLUMNS[key] for key in unfloored)], rows)
 
 
-def _baseline_notes(m: dict) -> str:
-    """A no-model answer that BNG ranks at or below people's own: BNG reads response features (length,
-    punctuation, word shapes), which repeating the prompt can match; the other numbers tell it apart."""
+def _baseline_notes(m: dict, models: Sequence[tuple[str, dict]] = ()) -> str:
+    """First, each model that answers which need no model do better than (baselines.ahead_of_the_model;
+    `models`: (name, metrics) of a comparison's runs, else the one run `m`). Then a no-model answer that
+    BNG ranks at or below people's own: BNG reads response features (length, punctuation, word shapes),
+    which repeating the prompt can match; the other numbers tell it apart."""
+    behind = [(name, ahead_of_the_model(metrics)) for name, metrics in (models or [("", m)])]
+    lead = "".join(f"<p><b>{html.escape(f'{name}: ' if name else '')}{html.escape(said[0].upper() + said[1:])}.</b></p>"
+                   for name, said in behind if said)
+    return lead + _bng_at_or_below_people(m)
+
+
+def _bng_at_or_below_people(m: dict) -> str:
     references = m.get("reference_rows") or {}
     people = references.get("human") or {}
     floor = people.get("bng_macro")
@@ -661,7 +671,7 @@ def _measured_mauve(run: dict) -> bool:
 
 def _plain(paragraph: str) -> str:
     """A <p> of this module's, as Markdown text."""
-    return html.unescape(re.sub(r"</?(p|b)>", "", paragraph))
+    return html.unescape(re.sub(r"</?(p|b)>", "", re.sub(r"</p>\s*<p>", "\n\n", paragraph)))
 
 
 def _differences_note(runs: dict[str, dict]) -> str:
@@ -860,9 +870,9 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     answers = []  # people and the no-model answers beside the runs, where all of them share those test rows
     if not other and all(r["metrics"].get("buckets") for r in runs.values()):
         answers_html, answers_md = _reference_rows(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
-        answers = [("<h2>Against people and no-model answers</h2>", answers_html + _baseline_notes(first["metrics"])),
-                   ("## Against people and no-model answers",
-                    answers_md + "\n" + _plain(_baseline_notes(first["metrics"])))]
+        notes = _baseline_notes(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
+        answers = [("<h2>Against people and no-model answers</h2>", answers_html + notes),
+                   ("## Against people and no-model answers", answers_md + "\n" + _plain(notes))]
     sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html, aggregate_note,
                  *(answers[0] if answers else ()),
                  "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
