@@ -109,7 +109,15 @@ def test_weight_warnings_name_heavy_buckets_and_unmeasured_ones():
                                 in heavy[0])  # 2885 / (8 x 1)
     assert lines[-1].startswith("7 train bucket(s) absent from val")
     assert not any("absent from test" in line for line in lines)  # test counts unknown: nothing said
-    assert weight_warnings(bucket_weights(COUNTS), COUNTS, COUNTS, COUNTS, warn_above=10) == []
+    many = {b: 5 for b in COUNTS}
+    assert weight_warnings(bucket_weights(COUNTS), COUNTS, many, many, warn_above=10) == []
+    # test buckets with 1 to 4 rows: no interval of their own, so no judged macro in a comparison
+    test = {**many, "en|multi|dialogue|long": 1, "zh|single|assistant|medium": 3, "zh|multi|qa|long": 0}
+    assert weight_warnings(bucket_weights(COUNTS), COUNTS, many, test, warn_above=10) == [
+        "1 train bucket(s) absent from test, so no test number covers them: zh|multi|qa|long",
+        "2 of 7 test buckets have fewer than 5 rows (en|multi|dialogue|long 1, zh|single|assistant|medium 3): "
+        "evaluate gives them no interval of their own, so a comparison of models cannot judge the macro numbers "
+        "they count in; a larger test share (prepare's split.weights) gives them more rows"]
 
 
 def test_scheme_lists_buckets_and_rejects_bad_files(tmp_path):

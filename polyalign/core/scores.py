@@ -9,6 +9,10 @@ from collections.abc import Mapping, Sequence
 # The aggregate's parts, each on [0, 1] with higher better: clip(F1), 1/(1 + BNG macro), clip(MAUVE),
 # clip(NUF hypervolume).
 AGGREGATE_PARTS = ("f1", "bng", "mauve", "nuf")
+# A bucket with fewer test rows gets no interval and no gap of its own (a bootstrap over one or two answers
+# has (near) zero width, and one answer against its floor is a draw, not a gap), so a comparison cannot
+# judge the macros it counts in: evaluate's IntervalOptions.min_rows, and what stats and build warn of.
+MIN_INTERVAL_ROWS = 5
 
 
 def geometric_mean(values: Sequence[float]) -> float:

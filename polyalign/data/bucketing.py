@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polyalign.core.scores import MIN_INTERVAL_ROWS
 from polyalign.core.yaml_config import ConfigError, from_mapping, load_yaml
 from polyalign.data.text import LENGTH_UNIT_PATTERNS
 
@@ -208,4 +209,10 @@ def weight_warnings(weights: Mapping[str, float], train: Mapping[str, int], val:
         if absent:
             lines.append(f"{len(absent)} train bucket(s) absent from {split}, so no {split} number covers them: "
                          + ", ".join(absent))
+    few = sorted((b, n) for b, n in (test or {}).items() if 0 < n < MIN_INTERVAL_ROWS)
+    if few:
+        lines.append(f"{len(few)} of {sum(n > 0 for n in test.values())} test buckets have fewer than "
+                     f"{MIN_INTERVAL_ROWS} rows ({', '.join(f'{b} {n}' for b, n in few)}): evaluate gives them no "
+                     "interval of their own, so a comparison of models cannot judge the macro numbers they count "
+                     "in; a larger test share (prepare's split.weights) gives them more rows")
     return lines

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import rankdata
 
+from polyalign.core.scores import MIN_INTERVAL_ROWS
 from polyalign.data.bucketing import parent_groups
 
 
@@ -33,9 +34,7 @@ class IntervalOptions:
     coverage: float = 0.9  # calibrated HCR: the share of human answers that pass, by construction
     near_constant: float = 0.95  # a feature whose most common value covers this share of humans says little
     max_rank_correlation: float = 0.95  # of two features this rank-correlated in the humans, keep the first
-    # a bucket with fewer test rows gets no interval and no gap of its own: a bootstrap over one or two
-    # answers has (near) zero width, and one answer against its floor is a draw, not a gap
-    min_rows: int = 5
+    min_rows: int = MIN_INTERVAL_ROWS  # fewer test rows: no interval and no gap of the bucket's own
 
 
 def signed_w1(values: np.ndarray, masses: np.ndarray) -> np.ndarray:
