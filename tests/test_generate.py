@@ -366,3 +366,33 @@ def test_a_share_above_nothing_never_reads_zero_percent():
 
     assert [_share(x) for x in (0.001, 0.005, 0.0099, 0.01, 0.5, 0.99, 0.996, 1.0)] == [
         "<1%", "<1%", "<1%", "1%", "50%", "99%", ">99%", "100%"]
+
+
+def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path):
+    """A model polyalign trained from scratch records the longest sequence it trained on, through every
+    run trained on from it; generate notes prompt and answer budgets past it, and how to keep within it."""
+    import dataclasses
+
+    from polyalign.generate.run import GenerateOptions, past_trained_length
+    from polyalign.model.export import longest_trained
+
+    scratch, base = tmp_path / "scratch", tmp_path / "pretrained"
+    for folder, config in ((scratch, {"polyalign_max_length": 256}), (base, {"eos_token": "</s>"})):
+        folder.mkdir()
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    # from scratch: the run's length; on from a recorded model: the longer of the two; on from a pretrained
+    # checkpoint (no record): unknown, since its pretraining saw longer sequences
+    assert longest_trained(None, 128) == 128
+    assert longest_trained(str(scratch), 128) == 256 and longest_trained(str(scratch), 512) == 512
+    assert longest_trained(str(base), 128) is None
+    options = GenerateOptions(sampling=SamplingConfig(max_new_tokens=64))
+    assert past_trained_length(scratch, options) == (
+        f"{scratch} was trained from scratch on sequences of at most 256 tokens (polyalign_max_length in its "
+        "tokenizer_config.json); --max-prompt-tokens 512 + --max-new-tokens 64 = 576 lets a long prompt and its "
+        "answer run past them, into positions the model never learned: --max-prompt-tokens 192 keeps within them")
+    assert past_trained_length(scratch, dataclasses.replace(options, max_prompt_tokens=192)) is None
+    assert past_trained_length(base, options) is None
+    budgeted = dataclasses.replace(options, sampling=SamplingConfig(max_new_tokens=1024), budget_records="t.jsonl")
+    assert past_trained_length(scratch, budgeted).endswith(
+        "--max-prompt-tokens 512 + --budget-ceiling 1024 = 1536 lets a long prompt and its answer run past them, "
+        "into positions the model never learned: --max-prompt-tokens 128 and --budget-ceiling 128 keep within them")

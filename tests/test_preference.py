@@ -563,6 +563,7 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     config = json.loads((out / "model" / "tokenizer_config.json").read_text())
     assert config["polyalign_profile_values"] == {key: sorted({p[key] for p in pairs}) for key in ("family", "track",
                                                                                                   "style")}
+    assert "polyalign_max_length" not in config  # trained on from a checkpoint that records no length
     # drift of the policy's own greedy samples on the first 3 validation prompts, against their human answers
     val = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()][:3]
     drift = [r for r in read_metrics(out) if "drift/length_ratio" in r][-1]

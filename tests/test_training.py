@@ -297,6 +297,8 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
     assert sum(manifest["train_profile_values"]["family"].values()) == manifest["splits"]["train"]["examples"]
     config = json.loads((tmp_path / "resumed" / "model" / "tokenizer_config.json").read_text())
     assert config["polyalign_profile_values"] == {key: held[key] for key in ("family", "track", "style")}
+    # trained from scratch: the longest sequence it ever trained on is the build's length
+    assert config["polyalign_max_length"] == manifest["options"]["max_length"] == 64
     card = (tmp_path / "resumed" / "model" / "README.md").read_text()
     assert f"| style | {', '.join(held['style'])} |" in card and "It refuses a profile named in part" in card
     # in how many training examples the profile prompt stood whole: the build's counts (64 tokens cut many)

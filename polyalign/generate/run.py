@@ -29,7 +29,7 @@ from polyalign.tokens.chat import (
     say_unseen_profile_values,
     trained_profile,
 )
-from polyalign.tokens.tokenizer import load_tokenizer
+from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, load_tokenizer, trained_length
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,24 @@ def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateO
                                                 "lower --max-prompt-tokens or --max-new-tokens"))
 
 
+def past_trained_length(checkpoint, options: GenerateOptions) -> str | None:
+    """A note when the prompt and answer budgets reach past the longest sequence the checkpoint was trained
+    on (a model polyalign trained from scratch records it): the positions there are ones it never learned,
+    and answers degrade where long prompts take them. The budgets are the user's to change."""
+    trained = trained_length(checkpoint)
+    answers = options.sampling.max_new_tokens
+    longest = options.max_prompt_tokens + answers
+    if trained is None or longest <= trained:
+        return None
+    flag = "--budget-ceiling" if options.budget_records is not None else "--max-new-tokens"
+    fix = (f"--max-prompt-tokens {trained - answers} keeps within them" if trained - answers >= trained // 2 else
+           f"--max-prompt-tokens {trained // 2} and {flag} {trained - trained // 2} keep within them")
+    return (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
+            f"its tokenizer_config.json); --max-prompt-tokens {options.max_prompt_tokens} + {flag} {answers} = "
+            f"{longest} lets a long prompt and its answer run past them, into positions the model never learned: "
+            f"{fix}")
+
+
 def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[str]) -> None:
     """A note when greedy decoding meets a checkpoint whose generation_config.json samples: vLLM (and
     `serve`) decode its requests with its temperature, so answers from there differ from these."""
@@ -145,7 +163,8 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     started = time.perf_counter()
     records, notes = select_records(read_records(records_path), records_path, options.limit, options.sample,
                                     options.seed)
-    notes = [*fitted, *notes]
+    past = past_trained_length(checkpoint, options)
+    notes = [*fitted, *notes, *([past] if past else [])]
 
     engine, tokenizer, chat = open_checkpoint(
         checkpoint, options.template,

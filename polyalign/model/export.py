@@ -39,11 +39,13 @@ from polyalign.model.transformer import Transformer
 from polyalign.tokens.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
 from polyalign.tokens.profile_template import PROFILE_MODE_KEYS, exported_source
 from polyalign.tokens.tokenizer import (
+    MAX_LENGTH_KEY,
     SENTENCEPIECE_FILE,
     TOKENIZER_CONFIG,
     TOKENIZERS_FILE,
     SentencePieceTokenizer,
     Tokenizer,
+    trained_length,
 )
 
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
@@ -95,10 +97,13 @@ def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
 
 
 def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, system: str = "keep",
-                    values: dict[str, list[str]] | None = None) -> dict[str, str | bytes]:
+                    values: dict[str, list[str]] | None = None, max_length: int | None = None
+                    ) -> dict[str, str | bytes]:
     """tokenizer.json (and tokenizer.model where there is one) and a tokenizer_config.json with the
     special tokens, the training template (behind the preamble of the build's system mode and the
-    profile check) and, for a built-in template, its name; `values`: the profile values training saw."""
+    profile check) and, for a built-in template, its name; `values`: the profile values training saw;
+    `max_length`: the longest sequence the model ever trained on, where polyalign knows it
+    (MAX_LENGTH_KEY)."""
     source = as_path(tokenizer.path)
     directory = source if source.is_dir() else source.parent
     files: dict[str, str | bytes] = {}
@@ -121,6 +126,9 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, 
     config.pop("polyalign_profile_values", None)  # a base export's, when this one's data says nothing
     if values:
         config["polyalign_profile_values"] = values
+    config.pop(MAX_LENGTH_KEY, None)  # the tokenizer's folder's (an earlier export), when this model's is unknown
+    if max_length:
+        config[MAX_LENGTH_KEY] = max_length
     if template.name in TEMPLATES:
         config["polyalign_chat_template"] = template.name
     else:
@@ -232,11 +240,13 @@ def training_card(config: Any) -> dict[str, Any]:
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
                    template: ChatTemplate, profile: str, system: str = "keep",
-                   values: dict[str, list[str]] | None = None, coverage: str | None = None) -> dict[str, str]:
+                   values: dict[str, list[str]] | None = None, coverage: str | None = None,
+                   max_length: int | None = None) -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
     weights W + (alpha / r) A B. `values`: the profile values the run's data held (seen_profile_values);
-    `coverage`: how many training examples held the profile prompt whole (profile_coverage)."""
+    `coverage`: how many training examples held the profile prompt whole (profile_coverage); `max_length`:
+    the longest sequence this run trained on (default data.max_length)."""
     written = {}
     if has_adapters(model):
         export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=training_card(config))
@@ -246,8 +256,19 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
                       dtype=config.model.export_dtype or compute_dtype(config.model.dtype),
                       card={**training_card(config), **({PROFILE_COVERAGE: coverage} if coverage else {})},
-                      base=config.init, system=system, values=values)
+                      base=config.init, system=system, values=values,
+                      max_length=longest_trained(config.init, max_length or config.data.max_length))
     return {"model": str(as_path(out) / "model"), **written}
+
+
+def longest_trained(init: str | None, length: int | None) -> int | None:
+    """The longest sequence a model has trained on over all its training: this run's `length`, or its
+    init's record's where that is longer; None for an init polyalign did not start from scratch (a
+    pretrained checkpoint saw longer sequences than any fine-tuning)."""
+    if not init or length is None:
+        return length
+    before = trained_length(init)
+    return None if before is None else max(before, length)
 
 
 def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: str | None = None,
@@ -282,20 +303,21 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,
                       template: ChatTemplate, profile: str = "context", dtype: str | None = None,
                       card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES,
-                      base: str | None = None, system: str = "keep", values: dict[str, list[str]] | None = None
-                      ) -> None:
+                      base: str | None = None, system: str = "keep", values: dict[str, list[str]] | None = None,
+                      max_length: int | None = None) -> None:
     """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
     whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'.
     `base`, the checkpoint trained from: its generation_config.json is kept and merged. `system`: how
     training composed a conversation's own system message with the profile prompt (SYSTEM_MODES).
-    `values`: the profile values training saw (the card lists them, the chat template refuses others)."""
+    `values`: the profile values training saw (the card lists them, the chat template refuses others);
+    `max_length`: the longest sequence the model ever trained on, where known (tokenizer_files)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         params = parallel.to_host(params)
     if jax.process_index() != 0:
         return
     generation = generation_config(tokenizer, template, base_generation_config(base))
-    extra = {**tokenizer_files(tokenizer, template, profile, system, values),
+    extra = {**tokenizer_files(tokenizer, template, profile, system, values, max_length),
              "generation_config.json": json.dumps(generation, indent=2) + "\n",
              "README.md": model_card(card or {}, template, profile, system, values)}
     save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, dtype=dtype, max_shard_bytes=max_shard_bytes,

@@ -246,7 +246,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
                                         get_template(manifest["template"], tokenizer), options["profile"],
                                         options.get("system", "keep"), values,  # builds before system modes: keep
-                                        None if options["profile"] == "none" else coverage)
+                                        None if options["profile"] == "none" else coverage, max_length=length)
         return {**written, **check_export(written["model"], tokenizer, probe_texts(probe_records(run)))}
 
     return Job(model, objective, batches,
