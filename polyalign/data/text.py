@@ -20,6 +20,11 @@ LENGTH_UNIT_PATTERNS = {
     "v2": re.compile(rf"[A-Za-z]+(?:'[A-Za-z]+)?|\d+|[{CJK_IDEOGRAPH}]|[^\w\s]"),
     "v1": re.compile(r"\w+|[^\w\s]"),
 }
+# What one unit is, for the reports that give lengths in them (docs/data.md, Length units and bins).
+LENGTH_UNIT_WORDS = {
+    "v2": "an English word, a run of digits, a Chinese character or a punctuation mark",
+    "v1": "a run of letters, digits or Chinese characters, or a punctuation mark",
+}
 
 _SPACE_NEXT_TO_CJK = re.compile(
     rf"(?<=[{CJK_IDEOGRAPH}{CJK_PUNCT}]) +| +(?=[{CJK_IDEOGRAPH}{CJK_PUNCT}])"

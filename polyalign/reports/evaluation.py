@@ -451,7 +451,7 @@ def _bucket_table(buckets: dict[str, dict], detect: dict[str, dict]) -> tuple[st
                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("farthest_features") or {}).items())))
     return _table(["bucket", "rows", "support", "BNG [interval]", "BNG human floor", "BNG gap", "HCR [interval]",
                    "HCR human floor", "detectability AUC [interval]", "AUC human floor", "F1",
-                   "features farthest from people (W1/std)"], rows)
+                   "features farthest from people (W1 / people's std; docs/evaluation.md, Response features)"], rows)
 
 
 def _samples(samples: dict[str, list[dict]]) -> str:

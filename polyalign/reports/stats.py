@@ -27,6 +27,7 @@ from polyalign.data.bucketing import (
     weight_warnings,
 )
 from polyalign.data.records import SPLITS, Record, read_records
+from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
 from polyalign.features.response import text_features
 from polyalign.reports import plots
@@ -195,7 +196,8 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
     lines = [
         f"{stats['total']} records: " + ", ".join(f"{s} {counts['by_split'][s]}" for s in SPLITS),
         "languages: " + ", ".join(f"{lang} {c['total']}" for lang, c in counts["by_language"].items()),
-        f"{len(counts['by_bucket'])} buckets; length unit {stats['scheme']['length_unit']}; "
+        f"{len(counts['by_bucket'])} buckets; length unit {stats['scheme']['length_unit']} "
+        f"({LENGTH_UNIT_WORDS.get(stats['scheme']['length_unit'], 'see docs/data.md')} counts 1); "
         f"{counts['empty_responses']} empty responses (unanswerable QA)",
         f"exact duplicates removed: {manifest['dedup'].get('exact', {}).get('removed', 'dedup off')}; "
         f"train/test near-duplicates: {near.get('pairs', 'off')}"
