@@ -74,6 +74,12 @@ def test_demo_prepare_and_stats(demo_run):
         assert f"src='data:image/png;base64,{inline}'" in html and (run / "stats" / png).stat().st_size > 10_000
         assert f"({png})</figcaption>" in html
     assert "| zh\\|multi\\|dialogue\\|short |" in (run / "stats/report.md").read_text(encoding="utf-8")
+    # the unit the lengths are in, in words, and the length of a response in it
+    assert ("buckets; length unit v2 (an English word, a run of digits, a Chinese character or a punctuation mark "
+            "counts 1); ") in html
+    from polyalign.data.text import length_units
+
+    assert length_units("I don't know.") == 4 and length_units("我不知道。") == 5 and length_units("我不知道。", "v1") == 2
     # each source's records with system messages of their own, as the manifest counts them
     sample = next(s for s in manifest["sources"] if s["name"] == "polyalign_sample")["system_messages"]
     assert sample["system_is_profile_prompt"] > 0
