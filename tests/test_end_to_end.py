@@ -79,7 +79,8 @@ def test_demo_prepare_and_stats(demo_run):
             "counts 1); ") in html
     from polyalign.data.text import length_units
 
-    assert length_units("I don't know.") == 4 and length_units("我不知道。") == 5 and length_units("我不知道。", "v1") == 2
+    assert length_units("I don't know.") == 4 and length_units("我不知道。") == 5
+    assert length_units("我不知道。", "v1") == 2
     # each source's records with system messages of their own, as the manifest counts them
     sample = next(s for s in manifest["sources"] if s["name"] == "polyalign_sample")["system_messages"]
     assert sample["system_is_profile_prompt"] > 0

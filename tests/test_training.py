@@ -440,6 +440,26 @@ def test_packing_visits_every_example_once_per_epoch_in_full_rows(built_run):
     fresh = pipeline._PackedRows(lengths, 256, 3)
     assert [fresh(r) for r in range(3 * per_epoch, 4 * per_epoch)] == later
     assert [fresh(r) for r in range(per_epoch)] == epoch and len(rows._packed) <= 3
+    # what a packed run says before its steps: the epoch's rows, and the positions they fill packed and not
+    filled = sum(int(lengths[i]) for row in epoch for i in row)
+    assert pipeline.packing_note(lengths, 256, seed=3) == (
+        f"data.pack: an epoch's {len(source):,} examples fill {per_epoch:,} rows of 256 positions "
+        f"({len(source) / per_epoch:.2f} a row; {filled / (per_epoch * 256):.0%} of positions hold tokens, against "
+        f"{filled / (len(source) * 256):.0%} unpacked)")
+    full = int((lengths >= 32).sum())
+    assert 0 < full and pipeline.packing_note(lengths, 32, seed=3).endswith(
+        f"; {full:,} examples ({full / len(source):.0%}) fill a row alone, cut to it)")
+
+
+def test_a_packed_run_says_what_packing_fills_and_trains(built_run, tmp_path, capsys):
+    run, manifest = built_run
+    result = train_sft(sft_config(run, 2, "data.pack=true"), tmp_path / "packed", progress=False)
+    printed = capsys.readouterr().out
+    lengths = pipeline.example_lengths(pipeline.open_split(run, "train"))
+    note = pipeline.packing_note(lengths, manifest["options"]["max_length"], seed=0)
+    assert note.startswith(f"data.pack: an epoch's {len(lengths):,} examples fill ") and f"\n{note}\n" in printed
+    steps = [r for r in read_metrics(tmp_path / "packed") if "loss" in r]
+    assert result["end_step"] == 2 and len(steps) == 2 and all(np.isfinite(r["loss"]) for r in steps)
 
 
 def test_example_lengths_are_cached_inside_the_built_dataset(built_run, tmp_path):

@@ -193,6 +193,19 @@ class _PackedRows:
         return self._first_row[1]
 
 
+def packing_note(lengths: np.ndarray, length: int, seed: int) -> str:
+    """What packing does to the first epoch: how many rows its examples fill, and the share of positions
+    that hold tokens packed and unpacked (examples cut to `length` as training cuts them). With most
+    examples as long as a row already, packing gains little, and this says so before any step."""
+    cut = np.minimum(lengths, length)
+    rows = _PackedRows(lengths, length, seed).rows_per_epoch()
+    packed, unpacked = cut.sum() / (rows * length), cut.sum() / (len(cut) * length)
+    full = int((lengths >= length).sum())
+    return (f"data.pack: an epoch's {len(cut):,} examples fill {rows:,} row{'s' * (rows != 1)} of {length} positions "
+            f"({len(cut) / rows:.2f} a row; {packed:.0%} of positions hold tokens, against {unpacked:.0%} unpacked"
+            + (f"; {full:,} examples ({full / len(cut):.0%}) fill a row alone, cut to it" if full else "") + ")")
+
+
 def lengths_cache(run, split: str):
     """Where example_lengths keeps a split's lengths: inside the built dataset, so a rebuild drops them."""
     from polyalign.inputs.build import dataset_dir  # heavy: jax (inputs.build); the array layouts need only NumPy

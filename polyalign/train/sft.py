@@ -216,9 +216,11 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                          "pad_token_id": tokenizer.pad_id}, mesh)
     train_source = pipeline.open_split(run, "train")
     lengths = None
+    notes = []
     if config.data.pack:
         lengths = pipeline.example_lengths(train_source, pipeline.lengths_cache(run, "train"),
                                            write_cache=jax.process_index() == 0)
+        notes.append(pipeline.packing_note(lengths, length, config.train.seed))
 
     def batches(layout: pipeline.Layout, loop: LoopConfig):
         return pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
@@ -253,7 +255,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                epoch_size=None if config.data.pack else len(train_source),
                evaluate=make_evaluator(run, buckets, weights, length, pad_id, config.data), summarize=summarize,
                checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish,
-               flops_per_token=flops_per_token(model.config, length))
+               flops_per_token=flops_per_token(model.config, length), notes=notes)
 
 
 def summary_line(result: dict[str, Any]) -> str:
