@@ -57,8 +57,8 @@ OVERALL_ROWS = (
     OverallRow("F1 (higher is better)", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
     OverallRow("ROUGE-L (higher is better)", ("utility", "overall", "rouge_l_f1")),
     OverallRow("EM (higher is better)", ("utility", "overall", "em")),
-    _diversity_row("Distinct-2 (higher is more diverse)", "distinct_2"),
-    _diversity_row("Self-BLEU-4 (lower is more diverse)", "self_bleu_4"),
+    _diversity_row("Distinct-2 (higher is more diverse; people's own is the mark)", "distinct_2"),
+    _diversity_row("Self-BLEU-4 (lower is more diverse; people's own is the mark)", "self_bleu_4"),
     _macro_row("BNG macro (lower is more human-like)", "bng"),
     # each bucket by its test rows: judged where a macro is not (buckets too small for a spread of their own)
     OverallRow("BNG weighted by test rows", ("bng", "overall_weighted"), ("bng", "weighted_interval")),
@@ -68,7 +68,8 @@ OVERALL_ROWS = (
     _macro_row("Detectability AUC macro, hidden states (0.5: as people)", "detectability", "hidden_states",
                optional=True),
     OverallRow("MAUVE (higher is closer to people)", ("mauve", "global")),
-    OverallRow("TDM (higher is closer to people's turns; the no-model answers' below)", ("tdm", "overall_macro"),
+    OverallRow("TDM (higher is closer to people's turns; saying nothing gets about half: read it against the no-model "
+               "answers')", ("tdm", "overall_macro"),
                ("tdm", "macro_interval")),
     OverallRow(NUF_ROW, ("nuf", "overall", "hypervolume"), ("nuf", "overall", "hypervolume_interval")),
     OverallRow("Aggregate", ("aggregate", "overall"), ("aggregate", "interval")),
@@ -577,9 +578,9 @@ INTERVAL_ROWS = (
     IntervalRow("Detectability AUC macro", ("detectability", "overall_macro"), ("detectability", "macro_interval"),
                 macro=True),
     IntervalRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
-    IntervalRow("Distinct-2", ("diversity", "overall", "generated", "distinct_2"),
+    IntervalRow("Distinct-2 (people's own is the mark)", ("diversity", "overall", "generated", "distinct_2"),
                 ("diversity", "overall", "generated_interval", "distinct_2")),
-    IntervalRow("Self-BLEU-4", ("diversity", "overall", "generated", "self_bleu_4"),
+    IntervalRow("Self-BLEU-4 (people's own is the mark)", ("diversity", "overall", "generated", "self_bleu_4"),
                 ("diversity", "overall", "generated_interval", "self_bleu_4")),
     # TDM measures buckets of 20 rows or more only: never a few-row bucket without spread
     IntervalRow("TDM macro", ("tdm", "overall_macro"), ("tdm", "macro_interval")),
