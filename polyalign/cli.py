@@ -340,8 +340,9 @@ def _run_build(args) -> int:
         # the line above says it in passing; this many examples trained without their profile prompt is a warning
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
               f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message, the "
-              "profile prompt Bucket-SFT conditions on, to --truncation left (METHOD's recipe); --truncation "
-              "keep_system keeps it and cuts the oldest turns, as generation does, or raise --max-length",
+              "profile prompt Bucket-SFT conditions on, to --truncation left (METHOD's recipe, the default; "
+              "docs/model.md says why it stays so); --truncation keep_system keeps it and cuts the oldest turns, as "
+              "generation does, or raise --max-length",
               file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
