@@ -125,6 +125,19 @@ def _label_defaults_note(source: dict) -> str | None:
             "where its records are of another kind (docs/data.md: Users' own conversations)")
 
 
+def _opening_replies_note(source: dict) -> str | None:
+    """A source of multi-turn conversations whose track nobody named: each conversation's first reply is
+    `single` and the later ones `multi`, so one dialogue spans two buckets. Said, with the key that keeps
+    it whole."""
+    count = source.get("opening_replies")
+    if not count:
+        return None
+    return (f"note: source {source['name']!r}: {count} records are the first reply of a multi-turn conversation: "
+            "read off the conversation, their track is single (no earlier turn) and the later replies' multi, so "
+            "each dialogue spans two buckets; set `track: multi` on the source to bucket whole conversations as "
+            "multi-turn, as the scheme does for its dialogue corpora (docs/data.md: Users' own conversations)")
+
+
 def _run_prepare(args) -> int:
     if args.beam:
         require_beam()
@@ -154,8 +167,9 @@ def _run_prepare(args) -> int:
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")
-        if line := _label_defaults_note(source):
-            print(line)
+        for line in (_label_defaults_note(source), _opening_replies_note(source)):
+            if line:
+                print(line)
     for warning in manifest.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
     print(f"manifest: {args.out / 'data' / 'manifest.json'}")

@@ -365,9 +365,15 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     assert (f"note: source 'mine': family assistant and style assistant_like are the {form} format's defaults, "
             f"taken by {source['records']} of its records (no row, data config or scheme entry named them); set "
             "`family:` and `style:` on the source where its records are of another kind") in printed
+    # each dialogue's first reply is single and the later ones multi, read off the conversation: said, with the fix
+    opening = sum(len(c) // 2 > 1 for c in conversations)
+    assert source["opening_replies"] == opening == 3
+    assert (f"note: source 'mine': {opening} records are the first reply of a multi-turn conversation: read off the "
+            "conversation, their track is single (no earlier turn) and the later replies' multi, so each dialogue "
+            "spans two buckets; set `track: multi` on the source") in printed
     config = write_config(tmp_path / "named.yaml", [{"name": "mine", "format": form, "path": path.name,
-                                                     "family": "dialogue", "style": "task_dialogue"}])
+                                                     "family": "dialogue", "style": "task_dialogue", "track": "multi"}])
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "named"), "--no-progress"]) == 0
     assert "note: source" not in capsys.readouterr().out
     source = json.loads((tmp_path / "named" / "data" / "manifest.json").read_text())["sources"][0]
-    assert "label_defaults" not in source
+    assert "label_defaults" not in source and "opening_replies" not in source

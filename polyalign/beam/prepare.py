@@ -121,6 +121,7 @@ class ImportFile(beam.DoFn):
             yield _event("note", source_index, reason, count=count)
         for name, count in tally.label_defaults.items():
             yield _event("default", source_index, name, count=count)
+        yield _event("opening", source_index, count=tally.opening_replies)
         if self.on_error == "quarantine":
             yield _event("quarantined", count=tally.dropped["malformed"])
 
@@ -369,6 +370,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             tallies[fields[0]].notes[fields[1]] += count
         elif kind == "default":
             tallies[fields[0]].label_defaults[fields[1]] += count
+        elif kind == "opening":
+            tallies[fields[0]].opening_replies += count
         elif kind == "kept":
             tallies[fields[0]].kept_by_split[fields[1]] += count
         elif kind == "label":

@@ -180,6 +180,8 @@ class SourceTally:
     notes: Counter = field(default_factory=Counter)
     # records whose track, family or style is the format's default: no row, config or scheme entry named it
     label_defaults: Counter = field(default_factory=Counter)
+    # records that open a multi-turn conversation with track `single` read off it (no label named it)
+    opening_replies: int = 0
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -204,6 +206,7 @@ class SourceTally:
             **({"system_messages": dict(sorted(self.system_messages.items()))} if self.system_messages else {}),
             **({"left_out": dict(sorted(self.notes.items()))} if self.notes else {}),
             **({"label_defaults": dict(sorted(self.label_defaults.items()))} if self.label_defaults else {}),
+            **({"opening_replies": self.opening_replies} if self.opening_replies else {}),
         }
 
 
@@ -283,6 +286,9 @@ class RecordBuilder:
             value = None if found is None else layers[found][name]
             if found == len(layers) - 1 and tally is not None:
                 tally.label_defaults[name] += 1
+            if name == "track" and found is not None and layers[found] is example.derived and \
+                    example.opens_conversation and tally is not None:
+                tally.opening_replies += 1  # read off the conversation: single, though the dialogue goes on
             if value is None:
                 raise RowProblem(
                     f"no {name} for source {source.name!r}: set `{name}:` on the source in the data config "

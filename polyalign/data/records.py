@@ -66,7 +66,8 @@ class Example:
     `derived` holds labels the importer read off the conversation itself (track: multi when earlier
     user/assistant turns exist); they rank below the configuration and the scheme (prepare's
     RecordBuilder.labels). `conversation` is the text of the whole dialogue the record comes from, so
-    that its language is decided once per conversation.
+    that its language is decided once per conversation. `opens_conversation`: the first reply of a
+    conversation that goes on to later replies (its track is `single` unless a label says otherwise).
     """
 
     question: str
@@ -81,6 +82,7 @@ class Example:
     meta: dict[str, Any] = field(default_factory=dict)
     derived: dict[str, str] = field(default_factory=dict)
     conversation: str | None = None
+    opens_conversation: bool = False
 
 
 @dataclass

@@ -417,8 +417,10 @@ def project_dialogue(
     if targets and any(t["role"] == "user" for t in turns[targets[-1] + 1:]):
         yield Notice(location, "unanswered_last_user_turn")
     conversation = "\n".join(t["text"] for t in turns if t["role"] in ("user", "assistant") and not t.get("tool"))
+    replies = [k for k, turn in enumerate(turns)
+               if turn["role"] == "assistant" and any(t["role"] in ("user", "assistant") for t in turns[:k])]
     for k, turn in enumerate(turns):
-        if turn["role"] != "assistant" or not any(t["role"] in ("user", "assistant") for t in turns[:k]):
+        if k not in replies:
             continue
         key = f"{dialogue_id}-turn-{turn['index']}"
         if turn.get("tool"):
@@ -446,6 +448,7 @@ def project_dialogue(
             meta={**(meta or {}), "dialogue_id": dialogue_id, "turn": turn["index"]},
             derived={"track": conversation_track(history)},
             conversation=conversation,
+            opens_conversation=k == replies[0] and len(replies) > 1,
         )
 
 
