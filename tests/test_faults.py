@@ -882,6 +882,23 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(b
     assert sorted(p.name for p in (tmp_path / "broken" / "checkpoints").iterdir()) == ["3", "6"]
 
 
+def test_a_stopped_runs_unfinished_checkpoint_writes_are_removed_with_a_note(tmp_path, capsys):
+    """A run killed while writing a checkpoint leaves Orbax's temporary folder: the next run's checkpointer
+    removes it, saying so, before Orbax meets it again; committed checkpoints and other files stay."""
+    from polyalign.train.checkpoint import Checkpointer
+
+    folder = tmp_path / "checkpoints"
+    for name in ("100.orbax-checkpoint-tmp", "6.orbax-checkpoint-tmp-1733", "3"):
+        (folder / name).mkdir(parents=True)
+    (folder / "3" / "kept").write_text("a committed checkpoint's file")
+    checkpointer = Checkpointer(folder, every=1, keep=2)
+    checkpointer.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["3"] and (folder / "3" / "kept").is_file()
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: {folder / name}: an unfinished checkpoint write of a run that was stopped; removed (the committed "
+        "checkpoints stay)" for name in ("100.orbax-checkpoint-tmp", "6.orbax-checkpoint-tmp-1733")]
+
+
 def test_a_failed_checkpoint_write_stops_at_once_and_keeps_the_committed_ones(built_run, tmp_path, monkeypatch):
     """A full disk at step 6: training stops there with one CheckpointError, the unfinished folder is
     removed, checkpoint 3 stays, and the same command resumes from it once there is room."""

@@ -44,13 +44,28 @@ def restore_data_state(folder, data_iterator) -> None:
     data_iterator.set_state(json.loads(states.pop()))
 
 
+UNFINISHED = "*.orbax-checkpoint-tmp*"  # Orbax writes a checkpoint here and renames it to its step when committed
+
+
 class Checkpointer:
     def __init__(self, directory: str | os.PathLike, every: int, keep: int, meta: dict[str, Any] | None = None):
         self.directory = as_path(directory)
         self.meta = meta or {}
+        self._remove_unfinished_writes()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
                                                enable_async_checkpointing=True, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def _remove_unfinished_writes(self) -> None:
+        """Removes the writes a stopped run left unfinished (killed while a checkpoint was being written),
+        saying so: Orbax would otherwise warn of each in its own words when it writes that step again.
+        Nothing writes here before the run starts, so every such folder is a dead run's."""
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for partial in sorted(self.directory.glob(UNFINISHED)):
+            shutil.rmtree(partial, ignore_errors=True)
+            print(f"note: {partial}: an unfinished checkpoint write of a run that was stopped; removed (the "
+                  "committed checkpoints stay)", file=sys.stderr)
 
     def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
         """Starts writing checkpoint `step` (asynchronously). A write that fails, now or while the
@@ -138,7 +153,7 @@ class Checkpointer:
         checkpoints stay)."""
         removed = []
         if jax.process_index() == 0:
-            for partial in self.directory.glob("*.orbax-checkpoint-tmp-*"):
+            for partial in self.directory.glob(UNFINISHED):
                 shutil.rmtree(partial, ignore_errors=True)
                 removed.append(partial.name)
         which = f"checkpoint {step}" if step is not None else "a checkpoint"
