@@ -763,6 +763,7 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     with_mauve["metrics"]["aggregate"]["parts"]["mauve"] = 0.05
     with_mauve["metrics"]["aggregate"]["overall"] = combined(with_mauve["metrics"]["aggregate"]["parts"])
     with_mauve["metrics"]["nuf"]["naturalness_components"] = ["1/(1+BNG)", "C-MAUVE"]  # NUF measured otherwise
+    with_mauve["metrics"]["mauve"]["featurizer_note"] = "the featurizer is the model whose answers are measured"
     (tmp_path / "mauve" / "metrics.json").write_text(json.dumps(with_mauve))
     assert main(["report", str(tmp_path / "plain"), str(tmp_path / "mauve"), "--out", str(tmp_path / "cmp")]) == 0
     row = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "Aggregate" in line)
@@ -785,6 +786,10 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     assert "(naturalness:" not in (tmp_path / "same" / "report.md").read_text()
     # the same answers evaluated twice: said, so that a row of +0.0000 is not read as two equal models
     assert "<b>plain and again evaluated the same answers</b>" in (tmp_path / "same" / "report.html").read_text()
+    # a run whose featurizer was its own model: its MAUVE reads its answers kindly, said first in the comparison
+    own = "<b>mauve was measured with its own model as the MAUVE featurizer</b>"
+    assert own in (tmp_path / "cmp" / "report.html").read_text()
+    assert "as the MAUVE featurizer" not in (tmp_path / "same" / "report.html").read_text()
 
 
 def test_report_does_not_call_differences_supported_between_other_records_or_supports(demo_run, tmp_path, capsys):

@@ -860,6 +860,12 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     for names in same_answers(runs):
         warning += (f"<p><b>{html.escape(' and '.join(names))} evaluated the same answers</b> (one predictions file's "
                     "contents): what differs between them is the evaluation's settings, not a model.</p>")
+    own = [name for name, r in runs.items() if (r["metrics"].get("mauve") or {}).get("featurizer_note")]
+    if own and len(runs) > 1:  # one run's featurizer is its own model: its MAUVE reads its answers kindly
+        warning += (f"<p><b>{html.escape(' and '.join(own))} {'was' if len(own) == 1 else 'were'} measured with "
+                    f"{'its' if len(own) == 1 else 'their'} own model as the MAUVE featurizer</b>, which reads its "
+                    "own answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and "
+                    "the aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
