@@ -681,34 +681,49 @@ def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tok
     (run / "build" / "sft_examples").mkdir()
     code, err = cli(capsys, "build", run, "--tokenizer", tokenizer, "--no-progress")
     assert code == 2 and "sft_examples exists without manifest.json" in err
-    # A build records its tokenizer's digests; training refuses it once the tokenizer is trained again,
-    # its chat template edited, or a chat_template.jinja (which transformers reads first) added.
+    # A build records its tokenizer's digests; training refuses it once the tokenizer is trained again, and,
+    # where it rendered with the folder's own chat template, once that template is edited, added as
+    # chat_template.jinja (which transformers reads first) or removed.
     (run / "tokenizer").mkdir()
     for name in ("tokenizer.model", "tokenizer_config.json"):
         (run / "tokenizer" / name).write_bytes((tokenizer / name).read_bytes())
+    template = run / "tokenizer" / "chat_template.jinja"
 
-    def recorded():
-        made_from = {**manifest["made_from"], **tokenizer_digests(run, run / "tokenizer")}
+    def recorded(own_template):
+        made_from = {**manifest["made_from"], **tokenizer_digests(run, run / "tokenizer", own_template)}
         (run / "build" / "manifest.json").write_text(json.dumps({**manifest, "made_from": made_from}))
         assert read_manifest(run)["made_from"] == made_from
         return made_from
 
-    made_from = recorded()
+    # polyalign's own tokenizer names a built-in template, which no template file changes
+    made_from = recorded(own_template=False)
     assert {"tokenizer/tokenizer.model", "tokenizer/tokenizer_config.json"} <= set(made_from)
-    assert made_from["tokenizer/chat_template.jinja"] is None
-    template = run / "tokenizer" / "chat_template.jinja"
+    assert "tokenizer/chat_template.jinja" not in made_from
+    template.write_text("{% for m in messages %}{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}")
+    assert read_manifest(run)["made_from"] == made_from
+    template.unlink()
+    # rendered with the folder's own template: its files are the build's inputs too
+    assert recorded(own_template=True)["tokenizer/chat_template.jinja"] is None
     template.write_text("{% for m in messages %}{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}")
     with pytest.raises(ConfigError, match="encoded before tokenizer/chat_template.jinja was there .* rerun `polyalign"):
         read_manifest(run)
-    recorded()
+    recorded(own_template=True)
     template.write_text(template.read_text().replace(">>", ":"))
     with pytest.raises(ConfigError, match="encoded with another tokenizer/chat_template.jinja than the one there now "
                                           r"\(the tokenizer or its chat template changed since"):
         read_manifest(run)
-    recorded()
+    recorded(own_template=True)
+    template.unlink()
+    with pytest.raises(ConfigError, match=r"encoded with tokenizer/chat_template.jinja, which is gone \(the config's "
+                                          r"chat template would be exported instead\)"):
+        read_manifest(run)
+    recorded(own_template=True)
     (run / "tokenizer" / "tokenizer.model").write_bytes(b"trained again")
     with pytest.raises(ConfigError, match="encoded with another tokenizer/tokenizer.model .* rerun `polyalign build"):
         read_manifest(run)
+    # a tokenizer given as its file: the config beside it is read too, so it is recorded too
+    given = tokenizer_digests(run, run / "tokenizer" / "tokenizer.model")
+    assert set(given) == {"tokenizer/tokenizer.model", "tokenizer/tokenizer_config.json"}
 
 
 def test_stats_refuse_a_second_writer(demo_run, tmp_path, capsys):

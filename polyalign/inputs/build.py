@@ -42,6 +42,7 @@ from polyalign.data.records import Record, read_records
 from polyalign.inputs.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.model.architecture import checkpoint_family
 from polyalign.tokens.chat import (
+    CHECKPOINT_TEMPLATE,
     PROFILE_MODES,
     SYSTEM_MODES,
     TRAIN_ON,
@@ -218,17 +219,23 @@ def probe_records(run: Path, count: int = PROBE_RECORDS) -> list[Record]:
     return chosen
 
 
-def tokenizer_digests(run: Path, tokenizer_path: Path) -> dict[str, str]:
-    """Digests of the tokenizer files a build encoded with, named relative to RUN when they lie inside
-    it, so that training refuses a build whose tokenizer or chat template changed since (trained again,
-    edited). A folder's chat_template.jinja, which transformers reads before the config's template, is
-    recorded as None when absent: one added later changes the template too."""
+def tokenizer_digests(run: Path, tokenizer_path: Path, own_template: bool = False) -> dict[str, str | None]:
+    """Digests of the tokenizer files a build encoded with (those of the folder load_tokenizer reads, a
+    tokenizer given as its file included), named relative to RUN when they lie inside it, so that training
+    refuses a build whose tokenizer was trained again since. With `own_template` (the build rendered with
+    the folder's own chat template) the template's files too: chat_template.jinja, which transformers and
+    polyalign read before the config's template, is recorded as None when absent, so that one added later
+    counts as a change, and one removed (the config's template back) counts too."""
     tokenizer_path = Path(tokenizer_path)
     if is_uri(tokenizer_path):
         return {}
-    files = [tokenizer_path] if tokenizer_path.is_file() else \
-        [tokenizer_path / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)
-         if (tokenizer_path / name).is_file() or name == CHAT_TEMPLATE_FILE]
+    folder = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+    # a folder: whichever of its files are there; a file: it, and the config load_tokenizer reads beside it
+    files = ([folder / name for name in (TOKENIZERS_FILE, SENTENCEPIECE_FILE) if (folder / name).is_file()]
+             if tokenizer_path.is_dir() else [tokenizer_path])
+    files += [folder / TOKENIZER_CONFIG] if (folder / TOKENIZER_CONFIG).is_file() else []
+    if own_template:
+        files.append(folder / CHAT_TEMPLATE_FILE)
     digests = {}
     for path in files:
         try:
@@ -332,7 +339,7 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         "train_profile_values": profile_value_counts(stats["train"]),
         "settings": asdict(options),
         "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST),
-                      **tokenizer_digests(run, tokenizer_path)},
+                      **tokenizer_digests(run, tokenizer_path, own_template=template_name == CHECKPOINT_TEMPLATE)},
         "seconds": round(seconds, 2),
     }
     (Path(run) / BUILD_DIR / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
@@ -469,11 +476,17 @@ def read_manifest(run, init: str | None = None) -> dict[str, Any]:
         raise ConfigError(f"{path}: missing; run `{command}` (or the demo's build stage) first")
     manifest = json.loads(path.read_text())
     made_from = manifest.get("made_from", {})
-    for name in changed_since(run, made_from):  # builds made before it was recorded: unchecked
+    # a recorded chat_template.jinja now gone brings the config's template back: a change too (changed_since
+    # passes over missing files, which an output copied without its inputs lacks)
+    removed = [name for name, digest in made_from.items() if digest and Path(name).name == CHAT_TEMPLATE_FILE
+               and not (as_path(run) / name).is_file() and (as_path(run) / name).parent.is_dir()]
+    for name in [*changed_since(run, made_from), *removed]:  # builds made before it was recorded: unchecked
         if name == PREPARE_MANIFEST:
             why = f"made from another {name} than the one there now (`polyalign prepare` ran again?)"
         else:  # the tokenizer's own files: its ids or its chat template are no longer the ones the build encoded
-            why = (f"encoded with another {name} than the one there now (the tokenizer or its chat template "
+            why = (f"encoded with {name}, which is gone (the config's chat template would be exported instead)"
+                   if name in removed else
+                   f"encoded with another {name} than the one there now (the tokenizer or its chat template "
                    "changed since; training on it would teach ids or a template its export does not have)"
                    if made_from[name] else f"encoded before {name} was there (it replaces the chat template)")
         raise ConfigError(f"{as_path(run) / BUILD_DIR}: {why}; rerun `{rebuild_command(run, manifest)}`")
