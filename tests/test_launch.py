@@ -330,3 +330,14 @@ def test_a_process_whose_peers_never_join_says_what_it_waits_for_and_ends_with_o
         f"6 s; {start} (a firewall between the hosts, or a coordinator address the others cannot reach, looks "
         "the same)"], done.stderr[-2000:]
     assert "Check failure" not in done.stderr
+
+
+def test_a_join_timeout_below_one_second_is_refused(monkeypatch):
+    from polyalign.core.errors import ParallelError
+    from polyalign.mesh import parallel
+
+    for value in ("0", "-5"):
+        monkeypatch.setenv("POLYALIGN_JOIN_TIMEOUT", value)
+        with pytest.raises(ParallelError, match=rf"POLYALIGN_JOIN_TIMEOUT={value} must be at least 1 \(seconds\)"):
+            parallel._initialize(parallel.JOIN_TIMEOUT, coordinator_address="127.0.0.1:1", num_processes=2,
+                                 process_id=0)

@@ -317,28 +317,34 @@ def _launcher_notices(folder: str | None) -> dict[int, str]:
         return {}
 
 
-JOIN_TIMEOUT = 120  # seconds the processes of a job have to join (POLYALIGN_JOIN_TIMEOUT)
+JOIN_TIMEOUT = 120  # seconds the processes of a job started by POLYALIGN_COORDINATOR have to join
+DETECTED_JOIN_TIMEOUT = 300  # JAX's own default, kept for clusters it detects (TPU VMs, SLURM, GKE)
 JOIN_WAIT_NOTICE = 15  # seconds of waiting before a process says what it waits for
 
 
-def _initialize(**arguments) -> None:
+def _initialize(default_timeout: int, **arguments) -> None:
     """jax.distributed.initialize with JAX's heartbeat timeout at POLYALIGN_HEARTBEAT_TIMEOUT (default
     300 s): PeerMonitor reports a lost peer sooner, with one line. While the processes join, a watch
-    says what this one waits for and ends it with one line at POLYALIGN_JOIN_TIMEOUT: JAX's own timeout
-    (set later, as a backstop) aborts the process in C++ with a stack trace and no word on the cause."""
+    says what this one waits for and ends it with one line at POLYALIGN_JOIN_TIMEOUT (default
+    `default_timeout`): JAX's own timeout (set later, as a backstop) aborts the process in C++ with a
+    stack trace and no word on the cause."""
     arguments["heartbeat_timeout_seconds"] = _int_env("POLYALIGN_HEARTBEAT_TIMEOUT") or 300
-    timeout = _int_env("POLYALIGN_JOIN_TIMEOUT") or JOIN_TIMEOUT
+    timeout = _int_env("POLYALIGN_JOIN_TIMEOUT")
+    if timeout is not None and timeout < 1:
+        raise ParallelError(f"POLYALIGN_JOIN_TIMEOUT={timeout} must be at least 1 (seconds)")
+    timeout = timeout or default_timeout
     arguments["initialization_timeout"] = timeout + 60
-    joined = threading.Event()
-    threading.Thread(target=_watch_join, args=(joined, timeout, arguments), daemon=True,
+    joined, decided = threading.Event(), threading.Lock()
+    threading.Thread(target=_watch_join, args=(joined, decided, timeout, arguments), daemon=True,
                      name="polyalign-join-watch").start()
     try:
         jax.distributed.initialize(**arguments)
     finally:
-        joined.set()
+        with decided:  # the watch ends the process only while holding it, so a join it sees is final
+            joined.set()
 
 
-def _watch_join(joined: threading.Event, timeout: int, arguments: dict) -> None:
+def _watch_join(joined: threading.Event, decided: threading.Lock, timeout: int, arguments: dict) -> None:
     """Says, once, what a process still waiting to join after JOIN_WAIT_NOTICE seconds waits for; ends
     it with one line after `timeout` seconds (exit status 2, as any error the user can fix)."""
     processes, me = arguments.get("num_processes"), arguments.get("process_id")
@@ -347,16 +353,20 @@ def _watch_join(joined: threading.Event, timeout: int, arguments: dict) -> None:
     start = ("start the same command on every host, each with its own POLYALIGN_PROCESS_ID "
              f"(0 to {processes - 1}), the same POLYALIGN_COORDINATOR and POLYALIGN_NUM_PROCESSES"
              if processes is not None else "start the same command on every host of the job")
-    if joined.wait(min(JOIN_WAIT_NOTICE, timeout / 2)):
+    notice = min(JOIN_WAIT_NOTICE, timeout / 2)
+    if joined.wait(notice):
         return
     print(f"polyalign: {who} is waiting for the job's other processes to join{where} (up to {timeout} s, "
           f"POLYALIGN_JOIN_TIMEOUT): {start}", file=sys.stderr, flush=True)
-    if joined.wait(timeout - min(JOIN_WAIT_NOTICE, timeout / 2)):
+    if joined.wait(timeout - notice):
         return
-    print(f"polyalign: error: {who}: the job's processes did not all join{where} within {timeout} s; {start} "
-          "(a firewall between the hosts, or a coordinator address the others cannot reach, looks the same)",
-          file=sys.stderr, flush=True)
-    os._exit(2)  # the main thread is inside JAX's C++ join, which no exception reaches
+    with decided:
+        if joined.is_set():  # the join completed while this thread woke
+            return
+        print(f"polyalign: error: {who}: the job's processes did not all join{where} within {timeout} s; {start} "
+              "(a firewall between the hosts, or a coordinator address the others cannot reach, looks the same)",
+              file=sys.stderr, flush=True)
+        os._exit(2)  # the main thread is inside JAX's C++ join, which no exception reaches
 
 
 def initialize_distributed() -> None:
@@ -381,12 +391,13 @@ def initialize_distributed() -> None:
             raise ParallelError("POLYALIGN_COORDINATOR is set, so POLYALIGN_NUM_PROCESSES and "
                                 "POLYALIGN_PROCESS_ID must be integers too")
         if expected > 1:
-            _initialize(coordinator_address=coordinator, num_processes=expected, process_id=process_id)
+            _initialize(JOIN_TIMEOUT, coordinator_address=coordinator, num_processes=expected,
+                        process_id=process_id)
     else:
         cluster = _detected_cluster()
         detected = cluster.get_process_count() if cluster is not None else None
         if (detected or 0) > 1 or (expected or 0) > 1:
-            _initialize()
+            _initialize(DETECTED_JOIN_TIMEOUT)
     check_processes(expected, _int_env("POLYALIGN_NUM_DEVICES"))
 
 
