@@ -2,6 +2,7 @@
 published diversity values on their English sample."""
 
 import dataclasses
+import html
 import json
 import math
 import random
@@ -1128,7 +1129,7 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
 
 
 def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals_are_apart():
-    from polyalign.reports.evaluation import _baseline_notes
+    from polyalign.reports.evaluation import _behind_no_model
     from polyalign.reports.no_model import ahead_of_the_model
 
     def metrics(aggregate, bng, rows):
@@ -1153,8 +1154,36 @@ def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals
     assert ahead_of_the_model(metrics((0.15, [0.10, 0.18]), (2.2, [1.8, 2.6]), rows)) is None
     assert ahead_of_the_model(metrics((0.05, None), (2.6, None), rows)) is None
     # the reports lead with it, in bold, per run of a comparison
-    page = _baseline_notes(behind, [("sft", behind), ("hdpo", metrics((0.3, [0.26, 0.34]), (1.0, [0.9, 1.1]), rows))])
+    page = _behind_no_model([("sft", behind), ("hdpo", metrics((0.3, [0.26, 0.34]), (1.0, [0.9, 1.1]), rows))])
     assert page.startswith("<p><b>sft: Answers that need no model do better than this model") and "hdpo:" not in page
+
+
+def test_a_model_that_loses_to_copying_the_question_is_told_so_from_the_command_line(demo_run, tmp_path, capsys):
+    """One answer for every prompt (a real one, the first record's): evaluate warns, naming the no-model
+    answers ahead of it, and its report and a comparison lead their no-model section with it, in bold."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+    from polyalign.reports.no_model import ahead_of_the_model
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:300]
+    subset = tmp_path / "test.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: records[0].response)
+    args = ["--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--bootstrap-draws", "20",
+            "--no-detectability", "--no-progress"]
+    assert main(["evaluate", *args, "--out", str(tmp_path / "eval")]) == 0
+    printed = capsys.readouterr()
+    behind = ahead_of_the_model(json.loads((tmp_path / "eval" / "metrics.json").read_text())["metrics"])
+    assert behind and "echo_question" in behind and "It has not yet beaten copying the question" in behind
+    assert f"warning: {behind} (docs/evaluation.md, Reference rows)\n" in printed.err
+    page = (tmp_path / "eval" / "report.html").read_text()
+    lead = f"<h2>Against people and no-model answers</h2><p><b>{html.escape(behind[0].upper() + behind[1:])}.</b></p>"
+    assert lead in page
+    shutil.copytree(tmp_path / "eval", tmp_path / "again")
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "again"), "--out", str(tmp_path / "cmp2")]) == 0
+    markdown = (tmp_path / "cmp2" / "report.md").read_text()
+    assert f"**eval: {behind[0].upper() + behind[1:]}.**" in markdown and "**again: " in markdown
 
 
 def test_diversity_of_answers_without_words_or_without_pairs_of_words_is_undefined():

@@ -389,18 +389,17 @@ def _reference_rows(m: dict, models: Sequence[tuple[str, dict]] | None = None) -
                    "F1", *(UNFLOORED_COLUMNS[key] for key in unfloored)], rows)
 
 
-def _baseline_notes(m: dict, models: Sequence[tuple[str, dict]] = ()) -> str:
-    """First, each model that answers which need no model do better than (baselines.ahead_of_the_model;
-    `models`: (name, metrics) of a comparison's runs, else the one run `m`). Then a no-model answer that
-    BNG ranks at or below people's own: BNG reads response features (length, punctuation, word shapes),
-    which repeating the prompt can match; the other numbers tell it apart."""
-    behind = [(name, ahead_of_the_model(metrics)) for name, metrics in (models or [("", m)])]
-    lead = "".join(f"<p><b>{html.escape(f'{name}: ' if name else '')}{html.escape(said[0].upper() + said[1:])}.</b></p>"
-                   for name, said in behind if said)
-    return lead + _bng_at_or_below_people(m)
+def _behind_no_model(models: Sequence[tuple[str, dict]]) -> str:
+    """A bold paragraph for each model that answers which need no model do better than (reports/no_model.py;
+    `models`: (name, metrics), the name left out for a single run's report): the head of its section."""
+    said = [(name, ahead_of_the_model(metrics)) for name, metrics in models]
+    return "".join(f"<p><b>{html.escape(f'{name}: ' if name else '')}{html.escape(text[0].upper() + text[1:])}.</b></p>"
+                   for name, text in said if text)
 
 
 def _bng_at_or_below_people(m: dict) -> str:
+    """A no-model answer that BNG ranks at or below people's own: BNG reads response features (length,
+    punctuation, word shapes), which repeating the prompt can match; the other numbers tell it apart."""
     references = m.get("reference_rows") or {}
     people = references.get("human") or {}
     floor = people.get("bng_macro")
@@ -516,7 +515,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                         "those.</p>")
         small_note = (f"<p>{TOO_FEW_MARK.strip()} fewer than {bng.get('min_interval_rows')} test rows: no interval "
                       "or gap.</p>" if bng.get("small_buckets") else "")
-        sections += ["<h2>Against people and no-model answers</h2>", summary, reference_html, _baseline_notes(m),
+        sections += ["<h2>Against people and no-model answers</h2>", _behind_no_model([("", m)]), summary,
+                     reference_html, _bng_at_or_below_people(m),
                      "<h2>Per bucket</h2>", bucket_html, small_note]
     if m["diversity"].get("overall"):
         diversity_html, _ = _diversity_table(m["diversity"]["overall"])
@@ -672,7 +672,8 @@ def _measured_mauve(run: dict) -> bool:
 
 def _plain(paragraph: str) -> str:
     """A <p> of this module's, as Markdown text."""
-    return html.unescape(re.sub(r"</?(p|b)>", "", re.sub(r"</p>\s*<p>", "\n\n", paragraph)))
+    text = re.sub(r"</?b>", "**", re.sub(r"</p>\s*<p>", "\n\n", paragraph))
+    return html.unescape(re.sub(r"</?p>", "", text))
 
 
 def _differences_note(runs: dict[str, dict]) -> str:
@@ -877,9 +878,11 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     answers = []  # people and the no-model answers beside the runs, where all of them share those test rows
     if not other and all(r["metrics"].get("buckets") for r in runs.values()):
         answers_html, answers_md = _reference_rows(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
-        notes = _baseline_notes(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
-        answers = [("<h2>Against people and no-model answers</h2>", answers_html + notes),
-                   ("## Against people and no-model answers", answers_md + "\n" + _plain(notes))]
+        lead = _behind_no_model([(n, r["metrics"]) for n, r in runs.items()])
+        notes = _bng_at_or_below_people(first["metrics"])
+        answers = [("<h2>Against people and no-model answers</h2>", lead + answers_html + notes),
+                   ("## Against people and no-model answers",
+                    (_plain(lead) + "\n\n" if lead else "") + answers_md + "\n" + _plain(notes))]
     sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html, aggregate_note,
                  *(answers[0] if answers else ()),
                  "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
