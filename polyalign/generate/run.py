@@ -129,22 +129,25 @@ def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateO
                                                 "lower --max-prompt-tokens or --max-new-tokens"))
 
 
-def past_trained_length(checkpoint, options: GenerateOptions) -> str | None:
-    """A note when the prompt and answer budgets reach past the longest sequence the checkpoint was trained
-    on (a model polyalign trained from scratch records it): the positions there are ones it never learned,
-    and answers degrade where long prompts take them. The budgets are the user's to change."""
+def past_trained_length(checkpoint, options: GenerateOptions, answers: int, budgeted: bool = False) -> str | None:
+    """A note when the prompt budget and `answers` (--max-new-tokens, or with `budgeted` the largest
+    per-bucket budget) reach past the longest sequence the checkpoint was trained on (a model polyalign
+    trained from scratch records it): the positions there are ones it never learned, and answers degrade
+    where long prompts take them. The budgets are the user's to change."""
     trained = trained_length(checkpoint)
-    answers = options.sampling.max_new_tokens
     longest = options.max_prompt_tokens + answers
     if trained is None or longest <= trained:
         return None
-    flag = "--budget-ceiling" if options.budget_records is not None else "--max-new-tokens"
-    fix = (f"--max-prompt-tokens {trained - answers} keeps within them" if trained - answers >= trained // 2 else
-           f"--max-prompt-tokens {trained // 2} and {flag} {trained - trained // 2} keep within them")
+    what = f"the largest per-bucket budget {answers}" if budgeted else f"--max-new-tokens {answers}"
+    if trained - answers >= trained // 2:
+        fix = f"--max-prompt-tokens {trained - answers} keeps within them"
+    else:
+        prompt = min(options.max_prompt_tokens, trained // 2)
+        fix = (f"--max-prompt-tokens {prompt} and {'--budget-ceiling' if budgeted else '--max-new-tokens'} "
+               f"{trained - prompt} keep within them")
     return (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
-            f"its tokenizer_config.json); --max-prompt-tokens {options.max_prompt_tokens} + {flag} {answers} = "
-            f"{longest} lets a long prompt and its answer run past them, into positions the model never learned: "
-            f"{fix}")
+            f"its tokenizer_config.json); --max-prompt-tokens {options.max_prompt_tokens} + {what} = {longest} lets "
+            f"a long prompt and its answer run past them, into positions the model never learned: {fix}")
 
 
 def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[str]) -> None:
@@ -163,8 +166,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     started = time.perf_counter()
     records, notes = select_records(read_records(records_path), records_path, options.limit, options.sample,
                                     options.seed)
-    past = past_trained_length(checkpoint, options)
-    notes = [*fitted, *notes, *([past] if past else [])]
+    notes = [*fitted, *notes]
 
     engine, tokenizer, chat = open_checkpoint(
         checkpoint, options.template,
@@ -176,6 +178,9 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
+    past = past_trained_length(checkpoint, options, options.sampling.max_new_tokens if budgets is None
+                               else budgets.fallback, budgeted=budgets is not None)
+    notes += [past] if past else []
     # each record as the checkpoint was trained to read it (its export's profile and system mode)
     profile = trained_profile(tokenizer, options.profile, str(checkpoint), notes)
     say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
