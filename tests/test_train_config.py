@@ -81,9 +81,16 @@ def test_a_key_given_without_its_section_is_pointed_at_its_section(method):
     for key in sorted(bare) + ["learning_rate"]:
         with pytest.raises(ConfigError) as caught:
             load_config(CONFIGS[method], [f"{key}=1"], method=method)
-        suggested = re.search(r"did you mean '([\w.]+)'\?$", str(caught.value))
-        assert suggested and suggested.group(1) in dotted, (key, str(caught.value))
-        assert suggested.group(1).rsplit(".", 1)[1] == {"learning_rate": "lr"}.get(key, key)
+        meant = {"learning_rate": "lr"}.get(key, key)
+        suggested = re.search(r"did you mean ('[\w.]+'(?: or '[\w.]+')*)\?$", str(caught.value))
+        # every dotted key it can be, none other (seed: model.seed or train.seed)
+        assert suggested and suggested.group(1) == " or ".join(
+            repr(k) for k in dotted if k.rsplit(".", 1)[1] == meant), (key, str(caught.value))
+    # a key in another section than its own is pointed at its own
+    for given, own in (("train.lr", "optimizer.lr"), ("optimizer.steps", "train.steps"),
+                       ("model.rank", "model.lora.rank")):
+        with pytest.raises(ConfigError, match=rf"did you mean '{re.escape(own)}'\?$"):
+            load_config(CONFIGS[method], [f"{given}=1"], method=method)
 
 
 def test_the_same_override_means_the_same_thing_for_every_method():

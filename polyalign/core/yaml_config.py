@@ -51,13 +51,13 @@ def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str 
                         nested: Sequence[str] = ()) -> str:
     """`where: unknown key 'k'` with the nearest known key, else the known ones. Keys that all begin with
     `prefix` are compared without it, which would make every key look close to every other. `nested`:
-    dotted keys of the sections below that end in `key` (or in its name in other trainers), meant when
-    a key is given without its section (`lr=1e-3` for optimizer.lr)."""
+    the config's dotted keys, from its root, that end in `key` (or in its name in other trainers), meant
+    when a key is given without its section or in another (`lr=1e-3`, `train.lr` for optimizer.lr)."""
     alias = OTHER_TRAINERS_NAMES.get(key)
     stems = {k.removeprefix(prefix): k for k in known}
-    close = [alias] if alias in known else list(nested[:1]) or [
+    close = [alias] if alias in known else list(nested) or [
         stems[c] for c in difflib.get_close_matches(key.removeprefix(prefix), list(stems), n=1, cutoff=0.5)]
-    hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f" (known: {', '.join(known)})"
     return f"{where}: unknown key {key!r}{hint}"
 
 
@@ -88,12 +88,14 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
-def _convert(value: Any, annotation: Any, where: str, default: Any = None) -> Any:
+def _convert(value: Any, annotation: Any, where: str, default: Any = None, root: type | None = None) -> Any:
     """`value` as `annotation`; a mapping for a section starts from `default`, the section the
-    enclosing class gives that field, so that it changes only the keys it names."""
+    enclosing class gives that field, so that it changes only the keys it names. `root`: the class of
+    the whole config, where an unknown key is looked for in every section."""
     origin = typing.get_origin(annotation)
     if dataclasses.is_dataclass(annotation):
-        return from_mapping(annotation, value, where, base=default if isinstance(default, annotation) else None)
+        return from_mapping(annotation, value, where, base=default if isinstance(default, annotation) else None,
+                            root=root)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
@@ -101,7 +103,7 @@ def _convert(value: Any, annotation: Any, where: str, default: Any = None) -> An
         errors = []
         for option in options:
             try:
-                return _convert(value, option, where, default)
+                return _convert(value, option, where, default, root)
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0])
@@ -128,7 +130,7 @@ def _convert(value: Any, annotation: Any, where: str, default: Any = None) -> An
     return value
 
 
-def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None) -> T:
+def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None, root: type | None = None) -> T:
     """Build dataclass `cls` from a mapping, checking keys and simple types. Keys the mapping does not
     name keep their value in `base` (default: the class's defaults), at any depth: a nested section
     given in part keeps the rest of the section `base`, or the field's default, holds."""
@@ -141,9 +143,10 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None) 
     kwargs = {}
     for key, value in mapping.items():
         if key not in fields:
-            raise ConfigError(unknown_key_message(str(key), list(fields), where, nested=section_keys(cls, str(key))))
+            raise ConfigError(unknown_key_message(str(key), list(fields), where,
+                                                  nested=section_keys(root or cls, str(key))))
         default = getattr(base, key) if base is not None else _field_default(fields[key])
-        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default)
+        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default, root or cls)
     if base is not None:
         return dataclasses.replace(base, **kwargs)
     missing = [name for name, f in fields.items() if name not in kwargs
