@@ -1140,3 +1140,43 @@ def test_a_feature_whose_extra_is_missing_names_the_extra(tmp_path, capsys, monk
                  "--featurizer", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MAUVE (--featurizer) needs the 'mauve' extra: pip install 'polyalign[mauve]'" in err[0]
+
+
+def test_a_checkpoints_data_state_is_read_on_any_process_count(tmp_path, monkeypatch):
+    """grain writes one file per process and reads back only the current count's: the state (the steps
+    taken) is global, so another count reads the writers' common state; files that disagree cannot move."""
+    import jax
+
+    from polyalign.core.errors import CheckpointError
+    from polyalign.train.checkpoint import restore_data_state
+
+    class Iterator:
+        state = None
+
+        def set_state(self, state):
+            self.state = state
+
+    def written(count, states):
+        folder = tmp_path / f"of-{count}-{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        for i, state in enumerate(states):
+            (folder / f"process_{i}-of-{count}.json").write_text(json.dumps(state, indent=4))
+        return folder
+
+    # one process reads two writers' state, and two processes one writer's (each its own index)
+    for me, count in ((0, 1), (1, 2)):
+        monkeypatch.setattr(jax, "process_index", lambda: me)
+        monkeypatch.setattr(jax, "process_count", lambda: count)
+        for writers in ((1, [{"next_index": 7}]), (2, [{"next_index": 7}] * 2), (4, [{"next_index": 7}] * 4)):
+            iterator = Iterator()
+            restore_data_state(written(*writers), iterator)
+            assert iterator.state == {"next_index": 7}, (me, count, writers)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)  # another count than the writers': their files must agree
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    with pytest.raises(CheckpointError, match="left their data iterators in different states, so it resumes only on "
+                                              "2 processes"):
+        restore_data_state(written(2, [{"next_index": 7}, {"next_index": 8}]), Iterator())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no data iterator state"):
+        restore_data_state(empty, Iterator())

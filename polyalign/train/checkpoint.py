@@ -38,10 +38,12 @@ def restore_data_state(folder, data_iterator) -> None:
     if not files:
         raise ValueError(f"{folder}: no data iterator state")
     states = {json.dumps(json.loads(f.read_text()), sort_keys=True) for f in files}
-    if len(states) > 1:
-        raise ValueError(f"{folder}: the {len(files)} processes that wrote it left their data iterators in different "
-                         f"states, so it resumes only on {len(files)} processes")
+    if len(states) > 1:  # not damage: the checkpoint is whole, it only cannot move to another process count
+        raise CheckpointError(f"{folder}: the {len(files)} processes that wrote it left their data iterators in "
+                              f"different states, so it resumes only on {len(files)} processes")
     data_iterator.set_state(json.loads(states.pop()))
+    if hasattr(data_iterator, "start_prefetch"):  # as grain's own restore does: reading ahead starts now
+        data_iterator.start_prefetch()
 
 
 UNFINISHED = "*.orbax-checkpoint-tmp*"  # Orbax writes a checkpoint here and renames it to its step when committed
@@ -111,6 +113,8 @@ class Checkpointer:
 
         try:
             return restore(steps[0])
+        except CheckpointError:  # whole, but not for this run: no damage, nothing to set aside
+            raise
         except Exception as error:  # what a damaged checkpoint raises depends on what is damaged
             latest_error = error
         problem = f"{type(latest_error).__name__}: {str(latest_error).splitlines()[0] if str(latest_error) else ''}"
