@@ -125,8 +125,9 @@ def test_a_gce_tpu_vm_of_several_workers_starts_jax_distributed(fresh_start, mon
     _tpu_vm(monkeypatch, {"agent-worker-number": "2", "worker-network-endpoints": "w0,w1,w2,w3", "tpu-env": ""})
     assert parallel._detected_cluster().name == "gcetpu"
     parallel.initialize_distributed()
-    # no address, count or id: JAX reads them from the metadata server itself
-    assert fresh_start == [{"heartbeat_timeout_seconds": 300}]
+    # no address, count or id: JAX reads them from the metadata server itself; the join watch keeps JAX's
+    # own 300 s for a cluster it detects, JAX's timeout a minute later as a backstop
+    assert fresh_start == [{"heartbeat_timeout_seconds": 300, "initialization_timeout": 360}]
     monkeypatch.setattr(parallel, "_distributed_started", False)
     monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "4")  # launch.sh's worker count; this test has 1 process
     with pytest.raises(ParallelError, match=r"this job has 1 process\(es\) but 4 were expected"):
