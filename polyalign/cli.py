@@ -283,14 +283,14 @@ def _add_build(sub) -> None:
     p.add_argument("--train-on", choices=("last", "all"), default="last",
                    help="loss on the final response only (default) or on every assistant turn")
     p.add_argument("--truncation", choices=("left", "keep_system"), default="left",
-                   help="how a prompt over its share of --max-length is cut: left (default, METHOD's recipe) "
-                        "from its start, the profile prompt with it; keep_system keeps the system message that "
-                        "opens it (the profile prompt) and cuts the oldest turns, as generation does")
+                   help="how a prompt over its share of --max-length is cut: left (default, the paper's reference "
+                        "recipe) from its start, the profile prompt with it; keep_system keeps the system message "
+                        "that opens it (the profile prompt) and cuts the oldest turns, as generation does")
     weights = p.add_argument_group(
         "Bucket-SFT weights (default: the bucket scheme's `weights:`; each flag replaces one of its keys)")
     weights.add_argument("--weights", choices=("default", "method"), dest="weight_preset",
                          help="start from a preset instead of the scheme: default (t 0.5, clip [0.2, 5], small "
-                              "buckets borrow their parent's weight) or method (METHOD's N / (K n_b), unclipped)")
+                              "buckets borrow their parent's weight) or method (the paper's N / (K n_b), unclipped)")
     weights.add_argument("--weight-temperature", type=float, metavar="T",
                          help="w_b proportional to n_b^-T, mean 1 (T=1: every bucket gets equal total mass)")
     weights.add_argument("--clip-weights", type=float, nargs=2, metavar=("LOW", "HIGH"), help="clip bucket weights")
@@ -354,9 +354,9 @@ def _run_build(args) -> int:
         # the line above says it in passing; this many examples trained without their profile prompt is a warning
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
               f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message, the "
-              "profile prompt Bucket-SFT conditions on, to --truncation left (METHOD's recipe, the default; "
-              "docs/model.md says why it stays so); --truncation keep_system keeps it and cuts the oldest turns, as "
-              "generation does, or raise --max-length",
+              "profile prompt Bucket-SFT conditions on, to --truncation left (the paper's reference recipe, the "
+              "default; docs/model.md, System messages, says why); --truncation keep_system keeps it and cuts the "
+              "oldest turns, as generation does, or raise --max-length",
               file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
