@@ -199,7 +199,8 @@ def bucket_weights(counts: Mapping[str, int], options: WeightOptions = WeightOpt
 def weight_warnings(weights: Mapping[str, float], train: Mapping[str, int], val: Mapping[str, int] | None,
                     test: Mapping[str, int] | None, warn_above: float) -> list[str]:
     """What a reader of Bucket-SFT weights should know: weights above `warn_above` (a few records that
-    would dominate every batch they appear in), and train buckets no validation or test row measures."""
+    would dominate every batch they appear in), train buckets no validation or test row measures, and test
+    buckets too small for an interval of their own (MIN_INTERVAL_ROWS)."""
     lines = [f"bucket {b}: weight {w:.1f} from {train.get(b, 0)} train records (above {warn_above:g}); "
              f"its records count {w:.1f}x an average record" for b, w in sorted(weights.items()) if w > warn_above]
     for split, counts in (("val", val), ("test", test)):

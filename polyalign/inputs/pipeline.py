@@ -200,7 +200,8 @@ def packing_note(lengths: np.ndarray, length: int, seed: int) -> str:
     cut = np.minimum(lengths, length)
     rows = _PackedRows(lengths, length, seed).rows_per_epoch()
     packed, unpacked = cut.sum() / (rows * length), cut.sum() / (len(cut) * length)
-    full = int((lengths >= length).sum())
+    # cut to the build's max_length: an example's positions are its tokens less one, so it fills all but one
+    full = int((lengths >= length - 1).sum())
     return (f"data.pack: an epoch's {len(cut):,} examples fill {rows:,} row{'s' * (rows != 1)} of {length} positions "
             f"({len(cut) / rows:.2f} a row; {packed:.0%} of positions hold tokens, against {unpacked:.0%} unpacked"
             + (f"; {full:,} examples ({full / len(cut):.0%}) fill a row alone, cut to it" if full else "") + ")")
