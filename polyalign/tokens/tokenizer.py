@@ -23,14 +23,16 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
 TOKENIZERS_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where recent transformers versions save a checkpoint's template
-# What polyalign's export writes into a checkpoint's tokenizer config (polyalign/model/export.py): any other
-# key with the prefix is a typing slip that would otherwise render the chats as if it were absent.
-POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "polyalign_profile", "polyalign_system",
-                         "polyalign_profile_values", "polyalign_max_length")
 # polyalign_max_length: the longest sequence any training of a model started from scratch by polyalign saw
 # (the data.max_length of its runs): past it the model reads positions it never learned. Absent for a model
 # trained on from another checkpoint, whose pretraining saw longer ones.
 MAX_LENGTH_KEY = "polyalign_max_length"
+# What polyalign's export writes into a checkpoint's tokenizer config (polyalign/model/export.py): any other
+# key with the prefix is a typing slip that would otherwise render the chats as if it were absent.
+POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "polyalign_profile", "polyalign_system",
+                         "polyalign_profile_values", MAX_LENGTH_KEY)
+# Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
 
 def trained_length(checkpoint: str | os.PathLike) -> int | None:
@@ -41,8 +43,6 @@ def trained_length(checkpoint: str | os.PathLike) -> int | None:
     except (json.JSONDecodeError, AttributeError, OSError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-# Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
-PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
 
 class Tokenizer(abc.ABC):

@@ -220,7 +220,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     if config.data.pack:
         lengths = pipeline.example_lengths(train_source, pipeline.lengths_cache(run, "train"),
                                            write_cache=jax.process_index() == 0)
-        notes.append(pipeline.packing_note(lengths, length, config.train.seed))
+        if jax.process_index() == 0:  # only process 0 prints it, and it packs a whole epoch to count
+            notes.append(pipeline.packing_note(lengths, length, config.train.seed))
 
     def batches(layout: pipeline.Layout, loop: LoopConfig):
         return pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
