@@ -1063,11 +1063,12 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     assert bucket == {"checkpoint": str(tmp_path / "bucket_sft" / "model"), "method": "sft", "weighting": "bucket",
                       "steps": 300, "learning rate": 2e-5, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "LoRA rank": 0,
                       "data": "/runs/r"}
-    # lambda_dist is HDPO's term: said for HDPO and for a method with hdpo_terms, not for plain DPO
+    # lambda_dist and gamma_ftx are HDPO's terms: said for HDPO and for a method with hdpo_terms, not for plain DPO
     for name, method in (("dpo", {"method": "dpo"}), ("hdpo", {"method": "hdpo"}),
                          ("dpo_terms", {"method": "dpo", "hdpo_terms": True})):
-        said = trained_run(name, None, beta=0.1, lambda_dist=0.3, **method)
+        said = trained_run(name, None, beta=0.1, lambda_dist=0.3, gamma_ftx=0.05, **method)
         assert said["beta"] == 0.1 and said.get("lambda_dist") == (None if name == "dpo" else 0.3), name
+        assert said.get("gamma_ftx") == (None if name == "dpo" else 0.05), name
     external = tmp_path / "engine.jsonl"
     external.write_text('{"id": "a", "prediction": "b"}\n')
     assert trained_with(external) is None  # an external engine's predictions name no checkpoint

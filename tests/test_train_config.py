@@ -495,7 +495,8 @@ def test_epochs_say_the_steps_they_set_in_place_of_train_steps(capsys):
     loop = resolve_loop(LoopConfig(steps=120, epochs=2, global_batch=4, eval_every=None), epoch_size=10, method="sft")
     assert loop.steps == 6 and loop.eval_every == 3  # ceil(10 / 4) = 3 steps an epoch
     assert capsys.readouterr().err.strip() == ("polyalign: train.epochs=2 sets train.steps to 6 (10 examples / "
-                                               "global_batch 4 an epoch), in place of train.steps=120")
+                                               "global_batch 4 an epoch); train.steps (120, the config's or the "
+                                               "default) is not used")
     resolve_loop(LoopConfig(steps=6, epochs=2, global_batch=4), epoch_size=10, method="sft")
     assert capsys.readouterr().err == ""  # nothing to say when they agree
 

@@ -359,6 +359,8 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
     committed = int(re.search(r"the last committed checkpoint is step (\d+) \(", last).group(1))
     assert committed in (3, 6) and f"({lost / 'checkpoints' / str(committed)})" in last
     assert "resume by running the same command on every process: polyalign train sft" in last
+    assert last.endswith("(a host lost for good: on the processes left, their POLYALIGN_NUM_PROCESSES and ids set to "
+                         "them; a checkpoint resumes on any number)")
     # the survivor carries on alone (the host lost for good): a checkpoint of two processes resumes on one
     resumed_output = wait_ok([start_cli(train_args(run, lost, "parallel.data=4", *UNEVEN_EVAL, *LONGER,
                                                    "train.peer_timeout=5"), {}, devices=4)])[0]

@@ -544,7 +544,8 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
 TRAINING_SETTINGS = (("method", ("method",)), ("weighting", ("weighting",)), ("steps", ("train", "steps")),
                      ("learning rate", ("optimizer", "lr")), ("init", ("init",)), ("preset", ("model", "preset")),
                      ("LoRA rank", ("model", "lora", "rank")), ("data", ("data", "dir")), ("pairs", ("pairs",)),
-                     ("beta", ("beta",)), ("lambda_dist", ("lambda_dist",)), ("profile", ("profile",)))
+                     ("beta", ("beta",)), ("lambda_dist", ("lambda_dist",)), ("gamma_ftx", ("gamma_ftx",)),
+                     ("profile", ("profile",)))
 
 
 def trained_with(predictions_path: Path) -> dict[str, Any] | None:
@@ -568,8 +569,9 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
             settings[name] = value
     if settings.get("init"):  # the architecture is init's: a preset the config still names was not used
         settings.pop("preset", None)
-    if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's term: the others never read it
+    if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's terms: the others never read them
         settings.pop("lambda_dist", None)
+        settings.pop("gamma_ftx", None)
     return {"checkpoint": checkpoint, **settings}
 
 

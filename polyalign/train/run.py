@@ -82,8 +82,8 @@ def resolve_loop(loop: LoopConfig, epoch_size: int | None, method: str) -> LoopC
             raise ConfigError(f"train.epochs: {method} cannot tell its epoch size here (packed rows); set train.steps")
         if loop.steps != loop.epochs * epoch_steps:
             print(f"polyalign: train.epochs={loop.epochs} sets train.steps to {loop.epochs * epoch_steps} "
-                  f"({epoch_size} examples / global_batch {loop.global_batch} an epoch), in place of "
-                  f"train.steps={loop.steps}", file=sys.stderr)
+                  f"({epoch_size} examples / global_batch {loop.global_batch} an epoch); train.steps "
+                  f"({loop.steps}, the config's or the default) is not used", file=sys.stderr)
         loop = dataclasses.replace(loop, steps=loop.epochs * epoch_steps)
     if loop.eval_every is None and epoch_steps is not None:
         loop = dataclasses.replace(loop, eval_every=epoch_steps)
@@ -345,7 +345,8 @@ def report_lost_peer(lost: list[int] | None, cause: str, checkpointer) -> str:
     first = cause.strip().splitlines()[0][:120] if cause.strip() else "no reason given"
     launched = os.environ.get(LAUNCH_COMMAND_ENV)  # started by `polyalign launch`: that is what to rerun
     rerun = (f"running the same launch command: {launched}" if launched else
-             f"running the same command on every process: {resume_command()}")
+             f"running the same command on every process: {resume_command()} (a host lost for good: on the "
+             "processes left, their POLYALIGN_NUM_PROCESSES and ids set to them; a checkpoint resumes on any number)")
     return f"polyalign: process {jax.process_index()} stops: {who} is gone ({first}); {where}; resume by {rerun}"
 
 
