@@ -600,6 +600,38 @@ def test_the_drift_probe_measures_only_answers_with_text(demo_run):
     assert critic_calls == [[texts[i] for i in kept]] and scores["drift/critic"] == 0.25
 
 
+def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
+    """A probe that measured nothing (every greedy answer empty) is said, once a run, with why nothing but
+    drift/empty and a length ratio of 0 is logged."""
+    from types import SimpleNamespace
+
+    from polyalign.train.drift import DriftProbe
+
+    class Engine:  # the engine's answers: none has a token
+        def set_model(self, model):
+            pass
+
+        def generate(self, requests):
+            return [[SimpleNamespace(tokens=[])] for _ in requests]
+
+        def release(self):
+            pass
+
+    probe = DriftProbe.__new__(DriftProbe)
+    probe.engine, probe.requests = Engine(), [None] * 3
+    probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: "")
+    probe.buckets, probe.human_tokens = ["a", "a", "b"], np.array([4.0, 5.0, 6.0])
+    probe.references = probe.critic = None
+    probe.said_empty = False
+    trainer = SimpleNamespace(model=lambda params: None, state={"params": None})
+    first, second = probe(trainer), probe(trainer)
+    assert first == second and first["drift/empty"] == 1.0 and first["drift/length_ratio"] == 0.0
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: drift probe: all 3 greedy answers of the policy to its validation prompts were empty (drift/empty "
+        "1.0), so drift/length_ratio is 0 and no support distance or critic score is logged; a small or early model "
+        "often ends its turn at once under greedy decoding, and sampled answers (generate --temperature) tell more"]
+
+
 @pytest.mark.slow
 def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer, tmp_path, capsys):
     """rounds=2 end to end on a tiny model: interrupted inside round 1, the same command resumes it from

@@ -10,11 +10,13 @@ folder is known). Every process runs the same sampling, so it works on a mesh an
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from polyalign.data.records import Record
@@ -51,7 +53,7 @@ class DriftProbe:
         self.requests = [Request(prompt, SamplingConfig(max_new_tokens=max_new_tokens)) for prompt in self.prompts]
         self.engine = Engine(model, stop_ids_of(tokenizer, template),
                              EngineConfig(slots=16, max_sequence=512 + max_new_tokens), mesh=mesh)
-        self.critic = None
+        self.critic, self.said_empty = None, False
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
             self.critic = CriticScorer(Path(critic_dir))
 
@@ -71,6 +73,12 @@ class DriftProbe:
                 for b, rows in sorted(by_bucket.items())},
             "drift/empty": round(float(np.mean([not t for t in texts])), 4),
         }
+        if not any(texts) and not self.said_empty and jax.process_index() == 0:
+            self.said_empty = True  # once a run: later probes' drift/empty says whether it lasts
+            print(f"warning: drift probe: all {len(texts)} greedy answers of the policy to its validation prompts "
+                  "were empty (drift/empty 1.0), so drift/length_ratio is 0 and no support distance or critic score "
+                  "is logged; a small or early model often ends its turn at once under greedy decoding, and "
+                  "sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
         return {**out, **answer_scores(texts, self.buckets, self.references, self.critic)}
 
 
