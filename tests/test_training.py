@@ -408,6 +408,28 @@ def test_unknown_config_keys_name_the_closest(built_run):
         sft_config(run, 4, "weighting=square")
 
 
+def test_a_capped_validation_takes_every_bucket_in_turn():
+    """data.eval_limit's examples: every bucket in turn (a seeded order within each), so that every bucket
+    is in while the cap allows, the counts differ by at most one but where a bucket runs out, and a random
+    subset of a skewed split no longer leaves its small buckets out."""
+    rng = np.random.default_rng(5)
+    buckets = rng.choice(16, size=1699, p=np.r_[[0.6, 0.2], np.full(14, 0.2 / 14)])  # skewed, as real splits are
+    sizes = np.bincount(buckets, minlength=16)
+    for limit in (1, 10, 16, 64, 500, 1698):
+        chosen = pipeline.capped_subset(buckets, limit)
+        assert len(chosen) == limit == len(set(chosen)) and list(chosen) == sorted(chosen)
+        counts = np.bincount(buckets[chosen], minlength=16)
+        assert (counts > 0).sum() == min(limit, 16)
+        short = counts < sizes  # buckets not taken whole: within one of each other, and none below a whole one
+        if short.any():
+            assert counts[short].max() - counts[short].min() <= 1, limit
+            assert (counts[~short] <= counts[short].min()).all(), limit
+        np.testing.assert_array_equal(chosen, pipeline.capped_subset(buckets, limit))  # the same every evaluation
+    pairs = [{"bucket_id": f"b{b}", "id": i} for i, b in enumerate(buckets[:200])]
+    assert {p["bucket_id"] for p in pipeline.capped_pairs(pairs, 16)} == {p["bucket_id"] for p in pairs}
+    assert pipeline.capped_pairs(pairs, None) is pairs and pipeline.capped_pairs(pairs, 500) is pairs
+
+
 def test_packed_rows_keep_examples_apart():
     first = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1], "weight": 2.0, "bucket": 1}
     second = {"input_ids": [9, 10, 11], "loss_mask": [0, 1, 1], "weight": 0.5, "bucket": 4}

@@ -265,15 +265,36 @@ def train_batches(source, layout: Layout, steps: int, length: int, pad_id: int, 
             .batch(layout.micro_batches))
 
 
+def capped_subset(buckets: np.ndarray, limit: int, seed: int = 0) -> np.ndarray:
+    """Indices of `limit` examples taken in turn from every bucket (a seeded order within each), in file
+    order: a capped validation covers every bucket it can (all of them once `limit` reaches their number),
+    where a random subset of a skewed split would leave its small buckets out."""
+    rng = np.random.default_rng(seed)
+    queues = [rng.permutation(np.flatnonzero(buckets == b)) for b in np.unique(buckets)]
+    taken = [queue[k] for k in range(max(map(len, queues), default=0)) for queue in queues if k < len(queue)]
+    return np.sort(np.asarray(taken[:limit], np.int64))
+
+
+def capped_pairs(pairs: list[dict], limit: int | None) -> list[dict]:
+    """At most `limit` validation pairs, taken in turn from every bucket (capped_subset), in file order."""
+    if limit is None or len(pairs) <= limit:
+        return pairs
+    return [pairs[i] for i in capped_subset(np.array([p["bucket_id"] for p in pairs]), limit)]
+
+
 def eval_batches(source, batch_size: int, length: int, pad_id: int, process_index: int = 0,
-                 process_count: int = 1, limit: int | None = None, convert=None):
-    """Every example of `source` once (or a fixed random subset of `limit` examples, so that a capped
-    evaluation still covers every bucket) as per-process batches {key: [1, per_process, ...]}; the
-    last batch is completed with empty examples (valid = False)."""
+                 process_count: int = 1, limit: int | None = None, convert=None, buckets: np.ndarray | None = None):
+    """Every example of `source` once (or, with `limit`, that many: capped_subset over `buckets`, the
+    examples' bucket indices, so that a capped evaluation covers every bucket it can) as per-process
+    batches {key: [1, per_process, ...]}; the last batch is completed with empty examples (valid = False)."""
     convert = convert or example_arrays
     total = len(source) if limit is None else min(limit, len(source))
-    chosen = (np.arange(total) if total == len(source)
-              else np.sort(np.random.default_rng(0).permutation(len(source))[:total]))
+    if total == len(source):
+        chosen = np.arange(total)
+    else:
+        if buckets is None:
+            buckets = np.array([int(np.asarray(source[i]["bucket"])) for i in range(len(source))])
+        chosen = capped_subset(buckets, total)
     layout = Layout(batch_size, 1, process_index, process_count)
     num_batches = -(-total // batch_size)
 

@@ -74,7 +74,8 @@ class DataSection:
     eval_batch: int = setting(32, range=COUNT,
                               help="sequences per forward-only batch (validation; the critic's encoding)")
     eval_limit: int | None = setting(None, range=Range(1, optional=True),
-                                     help="validate on at most this many examples (or pairs)")
+                                     help="validate on at most this many examples (or pairs), taken from "
+                                          "every bucket in turn")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from polyalign.core.errors import CriticCollapse
 from polyalign.core.yaml_config import ConfigError
 from polyalign.features.references import read_references
 from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
+from polyalign.inputs.pipeline import capped_pairs
 from polyalign.mesh import parallel
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.pooling import encode_responses
@@ -155,7 +156,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
         raise ConfigError(f"{references_path}: made before references had per-token rates; rerun "
                           "`polyalign stats RUN`, or set distance_counts=raw")
     train_pairs, val_pairs = read_pairs(Path(config.pairs)), read_pairs(Path(config.val_pairs))
-    val_pairs = val_pairs[:config.data.eval_limit]
+    val_pairs = capped_pairs(val_pairs, config.data.eval_limit)
     if not train_pairs or not val_pairs:
         raise ConfigError("the critic needs train and validation pairs; one of the pair files is empty")
     unreferenced = pairs_without_references(train_pairs, references)

@@ -281,7 +281,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     tokenizer = load_tokenizer(config.init)
     template_name = choose_template(tokenizer, family=model.config.family, where=str(config.init))
     template = get_template(template_name, tokenizer)
-    val_pairs = val_pairs[:config.data.eval_limit]
+    val_pairs = pipeline.capped_pairs(val_pairs, config.data.eval_limit)
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
     train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
