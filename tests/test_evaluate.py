@@ -1187,6 +1187,26 @@ def test_a_model_that_loses_to_copying_the_question_is_told_so_from_the_command_
     assert f"**eval: {behind[0].upper() + behind[1:]}.**" in markdown and "**again: " in markdown
 
 
+def test_a_diversity_difference_says_whether_it_moved_toward_peoples_own_value():
+    """Distinct-2 of 0.863 -> 0.892 against people's 0.630 is a move away from people, though higher; said
+    where both runs measured people alike, nothing where they did not or nothing moved."""
+    from polyalign.reports.evaluation import INTERVAL_ROWS, _toward_people
+
+    row = next(r for r in INTERVAL_ROWS if r.name.startswith("Distinct-2"))
+    bleu = next(r for r in INTERVAL_ROWS if r.name.startswith("Self-BLEU-4"))
+
+    def metrics(people):
+        return {"diversity": {"overall": {"human": {"distinct_2": people, "self_bleu_4": 0.18}}}}
+
+    assert _toward_people(row, metrics(0.63), metrics(0.63), 0.863, 0.892) == ", away from people's 0.6300"
+    assert _toward_people(row, metrics(0.63), metrics(0.63), 0.892, 0.863) == ", toward people's 0.6300"
+    assert _toward_people(bleu, metrics(0.63), metrics(0.63), 0.11, 0.06) == ", away from people's 0.1800"
+    assert _toward_people(row, metrics(0.63), metrics(0.64), 0.863, 0.892) == ""  # people measured otherwise
+    assert _toward_people(row, metrics(0.63), metrics(0.63), 0.863, 0.863) == ""
+    assert _toward_people(next(r for r in INTERVAL_ROWS if r.name == "F1"), metrics(0.63), metrics(0.63), 0.1,
+                          0.2) == ""  # F1 has no mark: higher is better
+
+
 def test_diversity_of_answers_without_words_or_without_pairs_of_words_is_undefined():
     """Punctuation alone has no word once tokenised: left out like an empty answer, so identical "，，，"
     answers are not read as perfectly diverse; answers of one word each have no 2- or 3-gram, so their

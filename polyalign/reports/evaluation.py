@@ -568,6 +568,7 @@ class IntervalRow:
     macro: bool = False
     support: bool = False  # measured against the human support (BNG, HCR); the others read the test rows alone
     mauve_fixed: bool = False  # combines MAUVE, whose interval holds MAUVE at its estimate
+    people: tuple[str, ...] | None = None  # people's own value, the mark (diversity): a move is toward or away
 
 
 INTERVAL_ROWS = (
@@ -579,9 +580,11 @@ INTERVAL_ROWS = (
                 macro=True),
     IntervalRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
     IntervalRow("Distinct-2 (people's own is the mark)", ("diversity", "overall", "generated", "distinct_2"),
-                ("diversity", "overall", "generated_interval", "distinct_2")),
+                ("diversity", "overall", "generated_interval", "distinct_2"),
+                people=("diversity", "overall", "human", "distinct_2")),
     IntervalRow("Self-BLEU-4 (people's own is the mark)", ("diversity", "overall", "generated", "self_bleu_4"),
-                ("diversity", "overall", "generated_interval", "self_bleu_4")),
+                ("diversity", "overall", "generated_interval", "self_bleu_4"),
+                people=("diversity", "overall", "human", "self_bleu_4")),
     # TDM measures buckets of 20 rows or more only: never a few-row bucket without spread
     IntervalRow("TDM macro", ("tdm", "overall_macro"), ("tdm", "macro_interval")),
     IntervalRow("NUF hypervolume", ("nuf", "overall", "hypervolume"), ("nuf", "overall", "hypervolume_interval"),
@@ -649,11 +652,23 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
                 elif differs:
                     verdict += f" (other {' and '.join(differs)})"
                 pair[row.name] = {"difference": difference, "verdict": verdict}
-                cells.append("—" if difference is None else f"{difference:+.4f} {verdict}")
+                toward = _toward_people(row, a["metrics"], b["metrics"], x, y)
+                cells.append("—" if difference is None else f"{difference:+.4f} {verdict}{toward}")
             verdicts[f"{later} - {earlier}"] = pair
             rows.append((f"{later} - {earlier}", *cells))
     html_table, markdown = _table(["runs", *(row.name for row in INTERVAL_ROWS)], rows)
     return html_table, markdown, verdicts
+
+
+def _toward_people(row: IntervalRow, a: dict, b: dict, x: float | None, y: float | None) -> str:
+    """For a number whose mark is people's own value (diversity): whether the later run moved toward it or
+    away, where both runs measured people alike; a higher Distinct-2 than people's is no better."""
+    if row.people is None or x is None or y is None or x == y:
+        return ""
+    mark = _get(a, row.people)
+    if mark is None or mark != _get(b, row.people):
+        return ""
+    return f", {'toward' if abs(y - mark) < abs(x - mark) else 'away from'} people's {mark:.4f}"
 
 
 def same_answers(runs: dict[str, dict]) -> list[list[str]]:
