@@ -389,11 +389,12 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     assert past_trained_length(scratch, options, 64) == (
         f"{scratch} was trained from scratch on sequences of at most 256 tokens (polyalign_max_length in its "
         "tokenizer_config.json); --max-prompt-tokens 512 + --max-new-tokens 64 = 576 lets a long prompt and its "
-        "answer run past them, into positions the model never learned: --max-prompt-tokens 192 keeps within them")
+        "answer run past them, into positions the model never learned: --max-prompt-tokens 192 keeps within them "
+        "(a prompt cut shorter loses its opening system message where that takes over half of it)")
     assert past_trained_length(scratch, dataclasses.replace(options, max_prompt_tokens=192), 64) is None
     assert past_trained_length(base, options, 64) is None
     # --max-new-tokens auto: the largest per-bucket budget counts, not the ceiling; a short prompt budget stays
     assert past_trained_length(scratch, dataclasses.replace(options, max_prompt_tokens=100), 300, True).endswith(
         "--max-prompt-tokens 100 + the largest per-bucket budget 300 = 400 lets a long prompt and its answer run "
         "past them, into positions the model never learned: --max-prompt-tokens 100 and --budget-ceiling 156 keep "
-        "within them")
+        "within them (a prompt cut shorter loses its opening system message where that takes over half of it)")

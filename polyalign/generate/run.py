@@ -147,7 +147,8 @@ def past_trained_length(checkpoint, options: GenerateOptions, answers: int, budg
                f"{trained - prompt} keep within them")
     return (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
             f"its tokenizer_config.json); --max-prompt-tokens {options.max_prompt_tokens} + {what} = {longest} lets "
-            f"a long prompt and its answer run past them, into positions the model never learned: {fix}")
+            f"a long prompt and its answer run past them, into positions the model never learned: {fix} (a prompt "
+            "cut shorter loses its opening system message where that takes over half of it)")
 
 
 def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[str]) -> None:
