@@ -792,6 +792,19 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     assert note.startswith(f"note: {over} of {len(pairs)} training pairs of p.jsonl ({over / len(pairs):.0%}) are "
                            f"longer than data.max_length {limit} and are cut")
     assert preference.truncation_note(whole, "p.jsonl", 10**6) is None
+    # truncation=keep_system cuts the prompt after its opening system message (the profile prompt), as
+    # `build --truncation keep_system` and generation do: the pairs that lost it with left keep it
+    kept = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "keep_system")
+    lost = sum(e["system_cut"] for e in cut)
+    assert lost > 0 and sum(e["system_cut"] for e in kept) < lost
+    assert note.endswith(f"; {lost} of them lose the start of their opening system message (truncation=keep_system "
+                         "keeps it); a larger data.max_length keeps more")
+    for before, after in zip(whole, kept):
+        if after["truncated"] and not after["system_cut"]:  # the prompt's first tokens are the whole pair's
+            assert list(after["chosen_ids"][:16]) == list(before["chosen_ids"][:16])
+            assert len(after["chosen_ids"]) <= limit and len(after["rejected_ids"]) <= limit
+    assert "the prompt after its opening system message" in preference.truncation_note(kept, "p.jsonl", limit,
+                                                                                        "keep_system")
 
     config = PreferenceConfig(method="dpo", init="lab/model")
     assert tokenizer.profile_mode is None  # the demo's tokenizer: trained by polyalign, no model behind it

@@ -345,7 +345,8 @@ def test_the_trainer_gives_each_micro_batch_a_fresh_key_and_advances_its_own():
 OTHER_STRINGS = {"model.dtype": "bfloat16", "model.export_dtype": "bfloat16", "model.remat": "full",
                  "model.attention_impl": "xla", "model.lora.init": "gaussian", "model.quantize": "nf4",
                  "model.preset": "qwen2.5-0.5b", "weighting": "uniform", "weight_normalization": "microbatch",
-                 "profile": "oracle", "reference": "in_step", "distance_features": "all", "distance_counts": "raw"}
+                 "profile": "oracle", "truncation": "keep_system", "reference": "in_step", "distance_features": "all",
+                 "distance_counts": "raw"}
 OTHER_LISTS = {"model.lora.targets": ["q", "v"], "train.report_to": ["tensorboard", "wandb"],
                "train.profile_steps": [2, 3]}
 # A value that is valid only beside another: both keys then differ.

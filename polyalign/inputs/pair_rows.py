@@ -14,7 +14,9 @@ SIDES = ("chosen", "rejected")
 
 
 def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_length: int,
-                   buckets: list[str]) -> list[dict]:
+                   buckets: list[str], truncation: str = "left") -> list[dict]:
+    """Each pair's two sides as token ids and loss masks, cut to `max_length` as encode_conversation cuts
+    (`truncation`: left from the prompt's start, or keep_system after its opening system message)."""
     index = {b: i for i, b in enumerate(buckets)}
     examples = []
     for pair in pairs:
@@ -25,7 +27,7 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
                    "critic_rejected": float(pair.get("critic_rejected", 0.0))}
         for side in SIDES:
             encoded = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
-                                          cutoff=max_length)
+                                          cutoff=max_length, truncation=truncation)
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
             # whether a side was cut to max_length, and whether that cut into its opening system message
             example["truncated"] = example.get("truncated", False) or encoded.truncated

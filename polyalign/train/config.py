@@ -187,6 +187,10 @@ class PreferenceConfig:
     val_pairs: str | None = setting(None, help="scored validation pairs (null: RUN/critic/val_pairs.jsonl)")
     profile: str = setting("context", help="the profile system prompt of each prompt: context, oracle (adds the "
                                            "gold length bin; report it as such) or none")
+    truncation: str = setting("left", help="how a pair's prompt over its share of data.max_length is cut: left "
+                                           "(the paper's reference recipe) from its start, the profile prompt with "
+                                           "it; keep_system keeps the system message that opens it and cuts the "
+                                           "oldest turns, as `build --truncation keep_system` and generation do")
     beta: float = setting(0.1, range=POSITIVE, help="the inverse temperature of the implicit reward")
     lambda_dist: float = setting(0.1, range=NON_NEGATIVE, help="weight of HDPO's critic distance term")
     gamma_ftx: float = setting(0.05, range=NON_NEGATIVE,

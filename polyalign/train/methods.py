@@ -29,6 +29,7 @@ from polyalign.core.yaml_config import (
     out_of_range,
     settings_of,
 )
+from polyalign.tokens.chat import TRUNCATIONS
 from polyalign.tokens.profile_template import PROFILE_MODES
 from polyalign.train import config as schema
 
@@ -57,7 +58,7 @@ class MethodSpec:
 
 _PREFERENCE_EPILOG = """\
   init=SFT_CHECKPOINT data.dir=RUN (scored pairs from RUN/critic/)
-  beta, lambda_dist, gamma_ftx, label_smoothing, profile; model.dtype, model.remat,
+  beta, lambda_dist, gamma_ftx, label_smoothing, profile, truncation; model.dtype, model.remat,
   model.attention_impl, model.logprob_chunk; data.max_length; optimizer.*, train.*, parallel.*
   data.pack=true               whole pairs packed into rows of 2 x data.max_length, each prompt computed
                                once for both responses (exact; train.global_batch then counts rows)
@@ -341,6 +342,7 @@ def check_config(config: Any, where: str = "config") -> None:
     elif isinstance(config, schema.PreferenceConfig):
         _check_choice(where, "method", config.method, PREFERENCE_METHODS)
         _check_choice(where, "profile", config.profile, PROFILE_MODES)
+        _check_choice(where, "truncation", config.truncation, TRUNCATIONS)
         _check_choice(where, "reference", config.reference, schema.REFERENCES)
         if config.data.max_length is None:
             raise ConfigError(f"{where}: data.max_length: each side of a pair is cut to it (docs/model.md), so "

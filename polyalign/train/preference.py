@@ -225,16 +225,19 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
     return made + (f" and set {key}= to the file" if getattr(config, key) is None else "")
 
 
-def truncation_note(examples: list[dict], pairs_file: str, max_length: int) -> str | None:
+def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
+                    truncation: str = "left") -> str | None:
     """How many training pairs were cut to data.max_length, and how many of those lost the start of their
     opening system message (the profile prompt), as `build` says of SFT examples."""
     cut = [e for e in examples if e["truncated"]]
     if not cut:
         return None
     lost = sum(e["system_cut"] for e in cut)
+    how = "from its start" if truncation == "left" else "after its opening system message"
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
-            f"longer than data.max_length {max_length} and are cut, the prompt from its start and each answer from "
-            f"its end" + (f"; {lost} of them lose the start of their opening system message" if lost else "")
+            f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
+            + (f"; {lost} of them lose the start of their opening system message"
+               + ("" if truncation != "left" else " (truncation=keep_system keeps it)") if lost else "")
             + "; a larger data.max_length keeps more")
 
 
@@ -283,9 +286,11 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     template = get_template(template_name, tokenizer)
     val_pairs = pipeline.capped_pairs(val_pairs, config.data.eval_limit)
     buckets = sorted({p["bucket_id"] for p in train_pairs + val_pairs})
-    train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets)
-    val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets)
-    notes = [truncation_note(train_examples, paths["pairs"], max_length),
+    train_examples = tokenise_pairs(train_pairs, tokenizer, template, config.profile, max_length, buckets,
+                                    config.truncation)
+    val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets,
+                                  config.truncation)
+    notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation),
              profile_note(config, tokenizer, train_pairs[0]), tokenizer_note(config, tokenizer, train_pairs)]
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
