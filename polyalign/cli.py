@@ -31,7 +31,7 @@ from polyalign.mesh.launch import (
     said_by_another_process,
 )
 from polyalign.reports.no_model import ahead_of_the_model
-from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES
+from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES, TRUNCATIONS
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
 DESCRIPTION = """\
@@ -282,7 +282,7 @@ def _add_build(sub) -> None:
     p.add_argument("--max-length", type=int, default=512, help="tokens per example, the truncation cutoff (512)")
     p.add_argument("--train-on", choices=("last", "all"), default="last",
                    help="loss on the final response only (default) or on every assistant turn")
-    p.add_argument("--truncation", choices=("left", "keep_system"), default="left",
+    p.add_argument("--truncation", choices=TRUNCATIONS, default="left",
                    help="how a prompt over its share of --max-length is cut: left (default, the paper's reference "
                         "recipe) from its start, the profile prompt with it; keep_system keeps the system message "
                         "that opens it (the profile prompt) and cuts the oldest turns, as generation does")

@@ -88,7 +88,7 @@ class BuildOptions:
     # Bucket-SFT weights: the scheme's (buckets/*.yaml `weights:`), with these keys replacing its own;
     # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
     weights: dict[str, Any] = field(default_factory=dict)
-    # How a prompt over its share of max_length is cut (chat.TRUNCATIONS): left (METHOD's recipe) from its
+    # How a prompt over its share of max_length is cut (TRUNCATIONS): left (METHOD's recipe) from its
     # start; keep_system keeps the opening system message (the profile prompt) and cuts the oldest turns after
     # it, as generation does (not the default: the quick demo's critic ranked people first less often with it).
     truncation: str = "left"

@@ -27,6 +27,7 @@ from polyalign.tokens.profile_template import (
     PROFILE_MODE_KEYS,
     PROFILE_MODES,
     SYSTEM_MODES,
+    TRUNCATIONS,
     training_source,
 )
 from polyalign.tokens.tokenizer import BOS, Tokenizer
@@ -579,7 +580,6 @@ def encode_rendered(text: str, tokenizer: Tokenizer) -> list[int]:
     return encode_pieces(pieces, tokenizer, set())[0]
 
 
-TRUNCATIONS = ("left", "keep_system")  # how a prompt over its share of the cutoff is cut (encode_conversation)
 
 
 def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], *,

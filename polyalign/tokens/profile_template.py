@@ -21,6 +21,10 @@ PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile p
 # alone. A checkpoint's tokenizer config names both (polyalign_profile, polyalign_system).
 PROFILE_MODES = ("context", "oracle", "none")  # context: the default
 SYSTEM_MODES = ("keep", "replace", "drop")
+# How a prompt over its share of a cutoff is cut (chat.encode_conversation): left, from its very start;
+# keep_system, after the system message that opens it. Here, beside the modes, so that the command line
+# and the config schema name them without importing the tokenisers.
+TRUNCATIONS = ("left", "keep_system")
 # The template variables each profile names (the oracle profile adds the answer's length bin).
 PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
 # A record's field for each profile key.

@@ -29,8 +29,7 @@ from polyalign.core.yaml_config import (
     out_of_range,
     settings_of,
 )
-from polyalign.tokens.chat import TRUNCATIONS
-from polyalign.tokens.profile_template import PROFILE_MODES
+from polyalign.tokens.profile_template import PROFILE_MODES, TRUNCATIONS
 from polyalign.train import config as schema
 
 
