@@ -275,6 +275,11 @@ def capped_subset(buckets: np.ndarray, limit: int, seed: int = 0) -> np.ndarray:
     return np.sort(np.asarray(taken[:limit], np.int64))
 
 
+def example_buckets(source) -> np.ndarray:
+    """Every stored example's bucket index, in order: what capped_subset takes its turns over."""
+    return np.array([int(np.asarray(source[i]["bucket"])) for i in range(len(source))])
+
+
 def capped_pairs(pairs: list[dict], limit: int | None) -> list[dict]:
     """At most `limit` validation pairs, taken in turn from every bucket (capped_subset), in file order."""
     if limit is None or len(pairs) <= limit:
@@ -285,16 +290,13 @@ def capped_pairs(pairs: list[dict], limit: int | None) -> list[dict]:
 def eval_batches(source, batch_size: int, length: int, pad_id: int, process_index: int = 0,
                  process_count: int = 1, limit: int | None = None, convert=None, buckets: np.ndarray | None = None):
     """Every example of `source` once (or, with `limit`, that many: capped_subset over `buckets`, the
-    examples' bucket indices, so that a capped evaluation covers every bucket it can) as per-process
-    batches {key: [1, per_process, ...]}; the last batch is completed with empty examples (valid = False)."""
+    examples' bucket indices, read here when not given, so that a capped evaluation covers every bucket it
+    can) as per-process batches {key: [1, per_process, ...]}; the last batch is completed with empty
+    examples (valid = False)."""
     convert = convert or example_arrays
     total = len(source) if limit is None else min(limit, len(source))
-    if total == len(source):
-        chosen = np.arange(total)
-    else:
-        if buckets is None:
-            buckets = np.array([int(np.asarray(source[i]["bucket"])) for i in range(len(source))])
-        chosen = capped_subset(buckets, total)
+    chosen = (np.arange(total) if total == len(source)
+              else capped_subset(example_buckets(source) if buckets is None else buckets, total))
     layout = Layout(batch_size, 1, process_index, process_count)
     num_batches = -(-total // batch_size)
 

@@ -580,8 +580,6 @@ def encode_rendered(text: str, tokenizer: Tokenizer) -> list[int]:
     return encode_pieces(pieces, tokenizer, set())[0]
 
 
-
-
 def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], *,
                         train_on: str = "last", cutoff: int | None = None,
                         truncation: str = "left") -> Encoded:

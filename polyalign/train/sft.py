@@ -138,13 +138,13 @@ def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, length: i
     source = pipeline.open_split(run, "val")
     # a capped validation takes every bucket in turn: the examples' buckets, read once
     capped = data.eval_limit is not None and data.eval_limit < len(source)
-    example_buckets = np.array([int(np.asarray(source[i]["bucket"])) for i in range(len(source))]) if capped else None
+    buckets_of_examples = pipeline.example_buckets(source) if capped else None
 
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         batch_size = trainer.eval_batch_size(data.eval_batch)
         host = trainer.metric_sums(pipeline.eval_batches(source, batch_size, length, pad_id, jax.process_index(),
                                                          jax.process_count(), data.eval_limit,
-                                                         buckets=example_buckets))
+                                                         buckets=buckets_of_examples))
         examples = host["bucket_examples"]
         mean_by_bucket = np.divide(host["bucket_loss"], examples, out=np.zeros_like(examples), where=examples > 0)
         present = examples > 0
