@@ -237,7 +237,8 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
             + (f"; {lost} of them lose the start of their opening system message"
-               + ("" if truncation != "left" else " (truncation=keep_system keeps it)") if lost else "")
+               + (" (truncation=keep_system keeps it)" if truncation == "left" else
+                  " (it takes over half of the prompt's share)") if lost else "")
             + "; a larger data.max_length keeps more")
 
 
