@@ -333,6 +333,25 @@ def test_a_process_whose_peers_never_join_says_what_it_waits_for_and_ends_with_o
     assert "Check failure" not in done.stderr
 
 
+@pytest.mark.parametrize("processes, process_id", [("2", "2"), ("2", "-1"), ("4", "7"), ("0", "0")])
+def test_a_process_id_outside_the_job_is_refused_before_any_join(fresh_start, monkeypatch, processes, process_id):
+    """An id the job cannot hold (a host given the count, or a copied line) stops with one line naming
+    both variables; nothing waits for a peer that can never come."""
+    from polyalign.core.errors import ParallelError
+    from polyalign.mesh import parallel
+
+    monkeypatch.setenv("POLYALIGN_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", processes)
+    monkeypatch.setenv("POLYALIGN_PROCESS_ID", process_id)
+    expected = (f"POLYALIGN_PROCESS_ID={process_id} with POLYALIGN_NUM_PROCESSES={processes}: each process's id "
+                f"is one of 0 to {int(processes) - 1}, different on every host" if processes != "0"
+                else "POLYALIGN_NUM_PROCESSES=0 must be at least 1")
+    with pytest.raises(ParallelError) as raised:
+        parallel.initialize_distributed()
+    assert str(raised.value) == expected
+    assert fresh_start == []
+
+
 def test_a_join_timeout_below_one_second_is_refused(monkeypatch):
     from polyalign.core.errors import ParallelError
     from polyalign.mesh import parallel

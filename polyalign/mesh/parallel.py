@@ -390,6 +390,12 @@ def initialize_distributed() -> None:
         if expected is None or process_id is None:
             raise ParallelError("POLYALIGN_COORDINATOR is set, so POLYALIGN_NUM_PROCESSES and "
                                 "POLYALIGN_PROCESS_ID must be integers too")
+        if expected < 1 or not 0 <= process_id < expected:
+            # JAX would wait for a process that can never come, or stop in C++ with no word on the cause
+            raise ParallelError(f"POLYALIGN_PROCESS_ID={process_id} with POLYALIGN_NUM_PROCESSES={expected}: "
+                                f"each process's id is one of 0 to {expected - 1}, different on every host"
+                                if expected >= 1 else
+                                f"POLYALIGN_NUM_PROCESSES={expected} must be at least 1")
         if expected > 1:
             _initialize(JOIN_TIMEOUT, coordinator_address=coordinator, num_processes=expected,
                         process_id=process_id)
