@@ -522,8 +522,27 @@ def _run_pairs(args) -> int:
     summary = make_pairs(args.records, args.predictions, args.out, overwrite=args.overwrite)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}")
+    _note_few_bucket_pairs(summary, args.records)
     print(f"pairs: {args.out}")
     return 0
+
+
+def _note_few_bucket_pairs(summary: dict, records: Path) -> None:
+    """Pairs follow the answered records' mix: a note names the buckets that get few or none, and how to
+    answer every bucket where its records allow more."""
+    few = summary["few_pairs"]
+    if not few:
+        return
+    none = sum(1 for paired, _ in few.values() if paired == 0)
+    fewest = sorted(few.items(), key=lambda item: item[1][0])
+    listed = ", ".join(f"{bucket} {paired}" for bucket, (paired, _) in fewest[:4])
+    listed += f" and {len(few) - 4} more" if len(few) > 4 else ""
+    room = any(paired < held for paired, held in few.values())
+    hint = (f"; `polyalign generate --per-bucket N` answers N records of every bucket of {records}" if room
+            else "; those buckets' records are all paired already")
+    print(f"note: {len(few)} of {summary['buckets']} buckets of {records} get fewer than {summary['few_below']} "
+          f"pairs, {none} of them none (fewest: {listed}): pairs follow the answered records' mix, and a bucket's "
+          f"weight lifts its few pairs but cannot stand in for missing ones{hint}", file=sys.stderr)
 
 
 def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by: str) -> None:
@@ -608,7 +627,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end (default 512)")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --sample's subset)")
+    p.add_argument("--per-bucket", type=int, metavar="N",
+                   help="a seeded random N records of each bucket (all of a smaller one's; kept in file order): "
+                        "pairs and evaluations for every bucket, not the data's mix")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and of --sample's and --per-bucket's "
+                                                       "subsets)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was generated with other settings "
                                                             "(or not by polyalign)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -681,7 +704,7 @@ def _run_generate(args) -> int:
                                                       presence_penalty=args.presence_penalty,
                                                       frequency_penalty=args.frequency_penalty),
                               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-                              sample=args.sample, seed=args.seed,
+                              sample=args.sample, seed=args.seed, per_bucket=args.per_bucket,
                               budget_records=None if budget_records is None else str(budget_records.resolve()),
                               budget_quantile=args.budget_quantile, budget_margin=args.budget_margin, dtype=args.dtype)
     summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
@@ -779,7 +802,10 @@ def _add_prompts(sub) -> None:
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order): the records "
                                               "`polyalign generate --sample N --seed S` answers")
-    p.add_argument("--seed", type=int, default=0, help="seed of --sample's subset (default 0)")
+    p.add_argument("--per-bucket", type=int, metavar="N",
+                   help="a seeded random N records of each bucket (kept in file order): the records "
+                        "`polyalign generate --per-bucket N --seed S` answers")
+    p.add_argument("--seed", type=int, default=0, help="seed of --sample's and --per-bucket's subsets (default 0)")
     p.add_argument("--max-prompt-tokens", type=int,
                    help="cut prompts as `polyalign generate --max-prompt-tokens N` does (its default 512): each row "
                         "gains prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt), and a longer "
@@ -795,7 +821,7 @@ def _run_prompts(args) -> int:
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
                             limit=args.limit, sample=args.sample, seed=args.seed,
-                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                            per_bucket=args.per_bucket, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                             budget_records=_budget_records(args), budget_quantile=args.budget_quantile,
                             budget_margin=args.budget_margin, budget_ceiling=args.budget_ceiling,
                             overwrite=args.overwrite)
@@ -1105,8 +1131,8 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--frequency-penalty": Range(-2.0, 2.0),
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
-                 "--seed": SEED},
-    "prompts": {"--limit": COUNT, "--sample": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT, **BUDGET_RANGES},
+                 "--per-bucket": COUNT, "--seed": SEED},
+    "prompts": {"--limit": COUNT, "--sample": COUNT, "--per-bucket": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT, **BUDGET_RANGES},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},

@@ -366,6 +366,15 @@ def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_r
     _write_predictions(tmp_path / "q.jsonl", chosen, lambda r: r.question)
     with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
         evaluate(subset, tmp_path / "q.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False))
+    # `generate --per-bucket 2 --seed 4`'s records: named as that selection
+    chosen, _ = select_records(records, subset, per_bucket=2, seed=4)
+    _write_predictions(tmp_path / "b.jsonl", chosen, lambda r: r.question)
+    manifest["settings"] = {"records": str(subset), "limit": None, "sample": None, "seed": 4, "per_bucket": 2}
+    sidecar(tmp_path / "b.jsonl").write_text(json.dumps(manifest))
+    assert main(["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "b.jsonl"), "--out",
+                 str(tmp_path / "eval4"), "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith(f"{len(chosen)} of 60 rows (the ones `generate --per-bucket 2 --seed 4` "
+                                              "answered): F1 ")
 
 
 @pytest.mark.slow

@@ -119,6 +119,7 @@ def test_temperature_sampling_is_seeded():
 def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer, capsys):
     from polyalign.cli import empty_answers_warning, main
     from polyalign.data.records import read_records
+    from polyalign.generate.selection import select_records
     from polyalign.model import save_hf_checkpoint
     from polyalign.model.presets import preset
 
@@ -155,10 +156,15 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     # --dtype: auto is float32 on this CPU; the manifest records the dtype the model ran in
     assert json.loads((tmp_path / "pred.manifest.json").read_text())["settings"]["dtype"] == "float32"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
-                 "--out", str(tmp_path / "half.jsonl"), "--limit", "4", "--max-new-tokens", "6", "--dtype", "bfloat16",
-                 "--no-progress"]) == 0
-    assert json.loads((tmp_path / "half.manifest.json").read_text())["settings"]["dtype"] == "bfloat16"
-    assert len((tmp_path / "half.jsonl").read_text().splitlines()) == 4
+                 "--out", str(tmp_path / "half.jsonl"), "--limit", "12", "--per-bucket", "1", "--max-new-tokens", "6",
+                 "--dtype", "bfloat16", "--no-progress"]) == 0
+    half = json.loads((tmp_path / "half.manifest.json").read_text())["settings"]
+    assert (half["dtype"], half["per_bucket"]) == ("bfloat16", 1)
+    assert "per_bucket" not in record["settings"]  # recorded when asked for: earlier predictions still match
+    one_each = select_records(records, run / "data" / "test.jsonl", per_bucket=1)[0]
+    assert len(one_each) == len({r.bucket_id for r in records}) < 12
+    assert [json.loads(line)["id"] for line in (tmp_path / "half.jsonl").read_text().splitlines()] == \
+        [r.id for r in one_each]
     # penalties: recorded when asked for (so earlier versions' manifests still match), and they are applied
     assert "repetition_penalty" not in record["settings"]["sampling"]
     penalised = tmp_path / "penalised.jsonl"
@@ -267,6 +273,49 @@ def test_every_limit_and_sample_takes_records_in_file_order_and_says_when_it_ask
     assert [r.id for r in other] != [r.id for r in select_records(records, source, None, 7, seed=3)[0]]
     with pytest.raises(Exception, match="no records"):
         select_records([], source)
+
+
+def test_per_bucket_takes_n_of_every_bucket_in_file_order_whatever_else_the_file_holds(demo_run):
+    """For every N and seed: each bucket gives min(N, its records), in file order, the same for the same
+    seed; a bucket's records do not change when other buckets leave the file; the note names the buckets
+    that hold fewer than N; --limit applies first; --sample with --per-bucket is refused."""
+    from collections import Counter
+
+    from polyalign.data.records import read_records
+    from polyalign.generate.selection import select_records
+
+    run, _, _ = demo_run
+    source = run / "data" / "val.jsonl"
+    records = read_records(source)
+    held = Counter(r.bucket_id for r in records)
+    position = {r.id: i for i, r in enumerate(records)}
+    largest = max(held, key=held.get)
+    for per_bucket in (1, 3, 8, max(held.values()) + 1):
+        for seed in (0, 5):
+            taken, notes = select_records(records, source, per_bucket=per_bucket, seed=seed)
+            assert Counter(r.bucket_id for r in taken) == {b: min(per_bucket, n) for b, n in held.items()}
+            order = [position[r.id] for r in taken]
+            assert order == sorted(order)
+            assert [r.id for r in select_records(records, source, per_bucket=per_bucket, seed=seed)[0]] == \
+                [r.id for r in taken]
+            alone = [r for r in records if r.bucket_id == largest]
+            assert [r.id for r in select_records(alone, source, per_bucket=per_bucket, seed=seed)[0]] == \
+                [r.id for r in taken if r.bucket_id == largest]
+            fewer = {b: n for b, n in held.items() if n < per_bucket}
+            if not fewer:
+                assert notes == []
+            else:
+                assert len(notes) == 1 and notes[0].startswith(
+                    f"--per-bucket {per_bucket}: {len(fewer)} of {len(held)} buckets hold fewer records; all of "
+                    "theirs are taken (fewest: ")
+                assert all(f"{b} ({n})" in notes[0] for b, n in sorted(fewer.items(), key=lambda kv: kv[1])[:3])
+    assert select_records(records, source, per_bucket=2, seed=0)[0] != select_records(records, source, per_bucket=2,
+                                                                                      seed=1)[0]
+    first = records[:25]
+    assert Counter(r.bucket_id for r in select_records(records, source, limit=25, per_bucket=2)[0]) == \
+        {b: min(2, n) for b, n in Counter(r.bucket_id for r in first).items()}
+    with pytest.raises(Exception, match="--sample and --per-bucket each choose the records; give one of them"):
+        select_records(records, source, sample=5, per_bucket=2)
 
 
 @pytest.mark.parametrize("template", ["built-in", "exported jinja", "exported gemma2 jinja"])

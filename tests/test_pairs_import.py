@@ -171,6 +171,67 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
     assert code == 0 and out.startswith("10 pairs from 10 predictions")
 
 
+def test_answers_for_every_bucket_make_pairs_for_every_bucket_and_a_mix_says_which_it_misses(demo_run, demo_tokenizer,
+                                                                                             tmp_path, capsys):
+    """Pairs from the first records (the data's mix) reach few buckets, and `pairs` says which get fewer
+    than FEW_BUCKET_PAIRS and how to answer them all; `prompts --per-bucket` (generate's selection)
+    reaches every bucket."""
+    from collections import Counter
+
+    from polyalign.generate.selection import select_records
+    from polyalign.pairs.make import FEW_BUCKET_PAIRS
+
+    run, _, _ = demo_run
+    checkpoint, val = demo_tokenizer[0].path.parent, run / "data" / "val.jsonl"
+    every = read_records(val)
+    held = Counter(r.bucket_id for r in every)
+
+    def pairs_from(selected, name):
+        answers = [{"id": r.id, "prediction": selected[(i + 1) % len(selected)].response + " ..."}
+                   for i, r in enumerate(selected)]
+        return cli(capsys, "pairs", "--records", val, "--predictions", write_jsonl(tmp_path / f"{name}.jsonl", answers),
+                   "--out", tmp_path / f"{name}_pairs.jsonl")
+
+    code, out, err = pairs_from(every[:20], "first")
+    paired = Counter(r.bucket_id for r in every[:20])
+    few = {b: paired[b] for b in held if paired[b] < FEW_BUCKET_PAIRS}
+    none = sum(1 for b in few if paired[b] == 0)
+    assert code == 0 and out.startswith("20 pairs from 20 predictions")
+    assert err.strip().startswith(f"note: {len(few)} of {len(held)} buckets of {val} get fewer than {FEW_BUCKET_PAIRS} "
+                                  f"pairs, {none} of them none (fewest: ")
+    assert err.strip().endswith(f"`polyalign generate --per-bucket N` answers N records of every bucket of {val}")
+    assert json.loads((tmp_path / "first_pairs.manifest.json").read_text())["summary"]["few_pairs"] == \
+        {b: [paired[b], held[b]] for b in sorted(few)}
+
+    prompts = tmp_path / "per_bucket_prompts.jsonl"
+    code, _, _ = cli(capsys, "prompts", "--records", val, "--checkpoint", checkpoint, "--out", prompts,
+                     "--per-bucket", FEW_BUCKET_PAIRS, "--seed", 3)
+    chosen = select_records(every, val, per_bucket=FEW_BUCKET_PAIRS, seed=3)[0]
+    assert code == 0 and [json.loads(line)["id"] for line in prompts.read_text().splitlines()] == [r.id for r in chosen]
+    code, out, err = pairs_from(chosen, "per_bucket")
+    pairs = [json.loads(line) for line in (tmp_path / "per_bucket_pairs.jsonl").read_text().splitlines()]
+    paired = Counter(p["bucket_id"] for p in pairs)
+    assert code == 0 and out.startswith(f"{len(pairs)} pairs from {len(chosen)} predictions")
+    assert set(paired) == set(held)  # every bucket reached
+    few = {b for b in held if paired[b] < FEW_BUCKET_PAIRS}
+    # only buckets short of records (or of answerable ones: an empty human answer pairs with nothing) fall short
+    assert all(paired[b] == min(held[b], FEW_BUCKET_PAIRS) or paired[b] < min(held[b], FEW_BUCKET_PAIRS) and
+               any(not r.response.strip() for r in chosen if r.bucket_id == b) for b in held)
+    if few:
+        assert err.strip().startswith(f"note: {len(few)} of {len(held)} buckets of {val} get fewer than "
+                                      f"{FEW_BUCKET_PAIRS} pairs, 0 of them none")
+    else:
+        assert "note:" not in err
+    # a file of small buckets, every record answered: nothing more to pair, and the note says so
+    small = [r for r in every if held[r.bucket_id] < FEW_BUCKET_PAIRS and r.response.strip()][:6]
+    source = write_jsonl(tmp_path / "small.jsonl", [r.to_json() for r in small])
+    answers = write_jsonl(tmp_path / "small_answers.jsonl", [{"id": r.id, "prediction": "..." + r.response}
+                                                              for r in small])
+    code, out, err = cli(capsys, "pairs", "--records", source, "--predictions", answers, "--out",
+                         tmp_path / "small_pairs.jsonl")
+    assert code == 0 and err.strip().endswith("those buckets' records are all paired already")
+
+
 def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fit(demo_run, demo_tokenizer,
                                                                                   tmp_path, capsys):
     """`prompts --max-prompt-tokens N`: for every record, prompt_token_ids are the ids `generate` feeds

@@ -206,25 +206,27 @@ def _rows_by(keys) -> dict[str, list[int]]:
 
 
 def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str]) -> str | None:
-    """How `polyalign generate` chose the records it answered (--limit, --sample) when it read them from
+    """How `polyalign generate` chose the records it answered (--limit, --sample, --per-bucket) when it read them from
     this records file, unchanged since (its manifest's digest), and the predictions answer exactly the
     records that selection takes (generate's own `select_records` again); None otherwise: a file cut short
     or filtered since is no selection of generate's."""
     manifest = read_record(predictions_path) or {}
     settings = manifest.get("settings") or {}
-    chosen = [f"--{key} {settings[key]}" for key in ("limit", "sample") if settings.get(key) is not None]
+    chosen = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
+              if settings.get(key) is not None]
     recorded = (manifest.get("made_from") or {}).get("records")
     if not chosen or not isinstance(recorded, str) or is_uri(str(records_path)) or \
             recorded != file_digest(records_path):
         return None
     try:
         taken, _ = select_records(records, records_path, settings.get("limit"), settings.get("sample"),
-                                  int(settings.get("seed") or 0))
+                                  int(settings.get("seed") or 0), settings.get("per_bucket"))
     except (GenerationError, TypeError, ValueError):  # settings no generate wrote: no selection of its
         return None
     if {r.id for r in taken} != answered:
         return None
-    seed = f" --seed {settings['seed']}" if settings.get("sample") is not None else ""
+    seeded = settings.get("sample") is not None or settings.get("per_bucket") is not None
+    seed = f" --seed {settings['seed']}" if seeded else ""
     return f"generate {' '.join(chosen)}{seed}"
 
 

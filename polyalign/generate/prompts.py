@@ -43,7 +43,7 @@ from polyalign.tokens.tokenizer import load_tokenizer
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
-                  max_prompt_tokens: int | None = None, max_new_tokens: int | str | None = None,
+                  per_bucket: int | None = None, max_prompt_tokens: int | None = None, max_new_tokens: int | str | None = None,
                   budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
                   budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
     """`max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from the answers of
@@ -55,6 +55,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 "template": template, "limit": limit,
                 # only when sampled, so that prompts written before --sample existed keep their settings
                 **({"sample": sample, "seed": seed} if sample is not None else {}),
+                **({"per_bucket": per_bucket, "seed": seed} if per_bucket is not None else {}),
                 **({"max_prompt_tokens": max_prompt_tokens} if max_prompt_tokens is not None else {}),
                 **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}),
                 **({"budget_records": str(Path(budget_records).resolve()), "budget_quantile": budget_quantile,
@@ -63,7 +64,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
         tokenizer = load_tokenizer(checkpoint)
-        records, notes = select_records(read_records(records_path), records_path, limit, sample, seed)
+        records, notes = select_records(read_records(records_path), records_path, limit, sample, seed, per_bucket)
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)
         say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)

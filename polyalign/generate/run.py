@@ -39,8 +39,9 @@ class GenerateOptions:
     profile: the system-prompt profile of the prompts (tokens/chat.py PROFILE_MODES; None: the one the
     checkpoint was trained with, else context); template: a chat
     template name (default: the checkpoint's own); batch_size: sequences the engine decodes at once;
-    limit: the first N records; sample: a seeded random N of them, in file order; seed: of the sampling
-    (each record draws from its own seed, made from this one and its id) and of `sample`; model_name:
+    limit: the first N records; sample: a seeded random N of them, in file order; per_bucket: a seeded
+    random N of each bucket's, in file order; seed: of the sampling (each record draws from its own seed,
+    made from this one and its id) and of `sample` and `per_bucket`; model_name:
     the `model` of every row (default: the checkpoint's run folder). budget_records: `max_new_tokens
     auto`, each record budgeted by its bucket's human answers in these records (budgets.py: the
     budget_quantile of their token counts times budget_margin), sampling.max_new_tokens the ceiling.
@@ -55,6 +56,7 @@ class GenerateOptions:
     limit: int | None = None
     sample: int | None = None
     seed: int = 0
+    per_bucket: int | None = None
     model_name: str | None = None
     budget_records: str | None = None
     budget_quantile: float = 0.99
@@ -101,6 +103,8 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
                 **asdict(options)}
     # penalties and min_p recorded when asked for: predictions of earlier versions, made without them, match
     settings["sampling"] = asked_for(settings["sampling"])
+    if options.per_bucket is None:  # predictions made before --per-bucket existed keep their settings
+        del settings["per_bucket"]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
@@ -166,7 +170,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                           progress: bool, fitted: list[str]) -> dict:
     started = time.perf_counter()
     records, notes = select_records(read_records(records_path), records_path, options.limit, options.sample,
-                                    options.seed)
+                                    options.seed, options.per_bucket)
     notes = [*fitted, *notes]
 
     engine, tokenizer, chat = open_checkpoint(

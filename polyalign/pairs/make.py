@@ -20,6 +20,9 @@ from polyalign.generate.predictions import check_generated_from, iter_prediction
 PAIR_TEXT_FIELDS = ("id", "bucket_id", "language", "chosen", "rejected")
 # Pair weight: clip(1 + B g_b + C max(0, c_rej - c_cho) + L g_lang + T pi_type, LOW, HIGH)
 BUCKET_GAIN, CRITIC_GAIN, LANGUAGE_GAIN, TYPE_GAIN, WEIGHT_CLIP = 0.5, 1.0, 0.25, 0.25, (0.5, 3.0)
+# A bucket with fewer pairs than this is said: the bucket gain can weight a rare bucket's pairs up
+# (at most 1 + BUCKET_GAIN), not give a bucket with one pair or none a say in the preference step.
+FEW_BUCKET_PAIRS = 5
 
 
 def read_predictions(path: Path) -> dict[str, dict[str, Any]]:
@@ -104,7 +107,18 @@ def _make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
     write_pairs(pairs, out)
     return {"records": len(records), "predictions": len(predictions), "pairs": len(pairs), "dropped": dropped,
             "records_without_prediction": len(records) - (len(predictions) - extra),
-            "predictions_without_record": extra, "out": str(out)}
+            "predictions_without_record": extra, "out": str(out), **bucket_coverage(records, pairs)}
+
+
+def bucket_coverage(records: Sequence[Record], pairs: Sequence[dict]) -> dict:
+    """How many of the records' buckets the pairs reach: `buckets` (of the records), `few_pairs` (bucket ->
+    [pairs, records] for each with fewer than FEW_BUCKET_PAIRS pairs), so that a user whose pairs follow
+    the data's mix (one large bucket answered, the rest barely) hears it before training on them."""
+    held = Counter(r.bucket_id for r in records)
+    paired = Counter(p["bucket_id"] for p in pairs)
+    few = {bucket: [paired[bucket], count] for bucket, count in sorted(held.items())
+           if paired[bucket] < FEW_BUCKET_PAIRS}
+    return {"buckets": len(held), "few_pairs": few, "few_below": FEW_BUCKET_PAIRS}
 
 
 def write_pairs(pairs: Sequence[dict], out) -> None:
