@@ -821,7 +821,8 @@ def _run_prompts(args) -> int:
 
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
                             limit=args.limit, sample=args.sample, seed=args.seed,
-                            per_bucket=args.per_bucket, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                            per_bucket=args.per_bucket, max_prompt_tokens=args.max_prompt_tokens,
+                            max_new_tokens=args.max_new_tokens,
                             budget_records=_budget_records(args), budget_quantile=args.budget_quantile,
                             budget_margin=args.budget_margin, budget_ceiling=args.budget_ceiling,
                             overwrite=args.overwrite)
@@ -1132,7 +1133,8 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
                  "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
                  "--per-bucket": COUNT, "--seed": SEED},
-    "prompts": {"--limit": COUNT, "--sample": COUNT, "--per-bucket": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT, **BUDGET_RANGES},
+    "prompts": {"--limit": COUNT, "--sample": COUNT, "--per-bucket": COUNT, "--seed": SEED, "--max-prompt-tokens": COUNT,
+                **BUDGET_RANGES},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},

@@ -43,7 +43,8 @@ from polyalign.tokens.tokenizer import load_tokenizer
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
-                  per_bucket: int | None = None, max_prompt_tokens: int | None = None, max_new_tokens: int | str | None = None,
+                  per_bucket: int | None = None, max_prompt_tokens: int | None = None,
+                  max_new_tokens: int | str | None = None,
                   budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
                   budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
     """`max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from the answers of
