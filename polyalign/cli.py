@@ -224,7 +224,9 @@ def _add_tokenizer(sub) -> None:
     train = actions.add_parser("train", help="train a SentencePiece model on a records file",
                                description="Train a bilingual SentencePiece tokenizer on prepared records.",
                                epilog=TOKENIZER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/train.jsonl")
+    train.add_argument("--records", required=True, type=Path,
+                       help="records JSONL, e.g. RUN/data/train.jsonl, or a prepared RUN folder (its train split, "
+                            "one file or a Beam prepare's shards)")
     train.add_argument("--vocab-size", required=True, type=int, help="vocabulary size, e.g. 8000")
     train.add_argument("--out", required=True, type=Path, help="output directory")
     train.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram", help="default: unigram")

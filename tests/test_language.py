@@ -93,3 +93,48 @@ def test_en_chat_and_zh_qa_without_language_prepare_keeping_every_row(monkeypatc
     assert chats["read"] == len(rows) < chats["records"]  # a dialogue row becomes a record per reply
     assert reading["detected_languages"] == {"zh": reading["records"]} and reading["kept"] == reading["read"] == 1002
     assert ("lingua not installed" in manifest["language_detection"]) is not lingua
+
+
+def _conversation(user: str, reply: str) -> tuple[str, str, str]:
+    """(reply, prompt, conversation) as a two-turn chat export's record reaches the chooser."""
+    return reply, user, f"{user}\n{reply}"
+
+
+def _shared_rows():
+    """Real conversations whose language the dialogue rule once got wrong: a CMRC 2018 passage listing
+    English song titles answered with a Chinese name; a CMRC question answered with a Vietnamese bank's
+    Latin-script name; a SegmentFault question that is mostly JavaScript; an English question about a
+    Polish village, its passage full of Polish names."""
+    from tests.conftest import SHARED_DATA
+
+    def squad(path, question):
+        document = json.loads((SHARED_DATA / path).read_text(encoding="utf-8"))
+        return next((p["context"], qa["answers"][0]["text"]) for a in document["data"] for p in a["paragraphs"]
+                    for qa in p["qas"] if qa["question"] == question) + (question,)
+
+    context, answer, question = squad("zh/cmrc2018/cmrc2018_dev.json", "铺轨（Making Tracks）的主演员是谁？")
+    songs = _conversation(f"{context}\n\n问题：{question}", answer)
+    context, answer, question = squad("zh/cmrc2018/cmrc2018_trial.json", "西贡商业信用银行的英文名是什么？")
+    bank = _conversation(f"{context}\n\n问题：{question}", answer)
+    with open(SHARED_DATA / "zh/coig-cqia/segmentfault/segmentfault_upvote5_clean.jsonl", encoding="utf-8") as rows:
+        row = next(r for r in map(json.loads, rows) if r["output"].startswith("执行效率没什么问题"))
+    code = _conversation(f"{row['instruction']}\n{row['input']}".strip(), row["output"])
+    sample = json.loads((SHARED_DATA / "en/polyalign-sample/dist_sft_test.json").read_text(encoding="utf-8"))
+    row = next(r for r in sample if r["output"].startswith("Laskowice is a village"))
+    village = _conversation(f"{row['instruction']}\n\n{row['input']}", row["output"])
+    return songs, bank, code, village
+
+
+def test_a_conversation_keeps_its_language_unless_a_clear_reply_says_otherwise_and_other_needs_both():
+    songs, bank, code, village = _shared_rows()
+    assert language.read_script(songs[2]).share < 0.8 and language.read_script(songs[0]).weighed < 10
+    assert "```" in code[2] and language.read_script(code[2]).language == "zh"  # code is no language
+    chooser = LanguageChooser(["en", "zh"])
+    assert [chooser.choose(*row) for row in (songs, bank, code, village)] == ["zh", "zh", "zh", "en"]
+    # the single-row rule is unchanged by these: a row is not a conversation
+    assert LanguageChooser(["en", "zh"]).choose(village[0], village[1]) == "en"
+    # a reply clearly in another script of a clear conversation still decides (an English reply to a
+    # Chinese request), and a Latin-script conversation lingua calls another language stays `other`
+    dutch = ("De dag dat Jezus gekruisigd werd", "Wat is goede vrijdag?")  # the PolyAlign sample's Dutch row
+    assert chooser.choose(*_conversation(*reversed(dutch))) == "other"
+    assert chooser.choose(village[0], songs[1], f"{songs[1]}\n{village[0]}") == "en"

@@ -20,6 +20,7 @@ from apache_beam.metrics.metric import Metrics, MetricsFilter
 
 from polyalign.beam import pipeline_options
 from polyalign.data.bucketing import WeightOptions, weight_warnings
+from polyalign.data.layout import split_files
 from polyalign.data.records import Record
 from polyalign.inputs.build import (
     SPLITS,
@@ -31,7 +32,6 @@ from polyalign.inputs.build import (
     encode_record,
     probe_records,
     require_records,
-    split_files,
     tokenizer_and_template,
     write_dataset,
     write_manifest,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -38,6 +39,7 @@ from polyalign.data.dedup import (
     minhash_signature,
 )
 from polyalign.data.importers import read_file, rows_in_file
+from polyalign.data.layout import clear_outputs, file_label, stale_note
 from polyalign.data.prepare import (
     ON_ERROR_MODES,
     AgreementCounts,
@@ -50,6 +52,7 @@ from polyalign.data.prepare import (
     label_votes,
     load_context,
     near_duplicate_report,
+    prepare_meaning,
     prepare_settings,
     quarantine_row,
     unit_votes,
@@ -221,7 +224,7 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
     with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-                      ours=[data_dir / f"{split}.jsonl" for split in SPLITS], key=None):
+                      ours=[data_dir / f"{split}.jsonl" for split in SPLITS], key=None, view=prepare_meaning):
         return _run_pipeline(context, data_dir, on_error, beam_options, num_shards, started)
 
 
@@ -229,8 +232,9 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
                   num_shards: int, started: float) -> dict[str, Any]:
     config = context.config
     data_dir.mkdir(parents=True, exist_ok=True)
+    if note := stale_note(data_dir, clear_outputs(data_dir, num_shards)):
+        print(note, file=sys.stderr)
     events_dir = data_dir / EVENTS_DIR
-    shutil.rmtree(events_dir, ignore_errors=True)
     options = pipeline_options(beam_options)
     specs = [(s, f) for s, files in enumerate(context.source_files) for f in range(len(files))]
     multi_file = [(s, f) for s, f in specs if len(context.source_files[s]) > 1]
@@ -387,10 +391,10 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
     dedup_report: dict[str, Any] = {"enabled": config.dedup, "group_protection": {"moved": dict(sorted(moved.items()))}}
     if config.dedup:
         dedup_report["exact"] = {"removed": sum(kinds.values()), "by_kind": dict(sorted(kinds.items())),
-                                 "file": EXACT_DUPLICATES_FILE}
+                                 "file": file_label(Path(EXACT_DUPLICATES_FILE).stem, num_shards)}
     near = config.near_dedup
     if config.dedup and near.enabled:
-        dedup_report["near_duplicates"] = near_duplicate_report(near, read_near_duplicates(data_dir))
+        dedup_report["near_duplicates"] = near_duplicate_report(near, read_near_duplicates(data_dir), num_shards)
     else:
         dedup_report["near_duplicates"] = {"enabled": False}
     runner = options.view_as(beam.options.pipeline_options.StandardOptions).runner

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -88,26 +88,31 @@ def settings_record(settings: Mapping[str, Any]) -> dict[str, Any]:
 def check_settings(output: str | os.PathLike, record: str | os.PathLike, settings: Mapping[str, Any],
                    overwrite: bool, ours: Iterable[str | os.PathLike] = (), key: str | None = "settings",
                    elsewhere: str = "give another --out", paths: Iterable[str] = (),
-                   legacy: Mapping[str, Any] | None = None) -> None:
+                   legacy: Mapping[str, Any] | None = None,
+                   view: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """Refuses to write `output` over what other settings made. `record` is the JSON file holding the
     earlier run's settings under `key`; `ours` are the paths the stage writes (when one exists without
     a record, it is not known to be polyalign's, and is not replaced either). With `key` None the settings
     sit at the record's top level, beside what else it holds (prepare's manifest). `paths` are settings
     that name a file or folder: compared as core/paths.py recorded_path keeps them, so a record written
     with a relative path still matches the same path spelled another way. `legacy`: the value a setting
-    had before records kept it (a record without the key was made with that value)."""
+    had before records kept it (a record without the key was made with that value). `view`: what the
+    settings mean, applied to both sides before they are compared (prepare's reads the config's defaults
+    in, so a config that writes out a default matches one that leaves it)."""
     if overwrite:
         return
     record = Path(record)
     settings = _with_recorded_paths(settings, paths)
+    seen = view or (lambda recorded: recorded)
     if not record.is_file():
         present = [str(p) for p in ours if Path(p).exists()]
         started = _with_legacy(_with_recorded_paths(_saved_settings(started_record(record)), paths), legacy)
         if present and started is not None:  # this stage's own unfinished output: the same command redoes it
-            changed = differing_keys(started, settings_record(settings))
+            started, current = seen(started), seen(settings_record(settings))
+            changed = differing_keys(started, current)
             if changed:
                 raise ConfigError(f"{output}: an unfinished run with other settings was writing here "
-                                  f"({describe_changes(changed, started, settings_record(settings))}); run that "
+                                  f"({describe_changes(changed, started, current)}); run that "
                                   "command again to finish it, or pass --overwrite to replace it")
             return
         if present:
@@ -118,7 +123,7 @@ def check_settings(output: str | os.PathLike, record: str | os.PathLike, setting
     if saved is None:
         raise ConfigError(f"{record}: does not record the settings that made {output}; pass --overwrite to "
                           f"replace it, or {elsewhere}")
-    current = settings_record(settings)
+    saved, current = seen(saved), seen(settings_record(settings))
     changed = differing_keys(saved, current)
     if changed:
         raise ConfigError(f"{output}: made with other settings ({describe_changes(changed, saved, current)}); pass "
@@ -155,13 +160,14 @@ def check_output(output: str | os.PathLike, record: str | os.PathLike, settings:
                  overwrite: bool, ours: Iterable[str | os.PathLike] = (),
                  inputs: Mapping[str, str | os.PathLike | None] | None = None, elsewhere: str = "give another --out",
                  option: str = "--out", key: str | None = "settings", paths: Iterable[str] = (),
-                 legacy: Mapping[str, Any] | None = None) -> None:
+                 legacy: Mapping[str, Any] | None = None,
+                 view: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """stage_output's refusals alone, for a stage writing several outputs: it checks every one before it
     starts writing any, so a refusal of the second leaves no trace of the first."""
     if inputs:
         refuse_output_as_input(output, inputs, option)
     check_settings(output, record, settings, overwrite, ours, key=key, elsewhere=elsewhere, paths=paths,
-                   legacy=legacy)
+                   legacy=legacy, view=view)
 
 
 @contextlib.contextmanager
@@ -183,15 +189,16 @@ def stage_output(output: str | os.PathLike, record: str | os.PathLike, settings:
                  inputs: Mapping[str, str | os.PathLike | None] | None = None,
                  lock: OutputLock | None = None, elsewhere: str = "give another --out",
                  option: str = "--out", key: str | None = "settings", paths: Iterable[str] = (),
-                 legacy: Mapping[str, Any] | None = None) -> Iterator[None]:
+                 legacy: Mapping[str, Any] | None = None,
+                 view: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Iterator[None]:
     """The prologue and epilogue a stage's output shares: the output is none of its `inputs`, is not written
     over what other settings made (`check_settings`), is held by one writer (`lock`, default OUT's), and
     carries its settings as started while it is written. A run interrupted before its `record` is written
     thus restarts with the same command, which recognises its own unfinished output, while another
     command is refused naming the settings that differ. `option` names the output in refusals; `key` is
-    where the record keeps the settings, `paths` which of them name files and `legacy` the values older
-    records left unsaid (check_settings)."""
-    check_output(output, record, settings, overwrite, ours, inputs, elsewhere, option, key, paths, legacy)
+    where the record keeps the settings, `paths` which of them name files, `legacy` the values older
+    records left unsaid and `view` what they mean (check_settings)."""
+    check_output(output, record, settings, overwrite, ours, inputs, elsewhere, option, key, paths, legacy, view)
     started = started_record(record)
     lock = lock if lock is not None else OutputLock(Path(output))
     output = Path(output)

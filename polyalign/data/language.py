@@ -135,13 +135,20 @@ class ScriptReading:
     weighed: int  # letters, a CJK character counting 3
 
 
-# TeX math and commands ($...$, $$...$$, \\frac) are no language: COIG's answers are full of them.
-_MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]*\$|\\[A-Za-z]+", re.DOTALL)
+# Code and TeX are no language: a Chinese question about JavaScript is Chinese however long its code
+# block (SegmentFault), and COIG's answers are full of math. Fenced blocks, inline code, $...$, $$...$$
+# and TeX commands (\\frac) are left out before a text is read.
+_NOT_PROSE = re.compile(r"```.*?(?:```|$)|`[^`\n]+`|\$\$.*?\$\$|\$[^$\n]*\$|\\[A-Za-z]+", re.DOTALL)
+
+
+def prose(text: str) -> str:
+    """`text` less its code and math (`_NOT_PROSE`)."""
+    return _NOT_PROSE.sub(" ", text)
 
 
 def read_script(text: str) -> ScriptReading:
-    """The script most of `text`'s letters are in (TeX math left out), its share and the letter count."""
-    text = _MATH.sub(" ", text)
+    """The script most of `text`'s letters are in (code and TeX left out), its share and the letter count."""
+    text = prose(text)
     counts = _script_counts(text)
     weighed = {script: n * (3 if script in ("han", "kana", "hangul") else 1) for script, n in counts.items()}
     total = sum(weighed.values())
@@ -190,11 +197,12 @@ class LanguageChooser:
     """A record's language among `languages` (the scheme's) plus `other`.
 
     - Script first: text mostly in Chinese characters is zh, with enough kana ja, Hangul ko.
-    - The text decided on (TeX math left out): a conversation's whole text (one language per
-      dialogue), unless the record's response is clearly (80% of at least 20 weighed letters) in
-      another script, when the response decides. A single row: its response when that is clearly in
-      one script (80% of at least 10 weighed letters) and the prompt (context and question) is not
-      clearly in another and longer; otherwise the whole row. So a Chinese question quoting a long
+    - The text decided on (code and TeX math left out): a conversation's whole text (one language per
+      dialogue), unless the record's response is clearly (80% of at least 20 weighed letters, 5 in a
+      mixed conversation) in another script, when the response decides (`_in_conversation`). A
+      single row: its response when that is clearly in one script (80% of at least 10 weighed
+      letters) and the prompt (context and question) is not clearly in another and longer;
+      otherwise the whole row. So a Chinese question quoting a long
       English title is decided by its Chinese answer, and a Chinese passage's answer naming English
       terms stays zh.
     - Latin script: with lingua installed (over the major Latin-script languages), it chooses among
@@ -221,14 +229,7 @@ class LanguageChooser:
 
     def choose(self, response: str, prompt: str, conversation: str | None = None) -> str:
         if conversation is not None:
-            reading = read_script(response)
-            if self._conversation[0] is not conversation:
-                self._conversation = (conversation, self._name(conversation, read_script(conversation)))
-            language = self._conversation[1]
-            if reading.weighed >= 2 * _MIN_WEIGHED and reading.share >= _CLEAR_SHARE \
-                    and reading.language != read_script(conversation).language:
-                return self._name(response, reading)
-            return language
+            return self._in_conversation(response, conversation)
         reading, asked = read_script(response), read_script(prompt)
         whole = f"{prompt}\n{response}"
         response_decides = reading.weighed >= _MIN_WEIGHED and reading.share >= _CLEAR_SHARE and not (
@@ -241,20 +242,39 @@ class LanguageChooser:
             return OTHER if named == {OTHER} else min(named - {OTHER})
         return self._name(response, reading)
 
+    def _in_conversation(self, response: str, conversation: str) -> str:
+        """A reply's language in a conversation, which decides unless the reply is clearly in another
+        script: 20 weighed letters of it where the conversation is clearly in one script, 5 (two Chinese
+        characters) where it is mixed (a Chinese passage listing English song titles, answered with a
+        name in Chinese characters). `other` needs both to say so: a foreign name as the reply of a
+        Chinese conversation stays zh, an English conversation about a Polish village stays en."""
+        reading = read_script(response)
+        if self._conversation[0] is not conversation:
+            whole = read_script(conversation)
+            self._conversation = (conversation, (self._name(conversation, whole), whole))
+        language, whole = self._conversation[1]
+        enough = 2 * _MIN_WEIGHED if whole.share >= _CLEAR_SHARE else _MIN_WEIGHED // 2
+        if reading.weighed >= enough and reading.share >= _CLEAR_SHARE and reading.language != whole.language:
+            named = self._name(response, reading)
+            return language if named == OTHER and language != OTHER else named
+        if language == OTHER and reading.weighed >= _MIN_WEIGHED:
+            return self._name(response, reading)
+        return language
+
     def _name(self, text: str, reading: ScriptReading) -> str:
         if reading.language in CJK_LANGUAGES or reading.language == UNDETERMINED:
             return reading.language
         if reading.language == "latin":
             if not self.lingua:
                 return self.latin[0] if self.latin else OTHER
-            code, confidence = _latin_code(text)
+            code, confidence = _latin_code(prose(text))
             if code in self.latin:
                 return code
-            if code != UNDETERMINED and confidence >= _OTHER_CONFIDENCE and _script_counts(text)["latin"] >= \
+            if code != UNDETERMINED and confidence >= _OTHER_CONFIDENCE and _script_counts(prose(text))["latin"] >= \
                     _MIN_LETTERS_FOR_DETECTOR or not self.latin:
                 return OTHER
             return self.latin[0]
         if not self.lingua:
             return OTHER
-        code, _ = _lingua_code(unicodedata.normalize("NFC", text))
+        code, _ = _lingua_code(unicodedata.normalize("NFC", prose(text)))
         return code if code in self.languages else OTHER

@@ -7,10 +7,12 @@ quarantine, rows the format excludes, languages outside the scheme, duplicates).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import difflib
 import json
 import os
+import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -21,7 +23,7 @@ from typing import Any
 
 import polyalign
 from polyalign.core.errors import PolyalignError, PrepareError
-from polyalign.core.outputs import no_empty_folder_left, stage_output
+from polyalign.core.outputs import no_empty_folder_left, settings_record, stage_output
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
@@ -37,6 +39,7 @@ from polyalign.data.dedup import (
 from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers.reading import source_files
 from polyalign.data.language import LanguageChooser, contradicting_script
+from polyalign.data.layout import clear_outputs, file_label, stale_note
 from polyalign.data.records import (
     AFTER_QUESTION,
     PROFILE_PREAMBLE,
@@ -59,6 +62,9 @@ SOURCE_SPLITS = (*SPLITS, "auto")
 # Families in which an empty response is a real answer (an unanswerable QA question) and is kept.
 EMPTY_ANSWER_FAMILIES = ("qa",)
 AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
+# A row's own language label outside the scheme is a language the user keeps out (dropped, counted) when
+# it is an ISO 639 code (fr, yue, zh-Hant); anything else ("english", "EN") is a mistake in the row.
+LANGUAGE_CODE = re.compile(r"^[a-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})*$")
 
 
 @dataclass(frozen=True)
@@ -336,12 +342,18 @@ class RecordBuilder:
         history = self.system_turns(history, tally)
         labels = self.labels(example, source, tally)
         declared = example.labels.get("language") or source.language
+        scheme_languages = self.scheme.values["language"]
+        if example.labels.get("language") not in (None, *scheme_languages) and \
+                not LANGUAGE_CODE.match(example.labels["language"]):
+            raise RowProblem(f"language {example.labels['language']!r} is no language code: the scheme's are "
+                             f"{', '.join(scheme_languages)} (a row labelled with another one, e.g. fr, is dropped "
+                             "as language_not_in_scheme:fr)")
         language = declared
         if language is None:
             prompt = "\n".join([context, *(t["text"] for t in history if t["role"] != "system"), question])
             language = self.languages.choose(response, prompt, example.conversation)
             tally.detected_languages[language] += 1
-        if language not in self.scheme.values["language"]:
+        if language not in scheme_languages:
             return Skipped(example.location, f"language_not_in_scheme:{language}")
         if declared is not None and (script := contradicting_script(language, response)) is not None:
             # kept under the declared label (it is the user's), but counted: a mislabelled source
@@ -480,11 +492,12 @@ def _checked_sources(config: DataConfig, roots: list[Path], config_path: Path, s
     return files
 
 
-def near_duplicate_report(options: NearDuplicateOptions, pairs: list[tuple[str, str, float]]) -> dict[str, Any]:
+def near_duplicate_report(options: NearDuplicateOptions, pairs: list[tuple[str, str, float]],
+                          num_shards: int = 1) -> dict[str, Any]:
     flagged = {train_id for train_id, _, _ in pairs}
     return {
         **asdict(options), "pairs": len(pairs), "train_records": len(flagged),
-        "removed": len(flagged) if options.remove else 0, "file": "near_duplicates.jsonl",
+        "removed": len(flagged) if options.remove else 0, "file": file_label("near_duplicates", num_shards),
         "examples": [{"train_id": a, "test_id": b, "jaccard": s} for a, b, s in pairs[:20]],
     }
 
@@ -493,6 +506,7 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
                       quarantined: int, agreement: AgreementCounts, timings: dict[str, float],
                       engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest both engines write; checks that every row read is accounted for."""
+    num_shards = (engine or {}).get("num_shards", 1)
     sources_json = [t.to_json() for t in tallies]
     for entry in sources_json:
         accounted = entry["kept"] + sum(entry["dropped"].values())
@@ -530,11 +544,11 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
         "warnings": warnings,
         "dedup": dedup_report,
         # well-formed rows left out as they were read, one line each (dedup's are in "dedup")
-        "dropped_rows": {"file": "dropped.jsonl", "rows": sum(
+        "dropped_rows": {"file": file_label("dropped", num_shards), "rows": sum(
             sum(t.dropped.values()) - t.dropped["malformed"] - sum(sum(c.values()) for c in t.dropped_by_split.values())
             for t in tallies)},
         "quarantine": {"enabled": on_error == "quarantine", "rows": quarantined,
-                       **({"file": "quarantine.jsonl"} if on_error == "quarantine" else {})},
+                       **({"file": file_label("quarantine", num_shards)} if on_error == "quarantine" else {})},
         **agreement.to_manifest(),
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
@@ -571,6 +585,17 @@ def prepare_settings(context: PrepareContext, on_error: str) -> dict[str, Any]:
     return {"config": context.raw_config, "on_error": on_error}
 
 
+def prepare_meaning(settings: dict[str, Any]) -> dict[str, Any]:
+    """Recorded prepare settings as they take effect: the config with its defaults read in, so that
+    `split.seed=42` (the default, written out) matches a config that leaves it. A recorded config this
+    version cannot read is compared as written."""
+    try:
+        config = from_mapping(DataConfig, copy.deepcopy(settings["config"]), "the recorded config")
+    except (PolyalignError, KeyError, TypeError, ValueError):
+        return settings
+    return {**settings, "config": settings_record(asdict(config))}
+
+
 def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),
             progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Run the data pipeline on this machine; returns the manifest (also written to OUT/data/manifest.json).
@@ -581,7 +606,8 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     # a first prepare stopped by a bad row leaves neither OUT/data nor OUT behind
     with no_empty_folder_left(Path(out)), stage_output(
             data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-            ours=[data_dir / f"{split}.jsonl" for split in ("train", "val", "test")], key=None):
+            ours=[data_dir / f"{split}.jsonl" for split in ("train", "val", "test")], key=None,
+            view=prepare_meaning):
         return _prepare(context, data_dir, on_error, progress)
 
 
@@ -593,6 +619,8 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
                for source, files in zip(config.sources, context.source_files)]
 
     data_dir.mkdir(parents=True, exist_ok=True)
+    if note := stale_note(data_dir, clear_outputs(data_dir, num_shards=1)):
+        print(note, file=sys.stderr)
     sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
     dropped = DroppedRows(data_dir / "dropped.jsonl")
     records: list[Record] = []
@@ -722,6 +750,11 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
     if built.response == "" and built.family not in EMPTY_ANSWER_FAMILIES:
         # an empty reply would teach a model to answer with nothing; only a QA "no answer" is a real one
         drop("empty_response", "")
+        return None
+    if not built.question.strip() and not built.context.strip():
+        # a reply to an empty user turn (an attachment-only message, a logging gap) answers nothing the
+        # model is shown: it would learn to say this unprompted
+        drop("empty_question", item.response)
         return None
     tally.empty_responses += int(built.response == "")
     return built

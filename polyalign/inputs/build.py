@@ -38,6 +38,7 @@ from polyalign.data.bucketing import (
     weight_options,
     weight_warnings,
 )
+from polyalign.data.layout import split_files
 from polyalign.data.records import Record, read_records
 from polyalign.inputs.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.model.architecture import checkpoint_family
@@ -187,17 +188,6 @@ def check_options(options: BuildOptions) -> None:
         raise ConfigError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {options.truncation!r}")
     if options.max_length < 8:
         raise ConfigError(f"max_length {options.max_length} is too short for a chat template")
-
-
-def split_files(run: Path, split: str) -> list[Path]:
-    """A prepared split: RUN/data/SPLIT.jsonl, or the shards RUN/data/SPLIT-*-of-*.jsonl of a Beam prepare."""
-    data = Path(run) / "data"
-    files = ([data / f"{split}.jsonl"] if (data / f"{split}.jsonl").is_file()
-             else sorted(data.glob(f"{split}-*-of-*.jsonl")))
-    if not files:
-        raise ConfigError(f"{data / f'{split}.jsonl'}: missing; run `polyalign prepare` (or the demo's prepare "
-                          "stage) first")
-    return files
 
 
 def probe_records(run: Path, count: int = PROBE_RECORDS) -> list[Record]:

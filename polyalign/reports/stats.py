@@ -26,6 +26,7 @@ from polyalign.data.bucketing import (
     load_scheme,
     weight_warnings,
 )
+from polyalign.data.layout import split_files
 from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
@@ -46,12 +47,7 @@ def _load_run(run: Path) -> tuple[dict[str, Any], dict[str, list[Record]]]:
     if not manifest_path.is_file():
         raise StatsError(f"{run}: no data/manifest.json; run `polyalign prepare --config CONFIG --out {run}` first")
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    records = {}
-    for split in SPLITS:
-        path = data / f"{split}.jsonl"
-        if not path.is_file():
-            raise StatsError(f"{path}: missing; the run directory is incomplete, rerun prepare")
-        records[split] = read_records(path)
+    records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
     return manifest, records
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from polyalign.core.errors import TokenizerError
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import file_digest
+from polyalign.data.layout import split_files
 from polyalign.data.records import read_records
 from polyalign.tokens.chat import POLYALIGN_SPECIAL_TOKENS
 from polyalign.tokens.tokenizer import SentencePieceTokenizer, train_sentencepiece
@@ -38,12 +39,16 @@ MIN_VOCAB_SIZE = 300
 
 def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,
                        overwrite: bool = False, **options) -> tuple[SentencePieceTokenizer, dict]:
-    """Trains on a records file (e.g. RUN/data/train.jsonl) and reports characters per token by
-    language (written to OUT/tokenizer_report.json, with the settings and the records' digest). A
-    tokenizer made with other settings is not replaced unless `overwrite`."""
+    """Trains on a records file (e.g. RUN/data/train.jsonl), or a prepared run folder's train split in
+    either layout (one file, or a Beam prepare's shards), and reports characters per token by language
+    (written to OUT/tokenizer_report.json, with the settings and the records' digests). A tokenizer made
+    with other settings is not replaced unless `overwrite`."""
     records_path, out_dir = Path(records_path), Path(out_dir)
-    if not records_path.is_file():
-        raise TokenizerError(f"{records_path}: no such records file")
+    if not records_path.exists():
+        shards = sorted(records_path.parent.glob(f"{records_path.stem}-*-of-*.jsonl"))
+        beside = (f"; a sharded prepare wrote {shards[0].name}, ...: give the run folder "
+                  f"{records_path.parent.parent} to train on its {records_path.stem} split" if shards else "")
+        raise TokenizerError(f"{records_path}: no such records file{beside}")
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"vocab size {vocab_size} is too small: at least {MIN_VOCAB_SIZE} (the byte fallback "
                              "alone takes 256 pieces); 8000 suits the demo data")
@@ -56,7 +61,8 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
 
 def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
            options: dict) -> tuple[SentencePieceTokenizer, dict]:
-    records = read_records(records_path)
+    files = split_files(records_path, "train") if records_path.is_dir() else [records_path]
+    records = [record for path in files for record in read_records(path)]
     if not records:
         raise TokenizerError(f"{records_path}: no records to train on")
     started = time.perf_counter()
@@ -73,6 +79,8 @@ def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
     report = {"records": str(records_path), "num_records": len(records), "vocab_size": tokenizer.vocab_size,
               "train_seconds": round(seconds, 2),
               "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)},
-              "settings": settings, "made_from": {"records": file_digest(records_path)}}
+              "settings": settings,
+              "made_from": {"records": file_digest(files[0])} if len(files) == 1 else
+              {"records": {path.name: file_digest(path) for path in files}}}
     (out_dir / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return tokenizer, report

@@ -1,0 +1,97 @@
+"""Where a prepared run keeps its files: RUN/data/NAME.jsonl, or the shards NAME-SSSSS-of-NNNNN.jsonl of
+a Beam prepare with `--num-shards N`. The manifest's `engine.num_shards` says which layout the last
+prepare wrote, so that every reader (build, stats, the tokenizer) reads that layout and nothing an
+earlier prepare of the other layout left."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from polyalign.core.yaml_config import ConfigError
+
+# Every file a prepare writes in RUN/data, by stem (data/prepare.py and beam/prepare.py).
+OUTPUT_STEMS = ("train", "val", "test", "dropped", "quarantine", "exact_duplicates", "near_duplicates")
+# What a Beam run leaves in RUN/data while it writes, or when it is stopped: its temporary shards and
+# the event counts the manifest is summed from.
+BEAM_LEFTOVERS = ("beam-temp-*", "_beam_events")
+_SHARD = re.compile(r"^(?P<stem>[a-z_]+)-\d{5}-of-(?P<count>\d{5})\.jsonl$")
+
+
+def file_names(stem: str, num_shards: int) -> list[str]:
+    """The names a prepare writing `num_shards` shards gives the output `stem`."""
+    if num_shards == 1:
+        return [f"{stem}.jsonl"]
+    return [f"{stem}-{index:05d}-of-{num_shards:05d}.jsonl" for index in range(num_shards)]
+
+
+def file_label(stem: str, num_shards: int) -> str:
+    """How the manifest and the console name an output: its file, or the pattern of its shards."""
+    return f"{stem}.jsonl" if num_shards == 1 else f"{stem}-*-of-{num_shards:05d}.jsonl"
+
+
+def recorded_shards(data_dir: Path) -> int | None:
+    """The shard count the run's manifest records (1 for a single-machine prepare), or None without a
+    manifest it can read."""
+    try:
+        manifest = json.loads((Path(data_dir) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    engine = manifest.get("engine") if isinstance(manifest, dict) else None
+    return int(engine.get("num_shards", 1)) if isinstance(engine, dict) else 1
+
+
+def split_files(run: Path, split: str) -> list[Path]:
+    """A prepared split's files in the layout the manifest records. Without a manifest, whichever layout
+    is there; both there is refused, since one of them is an earlier prepare's."""
+    data = Path(run) / "data"
+    num_shards = recorded_shards(data)
+    if num_shards is not None:
+        files = [data / name for name in file_names(split, num_shards)]
+        missing = [path for path in files if not path.is_file()]
+        if missing:
+            raise ConfigError(f"{missing[0]}: missing ({data / 'manifest.json'} records "
+                              f"{file_label(split, num_shards)}); the run directory is incomplete: run its "
+                              "`polyalign prepare` again")
+        return files
+    single, shards = data / f"{split}.jsonl", sorted(data.glob(f"{split}-*-of-*.jsonl"))
+    if single.is_file() and shards:
+        raise ConfigError(f"{data}: holds both {single.name} and {len(shards)} shards {shards[0].name}, ... and no "
+                          "manifest.json to say which is the prepared split; prepare it again with --overwrite")
+    if not single.is_file() and not shards:
+        raise ConfigError(f"{single}: missing; run `polyalign prepare` (or the demo's prepare stage) first")
+    return [single] if single.is_file() else shards
+
+
+def clear_outputs(data_dir: Path, num_shards: int) -> list[str]:
+    """Removes every file an earlier prepare wrote in RUN/data, of either layout, and a stopped Beam run's
+    leftovers, before a prepare writing `num_shards` shards starts (stage_output has allowed it): what it
+    does not write again must not stay beside what it writes. Only names a prepare writes are touched.
+    Returns the removed names this prepare will not write again (another layout's, leftovers), for a note."""
+    data_dir = Path(data_dir)
+    current = {name for stem in OUTPUT_STEMS for name in file_names(stem, num_shards)}
+    removed = []
+    for path in sorted(data_dir.glob("*.jsonl")):
+        shard = _SHARD.match(path.name)
+        if path.stem in OUTPUT_STEMS or (shard is not None and shard["stem"] in OUTPUT_STEMS):
+            path.unlink()
+            removed += [] if path.name in current else [path.name]
+    for pattern in BEAM_LEFTOVERS:
+        for path in sorted(data_dir.glob(pattern)):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def stale_note(data_dir: Path, removed: list[str]) -> str | None:
+    """One line naming what `clear_outputs` removed that this prepare does not write again, or None."""
+    if not removed:
+        return None
+    shown = ", ".join(removed[:4]) + (f" and {len(removed) - 4} more" if len(removed) > 4 else "")
+    return (f"note: removed {len(removed)} file(s) an earlier prepare left in {data_dir} that this one did not "
+            f"write ({shown}), so that nothing reads them as this run's data")
