@@ -36,7 +36,12 @@ def beam_build(run: Path, options: BuildOptions) -> dict:
 
 
 def comparable(manifest: dict) -> dict:
-    return {k: v for k, v in manifest.items() if k not in RUN_DEPENDENT}
+    """A manifest less what differs by engine and layout: the files it names (one file, or shards)."""
+    kept = json.loads(json.dumps({k: v for k, v in manifest.items() if k not in RUN_DEPENDENT}))
+    for entry in (kept["dropped_rows"], kept["quarantine"], kept["dedup"].get("exact", {}),
+                  kept["dedup"]["near_duplicates"]):
+        entry.pop("file", None)
+    return kept
 
 
 def lines(data: Path, name: str) -> list[str]:
@@ -90,6 +95,12 @@ def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(d
     for name in ("train", "val", "test", "near_duplicates", "exact_duplicates", "dropped"):
         assert lines(beam_run / "data", name) == lines(local_run / "data", name), name
     assert len(list((beam_run / "data").glob("train-*-of-00002.jsonl"))) == 2
+    assert (beam_manifest["dropped_rows"]["file"], beam_manifest["dedup"]["exact"]["file"]) == (
+        "dropped-*-of-00002.jsonl", "exact_duplicates-*-of-00002.jsonl")
+    # stats reads the shards (this environment, no Beam) and counts what the single-machine run holds
+    from polyalign.reports.stats import compute_stats
+
+    assert compute_stats(beam_run, progress=False)["counts"]["by_split"] == local_manifest["totals"]["by_split"]
 
     # build from the Beam prepare's shards, with Beam, equals the single-machine build of the local prepare
     options = BuildOptions(tokenizer=str(demo_tokenizer[0].path.parent), max_length=64)
@@ -103,6 +114,12 @@ def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(d
         local_rows = dataset_rows(local_run, split)
         assert len(local_rows) == local_build_manifest["splits"][split]["examples"] > 200
         assert dataset_rows(beam_run, split) == local_rows, split
+
+    # the single-machine prepare into the Beam run's folder leaves none of its shards for a reader to meet
+    prepare(config, beam_run, progress=False)
+    assert not list((beam_run / "data").glob("*-of-*.jsonl"))
+    for name in ("train", "val", "test", "near_duplicates", "exact_duplicates", "dropped"):
+        assert (beam_run / "data" / f"{name}.jsonl").read_bytes() == (local_run / "data" / f"{name}.jsonl").read_bytes()
 
 
 def _edge_case_config(tmp_path: Path) -> Path:

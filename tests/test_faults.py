@@ -229,6 +229,42 @@ def test_empty_response_is_kept_in_qa_dropped_elsewhere_and_null_is_an_error(tmp
     assert source["records"] == source["kept"] + 1 and source["read"] == 1  # one dialogue row, a record per reply
 
 
+def test_a_reply_to_an_empty_user_turn_is_dropped_unless_a_passage_is_its_prompt(tmp_path):
+    """A reply to an empty user turn answers nothing the model is shown: dropped as empty_question,
+    listed with its reply, counted; the rest of the dialogue is kept. A QA row whose passage is its whole
+    prompt (a CMRC question left empty) keeps its record."""
+    dialogue = chat_row(CAMREST[0])
+    dialogue["messages"][2] = {**dialogue["messages"][2], "content": "  "}
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(dialogue)]))
+    source = manifest["sources"][0]
+    replies = sum(m["role"] == "assistant" for m in dialogue["messages"])
+    assert source["dropped"] == {"empty_question": 1} and source["kept"] == replies - 1
+    dropped = read_jsonl(tmp_path / "run/data/dropped.jsonl")
+    assert [(d["reason"], d["response"]) for d in dropped] == [("empty_question",
+                                                                dialogue["messages"][3]["content"][:80])]
+    row = {**SAMPLE[0], "instruction": "", "input": "Laskowice is a village in north-central Poland."}
+    manifest = run(tmp_path, "llamafactory", "a.json", json.dumps([row]))
+    assert manifest["sources"][0]["kept"] == 1
+
+
+def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code_is_dropped(tmp_path):
+    """As a misspelt family is: "english" on a row stops the run naming the line (or is quarantined);
+    "fr" is a language the user keeps out, dropped as language_not_in_scheme:fr."""
+    rows = [chat_row(CAMREST[0], language="en"), chat_row(CAMREST[1], language="english"),
+            chat_row(CAMREST[2], language="fr")]
+    with pytest.raises(PrepareError, match=r"c.jsonl:2: language 'english' is no language code: the scheme's are "
+                                           r"en, zh \(a row labelled with another one, e.g. fr, is dropped as "
+                                           r"language_not_in_scheme:fr\)"):
+        run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(r) for r in rows]), language=None)
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl([json.dumps(r) for r in rows]), on_error="quarantine",
+                   language=None)
+    source = manifest["sources"][0]
+    french = sum(m["role"] == "assistant" for m in rows[2]["messages"])
+    assert source["dropped"] == {"malformed": sum(m["role"] == "assistant" for m in rows[1]["messages"]),
+                                 "language_not_in_scheme:fr": french}
+    assert manifest["totals"]["by_split"]["train"] == sum(m["role"] == "assistant" for m in rows[0]["messages"])
+
+
 def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_trains_a_reply(
         tmp_path, capsys, json_tokenizer):
     dialogues = [chat_row(d) for d in CAMREST]
@@ -609,14 +645,83 @@ def test_prepare_into_an_output_of_another_config_is_refused_unless_overwrite(tm
     argv = ["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]
     assert main(argv) == 0
     assert main(argv) == 0  # the same config again: the same files
+    # defaults written out (in the file, or as overrides) are the same settings
+    write_config(tmp_path / "config.yaml", [source], dedup=True)
+    assert main([*argv, "split.seed=42", "split.weights.train=0.9"]) == 0
     write_config(tmp_path / "config.yaml", [source], dedup=False)
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert ("made with other settings (config.dedup: not set (the default) there, false now); pass --overwrite"
-            in err), err
+    assert "made with other settings (config.dedup: true there, false now); pass --overwrite" in err, err
+    assert main([*argv, "split.seed=41"]) == 2
+    assert "config.dedup: true there, false now, config.split.seed: 42 there, 41 now" in capsys.readouterr().err
     assert main([*argv, "--overwrite"]) == 0
     assert json.loads((tmp_path / "run/data/manifest.json").read_text())["config"]["dedup"] is False
+
+
+def _as_shards(run: Path, num_shards: int) -> None:
+    """A prepared run rewritten as a Beam prepare with --num-shards lays it out: each output's rows dealt
+    over NAME-0000i-of-0000N.jsonl, the manifest's engine recording the count (tests/test_beam.py checks
+    a real Beam run writes this layout)."""
+    data = run / "data"
+    for path in sorted(data.glob("*.jsonl")):
+        rows = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        for index in range(num_shards):
+            (data / f"{path.stem}-{index:05d}-of-{num_shards:05d}.jsonl").write_text(
+                "".join(rows[index::num_shards]), encoding="utf-8")
+        path.unlink()
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["engine"] = {"name": "beam", "runner": "DirectRunner", "num_shards": num_shards}
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, capsys):
+    """Sharded or not, stats and tokenizer train read the split the manifest records; a prepare into a
+    folder of the other layout removes every earlier output and says so, so no reader (or a user's glob)
+    meets two prepares' splits; a folder holding both layouts and no manifest is refused."""
+    from polyalign.data.layout import split_files
+    from polyalign.tokens.tokenizer_training import train_from_records
+
+    dialogues = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:30]
+    (tmp_path / "c.jsonl").write_text(jsonl([json.dumps(chat_row(d)) for d in dialogues]), encoding="utf-8")
+    source = {"name": "src", "format": "chat", "path": "c.jsonl", "split": "auto", "language": "en"}
+    config = write_config(tmp_path / "config.yaml", [source], split={"weights": {"train": 0.6, "val": 0.2,
+                                                                                 "test": 0.2}})
+    run = tmp_path / "run"
+    assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress"]) == 0
+    single = {split: (run / "data" / f"{split}.jsonl").read_text() for split in ("train", "val", "test")}
+    assert all(single.values())
+    _as_shards(run, 2)
+    assert [p.name for p in split_files(run, "train")] == ["train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl"]
+    capsys.readouterr()
+    assert main(["stats", str(run), "--no-progress"]) == 0
+    counts = {s: len(single[s].splitlines()) for s in single}
+    assert json.loads((run / "stats" / "stats.json").read_text())["counts"]["by_split"] == counts
+    _, report = train_from_records(run, tmp_path / "tok", 400)
+    assert report["num_records"] == counts["train"] and set(report["made_from"]["records"]) == {
+        "train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl"}
+    with pytest.raises(Exception, match="a sharded prepare wrote train-00000-of-00002.jsonl, ...: give the run folder"):
+        train_from_records(run / "data" / "train.jsonl", tmp_path / "tok2", 300)
+    # a prepare of one file per output into the sharded folder: the shards go, with a note, and so do a
+    # stopped Beam run's temporary folders
+    for leftover in ("beam-temp-train-3f2a", "_beam_events"):
+        (run / "data" / leftover).mkdir()
+        (run / "data" / leftover / "part").write_text("x")
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert (f"note: removed 14 file(s) an earlier prepare left in {run / 'data'} that this one did not write "
+            "(dropped-00000-of-00002.jsonl, dropped-00001-of-00002.jsonl, exact_duplicates-00000-of-00002.jsonl, "
+            "exact_duplicates-00001-of-00002.jsonl and 10 more)") in err, err
+    assert not (run / "data" / "beam-temp-train-3f2a").exists() and not (run / "data" / "_beam_events").exists()
+    assert sorted(p.name for p in (run / "data").glob("*.jsonl")) == [
+        "dropped.jsonl", "exact_duplicates.jsonl", "near_duplicates.jsonl", "test.jsonl", "train.jsonl", "val.jsonl"]
+    assert {split: (run / "data" / f"{split}.jsonl").read_text() for split in single} == single
+    # shards beside a split's one file and no manifest to say which is the prepare's: refused
+    (run / "data" / "train-00000-of-00002.jsonl").write_text(single["train"])
+    (run / "data" / "manifest.json").unlink()
+    with pytest.raises(ConfigError, match="holds both train.jsonl and 1 shards train-00000-of-00002.jsonl"):
+        split_files(run, "train")
 
 
 # Outputs: every stage's output belongs to the settings that made it.
