@@ -687,14 +687,31 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [1, 2] and summary["model"] == str(out / "round-2" / "model")
     before = (out / "round-2" / "metrics.jsonl").read_text()
+    capsys.readouterr()
     assert main(command) == 0  # both rounds finished: nothing trains again
     assert (out / "round-2" / "metrics.jsonl").read_text() == before
+    # every round's validation is said, not only the last round's
+    margin = summary["rounds"][0]["last"]["val_rewards/margin"]
+    assert re.search(rf"^round 1: to step 2 on 8 pairs; validation reward margin {margin:.4f}, accuracy [\d.]+\n"
+                     r"hdpo: .*\(round 2 of 2\)$", capsys.readouterr().out, re.MULTILINE)
+    # a finished round is kept for its own config only: another value is refused, naming the round
+    assert main(command + ["lambda_dist=0.25"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{out / 'round-1'}: a finished round of another config (lambda_dist: 0.1 there, 0.25 now); the rounds "
+            "after it train from its model: pass --overwrite to train every round again") in err, err
+    assert main(command + ["train.keep_checkpoints=1"]) == 0  # where a run stops and what it keeps: the same run
     # without refresh_critic, the first critic scores round 2's pairs, and its files sit beside them for the drift
     kept = tmp_path / "kept"
     assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false"]) == 0
     copied = kept / "round-2" / "pairs" / "critic.safetensors"
     assert copied.read_bytes() == (critic / "critic.safetensors").read_bytes()
     assert "drift/critic" in [m for m in read_metrics(kept / "round-2") if "drift/length_ratio" in m][-1]
+    # --overwrite trains every round again, round 2's pairs answered anew by the new round 1
+    capsys.readouterr()
+    assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false", "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    assert "round-2: the rejected side of 8 pairs answered anew" in printed and "(round 2 of 2)" in printed
+    assert f"from {tmp_path / 'init'} -> {kept / 'round-1'}" in printed  # round 1 trained again, from the start
 
 
 def test_the_critic_and_evaluate_refuse_references_made_from_an_earlier_prepare(demo_run, tmp_path, capsys):

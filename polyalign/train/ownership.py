@@ -56,14 +56,7 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
             raise ConfigError(f"{out}: has {', '.join(ours)} but no config.json of the run that wrote them; give a "
                               "new folder, or --overwrite to replace them")
         return "new"
-    saved = json.loads(saved_path.read_text())
-    for key in inputs:  # runs recorded before paths were made absolute: read relative to this folder
-        section, _, name = key.rpartition(".")
-        holder = saved.get(section, {}) if section else saved
-        if isinstance(holder, dict) and isinstance(holder.get(name), str):
-            holder[name] = recorded_path(holder[name])
-    current = json.loads(json.dumps(config, default=str))
-    changed = differing_keys(saved, current)
+    saved, current, changed = _compared(saved_path, config, inputs)
     if existing == "overwrite":
         if remove:
             for name in RUN_FILES:
@@ -82,4 +75,33 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
         raise ConfigError(f"{out}: started with {describe_changes(needs_resume, saved, current, old=True)}; pass "
                           "--resume to continue it with the new values, or --overwrite to start over")
     return "continue"
+
+
+def _compared(saved_path: Path, config: dict[str, Any], inputs: dict[str, str | None]
+              ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(the recorded config, this one as JSON reads it back, the keys where they differ)."""
+    saved = json.loads(saved_path.read_text())
+    for key in inputs:  # runs recorded before paths were made absolute: read relative to this folder
+        section, _, name = key.rpartition(".")
+        holder = saved.get(section, {}) if section else saved
+        if isinstance(holder, dict) and isinstance(holder.get(name), str):
+            holder[name] = recorded_path(holder[name])
+    current = json.loads(json.dumps(config, default=str))
+    return saved, current, differing_keys(saved, current)
+
+
+def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, str | None]) -> None:
+    """A finished round of an on-policy run (OUT/round-<r>) is kept only for the config that made it:
+    any key but where a run stops and how it is laid out differs, and the command is refused, as for one
+    run. Later rounds train from this round's model, so a round cannot be continued with other values
+    (`--resume`) or trained again alone: --overwrite trains every round again."""
+    saved_path = out / "config.json"
+    if not saved_path.is_file():
+        return
+    saved, current, changed = _compared(saved_path, config, inputs)
+    other = [k for k in changed if not _matches(k, FREE_KEYS)]
+    if other:
+        raise ConfigError(f"{out}: a finished round of another config ({describe_changes(other, saved, current)}); "
+                          "the rounds after it train from its model: pass --overwrite to train every round again, "
+                          "or give another --out")
 

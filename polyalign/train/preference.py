@@ -346,7 +346,13 @@ def summary_line(result: dict[str, Any]) -> str:
     # the last step's batch, then the validation pairs where the last step evaluated them
     validation = (f"; validation ({result['val_pairs']} pairs): reward margin {last['val_rewards/margin']:.4f}, "
                   f"accuracy {last.get('val_rewards/accuracy', nan):.3f}" if "val_rewards/margin" in last else "")
-    return (f"{result['method']}: {trained} on {result['train_pairs']} pairs; last step's batch: reward margin "
-            f"{last.get('rewards/margin', nan):.4f}, accuracy {last.get('rewards/accuracy', nan):.3f}{validation}"
-            + (f" (round {result['round']} of {len(result['rounds'])})" if "rounds" in result else "")
+    rounds = result.get("rounds", [])
+    # every round's validation, so that the rounds compare where the run is read (summary.json has them too)
+    earlier = "".join(f"round {r['round']}: to step {r['end_step']} on {r.get('train_pairs')} pairs"
+                      + (f"; validation reward margin {r['last']['val_rewards/margin']:.4f}, accuracy "
+                         f"{r['last'].get('val_rewards/accuracy', nan):.3f}"
+                         if "val_rewards/margin" in r.get("last", {}) else "") + "\n" for r in rounds[:-1])
+    return (earlier + f"{result['method']}: {trained} on {result['train_pairs']} pairs; last step's batch: reward "
+            f"margin {last.get('rewards/margin', nan):.4f}, accuracy {last.get('rewards/accuracy', nan):.3f}"
+            f"{validation}" + (f" (round {result['round']} of {len(rounds)})" if "rounds" in result else "")
             + f"\nmodel: {result['model']}")

@@ -94,9 +94,12 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
     return out
 
 
-def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True) -> dict[str, Any]:
+def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True,
+                 check: Callable[[Any, Path], None] | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
-    one-run entry point); returns the last round's summary with every round's in `rounds`."""
+    one-run entry point); returns the last round's summary with every round's in `rounds`. A finished
+    round is kept when `check` (the harness's) finds it made by this command's config for that round;
+    `overwrite` trains every round again, its regenerated pairs and refreshed critic too."""
     require(config, "init", hint="the SFT checkpoint")
     if jax.process_count() > 1:
         raise ConfigError(f"rounds={config.rounds}: on-policy rounds run in one process (the regeneration writes "
@@ -111,25 +114,28 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
     policy, summaries = config.init, []
     for r in range(1, config.rounds + 1):
         directory = _round_dir(out, r)
-        result = _finished(directory)
+        if overwrite:  # this round's pairs and critic came from the model being replaced
+            for made in ("pairs", "critic"):
+                shutil.rmtree(directory / made, ignore_errors=True)
+        result = None if overwrite else _finished(directory)
+        round_pairs = pairs
+        if r > 1:
+            regenerated = directory / "pairs" / "train_pairs.jsonl"
+            if result is None and not regenerated.is_file():
+                regenerate_pairs(policy, pairs, directory / "pairs", None if refresh else critic_dir, config,
+                                 progress)
+            round_pairs = str(regenerated)
+            if refresh and (result is None or (directory / "critic" / "critic.json").is_file()):
+                # a finished round's refreshed critic serves the next
+                critic_dir = refresh_critic(critic_dir, regenerated, directory / "critic", train, progress)
+                round_pairs = str(critic_dir / "train_pairs.jsonl")
+        round_config = dataclasses.replace(config, rounds=1, init=str(policy), pairs=round_pairs, val_pairs=val_pairs)
+        if result is not None and check is not None:
+            check(round_config, directory)
         if result is None:
-            round_pairs = pairs
-            if r > 1:
-                regenerated = directory / "pairs" / "train_pairs.jsonl"
-                if not regenerated.is_file():
-                    regenerate_pairs(policy, pairs, directory / "pairs", None if refresh else critic_dir, config,
-                                     progress)
-                round_pairs = str(regenerated)
-                if refresh:
-                    critic_dir = refresh_critic(critic_dir, regenerated, directory / "critic", train, progress)
-                    round_pairs = str(critic_dir / "train_pairs.jsonl")
-            round_config = dataclasses.replace(config, rounds=1, init=str(policy), pairs=round_pairs,
-                                               val_pairs=val_pairs)
             result = train(round_config, directory, progress)
             if result["stopped_early"]:
                 return {**result, "round": r, "rounds": summaries}
-        elif refresh and (directory / "critic" / "critic.json").is_file():
-            critic_dir = directory / "critic"  # a finished round's refreshed critic serves the next
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {})})
         policy = directory / "model"

@@ -161,6 +161,14 @@ def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
             raise ConfigError(f"{key}={path}: no such file or folder{kept}")
 
 
+def check_finished(config, out) -> None:
+    """Refuses a finished round of an on-policy run that `config` did not make (ownership.py)."""
+    config = with_recorded_paths(with_compute_dtype(config))
+    inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
+    ownership.check_finished_round(Path(as_path(out)), dataclasses.asdict(config),
+                                   {**inputs, "data.dir": config.data.dir})
+
+
 def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
     """Runs (or resumes) the training run `config` describes into OUT; returns its summary. `existing`
     says what to do when OUT holds a run of another config (polyalign/train/ownership.py): continue
@@ -168,7 +176,8 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
     parallel.initialize_distributed()
     config = with_recorded_paths(with_compute_dtype(config))
     if getattr(config, "rounds", 1) > 1:
-        return train_rounds(config, out, functools.partial(train, existing=existing), progress)
+        return train_rounds(config, out, functools.partial(train, existing=existing), progress,
+                            check=check_finished, overwrite=existing == "overwrite")
 
     local = not is_uri(out)
     out = as_path(out) if not local else Path(as_path(out))
