@@ -479,6 +479,10 @@ def test_adapters_bring_the_methods_lora_learning_rate_unless_one_is_set(method,
     out = capsys.readouterr().out
     assert yaml.safe_load(out)["optimizer"]["lr"] == expected
     assert f"# optimizer.lr {expected:g} is {method}'s learning rate with adapters" in out
+    # a rate the file sets is kept with adapters, and said to be (a demo config's full-tuning rate)
+    assert main(["train", method, "--config", str(given), "--print-config"]) == 0
+    assert (f"# optimizer.lr 0.003 is set (by the config file or an override) and kept with adapters; {method}'s "
+            f"default with adapters is {expected:g} (docs/lora.md)") in capsys.readouterr().out
 
 
 def test_print_config_says_the_preset_is_unused_with_an_init(capsys):
@@ -486,6 +490,11 @@ def test_print_config_says_the_preset_is_unused_with_an_init(capsys):
     out = capsys.readouterr().out
     assert "# model.preset is not used: the architecture is init's (/models/qwen/config.json)" in out
     assert main(["train", "sft", "--print-config"]) == 0
+    # the one value a default always chooses from elsewhere: the compute dtype, from the machine
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")] == [
+        "# model.dtype auto computes in float32 here (bfloat16 on GPU and TPU, float32 on a CPU; parameters and "
+        "optimizer state stay float32)"]
+    assert main(["train", "sft", "--print-config", "model.dtype=bfloat16"]) == 0
     assert "#" not in capsys.readouterr().out
 
 
@@ -604,7 +613,7 @@ def test_a_run_says_what_it_is_about_to_do():
                                            "train.micro_batches=2", "optimizer.min_lr_ratio=0.5"], method="hdpo")
     line = start_line(config, config.train, parallel.make_mesh(), Path("runs/hdpo"))
     assert line == ("polyalign: training hdpo for 40 steps, global batch 8 in 2 micro-batches, on 1 cpu device "
-                    "(data 1, fsdp 1, tensor 1); learning rate 2.0e-04, 4 warmup steps, cosine to 1.0e-04; from "
+                    "(data 1, fsdp 1, tensor 1), computing in float32; learning rate 2.0e-04, 4 warmup steps, cosine to 1.0e-04; from "
                     "runs/bucket_sft/model -> runs/hdpo")
     config = load_config(CONFIGS["sft"], ["optimizer.warmup_ratio=0"], method="sft")
     assert "; learning rate 3.0e-03, cosine to 3.0e-04; from scratch (model.preset tiny) -> " in start_line(

@@ -301,7 +301,7 @@ def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None 
         start = f"resuming at step {resume_at} (OUT/checkpoints) of a run that started {start}"
     return (f"polyalign: training {config.method} for {loop.steps} steps, global batch {loop.global_batch} in "
             f"{micro}, on {mesh.devices.size} {jax.default_backend()} device{'s' if mesh.devices.size > 1 else ''} "
-            f"({layout}); {schedule}; {trained}{start} -> {out}")
+            f"({layout}), computing in {compute_dtype(config.model.dtype)}; {schedule}; {trained}{start} -> {out}")
 
 
 def logged_step(out: Path, step: int) -> dict[str, Any]:
