@@ -1093,6 +1093,10 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
                                       "LoRA rank": ["0", "0", "—"], "data": ["runs/r", "runs/r", "—"]}
     assert differing_models({"a": {"config": {"trained": bucket}}, "b": {"config": {"trained": uniform}}}) == {
         "method": ["sft", "sft"], "weighting": ["bucket", "uniform"]}
+    # two lineages of rounds: each init named by as many parts as tell them apart
+    lineages = {name: {"config": {"trained": {**bucket, "init": f"/runs/{name}/round-1/model"}}}
+                for name in ("hdpo", "dpo")}
+    assert differing_models(lineages)["init"] == ["hdpo/round-1/model", "dpo/round-1/model"]
 
 
 def test_error_bars_draw_nothing_where_a_bucket_has_no_interval():

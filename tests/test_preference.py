@@ -667,7 +667,8 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     regenerated = read_pairs(out / "round-2" / "pairs" / "train_pairs.jsonl")
     answers = {json.loads(line)["id"]: json.loads(line) for line in
                (out / "round-2" / "pairs" / "policy_answers.jsonl").read_text().splitlines()}
-    assert regenerated and all(answers[p["id"]]["model"] == "round-1" for p in regenerated)
+    # named with the run above the round: every lineage has a round-1
+    assert regenerated and all(answers[p["id"]]["model"] == "out/round-1" for p in regenerated)
     left_out = 8 - len(regenerated)  # empty policy answers, or the person's own answer: said with the reasons
     assert (f"round-2: {left_out} of 8 pairs left out (" in printed) == (left_out > 0), printed
     assert sum(p["rejected"] != original[p["id"]]["rejected"] for p in regenerated) > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,9 +88,12 @@ def open_checkpoint(checkpoint, template: str | None, config: EngineConfig, dtyp
 
 
 def run_name(checkpoint) -> str:
-    """A checkpoint's name in predictions and /v1/models: its run folder (RUN/model -> RUN)."""
+    """A checkpoint's name in predictions and /v1/models: its run folder (RUN/model -> RUN), with the run
+    above it for a round of on-policy rounds (hdpo/round-2/model -> hdpo/round-2: every lineage has a
+    round-2)."""
     folder = Path(str(checkpoint))
-    return folder.parent.name if folder.name == "model" else folder.name
+    run = folder.parent if folder.name == "model" else folder
+    return f"{run.parent.name}/{run.name}" if re.fullmatch(r"round-\d+", run.name) and run.parent.name else run.name
 
 
 def generate_predictions(checkpoint: Path, records_path: Path, out: Path, options: GenerateOptions = GenerateOptions(),

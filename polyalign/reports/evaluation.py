@@ -923,15 +923,21 @@ def differing_models(runs: dict[str, dict]) -> dict[str, list[str]]:
     if not any(len(t) > 1 for t in trained):
         return {}
     names = [name for name in dict.fromkeys(k for t in trained for k in t) if name != "checkpoint"]
-    return {name: [_short(t.get(name, "—")) for t in trained] for name in names
+    return {name: _cells([t.get(name, "—") for t in trained]) for name in names
             if name == "method" or len({json.dumps(t.get(name), default=str) for t in trained}) > 1}
 
 
-def _short(value: Any) -> str:
-    """A setting as a table cell: paths by their last two parts, numbers as written."""
-    if isinstance(value, str) and "/" in value:
-        return "/".join(Path(value).parts[-2:])
-    return f"{value:g}" if isinstance(value, float) else str(value)
+def _cells(values: list[Any]) -> list[str]:
+    """A setting's values as table cells: numbers as written; paths by their last two parts, or as many
+    more as tell different paths apart (two lineages' round-1/model are hdpo/round-1/model and
+    dpo/round-1/model)."""
+    paths = {value for value in values if isinstance(value, str) and "/" in value}
+    depth = 2
+    while depth < max((len(Path(p).parts) for p in paths), default=0) and \
+            len({"/".join(Path(p).parts[-depth:]) for p in paths}) < len(paths):
+        depth += 1
+    return ["/".join(Path(value).parts[-depth:]) if value in paths else
+            f"{value:g}" if isinstance(value, float) else str(value) for value in values]
 
 
 def decoding_text(decoding: dict | None) -> str:
