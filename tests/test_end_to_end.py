@@ -113,8 +113,10 @@ def test_authors_sample_labels_are_reproduced_with_v1(tmp_path):
                                                  "path": str(sample), "split": "val", "language": "en"}],
                           length_unit="v1", dedup=False)
     manifest = prepare(config, tmp_path / "run", progress=False)
-    assert manifest["label_agreement"]["polyalign_sample"] == {
-        "bucket_id": 1.0, "family": 1.0, "length_bin": 1.0, "style": 1.0, "track": 1.0}
+    # the fields polyalign computes on its own: 69 of the 2,000 rows are labelled multi-turn with no
+    # history to show for it (58 dialogue, 11 QA turns cut from their conversation); family and style
+    # labels are taken as they are, so there is nothing to agree with
+    assert manifest["label_agreement"]["polyalign_sample"] == {"bucket_id": 1.0, "length_bin": 1.0, "track": 0.9655}
     v2 = manifest["length_unit_agreement"]["polyalign_sample"]["v2"]["bucket_id"]
     assert 0.95 < v2 < 1.0
 

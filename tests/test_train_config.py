@@ -613,8 +613,8 @@ def test_a_run_says_what_it_is_about_to_do():
                                            "train.micro_batches=2", "optimizer.min_lr_ratio=0.5"], method="hdpo")
     line = start_line(config, config.train, parallel.make_mesh(), Path("runs/hdpo"))
     assert line == ("polyalign: training hdpo for 40 steps, global batch 8 in 2 micro-batches, on 1 cpu device "
-                    "(data 1, fsdp 1, tensor 1), computing in float32; learning rate 2.0e-04, 4 warmup steps, cosine to 1.0e-04; from "
-                    "runs/bucket_sft/model -> runs/hdpo")
+                    "(data 1, fsdp 1, tensor 1), computing in float32; learning rate 2.0e-04, 4 warmup steps, cosine "
+                    "to 1.0e-04; from runs/bucket_sft/model -> runs/hdpo")
     config = load_config(CONFIGS["sft"], ["optimizer.warmup_ratio=0"], method="sft")
     assert "; learning rate 3.0e-03, cosine to 3.0e-04; from scratch (model.preset tiny) -> " in start_line(
         config, config.train, parallel.make_mesh(), Path("out"))

@@ -106,7 +106,7 @@ class ImportFile(beam.DoFn):
             dropped.clear()
             if record is None:
                 continue
-            for name, agree in label_votes(record, item.labels):
+            for name, agree in label_votes(record, item.labels, item.derived):
                 yield _event("label", source.name, name, agree)
             yield (source_index, file_index, position), record
         yield _event("read", source_index, count=tally.read)

@@ -378,12 +378,14 @@ class RecordBuilder:
         )
 
 
-def label_votes(record: Record, labels: dict[str, str]) -> Iterator[tuple[str, int]]:
-    """(field, 1 if the computed value equals the source's own label else 0) for each labelled field."""
-    computed = {"language": record.language, "track": record.track, "family": record.family,
-                "style": record.style, "length_bin": record.length_bin, "bucket_id": record.bucket_id}
+def label_votes(record: Record, labels: dict[str, str], derived: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """(field, 1 if polyalign's own value equals the source's label else 0) for each labelled field polyalign
+    computes on its own: the length bin and bucket from the response, the track from the conversation
+    (`derived`, what the importer read off it). A row's language, family and style labels become the
+    record's, so comparing them with the record would always agree: they get no vote."""
+    computed = {"length_bin": record.length_bin, "bucket_id": record.bucket_id, **derived}
     for name in AGREEMENT_FIELDS:
-        if name in labels:
+        if name in labels and name in computed:
             yield name, int(labels[name] == computed[name])
 
 
@@ -639,7 +641,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
                 if built.id in first_seen:
                     raise PrepareError(duplicate_id_message(built.id, [str(item.location), first_seen[built.id]]))
                 first_seen[built.id] = str(item.location)
-                for name, agree in label_votes(built, item.labels):
+                for name, agree in label_votes(built, item.labels, item.derived):
                     agreement.add_label(source.name, name, agree)
                 records.append(built)
                 tally_of[built.id] = tally

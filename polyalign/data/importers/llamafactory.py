@@ -5,7 +5,8 @@ of role system opening the history, as the `chat` format keeps one). The track i
 history (multi when it has turns) unless the row or the data config says otherwise. Bucket fields
 carried by the rows (the PolyAlign authors' sample has track, family, style_bucket, length_bin,
 bucket_id) are kept as the source's own labels: track, family and style take precedence over
-configuration; length_bin and bucket_id are recomputed and compared (manifest `label_agreement`).
+configuration; length_bin and bucket_id are recomputed, and the track read off the history, and compared
+(manifest `label_agreement`).
 """
 
 from __future__ import annotations
