@@ -382,8 +382,9 @@ def test_a_checkpoint_restores_onto_a_different_mesh(built_run, adaptive_four_de
     assert "trained to step 6 (3 steps this run)" in output  # the summary's time is the resumed run's
     # what the run is about to do, before it does it: on the new mesh
     assert ("polyalign: training sft for 6 steps, global batch 8 in 1 micro-batch, on 4 cpu devices (data 1, fsdp 2, "
-            "tensor 2), computing in float32; learning rate 3.0e-03, 1 warmup step, cosine to 3.0e-04; resuming at step "
-            f"3 (OUT/checkpoints) of a run that started from scratch (model.preset {TINY_MODEL}) -> {tmp_path / 'moved'}") in output
+            "tensor 2), computing in float32; learning rate 3.0e-03, 1 warmup step, cosine to 3.0e-04; resuming at "
+            f"step 3 (OUT/checkpoints) of a run that started from scratch (model.preset {TINY_MODEL}) -> "
+            f"{tmp_path / 'moved'}") in output
     assert "note: the run's length changed" not in output  # stopped by train.stop_at: the same 6-step schedule
     straight, moved = read_metrics(adaptive_four_device_run), read_metrics(tmp_path / "moved")
     assert [r["step"] for r in moved] == list(range(1, 7))
