@@ -9,6 +9,7 @@ import pytest
 
 from polyalign.data.prepare import prepare
 from polyalign.data.records import read_records
+from polyalign.data.text import normalize
 from polyalign.tokens.chat import (
     ChatTemplateError,
     JinjaTemplate,
@@ -190,6 +191,36 @@ def test_prepare_reads_the_export_with_format_and_path_only(export_run):
     assert {k: r.language for k, r in records.items() if k.startswith("crosswoz")} == {
         k: "zh" for k in records if k.startswith("crosswoz")}
     assert {r.language for k, r in records.items() if k.startswith("camrest")} == {"en"}
+
+
+def test_trl_prompt_completion_rows_read_as_the_conversation_they_hold(tmp_path):
+    """TRL's SFT rows, conversational ({"prompt": messages, "completion": [reply]}) and standard (strings),
+    make the records the same conversation as `messages` makes: the same ids, histories, system prompts,
+    questions and replies."""
+    conversations, completions, strings = [], [], []
+    for row in openai_rows():
+        last = max(k for k, m in enumerate(row["messages"]) if m["role"] == "assistant")
+        conversations.append({"id": row["id"], "messages": row["messages"][:last + 1]})
+        completions.append({"id": row["id"], "prompt": row["messages"][:last], "completion": [row["messages"][last]]})
+        user = next(m for m in row["messages"] if m["role"] == "user")
+        reply = next(m for m in row["messages"] if m["role"] == "assistant")
+        if isinstance(user["content"], str):  # the standard form holds text, not content parts
+            strings.append({"id": f"{row['id']}-first", "prompt": user["content"], "completion": reply["content"]})
+
+    def records(rows, name):
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        config = write_config(tmp_path / f"{name}.yaml", [{"name": "export", "format": "chat", "path": f"{name}.jsonl",
+                                                          "split": "train", "language": None}], dedup=False)
+        prepare(config, tmp_path / name, progress=False)
+        return [{k: v for k, v in r.to_json().items() if k != "meta"}
+                for r in read_records(tmp_path / name / "data" / "train.jsonl")]
+
+    expected = records(conversations, "messages")
+    assert len(expected) > len(conversations)  # multi-turn rows make a record per reply
+    assert records(completions, "completions") == expected
+    firsts = records(strings, "strings")
+    assert len(strings) > 4 and [(r["question"], r["response"], r["history"]) for r in firsts] == [
+        (normalize(s["prompt"]), normalize(s["completion"]), []) for s in strings]
 
 
 def test_sharegpt_system_field_is_the_system_prompt(tmp_path):

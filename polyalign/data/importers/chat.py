@@ -1,5 +1,8 @@
 """Chat JSONL, the common export format (OpenAI chat messages): one conversation per line,
-{"id"?: str, "messages": [{"role", "content"}], "language"?, "track"?, "family"?, "style"?}.
+{"id"?: str, "messages": [{"role", "content"}], "language"?, "track"?, "family"?, "style"?}. TRL's
+prompt-completion rows read as the same conversation: {"prompt", "completion"} as message lists (its
+conversational form: the prompt's messages, then the completion's) or as strings (a user turn, then an
+assistant turn).
 
 Roles: system, developer (a system role), user, assistant, tool. Content is a string, a list of
 content parts (text parts joined by a newline; image, audio and file parts left out and counted as
@@ -26,6 +29,7 @@ from polyalign.data.importers.reading import (
     project_dialogue,
     require_dict,
     string_labels,
+    type_name,
 )
 from polyalign.data.records import ImportItem, Location, RowProblem, Skipped
 
@@ -56,9 +60,25 @@ def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]]
     yield from project_dialogue(turns, key, location, labels=string_labels(row, ROW_LABELS))
 
 
+def _messages(row: dict[str, Any]) -> list[Any]:
+    """The row's messages: `messages`, or TRL's prompt and completion (lists of messages, or strings)."""
+    if "messages" in row or not {"prompt", "completion"} <= set(row):
+        return list_field(row, "messages")
+    parts = []
+    for key, role in (("prompt", "user"), ("completion", "assistant")):
+        value = row[key]
+        if isinstance(value, str):
+            parts.append({"role": role, "content": value})
+        elif isinstance(value, list):
+            parts.extend(value)
+        else:
+            raise RowProblem(f"'{key}' must be a string or a list of messages, got {type_name(value)}")
+    return parts
+
+
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
-    turns, notices = message_turns(list_field(row, "messages"), ROLES, "role", "content", "message", location,
+    turns, notices = message_turns(_messages(row), ROLES, "role", "content", "message", location,
                                    tool_roles=("tool",))
     yield from notices
     yield from project(row, location, turns)
