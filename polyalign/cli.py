@@ -43,6 +43,7 @@ Pipeline:
   polyalign stats RUN                                                 bucket statistics report
   polyalign tokenizer train --records RUN/data/train.jsonl --vocab-size 8000 --out RUN/tokenizer
   polyalign build RUN                                                 tokenised TFDS dataset in RUN/build
+  polyalign show RUN                                                  built examples, trained tokens marked
   polyalign train sft --config configs/sft_demo.yaml --out OUT data.dir=RUN   Bucket-Aware SFT
   polyalign generate --checkpoint OUT/model --records RUN/data/test.jsonl --out P.jsonl
   polyalign pairs --records RUN/data/train.jsonl --predictions P.jsonl --out PAIRS.jsonl
@@ -363,6 +364,33 @@ def _run_build(args) -> int:
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")
+    print(f"read what training reads: polyalign show {args.run}")
+    return 0
+
+
+def _add_show(sub) -> None:
+    p = sub.add_parser("show", help="built examples as training reads them: the text, the trained tokens",
+                       description="Decodes examples of RUN/build as `build` stored them: the rendered conversation "
+                                   "with the tokens the loss trains on between ⟦ and ⟧ (the reply and its "
+                                   "end-of-turn token), the record's bucket and Bucket-SFT weight, and with --ids "
+                                   "the token ids and the loss mask.",
+                       epilog="e.g. polyalign show RUN --id chats-train-000123-turn-4 --ids",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", type=Path, help="run directory built by `polyalign build`")
+    p.add_argument("--split", choices=("train", "val"), default="train", help="default: train")
+    p.add_argument("--id", action="append", default=[], dest="ids", metavar="RECORD_ID",
+                   help="the example of this record (repeatable; ids are in RUN/data/SPLIT.jsonl)")
+    p.add_argument("--limit", type=int, default=3, help="without --id: the first N examples in stored order "
+                                                        "(default 3)")
+    p.add_argument("--ids", action="store_true", dest="token_ids", help="also the token ids and the loss mask")
+    p.set_defaults(handler=_run_show)
+
+
+def _run_show(args) -> int:
+    from polyalign.inputs.show import show_examples  # heavy: tensorflow_datasets, kept out of --help
+
+    for block in show_examples(args.run, args.split, args.ids, args.limit, args.token_ids):
+        print(block + "\n")
     return 0
 
 
@@ -1126,6 +1154,7 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "tokenizer train": {
         "--vocab-size": Range(300, why="the byte fallback alone takes 256 pieces; 8000 suits the demo data"),
         "--character-coverage": Range(0.0, 1.0, low_open=True)},
+    "show": {"--limit": COUNT},
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
@@ -1204,6 +1233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stats(sub)
     _add_tokenizer(sub)
     _add_build(sub)
+    _add_show(sub)
     _add_train(sub)
     _add_generate(sub)
     _add_serve(sub)

@@ -555,3 +555,43 @@ def test_the_program_stopped_by_sigterm_says_so_and_ends_with_status_143(tmp_pat
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 143
     assert process.stderr.read() == "polyalign generate: stopped by SIGTERM\n"
+
+
+def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_run, demo_tokenizer, capsys):
+    """`polyalign show`: each example is the build's stored ids decoded, the loss-masked span between the
+    markers, its bucket and weight from the manifest; the text is part of the conversation as the
+    template renders its record (the build cut it to 64 tokens), the trained span part of the reply and
+    its end-of-turn token; --ids prints the stored ids and mask; an unknown record id is one
+    line."""
+    import numpy as np
+
+    from polyalign.cli import main
+    from polyalign.inputs.pipeline import open_split
+    from polyalign.inputs.show import TRAINED_CLOSE, TRAINED_OPEN
+    from polyalign.tokens.chat import get_template, record_messages
+
+    run, manifest = built_run
+    tokenizer, template = demo_tokenizer[0], get_template(manifest["template"], demo_tokenizer[0])
+    records = {r.id: r for r in read_records(run / "data" / "train.jsonl")}
+    source = open_split(run, "train")
+    for index in (0, 1, len(source) - 1):
+        example = source[index]
+        record_id = example["id"].decode() if isinstance(example["id"], bytes) else example["id"]
+        assert main(["show", str(run), "--id", record_id, "--ids"]) == 0
+        block = capsys.readouterr().out.strip().split("\n")
+        ids, mask = np.asarray(example["input_ids"]), np.asarray(example["loss_mask"])
+        assert block[0] == (f"== train example {index + 1} of {len(source)}: {record_id} (bucket "
+                            f"{manifest['buckets'][int(example['bucket'])]}, weight {float(example['weight']):.3f}; "
+                            f"{len(ids)} tokens, {int(mask.sum())} trained between {TRAINED_OPEN} {TRAINED_CLOSE})")
+        assert block[-2:] == [f"ids: {' '.join(map(str, ids.tolist()))}", f"trained: {''.join(map(str, mask))}"]
+        text = "\n".join(block[1:-2])
+        plain = text.replace(TRAINED_OPEN, "").replace(TRAINED_CLOSE, "")
+        assert plain == tokenizer.decode(ids.tolist())
+        record = records[record_id]
+        assert plain.strip() in template.render(record_messages(record, "context"))
+        assert text.count(TRAINED_OPEN) == 1 and text.endswith(TRAINED_CLOSE)
+        assert text[text.index(TRAINED_OPEN) + 1:-1].strip() in f"{record.response}<|im_end|>"
+    assert main(["show", str(run), "--limit", "2", "--split", "val"]) == 0
+    assert capsys.readouterr().out.count("== val example ") == 2
+    assert main(["show", str(run), "--id", "no-such-record"]) == 2
+    assert "no train example of record 'no-such-record'" in capsys.readouterr().err

@@ -1,0 +1,90 @@
+"""`polyalign show RUN`: built examples as training reads them, decoded: the rendered conversation with
+the trained tokens (the loss mask) marked, the record's bucket and Bucket-SFT weight, and on request the
+token ids. What `build` stored is shown, not a second rendering of the record, so that what a user reads
+is what the model trains on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyalign.core.yaml_config import ConfigError
+from polyalign.inputs.build import BUILD_DIR
+from polyalign.inputs.pipeline import open_split
+from polyalign.tokens.tokenizer import load_tokenizer
+
+# Around each trained span: characters no chat template or corpus text here uses.
+TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
+
+
+def built_manifest(run: Path) -> dict[str, Any]:
+    path = Path(run) / BUILD_DIR / "manifest.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing; run `polyalign build {run}` first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def spans(mask: np.ndarray) -> Iterator[tuple[int, int, bool]]:
+    """(start, end, trained) for each run of equal loss-mask values."""
+    start = 0
+    for end in range(1, len(mask) + 1):
+        if end == len(mask) or bool(mask[end]) != bool(mask[start]):
+            yield start, end, bool(mask[start])
+            start = end
+
+
+def marked_text(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
+    """The decoded example, each trained span between TRAINED_OPEN and TRAINED_CLOSE (a span is decoded
+    whole, so that a tokenizer's spaces and multi-byte characters come out as they read)."""
+    parts = []
+    for start, end, trained in spans(mask):
+        text = tokenizer.decode([int(i) for i in ids[start:end]])
+        parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained else text)
+    return "".join(parts)
+
+
+def show_examples(run: Path, split: str = "train", ids: Sequence[str] = (), limit: int = 3,
+                  token_ids: bool = False) -> Iterator[str]:
+    """Text blocks for the built examples of `split`: those of the record `ids` (in the order given), or
+    the first `limit` in stored order."""
+    manifest = built_manifest(run)
+    if split not in manifest["splits"]:
+        raise ConfigError(f"{run}: the build has no {split} split (it has {', '.join(manifest['splits'])})")
+    tokenizer = load_tokenizer(Path(manifest["tokenizer"]))
+    source = open_split(Path(run), split)
+    total = len(source)
+    if ids:
+        wanted = {record_id: None for record_id in ids}
+        for index in range(total):
+            example = source[index]
+            record_id = _text(example["id"])
+            if record_id in wanted:
+                wanted[record_id] = index
+        missing = [record_id for record_id, index in wanted.items() if index is None]
+        if missing:
+            raise ConfigError(f"{run}: no {split} example of record {missing[0]!r} (build keeps the train and val "
+                              "splits; record ids are in RUN/data/SPLIT.jsonl)")
+        indices = list(wanted.values())
+    else:
+        indices = list(range(min(limit, total)))
+    buckets = manifest["buckets"]
+    for index in indices:
+        example = source[index]
+        input_ids, mask = np.asarray(example["input_ids"]), np.asarray(example["loss_mask"])
+        bucket = buckets[int(example["bucket"])]
+        head = (f"== {split} example {index + 1} of {total}: {_text(example['id'])} (bucket {bucket}, weight "
+                f"{float(example['weight']):.3f}; {len(input_ids)} tokens, {int(mask.sum())} trained between "
+                f"{TRAINED_OPEN} {TRAINED_CLOSE})")
+        lines = [head, marked_text(tokenizer, input_ids, mask)]
+        if token_ids:
+            lines += [f"ids: {' '.join(map(str, input_ids.tolist()))}",
+                      f"trained: {''.join('1' if m else '0' for m in mask.tolist())}"]
+        yield "\n".join(lines)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
