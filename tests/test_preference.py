@@ -622,7 +622,8 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: "")
     probe.buckets, probe.human_tokens = ["a", "a", "b"], np.array([4.0, 5.0, 6.0])
     probe.references = probe.critic = None
-    probe.said_empty = False
+    probe.said_empty = probe.said_blind = probe.people_logged = False
+    probe.people = {}
     trainer = SimpleNamespace(model=lambda params: None, state={"params": None})
     first, second = probe(trainer), probe(trainer)
     assert first == second and first["drift/empty"] == 1.0 and first["drift/length_ratio"] == 0.0
@@ -660,7 +661,10 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert (f"round-2: the rejected side of 8 pairs answered anew by {out / 'round-1' / 'model'} (on-policy rounds: "
             f"the rejected answers of {critic / 'train_pairs.jsonl'} serve the first round only)") in printed
     for r in (1, 2):  # each round's drift probe reads the critic that scored its pairs
-        assert "drift/critic" in [m for m in read_metrics(out / f"round-{r}") if "drift/length_ratio" in m][-1]
+        probes = [m for m in read_metrics(out / f"round-{r}") if "drift/length_ratio" in m]
+        assert "drift/critic" in probes[-1]
+        # people's own answers, scored by the same critic, logged once with the first probe of a run
+        assert "drift/people_critic" in probes[0] and not any("drift/people_critic" in m for m in probes[1:])
     round1 = json.loads((out / "round-1" / "summary.json").read_text())
     assert (round1["start_step"], round1["end_step"]) == (1, 2)  # resumed from its checkpoint
     original = {p["id"]: p for p in read_pairs(critic / "train_pairs.jsonl")}
@@ -876,3 +880,20 @@ def test_a_lora_run_says_what_it_trains(demo_tokenizer):
     assert trained_parameters(adapted) == expected
     assert trained_parameters(quantize_base(adapted, "nf4")) == expected.replace("the frozen base",
                                                                                  "the NF4-quantised base")
+
+
+def test_the_drift_probe_warns_when_the_critic_scores_far_answers_nearer_people_than_people():
+    """The critic's score of the policy's answers below people's own, while the support distance puts
+    them over 1.5 times further than people's: warned (the collapse a user saw: "庄庄庄" scored -0.35
+    against people's 0.12-1.28, at support distance 3.1-5.3); not when either reading agrees."""
+    from polyalign.train.drift import critic_blind_warning
+
+    people = {"drift/people_critic": 0.64, "drift/people_support_distance": 1.9}
+    warned = critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 4.2}, people)
+    assert warned.startswith("warning: drift probe: the critic scores the policy's answers nearer people (-0.120) "
+                             "than people's own answers to the same prompts (0.640), while their support distance "
+                             "says they are further (4.200 against people's 1.900)")
+    assert critic_blind_warning({"drift/critic": 0.7, "drift/support_distance": 4.2}, people) is None
+    assert critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 2.5}, people) is None
+    assert critic_blind_warning({"drift/critic": -0.12}, people) is None  # no references: no distance to read
+    assert critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 4.2}, {}) is None

@@ -53,9 +53,14 @@ class DriftProbe:
         self.requests = [Request(prompt, SamplingConfig(max_new_tokens=max_new_tokens)) for prompt in self.prompts]
         self.engine = Engine(model, stop_ids_of(tokenizer, template),
                              EngineConfig(slots=16, max_sequence=512 + max_new_tokens), mesh=mesh)
-        self.critic, self.said_empty = None, False
+        self.critic, self.said_empty, self.said_blind = None, False, False
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
             self.critic = CriticScorer(Path(critic_dir))
+        # people's own answers to the same prompts, measured once: the mark the policy's drift reads against
+        self.people = {key.replace("drift/", "drift/people_"): value for key, value in
+                       answer_scores([p["chosen"] for p in pairs], self.buckets, references, self.critic).items()
+                       if not key.endswith("_by_bucket")}
+        self.people_logged = False
 
     def __call__(self, trainer) -> dict[str, Any]:
         self.engine.set_model(trainer.model(trainer.state["params"]))  # the current parameters, no copy kept
@@ -79,7 +84,37 @@ class DriftProbe:
                   "were empty (drift/empty 1.0), so drift/length_ratio is 0 and no support distance or critic score "
                   "is logged; a small or early model often ends its turn at once under greedy decoding, and "
                   "sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
-        return {**out, **answer_scores(texts, self.buckets, self.references, self.critic)}
+        out.update(answer_scores(texts, self.buckets, self.references, self.critic))
+        if not self.said_blind and (warning := critic_blind_warning(out, self.people)) and jax.process_index() == 0:
+            self.said_blind = True  # once a run: drift/critic and drift/support_distance say whether it lasts
+            print(warning, file=sys.stderr, flush=True)
+        if not self.people_logged:  # fixed for the run: logged with the first probe
+            out.update(self.people)
+            self.people_logged = True
+        return out
+
+
+# The policy's answers this many times further from people's support than people's own answers are far
+# off by any reading; a critic that still scores them nearer people than people's own cannot guide them.
+BLIND_DISTANCE_RATIO = 1.5
+
+
+def critic_blind_warning(policy: dict[str, Any], people: dict[str, Any]) -> str | None:
+    """A warning when the critic scores the policy's answers nearer people than people's own answers
+    while their support distance says they are much further (BLIND_DISTANCE_RATIO): the critic's
+    distance, which HDPO's distance term follows, no longer tells these answers from people's."""
+    critic, distance = policy.get("drift/critic"), policy.get("drift/support_distance")
+    people_critic, people_distance = people.get("drift/people_critic"), people.get("drift/people_support_distance")
+    if None in (critic, distance, people_critic, people_distance):
+        return None
+    if critic >= people_critic or distance <= BLIND_DISTANCE_RATIO * people_distance:
+        return None
+    return (f"warning: drift probe: the critic scores the policy's answers nearer people ({critic:.3f}) than "
+            f"people's own answers to the same prompts ({people_critic:.3f}), while their support distance says they "
+            f"are further ({distance:.3f} against people's {people_distance:.3f}): the critic no longer tells these "
+            "answers from people's, so HDPO's distance term stops pushing back; read the answers (drift/empty, "
+            "`polyalign generate`), and retrain the critic on them (on_policy.refresh_critic) or lower the "
+            "learning rate")
 
 
 def answer_scores(texts: Sequence[str], buckets: Sequence[str], references: dict | None,
