@@ -391,6 +391,11 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     assert source["kept"] == sum(len(c) // 2 for c in conversations)
     printed = capsys.readouterr().out
     assert f"left out of kept rows: unanswered_last_user_turn {unanswered}" in printed
+    # and in the stats report's sources table, in words
+    from polyalign.reports.stats import SOURCE_HEADER, _source_rows
+
+    row = dict(zip(SOURCE_HEADER, _source_rows({"sources": [source]})[0]))
+    assert row["left out of kept rows"] == f"a last user turn no one answered: {unanswered}"
     # CamRest dialogues, bucketed as assistant chats since nothing named them otherwise: said, with the fix
     assert source["label_defaults"] == {"family": source["records"], "style": source["records"]}
     assert (f"note: source 'mine': family assistant and style assistant_like are the {form} format's defaults, "

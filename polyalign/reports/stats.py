@@ -176,14 +176,20 @@ def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
              # records whose conversation carries system messages of its own (a chat export's system prompt),
              # which the build composes with the profile prompt (--system)
              ", ".join(f"{SYSTEM_MESSAGE_NAMES.get(k, k)}: {v}" for k, v in s.get("system_messages", {}).items())
-             or "-"] for s in manifest["sources"]]
+             or "-",
+             # what kept rows lost without being dropped (an unanswered last question, an image part)
+             ", ".join(f"{LEFT_OUT_NAMES.get(k.partition(':')[0], k)}{k.partition(':')[2]}: {v}"
+                       for k, v in s.get("left_out", {}).items()) or "-"] for s in manifest["sources"]]
 
 
 SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped",
-                 "records with system messages (as read, before dedup)"]
-SYSTEM_MESSAGE_NAMES = {"system_prompt": "opening", "system_turn_in_history": "later in the conversation",
-                        "system_turn_before_reply": "just before the reply",
+                 "records with system messages (as read, before dedup)", "left out of kept rows"]
+SYSTEM_MESSAGE_NAMES = {"system_prompt": "an opening system prompt",
+                        "system_turn_in_history": "a system message later in the conversation",
+                        "system_turn_before_reply": "a system message just before the reply",
                         "system_is_profile_prompt": "polyalign's profile prompt (left out)"}
+LEFT_OUT_NAMES = {"unanswered_last_user_turn": "a last user turn no one answered",
+                  "content_part_dropped": "a content part that is no text, "}
 
 
 def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
