@@ -797,7 +797,7 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     # the same answers evaluated twice: said, so that a row of +0.0000 is not read as two equal models
     assert "<b>plain and again evaluated the same answers</b>" in (tmp_path / "same" / "report.html").read_text()
     # a run whose featurizer was its own model: its MAUVE reads its answers kindly, said first in the comparison
-    own = "<b>mauve was measured with its own model as the MAUVE featurizer</b>"
+    own = "<b>mauve was measured with its own model or a model of its lineage as the MAUVE featurizer</b>"
     assert own in (tmp_path / "cmp" / "report.html").read_text()
     assert "as the MAUVE featurizer" not in (tmp_path / "same" / "report.html").read_text()
 
@@ -1236,3 +1236,26 @@ def test_diversity_of_answers_without_words_or_without_pairs_of_words_is_undefin
     only_punctuation = _diversity(human, ["，，，", "...", "！"], "cjk", Options(draws=10))
     assert only_punctuation["generated"] == dict.fromkeys(["distinct_1", "distinct_2", "distinct_3", "self_bleu_4"])
     assert only_punctuation["generated_reason"] == "undefined: 0 answers with a word (needs 2)"
+
+
+def test_a_featurizer_from_the_models_own_lineage_is_named_as_such(tmp_path):
+    """--featurizer against the checkpoint that wrote the predictions, followed back through each training
+    run's init: the model itself, its base, a model further back, or none of them."""
+    from polyalign.evaluate.run import featurizer_relation
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for run, init in (("sft", base), ("hdpo", tmp_path / "sft" / "model")):
+        (tmp_path / run / "model").mkdir(parents=True)
+        (tmp_path / run / "config.json").write_text(json.dumps({"method": run, "init": str(init)}))
+    predictions = tmp_path / "p.jsonl"
+    predictions.write_text('{"id": "a", "prediction": "b"}\n')
+    manifest = {"settings": {"checkpoint": str(tmp_path / "hdpo" / "model")}}
+    (tmp_path / "p.manifest.json").write_text(json.dumps(manifest))
+    assert featurizer_relation(tmp_path / "hdpo" / "model", predictions) == "the model itself"
+    assert featurizer_relation(tmp_path / "sft" / "model", predictions) == (
+        "the model's base (the init it was trained from)")
+    assert featurizer_relation(base, predictions) == "a model it was trained from, 2 inits back"
+    assert featurizer_relation(tmp_path / "elsewhere", predictions) is None
+    (tmp_path / "p.manifest.json").unlink()  # an external engine's answers name no checkpoint
+    assert featurizer_relation(base, predictions) is None

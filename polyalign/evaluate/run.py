@@ -273,8 +273,13 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     running("MAUVE")
     featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
     mauve_metrics = _mauve_section(joined, featurize)
-    if featurize is not None and featurizer_is_the_model(options.featurizer, predictions_path):
+    relation = featurizer_relation(options.featurizer, predictions_path) if featurize is not None else None
+    if relation == "the model itself":
         mauve_metrics["featurizer_note"] = FEATURIZER_IS_MODEL
+    elif relation is not None:
+        mauve_metrics["featurizer_note"] = FEATURIZER_IS_BASE.format(relation=relation)
+    if relation is not None:
+        mauve_metrics["featurizer_relation"] = relation
     running("detectability")
     detect = _detectability_section(joined, options, featurize)
     for name, row in detect.get("baselines", {}).items():
@@ -462,10 +467,32 @@ def decoding_of(predictions_path: Path) -> dict[str, Any] | None:
     return {**asked_for(sampling), **({"max_new_tokens": "auto"} if settings.get("budget_records") else {})}
 
 
-def featurizer_is_the_model(featurizer, predictions_path: Path) -> bool:
-    """Whether --featurizer is the checkpoint that wrote the predictions."""
+FEATURIZER_IS_BASE = ("the featurizer is {relation}: the measured model's hidden states began as its own, so "
+                      "MAUVE and hidden-state detectability read its answers through the model's lineage, not a "
+                      "separate reader's; give a checkpoint the model was not trained from as --featurizer")
+LINEAGE_DEPTH = 16  # init links followed back (SFT, rounds, a critic's base): more than any pipeline makes
+
+
+def featurizer_relation(featurizer, predictions_path: Path) -> str | None:
+    """How --featurizer stands to the checkpoint that wrote the predictions: "the model itself", "the model's
+    base (init)" or "a model it was trained from, k inits back" (each training run's config.json names its
+    init), or None when it is none of them or the predictions name no checkpoint."""
     checkpoint = predictions_checkpoint(predictions_path)
-    return checkpoint is not None and not is_uri(str(featurizer)) and same_path(featurizer, checkpoint)
+    if checkpoint is None or is_uri(str(featurizer)):
+        return None
+    for depth in range(LINEAGE_DEPTH):
+        if is_uri(checkpoint):
+            return None
+        if same_path(featurizer, checkpoint):
+            return ("the model itself", "the model's base (the init it was trained from)")[depth] if depth < 2 else \
+                f"a model it was trained from, {depth} inits back"
+        try:
+            checkpoint = json.loads((Path(checkpoint).parent / "config.json").read_text()).get("init")
+        except (OSError, ValueError, AttributeError):  # a checkpoint no polyalign run made: the lineage ends
+            return None
+        if not isinstance(checkpoint, str):
+            return None
+    return None
 
 
 def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:

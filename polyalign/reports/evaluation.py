@@ -833,8 +833,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                      ("compat", *(r["config"]["compat"] for r in runs.values())),
                      ("MAUVE", *(str(r["metrics"]["mauve"]["status"])
                                  + (" (noisy: few answers)" if r["metrics"]["mauve"].get("note") else "")
-                                 + (" (featurizer: the model itself)" if r["metrics"]["mauve"].get("featurizer_note")
-                                    else "")
+                                 + (f" (featurizer: {_featurizer_relation(r)})"
+                                    if r["metrics"]["mauve"].get("featurizer_note") else "")
                                  for r in runs.values()))]
     models = differing_models(runs)
     settings_rows += [(f"model: {name}", *values) for name, values in models.items()]
@@ -878,10 +878,11 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                     "contents): what differs between them is the evaluation's settings, not a model.</p>")
     own = [name for name, r in runs.items() if (r["metrics"].get("mauve") or {}).get("featurizer_note")]
     if own and len(runs) > 1:  # one run's featurizer is its own model: its MAUVE reads its answers kindly
+        its = "its" if len(own) == 1 else "their"
         warning += (f"<p><b>{html.escape(' and '.join(own))} {'was' if len(own) == 1 else 'were'} measured with "
-                    f"{'its' if len(own) == 1 else 'their'} own model as the MAUVE featurizer</b>, which reads its "
-                    "own answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and "
-                    "the aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
+                    f"{its} own model or a model of {its} lineage as the MAUVE featurizer</b>, which reads its own "
+                    "answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and the "
+                    "aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
@@ -938,6 +939,11 @@ def _cells(values: list[Any]) -> list[str]:
         depth += 1
     return ["/".join(Path(value).parts[-depth:]) if value in paths else
             f"{value:g}" if isinstance(value, float) else str(value) for value in values]
+
+
+def _featurizer_relation(run: dict) -> str:
+    """How a run's MAUVE featurizer stands to its model (evaluations before the lineage was read: itself)."""
+    return run["metrics"]["mauve"].get("featurizer_relation", "the model itself")
 
 
 def decoding_text(decoding: dict | None) -> str:
