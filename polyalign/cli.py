@@ -160,11 +160,12 @@ def _run_prepare(args) -> int:
         left_out = ", ".join(f"{k} {v}" for k, v in source.get("left_out", {}).items())
         print(f"  {source['name']:<20} rows {source['read']:>6}  records {source['records']:>6}  kept "
               f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
-    if manifest["quarantine"]["rows"]:
-        print(f"quarantined {manifest['quarantine']['rows']} rows -> {args.out / 'data' / 'quarantine.jsonl'}")
+    quarantine = manifest["quarantine"]
+    if quarantine["rows"]:  # the file, or a Beam run's shards, as the manifest names them
+        print(f"quarantined {quarantine['rows']} rows -> {args.out / 'data' / quarantine['file']}")
     if manifest["dropped_rows"]["rows"]:
         print(f"{manifest['dropped_rows']['rows']} rows left out as they were read, each with its reason -> "
-              f"{args.out / 'data' / 'dropped.jsonl'}")
+              f"{args.out / 'data' / manifest['dropped_rows']['file']}")
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")

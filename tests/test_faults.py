@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -251,7 +252,7 @@ def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code
     """As a misspelt family is: "english" on a row stops the run naming the line (or is quarantined);
     "fr" is a language the user keeps out, dropped as language_not_in_scheme:fr."""
     rows = [chat_row(CAMREST[0], language="en"), chat_row(CAMREST[1], language="english"),
-            chat_row(CAMREST[2], language="fr")]
+            chat_row(CAMREST[2], language="fr"), chat_row(CAMREST[2], language="other", id="again")]
     with pytest.raises(PrepareError, match=r"c.jsonl:2: language 'english' is no language code: the scheme's are "
                                            r"en, zh \(a row labelled with another one, e.g. fr, is dropped as "
                                            r"language_not_in_scheme:fr\)"):
@@ -261,7 +262,7 @@ def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code
     source = manifest["sources"][0]
     french = sum(m["role"] == "assistant" for m in rows[2]["messages"])
     assert source["dropped"] == {"malformed": sum(m["role"] == "assistant" for m in rows[1]["messages"]),
-                                 "language_not_in_scheme:fr": french}
+                                 "language_not_in_scheme:fr": french, "language_not_in_scheme:other": french}
     assert manifest["totals"]["by_split"]["train"] == sum(m["role"] == "assistant" for m in rows[0]["messages"])
 
 
@@ -700,6 +701,8 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     _, report = train_from_records(run, tmp_path / "tok", 400)
     assert report["num_records"] == counts["train"] and set(report["made_from"]["records"]) == {
         "train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl"}
+    _, report = train_from_records(run / "data", tmp_path / "tok_data", 400)  # prepare's own folder given
+    assert report["num_records"] == counts["train"]
     with pytest.raises(Exception, match="a sharded prepare wrote train-00000-of-00002.jsonl, ...: give the run folder"):
         train_from_records(run / "data" / "train.jsonl", tmp_path / "tok2", 300)
     # a prepare of one file per output into the sharded folder: the shards go, with a note, and so do a
@@ -722,6 +725,17 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     (run / "data" / "manifest.json").unlink()
     with pytest.raises(ConfigError, match="holds both train.jsonl and 1 shards train-00000-of-00002.jsonl"):
         split_files(run, "train")
+    # files of a prepare's names with no manifest to say a prepare wrote them are a user's: refused, kept
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress"]) == 2
+    assert "exists without manifest.json" in capsys.readouterr().err
+    assert (run / "data" / "train-00000-of-00002.jsonl").read_text() == single["train"]
+    # a source inside the folder prepare writes: refused before anything is touched
+    shutil.copy(tmp_path / "c.jsonl", run / "data" / "c.jsonl")
+    inside = write_config(tmp_path / "inside.yaml", [{**source, "path": str(run / "data" / "c.jsonl")}])
+    assert main(["prepare", "--config", str(inside), "--out", str(run), "--no-progress", "--overwrite"]) == 2
+    assert f"{run / 'data' / 'c.jsonl'}: a source file inside {run / 'data'}" in capsys.readouterr().err
+    assert (run / "data" / "c.jsonl").is_file() and (run / "data" / "train.jsonl").is_file()
 
 
 # Outputs: every stage's output belongs to the settings that made it.

@@ -138,3 +138,9 @@ def test_a_conversation_keeps_its_language_unless_a_clear_reply_says_otherwise_a
     dutch = ("De dag dat Jezus gekruisigd werd", "Wat is goede vrijdag?")  # the PolyAlign sample's Dutch row
     assert chooser.choose(*_conversation(*reversed(dutch))) == "other"
     assert chooser.choose(village[0], songs[1], f"{songs[1]}\n{village[0]}") == "en"
+    # a reply, row or conversation that is only code is read as it is (lingua's reading of its identifiers),
+    # never as a text with no letters (`und`, dropped)
+    block = "```\n" + "\n".join(line for line in code[0].splitlines() if line.isascii() and "```" not in line) + "\n```"
+    assert language.prose(block) == block and language.read_script(block).language == "latin"
+    assert chooser.choose(block, block) == chooser.choose(block, block, f"{block}\n{block}") == "other"
+    assert chooser.choose("```\nprint(1)\n```", "```\nx = foo(bar)\n```") == "en"  # too few letters to tell

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import sys
 from collections import Counter
 
@@ -623,7 +624,7 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     probe.buckets, probe.human_tokens = ["a", "a", "b"], np.array([4.0, 5.0, 6.0])
     probe.references = probe.critic = None
     probe.said_empty = probe.said_blind = probe.people_logged = False
-    probe.people = {}
+    probe.people_scores = {"drift/people_support_distance": None, "drift/people_critic": None}
     trainer = SimpleNamespace(model=lambda params: None, state={"params": None})
     first, second = probe(trainer), probe(trainer)
     assert first == second and first["drift/empty"] == 1.0 and first["drift/length_ratio"] == 0.0
@@ -705,23 +706,25 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert (f"{out / 'round-1'}: a finished round of another config (lambda_dist: 0.1 there, 0.25 now); the rounds "
             "after it train from its model: pass --overwrite to train every round again") in err, err
     assert main(command + ["train.keep_checkpoints=1"]) == 0  # where a run stops and what it keeps: the same run
+    assert main(command + ["train.log_every=2", "train.eval_every=1"]) == 0  # what it logs: the same rounds too
     # without refresh_critic, the first critic scores round 2's pairs, and its files sit beside them for the drift
     kept = tmp_path / "kept"
     assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false"]) == 0
     copied = kept / "round-2" / "pairs" / "critic.safetensors"
     assert copied.read_bytes() == (critic / "critic.safetensors").read_bytes()
     assert "drift/critic" in [m for m in read_metrics(kept / "round-2") if "drift/length_ratio" in m][-1]
-    # --overwrite trains every round again, round 2's pairs answered anew by the new round 1
+    # --overwrite trains every round again, round 2's pairs answered anew by the new round 1; a later round of
+    # an earlier, longer run (trained from the replaced models) goes too
+    shutil.copytree(kept / "round-2", kept / "round-3")
     capsys.readouterr()
     assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false", "--overwrite"]) == 0
     printed = capsys.readouterr().out
     assert "round-2: the rejected side of 8 pairs answered anew" in printed and "(round 2 of 2)" in printed
     assert f"from {tmp_path / 'init'} -> {kept / 'round-1'}" in printed  # round 1 trained again, from the start
+    assert not (kept / "round-3").exists()
 
 
 def test_the_critic_and_evaluate_refuse_references_made_from_an_earlier_prepare(demo_run, tmp_path, capsys):
-    import shutil
-
     from polyalign.cli import main
     from polyalign.core.errors import StatsError
     from polyalign.core.paths import file_digest
@@ -897,3 +900,31 @@ def test_the_drift_probe_warns_when_the_critic_scores_far_answers_nearer_people_
     assert critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 2.5}, people) is None
     assert critic_blind_warning({"drift/critic": -0.12}, people) is None  # no references: no distance to read
     assert critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 4.2}, {}) is None
+    # people's mark is read over the prompts the policy answered: an empty answer's prompt is left out of both
+    from polyalign.train.drift import DriftProbe
+
+    probe = DriftProbe.__new__(DriftProbe)
+    probe.people_scores = {"drift/people_support_distance": np.array([1.0, np.nan, 3.0, 8.0]),
+                           "drift/people_critic": np.array([0.2, 0.4, 0.6, 0.8])}
+    assert probe.people_means([0, 2]) == {"drift/people_support_distance": 2.0, "drift/people_critic": 0.4}
+    assert probe.people_means([1]) == {"drift/people_critic": 0.4}  # no distance to read for that prompt
+    assert probe.people_means([]) == {}
+
+
+def test_a_rounds_summary_says_every_finished_round_and_the_rounds_planned():
+    """A run stopped inside round 2 of 3 lists round 1 and says "round 2 of 3" (the finished rounds alone
+    would say "of 1"); the final summary lists every round but the last, whose line it is."""
+    from polyalign.train.preference import summary_line
+
+    first = {"round": 1, "end_step": 2, "train_pairs": 8,
+             "last": {"val_rewards/margin": 0.1, "val_rewards/accuracy": 0.5}}
+    stopped = {"method": "hdpo", "train_pairs": 8, "last": {}, "round": 2, "rounds": [first], "rounds_planned": 3,
+               "model": "m", "start_step": 0, "end_step": 1, "stopped_early": True}
+    lines = summary_line(stopped).splitlines()
+    assert lines[0] == "round 1: to step 2 on 8 pairs; validation reward margin 0.1000, accuracy 0.500"
+    assert lines[1].startswith("hdpo: ") and lines[1].endswith("(round 2 of 3)") and len(lines) == 3
+    final = {**stopped, "round": 2, "rounds": [first, {**first, "round": 2}], "rounds_planned": 2,
+             "stopped_early": False}
+    lines = summary_line(final).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["round 1", "hdpo", "model"]
+    assert lines[1].endswith("(round 2 of 2)")

@@ -595,3 +595,23 @@ def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_ru
     assert capsys.readouterr().out.count("== val example ") == 2
     assert main(["show", str(run), "--id", "no-such-record"]) == 2
     assert "no train example of record 'no-such-record'" in capsys.readouterr().err
+
+
+def test_show_marks_a_span_inside_a_sentence_without_losing_its_space(demo_tokenizer):
+    """A trained span that starts mid-sentence (a SentencePiece piece carrying its space): the marked text
+    less its markers is the whole example decoded, for every start and end of the span."""
+    import numpy as np
+
+    from polyalign.inputs.show import TRAINED_CLOSE, TRAINED_OPEN, marked_text
+
+    tokenizer = demo_tokenizer[0]
+    text = "The museum is in Ulus Square. 博物馆位于乌鲁斯广场。"
+    ids = np.asarray(tokenizer.encode(text))
+    whole = tokenizer.decode(ids.tolist())
+    for start in range(1, len(ids) - 1):
+        for end in (start + 1, len(ids)):
+            mask = np.zeros(len(ids), np.uint8)
+            mask[start:end] = 1
+            marked = marked_text(tokenizer, ids, mask)
+            assert marked.replace(TRAINED_OPEN, "").replace(TRAINED_CLOSE, "") == whole, (start, end, marked)
+            assert marked.count(TRAINED_OPEN) == 1

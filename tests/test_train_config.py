@@ -492,8 +492,8 @@ def test_print_config_says_the_preset_is_unused_with_an_init(capsys):
     assert main(["train", "sft", "--print-config"]) == 0
     # the one value a default always chooses from elsewhere: the compute dtype, from the machine
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")] == [
-        "# model.dtype auto computes in float32 here (bfloat16 on GPU and TPU, float32 on a CPU; parameters and "
-        "optimizer state stay float32)"]
+        "# model.dtype auto computes in bfloat16 on GPU and TPU, float32 on a CPU (the run's first line says which); "
+        "parameters and optimizer state stay float32"]
     assert main(["train", "sft", "--print-config", "model.dtype=bfloat16"]) == 0
     assert "#" not in capsys.readouterr().out
 

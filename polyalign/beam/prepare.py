@@ -30,7 +30,6 @@ from polyalign.beam import pipeline_options
 from polyalign.core.outputs import stage_output
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.dedup import (
-    EXACT_DUPLICATES_FILE,
     Duplicate,
     NearDuplicateOptions,
     band_keys,
@@ -39,7 +38,15 @@ from polyalign.data.dedup import (
     minhash_signature,
 )
 from polyalign.data.importers import read_file, rows_in_file
-from polyalign.data.layout import clear_outputs, file_label, stale_note
+from polyalign.data.layout import (
+    BEAM_EVENTS_DIR,
+    EXACT_DUPLICATES,
+    clear_outputs,
+    file_label,
+    owned_files,
+    refuse_sources_inside,
+    stale_note,
+)
 from polyalign.data.prepare import (
     ON_ERROR_MODES,
     AgreementCounts,
@@ -64,7 +71,6 @@ EVENTS = "events"
 QUARANTINE = "quarantine"
 DROPPED = "dropped"
 DUPLICATES = "exact_duplicates"
-EVENTS_DIR = "_beam_events"
 
 Order = tuple[int, int, int]  # (source, file, item): the single-machine path's reading order
 Keyed = tuple[Order, Record]
@@ -223,8 +229,10 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
         raise PrepareError(f"--num-shards must be at least 1, got {num_shards}")
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
+    refuse_sources_inside(data_dir, context.source_files)
     with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-                      ours=[data_dir / f"{split}.jsonl" for split in SPLITS], key=None, view=prepare_meaning):
+                      ours=[*(data_dir / f"{split}.jsonl" for split in SPLITS), *owned_files(data_dir)], key=None,
+                      view=prepare_meaning):
         return _run_pipeline(context, data_dir, on_error, beam_options, num_shards, started)
 
 
@@ -234,7 +242,7 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
     data_dir.mkdir(parents=True, exist_ok=True)
     if note := stale_note(data_dir, clear_outputs(data_dir, num_shards)):
         print(note, file=sys.stderr)
-    events_dir = data_dir / EVENTS_DIR
+    events_dir = data_dir / BEAM_EVENTS_DIR
     options = pipeline_options(beam_options)
     specs = [(s, f) for s, files in enumerate(context.source_files) for f in range(len(files))]
     multi_file = [(s, f) for s, f in specs if len(context.source_files[s]) > 1]
@@ -273,7 +281,7 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
                            | "Keep first" >> beam.FlatMap(_keep_first).with_outputs(EVENTS, DUPLICATES,
                                                                                      main="records"))
                 records, events = deduped.records, [*events, deduped[EVENTS]]
-                _write_lines(deduped[DUPLICATES], data_dir / Path(EXACT_DUPLICATES_FILE).stem, num_shards,
+                _write_lines(deduped[DUPLICATES], data_dir / EXACT_DUPLICATES, num_shards,
                              "exact duplicates")
             if config.dedup and near.enabled:
                 pairs = (records | "Band keys" >> beam.ParDo(BandKeys(near))
@@ -391,7 +399,7 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
     dedup_report: dict[str, Any] = {"enabled": config.dedup, "group_protection": {"moved": dict(sorted(moved.items()))}}
     if config.dedup:
         dedup_report["exact"] = {"removed": sum(kinds.values()), "by_kind": dict(sorted(kinds.items())),
-                                 "file": file_label(Path(EXACT_DUPLICATES_FILE).stem, num_shards)}
+                                 "file": file_label(EXACT_DUPLICATES, num_shards)}
     near = config.near_dedup
     if config.dedup and near.enabled:
         dedup_report["near_duplicates"] = near_duplicate_report(near, read_near_duplicates(data_dir), num_shards)

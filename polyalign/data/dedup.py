@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from polyalign.data.layout import EXACT_DUPLICATES
 from polyalign.data.records import AFTER_QUESTION, SPLIT_PRIORITY, Record
 
 
@@ -54,7 +55,7 @@ def exact_dedup(records: Sequence[Record]) -> tuple[list[Record], list[Duplicate
 
 
 # Every removed duplicate, one line each, beside the record it repeats: nothing leaves the data unlisted.
-EXACT_DUPLICATES_FILE = "exact_duplicates.jsonl"
+EXACT_DUPLICATES_FILE = f"{EXACT_DUPLICATES}.jsonl"
 
 
 def duplicate_row(duplicate: Duplicate) -> dict[str, str]:

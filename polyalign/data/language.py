@@ -142,12 +142,15 @@ _NOT_PROSE = re.compile(r"```.*?(?:```|$)|`[^`\n]+`|\$\$.*?\$\$|\$[^$\n]*\$|\\[A
 
 
 def prose(text: str) -> str:
-    """`text` less its code and math (`_NOT_PROSE`)."""
-    return _NOT_PROSE.sub(" ", text)
+    """`text` less its code and math (`_NOT_PROSE`), or the whole text where that leaves no letter: a row
+    that is only code is read as it is (its identifiers and comments), not as a text with no language."""
+    stripped = _NOT_PROSE.sub(" ", text)
+    return stripped if any(ch.isalpha() for ch in stripped) else text
 
 
 def read_script(text: str) -> ScriptReading:
-    """The script most of `text`'s letters are in (code and TeX left out), its share and the letter count."""
+    """The script most of `text`'s letters are in (code and TeX left out where prose remains), its share and
+    the letter count."""
     text = prose(text)
     counts = _script_counts(text)
     weighed = {script: n * (3 if script in ("han", "kana", "hangul") else 1) for script, n in counts.items()}

@@ -12,11 +12,14 @@ from pathlib import Path
 
 from polyalign.core.yaml_config import ConfigError
 
+EXACT_DUPLICATES = "exact_duplicates"
 # Every file a prepare writes in RUN/data, by stem (data/prepare.py and beam/prepare.py).
-OUTPUT_STEMS = ("train", "val", "test", "dropped", "quarantine", "exact_duplicates", "near_duplicates")
+OUTPUT_STEMS = ("train", "val", "test", "dropped", "quarantine", EXACT_DUPLICATES, "near_duplicates")
+# Where a Beam prepare sums its event counts (the manifest's) before it writes the manifest.
+BEAM_EVENTS_DIR = "_beam_events"
 # What a Beam run leaves in RUN/data while it writes, or when it is stopped: its temporary shards and
-# the event counts the manifest is summed from.
-BEAM_LEFTOVERS = ("beam-temp-*", "_beam_events")
+# its event counts.
+BEAM_LEFTOVERS = ("beam-temp-*", BEAM_EVENTS_DIR)
 _SHARD = re.compile(r"^(?P<stem>[a-z_]+)-\d{5}-of-(?P<count>\d{5})\.jsonl$")
 
 
@@ -40,7 +43,11 @@ def recorded_shards(data_dir: Path) -> int | None:
     except (OSError, ValueError):
         return None
     engine = manifest.get("engine") if isinstance(manifest, dict) else None
-    return int(engine.get("num_shards", 1)) if isinstance(engine, dict) else 1
+    shards = engine.get("num_shards", 1) if isinstance(engine, dict) else 1
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ConfigError(f"{Path(data_dir) / 'manifest.json'}: engine.num_shards is {shards!r}, not a shard count; "
+                          "run its `polyalign prepare` again")
+    return shards
 
 
 def split_files(run: Path, split: str) -> list[Path]:
@@ -65,26 +72,42 @@ def split_files(run: Path, split: str) -> list[Path]:
     return [single] if single.is_file() else shards
 
 
-def clear_outputs(data_dir: Path, num_shards: int) -> list[str]:
-    """Removes every file an earlier prepare wrote in RUN/data, of either layout, and a stopped Beam run's
-    leftovers, before a prepare writing `num_shards` shards starts (stage_output has allowed it): what it
-    does not write again must not stay beside what it writes. Only names a prepare writes are touched.
-    Returns the removed names this prepare will not write again (another layout's, leftovers), for a note."""
+def owned_files(data_dir: Path) -> list[Path]:
+    """What in RUN/data bears a name a prepare writes (either layout) or a Beam run leaves: stage_output's
+    `ours`, so that such files without a manifest (a user's own, not known to be polyalign's) are refused,
+    never replaced, and what `clear_outputs` removes once a prepare may write."""
     data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        return []
+    owned = [path for path in sorted(data_dir.glob("*.jsonl")) if path.stem in OUTPUT_STEMS or (
+        (shard := _SHARD.match(path.name)) is not None and shard["stem"] in OUTPUT_STEMS)]
+    return owned + [path for pattern in BEAM_LEFTOVERS for path in sorted(data_dir.glob(pattern))]
+
+
+def refuse_sources_inside(data_dir: Path, source_files: list[list[Path]]) -> None:
+    """A source file inside RUN/data would be among what a prepare rewrites there: refused, naming it."""
+    data_dir = Path(data_dir).resolve()
+    for files in source_files:
+        for path in files:
+            if Path(path).resolve().is_relative_to(data_dir):
+                raise ConfigError(f"{path}: a source file inside {data_dir}, the folder prepare writes its splits "
+                                  "into; move the source, or give another --out")
+
+
+def clear_outputs(data_dir: Path, num_shards: int) -> list[str]:
+    """Removes every file an earlier prepare wrote in RUN/data (`owned_files`, either layout), and a stopped
+    Beam run's leftovers, before a prepare writing `num_shards` shards starts (stage_output has allowed it:
+    the folder's manifest says a prepare wrote them, or --overwrite): what it does not write again must not
+    stay beside what it writes. Returns the removed names this prepare will not write again (another
+    layout's, leftovers), for a note."""
     current = {name for stem in OUTPUT_STEMS for name in file_names(stem, num_shards)}
     removed = []
-    for path in sorted(data_dir.glob("*.jsonl")):
-        shard = _SHARD.match(path.name)
-        if path.stem in OUTPUT_STEMS or (shard is not None and shard["stem"] in OUTPUT_STEMS):
-            path.unlink()
-            removed += [] if path.name in current else [path.name]
-    for pattern in BEAM_LEFTOVERS:
-        for path in sorted(data_dir.glob(pattern)):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            removed.append(path.name)
+    for path in owned_files(data_dir):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed += [] if path.name in current else [path.name]
     return removed
 
 

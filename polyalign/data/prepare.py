@@ -38,8 +38,8 @@ from polyalign.data.dedup import (
 )
 from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers.reading import source_files
-from polyalign.data.language import LanguageChooser, contradicting_script
-from polyalign.data.layout import clear_outputs, file_label, stale_note
+from polyalign.data.language import OTHER, LanguageChooser, contradicting_script
+from polyalign.data.layout import clear_outputs, file_label, owned_files, refuse_sources_inside, stale_note
 from polyalign.data.records import (
     AFTER_QUESTION,
     PROFILE_PREAMBLE,
@@ -343,7 +343,7 @@ class RecordBuilder:
         labels = self.labels(example, source, tally)
         declared = example.labels.get("language") or source.language
         scheme_languages = self.scheme.values["language"]
-        if example.labels.get("language") not in (None, *scheme_languages) and \
+        if example.labels.get("language") not in (None, OTHER, *scheme_languages) and \
                 not LANGUAGE_CODE.match(example.labels["language"]):
             raise RowProblem(f"language {example.labels['language']!r} is no language code: the scheme's are "
                              f"{', '.join(scheme_languages)} (a row labelled with another one, e.g. fr, is dropped "
@@ -606,9 +606,10 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
     # a first prepare stopped by a bad row leaves neither OUT/data nor OUT behind
+    refuse_sources_inside(data_dir, context.source_files)
     with no_empty_folder_left(Path(out)), stage_output(
             data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-            ours=[data_dir / f"{split}.jsonl" for split in ("train", "val", "test")], key=None,
+            ours=[*(data_dir / f"{split}.jsonl" for split in SPLITS), *owned_files(data_dir)], key=None,
             view=prepare_meaning):
         return _prepare(context, data_dir, on_error, progress)
 
@@ -754,8 +755,8 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         drop("empty_response", "")
         return None
     if not built.question.strip() and not built.context.strip():
-        # a reply to an empty user turn (an attachment-only message, a logging gap) answers nothing the
-        # model is shown: it would learn to say this unprompted
+        # a reply to an empty user turn (an attachment-only message, a logging gap), or to no user turn at
+        # all, answers nothing the model is shown: it would learn to say this unprompted
         drop("empty_question", item.response)
         return None
     tally.empty_responses += int(built.response == "")

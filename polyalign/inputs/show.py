@@ -5,7 +5,6 @@ is what the model trains on."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,19 +12,12 @@ from typing import Any
 import numpy as np
 
 from polyalign.core.yaml_config import ConfigError
-from polyalign.inputs.build import BUILD_DIR
+from polyalign.inputs.build import build_tokenizer_path, read_manifest
 from polyalign.inputs.pipeline import open_split
 from polyalign.tokens.tokenizer import load_tokenizer
 
 # Around each trained span: characters no chat template or corpus text here uses.
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
-
-
-def built_manifest(run: Path) -> dict[str, Any]:
-    path = Path(run) / BUILD_DIR / "manifest.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: missing; run `polyalign build {run}` first")
-    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def spans(mask: np.ndarray) -> Iterator[tuple[int, int, bool]]:
@@ -38,12 +30,17 @@ def spans(mask: np.ndarray) -> Iterator[tuple[int, int, bool]]:
 
 
 def marked_text(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
-    """The decoded example, each trained span between TRAINED_OPEN and TRAINED_CLOSE (a span is decoded
-    whole, so that a tokenizer's spaces and multi-byte characters come out as they read)."""
-    parts = []
+    """The decoded example, each trained span between TRAINED_OPEN and TRAINED_CLOSE. A span's text is
+    what decoding the example up to its end adds to decoding it up to its start: decoded alone, a
+    SentencePiece span would lose the space its first piece carries, and a split character its bytes."""
+    ids = [int(i) for i in ids]
+    parts, before = [], ""
     for start, end, trained in spans(mask):
-        text = tokenizer.decode([int(i) for i in ids[start:end]])
+        upto = tokenizer.decode(ids[:end])
+        # a prefix that decodes otherwise once more pieces follow (bytes joining into one character): the span alone
+        text = upto[len(before):] if upto.startswith(before) else tokenizer.decode(ids[start:end])
         parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained else text)
+        before = upto
     return "".join(parts)
 
 
@@ -51,10 +48,10 @@ def show_examples(run: Path, split: str = "train", ids: Sequence[str] = (), limi
                   token_ids: bool = False) -> Iterator[str]:
     """Text blocks for the built examples of `split`: those of the record `ids` (in the order given), or
     the first `limit` in stored order."""
-    manifest = built_manifest(run)
+    manifest = read_manifest(run)  # checked to be the build of the prepare RUN/data holds now
     if split not in manifest["splits"]:
         raise ConfigError(f"{run}: the build has no {split} split (it has {', '.join(manifest['splits'])})")
-    tokenizer = load_tokenizer(Path(manifest["tokenizer"]))
+    tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))  # RUN/tokenizer where the run was moved
     source = open_split(Path(run), split)
     total = len(source)
     if ids:

@@ -382,7 +382,6 @@ def initialize_distributed() -> None:
     global _distributed_started
     if _distributed_started:
         return
-    _distributed_started = True
     expected = _int_env("POLYALIGN_NUM_PROCESSES")
     coordinator = os.environ.get("POLYALIGN_COORDINATOR")
     if coordinator:
@@ -396,10 +395,12 @@ def initialize_distributed() -> None:
                                 f"each process's id is one of 0 to {expected - 1}, different on every host"
                                 if expected >= 1 else
                                 f"POLYALIGN_NUM_PROCESSES={expected} must be at least 1")
+        _distributed_started = True
         if expected > 1:
             _initialize(JOIN_TIMEOUT, coordinator_address=coordinator, num_processes=expected,
                         process_id=process_id)
     else:
+        _distributed_started = True
         cluster = _detected_cluster()
         detected = cluster.get_process_count() if cluster is not None else None
         if (detected or 0) > 1 or (expected or 0) > 1:

@@ -933,6 +933,7 @@ def _cells(values: list[Any]) -> list[str]:
     more as tell different paths apart (two lineages' round-1/model are hdpo/round-1/model and
     dpo/round-1/model)."""
     paths = {value for value in values if isinstance(value, str) and "/" in value}
+    values = [value if isinstance(value, str | int | float) else json.dumps(value, default=str) for value in values]
     depth = 2
     while depth < max((len(Path(p).parts) for p in paths), default=0) and \
             len({"/".join(Path(p).parts[-depth:]) for p in paths}) < len(paths):

@@ -178,8 +178,8 @@ def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
              ", ".join(f"{SYSTEM_MESSAGE_NAMES.get(k, k)}: {v}" for k, v in s.get("system_messages", {}).items())
              or "-",
              # what kept rows lost without being dropped (an unanswered last question, an image part)
-             ", ".join(f"{LEFT_OUT_NAMES.get(k.partition(':')[0], k)}{k.partition(':')[2]}: {v}"
-                       for k, v in s.get("left_out", {}).items()) or "-"] for s in manifest["sources"]]
+             ", ".join(f"{_left_out_name(k)}: {v}" for k, v in s.get("left_out", {}).items()) or "-"]
+            for s in manifest["sources"]]
 
 
 SOURCE_HEADER = ["source", "format", "rows read", "records", "kept", "dropped",
@@ -189,7 +189,13 @@ SYSTEM_MESSAGE_NAMES = {"system_prompt": "an opening system prompt",
                         "system_turn_before_reply": "a system message just before the reply",
                         "system_is_profile_prompt": "polyalign's profile prompt (left out)"}
 LEFT_OUT_NAMES = {"unanswered_last_user_turn": "a last user turn no one answered",
-                  "content_part_dropped": "a content part that is no text, "}
+                  "content_part_dropped": "a content part that is no text"}
+
+
+def _left_out_name(key: str) -> str:
+    """A `left_out` key in words, its detail after it (content_part_dropped:image_url)."""
+    head, _, detail = key.partition(":")
+    return LEFT_OUT_NAMES.get(head, head) + (f" ({detail})" if detail else "")
 
 
 def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]:

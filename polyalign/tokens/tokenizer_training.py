@@ -61,7 +61,9 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
 
 def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
            options: dict) -> tuple[SentencePieceTokenizer, dict]:
-    files = split_files(records_path, "train") if records_path.is_dir() else [records_path]
+    # a run folder, or its data folder (prepare's output, whose manifest sits beside the splits)
+    run = records_path.parent if (records_path / "manifest.json").is_file() else records_path
+    files = split_files(run, "train") if records_path.is_dir() else [records_path]
     records = [record for path in files for record in read_records(path)]
     if not records:
         raise TokenizerError(f"{records_path}: no records to train on")

@@ -56,10 +56,14 @@ class DriftProbe:
         self.critic, self.said_empty, self.said_blind = None, False, False
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
             self.critic = CriticScorer(Path(critic_dir))
-        # people's own answers to the same prompts, measured once: the mark the policy's drift reads against
-        self.people = {key.replace("drift/", "drift/people_"): value for key, value in
-                       answer_scores([p["chosen"] for p in pairs], self.buckets, references, self.critic).items()
-                       if not key.endswith("_by_bucket")}
+        # people's own answers to the same prompts, measured once per prompt: the mark the policy's drift reads
+        # against, over the prompts the policy answered at each probe
+        chosen = [p["chosen"] for p in pairs]
+        self.people_scores = {
+            "drift/people_support_distance": None if references is None else np.asarray(
+                support_targets(chosen, self.buckets, references), np.float64),
+            "drift/people_critic": None if self.critic is None else np.asarray(self.critic(chosen, self.buckets),
+                                                                                np.float64)}
         self.people_logged = False
 
     def __call__(self, trainer) -> dict[str, Any]:
@@ -85,13 +89,25 @@ class DriftProbe:
                   "is logged; a small or early model often ends its turn at once under greedy decoding, and "
                   "sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
         out.update(answer_scores(texts, self.buckets, self.references, self.critic))
-        if not self.said_blind and (warning := critic_blind_warning(out, self.people)) and jax.process_index() == 0:
+        answered = [i for i, text in enumerate(texts) if text]
+        people = self.people_means(answered)
+        if not self.said_blind and (warning := critic_blind_warning(out, people)) and jax.process_index() == 0:
             self.said_blind = True  # once a run: drift/critic and drift/support_distance say whether it lasts
             print(warning, file=sys.stderr, flush=True)
-        if not self.people_logged:  # fixed for the run: logged with the first probe
-            out.update(self.people)
+        if not self.people_logged:  # fixed for the run: logged with the first probe, over every prompt
+            out.update(self.people_means(range(len(texts))))
             self.people_logged = True
         return out
+
+    def people_means(self, rows) -> dict[str, float]:
+        """People's support distance and critic score averaged over the probe prompts `rows`."""
+        rows = list(rows)
+        means = {}
+        for key, scores in self.people_scores.items():
+            chosen = scores[rows] if scores is not None and rows else np.array([])
+            if np.isfinite(chosen).any():
+                means[key] = round(float(np.nanmean(chosen)), 4)
+        return means
 
 
 # The policy's answers this many times further from people's support than people's own answers are far
@@ -100,9 +116,10 @@ BLIND_DISTANCE_RATIO = 1.5
 
 
 def critic_blind_warning(policy: dict[str, Any], people: dict[str, Any]) -> str | None:
-    """A warning when the critic scores the policy's answers nearer people than people's own answers
-    while their support distance says they are much further (BLIND_DISTANCE_RATIO): the critic's
-    distance, which HDPO's distance term follows, no longer tells these answers from people's."""
+    """A warning when the critic scores the policy's answers nearer people than people's own answers to the
+    same prompts (`people`: DriftProbe.people_means over the prompts it answered) while their support
+    distance says they are much further (BLIND_DISTANCE_RATIO): the critic's distance, which HDPO's
+    distance term follows, no longer tells these answers from people's."""
     critic, distance = policy.get("drift/critic"), policy.get("drift/support_distance")
     people_critic, people_distance = people.get("drift/people_critic"), people.get("drift/people_support_distance")
     if None in (critic, distance, people_critic, people_distance):

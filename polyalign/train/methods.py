@@ -267,11 +267,9 @@ def derived_notes(config: Any) -> list[str]:
         # a demo config's full-tuning rate, kept under adapters, would otherwise pass unremarked
         notes.append(f"optimizer.lr {config.optimizer.lr:g} is set (by the config file or an override) and kept with "
                      f"adapters; {spec.name}'s default with adapters is {spec.lora_lr:g} (docs/lora.md)")
-    if getattr(config.model, "dtype", None) == "auto":
-        from polyalign.model.architecture import compute_dtype  # heavy: jax, only when the config is printed
-
-        notes.append(f"model.dtype auto computes in {compute_dtype('auto')} here (bfloat16 on GPU and TPU, float32 "
-                     "on a CPU; parameters and optimizer state stay float32)")
+    if getattr(config.model, "dtype", None) == "auto":  # said without starting JAX on a machine others may hold
+        notes.append("model.dtype auto computes in bfloat16 on GPU and TPU, float32 on a CPU (the run's first line "
+                     "says which); parameters and optimizer state stay float32")
     if config.init is not None:
         notes.append(f"model.preset is not used: the architecture is init's ({config.init}/config.json)")
     if config.train.epochs is not None:

@@ -27,6 +27,11 @@ from polyalign.core.yaml_config import ConfigError
 EXISTING = ("continue", "resume", "overwrite")
 FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.", "train.hang_timeout",
              "train.peer_timeout")
+# Keys that change what a run logs, checks or keeps, never the model it trains: a finished round of
+# on-policy rounds is the same round under any of them.
+REPORTING_KEYS = ("train.checkpoint_every", "train.eval_every", "train.log_every", "train.max_nonfinite",
+                  "data.eval_limit", "train.report_to", "train.tracker_project", "train.peak_tflops",
+                  "train.profile_steps")
 RESUMABLE_KEYS = ("train.steps", "train.epochs", "train.checkpoint_every", "train.eval_every", "train.log_every",
                   "train.max_nonfinite", "data.eval_limit", "train.report_to", "train.tracker_project",
                   "train.peak_tflops", "train.profile_steps")
@@ -92,14 +97,14 @@ def _compared(saved_path: Path, config: dict[str, Any], inputs: dict[str, str | 
 
 def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, str | None]) -> None:
     """A finished round of an on-policy run (OUT/round-<r>) is kept only for the config that made it:
-    any key but where a run stops and how it is laid out differs, and the command is refused, as for one
-    run. Later rounds train from this round's model, so a round cannot be continued with other values
-    (`--resume`) or trained again alone: --overwrite trains every round again."""
+    any key but where a run stops, how it is laid out and what it logs (REPORTING_KEYS) differs, and the
+    command is refused, as for one run. Later rounds train from this round's model, so a round cannot be
+    continued with other values (`--resume`) or trained again alone: --overwrite trains every round again."""
     saved_path = out / "config.json"
     if not saved_path.is_file():
         return
     saved, current, changed = _compared(saved_path, config, inputs)
-    other = [k for k in changed if not _matches(k, FREE_KEYS)]
+    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS)]
     if other:
         raise ConfigError(f"{out}: a finished round of another config ({describe_changes(other, saved, current)}); "
                           "the rounds after it train from its model: pass --overwrite to train every round again, "

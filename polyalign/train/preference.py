@@ -351,8 +351,10 @@ def summary_line(result: dict[str, Any]) -> str:
     earlier = "".join(f"round {r['round']}: to step {r['end_step']} on {r.get('train_pairs')} pairs"
                       + (f"; validation reward margin {r['last']['val_rewards/margin']:.4f}, accuracy "
                          f"{r['last'].get('val_rewards/accuracy', nan):.3f}"
-                         if "val_rewards/margin" in r.get("last", {}) else "") + "\n" for r in rounds[:-1])
+                         if "val_rewards/margin" in r.get("last", {}) else "") + "\n"
+                      for r in rounds if r["round"] != result.get("round"))
+    planned = result.get("rounds_planned", len(rounds))  # a run stopped inside a round lists the finished ones
     return (earlier + f"{result['method']}: {trained} on {result['train_pairs']} pairs; last step's batch: reward "
             f"margin {last.get('rewards/margin', nan):.4f}, accuracy {last.get('rewards/accuracy', nan):.3f}"
-            f"{validation}" + (f" (round {result['round']} of {len(rounds)})" if "rounds" in result else "")
+            f"{validation}" + (f" (round {result['round']} of {planned})" if "rounds" in result else "")
             + f"\nmodel: {result['model']}")

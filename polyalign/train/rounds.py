@@ -50,6 +50,16 @@ CRITIC_FILES = ("critic.json", "critic.safetensors")
 DROP_REASONS = {"empty_side": "with an empty policy answer", "chosen_equals_rejected": "answered as the person did"}
 
 
+def _remove(path) -> None:
+    """A file or folder, local or on a bucket (epath), if it is there."""
+    if not path.exists():
+        return
+    if path.is_dir():
+        path.rmtree() if hasattr(path, "rmtree") else shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
 def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | None, config,
                      progress: bool = True) -> dict[str, Any]:
     """DIR/train_pairs.jsonl: the pairs of `pairs_path` with the rejected side answered anew by
@@ -111,12 +121,12 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
     if refresh and not (critic_dir / "critic.json").is_file():
         raise ConfigError(f"on_policy.refresh_critic: {critic_dir} has no critic.json; the pairs must come from "
                           "`polyalign train critic`")
+    if overwrite:  # every round, its pairs and critic came from models being replaced; later rounds too
+        for made in [out / "summary.json", *(out.glob("round-*") if out.exists() else [])]:
+            _remove(made)
     policy, summaries = config.init, []
     for r in range(1, config.rounds + 1):
         directory = _round_dir(out, r)
-        if overwrite:  # this round's pairs and critic came from the model being replaced
-            for made in ("pairs", "critic"):
-                shutil.rmtree(directory / made, ignore_errors=True)
         result = None if overwrite else _finished(directory)
         round_pairs = pairs
         if r > 1:
@@ -135,10 +145,11 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
         if result is None:
             result = train(round_config, directory, progress)
             if result["stopped_early"]:
-                return {**result, "round": r, "rounds": summaries}
+                return {**result, "round": r, "rounds": summaries, "rounds_planned": config.rounds}
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {})})
         policy = directory / "model"
-    final = {**result, "round": config.rounds, "rounds": summaries, "model": str(policy), "out": str(out)}
+    final = {**result, "round": config.rounds, "rounds": summaries, "rounds_planned": config.rounds,
+             "model": str(policy), "out": str(out)}
     (out / "summary.json").write_text(json.dumps(final, indent=2, default=str) + "\n")
     return final

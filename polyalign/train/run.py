@@ -165,7 +165,7 @@ def check_finished(config, out) -> None:
     """Refuses a finished round of an on-policy run that `config` did not make (ownership.py)."""
     config = with_recorded_paths(with_compute_dtype(config))
     inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
-    ownership.check_finished_round(Path(as_path(out)), dataclasses.asdict(config),
+    ownership.check_finished_round(as_path(out), dataclasses.asdict(config),
                                    {**inputs, "data.dir": config.data.dir})
 
 
