@@ -582,7 +582,8 @@ def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_ru
         ids, mask = np.asarray(example["input_ids"]), np.asarray(example["loss_mask"])
         assert block[0] == (f"== train example {index + 1} of {len(source)}: {record_id} (bucket "
                             f"{manifest['buckets'][int(example['bucket'])]}, weight {float(example['weight']):.3f}; "
-                            f"{len(ids)} tokens, {int(mask.sum())} trained between {TRAINED_OPEN} {TRAINED_CLOSE})")
+                            f"{len(ids)} tokens{', cut to --max-length by --truncation left' * (len(ids) == 64)}, "
+                            f"{int(mask.sum())} trained between {TRAINED_OPEN} {TRAINED_CLOSE})")
         assert block[-2:] == [f"ids: {' '.join(map(str, ids.tolist()))}", f"trained: {''.join(map(str, mask))}"]
         text = "\n".join(block[1:-2])
         plain = text.replace(TRAINED_OPEN, "").replace(TRAINED_CLOSE, "")

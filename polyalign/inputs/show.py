@@ -68,13 +68,16 @@ def show_examples(run: Path, split: str = "train", ids: Sequence[str] = (), limi
         indices = list(wanted.values())
     else:
         indices = list(range(min(limit, total)))
-    buckets = manifest["buckets"]
+    buckets, options = manifest["buckets"], manifest.get("options", {})
     for index in indices:
         example = source[index]
         input_ids, mask = np.asarray(example["input_ids"]), np.asarray(example["loss_mask"])
         bucket = buckets[int(example["bucket"])]
+        # an example as long as the build's cut was (almost always) longer, and cut as --truncation says
+        cut = (f", cut to --max-length by --truncation {options.get('truncation', 'left')}"
+               if len(input_ids) >= options.get("max_length", float("inf")) else "")
         head = (f"== {split} example {index + 1} of {total}: {_text(example['id'])} (bucket {bucket}, weight "
-                f"{float(example['weight']):.3f}; {len(input_ids)} tokens, {int(mask.sum())} trained between "
+                f"{float(example['weight']):.3f}; {len(input_ids)} tokens{cut}, {int(mask.sum())} trained between "
                 f"{TRAINED_OPEN} {TRAINED_CLOSE})")
         lines = [head, marked_text(tokenizer, input_ids, mask)]
         if token_ids:
