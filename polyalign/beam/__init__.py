@@ -28,7 +28,21 @@ class _UserErrorFilter(logging.Filter):
 _USER_ERRORS = _UserErrorFilter()
 
 
+class _ImportNoiseFilter(logging.Filter):
+    """apache_beam warns on the root logger at import that its BigQuery clients are missing: polyalign
+    reads and writes no BigQuery, and the line read as a problem with the run (a user asked)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and str(record.msg).startswith("apitools not found"))
+
+
+_IMPORT_NOISE = _ImportNoiseFilter()
+
+
 def require_beam():
+    root = logging.getLogger()
+    if _IMPORT_NOISE not in root.filters:
+        root.addFilter(_IMPORT_NOISE)
     beam = require("apache_beam", "beam", "--beam (Apache Beam)",
                    "in an environment of its own: apache-beam pins older protobuf and pyarrow; add "
                    "apache-beam[gcp] for Dataflow")
