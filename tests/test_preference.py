@@ -377,7 +377,7 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=20, val=4)
     config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
         f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
-        "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=3",
+        "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=1",
         "train.checkpoint_every=3", "attention_impl=xla"])
     result = train_preference(config, tmp_path / "out", progress=False)
     steps = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
@@ -389,6 +389,8 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
     # scored pairs: the critic's terms logged, on training and validation pairs (0 < R < 2, the scores' range)
     assert all(0 < r["dist_reg"] < 2 and "dist_gap" in r for r in steps) and 0 < val[-1]["val_dist_reg"] < 2
+    # the validation pairs' score gap is fixed: logged with the first evaluation, not repeated
+    assert len(val) >= 3 and "val_dist_gap" in val[0] and not any("val_dist_gap" in r for r in val[1:])
 
 
 @pytest.mark.slow

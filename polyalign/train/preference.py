@@ -308,11 +308,16 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                            config.drift_new_tokens, load_references(config.data.dir), Path(paths["pairs"]).parent,
                            seed=config.train.seed)
 
+    gap_logged = []
+
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         dataset = pipeline.eval_batches(val_examples, trainer.eval_batch_size(config.data.eval_batch), max_length,
                                         tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
-        return {**summarize(trainer.metric_sums(dataset), buckets, prefix="val_", scored=not unscored_pairs(val_pairs)),
-                **(drift(trainer) if drift else {})}
+        measured = summarize(trainer.metric_sums(dataset), buckets, prefix="val_", scored=not unscored_pairs(val_pairs))
+        if gap_logged:  # the critic's scores of fixed pairs: the same at every evaluation, logged with the first
+            measured.pop("val_dist_gap", None)
+        gap_logged.append(True)
+        return {**measured, **(drift(trainer) if drift else {})}
 
     train_scored = not unscored_pairs(train_pairs)
 
