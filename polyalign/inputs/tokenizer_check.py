@@ -23,6 +23,7 @@ import jax
 
 from polyalign.data.records import Record
 from polyalign.model.export import tokenizer_files
+from polyalign.tokens.tokenizer import TOKENIZERS_FILE
 from polyalign.tokens.tokenizer_training import record_texts
 
 PROBE_RECORDS = 64  # records spread evenly over train and val (inputs/build.py, probe_records)
@@ -45,8 +46,11 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
     try:
         import transformers  # optional: transformers is no dependency; without it the check says so
     except ImportError:
-        return None, ("not checked: transformers is not installed (pip install transformers to check that it "
-                      "reads this tokenizer with the same ids as polyalign)")
+        checkpoint_config = tokenizer.path.parent / "config.json"
+        model_type = _model_type(checkpoint_config) if checkpoint_config.is_file() else None
+        return _without_transformers(model_type, tokenizer.path if tokenizer.path.name == TOKENIZERS_FILE else None,
+                                     "(pip install transformers to check that it reads this tokenizer with the "
+                                     "same ids as polyalign)")
 
     with tempfile.TemporaryDirectory(prefix="polyalign-tokenizer-check-") as folder:
         for name, content in tokenizer_files(tokenizer, template, profile).items():
@@ -65,8 +69,37 @@ def folder_encoder(folder) -> tuple[Encode | None, str]:
     try:
         import transformers  # optional, as in transformers_encoder
     except ImportError:
-        return None, "not checked: transformers is not installed"
+        folder = Path(folder)
+        model_type = _model_type(folder / "config.json") if (folder / "config.json").is_file() else None
+        json_file = folder / TOKENIZERS_FILE
+        return _without_transformers(model_type, json_file if json_file.is_file() else None, "")
     return _auto_tokenizer(transformers, folder)
+
+
+# transformers 5 reads every qwen2 checkpoint with Qwen2Tokenizer, whatever tokenizer_config.json names
+# (qwen2 is in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and that class rebuilds the normalizer and
+# pre-tokenizer from its own defaults around the file's vocabulary and merges: a user's own BPE under a
+# qwen2 config.json is read with other ids. Emulated with the tokenizers library when transformers is
+# not installed, so the check still warns.
+QWEN2_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                     r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def _without_transformers(model_type: str | None, json_file, install: str) -> tuple[Encode | None, str]:
+    """The reader where transformers is not installed: transformers 5's Qwen2Tokenizer emulated for a qwen2
+    checkpoint's tokenizer.json (`json_file`), else none, with why."""
+    if model_type != "qwen2" or json_file is None:
+        return None, f"not checked: transformers is not installed {install}".rstrip()
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers  # a dependency; only for this emulation
+
+    emulated = Tokenizer.from_str(Path(json_file).read_text(encoding="utf-8"))
+    emulated.normalizer = normalizers.NFC()
+    emulated.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return (lambda text: emulated.encode(text, add_special_tokens=False).ids), \
+        ("transformers 5's Qwen2Tokenizer (chosen by config.json's model_type qwen2), emulated: transformers is "
+         "not installed")
 
 
 def _auto_tokenizer(transformers, folder) -> tuple[Encode | None, str]:
