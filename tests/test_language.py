@@ -144,3 +144,20 @@ def test_a_conversation_keeps_its_language_unless_a_clear_reply_says_otherwise_a
     assert language.prose(block) == block and language.read_script(block).language == "latin"
     assert chooser.choose(block, block) == chooser.choose(block, block, f"{block}\n{block}") == "other"
     assert chooser.choose("```\nprint(1)\n```", "```\nx = foo(bar)\n```") == "en"  # too few letters to tell
+
+
+@pytest.mark.parametrize("folder, row", [("segmentfault", 5), ("zhihu", 83)])
+def test_an_answer_that_is_only_code_or_a_formula_leaves_the_language_to_the_question(folder, row):
+    """COIG-CQIA rows a support team's logs held: a Chinese TypeScript question answered with one code
+    block, a Chinese series question answered with one $$...$$ formula. The answer has no prose, so the
+    question decides, as a row and as a conversation."""
+    from tests.conftest import SHARED_DATA
+
+    path = next((SHARED_DATA / "zh/coig-cqia" / folder).glob("*.jsonl"))
+    with path.open(encoding="utf-8") as rows:
+        record = json.loads(next(line for k, line in enumerate(rows) if k == row))
+    question, answer = f"{record['instruction']}\n{record['input']}".strip(), record["output"]
+    assert not language.has_prose(answer) and language.has_prose(question)
+    chooser = LanguageChooser(["en", "zh"])
+    assert chooser.choose(answer, question) == "zh"
+    assert chooser.choose(answer, question, f"{question}\n{answer}") == "zh"

@@ -148,6 +148,12 @@ def prose(text: str) -> str:
     return stripped if any(ch.isalpha() for ch in stripped) else text
 
 
+def has_prose(text: str) -> bool:
+    """Whether `text` holds a letter outside its code and math: an answer that is only a code block or a
+    formula does not say which language its conversation is in (the question does)."""
+    return any(ch.isalpha() for ch in _NOT_PROSE.sub(" ", text))
+
+
 def read_script(text: str) -> ScriptReading:
     """The script most of `text`'s letters are in (code and TeX left out where prose remains), its share and
     the letter count."""
@@ -235,8 +241,9 @@ class LanguageChooser:
             return self._in_conversation(response, conversation)
         reading, asked = read_script(response), read_script(prompt)
         whole = f"{prompt}\n{response}"
-        response_decides = reading.weighed >= _MIN_WEIGHED and reading.share >= _CLEAR_SHARE and not (
-            asked.language != reading.language and asked.share >= _CLEAR_SHARE and asked.weighed >= reading.weighed)
+        response_decides = has_prose(response) and reading.weighed >= _MIN_WEIGHED and reading.share >= _CLEAR_SHARE \
+            and not (asked.language != reading.language and asked.share >= _CLEAR_SHARE
+                     and asked.weighed >= reading.weighed)
         if not response_decides:
             return self._name(whole, read_script(whole))
         if asked.language == reading.language == "latin" and self.lingua:
@@ -257,6 +264,8 @@ class LanguageChooser:
             self._conversation = (conversation, (self._name(conversation, whole), whole))
         language, whole = self._conversation[1]
         enough = 2 * _MIN_WEIGHED if whole.share >= _CLEAR_SHARE else _MIN_WEIGHED // 2
+        if not has_prose(response):  # a reply that is only code or a formula: the conversation says
+            return language
         if reading.weighed >= enough and reading.share >= _CLEAR_SHARE and reading.language != whole.language:
             named = self._name(response, reading)
             return language if named == OTHER and language != OTHER else named
