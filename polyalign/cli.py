@@ -564,13 +564,15 @@ def _note_few_bucket_pairs(summary: dict, records: Path) -> None:
     few = summary["few_pairs"]
     if not few:
         return
-    none = sum(1 for paired, _ in few.values() if paired == 0)
+    none = sum(1 for paired, *_ in few.values() if paired == 0)
     fewest = sorted(few.items(), key=lambda item: item[1][0])
-    listed = ", ".join(f"{bucket} {paired}" for bucket, (paired, _) in fewest[:4])
+    listed = ", ".join(f"{bucket} {counts[0]}" for bucket, counts in fewest[:4])
     listed += f" and {len(few) - 4} more" if len(few) > 4 else ""
-    room = any(paired < held for paired, held in few.values())
-    hint = (f"; `polyalign generate --per-bucket N` answers N records of every bucket of {records}" if room
-            else "; those buckets' records are all paired already")
+    # [pairs, records, answered records]; summaries before answered records were counted: as many as paired
+    unanswered = any(held > (rest[0] if rest else paired) for paired, held, *rest in few.values())
+    hint = (f"; `polyalign generate --per-bucket N` answers N records of every bucket of {records}" if unanswered
+            else "; every record of those buckets was answered already (an empty answer, or the person's own, makes "
+                 "no pair)")
     print(f"note: {len(few)} of {summary['buckets']} buckets of {records} get fewer than {summary['few_below']} "
           f"pairs, {none} of them none (fewest: {listed}): pairs follow the answered records' mix, and a bucket's "
           f"weight lifts its few pairs but cannot stand in for missing ones{hint}", file=sys.stderr)

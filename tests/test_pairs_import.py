@@ -201,7 +201,7 @@ def test_answers_for_every_bucket_make_pairs_for_every_bucket_and_a_mix_says_whi
                                   f"pairs, {none} of them none (fewest: ")
     assert err.strip().endswith(f"`polyalign generate --per-bucket N` answers N records of every bucket of {val}")
     assert json.loads((tmp_path / "first_pairs.manifest.json").read_text())["summary"]["few_pairs"] == \
-        {b: [paired[b], held[b]] for b in sorted(few)}
+        {b: [paired[b], held[b], paired[b]] for b in sorted(few)}  # [pairs, records, answered records]
 
     prompts = tmp_path / "per_bucket_prompts.jsonl"
     code, _, _ = cli(capsys, "prompts", "--records", val, "--checkpoint", checkpoint, "--out", prompts,
@@ -222,14 +222,17 @@ def test_answers_for_every_bucket_make_pairs_for_every_bucket_and_a_mix_says_whi
                                       f"{FEW_BUCKET_PAIRS} pairs, 0 of them none")
     else:
         assert "note:" not in err
-    # a file of small buckets, every record answered: nothing more to pair, and the note says so
+    # a file of small buckets, every record answered (one answer empty, so no pair): answering more cannot
+    # help, and the note says so instead of pointing to --per-bucket
     small = [r for r in every if held[r.bucket_id] < FEW_BUCKET_PAIRS and r.response.strip()][:6]
     source = write_jsonl(tmp_path / "small.jsonl", [r.to_json() for r in small])
-    answers = write_jsonl(tmp_path / "small_answers.jsonl", [{"id": r.id, "prediction": "..." + r.response}
-                                                              for r in small])
+    answers = write_jsonl(tmp_path / "small_answers.jsonl", [{"id": r.id, "prediction": f"...{r.response}" if i else ""}
+                                                              for i, r in enumerate(small)])
     code, out, err = cli(capsys, "pairs", "--records", source, "--predictions", answers, "--out",
                          tmp_path / "small_pairs.jsonl")
-    assert code == 0 and err.strip().endswith("those buckets' records are all paired already")
+    assert code == 0 and out.startswith(f"{len(small) - 1} pairs from {len(small)} predictions; dropped: empty_side 1")
+    assert err.strip().endswith("every record of those buckets was answered already (an empty answer, or the "
+                                "person's own, makes no pair)")
 
 
 def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fit(demo_run, demo_tokenizer,

@@ -107,16 +107,19 @@ def _make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
     write_pairs(pairs, out)
     return {"records": len(records), "predictions": len(predictions), "pairs": len(pairs), "dropped": dropped,
             "records_without_prediction": len(records) - (len(predictions) - extra),
-            "predictions_without_record": extra, "out": str(out), **bucket_coverage(records, pairs)}
+            "predictions_without_record": extra, "out": str(out),
+            **bucket_coverage(records, pairs, set(predictions))}
 
 
-def bucket_coverage(records: Sequence[Record], pairs: Sequence[dict]) -> dict:
+def bucket_coverage(records: Sequence[Record], pairs: Sequence[dict], answered: set[str]) -> dict:
     """How many of the records' buckets the pairs reach: `buckets` (of the records), `few_pairs` (bucket ->
-    [pairs, records] for each with fewer than FEW_BUCKET_PAIRS pairs), so that a user whose pairs follow
-    the data's mix (one large bucket answered, the rest barely) hears it before training on them."""
+    [pairs, records, answered records] for each with fewer than FEW_BUCKET_PAIRS pairs), so that a user
+    whose pairs follow the data's mix (one large bucket answered, the rest barely) hears it before training
+    on them, and whether answering more of a bucket's records could help."""
     held = Counter(r.bucket_id for r in records)
+    asked = Counter(r.bucket_id for r in records if r.id in answered)
     paired = Counter(p["bucket_id"] for p in pairs)
-    few = {bucket: [paired[bucket], count] for bucket, count in sorted(held.items())
+    few = {bucket: [paired[bucket], count, asked[bucket]] for bucket, count in sorted(held.items())
            if paired[bucket] < FEW_BUCKET_PAIRS}
     return {"buckets": len(held), "few_pairs": few, "few_below": FEW_BUCKET_PAIRS}
 
