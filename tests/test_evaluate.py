@@ -1093,6 +1093,14 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
                                       "LoRA rank": ["0", "0", "—"], "data": ["runs/r", "runs/r", "—"]}
     assert differing_models({"a": {"config": {"trained": bucket}}, "b": {"config": {"trained": uniform}}}) == {
         "method": ["sft", "sft"], "weighting": ["bucket", "uniform"]}
+    # a round of on-policy rounds: which round of how many, and the model round 1 started from
+    (tmp_path / "hdpo_rounds" / "round-1").mkdir(parents=True)
+    (tmp_path / "hdpo_rounds" / "round-1" / "config.json").write_text(json.dumps({"method": "hdpo",
+                                                                                 "init": "/runs/sft/model"}))
+    (tmp_path / "hdpo_rounds" / "summary.json").write_text(json.dumps({"rounds_planned": 2}))
+    second = trained_run("hdpo_rounds/round-2", None, method="hdpo", init=str(tmp_path / "hdpo_rounds/round-1/model"))
+    assert (second["round"], second["rounds from"]) == ("2 of 2 (on-policy)", "/runs/sft/model")
+    assert "round" not in bucket
     # two lineages of rounds: each init named by as many parts as tell them apart
     lineages = {name: {"config": {"trained": {**bucket, "init": f"/runs/{name}/round-1/model"}}}
                 for name in ("hdpo", "dpo")}

@@ -709,6 +709,16 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
             "after it train from its model: pass --overwrite to train every round again") in err, err
     assert main(command + ["train.keep_checkpoints=1"]) == 0  # where a run stops and what it keeps: the same run
     assert main(command + ["train.log_every=2", "train.eval_every=1"]) == 0  # what it logs: the same rounds too
+    capsys.readouterr()
+    # on-policy sampling is round 2's: round 1 (the given pairs) passes, round 2 is refused
+    assert main(command + ["on_policy.temperature=0.7"]) == 2
+    assert f"{out / 'round-2'}: a finished round of another config (on_policy.temperature" in capsys.readouterr().err
+    assert main(command + ["train.steps=3", "--resume"]) == 2
+    assert ("(train.steps: --resume continues a stopped round, not a finished one)" in capsys.readouterr().err)
+    # one run (rounds=1) into the rounds' folder would sit beside them: refused, naming them
+    assert main([arg for arg in command if arg != "rounds=2"]) == 2
+    assert f"{out}: holds on-policy rounds (round-1, round-2), and this is one run (rounds=1)" in \
+        capsys.readouterr().err
     # without refresh_critic, the first critic scores round 2's pairs, and its files sit beside them for the drift
     kept = tmp_path / "kept"
     assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false"]) == 0
@@ -924,9 +934,10 @@ def test_a_rounds_summary_says_every_finished_round_and_the_rounds_planned():
                "model": "m", "start_step": 0, "end_step": 1, "stopped_early": True}
     lines = summary_line(stopped).splitlines()
     assert lines[0] == "round 1: to step 2 on 8 pairs; validation reward margin 0.1000, accuracy 0.500"
-    assert lines[1].startswith("hdpo: ") and lines[1].endswith("(round 2 of 3)") and len(lines) == 3
+    assert lines[1].startswith("hdpo: ") and lines[1].endswith("(round 2 of 3)") and len(lines) == 4
+    assert lines[2].startswith("the rounds' reward margins are each against the model the round started from")
     final = {**stopped, "round": 2, "rounds": [first, {**first, "round": 2}], "rounds_planned": 2,
              "stopped_early": False}
     lines = summary_line(final).splitlines()
-    assert [line.split(":")[0] for line in lines] == ["round 1", "hdpo", "model"]
+    assert [line.split(":")[0] for line in lines] == ["round 1", "hdpo", lines[2].split(":")[0], "model"]
     assert lines[1].endswith("(round 2 of 2)")

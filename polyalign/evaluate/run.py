@@ -601,7 +601,26 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's terms: the others never read them
         settings.pop("lambda_dist", None)
         settings.pop("gamma_ftx", None)
-    return {"checkpoint": checkpoint, **settings}
+    return {"checkpoint": checkpoint, **settings, **round_of(Path(checkpoint).parent)}
+
+
+def round_of(run: Path) -> dict[str, Any]:
+    """For a round of on-policy rounds (OUT/round-<k>), which round of how many and the model round 1
+    started from: its own config names only the round before it as init."""
+    found = re.fullmatch(r"round-(\d+)", run.name)
+    if found is None:
+        return {}
+    rounds = run.parent
+    try:
+        planned = json.loads((rounds / "summary.json").read_text()).get("rounds_planned")
+    except (OSError, ValueError, AttributeError):  # stopped inside a later round, or an earlier version's run
+        planned = None
+    planned = planned or len(list(rounds.glob("round-*")))
+    try:
+        first = json.loads((rounds / "round-1" / "config.json").read_text()).get("init")
+    except (OSError, ValueError, AttributeError):
+        first = None
+    return {"round": f"{found[1]} of {planned} (on-policy)", **({"rounds from": first} if first else {})}
 
 
 def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predictions_path: Path,

@@ -54,22 +54,24 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     for key, path in inputs.items():
         if path and same_path(out, path):
             raise ConfigError(f"--out {out} is the run's own {key}; write the output somewhere else")
+    rounds = sorted(path.name for path in out.glob("round-*")) if out.is_dir() else []
+    if rounds and existing != "overwrite":  # a run of on-policy rounds keeps its rounds apart from its config
+        raise ConfigError(f"{out}: holds on-policy rounds ({', '.join(rounds)}), and this is one run (rounds=1) that "
+                          "would be written beside them; give the rounds=N that made them to continue them, another "
+                          "--out, or --overwrite to replace them")
     saved_path = out / "config.json"
     if not saved_path.is_file():
         ours = [name for name in RUN_FILES if (out / name).exists()]
         if ours and existing != "overwrite":
             raise ConfigError(f"{out}: has {', '.join(ours)} but no config.json of the run that wrote them; give a "
                               "new folder, or --overwrite to replace them")
+        if existing == "overwrite" and remove:  # an earlier run of rounds: its summary and rounds go
+            _remove(out, [*ours, *rounds])
         return "new"
     saved, current, changed = _compared(saved_path, config, inputs)
     if existing == "overwrite":
         if remove:
-            for name in RUN_FILES:
-                target = out / name
-                if target.is_dir():
-                    shutil.rmtree(target)
-                elif target.exists():
-                    target.unlink()
+            _remove(out, [*RUN_FILES, *rounds])
         return "overwrite"
     needs_resume = [k for k in changed if not _matches(k, FREE_KEYS)]
     other = [k for k in needs_resume if not _matches(k, RESUMABLE_KEYS)]
@@ -80,6 +82,15 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
         raise ConfigError(f"{out}: started with {describe_changes(needs_resume, saved, current, old=True)}; pass "
                           "--resume to continue it with the new values, or --overwrite to start over")
     return "continue"
+
+
+def _remove(out: Path, names) -> None:
+    for name in names:
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
 
 
 def _compared(saved_path: Path, config: dict[str, Any], inputs: dict[str, str | None]
@@ -95,18 +106,23 @@ def _compared(saved_path: Path, config: dict[str, Any], inputs: dict[str, str | 
     return saved, current, differing_keys(saved, current)
 
 
-def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, str | None]) -> None:
+def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, str | None],
+                         unused: tuple[str, ...] = ()) -> None:
     """A finished round of an on-policy run (OUT/round-<r>) is kept only for the config that made it:
     any key but where a run stops, how it is laid out and what it logs (REPORTING_KEYS) differs, and the
     command is refused, as for one run. Later rounds train from this round's model, so a round cannot be
-    continued with other values (`--resume`) or trained again alone: --overwrite trains every round again."""
+    continued with other values (`--resume`) or trained again alone: --overwrite trains every round again.
+    `unused`: keys this round never read (round 1 trains on the given pairs: `on_policy.` is free there)."""
     saved_path = out / "config.json"
     if not saved_path.is_file():
         return
     saved, current, changed = _compared(saved_path, config, inputs)
-    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS)]
+    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS + unused)]
     if other:
-        raise ConfigError(f"{out}: a finished round of another config ({describe_changes(other, saved, current)}); "
-                          "the rounds after it train from its model: pass --overwrite to train every round again, "
-                          "or give another --out")
+        resumable = [k for k in other if _matches(k, RESUMABLE_KEYS)]
+        why = (f" ({', '.join(resumable)}: --resume continues a stopped round, not a finished one)"
+               if resumable else "")
+        raise ConfigError(f"{out}: a finished round of another config ({describe_changes(other, saved, current)})"
+                          f"{why}; the rounds after it train from its model: pass --overwrite to train every round "
+                          "again, or give another --out")
 

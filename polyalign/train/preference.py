@@ -359,7 +359,10 @@ def summary_line(result: dict[str, Any]) -> str:
                          if "val_rewards/margin" in r.get("last", {}) else "") + "\n"
                       for r in rounds if r["round"] != result.get("round"))
     planned = result.get("rounds_planned", len(rounds))  # a run stopped inside a round lists the finished ones
+    # each round's reference is the model it started from: its margins measure that round, not the run
+    apart = ("\nthe rounds' reward margins are each against the model the round started from, so they do not "
+             "compare across rounds; the drift probe's numbers and `polyalign evaluate` do") if earlier else ""
     return (earlier + f"{result['method']}: {trained} on {result['train_pairs']} pairs; last step's batch: reward "
             f"margin {last.get('rewards/margin', nan):.4f}, accuracy {last.get('rewards/accuracy', nan):.3f}"
             f"{validation}" + (f" (round {result['round']} of {planned})" if "rounds" in result else "")
-            + f"\nmodel: {result['model']}")
+            + f"{apart}\nmodel: {result['model']}")

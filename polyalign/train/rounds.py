@@ -10,7 +10,8 @@ policy's. Round r trains from round r-1's model, which is also its reference, fo
 
 OUT/round-<r>/ is a complete run (pairs, metrics with drift, checkpoints, model). Running the same
 command again skips finished rounds and resumes an interrupted one from its checkpoint; the
-validation pairs stay fixed so rounds compare, and the drift probe measures each round's own answers.
+validation pairs stay fixed, so the drift probe's measures of each round's own answers compare across rounds
+(its reward margins do not: each round's reference is the model it started from).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
 
 
 def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True,
-                 check: Callable[[Any, Path], None] | None = None, overwrite: bool = False) -> dict[str, Any]:
+                 check: Callable[[Any, Path, tuple[str, ...]], None] | None = None,
+                 overwrite: bool = False) -> dict[str, Any]:
     """Runs (or resumes) `config.rounds` rounds into OUT/round-<r>, each with `train` (the harness's
     one-run entry point); returns the last round's summary with every round's in `rounds`. A finished
     round is kept when `check` (the harness's) finds it made by this command's config for that round;
@@ -141,7 +143,7 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
                 round_pairs = str(critic_dir / "train_pairs.jsonl")
         round_config = dataclasses.replace(config, rounds=1, init=str(policy), pairs=round_pairs, val_pairs=val_pairs)
         if result is not None and check is not None:
-            check(round_config, directory)
+            check(round_config, directory, () if r > 1 else ("on_policy.",))  # round 1 samples nothing
         if result is None:
             result = train(round_config, directory, progress)
             if result["stopped_early"]:

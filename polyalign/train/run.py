@@ -161,12 +161,12 @@ def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
             raise ConfigError(f"{key}={path}: no such file or folder{kept}")
 
 
-def check_finished(config, out) -> None:
+def check_finished(config, out, unused: tuple[str, ...] = ()) -> None:
     """Refuses a finished round of an on-policy run that `config` did not make (ownership.py)."""
     config = with_recorded_paths(with_compute_dtype(config))
     inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
     ownership.check_finished_round(as_path(out), dataclasses.asdict(config),
-                                   {**inputs, "data.dir": config.data.dir})
+                                   {**inputs, "data.dir": config.data.dir}, unused)
 
 
 def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
