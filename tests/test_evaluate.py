@@ -1226,6 +1226,16 @@ def test_a_diversity_difference_says_whether_it_moved_toward_peoples_own_value()
     assert _toward_people(row, metrics(0.63), metrics(0.63), 0.863, 0.863) == ""
     assert _toward_people(next(r for r in INTERVAL_ROWS if r.name == "F1"), metrics(0.63), metrics(0.63), 0.1,
                           0.2) == ""  # F1 has no mark: higher is better
+    # a run that kept few answers with a word (the rest empty or punctuation only): said on how many it rests
+    from polyalign.reports.evaluation import _few_worded
+
+    def run(empty, evaluated=128):
+        return {"alignment": {"evaluated": evaluated},
+                "metrics": {"diversity": {"overall": {"generated_empty": empty}}}}
+
+    assert _few_worded(row, run(44), run(92)) == ", on 84 of 128 and 36 of 128 answers with a word"
+    assert _few_worded(row, run(10), run(20)) == ""  # both kept over three quarters of their answers
+    assert _few_worded(next(r for r in INTERVAL_ROWS if r.name == "F1"), run(44), run(92)) == ""
 
 
 def test_diversity_of_answers_without_words_or_without_pairs_of_words_is_undefined():

@@ -652,7 +652,7 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
                 elif differs:
                     verdict += f" (other {' and '.join(differs)})"
                 pair[row.name] = {"difference": difference, "verdict": verdict}
-                toward = _toward_people(row, a["metrics"], b["metrics"], x, y)
+                toward = _toward_people(row, a["metrics"], b["metrics"], x, y) + _few_worded(row, a, b)
                 cells.append("—" if difference is None else f"{difference:+.4f} {verdict}{toward}")
             verdicts[f"{later} - {earlier}"] = pair
             rows.append((f"{later} - {earlier}", *cells))
@@ -669,6 +669,29 @@ def _toward_people(row: IntervalRow, a: dict, b: dict, x: float | None, y: float
     if mark is None or mark != _get(b, row.people):
         return ""
     return f", {'toward' if abs(y - mark) < abs(x - mark) else 'away from'} people's {mark:.4f}"
+
+
+# Diversity reads only answers with a word; where a run kept fewer than this share of its answers, a
+# difference says on how many it rests (a model that answers little looks diverse on what it says).
+FEW_WORDED_SHARE = 0.75
+
+
+def _few_worded(row: IntervalRow, a: dict, b: dict) -> str:
+    """For a diversity number: on how many answers with a word each run measured it, where either kept
+    fewer than FEW_WORDED_SHARE of its answers (empty and punctuation-only ones are left out)."""
+    if row.people is None:
+        return ""
+    kept = []
+    for run in (a, b):
+        evaluated = (run.get("alignment") or {}).get("evaluated")
+        empty = _get(run["metrics"], ("diversity", "overall", "generated_empty"))
+        if not isinstance(evaluated, int) or not isinstance(empty, int) or not evaluated:
+            return ""
+        kept.append((evaluated - empty, evaluated))
+    if all(worded >= FEW_WORDED_SHARE * total for worded, total in kept):
+        return ""
+    (first, first_total), (second, second_total) = kept
+    return f", on {first} of {first_total} and {second} of {second_total} answers with a word"
 
 
 def same_answers(runs: dict[str, dict]) -> list[list[str]]:
