@@ -719,6 +719,11 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert main([arg for arg in command if arg != "rounds=2"]) == 2
     assert f"{out}: holds on-policy rounds (round-1, round-2), and this is one run (rounds=1)" in \
         capsys.readouterr().err
+    # the folder of rounds copied elsewhere: its rounds' paths name the original, and still they are its rounds
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    assert main([*command[:5], str(moved), *command[6:]]) == 0
+    assert (moved / "round-2" / "metrics.jsonl").read_text() == before
     # without refresh_critic, the first critic scores round 2's pairs, and its files sit beside them for the drift
     kept = tmp_path / "kept"
     assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false"]) == 0

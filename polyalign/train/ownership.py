@@ -16,11 +16,12 @@ A lock file (polyalign/core/outputs.py) refuses a second process writing the sam
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from polyalign.core.outputs import describe_changes, differing_keys, same_path
+from polyalign.core.outputs import describe_changes, differing_keys, flatten, same_path
 from polyalign.core.paths import recorded_path
 from polyalign.core.yaml_config import ConfigError
 
@@ -84,6 +85,19 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     return "continue"
 
 
+def _same_round_file(saved: Any, current: Any) -> bool:
+    """Two paths to the same file of a folder of rounds, the folder moved or copied since (OUT/round-1/model
+    as init of round 2, OUT/round-2/pairs/train_pairs.jsonl): equal from their last round-<k> on."""
+    if not isinstance(saved, str) or not isinstance(current, str):
+        return False
+    tails = []
+    for path in (saved, current):
+        parts = Path(path).parts
+        at = max((i for i, part in enumerate(parts) if re.fullmatch(r"round-\d+", part)), default=None)
+        tails.append(None if at is None else parts[at:])
+    return tails[0] is not None and tails[0] == tails[1]
+
+
 def _remove(out: Path, names) -> None:
     for name in names:
         target = out / name
@@ -117,7 +131,8 @@ def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, st
     if not saved_path.is_file():
         return
     saved, current, changed = _compared(saved_path, config, inputs)
-    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS + unused)]
+    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS + unused)
+             and not _same_round_file(flatten(saved).get(k), flatten(current).get(k))]
     if other:
         resumable = [k for k in other if _matches(k, RESUMABLE_KEYS)]
         why = (f" ({', '.join(resumable)}: --resume continues a stopped round, not a finished one)"
