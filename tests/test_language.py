@@ -146,6 +146,26 @@ def test_a_conversation_keeps_its_language_unless_a_clear_reply_says_otherwise_a
     assert chooser.choose("```\nprint(1)\n```", "```\nx = foo(bar)\n```") == "en"  # too few letters to tell
 
 
+@pytest.mark.parametrize("path, question", [
+    ("zh/cmrc2018/cmrc2018_dev.json", "艾里森创作《星际奇航》中哪一集赢得了当年美国编剧工会的最佳电视剧本奖？"),
+    ("zh/cmrc2018/cmrc2018_dev.json", "至NET奇兵的法文版主题曲叫什么名字？"),
+    ("zh/cmrc2018/cmrc2018_trial.json", "德国环境与自然保护联盟的英文是什么？")])
+def test_a_chinese_passage_answered_with_an_english_title_stays_chinese_as_a_conversation(path, question):
+    """CMRC 2018 questions whose answer spans are English (or French) titles, as a support team exported them
+    (one user turn of passage and question, one reply): the passage and question, mostly Chinese and longer,
+    keep the conversation zh, as the same row read as a single row is."""
+    from tests.conftest import SHARED_DATA
+
+    document = json.loads((SHARED_DATA / path).read_text(encoding="utf-8"))
+    context, answer = next((p["context"], qa["answers"][0]["text"]) for a in document["data"]
+                           for p in a["paragraphs"] for qa in p["qas"] if qa["question"] == question)
+    user = f"{context}\n\n问题：{question}"
+    assert language.read_script(answer).language == "latin" and language.read_script(user).language == "zh"
+    chooser = LanguageChooser(["en", "zh"])
+    assert chooser.choose(answer, user, f"{user}\n{answer}") == "zh"
+    assert chooser.choose(answer, user) == "zh"
+
+
 @pytest.mark.parametrize("folder, row", [("segmentfault", 5), ("zhihu", 83)])
 def test_an_answer_that_is_only_code_or_a_formula_leaves_the_language_to_the_question(folder, row):
     """COIG-CQIA rows a support team's logs held: a Chinese TypeScript question answered with one code

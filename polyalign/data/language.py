@@ -126,6 +126,7 @@ OTHER = "other"
 _CLEAR_SHARE = 0.8  # a text is "clearly" in a script when this share of its weighed letters is
 _MIN_WEIGHED = 10  # a response with fewer weighed letters than this cannot decide alone
 _OTHER_CONFIDENCE = 0.99  # lingua must be this sure before Latin text is called a language outside the scheme
+EVEN_SHARE = 0.6  # a conversation whose main script holds less than this of its letters is split nearly evenly
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,12 @@ def _latin_code(text: str) -> tuple[str, float]:
     return values[0].language.iso_code_639_1.name.lower(), values[0].value
 
 
+def _prompt_prevails(asked: ScriptReading, reading: ScriptReading) -> bool:
+    """Whether the prompt, mostly (EVEN_SHARE) in another script than the answer and longer, keeps the
+    answer from deciding: a Chinese passage and question answered with an English title is zh."""
+    return asked.language != reading.language and asked.share >= EVEN_SHARE and asked.weighed >= reading.weighed
+
+
 class LanguageChooser:
     """A record's language among `languages` (the scheme's) plus `other`.
 
@@ -210,7 +217,7 @@ class LanguageChooser:
       dialogue), unless the record's response is clearly (80% of at least 20 weighed letters, 5 in a
       mixed conversation) in another script, when the response decides (`_in_conversation`). A
       single row: its response when that is clearly in one script (80% of at least 10 weighed
-      letters) and the prompt (context and question) is not clearly in another and longer;
+      letters) and the prompt (context and question) is not mostly (60%) in another and longer;
       otherwise the whole row. So a Chinese question quoting a long
       English title is decided by its Chinese answer, and a Chinese passage's answer naming English
       terms stays zh.
@@ -238,12 +245,11 @@ class LanguageChooser:
 
     def choose(self, response: str, prompt: str, conversation: str | None = None) -> str:
         if conversation is not None:
-            return self._in_conversation(response, conversation)
+            return self._in_conversation(response, prompt, conversation)
         reading, asked = read_script(response), read_script(prompt)
         whole = f"{prompt}\n{response}"
         response_decides = has_prose(response) and reading.weighed >= _MIN_WEIGHED and reading.share >= _CLEAR_SHARE \
-            and not (asked.language != reading.language and asked.share >= _CLEAR_SHARE
-                     and asked.weighed >= reading.weighed)
+            and not _prompt_prevails(asked, reading)
         if not response_decides:
             return self._name(whole, read_script(whole))
         if asked.language == reading.language == "latin" and self.lingua:
@@ -252,21 +258,26 @@ class LanguageChooser:
             return OTHER if named == {OTHER} else min(named - {OTHER})
         return self._name(response, reading)
 
-    def _in_conversation(self, response: str, conversation: str) -> str:
+    def _in_conversation(self, response: str, prompt: str, conversation: str) -> str:
         """A reply's language in a conversation, which decides unless the reply is clearly in another
-        script: 20 weighed letters of it where the conversation is clearly in one script, 5 (two Chinese
-        characters) where it is mixed (a Chinese passage listing English song titles, answered with a
-        name in Chinese characters). `other` needs both to say so: a foreign name as the reply of a
+        script and has prose: where the conversation is split nearly evenly between scripts (EVEN_SHARE),
+        from 5 weighed letters (a Chinese passage listing English song titles, answered with a name in
+        Chinese characters); otherwise from 20, and not where what came before the reply is mostly in
+        another script and longer (a Chinese passage and question answered with an English title stays
+        zh, as a single row does). `other` needs both to say so: a foreign name as the reply of a
         Chinese conversation stays zh, an English conversation about a Polish village stays en."""
         reading = read_script(response)
         if self._conversation[0] is not conversation:
             whole = read_script(conversation)
             self._conversation = (conversation, (self._name(conversation, whole), whole))
         language, whole = self._conversation[1]
-        enough = 2 * _MIN_WEIGHED if whole.share >= _CLEAR_SHARE else _MIN_WEIGHED // 2
         if not has_prose(response):  # a reply that is only code or a formula: the conversation says
             return language
-        if reading.weighed >= enough and reading.share >= _CLEAR_SHARE and reading.language != whole.language:
+        if whole.share < EVEN_SHARE:
+            decides = reading.weighed >= _MIN_WEIGHED // 2
+        else:
+            decides = reading.weighed >= 2 * _MIN_WEIGHED and not _prompt_prevails(read_script(prompt), reading)
+        if decides and reading.share >= _CLEAR_SHARE and reading.language != whole.language:
             named = self._name(response, reading)
             return language if named == OTHER and language != OTHER else named
         if language == OTHER and reading.weighed >= _MIN_WEIGHED:
