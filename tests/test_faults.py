@@ -671,8 +671,11 @@ def _as_shards(run: Path, num_shards: int) -> None:
             (data / f"{path.stem}-{index:05d}-of-{num_shards:05d}.jsonl").write_text(
                 "".join(rows[index::num_shards]), encoding="utf-8")
         path.unlink()
+    from polyalign.core.paths import file_digest
+
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["engine"] = {"name": "beam", "runner": "DirectRunner", "num_shards": num_shards}
+    manifest["file_digests"] = {path.name: file_digest(path) for path in sorted(data.glob("*.jsonl"))}
     (data / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -720,6 +723,12 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     assert sorted(p.name for p in (run / "data").glob("*.jsonl")) == [
         "dropped.jsonl", "exact_duplicates.jsonl", "near_duplicates.jsonl", "test.jsonl", "train.jsonl", "val.jsonl"]
     assert {split: (run / "data" / f"{split}.jsonl").read_text() for split in single} == single
+    # a file of the user's named like a shard, in a folder whose manifest does not list it: left alone
+    (run / "data" / "test-00007-of-00009.jsonl").write_text("mine\n")
+    assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress"]) == 0
+    assert (run / "data" / "test-00007-of-00009.jsonl").read_text() == "mine\n"
+    assert "note: removed" not in capsys.readouterr().err
+    (run / "data" / "test-00007-of-00009.jsonl").unlink()
     # shards beside a split's one file and no manifest to say which is the prepare's: refused
     (run / "data" / "train-00000-of-00002.jsonl").write_text(single["train"])
     (run / "data" / "manifest.json").unlink()
@@ -728,7 +737,8 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     # files of a prepare's names with no manifest to say a prepare wrote them are a user's: refused, kept
     capsys.readouterr()
     assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress"]) == 2
-    assert "exists without manifest.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "exists without manifest.json" in err and err.count(str(run / "data" / "train.jsonl")) == 1, err
     assert (run / "data" / "train-00000-of-00002.jsonl").read_text() == single["train"]
     # a source inside the folder prepare writes: refused before anything is touched
     shutil.copy(tmp_path / "c.jsonl", run / "data" / "c.jsonl")

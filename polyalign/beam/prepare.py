@@ -231,7 +231,7 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
     data_dir = Path(out) / "data"
     refuse_sources_inside(data_dir, context.source_files)
     with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-                      ours=[*(data_dir / f"{split}.jsonl" for split in SPLITS), *owned_files(data_dir)], key=None,
+                      ours=owned_files(data_dir), key=None,
                       view=prepare_meaning):
         return _run_pipeline(context, data_dir, on_error, beam_options, num_shards, started)
 

@@ -94,15 +94,28 @@ def refuse_sources_inside(data_dir: Path, source_files: list[list[Path]]) -> Non
                                   "into; move the source, or give another --out")
 
 
+def recorded_files(data_dir: Path) -> set[str] | None:
+    """The files the folder's manifest says its prepare wrote (`file_digests`), or None without one."""
+    try:
+        manifest = json.loads((Path(data_dir) / "manifest.json").read_text(encoding="utf-8"))
+        return set(manifest["file_digests"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def clear_outputs(data_dir: Path, num_shards: int) -> list[str]:
-    """Removes every file an earlier prepare wrote in RUN/data (`owned_files`, either layout), and a stopped
-    Beam run's leftovers, before a prepare writing `num_shards` shards starts (stage_output has allowed it:
-    the folder's manifest says a prepare wrote them, or --overwrite): what it does not write again must not
-    stay beside what it writes. Returns the removed names this prepare will not write again (another
-    layout's, leftovers), for a note."""
+    """Removes what an earlier prepare wrote in RUN/data, of either layout, and a stopped Beam run's
+    leftovers, before a prepare writing `num_shards` shards starts (stage_output has allowed it: the
+    folder's manifest says a prepare wrote them, or --overwrite): what it does not write again must not stay
+    beside what it writes. Where the manifest lists its files, only those (and the names this prepare
+    writes) are removed: a user's own file named like a shard stays. Returns the removed names this prepare
+    will not write again (another layout's, leftovers), for a note."""
     current = {name for stem in OUTPUT_STEMS for name in file_names(stem, num_shards)}
+    recorded = recorded_files(data_dir)
     removed = []
     for path in owned_files(data_dir):
+        if recorded is not None and path.is_file() and path.name not in current | recorded:
+            continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

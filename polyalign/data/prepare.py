@@ -609,7 +609,7 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     refuse_sources_inside(data_dir, context.source_files)
     with no_empty_folder_left(Path(out)), stage_output(
             data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
-            ours=[*(data_dir / f"{split}.jsonl" for split in SPLITS), *owned_files(data_dir)], key=None,
+            ours=owned_files(data_dir), key=None,
             view=prepare_meaning):
         return _prepare(context, data_dir, on_error, progress)
 
