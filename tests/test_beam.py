@@ -109,8 +109,9 @@ def test_beam_prepare_and_build_equal_the_single_machine_path_on_the_demo_data(d
     beam_build_manifest = beam_build(beam_run, options)
     assert beam_build_manifest["engine"]["name"] == "beam"
     for key in ("buckets", "bucket_weights", "train_bucket_counts", "splits", "train_profile_values", "vocab_size",
-                "template"):
+                "template", "warnings"):
         assert beam_build_manifest[key] == local_build_manifest[key], key
+    assert any("absent from" in warning for warning in local_build_manifest["warnings"])  # val's and test's buckets
     for split in ("train", "val"):
         local_rows = dataset_rows(local_run, split)
         assert len(local_rows) == local_build_manifest["splits"][split]["examples"] > 200

@@ -32,6 +32,7 @@ from polyalign.inputs.build import (
     encode_record,
     probe_records,
     require_records,
+    split_bucket_counts,
     tokenizer_and_template,
     write_dataset,
     write_manifest,
@@ -115,20 +116,21 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
                   on_pipeline_result=collect_counters)
 
     stats = {split: Counter() for split in SPLITS}
-    train_counts: dict[str, int] = {}
-    buckets: set[str] = set()
+    bucket_counts: dict[str, Counter] = {split: Counter() for split in SPLITS}
     for name, value in counters.items():
         kind, rest = name.split(".", 1)
         if kind == "bucket":
             split, bucket = rest.split(".", 1)
-            buckets.add(bucket)
-            if split == "train":
-                train_counts[bucket] = value
+            bucket_counts[split][bucket] = value
         else:
             stats[kind][rest] = value
-    table = BucketTable.from_counts(train_counts, buckets, weights, weights_source)
-    # val and test bucket counts are not counted by the pipeline: only the weights are checked here
-    warnings = weight_warnings(table.weights, train_counts, None, None, weights.warn_above)
+    train_counts = dict(bucket_counts["train"])
+    table = BucketTable.from_counts(train_counts, set(bucket_counts["train"]) | set(bucket_counts["val"]), weights,
+                                    weights_source)
+    # the same warnings as the single-machine build: val's buckets from the pipeline's counters, test's read
+    # here (the build encodes no test records)
+    warnings = weight_warnings(table.weights, train_counts, bucket_counts["val"], split_bucket_counts(run, "test"),
+                               weights.warn_above)
     runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
     check, mismatch = check_tokenizer(tokenizer, get_template(template_name, tokenizer), options.profile,
                                       probe_records(run), str(tokenizer_path))
