@@ -729,6 +729,16 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     assert (run / "data" / "test-00007-of-00009.jsonl").read_text() == "mine\n"
     assert "note: removed" not in capsys.readouterr().err
     (run / "data" / "test-00007-of-00009.jsonl").unlink()
+    # RUN/tokenizer trained on this split, then prepare drew the split again: build says the tokenizer is stale
+    from polyalign.inputs.build import BuildOptions, build
+
+    train_from_records(run, run / "tokenizer", 400)
+    assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress", "--overwrite",
+                 "split.seed=5"]) == 0
+    capsys.readouterr()
+    warnings = build(run, BuildOptions(template="qwen", max_length=64), progress=False)["warnings"]
+    assert any(w.startswith(f"{run / 'tokenizer'} was trained on another train split than {run / 'data'} holds now")
+               for w in warnings), warnings
     # shards beside a split's one file and no manifest to say which is the prepare's: refused
     (run / "data" / "train-00000-of-00002.jsonl").write_text(single["train"])
     (run / "data" / "manifest.json").unlink()

@@ -244,6 +244,30 @@ def tokenizer_and_template(run: Path, options: BuildOptions):
     return tokenizer_path, tokenizer, template_name
 
 
+def stale_tokenizer(run: Path, tokenizer_path: Path) -> str | None:
+    """A warning when the tokenizer `tokenizer train` made for this run (its tokenizer_report.json) was
+    trained on another train split than RUN/data holds now: prepare ran again since. Its ids still encode
+    the data; they were fitted to other text."""
+    try:
+        report = json.loads((Path(tokenizer_path) / "tokenizer_report.json").read_text(encoding="utf-8"))
+        made_from, trained_on = report["made_from"]["records"], Path(report["settings"]["records"])
+    except (OSError, ValueError, KeyError, TypeError):  # no report: a checkpoint's tokenizer, or one not polyalign's
+        return None
+    try:
+        files = split_files(run, "train")
+    except ConfigError:
+        return None
+    run_paths = {Path(run).resolve(), (Path(run) / "data").resolve(), *(path.resolve() for path in files)}
+    if trained_on not in run_paths:  # trained on records of the user's choosing: theirs to keep current
+        return None
+    now = file_digest(files[0]) if len(files) == 1 else {path.name: file_digest(path) for path in files}
+    if made_from == now or type(made_from) is not type(now):  # another layout: its digests do not compare
+        return None
+    return (f"{tokenizer_path} was trained on another train split than {Path(run) / 'data'} holds now (prepare ran "
+            f"again since it was made): its ids still encode the data, fitted to other text; rerun `polyalign "
+            f"tokenizer train --records {run} --out {tokenizer_path} --overwrite ...` to fit it to this split")
+
+
 @dataclass(frozen=True)
 class BucketTable:
     """Bucket-SFT weights from train counts and the bucket index over train and val."""
@@ -403,6 +427,7 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
                                     *build_weights(run, options.weights))
     warnings = weight_warnings(table.weights, train_counts, Counter(r.bucket_id for r in records["val"]),
                                split_bucket_counts(run, "test"), table.options.warn_above)
+    warnings += [stale] if (stale := stale_tokenizer(run, tokenizer_path)) else []
     stats = {split: Counter() for split in SPLITS}
 
     def examples(split):
