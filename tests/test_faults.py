@@ -728,6 +728,12 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress"]) == 0
     assert (run / "data" / "test-00007-of-00009.jsonl").read_text() == "mine\n"
     assert "note: removed" not in capsys.readouterr().err
+    # nor is it taken into the manifest as the prepare's, so the prepare after keeps it too
+    digests = json.loads((run / "data" / "manifest.json").read_text())["file_digests"]
+    assert "test-00007-of-00009.jsonl" not in digests and "train.jsonl" in digests
+    assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress", "split.seed=9",
+                 "--overwrite"]) == 0
+    assert (run / "data" / "test-00007-of-00009.jsonl").read_text() == "mine\n"
     (run / "data" / "test-00007-of-00009.jsonl").unlink()
     # RUN/tokenizer trained on this split, then prepare drew the split again: build says the tokenizer is stale
     from polyalign.inputs.build import BuildOptions, build

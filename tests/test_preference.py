@@ -946,3 +946,28 @@ def test_a_rounds_summary_says_every_finished_round_and_the_rounds_planned():
     lines = summary_line(final).splitlines()
     assert [line.split(":")[0] for line in lines] == ["round 1", "hdpo", lines[2].split(":")[0], "model"]
     assert lines[1].endswith("(round 2 of 2)")
+
+
+def test_a_folder_of_rounds_moved_elsewhere_keeps_its_rounds_and_another_runs_model_does_not_pass(tmp_path):
+    """A round's recorded init and pairs under the folder of rounds it was made in equal this command's
+    under the folder it sits in now (copied or moved), for a finished round and a stopped one alike; the
+    same round-1/model of another run's rounds is another init, refused."""
+    from polyalign.core.yaml_config import ConfigError
+    from polyalign.train.ownership import check_finished_round, claim
+
+    old, new, other = tmp_path / "old", tmp_path / "new", tmp_path / "other"
+
+    def config(rounds):
+        return {"method": "hdpo", "init": str(rounds / "round-1" / "model"), "lambda_dist": 0.1,
+                "pairs": str(rounds / "round-2" / "pairs" / "train_pairs.jsonl"),
+                "val_pairs": str(tmp_path / "critic" / "val_pairs.jsonl")}
+
+    inputs = {"init": None, "pairs": None, "val_pairs": None}
+    (new / "round-2").mkdir(parents=True)
+    (new / "round-2" / "config.json").write_text(json.dumps(config(old)))  # copied from old, as recorded there
+    check_finished_round(new / "round-2", config(new), inputs)  # a finished round: kept
+    assert claim(new / "round-2", config(new), inputs) == "continue"  # a stopped one: continued
+    with pytest.raises(ConfigError, match=r"a finished round of another config \(init: "):
+        check_finished_round(new / "round-2", {**config(new), "init": str(other / "round-1" / "model")}, inputs)
+    with pytest.raises(ConfigError, match=r"made by another config \(lambda_dist: 0.1 there, 0.2 now\)"):
+        claim(new / "round-2", {**config(new), "lambda_dist": 0.2}, inputs)

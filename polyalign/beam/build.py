@@ -33,6 +33,7 @@ from polyalign.inputs.build import (
     probe_records,
     require_records,
     split_bucket_counts,
+    stale_tokenizer,
     tokenizer_and_template,
     write_dataset,
     write_manifest,
@@ -131,6 +132,7 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
     # here (the build encodes no test records)
     warnings = weight_warnings(table.weights, train_counts, bucket_counts["val"], split_bucket_counts(run, "test"),
                                weights.warn_above)
+    warnings += [stale] if (stale := stale_tokenizer(run, tokenizer_path)) else []
     runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
     check, mismatch = check_tokenizer(tokenizer, get_template(template_name, tokenizer), options.profile,
                                       probe_records(run), str(tokenizer_path))

@@ -44,6 +44,7 @@ from polyalign.data.layout import (
     clear_outputs,
     file_label,
     owned_files,
+    recorded_files,
     refuse_sources_inside,
     stale_note,
 )
@@ -230,17 +231,18 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
     refuse_sources_inside(data_dir, context.source_files)
+    recorded = recorded_files(data_dir)  # before --overwrite removes the manifest that lists them
     with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
                       ours=owned_files(data_dir), key=None,
                       view=prepare_meaning):
-        return _run_pipeline(context, data_dir, on_error, beam_options, num_shards, started)
+        return _run_pipeline(context, data_dir, on_error, beam_options, num_shards, started, recorded)
 
 
 def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_options: str | None,
-                  num_shards: int, started: float) -> dict[str, Any]:
+                  num_shards: int, started: float, recorded: set[str] | None = None) -> dict[str, Any]:
     config = context.config
     data_dir.mkdir(parents=True, exist_ok=True)
-    if note := stale_note(data_dir, clear_outputs(data_dir, num_shards)):
+    if note := stale_note(data_dir, clear_outputs(data_dir, num_shards, recorded)):
         print(note, file=sys.stderr)
     events_dir = data_dir / BEAM_EVENTS_DIR
     options = pipeline_options(beam_options)

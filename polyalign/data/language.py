@@ -214,8 +214,9 @@ class LanguageChooser:
 
     - Script first: text mostly in Chinese characters is zh, with enough kana ja, Hangul ko.
     - The text decided on (code and TeX math left out): a conversation's whole text (one language per
-      dialogue), unless the record's response is clearly (80% of at least 20 weighed letters, 5 in a
-      mixed conversation) in another script, when the response decides (`_in_conversation`). A
+      dialogue), unless the record's response has prose and is clearly (80%) in another script: from 5
+      weighed letters where the conversation's main script holds under EVEN_SHARE (60%) of it, otherwise
+      from 20 and not against a prompt mostly in another script and longer (`_in_conversation`). A
       single row: its response when that is clearly in one script (80% of at least 10 weighed
       letters) and the prompt (context and question) is not mostly (60%) in another and longer;
       otherwise the whole row. So a Chinese question quoting a long

@@ -103,15 +103,15 @@ def recorded_files(data_dir: Path) -> set[str] | None:
         return None
 
 
-def clear_outputs(data_dir: Path, num_shards: int) -> list[str]:
+def clear_outputs(data_dir: Path, num_shards: int, recorded: set[str] | None) -> list[str]:
     """Removes what an earlier prepare wrote in RUN/data, of either layout, and a stopped Beam run's
     leftovers, before a prepare writing `num_shards` shards starts (stage_output has allowed it: the
     folder's manifest says a prepare wrote them, or --overwrite): what it does not write again must not stay
-    beside what it writes. Where the manifest lists its files, only those (and the names this prepare
-    writes) are removed: a user's own file named like a shard stays. Returns the removed names this prepare
-    will not write again (another layout's, leftovers), for a note."""
+    beside what it writes. Where the folder's manifest listed its files (`recorded`, read before
+    --overwrite removed it), only those and the names this prepare writes are removed: a user's own file
+    named like a shard stays. Returns the removed names this prepare will not write again (another layout's,
+    leftovers), for a note."""
     current = {name for stem in OUTPUT_STEMS for name in file_names(stem, num_shards)}
-    recorded = recorded_files(data_dir)
     removed = []
     for path in owned_files(data_dir):
         if recorded is not None and path.is_file() and path.name not in current | recorded:

@@ -39,7 +39,16 @@ from polyalign.data.dedup import (
 from polyalign.data.importers import get_format, read_source
 from polyalign.data.importers.reading import source_files
 from polyalign.data.language import OTHER, LanguageChooser, contradicting_script
-from polyalign.data.layout import clear_outputs, file_label, owned_files, refuse_sources_inside, stale_note
+from polyalign.data.layout import (
+    OUTPUT_STEMS,
+    clear_outputs,
+    file_label,
+    file_names,
+    owned_files,
+    recorded_files,
+    refuse_sources_inside,
+    stale_note,
+)
 from polyalign.data.records import (
     AFTER_QUESTION,
     PROFILE_PREAMBLE,
@@ -565,8 +574,11 @@ def write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     VOLATILE_MANIFEST_KEYS): build, stats and evaluations record its digest, and an unchanged prepare rerun
     by a resubmitted job must not make them all stale."""
     path = data_dir / "manifest.json"
-    # the written files' digests: data made anew with other content (the same counts) is another manifest
-    manifest["file_digests"] = {p.name: file_digest(p) for p in sorted(Path(data_dir).glob("*.jsonl"))}
+    # the written files' digests: data made anew with other content (the same counts) is another manifest;
+    # only the names this prepare writes, so that a user's own file in the folder is never taken for its own
+    num_shards = (manifest.get("engine") or {}).get("num_shards", 1)
+    written = [Path(data_dir) / name for stem in OUTPUT_STEMS for name in file_names(stem, num_shards)]
+    manifest["file_digests"] = {p.name: file_digest(p) for p in sorted(written) if p.is_file()}
     text = json.dumps(manifest, ensure_ascii=False, indent=2) + "\n"
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
@@ -607,14 +619,16 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     data_dir = Path(out) / "data"
     # a first prepare stopped by a bad row leaves neither OUT/data nor OUT behind
     refuse_sources_inside(data_dir, context.source_files)
+    recorded = recorded_files(data_dir)  # before --overwrite removes the manifest that lists them
     with no_empty_folder_left(Path(out)), stage_output(
             data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,
             ours=owned_files(data_dir), key=None,
             view=prepare_meaning):
-        return _prepare(context, data_dir, on_error, progress)
+        return _prepare(context, data_dir, on_error, progress, recorded)
 
 
-def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: bool) -> dict[str, Any]:
+def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: bool,
+             recorded: set[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     timings: dict[str, float] = {}
     config, builder = context.config, context.builder
@@ -622,7 +636,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
                for source, files in zip(config.sources, context.source_files)]
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    if note := stale_note(data_dir, clear_outputs(data_dir, num_shards=1)):
+    if note := stale_note(data_dir, clear_outputs(data_dir, 1, recorded)):
         print(note, file=sys.stderr)
     sink = ErrorSink(on_error, data_dir / "quarantine.jsonl")
     dropped = DroppedRows(data_dir / "dropped.jsonl")

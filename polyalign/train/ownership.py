@@ -16,6 +16,7 @@ A lock file (polyalign/core/outputs.py) refuses a second process writing the sam
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -74,6 +75,8 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
         if remove:
             _remove(out, [*RUN_FILES, *rounds])
         return "overwrite"
+    moved = _moved_round_keys(out, saved, current, inputs)  # a stopped round of a folder of rounds copied since
+    changed = [k for k in changed if k not in moved]
     needs_resume = [k for k in changed if not _matches(k, FREE_KEYS)]
     other = [k for k in needs_resume if not _matches(k, RESUMABLE_KEYS)]
     if other:
@@ -85,17 +88,33 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     return "continue"
 
 
-def _same_round_file(saved: Any, current: Any) -> bool:
-    """Two paths to the same file of a folder of rounds, the folder moved or copied since (OUT/round-1/model
-    as init of round 2, OUT/round-2/pairs/train_pairs.jsonl): equal from their last round-<k> on."""
-    if not isinstance(saved, str) or not isinstance(current, str):
-        return False
-    tails = []
-    for path in (saved, current):
+def _moved_round_keys(out: Path, saved: dict[str, Any], current: dict[str, Any], keys) -> set[str]:
+    """The `keys` whose paths name the same file of a folder of rounds that was moved or copied since: OUT is
+    <rounds>/round-<r>, and the recorded path and this command's are that file under the recorded folder of
+    rounds and under this one (round 2's init <rounds>/round-1/model, its pairs <rounds>/round-2/pairs/...).
+    The recorded folder is where the recorded paths' round-<k> parts sit, all in one; a path under another
+    run's rounds is no move and still differs."""
+    if not re.fullmatch(r"round-\d+", Path(out).name):
+        return set()
+    flat_saved, flat_current = flatten(saved), flatten(current)
+
+    def split(path):
         parts = Path(path).parts
         at = max((i for i, part in enumerate(parts) if re.fullmatch(r"round-\d+", part)), default=None)
-        tails.append(None if at is None else parts[at:])
-    return tails[0] is not None and tails[0] == tails[1]
+        return (None, None) if at is None else (Path(*parts[:at]), parts[at:])
+
+    recorded = {split(value)[0] for key in keys if isinstance(value := flat_saved.get(key), str)} - {None}
+    here = Path(os.path.realpath(Path(out).parent))  # recorded paths are resolved (core/paths.py recorded_path)
+    if len(recorded) != 1 or recorded == {here}:
+        return set()
+    moved = set()
+    for key in keys:
+        old, new = flat_saved.get(key), flat_current.get(key)
+        if isinstance(old, str) and isinstance(new, str):
+            (old_root, old_tail), (new_root, new_tail) = split(old), split(new)
+            if old_root in recorded and new_root == here and old_tail == new_tail:
+                moved.add(key)
+    return moved
 
 
 def _remove(out: Path, names) -> None:
@@ -131,8 +150,8 @@ def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, st
     if not saved_path.is_file():
         return
     saved, current, changed = _compared(saved_path, config, inputs)
-    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS + unused)
-             and not _same_round_file(flatten(saved).get(k), flatten(current).get(k))]
+    moved = _moved_round_keys(out, saved, current, inputs)
+    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS + unused) and k not in moved]
     if other:
         resumable = [k for k in other if _matches(k, RESUMABLE_KEYS)]
         why = (f" ({', '.join(resumable)}: --resume continues a stopped round, not a finished one)"
