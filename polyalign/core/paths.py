@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from typing import Any
 
 from etils import epath
@@ -39,6 +40,23 @@ def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, local or in a bucket: what a later stage compares to tell whether the
     input it was made from has been replaced."""
     return "sha256:" + hashlib.sha256(as_path(path).read_bytes()).hexdigest()
+
+
+def files_digest(files) -> str | dict[str, str]:
+    """The digest of what a list of files holds: the one file's, or each shard's by name (a Beam prepare's
+    split), as a record's `made_from` keeps it."""
+    files = list(files)
+    return file_digest(files[0]) if len(files) == 1 else {os.path.basename(str(f)): file_digest(f) for f in files}
+
+
+def remove_path(path) -> None:
+    """A file or folder, local or on a bucket (epath), if it is there."""
+    if not path.exists():
+        return
+    if path.is_dir():
+        path.rmtree() if hasattr(path, "rmtree") else shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def checkpoint_identity(path: str | os.PathLike) -> dict[str, Any]:

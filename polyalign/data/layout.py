@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
+from polyalign.core.paths import remove_path
 from polyalign.core.yaml_config import ConfigError
 
 EXACT_DUPLICATES = "exact_duplicates"
@@ -116,10 +116,7 @@ def clear_outputs(data_dir: Path, num_shards: int, recorded: set[str] | None) ->
     for path in owned_files(data_dir):
         if recorded is not None and path.is_file() and path.name not in current | recorded:
             continue
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_path(path)
         removed += [] if path.name in current else [path.name]
     return removed
 

@@ -27,7 +27,7 @@ from etils import epath
 from polyalign.core.errors import ChatTemplateError, InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import as_path, changed_since, file_digest, is_uri, recorded_path
+from polyalign.core.paths import as_path, changed_since, file_digest, files_digest, is_uri, recorded_path
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
@@ -260,7 +260,7 @@ def stale_tokenizer(run: Path, tokenizer_path: Path) -> str | None:
     run_paths = {Path(run).resolve(), (Path(run) / "data").resolve(), *(path.resolve() for path in files)}
     if trained_on not in run_paths:  # trained on records of the user's choosing: theirs to keep current
         return None
-    now = file_digest(files[0]) if len(files) == 1 else {path.name: file_digest(path) for path in files}
+    now = files_digest(files)
     if made_from == now or type(made_from) is not type(now):  # another layout: its digests do not compare
         return None
     return (f"{tokenizer_path} was trained on another train split than {Path(run) / 'data'} holds now (prepare ran "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from polyalign.core.errors import TokenizerError
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import file_digest
+from polyalign.core.paths import files_digest
 from polyalign.data.layout import split_files
 from polyalign.data.records import read_records
 from polyalign.tokens.chat import POLYALIGN_SPECIAL_TOKENS
@@ -82,7 +82,6 @@ def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
               "train_seconds": round(seconds, 2),
               "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)},
               "settings": settings,
-              "made_from": {"records": file_digest(files[0])} if len(files) == 1 else
-              {"records": {path.name: file_digest(path) for path in files}}}
+              "made_from": {"records": files_digest(files)}}
     (out_dir / REPORT).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return tokenizer, report

@@ -18,12 +18,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from polyalign.core.outputs import describe_changes, differing_keys, flatten, same_path
-from polyalign.core.paths import recorded_path
+from polyalign.core.paths import recorded_path, remove_path
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
@@ -68,12 +67,14 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
             raise ConfigError(f"{out}: has {', '.join(ours)} but no config.json of the run that wrote them; give a "
                               "new folder, or --overwrite to replace them")
         if existing == "overwrite" and remove:  # an earlier run of rounds: its summary and rounds go
-            _remove(out, [*ours, *rounds])
+            for name in [*ours, *rounds]:
+                remove_path(out / name)
         return "new"
     saved, current, changed = _compared(saved_path, config, inputs)
     if existing == "overwrite":
         if remove:
-            _remove(out, [*RUN_FILES, *rounds])
+            for name in [*RUN_FILES, *rounds]:
+                remove_path(out / name)
         return "overwrite"
     moved = _moved_round_keys(out, saved, current, inputs)  # a stopped round of a folder of rounds copied since
     changed = [k for k in changed if k not in moved]
@@ -115,15 +116,6 @@ def _moved_round_keys(out: Path, saved: dict[str, Any], current: dict[str, Any],
             if old_root in recorded and new_root == here and old_tail == new_tail:
                 moved.add(key)
     return moved
-
-
-def _remove(out: Path, names) -> None:
-    for name in names:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
 
 
 def _compared(saved_path: Path, config: dict[str, Any], inputs: dict[str, str | None]

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from polyalign.core.paths import as_path
+from polyalign.core.paths import as_path, remove_path
 from polyalign.core.yaml_config import ConfigError, from_mapping
 from polyalign.data.records import Record
 from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
@@ -49,16 +49,6 @@ def _finished(directory) -> dict[str, Any] | None:
 
 CRITIC_FILES = ("critic.json", "critic.safetensors")
 DROP_REASONS = {"empty_side": "with an empty policy answer", "chosen_equals_rejected": "answered as the person did"}
-
-
-def _remove(path) -> None:
-    """A file or folder, local or on a bucket (epath), if it is there."""
-    if not path.exists():
-        return
-    if path.is_dir():
-        path.rmtree() if hasattr(path, "rmtree") else shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | None, config,
@@ -125,7 +115,7 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
                           "`polyalign train critic`")
     if overwrite:  # every round, its pairs and critic came from models being replaced; later rounds too
         for made in [out / "summary.json", *(out.glob("round-*") if out.exists() else [])]:
-            _remove(made)
+            remove_path(made)
     policy, summaries = config.init, []
     for r in range(1, config.rounds + 1):
         directory = _round_dir(out, r)
