@@ -289,7 +289,9 @@ def _add_build(sub) -> None:
     p.add_argument("--truncation", choices=TRUNCATIONS, default="left",
                    help="how a prompt over its share of --max-length is cut: left (default, the paper's reference "
                         "recipe) from its start, the profile prompt with it; keep_system keeps the system message "
-                        "that opens it (the profile prompt) and cuts the oldest turns, as generation does")
+                        "that opens it (the profile prompt) and cuts the oldest tokens after it; turns keeps it too "
+                        "and drops the oldest whole turns, as generation does (a last question still over is cut "
+                        "as keep_system cuts it)")
     weights = p.add_argument_group(
         "Bucket-SFT weights (default: the bucket scheme's `weights:`; each flag replaces one of its keys)")
     weights.add_argument("--weights", choices=("default", "method"), dest="weight_preset",
@@ -319,6 +321,13 @@ def build_options(args):
                         weights={key: value for key, value in given.items() if value is not None})
 
 
+def _cut_where(counts: dict) -> str:
+    """Where a split's cut prompts open: inside a turn (cut by tokens), or at a turn's start (--truncation turns)."""
+    whole, inside = counts.get("turns_dropped", 0), counts.get("mid_turn", 0)
+    said = ([f"{whole} lost whole turns"] if whole else []) + ([f"{inside} open inside a turn"] if inside else [])
+    return f" ({', '.join(said)})" if said else ""
+
+
 def _run_build(args) -> int:
     from polyalign.inputs.build import build  # heavy: jax, kept out of --help
 
@@ -336,7 +345,7 @@ def _run_build(args) -> int:
             f"; {counts['trained_replies']} replies trained: with --train-on all each record also trains its "
             f"dialogue's earlier replies, so a reply is a target in {per_reply:.2f} records on average")
         # with --truncation left a cut prompt loses its start: the profile prompt Bucket-SFT conditions on
-        why = ("--truncation keep_system keeps it" if args.truncation == "left" else
+        why = ("--truncation turns keeps it" if args.truncation == "left" else
                "it took over half of the prompt's share of --max-length")  # keep_system keeps it within half
         # under keep the message opens with the conversation's own system text, the profile prompt after it
         held = ("the conversation's own system text, then the profile prompt" if args.system == "keep" and
@@ -344,8 +353,8 @@ def _run_build(args) -> int:
         lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, which holds "
                 f"{held}; {why})" if counts.get("system_cut") else "")
         print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
-              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}{lost}"
-              f"{repeats}")
+              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}"
+              f"{_cut_where(counts)}{lost}{repeats}")
     check = manifest["tokenizer_check"]
     if check["checked"] and not check["differing"]:
         print(f"tokenizer: {check['reader']} gives the same ids as polyalign on {check['probes']} probe texts")
@@ -359,8 +368,8 @@ def _run_build(args) -> int:
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
               f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message, the "
               "profile prompt Bucket-SFT conditions on, to --truncation left (the paper's reference recipe, the "
-              "default; docs/model.md, System messages, says why); --truncation keep_system keeps it and cuts the "
-              "oldest turns, as generation does, or raise --max-length",
+              "default; docs/model.md, System messages, says why); --truncation turns keeps it and drops the "
+              "oldest whole turns, as generation does, or raise --max-length",
               file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
@@ -657,7 +666,9 @@ def _add_generate(sub) -> None:
                         "default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded at once (default 16)")
     _dtype_option(p, "the model")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their end (default 512)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="a longer prompt loses its oldest whole turns, its opening system message kept; one still over "
+                        "with its last question alone keeps its end (default 512)")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
     p.add_argument("--per-bucket", type=int, metavar="N",
@@ -749,11 +760,12 @@ def _run_generate(args) -> int:
           f"{summary['finish_reasons']['length']} hit the length limit): {summary['new_tokens']} new tokens in "
           f"{summary['seconds']} s{rate}")
     if summary["prompts_cut"]:
-        lost = summary.get("prompts_cut_system_lost", 0)
+        lost, inside = summary.get("prompts_cut_system_lost", 0), summary.get("prompts_cut_mid_turn", 0)
         print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
-              f"{args.max_prompt_tokens}: their oldest turns were cut, "
-              + (f"and {lost} lost their opening system message (the profile prompt), which took over half of "
-                 "--max-prompt-tokens" if lost else "their opening system message kept"))
+              f"{args.max_prompt_tokens}: they lost their oldest whole turns, their opening system message kept"
+              + (f"; {inside} still over with only the last question left kept its end" if inside else "")
+              + (f"; {lost} lost their opening system message (the profile prompt) too, which took over half of "
+                 "--max-prompt-tokens" if lost else ""))
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "
@@ -842,7 +854,7 @@ def _add_prompts(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int,
                    help="cut prompts as `polyalign generate --max-prompt-tokens N` does (its default 512): each row "
                         "gains prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt), and a longer "
-                        "conversation's messages lose their oldest whole turns (default: whole prompts)")
+                        "conversation's messages and ids lose their oldest whole turns (default: whole prompts)")
     _budget_options(p, None, "each row's max_tokens, as `polyalign generate --max-new-tokens` budgets its answer "
                              "(default: none in the rows)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")
@@ -865,12 +877,13 @@ def _run_prompts(args) -> int:
           f"{summary['profile']}, system messages {summary['system']}; stop generating at {', '.join(summary['stop'])}")
     if args.max_prompt_tokens is not None:
         over = (f"; {summary['messages_over_budget']} rows' messages stay over it with only the opening system "
-                "message and the last question left" if summary["messages_over_budget"] else "")
+                "message and the last question left (their prompt_token_ids keep their end)"
+                if summary["messages_over_budget"] else "")
         lost = (f"; {summary['prompts_cut_system_lost']} lost their opening system message too (over half of the "
                 "budget)" if summary["prompts_cut_system_lost"] else "")
         print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
-              f"{args.max_prompt_tokens}: prompt_token_ids keep their end as generate does, and "
-              f"{summary['messages_turns_dropped']} rows' messages lost their oldest whole turns{lost}{over}")
+              f"{args.max_prompt_tokens}: {summary['messages_turns_dropped']} rows' messages and prompt_token_ids lost "
+              f"their oldest whole turns, as generate cuts them{lost}{over}")
     if budgets := summary.get("budgets"):
         print(f"max_tokens by bucket ({len(budgets)} buckets of {summary['budget_records']}): "
               f"{min(budgets.values())}-{max(budgets.values())} tokens, as generate --max-new-tokens auto budgets them")

@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 import shutil
@@ -75,6 +76,17 @@ def write_config(path: Path, sources: list[dict], **options) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def first_records(run: Path, data: Path, counts: dict[str, int]) -> Path:
+    """A RUN/data folder `data` holding the first `counts[split]` records of each split of `run`'s, with its
+    prepare manifest: a build of it is a build of those records."""
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_bytes((run / "data" / "manifest.json").read_bytes())
+    for split, count in counts.items():
+        with (run / "data" / f"{split}.jsonl").open(encoding="utf-8") as rows:
+            (data / f"{split}.jsonl").write_text("".join(itertools.islice(rows, count)), encoding="utf-8")
+    return data
 
 
 def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:

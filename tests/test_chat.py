@@ -349,23 +349,20 @@ def test_a_prompt_over_its_budget_loses_its_oldest_turns_and_keeps_its_system_me
     messages = [Message("system", "Answer as the hotel desk would, briefly.")]
     messages += [Message(m["role"], m["content"]) for m in camrest_messages(camrest_dialogues(1)[0])]
     messages = messages[:-1] if messages[-1].role == "assistant" else messages
-    template = get_template("llama3")
-    full = encode_prompt(template, json_tokenizer, messages).tolist()
-    head = json_tokenizer.encode(template.render(messages[:1], add_generation_prompt=False))  # the system block
-    assert full[:len(head)] == head
-    budget = len(full) // 2
-    cut = encode_prompt(template, json_tokenizer, messages, max_tokens=budget).tolist()
-    assert len(cut) == budget and "Answer as the hotel desk would" in json_tokenizer.decode(cut)
-    assert cut[:len(head)] == head and cut[len(head):] == full[len(full) - (budget - len(head)):]
-    # Gemma folds the system message into the first user turn: the prompt keeps that turn's start (BOS, its
-    # header, the system text), then its end (cut from its start, it lost all three)
-    gemma = get_template("gemma")
-    full = encode_prompt(gemma, json_tokenizer, messages).tolist()
-    cut = encode_prompt(gemma, json_tokenizer, messages, max_tokens=budget).tolist()
-    opening = json_tokenizer.decode(cut[:32])
-    assert opening.startswith("<bos><start_of_turn>user\nAnswer as the hotel desk would, briefly."), opening
-    head = next(i for i, (a, b) in enumerate(zip(cut, full)) if a != b)
-    assert len(cut) == budget and cut[head:] == full[len(full) - (budget - head):]
+    budget = len(encode_prompt(get_template("llama3"), json_tokenizer, messages)) // 2
+    for name in ("llama3", "gemma"):
+        template = get_template(name)
+        cut = encode_prompt(template, json_tokenizer, messages, max_tokens=budget).tolist()
+        # the conversation resumed at the earliest user turn that fits, after the system message, rendered whole
+        fits = [[messages[0], *messages[start:]] for start in range(1, len(messages)) if messages[start].role == "user"
+                and len(encode_prompt(template, json_tokenizer, [messages[0], *messages[start:]])) <= budget]
+        assert 0 < len(fits) < sum(m.role == "user" for m in messages)  # some turns go, not all
+        assert cut == encode_prompt(template, json_tokenizer, fits[0]).tolist() and len(cut) <= budget
+        # Gemma folds the system message into the first user turn: the kept one opens with it
+        opening = {"llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge",
+                   "gemma": "<bos><start_of_turn>user\nAnswer as the hotel desk would, briefly.\n\n"}[name]
+        assert json_tokenizer.decode(cut, skip_special=False).startswith(opening)
+        assert "Answer as the hotel desk would" in json_tokenizer.decode(cut)
 
 
 def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_naming_the_ones_it_can_take(demo_run, tmp_path,

@@ -105,33 +105,95 @@ def test_rendering_equals_transformers_on_the_source_messages(case, export_run, 
 
 
 @pytest.mark.parametrize("name", ["qwen", "llama3", "gemma"])
-def test_a_cut_prompt_keeps_its_system_message_in_every_template(name, export_run, bpe_tokenizer):
-    """Every export conversation cut to fewer tokens than it has keeps its latest tokens and, first, its
-    opening system message (the profile prompt): rendered alone where the template writes a system turn,
-    at the head of the first user turn where it folds it there (Gemma: BOS, the turn's header, the text;
-    a cut from the start lost all three)."""
-    from polyalign.tokens.chat import cut_prompt, system_head
+def test_a_cut_prompt_loses_whole_turns_and_keeps_its_system_message_in_every_template(name, export_run,
+                                                                                      bpe_tokenizer):
+    """Every export conversation cut to fewer tokens than it has is the same conversation less as few of its
+    oldest whole turns as make it fit (its opening system message, the profile prompt, kept; a user turn
+    first), rendered whole: what an engine given the kept messages reads. Only one still over with its last
+    question alone is cut inside it: its opening system message (rendered alone where the template writes a
+    system turn, at the head of the first user turn where it folds it there: Gemma's BOS, header, text), then
+    its latest tokens."""
+    from polyalign.tokens.chat import cut_prompt, prompt_ids, system_head
 
     _, records = export_run
     template = get_template(name)
-    kept = 0
+    whole_turns = inside = 0
     for case in (c for c in EXPORTS if c["template"] == name):
         messages = record_messages(records[case["key"]], "context")[:-1]
-        whole = cut_prompt(template, bpe_tokenizer, messages, None).ids
-        # room for the system message in half of what is kept (its rendering: markers, Llama's dates)
-        budget = 2 * system_head(template, bpe_tokenizer, messages, whole.tolist(), 10 ** 9) + 8
-        if budget >= len(whole):
+        whole = prompt_ids(template, bpe_tokenizer, messages)
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        for budget in sorted({len(whole) - 1, len(whole) * 2 // 3, len(whole) // 3, 8}):
+            ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, messages, budget)
+            assert cut and len(ids) <= budget and kept[-1] == messages[-1]
+            start = len(messages) - len(kept) + 1  # where the kept turns resume after the system message
+            assert kept == [messages[0], *messages[start:]] and messages[start].role == "user"
+            if not mid_turn:  # the kept messages rendered whole, and one turn more would not fit
+                assert ids.tolist() == prompt_ids(template, bpe_tokenizer, kept) and not lost
+                earlier = [i for i in users if 0 < i < start]
+                assert not earlier or len(prompt_ids(template, bpe_tokenizer,
+                                                     [messages[0], *messages[earlier[-1]:]])) > budget
+                whole_turns += 1
+                continue
+            assert start == users[-1]  # over with the last question alone
+            alone = prompt_ids(template, bpe_tokenizer, kept)
+            head = system_head(template, bpe_tokenizer, kept, alone, budget)
+            assert len(ids) == budget and lost == (head == 0)
+            assert ids.tolist() == alone[:head] + alone[len(alone) - (budget - head):]  # the head, the latest tokens
+            if head:
+                assert messages[0].content.strip() in bpe_tokenizer.decode(ids[:head].tolist())
+                assert name != "gemma" or template.bos in bpe_tokenizer.decode(ids[:head].tolist(),
+                                                                               skip_special=False)
+            inside += 1
+    assert whole_turns >= 4 and inside >= 2, (whole_turns, inside)
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3", "gemma"])
+def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name, export_run, bpe_tokenizer):
+    """`truncation="turns"` on every multi-turn export conversation at cutoffs from just under its length to a
+    third of it: the example is the conversation less its oldest whole turns (the system message kept, a user
+    turn first) encoded whole, its answer cut at its end to what is left of the cutoff, never less than
+    METHOD's rule gives it; as few turns go as fit the prompt's share (one more would not); only a last
+    question over the share alone is cut inside, as keep_system cuts it."""
+    from polyalign.tokens.chat import truncation_lengths
+
+    _, records = export_run
+    template = get_template(name)
+    whole_turns = inside = 0
+    for record in records.values():
+        messages = record_messages(record, "context")
+        users = [i for i, m in enumerate(messages) if m.role == "user"]
+        if len(users) < 3:
             continue
-        ids, cut, lost = cut_prompt(template, bpe_tokenizer, messages, budget)
-        assert cut and not lost and len(ids) == budget
-        head = next(i for i in range(budget + 1) if i == budget or ids[i] != whole[i])
-        assert ids[head:].tolist() == whole[len(whole) - (budget - head):].tolist()  # the latest tokens
-        assert messages[0].content.strip() in bpe_tokenizer.decode(ids[:head].tolist()), case["key"]
-        kept += 1
-        tight = cut_prompt(template, bpe_tokenizer, messages, 8)  # no room for it: cut, and said to be lost
-        assert tight.cut and tight.system_lost and len(tight.ids) == 8
-    assert kept >= 2
-    assert name != "gemma" or template.bos in bpe_tokenizer.decode(ids[:head].tolist(), skip_special=False)
+        whole = encode_conversation(template, bpe_tokenizer, messages, train_on="all")
+        last = encode_conversation(template, bpe_tokenizer, messages)
+        source = int(np.argmax(last.loss_mask))
+        answer = last.ids[source:]
+        for cutoff in sorted({len(whole.ids) - 1, len(whole.ids) * 3 // 4, len(whole.ids) // 2, len(whole.ids) // 3}):
+            cut = encode_conversation(template, bpe_tokenizer, messages, train_on="all", cutoff=cutoff,
+                                      truncation="turns")
+            keep_source, keep_target = truncation_lengths(source, len(answer), cutoff)
+            assert cut.truncated and len(cut.ids) <= cutoff
+            trained = len(cut.ids) - next(i for i in range(len(cut.ids)) if cut.ids[i:].tolist()
+                                          == answer[:len(cut.ids) - i].tolist() and cut.loss_mask[i:].all())
+            assert trained >= keep_target
+            start = 1 + cut.turns_dropped
+            kept = [messages[0], *messages[start:]]
+            if cut.mid_turn:  # only the last question was left, over the prompt's share
+                assert start == users[-1]
+                assert len(encode_conversation(template, bpe_tokenizer, kept).ids) - len(answer) > keep_source
+                inside += 1
+                continue
+            assert cut.turns_dropped == 0 or messages[start].role == "user"
+            shorter = encode_conversation(template, bpe_tokenizer, kept, train_on="all")  # whole: no cut inside
+            assert cut.ids.tolist() == shorter.ids[:len(cut.ids)].tolist()
+            assert cut.loss_mask.tolist() == shorter.loss_mask[:len(cut.ids)].tolist()  # earlier answers trained
+            assert len(shorter.ids) - len(answer) <= keep_source
+            earlier = [i for i in users if 0 < i < start]
+            if earlier:  # one turn more would not fit the prompt's share
+                longer = encode_conversation(template, bpe_tokenizer, [messages[0], *messages[earlier[-1]:]])
+                assert len(longer.ids) - len(answer) > keep_source
+            whole_turns += cut.turns_dropped > 0
+    assert whole_turns >= 5 and inside >= 1, (whole_turns, inside)
 
 
 def test_the_fixtures_hold_the_shapes_users_bring():

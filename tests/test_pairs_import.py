@@ -239,7 +239,8 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
                                                                                   tmp_path, capsys):
     """`prompts --max-prompt-tokens N`: for every record, prompt_token_ids are the ids `generate` feeds
     (cut_prompt), and messages are the conversation less its oldest whole turns, as few as make it fit
-    (the profile's system message kept, a user turn first, the last question kept)."""
+    (the profile's system message kept, a user turn first, the last question kept): the ids are theirs, but
+    for messages still over the budget with the last question alone, whose ids keep their end."""
     from polyalign.tokens.chat import Message, cut_prompt, get_template, record_messages
 
     run, _, _ = demo_run
@@ -265,20 +266,20 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
             assert sent == whole and len(row["prompt_token_ids"]) == length(whole)
             continue
         cut += 1
-        assert len(row["prompt_token_ids"]) == budget
         assert sent[0] == whole[0] and sent[0].role == "system" and whole[len(whole) - len(sent) + 1:] == sent[1:]
         assert sent[1].role == "user" and sent[-1] == whole[-1]
         dropped += sent != whole
-        if length(sent) > budget:  # only the last question (and what follows it) is left
+        if length(sent) > budget:  # only the last question (and what follows it) is left: the ids keep their end
             over += 1
-            assert [m.role for m in sent[1:]].count("user") == 1
-        else:  # as few turns dropped as fit: the one user turn before the kept ones would not
+            assert [m.role for m in sent[1:]].count("user") == 1 and len(row["prompt_token_ids"]) == budget
+        else:  # the kept turns' ids, whole; as few turns dropped as fit: the one user turn before them would not
+            assert row["prompt_token_ids"] == cut_prompt(template, tokenizer, sent, None).ids.tolist()
             earlier = max(i for i, m in enumerate(whole[:len(whole) - len(sent) + 1]) if m.role == "user" and i > 0)
             assert length([whole[0], *whole[earlier:]]) > budget
     assert cut > 10 and dropped > 5, (cut, dropped)
     assert code == 0 and (f"{cut} of {len(records)} prompts were longer than --max-prompt-tokens {budget}: "
-                          f"prompt_token_ids keep their end as generate does, and {dropped} rows' messages lost their "
-                          "oldest whole turns") in out
+                          f"{dropped} rows' messages and prompt_token_ids lost their oldest whole turns, as generate "
+                          "cuts them") in out
     summary = json.loads((tmp_path / "prompts.manifest.json").read_text())["summary"]
     assert (summary["prompts_cut"], summary["messages_turns_dropped"], summary["messages_over_budget"]) == (
         cut, dropped, over)

@@ -814,9 +814,10 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     """The notes under a preference run's start line: how many training pairs data.max_length cuts (counted
     against the pairs encoded whole), that an init not trained with polyalign's profile prompt gets one, and
     transformers' reading of the init's tokenizer where it differs from polyalign's."""
+    from polyalign.data.records import Record
     from polyalign.inputs import tokenizer_check
     from polyalign.inputs.pair_rows import tokenise_pairs
-    from polyalign.tokens.chat import get_template
+    from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
     from polyalign.train import preference
     from polyalign.train.config import PreferenceConfig
 
@@ -839,7 +840,7 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     kept = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "keep_system")
     lost = sum(e["system_cut"] for e in cut)
     assert lost > 0 and sum(e["system_cut"] for e in kept) < lost
-    assert note.endswith(f"; {lost} of them lose the start of their opening system message (truncation=keep_system "
+    assert note.endswith(f"; {lost} of them lose the start of their opening system message (truncation=turns "
                          "keeps it); a larger data.max_length keeps more")
     for before, after in zip(whole, kept):
         if after["truncated"] and not after["system_cut"]:  # the prompt's first tokens are the whole pair's
@@ -847,6 +848,17 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
             assert len(after["chosen_ids"]) <= limit and len(after["rejected_ids"]) <= limit
     assert "the prompt after its opening system message" in preference.truncation_note(kept, "p.jsonl", limit,
                                                                                         "keep_system")
+    # truncation=turns drops the oldest whole turns instead, as generation does: each side is its pair's
+    # conversation encoded by encode_conversation with it, and keeps the system message as keep_system does
+    turns = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "turns")
+    assert sum(e["system_cut"] for e in turns) < lost
+    for pair, example in zip(pairs, turns):
+        prompt = record_messages(Record.from_json(pair["record"]), "context", with_response=False)
+        side = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair["chosen"])],
+                                   cutoff=limit, truncation="turns")
+        assert list(example["chosen_ids"]) == side.ids.tolist()
+    assert "the prompt by its oldest whole turns (its opening system message kept)" in preference.truncation_note(
+        turns, "p.jsonl", limit, "turns")
 
     config = PreferenceConfig(method="dpo", init="lab/model")
     assert tokenizer.profile_mode is None  # the demo's tokenizer: trained by polyalign, no model behind it

@@ -14,6 +14,7 @@ import pytest
 from polyalign.cli import main
 from polyalign.data.records import read_records
 from polyalign.evaluate.baselines import first_sentence
+from tests.conftest import first_records
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +183,8 @@ def test_an_interrupted_build_restarts_with_the_same_command_and_equals_an_unint
     interrupted, and a command with other settings is refused naming them."""
     from polyalign.inputs import build as build_module
 
-    source, _, _ = demo_run
-    data = tmp_path / "data"  # the first records of each split: what is checked needs no more
-    data.mkdir()
-    (data / "manifest.json").write_bytes((source / "data" / "manifest.json").read_bytes())
-    for split, count in (("train", 400), ("val", 60), ("test", 60)):
-        lines = (source / "data" / f"{split}.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-        (data / f"{split}.jsonl").write_text("".join(lines[:count]), encoding="utf-8")
+    # the first records of each split: what is checked needs no more
+    data = first_records(demo_run[0], tmp_path / "data", {"train": 400, "val": 60, "test": 60})
     runs = {}
     for name in ("cut", "straight"):
         runs[name] = tmp_path / name

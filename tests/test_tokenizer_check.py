@@ -5,7 +5,6 @@ exported tokenizer.json with the `tokenizers` library, as transformers' fast tok
 splitting every digit as the Qwen2 tokenizer class's pre-tokenizer does (the case users met: "30"
 trained as one token, served as "3" "0")."""
 
-import itertools
 import json
 import sys
 import zipfile
@@ -14,7 +13,7 @@ import pytest
 
 from polyalign.cli import main
 from polyalign.inputs.tokenizer_check import compare_encoders, probe_texts
-from tests.conftest import DEMO_DATA
+from tests.conftest import DEMO_DATA, first_records
 from tests.transformers_stand_in import stand_in_transformers
 
 CAMREST = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:40]
@@ -28,14 +27,8 @@ SAMPLE_RECORDS = 300
 @pytest.fixture(scope="module")
 def sample_data(demo_run, tmp_path_factory):
     """The first SAMPLE_RECORDS records of each split of the demo run, with its prepare manifest."""
-    source, _, _ = demo_run
-    data = tmp_path_factory.mktemp("tokenizer_check") / "data"
-    data.mkdir()
-    (data / "manifest.json").write_bytes((source / "data" / "manifest.json").read_bytes())
-    for split in ("train", "val", "test"):
-        with (source / "data" / f"{split}.jsonl").open(encoding="utf-8") as rows:
-            (data / f"{split}.jsonl").write_text("".join(itertools.islice(rows, SAMPLE_RECORDS)), encoding="utf-8")
-    return data
+    return first_records(demo_run[0], tmp_path_factory.mktemp("tokenizer_check") / "data",
+                         dict.fromkeys(("train", "val", "test"), SAMPLE_RECORDS))
 
 
 def build_with(sample_data, json_tokenizer, tmp_path, capsys, monkeypatch, transformers, tokenizer_dir=None):

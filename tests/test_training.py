@@ -66,11 +66,51 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
     train = manifest["splits"]["train"]
     assert train["system_cut"] == sum(e.system_cut for e in encoded) > 0
     assert train["truncated"] == sum(e.truncated for e in encoded) >= train["system_cut"]
+    # left cuts by tokens: every cut prompt opens inside a turn, none loses whole turns only
+    assert train["mid_turn"] == sum(e.mid_turn for e in encoded) > 0 and train["turns_dropped"] == 0
     # examples the cut left nothing to train on are counted, and warned about where there are any
     assert train["untrained"] == sum(not e.loss_mask.any() for e in encoded)
     said = [w for w in manifest["warnings"] if "keep no token to train on" in w]
     assert len(said) == sum(split["untrained"] > 0 for split in manifest["splits"].values())
     assert "tensorflow" not in sys.modules  # read and written without TensorFlow
+
+
+def test_a_build_with_turns_truncation_stores_whole_turn_cuts_and_says_where_cuts_open(demo_run, demo_tokenizer,
+                                                                                        tmp_path, capsys):
+    """`build --truncation turns`: every example is what encode_conversation gives with it, the counts of
+    examples that lost whole turns and of those still cut inside a turn are theirs and said on the split's
+    line, and fewer examples lose their profile prompt than with left at the same length."""
+    from polyalign.cli import main
+    from tests.conftest import first_records
+
+    run = tmp_path / "run"
+    first_records(demo_run[0], run / "data", {"train": 400, "val": 60, "test": 60})
+    tokenizer = demo_tokenizer[0]
+    assert main(["build", str(run), "--tokenizer", str(tokenizer.path.parent), "--max-length", "192",
+                 "--truncation", "turns", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((run / "build" / "manifest.json").read_text())
+    records = {r.id: r for r in read_records(run / "data" / "train.jsonl")}
+    source = pipeline.open_split(run, "train")
+    encoded = {}
+    for index in range(len(source)):
+        example = source[index]
+        record = records[example["id"].decode()]
+        encoded[record.id] = expected = encode_conversation(get_template("polyalign"), tokenizer,
+                                                            record_messages(record, "context"), cutoff=192,
+                                                            truncation="turns")
+        np.testing.assert_array_equal(example["input_ids"], expected.ids)
+        np.testing.assert_array_equal(example["loss_mask"].astype(bool), expected.loss_mask)
+    assert sorted(encoded) == sorted(records)
+    train = manifest["splits"]["train"]
+    dropped = sum(e.turns_dropped > 0 for e in encoded.values())
+    inside = sum(e.mid_turn for e in encoded.values())
+    assert (train["turns_dropped"], train["mid_turn"]) == (dropped, inside) and dropped > 20 and inside > 0
+    assert f"{train['truncated']} truncated to 192 ({dropped} lost whole turns, {inside} open inside a turn" in out
+    left = [encode_conversation(get_template("polyalign"), tokenizer, record_messages(r, "context"), cutoff=192)
+            for r in records.values()]
+    assert train["system_cut"] < sum(e.system_cut for e in left) / 4
+    assert "truncation turns" in out
 
 
 def test_build_weights_come_from_the_scheme_unless_overridden(built_run):

@@ -8,7 +8,8 @@ given raw text. Either way the answers, as rows {"id", "prediction"}, feed `poly
 
 With a token budget (`--max-prompt-tokens`, as `polyalign generate` cuts its prompts) each row also
 holds `prompt_token_ids`, the very ids `generate` would feed (vLLM's TokensPrompt), and a long
-conversation's `messages` and `prompt` lose their oldest whole turns until they fit (chat.fit_messages).
+conversation's `messages`, `prompt` and ids lose their oldest whole turns until they fit (chat.cut_prompt;
+ids still over with the last question alone keep their end).
 With `--max-new-tokens N|auto` each row holds `max_tokens`, the answer budget `generate` would give it
 (auto: its bucket's, from the human answers of the budget records).
 """
@@ -31,7 +32,6 @@ from polyalign.tokens.chat import (
     PROFILE_MODES,
     choose_template,
     cut_prompt,
-    fit_messages,
     fold_system,
     get_template,
     record_messages,
@@ -81,10 +81,9 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 row = {"id": record.id}
                 if max_prompt_tokens is not None:
                     ids = cut_prompt(chat, tokenizer, messages, max_prompt_tokens)
-                    fitted = fit_messages(chat, tokenizer, messages, max_prompt_tokens) if ids.cut else messages
-                    cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=fitted != messages,
-                               over=ids.cut and len(cut_prompt(chat, tokenizer, fitted, None).ids) > max_prompt_tokens)
-                    row["prompt_token_ids"], messages = ids.ids.tolist(), fitted
+                    cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=ids.messages != messages,
+                               over=ids.mid_turn)
+                    row["prompt_token_ids"], messages = ids.ids.tolist(), ids.messages
                 # an engine applying a template that refuses system messages gets them folded, as trained
                 sent = messages if chat.takes_system else [m for _, m in fold_system(messages)]
                 row.update(messages=[{"role": m.role, "content": m.content} for m in sent],

@@ -72,8 +72,10 @@ SPLITS = ("train", "val")
 # trained on this build read in its profile prompts (the manifest's train_profile_values; the export
 # lists them and its chat template refuses others).
 PROFILE_COUNT = "profile:"
+# Of the truncated examples: mid_turn, those whose prompt opens inside a turn (cut by tokens); turns_dropped,
+# those that lost whole turns (--truncation turns).
 STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
-             "source_system_prompts", "system_turns_in_history")
+             "mid_turn", "turns_dropped", "source_system_prompts", "system_turns_in_history")
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,8 @@ class BuildOptions:
     # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
     weights: dict[str, Any] = field(default_factory=dict)
     # How a prompt over its share of max_length is cut (TRUNCATIONS): left (METHOD's recipe) from its
-    # start; keep_system keeps the opening system message (the profile prompt) and cuts the oldest turns after
-    # it, as generation does (not the default: the quick demo's critic ranked people first less often with it).
+    # start; keep_system keeps the opening system message (the profile prompt) and cuts the oldest tokens
+    # after it; turns keeps it and drops the oldest whole turns, as generation does.
     truncation: str = "left"
 
     def __post_init__(self):  # the manifest names the tokenizer whichever folder the build ran from
@@ -303,6 +305,7 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
     counts = Counter(examples=1, tokens=len(encoded.ids), target_tokens=int(encoded.loss_mask.sum()),
                      trained_replies=trained_replies, untrained=int(not mask.any()),
                      truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
+                     mid_turn=int(encoded.mid_turn), turns_dropped=int(encoded.turns_dropped > 0),
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
     counts.update(f"{PROFILE_COUNT}{key}={getattr(record, field)}" for key, field in PROFILE_FIELDS.items())

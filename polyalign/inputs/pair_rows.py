@@ -16,7 +16,8 @@ SIDES = ("chosen", "rejected")
 def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_length: int,
                    buckets: list[str], truncation: str = "left") -> list[dict]:
     """Each pair's two sides as token ids and loss masks, cut to `max_length` as encode_conversation cuts
-    (`truncation`: left from the prompt's start, or keep_system after its opening system message)."""
+    (`truncation`: left from the prompt's start, keep_system after its opening system message, turns by its
+    oldest whole turns)."""
     index = {b: i for i, b in enumerate(buckets)}
     examples = []
     for pair in pairs:

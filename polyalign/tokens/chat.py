@@ -12,7 +12,7 @@ import functools
 import re
 import sys
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Literal, NamedTuple
@@ -56,6 +56,10 @@ class Encoded:
     truncated: bool = False
     # the cut took the start of the system message that opens the prompt (the profile prompt)
     system_cut: bool = False
+    # the prompt kept opens inside a turn (a cut by tokens), not at a turn's start
+    mid_turn: bool = False
+    # whole turns the prompt lost (truncation "turns")
+    turns_dropped: int = 0
 
 
 # --- records to messages --------------------------------------------------------------------------
@@ -590,7 +594,10 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     is left out: nothing would learn from it. A cutoff truncates as `truncation_lengths` says:
     the response loses tokens from its end, the prompt from its start: with `truncation` "left" (METHOD
     section 8's reference recipe) from its very start, with "keep_system" after the system message that
-    opens it (the profile prompt Bucket-SFT and HDPO condition on, which generation keeps: `cut_prompt`).
+    opens it (the profile prompt Bucket-SFT and HDPO condition on). "turns" drops the prompt's oldest whole
+    turns instead, as generation does (`cut_prompt`): the opening system message kept, the conversation
+    resuming at a user turn; only a last question still over the prompt's share is cut inside, as keep_system
+    cuts it.
     """
     if truncation not in TRUNCATIONS:
         raise ChatTemplateError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
@@ -598,6 +605,37 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         raise ChatTemplateError(f"train_on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
     if not messages or messages[-1].role != "assistant":
         raise ChatTemplateError("the conversation must end with the assistant response to learn")
+    last = len(messages) - 1
+    source_ids, source_mask, target_ids, target_mask = _prompt_and_answer(template, tokenizer, messages, train_on)
+    truncated = system_cut = mid_turn = False
+    dropped = 0
+    if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
+        keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
+        if truncation == "turns" and keep_source < len(source_ids):
+            # the prompt loses whole turns until it fits its share, as a generation prompt does; the answer,
+            # unchanged, takes what is left
+            answer = messages[last]
+            kept = fit_messages(template, tokenizer, messages[:last], keep_source, length=lambda prompt: len(
+                _prompt_and_answer(template, tokenizer, [*prompt, answer], train_on)[0]))
+            dropped = last - len(kept)
+            if dropped:
+                messages = [*kept, messages[last]]
+                source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
+                keep_source = min(keep_source, len(source_ids))  # under it, unless the last question alone is over
+                keep_target = min(len(target_ids), cutoff - keep_source)
+        head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
+        start = len(source_ids) - (keep_source - head)
+        source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
+        target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
+        truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
+        mid_turn = start > head
+    return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
+                   truncated, system_cut, mid_turn, dropped)
+
+
+def _prompt_and_answer(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], train_on: str
+                       ) -> tuple[list[int], list[bool], list[int], list[bool]]:
+    """A conversation's ids and loss mask before its final answer, and the answer's with its end-of-turn token."""
     last = len(messages) - 1
     assistant_turns = {i for i, m in enumerate(messages) if m.role == "assistant"}
     labelled = assistant_turns if train_on == "all" else {last}
@@ -607,19 +645,8 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         raise ChatTemplateError(unlocated_turn(template, messages, turn))
     final = max(i for i, p in enumerate(pieces) if p.turn == last)  # the final end-of-turn piece
     first = min(i for i, p in enumerate(pieces) if p.turn == last)
-    source_ids, source_mask = encode_pieces(pieces[:first], tokenizer, labelled)
-    target_ids, target_mask = encode_pieces(pieces[first:final + 1], tokenizer, labelled)
-    truncated = system_cut = False
-    if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
-        keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
-        head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation == "keep_system" \
-            else 0
-        start = len(source_ids) - (keep_source - head)
-        source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
-        target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
-        truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
-    return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
-                   truncated, system_cut)
+    return (*encode_pieces(pieces[:first], tokenizer, labelled), *encode_pieces(pieces[first:final + 1], tokenizer,
+                                                                                 labelled))
 
 
 def unlocated_turn(template: ChatTemplate, messages: Sequence[Message], turn: int) -> str:
@@ -648,43 +675,60 @@ def encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequen
 
 class CutPrompt(NamedTuple):
     ids: np.ndarray  # int32
-    cut: bool  # longer than max_tokens: its oldest turns were cut
+    cut: bool  # longer than max_tokens: its oldest turns were dropped (and its ids cut, if still over)
     system_lost: bool  # cut, and its opening system message (the profile prompt) went with them
+    messages: list[Message]  # what the ids render: the conversation less the whole turns the cut dropped
+    mid_turn: bool = False  # still over with its last question alone: its ids open inside a turn
+
+
+def prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
+    """The ids of a generation prompt, whole."""
+    return encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())[0]
 
 
 def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
                max_tokens: int | None) -> CutPrompt:
-    """encode_prompt's ids, and what a cut took. A prompt over `max_tokens` keeps its end, and its opening
-    system message too (the profile's instructions are what a long conversation must not lose; system_head
-    says where it ends, and that it is kept only within half of `max_tokens`): the oldest turns are cut."""
-    ids, _ = encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())
-    cut = max_tokens is not None and len(ids) > max_tokens
+    """encode_prompt's ids, and what a cut took. A prompt over `max_tokens` loses its oldest whole turns
+    (`fit_messages`: the opening system message, the profile's instructions, kept; the conversation resuming
+    at a user turn), as an engine given messages would be; one still over with only its last question left
+    keeps its opening system message (within half of `max_tokens`: system_head) and its latest tokens."""
+    ids = prompt_ids(template, tokenizer, messages)
+    if max_tokens is None or len(ids) <= max_tokens:
+        return CutPrompt(np.asarray(ids, np.int32), False, False, list(messages))
+    kept = fit_messages(template, tokenizer, messages, max_tokens)
+    ids = prompt_ids(template, tokenizer, kept)
+    over = len(ids) > max_tokens
     lost = False
-    if cut:
-        head = system_head(template, tokenizer, messages, ids, max_tokens)
+    if over:
+        head = system_head(template, tokenizer, kept, ids, max_tokens)
         ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
-        lost = head == 0 and messages[0].role == "system"
-    return CutPrompt(np.asarray(ids, np.int32), cut, lost)
+        lost = head == 0 and kept[0].role == "system"
+    return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, over)
 
 
-def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
-                 max_tokens: int) -> list[Message]:
-    """`messages` whose rendered prompt fits `max_tokens`, for an engine given messages rather than ids: the
-    oldest whole turns dropped (the opening system message kept, the conversation resuming at a user turn),
-    never the last question or what follows it. Messages still over the budget then stay so (only
-    cut_prompt's ids can cut inside a turn)."""
+def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], max_tokens: int,
+                 length: Callable[[list[Message]], int] | None = None) -> list[Message]:
+    """`messages` whose rendered prompt fits `max_tokens`: as few of the oldest whole turns dropped as make it
+    fit (the opening system message kept, the conversation resuming at a user turn), never the last question
+    or what follows it. Messages still over the budget then stay so (only cut_prompt's ids cut inside a
+    turn). `length`: how many tokens kept messages take (default: their generation prompt's)."""
+    messages = list(messages)
     head = 1 if messages and messages[0].role == "system" else 0
     last_question = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
-    start = head
+    starts = [head] + [i for i in range(head + 1, last_question + 1)
+                       if messages[i].role == "user" or i == last_question]
 
-    def length(kept: Sequence[Message]) -> int:
-        return len(cut_prompt(template, tokenizer, kept, None).ids)
+    measure = length or (lambda kept: len(prompt_ids(template, tokenizer, kept)))
 
-    while start < last_question and length([*messages[:head], *messages[start:]]) > max_tokens:
-        start += 1
-        while start < last_question and messages[start].role != "user":
-            start += 1
-    return [*messages[:head], *messages[start:]]
+    def fits(start: int) -> bool:
+        return measure([*messages[:head], *messages[start:]]) <= max_tokens
+
+    # a later start renders fewer tokens: the earliest that fits by bisection, the last question if none does
+    low, high = 0, len(starts) - 1
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(starts[middle]) else (middle + 1, high)
+    return [*messages[:head], *messages[starts[low]:]]
 
 
 def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],

@@ -22,9 +22,10 @@ PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile p
 PROFILE_MODES = ("context", "oracle", "none")  # context: the default
 SYSTEM_MODES = ("keep", "replace", "drop")
 # How a prompt over its share of a cutoff is cut (chat.encode_conversation): left, from its very start;
-# keep_system, after the system message that opens it. Here, beside the modes, so that the command line
+# keep_system, after the system message that opens it; turns, by its oldest whole turns (the opening system
+# message kept), as generation cuts a prompt. Here, beside the modes, so that the command line
 # and the config schema name them without importing the tokenisers.
-TRUNCATIONS = ("left", "keep_system")
+TRUNCATIONS = ("left", "keep_system", "turns")
 # The template variables each profile names (the oracle profile adds the answer's length bin).
 PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
 # A record's field for each profile key.

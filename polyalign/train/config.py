@@ -190,7 +190,8 @@ class PreferenceConfig:
     truncation: str = setting("left", help="how a pair's prompt over its share of data.max_length is cut: left "
                                            "(the paper's reference recipe) from its start, the profile prompt with "
                                            "it; keep_system keeps the system message that opens it and cuts the "
-                                           "oldest turns, as `build --truncation keep_system` and generation do")
+                                           "oldest tokens after it; turns keeps it and drops the oldest whole turns, "
+                                           "as generation does; each as `build --truncation` does")
     beta: float = setting(0.1, range=POSITIVE, help="the inverse temperature of the implicit reward")
     lambda_dist: float = setting(0.1, range=NON_NEGATIVE, help="weight of HDPO's critic distance term")
     gamma_ftx: float = setting(0.05, range=NON_NEGATIVE,

@@ -233,11 +233,12 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
     if not cut:
         return None
     lost = sum(e["system_cut"] for e in cut)
-    how = "from its start" if truncation == "left" else "after its opening system message"
+    how = {"left": "from its start", "keep_system": "after its opening system message",
+           "turns": "by its oldest whole turns (its opening system message kept)"}[truncation]
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
             + (f"; {lost} of them lose the start of their opening system message"
-               + (" (truncation=keep_system keeps it)" if truncation == "left" else
+               + (" (truncation=turns keeps it)" if truncation == "left" else
                   " (it takes over half of the prompt's share)") if lost else "")
             + "; a larger data.max_length keeps more")
 
