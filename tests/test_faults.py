@@ -264,6 +264,13 @@ def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code
     assert source["dropped"] == {"malformed": sum(m["role"] == "assistant" for m in rows[1]["messages"]),
                                  "language_not_in_scheme:fr": french, "language_not_in_scheme:other": french}
     assert manifest["totals"]["by_split"]["train"] == sum(m["role"] == "assistant" for m in rows[0]["messages"])
+    # each quarantined reply holds what was read of it (the row's own line is not at hand once its records
+    # are built): every reply of the conversation, its question before it, the label that was refused
+    quarantined = read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl")
+    replies = [m["content"] for m in rows[1]["messages"] if m["role"] == "assistant"]
+    read = [json.loads(q["raw"]) for q in quarantined]
+    assert [r["response"] for r in read] == replies and {r["labels"]["language"] for r in read} == {"english"}
+    assert all(r["question"] and q["location"].endswith("c.jsonl:2") for r, q in zip(read, quarantined))
 
 
 def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_trains_a_reply(

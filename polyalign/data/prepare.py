@@ -758,7 +758,7 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
     try:
         built = builder.build(key, item, source, tally)
     except RowProblem as problem:
-        sink(source.name, Malformed(item.location, str(problem)))
+        sink(source.name, Malformed(item.location, str(problem), item.as_read()))
         tally.drop("malformed")
         return None
     if isinstance(built, Skipped):

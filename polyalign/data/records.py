@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -83,6 +84,13 @@ class Example:
     derived: dict[str, str] = field(default_factory=dict)
     conversation: str | None = None
     opens_conversation: bool = False
+
+    def as_read(self) -> str:
+        """The reply as its importer read it, as JSON: what a quarantine row holds of a problem found while
+        its record is built (a label the scheme lacks), when the source row itself is no longer at hand."""
+        read = {"question": self.question, "context": self.context, "history": self.history,
+                "response": self.response, "labels": self.labels, "key": self.key}
+        return json.dumps({k: v for k, v in read.items() if v not in ("", [], {}, None)}, ensure_ascii=False)
 
 
 @dataclass

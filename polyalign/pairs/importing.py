@@ -178,7 +178,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                 try:
                     record = builder.build(f"{number:06d}", item, source, tally)
                 except RowProblem as problem:
-                    sink(dataset, Malformed(item.location, str(problem)))
+                    sink(dataset, Malformed(item.location, str(problem), item.as_read()))
                     dropped["malformed"] += 1
                     continue
                 if isinstance(record, Skipped):
