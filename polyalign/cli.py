@@ -321,11 +321,33 @@ def build_options(args):
                         weights={key: value for key, value in given.items() if value is not None})
 
 
-def _cut_where(counts: dict) -> str:
-    """Where a split's cut prompts open: inside a turn (cut by tokens), or at a turn's start (--truncation turns)."""
-    whole, inside = counts.get("turns_dropped", 0), counts.get("mid_turn", 0)
-    said = ([f"{whole} lost whole turns"] if whole else []) + ([f"{inside} open inside a turn"] if inside else [])
-    return f" ({', '.join(said)})" if said else ""
+def _split_line(split: str, counts: dict, args) -> str:
+    """A built split's line: its examples and tokens, and what the cut to --max-length took."""
+    line = (f"{split}: {counts['examples']} examples, {counts['tokens']} tokens ({counts['target_tokens']} trained "
+            f"on), {counts['truncated']} truncated to {args.max_length}")
+    inside, replies = counts.get("mid_turn"), counts.get("reply_cut")
+    # where a cut example opens: each one either at a turn's start (it lost whole turns, or nothing but the
+    # end of its reply) or inside a turn; manifests before these counts say neither
+    said = ([f"{counts['truncated'] - inside} open at a turn's start"] if inside is not None and
+            counts["truncated"] > inside else []) + ([f"{inside} inside a turn"] if inside else [])
+    parts = [", ".join(said)] if said else []
+    if replies:
+        parts.append(f"{replies} replies cut short, trained without their end-of-turn token")
+    if counts.get("system_cut"):
+        # under keep the message opens with the conversation's own system text, the profile prompt after it
+        held = ("the conversation's own system text, then the profile prompt" if args.system == "keep" and
+                counts.get("source_system_prompts") else "the profile prompt")
+        why = ("--truncation turns keeps it" if args.truncation == "left" else  # within half of the prompt's share
+               "it took over half of the prompt's share of --max-length")
+        parts.append(f"{counts['system_cut']} lost the start of their opening system message, which holds {held}; "
+                     f"{why}")
+    if parts:
+        line += f" ({'; '.join(parts)})"
+    if args.train_on != "last" and counts["examples"]:
+        per_reply = counts["trained_replies"] / counts["examples"]
+        line += (f"; {counts['trained_replies']} replies trained: with --train-on all each record also trains its "
+                 f"dialogue's earlier replies, so a reply is a target in {per_reply:.2f} records on average")
+    return line
 
 
 def _run_build(args) -> int:
@@ -340,21 +362,7 @@ def _run_build(args) -> int:
     else:
         manifest = build(args.run, options, progress=not args.no_progress, overwrite=args.overwrite)
     for split, counts in manifest["splits"].items():
-        per_reply = counts["trained_replies"] / max(counts["examples"], 1)
-        repeats = "" if args.train_on == "last" or not counts["examples"] else (
-            f"; {counts['trained_replies']} replies trained: with --train-on all each record also trains its "
-            f"dialogue's earlier replies, so a reply is a target in {per_reply:.2f} records on average")
-        # with --truncation left a cut prompt loses its start: the profile prompt Bucket-SFT conditions on
-        why = ("--truncation turns keeps it" if args.truncation == "left" else
-               "it took over half of the prompt's share of --max-length")  # keep_system keeps it within half
-        # under keep the message opens with the conversation's own system text, the profile prompt after it
-        held = ("the conversation's own system text, then the profile prompt" if args.system == "keep" and
-                counts.get("source_system_prompts") else "the profile prompt")
-        lost = (f" ({counts['system_cut']} of them lost the start of their opening system message, which holds "
-                f"{held}; {why})" if counts.get("system_cut") else "")
-        print(f"{split}: {counts['examples']} examples, {counts['tokens']} tokens "
-              f"({counts['target_tokens']} trained on), {counts['truncated']} truncated to {args.max_length}"
-              f"{_cut_where(counts)}{lost}{repeats}")
+        print(_split_line(split, counts, args))
     check = manifest["tokenizer_check"]
     if check["checked"] and not check["differing"]:
         print(f"tokenizer: {check['reader']} gives the same ids as polyalign on {check['probes']} probe texts")
@@ -363,14 +371,17 @@ def _run_build(args) -> int:
     for warning in manifest["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
     train = manifest["splits"]["train"]
-    if args.truncation == "left" and train.get("system_cut", 0) > SYSTEM_CUT_WARNING * max(train["examples"], 1):
-        # the line above says it in passing; this many examples trained without their profile prompt is a warning
+    if train.get("system_cut", 0) > SYSTEM_CUT_WARNING * max(train["examples"], 1):
+        # the split's line says it in passing; this many examples trained without their profile prompt is a warning
+        fix = ("to --truncation left (the paper's reference recipe, the default; docs/model.md, System messages, "
+               "says why); --truncation turns keeps it where it takes at most half of the prompt's share of "
+               "--max-length (it drops the oldest whole turns instead, as generation does), or raise --max-length"
+               if args.truncation == "left" else
+               f"it takes over half of the prompt's share of --max-length, and --truncation {args.truncation} keeps it "
+               "only within half; raise --max-length or shorten the system prompt")
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
               f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message, the "
-              "profile prompt Bucket-SFT conditions on, to --truncation left (the paper's reference recipe, the "
-              "default; docs/model.md, System messages, says why); --truncation turns keeps it and drops the "
-              "oldest whole turns, as generation does, or raise --max-length",
-              file=sys.stderr)
+              f"profile prompt Bucket-SFT conditions on: {fix}", file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")

@@ -564,34 +564,48 @@ def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_ru
     from polyalign.cli import main
     from polyalign.inputs.pipeline import open_split
     from polyalign.inputs.show import TRAINED_CLOSE, TRAINED_OPEN
-    from polyalign.tokens.chat import get_template, record_messages
+    from polyalign.tokens.chat import encode_conversation, get_template, record_messages
 
     run, manifest = built_run
     tokenizer, template = demo_tokenizer[0], get_template(manifest["template"], demo_tokenizer[0])
     records = {r.id: r for r in read_records(run / "data" / "train.jsonl")}
     source = open_split(run, "train")
-    for index in (0, 1, len(source) - 1):
+    cut = 0
+    for index in (0, 1, 2, len(source) - 1):  # every demo example is over 64 tokens whole (a test at 192 shows one
+        # that is not: tests/test_training.py)
         example = source[index]
-        record_id = example["id"].decode() if isinstance(example["id"], bytes) else example["id"]
+        record_id = _id(example)
         assert main(["show", str(run), "--id", record_id, "--ids"]) == 0
         block = capsys.readouterr().out.strip().split("\n")
         ids, mask = np.asarray(example["input_ids"]), np.asarray(example["loss_mask"])
         assert block[0] == (f"== train example {index + 1} of {len(source)}: {record_id} (bucket "
                             f"{manifest['buckets'][int(example['bucket'])]}, weight {float(example['weight']):.3f}; "
-                            f"{len(ids)} tokens{', cut to --max-length by --truncation left' * (len(ids) == 64)}, "
-                            f"{int(mask.sum())} trained between {TRAINED_OPEN} {TRAINED_CLOSE})")
+                            f"{len(ids)} tokens, {int(mask.sum())} trained between {TRAINED_OPEN} {TRAINED_CLOSE})")
         assert block[-2:] == [f"ids: {' '.join(map(str, ids.tolist()))}", f"trained: {''.join(map(str, mask))}"]
-        text = "\n".join(block[1:-2])
+        # a line under the head says what the cut took: only where the record encodes to more than 64 tokens
+        whole = encode_conversation(template, tokenizer, record_messages(records[record_id], "context")).ids
+        said = block[1] if block[1].startswith("   cut to --max-length 64 by --truncation left: ") else None
+        assert (said is not None) == (len(whole) > 64)
+        text = "\n".join(block[1 + (said is not None):-2])
+        if said:  # the prompt lost its start where the example is not how the whole one begins; the reply its end
+            assert ("opens inside a turn" in said) == (whole[:len(ids)].tolist() != ids.tolist())
+            assert ("its reply cut short" in said) == (not text.endswith(f"<|im_end|>{TRAINED_CLOSE}"))
+            cut += 1
         plain = text.replace(TRAINED_OPEN, "").replace(TRAINED_CLOSE, "")
         assert plain == tokenizer.decode(ids.tolist())
         record = records[record_id]
         assert plain.strip() in template.render(record_messages(record, "context"))
         assert text.count(TRAINED_OPEN) == 1 and text.endswith(TRAINED_CLOSE)
         assert text[text.index(TRAINED_OPEN) + 1:-1].strip() in f"{record.response}<|im_end|>"
+    assert cut == 4
     assert main(["show", str(run), "--limit", "2", "--split", "val"]) == 0
     assert capsys.readouterr().out.count("== val example ") == 2
     assert main(["show", str(run), "--id", "no-such-record"]) == 2
     assert "no train example of record 'no-such-record'" in capsys.readouterr().err
+
+
+def _id(example) -> str:
+    return example["id"].decode() if isinstance(example["id"], bytes) else example["id"]
 
 
 def test_show_marks_a_span_inside_a_sentence_without_losing_its_space(demo_tokenizer):

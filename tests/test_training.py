@@ -88,7 +88,7 @@ def test_a_build_with_turns_truncation_stores_whole_turn_cuts_and_says_where_cut
     tokenizer = demo_tokenizer[0]
     assert main(["build", str(run), "--tokenizer", str(tokenizer.path.parent), "--max-length", "192",
                  "--truncation", "turns", "--no-progress"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     manifest = json.loads((run / "build" / "manifest.json").read_text())
     records = {r.id: r for r in read_records(run / "data" / "train.jsonl")}
     source = pipeline.open_split(run, "train")
@@ -105,12 +105,47 @@ def test_a_build_with_turns_truncation_stores_whole_turn_cuts_and_says_where_cut
     train = manifest["splits"]["train"]
     dropped = sum(e.turns_dropped > 0 for e in encoded.values())
     inside = sum(e.mid_turn for e in encoded.values())
-    assert (train["turns_dropped"], train["mid_turn"]) == (dropped, inside) and dropped > 20 and inside > 0
-    assert f"{train['truncated']} truncated to 192 ({dropped} lost whole turns, {inside} open inside a turn" in out
+    replies = sum(e.reply_cut for e in encoded.values())
+    assert (train["turns_dropped"], train["mid_turn"], train["reply_cut"]) == (dropped, inside, replies)
+    assert dropped > 20 and inside > 0 and replies > 0
+    # where the cut examples open, each one counted once; the replies cut; the system messages cut
+    assert (f"train: {len(records)} examples, {train['tokens']} tokens ({train['target_tokens']} trained on), "
+            f"{train['truncated']} truncated to 192 ({train['truncated'] - inside} open at a turn's start, {inside} "
+            f"inside a turn; {replies} replies cut short, trained without their end-of-turn token; "
+            f"{train['system_cut']} lost the start of their opening system message") in out
+    # over 5% of them: a warning that says why turns did not keep it
+    assert train["system_cut"] > 0.05 * len(records)
+    assert ("lost the start of their opening system message, the profile prompt Bucket-SFT conditions on: it takes "
+            "over half of the prompt's share of --max-length, and --truncation turns keeps it only within half; "
+            "raise --max-length or shorten the system prompt") in err
     left = [encode_conversation(get_template("polyalign"), tokenizer, record_messages(r, "context"), cutoff=192)
             for r in records.values()]
     assert train["system_cut"] < sum(e.system_cut for e in left) / 4
     assert "truncation turns" in out
+    # `show` says what the cut took from each example it cut, and nothing of one it left whole, whatever its
+    # length: the messages a turns cut dropped are those the example's text no longer holds
+    template = get_template("polyalign")
+    whole = {i: encode_conversation(template, tokenizer, record_messages(r, "context")) for i, r in records.items()}
+    chosen = [next(i for i, e in encoded.items() if e.turns_dropped and not e.mid_turn),
+              next(i for i, e in encoded.items() if e.mid_turn),
+              next(i for i, e in encoded.items() if not e.truncated and len(e.ids) < 192)]
+    chosen += [i for i, e in whole.items() if len(e.ids) == 192][:1]  # exactly as long as the cutoff: not cut
+    assert main(["show", str(run), *[f"--id={i}" for i in chosen]]) == 0
+    blocks = capsys.readouterr().out.strip().split("\n\n== ")
+    assert len(blocks) == len(chosen)
+    for record_id, block in zip(chosen, blocks):
+        lines = block.split("\n")
+        said = lines[1] if lines[1].startswith("   cut to --max-length 192 by --truncation turns: ") else None
+        assert (said is not None) == (len(whole[record_id].ids) > 192), (record_id, said)
+        if said is None:
+            continue
+        messages = record_messages(records[record_id], "context")
+        if encoded[record_id].mid_turn:  # cut inside the last question: everything before it went
+            dropped = max(i for i, m in enumerate(messages) if m.role == "user") - 1
+        else:  # the messages left between the system one and the reply
+            dropped = len(messages) - 2 - ("\n".join(lines[2:]).count("<|im_start|>") - 2)
+        assert (f"lost its {dropped} oldest of {len(messages) - 2} earlier messages" in said) == (dropped > 0)
+        assert ("opens inside a turn" in said) == encoded[record_id].mid_turn
 
 
 def test_build_weights_come_from_the_scheme_unless_overridden(built_run):

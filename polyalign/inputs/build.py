@@ -48,6 +48,7 @@ from polyalign.tokens.chat import (
     SYSTEM_MODES,
     TRAIN_ON,
     TRUNCATIONS,
+    Encoded,
     choose_template,
     encode_conversation,
     get_template,
@@ -73,9 +74,10 @@ SPLITS = ("train", "val")
 # lists them and its chat template refuses others).
 PROFILE_COUNT = "profile:"
 # Of the truncated examples: mid_turn, those whose prompt opens inside a turn (cut by tokens); turns_dropped,
-# those that lost whole turns (--truncation turns).
+# those that lost whole turns (--truncation turns); reply_cut, those whose reply lost its end (trained
+# without its end-of-turn token).
 STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
-             "mid_turn", "turns_dropped", "source_system_prompts", "system_turns_in_history")
+             "mid_turn", "turns_dropped", "reply_cut", "source_system_prompts", "system_turns_in_history")
 
 
 @dataclass(frozen=True)
@@ -290,15 +292,20 @@ class BucketTable:
         return self.weights.get(bucket, 1.0)  # buckets absent from train (val-only) count as 1
 
 
+def encode_for_build(record: Record, tokenizer, template, options: BuildOptions) -> tuple[list, Encoded]:
+    """A record's messages and its example's ids, mask and cut, as `options` build it."""
+    messages = record_messages(record, options.profile, system=options.system)
+    try:
+        return messages, encode_conversation(template, tokenizer, messages, train_on=options.train_on,
+                                             cutoff=options.max_length, truncation=options.truncation)
+    except ChatTemplateError as error:  # a template problem shows on the first record; say which one
+        raise ChatTemplateError(f"record {record.id} ({record.split}): {error}") from None
+
+
 def encode_record(record: Record, tokenizer, template, options: BuildOptions, table: BucketTable
                   ) -> tuple[str, dict[str, Any], Counter]:
     """(key, example, counts) for one record."""
-    messages = record_messages(record, options.profile, system=options.system)
-    try:
-        encoded = encode_conversation(template, tokenizer, messages, train_on=options.train_on,
-                                      cutoff=options.max_length, truncation=options.truncation)
-    except ChatTemplateError as error:  # a template problem shows on the first record; say which one
-        raise ChatTemplateError(f"record {record.id} ({record.split}): {error}") from None
+    messages, encoded = encode_for_build(record, tokenizer, template, options)
     mask = np.asarray(encoded.loss_mask, bool)
     # replies with loss in this example: one with --train-on last, every assistant turn left after the cut with all
     trained_replies = int(mask[0]) + int(np.count_nonzero(mask[1:] & ~mask[:-1])) if mask.size else 0
@@ -306,6 +313,7 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                      trained_replies=trained_replies, untrained=int(not mask.any()),
                      truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
                      mid_turn=int(encoded.mid_turn), turns_dropped=int(encoded.turns_dropped > 0),
+                     reply_cut=int(encoded.reply_cut),
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
     counts.update(f"{PROFILE_COUNT}{key}={getattr(record, field)}" for key, field in PROFILE_FIELDS.items())

@@ -1,19 +1,29 @@
 """`polyalign show RUN`: built examples as training reads them, decoded: the rendered conversation with
 the trained tokens (the loss mask) marked, the record's bucket and Bucket-SFT weight, and on request the
 token ids. What `build` stored is shown, not a second rendering of the record, so that what a user reads
-is what the model trains on."""
+is what the model trains on; only what a cut took is read off the record encoded again."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from polyalign.core.yaml_config import ConfigError
-from polyalign.inputs.build import build_tokenizer_path, read_manifest
+from polyalign.data.layout import split_files
+from polyalign.data.records import read_records
+from polyalign.inputs.build import (
+    LEGACY_SETTINGS,
+    BuildOptions,
+    build_tokenizer_path,
+    encode_for_build,
+    read_manifest,
+)
 from polyalign.inputs.pipeline import open_split
+from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer
 
 # Around each trained span: characters no chat template or corpus text here uses.
@@ -68,22 +78,47 @@ def show_examples(run: Path, split: str = "train", ids: Sequence[str] = (), limi
         indices = list(wanted.values())
     else:
         indices = list(range(min(limit, total)))
-    buckets, options = manifest["buckets"], manifest.get("options", {})
-    for index in indices:
-        example = source[index]
+    buckets = manifest["buckets"]
+    examples = [source[index] for index in indices]
+    cuts = _cuts(run, split, manifest, tokenizer, examples)
+    for index, example in zip(indices, examples):
         input_ids, mask = np.asarray(example["input_ids"]), np.asarray(example["loss_mask"])
         bucket = buckets[int(example["bucket"])]
-        # an example as long as the build's cut was (almost always) longer, and cut as --truncation says
-        cut = (f", cut to --max-length by --truncation {options.get('truncation', 'left')}"
-               if len(input_ids) >= options.get("max_length", float("inf")) else "")
         head = (f"== {split} example {index + 1} of {total}: {_text(example['id'])} (bucket {bucket}, weight "
-                f"{float(example['weight']):.3f}; {len(input_ids)} tokens{cut}, {int(mask.sum())} trained between "
+                f"{float(example['weight']):.3f}; {len(input_ids)} tokens, {int(mask.sum())} trained between "
                 f"{TRAINED_OPEN} {TRAINED_CLOSE})")
-        lines = [head, marked_text(tokenizer, input_ids, mask)]
+        lines = [head, *cuts.get(_text(example["id"]), []), marked_text(tokenizer, input_ids, mask)]
         if token_ids:
             lines += [f"ids: {' '.join(map(str, input_ids.tolist()))}",
                       f"trained: {''.join('1' if m else '0' for m in mask.tolist())}"]
         yield "\n".join(lines)
+
+
+def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: list[dict]) -> dict[str, list[str]]:
+    """What the build's cut took from each example that it cut, by record id: its record encoded again with
+    the build's options (the stored ids alone cannot tell a conversation that lost whole turns from one that
+    had no more). An example whose record encodes otherwise now gets no line (the build is checked to be
+    the current prepare's, so only an edited template would do that)."""
+    recorded = {**LEGACY_SETTINGS, **manifest["options"]}
+    options = BuildOptions(**{f.name: recorded[f.name] for f in fields(BuildOptions) if f.name in recorded})
+    template = get_template(manifest["template"], tokenizer)
+    wanted = {_text(example["id"]): example for example in examples}
+    records = {r.id: r for path in split_files(run, split) for r in read_records(path) if r.id in wanted}
+    said: dict[str, list[str]] = {}
+    for record_id, example in wanted.items():
+        if record_id not in records:
+            continue
+        messages, encoded = encode_for_build(records[record_id], tokenizer, template, options)
+        if not encoded.truncated or not np.array_equal(encoded.ids, np.asarray(example["input_ids"])):
+            continue
+        before = len(messages) - 1 - (messages[0].role == "system")  # the messages before the reply, system aside
+        took = ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages"] if encoded.turns_dropped
+                else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
+            (["lost the start of its opening system message"] if encoded.system_cut else []) + \
+            (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
+        said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "
+                           f"{', '.join(took)}"]
+    return said
 
 
 def _text(value: Any) -> str:

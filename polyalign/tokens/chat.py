@@ -58,8 +58,10 @@ class Encoded:
     system_cut: bool = False
     # the prompt kept opens inside a turn (a cut by tokens), not at a turn's start
     mid_turn: bool = False
-    # whole turns the prompt lost (truncation "turns")
+    # the messages before the reply that the prompt lost whole (truncation "turns"), oldest first
     turns_dropped: int = 0
+    # the reply lost its end (and its end-of-turn token) to the cut
+    reply_cut: bool = False
 
 
 # --- records to messages --------------------------------------------------------------------------
@@ -607,7 +609,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         raise ChatTemplateError("the conversation must end with the assistant response to learn")
     last = len(messages) - 1
     source_ids, source_mask, target_ids, target_mask = _prompt_and_answer(template, tokenizer, messages, train_on)
-    truncated = system_cut = mid_turn = False
+    truncated = system_cut = mid_turn = reply_cut = False
     dropped = 0
     if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
         keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
@@ -626,11 +628,11 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
         start = len(source_ids) - (keep_source - head)
         source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
-        target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
         truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
-        mid_turn = start > head
+        mid_turn, reply_cut = start > head, keep_target < len(target_mask)
+        target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
-                   truncated, system_cut, mid_turn, dropped)
+                   truncated, system_cut, mid_turn, dropped, reply_cut)
 
 
 def _prompt_and_answer(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], train_on: str
