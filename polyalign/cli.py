@@ -862,10 +862,10 @@ def _add_prompts(sub) -> None:
                    help="a seeded random N records of each bucket (kept in file order): the records "
                         "`polyalign generate --per-bucket N --seed S` answers")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample's and --per-bucket's subsets (default 0)")
-    p.add_argument("--max-prompt-tokens", type=int,
-                   help="cut prompts as `polyalign generate --max-prompt-tokens N` does (its default 512): each row "
-                        "gains prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt), and a longer "
-                        "conversation's messages and ids lose their oldest whole turns (default: whole prompts)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="cut prompts as `polyalign generate --max-prompt-tokens N` does (default 512, generate's): a "
+                        "longer conversation's messages and ids lose their oldest whole turns; each row holds "
+                        "prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt)")
     _budget_options(p, None, "each row's max_tokens, as `polyalign generate --max-new-tokens` budgets its answer "
                              "(default: none in the rows)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")

@@ -420,7 +420,6 @@ def test_a_share_above_nothing_never_reads_zero_percent():
 def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path):
     """A model polyalign trained from scratch records the longest sequence it trained on, through every
     run trained on from it; generate notes prompt and answer budgets past it, and how to keep within it."""
-    import dataclasses
 
     from polyalign.generate.run import GenerateOptions, past_trained_length
     from polyalign.model.export import longest_trained
@@ -434,16 +433,16 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     assert longest_trained(None, 128) == 128
     assert longest_trained(str(scratch), 128) == 256 and longest_trained(str(scratch), 512) == 512
     assert longest_trained(str(base), 128) is None
-    options = GenerateOptions(sampling=SamplingConfig(max_new_tokens=64))
-    assert past_trained_length(scratch, options, 64) == (
+    assert GenerateOptions(sampling=SamplingConfig(max_new_tokens=64)).max_prompt_tokens == 512  # generate's default
+    assert past_trained_length(scratch, 512, 64) == (
         f"{scratch} was trained from scratch on sequences of at most 256 tokens (polyalign_max_length in its "
         "tokenizer_config.json); --max-prompt-tokens 512 + --max-new-tokens 64 = 576 lets a long prompt and its "
         "answer run past them, into positions the model never learned: --max-prompt-tokens 192 keeps within them "
         "(a prompt cut shorter loses its opening system message where that takes over half of it)")
-    assert past_trained_length(scratch, dataclasses.replace(options, max_prompt_tokens=192), 64) is None
-    assert past_trained_length(base, options, 64) is None
+    assert past_trained_length(scratch, 192, 64) is None
+    assert past_trained_length(base, 512, 64) is None
     # --max-new-tokens auto: the largest per-bucket budget counts, not the ceiling; a short prompt budget stays
-    assert past_trained_length(scratch, dataclasses.replace(options, max_prompt_tokens=100), 300, True).endswith(
+    assert past_trained_length(scratch, 100, 300, True).endswith(
         "--max-prompt-tokens 100 + the largest per-bucket budget 300 = 400 lets a long prompt and its answer run "
         "past them, into positions the model never learned: --max-prompt-tokens 100 and --budget-ceiling 156 keep "
         "within them (a prompt cut shorter loses its opening system message where that takes over half of it)")

@@ -135,7 +135,7 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
     """`polyalign prompts` writes what `generate` would render; an engine's answers joined by id make
     pairs as polyalign's own predictions do."""
     from polyalign.generate.selection import select_records
-    from polyalign.tokens.chat import get_template, record_messages
+    from polyalign.tokens.chat import cut_prompt, get_template, record_messages
 
     run, _, _ = demo_run
     checkpoint = demo_tokenizer[0].path.parent  # a tokenizer folder is enough: no weights are read
@@ -148,11 +148,14 @@ def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_
     records = read_records(run / "data" / "val.jsonl")[:10]
     template = get_template("polyalign")
     for row, record in zip(rows, records):
+        # cut as generate cuts at its default budget (--max-prompt-tokens 512)
         messages = record_messages(record, "context", with_response=False)
+        cut = cut_prompt(template, demo_tokenizer[0], messages, 512)
         assert row["id"] == record.id and row["messages"][0]["role"] == "system"
-        assert row["messages"] == [{"role": m.role, "content": m.content} for m in messages]
-        assert row["prompt"] == template.render(messages, add_generation_prompt=True)
+        assert row["messages"] == [{"role": m.role, "content": m.content} for m in cut.messages]
+        assert row["prompt"] == template.render(cut.messages, add_generation_prompt=True)
         assert row["prompt"].endswith("<|im_start|>assistant\n")
+        assert row["prompt_token_ids"] == cut.ids.tolist() and len(cut.ids) <= 512
     # --sample takes the records `generate --sample` answers; asking for more than there are is said
     val, sampled = run / "data" / "val.jsonl", tmp_path / "sampled.jsonl"
     code, out, _ = cli(capsys, "prompts", "--records", val, "--checkpoint", checkpoint, "--out", sampled,

@@ -396,6 +396,22 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
                  str(tmp_path / "p.jsonl"), "--max-prompt-tokens", "30", "--max-new-tokens", "8"]) == 2
     assert f"--max-prompt-tokens 30 + --max-new-tokens 8 = 38 {limit}lower --max-prompt-tokens or --max-new-tokens" \
         in capsys.readouterr().err and not (tmp_path / "p.jsonl").exists()
+    # prompts for another engine are refused alike, and auto budgets' ceiling comes down as generate's does
+    # (prompts reads the checkpoint's tokenizer: the build's, beside its config.json)
+    shutil.copytree(ckpt, tmp_path / "with_tokenizer")
+    shutil.copytree(Path(json.loads((run / "build" / "manifest.json").read_text())["tokenizer"]),
+                    tmp_path / "with_tokenizer", dirs_exist_ok=True)
+    prompts = ["prompts", "--checkpoint", str(tmp_path / "with_tokenizer"), "--records",
+               str(run / "data" / "test.jsonl"), "--limit", "3"]
+    assert main([*prompts, "--out", str(tmp_path / "q.jsonl"), "--max-prompt-tokens", "30",
+                 "--max-new-tokens", "8"]) == 2
+    assert (f"--max-prompt-tokens 30 + --max-new-tokens 8 = 38 {limit}lower --max-prompt-tokens or --max-new-tokens"
+            .replace("/ckpt/", "/with_tokenizer/") in capsys.readouterr().err and not (tmp_path / "q.jsonl").exists())
+    assert main([*prompts, "--out", str(tmp_path / "q.jsonl"), "--max-prompt-tokens", "20", "--max-new-tokens",
+                 "auto", "--budget-records", str(run / "data" / "train.jsonl")]) == 0
+    assert ("--budget-ceiling 1024 lowered to 12: the model has 32 positions and --max-prompt-tokens takes 20"
+            in capsys.readouterr().out)
+    assert max(json.loads(line)["max_tokens"] for line in (tmp_path / "q.jsonl").open()) <= 12
     # --max-new-tokens auto: the budgets' ceiling comes down to the positions the prompt leaves, said
     from polyalign.generate.run import GenerateOptions, fitted_to_positions
     from polyalign.generate.sampling import SamplingConfig

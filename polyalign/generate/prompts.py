@@ -26,6 +26,7 @@ from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_reco
 from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets
+from polyalign.generate.run import answer_room, past_trained_length
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
 from polyalign.tokens.chat import (
@@ -52,6 +53,12 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
     if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
+    fitted: list[str] = []  # what was changed to fit the model's positions, as generate changes it
+    if max_prompt_tokens is not None and max_new_tokens is not None:
+        auto = max_new_tokens == "auto"
+        room, fitted = answer_room(checkpoint, max_prompt_tokens, budget_ceiling if auto else int(max_new_tokens),
+                                   budgeted=auto)
+        budget_ceiling = room if auto else budget_ceiling
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(records_path.resolve()), "profile": profile,
                 "template": template, "limit": limit,
                 # only when sampled, so that prompts written before --sample existed keep their settings
@@ -66,6 +73,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
         tokenizer = load_tokenizer(checkpoint)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed, per_bucket)
+        notes += fitted
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)
         say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)
@@ -74,6 +82,10 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         if max_new_tokens == "auto":
             budgets = bucket_budgets(read_records(budget_records), tokenizer.encode, budget_quantile, budget_margin,
                                      ceiling=budget_ceiling)
+        if max_prompt_tokens is not None and max_new_tokens is not None:
+            past = past_trained_length(checkpoint, max_prompt_tokens, budgets.fallback if budgets is not None
+                                       else int(max_new_tokens), budgeted=budgets is not None)
+            notes += [past] if past else []
         cut = Counter()
         with out.open("w", encoding="utf-8") as handle:
             for record in records:

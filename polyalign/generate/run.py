@@ -117,44 +117,51 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
 
 def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateOptions, list[str]]:
     """`options` whose longest sequence (the prompt's tokens and the answer's) fits the checkpoint's
-    positions, with what was changed to fit: per-bucket budgets (`--max-new-tokens auto`) have their ceiling
-    lowered to the positions the prompt leaves (the budgets themselves are usually far below it); a fixed
-    --max-new-tokens past them is refused, since the user asked for that many."""
-    longest = options.max_prompt_tokens + options.sampling.max_new_tokens
+    positions, with what was changed to fit (`answer_room`)."""
+    room, fitted = answer_room(checkpoint, options.max_prompt_tokens, options.sampling.max_new_tokens,
+                               budgeted=options.budget_records is not None)
+    if room == options.sampling.max_new_tokens:
+        return options, fitted
+    return dataclasses.replace(options, sampling=dataclasses.replace(options.sampling, max_new_tokens=room)), fitted
+
+
+def answer_room(checkpoint, max_prompt_tokens: int, answers: int, budgeted: bool) -> tuple[int, list[str]]:
+    """The answer budget that fits the checkpoint's positions after a prompt of `max_prompt_tokens`, with
+    what was changed to fit: `answers` where it fits; per-bucket budgets' ceiling (`budgeted`: --max-new-tokens
+    auto) lowered to the positions the prompt leaves (the budgets themselves are usually far below it); a
+    fixed --max-new-tokens past them refused, since the user asked for that many."""
+    longest = max_prompt_tokens + answers
     limit = position_limit(str(checkpoint))
     if limit is None or longest <= limit:
-        return options, []
-    room = limit - options.max_prompt_tokens
-    if options.budget_records is not None and room > 0:
-        sampling = dataclasses.replace(options.sampling, max_new_tokens=room)
-        return dataclasses.replace(options, sampling=sampling), [
-            f"--budget-ceiling {options.sampling.max_new_tokens} lowered to {room}: the model has {limit} positions "
-            f"and --max-prompt-tokens takes {options.max_prompt_tokens}"]
-    what = (f"--max-prompt-tokens {options.max_prompt_tokens} + "
-            f"{'--budget-ceiling' if options.budget_records is not None else '--max-new-tokens'} "
-            f"{options.sampling.max_new_tokens} = {longest}")
+        return answers, []
+    room = limit - max_prompt_tokens
+    if budgeted and room > 0:
+        return room, [f"--budget-ceiling {answers} lowered to {room}: the model has {limit} positions and "
+                      f"--max-prompt-tokens takes {max_prompt_tokens}"]
+    what = (f"--max-prompt-tokens {max_prompt_tokens} + {'--budget-ceiling' if budgeted else '--max-new-tokens'} "
+            f"{answers} = {longest}")
     raise GenerationError(longer_than_positions(str(checkpoint), longest, what,
                                                 "lower --max-prompt-tokens or --max-new-tokens"))
 
 
-def past_trained_length(checkpoint, options: GenerateOptions, answers: int, budgeted: bool = False) -> str | None:
+def past_trained_length(checkpoint, max_prompt_tokens: int, answers: int, budgeted: bool = False) -> str | None:
     """A note when the prompt budget and `answers` (--max-new-tokens, or with `budgeted` the largest
     per-bucket budget) reach past the longest sequence the checkpoint was trained on (a model polyalign
     trained from scratch records it): the positions there are ones it never learned, and answers degrade
     where long prompts take them. The budgets are the user's to change."""
     trained = trained_length(checkpoint)
-    longest = options.max_prompt_tokens + answers
+    longest = max_prompt_tokens + answers
     if trained is None or longest <= trained:
         return None
     what = f"the largest per-bucket budget {answers}" if budgeted else f"--max-new-tokens {answers}"
     if trained - answers >= trained // 2:
         fix = f"--max-prompt-tokens {trained - answers} keeps within them"
     else:
-        prompt = min(options.max_prompt_tokens, trained // 2)
+        prompt = min(max_prompt_tokens, trained // 2)
         fix = (f"--max-prompt-tokens {prompt} and {'--budget-ceiling' if budgeted else '--max-new-tokens'} "
                f"{trained - prompt} keep within them")
     return (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
-            f"its tokenizer_config.json); --max-prompt-tokens {options.max_prompt_tokens} + {what} = {longest} lets "
+            f"its tokenizer_config.json); --max-prompt-tokens {max_prompt_tokens} + {what} = {longest} lets "
             f"a long prompt and its answer run past them, into positions the model never learned: {fix} (a prompt "
             "cut shorter loses its opening system message where that takes over half of it)")
 
@@ -187,7 +194,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,
                                  options.budget_margin, ceiling=options.sampling.max_new_tokens)
-    past = past_trained_length(checkpoint, options, options.sampling.max_new_tokens if budgets is None
+    past = past_trained_length(checkpoint, options.max_prompt_tokens, options.sampling.max_new_tokens if budgets is None
                                else budgets.fallback, budgeted=budgets is not None)
     notes += [past] if past else []
     # each record as the checkpoint was trained to read it (its export's profile and system mode)
