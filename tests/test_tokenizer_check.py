@@ -99,11 +99,12 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
     assert "loaded with config.json's model_type qwen2) reads" in err and "pre-tokenizer" in err
     # transformers not installed (the README's install): transformers 5's Qwen2Tokenizer is emulated with the
     # tokenizers library, so the same warning comes; a tokenizer.json with Qwen2's own pre-tokenizer reads alike
-    emulated = "transformers 5's Qwen2Tokenizer (chosen by config.json's model_type qwen2), emulated"
+    emulated = ("transformers 5's Qwen2Tokenizer (chosen by config.json's model_type qwen2; emulated, since "
+                "transformers is not installed)")
     manifest, _, err = build_with(sample_data, json_tokenizer, tmp_path / "c", capsys, monkeypatch, None, checkpoint)
     check = manifest["tokenizer_check"]
     assert check["checked"] and check["differing"] > 0 and check["reader"].startswith(emulated), check
-    assert any(c.isdigit() for c in check["examples"][0]["text"]) and f"warning: {emulated}" in err
+    assert any(c.isdigit() for c in check["examples"][0]["text"]) and f"warning: {emulated} reads " in err
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
     from polyalign.inputs.tokenizer_check import QWEN2_PRETOKENIZE
@@ -115,7 +116,7 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     qwen_like.save(str(checkpoint / "tokenizer.json"))
     manifest, out, _ = build_with(sample_data, json_tokenizer, tmp_path / "d", capsys, monkeypatch, None, checkpoint)
-    assert manifest["tokenizer_check"]["differing"] == 0 and f"tokenizer: {emulated}" in out
+    assert manifest["tokenizer_check"]["differing"] == 0 and f"tokenizer: {emulated} gives the same ids" in out
 
 
 def test_compare_encoders_names_the_first_difference():

@@ -98,8 +98,8 @@ def _without_transformers(model_type: str | None, json_file, install: str) -> tu
         pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return (lambda text: emulated.encode(text, add_special_tokens=False).ids), \
-        ("transformers 5's Qwen2Tokenizer (chosen by config.json's model_type qwen2), emulated: transformers is "
-         "not installed")
+        ("transformers 5's Qwen2Tokenizer (chosen by config.json's model_type qwen2; emulated, since transformers "
+         "is not installed)")
 
 
 def _auto_tokenizer(transformers, folder) -> tuple[Encode | None, str]:
