@@ -120,6 +120,20 @@ def test_the_exported_chat_template_renders_what_training_rendered(sentencepiece
     assert "| steps | 2 |" in card
 
 
+def test_the_card_says_the_one_track_the_training_data_held():
+    """A build whose data config set `track: multi` on every source held no `single` example, and the exported
+    template refuses a value training never held: the card says to name `multi` for every turn instead of
+    how polyalign labels tracks; with both tracks held it says how they are labelled."""
+    from polyalign.model.export import model_card
+
+    held = {"family": ["dialogue"], "style": ["task_dialogue"]}
+    one = model_card({}, get_template("polyalign"), "context", values={**held, "track": ["multi"]})
+    assert ('`track` was `multi` in every training example (a data source set it): pass track="multi" for every '
+            "turn, the first question's too") in one and "`single` for its first question" not in one
+    both = model_card({}, get_template("polyalign"), "context", values={**held, "track": ["multi", "single"]})
+    assert "`track` is `multi` when the conversation has an earlier user or assistant turn" in both
+
+
 @pytest.mark.parametrize("profile", ["context", "oracle", "none"])
 def test_the_exported_template_refuses_the_profiles_serve_refuses_and_changes_nothing_else(demo_run, profile):
     """For every set of template variables (each subset of the profile keys, each value one the training

@@ -195,10 +195,8 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
     if keys:
         prompt += (". It refuses a profile named in part" + (", or with a value the training data did not hold (the "
                                                               "values it held are listed below)" if values else "")
-                   + f". {_profile_coverage(card)}; without the variables the template writes none. `track` is "
-                   "`multi` when the conversation has an earlier "
-                   "user or assistant turn and `single` for its first question (as polyalign labels conversations "
-                   "unless a data source sets it); `family` is the kind of interaction (assistant, qa, dialogue) "
+                   + f". {_profile_coverage(card)}; without the variables the template writes none. "
+                   + _track_words(values) + "; `family` is the kind of interaction (assistant, qa, dialogue) "
                    "and `style` the kind of answer, as the training data's buckets name them")
     seen = "".join(f"| {key} | {', '.join(values[key])} |\n" for key in keys if values and values.get(key))
     seen = f"\n## Profile values in the training data\n\n| variable | values |\n|---|---|\n{seen}" if seen else ""
@@ -206,6 +204,17 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
             f"| chat template | {template.name} |\n| profile | {profile} |\n| system messages | {system} |\n\n"
             "## Prompt format\n\nThe model was "
             f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n{seen}")
+
+
+def _track_words(values: dict[str, list[str]] | None) -> str:
+    """What the card says `track` is: how polyalign labels conversations, or, where the training data held
+    one track only (a data source set it), that one, which the template accepts whatever the turn."""
+    held = (values or {}).get("track") or []
+    if len(held) == 1:
+        return (f"`track` was `{held[0]}` in every training example (a data source set it): pass "
+                f"track=\"{held[0]}\" for every turn, the first question's too")
+    return ("`track` is `multi` when the conversation has an earlier user or assistant turn and `single` for its "
+            "first question (as polyalign labels conversations unless a data source sets it)")
 
 
 def profile_coverage(train: dict[str, Any], truncation: str) -> str | None:
