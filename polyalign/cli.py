@@ -389,6 +389,15 @@ def _run_build(args) -> int:
     return 0
 
 
+def _prompts_cut_line(cut: int, records: int, budget: int, inside: int, lost: int, who: str, kept: str) -> str:
+    """What --max-prompt-tokens took from the prompts over it (chat.cut_prompt), as generate and prompts say it."""
+    return (f"{cut} of {records} prompts were longer than --max-prompt-tokens {budget}: {who} lost their oldest whole "
+            "turns, the opening system message kept"
+            + (f"; {inside} still over with only the last question left: {kept}" if inside else "")
+            + (f"; {lost} of those lost their opening system message too, since it takes over half of "
+               "--max-prompt-tokens (a cut inside a turn keeps it only within half)" if lost else ""))
+
+
 def _add_show(sub) -> None:
     p = sub.add_parser("show", help="built examples as training reads them: the text, the trained tokens",
                        description="Decodes examples of RUN/build as `build` stored them: the rendered conversation "
@@ -771,12 +780,9 @@ def _run_generate(args) -> int:
           f"{summary['finish_reasons']['length']} hit the length limit): {summary['new_tokens']} new tokens in "
           f"{summary['seconds']} s{rate}")
     if summary["prompts_cut"]:
-        lost, inside = summary.get("prompts_cut_system_lost", 0), summary.get("prompts_cut_mid_turn", 0)
-        print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
-              f"{args.max_prompt_tokens}: they lost their oldest whole turns, their opening system message kept"
-              + (f"; {inside} still over with only the last question left kept its end" if inside else "")
-              + (f"; {lost} lost their opening system message (the profile prompt) too, which took over half of "
-                 "--max-prompt-tokens" if lost else ""))
+        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
+                                summary.get("prompts_cut_mid_turn", 0), summary.get("prompts_cut_system_lost", 0),
+                                "they", "their ids keep its end"))
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "
@@ -886,15 +892,11 @@ def _run_prompts(args) -> int:
         print(note)
     print(f"{summary['records']} prompts rendered with the {summary['template']} template, profile "
           f"{summary['profile']}, system messages {summary['system']}; stop generating at {', '.join(summary['stop'])}")
-    if args.max_prompt_tokens is not None:
-        over = (f"; {summary['messages_over_budget']} rows' messages stay over it with only the opening system "
-                "message and the last question left (their prompt_token_ids keep their end)"
-                if summary["messages_over_budget"] else "")
-        lost = (f"; {summary['prompts_cut_system_lost']} lost their opening system message too (over half of the "
-                "budget)" if summary["prompts_cut_system_lost"] else "")
-        print(f"{summary['prompts_cut']} of {summary['records']} prompts were longer than --max-prompt-tokens "
-              f"{args.max_prompt_tokens}: {summary['messages_turns_dropped']} rows' messages and prompt_token_ids lost "
-              f"their oldest whole turns, as generate cuts them{lost}{over}")
+    if summary["prompts_cut"]:
+        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
+                                summary["messages_over_budget"], summary["prompts_cut_system_lost"],
+                                f"{summary['messages_turns_dropped']} rows' messages and prompt_token_ids, as generate "
+                                "cuts them,", "their messages stay over it and their prompt_token_ids keep its end"))
     if budgets := summary.get("budgets"):
         print(f"max_tokens by bucket ({len(budgets)} buckets of {summary['budget_records']}): "
               f"{min(budgets.values())}-{max(budgets.values())} tokens, as generate --max-new-tokens auto budgets them")

@@ -280,10 +280,14 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
             earlier = max(i for i, m in enumerate(whole[:len(whole) - len(sent) + 1]) if m.role == "user" and i > 0)
             assert length([whole[0], *whole[earlier:]]) > budget
     assert cut > 10 and dropped > 5, (cut, dropped)
-    assert code == 0 and (f"{cut} of {len(records)} prompts were longer than --max-prompt-tokens {budget}: "
-                          f"{dropped} rows' messages and prompt_token_ids lost their oldest whole turns, as generate "
-                          "cuts them") in out
     summary = json.loads((tmp_path / "prompts.manifest.json").read_text())["summary"]
+    lost = summary["prompts_cut_system_lost"]
+    assert code == 0 and (f"{cut} of {len(records)} prompts were longer than --max-prompt-tokens {budget}: "
+                          f"{dropped} rows' messages and prompt_token_ids, as generate cuts them, lost their oldest "
+                          "whole turns, the opening system message kept"
+                          + (f"; {over} still over with only the last question left: their messages stay over it and "
+                             "their prompt_token_ids keep its end" if over else "")
+                          + (f"; {lost} of those lost their opening system message too" if lost else "")) in out
     assert (summary["prompts_cut"], summary["messages_turns_dropped"], summary["messages_over_budget"]) == (
         cut, dropped, over)
     assert all("max_tokens" not in row for row in rows)  # no answer budget asked for: none written
