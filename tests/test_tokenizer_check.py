@@ -105,6 +105,13 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
     check = manifest["tokenizer_check"]
     assert check["checked"] and check["differing"] > 0 and check["reader"].startswith(emulated), check
     assert any(c.isdigit() for c in check["examples"][0]["text"]) and f"warning: {emulated} reads " in err
+    # the prompts made from that checkpoint for an engine say it too, where an engine would read them
+    prompts = ["prompts", "--checkpoint", str(checkpoint), "--records", str(sample_data / "test.jsonl")]
+    assert main([*prompts, "--out", str(tmp_path / "p.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {emulated} reads {checkpoint} with other ids than polyalign on " in out
+    assert ("an engine given these rows' `prompt` or `messages` reads other ids than their prompt_token_ids "
+            "(polyalign's, training's): give it prompt_token_ids") in out
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
     from polyalign.inputs.tokenizer_check import QWEN2_PRETOKENIZE
@@ -117,6 +124,8 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
     qwen_like.save(str(checkpoint / "tokenizer.json"))
     manifest, out, _ = build_with(sample_data, json_tokenizer, tmp_path / "d", capsys, monkeypatch, None, checkpoint)
     assert manifest["tokenizer_check"]["differing"] == 0 and f"tokenizer: {emulated} gives the same ids" in out
+    assert main([*prompts, "--out", str(tmp_path / "q.jsonl")]) == 0
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_compare_encoders_names_the_first_difference():

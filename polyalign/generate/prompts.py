@@ -26,8 +26,9 @@ from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_reco
 from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets
-from polyalign.generate.run import answer_room, past_trained_length
+from polyalign.generate.run import answer_room, past_trained_length, say_tokenizer_reading
 from polyalign.generate.selection import select_records
+from polyalign.inputs.tokenizer_check import PROMPTS_CONSEQUENCE
 from polyalign.model.architecture import checkpoint_family
 from polyalign.tokens.chat import (
     PROFILE_MODES,
@@ -74,6 +75,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         tokenizer = load_tokenizer(checkpoint)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed, per_bucket)
         notes += fitted
+        say_tokenizer_reading(checkpoint, tokenizer, records, PROMPTS_CONSEQUENCE, notes)
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)
         say_unseen_profile_values(tokenizer, records, profile, str(checkpoint), notes)
         name = choose_template(tokenizer, template, checkpoint_family(checkpoint), str(checkpoint), notes)

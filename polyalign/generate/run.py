@@ -11,7 +11,7 @@ from pathlib import Path
 
 from polyalign.core.errors import GenerationError
 from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
-from polyalign.core.paths import checkpoint_identity, file_digest, recorded_path
+from polyalign.core.paths import checkpoint_identity, file_digest, is_uri, recorded_path
 from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
@@ -19,6 +19,7 @@ from polyalign.generate.engine import Engine, EngineConfig, Request, request_see
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
 from polyalign.generate.selection import select_records
 from polyalign.generate.settings import asked_for, checkpoint_sampling, describe_sampling
+from polyalign.inputs.tokenizer_check import GENERATE_CONSEQUENCE, check_folder, probe_texts, spread_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit
@@ -177,6 +178,16 @@ def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[st
                      "they do (`generate` takes the file's other settings that are not given)")
 
 
+def say_tokenizer_reading(checkpoint, tokenizer, records, consequence: str, notes: list[str]) -> None:
+    """A warning where transformers (vLLM, SGLang) reads the checkpoint's tokenizer with other ids than
+    polyalign on the records' own texts: the training and export checks said so before, this says it where
+    the answers or prompts are made."""
+    if is_uri(str(checkpoint)):
+        return
+    warning = check_folder(checkpoint, tokenizer, probe_texts(spread_records(records)), consequence)
+    notes += [f"warning: {warning}"] if warning else []
+
+
 def _generate_predictions(checkpoint, records_path: Path, out: Path, options: GenerateOptions, settings: dict,
                           progress: bool, fitted: list[str]) -> dict:
     started = time.perf_counter()
@@ -190,6 +201,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                      max_sequence=options.max_prompt_tokens + options.sampling.max_new_tokens), options.dtype, notes)
     name = options.model_name or run_name(checkpoint)
     say_checkpoint_sampling(checkpoint, options.sampling, notes)
+    say_tokenizer_reading(checkpoint, tokenizer, records, GENERATE_CONSEQUENCE, notes)
     budgets = None
     if options.budget_records is not None:
         budgets = bucket_budgets(read_records(options.budget_records), tokenizer.encode, options.budget_quantile,

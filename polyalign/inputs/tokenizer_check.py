@@ -129,6 +129,10 @@ BUILD_CONSEQUENCE = ("a model trained on this build sees other ids at inference 
                      "(RUN/build/manifest.json, tokenizer_check)")
 INIT_CONSEQUENCE = ("training on these pairs teaches the model polyalign's ids, and it reads others where "
                     "transformers, vLLM or SGLang load it")
+GENERATE_CONSEQUENCE = ("these answers come from polyalign's ids; transformers, vLLM or SGLang given the same "
+                        "conversations read others")
+PROMPTS_CONSEQUENCE = ("an engine given these rows' `prompt` or `messages` reads other ids than their "
+                       "prompt_token_ids (polyalign's, training's): give it prompt_token_ids")
 EXPORT_CONSEQUENCE = ("the model was trained on polyalign's ids and reads others where transformers, vLLM or SGLang "
                       "load this folder (OUT/summary.json, tokenizer_check; the model card says so)")
 
@@ -166,14 +170,22 @@ def check_tokenizer(tokenizer, template, profile: str, records: Sequence, tokeni
     return compare_encoders(tokenizer.encode, theirs, reader, probe_texts(records), tokenizer_name)
 
 
-def check_init(folder, tokenizer, texts: Sequence[str]) -> str | None:
-    """A preference run's check of its init folder as transformers loads it, before any step: the warning
-    where the ids differ; None where they agree or transformers cannot read it (the export's check says
-    why afterwards)."""
+def check_folder(folder, tokenizer, texts: Sequence[str], consequence: str = INIT_CONSEQUENCE) -> str | None:
+    """A checkpoint folder read as transformers loads it, against polyalign's reading, before it is used (a
+    preference run's init, a generation's checkpoint): the warning where the ids differ; None where they
+    agree, where transformers cannot read it, or where the folder has no config.json (the tokenizer folder
+    of a build, which no engine loads as a model)."""
+    if not (Path(str(folder)) / "config.json").is_file():
+        return None
     theirs, reader = folder_encoder(folder)
     if theirs is None:
         return None
-    return compare_encoders(tokenizer.encode, theirs, reader, texts, str(folder), INIT_CONSEQUENCE)[1]
+    return compare_encoders(tokenizer.encode, theirs, reader, texts, str(folder), consequence)[1]
+
+
+def spread_records(records: Sequence, count: int = PROBE_RECORDS) -> list:
+    """`count` records spread evenly over `records`: the probe set of a file of them."""
+    return list(records[::max(1, len(records) // count)])[:count]
 
 
 def check_export(folder, tokenizer, texts: Sequence[str],
@@ -211,6 +223,6 @@ def card_section(entry: dict[str, Any]) -> str:
 
 def pair_texts(pairs: Sequence[dict], count: int = PROBE_RECORDS) -> list[str]:
     """Probe texts of `count` preference pairs spread evenly over them: each one's record and both answers."""
-    chosen = list(pairs[::max(1, len(pairs) // count)])[:count]
+    chosen = spread_records(pairs, count)
     answers = (pair[side][:PROBE_CHARS] for pair in chosen for side in ("chosen", "rejected") if pair[side])
     return list(dict.fromkeys([*probe_texts([Record.from_json(pair["record"]) for pair in chosen]), *answers]))

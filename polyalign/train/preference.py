@@ -30,7 +30,7 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
-from polyalign.inputs.tokenizer_check import check_export, check_init, pair_texts
+from polyalign.inputs.tokenizer_check import check_export, check_folder, pair_texts
 from polyalign.model import export
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
@@ -260,9 +260,9 @@ def tokenizer_note(config: PreferenceConfig, tokenizer, pairs: list[dict]) -> st
     any step: the same check the export gets afterwards (inputs/tokenizer_check.py). Process 0 only; nothing
     when transformers is missing or the init is no local Hugging Face folder."""
     init = Path(str(config.init))
-    if jax.process_index() != 0 or is_uri(str(config.init)) or not (init / "config.json").is_file():
+    if jax.process_index() != 0 or is_uri(str(config.init)):
         return None
-    warning = check_init(init, tokenizer, pair_texts(pairs))
+    warning = check_folder(init, tokenizer, pair_texts(pairs))
     return None if warning is None else f"warning: {warning}"
 
 
