@@ -116,7 +116,7 @@ HOME_IMPORTS = {
     "reports": {"core", "data", "features"},
     "evaluate": {"core", "data", "features", "generate", "model", "reports", "tokens"},
     "train": {"core", "data", "features", "generate", "inputs", "mesh", "model", "pairs", "tokens"},
-    "beam": {"core", "data", "inputs", "tokens"},
+    "beam": {"core", "data", "inputs", "model", "tokens"},
 }
 # The face: the only modules outside a home, free to import any.
 FACE = {"polyalign", "polyalign.cli", "polyalign.demo"}

@@ -815,8 +815,8 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     against the pairs encoded whole), that an init not trained with polyalign's profile prompt gets one, and
     transformers' reading of the init's tokenizer where it differs from polyalign's."""
     from polyalign.data.records import Record
-    from polyalign.inputs import tokenizer_check
     from polyalign.inputs.pair_rows import tokenise_pairs
+    from polyalign.model import tokenizer_check
     from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
     from polyalign.train import preference
     from polyalign.train.config import PreferenceConfig

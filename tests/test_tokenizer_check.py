@@ -12,7 +12,7 @@ import zipfile
 import pytest
 
 from polyalign.cli import main
-from polyalign.inputs.tokenizer_check import compare_encoders, probe_texts
+from polyalign.model.tokenizer_check import compare_encoders, probe_texts
 from tests.conftest import DEMO_DATA, first_records
 from tests.transformers_stand_in import stand_in_transformers
 
@@ -114,7 +114,7 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
             "(polyalign's, training's): give it prompt_token_ids") in out
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
-    from polyalign.inputs.tokenizer_check import QWEN2_PRETOKENIZE
+    from polyalign.model.tokenizer_check import QWEN2_PRETOKENIZE
 
     qwen_like = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     qwen_like.normalizer = normalizers.NFC()
@@ -147,9 +147,9 @@ def test_compare_encoders_names_the_first_difference():
 def test_training_checks_its_export_as_transformers_loads_it(json_tokenizer, tmp_path, monkeypatch):
     """The build cannot know the config.json an export of a model trained from a preset carries (its
     model_type picks transformers' tokenizer class); training checks the exported folder itself."""
-    from polyalign.inputs.tokenizer_check import EXPORT_CONSEQUENCE, check_export
     from polyalign.model import create_model
     from polyalign.model.export import export_checkpoint
+    from polyalign.model.tokenizer_check import EXPORT_CONSEQUENCE, check_export
     from polyalign.tokens.chat import get_template
     from tests.conftest import tiny_model_config
 
@@ -187,7 +187,7 @@ def test_training_checks_its_export_as_transformers_loads_it(json_tokenizer, tmp
 
 
 def test_pair_texts_spread_over_the_pairs_and_hold_both_answers():
-    from polyalign.inputs.tokenizer_check import pair_texts
+    from polyalign.train.preference import pair_texts
 
     turns = [t["utterance"] for dialogue in CAMREST for t in dialogue["turns"]]
     record = {"id": "r", "dataset": "camrest676", "split": "train", "language": "en", "track": "single",

@@ -38,7 +38,7 @@ from polyalign.inputs.build import (
     write_dataset,
     write_manifest,
 )
-from polyalign.inputs.tokenizer_check import check_tokenizer
+from polyalign.model.tokenizer_check import check_tokenizer
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer
 

@@ -28,8 +28,8 @@ from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets
 from polyalign.generate.run import answer_room, past_trained_length, say_tokenizer_reading
 from polyalign.generate.selection import select_records
-from polyalign.inputs.tokenizer_check import PROMPTS_CONSEQUENCE
 from polyalign.model.architecture import checkpoint_family
+from polyalign.model.tokenizer_check import PROMPTS_CONSEQUENCE
 from polyalign.tokens.chat import (
     PROFILE_MODES,
     choose_template,

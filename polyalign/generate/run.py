@@ -19,10 +19,10 @@ from polyalign.generate.engine import Engine, EngineConfig, Request, request_see
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
 from polyalign.generate.selection import select_records
 from polyalign.generate.settings import asked_for, checkpoint_sampling, describe_sampling
-from polyalign.inputs.tokenizer_check import GENERATE_CONSEQUENCE, check_folder, probe_texts, spread_records
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit
+from polyalign.model.tokenizer_check import GENERATE_CONSEQUENCE, check_folder, probe_texts, spread_records
 from polyalign.tokens.chat import (
     choose_template,
     cut_prompt,

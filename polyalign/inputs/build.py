@@ -40,8 +40,8 @@ from polyalign.data.bucketing import (
 )
 from polyalign.data.layout import split_files
 from polyalign.data.records import Record, read_records
-from polyalign.inputs.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.model.architecture import checkpoint_family
+from polyalign.model.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.tokens.chat import (
     CHECKPOINT_TEMPLATE,
     PROFILE_MODES,
@@ -348,7 +348,7 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
     manifest = {
         "dataset": str(dataset_dir(run)),
         "tokenizer": str(tokenizer_path.resolve()),
-        # transformers' reading of the tokenizer against polyalign's on probe records (inputs/tokenizer_check.py)
+        # transformers' reading of the tokenizer against polyalign's on probe records (model/tokenizer_check.py)
         "tokenizer_check": tokenizer_check or {"checked": False, "reason": "not checked"},
         "vocab_size": tokenizer.vocab_size,
         "pad_id": tokenizer.pad_id,

@@ -30,11 +30,18 @@ from polyalign.inputs.pair_rows import (
     tokenise_pairs,
     train_pair_batches,
 )
-from polyalign.inputs.tokenizer_check import check_export, check_folder, pair_texts
 from polyalign.model import export
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.lora import base_model
+from polyalign.model.tokenizer_check import (
+    PROBE_CHARS,
+    PROBE_RECORDS,
+    check_export,
+    check_folder,
+    probe_texts,
+    spread_records,
+)
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template, profile_prompt
 from polyalign.tokens.profile_template import PROFILE_FIELDS, seen_profile_values
@@ -255,9 +262,16 @@ def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
             "profile=none trains on the pairs' own prompts")
 
 
+def pair_texts(pairs: list[dict], count: int = PROBE_RECORDS) -> list[str]:
+    """Probe texts of `count` preference pairs spread evenly over them: each one's record and both answers."""
+    chosen = spread_records(pairs, count)
+    answers = (pair[side][:PROBE_CHARS] for pair in chosen for side in ("chosen", "rejected") if pair[side])
+    return list(dict.fromkeys([*probe_texts([Record.from_json(pair["record"]) for pair in chosen]), *answers]))
+
+
 def tokenizer_note(config: PreferenceConfig, tokenizer, pairs: list[dict]) -> str | None:
     """transformers' reading of the init checkpoint's tokenizer against polyalign's, on the pairs, before
-    any step: the same check the export gets afterwards (inputs/tokenizer_check.py). Process 0 only; nothing
+    any step: the same check the export gets afterwards (model/tokenizer_check.py). Process 0 only; nothing
     when transformers is missing or the init is no local Hugging Face folder."""
     init = Path(str(config.init))
     if jax.process_index() != 0 or is_uri(str(config.init)):

@@ -18,11 +18,11 @@ from polyalign.core.paths import as_path, file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
 from polyalign.inputs.build import build_tokenizer_path, probe_records, read_manifest, rebuild_command
-from polyalign.inputs.tokenizer_check import check_export, probe_texts
 from polyalign.model import create_model, export
 from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.presets import preset
+from polyalign.model.tokenizer_check import check_export, probe_texts
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.profile_template import seen_profile_values
 from polyalign.tokens.tokenizer import load_tokenizer

@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 
-from polyalign.data.records import Record
 from polyalign.model.export import tokenizer_files
 from polyalign.tokens.tokenizer import TOKENIZERS_FILE
 from polyalign.tokens.tokenizer_training import record_texts
@@ -219,10 +218,3 @@ def card_section(entry: dict[str, Any]) -> str:
                 f"token {first['first_difference']}). Loaded with transformers, vLLM or SGLang, this model reads "
                 "other ids than it was trained on.")
     return f"\n## Tokenizer check\n\n{body}\n"
-
-
-def pair_texts(pairs: Sequence[dict], count: int = PROBE_RECORDS) -> list[str]:
-    """Probe texts of `count` preference pairs spread evenly over them: each one's record and both answers."""
-    chosen = spread_records(pairs, count)
-    answers = (pair[side][:PROBE_CHARS] for pair in chosen for side in ("chosen", "rejected") if pair[side])
-    return list(dict.fromkeys([*probe_texts([Record.from_json(pair["record"]) for pair in chosen]), *answers]))
