@@ -409,3 +409,40 @@ def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_naming_the_ones_
     assert "chat template 'llama3' (the llama family's" in capsys.readouterr().err and not out.exists()
     assert main([*args, "--out", str(out), "--template", "qwen"]) == 0
     assert json.loads(out.read_text().splitlines()[0])["prompt"].startswith("<|im_start|>system")
+
+
+@pytest.mark.parametrize("truncation", ["left", "keep_system"])
+def test_a_cut_never_trains_an_earlier_reply_from_its_middle(demo_run, demo_tokenizer, truncation):
+    """--train-on all trains every assistant turn kept; a cut by tokens that opens inside an earlier reply
+    would train its tail without its start or header. On real multi-turn records at cutoffs that cut inside
+    earlier turns, the example is the whole one's head and latest tokens (METHOD's rule), and every trained
+    span of it begins where a reply begins in the whole conversation."""
+    from polyalign.data.records import read_records
+    from polyalign.tokens.chat import system_head
+
+    run, _, _ = demo_run
+    tokenizer, template = demo_tokenizer[0], get_template("polyalign")
+    records = [r for r in read_records(run / "data" / "val.jsonl") if len(r.history) >= 4][:60]
+    opened_inside = 0
+    for record in records:
+        messages = record_messages(record, "context")
+        whole = encode_conversation(template, tokenizer, messages, train_on="all")
+        mask = whole.loss_mask
+        starts = {i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])}
+        source = max(starts)  # the final reply's first token
+        for cutoff in (len(whole.ids) // 2, len(whole.ids) // 3):
+            keep_source, keep_target = truncation_lengths(source, len(whole.ids) - source, cutoff)
+            head = 0 if truncation == "left" else system_head(template, tokenizer, messages,
+                                                              whole.ids[:source].tolist(), keep_source)
+            start = source - (keep_source - head)
+            cut = encode_conversation(template, tokenizer, messages, train_on="all", cutoff=cutoff,
+                                      truncation=truncation)
+            np.testing.assert_array_equal(cut.ids, np.concatenate(
+                [whole.ids[:head], whole.ids[start:source], whole.ids[source:source + keep_target]]))
+            opened_inside += bool(mask[start] and start not in starts)
+            for i in range(head, len(cut.ids)):
+                if cut.loss_mask[i] and (i == head or not cut.loss_mask[i - 1]):
+                    assert start + i - head in starts, (record.id, cutoff, i)
+                if cut.loss_mask[i]:  # and what is trained is trained in the whole conversation too
+                    assert mask[start + i - head]
+    assert opened_inside > 5, opened_inside  # the cuts did open inside earlier replies

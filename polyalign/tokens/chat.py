@@ -627,6 +627,11 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
                 keep_target = min(len(target_ids), cutoff - keep_source)
         head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
         start = len(source_ids) - (keep_source - head)
+        # an earlier reply the cut opened inside (train_on all) is not trained: it would teach a reply from its middle
+        end = start
+        while 0 < end < len(source_mask) and source_mask[end] and source_mask[end - 1]:
+            end += 1
+        source_mask = source_mask[:start] + [False] * (end - start) + source_mask[end:]
         source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
         truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
         mid_turn, reply_cut = start > head, keep_target < len(target_mask)
