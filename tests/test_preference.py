@@ -809,6 +809,33 @@ def test_round_two_says_which_pairs_it_left_out_and_why(demo_run, tmp_path, monk
             in capsys.readouterr().out)
 
 
+def test_a_preference_run_notes_pairs_cut_otherwise_than_its_sft_stage(tmp_path):
+    """data.dir's build cut its SFT examples to another length or by another truncation than this run cuts
+    pairs: a note naming both and the settings that cut alike; an init trained from scratch on shorter
+    sequences than data.max_length: a note naming its length. Nothing where they agree."""
+    import dataclasses
+
+    from polyalign.train.config import PreferenceConfig
+    from polyalign.train.preference import cut_unlike_sft_notes
+
+    run, init = tmp_path / "run", tmp_path / "sft" / "model"
+    (run / "build").mkdir(parents=True)
+    init.mkdir(parents=True)
+    (run / "build" / "manifest.json").write_text(json.dumps({"options": {"max_length": 192, "truncation": "turns"}}))
+    (init / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 192}))
+    config = PreferenceConfig(method="dpo", init=str(init))
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, dir=str(run)))
+    assert config.data.max_length == 256 and config.truncation == "left"  # the defaults
+    assert cut_unlike_sft_notes(config) == [
+        f"note: {run}'s build cut its SFT examples to 192 tokens by --truncation turns; this run cuts pairs to "
+        "data.max_length 256 by truncation=left: give data.max_length=192 truncation=turns to cut them alike",
+        f"note: {init} was trained from scratch on sequences of at most 192 tokens (polyalign_max_length in its "
+        "tokenizer_config.json): data.max_length 256 lets pairs reach positions it never learned; "
+        "data.max_length=192 keeps within them"]
+    alike = dataclasses.replace(config, truncation="turns", data=dataclasses.replace(config.data, max_length=192))
+    assert cut_unlike_sft_notes(alike) == []
+
+
 def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_steps(demo_run, demo_tokenizer,
                                                                                       monkeypatch, tmp_path):
     """The notes under a preference run's start line: how many training pairs data.max_length cuts (counted

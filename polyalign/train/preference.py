@@ -8,6 +8,7 @@ sum w l / sum w (pair weights), lambda_dist * mean R and gamma_ftx * mean anchor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from polyalign.model.tokenizer_check import (
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template, profile_prompt
 from polyalign.tokens.profile_template import PROFILE_FIELDS, seen_profile_values
-from polyalign.tokens.tokenizer import load_tokenizer
+from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, load_tokenizer, trained_length
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
@@ -250,6 +251,27 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
             + "; a larger data.max_length keeps more")
 
 
+def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
+    """Notes where pairs are cut otherwise than the SFT stage before them cut its examples: data.dir's build
+    (another --max-length or --truncation than data.max_length and truncation here), and an init trained
+    from scratch on shorter sequences than data.max_length (positions it never learned)."""
+    notes = []
+    built = Path(str(config.data.dir)) / "build" / "manifest.json" if config.data.dir else None
+    if built is not None and not is_uri(str(built)) and built.is_file():
+        options = json.loads(built.read_text(encoding="utf-8")).get("options", {})
+        length, cut = options.get("max_length"), options.get("truncation", "left")
+        if (length, cut) != (config.data.max_length, config.truncation):
+            notes.append(f"note: {config.data.dir}'s build cut its SFT examples to {length} tokens by --truncation "
+                         f"{cut}; this run cuts pairs to data.max_length {config.data.max_length} by truncation="
+                         f"{config.truncation}: give data.max_length={length} truncation={cut} to cut them alike")
+    trained = None if is_uri(str(config.init)) else trained_length(config.init)
+    if trained is not None and config.data.max_length > trained:
+        notes.append(f"note: {config.init} was trained from scratch on sequences of at most {trained} tokens "
+                     f"({MAX_LENGTH_KEY} in its tokenizer_config.json): data.max_length {config.data.max_length} lets "
+                     f"pairs reach positions it never learned; data.max_length={trained} keeps within them")
+    return notes
+
+
 def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
     """Said when the init checkpoint was not trained with polyalign's profile prompt (a user's own model)
     and this run adds one: the trained model then expects it wherever it is served."""
@@ -307,7 +329,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets,
                                   config.truncation)
     notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation),
-             profile_note(config, tokenizer, train_pairs[0]), tokenizer_note(config, tokenizer, train_pairs)]
+             *cut_unlike_sft_notes(config), profile_note(config, tokenizer, train_pairs[0]),
+             tokenizer_note(config, tokenizer, train_pairs)]
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
             reference_logps(base_model(model), train_examples + val_examples, max_length, tokenizer.pad_id,
