@@ -334,13 +334,11 @@ def _split_line(split: str, counts: dict, args) -> str:
     if replies:
         parts.append(f"{replies} replies cut short, trained without their end-of-turn token")
     if counts.get("system_cut"):
-        # under keep the message opens with the conversation's own system text, the profile prompt after it
-        held = ("the conversation's own system text, then the profile prompt" if args.system == "keep" and
-                counts.get("source_system_prompts") else "the profile prompt")
-        why = ("--truncation turns keeps it" if args.truncation == "left" else  # within half of the prompt's share
-               "it took over half of the prompt's share of --max-length")
-        parts.append(f"{counts['system_cut']} lost the start of their opening system message, which holds {held}; "
-                     f"{why}")
+        # under keep the message opens with the conversation's own system text, where it has one
+        held = ("the profile prompt, after the conversation's own system text where it has one"
+                if args.system == "keep" and counts.get("source_system_prompts") else "the profile prompt")
+        parts.append(f"{counts['system_cut']} lost their opening system message, whole or in part, which holds "
+                     f"{held}: {SYSTEM_CUT_WHY[args.truncation]}")
     if parts:
         line += f" ({'; '.join(parts)})"
     if args.train_on != "last" and counts["examples"]:
@@ -373,15 +371,20 @@ def _run_build(args) -> int:
     train = manifest["splits"]["train"]
     if train.get("system_cut", 0) > SYSTEM_CUT_WARNING * max(train["examples"], 1):
         # the split's line says it in passing; this many examples trained without their profile prompt is a warning
-        fix = ("to --truncation left (the paper's reference recipe, the default; docs/model.md, System messages, "
-               "says why); --truncation turns keeps it where it takes at most half of the prompt's share of "
-               "--max-length (it drops the oldest whole turns instead, as generation does), or raise --max-length"
-               if args.truncation == "left" else
-               f"it takes over half of the prompt's share of --max-length, and --truncation {args.truncation} keeps it "
-               "only within half; raise --max-length or shorten the system prompt")
+        fix = {"left": "--truncation left (the paper's reference recipe, the default; docs/model.md, System "
+                       "messages, says why) cuts it first; --truncation turns keeps it unless an example's last "
+                       "question alone is over the prompt's share (it drops the oldest whole turns instead, as "
+                       "generation does), or raise --max-length",
+               "keep_system": "it takes over half of the prompt's share of --max-length, which keep_system keeps "
+                              "it within; --truncation turns keeps it whatever its length where whole turns fit, "
+                              "or raise --max-length",
+               "turns": "their last question alone is over the prompt's share of --max-length, and a cut inside "
+                        "it keeps the system message only within half of the share; raise --max-length"}
+        own = (" (--system replace leaves the conversations' own system text out of it)" if args.system == "keep"
+               and train.get("source_system_prompts") else "")
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
-              f"({train['system_cut'] / train['examples']:.0%}) lost the start of their opening system message, the "
-              f"profile prompt Bucket-SFT conditions on: {fix}", file=sys.stderr)
+              f"({train['system_cut'] / train['examples']:.0%}) lost their opening system message, whole or in part, "
+              f"the profile prompt Bucket-SFT conditions on: {fix[args.truncation]}{own}", file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")
@@ -425,6 +428,11 @@ def _run_show(args) -> int:
 
 
 SYSTEM_CUT_WARNING = 0.05  # the share of train examples losing their profile prompt that build warns about
+# Why a cut example lost its opening system message, by --truncation (chat.encode_conversation).
+SYSTEM_CUT_WHY = {"left": "--truncation turns keeps it unless the last question alone is over the prompt's share",
+                  "keep_system": "it took over half of the prompt's share of --max-length",
+                  "turns": "the last question alone was over the prompt's share, and a cut inside it keeps the "
+                           "system message only within half of the share"}
 
 
 def _budget(text: str) -> int | str:
@@ -781,8 +789,8 @@ def _run_generate(args) -> int:
           f"{summary['seconds']} s{rate}")
     if summary["prompts_cut"]:
         print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
-                                summary.get("prompts_cut_mid_turn", 0), summary.get("prompts_cut_system_lost", 0),
-                                "they", "their ids keep its end"))
+                                summary["prompts_cut_mid_turn"], summary["prompts_cut_system_lost"],
+                                f"{summary['prompts_cut_turns_dropped']}", "their ids keep its end"))
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "

@@ -867,8 +867,9 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     kept = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "keep_system")
     lost = sum(e["system_cut"] for e in cut)
     assert lost > 0 and sum(e["system_cut"] for e in kept) < lost
-    assert note.endswith(f"; {lost} of them lose the start of their opening system message (truncation=turns "
-                         "keeps it); a larger data.max_length keeps more")
+    assert note.endswith(f"; {lost} of them lose their opening system message, whole or in part (truncation=turns "
+                         "keeps it unless the last question alone is over the prompt's share); a larger "
+                         "data.max_length keeps more")
     for before, after in zip(whole, kept):
         if after["truncated"] and not after["system_cut"]:  # the prompt's first tokens are the whole pair's
             assert list(after["chosen_ids"][:16]) == list(before["chosen_ids"][:16])

@@ -240,9 +240,10 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                "empty_at_budget": sum(1 for row in rows
                                       if not row["prediction"] and row["finish_reason"] == FINISH_LENGTH),
                "prompts_cut": sum(p.cut for p in prompts),  # oldest whole turns dropped (chat.py cut_prompt)
-               # of them, the ones still over with the last question alone (cut inside it, keeping its end), and
-               # those whose opening system message went too (over half of --max-prompt-tokens)
+               # of them, the ones still over with the last question alone (cut inside it, keeping its end), those
+               # that lost whole turns, and those whose opening system message went too (over half the budget)
                "prompts_cut_mid_turn": sum(p.mid_turn for p in prompts),
+               "prompts_cut_turns_dropped": sum(p.cut and p.messages != m for p, m in zip(prompts, messages)),
                "prompts_cut_system_lost": sum(p.system_lost for p in prompts),
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],

@@ -114,7 +114,7 @@ def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: 
         before = len(messages) - 1 - (messages[0].role == "system")  # the messages before the reply, system aside
         took = ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages"] if encoded.turns_dropped
                 else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
-            (["lost the start of its opening system message"] if encoded.system_cut else []) + \
+            (["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
             (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
         said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "
                            f"{', '.join(took)}"]

@@ -245,9 +245,10 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
            "turns": "by its oldest whole turns (its opening system message kept)"}[truncation]
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
-            + (f"; {lost} of them lose the start of their opening system message"
-               + (" (truncation=turns keeps it)" if truncation == "left" else
-                  " (it takes over half of the prompt's share)") if lost else "")
+            + (f"; {lost} of them lose their opening system message, whole or in part ("
+               + {"left": "truncation=turns keeps it unless the last question alone is over the prompt's share",
+                  "keep_system": "it takes over half of the prompt's share",
+                  "turns": "the last question alone is over the prompt's share"}[truncation] + ")" if lost else "")
             + "; a larger data.max_length keeps more")
 
 
