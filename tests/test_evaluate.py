@@ -1140,14 +1140,22 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
     assert sampled["max_new_tokens"] == "auto" and greedy["max_new_tokens"] == 128
     assert predictions("external", None) is None
     assert [decoding_text(d) for d in (greedy, sampled, None)] == [
-        "greedy", "temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05",
+        "greedy, answers up to 128 tokens",
+        "temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05, answers up to their bucket's budget",
         "not recorded (answers not from polyalign generate)"]
     assert "min_p" not in greedy
     assert decoding_text({"temperature": 0.0, "frequency_penalty": 0.5}) == "greedy, frequency_penalty 0.5"
     runs = {name: {"config": {"decoding": d, "profile": ["context"], "compat": "cjk"}, "alignment": {"evaluated": 9},
                    "metrics": {"mauve": {"status": "skipped"}}} for name, d in (("a", greedy), ("b", sampled))}
-    assert ("decoding: greedy | temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05"
-            in differing_settings(runs))
+    assert ("decoding: greedy, answers up to 128 tokens | temperature 0.7, top_p 0.8, top_k 20, repetition_penalty "
+            "1.05, answers up to their bucket's budget" in differing_settings(runs))
+    # one model's answers to prompts cut at 128 and at 512 tokens: another condition, named where they differ
+    short, long = (predictions(f"p{n}", {"sampling": {"max_new_tokens": 48, "temperature": 0.0},
+                                         "max_prompt_tokens": n}) for n in (128, 512))
+    runs = {name: {**run, "config": {**run["config"], "decoding": d}} for (name, run), d in zip(runs.items(),
+                                                                                                  (short, long))}
+    assert ("decoding: greedy, prompts cut to 128 tokens, answers up to 48 tokens | greedy, prompts cut to 512 "
+            "tokens, answers up to 48 tokens" in differing_settings(runs))
 
 
 def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals_are_apart():
