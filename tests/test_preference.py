@@ -563,6 +563,8 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
     assert f"| pairs | {(tmp_path / 'train.jsonl').resolve()} |" in card and f"| method | {method} |" in card
     # the profile values its pairs held (the init, made on the spot, names none of its own)
     pairs = [json.loads(line)["record"] for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    # and in how many training pairs the profile prompt stood whole, as an SFT card says of its examples
+    assert re.search(rf"The profile prompt was whole in (all {len(pairs)}|\d+ of {len(pairs)}) training pairs", card)
     config = json.loads((out / "model" / "tokenizer_config.json").read_text())
     assert config["polyalign_profile_values"] == {key: sorted({p[key] for p in pairs}) for key in ("family", "track",
                                                                                                   "style")}

@@ -381,8 +381,9 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
     train = manifest["splits"]["train"]
     assert train["system_cut"] > 0 and (
         f"The profile prompt was whole in {train['examples'] - train['system_cut']} of {train['examples']} training "
-        f"examples; {train['system_cut']} lost its start to --truncation left (long conversations cut to fit), so the "
-        "model also read conversations without it; without the variables the template writes none.") in card
+        f"examples; {train['system_cut']} lost it, whole or in part, to --truncation left (long conversations cut to "
+        "fit), so the model also read conversations without it; without the variables the template writes "
+        "none.") in card
     # the export read back as transformers loads it: polyalign's SentencePiece model as tokenizer.json, the same ids
     check = json.loads((tmp_path / "resumed" / "summary.json").read_text())["tokenizer_check"]
     assert check["checked"] and check["differing"] == 0 and check["probes"] > 100, check

@@ -217,15 +217,17 @@ def _track_words(values: dict[str, list[str]] | None) -> str:
             "first question (as polyalign labels conversations unless a data source sets it)")
 
 
-def profile_coverage(train: dict[str, Any], truncation: str) -> str | None:
-    """The card's words for a build's train split (RUN/build/manifest.json): in how many examples the profile
-    prompt stood whole, and how many lost its start to truncation."""
+def profile_coverage(train: dict[str, Any], truncation: str, unit: str = "training examples",
+                     option: str = "--truncation ") -> str | None:
+    """The card's words for a build's train split (RUN/build/manifest.json), or a preference run's pairs (with
+    `unit` and `option` theirs): in how many the profile prompt stood whole, and how many lost it, whole or
+    in part, to truncation."""
     examples, cut = train.get("examples"), train.get("system_cut")
     if not examples or cut is None:
         return None
     if not cut:
-        return f"whole in all {examples} training examples"
-    return (f"whole in {examples - cut} of {examples} training examples; {cut} lost its start to --truncation "
+        return f"whole in all {examples} {unit}"
+    return (f"whole in {examples - cut} of {examples} {unit}; {cut} lost it, whole or in part, to {option}"
             f"{truncation} (long conversations cut to fit), so the model also read conversations without it")
 
 

@@ -363,9 +363,13 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         # the values the pairs held and those the policy's SFT data held (its export says them)
         pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
+        # in how many training pairs the profile prompt stood whole (either side cut counts), as SFT's card says
+        cut = {"examples": len(train_examples), "system_cut": sum(bool(e["system_cut"]) for e in train_examples)}
+        coverage = export.profile_coverage(cut, config.truncation, "training pairs", "truncation=")
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template,
                                         config.profile, tokenizer.system_mode,
-                                        seen_profile_values(config.profile, pair_values, tokenizer.profile_values))
+                                        seen_profile_values(config.profile, pair_values, tokenizer.profile_values),
+                                        None if config.profile == "none" else coverage)
         return {**written, **check_export(written["model"], tokenizer, pair_texts(train_pairs))}
 
     return Job(model, PreferenceObjective(config, len(buckets)), batches,
