@@ -1087,7 +1087,7 @@ def _run_report(args) -> int:
 
     summary = compare(args.evals, args.out, overwrite=args.overwrite, allow_different_data=args.allow_different_data)
     if summary["models_differ_in"]:
-        print(f"the models were trained with other {'; '.join(summary['models_differ_in'])}")
+        print(f"the models were trained differently: {'; '.join(summary['models_differ_in'])}")
     if summary["unequal_settings"]:
         print(f"note: the runs differ in {'; '.join(summary['differing'])}")
     if summary["other_data"] and not args.allow_different_data:

@@ -617,7 +617,8 @@ def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_ru
     assert main(["show", str(run), "--limit", "2", "--split", "val"]) == 0
     assert capsys.readouterr().out.count("== val example ") == 2
     assert main(["show", str(run), "--id", "no-such-record"]) == 2
-    assert "no train example of record 'no-such-record'" in capsys.readouterr().err
+    assert ("no train example of record 'no-such-record' (build keeps the train and val splits: --split val reads "
+            "the val split") in capsys.readouterr().err
 
 
 def _id(example) -> str:

@@ -695,3 +695,17 @@ def test_an_abbreviated_or_misspelt_option_is_refused_naming_the_one_meant(capsy
         with pytest.raises(SystemExit):
             main(argv)
         assert capsys.readouterr().err.rstrip().endswith(f"unrecognized arguments: {said}")
+
+
+def test_a_build_option_given_to_an_sft_run_is_pointed_at_the_build():
+    """`train sft truncation=turns` (and the build's other rendering flags): an SFT run trains on a build, so
+    the refusal names `polyalign build`'s flag instead of the nearest config key ('train' for truncation)."""
+    from polyalign.core.yaml_config import BUILD_FLAGS
+
+    for key, flag in BUILD_FLAGS.items():
+        with pytest.raises(ConfigError) as caught:
+            load_config(CONFIGS["sft"], [f"{key}=x"], method="sft")
+        assert str(caught.value) == (f"override {key}=x: unknown key {key!r}: SFT examples are rendered and cut when "
+                                     f"they are built (`polyalign build RUN {flag} ...`); an SFT run trains on the "
+                                     "build data.dir names")
+    assert load_config(CONFIGS["hdpo"], ["truncation=turns"], method="hdpo").truncation == "turns"  # its own key

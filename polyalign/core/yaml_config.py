@@ -47,6 +47,11 @@ OTHER_TRAINERS_NAMES = {
     "lora_r": "rank", "r": "rank", "lora_alpha": "alpha"}
 
 
+# Settings of how SFT examples are built, which an SFT config cannot hold: `polyalign build`'s flags.
+BUILD_FLAGS = {"truncation": "--truncation", "train_on": "--train-on", "system": "--system",
+               "template": "--template", "tokenizer": "--tokenizer"}
+
+
 def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str = "",
                         nested: Sequence[str] = ()) -> str:
     """`where: unknown key 'k'` with the nearest known key, else the known ones. Keys that all begin with
@@ -58,6 +63,9 @@ def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str 
     close = [alias] if alias in known else list(nested) or [
         stems[c] for c in difflib.get_close_matches(key.removeprefix(prefix), list(stems), n=1, cutoff=0.5)]
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f" (known: {', '.join(known)})"
+    if key in BUILD_FLAGS and not nested:
+        hint = (f": SFT examples are rendered and cut when they are built (`polyalign build RUN {BUILD_FLAGS[key]} "
+                "...`); an SFT run trains on the build data.dir names")
     return f"{where}: unknown key {key!r}{hint}"
 
 

@@ -1,5 +1,6 @@
 """Answers that need no model, reported beside every model as reference rows: a reader sees at once
-whether a model beats echoing the question, quoting the first sentence of the context, or saying nothing
+whether a model beats echoing the question, quoting the first sentence of the context (of the question
+where there is none), or saying nothing
 (several numbers read an empty answer kindly: F1 gives it 1 against an empty human answer, TDM about
 half marks; a model below the empty answer's aggregate has not yet beaten silence)."""
 

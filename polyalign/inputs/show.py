@@ -73,8 +73,10 @@ def show_examples(run: Path, split: str = "train", ids: Sequence[str] = (), limi
                 wanted[record_id] = index
         missing = [record_id for record_id, index in wanted.items() if index is None]
         if missing:
+            other = "val" if split == "train" else "train"
             raise ConfigError(f"{run}: no {split} example of record {missing[0]!r} (build keeps the train and val "
-                              "splits; record ids are in RUN/data/SPLIT.jsonl)")
+                              f"splits: --split {other} reads the {other} split; record ids are in "
+                              "RUN/data/SPLIT.jsonl)")
         indices = list(wanted.values())
     else:
         indices = list(range(min(limit, total)))

@@ -38,13 +38,24 @@ def probe_texts(records: Sequence) -> list[str]:
     return [text[:PROBE_CHARS] for text in dict.fromkeys(record_texts(records)) if text]
 
 
+def _transformers():
+    """The transformers module, or None where it is not installed (it is no dependency; the check says so).
+    Its advice at import ("PyTorch was not found...": only its tokenizers are used here) is silenced: it was
+    printed into the middle of a build's output."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        import transformers  # optional: see above
+    except ImportError:
+        return None
+    return transformers
+
+
 def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | None, str]:
     """transformers' AutoTokenizer on the tokenizer files an export of this build ships (what users and
     serving engines load), as text -> ids without special tokens added; (None, why) when transformers is
     not installed or cannot load them. The second element names the reader."""
-    try:
-        import transformers  # optional: transformers is no dependency; without it the check says so
-    except ImportError:
+    transformers = _transformers()
+    if transformers is None:
         checkpoint_config = tokenizer.path.parent / "config.json"
         model_type = _model_type(checkpoint_config) if checkpoint_config.is_file() else None
         return _without_transformers(model_type, tokenizer.path if tokenizer.path.name == TOKENIZERS_FILE else None,
@@ -65,9 +76,8 @@ def transformers_encoder(tokenizer, template, profile: str) -> tuple[Encode | No
 
 def folder_encoder(folder) -> tuple[Encode | None, str]:
     """transformers' AutoTokenizer on an exported model folder as it is (its config.json picks the class)."""
-    try:
-        import transformers  # optional, as in transformers_encoder
-    except ImportError:
+    transformers = _transformers()
+    if transformers is None:
         folder = Path(folder)
         model_type = _model_type(folder / "config.json") if (folder / "config.json").is_file() else None
         json_file = folder / TOKENIZERS_FILE

@@ -895,7 +895,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     trained_apart = [f"{name} ({' | '.join(values)})" for name, values in models.items()
                      if len(set(values) - {"—"}) > 1]
     if trained_apart:
-        warning += f"<p>The models were trained with other {html.escape('; '.join(trained_apart))}.</p>"
+        warning += f"<p>The models were trained differently: {html.escape('; '.join(trained_apart))}.</p>"
     for names in same_answers(runs):
         warning += (f"<p><b>{html.escape(' and '.join(names))} evaluated the same answers</b> (one predictions file's "
                     "contents): what differs between them is the evaluation's settings, not a model.</p>")
@@ -929,7 +929,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
-                *([f"The models were trained with other {'; '.join(trained_apart)}."] if trained_apart else []),
+                *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
                 "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]

@@ -8,7 +8,7 @@ from polyalign.core.scores import interval_text
 
 # What each no-model answer does, in words, for a reader told that it beats a model.
 BASELINE_WORDS = {"echo_question": "copying the question", "first_sentence": "quoting the first sentence of the "
-                  "context", "empty_answer": "saying nothing"}
+                  "context (of the question where there is none)", "empty_answer": "saying nothing"}
 # The numbers a model is held against the no-model answers on: its metrics' value and interval, the
 # reference row's key, and whether higher is better.
 HELD_AGAINST = (
