@@ -1179,7 +1179,7 @@ def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals
         "echo_question 0.2100 [0.180, 0.250] and first_sentence 0.1900 [0.170, 0.220] against the model's 0.0500 "
         "[0.030, 0.070]; on BNG macro, echo_question 2.0000 [1.900, 2.100] and empty_answer 2.2000 [2.199, 2.201] "
         "against the model's 2.6000 [2.400, 2.800]. It has not yet beaten copying the question, quoting the first "
-        "sentence of the context or saying nothing")
+        "sentence of the context (of the question where there is none) or saying nothing")
     # intervals that touch or cross are not said, whichever way the estimates point; no interval, nothing judged
     assert ahead_of_the_model(metrics((0.15, [0.10, 0.18]), (2.2, [1.8, 2.6]), rows)) is None
     assert ahead_of_the_model(metrics((0.05, None), (2.6, None), rows)) is None
