@@ -330,7 +330,8 @@ def _split_line(split: str, counts: dict, args) -> str:
     # end of its reply) or inside a turn; manifests before these counts say neither
     said = ([f"{counts['truncated'] - inside} open at a turn's start"] if inside is not None and
             counts["truncated"] > inside else []) + ([f"{inside} inside a turn"] if inside else [])
-    parts = [", ".join(said)] if said else []
+    parts = ([f"{counts['turns_dropped']} lost whole turns"] if counts.get("turns_dropped") else []) + (
+        [", ".join(said)] if said else [])
     if replies:
         parts.append(f"{replies} replies cut short, trained without their end-of-turn token")
     if counts.get("system_cut"):
@@ -372,14 +373,15 @@ def _run_build(args) -> int:
     if train.get("system_cut", 0) > SYSTEM_CUT_WARNING * max(train["examples"], 1):
         # the split's line says it in passing; this many examples trained without their profile prompt is a warning
         fix = {"left": "--truncation left (the paper's reference recipe, the default; docs/model.md, System "
-                       "messages, says why) cuts it first; --truncation turns keeps it unless an example's last "
-                       "question alone is over the prompt's share (it drops the oldest whole turns instead, as "
+                       "messages, says why) cuts it first; --truncation turns keeps it where it and an example's "
+                       "last question fit the prompt's share (it drops the oldest whole turns instead, as "
                        "generation does), or raise --max-length",
                "keep_system": "it takes over half of the prompt's share of --max-length, which keep_system keeps "
                               "it within; --truncation turns keeps it whatever its length where whole turns fit, "
                               "or raise --max-length",
-               "turns": "their last question alone is over the prompt's share of --max-length, and a cut inside "
-                        "it keeps the system message only within half of the share; raise --max-length"}
+               "turns": "it and their last question together are over the prompt's share of --max-length, and "
+                        "a cut inside a turn keeps the system message only within half of the share; raise "
+                        "--max-length"}
         own = (" (--system replace leaves the conversations' own system text out of it)" if args.system == "keep"
                and train.get("source_system_prompts") else "")
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
@@ -392,11 +394,12 @@ def _run_build(args) -> int:
     return 0
 
 
-def _prompts_cut_line(cut: int, records: int, budget: int, inside: int, lost: int, who: str, kept: str) -> str:
+def _prompts_cut_line(cut: int, records: int, budget: int, dropped: int, inside: int, lost: int, whose: str,
+                      kept: str) -> str:
     """What --max-prompt-tokens took from the prompts over it (chat.cut_prompt), as generate and prompts say it."""
-    return (f"{cut} of {records} prompts were longer than --max-prompt-tokens {budget}: {who} lost their oldest whole "
-            "turns, the opening system message kept"
-            + (f"; {inside} still over with only the last question left: {kept}" if inside else "")
+    said = ([f"{dropped} {whose}lost their oldest whole turns"] if dropped else []) + (
+        [f"{inside} still over with only the last question left: {kept}"] if inside else [])
+    return (f"{cut} of {records} prompts were longer than --max-prompt-tokens {budget}: {'; '.join(said)}"
             + (f"; {lost} of those lost their opening system message too, since it takes over half of "
                "--max-prompt-tokens (a cut inside a turn keeps it only within half)" if lost else ""))
 
@@ -429,10 +432,10 @@ def _run_show(args) -> int:
 
 SYSTEM_CUT_WARNING = 0.05  # the share of train examples losing their profile prompt that build warns about
 # Why a cut example lost its opening system message, by --truncation (chat.encode_conversation).
-SYSTEM_CUT_WHY = {"left": "--truncation turns keeps it unless the last question alone is over the prompt's share",
+SYSTEM_CUT_WHY = {"left": "--truncation turns keeps it where it and the last question fit the prompt's share",
                   "keep_system": "it took over half of the prompt's share of --max-length",
-                  "turns": "the last question alone was over the prompt's share, and a cut inside it keeps the "
-                           "system message only within half of the share"}
+                  "turns": "it and the last question together were over the prompt's share, and a cut inside a "
+                           "turn keeps the system message only within half of the share"}
 
 
 def _budget(text: str) -> int | str:
@@ -789,8 +792,8 @@ def _run_generate(args) -> int:
           f"{summary['seconds']} s{rate}")
     if summary["prompts_cut"]:
         print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
-                                summary["prompts_cut_mid_turn"], summary["prompts_cut_system_lost"],
-                                f"{summary['prompts_cut_turns_dropped']}", "their ids keep its end"))
+                                summary["prompts_cut_turns_dropped"], summary["prompts_cut_mid_turn"],
+                                summary["prompts_cut_system_lost"], "", "their ids keep its end"))
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "
@@ -902,9 +905,9 @@ def _run_prompts(args) -> int:
           f"{summary['profile']}, system messages {summary['system']}; stop generating at {', '.join(summary['stop'])}")
     if summary["prompts_cut"]:
         print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
-                                summary["messages_over_budget"], summary["prompts_cut_system_lost"],
-                                f"{summary['messages_turns_dropped']} rows' messages and prompt_token_ids, as generate "
-                                "cuts them,", "their messages stay over it and their prompt_token_ids keep its end"))
+                                summary["messages_turns_dropped"], summary["messages_over_budget"],
+                                summary["prompts_cut_system_lost"], "rows' messages and prompt_token_ids (as generate "
+                                "cuts them) ", "their messages stay over it and their prompt_token_ids keep its end"))
     if budgets := summary.get("budgets"):
         print(f"max_tokens by bucket ({len(budgets)} buckets of {summary['budget_records']}): "
               f"{min(budgets.values())}-{max(budgets.values())} tokens, as generate --max-new-tokens auto budgets them")

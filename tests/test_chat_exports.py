@@ -104,6 +104,14 @@ def test_rendering_equals_transformers_on_the_source_messages(case, export_run, 
     assert np.array_equal(both[0].ids, both[1].ids) and np.array_equal(both[0].loss_mask, both[1].loss_mask)
 
 
+def resumption(messages, user: int) -> int:
+    """Where a conversation resumed at user turn `user` begins: with the system messages just before it
+    (a mid-conversation instruction goes with the turn it precedes), after the opening one."""
+    while user - 1 > 0 and messages[user - 1].role == "system":
+        user -= 1
+    return user
+
+
 @pytest.mark.parametrize("name", ["qwen", "llama3", "gemma"])
 def test_a_cut_prompt_loses_whole_turns_and_keeps_its_system_message_in_every_template(name, export_run,
                                                                                       bpe_tokenizer):
@@ -126,15 +134,17 @@ def test_a_cut_prompt_loses_whole_turns_and_keeps_its_system_message_in_every_te
             ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, messages, budget)
             assert cut and len(ids) <= budget and kept[-1] == messages[-1]
             start = len(messages) - len(kept) + 1  # where the kept turns resume after the system message
-            assert kept == [messages[0], *messages[start:]] and messages[start].role == "user"
+            resumed = next(i for i in range(start, len(messages)) if messages[i].role != "system")
+            assert kept == [messages[0], *messages[start:]] and messages[resumed].role == "user"
+            assert start == 1 or start == resumption(messages, resumed)  # the system messages before it kept
             if not mid_turn:  # the kept messages rendered whole, and one turn more would not fit
                 assert ids.tolist() == prompt_ids(template, bpe_tokenizer, kept) and not lost
                 earlier = [i for i in users if 0 < i < start]
-                assert not earlier or len(prompt_ids(template, bpe_tokenizer,
-                                                     [messages[0], *messages[earlier[-1]:]])) > budget
+                assert not earlier or len(prompt_ids(template, bpe_tokenizer, [
+                    messages[0], *messages[resumption(messages, earlier[-1]):]])) > budget
                 whole_turns += 1
                 continue
-            assert start == users[-1]  # over with the last question alone
+            assert resumed == users[-1]  # over with the last question alone
             alone = prompt_ids(template, bpe_tokenizer, kept)
             head = system_head(template, bpe_tokenizer, kept, alone, budget)
             assert len(ids) == budget and lost == (head == 0)
@@ -179,18 +189,21 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
             start = 1 + cut.turns_dropped
             kept = [messages[0], *messages[start:]]
             if cut.mid_turn:  # only the last question was left, over the prompt's share
-                assert start == users[-1]
+                assert start == resumption(messages, users[-1])
                 assert len(encode_conversation(template, bpe_tokenizer, kept).ids) - len(answer) > keep_source
                 inside += 1
                 continue
-            assert cut.turns_dropped == 0 or messages[start].role == "user"
+            resumed = next(i for i in range(start, len(messages)) if messages[i].role != "system")
+            assert cut.turns_dropped == 0 or (messages[resumed].role == "user" and
+                                              start == resumption(messages, resumed))
             shorter = encode_conversation(template, bpe_tokenizer, kept, train_on="all")  # whole: no cut inside
             assert cut.ids.tolist() == shorter.ids[:len(cut.ids)].tolist()
             assert cut.loss_mask.tolist() == shorter.loss_mask[:len(cut.ids)].tolist()  # earlier answers trained
             assert len(shorter.ids) - len(answer) <= keep_source
             earlier = [i for i in users if 0 < i < start]
             if earlier:  # one turn more would not fit the prompt's share
-                longer = encode_conversation(template, bpe_tokenizer, [messages[0], *messages[earlier[-1]:]])
+                longer = encode_conversation(template, bpe_tokenizer,
+                                             [messages[0], *messages[resumption(messages, earlier[-1]):]])
                 assert len(longer.ids) - len(answer) > keep_source
             whole_turns += cut.turns_dropped > 0
     assert whole_turns >= 5 and inside >= 1, (whole_turns, inside)

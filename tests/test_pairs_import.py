@@ -283,8 +283,8 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
     summary = json.loads((tmp_path / "prompts.manifest.json").read_text())["summary"]
     lost = summary["prompts_cut_system_lost"]
     assert code == 0 and (f"{cut} of {len(records)} prompts were longer than --max-prompt-tokens {budget}: "
-                          f"{dropped} rows' messages and prompt_token_ids, as generate cuts them, lost their oldest "
-                          "whole turns, the opening system message kept"
+                          f"{dropped} rows' messages and prompt_token_ids (as generate cuts them) lost their oldest "
+                          "whole turns"
                           + (f"; {over} still over with only the last question left: their messages stay over it and "
                              "their prompt_token_ids keep its end" if over else "")
                           + (f"; {lost} of those lost their opening system message too" if lost else "")) in out

@@ -811,6 +811,39 @@ def test_round_two_says_which_pairs_it_left_out_and_why(demo_run, tmp_path, monk
             in capsys.readouterr().out)
 
 
+def test_both_sides_of_a_pair_cut_by_turns_answer_one_conversation(demo_run, demo_tokenizer):
+    """truncation=turns: a long answer leaves its prompt a smaller share than a short one, so cut alone the
+    two sides of a pair would keep other turns and DPO would compare answers to two conversations. Both lose
+    as many turns as the longer side: on real multi-turn records answered by their own reply and by the
+    longest reply of the split, at every cutoff where the sides alone would differ, the prompt tokens agree."""
+    from polyalign.data.records import Record, read_records
+    from polyalign.inputs.pair_rows import tokenise_pairs
+    from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
+
+    run, _, _ = demo_run
+    tokenizer, template = demo_tokenizer[0], get_template("polyalign")
+    records = read_records(run / "data" / "val.jsonl")
+    longest = max((r.response for r in records), key=len)
+    differed = 0
+    for record in [r for r in records if len(r.history) >= 6][:10]:
+        pair = {"id": record.id, "bucket_id": record.bucket_id, "record": record.to_json(),
+                "chosen": record.response, "rejected": longest}
+        prompt = record_messages(Record.from_json(pair["record"]), "context", with_response=False)
+        whole = len(encode_conversation(template, tokenizer, [*prompt, Message("assistant", longest)]).ids)
+        for cutoff in range(whole - 1, whole // 3, -max(whole // 12, 1)):
+            alone = [encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
+                                         cutoff=cutoff, truncation="turns") for side in ("chosen", "rejected")]
+            if alone[0].turns_dropped == alone[1].turns_dropped or any(e.mid_turn for e in alone):
+                continue
+            differed += 1
+            (example,) = tokenise_pairs([pair], tokenizer, template, "context", cutoff, [record.bucket_id], "turns")
+            first = [int(np.argmax(example[f"{side}_mask"])) for side in ("chosen", "rejected")]
+            assert first[0] == first[1] and list(example["chosen_ids"][:first[0]]) == list(
+                example["rejected_ids"][:first[1]]), (record.id, cutoff)
+            assert max(len(example["chosen_ids"]), len(example["rejected_ids"])) <= cutoff
+    assert differed >= 3, differed
+
+
 def test_a_preference_run_notes_pairs_cut_otherwise_than_its_sft_stage(tmp_path):
     """data.dir's build cut its SFT examples to another length or by another truncation than this run cuts
     pairs: a note naming both and the settings that cut alike; an init trained from scratch on shorter
@@ -836,6 +869,10 @@ def test_a_preference_run_notes_pairs_cut_otherwise_than_its_sft_stage(tmp_path)
         "data.max_length=192 keeps within them"]
     alike = dataclasses.replace(config, truncation="turns", data=dataclasses.replace(config.data, max_length=192))
     assert cut_unlike_sft_notes(alike) == []
+    # pairs shorter than the SFT examples are no mismatch (the defaults: a build at 512, pairs at 256)
+    (run / "build" / "manifest.json").write_text(json.dumps({"options": {"max_length": 512}}))
+    (init / "tokenizer_config.json").write_text("{}")
+    assert cut_unlike_sft_notes(config) == []
 
 
 def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_steps(demo_run, demo_tokenizer,
@@ -870,7 +907,7 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     lost = sum(e["system_cut"] for e in cut)
     assert lost > 0 and sum(e["system_cut"] for e in kept) < lost
     assert note.endswith(f"; {lost} of them lose their opening system message, whole or in part (truncation=turns "
-                         "keeps it unless the last question alone is over the prompt's share); a larger "
+                         "keeps it where it and the last question fit the prompt's share); a larger "
                          "data.max_length keeps more")
     for before, after in zip(whole, kept):
         if after["truncated"] and not after["system_cut"]:  # the prompt's first tokens are the whole pair's
@@ -878,15 +915,26 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
             assert len(after["chosen_ids"]) <= limit and len(after["rejected_ids"]) <= limit
     assert "the prompt after its opening system message" in preference.truncation_note(kept, "p.jsonl", limit,
                                                                                         "keep_system")
-    # truncation=turns drops the oldest whole turns instead, as generation does: each side is its pair's
-    # conversation encoded by encode_conversation with it, and keeps the system message as keep_system does
+    # truncation=turns drops the oldest whole turns instead, as generation does, as many from both sides as the
+    # side with the longer answer (the smaller prompt share) drops: both answer one conversation, whose
+    # prompt tokens are the same on both sides wherever neither was cut inside its last question
     turns = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "turns")
     assert sum(e["system_cut"] for e in turns) < lost
     for pair, example in zip(pairs, turns):
         prompt = record_messages(Record.from_json(pair["record"]), "context", with_response=False)
-        side = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair["chosen"])],
-                                   cutoff=limit, truncation="turns")
-        assert list(example["chosen_ids"]) == side.ids.tolist()
+        sides = {side: encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
+                                           cutoff=limit, truncation="turns") for side in ("chosen", "rejected")}
+        dropped = max(e.turns_dropped for e in sides.values())
+        kept = [prompt[0], *prompt[1 + dropped:]]
+        for side in ("chosen", "rejected"):
+            alike = encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
+                                        cutoff=limit, truncation="turns")
+            assert list(example[f"{side}_ids"]) == alike.ids.tolist() and not alike.turns_dropped
+            sides[side] = alike
+        if not any(e.mid_turn for e in sides.values()):
+            first = [int(np.argmax(example[f"{side}_mask"])) for side in ("chosen", "rejected")]
+            assert first[0] == first[1] and list(example["chosen_ids"][:first[0]]) == list(
+                example["rejected_ids"][:first[1]])
     assert "the prompt by its oldest whole turns (its opening system message kept)" in preference.truncation_note(
         turns, "p.jsonl", limit, "turns")
 

@@ -709,3 +709,7 @@ def test_a_build_option_given_to_an_sft_run_is_pointed_at_the_build():
                                      f"they are built (`polyalign build RUN {flag} ...`); an SFT run trains on the "
                                      "build data.dir names")
     assert load_config(CONFIGS["hdpo"], ["truncation=turns"], method="hdpo").truncation == "turns"  # its own key
+    for method in ("critic", "dpo"):  # they train on no build: no such pointer
+        with pytest.raises(ConfigError) as caught:
+            load_config(CONFIGS[method], ["template=x"], method=method)
+        assert "polyalign build" not in str(caught.value)

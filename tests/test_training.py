@@ -110,15 +110,15 @@ def test_a_build_with_turns_truncation_stores_whole_turn_cuts_and_says_where_cut
     assert dropped > 20 and inside > 0 and replies > 0
     # where the cut examples open, each one counted once; the replies cut; the system messages cut
     assert (f"train: {len(records)} examples, {train['tokens']} tokens ({train['target_tokens']} trained on), "
-            f"{train['truncated']} truncated to 192 ({train['truncated'] - inside} open at a turn's start, {inside} "
-            f"inside a turn; {replies} replies cut short, trained without their end-of-turn token; "
-            f"{train['system_cut']} lost their opening system message, whole or in part, which holds the profile "
-            "prompt: the last question alone was over the prompt's share") in out
+            f"{train['truncated']} truncated to 192 ({dropped} lost whole turns; {train['truncated'] - inside} open at "
+            f"a turn's start, {inside} inside a turn; {replies} replies cut short, trained without their end-of-turn "
+            f"token; {train['system_cut']} lost their opening system message, whole or in part, which holds the "
+            "profile prompt: it and the last question together were over the prompt's share") in out
     # over 5% of them: a warning that says why turns did not keep it
     assert train["system_cut"] > 0.05 * len(records)
     assert ("lost their opening system message, whole or in part, the profile prompt Bucket-SFT conditions on: "
-            "their last question alone is over the prompt's share of --max-length, and a cut inside it keeps the "
-            "system message only within half of the share; raise --max-length") in err
+            "it and their last question together are over the prompt's share of --max-length, and a cut inside a "
+            "turn keeps the system message only within half of the share; raise --max-length") in err
     left = [encode_conversation(get_template("polyalign"), tokenizer, record_messages(r, "context"), cutoff=192)
             for r in records.values()]
     assert train["system_cut"] < sum(e.system_cut for e in left) / 4

@@ -53,17 +53,19 @@ BUILD_FLAGS = {"truncation": "--truncation", "train_on": "--train-on", "system":
 
 
 def unknown_key_message(key: str, known: Sequence[str], where: str, prefix: str = "",
-                        nested: Sequence[str] = ()) -> str:
+                        nested: Sequence[str] = (), built: bool = False) -> str:
     """`where: unknown key 'k'` with the nearest known key, else the known ones. Keys that all begin with
     `prefix` are compared without it, which would make every key look close to every other. `nested`:
     the config's dotted keys, from its root, that end in `key` (or in its name in other trainers), meant
-    when a key is given without its section or in another (`lr=1e-3`, `train.lr` for optimizer.lr)."""
+    when a key is given without its section or in another (`lr=1e-3`, `train.lr` for optimizer.lr). `built`:
+    the config trains on a build (its class says BUILD_SETTINGS), so a build's flag given to it is pointed
+    at `polyalign build`."""
     alias = OTHER_TRAINERS_NAMES.get(key)
     stems = {k.removeprefix(prefix): k for k in known}
     close = [alias] if alias in known else list(nested) or [
         stems[c] for c in difflib.get_close_matches(key.removeprefix(prefix), list(stems), n=1, cutoff=0.5)]
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else f" (known: {', '.join(known)})"
-    if key in BUILD_FLAGS and not nested:
+    if built and key in BUILD_FLAGS and not nested:
         hint = (f": SFT examples are rendered and cut when they are built (`polyalign build RUN {BUILD_FLAGS[key]} "
                 "...`); an SFT run trains on the build data.dir names")
     return f"{where}: unknown key {key!r}{hint}"
@@ -152,7 +154,8 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None, 
     for key, value in mapping.items():
         if key not in fields:
             raise ConfigError(unknown_key_message(str(key), list(fields), where,
-                                                  nested=section_keys(root or cls, str(key))))
+                                                  nested=section_keys(root or cls, str(key)),
+                                                  built=getattr(root or cls, "BUILD_SETTINGS", False)))
         default = getattr(base, key) if base is not None else _field_default(fields[key])
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default, root or cls)
     if base is not None:

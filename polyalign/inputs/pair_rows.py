@@ -4,6 +4,8 @@ packed, as trees in rows of 2 x max_length (the prompt once, both continuations 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from polyalign.data.records import Record
@@ -17,7 +19,7 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
                    buckets: list[str], truncation: str = "left") -> list[dict]:
     """Each pair's two sides as token ids and loss masks, cut to `max_length` as encode_conversation cuts
     (`truncation`: left from the prompt's start, keep_system after its opening system message, turns by its
-    oldest whole turns)."""
+    oldest whole turns: as many as the side with the longer answer drops, so both answer one conversation)."""
     index = {b: i for i, b in enumerate(buckets)}
     examples = []
     for pair in pairs:
@@ -26,9 +28,18 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
         example = {"id": pair["id"], "bucket": index[pair["bucket_id"]], "weight": float(pair.get("weight", 1.0)),
                    "critic_chosen": float(pair.get("critic_chosen", 0.0)),
                    "critic_rejected": float(pair.get("critic_rejected", 0.0))}
+        sides = {side: encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
+                                           cutoff=max_length, truncation=truncation) for side in SIDES}
+        dropped = max(encoded.turns_dropped for encoded in sides.values())
+        head = int(bool(prompt) and prompt[0].role == "system")
         for side in SIDES:
-            encoded = encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
-                                          cutoff=max_length, truncation=truncation)
+            encoded = sides[side]
+            if encoded.turns_dropped < dropped:
+                # the longer answer's prompt share dropped more turns: both sides answer the same conversation
+                kept = [*prompt[:head], *prompt[head + dropped:]]
+                encoded = replace(encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
+                                                      cutoff=max_length, truncation=truncation),
+                                  truncated=True, turns_dropped=dropped)
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
             # whether a side was cut to max_length, and whether that cut into its opening system message
             example["truncated"] = example.get("truncated", False) or encoded.truncated

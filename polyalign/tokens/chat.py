@@ -623,7 +623,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
             if dropped:
                 messages = [*kept, messages[last]]
                 source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
-                keep_source = min(keep_source, len(source_ids))  # under it, unless the last question alone is over
+                keep_source = min(keep_source, len(source_ids))  # under it, unless the last question is still over
                 keep_target = min(len(target_ids), cutoff - keep_source)
         head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
         start = len(source_ids) - (keep_source - head)
@@ -685,7 +685,7 @@ class CutPrompt(NamedTuple):
     cut: bool  # longer than max_tokens: its oldest turns were dropped (and its ids cut, if still over)
     system_lost: bool  # cut, and its opening system message (the profile prompt) went with them
     messages: list[Message]  # what the ids render: the conversation less the whole turns the cut dropped
-    mid_turn: bool = False  # still over with its last question alone: its ids open inside a turn
+    mid_turn: bool = False  # still over with its last question left: its ids open inside a turn
 
 
 def prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
@@ -716,14 +716,19 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
 def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], max_tokens: int,
                  length: Callable[[list[Message]], int] | None = None) -> list[Message]:
     """`messages` whose rendered prompt fits `max_tokens`: as few of the oldest whole turns dropped as make it
-    fit (the opening system message kept, the conversation resuming at a user turn), never the last question
-    or what follows it. Messages still over the budget then stay so (only cut_prompt's ids cut inside a
-    turn). `length`: how many tokens kept messages take (default: their generation prompt's)."""
+    fit (the opening system message kept, the conversation resuming at a user turn, with the system messages
+    just before it), never the last question or what follows it. Messages still over the budget then stay so
+    (only cut_prompt's ids cut inside a turn). `length`: how many tokens kept messages take (default: their
+    generation prompt's)."""
     messages = list(messages)
     head = 1 if messages and messages[0].role == "system" else 0
     last_question = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
-    starts = [head] + [i for i in range(head + 1, last_question + 1)
-                       if messages[i].role == "user" or i == last_question]
+    starts = [head]
+    for i in range(head + 1, last_question + 1):
+        if messages[i].role == "user" or i == last_question:
+            while i - 1 > starts[-1] and messages[i - 1].role == "system":  # a system message it follows goes with it
+                i -= 1
+            starts.append(i)
 
     measure = length or (lambda kept: len(prompt_ids(template, tokenizer, kept)))
 

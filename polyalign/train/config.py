@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from polyalign.core.paths import as_path
 from polyalign.core.ranges import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Range
@@ -148,6 +149,8 @@ class AdaptiveSection:
 
 @dataclass(frozen=True)
 class SftConfig:
+    # its examples are a build's: a key of `polyalign build` given here is pointed there (yaml_config)
+    BUILD_SETTINGS: ClassVar[bool] = True
     method: str = "sft"
     init: str | None = setting(None, help="a Hugging Face checkpoint directory; null trains model.preset from "
                                           "scratch")

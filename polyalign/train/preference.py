@@ -246,9 +246,10 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
             + (f"; {lost} of them lose their opening system message, whole or in part ("
-               + {"left": "truncation=turns keeps it unless the last question alone is over the prompt's share",
+               + {"left": "truncation=turns keeps it where it and the last question fit the prompt's share",
                   "keep_system": "it takes over half of the prompt's share",
-                  "turns": "the last question alone is over the prompt's share"}[truncation] + ")" if lost else "")
+                  "turns": "it and the last question together are over the prompt's share"}[truncation] + ")"
+               if lost else "")
             + "; a larger data.max_length keeps more")
 
 
@@ -261,7 +262,8 @@ def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
     if built is not None and not is_uri(str(built)) and built.is_file():
         options = json.loads(built.read_text(encoding="utf-8")).get("options", {})
         length, cut = options.get("max_length"), options.get("truncation", "left")
-        if (length, cut) != (config.data.max_length, config.truncation):
+        # shorter pairs than the SFT examples are no mismatch (the defaults: build 512, pairs 256)
+        if cut != config.truncation or (length is not None and config.data.max_length > length):
             notes.append(f"note: {config.data.dir}'s build cut its SFT examples to {length} tokens by --truncation "
                          f"{cut}; this run cuts pairs to data.max_length {config.data.max_length} by truncation="
                          f"{config.truncation}: give data.max_length={length} truncation={cut} to cut them alike")
