@@ -356,7 +356,7 @@ def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, templ
                for i, r in enumerate(val)]
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    write_prompts(checkpoint, path, tmp_path / "prompts.jsonl")
+    write_prompts(checkpoint, path, tmp_path / "prompts.jsonl", max_prompt_tokens=None)
     rows = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     for record, row in zip(records, rows):
         expected = record_messages(record, "context", with_response=False, system=system)
@@ -385,14 +385,15 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
     (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
     path = demo_run[0] / "data" / "val.jsonl"
     records = read_records(path)[:4]
-    summary = write_prompts(checkpoint, path, tmp_path / "default.jsonl", limit=4)
+    summary = write_prompts(checkpoint, path, tmp_path / "default.jsonl", limit=4, max_prompt_tokens=None)
     rows = [json.loads(line) for line in (tmp_path / "default.jsonl").read_text().splitlines()]
     assert summary["profile"] == trained and capsys.readouterr().err == ""
     for record, row in zip(records, rows):
         expected = record_messages(record, trained, with_response=False)
         assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
     other = "context" if trained != "context" else "none"
-    asked = write_prompts(checkpoint, path, tmp_path / "asked.jsonl", profile=other, limit=4)
+    asked = write_prompts(checkpoint, path, tmp_path / "asked.jsonl", profile=other, limit=4,
+                          max_prompt_tokens=None)
     note = f"{checkpoint} was trained with profile {trained!r}; rendering with {other!r} as asked"
     assert asked["profile"] == other and asked["notes"] == [note]  # the command prints its summary's notes
     # and the manifest keeps it, where a later reader of the prompts finds it
@@ -405,7 +406,7 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
             "length": sorted({r.length_bin for r in records})}
     (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "polyalign_profile_values": held}))
     unseen = [r for r in records if r.style not in styles]
-    said = write_prompts(checkpoint, path, tmp_path / "unseen.jsonl", limit=4)["notes"]
+    said = write_prompts(checkpoint, path, tmp_path / "unseen.jsonl", limit=4, max_prompt_tokens=None)["notes"]
     assert said == [f"{len(unseen)} of 4 records name profile values {checkpoint}'s training data did not hold "
                     f"(style {records[-1].style!r} {len(unseen)}): the model never read such profile prompts"]
 
@@ -446,3 +447,20 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
         "--max-prompt-tokens 100 + the largest per-bucket budget 300 = 400 lets a long prompt and its answer run "
         "past them, into positions the model never learned: --max-prompt-tokens 100 and --budget-ceiling 156 keep "
         "within them (a prompt cut shorter loses its opening system message where that takes over half of it)")
+
+
+def test_prompts_cut_at_generates_prompt_budget_by_default_from_the_cli_and_the_api():
+    """`prompts` is generate's prompts for another engine: its default budget is generate's, whichever way
+    it is called (its rows would otherwise hold prompts generate cuts)."""
+    import inspect
+
+    from polyalign.cli import build_parser
+    from polyalign.generate.prompts import write_prompts
+    from polyalign.generate.run import GenerateOptions
+
+    budget = GenerateOptions().max_prompt_tokens
+    assert inspect.signature(write_prompts).parameters["max_prompt_tokens"].default == budget == 512
+    parser = build_parser()
+    for command in (["prompts", "--records", "r", "--checkpoint", "c", "--out", "o"],
+                    ["generate", "--records", "r", "--checkpoint", "c", "--out", "o"]):
+        assert parser.parse_args(command).max_prompt_tokens == budget

@@ -45,12 +45,13 @@ from polyalign.tokens.tokenizer import load_tokenizer
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
-                  per_bucket: int | None = None, max_prompt_tokens: int | None = None,
+                  per_bucket: int | None = None, max_prompt_tokens: int | None = 512,
                   max_new_tokens: int | str | None = None,
                   budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
                   budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
-    """`max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from the answers of
-    `budget_records`, as `generate --max-new-tokens auto` sets it); None writes none."""
+    """`max_prompt_tokens`: the prompt budget, generate's by default (None: whole prompts, no
+    prompt_token_ids). `max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from
+    the answers of `budget_records`, as `generate --max-new-tokens auto` sets it); None writes none."""
     if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     records_path, out = Path(records_path), Path(out)
