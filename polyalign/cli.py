@@ -31,7 +31,7 @@ from polyalign.mesh.launch import (
     said_by_another_process,
 )
 from polyalign.reports.no_model import ahead_of_the_model
-from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_MODES, TRUNCATIONS
+from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_LOST_WHY, SYSTEM_MODES, TRUNCATIONS
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
 
 DESCRIPTION = """\
@@ -339,7 +339,7 @@ def _split_line(split: str, counts: dict, args) -> str:
         held = ("the profile prompt, after the conversation's own system text where it has one"
                 if args.system == "keep" and counts.get("source_system_prompts") else "the profile prompt")
         parts.append(f"{counts['system_cut']} lost their opening system message, whole or in part, which holds "
-                     f"{held}: {SYSTEM_CUT_WHY[args.truncation]}")
+                     f"{held}: {SYSTEM_LOST_WHY[args.truncation].format(option='--truncation ')}")
     if parts:
         line += f" ({'; '.join(parts)})"
     if args.train_on != "last" and counts["examples"]:
@@ -431,11 +431,6 @@ def _run_show(args) -> int:
 
 
 SYSTEM_CUT_WARNING = 0.05  # the share of train examples losing their profile prompt that build warns about
-# Why a cut example lost its opening system message, by --truncation (chat.encode_conversation).
-SYSTEM_CUT_WHY = {"left": "--truncation turns keeps it where it and the last question fit the prompt's share",
-                  "keep_system": "it took over half of the prompt's share of --max-length",
-                  "turns": "it and the last question together were over the prompt's share, and a cut inside a "
-                           "turn keeps the system message only within half of the share"}
 
 
 def _budget(text: str) -> int | str:

@@ -26,6 +26,12 @@ SYSTEM_MODES = ("keep", "replace", "drop")
 # message kept), as generation cuts a prompt. Here, beside the modes, so that the command line
 # and the config schema name them without importing the tokenisers.
 TRUNCATIONS = ("left", "keep_system", "turns")
+# Why a cut example lost its opening system message, by truncation (chat.encode_conversation): what a build's
+# line and a preference run's note say; `{option}` is how the command spells the setting.
+SYSTEM_LOST_WHY = {"left": "{option}turns keeps it where it and the last question fit the prompt's share",
+                   "keep_system": "it took over half of the prompt's share",
+                   "turns": "it and the last question together were over the prompt's share, and a cut inside a "
+                            "turn keeps the system message only within half of the share"}
 # The template variables each profile names (the oracle profile adds the answer's length bin).
 PROFILE_MODE_KEYS = {"context": PROFILE_KEYS[:3], "oracle": PROFILE_KEYS, "none": ()}
 # A record's field for each profile key.

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import functools
 import importlib
-import json
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from polyalign.core.yaml_config import (
     out_of_range,
     settings_of,
 )
+from polyalign.inputs.built import built_manifest
 from polyalign.tokens.profile_template import PROFILE_MODES, TRUNCATIONS
 from polyalign.train import config as schema
 
@@ -292,17 +292,15 @@ def built_length_mismatch(config: Any, built: int) -> str | None:
 
 def _built_length_notes(config: Any) -> list[str]:
     """The build's max_length when data.dir has a build to read it from (none yet: the run checks it)."""
-    if config.data.dir is None:
-        return []
-    path = Path(str(config.data.dir)) / "build" / "manifest.json"
-    try:
-        built = json.loads(path.read_text())["options"]["max_length"]
-    except (OSError, ValueError, KeyError, TypeError):  # no build yet, or not one this can read: the run says
+    manifest = built_manifest(config.data.dir)
+    built = (manifest or {}).get("options", {}).get("max_length")
+    if built is None:  # no build yet, or not one this can read: the run says
         return []
     mismatch = built_length_mismatch(config, built)
     if mismatch:
         return [f"{mismatch} (the run refuses it)"]
-    return [f"data.max_length is {built}, {path.parent}'s (rows were cut when the build ran)"] \
+    build = Path(str(config.data.dir)) / "build"
+    return [f"data.max_length is {built}, {build}'s (rows were cut when the build ran)"] \
         if config.data.max_length is None else []
 
 

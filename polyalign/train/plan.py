@@ -12,11 +12,11 @@ gradients and AdamW moments, and the frozen base is counted in the compute dtype
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from polyalign.core.yaml_config import ConfigError
+from polyalign.inputs.built import built_manifest
 from polyalign.mesh.parallel import mesh_shape
 from polyalign.model.architecture import ModelConfig, compute_dtype, from_hf_config
 from polyalign.model.hf import read_hf_config
@@ -118,11 +118,10 @@ def plan_config(path: Path, overrides: list[str], devices: int, sequence_length:
 
 def _build_options(data) -> dict:
     """What the run's build fixed: its max_length and its tokenizer's vocab_size ({} without a build)."""
-    manifest = Path(data.dir or "") / "build" / "manifest.json"
-    if not data.dir or not manifest.is_file():
+    built = built_manifest(data.dir)
+    if built is None:
         return {}
-    built = json.loads(manifest.read_text())
-    return {"max_length": built["options"]["max_length"], "vocab_size": built.get("vocab_size")}
+    return {"max_length": built["options"].get("max_length"), "vocab_size": built.get("vocab_size")}
 
 
 def describe(plan: Plan, device_memory_gib: float | None = None) -> str:

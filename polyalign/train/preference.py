@@ -8,7 +8,6 @@ sum w l / sum w (pair weights), lambda_dist * mean R and gamma_ftx * mean anchor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.records import Record
 from polyalign.inputs import pipeline
+from polyalign.inputs.built import built_manifest
 from polyalign.inputs.pair_rows import (
     PAIR_FIELDS,
     is_packed,
@@ -45,7 +45,7 @@ from polyalign.model.tokenizer_check import (
 )
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template, profile_prompt
-from polyalign.tokens.profile_template import PROFILE_FIELDS, seen_profile_values
+from polyalign.tokens.profile_template import PROFILE_FIELDS, SYSTEM_LOST_WHY, seen_profile_values
 from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, load_tokenizer, trained_length
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
@@ -246,10 +246,7 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
             + (f"; {lost} of them lose their opening system message, whole or in part ("
-               + {"left": "truncation=turns keeps it where it and the last question fit the prompt's share",
-                  "keep_system": "it takes over half of the prompt's share",
-                  "turns": "it and the last question together are over the prompt's share"}[truncation] + ")"
-               if lost else "")
+               f"{SYSTEM_LOST_WHY[truncation].format(option='truncation=')})" if lost else "")
             + "; a larger data.max_length keeps more")
 
 
@@ -258,9 +255,9 @@ def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
     (another --max-length or --truncation than data.max_length and truncation here), and an init trained
     from scratch on shorter sequences than data.max_length (positions it never learned)."""
     notes = []
-    built = Path(str(config.data.dir)) / "build" / "manifest.json" if config.data.dir else None
-    if built is not None and not is_uri(str(built)) and built.is_file():
-        options = json.loads(built.read_text(encoding="utf-8")).get("options", {})
+    built = None if is_uri(str(config.data.dir)) else built_manifest(config.data.dir)
+    if built is not None:
+        options = built["options"]
         length, cut = options.get("max_length"), options.get("truncation", "left")
         # shorter pairs than the SFT examples are no mismatch (the defaults: build 512, pairs 256)
         if cut != config.truncation or (length is not None and config.data.max_length > length):
