@@ -1,6 +1,6 @@
 """The first measurements on a fresh accelerator machine, in one call that returns within its budget.
 
-    bash bench/device_run.sh                      # installs against the machine's own jax, then this
+    bash bench/device_run.sh                      # on the machine's own packages (carried wheels added), then this
     python bench/device_run.py --smoke-cpu        # the same stages on a CPU with the tests' tiny model
 
 Every stage runs in a process of its own, most important first, under what is left of --budget (9
@@ -9,8 +9,9 @@ OUT/rows/NAME.json (status, seconds, its numbers) and OUT/logs/NAME.log the mome
 one with its partial log, so a session cut short keeps everything finished before; OUT/summary.md is
 written after every stage. The stages:
 
-1. backend: one line and exit status 3 unless jax sees a GPU (a CPU with --smoke-cpu): an install that
-   moved jax off CUDA stops here instead of timing every row on the CPU.
+1. backend: the versions measured with; one line and exit status 3 unless jax sees a GPU (a CPU with
+   --smoke-cpu), so that an install that moved jax off CUDA stops here instead of timing every row on the
+   CPU, or unless polyalign's trainer imports with what the machine has (it may have no package index).
 2. smoke (about 90 s on an H200): the matmul rate in the compute dtype; cuDNN against XLA attention in
    value, gradient and time, causal, masked, masked and causal; which kernel each polyalign layout
    lowers to (rows, packed rows, row pairs, tree-packed pairs); three real steps of SFT and HDPO on a
@@ -84,16 +85,57 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
 
 # --- the stages this file runs itself (each in its own process) -----------------------------------
 
+# The versions a result is recorded with, and the modules the stages import from polyalign: the trainer,
+# LoRA and the engine's sampling, none of them the data stack (grain, TFDS), which the machine may lack.
+STACK = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml_dtypes", "torch", "transformers")
+STAGE_MODULES = ("polyalign.train.sft", "polyalign.train.preference", "polyalign.model.lora",
+                 "polyalign.generate.engine")
+
+
+def _installed(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _missing_modules(modules) -> list[str]:
+    """The top-level packages that importing `modules` finds missing."""
+    import importlib
+
+    missing = set()
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            missing.add((error.name or str(error)).split(".")[0])
+    return sorted(missing)
+
+
 def stage_backend(smoke_cpu: bool) -> dict:
+    """The machine, the versions every later number is measured with, and two checks that end the run in
+    one line: jax must see a GPU (an install that replaced the machine's CUDA jax would time every row on
+    the CPU), and polyalign's stages must import with what is installed (the machine may have no package
+    index: a missing package is carried as a wheel, docs/gpu.md)."""
+    import platform
+
     import jax
 
     device = jax.devices()[0]
     found = {"backend": jax.default_backend(), "devices": jax.device_count(), "device_kind": device.device_kind,
-             "compute_capability": getattr(device, "compute_capability", None), "jax": jax.__version__}
+             "compute_capability": getattr(device, "compute_capability", None), "jax": jax.__version__,
+             "python": platform.python_version(), "versions": {name: _installed(name) for name in STACK}}
     wanted = "cpu" if smoke_cpu else "gpu"
     if found["backend"] != wanted:
         print(f"device_run: jax {found['jax']} runs on {found['backend']} ({found['device_kind']}), not a {wanted}; "
               "did an install replace the machine's CUDA jax? (pip list | grep -i jax)", flush=True)
+        sys.exit(3)
+    missing = _missing_modules(STAGE_MODULES)
+    if missing:
+        print(f"device_run: polyalign's trainer needs {', '.join(missing)}, not installed on this machine; carry "
+              "the wheels (bash bench/device_wheels.sh NAME==VERSION, then carry .whl: docs/gpu.md)", flush=True)
         sys.exit(3)
     return found
 
@@ -265,18 +307,25 @@ def _write_whole(path: Path, text: str) -> None:
     partial.replace(path)
 
 
+def _numbers(result: dict) -> str:
+    """A stage's numbers in a cell: the step and LoRA benches' rows one by one, other stages' JSON."""
+    rows = result.get("rows")
+    if isinstance(rows, list) and all("stack" in r for r in rows):  # bench/train_step.py
+        return "; ".join(f"{r['stack']} {r['method']}: {r.get('tokens_per_s')} tok/s, MFU {r.get('mfu')}"
+                         for r in rows)
+    if isinstance(rows, list):  # bench/lora_memory.py
+        return "; ".join(f"{r.get('preset')} {r.get('variant')}: step {r.get('step_s')} s, XLA peak "
+                         f"{r.get('xla_peak_gib')} GiB" for r in rows)
+    return json.dumps(result, default=str)[:300]
+
+
 def summary(rows: list[dict]) -> str:
     lines = ["| stage | status | s | numbers |", "|---|---|---|---|"]
     for row in rows:
-        result = row.get("result") or {}
-        if "rows" in result and all("stack" in r for r in result["rows"]):  # bench/train_step.py
-            numbers = "; ".join(f"{r['stack']} {r['method']}: {r.get('tokens_per_s')} tok/s, MFU {r.get('mfu')}"
-                                for r in result["rows"])
-        elif "rows" in result:  # bench/lora_memory.py
-            numbers = "; ".join(f"{r.get('preset')} {r.get('variant')}: step {r.get('step_s')} s, XLA peak "
-                                f"{r.get('xla_peak_gib')} GiB" for r in result["rows"])
-        else:
-            numbers = json.dumps(result, default=str)[:300]
+        try:
+            numbers = _numbers(row.get("result") or {})
+        except Exception as err:  # a row of a shape not foreseen: the table is written all the same
+            numbers = f"({type(err).__name__} formatting this row: see rows/{row['name']}.json)"
         lines.append(f"| {row['name']} | {row['status']} | {row['seconds']} | {numbers} |")
     return "\n".join(lines) + "\n"
 

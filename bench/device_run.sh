@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One call on a fresh accelerator machine: install polyalign against the machine's own jax (its CUDA
-# build stays: the installed jax, jaxlib and CUDA plugin are pinned as constraints, so a newer flax
-# cannot pull another jax in), then run bench/device_run.py with the arguments given.
+# One call on a fresh accelerator machine: polyalign runs from this checkout on the machine's own packages
+# (its CUDA jax, flax, optax, orbax, torch, transformers), installing nothing from an index, which such a
+# machine may not reach; pip would also replace its CUDA jax to meet a newer flax. Wheels carried in .whl/
+# (bench/device_wheels.sh makes them here) go into a folder of their own, without their dependencies.
 #   OUT=runs/device bash bench/device_run.sh [--budget SECONDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-constraints=$(mktemp)
-python3 -m pip freeze | grep -iE '^(jax|jaxlib|jax[-_]cuda[0-9]*[-_](plugin|pjrt)|nvidia-[a-z0-9-]+)==' > "$constraints" || true
-echo "device_run.sh: keeping $(tr '\n' ' ' < "$constraints")"
-python3 -m pip install -q -e . -c "$constraints"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  site="${TMPDIR:-/tmp}/polyalign-wheels"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:$site"
+  echo "device_run.sh: carried $(ls .whl | tr '\n' ' ')"
+fi
 exec python3 bench/device_run.py "$@"

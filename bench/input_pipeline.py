@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from result_file import write_result  # noqa: E402
 
 from polyalign.inputs import pipeline  # noqa: E402
-from polyalign.inputs.build import read_manifest  # noqa: E402
+from polyalign.inputs.built import read_manifest  # noqa: E402
 
 # Steps that a batch stream must outpace: the plain JAX DPO step of the accelerator issue on one H200
 # (tokens/s, 2026-11-29), the bar being 10x.

@@ -51,7 +51,8 @@ SIZES = {False: {"sft_steps": 120, "preference_steps": 40, "pairs": (256, 64), "
 
 def shared_runs(out: Path, quick: bool) -> dict[str, Path]:
     """The prepared, tokenised demo data, built once with the default weights and once with METHOD's."""
-    from polyalign.inputs.build import BuildOptions, build
+    from polyalign.inputs.build import build
+    from polyalign.inputs.built import BuildOptions
 
     run = out / "run"
     if not (run / "build" / "manifest.json").is_file():

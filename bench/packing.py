@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from result_file import write_result  # noqa: E402
 
 from polyalign.inputs import pipeline  # noqa: E402
-from polyalign.inputs.build import BuildOptions, build, read_manifest  # noqa: E402
+from polyalign.inputs.build import build  # noqa: E402
+from polyalign.inputs.built import BuildOptions, read_manifest  # noqa: E402
 from polyalign.mesh import parallel  # noqa: E402
 from polyalign.model import create_model  # noqa: E402
 from polyalign.model.presets import preset  # noqa: E402

@@ -311,7 +311,7 @@ def _add_build(sub) -> None:
 
 def build_options(args):
     """The BuildOptions a `polyalign build` command line gives."""
-    from polyalign.inputs.build import BuildOptions  # heavy: jax, kept out of --help
+    from polyalign.inputs.built import BuildOptions  # kept out of --help
 
     given = {"preset": args.weight_preset, "temperature": args.weight_temperature, "borrow_below": args.borrow_below,
              "min_bucket_size": args.min_bucket_size, "clip": list(args.clip_weights) if args.clip_weights else None}

@@ -61,7 +61,8 @@ def _tokenizer(run: Path, settings: DemoSettings) -> str:
 
 
 def _build(run: Path, settings: DemoSettings) -> str:
-    from polyalign.inputs.build import BuildOptions, build  # heavy: jax, kept out of --help
+    from polyalign.inputs.build import build  # heavy: jax, kept out of --help
+    from polyalign.inputs.built import BuildOptions  # kept out of --help, as build is
 
     manifest = build(run, BuildOptions(max_length=DEMO_MAX_LENGTH), progress=settings.progress,
                      overwrite=settings.overwrite)

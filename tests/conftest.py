@@ -177,7 +177,8 @@ def json_tokenizer(demo_run, tmp_path_factory):
 @pytest.fixture(scope="session")
 def built_run(demo_run, demo_tokenizer, tmp_path_factory):
     """A run directory with the demo data and a build (polyalign template, 64-token examples)."""
-    from polyalign.inputs.build import BuildOptions, build, read_manifest
+    from polyalign.inputs.build import build
+    from polyalign.inputs.built import BuildOptions, read_manifest
 
     source, _, _ = demo_run
 

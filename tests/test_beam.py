@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from polyalign.data.prepare import PrepareError, prepare
-from polyalign.inputs.build import BuildOptions
+from polyalign.inputs.built import BuildOptions
 from tests.beam_env import in_beam_env
 from tests.conftest import DEMO_DATA, REPO, read_jsonl, write_config
 
@@ -28,7 +28,7 @@ def beam_cli(*argv: str) -> subprocess.CompletedProcess:
 
 def beam_build(run: Path, options: BuildOptions) -> dict:
     code = ("import json, sys; from pathlib import Path; from polyalign.beam.build import build_beam; "
-            "from polyalign.inputs.build import BuildOptions; "
+            "from polyalign.inputs.built import BuildOptions; "
             "print(json.dumps(build_beam(Path(sys.argv[1]), BuildOptions(**json.loads(sys.argv[2])))))")
     done = in_beam_env(code, str(run), json.dumps(dataclasses.asdict(options)))
     assert done.returncode == 0, done.stderr[-3000:]

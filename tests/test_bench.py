@@ -251,3 +251,62 @@ def test_the_device_scripts_measuring_stages_run_on_the_cpu(monkeypatch):
     timed = {key for key in sampling if key.endswith("_ms")}
     assert timed == {"greedy_ms", "temperature 0.7_ms", "top_p 0.95_ms", "top_k 20, top_p 0.8_ms", "min_p 0.05_ms",
                      "output_projection_ms"} and all(sampling[key] > 0 for key in timed)
+    # every stage's row goes into the summary table (the sampling row's "rows" is a count, not a list of rows)
+    table = device_run.summary([{"name": name, "status": "ok", "seconds": 1.0, "result": result} for name, result in
+                                (("attention", attention), ("kernels", kernels), ("sampling", sampling))])
+    assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| attention", "| kernels", "| sampling"]
+    assert '"greedy_ms"' in table.splitlines()[-1]
+
+
+# What an accelerator machine of this workplace holds is jax, flax, optax, orbax, torch and transformers, with
+# no package index to add the rest: polyalign's data and report stack is absent there.
+ABSENT_ON_DEVICE = ("grain", "tensorflow_datasets", "array_record", "tensorboardX", "datasketch", "adjustText",
+                    "importlib_resources", "mauve", "apache_beam")
+
+
+def test_the_device_scripts_steps_run_without_the_data_stack(tmp_path):
+    """The trainer, LoRA and the engine import, and a step of each method runs, with the data stack's
+    packages unimportable: the device script's stages run on a machine that has only the model stack."""
+    probe = f"""
+import importlib.abc, runpy, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in {ABSENT_ON_DEVICE!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+sys.path.insert(0, {str(REPO / 'bench')!r})
+import device_run, lora_memory
+print("missing:", device_run._missing_modules(device_run.STAGE_MODULES), flush=True)
+sys.argv = ["train_step.py", "--preset", {str(TINY_MODEL)!r}, "--dtype", "float32", "--seq", "32", "--batch", "2",
+            "--steps", "1", "--stacks", "polyalign"]
+runpy.run_path({str(REPO / 'bench' / 'train_step.py')!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "missing: []" in result.stdout
+    rows = json.loads((tmp_path / "train_step.json").read_text())["rows"]
+    assert {(row["stack"], row["method"]) for row in rows} == {("polyalign (JAX)", "sft"), ("polyalign (JAX)", "hdpo")}
+    assert all(row["tokens_per_s"] > 0 for row in rows)
+
+
+def test_the_device_scripts_backend_stage_names_a_missing_package_in_one_line(tmp_path):
+    """Where polyalign's stages would not import (a package the machine lacks), the backend stage stops the
+    run with one line naming the package, before any row is timed."""
+    probe = f"""
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] == "optax":
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+sys.path.insert(0, {str(REPO / 'bench')!r})
+import device_run
+device_run.stage_backend(True)
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 3
+    assert result.stdout.strip().splitlines() == [
+        "device_run: polyalign's trainer needs optax, not installed on this machine; carry the wheels (bash "
+        "bench/device_wheels.sh NAME==VERSION, then carry .whl: docs/gpu.md)"]

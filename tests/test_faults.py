@@ -584,7 +584,8 @@ def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_sp
     (the others kept, the sum said); a split left with no records is a warning at prepare and one line
     naming it at build, before anything is written."""
     from polyalign.data.prepare import load_data_config
-    from polyalign.inputs.build import BuildOptions, build
+    from polyalign.inputs.build import build
+    from polyalign.inputs.built import BuildOptions
 
     config = write_config(tmp_path / "config.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl",
                                                       "split": "auto", "language": "en"}], dedup=False)
@@ -743,7 +744,8 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     assert (run / "data" / "test-00007-of-00009.jsonl").read_text() == "mine\n"
     (run / "data" / "test-00007-of-00009.jsonl").unlink()
     # RUN/tokenizer trained on this split, then prepare drew the split again: build says the tokenizer is stale
-    from polyalign.inputs.build import BuildOptions, build
+    from polyalign.inputs.build import build
+    from polyalign.inputs.built import BuildOptions
 
     train_from_records(run, run / "tokenizer", 400)
     assert main(["prepare", "--config", str(config), "--out", str(run), "--no-progress", "--overwrite",
@@ -818,7 +820,8 @@ def test_a_tokenizer_belongs_to_the_settings_that_trained_it(demo_run, tmp_path,
 
 
 def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tokenizer, tmp_path, capsys):
-    from polyalign.inputs.build import read_manifest, tokenizer_digests
+    from polyalign.inputs.build import tokenizer_digests
+    from polyalign.inputs.built import read_manifest
 
     source, manifest = built_run
     assert manifest["settings"]["max_length"] == 64
@@ -973,7 +976,7 @@ def test_a_build_is_refused_once_the_prepare_it_was_made_from_is_replaced(built_
 
     from polyalign.core.paths import file_digest
     from polyalign.core.yaml_config import ConfigError
-    from polyalign.inputs.build import read_manifest
+    from polyalign.inputs.built import read_manifest
 
     run, manifest = built_run
     assert manifest["made_from"]["data/manifest.json"] == file_digest(run / "data" / "manifest.json")
@@ -1003,7 +1006,7 @@ def test_the_rebuild_command_gives_the_options_the_build_was_made_with(settings)
     """Whatever options a build was made with, the command an error suggests to make it again parses,
     through the CLI's own parser, to those options."""
     from polyalign.cli import build_options, build_parser
-    from polyalign.inputs.build import BuildOptions, rebuild_command
+    from polyalign.inputs.built import BuildOptions, rebuild_command
 
     made = dataclasses.replace(BuildOptions(), **settings)
     words = shlex.split(rebuild_command("runs/my run", {"settings": dataclasses.asdict(made)}))

@@ -110,7 +110,8 @@ def test_orbax_checkpoints_are_given_the_uri(tmp_path, monkeypatch):
 def test_a_built_run_read_from_a_bucket_finds_its_dataset_and_tokenizer(built_run, demo_tokenizer, tmp_path):
     """A build copied to a bucket: the manifest's tokenizer path is the builder's, so the run's own
     tokenizer/ is used; the dataset metadata is read through TFDS from the URI."""
-    from polyalign.inputs.build import build_tokenizer_path, dataset_dir, read_manifest
+    from polyalign.inputs.build import dataset_dir
+    from polyalign.inputs.built import build_tokenizer_path, read_manifest
 
     run, manifest = built_run
     copy = tmp_path / "bucket" / "runs" / "demo"

@@ -318,7 +318,7 @@ def test_a_path_setting_is_one_setting_however_it_is_spelled(tmp_path, monkeypat
     path (before they were recorded absolute) is read relative to the folder the command runs in."""
     from polyalign.core.outputs import check_settings
     from polyalign.core.yaml_config import ConfigError
-    from polyalign.inputs.build import BuildOptions
+    from polyalign.inputs.built import BuildOptions
 
     (tmp_path / "ckpt").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -436,7 +436,8 @@ def test_a_build_recorded_before_truncation_was_an_option_reads_as_left(tmp_path
     match such a record (left is the default), keep_system does not (the rows would differ), and the
     command that makes it again says --truncation only for keep_system."""
     from polyalign.core.yaml_config import ConfigError
-    from polyalign.inputs.build import BuildOptions, claim_build, rebuild_command
+    from polyalign.inputs.build import claim_build
+    from polyalign.inputs.built import BuildOptions, rebuild_command
 
     run = tmp_path / "run"
     (run / "build").mkdir(parents=True)

@@ -588,7 +588,7 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(built_run):
     and gradient: segments never attend across examples and positions restart."""
     import jax
 
-    from polyalign.inputs.build import read_manifest
+    from polyalign.inputs.built import read_manifest
     from polyalign.mesh import parallel
     from polyalign.model import create_model
     from polyalign.train.sft import SftObjective

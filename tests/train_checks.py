@@ -8,7 +8,7 @@ from flax import traverse_util
 from safetensors.numpy import save_file
 
 from polyalign.inputs import pipeline
-from polyalign.inputs.build import read_manifest
+from polyalign.inputs.built import read_manifest
 from polyalign.mesh import parallel
 from polyalign.model import create_model
 from polyalign.train.sft import SftObjective

@@ -23,14 +23,11 @@ from polyalign.data.bucketing import WeightOptions, weight_warnings
 from polyalign.data.layout import split_files
 from polyalign.data.records import Record
 from polyalign.inputs.build import (
-    SPLITS,
     BucketTable,
-    BuildOptions,
     build_weights,
     check_options,
     claim_build,
     encode_record,
-    probe_records,
     require_records,
     split_bucket_counts,
     stale_tokenizer,
@@ -38,7 +35,8 @@ from polyalign.inputs.build import (
     write_dataset,
     write_manifest,
 )
-from polyalign.model.tokenizer_check import check_tokenizer
+from polyalign.inputs.built import SPLITS, BuildOptions, probe_records
+from polyalign.model.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer
 
@@ -135,7 +133,7 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
     warnings += [stale] if (stale := stale_tokenizer(run, tokenizer_path)) else []
     runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
     check, mismatch = check_tokenizer(tokenizer, get_template(template_name, tokenizer), options.profile,
-                                      probe_records(run), str(tokenizer_path))
+                                      probe_records(run, PROBE_RECORDS), str(tokenizer_path))
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
                           time.perf_counter() - started, engine={"name": "beam", "runner": str(runner)},
                           warnings=[*warnings, *[mismatch] * bool(mismatch)], tokenizer_check=check)

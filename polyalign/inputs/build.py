@@ -16,7 +16,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from etils import epath
 from polyalign.core.errors import ChatTemplateError, InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import as_path, changed_since, file_digest, files_digest, is_uri, recorded_path
+from polyalign.core.paths import as_path, file_digest, files_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
@@ -40,6 +40,15 @@ from polyalign.data.bucketing import (
 )
 from polyalign.data.layout import split_files
 from polyalign.data.records import Record, read_records
+from polyalign.inputs.built import (
+    BUILD_DIR,
+    LEGACY_SETTINGS,
+    PREPARE_MANIFEST,
+    SPLITS,
+    BuildOptions,
+    probe_records,
+    rebuild_command,
+)
 from polyalign.model.architecture import checkpoint_family
 from polyalign.model.tokenizer_check import PROBE_RECORDS, check_tokenizer
 from polyalign.tokens.chat import (
@@ -64,11 +73,8 @@ from polyalign.tokens.tokenizer import (
     load_tokenizer,
 )
 
-BUILD_DIR = "build"
-PREPARE_MANIFEST = "data/manifest.json"  # the prepare a build was made from
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
-SPLITS = ("train", "val")
 # Examples per profile value, counted beside STAT_KEYS as "profile:family=dialogue": the values a model
 # trained on this build read in its profile prompts (the manifest's train_profile_values; the export
 # lists them and its chat template refuses others).
@@ -78,28 +84,6 @@ PROFILE_COUNT = "profile:"
 # without its end-of-turn token).
 STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
              "mid_turn", "turns_dropped", "reply_cut", "source_system_prompts", "system_turns_in_history")
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    tokenizer: str | None = None  # directory or file; default RUN/tokenizer
-    template: str | None = None  # default: the tokenizer's own (polyalign for polyalign's tokenizer)
-    profile: str = "context"
-    max_length: int = 512  # the METHOD section 8 cutoff
-    train_on: str = "last"
-    # How a record's own system prompt (its source's system message) meets the profile prompt:
-    # keep (the source's text, a blank line, the profile prompt), replace or drop (chat.SYSTEM_MODES).
-    system: str = "keep"
-    # Bucket-SFT weights: the scheme's (buckets/*.yaml `weights:`), with these keys replacing its own;
-    # {"preset": "method"} starts from a preset instead (data.bucketing.WEIGHT_PRESETS).
-    weights: dict[str, Any] = field(default_factory=dict)
-    # How a prompt over its share of max_length is cut (TRUNCATIONS): left (METHOD's recipe) from its
-    # start; keep_system keeps the opening system message (the profile prompt) and cuts the oldest tokens
-    # after it; turns keeps it and drops the oldest whole turns, as generation does.
-    truncation: str = "left"
-
-    def __post_init__(self):  # the manifest names the tokenizer whichever folder the build ran from
-        object.__setattr__(self, "tokenizer", recorded_path(self.tokenizer))
 
 
 def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, str]:
@@ -192,25 +176,6 @@ def check_options(options: BuildOptions) -> None:
         raise ConfigError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {options.truncation!r}")
     if options.max_length < 8:
         raise ConfigError(f"max_length {options.max_length} is too short for a chat template")
-
-
-def probe_records(run: Path, count: int = PROBE_RECORDS) -> list[Record]:
-    """`count` records spread evenly over the train and val files (every k-th row), the probe set of the
-    tokenizer check; only those rows are parsed, so a Beam build's driver reads them cheaply too."""
-    files = [path for split in SPLITS for path in split_files(run, split)]
-    rows = 0
-    for path in files:
-        with open(path, encoding="utf-8") as handle:
-            rows += sum(1 for line in handle if line.strip())
-    step, chosen, row = max(1, rows // count), [], 0
-    for path in files:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                if line.strip():
-                    if row % step == 0 and len(chosen) < count:
-                        chosen.append(Record.from_json(json.loads(line)))
-                    row += 1
-    return chosen
 
 
 def tokenizer_digests(run: Path, tokenizer_path: Path, own_template: bool = False) -> dict[str, str | None]:
@@ -452,7 +417,8 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
 
         return generate
 
-    check, mismatch = check_tokenizer(tokenizer, template, options.profile, probe_records(run), str(tokenizer_path))
+    check, mismatch = check_tokenizer(tokenizer, template, options.profile, probe_records(run, PROBE_RECORDS),
+                                      str(tokenizer_path))
     write_dataset(run, {s: examples(s) for s in SPLITS})
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
                           time.perf_counter() - started, warnings=[*warnings, *[mismatch] * bool(mismatch)],
@@ -478,69 +444,3 @@ def _has_records(run, split: str) -> bool:
     return False
 
 
-def build_tokenizer_path(run, manifest: dict[str, Any]):
-    """The tokenizer a build used: where the manifest says, or RUN/tokenizer when the run was copied or
-    moved (to a bucket, another host) and that path is not there."""
-    recorded, inside = as_path(manifest["tokenizer"]), as_path(run) / "tokenizer"
-    return recorded if recorded.exists() or not inside.exists() else inside
-
-
-def read_manifest(run, init: str | None = None) -> dict[str, Any]:
-    """RUN/build/manifest.json, once checked to have been made from the prepare that RUN/data holds now.
-    `init`: the checkpoint a run trains from, whose tokenizer the build command it suggests names when RUN
-    has no tokenizer of its own (`polyalign build RUN` alone would look for RUN/tokenizer)."""
-    path = as_path(run) / BUILD_DIR / "manifest.json"
-    if not path.is_file() and (as_path(run) / "manifest.json").is_file() and (as_path(run) / "train.jsonl").is_file():
-        # RUN/data given for RUN: prepare's output folder, whose parent is the run the build goes into
-        parent = as_path(run).parent
-        built = " (built there already)" if (parent / BUILD_DIR / "manifest.json").is_file() else ""
-        raise ConfigError(f"{run}: this is prepare's output folder inside a run; give the run itself, "
-                          f"data.dir={parent}{built}")
-    if not path.is_file():
-        own = (as_path(run) / "tokenizer").exists() or init is None
-        command = shlex.join(["polyalign", "build", str(run), *([] if own else ["--tokenizer", str(init)])])
-        raise ConfigError(f"{path}: missing; run `{command}` (or the demo's build stage) first")
-    manifest = json.loads(path.read_text())
-    made_from = manifest.get("made_from", {})
-    # a recorded chat_template.jinja now gone brings the config's template back: a change too (changed_since
-    # passes over missing files, which an output copied without its inputs lacks)
-    removed = [name for name, digest in made_from.items() if digest and Path(name).name == CHAT_TEMPLATE_FILE
-               and not (as_path(run) / name).is_file() and (as_path(run) / name).parent.is_dir()]
-    for name in [*changed_since(run, made_from), *removed]:  # builds made before it was recorded: unchecked
-        if name == PREPARE_MANIFEST:
-            why = f"made from another {name} than the one there now (`polyalign prepare` ran again?)"
-        else:  # the tokenizer's own files: its ids or its chat template are no longer the ones the build encoded
-            why = (f"encoded with {name}, which is gone (the config's chat template would be exported instead)"
-                   if name in removed else
-                   f"encoded with another {name} than the one there now (the tokenizer or its chat template "
-                   "changed since; training on it would teach ids or a template its export does not have)"
-                   if made_from[name] else f"encoded before {name} was there (it replaces the chat template)")
-        raise ConfigError(f"{as_path(run) / BUILD_DIR}: {why}; rerun `{rebuild_command(run, manifest)}`")
-    return manifest
-
-
-# The build command's flags for BuildOptions' fields and weight keys, to say the command that made a build.
-BUILD_FLAGS = {"tokenizer": "--tokenizer", "template": "--template", "profile": "--profile", "system": "--system",
-               "max_length": "--max-length", "train_on": "--train-on", "truncation": "--truncation"}
-WEIGHT_FLAGS = {"preset": "--weights", "temperature": "--weight-temperature", "clip": "--clip-weights",
-                "borrow_below": "--borrow-below", "min_bucket_size": "--min-bucket-size"}
-
-
-# What a build recorded without saying: builds made before --truncation existed cut prompts from the left.
-LEGACY_SETTINGS = {"truncation": "left"}
-
-
-def rebuild_command(run, manifest: dict[str, Any]) -> str:
-    """The `polyalign build` command with the options a build was made with (as they were given, its
-    settings), the ones at their defaults left out: what makes that build again."""
-    given = {**LEGACY_SETTINGS, **(manifest.get("settings") or {})}
-    defaults = asdict(BuildOptions())
-    words = ["polyalign", "build", str(run)]
-    for key, flag in BUILD_FLAGS.items():
-        if given.get(key) is not None and given[key] != defaults[key]:
-            words += [flag, str(given[key])]
-    for key, flag in WEIGHT_FLAGS.items():
-        value = (given.get("weights") or {}).get(key)
-        if value is not None:
-            words += [flag, *map(str, value if isinstance(value, list) else [value])]
-    return shlex.join(words)

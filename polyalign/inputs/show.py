@@ -15,13 +15,8 @@ import numpy as np
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.layout import split_files
 from polyalign.data.records import read_records
-from polyalign.inputs.build import (
-    LEGACY_SETTINGS,
-    BuildOptions,
-    build_tokenizer_path,
-    encode_for_build,
-    read_manifest,
-)
+from polyalign.inputs.build import encode_for_build
+from polyalign.inputs.built import LEGACY_SETTINGS, BuildOptions, build_tokenizer_path, read_manifest
 from polyalign.inputs.pipeline import open_split
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer

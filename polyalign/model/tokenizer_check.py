@@ -25,7 +25,7 @@ from polyalign.model.export import tokenizer_files
 from polyalign.tokens.tokenizer import TOKENIZERS_FILE
 from polyalign.tokens.tokenizer_training import record_texts
 
-PROBE_RECORDS = 64  # records spread evenly over train and val (inputs/build.py, probe_records)
+PROBE_RECORDS = 64  # records spread evenly over train and val (inputs/built.py, probe_records)
 PROBE_CHARS = 2000  # each text cut to this many characters, so long contexts stay cheap
 SHOWN = 3  # differing texts named in the manifest
 

@@ -9,7 +9,6 @@ import shutil
 import sys
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -74,6 +73,10 @@ class Checkpointer:
         previous one finished in the background, stops training with CheckpointError."""
         if step in self.manager.all_steps():
             return False
+        # grain comes with the data iterator saved here: the trainer imports without the data stack (the step
+        # benchmarks run where only jax, flax, optax and orbax are installed)
+        import grain
+
         try:
             saved = self.manager.save(step, force=force, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),

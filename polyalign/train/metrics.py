@@ -15,7 +15,6 @@ import os
 from typing import Any
 
 import jax
-from tensorboardX import SummaryWriter
 
 from polyalign.core.extras import require
 from polyalign.core.paths import as_path
@@ -23,13 +22,18 @@ from polyalign.core.paths import as_path
 
 class _TensorBoard:
     def __init__(self, out, project: str, config: dict[str, Any]):
+        # opened when asked for, as the other trackers are: the trainer imports without tensorboardX (the step
+        # benchmarks run where only jax, flax, optax and orbax are installed)
+        from tensorboardX import SummaryWriter
+
         self._folder = str(as_path(out) / "tensorboard")
+        self._summary_writer = SummaryWriter
         self._writer = SummaryWriter(self._folder)
 
     def resume_at(self, step: int) -> None:
         # TensorBoard drops what earlier event files hold from step + 1 on (the steps logged again)
         self._writer.close()
-        self._writer = SummaryWriter(self._folder, purge_step=step + 1)
+        self._writer = self._summary_writer(self._folder, purge_step=step + 1)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for key, value in scalars.items():

@@ -17,12 +17,12 @@ from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path, file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
-from polyalign.inputs.build import build_tokenizer_path, probe_records, read_manifest, rebuild_command
+from polyalign.inputs.built import build_tokenizer_path, probe_records, read_manifest, rebuild_command
 from polyalign.model import create_model, export
 from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
 from polyalign.model.presets import preset
-from polyalign.model.tokenizer_check import check_export, probe_texts
+from polyalign.model.tokenizer_check import PROBE_RECORDS, check_export, probe_texts
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.profile_template import seen_profile_values
 from polyalign.tokens.tokenizer import load_tokenizer
@@ -254,7 +254,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                                         get_template(manifest["template"], tokenizer), options["profile"],
                                         options.get("system", "keep"), values,  # builds before system modes: keep
                                         None if options["profile"] == "none" else coverage, max_length=length)
-        return {**written, **check_export(written["model"], tokenizer, probe_texts(probe_records(run)))}
+        return {**written, **check_export(written["model"], tokenizer, probe_texts(probe_records(run, PROBE_RECORDS)))}
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
