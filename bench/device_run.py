@@ -18,8 +18,8 @@ written after every stage. The stages:
    two-layer model of Qwen2.5-1.5B's shape.
 3. the target rows (bench/train_step.py, one process each): HDPO 1.5B with its PyTorch peer, SFT 1.5B,
    tree-packed HDPO 1.5B, HDPO and SFT 0.5B with peers, packed SFT 1.5B, LoRA and QLoRA (NF4) HDPO at 7B
-   (bench/lora_memory.py: memory and step seconds), then Tunix's DPO at 1.5B when .venv-tunix exists
-   (bench/tunix_peer.py).
+   (bench/lora_memory.py: memory and step seconds), then Tunix's DPO at 1.5B (bench/tunix_peer.py) where
+   Tunix imports: carried as wheels (bash bench/device_wheels.sh --tunix) or in .venv-tunix.
 
 XLA_PYTHON_CLIENT_MEM_FRACTION is set for every stage (0.92 unless already set): HDPO at 1.5B without
 remat needs more than JAX's default 75%.
@@ -38,7 +38,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "fixtures" / "tiny_model.yaml"
-TUNIX_PYTHON = REPO / ".venv-tunix" / "bin" / "python"
+TUNIX_VENV = REPO / ".venv-tunix" / "bin" / "python"
+
+
+def tunix_python() -> str | None:
+    """The Python that runs Tunix: .venv-tunix's where it was made, else this one where Tunix imports here
+    (its wheels carried onto the machine, bench/device_wheels.sh --tunix)."""
+    import importlib.util
+
+    if TUNIX_VENV.is_file():
+        return str(TUNIX_VENV)
+    return sys.executable if importlib.util.find_spec("tunix") is not None else None
 
 
 def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], float]]:
@@ -58,7 +68,9 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
                 ("packed-tiny", [*step, *tiny, "--packed", "--stacks", "polyalign"], 120),
                 ("lora-qlora-tiny", [*lora, "--presets", str(TINY), "--dtype", "float32", "--batch", "2", "--seq",
                                      "64"], 120),
-                ("sampling", [*here, "--stage", "sampling", "--smoke-cpu"], 60)]
+                ("sampling", [*here, "--stage", "sampling", "--smoke-cpu"], 60),
+                *([("tunix-tiny", [tunix, str(REPO / "bench" / "tunix_peer.py"), "--preset", "tiny", "--batch",
+                                   "2", "--seq", "64", "--check"], 120)] if (tunix := tunix_python()) else [])]
     big = ["--dtype", "bfloat16", "--seq", "1024", "--steps", "5", "--remat", "none", "--logprob-chunk", "256"]
     rows = [("backend", [*here, "--stage", "backend"], 60),
             ("matmul", [*here, "--stage", "matmul"], 60),
@@ -77,8 +89,8 @@ def stages(smoke_cpu: bool, shape_file: Path) -> list[tuple[str, list[str], floa
                                  "--packed", "--stacks", "polyalign"], 180),
             ("lora-qlora-hdpo-7b", [*lora, "--presets", "qwen2.5-7b", "--batch", "4", "--seq", "1024"], 240),
             ("sampling", [*here, "--stage", "sampling"], 60)]
-    if TUNIX_PYTHON.is_file():
-        rows.append(("tunix-dpo-1.5b", [str(TUNIX_PYTHON), str(REPO / "bench" / "tunix_peer.py"), "--preset",
+    if tunix := tunix_python():
+        rows.append(("tunix-dpo-1.5b", [tunix, str(REPO / "bench" / "tunix_peer.py"), "--preset",
                                         "qwen2.5-1.5b", "--batch", "4", "--seq", "1024", "--dtype", "bfloat16"], 240))
     return rows
 
