@@ -2,6 +2,8 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +37,22 @@ TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitt
                   "--xla_cpu_parallel_codegen_split_count=1")
 
 
+def known_xla_flags(flags: str) -> str:
+    """`flags` less those the installed XLA does not know. XLA ends a process at an unknown flag (jaxlib
+    0.11 dropped --xla_cpu_use_fusion_emitters, whose emitters it no longer has), so the controller tries
+    them once in a child process, dropping each flag that child names, before any test starts."""
+    kept = flags.split()
+    while kept:
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                               env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {' '.join(kept)}".strip()})
+        unknown = {flag for flag in kept if f"Unknown flag in XLA_FLAGS: {flag}" in probe.stderr}
+        if probe.returncode == 0 or not unknown:  # kept flags work, or jax fails for another reason: tests say
+            return " ".join(kept)
+        kept = [flag for flag in kept if flag not in unknown]
+    return ""
+
+
 def pytest_configure(config):
     # pytest-xdist's load scheduling first hands each worker a quarter of its share as one block of
     # consecutive tests: with the slow tests first (below), every slow test landed on worker 0, one after
@@ -43,7 +61,7 @@ def pytest_configure(config):
     if getattr(config.option, "maxschedchunk", "no xdist") is None:
         config.option.maxschedchunk = 1
     if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {known_xla_flags(TEST_XLA_FLAGS)}".strip()
     if CACHE_ENV in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="polyalign-jax-cache-")
@@ -225,6 +243,6 @@ def cpu_devices_env(devices: int, **extra: str) -> dict[str, str]:
 
 def user_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs as users run polyalign: XLA without TEST_XLA_FLAGS."""
-    flags = os.environ.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
+    flags = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag not in TEST_XLA_FLAGS.split())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return {**env, **({"XLA_FLAGS": flags} if flags else {}), **extra}

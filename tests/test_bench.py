@@ -258,7 +258,7 @@ def test_the_device_scripts_measuring_stages_run_on_the_cpu(monkeypatch):
     assert '"greedy_ms"' in table.splitlines()[-1]
 
 
-# What an accelerator machine of this workplace holds is jax, flax, optax, orbax, torch and transformers, with
+# A GPU machine image may hold the model stack alone (jax, flax, optax, orbax, torch, transformers), with
 # no package index to add the rest: polyalign's data and report stack is absent there.
 ABSENT_ON_DEVICE = ("grain", "tensorflow_datasets", "array_record", "tensorboardX", "datasketch", "adjustText",
                     "importlib_resources", "mauve", "apache_beam")
