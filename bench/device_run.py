@@ -331,6 +331,26 @@ def _numbers(result: dict) -> str:
     return json.dumps(result, default=str)[:300]
 
 
+def write_bundle(out: Path, folder: Path) -> None:
+    """summary.md and one archive of everything under `out` (rows, logs, summary) in `folder`: two files,
+    for a machine that hands back only a few files, each replaced whole."""
+    import io
+    import shutil
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(out, arcname="device_run", filter=lambda entry: None if "device_run.tar.gz" in entry.name
+                    else entry)  # --bundle may name --out itself
+    partial = folder / "device_run.tar.gz.partial"
+    partial.write_bytes(buffer.getvalue())
+    partial.replace(folder / "device_run.tar.gz")
+    if (out / "summary.md").is_file():
+        shutil.copyfile(out / "summary.md", folder / "summary.md.partial")
+        (folder / "summary.md.partial").replace(folder / "summary.md")
+
+
 def summary(rows: list[dict]) -> str:
     lines = ["| stage | status | s | numbers |", "|---|---|---|---|"]
     for row in rows:
@@ -358,6 +378,9 @@ def main() -> int:
                         help="the same stages on a CPU with the tests' tiny model (a few minutes)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "runs" / "device"),
                         help="where rows, logs and summary.md go (default $OUT, else runs/device)")
+    parser.add_argument("--bundle", type=Path, metavar="FOLDER",
+                        help="also keep summary.md and device_run.tar.gz (all of --out) in FOLDER, rewritten "
+                             "after every stage: two files, where a machine hands back only a few")
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds for every stage together (default 540); none starts with under 20 s left")
     parser.add_argument("--stage", choices=sorted(STAGES), help=argparse.SUPPRESS)  # one stage, in its process
@@ -384,10 +407,14 @@ def main() -> int:
         rows.append(row)
         print(f"device_run: {name}: {row['status']} ({row['seconds']} s)", flush=True)
         _write_whole(out / "summary.md", summary(rows))
+        if args.bundle:
+            write_bundle(out, args.bundle)
         if name == "backend" and row["status"] != "ok":
             print(row.get("log_tail", "").strip().splitlines()[-1] if row.get("log_tail") else "backend check failed")
             return 3
     _write_whole(out / "summary.md", summary(rows))
+    if args.bundle:
+        write_bundle(out, args.bundle)
     print(summary(rows))
     return 0
 

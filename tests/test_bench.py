@@ -213,19 +213,29 @@ def test_a_bench_preset_is_a_name_or_an_architecture_file(tmp_path):
 
 def test_the_device_script_keeps_every_finished_stage_when_it_is_killed(tmp_path):
     """bench/device_run.py --smoke-cpu (the H200 script's stages on the CPU): killed while its third stage
-    runs, the two before have their rows, logs and summary on disk."""
+    runs, the two before have their rows, logs and summary on disk, and in the two-file bundle (--bundle)
+    that a machine handing back few files returns."""
     import signal
+    import tarfile
     import time
 
-    out = tmp_path / "device"
+    out, bundle = tmp_path / "device", tmp_path / "bundle"
     process = subprocess.Popen([sys.executable, str(REPO / "bench" / "device_run.py"), "--smoke-cpu", "--out",
-                                str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                str(out), "--bundle", str(bundle)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
     summary = out / "summary.md"
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (summary.is_file() and "| matmul |" in summary.read_text()):
+    while time.monotonic() < deadline and not ((bundle / "summary.md").is_file()
+                                               and "| matmul |" in (bundle / "summary.md").read_text()):
         time.sleep(0.1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    assert sorted(path.name for path in bundle.iterdir()) == ["device_run.tar.gz", "summary.md"]
+    with tarfile.open(bundle / "device_run.tar.gz") as archive:
+        names = set(archive.getnames())
+        bundled_matmul = json.loads(archive.extractfile("device_run/rows/matmul.json").read())
+    assert {"device_run/summary.md", "device_run/logs/backend.log", "device_run/logs/matmul.log"} <= names
+    assert bundled_matmul["status"] == "ok"
     backend, matmul = (json.loads((out / "rows" / f"{name}.json").read_text()) for name in ("backend", "matmul"))
     assert backend["status"] == "ok" and backend["result"]["backend"] == "cpu"
     assert matmul["status"] == "ok" and matmul["result"]["tflops"] > 0
