@@ -442,5 +442,3 @@ def _has_records(run, split: str) -> bool:
             if any(line.strip() for line in lines):
                 return True
     return False
-
-
