@@ -114,7 +114,7 @@ def _installed(distribution: str) -> str | None:
 
 
 def _missing_modules(modules) -> list[str]:
-    """The top-level packages that importing `modules` finds missing."""
+    """The top-level packages that importing `modules` finds missing, or of a version that lacks a name."""
     import importlib
 
     missing = set()
@@ -123,6 +123,8 @@ def _missing_modules(modules) -> list[str]:
             importlib.import_module(module)
         except ModuleNotFoundError as error:
             missing.add((error.name or str(error)).split(".")[0])
+        except ImportError as error:  # a package there, of a version without a name polyalign imports
+            missing.add(f"{error.name or module} ({error})")
     return sorted(missing)
 
 
@@ -351,6 +353,14 @@ def write_bundle(out: Path, folder: Path) -> None:
         (folder / "summary.md.partial").replace(folder / "summary.md")
 
 
+def keep_bundle(out: Path, folder: Path) -> None:
+    """write_bundle, a failure said in one line: the stages still to run matter more than the bundle."""
+    try:
+        write_bundle(out, folder)
+    except OSError as error:
+        print(f"device_run: could not write the bundle in {folder}: {error}", flush=True)
+
+
 def summary(rows: list[dict]) -> str:
     lines = ["| stage | status | s | numbers |", "|---|---|---|---|"]
     for row in rows:
@@ -408,13 +418,13 @@ def main() -> int:
         print(f"device_run: {name}: {row['status']} ({row['seconds']} s)", flush=True)
         _write_whole(out / "summary.md", summary(rows))
         if args.bundle:
-            write_bundle(out, args.bundle)
+            keep_bundle(out, args.bundle)
         if name == "backend" and row["status"] != "ok":
             print(row.get("log_tail", "").strip().splitlines()[-1] if row.get("log_tail") else "backend check failed")
             return 3
     _write_whole(out / "summary.md", summary(rows))
     if args.bundle:
-        write_bundle(out, args.bundle)
+        keep_bundle(out, args.bundle)
     print(summary(rows))
     return 0
 

@@ -5,7 +5,8 @@
 # trainer misses), or --tunix for Tunix's DPO peer:
 #   bash bench/device_wheels.sh --tunix
 #   bash bench/device_wheels.sh tensorboardX==2.6.5
-# then name .whl in the device call's carry. .whl/ stays out of git (.git/info/exclude).
+# then name .whl in the device call's carry. Each call replaces .whl/ (name every package in one call: two
+# versions of one package there would stop the install); .whl/ stays out of git (its info/exclude).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # What Tunix 0.1.7's DPO trainer and Qwen2 model import beyond the machine image's packages (jax, flax,
@@ -17,7 +18,10 @@ for arg in "$@"; do
   if [ "$arg" = "--tunix" ]; then wanted+=("${TUNIX[@]}"); else wanted+=("$arg"); fi
 done
 [ ${#wanted[@]} -gt 0 ] || { echo "usage: bash bench/device_wheels.sh [--tunix] [NAME==VERSION ...]" >&2; exit 2; }
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree or submodule
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+rm -rf .whl
 platforms=()
 for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
   platforms+=(--platform "${tag}_x86_64")

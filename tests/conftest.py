@@ -1,6 +1,7 @@
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,8 @@ def known_xla_flags(flags: str) -> str:
         probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
                                env={**os.environ, "JAX_PLATFORMS": "cpu",
                                     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {' '.join(kept)}".strip()})
-        unknown = {flag for flag in kept if f"Unknown flag in XLA_FLAGS: {flag}" in probe.stderr}
+        named = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", probe.stderr)  # "flags" when several
+        unknown = set(named.group(1).split()) & set(kept) if named else set()
         if probe.returncode == 0 or not unknown:  # kept flags work, or jax fails for another reason: tests say
             return " ".join(kept)
         kept = [flag for flag in kept if flag not in unknown]
