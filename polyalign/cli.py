@@ -330,8 +330,10 @@ def _split_line(split: str, counts: dict, args) -> str:
     # end of its reply) or inside a turn; manifests before these counts say neither
     said = ([f"{counts['truncated'] - inside} open at a turn's start"] if inside is not None and
             counts["truncated"] > inside else []) + ([f"{inside} inside a turn"] if inside else [])
-    parts = ([f"{counts['turns_dropped']} lost whole turns"] if counts.get("turns_dropped") else []) + (
-        [", ".join(said)] if said else [])
+    notes = counts.get("system_dropped")  # system messages from inside a conversation (operator notes)
+    parts = ([f"{counts['turns_dropped']} lost whole turns" + (
+        f", {notes} of them a system message from inside the conversation with those turns" if notes else "")]
+        if counts.get("turns_dropped") else []) + ([", ".join(said)] if said else [])
     if replies:
         parts.append(f"{replies} replies cut short, trained without their end-of-turn token")
     if counts.get("system_cut"):

@@ -168,7 +168,7 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
 
     _, records = export_run
     template = get_template(name)
-    whole_turns = inside = 0
+    whole_turns = inside = notes_dropped = 0
     for record in records.values():
         messages = record_messages(record, "context")
         users = [i for i, m in enumerate(messages) if m.role == "user"]
@@ -188,6 +188,9 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
             assert trained >= keep_target
             start = 1 + cut.turns_dropped
             kept = [messages[0], *messages[start:]]
+            # the system messages from inside the conversation that went with the dropped turns are counted
+            assert cut.system_dropped == sum(m.role == "system" for m in messages[1:start])
+            notes_dropped += cut.system_dropped > 0
             if cut.mid_turn:  # only the last question was left, over the prompt's share
                 assert start == resumption(messages, users[-1])
                 assert len(encode_conversation(template, bpe_tokenizer, kept).ids) - len(answer) > keep_source
@@ -206,7 +209,7 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
                                              [messages[0], *messages[resumption(messages, earlier[-1]):]])
                 assert len(longer.ids) - len(answer) > keep_source
             whole_turns += cut.turns_dropped > 0
-    assert whole_turns >= 5 and inside >= 1, (whole_turns, inside)
+    assert whole_turns >= 5 and inside >= 1 and notes_dropped >= 1, (whole_turns, inside, notes_dropped)
 
 
 def test_the_fixtures_hold_the_shapes_users_bring():
@@ -488,3 +491,43 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     assert "note: source" not in capsys.readouterr().out
     source = json.loads((tmp_path / "named" / "data" / "manifest.json").read_text())["sources"][0]
     assert "label_defaults" not in source and "opening_replies" not in source
+
+
+def test_a_turns_build_counts_and_shows_the_system_messages_its_whole_turns_took(tmp_path):
+    """Operator notes in the middle of an OpenAI export's conversations: a `--truncation turns` build that
+    drops them with their turns counts those examples in the manifest and on its split line, and `show`
+    names them in its cut line (only the opening system message was counted before)."""
+    import argparse
+
+    from polyalign.cli import _split_line
+    from polyalign.inputs.build import build, encode_for_build
+    from polyalign.inputs.built import BuildOptions
+    from polyalign.inputs.show import show_examples
+    from polyalign.tokens.tokenizer import load_tokenizer
+
+    rows = openai_rows()
+    write_jsonl(tmp_path / "chats.jsonl", rows[:-1])
+    write_jsonl(tmp_path / "held.jsonl", rows[-1:])
+    config = write_config(tmp_path / "data.yaml", [
+        {"name": "chats", "format": "chat", "path": "chats.jsonl", "split": "train"},
+        {"name": "held", "format": "chat", "path": "held.jsonl", "split": "val"}])
+    prepare(config, tmp_path / "run", progress=False)
+    texts = [m["content"] for case in EXPORTS for m in case["messages"]]
+    (tmp_path / "bpe").mkdir()
+    tokenizer_dir = write_bpe_tokenizer(texts, 600, tmp_path / "bpe", {"eos_token": "<eos>"})
+    options = BuildOptions(tokenizer=str(tokenizer_dir), template="qwen", max_length=96, truncation="turns")
+    manifest = build(tmp_path / "run", options, progress=False)
+    tokenizer, template = load_tokenizer(tokenizer_dir), get_template("qwen")
+    train = list(read_records(tmp_path / "run" / "data" / "train.jsonl"))
+    encoded = {r.id: encode_for_build(r, tokenizer, template, options)[1] for r in train}
+    took_notes = [record_id for record_id, e in encoded.items() if e.system_dropped]
+    counts = manifest["splits"]["train"]
+    assert counts["system_dropped"] == len(took_notes) >= 1
+    line = _split_line("train", counts, argparse.Namespace(max_length=96, system="keep", truncation="turns",
+                                                            train_on="last"))
+    assert (f"{counts['turns_dropped']} lost whole turns, {len(took_notes)} of them a system message from inside "
+            "the conversation with those turns") in line
+    (shown,) = show_examples(tmp_path / "run", ids=[took_notes[0]])
+    notes = encoded[took_notes[0]].system_dropped
+    assert (f"lost its {encoded[took_notes[0]].turns_dropped} oldest of " in shown
+            and f"earlier messages ({notes} of them system messages from inside the conversation)" in shown)

@@ -935,8 +935,8 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
             first = [int(np.argmax(example[f"{side}_mask"])) for side in ("chosen", "rejected")]
             assert first[0] == first[1] and list(example["chosen_ids"][:first[0]]) == list(
                 example["rejected_ids"][:first[1]])
-    assert "the prompt by its oldest whole turns (its opening system message kept)" in preference.truncation_note(
-        turns, "p.jsonl", limit, "turns")
+    assert "the prompt by its oldest whole turns (its opening system message kept where it fits)" in (
+        preference.truncation_note(turns, "p.jsonl", limit, "turns"))
 
     config = PreferenceConfig(method="dpo", init="lab/model")
     assert tokenizer.profile_mode is None  # the demo's tokenizer: trained by polyalign, no model behind it

@@ -80,10 +80,12 @@ DATASET_VERSION = "1.0.0"
 # lists them and its chat template refuses others).
 PROFILE_COUNT = "profile:"
 # Of the truncated examples: mid_turn, those whose prompt opens inside a turn (cut by tokens); turns_dropped,
-# those that lost whole turns (--truncation turns); reply_cut, those whose reply lost its end (trained
+# those that lost whole turns (--truncation turns), and system_dropped, those of them that lost a system
+# message from inside the conversation with those turns; reply_cut, those whose reply lost its end (trained
 # without its end-of-turn token).
 STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
-             "mid_turn", "turns_dropped", "reply_cut", "source_system_prompts", "system_turns_in_history")
+             "mid_turn", "turns_dropped", "system_dropped", "reply_cut", "source_system_prompts",
+             "system_turns_in_history")
 
 
 def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, str]:
@@ -278,6 +280,7 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                      trained_replies=trained_replies, untrained=int(not mask.any()),
                      truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
                      mid_turn=int(encoded.mid_turn), turns_dropped=int(encoded.turns_dropped > 0),
+                     system_dropped=int(encoded.system_dropped > 0),
                      reply_cut=int(encoded.reply_cut),
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))

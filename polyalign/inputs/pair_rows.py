@@ -39,7 +39,8 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
                 kept = [*prompt[:head], *prompt[head + dropped:]]
                 encoded = replace(encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
                                                       cutoff=max_length, truncation=truncation),
-                                  truncated=True, turns_dropped=dropped)
+                                  truncated=True, turns_dropped=dropped,
+                                  system_dropped=sum(m.role == "system" for m in prompt[head:head + dropped]))
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
             # whether a side was cut to max_length, and whether that cut into its opening system message
             example["truncated"] = example.get("truncated", False) or encoded.truncated

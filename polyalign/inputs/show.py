@@ -109,8 +109,10 @@ def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: 
         if not encoded.truncated or not np.array_equal(encoded.ids, np.asarray(example["input_ids"])):
             continue
         before = len(messages) - 1 - (messages[0].role == "system")  # the messages before the reply, system aside
-        took = ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages"] if encoded.turns_dropped
-                else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
+        notes = (f" ({encoded.system_dropped} of them system messages from inside the conversation)"
+                 if encoded.system_dropped else "")
+        took = ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages{notes}"]
+                if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
             (["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
             (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
         said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "

@@ -62,6 +62,8 @@ class Encoded:
     turns_dropped: int = 0
     # the reply lost its end (and its end-of-turn token) to the cut
     reply_cut: bool = False
+    # of the messages lost whole, the system messages from inside the conversation (not its opening one)
+    system_dropped: int = 0
 
 
 # --- records to messages --------------------------------------------------------------------------
@@ -610,7 +612,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     last = len(messages) - 1
     source_ids, source_mask, target_ids, target_mask = _prompt_and_answer(template, tokenizer, messages, train_on)
     truncated = system_cut = mid_turn = reply_cut = False
-    dropped = 0
+    dropped = system_dropped = 0
     if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
         keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
         if truncation == "turns" and keep_source < len(source_ids):
@@ -620,6 +622,8 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
             kept = fit_messages(template, tokenizer, messages[:last], keep_source, length=lambda prompt: len(
                 _prompt_and_answer(template, tokenizer, [*prompt, answer], train_on)[0]))
             dropped = last - len(kept)
+            # system messages inside the conversation (operator notes) that went with the dropped turns
+            system_dropped = sum(m.role == "system" for m in messages[:last]) - sum(m.role == "system" for m in kept)
             if dropped:
                 messages = [*kept, messages[last]]
                 source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
@@ -637,7 +641,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         mid_turn, reply_cut = start > head, keep_target < len(target_mask)
         target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
-                   truncated, system_cut, mid_turn, dropped, reply_cut)
+                   truncated, system_cut, mid_turn, dropped, reply_cut, system_dropped)
 
 
 def _prompt_and_answer(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], train_on: str

@@ -242,7 +242,7 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
         return None
     lost = sum(e["system_cut"] for e in cut)
     how = {"left": "from its start", "keep_system": "after its opening system message",
-           "turns": "by its oldest whole turns (its opening system message kept)"}[truncation]
+           "turns": "by its oldest whole turns (its opening system message kept where it fits)"}[truncation]
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
             + (f"; {lost} of them lose their opening system message, whole or in part ("
