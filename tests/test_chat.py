@@ -110,6 +110,37 @@ def test_truncation_lengths_by_hand():
     assert truncation_lengths(5, 5, 64) == (5, 5)
 
 
+def test_a_system_message_over_half_the_prompts_share_goes_whole_not_as_a_headless_tail(demo_tokenizer):
+    """keep_system and turns keep the opening system message within half of the prompt's share; where a cut
+    would open inside a longer one, it goes whole: the example is the conversation without it, opening with
+    the template's BOS and the next turn's header, never with the system text's last tokens and no header
+    (a real conversation whose system message holds its own turns' text, so it outweighs the rest)."""
+    tokenizer, _ = demo_tokenizer
+    template = get_template("polyalign")
+    case = next(c for c in CASES if c["template"] == "polyalign" and len(c["record"]["history"]) >= 2)
+    messages = record_messages(Record.from_json(case["record"]), case["profile"])
+    messages = [Message("system", "\n".join(m.content for m in messages[1:])), *messages[1:]]
+    full = encode_conversation(template, tokenizer, messages)
+    source_len = int(np.argmax(full.loss_mask))
+    target_len = len(full.ids) - source_len
+    end_of_turn = int(np.argmax(full.ids == tokenizer.special_id("<|im_end|>")))
+    system_len = end_of_turn + 1 + len(tokenizer.encode("\n"))  # BOS and the system turn
+    keep_source = source_len - system_len + 3  # a cut by tokens would keep the system turn's last 3 tokens
+    assert 2 * system_len > keep_source and 2 * target_len < keep_source + target_len
+    for truncation in ("keep_system", "turns"):
+        cut = encode_conversation(template, tokenizer, messages, cutoff=keep_source + target_len,
+                                  truncation=truncation)
+        assert cut.truncated and cut.system_cut and cut.system_left_out and not cut.mid_turn, truncation
+        # the rest (less the turns `turns` dropped first, the system message kept) fits whole
+        rest = encode_conversation(template, tokenizer, messages[1 + cut.turns_dropped:])
+        np.testing.assert_array_equal(cut.ids, rest.ids)
+        np.testing.assert_array_equal(cut.loss_mask, rest.loss_mask)
+        assert cut.ids[0] == full.ids[0] and cut.ids[1] == tokenizer.special_id("<|im_start|>")  # BOS, a header
+    left = encode_conversation(template, tokenizer, messages, cutoff=keep_source + target_len)  # METHOD's recipe
+    assert left.mid_turn and not left.system_left_out
+    np.testing.assert_array_equal(left.ids, full.ids[-(keep_source + target_len):])  # opens in the system text
+
+
 def test_cutoff_keeps_the_end_of_the_prompt_and_the_start_of_the_response(demo_tokenizer):
     tokenizer, _ = demo_tokenizer
     template = get_template("polyalign")

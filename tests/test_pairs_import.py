@@ -269,7 +269,13 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
             assert sent == whole and len(row["prompt_token_ids"]) == length(whole)
             continue
         cut += 1
-        assert sent[0] == whole[0] and sent[0].role == "system" and whole[len(whole) - len(sent) + 1:] == sent[1:]
+        if sent[0] != whole[0]:  # its system message, over half the budget, went whole with the earlier turns
+            assert sent == whole[len(whole) - len(sent):] and [m.role for m in sent].count("user") == 1
+            rest = cut_prompt(template, tokenizer, sent, None).ids.tolist()
+            assert row["prompt_token_ids"] == rest[max(len(rest) - budget, 0):]
+            dropped, over = dropped + 1, over + (len(rest) > budget)
+            continue
+        assert sent[0].role == "system" and whole[len(whole) - len(sent) + 1:] == sent[1:]
         assert sent[1].role == "user" and sent[-1] == whole[-1]
         dropped += sent != whole
         if length(sent) > budget:  # only the last question (and what follows it) is left: the ids keep their end

@@ -925,7 +925,8 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
         sides = {side: encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
                                            cutoff=limit, truncation="turns") for side in ("chosen", "rejected")}
         dropped = max(e.turns_dropped for e in sides.values())
-        kept = [prompt[0], *prompt[1 + dropped:]]
+        # and its opening system message where a side left it out whole (over half of that side's share)
+        kept = [*[prompt[0]] * (not any(e.system_left_out for e in sides.values())), *prompt[1 + dropped:]]
         for side in ("chosen", "rejected"):
             alike = encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
                                         cutoff=limit, truncation="turns")
@@ -1061,3 +1062,45 @@ def test_a_folder_of_rounds_moved_elsewhere_keeps_its_rounds_and_another_runs_mo
         check_finished_round(new / "round-2", {**config(new), "init": str(other / "round-1" / "model")}, inputs)
     with pytest.raises(ConfigError, match=r"made by another config \(lambda_dist: 0.1 there, 0.2 now\)"):
         claim(new / "round-2", {**config(new), "lambda_dist": 0.2}, inputs)
+
+
+def test_pair_sides_leave_a_long_system_message_out_together(demo_run, demo_tokenizer):
+    """A pair whose opening system message (the conversation's own, real text, then the profile prompt) is
+    over half the prompt's share on the long answer's side only: that side leaves it out whole rather than
+    keep its headless tail (keep_system and turns), and the short answer's side leaves it out too, so both
+    answer one conversation whose prompt tokens are the same on both sides."""
+    from polyalign.data.records import Record
+    from polyalign.inputs.pair_rows import tokenise_pairs
+    from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
+
+    tokenizer = demo_tokenizer[0]
+    template = get_template("polyalign", tokenizer)
+    pairs = real_pairs(demo_run, 12)
+    pair = dict(pairs[1])
+    record = dict(pair["record"])
+    record["history"] = [{"role": "system", "text": "\n".join(p["chosen"] for p in pairs[2:8])},
+                         *record.get("history", [])]
+    pair["record"] = record
+    pair["chosen"] = pair["chosen"][:40]
+    pair["rejected"] = " ".join(p["chosen"] for p in pairs[8:12])
+    prompt = record_messages(Record.from_json(record), "context", with_response=False, system=tokenizer.system_mode)
+    found = 0
+    for truncation in ("keep_system", "turns"):
+        for limit in range(64, 400, 8):
+            alone = {side: encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
+                                               cutoff=limit, truncation=truncation) for side in ("chosen", "rejected")}
+            if alone["chosen"].system_left_out == alone["rejected"].system_left_out:
+                continue
+            (example,) = tokenise_pairs([pair], tokenizer, template, "context", limit, [pair["bucket_id"]],
+                                        truncation)
+            assert example["system_cut"]
+            rest = prompt[1:]
+            for side in ("chosen", "rejected"):
+                expected = encode_conversation(template, tokenizer, [*rest, Message("assistant", pair[side])],
+                                               cutoff=limit, truncation=truncation)
+                assert list(example[f"{side}_ids"]) == expected.ids.tolist(), (truncation, limit, side)
+            first = [int(np.argmax(example[f"{side}_mask"])) for side in ("chosen", "rejected")]
+            assert first[0] == first[1] and list(example["chosen_ids"][:first[0]]) == list(
+                example["rejected_ids"][:first[1]])
+            found += 1
+    assert found >= 2, found

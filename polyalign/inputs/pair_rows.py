@@ -19,7 +19,8 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
                    buckets: list[str], truncation: str = "left") -> list[dict]:
     """Each pair's two sides as token ids and loss masks, cut to `max_length` as encode_conversation cuts
     (`truncation`: left from the prompt's start, keep_system after its opening system message, turns by its
-    oldest whole turns: as many as the side with the longer answer drops, so both answer one conversation)."""
+    oldest whole turns: as many as the side with the longer answer drops, and its opening system message where
+    that side leaves it out, so both answer one conversation)."""
     index = {b: i for i, b in enumerate(buckets)}
     examples = []
     for pair in pairs:
@@ -31,15 +32,18 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
         sides = {side: encode_conversation(template, tokenizer, [*prompt, Message("assistant", pair[side])],
                                            cutoff=max_length, truncation=truncation) for side in SIDES}
         dropped = max(encoded.turns_dropped for encoded in sides.values())
+        left_out = any(encoded.system_left_out for encoded in sides.values())
         head = int(bool(prompt) and prompt[0].role == "system")
         for side in SIDES:
             encoded = sides[side]
-            if encoded.turns_dropped < dropped:
-                # the longer answer's prompt share dropped more turns: both sides answer the same conversation
-                kept = [*prompt[:head], *prompt[head + dropped:]]
+            if encoded.turns_dropped < dropped or encoded.system_left_out < left_out:
+                # the longer answer's smaller prompt share dropped more turns, or its opening system message:
+                # both sides answer the same conversation
+                kept = [*prompt[:head * (not left_out)], *prompt[head + dropped:]]
                 encoded = replace(encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
                                                       cutoff=max_length, truncation=truncation),
-                                  truncated=True, turns_dropped=dropped,
+                                  truncated=True, turns_dropped=dropped, system_left_out=left_out,
+                                  system_cut=encoded.system_cut or left_out,
                                   system_dropped=sum(m.role == "system" for m in prompt[head:head + dropped]))
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
             # whether a side was cut to max_length, and whether that cut into its opening system message

@@ -64,6 +64,8 @@ class Encoded:
     reply_cut: bool = False
     # of the messages lost whole, the system messages from inside the conversation (not its opening one)
     system_dropped: int = 0
+    # the opening system message, over half the prompt's share, left out whole (not kept as a headless tail)
+    system_left_out: bool = False
 
 
 # --- records to messages --------------------------------------------------------------------------
@@ -601,7 +603,8 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     opens it (the profile prompt Bucket-SFT and HDPO condition on). "turns" drops the prompt's oldest whole
     turns instead, as generation does (`cut_prompt`): the opening system message kept, the conversation
     resuming at a user turn; only a last question still over the prompt's share is cut inside, as keep_system
-    cuts it.
+    cuts it. Both keep the system message within half of the prompt's share; where a cut would open inside a
+    longer one, it goes whole (`system_left_out`) rather than leave its tail without a header.
     """
     if truncation not in TRUNCATIONS:
         raise ChatTemplateError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
@@ -611,7 +614,7 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         raise ChatTemplateError("the conversation must end with the assistant response to learn")
     last = len(messages) - 1
     source_ids, source_mask, target_ids, target_mask = _prompt_and_answer(template, tokenizer, messages, train_on)
-    truncated = system_cut = mid_turn = reply_cut = False
+    truncated = system_cut = mid_turn = reply_cut = system_left_out = False
     dropped = system_dropped = 0
     if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
         keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
@@ -631,17 +634,26 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
                 keep_target = min(len(target_ids), cutoff - keep_source)
         head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
         start = len(source_ids) - (keep_source - head)
+        if truncation != "left" and head == 0 and 0 < start < system_turn_length(template, tokenizer, messages,
+                                                                                    source_ids):
+            # the opening system message, over half the prompt's share, goes whole rather than leave its tail
+            # without a header: the rest is rendered as the template renders a conversation that has none
+            messages, system_left_out = messages[1:], True
+            source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
+            keep_source = min(keep_source, len(source_ids))
+            keep_target = min(len(target_ids), cutoff - keep_source)
+            start = len(source_ids) - keep_source
         # an earlier reply the cut opened inside (train_on all) is not trained: it would teach a reply from its middle
         end = start
         while 0 < end < len(source_mask) and source_mask[end] and source_mask[end - 1]:
             end += 1
         source_mask = source_mask[:start] + [False] * (end - start) + source_mask[end:]
         source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
-        truncated, system_cut = True, messages[0].role == "system" and head == 0 and start > 0
+        truncated, system_cut = True, system_left_out or (messages[0].role == "system" and head == 0 and start > 0)
         mid_turn, reply_cut = start > head, keep_target < len(target_mask)
         target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
-                   truncated, system_cut, mid_turn, dropped, reply_cut, system_dropped)
+                   truncated, system_cut, mid_turn, dropped, reply_cut, system_dropped, system_left_out)
 
 
 def _prompt_and_answer(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], train_on: str
@@ -702,19 +714,25 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
     """encode_prompt's ids, and what a cut took. A prompt over `max_tokens` loses its oldest whole turns
     (`fit_messages`: the opening system message, the profile's instructions, kept; the conversation resuming
     at a user turn), as an engine given messages would be; one still over with only its last question left
-    keeps its opening system message (within half of `max_tokens`: system_head) and its latest tokens."""
+    keeps its opening system message (within half of `max_tokens`: system_head; a longer one goes whole
+    rather than leave its tail without a header) and its latest tokens."""
     ids = prompt_ids(template, tokenizer, messages)
     if max_tokens is None or len(ids) <= max_tokens:
         return CutPrompt(np.asarray(ids, np.int32), False, False, list(messages))
     kept = fit_messages(template, tokenizer, messages, max_tokens)
     ids = prompt_ids(template, tokenizer, kept)
-    over = len(ids) > max_tokens
     lost = False
-    if over:
+    if len(ids) > max_tokens:
         head = system_head(template, tokenizer, kept, ids, max_tokens)
-        ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
-        lost = head == 0 and kept[0].role == "system"
-    return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, over)
+        if head == 0 and len(ids) - max_tokens < system_turn_length(template, tokenizer, kept, ids):
+            # over half the budget, the opening system message goes whole, not as a tail without its header
+            kept = kept[1:]
+            ids = prompt_ids(template, tokenizer, kept)
+        lost = head == 0 and messages[0].role == "system"
+        if len(ids) > max_tokens:
+            ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
+            return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, True)
+    return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, False)
 
 
 def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], max_tokens: int,
@@ -745,6 +763,21 @@ def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequenc
         middle = (low + high) // 2
         low, high = (low, middle) if fits(starts[middle]) else (middle + 1, high)
     return [*messages[:head], *messages[starts[low]:]]
+
+
+def system_turn_length(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
+                       ids: Sequence[int]) -> int:
+    """How many of a conversation's first `ids` are its opening system message, rendered as a turn of its own
+    with what the template puts before it (a BOS): 0 where there is none, where the template folds it into
+    the first user turn (Gemma: a cut there opens inside that turn whatever it does), or where the
+    conversation holds nothing else to keep (no user turn after it)."""
+    if not messages or messages[0].role != "system" or not any(m.role == "user" for m in messages[1:]):
+        return 0
+    try:
+        alone, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
+    except ChatTemplateError:
+        return 0
+    return len(alone) if list(ids[:len(alone)]) == alone else 0
 
 
 def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
