@@ -113,7 +113,8 @@ def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: 
                  if encoded.system_dropped else "")
         took = ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages{notes}"]
                 if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
-            (["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
+            (["left out its opening system message whole (over half of the prompt's share)"] if encoded.system_left_out
+             else ["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
             (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
         said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "
                            f"{', '.join(took)}"]
