@@ -340,8 +340,10 @@ def _split_line(split: str, counts: dict, args) -> str:
         # under keep the message opens with the conversation's own system text, where it has one
         held = ("the profile prompt, after the conversation's own system text where it has one"
                 if args.system == "keep" and counts.get("source_system_prompts") else "the profile prompt")
-        parts.append(f"{counts['system_cut']} lost their opening system message, whole or in part, which holds "
-                     f"{held}: {SYSTEM_LOST_WHY[args.truncation].format(option='--truncation ')}")
+        whole = counts.get("system_left_out")  # over half of the prompt's share: left out, not kept as a tail
+        parts.append(f"{counts['system_cut']} lost their opening system message, whole or in part"
+                     + (f" ({whole} left out whole, rather than keep its last tokens)" if whole else "")
+                     + f", which holds {held}: {SYSTEM_LOST_WHY[args.truncation].format(option='--truncation ')}")
     if parts:
         line += f" ({'; '.join(parts)})"
     if args.train_on != "last" and counts["examples"]:

@@ -550,8 +550,9 @@ def test_a_turns_build_counts_and_shows_the_system_messages_its_whole_turns_took
     notes = encoded[took_notes[0]].system_dropped
     assert (f"lost its {encoded[took_notes[0]].turns_dropped} oldest of " in shown
             and f"earlier messages ({notes} of them system messages from inside the conversation)" in shown)
-    # a system message over half of the prompt's share, left out whole, is said so
+    # a system message over half of the prompt's share, left out whole, is counted and said so
     left_out = [record_id for record_id, e in encoded.items() if e.system_left_out]
-    assert left_out
+    assert counts["system_left_out"] == len(left_out) >= 1
+    assert f"({len(left_out)} left out whole, rather than keep its last tokens)" in line
     (shown,) = show_examples(tmp_path / "run", ids=left_out[:1])
     assert "left out its opening system message whole (over half of the prompt's share)" in shown

@@ -108,11 +108,15 @@ def test_a_build_with_turns_truncation_stores_whole_turn_cuts_and_says_where_cut
     replies = sum(e.reply_cut for e in encoded.values())
     assert (train["turns_dropped"], train["mid_turn"], train["reply_cut"]) == (dropped, inside, replies)
     assert dropped > 20 and inside > 0 and replies > 0
+    whole = sum(e.system_left_out for e in encoded.values())
+    assert train["system_left_out"] == whole
+    left_out = f" ({whole} left out whole, rather than keep its last tokens)" if whole else ""
     # where the cut examples open, each one counted once; the replies cut; the system messages cut
     assert (f"train: {len(records)} examples, {train['tokens']} tokens ({train['target_tokens']} trained on), "
             f"{train['truncated']} truncated to 192 ({dropped} lost whole turns; {train['truncated'] - inside} open at "
             f"a turn's start, {inside} inside a turn; {replies} replies cut short, trained without their end-of-turn "
-            f"token; {train['system_cut']} lost their opening system message, whole or in part, which holds the "
+            f"token; {train['system_cut']} lost their opening system message, whole or in part{left_out}, which "
+            "holds the "
             "profile prompt: it and the last question together were over the prompt's share") in out
     # over 5% of them: a warning that says why turns did not keep it
     assert train["system_cut"] > 0.05 * len(records)

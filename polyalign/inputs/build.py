@@ -82,9 +82,10 @@ PROFILE_COUNT = "profile:"
 # Of the truncated examples: mid_turn, those whose prompt opens inside a turn (cut by tokens); turns_dropped,
 # those that lost whole turns (--truncation turns), and system_dropped, those of them that lost a system
 # message from inside the conversation with those turns; reply_cut, those whose reply lost its end (trained
-# without its end-of-turn token).
+# without its end-of-turn token); of system_cut, system_left_out, those that left their opening system message
+# out whole (over half of the prompt's share: keep_system, turns).
 STAT_KEYS = ("examples", "tokens", "target_tokens", "trained_replies", "untrained", "truncated", "system_cut",
-             "mid_turn", "turns_dropped", "system_dropped", "reply_cut", "source_system_prompts",
+             "system_left_out", "mid_turn", "turns_dropped", "system_dropped", "reply_cut", "source_system_prompts",
              "system_turns_in_history")
 
 
@@ -280,7 +281,7 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                      trained_replies=trained_replies, untrained=int(not mask.any()),
                      truncated=int(encoded.truncated), system_cut=int(encoded.system_cut),
                      mid_turn=int(encoded.mid_turn), turns_dropped=int(encoded.turns_dropped > 0),
-                     system_dropped=int(encoded.system_dropped > 0),
+                     system_dropped=int(encoded.system_dropped > 0), system_left_out=int(encoded.system_left_out),
                      reply_cut=int(encoded.reply_cut),
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
