@@ -40,10 +40,10 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
                 # the longer answer's smaller prompt share dropped more turns, or its opening system message:
                 # both sides answer the same conversation
                 kept = [*prompt[:head * (not left_out)], *prompt[head + dropped:]]
-                encoded = replace(encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
-                                                      cutoff=max_length, truncation=truncation),
-                                  truncated=True, turns_dropped=dropped, system_left_out=left_out,
-                                  system_cut=encoded.system_cut or left_out,
+                again = encode_conversation(template, tokenizer, [*kept, Message("assistant", pair[side])],
+                                            cutoff=max_length, truncation=truncation)
+                encoded = replace(again, truncated=True, turns_dropped=dropped, system_left_out=left_out,
+                                  system_cut=again.system_cut or left_out,
                                   system_dropped=sum(m.role == "system" for m in prompt[head:head + dropped]))
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
             # whether a side was cut to max_length, and whether that cut into its opening system message

@@ -768,16 +768,29 @@ def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequenc
 def system_turn_length(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
                        ids: Sequence[int]) -> int:
     """How many of a conversation's first `ids` are its opening system message, rendered as a turn of its own
-    with what the template puts before it (a BOS): 0 where there is none, where the template folds it into
-    the first user turn (Gemma: a cut there opens inside that turn whatever it does), or where the
-    conversation holds nothing else to keep (no user turn after it)."""
-    if not messages or messages[0].role != "system" or not any(m.role == "user" for m in messages[1:]):
+    with what the template puts before it (a BOS): what leaving it out takes away. 0 where there is none,
+    where the template folds it into the first user turn (Gemma: a cut there opens inside that turn whatever
+    it does), where it writes a system turn of its own for a conversation without one (Qwen's default
+    prompt, Llama 3's date header: leaving it out would not take the system turn away), or where the
+    conversation does not go on with a user turn (or a system note before one)."""
+    if not messages or messages[0].role != "system" or len(messages) < 2 or messages[1].role == "assistant" \
+            or not any(m.role == "user" for m in messages[1:]) or _writes_own_system_turn(template):
         return 0
     try:
         alone, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
     except ChatTemplateError:
         return 0
     return len(alone) if list(ids[:len(alone)]) == alone else 0
+
+
+def _writes_own_system_turn(template: ChatTemplate) -> bool:
+    """Whether the template renders a system turn for a conversation that has no system message."""
+    try:
+        # a role name opens a turn's text after its special token ("system\n..." in a checkpoint's Jinja ChatML)
+        pieces = template.pieces([Message("user", "?")])
+        return any(not p.special and p.text.lstrip().startswith("system") for p in pieces)
+    except ChatTemplateError:
+        return False
 
 
 def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
