@@ -131,8 +131,10 @@ def test_a_system_message_over_half_the_prompts_share_goes_whole_not_as_a_headle
         cut = encode_conversation(template, tokenizer, messages, cutoff=keep_source + target_len,
                                   truncation=truncation)
         assert cut.truncated and cut.system_cut and cut.system_left_out and not cut.mid_turn, truncation
-        # the rest (less the turns `turns` dropped first, the system message kept) fits whole
-        rest = encode_conversation(template, tokenizer, messages[1 + cut.turns_dropped:])
+        # without it the rest fits whole: `turns`, which had to drop turns to keep it, fits them again
+        assert cut.turns_dropped == 0, truncation
+        rest = encode_conversation(template, tokenizer, messages[1:])
+        assert len(rest.ids) <= keep_source + target_len
         np.testing.assert_array_equal(cut.ids, rest.ids)
         np.testing.assert_array_equal(cut.loss_mask, rest.loss_mask)
         assert cut.ids[0] == full.ids[0] and cut.ids[1] == tokenizer.special_id("<|im_start|>")  # BOS, a header

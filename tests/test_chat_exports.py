@@ -120,44 +120,109 @@ def test_a_cut_prompt_loses_whole_turns_and_keeps_its_system_message_in_every_te
     first), rendered whole: what an engine given the kept messages reads. Only one still over with its last
     question alone is cut inside it: its opening system message (rendered alone where the template writes a
     system turn, at the head of the first user turn where it folds it there: Gemma's BOS, header, text), then
-    its latest tokens."""
-    from polyalign.tokens.chat import cut_prompt, prompt_ids, system_head
+    its latest tokens. Where that cut would open inside a system message over half the budget, the message goes
+    whole and the conversation without it is fitted again: under the system turn the template writes of its
+    own (Qwen's identity prompt, Llama 3's date header), never a tail without its header."""
+    from polyalign.tokens.chat import (
+        cut_prompt,
+        fit_messages,
+        own_system_head,
+        prompt_ids,
+        system_head,
+        system_turn_length,
+    )
 
     _, records = export_run
     template = get_template(name)
-    whole_turns = inside = 0
+    whole_turns = inside = left_out = 0
     for case in (c for c in EXPORTS if c["template"] == name):
         messages = record_messages(records[case["key"]], "context")[:-1]
         whole = prompt_ids(template, bpe_tokenizer, messages)
         users = [i for i, m in enumerate(messages) if m.role == "user"]
-        for budget in sorted({len(whole) - 1, len(whole) * 2 // 3, len(whole) // 3, 8}):
+        budgets = {len(whole) - 1, len(whole) * 2 // 3, len(whole) // 3, 8}
+        # and a budget under which a cut would open inside the system turn, just over twice as long as it
+        system_turn = system_turn_length(template, bpe_tokenizer, messages, whole)  # 0 for gemma: folded
+        last_alone = prompt_ids(template, bpe_tokenizer, [messages[0], *messages[users[-1]:]])
+        if system_turn and 2 * system_turn + 2 < len(last_alone):
+            budgets.add(len(last_alone) - system_turn // 2)
+        for budget in sorted(budgets):
             ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, messages, budget)
             assert cut and len(ids) <= budget and kept[-1] == messages[-1]
-            # qwen and llama3 write a system turn of their own where there is none, gemma folds it into the user
-            # turn: leaving it out would take nothing away, so it is never left out there
-            assert kept[0] == messages[0]
-            start = len(messages) - len(kept) + 1  # where the kept turns resume after the system message
+            went = kept[0] != messages[0]
+            if went:  # only a system message over half the budget, the cut opening inside its turn
+                with_it = fit_messages(template, bpe_tokenizer, messages, budget)
+                alone = prompt_ids(template, bpe_tokenizer, with_it)
+                assert name != "gemma" and with_it[1:] == messages[resumption(messages, users[-1]):] and lost
+                assert system_head(template, bpe_tokenizer, with_it, alone, budget) == 0
+                assert len(alone) - budget < len(prompt_ids(template, bpe_tokenizer, messages[:1]))
+                left_out += 1
+            first = 0 if went else 1  # the kept turns resume after the system message, or it went too
+            start = len(messages) - len(kept) + first
             resumed = next(i for i in range(start, len(messages)) if messages[i].role != "system")
-            assert kept == [messages[0], *messages[start:]] and messages[resumed].role == "user"
-            assert start == 1 or start == resumption(messages, resumed)  # the system messages before it kept
+            assert kept == [*messages[:first], *messages[start:]] and messages[resumed].role == "user"
+            assert start <= 1 or start == resumption(messages, resumed)  # the system messages before it kept
             if not mid_turn:  # the kept messages rendered whole, and one turn more would not fit
-                assert ids.tolist() == prompt_ids(template, bpe_tokenizer, kept) and not lost
-                earlier = [i for i in users if 0 < i < start]
+                assert ids.tolist() == prompt_ids(template, bpe_tokenizer, kept) and lost == went
+                earlier = [i for i in users if first < i < start]
                 assert not earlier or len(prompt_ids(template, bpe_tokenizer, [
-                    messages[0], *messages[resumption(messages, earlier[-1]):]])) > budget
-                whole_turns += 1
+                    *messages[:first], *messages[resumption(messages, earlier[-1]):]])) > budget
+                whole_turns += not went
                 continue
             assert resumed == users[-1]  # over with the last question alone
             alone = prompt_ids(template, bpe_tokenizer, kept)
-            head = system_head(template, bpe_tokenizer, kept, alone, budget)
-            assert len(ids) == budget and lost == (head == 0)
+            head = (own_system_head(template, bpe_tokenizer, alone, budget) if went
+                    else system_head(template, bpe_tokenizer, kept, alone, budget))
+            assert len(ids) == budget and lost == (went or head == 0)
             assert ids.tolist() == alone[:head] + alone[len(alone) - (budget - head):]  # the head, the latest tokens
-            if head:
+            if head and went:  # the template's own system turn, not a word of the message left out
+                assert ids[:head].tolist() == prompt_ids(template, bpe_tokenizer, [Message("user", "?")])[:head]
+                assert messages[0].content.strip()[:20] not in bpe_tokenizer.decode(ids.tolist())
+            elif head:
                 assert messages[0].content.strip() in bpe_tokenizer.decode(ids[:head].tolist())
                 assert name != "gemma" or template.bos in bpe_tokenizer.decode(ids[:head].tolist(),
                                                                                skip_special=False)
             inside += 1
     assert whole_turns >= 4 and inside >= 2, (whole_turns, inside)
+    assert (left_out >= 1) == (name != "gemma"), left_out
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3"])
+def test_a_system_message_left_out_gives_way_to_the_templates_own_system_turn(name, export_run, bpe_tokenizer):
+    """Qwen and Llama 3 write a system turn of their own for a conversation without a system message. Where a
+    long system message is left out and the last question is still over its share, that turn is the head the
+    cut keeps (as an opening system message would be), then the latest tokens: a prompt as the template writes
+    it with no system message, cut at its left, in generation and in training alike."""
+    from polyalign.tokens.chat import cut_prompt, own_system_head, prompt_ids
+
+    _, records = export_run
+    template = get_template(name)
+    cases = [record_messages(records[c["key"]], "context") for c in EXPORTS if c["template"] == name]
+    messages = max(cases, key=len)
+    # one long question (the conversation's questions at once: longer than the template's own system turn) and
+    # the last answer; a system message over half of any share below
+    question = Message("user", "\n".join(m.content for m in messages if m.role == "user"))
+    answer = messages[-1]
+    assert answer.role == "assistant"
+    system = Message("system", "\n".join(m.content for m in messages[1:]) * 2)
+    own = prompt_ids(template, bpe_tokenizer, [question])  # the template's own system turn, then the question
+    budget = len(own) - 3
+    ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, [system, question], budget)
+    head = own_system_head(template, bpe_tokenizer, own, budget)
+    assert 0 < head <= budget // 2 and kept == [question] and cut and lost and mid_turn
+    assert ids.tolist() == own[:head] + own[len(own) - (budget - head):]
+    written = {"qwen": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>",
+               "llama3": "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>"}
+    assert bpe_tokenizer.decode(own[:head], skip_special=False).endswith(written[name])
+    # training, keep_system and turns alike: the answer kept whole, the prompt's share `budget` as above
+    target = encode_conversation(template, bpe_tokenizer, [question, answer])
+    answer_ids = target.ids[int(np.argmax(target.loss_mask)):].tolist()
+    for truncation in ("keep_system", "turns"):
+        encoded = encode_conversation(template, bpe_tokenizer, [system, question, answer],
+                                      cutoff=budget + len(answer_ids), truncation=truncation)
+        assert encoded.system_left_out and encoded.system_cut and encoded.mid_turn and not encoded.reply_cut
+        assert target.ids[:len(own)].tolist() == own  # the prompt trained on is the generation prompt
+        assert encoded.ids.tolist() == ids.tolist() + answer_ids, truncation
+        assert encoded.loss_mask.tolist() == [False] * budget + [True] * len(answer_ids)
 
 
 @pytest.mark.parametrize("name", ["qwen", "llama3", "gemma"])
@@ -166,12 +231,13 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
     third of it: the example is the conversation less its oldest whole turns (the system message kept, a user
     turn first) encoded whole, its answer cut at its end to what is left of the cutoff, never less than
     METHOD's rule gives it; as few turns go as fit the prompt's share (one more would not); only a last
-    question over the share alone is cut inside, as keep_system cuts it."""
-    from polyalign.tokens.chat import truncation_lengths
+    question over the share alone is cut inside, as keep_system cuts it. A system message over half the share
+    that such a cut would open inside goes whole, and the turns are fitted to the share without it."""
+    from polyalign.tokens.chat import system_turn_length, truncation_lengths
 
     _, records = export_run
     template = get_template(name)
-    whole_turns = inside = notes_dropped = 0
+    whole_turns = inside = notes_dropped = left_out = 0
     for record in records.values():
         messages = record_messages(record, "context")
         users = [i for i, m in enumerate(messages) if m.role == "user"]
@@ -189,12 +255,16 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
             trained = len(cut.ids) - next(i for i in range(len(cut.ids)) if cut.ids[i:].tolist()
                                           == answer[:len(cut.ids) - i].tolist() and cut.loss_mask[i:].all())
             assert trained >= keep_target
-            start = 1 + cut.turns_dropped
-            kept = [messages[0], *messages[start:]]
+            went = cut.system_left_out
+            start, first = 1 + cut.turns_dropped, int(not went)  # turns resume at start; the system message kept?
+            kept = [*messages[:first], *messages[start:]]
             # the system messages from inside the conversation that went with the dropped turns are counted
             assert cut.system_dropped == sum(m.role == "system" for m in messages[1:start])
             notes_dropped += cut.system_dropped > 0
-            assert not cut.system_left_out  # as in cut_prompt's test: never in these templates
+            if went:  # over half the share, not in gemma (folded into the first user turn: nothing to leave out)
+                assert name != "gemma" and cut.system_cut
+                assert system_turn_length(template, bpe_tokenizer, messages, whole.ids) > keep_source // 2
+                left_out += 1
             if cut.mid_turn:  # only the last question was left, over the prompt's share
                 assert start == resumption(messages, users[-1])
                 assert len(encode_conversation(template, bpe_tokenizer, kept).ids) - len(answer) > keep_source
@@ -207,13 +277,14 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
             assert cut.ids.tolist() == shorter.ids[:len(cut.ids)].tolist()
             assert cut.loss_mask.tolist() == shorter.loss_mask[:len(cut.ids)].tolist()  # earlier answers trained
             assert len(shorter.ids) - len(answer) <= keep_source
-            earlier = [i for i in users if 0 < i < start]
+            earlier = [i for i in users if first < i < start]
             if earlier:  # one turn more would not fit the prompt's share
                 longer = encode_conversation(template, bpe_tokenizer,
-                                             [messages[0], *messages[resumption(messages, earlier[-1]):]])
+                                             [*messages[:first], *messages[resumption(messages, earlier[-1]):]])
                 assert len(longer.ids) - len(answer) > keep_source
             whole_turns += cut.turns_dropped > 0
     assert whole_turns >= 5 and inside >= 1 and notes_dropped >= 1, (whole_turns, inside, notes_dropped)
+    assert (left_out >= 1) == (name != "gemma"), left_out
 
 
 def test_the_fixtures_hold_the_shapes_users_bring():
@@ -541,3 +612,4 @@ def test_a_turns_build_counts_and_shows_the_system_messages_its_whole_turns_took
     assert f"({len(left_out)} left out whole, rather than keep its last tokens)" in line
     (shown,) = show_examples(tmp_path / "run", ids=left_out[:1])
     assert "left out its opening system message whole (over half of the prompt's share)" in shown
+

@@ -269,10 +269,15 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
             assert sent == whole and len(row["prompt_token_ids"]) == length(whole)
             continue
         cut += 1
-        if sent[0] != whole[0]:  # its system message, over half the budget, went whole with the earlier turns
-            assert sent == whole[len(whole) - len(sent):] and [m.role for m in sent].count("user") == 1
+        if sent[0] != whole[0]:  # its system message, over half the budget, went whole; the turns fitted again
+            assert sent == whole[len(whole) - len(sent):] and sent[0].role == "user"
             rest = cut_prompt(template, tokenizer, sent, None).ids.tolist()
-            assert row["prompt_token_ids"] == rest[max(len(rest) - budget, 0):]
+            assert row["prompt_token_ids"] == rest[max(len(rest) - budget, 0):]  # no system turn of its own here
+            earlier = [i for i, m in enumerate(whole[:len(whole) - len(sent)]) if m.role == "user"]
+            if len(rest) > budget:
+                assert [m.role for m in sent].count("user") == 1
+            else:  # as few turns dropped as fit without it
+                assert not earlier or length(whole[earlier[-1]:]) > budget
             dropped, over = dropped + 1, over + (len(rest) > budget)
             continue
         assert sent[0].role == "system" and whole[len(whole) - len(sent) + 1:] == sent[1:]

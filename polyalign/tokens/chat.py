@@ -604,7 +604,9 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     turns instead, as generation does (`cut_prompt`): the opening system message kept, the conversation
     resuming at a user turn; only a last question still over the prompt's share is cut inside, as keep_system
     cuts it. Both keep the system message within half of the prompt's share; where a cut would open inside a
-    longer one, it goes whole (`system_left_out`) rather than leave its tail without a header.
+    longer one, it goes whole (`system_left_out`) rather than leave its tail without a header: the prompt is
+    then the conversation as the template renders it with no system message (under Qwen's or Llama 3's
+    template, their own system turn kept as the head), `turns` fitting its whole turns to the share again.
     """
     if truncation not in TRUNCATIONS:
         raise ChatTemplateError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
@@ -612,23 +614,18 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         raise ChatTemplateError(f"train_on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
     if not messages or messages[-1].role != "assistant":
         raise ChatTemplateError("the conversation must end with the assistant response to learn")
-    last = len(messages) - 1
+    original = list(messages)
     source_ids, source_mask, target_ids, target_mask = _prompt_and_answer(template, tokenizer, messages, train_on)
     truncated = system_cut = mid_turn = reply_cut = system_left_out = False
     dropped = system_dropped = 0
     if cutoff is not None and len(source_ids) + len(target_ids) > cutoff:
         keep_source, keep_target = truncation_lengths(len(source_ids), len(target_ids), cutoff)
+        share = keep_source
         if truncation == "turns" and keep_source < len(source_ids):
             # the prompt loses whole turns until it fits its share, as a generation prompt does; the answer,
             # unchanged, takes what is left
-            answer = messages[last]
-            kept = fit_messages(template, tokenizer, messages[:last], keep_source, length=lambda prompt: len(
-                _prompt_and_answer(template, tokenizer, [*prompt, answer], train_on)[0]))
-            dropped = last - len(kept)
-            # system messages inside the conversation (operator notes) that went with the dropped turns
-            system_dropped = sum(m.role == "system" for m in messages[:last]) - sum(m.role == "system" for m in kept)
+            messages, dropped, system_dropped = _drop_turns(template, tokenizer, original, share, train_on)
             if dropped:
-                messages = [*kept, messages[last]]
                 source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
                 keep_source = min(keep_source, len(source_ids))  # under it, unless the last question is still over
                 keep_target = min(len(target_ids), cutoff - keep_source)
@@ -637,12 +634,18 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         if truncation != "left" and head == 0 and 0 < start < system_turn_length(template, tokenizer, messages,
                                                                                     source_ids):
             # the opening system message, over half the prompt's share, goes whole rather than leave its tail
-            # without a header: the rest is rendered as the template renders a conversation that has none
-            messages, system_left_out = messages[1:], True
+            # without a header: the rest is rendered as the template renders a conversation that has none (with
+            # the system turn it writes of its own, kept as the head), `turns` fitting its whole turns again
+            system_left_out = True
+            if truncation == "turns":
+                messages, dropped, system_dropped = _drop_turns(template, tokenizer, original[1:], share, train_on)
+            else:
+                messages = messages[1:]
             source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
-            keep_source = min(keep_source, len(source_ids))
+            keep_source = min(share, len(source_ids))
             keep_target = min(len(target_ids), cutoff - keep_source)
-            start = len(source_ids) - keep_source
+            head = own_system_head(template, tokenizer, source_ids, keep_source)
+            start = len(source_ids) - (keep_source - head)
         # an earlier reply the cut opened inside (train_on all) is not trained: it would teach a reply from its middle
         end = start
         while 0 < end < len(source_mask) and source_mask[end] and source_mask[end - 1]:
@@ -654,6 +657,18 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
                    truncated, system_cut, mid_turn, dropped, reply_cut, system_dropped, system_left_out)
+
+
+def _drop_turns(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], share: int,
+                train_on: str) -> tuple[list[Message], int, int]:
+    """A conversation less as few of its oldest whole turns as fit its prompt in `share` tokens (`fit_messages`),
+    how many messages before the reply went, and how many of those were system messages from inside it."""
+    last = len(messages) - 1
+    answer = messages[last]
+    kept = fit_messages(template, tokenizer, messages[:last], share, length=lambda prompt: len(
+        _prompt_and_answer(template, tokenizer, [*prompt, answer], train_on)[0]))
+    notes = sum(m.role == "system" for m in messages[:last]) - sum(m.role == "system" for m in kept)
+    return [*kept, answer], last - len(kept), notes
 
 
 def _prompt_and_answer(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], train_on: str
@@ -715,23 +730,26 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
     (`fit_messages`: the opening system message, the profile's instructions, kept; the conversation resuming
     at a user turn), as an engine given messages would be; one still over with only its last question left
     keeps its opening system message (within half of `max_tokens`: system_head; a longer one goes whole
-    rather than leave its tail without a header) and its latest tokens."""
+    rather than leave its tail without a header, and the turns are fitted again without it) and its latest
+    tokens."""
     ids = prompt_ids(template, tokenizer, messages)
     if max_tokens is None or len(ids) <= max_tokens:
         return CutPrompt(np.asarray(ids, np.int32), False, False, list(messages))
     kept = fit_messages(template, tokenizer, messages, max_tokens)
     ids = prompt_ids(template, tokenizer, kept)
-    lost = False
+    if len(ids) <= max_tokens:
+        return CutPrompt(np.asarray(ids, np.int32), True, False, kept, False)
+    head = system_head(template, tokenizer, kept, ids, max_tokens)
+    lost = head == 0 and messages[0].role == "system"
+    if head == 0 and len(ids) - max_tokens < system_turn_length(template, tokenizer, kept, ids):
+        # over half the budget, the opening system message goes whole, not as a tail without its header: the
+        # conversation without it fits its whole turns again, under the system turn the template writes of its own
+        kept = fit_messages(template, tokenizer, messages[1:], max_tokens)
+        ids = prompt_ids(template, tokenizer, kept)
+        head = own_system_head(template, tokenizer, ids, max_tokens)
     if len(ids) > max_tokens:
-        head = system_head(template, tokenizer, kept, ids, max_tokens)
-        if head == 0 and len(ids) - max_tokens < system_turn_length(template, tokenizer, kept, ids):
-            # over half the budget, the opening system message goes whole, not as a tail without its header
-            kept = kept[1:]
-            ids = prompt_ids(template, tokenizer, kept)
-        lost = head == 0 and messages[0].role == "system"
-        if len(ids) > max_tokens:
-            ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
-            return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, True)
+        ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
+        return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, True)
     return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, False)
 
 
@@ -768,13 +786,13 @@ def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequenc
 def system_turn_length(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
                        ids: Sequence[int]) -> int:
     """How many of a conversation's first `ids` are its opening system message, rendered as a turn of its own
-    with what the template puts before it (a BOS): what leaving it out takes away. 0 where there is none,
-    where the template folds it into the first user turn (Gemma: a cut there opens inside that turn whatever
-    it does), where it writes a system turn of its own for a conversation without one (Qwen's default
-    prompt, Llama 3's date header: leaving it out would not take the system turn away), or where the
+    with what the template puts before it (a BOS): a cut that opens inside them leaves the message out instead
+    (where the template writes a system turn of its own for a conversation without one, Qwen's default prompt
+    or Llama 3's date header, that turn takes its place). 0 where there is none, where the template folds it
+    into the first user turn (Gemma: a cut there opens inside that turn whatever it does), or where the
     conversation does not go on with a user turn (or a system note before one)."""
     if not messages or messages[0].role != "system" or len(messages) < 2 or messages[1].role == "assistant" \
-            or not any(m.role == "user" for m in messages[1:]) or _writes_own_system_turn(template):
+            or not any(m.role == "user" for m in messages[1:]):
         return 0
     try:
         alone, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
@@ -791,6 +809,21 @@ def _writes_own_system_turn(template: ChatTemplate) -> bool:
         return any(not p.special and p.text.lstrip().startswith("system") for p in pieces)
     except ChatTemplateError:
         return False
+
+
+def own_system_head(template: ChatTemplate, tokenizer: Tokenizer, ids: Sequence[int], budget: int) -> int:
+    """How many of the first `ids` of a conversation with no system message are the system turn the template
+    writes of its own (Qwen's identity prompt, Llama 3's date header): what a cut keeps before its latest
+    tokens, as system_head keeps an opening system message. 0 where the template writes none, or where it
+    would take more than half of the `budget`."""
+    if not _writes_own_system_turn(template):
+        return 0
+    pieces = template.pieces([Message("user", "?")])
+    end = next((i for i, p in enumerate(pieces) if p.special and p.text == template.end_of_turn), None)
+    if end is None:
+        return 0
+    head, _ = encode_pieces(pieces[:end + 1], tokenizer, set())
+    return len(head) if list(ids[:len(head)]) == head and len(head) <= budget // 2 else 0
 
 
 def system_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
