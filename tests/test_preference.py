@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from polyalign.core.paths import file_digest
 from polyalign.data.records import InputError
 from polyalign.pairs.make import assign_weights, build_pairs, imbalance_gains, pair_weight, read_predictions
 from polyalign.train import losses
@@ -746,7 +747,6 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
 def test_the_critic_and_evaluate_refuse_references_made_from_an_earlier_prepare(demo_run, tmp_path, capsys):
     from polyalign.cli import main
     from polyalign.core.errors import StatsError
-    from polyalign.core.paths import file_digest
     from polyalign.train import critic
     from polyalign.train.methods import load_config
 
@@ -1037,6 +1037,37 @@ def test_a_rounds_summary_says_every_finished_round_and_the_rounds_planned():
     lines = summary_line(final).splitlines()
     assert [line.split(":")[0] for line in lines] == ["round 1", "hdpo", lines[2].split(":")[0], "model"]
     assert lines[1].endswith("(round 2 of 2)")
+
+
+def test_a_run_is_not_continued_on_pairs_that_changed_since_it_started(demo_run, demo_tokenizer, tmp_path):
+    """OUT/inputs.json records what the pairs files held: the same command after `pairs import --overwrite`
+    wrote other pairs at the same path is refused (with --resume too), since the checkpoints were trained on
+    the others; the same bytes written again continue it; --overwrite trains on the new pairs."""
+    from polyalign.core.yaml_config import ConfigError
+    from polyalign.train.methods import load_config
+    from polyalign.train.run import train as train_preference
+
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=6, val=2)
+    config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
+        "method=dpo", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
+        f"val_pairs={tmp_path / 'val.jsonl'}", "max_length=128", "train.steps=1", "train.global_batch=2",
+        "train.eval_every=1", "drift_prompts=0", "attention_impl=xla"])
+    out = tmp_path / "out"
+    assert train_preference(config, out, progress=False)["end_step"] == 1
+    recorded = json.loads((out / "inputs.json").read_text())
+    assert set(recorded) == {"pairs", "val_pairs"}
+    assert recorded["pairs"]["digest"] == file_digest(tmp_path / "train.jsonl")
+    pairs = (tmp_path / "train.jsonl").read_bytes()
+    (tmp_path / "train.jsonl").write_bytes(pairs)  # written again, the same pairs: the same run
+    assert train_preference(config, out, progress=False)["end_step"] == 1
+    (tmp_path / "train.jsonl").write_bytes(b"".join(pairs.splitlines(keepends=True)[1:]))  # imported again
+    for existing in ("continue", "resume"):
+        with pytest.raises(ConfigError, match=rf"{out}: the run started on other data: pairs={tmp_path / 'train.jsonl'}"
+                                              rf" \({recorded['pairs']['digest'][7:19]}… then, [0-9a-f]{{12}}… now\)"):
+            train_preference(config, out, progress=False, existing=existing)
+    again = train_preference(config, out, progress=False, existing="overwrite")
+    assert again["start_step"] == 0 and again["train_pairs"] == 5
+    assert json.loads((out / "inputs.json").read_text())["pairs"]["digest"] == file_digest(tmp_path / "train.jsonl")
 
 
 def test_a_folder_of_rounds_moved_elsewhere_keeps_its_rounds_and_another_runs_model_does_not_pass(tmp_path):

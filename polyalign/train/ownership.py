@@ -10,11 +10,15 @@ the config is the same; otherwise the keys that differ decide:
   learning-rate schedule);
 - anything else (the data, the model, the method, the optimiser) is another run: refused unless
   `--overwrite`, which starts over and removes what the earlier run wrote.
+OUT/inputs.json records what the files the run trains and validates on held (their digests): a file at the
+same path that holds something else since (pairs imported again, a run built again) makes it another run
+too, whatever the flags but --overwrite, since its checkpoints were trained on the other.
 A lock file (polyalign/core/outputs.py) refuses a second process writing the same folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.core.outputs import describe_changes, differing_keys, flatten, same_path
-from polyalign.core.paths import recorded_path, remove_path
+from polyalign.core.paths import as_path, file_digest, recorded_path, remove_path
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
@@ -37,8 +41,8 @@ RESUMABLE_KEYS = ("train.steps", "train.epochs", "train.checkpoint_every", "trai
                   "train.max_nonfinite", "data.eval_limit", "train.report_to", "train.tracker_project",
                   "train.peak_tflops", "train.profile_steps")
 # What a run writes into OUT, removed by --overwrite; anything else in the folder is left alone.
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "profile", "wandb", "model",
-             "critic.json", "critic.safetensors", "train_pairs.jsonl", "val_pairs.jsonl")
+RUN_FILES = ("config.json", "inputs.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "profile",
+             "wandb", "model", "critic.json", "critic.safetensors", "train_pairs.jsonl", "val_pairs.jsonl")
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
@@ -46,10 +50,11 @@ def _matches(key: str, patterns: tuple[str, ...]) -> bool:
 
 
 def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], existing: str = "continue",
-          remove: bool = True) -> str:
+          remove: bool = True, contents: dict[str, dict[str, str]] | None = None) -> str:
     """Checks that OUT may receive the run `config` describes; returns "new", "continue" or "overwrite"
     (after removing what the earlier run wrote, where `remove`: one process of several does that).
-    `inputs` are the paths the run reads, by key, none of which may be OUT itself."""
+    `inputs` are the paths the run reads, by key, none of which may be OUT itself; `contents`, what the files
+    it trains on hold now ({key: {"path", "digest"}}, `input_contents`), checked against OUT/inputs.json."""
     if existing not in EXISTING:
         raise ValueError(f"existing must be one of {EXISTING}")
     for key, path in inputs.items():
@@ -86,7 +91,47 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     if needs_resume and existing != "resume":
         raise ConfigError(f"{out}: started with {describe_changes(needs_resume, saved, current, old=True)}; pass "
                           "--resume to continue it with the new values, or --overwrite to start over")
+    check_contents(out, contents or {})
     return "continue"
+
+
+def input_contents(files: dict[str, str | None]) -> dict[str, dict[str, str]]:
+    """{key: {"path", "digest"}} of each of `files` that is there: what OUT/inputs.json records. A build
+    folder's digest is its manifest's settings and inputs' digests (the manifest also holds how long the build
+    took, which building the same data again changes)."""
+    contents = {}
+    for key, path in files.items():
+        if not path or not as_path(path).is_file():
+            continue
+        if as_path(path).name == "manifest.json":
+            manifest = json.loads(as_path(path).read_text(encoding="utf-8"))
+            made = json.dumps({k: manifest.get(k) for k in ("settings", "made_from")}, sort_keys=True, default=str)
+            digest = "sha256:" + hashlib.sha256(made.encode()).hexdigest()
+        else:
+            digest = file_digest(path)
+        contents[key] = {"path": str(path), "digest": digest}
+    return contents
+
+
+def record_contents(out: Path, contents: dict[str, dict[str, str]]) -> None:
+    """OUT/inputs.json, written as the run starts (by one process)."""
+    (as_path(out) / "inputs.json").write_text(json.dumps(contents, indent=2) + "\n", encoding="utf-8")
+
+
+def check_contents(out: Path, contents: dict[str, dict[str, str]]) -> None:
+    """Refuses to continue a run whose input files hold something else since it started (OUT/inputs.json).
+    A run recorded before inputs.json was written is not checked."""
+    recorded_file = out / "inputs.json"
+    if not recorded_file.is_file():
+        return
+    recorded = json.loads(recorded_file.read_text(encoding="utf-8"))
+    changed = [key for key in contents if key in recorded and recorded[key]["digest"] != contents[key]["digest"]]
+    if changed:
+        shown = ", ".join(f"{key}={contents[key]['path']} ({recorded[key]['digest'][7:19]}… then, "
+                          f"{contents[key]['digest'][7:19]}… now)" for key in changed)
+        raise ConfigError(f"{out}: the run started on other data: {shown} holds something else since (imported or "
+                          "built again); its checkpoints were trained on what was there. Pass --overwrite to train "
+                          "on the new data from the start, or give another --out")
 
 
 def _moved_round_keys(out: Path, saved: dict[str, Any], current: dict[str, Any], keys) -> set[str]:

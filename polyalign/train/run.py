@@ -161,6 +161,24 @@ def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
             raise ConfigError(f"{key}={path}: no such file or folder{kept}")
 
 
+def trained_files(config) -> dict[str, str | None]:
+    """The files a run trains and validates on, by the key that names them (pairs as a preference method
+    resolves them; an SFT run's build, by its manifest): what OUT/inputs.json records (ownership.py)."""
+    files: dict[str, str | None] = {}
+    for key in ("pairs", "val_pairs"):
+        if hasattr(config, "pair_file"):
+            with contextlib.suppress(ConfigError):  # no pairs named: the method says so when it reads them
+                files[key] = config.pair_file(key)
+        elif hasattr(config, key):
+            files[key] = getattr(config, key)
+    run = str(config.data.dir).rstrip("/") if config.data.dir else None
+    if hasattr(config, "references"):
+        files["references"] = config.references or (run and f"{run}/stats/references.json")
+    if not files and run:  # SFT: the tokenised build of RUN
+        files["build"] = f"{run}/build/manifest.json"
+    return files
+
+
 def check_finished(config, out, unused: tuple[str, ...] = ()) -> None:
     """Refuses a finished round of an on-policy run that `config` did not make (ownership.py)."""
     config = with_recorded_paths(with_compute_dtype(config))
@@ -186,14 +204,16 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
         if local:
             inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
             check_inputs_exist({**inputs, "data.dir": config.data.dir}, existing)
+        contents = ownership.input_contents(trained_files(config))
+        if local:
             ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
-                            remove=jax.process_index() == 0)
+                            remove=jax.process_index() == 0, contents=contents)
         lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
         with lock:
-            return _train(config, out, progress)
+            return _train(config, out, progress, contents)
 
 
-def _train(config, out, progress: bool) -> dict[str, Any]:
+def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> dict[str, Any]:
     started = time.perf_counter()
     stop_at, done = config.train.stop_at, committed_steps(out / "checkpoints")
     if stop_at is not None and done and done[-1] > stop_at:  # said before the model loads, not after
@@ -204,6 +224,8 @@ def _train(config, out, progress: bool) -> dict[str, Any]:
     loop = resolve_loop(config.train, job.epoch_size, config.method)
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
+    if jax.process_index() == 0:
+        ownership.record_contents(out, contents)
     metrics = MetricsWriter(out, loop.report_to, loop.tracker_project, dataclasses.asdict(config))
     throughput = Throughput.for_devices(mesh.devices.flat, job.flops_per_token, loop.peak_tflops)
     trainer = Trainer(job.model, job.objective, config.optimizer, loop, mesh, metrics=metrics, throughput=throughput,
