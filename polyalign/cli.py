@@ -530,8 +530,9 @@ def _run_train(args) -> int:
 
 
 PAIRS_EPILOG = """\
-Pairs from your own preference data (TRL's {"prompt", "chosen", "rejected"}, strings or message lists;
-LLaMA-Factory's ShareGPT pairs), labelled and bucketed as `polyalign prepare` labels records:
+Pairs from your own preference data (TRL's {"prompt", "chosen", "rejected"}, strings or message lists,
+UltraFeedback binarized among them; Anthropic HH-RLHF's "\n\nHuman: ... \n\nAssistant: ..." text; LLaMA-Factory's
+ShareGPT pairs), labelled and bucketed as `polyalign prepare` labels records:
   polyalign pairs import --format trl --input prefs.jsonl --out RUN/pairs/train.jsonl --language en \
       --val-fraction 0.05 --val-out RUN/pairs/val.jsonl
 Then: polyalign train dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl val_pairs=RUN/pairs/val.jsonl
@@ -541,7 +542,7 @@ Then: polyalign train dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl val_pairs=
 
 def _add_pairs(sub) -> None:
     p = sub.add_parser("pairs", help="preference pairs: human response chosen, the policy's generation rejected; "
-                                     "or imported from TRL/ShareGPT files",
+                                     "or imported from TRL/HH/ShareGPT files",
                        description="Join records and predictions by id into weighted preference pairs "
                                    "(docs/preference.md). Pairs with an empty side or identical sides are dropped "
                                    "and counted. `pairs import` reads users' own preference files instead.",
@@ -553,13 +554,18 @@ def _add_pairs(sub) -> None:
                                                             "(or not by polyalign)")
     p.set_defaults(handler=_run_pairs, parser=p)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
-    imported = actions.add_parser("import", help="pairs from a TRL or ShareGPT preference file",
+    imported = actions.add_parser("import", help="pairs from a TRL, Anthropic HH or ShareGPT preference file",
                                   description="Read a preference file into the pairs file the preference methods "
                                               "train on: every row labelled, bucketed and validated as prepare does; "
                                               "bad rows stop the import (file and line) or go to "
-                                              "OUT.quarantine.jsonl.")
-    imported.add_argument("--format", required=True, choices=("trl", "sharegpt-pairs"),
-                          help="trl: {prompt, chosen, rejected}; sharegpt-pairs: {conversations, chosen, rejected}")
+                                              "OUT.quarantine.jsonl; rows left out (an empty side, identical "
+                                              "sides, a language outside the scheme) are counted and listed in "
+                                              "OUT.dropped.jsonl. A row's own \"id\" is kept as "
+                                              "record.meta.source_id.")
+    imported.add_argument("--format", required=True, choices=("trl", "hh", "sharegpt-pairs"),
+                          help="trl: {prompt, chosen, rejected} (strings, or message lists: chosen/rejected one "
+                               "assistant message or the whole conversation); hh: {chosen, rejected} as Anthropic "
+                               "HH text; sharegpt-pairs: {conversations, chosen, rejected}")
     imported.add_argument("--input", required=True, type=Path, help="JSON array or JSON Lines file")
     imported.add_argument("--out", required=True, type=Path, help="pairs JSONL")
     imported.add_argument("--dataset", help="name of the data (record ids, the scheme's source labels); "
@@ -641,9 +647,18 @@ def _run_pairs_import(args) -> int:
     if "val_pairs" in summary:
         print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) "
               f"-> {summary['val_out']}")
-    if any(key.startswith("language_not_in_scheme") for key in summary["dropped"]):
-        print("note: rows detected in a language outside the scheme were dropped; --language LANG labels every "
-              "row of the file instead", file=sys.stderr)
+    outside = {key.partition(":")[2]: n for key, n in summary["dropped"].items()
+               if key.startswith("language_not_in_scheme:")}
+    if outside:
+        detected = {language: min(n, summary["languages_detected"].get(language, 0))
+                    for language, n in outside.items()}
+        said = [f"{language} {n - detected[language]} declared" + (f", {detected[language]} detected"
+                                                                    if detected[language] else "")
+                if n > detected[language] else f"{language} {n} detected" for language, n in outside.items()]
+        print(f"note: rows in a language outside the scheme were dropped ({'; '.join(said)}); --language LANG "
+              "labels every row of the file instead", file=sys.stderr)
+    if summary.get("dropped_rows"):
+        print(f"dropped rows, with their lines and reasons -> {summary['dropped_rows']}")
     _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language")
     conversations = summary["multi_turn_families"].get("assistant", 0)
     if args.family is None and conversations:

@@ -273,6 +273,16 @@ def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code
     assert all(r["question"] and q["location"].endswith("c.jsonl:2") for r, q in zip(read, quarantined))
 
 
+@pytest.mark.parametrize("tag, language", [("en", "en"), ("zh-CN", "zh"), ("zh_SG", "zh"), ("zh-Hans-CN", "zh"),
+                                           ("en-US", "en"), ("en-GB", "en"), ("zh-419", "zh"), ("zh-Hant", "zh-Hant"),
+                                           ("zh-Hant-TW", "zh-Hant-TW"), ("en-Dsrt", "en-Dsrt"), ("fr-CA", "fr-CA"),
+                                           ("other", "other")])
+def test_a_language_tag_with_a_region_or_the_usual_script_is_the_schemes_language(tag, language):
+    from polyalign.data.prepare import scheme_language
+
+    assert scheme_language(tag, ("en", "zh")) == language
+
+
 def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_trains_a_reply(
         tmp_path, capsys, json_tokenizer):
     dialogues = [chat_row(d) for d in CAMREST]

@@ -94,6 +94,97 @@ def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_p
     assert "the prompt must end with a user message" in quarantined[1]["problem"]
 
 
+def _hh_text(messages) -> str:
+    return "".join(f"\n\n{'Human' if m['role'] == 'user' else 'Assistant'}: {m['content']}" for m in messages)
+
+
+def _forms(row: dict) -> dict[str, tuple[str, dict]]:
+    """One TRL row in each form users' preference files come in: (--format, the row)."""
+    labels = {k: row[k] for k in ("language", "track", "family", "style")}
+    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+
+    def parts(messages):
+        return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+
+    forms = {
+        "messages": ("trl", row),
+        # UltraFeedback binarized: the prompt a string, each side the whole conversation
+        "ultrafeedback": ("trl", {**labels, "prompt": prompt[-1]["content"] if len(prompt) == 1 else prompt,
+                                  "chosen": prompt + chosen, "rejected": prompt + rejected}),
+        "implicit": ("trl", {**labels, "chosen": prompt + chosen, "rejected": prompt + rejected}),
+        "content parts": ("trl", {**labels, "prompt": parts(prompt), "chosen": parts(chosen),
+                                  "rejected": parts(rejected)}),
+    }
+    if all(m["role"] != "system" for m in prompt):  # HH text has no system turn
+        forms["hh"] = ("hh", {**labels, "chosen": _hh_text(prompt + chosen), "rejected": _hh_text(prompt + rejected)})
+        forms["hh prompt"] = ("hh", {**labels, "prompt": _hh_text(prompt) + "\n\nAssistant:",
+                                     "chosen": " " + chosen[0]["content"], "rejected": " " + rejected[0]["content"]})
+    return forms
+
+
+def test_every_form_of_a_preference_file_gives_the_same_pairs(demo_run, tmp_path, capsys):
+    """Real rows written in each form users' files come in (TRL message lists, UltraFeedback's whole
+    conversations under a string prompt, the implicit prompt, OpenAI content parts, Anthropic HH text with and
+    without a prompt field) import to the same pairs: the same prompt, answers, labels and buckets."""
+    from polyalign.pairs.make import read_pairs
+
+    rows, _ = real_trl_rows(demo_run, n=24)
+    assert sum(len(r["prompt"]) > 1 for r in rows) >= 3  # multi-turn prompts among them
+
+    def seen(pair):
+        record = pair["record"]
+        return (pair["bucket_id"], pair["chosen"], pair["rejected"], record["question"], record["context"],
+                [(t["role"], t["text"]) for t in record["history"]])
+
+    imported = {}
+    for name in _forms(rows[0]):
+        chosen = [(i, _forms(row)[name]) for i, row in enumerate(rows) if name in _forms(row)]
+        source = write_jsonl(tmp_path / f"{name}.jsonl", [form for _, (_, form) in chosen])
+        code, out, err = cli(capsys, "pairs", "import", "--format", chosen[0][1][0], "--input", source, "--out",
+                             tmp_path / f"{name}.pairs.jsonl")
+        assert code == 0 and f"{len(chosen)} training pairs from {len(chosen)} rows" in out, (name, err)
+        imported[name] = {i: seen(p) for (i, _), p in zip(chosen, read_pairs(tmp_path / f"{name}.pairs.jsonl"),
+                                                          strict=True)}
+    assert len(imported["hh"]) >= 10
+    for name, pairs in imported.items():
+        assert pairs == {i: imported["messages"][i] for i in pairs}, name
+
+
+def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(demo_run, tmp_path, capsys):
+    """HH text given as --format trl names --format hh; a content part a text model cannot train on is a row
+    problem; a region tag is its language (zh-CN is zh), another script is not (zh-Hant, left out); every row
+    left out is listed with its line and reason; a row's own id is kept."""
+    from polyalign.pairs.make import read_pairs
+
+    rows, _ = real_trl_rows(demo_run, n=2000)  # every test bucket's: the English ones first, then the Chinese
+    zh = next(i for i, r in enumerate(rows) if r["language"] == "zh")
+    hh = _forms(rows[0])["hh"][1] if "hh" in _forms(rows[0]) else None
+    image = {**rows[1], "prompt": [{"role": "user", "content": [
+        {"type": "text", "text": rows[1]["prompt"][-1]["content"]},
+        {"type": "image_url", "image_url": {"url": "file:///photo.png"}}]}]}
+    lines = [hh or _forms(rows[2])["hh"][1], image, {**rows[zh], "language": "zh-CN", "id": 17},
+             {**rows[zh], "language": "zh-Hant"}, {**rows[3], "rejected": [{"role": "assistant", "content": " "}]},
+             {**rows[4], "id": "my-row-5"}]
+    source = write_jsonl(tmp_path / "prefs.jsonl", lines)
+    code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                         tmp_path / "pairs.jsonl", "--on-error", "quarantine")
+    assert code == 0 and "2 training pairs from 6 rows" in out
+    assert "dropped: malformed 2, language_not_in_scheme:zh-Hant 1, empty_side 1" in out
+    assert "note: rows in a language outside the scheme were dropped (zh-Hant 1 declared)" in err
+    quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
+    assert quarantined[0]["problem"].endswith("--format hh reads them")
+    assert quarantined[1]["problem"] == ("prompt message 1 holds image_url content, which a text model cannot "
+                                         "train on")
+    listed = [json.loads(line) for line in (tmp_path / "pairs.dropped.jsonl").read_text().splitlines()]
+    assert [(d["where"]["line"], d["reason"]) for d in listed] == [(4, "language_not_in_scheme:zh-Hant"),
+                                                                  (5, "empty_side")]
+    assert f"dropped rows, with their lines and reasons -> {tmp_path / 'pairs.dropped.jsonl'}" in out
+    pairs = read_pairs(tmp_path / "pairs.jsonl")
+    assert [p["language"] for p in pairs] == ["zh", rows[4]["language"]]
+    assert [p["record"]["meta"]["source_id"] for p in pairs] == ["17", "my-row-5"]
+    assert pairs[0]["record"]["meta"]["source_labels"]["language"] == "zh-CN"  # the user's own label, as given
+
+
 def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
     from polyalign.pairs.make import read_pairs
 

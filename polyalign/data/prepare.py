@@ -74,6 +74,21 @@ AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
 # A row's own language label outside the scheme is a language the user keeps out (dropped, counted) when
 # it is an ISO 639 code (fr, yue, zh-Hant); anything else ("english", "EN") is a mistake in the row.
 LANGUAGE_CODE = re.compile(r"^[a-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})*$")
+# The script each scheme language is written in (a tag naming another, zh-Hant, is another language here).
+USUAL_SCRIPTS = {"zh": "hans", "en": "latn"}
+
+
+def scheme_language(tag: str, scheme_languages) -> str:
+    """A BCP 47 tag as the scheme's language it names: zh-CN, zh_SG, zh-Hans-CN and en-US are zh and en (a
+    region, or the language's usual script, does not make another language); zh-Hant, or a language the
+    scheme lacks, stays as it is (left out as language_not_in_scheme, counted)."""
+    primary, *rest = re.split(r"[-_]", tag)
+    if primary.lower() not in scheme_languages or tag in scheme_languages:
+        return tag
+    usual = USUAL_SCRIPTS.get(primary.lower())
+    if all(re.fullmatch(r"[A-Za-z]{2}|\d{3}", part) or part.lower() == usual for part in rest):
+        return primary.lower()
+    return tag
 
 
 @dataclass(frozen=True)
@@ -357,7 +372,7 @@ class RecordBuilder:
             raise RowProblem(f"language {example.labels['language']!r} is no language code: the scheme's are "
                              f"{', '.join(scheme_languages)} (a row labelled with another one, e.g. fr, is dropped "
                              "as language_not_in_scheme:fr)")
-        language = declared
+        language = declared if declared is None else scheme_language(declared, scheme_languages)
         if language is None:
             prompt = "\n".join([context, *(t["text"] for t in history if t["role"] != "system"), question])
             language = self.languages.choose(response, prompt, example.conversation)

@@ -2,17 +2,23 @@
 
 Formats:
 - `trl`: TRL's preference rows, {"prompt", "chosen", "rejected"}, each a string or a list of
-  {"role", "content"} messages (the prompt's last message from the user, chosen and rejected one
-  assistant message each); or, without "prompt", chosen and rejected as whole conversations sharing
-  everything but their last message.
+  {"role", "content"} messages (content a string or OpenAI content parts; the prompt's last message from
+  the user, chosen and rejected one assistant message each, or whole conversations that hold the prompt
+  before their answers, as UltraFeedback binarized has them); or, without "prompt", chosen and rejected as
+  whole conversations sharing everything but their last message.
+- `hh`: Anthropic HH-RLHF rows, {"chosen", "rejected"}: the conversation as "\n\nHuman: ...\n\nAssistant: ..."
+  text, the two differing in the last Assistant turn; or with a "prompt" of such turns ending "Assistant:",
+  chosen and rejected its answers.
 - `sharegpt-pairs`: LLaMA-Factory's ShareGPT preference rows, {"conversations": [{"from", "value"}],
   "chosen": {"from", "value"}, "rejected": {"from", "value"}, "system"?}.
 
 Each row becomes a record exactly as `polyalign prepare` makes one (the same normalisation, labels by
 precedence (the row's own language/track/family/style, then the flags, then the scheme's entry for
 the dataset name), language detection where none is declared, length bin of the chosen answer,
-bucket), with the rejected answer beside it. A row that cannot be read stops the import with its file
-and line, or goes to OUT.quarantine.jsonl with its reason under --on-error quarantine. A system message
+bucket), with the rejected answer beside it; a row's own "id" is kept as the record's `meta.source_id`. A
+row that cannot be read stops the import with its file and line, or goes to OUT.quarantine.jsonl with its
+reason under --on-error quarantine; a well-formed row left out (an empty side, chosen equal to rejected, a
+language outside the scheme) is counted and listed in OUT.dropped.jsonl with its line. A system message
 is kept as prepare keeps one (a history turn of role system: the record's system prompt, composed with
 the profile prompt when the pair is rendered; counted as `system_messages`; one after the prompt's last
 user message is rendered after it, where it stood), and the track is derived
@@ -22,6 +28,7 @@ from the conversation as prepare derives it (multi when earlier user/assistant t
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,16 +38,26 @@ from polyalign.core.outputs import OutputLock, check_output, sidecar, stage_outp
 from polyalign.core.paths import file_digest
 from polyalign.data.bucketing import load_scheme
 from polyalign.data.importers.reading import (
+    content_text,
     conversation_track,
     iter_json_rows,
     labelled_turns,
+    map_role,
     parse_rows,
     require_dict,
     string_labels,
     type_name,
 )
 from polyalign.data.importers.sharegpt import ROLES as SHAREGPT_ROLES
-from polyalign.data.prepare import ErrorSink, RecordBuilder, SourceConfig, SourceTally, SplitOptions
+from polyalign.data.prepare import (
+    DroppedRows,
+    ErrorSink,
+    RecordBuilder,
+    SourceConfig,
+    SourceTally,
+    SplitOptions,
+    dropped_row,
+)
 from polyalign.data.records import (
     AFTER_QUESTION,
     Example,
@@ -55,19 +72,31 @@ from polyalign.data.records import (
 from polyalign.data.text import normalize
 from polyalign.pairs.make import write_pair_split
 
-FORMATS = ("trl", "sharegpt-pairs")
+FORMATS = ("trl", "hh", "sharegpt-pairs")
 DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # shipped in the package
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 ROW_LABELS = {"language": "language", "track": "track", "family": "family", "style": "style"}
 
 
 def _messages(value: Any, what: str) -> list[dict[str, str]]:
-    """A TRL field: a string is one message of the side's role, a list is messages."""
+    """A TRL field: a string is one message of the side's role, a list is messages (content a string or
+    OpenAI content parts, as the chat importer reads them)."""
     if isinstance(value, str):
         return [{"role": "user" if what == "prompt" else "assistant", "text": value}]
     if not isinstance(value, list) or not value:
         raise RowProblem(f"{what!r} must be a string or a non-empty list of messages, got {type_name(value)}")
-    return labelled_turns(value, ROLES, "role", "content", f"{what} message")
+    turns = []
+    for i, message in enumerate(value, start=1):
+        where = f"{what} message {i}"
+        message = require_dict(message, where)
+        if message.get("content") is None:
+            raise RowProblem(f"{where} 'content' is {'null' if 'content' in message else 'missing'}")
+        text, left_out = content_text(message["content"], where)
+        if left_out:
+            raise RowProblem(f"{where} holds {', '.join(sorted(set(left_out)))} content, which a text model cannot "
+                             "train on")
+        turns.append({"role": map_role(message.get("role"), ROLES, where), "text": text})
+    return turns
 
 
 def _answer(turns: list[dict[str, str]], what: str) -> str:
@@ -80,12 +109,70 @@ def _trl(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
     for key in ("chosen", "rejected"):
         if key not in row:
             raise RowProblem(f"missing field {key!r}")
+    if "prompt" not in row and any(isinstance(row[key], str) and HH_TURN.search(row[key]) for key in ("chosen",
+                                                                                                     "rejected")):
+        raise RowProblem("chosen and rejected are Anthropic HH text ('\\n\\nHuman: ... \\n\\nAssistant: ...'): "
+                         "--format hh reads them")
     chosen, rejected = _messages(row["chosen"], "chosen"), _messages(row["rejected"], "rejected")
     if "prompt" in row:
-        return _messages(row["prompt"], "prompt"), _answer(chosen, "chosen"), _answer(rejected, "rejected")
-    if chosen[:-1] != rejected[:-1]:  # implicit prompt: the shared conversation
+        prompt = _messages(row["prompt"], "prompt")
+        if len(chosen) == len(rejected) == 1:
+            return prompt, _answer(chosen, "chosen"), _answer(rejected, "rejected")
+        # whole conversations that repeat the prompt before their answers (UltraFeedback binarized)
+        if chosen[:-1] != rejected[:-1] or not _ends_with(chosen[:-1], prompt):
+            raise RowProblem("chosen and rejected must be one assistant message each, or whole conversations that "
+                             "share every message but their last and hold the prompt before it")
+    elif chosen[:-1] != rejected[:-1]:  # implicit prompt: the shared conversation
         raise RowProblem("without 'prompt', chosen and rejected must share every message but their last")
     return chosen[:-1], _answer(chosen[-1:], "chosen"), _answer(rejected[-1:], "rejected")
+
+
+def _ends_with(conversation: list[dict[str, str]], prompt: list[dict[str, str]]) -> bool:
+    """Whether the prompt's messages close the conversation (its system messages may stand before them), texts
+    compared without the whitespace around them."""
+    def said(turns):
+        return [(t["role"], t["text"].strip()) for t in turns]
+    return len(prompt) <= len(conversation) and said(conversation[len(conversation) - len(prompt):]) == said(prompt)
+
+
+# An Anthropic HH turn marker: "\n\nHuman: " or "\n\nAssistant: " (at the start of the text without its newlines)
+HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def _hh_turns(text: Any, what: str) -> list[dict[str, str]]:
+    """The turns of Anthropic HH text ("\\n\\nHuman: ...\\n\\nAssistant: ...")."""
+    if not isinstance(text, str):
+        raise RowProblem(f"{what!r} must be a string of '\\n\\nHuman:' and '\\n\\nAssistant:' turns, got "
+                         f"{type_name(text)}")
+    marks = list(HH_TURN.finditer(text))
+    if not marks or text[:marks[0].start()].strip():
+        raise RowProblem(f"{what!r} does not open with a '\\n\\nHuman:' turn: not Anthropic HH text (--format trl "
+                         "reads prompt/chosen/rejected rows)")
+    ends = [m.start() for m in marks[1:]] + [len(text)]
+    return [{"role": HH_ROLES[m.group(1)], "text": text[m.end():end].strip()} for m, end in zip(marks, ends)]
+
+
+def _hh(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
+    """Anthropic HH rows: chosen and rejected the whole conversation, differing in its last Assistant turn; or
+    a "prompt" ending with an empty Assistant turn, chosen and rejected its answers."""
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise RowProblem(f"missing field {key!r}")
+    if "prompt" in row:
+        prompt = _hh_turns(row["prompt"], "prompt")
+        if prompt[-1]["role"] == "assistant" and not prompt[-1]["text"]:
+            prompt = prompt[:-1]
+        answers = []
+        for key in ("chosen", "rejected"):
+            if not isinstance(row[key], str):
+                raise RowProblem(f"{key!r} must be a string (the answer to the prompt), got {type_name(row[key])}")
+            answers.append(row[key].strip())
+        return prompt, answers[0], answers[1]
+    chosen, rejected = _hh_turns(row["chosen"], "chosen"), _hh_turns(row["rejected"], "rejected")
+    if chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+        raise RowProblem("chosen and rejected must share every turn but their last, an Assistant turn")
+    return chosen[:-1], chosen[-1]["text"], rejected[-1]["text"]
 
 
 def _sharegpt_pairs(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
@@ -107,15 +194,20 @@ def _sharegpt_pairs(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str
 
 def _example(row: Any, location: Location, fmt: str) -> Iterator[ImportItem]:
     row = require_dict(row)
-    prompt, chosen, rejected = (_trl if fmt == "trl" else _sharegpt_pairs)(row)
+    prompt, chosen, rejected = READERS[fmt](row)
     last_user = max((i for i, turn in enumerate(prompt) if turn["role"] == "user"), default=None)
     if last_user is None or any(turn["role"] != "system" for turn in prompt[last_user + 1:]):
         raise RowProblem("the prompt must end with a user message (system messages may follow it)")
     # system turns stay where they stand, as prepare keeps them: those after the question marked so
     history = prompt[:last_user] + [{**turn, AFTER_QUESTION: True} for turn in prompt[last_user + 1:]]
+    own_id = row.get("id")  # the user's own key for the row, to find it again
     yield Example(question=prompt[last_user]["text"], response=chosen, location=location, history=history,
                   labels=string_labels(row, ROW_LABELS), derived={"track": conversation_track(history)},
-                  meta={"rejected": rejected})
+                  meta={"rejected": rejected, **({"source_id": str(own_id)} if isinstance(own_id, (str, int))
+                                                 and not isinstance(own_id, bool) else {})})
+
+
+READERS = {"trl": _trl, "hh": _hh, "sharegpt-pairs": _sharegpt_pairs}
 
 
 def read_pair_rows(path: Path, fmt: str) -> Iterator[ImportItem]:
@@ -156,7 +248,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                           track=track, family=family, style=style or _default_style(scheme, family))
     builder = RecordBuilder(scheme, scheme.length_unit, SplitOptions())
     tally = SourceTally(source, files=[str(input_path)])
-    quarantine = out.with_name(out.stem + ".quarantine.jsonl")
+    quarantine, dropped_file = out.with_name(out.stem + ".quarantine.jsonl"), out.with_name(out.stem + ".dropped.jsonl")
     files = [(out, {"input": input_path}, "--out")]
     if val_out is not None:
         files.append((val_out, {"input": input_path, "--out": out}, "--val-out"))
@@ -167,7 +259,13 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
             outputs.enter_context(stage_output(path, sidecar(path), settings, overwrite, ours=[path], inputs=inputs,
                                                lock=OutputLock.for_file(path), option=option))
         sink = ErrorSink(on_error, quarantine)
+        listed = DroppedRows(dropped_file)
         pairs, dropped = [], Counter()
+
+        def drop(location, reason: str) -> None:
+            dropped[reason] += 1
+            listed(dropped_row(dataset, location, reason))
+
         try:
             for number, item in enumerate(read_pair_rows(input_path, fmt)):
                 tally.read += 1
@@ -182,18 +280,21 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                     dropped["malformed"] += 1
                     continue
                 if isinstance(record, Skipped):
-                    dropped[record.reason] += 1
+                    drop(record.location, record.reason)
                     continue
                 pair, reason = _pair(record, item)
                 if pair is None:
-                    dropped[reason] += 1
+                    drop(item.location, reason)
                 else:
                     pairs.append(pair)
         finally:
             sink.close()
+            listed.close()
         split = write_pair_split(pairs, out, val_out, val_fraction, seed)
         if not sink.count:
             quarantine.unlink(missing_ok=True)
+        if not dropped:
+            dropped_file.unlink(missing_ok=True)
         summary = {"read": tally.read, "pairs": len(pairs), "dropped": dict(dropped),
                    "system_messages": tally.system_messages["system_prompt"],
                    "languages_detected": dict(tally.detected_languages),
@@ -202,7 +303,8 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    # the family of the conversations (earlier turns in the prompt): the default's fit is worth a word
                    "multi_turn_families": dict(Counter(p["record"]["family"] for p in pairs
                                                        if p["record"]["track"] == "multi")),
-                   "quarantined": sink.count, "out": str(out)}
+                   "quarantined": sink.count, "out": str(out),
+                   **({"dropped_rows": str(dropped_file)} if dropped else {})}
         val_buckets = split.pop("val_buckets", None)
         summary.update(split)
         if val_out is not None:  # each file's manifest counts its own pairs and buckets
