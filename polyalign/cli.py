@@ -494,11 +494,16 @@ def _add_train(sub) -> None:
 def _run_train(args) -> int:
     flags = ["allow_tokenizer_mismatch=true"] if getattr(args, "allow_tokenizer_mismatch", False) else []
     config = load_config(args.config, [*args.overrides, *flags], method=args.method)
+    # an override comes last, the subcommand's own method with it (`train hdpo ... method=dpo`): said, not silent
+    renamed = (f"note: method={config.method} (an override) trains {config.method}, not the subcommand's "
+               f"{args.method}" if args.method and config.method != args.method else None)
     if args.print_config:
         print(config_as_yaml(config), end="")
-        for note in derived_notes(config):  # YAML comments: the output still reads back as the config
+        for note in [*([renamed] if renamed else []), *derived_notes(config)]:  # YAML comments: it still reads back
             print(f"# {note}")
         return 0
+    if renamed:
+        print(renamed, file=sys.stderr)
     if args.out is None:
         args.parser.error("--out is required (or --print-config)")
     import jax  # heavy: kept out of --help

@@ -322,6 +322,19 @@ def test_help_imports_nothing_heavy():
     assert result.stdout.strip() == "[]"
 
 
+def test_python_dash_m_polyalign_is_the_program():
+    """`python -m polyalign` runs the `polyalign` program, status included, where scripts are not on PATH."""
+    import subprocess
+    import sys
+
+    from polyalign import __version__
+
+    result = subprocess.run([sys.executable, "-m", "polyalign", "--version"], capture_output=True, text=True)
+    assert (result.returncode, result.stdout.strip()) == (0, f"polyalign {__version__}")
+    wrong = subprocess.run([sys.executable, "-m", "polyalign", "nosuchcommand"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "invalid choice: 'nosuchcommand'" in wrong.stderr
+
+
 def test_a_training_process_imports_only_what_training_uses():
     """Every `polyalign train` process (one per host, several per test) starts without the report,
     evaluation and chat-template stacks: jinja2 only loads for a checkpoint's own template."""

@@ -1075,9 +1075,12 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     # lambda_dist and gamma_ftx are HDPO's terms: said for HDPO and for a method with hdpo_terms, not for plain DPO
     for name, method in (("dpo", {"method": "dpo"}), ("hdpo", {"method": "hdpo"}),
                          ("dpo_terms", {"method": "dpo", "hdpo_terms": True})):
-        said = trained_run(name, None, beta=0.1, lambda_dist=0.3, gamma_ftx=0.05, **method)
+        said = trained_run(name, None, beta=0.1, lambda_dist=0.3, gamma_ftx=0.05, truncation="turns", **method)
         assert said["beta"] == 0.1 and said.get("lambda_dist") == (None if name == "dpo" else 0.3), name
         assert said.get("gamma_ftx") == (None if name == "dpo" else 0.05), name
+        assert said["truncation"] == "turns" and "max length" not in said  # data.max_length unset in the config
+    cut = trained_run("dpo_128", None, method="dpo", data={"dir": "/runs/r", "max_length": 128})
+    assert cut["max length"] == 128
     external = tmp_path / "engine.jsonl"
     external.write_text('{"id": "a", "prediction": "b"}\n')
     assert trained_with(external) is None  # an external engine's predictions name no checkpoint

@@ -208,9 +208,16 @@ def test_a_range_beside_a_field_is_what_the_config_check_applies():
                 load_config(None, [f"{key}={below}"], method=spec.name)
 
 
-def test_the_subcommand_picks_the_method_and_refuses_another_schema():
+def test_the_subcommand_picks_the_method_and_refuses_another_schema(capsys):
     assert load_config(CONFIGS["hdpo"], [], method="dpo").method == "dpo"
     assert load_config(CONFIGS["hdpo"], ["method=ipo"], method="hdpo").method == "ipo"  # overrides come last
+    # ... and said: in --print-config as a YAML comment (the output still reads back)
+    assert main(["train", "dpo", "--config", str(CONFIGS["hdpo"]), "--print-config", "method=ipo"]) == 0
+    printed = capsys.readouterr().out
+    assert "\nmethod: ipo\n" in printed
+    assert "\n# note: method=ipo (an override) trains ipo, not the subcommand's dpo\n" in printed
+    assert main(["train", "dpo", "--config", str(CONFIGS["hdpo"]), "--print-config"]) == 0
+    assert "# note: method=" not in capsys.readouterr().out
     with pytest.raises(ConfigError, match="the config is for method 'sft'; train it with `polyalign train sft`"):
         load_config(CONFIGS["sft"], [], method="hdpo")
     with pytest.raises(ConfigError, match="method 'sft' is not trained by `polyalign train critic`"):

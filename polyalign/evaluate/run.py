@@ -575,7 +575,9 @@ TRAINING_SETTINGS = (("method", ("method",)), ("weighting", ("weighting",)), ("s
                      ("learning rate", ("optimizer", "lr")), ("init", ("init",)), ("preset", ("model", "preset")),
                      ("LoRA rank", ("model", "lora", "rank")), ("data", ("data", "dir")), ("pairs", ("pairs",)),
                      ("beta", ("beta",)), ("lambda_dist", ("lambda_dist",)), ("gamma_ftx", ("gamma_ftx",)),
-                     ("profile", ("profile",)))
+                     ("profile", ("profile",)),
+                     # a preference run's own cut (an SFT run's is its build's, data.max_length unset)
+                     ("max length", ("data", "max_length")), ("truncation", ("truncation",)))
 
 
 def trained_with(predictions_path: Path) -> dict[str, Any] | None:
