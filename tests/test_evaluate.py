@@ -730,8 +730,8 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     def human(cells):
         return cells[0] if len(set(cells)) == 1 else "; ".join(f"{n}: {c}" for n, c in zip("abc", cells))
 
-    for name, key in (("BNG macro (lower is more human-like)", "bng"), ("HCR macro (people land near their floor)",
-                                                                       "hcr")):
+    for name, key in (("BNG macro (lower is more human-like)", "bng"),
+                      ("HCR macro (higher is more human-like; people's floor is the mark)", "hcr")):
         assert rows[name][:3] == [shown(metrics[n][key]["overall_macro"], metrics[n][key].get("macro_interval"))
                                   for n in "abc"], name
         # the paper's mode (c) measures no floor; the others' floors have their intervals
