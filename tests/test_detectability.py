@@ -103,3 +103,26 @@ def test_the_floor_is_the_mean_over_halvings_and_says_how_far_one_halving_moves(
     assert measured["macro_floored"] == pytest.approx(there) and measured["gap_macro"] == pytest.approx(
         there - measured["floor_macro"])
     assert macro_by_halving.max() - macro_by_halving.min() > 0.02  # what a single halving would have left to chance
+
+
+def test_the_floors_interval_holds_how_far_the_halving_moves_it_on_a_few_answers():
+    """Buckets of three real answers hold one pair a halving, whose bootstrap has no spread at all: the
+    floor's interval holds how far the halving moves their mean too, never a point at it (an evaluation on
+    9 rows once said 0.458 [0.458, 0.459] while its halvings ranged from 0 to 1)."""
+    from tests.chat_exports import camrest_dialogues, camrest_messages, crosswoz_dialogues, crosswoz_messages
+
+    english = [m["content"] for d in camrest_dialogues(3) for m in camrest_messages(d) if m["role"] == "assistant"]
+    chinese = [m["content"] for _, d in crosswoz_dialogues(3) for m in crosswoz_messages(d) if m["role"] == "assistant"]
+    human = english[:3] + chinese[:3]
+    buckets = {"en|multi|dialogue|short": [0, 1, 2], "zh|multi|dialogue|short": [3, 4, 5]}
+    measured = dt.measure(buckets, dt.char_ngram_counts(human), dt.char_ngram_counts(human),
+                          IntervalOptions(draws=400, seed=1))
+    low, high = measured["floor_macro_spread"]
+    assert high - low >= 0.5  # one pair a halving: each halving's AUC is 0 or 1
+    lower, upper = measured["floor_macro_interval"]
+    assert lower <= measured["floor_macro"] <= upper, (lower, upper)
+    # how far eight halvings leave their mean to chance: a halving's own distance from it over sqrt(8), about
+    assert upper - lower >= (high - low) / (2 * np.sqrt(dt.FLOOR_HALVINGS)), (lower, upper, low, high)
+    for bucket in buckets:
+        report = measured["by_bucket"][bucket]
+        assert report["floor_pairs"] == 1 and report["auc_floor_interval"] is None  # under min_rows: none said

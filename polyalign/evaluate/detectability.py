@@ -206,7 +206,7 @@ def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floo
     auc, auc_draws = _auc_with_draws(*_touching(scored, rows), options, rng)
     report |= {"auc": auc, "auc_interval": interval(auc_draws, options.level)}
     floor_draws = nothing
-    first = None  # the first halving holding the bucket: its pairs, its bootstrap
+    first = None  # the first halving holding the bucket: its pairs, its AUC, its bootstrap
     for halving, one in enumerate(floor_scored):
         scores0, scores1 = _touching(one, rows) if one is not None else ((), ())
         if len(scores0):
@@ -216,7 +216,12 @@ def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floo
     if first is not None:
         floor = float(np.nanmean(halvings))
         value, first_draws = _auc_with_draws(*first, options, rng)
-        floor_draws = first_draws - value + floor  # the one halving's sampling spread, about the mean
+        # the sampling spread of the prompts (one halving's bootstrap: the halvings share their rows), about the
+        # mean, and how far the halving moves that mean (a random halving's distance from it, over the square
+        # root of their number): one pair a halving has no bootstrap spread, but its halvings say 0 or 1
+        held = halvings[np.isfinite(halvings)]
+        split = (held[rng.integers(len(held), size=options.draws)] - floor) / np.sqrt(len(held))
+        floor_draws = first_draws - value + floor + split
         report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
                    "auc_floor_spread": [float(np.nanmin(halvings)), float(np.nanmax(halvings))],
                    "floor_halvings": int(np.isfinite(halvings).sum()), "floor_pairs": len(first[0]),
