@@ -409,27 +409,60 @@ def _prompts_cut_line(cut: int, records: int, budget: int, dropped: int, inside:
 
 
 def _add_show(sub) -> None:
-    p = sub.add_parser("show", help="built examples as training reads them: the text, the trained tokens",
+    p = sub.add_parser("show", help="built examples (or preference pairs) as training reads them: the text, the "
+                                    "trained tokens",
                        description="Decodes examples of RUN/build as `build` stored them: the rendered conversation "
                                    "with the tokens the loss trains on between ⟦ and ⟧ (the reply and its "
                                    "end-of-turn token), the record's bucket and Bucket-SFT weight, and with --ids "
-                                   "the token ids and the loss mask.",
-                       epilog="e.g. polyalign show RUN --id chats-train-000123-turn-4 --ids",
+                                   "the token ids and the loss mask. Given a pairs file and --checkpoint (the "
+                                   "preference run's init), each pair's chosen and rejected sides as that run "
+                                   "tokenises and cuts them.",
+                       epilog="e.g. polyalign show RUN --id chats-train-000123-turn-4 --ids\n"
+                              "     polyalign show RUN/pairs/train.jsonl --checkpoint SFT/model --max-length 128 "
+                              "--truncation turns",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", type=Path, help="run directory built by `polyalign build`")
-    p.add_argument("--split", choices=("train", "val"), default="train", help="default: train")
-    p.add_argument("--id", action="append", default=[], dest="ids", metavar="RECORD_ID",
-                   help="the example of this record (repeatable; ids are in RUN/data/SPLIT.jsonl)")
+    p.add_argument("run", type=Path, help="run directory built by `polyalign build`, or a pairs file (JSONL from "
+                                          "`polyalign pairs` or `pairs import`)")
+    p.add_argument("--split", choices=("train", "val"), default=None, help="a run's split (default: train)")
+    p.add_argument("--id", action="append", default=[], dest="ids", metavar="ID",
+                   help="the example of this record, or the pair of this id (repeatable; record ids are in "
+                        "RUN/data/SPLIT.jsonl, pair ids in the pairs file)")
     p.add_argument("--limit", type=int, default=3, help="without --id: the first N examples in stored order "
                                                         "(default 3)")
     p.add_argument("--ids", action="store_true", dest="token_ids", help="also the token ids and the loss mask")
-    p.set_defaults(handler=_run_show)
+    pairs = p.add_argument_group("a pairs file, read as a preference run reads it (its settings of the same names)")
+    pairs.add_argument("--checkpoint", type=Path, help="the run's init: its tokenizer and chat template")
+    pairs.add_argument("--max-length", type=int, default=256, help="data.max_length: each side's cutoff (256)")
+    pairs.add_argument("--truncation", choices=TRUNCATIONS, default="left", help="truncation (default left)")
+    pairs.add_argument("--profile", choices=PROFILE_MODES, default="context", help="profile (default context)")
+    p.set_defaults(handler=_run_show, parser=p)
+
+
+PAIR_SHOW_OPTIONS = ("checkpoint", "max_length", "truncation", "profile")
 
 
 def _run_show(args) -> int:
-    from polyalign.inputs.show import show_examples  # heavy: tensorflow_datasets, kept out of --help
+    # heavy: tensorflow_datasets, kept out of --help
+    from polyalign.inputs.show import show_examples, show_pairs
 
-    for block in show_examples(args.run, args.split, args.ids, args.limit, args.token_ids):
+    if args.run.is_file():
+        if args.checkpoint is None:
+            args.parser.error(f"{args.run} is a file: a pairs file is shown as a preference run reads it, with its "
+                              "init's tokenizer and template: give --checkpoint INIT")
+        if args.split is not None:
+            args.parser.error("--split is a run's; a pairs file is one split")
+        from polyalign.pairs.make import read_pairs  # heavy: etils.epath, kept out of --help
+
+        blocks = show_pairs(read_pairs(args.run), str(args.run), args.checkpoint, max_length=args.max_length,
+                            truncation=args.truncation, profile=args.profile, ids=args.ids, limit=args.limit,
+                            token_ids=args.token_ids)
+    else:
+        given = [f"--{name.replace('_', '-')}" for name in PAIR_SHOW_OPTIONS
+                 if getattr(args, name) != args.parser.get_default(name)]
+        if given:
+            args.parser.error(f"{', '.join(given)}: for a pairs file; a run's build was made with its own settings")
+        blocks = show_examples(args.run, args.split or "train", args.ids, args.limit, args.token_ids)
+    for block in blocks:
         print(block + "\n")
     return 0
 
@@ -1213,7 +1246,7 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "tokenizer train": {
         "--vocab-size": Range(300, why="the byte fallback alone takes 256 pieces; 8000 suits the demo data"),
         "--character-coverage": Range(0.0, 1.0, low_open=True)},
-    "show": {"--limit": COUNT},
+    "show": {"--limit": COUNT, "--max-length": Range(8, why="a chat template needs room for its headers")},
     "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},

@@ -185,6 +185,51 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     assert pairs[0]["record"]["meta"]["source_labels"]["language"] == "zh-CN"  # the user's own label, as given
 
 
+def test_show_reads_a_pairs_file_as_the_preference_run_tokenises_it(demo_run, demo_tokenizer, tmp_path, capsys):
+    """`polyalign show PAIRS --checkpoint INIT`: each side decoded from the ids training would read (tokenise_pairs
+    with the init's tokenizer and template, the run's max_length, truncation and profile), the trained tokens
+    marked, what the cut took said per side; --id picks pairs; a run's options and a pair's are not mixed."""
+    from polyalign.inputs.pair_rows import SIDES, tokenise_pairs
+    from polyalign.pairs.make import read_pairs
+    from polyalign.tokens.chat import get_template
+    from polyalign.tokens.tokenizer import load_tokenizer
+    from tests.real_inputs import init_checkpoint_and_pair_files
+
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=6, val=1)
+    pairs_file, init = tmp_path / "train.jsonl", tmp_path / "init"
+    pairs = read_pairs(pairs_file)
+    tokenizer = load_tokenizer(init)
+    code, out, _ = cli(capsys, "show", pairs_file, "--checkpoint", init, "--max-length", 64, "--truncation", "turns",
+                       "--id", pairs[4]["id"], "--id", pairs[1]["id"], "--ids")
+    assert code == 0
+    blocks = out.strip().split("\n\n== ")
+    assert [b.removeprefix("== ").split(":")[0] for b in blocks] == ["pair 5 of 6", "pair 2 of 6"]
+    expected = tokenise_pairs([pairs[4], pairs[1]], tokenizer, get_template("polyalign", tokenizer), "context", 64,
+                              sorted({pairs[4]["bucket_id"], pairs[1]["bucket_id"]}), "turns")
+    for block, example in zip(blocks, expected):
+        lines = block.splitlines()
+        for side in SIDES:
+            ids = lines[lines.index(next(line for line in lines if line.startswith(f"-- {side} ("))) + 2:]
+            shown = next(line for line in ids if line.startswith("ids: "))
+            assert shown == "ids: " + " ".join(map(str, example[f"{side}_ids"].tolist()))
+            trained = next(line for line in ids if line.startswith("trained: "))
+            assert trained == "trained: " + "".join("1" if m else "0" for m in example[f"{side}_mask"].tolist())
+            cut = [line for line in lines if line.startswith(f"   {side} cut to max_length 64 by truncation turns: ")]
+            assert len(cut) == (side in example.get("cuts", {}))
+        assert example.get("cuts"), "64 tokens cut both pairs"
+        assert block.count("⟦") >= 2  # each side's answer marked
+    for args, said in ((["show", pairs_file], "give --checkpoint INIT"),
+                       (["show", pairs_file, "--checkpoint", init, "--split", "val"], "--split is a run's"),
+                       (["show", tmp_path, "--truncation", "turns"], "--truncation: for a pairs file"),
+                       (["show", pairs_file, "--checkpoint", init, "--id", "nope"], "no pair 'nope'")):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exit:  # argparse's usage error
+            code = exit.code
+        err = capsys.readouterr().err
+        assert code == 2 and said in err and "Traceback" not in err, (args, err)
+
+
 def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
     from polyalign.pairs.make import read_pairs
 

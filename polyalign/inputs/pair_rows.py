@@ -46,6 +46,8 @@ def tokenise_pairs(pairs: list[dict], tokenizer, template, profile: str, max_len
                                   system_cut=again.system_cut or left_out,
                                   system_dropped=sum(m.role == "system" for m in prompt[head:head + dropped]))
             example[f"{side}_ids"], example[f"{side}_mask"] = encoded.ids, encoded.loss_mask
+            if encoded.truncated:  # what the cut took, for `polyalign show`'s line (the same arrays: no copy)
+                example.setdefault("cuts", {})[side] = encoded
             # whether a side was cut to max_length, and whether that cut into its opening system message
             example["truncated"] = example.get("truncated", False) or encoded.truncated
             example["system_cut"] = example.get("system_cut", False) or encoded.system_cut

@@ -1,7 +1,9 @@
 """`polyalign show RUN`: built examples as training reads them, decoded: the rendered conversation with
 the trained tokens (the loss mask) marked, the record's bucket and Bucket-SFT weight, and on request the
 token ids. What `build` stored is shown, not a second rendering of the record, so that what a user reads
-is what the model trains on; only what a cut took is read off the record encoded again."""
+is what the model trains on; only what a cut took is read off the record encoded again.
+`polyalign show PAIRS.jsonl --checkpoint INIT`: preference pairs as a preference run reads them, each side
+tokenised as training tokenises it (inputs/pair_rows.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ import numpy as np
 
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.layout import split_files
-from polyalign.data.records import read_records
+from polyalign.data.records import Record, read_records
 from polyalign.inputs.build import encode_for_build
 from polyalign.inputs.built import LEGACY_SETTINGS, BuildOptions, build_tokenizer_path, read_manifest
+from polyalign.inputs.pair_rows import SIDES, tokenise_pairs
 from polyalign.inputs.pipeline import open_split
-from polyalign.tokens.chat import get_template
+from polyalign.model.architecture import checkpoint_family
+from polyalign.tokens.chat import Encoded, choose_template, get_template, record_messages
 from polyalign.tokens.tokenizer import load_tokenizer
 
 # Around each trained span: characters no chat template or corpus text here uses.
@@ -109,16 +113,61 @@ def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: 
         if not encoded.truncated or not np.array_equal(encoded.ids, np.asarray(example["input_ids"])):
             continue
         before = len(messages) - 1 - (messages[0].role == "system")  # the messages before the reply, system aside
-        notes = (f" ({encoded.system_dropped} of them system messages from inside the conversation)"
-                 if encoded.system_dropped else "")
-        took = ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages{notes}"]
-                if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
-            (["left out its opening system message whole (over half of the prompt's share)"] if encoded.system_left_out
-             else ["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
-            (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
         said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "
-                           f"{', '.join(took)}"]
+                           f"{', '.join(cut_phrases(encoded, before))}"]
     return said
+
+
+def cut_phrases(encoded: Encoded, before: int) -> list[str]:
+    """What a cut took from an example (`before`: the messages before its reply, the opening system message
+    aside), in words."""
+    notes = (f" ({encoded.system_dropped} of them system messages from inside the conversation)"
+             if encoded.system_dropped else "")
+    return ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages{notes}"]
+            if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
+        (["left out its opening system message whole (over half of the prompt's share)"] if encoded.system_left_out
+         else ["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
+        (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
+
+
+def show_pairs(pairs: Sequence[dict], where: str, checkpoint: Path, *, max_length: int = 256,
+               truncation: str = "left", profile: str = "context", ids: Sequence[str] = (), limit: int = 3,
+               token_ids: bool = False) -> Iterator[str]:
+    """Text blocks for preference pairs as a preference run whose init is `checkpoint` reads them (its
+    tokenizer and template; `max_length`, `truncation` and `profile` as data.max_length, truncation and
+    profile): each side's rendered conversation with its trained tokens marked, and what a cut took. The pairs
+    of `ids` (in the order given), or the first `limit`."""
+    if ids:
+        by_id = {pair["id"]: pair for pair in pairs}
+        missing = [pair_id for pair_id in ids if pair_id not in by_id]
+        if missing:
+            raise ConfigError(f"{where}: no pair {missing[0]!r} (pair ids are each row's \"id\")")
+        chosen = [by_id[pair_id] for pair_id in ids]
+    else:
+        chosen = list(pairs[:limit])
+    tokenizer = load_tokenizer(checkpoint)
+    template = get_template(choose_template(tokenizer, family=checkpoint_family(checkpoint), where=str(checkpoint)),
+                            tokenizer)
+    buckets = sorted({pair["bucket_id"] for pair in chosen})
+    examples = tokenise_pairs(list(chosen), tokenizer, template, profile, max_length, buckets, truncation)
+    position = {pair["id"]: number for number, pair in enumerate(pairs, start=1)}
+    for pair, example in zip(chosen, examples):
+        prompt = record_messages(Record.from_json(pair["record"]), profile, with_response=False,
+                                 system=tokenizer.system_mode)
+        before = len(prompt) - (bool(prompt) and prompt[0].role == "system")
+        lines = [f"== pair {position[pair['id']]} of {len(pairs)}: {pair['id']} (bucket {pair['bucket_id']}, weight "
+                 f"{float(pair.get('weight', 1.0)):.3f})"]
+        for side, encoded in example.get("cuts", {}).items():
+            lines.append(f"   {side} cut to max_length {max_length} by truncation {truncation}: "
+                         f"{', '.join(cut_phrases(encoded, before))}")
+        for side in SIDES:
+            side_ids, mask = np.asarray(example[f"{side}_ids"]), np.asarray(example[f"{side}_mask"])
+            lines += [f"-- {side} ({len(side_ids)} tokens, {int(mask.sum())} trained between {TRAINED_OPEN} "
+                      f"{TRAINED_CLOSE})", marked_text(tokenizer, side_ids, mask)]
+            if token_ids:
+                lines += [f"ids: {' '.join(map(str, side_ids.tolist()))}",
+                          f"trained: {''.join('1' if m else '0' for m in mask.tolist())}"]
+        yield "\n".join(lines)
 
 
 def _text(value: Any) -> str:

@@ -28,7 +28,6 @@ from the conversation as prepare derives it (multi when earlier user/assistant t
 from __future__ import annotations
 
 import contextlib
-import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,7 +69,7 @@ from polyalign.data.records import (
     Skipped,
 )
 from polyalign.data.text import normalize
-from polyalign.pairs.make import write_pair_split
+from polyalign.pairs.make import HH_TURN, write_pair_split
 
 FORMATS = ("trl", "hh", "sharegpt-pairs")
 DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # shipped in the package
@@ -135,8 +134,6 @@ def _ends_with(conversation: list[dict[str, str]], prompt: list[dict[str, str]])
     return len(prompt) <= len(conversation) and said(conversation[len(conversation) - len(prompt):]) == said(prompt)
 
 
-# An Anthropic HH turn marker: "\n\nHuman: " or "\n\nAssistant: " (at the start of the text without its newlines)
-HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
 HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -150,13 +151,21 @@ def read_pairs(path: Path, missing: str = "run `polyalign pairs` first") -> list
     return [row for _, row in rows]
 
 
+# An Anthropic HH turn marker: "\n\nHuman: " or "\n\nAssistant: " (at the start of the text without its newlines)
+HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
+
+
 def export_format(row: Any) -> str | None:
     """The `pairs import --format` a row of another tool's preference export reads with: LLaMA-Factory's
-    ShareGPT rows keep their prompt in `conversations` and each answer as one turn object; TRL's carry
-    chosen and rejected as text or message lists. None for anything else."""
+    ShareGPT rows keep their prompt in `conversations` and each answer as one turn object; Anthropic HH's
+    write the conversation out as "\\n\\nHuman: ..." text; TRL's carry chosen and rejected as text or
+    message lists. None for anything else."""
     if not isinstance(row, dict) or not {"chosen", "rejected"} <= set(row):
         return None
-    return "sharegpt-pairs" if "conversations" in row or isinstance(row["chosen"], dict) else "trl"
+    if "conversations" in row or isinstance(row["chosen"], dict):
+        return "sharegpt-pairs"
+    hh = "prompt" if "prompt" in row else "chosen"  # Anthropic HH: the turns written out in one text
+    return "hh" if isinstance(row[hh], str) and HH_TURN.search(row[hh]) else "trl"
 
 
 def pair_problem(row: Any) -> str | None:
