@@ -230,6 +230,32 @@ def test_show_reads_a_pairs_file_as_the_preference_run_tokenises_it(demo_run, de
         assert code == 2 and said in err and "Traceback" not in err, (args, err)
 
 
+def test_held_out_pairs_are_records_to_generate_from_and_evaluate_on(demo_run, tmp_path, capsys):
+    """A pairs file where records are read: each pair's record, once however many pairs hold it (its prompt,
+    the chosen answer as the reference), so imported preference data is evaluated as a prepared split is:
+    here its rejected answers as the predictions."""
+    from polyalign.pairs.make import read_pairs
+
+    rows, _ = real_trl_rows(demo_run, n=30)
+    source = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl")
+    assert code == 0, err
+    pairs = read_pairs(tmp_path / "pairs.jsonl")
+    records = read_records(tmp_path / "pairs.jsonl")
+    assert [r.id for r in records] == [p["id"] for p in pairs]  # ids are the records', one pair each here
+    assert [r.response for r in records] == [p["chosen"] for p in pairs]
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text((tmp_path / "pairs.jsonl").read_text() * 2)
+    assert [r.id for r in read_records(twice)] == [r.id for r in records]
+    predictions = write_jsonl(tmp_path / "rejected.jsonl", [{"id": p["id"], "prediction": p["rejected"]}
+                                                            for p in pairs])
+    code, out, err = cli(capsys, "evaluate", "--records", tmp_path / "pairs.jsonl", "--predictions", predictions,
+                         "--out", tmp_path / "eval", "--no-progress", "--no-diversity", "--no-detectability")
+    assert code == 0, err
+    alignment = json.loads((tmp_path / "eval" / "metrics.json").read_text())["alignment"]
+    assert alignment["records"] == alignment["evaluated"] == len(pairs) and alignment["missing"] == 0
+
+
 def test_a_trl_file_given_to_training_says_to_import_it(demo_run, tmp_path):
     from polyalign.pairs.make import read_pairs
 

@@ -161,9 +161,11 @@ def after_question(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:
-    """The records of a JSONL file written by `polyalign prepare` (blank lines skipped). `path` may be
-    an epath (a bucket URI) as well as a local path."""
-    records = []
+    """The records of a JSONL file written by `polyalign prepare` (blank lines skipped), or of a pairs file
+    (`polyalign pairs`, `pairs import`): each pair holds the record its prompt and chosen answer come from,
+    read once per record id, so held-out pairs can be generated from and evaluated on as records are. `path`
+    may be an epath (a bucket URI) as well as a local path."""
+    records, seen = [], set()
     if not (path.exists() if hasattr(path, "exists") else os.path.exists(path)):
         raise InputError(f"{path}: no such records file (prepare writes RUN/data/{{train,val,test}}.jsonl)")
     with (path.open(encoding="utf-8") if hasattr(path, "open") else open(path, encoding="utf-8")) as handle:
@@ -174,6 +176,11 @@ def read_records(path: str | os.PathLike) -> list[Record]:
                 row = jsonl.parse(line)
             except jsonl.JsonProblem as problem:
                 raise InputError(f"{path}:{line_number}: not a JSON record ({problem})") from None
+            if isinstance(row, dict) and isinstance(row.get("record"), dict) and {"chosen", "rejected"} <= row.keys():
+                row = row["record"]  # a pair: the record it was made from
+                if row.get("id") in seen:
+                    continue
+                seen.add(row.get("id"))
             missing = [name for name in RECORD_FIELDS if name not in row] if isinstance(row, dict) else ["every field"]
             if missing:
                 raise InputError(f"{path}:{line_number}: not a polyalign record (missing {', '.join(missing[:3])}"
