@@ -238,7 +238,8 @@ def test_held_out_pairs_are_records_to_generate_from_and_evaluate_on(demo_run, t
 
     rows, _ = real_trl_rows(demo_run, n=30)
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
-    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "pairs.jsonl")
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                       tmp_path / "pairs.jsonl")
     assert code == 0, err
     pairs = read_pairs(tmp_path / "pairs.jsonl")
     records = read_records(tmp_path / "pairs.jsonl")
