@@ -623,7 +623,10 @@ def _add_pairs(sub) -> None:
     imported.add_argument("--val-out", type=Path, help="where the validation pairs go (default: OUT with .val, "
                                                        "e.g. train.val.jsonl)")
     imported.add_argument("--seed", type=int, default=0, help="seed of the --val-fraction split (default 0)")
-    imported.add_argument("--overwrite", action="store_true", help="replace OUT when it was made otherwise")
+    imported.add_argument("--overwrite", action="store_true",
+                          help="replace OUT when it was made with other settings, or not by polyalign (the same "
+                               "command again rewrites it from the input as the input is now; a training run "
+                               "started on the old pairs then refuses to continue on them)")
     imported.set_defaults(handler=_run_pairs_import)
 
 

@@ -908,7 +908,8 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     assert lost > 0 and sum(e["system_cut"] for e in kept) < lost
     assert note.endswith(f"; {lost} of them lose their opening system message, whole or in part (truncation=turns "
                          "keeps it where it and the last question fit the prompt's share); a larger "
-                         "data.max_length keeps more")
+                         f"data.max_length keeps more (`polyalign show p.jsonl --checkpoint INIT --max-length {limit} "
+                         "--truncation left` shows them)")
     for before, after in zip(whole, kept):
         if after["truncated"] and not after["system_cut"]:  # the prompt's first tokens are the whole pair's
             assert list(after["chosen_ids"][:16]) == list(before["chosen_ids"][:16])
@@ -936,8 +937,13 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
             first = [int(np.argmax(example[f"{side}_mask"])) for side in ("chosen", "rejected")]
             assert first[0] == first[1] and list(example["chosen_ids"][:first[0]]) == list(
                 example["rejected_ids"][:first[1]])
-    assert "the prompt by its oldest whole turns (its opening system message kept where it fits)" in (
-        preference.truncation_note(turns, "p.jsonl", limit, "turns"))
+    turns_note = preference.truncation_note(turns, "p.jsonl", limit, "turns")
+    assert "the prompt by its oldest whole turns (its opening system message kept where it fits)" in turns_note
+    # the pairs whose cut left the system message out whole, or lost operator notes with their turns, counted
+    whole_out = sum(any(e.system_left_out for e in x.get("cuts", {}).values()) for x in turns)
+    notes_out = sum(any(e.system_dropped for e in x.get("cuts", {}).values()) for x in turns)
+    assert (f"({whole_out} left out whole, over half of the prompt's share" in turns_note) == (whole_out > 0)
+    assert (f"; {notes_out} lose system messages from inside" in turns_note) == (notes_out > 0)
 
     config = PreferenceConfig(method="dpo", init="lab/model")
     assert tokenizer.profile_mode is None  # the demo's tokenizer: trained by polyalign, no model behind it
@@ -1103,6 +1109,7 @@ def test_pair_sides_leave_a_long_system_message_out_together(demo_run, demo_toke
     from polyalign.data.records import Record
     from polyalign.inputs.pair_rows import tokenise_pairs
     from polyalign.tokens.chat import Message, encode_conversation, get_template, record_messages
+    from polyalign.train import preference
 
     tokenizer = demo_tokenizer[0]
     template = get_template("polyalign", tokenizer)
@@ -1133,5 +1140,10 @@ def test_pair_sides_leave_a_long_system_message_out_together(demo_run, demo_toke
             first = [int(np.argmax(example[f"{side}_mask"])) for side in ("chosen", "rejected")]
             assert first[0] == first[1] and list(example["chosen_ids"][:first[0]]) == list(
                 example["rejected_ids"][:first[1]])
+            # the run's note counts the pair once, both sides having left it out
+            assert all(example["cuts"][side].system_left_out for side in ("chosen", "rejected"))
+            assert "; 1 of them lose their opening system message, whole or in part" in (
+                note := preference.truncation_note([example], "p.jsonl", limit, truncation)), note
+            assert "(1 left out whole, over half of the prompt's share, rather than keep its last tokens)" in note
             found += 1
     assert found >= 2, found

@@ -241,13 +241,20 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
     if not cut:
         return None
     lost = sum(e["system_cut"] for e in cut)
+    # what each side's cut took (pair_rows keeps it): a pair counts once, whichever side it was
+    whole = sum(any(side.system_left_out for side in e.get("cuts", {}).values()) for e in cut)
+    notes = sum(any(side.system_dropped for side in e.get("cuts", {}).values()) for e in cut)
     how = {"left": "from its start", "keep_system": "after its opening system message",
            "turns": "by its oldest whole turns (its opening system message kept where it fits)"}[truncation]
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
             f"longer than data.max_length {max_length} and are cut, the prompt {how} and each answer from its end"
             + (f"; {lost} of them lose their opening system message, whole or in part ("
                f"{SYSTEM_LOST_WHY[truncation].format(option='truncation=')})" if lost else "")
-            + "; a larger data.max_length keeps more")
+            + (f" ({whole} left out whole, over half of the prompt's share, rather than keep its last tokens)"
+               if whole else "")
+            + (f"; {notes} lose system messages from inside the conversation with the turns dropped" if notes else "")
+            + f"; a larger data.max_length keeps more (`polyalign show {pairs_file} --checkpoint INIT "
+              f"--max-length {max_length} --truncation {truncation}` shows them)")
 
 
 def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
