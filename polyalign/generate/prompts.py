@@ -96,7 +96,10 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 row = {"id": record.id}
                 if max_prompt_tokens is not None:
                     ids = cut_prompt(chat, tokenizer, messages, max_prompt_tokens)
-                    cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=ids.messages != messages,
+                    # whole turns lost: fewer messages after the opening system message (which may have gone alone)
+                    head = int(bool(messages) and messages[0].role == "system")
+                    kept = len(ids.messages) - int(head and ids.messages[:1] == messages[:1])
+                    cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=kept < len(messages) - head,
                                over=ids.mid_turn)
                     row["prompt_token_ids"], messages = ids.ids.tolist(), ids.messages
                 # an engine applying a template that refuses system messages gets them folded, as trained
