@@ -423,3 +423,17 @@ def test_training_on_from_an_export_made_before_system_modes_keeps_one_preamble(
     assert "namespace(parts=[])" in profile_template._LEGACY_PREAMBLE
     exported = export.export_template(EarlierExport(), "keep")
     assert exported == profile_template.READ_MESSAGES_JINJA + profile_template.PROFILE_PREAMBLES_JINJA["keep"] + source
+
+
+def test_the_card_says_how_many_left_their_system_message_out_whole():
+    """The model card's profile line counts, of the examples that lost the profile prompt to truncation, those
+    whose cut left it out whole (over half of the prompt's share) rather than keep its last tokens."""
+    from polyalign.model.export import profile_coverage
+
+    said = profile_coverage({"examples": 3200, "system_cut": 160, "system_left_out": 160}, "turns")
+    assert said == ("whole in 3040 of 3200 training examples; 160 lost it, whole or in part, to --truncation turns "
+                    "(long conversations cut to fit; 160 of them left it out whole rather than keep its last tokens), "
+                    "so the model also read conversations without it")
+    assert "left it out whole" not in profile_coverage({"examples": 10, "system_cut": 2}, "left")
+    assert profile_coverage({"examples": 10, "system_cut": 0, "system_left_out": 0}, "turns") == (
+        "whole in all 10 training examples")

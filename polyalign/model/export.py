@@ -221,14 +221,17 @@ def profile_coverage(train: dict[str, Any], truncation: str, unit: str = "traini
                      option: str = "--truncation ") -> str | None:
     """The card's words for a build's train split (RUN/build/manifest.json), or a preference run's pairs (with
     `unit` and `option` theirs): in how many the profile prompt stood whole, and how many lost it, whole or
-    in part, to truncation."""
+    in part, to truncation (and of those, how many left it out whole)."""
     examples, cut = train.get("examples"), train.get("system_cut")
     if not examples or cut is None:
         return None
     if not cut:
         return f"whole in all {examples} {unit}"
+    whole = train.get("system_left_out") or 0  # over half of the prompt's share: left out, not kept as a tail
     return (f"whole in {examples - cut} of {examples} {unit}; {cut} lost it, whole or in part, to {option}"
-            f"{truncation} (long conversations cut to fit), so the model also read conversations without it")
+            f"{truncation} (long conversations cut to fit"
+            + (f"; {whole} of them left it out whole rather than keep its last tokens" if whole else "")
+            + "), so the model also read conversations without it")
 
 
 def training_card(config: Any) -> dict[str, Any]:

@@ -370,7 +370,9 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         # the values the pairs held and those the policy's SFT data held (its export says them)
         pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
         # in how many training pairs the profile prompt stood whole (either side cut counts), as SFT's card says
-        cut = {"examples": len(train_examples), "system_cut": sum(bool(e["system_cut"]) for e in train_examples)}
+        cut = {"examples": len(train_examples), "system_cut": sum(bool(e["system_cut"]) for e in train_examples),
+               "system_left_out": sum(any(side.system_left_out for side in e.get("cuts", {}).values())
+                                      for e in train_examples)}
         coverage = export.profile_coverage(cut, config.truncation, "training pairs", "truncation=")
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template,
                                         config.profile, tokenizer.system_mode,
