@@ -143,6 +143,34 @@ def test_a_system_message_over_half_the_prompts_share_goes_whole_not_as_a_headle
     np.testing.assert_array_equal(left.ids, full.ids[-(keep_source + target_len):])  # opens in the system text
 
 
+def test_a_conversation_left_without_its_system_message_still_opens_with_a_user_turn(demo_tokenizer):
+    """A conversation whose assistant speaks first (a greeting) after a long system message: where the cut
+    leaves the system message out, what is left resumes at a user turn as it did with the system message
+    before it (never an example, or a prompt, that opens with the greeting and trains it), in training under
+    `turns` and in a generation prompt alike."""
+    from polyalign.tokens.chat import cut_prompt, prompt_ids
+
+    tokenizer, _ = demo_tokenizer
+    template = get_template("polyalign")
+    case = next(c for c in CASES if c["template"] == "polyalign" and len(c["record"]["history"]) >= 2)
+    messages = record_messages(Record.from_json(case["record"]), case["profile"])
+    greeting = next(m for m in messages if m.role == "assistant")
+    question, answer = messages[-2], messages[-1]
+    system = Message("system", "\n".join(m.content for m in messages[1:]))
+    conversation = [system, greeting, question, answer]
+    rest = encode_conversation(template, tokenizer, [question, answer])
+    for cutoff in range(len(rest.ids), len(rest.ids) + 60, 4):
+        cut = encode_conversation(template, tokenizer, conversation, cutoff=cutoff, truncation="turns", train_on="all")
+        if cut.system_left_out:
+            assert cut.turns_dropped == 1 and cut.ids.tolist() == rest.ids.tolist(), cutoff  # the greeting went too
+            break
+    else:
+        raise AssertionError("no cutoff left the system message out")
+    budget = len(prompt_ids(template, tokenizer, [question])) + 2
+    ids, _, lost, kept, _ = cut_prompt(template, tokenizer, conversation[:-1], budget)
+    assert kept == [question] and lost and ids.tolist() == prompt_ids(template, tokenizer, [question])
+
+
 def test_cutoff_keeps_the_end_of_the_prompt_and_the_start_of_the_response(demo_tokenizer):
     tokenizer, _ = demo_tokenizer
     template = get_template("polyalign")

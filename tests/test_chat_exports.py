@@ -183,15 +183,19 @@ def test_a_cut_prompt_loses_whole_turns_and_keeps_its_system_message_in_every_te
                                                                                skip_special=False)
             inside += 1
     assert whole_turns >= 4 and inside >= 2, (whole_turns, inside)
-    assert (left_out >= 1) == (name != "gemma"), left_out
+    # qwen and llama3 write a system turn of their own (leaving the message out would put it in its place),
+    # gemma folds it into the user turn: never left out here (polyalign's template: tests/test_chat.py)
+    assert left_out == 0, left_out
 
 
 @pytest.mark.parametrize("name", ["qwen", "llama3"])
-def test_a_system_message_left_out_gives_way_to_the_templates_own_system_turn(name, export_run, bpe_tokenizer):
-    """Qwen and Llama 3 write a system turn of their own for a conversation without a system message. Where a
-    long system message is left out and the last question is still over its share, that turn is the head the
-    cut keeps (as an opening system message would be), then the latest tokens: a prompt as the template writes
-    it with no system message, cut at its left, in generation and in training alike."""
+def test_the_templates_own_system_turn_heads_a_cut_and_never_stands_in_for_a_left_out_message(name, export_run,
+                                                                                            bpe_tokenizer):
+    """Qwen and Llama 3 write a system turn of their own for a conversation without a system message: a cut
+    of such a conversation keeps it as its head (as an opening system message is kept), then the latest
+    tokens, in generation and in training (keep_system, turns) alike. A long system message is never left
+    out under them (that turn would stand in for it, a system prompt the conversation never had): its cut
+    keeps the latest tokens as before."""
     from polyalign.tokens.chat import cut_prompt, own_system_head, prompt_ids
 
     _, records = export_run
@@ -203,26 +207,35 @@ def test_a_system_message_left_out_gives_way_to_the_templates_own_system_turn(na
     question = Message("user", "\n".join(m.content for m in messages if m.role == "user"))
     answer = messages[-1]
     assert answer.role == "assistant"
-    system = Message("system", "\n".join(m.content for m in messages[1:]) * 2)
     own = prompt_ids(template, bpe_tokenizer, [question])  # the template's own system turn, then the question
     budget = len(own) - 3
-    ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, [system, question], budget)
+    ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, [question], budget)
     head = own_system_head(template, bpe_tokenizer, own, budget)
-    assert 0 < head <= budget // 2 and kept == [question] and cut and lost and mid_turn
+    assert 0 < head <= budget // 2 and kept == [question] and cut and not lost and mid_turn
     assert ids.tolist() == own[:head] + own[len(own) - (budget - head):]
     written = {"qwen": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>",
                "llama3": "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>"}
     assert bpe_tokenizer.decode(own[:head], skip_special=False).endswith(written[name])
-    # training, keep_system and turns alike: the answer kept whole, the prompt's share `budget` as above
     target = encode_conversation(template, bpe_tokenizer, [question, answer])
     answer_ids = target.ids[int(np.argmax(target.loss_mask)):].tolist()
+    assert target.ids[:len(own)].tolist() == own  # the prompt trained on is the generation prompt
+    for truncation in ("keep_system", "turns"):
+        encoded = encode_conversation(template, bpe_tokenizer, [question, answer], cutoff=budget + len(answer_ids),
+                                      truncation=truncation)
+        assert encoded.mid_turn and not encoded.system_cut and not encoded.reply_cut, truncation
+        assert encoded.ids.tolist() == ids.tolist() + answer_ids, truncation
+        assert encoded.loss_mask.tolist() == [False] * budget + [True] * len(answer_ids)
+    left = encode_conversation(template, bpe_tokenizer, [question, answer], cutoff=budget + len(answer_ids))
+    assert left.ids.tolist() == target.ids[-(budget + len(answer_ids)):].tolist()  # `left`: the latest tokens only
+    # a long system message before it: cut inside (its latest tokens), never replaced by the template's own turn
+    system = Message("system", "\n".join(m.content for m in messages[1:]) * 2)
+    with_system = prompt_ids(template, bpe_tokenizer, [system, question])
+    ids, cut, lost, kept, mid_turn = cut_prompt(template, bpe_tokenizer, [system, question], budget)
+    assert kept == [system, question] and lost and mid_turn and ids.tolist() == with_system[-budget:]
     for truncation in ("keep_system", "turns"):
         encoded = encode_conversation(template, bpe_tokenizer, [system, question, answer],
                                       cutoff=budget + len(answer_ids), truncation=truncation)
-        assert encoded.system_left_out and encoded.system_cut and encoded.mid_turn and not encoded.reply_cut
-        assert target.ids[:len(own)].tolist() == own  # the prompt trained on is the generation prompt
-        assert encoded.ids.tolist() == ids.tolist() + answer_ids, truncation
-        assert encoded.loss_mask.tolist() == [False] * budget + [True] * len(answer_ids)
+        assert not encoded.system_left_out and encoded.system_cut and encoded.ids.tolist() == ids.tolist() + answer_ids
 
 
 @pytest.mark.parametrize("name", ["qwen", "llama3", "gemma"])
@@ -284,7 +297,7 @@ def test_turns_truncation_drops_as_few_whole_turns_as_fit_the_prompts_share(name
                 assert len(longer.ids) - len(answer) > keep_source
             whole_turns += cut.turns_dropped > 0
     assert whole_turns >= 5 and inside >= 1 and notes_dropped >= 1, (whole_turns, inside, notes_dropped)
-    assert (left_out >= 1) == (name != "gemma"), left_out
+    assert left_out == 0, left_out  # as in cut_prompt's test: never in these templates
 
 
 def test_the_fixtures_hold_the_shapes_users_bring():

@@ -605,8 +605,10 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
     resuming at a user turn; only a last question still over the prompt's share is cut inside, as keep_system
     cuts it. Both keep the system message within half of the prompt's share; where a cut would open inside a
     longer one, it goes whole (`system_left_out`) rather than leave its tail without a header: the prompt is
-    then the conversation as the template renders it with no system message (under Qwen's or Llama 3's
-    template, their own system turn kept as the head), `turns` fitting its whole turns to the share again.
+    then the conversation as the template renders it with no system message, `turns` fitting its whole turns
+    to the share again (not under a template that writes a system turn of its own: system_turn_length). A
+    conversation with no system message keeps the system turn the template writes of its own (Qwen's, Llama
+    3's) as its head.
     """
     if truncation not in TRUNCATIONS:
         raise ChatTemplateError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATIONS)}")
@@ -629,22 +631,23 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
                 source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
                 keep_source = min(keep_source, len(source_ids))  # under it, unless the last question is still over
                 keep_target = min(len(target_ids), cutoff - keep_source)
-        head = system_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
+        head = opening_head(template, tokenizer, messages, source_ids, keep_source) if truncation != "left" else 0
         start = len(source_ids) - (keep_source - head)
         if truncation != "left" and head == 0 and 0 < start < system_turn_length(template, tokenizer, messages,
                                                                                     source_ids):
             # the opening system message, over half the prompt's share, goes whole rather than leave its tail
-            # without a header: the rest is rendered as the template renders a conversation that has none (with
-            # the system turn it writes of its own, kept as the head), `turns` fitting its whole turns again
+            # without a header: the rest is rendered as the template renders a conversation that has none,
+            # `turns` fitting its whole turns again
             system_left_out = True
-            if truncation == "turns":
-                messages, dropped, system_dropped = _drop_turns(template, tokenizer, original[1:], share, train_on)
+            if truncation == "turns":  # resuming at a user turn, as it did with the system message before it
+                messages, dropped, system_dropped = _drop_turns(template, tokenizer, original[1:], share, train_on,
+                                                                from_user=True)
             else:
                 messages = messages[1:]
             source_ids, source_mask, _, _ = _prompt_and_answer(template, tokenizer, messages, train_on)
             keep_source = min(share, len(source_ids))
             keep_target = min(len(target_ids), cutoff - keep_source)
-            head = own_system_head(template, tokenizer, source_ids, keep_source)
+            head = opening_head(template, tokenizer, messages, source_ids, keep_source)
             start = len(source_ids) - (keep_source - head)
         # an earlier reply the cut opened inside (train_on all) is not trained: it would teach a reply from its middle
         end = start
@@ -660,13 +663,13 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
 
 
 def _drop_turns(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], share: int,
-                train_on: str) -> tuple[list[Message], int, int]:
+                train_on: str, from_user: bool = False) -> tuple[list[Message], int, int]:
     """A conversation less as few of its oldest whole turns as fit its prompt in `share` tokens (`fit_messages`),
     how many messages before the reply went, and how many of those were system messages from inside it."""
     last = len(messages) - 1
     answer = messages[last]
     kept = fit_messages(template, tokenizer, messages[:last], share, length=lambda prompt: len(
-        _prompt_and_answer(template, tokenizer, [*prompt, answer], train_on)[0]))
+        _prompt_and_answer(template, tokenizer, [*prompt, answer], train_on)[0]), from_user=from_user)
     notes = sum(m.role == "system" for m in messages[:last]) - sum(m.role == "system" for m in kept)
     return [*kept, answer], last - len(kept), notes
 
@@ -739,14 +742,14 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
     ids = prompt_ids(template, tokenizer, kept)
     if len(ids) <= max_tokens:
         return CutPrompt(np.asarray(ids, np.int32), True, False, kept, False)
-    head = system_head(template, tokenizer, kept, ids, max_tokens)
+    head = opening_head(template, tokenizer, kept, ids, max_tokens)
     lost = head == 0 and messages[0].role == "system"
     if head == 0 and len(ids) - max_tokens < system_turn_length(template, tokenizer, kept, ids):
         # over half the budget, the opening system message goes whole, not as a tail without its header: the
-        # conversation without it fits its whole turns again, under the system turn the template writes of its own
-        kept = fit_messages(template, tokenizer, messages[1:], max_tokens)
+        # conversation without it fits its whole turns again (resuming at a user turn)
+        kept = fit_messages(template, tokenizer, messages[1:], max_tokens, from_user=True)
         ids = prompt_ids(template, tokenizer, kept)
-        head = own_system_head(template, tokenizer, ids, max_tokens)
+        head = opening_head(template, tokenizer, kept, ids, max_tokens)
     if len(ids) > max_tokens:
         ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
         return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, True)
@@ -754,12 +757,14 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
 
 
 def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], max_tokens: int,
-                 length: Callable[[list[Message]], int] | None = None) -> list[Message]:
+                 length: Callable[[list[Message]], int] | None = None, from_user: bool = False) -> list[Message]:
     """`messages` whose rendered prompt fits `max_tokens`: as few of the oldest whole turns dropped as make it
     fit (the opening system message kept, the conversation resuming at a user turn, with the system messages
     just before it), never the last question or what follows it. Messages still over the budget then stay so
     (only cut_prompt's ids cut inside a turn). `length`: how many tokens kept messages take (default: their
-    generation prompt's)."""
+    generation prompt's). `from_user`: a conversation with no system message that opens with an assistant turn
+    (a greeting) resumes at a user turn even where it would fit whole: what is left once a cut left its system
+    message out opens as the conversation did with it."""
     messages = list(messages)
     head = 1 if messages and messages[0].role == "system" else 0
     last_question = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
@@ -769,6 +774,8 @@ def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequenc
             while i - 1 > starts[-1] and messages[i - 1].role == "system":  # a system message it follows goes with it
                 i -= 1
             starts.append(i)
+    if from_user and head == 0 and messages and messages[0].role == "assistant" and len(starts) > 1:
+        starts = starts[1:]
 
     measure = length or (lambda kept: len(prompt_ids(template, tokenizer, kept)))
 
@@ -786,13 +793,15 @@ def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequenc
 def system_turn_length(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message],
                        ids: Sequence[int]) -> int:
     """How many of a conversation's first `ids` are its opening system message, rendered as a turn of its own
-    with what the template puts before it (a BOS): a cut that opens inside them leaves the message out instead
-    (where the template writes a system turn of its own for a conversation without one, Qwen's default prompt
-    or Llama 3's date header, that turn takes its place). 0 where there is none, where the template folds it
-    into the first user turn (Gemma: a cut there opens inside that turn whatever it does), or where the
-    conversation does not go on with a user turn (or a system note before one)."""
+    with what the template puts before it (a BOS): a cut that opens inside them leaves the message out instead.
+    0 where there is none, where the template folds it into the first user turn (Gemma: a cut there opens
+    inside that turn whatever it does), where it writes a system turn of its own for a conversation without
+    one (Qwen's identity prompt, Llama 3's date header: leaving the message out would put a system prompt in
+    its place that the conversation never had, and lose the profile prompt that closes the message; a user's
+    build under Qwen's template at 128 tokens read Qwen's identity prompt in 1,024 of 1,438 examples that way),
+    or where the conversation does not go on with a user turn (or a system note before one)."""
     if not messages or messages[0].role != "system" or len(messages) < 2 or messages[1].role == "assistant" \
-            or not any(m.role == "user" for m in messages[1:]):
+            or not any(m.role == "user" for m in messages[1:]) or _writes_own_system_turn(template):
         return 0
     try:
         alone, _ = encode_pieces(template.pieces(messages[:1], add_generation_prompt=False), tokenizer, set())
@@ -809,6 +818,15 @@ def _writes_own_system_turn(template: ChatTemplate) -> bool:
         return any(not p.special and p.text.lstrip().startswith("system") for p in pieces)
     except ChatTemplateError:
         return False
+
+
+def opening_head(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], ids: Sequence[int],
+                 budget: int) -> int:
+    """What a cut keeps before a prompt's latest tokens: its opening system message (system_head), or, for a
+    conversation with none, the system turn the template writes of its own (own_system_head)."""
+    if messages and messages[0].role == "system":
+        return system_head(template, tokenizer, messages, ids, budget)
+    return own_system_head(template, tokenizer, ids, budget)
 
 
 def own_system_head(template: ChatTemplate, tokenizer: Tokenizer, ids: Sequence[int], budget: int) -> int:
