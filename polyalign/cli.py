@@ -445,6 +445,8 @@ def _run_show(args) -> int:
     # heavy: tensorflow_datasets, kept out of --help
     from polyalign.inputs.show import show_examples, show_pairs
 
+    if not args.run.exists():
+        args.parser.error(f"{args.run}: no such run folder or pairs file")
     if args.run.is_file():
         if args.checkpoint is None:
             args.parser.error(f"{args.run} is a file: a pairs file is shown as a preference run reads it, with its "

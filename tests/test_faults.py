@@ -276,7 +276,8 @@ def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code
 @pytest.mark.parametrize("tag, language", [("en", "en"), ("zh-CN", "zh"), ("zh_SG", "zh"), ("zh-Hans-CN", "zh"),
                                            ("en-US", "en"), ("en-GB", "en"), ("zh-419", "zh"), ("zh-Hant", "zh-Hant"),
                                            ("zh-Hant-TW", "zh-Hant-TW"), ("en-Dsrt", "en-Dsrt"), ("fr-CA", "fr-CA"),
-                                           ("other", "other")])
+                                           ("zh-TW", "zh-TW"), ("zh_HK", "zh_HK"), ("zh-MO", "zh-MO"),
+                                           ("zh-Hans-TW", "zh"), ("other", "other")])
 def test_a_language_tag_with_a_region_or_the_usual_script_is_the_schemes_language(tag, language):
     from polyalign.data.prepare import scheme_language
 

@@ -162,17 +162,22 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     image = {**rows[1], "prompt": [{"role": "user", "content": [
         {"type": "text", "text": rows[1]["prompt"][-1]["content"]},
         {"type": "image_url", "image_url": {"url": "file:///photo.png"}}]}]}
+    with_prompt = next(_forms(row)["hh prompt"][1] for row in rows if "hh prompt" in _forms(row))
+    # a prompt that quotes a chat log after its own question is no HH text: TRL's
+    quoting = {**rows[5], "prompt": rows[5]["prompt"][-1]["content"] + _hh_text(rows[6]["prompt"] + rows[6]["chosen"])}
     lines = [hh or _forms(rows[2])["hh"][1], image, {**rows[zh], "language": "zh-CN", "id": 17},
              {**rows[zh], "language": "zh-Hant"}, {**rows[3], "rejected": [{"role": "assistant", "content": " "}]},
-             {**rows[4], "id": "my-row-5"}]
+             {**rows[4], "id": "my-row-5"}, with_prompt, quoting]
     source = write_jsonl(tmp_path / "prefs.jsonl", lines)
     code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                          tmp_path / "pairs.jsonl", "--on-error", "quarantine")
-    assert code == 0 and "2 training pairs from 6 rows" in out
-    assert "dropped: malformed 2, language_not_in_scheme:zh-Hant 1, empty_side 1" in out
+    assert code == 0 and "3 training pairs from 8 rows" in out
+    assert "dropped: malformed 3, language_not_in_scheme:zh-Hant 1, empty_side 1" in out
     assert "note: rows in a language outside the scheme were dropped (zh-Hant 1 declared)" in err
     quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
-    assert quarantined[0]["problem"].endswith("--format hh reads them")
+    assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["1", "2", "7"]
+    assert quarantined[0]["problem"].endswith("--format hh reads it")
+    assert quarantined[2]["problem"].endswith("--format hh reads it")  # HH text in the prompt field too
     assert quarantined[1]["problem"] == ("prompt message 1 holds image_url content, which a text model cannot "
                                          "train on")
     listed = [json.loads(line) for line in (tmp_path / "pairs.dropped.jsonl").read_text().splitlines()]
@@ -180,8 +185,9 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
                                                                   (5, "empty_side")]
     assert f"dropped rows, with their lines and reasons -> {tmp_path / 'pairs.dropped.jsonl'}" in out
     pairs = read_pairs(tmp_path / "pairs.jsonl")
-    assert [p["language"] for p in pairs] == ["zh", rows[4]["language"]]
-    assert [p["record"]["meta"]["source_id"] for p in pairs] == ["17", "my-row-5"]
+    assert [p["language"] for p in pairs] == ["zh", rows[4]["language"], rows[5]["language"]]
+    assert [p["record"]["meta"].get("source_id") for p in pairs] == ["17", "my-row-5", None]
+    assert "\n\nHuman: " in pairs[2]["record"]["question"]  # quoted as the user wrote it
     assert pairs[0]["record"]["meta"]["source_labels"]["language"] == "zh-CN"  # the user's own label, as given
 
 
@@ -221,7 +227,8 @@ def test_show_reads_a_pairs_file_as_the_preference_run_tokenises_it(demo_run, de
     for args, said in ((["show", pairs_file], "give --checkpoint INIT"),
                        (["show", pairs_file, "--checkpoint", init, "--split", "val"], "--split is a run's"),
                        (["show", tmp_path, "--truncation", "turns"], "--truncation: for a pairs file"),
-                       (["show", pairs_file, "--checkpoint", init, "--id", "nope"], "no pair 'nope'")):
+                       (["show", pairs_file, "--checkpoint", init, "--id", "nope"], "no pair 'nope'"),
+                       (["show", tmp_path / "nope.jsonl", "--checkpoint", init], "no such run folder or pairs file")):
         try:
             code = main([str(a) for a in args])
         except SystemExit as exit:  # argparse's usage error

@@ -901,6 +901,8 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     assert note.startswith(f"note: {over} of {len(pairs)} training pairs of p.jsonl ({over / len(pairs):.0%}) are "
                            f"longer than data.max_length {limit} and are cut")
     assert preference.truncation_note(whole, "p.jsonl", 10**6) is None
+    assert preference.truncation_note(cut, "p.jsonl", limit, "left", "oracle").endswith(
+        f"--max-length {limit} --truncation left --profile oracle` shows them)")  # the run's own profile
     # truncation=keep_system cuts the prompt after its opening system message (the profile prompt), as
     # `build --truncation keep_system` and generation do: the pairs that lost it with left keep it
     kept = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "keep_system")

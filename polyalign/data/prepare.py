@@ -74,19 +74,24 @@ AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
 # A row's own language label outside the scheme is a language the user keeps out (dropped, counted) when
 # it is an ISO 639 code (fr, yue, zh-Hant); anything else ("english", "EN") is a mistake in the row.
 LANGUAGE_CODE = re.compile(r"^[a-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})*$")
-# The script each scheme language is written in (a tag naming another, zh-Hant, is another language here).
+# The script each scheme language is written in (a tag naming another, zh-Hant, is another language here),
+# and the regions whose tag alone implies another one (zh-TW, zh-HK and zh-MO are written in Traditional).
 USUAL_SCRIPTS = {"zh": "hans", "en": "latn"}
+OTHER_SCRIPT_REGIONS = {"zh": {"tw", "hk", "mo"}}
 
 
 def scheme_language(tag: str, scheme_languages) -> str:
     """A BCP 47 tag as the scheme's language it names: zh-CN, zh_SG, zh-Hans-CN and en-US are zh and en (a
-    region, or the language's usual script, does not make another language); zh-Hant, or a language the
-    scheme lacks, stays as it is (left out as language_not_in_scheme, counted)."""
+    region, or the language's usual script, does not make another language); zh-Hant, zh-TW (a region written
+    in another script), or a language the scheme lacks, stays as it is (left out as language_not_in_scheme,
+    counted)."""
     primary, *rest = re.split(r"[-_]", tag)
     if primary.lower() not in scheme_languages or tag in scheme_languages:
         return tag
-    usual = USUAL_SCRIPTS.get(primary.lower())
-    if all(re.fullmatch(r"[A-Za-z]{2}|\d{3}", part) or part.lower() == usual for part in rest):
+    usual, elsewhere = USUAL_SCRIPTS.get(primary.lower()), OTHER_SCRIPT_REGIONS.get(primary.lower(), set())
+    scripted = any(part.lower() == usual for part in rest)  # zh-Hans-TW: the script says it
+    if all((re.fullmatch(r"[A-Za-z]{2}|\d{3}", part) and (scripted or part.lower() not in elsewhere))
+           or part.lower() == usual for part in rest):
         return primary.lower()
     return tag
 

@@ -69,7 +69,7 @@ from polyalign.data.records import (
     Skipped,
 )
 from polyalign.data.text import normalize
-from polyalign.pairs.make import HH_TURN, write_pair_split
+from polyalign.pairs.make import HH_TURN, hh_text, write_pair_split
 
 FORMATS = ("trl", "hh", "sharegpt-pairs")
 DEFAULT_SCHEME = Path(__file__).resolve().parents[1] / "buckets" / "polyalign.yaml"  # shipped in the package
@@ -108,10 +108,9 @@ def _trl(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
     for key in ("chosen", "rejected"):
         if key not in row:
             raise RowProblem(f"missing field {key!r}")
-    if "prompt" not in row and any(isinstance(row[key], str) and HH_TURN.search(row[key]) for key in ("chosen",
-                                                                                                     "rejected")):
-        raise RowProblem("chosen and rejected are Anthropic HH text ('\\n\\nHuman: ... \\n\\nAssistant: ...'): "
-                         "--format hh reads them")
+    if hh_text(row.get("prompt", row["chosen"])):
+        raise RowProblem("the row is Anthropic HH text ('\\n\\nHuman: ... \\n\\nAssistant: ...'): --format hh "
+                         "reads it")
     chosen, rejected = _messages(row["chosen"], "chosen"), _messages(row["rejected"], "rejected")
     if "prompt" in row:
         prompt = _messages(row["prompt"], "prompt")
@@ -256,12 +255,11 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
             outputs.enter_context(stage_output(path, sidecar(path), settings, overwrite, ours=[path], inputs=inputs,
                                                lock=OutputLock.for_file(path), option=option))
         sink = ErrorSink(on_error, quarantine)
-        listed = DroppedRows(dropped_file)
-        pairs, dropped = [], Counter()
+        pairs, dropped, listed = [], Counter(), []
 
         def drop(location, reason: str) -> None:
             dropped[reason] += 1
-            listed(dropped_row(dataset, location, reason))
+            listed.append(dropped_row(dataset, location, reason))
 
         try:
             for number, item in enumerate(read_pair_rows(input_path, fmt)):
@@ -286,12 +284,15 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                     pairs.append(pair)
         finally:
             sink.close()
-            listed.close()
         split = write_pair_split(pairs, out, val_out, val_fraction, seed)
         if not sink.count:
             quarantine.unlink(missing_ok=True)
-        if not dropped:
-            dropped_file.unlink(missing_ok=True)
+        dropped_file.unlink(missing_ok=True)  # an earlier import's list is not this one's
+        if listed:  # the well-formed rows left out (malformed ones are in the quarantine file, or stopped the import)
+            rows = DroppedRows(dropped_file)
+            for row in listed:
+                rows(row)
+            rows.close()
         summary = {"read": tally.read, "pairs": len(pairs), "dropped": dict(dropped),
                    "system_messages": tally.system_messages["system_prompt"],
                    "languages_detected": dict(tally.detected_languages),
@@ -301,7 +302,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    "multi_turn_families": dict(Counter(p["record"]["family"] for p in pairs
                                                        if p["record"]["track"] == "multi")),
                    "quarantined": sink.count, "out": str(out),
-                   **({"dropped_rows": str(dropped_file)} if dropped else {})}
+                   **({"dropped_rows": str(dropped_file)} if listed else {})}
         val_buckets = split.pop("val_buckets", None)
         summary.update(split)
         if val_out is not None:  # each file's manifest counts its own pairs and buckets

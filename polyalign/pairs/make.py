@@ -155,6 +155,12 @@ def read_pairs(path: Path, missing: str = "run `polyalign pairs` first") -> list
 HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
 
 
+def hh_text(value: Any) -> bool:
+    """Whether a field holds Anthropic HH text: it opens with a Human turn (a prompt that only quotes a chat
+    log further in is not)."""
+    return isinstance(value, str) and re.match(r"\s*Human:", value) is not None
+
+
 def export_format(row: Any) -> str | None:
     """The `pairs import --format` a row of another tool's preference export reads with: LLaMA-Factory's
     ShareGPT rows keep their prompt in `conversations` and each answer as one turn object; Anthropic HH's
@@ -165,7 +171,7 @@ def export_format(row: Any) -> str | None:
     if "conversations" in row or isinstance(row["chosen"], dict):
         return "sharegpt-pairs"
     hh = "prompt" if "prompt" in row else "chosen"  # Anthropic HH: the turns written out in one text
-    return "hh" if isinstance(row[hh], str) and HH_TURN.search(row[hh]) else "trl"
+    return "hh" if hh_text(row[hh]) else "trl"
 
 
 def pair_problem(row: Any) -> str | None:

@@ -234,7 +234,7 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
 
 
 def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
-                    truncation: str = "left") -> str | None:
+                    truncation: str = "left", profile: str = "context") -> str | None:
     """How many training pairs were cut to data.max_length, and how many of those lost the start of their
     opening system message (the profile prompt), as `build` says of SFT examples."""
     cut = [e for e in examples if e["truncated"]]
@@ -254,7 +254,8 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
                if whole else "")
             + (f"; {notes} lose system messages from inside the conversation with the turns dropped" if notes else "")
             + f"; a larger data.max_length keeps more (`polyalign show {pairs_file} --checkpoint INIT "
-              f"--max-length {max_length} --truncation {truncation}` shows them)")
+              f"--max-length {max_length} --truncation {truncation}"
+              + (f" --profile {profile}" if profile != "context" else "") + "` shows them)")
 
 
 def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
@@ -335,7 +336,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                     config.truncation)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets,
                                   config.truncation)
-    notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation),
+    notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation, config.profile),
              *cut_unlike_sft_notes(config), profile_note(config, tokenizer, train_pairs[0]),
              tokenizer_note(config, tokenizer, train_pairs)]
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
