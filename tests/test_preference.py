@@ -1078,6 +1078,32 @@ def test_a_run_is_not_continued_on_pairs_that_changed_since_it_started(demo_run,
     assert json.loads((out / "inputs.json").read_text())["pairs"]["digest"] == file_digest(tmp_path / "train.jsonl")
 
 
+def test_a_finished_round_and_a_build_are_judged_by_what_they_hold(tmp_path):
+    """A finished round of on-policy rounds trained on pairs that hold something else now is refused as a
+    stopped run is; a build's digest is its manifest's less how long it took and where its dataset lies."""
+    from polyalign.core.yaml_config import ConfigError
+    from polyalign.train.ownership import check_finished_round, input_contents, record_contents
+
+    round_dir, pairs = tmp_path / "rounds" / "round-1", tmp_path / "pairs.jsonl"
+    round_dir.mkdir(parents=True)
+    config = {"method": "hdpo", "init": "/sft/model", "pairs": str(pairs)}
+    (round_dir / "config.json").write_text(json.dumps(config))
+    pairs.write_text('{"id": "a"}\n')
+    record_contents(round_dir, input_contents({"pairs": str(pairs)}))
+    check_finished_round(round_dir, config, {"pairs": None}, contents=input_contents({"pairs": str(pairs)}))
+    pairs.write_text('{"id": "b"}\n')
+    with pytest.raises(ConfigError, match=r"the run started on other data: pairs="):
+        check_finished_round(round_dir, config, {"pairs": None}, contents=input_contents({"pairs": str(pairs)}))
+    manifest = {"settings": {"max_length": 64}, "made_from": {"data/manifest.json": "sha256:1"},
+                "splits": {"train": {"examples": 10, "tokens": 600}}, "seconds": 6.5, "dataset": "/a/build/x"}
+    digests = []
+    for change in ({}, {"seconds": 9.0, "dataset": "/moved/build/x"}, {"splits": {"train": {"examples": 10,
+                                                                                          "tokens": 590}}}):
+        (tmp_path / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        digests.append(input_contents({"build": str(tmp_path / "manifest.json")})["build"]["digest"])
+    assert digests[0] == digests[1] != digests[2]  # built again alike: the same; cut otherwise: another
+
+
 def test_a_folder_of_rounds_moved_elsewhere_keeps_its_rounds_and_another_runs_model_does_not_pass(tmp_path):
     """A round's recorded init and pairs under the folder of rounds it was made in equal this command's
     under the folder it sits in now (copied or moved), for a finished round and a stopped one alike; the

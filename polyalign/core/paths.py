@@ -39,7 +39,11 @@ def recorded_path(path: str | os.PathLike | None) -> str | None:
 def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, local or in a bucket: what a later stage compares to tell whether the
     input it was made from has been replaced."""
-    return "sha256:" + hashlib.sha256(as_path(path).read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    with as_path(path).open("rb") as handle:  # in chunks: a large pairs file or shard is never held whole
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
 
 
 def files_digest(files) -> str | dict[str, str]:

@@ -219,9 +219,12 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     """Reads INPUT, writes the weighted pairs file OUT and OUT.manifest.json; returns the summary. With
     `val_fraction`, about that share of the prompts (all pairs of each) goes to VAL_OUT instead (default
     OUT's name with .val: pairs.jsonl -> pairs.val.jsonl), chosen by a hash seeded with `seed`."""
-    input_path, out = Path(input_path), Path(out)
-    if not input_path.is_file():
+    out = Path(out)
+    if not Path(input_path).is_file():
         raise InputError(f"{input_path}: no such file")
+    # each pair's record names its file: the same file however the command spells it, so that the same import
+    # writes the same pairs (a training run compares their digest)
+    input_path = Path(input_path).resolve()
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise InputError(f"--val-fraction must be in (0, 1), got {val_fraction:g}")
     val_out = None if val_fraction is None else Path(val_out or out.with_name(out.stem + ".val.jsonl"))

@@ -95,17 +95,22 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     return "continue"
 
 
+# What a build manifest records of the circumstances, not of the examples: building the same again changes them.
+BUILD_CIRCUMSTANCES = ("seconds", "dataset")
+
+
 def input_contents(files: dict[str, str | None]) -> dict[str, dict[str, str]]:
-    """{key: {"path", "digest"}} of each of `files` that is there: what OUT/inputs.json records. A build
-    folder's digest is its manifest's settings and inputs' digests (the manifest also holds how long the build
-    took, which building the same data again changes)."""
+    """{key: {"path", "digest"}} of each of `files` that is there: what OUT/inputs.json records. A build's
+    digest is its manifest's, less how long it took and where its dataset lies (its settings, inputs'
+    digests, counts per split: a newer polyalign that cuts otherwise changes them)."""
     contents = {}
     for key, path in files.items():
         if not path or not as_path(path).is_file():
             continue
         if as_path(path).name == "manifest.json":
             manifest = json.loads(as_path(path).read_text(encoding="utf-8"))
-            made = json.dumps({k: manifest.get(k) for k in ("settings", "made_from")}, sort_keys=True, default=str)
+            made = json.dumps({k: v for k, v in manifest.items() if k not in BUILD_CIRCUMSTANCES}, sort_keys=True,
+                              default=str)
             digest = "sha256:" + hashlib.sha256(made.encode()).hexdigest()
         else:
             digest = file_digest(path)
@@ -177,7 +182,7 @@ def _compared(saved_path: Path, config: dict[str, Any], inputs: dict[str, str | 
 
 
 def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, str | None],
-                         unused: tuple[str, ...] = ()) -> None:
+                         unused: tuple[str, ...] = (), contents: dict[str, dict[str, str]] | None = None) -> None:
     """A finished round of an on-policy run (OUT/round-<r>) is kept only for the config that made it:
     any key but where a run stops, how it is laid out and what it logs (REPORTING_KEYS) differs, and the
     command is refused, as for one run. Later rounds train from this round's model, so a round cannot be
@@ -196,4 +201,5 @@ def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, st
         raise ConfigError(f"{out}: a finished round of another config ({describe_changes(other, saved, current)})"
                           f"{why}; the rounds after it train from its model: pass --overwrite to train every round "
                           "again, or give another --out")
+    check_contents(out, contents or {})  # nor one trained on pairs that are other pairs now
 

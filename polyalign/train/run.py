@@ -163,8 +163,11 @@ def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
 
 def trained_files(config) -> dict[str, str | None]:
     """The files a run trains and validates on, by the key that names them (pairs as a preference method
-    resolves them; an SFT run's build, by its manifest): what OUT/inputs.json records (ownership.py)."""
+    resolves them; an SFT run's build, by its manifest): what OUT/inputs.json records (ownership.py). None for
+    the critic, which trains from the start whenever it runs."""
     files: dict[str, str | None] = {}
+    if config.method == "critic":  # trained from the start every time (no checkpoints): nothing to continue
+        return files
     for key in ("pairs", "val_pairs"):
         if hasattr(config, "pair_file"):
             with contextlib.suppress(ConfigError):  # no pairs named: the method says so when it reads them
@@ -172,8 +175,6 @@ def trained_files(config) -> dict[str, str | None]:
         elif hasattr(config, key):
             files[key] = getattr(config, key)
     run = str(config.data.dir).rstrip("/") if config.data.dir else None
-    if hasattr(config, "references"):
-        files["references"] = config.references or (run and f"{run}/stats/references.json")
     if not files and run:  # SFT: the tokenised build of RUN
         files["build"] = f"{run}/build/manifest.json"
     return files
@@ -184,7 +185,8 @@ def check_finished(config, out, unused: tuple[str, ...] = ()) -> None:
     config = with_recorded_paths(with_compute_dtype(config))
     inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
     ownership.check_finished_round(as_path(out), dataclasses.asdict(config),
-                                   {**inputs, "data.dir": config.data.dir}, unused)
+                                   {**inputs, "data.dir": config.data.dir}, unused,
+                                   contents=ownership.input_contents(trained_files(config)))
 
 
 def train(config, out, progress: bool = True, existing: str = "continue") -> dict[str, Any]:
