@@ -723,8 +723,8 @@ def _add_generate(sub) -> None:
                                    "record samples from its own seed, made from --seed and its id, so an answer does "
                                    "not depend on which records share the batch. Writes JSONL rows "
                                    "{id, prediction, model, finish_reason, new_tokens, profile} in record order, "
-                                   "and OUT's .manifest.json beside it (settings, budgets, the share of each "
-                                   "bucket's answers that hit the length limit).")
+                                   "and its manifest beside it (P.jsonl -> P.manifest.json: settings, budgets, "
+                                   "the share of each bucket's answers that hit the length limit).")
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
     p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")

@@ -74,6 +74,35 @@ def test_every_record_of_the_export_is_there(export_run):
     assert {(r.family, r.style) for r in records.values()} == {("assistant", "assistant_like")}
 
 
+def test_a_reply_weighted_0_is_history_never_a_target(tmp_path):
+    """OpenAI's fine-tuning format marks an assistant message not to learn with "weight": 0: its record is
+    skipped (counted and listed as weight_0), the replies after it keep it in their history; a weight other
+    than 0 or 1 is a row problem naming the message."""
+    rows = openai_rows()
+    row = next(r for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) >= 3)
+    first = next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+    row["messages"][first] = {**row["messages"][first], "weight": 0}
+    write_jsonl(tmp_path / "chats.jsonl", [row])
+    config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    records = [r for split in ("train", "val", "test")
+               for r in read_records(tmp_path / "run" / "data" / f"{split}.jsonl")]
+    replies = sum(m["role"] == "assistant" for m in row["messages"])
+    assert len(records) == replies - 1 and manifest["sources"][0]["dropped"] == {"weight_0": 1}
+    weighted = normalize(row["messages"][first]["content"])
+    assert weighted not in {r.response for r in records}
+    assert all(weighted in [t["text"] for t in r.history] for r in records)  # every later reply's history holds it
+    listed = [json.loads(line) for line in (tmp_path / "run" / "data" / "dropped.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in listed] == ["weight_0"]
+    row["messages"][first]["weight"] = 0.5
+    write_jsonl(tmp_path / "chats.jsonl", [row])
+    from polyalign.core.errors import PrepareError
+
+    with pytest.raises(PrepareError, match=f"message {first + 1} 'weight' must be 0 or 1 \\(0: not trained on\\), "
+                                        "got 0.5"):
+        prepare(config, tmp_path / "run2", progress=False)
+
+
 def case_id(case):
     return f"{case['template']}-{case['key']}"
 

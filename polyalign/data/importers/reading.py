@@ -322,7 +322,10 @@ def join_runs(turns: Sequence[Turn]) -> list[Turn]:
     for k, turn in enumerate(turns):
         turn = {"index": k, **turn}
         if out and out[-1]["role"] == turn["role"] and not out[-1].get("tool") and not turn.get("tool"):
-            out[-1] = {**out[-1], "text": f"{out[-1]['text']}\n{turn['text']}"}
+            joined = {**out[-1], "text": f"{out[-1]['text']}\n{turn['text']}"}
+            if not turn.get("untrained"):  # one reply: trained unless every part of it is marked weight 0
+                joined.pop("untrained", None)
+            out[-1] = joined
         else:
             out.append(turn)
     return out
@@ -375,6 +378,9 @@ def message_turns(messages: list[Any], roles: dict[str, str], role_key: str, tex
         dropped.update(left_out)
         raw_role = str(message.get(role_key)).strip().lower()
         calls = bool(message.get("tool_calls") or message.get("function_call")) or raw_role in call_roles
+        weight = message.get("weight", 1)  # OpenAI's fine-tuning files: 0 marks an assistant turn not to learn
+        if role == "assistant" and (isinstance(weight, bool) or weight not in (0, 1)):
+            raise RowProblem(f"{what} {i} 'weight' must be 0 or 1 (0: not trained on), got {weight!r}")
         if role in tool_roles:
             turns.append({"role": "tool", "text": text, "tool": True})
         elif calls:
@@ -382,7 +388,8 @@ def message_turns(messages: list[Any], roles: dict[str, str], role_key: str, tex
         elif message[text_key] is None:
             raise RowProblem(f"{what} {i} {text_key!r} is null")
         else:
-            turns.append({"role": role, "text": text})
+            turns.append({"role": role, "text": text, **({"untrained": True} if role == "assistant" and weight == 0
+                                                          else {})})
     notices = [Notice(location, f"content_part_dropped:{kind}", n) for kind, n in sorted(dropped.items())]
     return turns, notices
 
@@ -409,7 +416,8 @@ def project_dialogue(
     message: it names the turn itself, not how many records came before it. Its derived track is
     `multi` when its history holds a user or assistant turn. A turn marked `tool` (a tool call, a tool's
     answer) is never rendered: a record whose reply is one is skipped as `tool_call`, and a record with
-    one before its reply as `after_tool_call`. A conversation that ends with user turns after its
+    one before its reply as `after_tool_call`; a reply marked `untrained` (OpenAI's `"weight": 0`) is skipped
+    as `weight_0`, and stays in the history of the replies after it. A conversation that ends with user turns after its
     last reply has nothing to learn from them: they are counted as a Notice (`unanswered_last_user_turn`),
     never lost without a word."""
     turns = join_runs(turns)
@@ -428,6 +436,9 @@ def project_dialogue(
             continue
         if any(t.get("tool") for t in turns[:k]):
             yield Skipped(location, "after_tool_call", key=key)
+            continue
+        if turn.get("untrained"):  # weight 0: kept as the history of later replies, never a target itself
+            yield Skipped(location, "weight_0", key=key)
             continue
         user_index = next((i for i in range(k - 1, -1, -1) if turns[i]["role"] == "user"), None)
         question = turns[user_index]["text"] if user_index is not None else ""
