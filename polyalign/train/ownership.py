@@ -134,9 +134,9 @@ def check_contents(out: Path, contents: dict[str, dict[str, str]]) -> None:
     if changed:
         shown = ", ".join(f"{key}={contents[key]['path']} ({recorded[key]['digest'][7:19]}… then, "
                           f"{contents[key]['digest'][7:19]}… now)" for key in changed)
-        raise ConfigError(f"{out}: the run started on other data: {shown} holds something else since (imported or "
-                          "built again); its checkpoints were trained on what was there. Pass --overwrite to train "
-                          "on the new data from the start, or give another --out")
+        raise ConfigError(f"{out}: the run started on other data: {shown} {'hold' if len(changed) > 1 else 'holds'} "
+                          "something else since (imported or built again); its checkpoints were trained on what was "
+                          "there. Pass --overwrite to train on the new data from the start, or give another --out")
 
 
 def _moved_round_keys(out: Path, saved: dict[str, Any], current: dict[str, Any], keys) -> set[str]:
