@@ -605,7 +605,8 @@ def _add_pairs(sub) -> None:
     imported.add_argument("--format", required=True, choices=("trl", "hh", "sharegpt-pairs"),
                           help="trl: {prompt, chosen, rejected} (strings, or message lists: chosen/rejected one "
                                "assistant message or the whole conversation); hh: {chosen, rejected} as Anthropic "
-                               "HH text; sharegpt-pairs: {conversations, chosen, rejected}")
+                               "HH text (or a prompt of such turns and the two answers); sharegpt-pairs: "
+                               "{conversations, chosen, rejected}")
     imported.add_argument("--input", required=True, type=Path, help="JSON array or JSON Lines file")
     imported.add_argument("--out", required=True, type=Path, help="pairs JSONL")
     imported.add_argument("--dataset", help="name of the data (record ids, the scheme's source labels); "
@@ -727,7 +728,8 @@ def _add_generate(sub) -> None:
                                    "the share of each bucket's answers that hit the length limit).")
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="Hugging Face checkpoint directory with its tokenizer (local or gs://)")
-    p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
+    p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl (or a "
+                                                               "pairs file: each pair's record)")
     p.add_argument("--out", required=True, type=Path, help="predictions JSONL")
     p.add_argument("--profile", choices=PROFILE_MODES,
                    help="profile system prompt (default: the one the checkpoint was trained with, else context: "

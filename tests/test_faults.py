@@ -284,6 +284,19 @@ def test_a_language_tag_with_a_region_or_the_usual_script_is_the_schemes_languag
     assert scheme_language(tag, ("en", "zh")) == language
 
 
+def test_a_sources_language_tag_with_a_region_is_its_language(tmp_path):
+    """A source declared `language: en-US` is the scheme's en, as a row's own label is; `zh-TW` (written in
+    Traditional) is refused before any row is read, as any language the scheme lacks."""
+    rows = [chat_row(CAMREST[0]), chat_row(CAMREST[1])]
+    manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows), language="en-US")
+    records = read_jsonl(tmp_path / "run" / "data" / "train.jsonl")
+    assert records and {r["language"] for r in records} == {"en"} and manifest["sources"][0]["dropped"] == {}
+    from polyalign.core.yaml_config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"language: unknown language 'zh-TW'"):
+        run(tmp_path, "chat", "c.jsonl", jsonl(rows), language="zh-TW")
+
+
 def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_trains_a_reply(
         tmp_path, capsys, json_tokenizer):
     dialogues = [chat_row(d) for d in CAMREST]

@@ -191,6 +191,22 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     assert pairs[0]["record"]["meta"]["source_labels"]["language"] == "zh-CN"  # the user's own label, as given
 
 
+def test_language_names_the_schemes_language_by_a_region_tag_too(demo_run, tmp_path, capsys):
+    """`--language zh-CN` labels every row zh, as a row's own zh-CN does; `--language zh-TW` is refused."""
+    from polyalign.pairs.make import read_pairs
+
+    rows, _ = real_trl_rows(demo_run, n=2000)
+    chinese = [{k: v for k, v in r.items() if k != "language"} for r in rows if r["language"] == "zh"][:4]
+    source = write_jsonl(tmp_path / "prefs.jsonl", chinese)
+    code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                         tmp_path / "pairs.jsonl", "--language", "zh-CN")
+    assert code == 0 and "4 training pairs from 4 rows" in out, err
+    assert {p["language"] for p in read_pairs(tmp_path / "pairs.jsonl")} == {"zh"}
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
+                       tmp_path / "tw.jsonl", "--language", "zh-TW")
+    assert code == 2 and "--language zh-TW is not one of the scheme's: en, zh" in err
+
+
 def test_show_reads_a_pairs_file_as_the_preference_run_tokenises_it(demo_run, demo_tokenizer, tmp_path, capsys):
     """`polyalign show PAIRS --checkpoint INIT`: each side decoded from the ids training would read (tokenise_pairs
     with the init's tokenizer and template, the run's max_length, truncation and profile), the trained tokens

@@ -511,6 +511,8 @@ def _checked_sources(config: DataConfig, roots: list[Path], config_path: Path, s
             problems.append(f"{where}: split must be one of {', '.join(SOURCE_SPLITS)}")
         for label in ("language", *LABEL_FIELDS):
             value = getattr(source, label)
+            if label == "language" and value is not None:  # zh-CN names the scheme's zh, as on a row
+                value = scheme_language(value, scheme.values["language"])
             if value is not None and (problem := scheme.check_value(label, value)):
                 problems.append(f"{where}: {label}: {problem}")
         try:

@@ -56,6 +56,7 @@ from polyalign.data.prepare import (
     SourceTally,
     SplitOptions,
     dropped_row,
+    scheme_language,
 )
 from polyalign.data.records import (
     AFTER_QUESTION,
@@ -237,6 +238,8 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     if scheme_path is None and not DEFAULT_SCHEME.is_file():
         raise InputError(f"{DEFAULT_SCHEME}: missing (polyalign is not a source checkout); pass --scheme")
     scheme = load_scheme(Path(scheme_path or DEFAULT_SCHEME))
+    if language is not None:  # --language zh-CN names the scheme's zh, as a row's own label does
+        language = scheme_language(language, scheme.values["language"])
     for dimension, value in (("language", language), ("track", track), ("family", family), ("style", style)):
         known = scheme.values.get(dimension, ())
         if value is not None and value not in known:
