@@ -694,11 +694,11 @@ def _run_pairs_import(args) -> int:
     outside = {key.partition(":")[2]: n for key, n in summary["dropped"].items()
                if key.startswith("language_not_in_scheme:")}
     if outside:
-        detected = {language: min(n, summary["languages_detected"].get(language, 0))
-                    for language, n in outside.items()}
-        said = [f"{language} {n - detected[language]} declared" + (f", {detected[language]} detected"
-                                                                    if detected[language] else "")
-                if n > detected[language] else f"{language} {n} detected" for language, n in outside.items()]
+        said = []
+        for language, n in outside.items():
+            detected = min(n, summary["languages_detected"].get(language, 0))
+            said.append(f"{language} " + ", ".join([f"{n - detected} declared"] * (n > detected)
+                                                   + [f"{detected} detected"] * (detected > 0)))
         print(f"note: rows in a language outside the scheme were dropped ({'; '.join(said)}); --language LANG "
               "labels every row of the file instead", file=sys.stderr)
     if summary.get("dropped_rows"):

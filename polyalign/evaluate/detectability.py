@@ -206,7 +206,7 @@ def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floo
     auc, auc_draws = _auc_with_draws(*_touching(scored, rows), options, rng)
     report |= {"auc": auc, "auc_interval": interval(auc_draws, options.level)}
     floor_draws = nothing
-    first = None  # the first halving holding the bucket: its pairs, its AUC, its bootstrap
+    first = None  # the first halving holding the bucket: its pairs
     for halving, one in enumerate(floor_scored):
         scores0, scores1 = _touching(one, rows) if one is not None else ((), ())
         if len(scores0):

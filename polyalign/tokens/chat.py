@@ -750,10 +750,10 @@ def cut_prompt(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[
         kept = fit_messages(template, tokenizer, messages[1:], max_tokens, from_user=True)
         ids = prompt_ids(template, tokenizer, kept)
         head = opening_head(template, tokenizer, kept, ids, max_tokens)
-    if len(ids) > max_tokens:
+    over = len(ids) > max_tokens
+    if over:
         ids = ids[:head] + ids[len(ids) - (max_tokens - head):]
-        return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, True)
-    return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, False)
+    return CutPrompt(np.asarray(ids, np.int32), True, lost, kept, over)
 
 
 def fit_messages(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], max_tokens: int,

@@ -233,6 +233,12 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
     return made + (f" and set {key}= to the file" if getattr(config, key) is None else "")
 
 
+def pairs_whose_cut(examples: list[dict], took: str) -> int:
+    """How many pairs a side's cut took `took` from (an Encoded field pair_rows keeps in "cuts"), each pair
+    counted once, whichever side it was."""
+    return sum(any(getattr(side, took) for side in e.get("cuts", {}).values()) for e in examples)
+
+
 def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
                     truncation: str = "left", profile: str = "context") -> str | None:
     """How many training pairs were cut to data.max_length, and how many of those lost the start of their
@@ -241,9 +247,7 @@ def truncation_note(examples: list[dict], pairs_file: str, max_length: int,
     if not cut:
         return None
     lost = sum(e["system_cut"] for e in cut)
-    # what each side's cut took (pair_rows keeps it): a pair counts once, whichever side it was
-    whole = sum(any(side.system_left_out for side in e.get("cuts", {}).values()) for e in cut)
-    notes = sum(any(side.system_dropped for side in e.get("cuts", {}).values()) for e in cut)
+    whole, notes = pairs_whose_cut(cut, "system_left_out"), pairs_whose_cut(cut, "system_dropped")
     how = {"left": "from its start", "keep_system": "after its opening system message",
            "turns": "by its oldest whole turns (its opening system message kept where it fits)"}[truncation]
     return (f"note: {len(cut)} of {len(examples)} training pairs of {pairs_file} ({len(cut) / len(examples):.0%}) are "
@@ -372,8 +376,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
         # in how many training pairs the profile prompt stood whole (either side cut counts), as SFT's card says
         cut = {"examples": len(train_examples), "system_cut": sum(bool(e["system_cut"]) for e in train_examples),
-               "system_left_out": sum(any(side.system_left_out for side in e.get("cuts", {}).values())
-                                      for e in train_examples)}
+               "system_left_out": pairs_whose_cut(train_examples, "system_left_out")}
         coverage = export.profile_coverage(cut, config.truncation, "training pairs", "truncation=")
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template,
                                         config.profile, tokenizer.system_mode,

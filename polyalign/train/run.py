@@ -168,15 +168,12 @@ def trained_files(config) -> dict[str, str | None]:
     files: dict[str, str | None] = {}
     if config.method == "critic":  # trained from the start every time (no checkpoints): nothing to continue
         return files
-    for key in ("pairs", "val_pairs"):
-        if hasattr(config, "pair_file"):
+    if hasattr(config, "pair_file"):  # the preference methods
+        for key in ("pairs", "val_pairs"):
             with contextlib.suppress(ConfigError):  # no pairs named: the method says so when it reads them
                 files[key] = config.pair_file(key)
-        elif hasattr(config, key):
-            files[key] = getattr(config, key)
-    run = str(config.data.dir).rstrip("/") if config.data.dir else None
-    if not files and run:  # SFT: the tokenised build of RUN
-        files["build"] = f"{run}/build/manifest.json"
+    elif config.data.dir:  # SFT: the tokenised build of RUN
+        files["build"] = f"{str(config.data.dir).rstrip('/')}/build/manifest.json"
     return files
 
 
