@@ -438,11 +438,13 @@ def system_everywhere_rows() -> list[dict]:
     between a question and its reply (first turn and later), two in a row, one after a reply; English
     (CamRest676 goals) and Chinese (CrossWOZ task descriptions)."""
     rows = []
-    for i, dialogue in enumerate(camrest_dialogues(2, start=20)):
+    for i, dialogue in enumerate(camrest_dialogues(3, start=20)):
         goal, body = camrest_goal(dialogue), camrest_messages(dialogue, 6)
         system = [{"role": "system", "content": text} for text in goal]
         if i == 0:  # user, system, assistant, ...: no opening system message
             messages = [body[0], system[0], *body[1:]]
+        elif i == 2:  # a note between two replies: the second goes on from the first, which it keeps
+            messages = [body[0], body[1], system[0], body[3], *body[4:]]
         else:  # opening, two between the second question and its reply, one after a reply
             messages = [system[0], *body[:3], *system[1:3], *body[3:4], system[-1], *body[4:]]
         rows.append({"id": f"everywhere-{dialogue['dialogue_id']}", "messages": messages})
@@ -473,7 +475,7 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
     config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
     manifest = prepare(config, tmp_path / "run", progress=False)
     records = [r for s in ("train", "val", "test") for r in read_records(tmp_path / "run" / "data" / f"{s}.jsonl")]
-    assert manifest["sources"][0]["system_messages"]["system_turn_before_reply"] == 4
+    assert manifest["sources"][0]["system_messages"]["system_turn_before_reply"] == 5
     by_id = {row["id"]: row["messages"] for row in rows}
 
     def message(m):  # as the user holds it (`developer` is a system role), with the texts normalised
@@ -506,7 +508,7 @@ def test_training_renders_every_reply_as_serving_renders_the_conversation_before
         sent_as_is += any(m["role"] == "developer" or not isinstance(m["content"], str) for m in sent)
         expected = template.render(record_messages(record, "context", system=system)[:-1], add_generation_prompt=True)
         assert exported.render(sent, add_generation_prompt=True) == expected, record.id
-    assert before_reply == 4 and sent_as_is >= 2
+    assert before_reply == 5 and sent_as_is >= 2
     texts = [m["content"] for row in rows for m in row["messages"] if isinstance(m["content"], str)]
     assert sum(t != t.strip() for t in texts) >= 5  # CamRest's utterances that end with a space
     assert sum("  " in t.strip() for t in texts) >= 1  # and runs of spaces inside them

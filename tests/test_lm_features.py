@@ -36,6 +36,12 @@ def test_conditional_prefix_layout():
     assert prefix == ("Context:\n北京 | 地址 | 海淀\n\nDialogue History:\nUser: 你好\nAssistant: 您好！\n\n"
                       "Current User Message:\n在吗\n\nAssistant Response:\n")
     assert conditional_prefix("", "", []) == ""
+    # a note between the question and the reply, and the earlier reply it interrupted, come after the question
+    later = [{"role": "assistant", "text": "Why did the chicken cross the road?", "after_question": True},
+             {"role": "system", "text": "Be brief.", "after_question": True}]
+    assert conditional_prefix("Tell me a joke please.", "", later) == (
+        "Current User Message:\nTell me a joke please.\n\nAssistant So Far:\nWhy did the chicken cross the road?"
+        "\n\nSystem Message:\nBe brief.\n\nAssistant Response:\n")
 
 
 def test_lm_features_match_an_independent_computation(demo_run, demo_tokenizer):

@@ -353,7 +353,7 @@ class RecordBuilder:
             tally.system_messages["system_prompt"] += 1
         if any(t["role"] == "system" for t in before[opening:]):
             tally.system_messages["system_turn_in_history"] += 1
-        if after_question(history):
+        if any(t["role"] == "system" for t in after_question(history)):
             tally.system_messages["system_turn_before_reply"] += 1
         return history
 

@@ -156,7 +156,8 @@ def before_question(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def after_question(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The system turns that stood between the question and the reply, in their order."""
+    """The turns that stood between the question and the reply, in their order: system notes, and an earlier
+    reply that a note interrupted (user, reply, note, reply)."""
     return [turn for turn in history if turn.get(AFTER_QUESTION)]
 
 

@@ -29,8 +29,8 @@ ROLE_NAMES = {"user": "User", "assistant": "Assistant", "system": "System"}
 
 def conditional_prefix(question: str, context: str, history: Sequence[dict]) -> str:
     """Context, dialogue history and the current user message as labelled blocks (a system message that
-    stood between the question and the reply after it), then the response header; "" when there is
-    nothing to condition on."""
+    stood between the question and the reply after it, and an earlier reply that such a message
+    interrupted, in their order), then the response header; "" when there is nothing to condition on."""
     turns = before_question(list(history))
     if turns and turns[-1]["role"] == "user" and turns[-1]["text"] == question:
         turns = turns[:-1]
@@ -42,8 +42,9 @@ def conditional_prefix(question: str, context: str, history: Sequence[dict]) -> 
                                                        for t in turns))
     if question:
         blocks.append(f"Current User Message:\n{question}")
-    if later := after_question(list(history)):
-        blocks.append("System Message:\n" + "\n".join(t["text"] for t in later))
+    for turn in after_question(list(history)):  # in the order they stood
+        header = "System Message" if turn["role"] == "system" else "Assistant So Far"  # a reply a note interrupted
+        blocks.append(f"{header}:\n{turn['text']}")
     return "\n\n".join(blocks) + "\n\nAssistant Response:\n" if blocks else ""
 
 

@@ -407,8 +407,9 @@ def project_dialogue(
 ) -> Iterator[Example | Skipped | Notice]:
     """Multi-turn projection (METHOD.md section 1): every assistant turn with at least one earlier user
     or assistant turn becomes a record; question = the latest user turn before it; history = every
-    turn before that user turn, then the system turns standing between the question and the reply,
-    marked AFTER_QUESTION (rendered after the question, where they stood). Consecutive turns of one role
+    turn before that user turn, then the turns standing between the question and the reply (system notes,
+    and an earlier reply a note interrupted), marked AFTER_QUESTION (rendered after the question, where they
+    stood). Consecutive turns of one role
     are joined first (`join_runs`). Task-dialogue importers map the system agent to `assistant`, so
     only its turns are targets.
 
@@ -443,9 +444,11 @@ def project_dialogue(
         user_index = next((i for i in range(k - 1, -1, -1) if turns[i]["role"] == "user"), None)
         question = turns[user_index]["text"] if user_index is not None else ""
         before = turns[: user_index if user_index is not None else k]
-        between = [t for t in turns[user_index + 1:k] if t["role"] == "system"] if user_index is not None else []
+        # what stood between the question and the reply: system notes, and an earlier reply that a note
+        # interrupted (user, reply, note, reply: the second reply goes on from the first, which it keeps)
+        between = turns[user_index + 1:k] if user_index is not None else []
         history = [{"role": t["role"], "text": t["text"]} for t in before]
-        history += [{"role": "system", "text": t["text"], AFTER_QUESTION: True} for t in between]
+        history += [{"role": t["role"], "text": t["text"], AFTER_QUESTION: True} for t in between]
         yield Example(
             question=question,
             response=turn["text"],
