@@ -126,3 +126,25 @@ def test_the_floors_interval_holds_how_far_the_halving_moves_it_on_a_few_answers
     for bucket in buckets:
         report = measured["by_bucket"][bucket]
         assert report["floor_pairs"] == 1 and report["auc_floor_interval"] is None  # under min_rows: none said
+
+
+def test_every_floor_interval_lies_between_0_and_1():
+    """Property: an AUC's floor interval is a range of AUCs, on buckets of any size above the minimum and any
+    seed (an evaluation of 320 rows once said auc_floor 0.5 [-0.427, 0.927] for a bucket of 4 rows)."""
+    from tests.chat_exports import camrest_dialogues, camrest_messages, crosswoz_dialogues, crosswoz_messages
+
+    english = [m["content"] for d in camrest_dialogues(4) for m in camrest_messages(d) if m["role"] == "assistant"]
+    chinese = [m["content"] for _, d in crosswoz_dialogues(4) for m in crosswoz_messages(d) if m["role"] == "assistant"]
+    human = english[:7] + chinese[:7]
+    matrix = dt.char_ngram_counts(human)
+    checked = 0
+    for size in (4, 5, 6, 7):
+        buckets = {"en|multi|dialogue|short": list(range(size)), "zh|multi|dialogue|short": list(range(7, 7 + size))}
+        for seed in range(4):
+            measured = dt.measure(buckets, matrix, matrix, IntervalOptions(draws=200, seed=seed, min_rows=4))
+            intervals = [r["auc_floor_interval"] for r in measured["by_bucket"].values()]
+            intervals.append(measured["floor_macro_interval"])
+            for low, high in intervals:
+                assert 0.0 <= low <= high <= 1.0, (size, seed, low, high)
+                checked += 1
+    assert checked == 4 * 4 * 3

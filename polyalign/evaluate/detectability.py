@@ -221,7 +221,7 @@ def _bucket(bucket: str, rows: list[int], pool: str, scored: Scored | None, floo
         # root of their number): one pair a halving has no bootstrap spread, but its halvings say 0 or 1
         held = halvings[np.isfinite(halvings)]
         split = (held[rng.integers(len(held), size=options.draws)] - floor) / np.sqrt(len(held))
-        floor_draws = first_draws - value + floor + split
+        floor_draws = np.clip(first_draws - value + floor + split, 0.0, 1.0)  # an AUC, whatever the sum
         report |= {"auc_floor": floor, "auc_floor_interval": interval(floor_draws, options.level),
                    "auc_floor_spread": [float(np.nanmin(halvings)), float(np.nanmax(halvings))],
                    "floor_halvings": int(np.isfinite(halvings).sum()), "floor_pairs": len(first[0]),
