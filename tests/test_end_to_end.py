@@ -1,6 +1,7 @@
 """prepare + stats end to end: the bundled demo data, the authors' sample labels, and all of ../shared/data."""
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
@@ -152,6 +153,35 @@ def test_bilingual_config_acceptance(tmp_path):
     assert not any(exact_key(Record.from_json(r)) in train_keys for r in records if r["split"] == "test")
     assert stats["total"] == len(records)
     print(f"\nbilingual prepare + stats: {len(records)} records, {elapsed:.1f} s")
+
+
+def test_the_stats_report_shows_the_weights_its_build_trains_with(built_run, tmp_path):
+    """The SFT weight column is the scheme's; a build made with other weights (`--weight-temperature 1`) adds
+    the column it trains with, its options said above the table. A build with the scheme's adds nothing."""
+    from polyalign.data.bucketing import WeightOptions
+
+    run, manifest = built_run
+    mine = tmp_path / "run"
+    (mine / "build").mkdir(parents=True)
+    (mine / "data").symlink_to((run / "data").resolve(), target_is_directory=True)
+    (mine / "build/manifest.json").write_bytes((run / "build/manifest.json").read_bytes())
+    stats = compute_stats(mine, progress=False)
+    assert stats["weights"]["build"] is None  # the demo's build: the scheme's weights, no second column
+    assert "build weight" not in (mine / "stats/report.md").read_text(encoding="utf-8")
+    options = WeightOptions(temperature=1.0)
+    built = bucket_weights(stats["weights"]["train_counts"], options)
+    (mine / "build/manifest.json").write_text(json.dumps(
+        {**manifest, "bucket_weights": built, "weight_options": {**dataclasses.asdict(options), "source": "mine"}}))
+    stats = compute_stats(mine, progress=False)
+    assert stats["weights"]["build"]["by_bucket"] == pytest.approx(built, abs=1e-6)
+    assert stats["weights"]["by_bucket"] != pytest.approx(built, abs=1e-3)  # the column stays the scheme's
+    report = (mine / "stats/report.md").read_text(encoding="utf-8")
+    assert "| SFT weight | build weight |" in report
+    assert "build weight: what build/ trains with (temperature 1.0, clip [0.2, 5.0], borrow_below 20; mine)" in report
+    bucket = "zh|multi|dialogue|short"
+    row = next(line for line in report.splitlines() if line.startswith("| " + bucket.replace("|", "\\|")))
+    assert row.endswith(f"| {stats['weights']['by_bucket'][bucket]:.3f} | {built[bucket]:.3f} |")
+    assert "build weight</th>" in (mine / "stats/report.html").read_text(encoding="utf-8")
 
 
 def test_cli_prepare_stats_and_demo(tmp_path, capsys, monkeypatch):

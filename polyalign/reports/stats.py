@@ -31,6 +31,7 @@ from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
 from polyalign.features.response import text_features
+from polyalign.inputs.built import BUILD_DIR, built_manifest
 from polyalign.reports import plots
 from polyalign.reports.markdown import table as markdown_table
 
@@ -132,6 +133,7 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
             "train_counts": dict(sorted(train_counts.items())),
             "by_bucket": {b: round(w, 6) for b, w in sorted(weights.items())},
             "mean_weight_per_record": round(mean_weight, 6),
+            "build": _build_weights(run, weights),
         },
         "features": {"set": references["feature_set"], "split": "train", "main": list(MAIN_FEATURES),
                      "by_bucket": feature_summary},
@@ -157,17 +159,50 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     return stats
 
 
+def _build_weights(run: Path, weights: dict[str, float]) -> dict[str, Any] | None:
+    """The weights RUN/build trains with where they are not the scheme's (a build made with `--weights`,
+    `--weight-temperature` or `--clip-weights`): its manifest's, and the options it names; else None."""
+    build = built_manifest(run) or {}
+    built = build.get("bucket_weights")
+    if not isinstance(built, dict) or all(abs(built.get(b, 0.0) - w) < 1e-6 for b, w in weights.items()):
+        return None
+    return {"by_bucket": {b: round(float(w), 6) for b, w in sorted(built.items())},
+            "options": build.get("weight_options", {})}
+
+
 def _bucket_rows(stats: dict[str, Any]) -> list[list[str]]:
     rows = []
-    weights = stats["weights"]["by_bucket"]
+    weights, build = stats["weights"]["by_bucket"], stats["weights"].get("build")
     for bucket, counts in stats["counts"]["by_bucket"].items():
         q = stats["length_quantiles"][bucket]
         rows.append([bucket, *(str(counts[s]) for s in SPLITS), str(counts["total"]),
-                     f"{q['q10']:g} / {q['q50']:g} / {q['q90']:g}", f"{weights.get(bucket, 0.0):.3f}"])
+                     f"{q['q10']:g} / {q['q50']:g} / {q['q90']:g}", f"{weights.get(bucket, 0.0):.3f}"]
+                    + ([f"{build['by_bucket'].get(bucket, 0.0):.3f}"] if build else []))
     return rows
 
 
+def _bucket_header(stats: dict[str, Any]) -> list[str]:
+    return BUCKET_HEADER + (["build weight"] if stats["weights"].get("build") else [])
+
+
 BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / q90", "SFT weight"]
+
+
+def _weight_lines(weights: dict[str, Any]) -> list[str]:
+    """What the SFT weight column is, and the build's own column where it trains with other weights."""
+    options = weights["options"]
+    clip = f", clipped to [{options['clip'][0]:g}, {options['clip'][1]:g}]" if options.get("clip") else ""
+    borrow = (f" (a bucket under {options['borrow_below']} train records takes its parent group's mean size)"
+              if options.get("borrow_below") else "")
+    power = f"n^-{options['temperature']:g}"
+    lines = [f"SFT weight: the scheme's Bucket-SFT weight of a train record in its bucket, {power}"
+             f" over the bucket's train count n{borrow}, scaled to mean 1 over train records{clip}; a build made "
+             "with --weights, --weight-temperature or --clip-weights trains with its own (its manifest, `show`)"]
+    if build := weights.get("build"):
+        made = build["options"]
+        named = ", ".join(f"{key} {made[key]}" for key in ("temperature", "clip", "borrow_below") if key in made)
+        lines.append(f"build weight: what {BUILD_DIR}/ trains with ({named}; {made.get('source', 'its manifest')})")
+    return lines
 
 
 def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
@@ -212,6 +247,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
         f"quarantined rows: {manifest['quarantine']['rows']}",
     ]
+    lines += _weight_lines(stats["weights"])
     lines += [f"warning: {warning}" for warning in stats["weights"]["warnings"]]
     if stats["references"]["skipped_buckets"]:
         lines.append("buckets without a reference (< "
@@ -223,7 +259,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
 def render_markdown(stats: dict[str, Any], manifest: dict[str, Any]) -> str:
     parts = [f"# Bucket statistics: {Path(stats['run']).name}", ""]
     parts += [f"- {line}" for line in _summary_lines(stats, manifest)]
-    parts += ["", "## Buckets", "", markdown_table(BUCKET_HEADER, _bucket_rows(stats)), "",
+    parts += ["", "## Buckets", "", markdown_table(_bucket_header(stats), _bucket_rows(stats)), "",
               "## Sources", "", markdown_table(SOURCE_HEADER, _source_rows(manifest)), "",
               "## Plots", ""]
     parts += [f"![{name}]({file})" for name, file in stats["figures"].items()]
@@ -241,7 +277,8 @@ FIGURE_CAPTIONS = {
     "counts": "Records per bucket and split, one panel per language (the number: all splits).",
     "lengths": "Human response length per bucket, in the scheme's length units (log scale); dashed lines: the "
                "length bins' bounds.",
-    "weights": "Bucket-SFT weight per train record in each bucket (mean over records 1; n: train records).",
+    "weights": "The scheme's Bucket-SFT weight per train record in each bucket (the mean over train records is 1; "
+               "n: the bucket's train records).",
     "features": "Main response features of the train split's human answers per bucket (boxes: quartiles).",
 }
 
@@ -265,7 +302,7 @@ figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ font-weig
 </style></head><body>
 <h1>Bucket statistics: {html.escape(Path(stats['run']).name)}</h1>
 <ul>{summary}</ul>
-<h2>Buckets</h2>{_html_table(BUCKET_HEADER, _bucket_rows(stats))}
+<h2>Buckets</h2>{_html_table(_bucket_header(stats), _bucket_rows(stats))}
 <h2>Sources</h2>{_html_table(SOURCE_HEADER, _source_rows(manifest))}
 <h2>Plots</h2>{figures}
 <p><small>polyalign {html.escape(stats['polyalign_version'])}; references: train split only, feature set
