@@ -862,19 +862,21 @@ def _run_generate(args) -> int:
         print("hit the length limit, by bucket: " + ", ".join(f"{b} {_share(share)}" for b, share in
                                                               sorted(cut.items(), key=lambda kv: -kv[1])[:6])
               + (" ..." if len(cut) > 6 else "") + f" (all in {sidecar(args.out)})")
-    if summary["empty"]:
+    if summary["empty"] or summary.get("without_words"):
         print(empty_answers_warning(summary, greedy=args.temperature == 0))
     print(f"predictions: {args.out}")
     return 0
 
 
 def empty_answers_warning(summary: dict, greedy: bool) -> str:
-    """What `generate` says of answers that are empty once decoded and stripped: how many ended the turn
-    at once and how many decoded only whitespace until the token budget."""
-    at_budget = summary.get("empty_at_budget", 0)
-    return (f"warning: {summary['empty']} of {summary['records']} answers are empty after decoding "
-            f"({summary['empty'] - at_budget} ended the turn at once, {at_budget} decoded only whitespace until "
-            "the token budget); evaluate counts them and leaves them out of diversity"
+    """What `generate` says of answers that are empty once decoded and stripped (how many ended the turn
+    at once and how many decoded only whitespace until the token budget), and of answers without a word
+    (punctuation or symbols only)."""
+    at_budget, empty, wordless = summary.get("empty_at_budget", 0), summary["empty"], summary.get("without_words", 0)
+    said = [f"{empty} of {summary['records']} answers are empty after decoding ({empty - at_budget} ended the turn "
+            f"at once, {at_budget} decoded only whitespace until the token budget)"] * bool(empty)
+    said += [f"{wordless} of {summary['records']} hold no word (punctuation or symbols only)"] * bool(wordless)
+    return (f"warning: {'; '.join(said)}; evaluate counts them and leaves them out of diversity"
             + ("; greedy decoding of a small model often does this, --temperature 0.8 samples instead"
                if greedy else ""))
 

@@ -260,12 +260,17 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                epoch_size=None if config.data.pack else len(train_source),
                evaluate=make_evaluator(run, buckets, weights, length, pad_id, config.data), summarize=summarize,
                checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish,
+               summary={"weighting": config.weighting},
                flops_per_token=flops_per_token(model.config, length), notes=notes)
 
 
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
     trained = steps_phrase(result, f"trained {steps_run(result)} in {result['seconds']} s")
-    return (f"{trained}; final loss {last.get('loss', float('nan')):.4f}"
-            + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
+    # the training loss is one batch's objective, bucket-weighted under Bucket-SFT; the validation loss is the mean
+    # over examples under every weighting, the number to compare runs by
+    objective = "bucket-weighted " if result.get("weighting") == "bucket" else ""
+    return (f"{trained}; final loss {last.get('loss', float('nan')):.4f} (the last batch's {objective}objective)"
+            + (f", validation loss {last['val_loss']:.4f} (mean over examples: compare runs by it)"
+               if "val_loss" in last else "")
             + f"\nmodel: {result['model']}")
