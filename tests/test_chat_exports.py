@@ -433,6 +433,25 @@ def test_sharegpt_system_field_is_the_system_prompt(tmp_path):
         assert [m.role for m in messages[1:]][::2] == ["user"] * (len(messages[1:]) // 2)
 
 
+def test_sharegpt_rows_with_role_and_content_keys_read_as_with_from_and_value(tmp_path):
+    """Some ShareGPT exports write `role`/`content` in `conversations`: the same conversations so written make
+    the same records (a row of them was malformed: "turn 1: role must be a string, got null")."""
+    rows = sharegpt_rows()
+    names = {"human": "user", "gpt": "assistant"}
+    renamed = [{**row, "conversations": [{"role": names.get(t["from"], t["from"]), "content": t["value"]}
+                                         for t in row["conversations"]]} for row in rows]
+    made = []
+    for name, written in (("from", rows), ("role", renamed)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "share.json").write_text(json.dumps(written, ensure_ascii=False), encoding="utf-8")
+        config = write_config(folder / "data.yaml", [{"name": "share", "format": "sharegpt", "path": "share.json"}])
+        assert prepare(config, folder / "run", progress=False)["quarantine"]["rows"] == 0
+        made.append({r.id: (r.question, r.response, r.history, r.bucket_id) for s in ("train", "val", "test")
+                     for r in read_records(folder / "run" / "data" / f"{s}.jsonl")})
+    assert made[0] == made[1] and len(made[0]) == 2 * len(rows)
+
+
 def system_everywhere_rows() -> list[dict]:
     """OpenAI rows with system messages wherever a conversation can hold one: none opening it, one
     between a question and its reply (first turn and later), two in a row, one after a reply; English

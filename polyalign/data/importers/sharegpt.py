@@ -4,7 +4,8 @@
 (function_call: an assistant turn calling a tool; observation, tool, function: a tool's answer). The
 `system` field and system turns that open the conversation are the records' system prompt, as in the
 `chat` format, whose rules (content parts, tool turns, derived track, record keys) apply here too;
-the turn numbers in keys count `conversations` entries.
+the turn numbers in keys count `conversations` entries. A row whose turns all carry `role`/`content`
+instead of `from`/`value` (as some exports write them) is read by those keys.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ ROLES = {
 def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     row = require_dict(row)
     system = text_field(row, "system", default="")
-    turns, notices = message_turns(list_field(row, "conversations"), ROLES, "from", "value", "turn", location,
-                                   tool_roles=("tool",), call_roles=("function_call",))
+    messages = list_field(row, "conversations")
+    # some exports write OpenAI's keys inside `conversations` (LLaMA-Factory's role_tag/content_tag): read them
+    # where no turn has ShareGPT's own
+    keys = ("role", "content") if messages and all(
+        isinstance(m, dict) and "role" in m and "from" not in m for m in messages) else ("from", "value")
+    turns, notices = message_turns(messages, ROLES, *keys, "turn", location, tool_roles=("tool",),
+                                   call_roles=("function_call",))
     turns = [{**turn, "index": k} for k, turn in enumerate(turns)]
     if system:
         turns.insert(0, {"role": "system", "text": system, "index": -1})
