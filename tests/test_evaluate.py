@@ -1288,3 +1288,19 @@ def test_a_featurizer_from_the_models_own_lineage_is_named_as_such(tmp_path):
     assert featurizer_relation(tmp_path / "elsewhere", predictions) is None
     (tmp_path / "p.manifest.json").unlink()  # an external engine's answers name no checkpoint
     assert featurizer_relation(base, predictions) is None
+
+
+def test_sample_answers_in_the_report_end_at_a_word_and_say_they_go_on():
+    """A sample longer than the report shows ends at a space where one is near, then an ellipsis; Chinese,
+    which has none, at the limit; a short one is whole (they were cut mid-word: "restricts blood fl")."""
+    from polyalign.reports.evaluation import _excerpt
+    from tests.chat_exports import camrest_dialogues, camrest_messages, crosswoz_dialogues, crosswoz_messages
+
+    english = " ".join(m["content"].strip() for d in camrest_dialogues(2) for m in camrest_messages(d))
+    chinese = "".join(m["content"] for _, d in crosswoz_dialogues(2) for m in crosswoz_messages(d)).replace(" ", "")
+    assert len(english) > 300 and len(chinese) > 300
+    shown = _excerpt(english, 300)
+    assert shown.endswith(" …") and english.startswith(shown[:-2]) and english[len(shown) - 2] == " "
+    assert 260 <= len(shown) - 2 <= 300
+    assert _excerpt(chinese, 300) == chinese[:300].rstrip() + " …"
+    assert _excerpt(english[:120], 300) == english[:120]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +144,7 @@ def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: P
         bars(f"{metric}_floor", 0.4, "human floor", "#999999")
     ax.set_yticks(y + 0.2, [_bucket_label(b, buckets[b]) for b in names], fontsize=7)
     ax.invert_yaxis()
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 90), fontsize=10)  # a long title wraps rather than run off the figure
     _legend_beside(ax)
     return _save(fig, path)
 
@@ -461,10 +462,20 @@ def _samples(samples: dict[str, list[dict]]) -> str:
     for bucket, rows in samples.items():
         parts.append(f"<h3>{html.escape(bucket)}</h3>")
         for row in rows:
-            parts.append("<div class='sample'><b>prompt</b> " + html.escape(row["question"][:300]) + "<br><b>human</b> "
-                         + html.escape(row["human"][:600]) + "<br><b>model</b> " + html.escape(row["model"][:600])
-                         + "</div>")
+            parts.append("<div class='sample'><b>prompt</b> " + html.escape(_excerpt(row["question"], 300))
+                         + "<br><b>human</b> " + html.escape(_excerpt(row["human"], 600)) + "<br><b>model</b> "
+                         + html.escape(_excerpt(row["model"], 600)) + "</div>")
     return "".join(parts)
+
+
+def _excerpt(text: str, limit: int) -> str:
+    """`text` whole, or its first `limit` characters ending at a space where one is near (English words stay
+    whole; Chinese has none to find) and an ellipsis that says the rest is left out."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit - 40 else cut).rstrip() + " …"
 
 
 def write_evaluation_report(result: dict, human_lengths: Sequence[int], generated_lengths: Sequence[int],
