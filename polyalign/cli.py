@@ -1227,7 +1227,10 @@ def _add_demo(sub) -> None:
                                    f"with polyalign. Stages available: {', '.join(STAGES)}.")
     p.add_argument("--out", required=True, type=Path, help="run directory")
     p.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)} (default: all)")
-    p.add_argument("--quick", action="store_true", help="reduced sizes for a fast check")
+    p.add_argument("--quick", action="store_true",
+                   help="reduced sizes for a fast check: 20 SFT steps of 8 sequences and 8 preference steps on pairs "
+                        "cut to 128 tokens a side (instead of 120 steps of 16 and 40 of 256), fewer prompts sampled "
+                        "and evaluated; about 4 minutes on 2 CPU cores, the full demo several times longer")
     p.add_argument("--overwrite", action="store_true",
                    help="start every stage over (OUT holds a demo run with other settings, e.g. --quick); without "
                         "it the same command resumes where a run stopped")
