@@ -361,3 +361,21 @@ def test_a_join_timeout_below_one_second_is_refused(monkeypatch):
         with pytest.raises(ParallelError, match=rf"POLYALIGN_JOIN_TIMEOUT={value} must be at least 1 \(seconds\)"):
             parallel._initialize(parallel.JOIN_TIMEOUT, coordinator_address="127.0.0.1:1", num_processes=2,
                                  process_id=0)
+
+
+def test_lines_written_in_pieces_by_launched_processes_come_out_whole(capfd):
+    """Native code writes a line in pieces (gloo's connection line, from every process at the same moment):
+    through the launcher each process's line comes out whole, never another's words inside it."""
+    import sys
+
+    from polyalign.mesh.launch import run_local
+
+    program = ("import os, time\n"
+               "rank = os.environ['POLYALIGN_PROCESS_ID']\n"
+               "for piece in ('[Gloo] Rank ', rank, ' is connected to ', '1', ' peer ranks.\\n'):\n"
+               "    os.write(1, piece.encode()); time.sleep(0.2)\n"
+               "print('done', rank)\n")
+    assert run_local([sys.executable, "-c", program], nproc=2, cpu_devices=1) == 0
+    lines = capfd.readouterr().out.splitlines()
+    gloo = [f"[Gloo] Rank {rank} is connected to 1 peer ranks." for rank in (0, 1)]
+    assert sorted(lines) == [*gloo, "done 0", "done 1"], lines

@@ -9,6 +9,7 @@ processes itself (one GPU each through CUDA_VISIBLE_DEVICES, or CPU devices for 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shlex
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -118,8 +120,14 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     # and the survivor says so with its checkpoint and the command to rerun, which is this launch.
     notices = tempfile.mkdtemp(prefix="polyalign-launch-")
     shared = {NOTICES_ENV: notices, LAUNCH_COMMAND_ENV: shlex.join(["polyalign", *sys.argv[1:]])}
-    processes = [subprocess.Popen(list(command), env={**os.environ, **shared, **env})
+    # Standard output comes through the launcher a whole line at a time: native code writes a line in pieces
+    # (gloo's "[Gloo] Rank 0 is connected to 1 peer ranks ..." from every process at once read as
+    # "[Gloo] Rank [Gloo] Rank 10 is connected to  is connected to 11 peer ranks."); Python's own, unbuffered,
+    # comes as it is printed. Standard error (progress bars, warnings) is the terminal's, as it was.
+    shared["PYTHONUNBUFFERED"] = "1"
+    processes = [subprocess.Popen(list(command), env={**os.environ, **shared, **env}, stdout=subprocess.PIPE)
                  for env in local_environments(nproc, port, cpu_devices, os.environ.get("XLA_FLAGS"))]
+    relays = [_relay_lines(p.stdout) for p in processes]
 
     def forward(signum, frame):
         for p in processes:
@@ -154,9 +162,44 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
                     other.send_signal(sig)
         return code
     finally:
+        for relay in relays:  # what the processes wrote last; a grandchild holding the pipe open is not waited on
+            relay.join(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(notices, ignore_errors=True)
+
+
+_OUTPUT_LOCK = threading.Lock()
+
+
+def _relay_lines(stream) -> threading.Thread:
+    """A thread copying `stream` (a process's standard output) to this process's, whole lines at a time (a
+    carriage return ends one too, so a line redrawn in place still moves); the rest at the end."""
+
+    def write(data: bytes) -> None:
+        with _OUTPUT_LOCK:
+            sys.stdout.flush()
+            try:
+                os.write(sys.stdout.fileno(), data)
+            except (AttributeError, OSError, ValueError, io.UnsupportedOperation):  # no file behind it (captured)
+                sys.stdout.write(data.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+
+    def copy() -> None:
+        pending = b""
+        with stream:
+            while chunk := os.read(stream.fileno(), 65536):
+                pending += chunk
+                end = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+                if end:
+                    write(pending[:end])
+                    pending = pending[end:]
+        if pending:
+            write(pending)
+
+    thread = threading.Thread(target=copy, name="polyalign-launch-output", daemon=True)
+    thread.start()
+    return thread
 
 
 def said_by_another_process(line: str) -> bool:
