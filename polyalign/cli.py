@@ -871,11 +871,11 @@ def _run_generate(args) -> int:
 def empty_answers_warning(summary: dict, greedy: bool) -> str:
     """What `generate` says of answers that are empty once decoded and stripped (how many ended the turn
     at once and how many decoded only whitespace until the token budget), and of answers without a word
-    (punctuation or symbols only)."""
+    (punctuation only, as evaluate reads them)."""
     at_budget, empty, wordless = summary.get("empty_at_budget", 0), summary["empty"], summary.get("without_words", 0)
     said = [f"{empty} of {summary['records']} answers are empty after decoding ({empty - at_budget} ended the turn "
             f"at once, {at_budget} decoded only whitespace until the token budget)"] * bool(empty)
-    said += [f"{wordless} of {summary['records']} hold no word (punctuation or symbols only)"] * bool(wordless)
+    said += [f"{wordless} of {summary['records']} hold no word (punctuation only)"] * bool(wordless)
     return (f"warning: {'; '.join(said)}; evaluate counts them and leaves them out of diversity"
             + ("; greedy decoding of a small model often does this, --temperature 0.8 samples instead"
                if greedy else ""))

@@ -221,8 +221,13 @@ def test_generation_prompt_ends_with_the_assistant_header(demo_tokenizer, json_t
 def test_templates_refuse_what_they_cannot_render():
     with pytest.raises(ChatTemplateError, match="gemma: roles must alternate"):
         get_template("gemma").render([Message("assistant", "hi"), Message("user", "hello")])
-    with pytest.raises(ChatTemplateError, match="no user turn beside it to fold into"):
-        get_template("gemma").render([Message("system", "be brief"), Message("assistant", "hi")])
+    # a system message with no user turn to close is a user turn of its own, in the built-in and its Jinja alike
+    lone = [Message("system", "be brief"), Message("assistant", "hi")]
+    written = "<bos><start_of_turn>user\nbe brief<end_of_turn>\n<start_of_turn>model\nhi<end_of_turn>\n"
+    assert get_template("gemma").render(lone) == written
+    from polyalign.tokens.chat_jinja import JinjaRenderer
+    jinja = JinjaRenderer(get_template("gemma").jinja_source(), {"bos_token": "<bos>"})
+    assert jinja.render([{"role": m.role, "content": m.content} for m in lone]) == written
     with pytest.raises(ChatTemplateError, match="unknown chat template 'mistral'"):
         get_template("mistral")
     with pytest.raises(ChatTemplateError, match="must end with the assistant response"):

@@ -177,11 +177,19 @@ def test_the_stats_report_shows_the_weights_its_build_trains_with(built_run, tmp
     assert stats["weights"]["by_bucket"] != pytest.approx(built, abs=1e-3)  # the column stays the scheme's
     report = (mine / "stats/report.md").read_text(encoding="utf-8")
     assert "| SFT weight | build weight |" in report
-    assert "build weight: what build/ trains with (temperature 1.0, clip [0.2, 5.0], borrow_below 20; mine)" in report
+    assert ("build weight: what build/ trains with (temperature 1.0, clip [0.2, 5.0], borrow_below 20, "
+            "min_bucket_size 0; mine)") in report
     bucket = "zh|multi|dialogue|short"
     row = next(line for line in report.splitlines() if line.startswith("| " + bucket.replace("|", "\\|")))
     assert row.endswith(f"| {stats['weights']['by_bucket'][bucket]:.3f} | {built[bucket]:.3f} |")
     assert "build weight</th>" in (mine / "stats/report.html").read_text(encoding="utf-8")
+    # a build made before prepare ran again (training refuses it): its weights are not shown as what trains
+    made_from = {**manifest["made_from"], "data/manifest.json": "0" * 64}
+    (mine / "build/manifest.json").write_text(json.dumps({**manifest, "bucket_weights": built, "made_from": made_from}))
+    stats = compute_stats(mine, progress=False)
+    report = (mine / "stats/report.md").read_text(encoding="utf-8")
+    assert stats["weights"]["build"] == {"stale": True} and "| build weight |" not in report
+    assert "build/ was made before prepare ran again: its weights are not shown" in report
 
 
 def test_cli_prepare_stats_and_demo(tmp_path, capsys, monkeypatch):

@@ -154,14 +154,16 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
         "warning: 49 of 49 answers are empty after decoding (0 ended the turn at once, 49 decoded only whitespace "
         "until the token budget); evaluate counts them")
     # answers of punctuation alone, as a 150-step model answered 320 of 320 prompts: counted as evaluate counts them
-    wordless = [r for r in rows if r["prediction"] and not any(c.isalnum() for c in r["prediction"])]
-    assert summary["without_words"] == len(wordless)
-    assert empty_answers_warning({"empty": 0, "records": 320, "without_words": 320}, greedy=False) == (
-        "warning: 320 of 320 hold no word (punctuation or symbols only); evaluate counts them and leaves them out of "
-        "diversity")
+    import unicodedata
+
     from polyalign.evaluate.text_metrics import tokens
-    commas = "，" * 8
-    assert not tokens(commas, "cjk") and not any(c.isalnum() for c in commas)  # evaluate's reading agrees
+    wordless = [r for r in rows if r["prediction"] and all(
+        unicodedata.category(c).startswith("P") or c.isspace() for c in r["prediction"])]
+    assert summary["without_words"] == len(wordless)
+    assert not any(tokens(r["prediction"], "cjk") for r in wordless)  # evaluate finds no word in them either
+    assert empty_answers_warning({"empty": 0, "records": 320, "without_words": 320}, greedy=False) == (
+        "warning: 320 of 320 hold no word (punctuation only); evaluate counts them and leaves them out of diversity")
+    assert not tokens("，" * 8, "cjk") and tokens("好，", "cjk") and tokens("😀😀", "cjk")  # a symbol is a word there
     # --dtype: auto is float32 on this CPU; the manifest records the dtype the model ran in
     assert json.loads((tmp_path / "pred.manifest.json").read_text())["settings"]["dtype"] == "float32"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),

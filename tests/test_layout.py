@@ -113,7 +113,7 @@ HOME_IMPORTS = {
     "generate": {"core", "data", "mesh", "model", "tokens"},
     "inputs": {"core", "data", "model", "tokens"},
     "pairs": {"core", "data", "generate"},
-    "reports": {"core", "data", "features"},
+    "reports": {"core", "data", "features", "inputs"},  # the stats report says what weights RUN/build trains with
     "evaluate": {"core", "data", "features", "generate", "model", "reports", "tokens"},
     "train": {"core", "data", "features", "generate", "inputs", "mesh", "model", "pairs", "tokens"},
     "beam": {"core", "data", "inputs", "model", "tokens"},

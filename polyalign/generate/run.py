@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import time
+import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -236,9 +237,9 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     summary = {"records": len(records), "template": chat.name, "profile": profile, "system": tokenizer.system_mode,
                "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
-               # answers with characters but not one letter or digit ("，，，，"): evaluate's answers without a word
-               "without_words": sum(1 for row in rows
-                                    if row["prediction"] and not any(c.isalnum() for c in row["prediction"])),
+               # answers of punctuation alone ("，，，，"): evaluate finds no word in them either
+               "without_words": sum(1 for row in rows if row["prediction"] and all(
+                   unicodedata.category(c).startswith("P") or c.isspace() for c in row["prediction"])),
                # of them, the ones that decoded whitespace until the budget (the others ended the turn at once)
                "empty_at_budget": sum(1 for row in rows
                                       if not row["prediction"] and row["finish_reason"] == FINISH_LENGTH),

@@ -31,7 +31,7 @@ from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
 from polyalign.features.response import text_features
-from polyalign.inputs.built import BUILD_DIR, built_manifest
+from polyalign.inputs.built import BUILD_DIR, PREPARE_MANIFEST, WEIGHT_FLAGS, built_manifest
 from polyalign.reports import plots
 from polyalign.reports.markdown import table as markdown_table
 
@@ -163,6 +163,9 @@ def _build_weights(run: Path, weights: dict[str, float]) -> dict[str, Any] | Non
     """The weights RUN/build trains with where they are not the scheme's (a build made with `--weights`,
     `--weight-temperature` or `--clip-weights`): its manifest's, and the options it names; else None."""
     build = built_manifest(run) or {}
+    made = (build.get("made_from") or {}).get(PREPARE_MANIFEST)
+    if made and made != file_digest(run / PREPARE_MANIFEST):  # training refuses it too, until it is built again
+        return {"stale": True}
     built = build.get("bucket_weights")
     if not isinstance(built, dict) or all(abs(built.get(b, 0.0) - w) < 1e-6 for b, w in weights.items()):
         return None
@@ -177,12 +180,12 @@ def _bucket_rows(stats: dict[str, Any]) -> list[list[str]]:
         q = stats["length_quantiles"][bucket]
         rows.append([bucket, *(str(counts[s]) for s in SPLITS), str(counts["total"]),
                      f"{q['q10']:g} / {q['q50']:g} / {q['q90']:g}", f"{weights.get(bucket, 0.0):.3f}"]
-                    + ([f"{build['by_bucket'].get(bucket, 0.0):.3f}"] if build else []))
+                    + ([f"{build['by_bucket'].get(bucket, 0.0):.3f}"] if build and "by_bucket" in build else []))
     return rows
 
 
 def _bucket_header(stats: dict[str, Any]) -> list[str]:
-    return BUCKET_HEADER + (["build weight"] if stats["weights"].get("build") else [])
+    return BUCKET_HEADER + (["build weight"] if "by_bucket" in (stats["weights"].get("build") or {}) else [])
 
 
 BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / q90", "SFT weight"]
@@ -197,10 +200,14 @@ def _weight_lines(weights: dict[str, Any]) -> list[str]:
     power = f"n^-{options['temperature']:g}"
     lines = [f"SFT weight: the scheme's Bucket-SFT weight of a train record in its bucket, {power}"
              f" over the bucket's train count n{borrow}, scaled to mean 1 over train records{clip}; a build made "
-             "with --weights, --weight-temperature or --clip-weights trains with its own (its manifest, `show`)"]
-    if build := weights.get("build"):
+             f"with {', '.join(WEIGHT_FLAGS.values())} trains with its own (its manifest, `show`)"]
+    build = weights.get("build") or {}
+    if build.get("stale"):
+        lines.append(f"{BUILD_DIR}/ was made before prepare ran again: its weights are not shown (build it again; "
+                     "training refuses it until then)")
+    elif build:
         made = build["options"]
-        named = ", ".join(f"{key} {made[key]}" for key in ("temperature", "clip", "borrow_below") if key in made)
+        named = ", ".join(f"{key} {made[key]}" for key in WEIGHT_FLAGS if key in made)
         lines.append(f"build weight: what {BUILD_DIR}/ trains with ({named}; {made.get('source', 'its manifest')})")
     return lines
 

@@ -211,16 +211,17 @@ def fold_system(messages: Sequence[Message]) -> list[tuple[int | None, Message]]
     turn, as (index of the message in `messages`, message) pairs; a folded user turn keeps its own index.
     The rule: a system message opens the next user turn (its text, a blank line, the user's text); one
     directly followed by an assistant turn (or by nothing) closes the user turn before it instead (the
-    user's text, a blank line, its text). A system message is never folded into an assistant turn; a
-    conversation with no user turn to take it is refused."""
+    user's text, a blank line, its text). A system message is never folded into an assistant turn: one with
+    no user turn before it to close (between two replies, or before a conversation's opening reply) is a user
+    turn of its own, so that user and model turns still alternate."""
     out: list[tuple[int | None, Message]] = []
-    pending: list[str] = []
+    pending: list[tuple[int, str]] = []
     for index, message in enumerate(messages):
         if message.role == "system":
-            pending.append(message.content)
+            pending.append((index, message.content))
             continue
         if pending and message.role == "user":
-            out.append((index, Message("user", "\n\n".join([*pending, message.content]))))
+            out.append((index, Message("user", "\n\n".join([*(text for _, text in pending), message.content]))))
             pending = []
             continue
         if pending:
@@ -232,12 +233,13 @@ def fold_system(messages: Sequence[Message]) -> list[tuple[int | None, Message]]
     return out
 
 
-def _close_with(out: list[tuple[int | None, Message]], pending: list[str]) -> None:
+def _close_with(out: list[tuple[int | None, Message]], pending: list[tuple[int, str]]) -> None:
+    texts = [text for _, text in pending]
     if not out or out[-1][1].role != "user":
-        raise ChatTemplateError("a system message with no user turn beside it to fold into (this template "
-                                "takes no system message)")
+        out.append((pending[0][0], Message("user", "\n\n".join(texts))))
+        return
     index, user = out[-1]
-    out[-1] = (index, Message("user", "\n\n".join([user.content, *pending])))
+    out[-1] = (index, Message("user", "\n\n".join([user.content, *texts])))
 
 
 # --- templates ------------------------------------------------------------------------------------
