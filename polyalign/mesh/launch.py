@@ -162,35 +162,50 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
                     other.send_signal(sig)
         return code
     finally:
-        for relay in relays:  # what the processes wrote last; a grandchild holding the pipe open is not waited on
-            relay.join(timeout=5)
+        until = time.monotonic() + 5  # what the processes wrote last; a grandchild holding a pipe is not waited on
+        for relay in relays:
+            relay.join(timeout=max(until - time.monotonic(), 0))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(notices, ignore_errors=True)
 
 
 _OUTPUT_LOCK = threading.Lock()
+_LONGEST_HELD = 1 << 20  # a line longer than this (no end in sight) goes out in pieces rather than grow in memory
 
 
 def _relay_lines(stream) -> threading.Thread:
     """A thread copying `stream` (a process's standard output) to this process's, whole lines at a time (a
-    carriage return ends one too, so a line redrawn in place still moves); the rest at the end."""
+    carriage return ends one too, so a line redrawn in place still moves); the rest at the end. A reader
+    that went away (`| head`) costs the output, never the process: the pipe is still drained."""
+    gone = False
 
     def write(data: bytes) -> None:
+        nonlocal gone
+        if gone:
+            return
         with _OUTPUT_LOCK:
-            sys.stdout.flush()
             try:
-                os.write(sys.stdout.fileno(), data)
+                sys.stdout.flush()
+                fd = sys.stdout.fileno()
             except (AttributeError, OSError, ValueError, io.UnsupportedOperation):  # no file behind it (captured)
                 sys.stdout.write(data.decode("utf-8", errors="replace"))
                 sys.stdout.flush()
+                return
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError:  # a closed pipe (BrokenPipeError) or a full disk: stop writing, keep draining
+                gone = True
 
     def copy() -> None:
         pending = b""
         with stream:
             while chunk := os.read(stream.fileno(), 65536):
                 pending += chunk
-                end = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+                last = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))  # only the new bytes are searched
+                end = len(pending) - len(chunk) + last + 1 if last >= 0 else (
+                    len(pending) if len(pending) > _LONGEST_HELD else 0)
                 if end:
                     write(pending[:end])
                     pending = pending[end:]
