@@ -1004,7 +1004,8 @@ def _add_evaluate(sub) -> None:
                         "test records' own human answers then become the human floor, measured exactly as the "
                         "model's; default: the test records' human answers, floor from held-out halves of them")
     p.add_argument("--bootstrap-draws", type=int, default=200, metavar="N",
-                   help="bootstrap draws for the intervals of BNG, HCR, F1 and detectability (default 200)")
+                   help="bootstrap draws for the intervals of BNG, HCR, F1 and detectability (default 200, "
+                        "at least 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and the floor's held-out halves")
     p.add_argument("--no-diversity", action="store_true",
                    help="skip distinct-n and Self-BLEU (the slowest text metrics on long answers)")
@@ -1273,7 +1274,8 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
-    "evaluate": {"--bootstrap-draws": COUNT, "--seed": SEED},
+    "evaluate": {"--bootstrap-draws": Range(20, why="an interval's 2.5% and 97.5% points need draws to stand on; "
+                                                 "200 is the default"), "--seed": SEED},
     "launch": {"--nproc": COUNT, "--cpu-devices": COUNT, "--port": Range(1, 65535)},
     "plan": {"--devices": COUNT, "--device-memory": Range(0.0, low_open=True),
              "--seq": Range(8, why="a chat template needs room for its headers")},

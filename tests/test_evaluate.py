@@ -610,7 +610,7 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     wordless = sum(1 for i in range(200) if i % 5 and i % 7 == 3)
     _write_predictions(tmp_path / "p.jsonl", records, lambda r: answer[r.id])
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
-                 str(tmp_path / "eval"), "--bootstrap-draws", "10", "--no-baselines"]) == 0
+                 str(tmp_path / "eval"), "--bootstrap-draws", "20", "--no-baselines"]) == 0
     assert (f"200 rows (40 empty answers and {wordless} answers without a word (punctuation only), left out of "
             "diversity)") in capsys.readouterr().out
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())

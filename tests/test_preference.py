@@ -62,6 +62,13 @@ def test_prediction_files_are_checked(tmp_path):
     path.write_text('{"id": "a"}\n')
     with pytest.raises(InputError, match="p.jsonl:1: a prediction row needs string fields id and prediction"):
         read_predictions(path)
+    # the rows written as one JSON array (json.dump of a list), as a user's script may write them
+    path.write_text(json.dumps([{"id": "a", "prediction": "Paris is the capital of France."}]))
+    with pytest.raises(InputError, match='p.jsonl:1: a JSON array; predictions are JSONL, one {"id", "prediction"}'):
+        read_predictions(path)
+    path.write_text(json.dumps([{"id": "a", "prediction": "Paris is the capital of France."}], indent=1))
+    with pytest.raises(InputError, match='p.jsonl: a JSON array; predictions are JSONL'):
+        read_predictions(path)
 
 
 EXACTNESS_CASES = [("ipo", False), ("robust_dpo", False), ("ln_dpo", False), ("simpo", False), ("simpo", True),

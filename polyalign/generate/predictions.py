@@ -17,12 +17,20 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     id and prediction, is an error naming the file and line."""
     try:
         for number, row in jsonl.read_lines(path):
+            if isinstance(row, list):  # a JSON array of rows (one written whole with json.dump)
+                raise InputError(f"{path}:{number}: {JSON_ARRAY}")
             if (not isinstance(row, dict) or not isinstance(row.get("id"), str)
                     or not isinstance(row.get("prediction"), str)):
                 raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction")
             yield number, row
     except jsonl.JsonProblem as problem:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            if handle.read(4096).lstrip().startswith("["):  # an array written over several lines (indent=...)
+                raise InputError(f"{path}: {JSON_ARRAY}") from None
         raise InputError(f"not JSON: {problem}") from None
+
+
+JSON_ARRAY = 'a JSON array; predictions are JSONL, one {"id", "prediction"} object a line'
 
 
 def check_generated_from(predictions_path: Path, records_path: Path) -> None:
