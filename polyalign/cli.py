@@ -1021,7 +1021,12 @@ def _add_evaluate(sub) -> None:
     _dtype_option(p, "the featurizer and the scorer")
     p.add_argument("--allow-partial", action="store_true",
                    help="evaluate the intersection when ids are missing, duplicated or extra (said in the report); "
-                        "not needed for the records `generate --limit/--sample` chose from this file")
+                        "not needed for the records `generate --limit/--sample` chose from this file, nor with "
+                        "--prompts")
+    p.add_argument("--prompts", type=Path, default=None, metavar="PROMPTS.jsonl",
+                   help="the file `polyalign prompts` wrote for an external engine (vLLM, SGLang): predictions "
+                        "answering the records it chose (--limit, --sample, --per-bucket) from --records are "
+                        "evaluated on those, as generate's are")
     p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_evaluate)
@@ -1033,6 +1038,7 @@ def _run_evaluate(args) -> int:
 
     options = EvaluateOptions(compat=args.compat or "cjk", references=args.references, support=args.support,
                               featurizer=args.featurizer, scorer=args.scorer, allow_partial=args.allow_partial,
+                              prompts=args.prompts,
                               intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
                               diversity=not args.no_diversity, baselines=not args.no_baselines,
                               detectability=not args.no_detectability, dtype=args.dtype)
@@ -1157,7 +1163,9 @@ def _run_report(args) -> int:
         print(f"note: the runs differ in {'; '.join(summary['differing'])}")
     if summary["other_data"] and not args.allow_different_data:
         print(f"note: {', '.join(summary['other_data'])} evaluated other test records or another support than "
-              f"{summary['runs'][0]}: their intervals are not compared (--allow-different-data compares them)")
+              f"{summary['runs'][0]}: their intervals are not compared (--allow-different-data compares them; "
+              "runs evaluated with --allow-partial on other ids compare once each is evaluated on the records "
+              "all of them answered)")
     print(f"report: {args.out / 'report.html'}")
     return 0
 

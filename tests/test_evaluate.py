@@ -377,6 +377,37 @@ def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_r
                                               "answered): F1 ")
 
 
+def test_predictions_for_the_records_prompts_chose_are_evaluated_with_its_file(demo_run, demo_tokenizer, tmp_path,
+                                                                                capsys):
+    """An external engine answered the records `polyalign prompts --per-bucket 2` chose: with `--prompts` they
+    are evaluated as generate's selection is, named; without it they need --allow-partial (the docs said
+    evaluate named such a selection, and it refused: "2592 missing")."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:60]
+    subset = tmp_path / "records.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    prompts = tmp_path / "prompts.jsonl"
+    assert main(["prompts", "--records", str(subset), "--checkpoint", str(demo_tokenizer[0].path.parent), "--out",
+                 str(prompts), "--per-bucket", "2", "--seed", "4"]) == 0
+    asked = {json.loads(line)["id"] for line in prompts.read_text().splitlines()}
+    chosen = [r for r in records if r.id in asked]
+    assert 0 < len(chosen) < 60
+    _write_predictions(tmp_path / "p.jsonl", chosen, lambda r: r.question)  # no manifest: an engine's output
+    capsys.readouterr()
+    assert main(["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--prompts",
+                 str(prompts), "--out", str(tmp_path / "eval"), "--no-progress", "--no-detectability"]) == 0
+    assert capsys.readouterr().out.startswith(f"{len(chosen)} of 60 rows (the ones `prompts --per-bucket 2 --seed 4` "
+                                              "answered): F1 ")
+    with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
+        evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval2", EvaluateOptions(plots=False))
+    with pytest.raises(EvaluationError, match="no manifest beside it"):  # a file prompts did not write
+        evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False,
+                                                                                  prompts=tmp_path / "p.jsonl"))
+
+
 @pytest.mark.slow
 def test_reference_mode_reproduces_the_published_sample_values(tmp_path):
     from polyalign.data.prepare import prepare
@@ -1233,6 +1264,9 @@ def test_a_diversity_difference_says_whether_it_moved_toward_peoples_own_value()
     assert _toward_people(row, metrics(0.63), metrics(0.63), 0.863, 0.892) == ", away from people's 0.6300"
     assert _toward_people(row, metrics(0.63), metrics(0.63), 0.892, 0.863) == ", toward people's 0.6300"
     assert _toward_people(bleu, metrics(0.63), metrics(0.63), 0.11, 0.06) == ", away from people's 0.1800"
+    # from under people's value to as far over it (0.6362 -> 0.9252 against 0.7843): past it, no nearer
+    assert _toward_people(row, metrics(0.7843), metrics(0.7843), 0.6362, 0.9252) == (
+        ", past people's 0.7843 (0.1409 above it, from 0.1481 on the other side)")
     assert _toward_people(row, metrics(0.63), metrics(0.64), 0.863, 0.892) == ""  # people measured otherwise
     assert _toward_people(row, metrics(0.63), metrics(0.63), 0.863, 0.863) == ""
     assert _toward_people(next(r for r in INTERVAL_ROWS if r.name == "F1"), metrics(0.63), metrics(0.63), 0.1,

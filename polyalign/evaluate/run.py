@@ -21,7 +21,7 @@ import numpy as np
 from polyalign.core.errors import EvaluationError, GenerationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
-from polyalign.core.outputs import read_record, same_path, stage_output
+from polyalign.core.outputs import read_record, same_path, sidecar, stage_output
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
@@ -124,7 +124,9 @@ class EvaluateOptions:
     references: RUN/stats/references.json (the bands of HCR, and of BNG's features with --compat reference).
     support: the records whose human answers are each bucket's support (RUN/data/train.jsonl), else the test
     records' own. featurizer: a checkpoint whose pooled hidden states feed MAUVE. scorer: a checkpoint for
-    the LM features. allow_partial: evaluate the intersection of ids. diversity, baselines: those sections."""
+    the LM features. allow_partial: evaluate the intersection of ids. prompts: the file `polyalign prompts` wrote
+    for an external engine, whose selection of records (--limit, --per-bucket) the predictions answer.
+    diversity, baselines: those sections."""
 
     compat: str = "cjk"
     references: Path | None = None
@@ -132,6 +134,7 @@ class EvaluateOptions:
     featurizer: Path | None = None
     scorer: Path | None = None
     allow_partial: bool = False
+    prompts: Path | None = None
     plots: bool = True
     intervals: sp.IntervalOptions = dataclasses.field(default_factory=sp.IntervalOptions)
     diversity: bool = True
@@ -163,7 +166,7 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
     if options.scorer is not None and options.support is not None:  # before any work, not after the first metrics
         raise EvaluationError(SCORER_WITH_SUPPORT)
     inputs = {"records": records_path, "predictions": predictions_path, "references": options.references,
-              "support": options.support}
+              "support": options.support, "prompts": options.prompts}
     settings = {**{k: None if v is None else str(Path(v).resolve()) for k, v in inputs.items()},
                 "compat": options.compat, "featurizer": options.featurizer and str(options.featurizer),
                 "scorer": options.scorer and str(options.scorer), "allow_partial": options.allow_partial,
@@ -205,11 +208,12 @@ def _rows_by(keys) -> dict[str, list[int]]:
     return rows
 
 
-def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str]) -> str | None:
-    """How `polyalign generate` chose the records it answered (--limit, --sample, --per-bucket) when it read them from
-    this records file, unchanged since (its manifest's digest), and the predictions answer exactly the
-    records that selection takes (generate's own `select_records` again); None otherwise: a file cut short
-    or filtered since is no selection of generate's."""
+def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str],
+                       stage: str = "generate") -> str | None:
+    """How `polyalign generate` (or `prompts`, whose file `predictions_path` then is) chose the records it answered
+    (--limit, --sample, --per-bucket) when it read them from this records file, unchanged since (its manifest's
+    digest), and the predictions answer exactly the records that selection takes (generate's own
+    `select_records` again); None otherwise: a file cut short or filtered since is no selection of generate's."""
     manifest = read_record(predictions_path) or {}
     settings = manifest.get("settings") or {}
     chosen = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
@@ -227,14 +231,18 @@ def generate_selection(predictions_path: Path, records_path: Path, records: list
         return None
     seeded = settings.get("sample") is not None or settings.get("per_bucket") is not None
     seed = f" --seed {settings['seed']}" if seeded else ""
-    return f"generate {' '.join(chosen)}{seed}"
+    return f"{stage} {' '.join(chosen)}{seed}"
 
 
-def _join(records_path: Path, predictions_path: Path, allow_partial: bool) -> Joined:
+def _join(records_path: Path, predictions_path: Path, allow_partial: bool, prompts: Path | None = None) -> Joined:
     rows, seen = load_predictions(predictions_path)
     records = read_records(records_path)
-    records, predictions, alignment = align(records, rows, seen, allow_partial,
-                                            generate_selection(predictions_path, records_path, records, set(seen)))
+    if prompts is not None and read_record(prompts) is None:
+        raise EvaluationError(f"{prompts}: no manifest beside it ({sidecar(prompts)}); --prompts takes the file "
+                              "`polyalign prompts --out` wrote")
+    selection = (generate_selection(prompts, records_path, records, set(seen), "prompts") if prompts is not None
+                 else generate_selection(predictions_path, records_path, records, set(seen)))
+    records, predictions, alignment = align(records, rows, seen, allow_partial, selection)
     return Joined(records, predictions, alignment, profiles=sorted({r.get("profile", "unknown") for r in rows}),
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
 
@@ -249,7 +257,7 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
               settings: dict[str, Any], progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     # the inputs are read before the bar starts: a bad row is one line, with no bar before it
-    joined = _join(records_path, predictions_path, options.allow_partial)
+    joined = _join(records_path, predictions_path, options.allow_partial, options.prompts)
     with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar:
         return _measure(joined, out, options, settings, bar, started, records_path, predictions_path)
 

@@ -510,7 +510,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
             summary += (f"<p>HCR lies above people's own in {len(above)} bucket{'s' * (len(above) != 1)} "
                         f"({html.escape(', '.join(above))}): the answers sit at the typical values more often than "
                         "people's do, which is too uniform, not more human (a typical answer repeated passes every "
-                        "time); BNG and detectability there say how far they are.</p>")
+                        f"time); BNG{' and detectability' if detect.get('status') == 'computed' else ''} there "
+                        "say how far they are.</p>")
         if detect.get("status") == "computed":
             summary += (f"<p>Detectability {_fmt(detect['overall_macro'])} {_interval(detect.get('macro_interval'))}: "
                         "the ROC AUC of a classifier (character n-grams, logistic regression, folds grouped by "
@@ -682,6 +683,9 @@ def _toward_people(row: IntervalRow, a: dict, b: dict, x: float | None, y: float
     mark = _get(a, row.people)
     if mark is None or mark != _get(b, row.people):
         return ""
+    if (x - mark) * (y - mark) < 0:  # crossed it: as far past on the other side is no nearer to people
+        side = "above" if y > mark else "below"
+        return f", past people's {mark:.4f} ({abs(y - mark):.4f} {side} it, from {abs(x - mark):.4f} on the other side)"
     return f", {'toward' if abs(y - mark) < abs(x - mark) else 'away from'} people's {mark:.4f}"
 
 
