@@ -853,7 +853,8 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     assert main(["report", *folders, "--out", str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out
     assert ("note: support, records evaluated other test records or another support than a: their intervals are "
-            "not compared (--allow-different-data compares them)") in out
+            "not compared (--allow-different-data compares them; runs evaluated with --allow-partial on other ids "
+            "compare once each is evaluated on the records all of them answered)") in out
     verdicts = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["summary"]["differences"]
     # every pair, the later run minus the earlier
     assert list(verdicts) == ["same - a", "support - a", "records - a", "support - same", "records - same",
@@ -927,6 +928,15 @@ def test_differences_are_judged_on_intervals_except_macros_over_buckets_without_
     assert verdicts["c - a"]["BNG weighted"]["verdict"] == "overlap"
     assert verdicts["c - b"]["BNG macro"] == {"difference": 0.0, "verdict": "not judged †"}
     assert verdicts["b - a"]["F1"] == {"difference": None, "verdict": "no interval"}
+    # detectability likewise: its macro not judged beside few-row buckets, its row-weighted value judged (A 0.643
+    # against B 0.938 on 241 rows had no verdict at all, two buckets of one row each silencing the macro)
+    detect = {name: run(1.0, small) | {"metrics": run(1.0, small)["metrics"] | {"detectability": {
+        "overall_macro": auc, "macro_interval": [auc - 0.05, auc + 0.05], "overall_weighted": auc,
+        "weighted_interval": [auc - 0.03, auc + 0.03]}}} for name, auc, small in
+        (("a", 0.643, ["zh|single|qa|long"]), ("b", 0.938, ["zh|single|qa|long"]))}
+    _, _, verdicts = _differences(detect, False)
+    assert verdicts["b - a"]["Detectability AUC macro"]["verdict"] == "not judged †"
+    assert verdicts["b - a"]["Detectability AUC weighted"] == {"difference": pytest.approx(0.295), "verdict": "apart"}
 
     # the numbers that combine MAUVE hold it fixed in their draws: not judged where a run measured MAUVE;
     # TDM (buckets of 20 rows or more, no MAUVE) is judged beside few-row buckets

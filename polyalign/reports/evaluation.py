@@ -593,6 +593,9 @@ INTERVAL_ROWS = (
     IntervalRow("HCR weighted", ("hcr", "overall_weighted"), ("hcr", "weighted_interval"), support=True),
     IntervalRow("Detectability AUC macro", ("detectability", "overall_macro"), ("detectability", "macro_interval"),
                 macro=True),
+    # judged where the macro is not (a bucket of a few rows weighs by its rows here), as BNG's and HCR's are
+    IntervalRow("Detectability AUC weighted", ("detectability", "overall_weighted"),
+                ("detectability", "weighted_interval")),
     IntervalRow("F1", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
     IntervalRow("Distinct-2 (people's own is the mark)", ("diversity", "overall", "generated", "distinct_2"),
                 ("diversity", "overall", "generated_interval", "distinct_2"),
