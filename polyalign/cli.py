@@ -1063,7 +1063,10 @@ def _run_evaluate(args) -> int:
     if alignment.get("selected_by"):
         said.append(f"the ones `{alignment['selected_by']}` answered")
     elif alignment.get("partial"):
-        said.append("partial: the ids with one prediction")
+        left = [f"{alignment[key]} {word}" for key, word in (
+            ("missing", "without a prediction"), ("duplicate", "answered twice or more (every copy left out)"),
+            ("extra", "predictions for ids the records do not hold")) if alignment.get(key)]
+        said.append("partial: the ids with one prediction" + (f"; {', '.join(left)}" if left else ""))
     unworded = [f"{empty} empty answer{'s' * (empty != 1)}"] * bool(empty) + [
         f"{wordless} answer{'s' * (wordless != 1)} without a word (punctuation only)"] * bool(wordless)
     if unworded:

@@ -403,6 +403,14 @@ def test_predictions_for_the_records_prompts_chose_are_evaluated_with_its_file(d
                                               "answered): F1 ")
     with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval2", EvaluateOptions(plots=False))
+    # --allow-partial instead: the line says what the intersection left out, a duplicated id's every copy too
+    with open(tmp_path / "p.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"id": chosen[0].id, "prediction": chosen[0].question}, ensure_ascii=False) + "\n")
+    assert main(["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--allow-partial",
+                 "--out", str(tmp_path / "eval2"), "--no-progress", "--no-detectability"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"{len(chosen) - 1} of 60 rows (partial: the ids with one prediction; {60 - len(chosen)} without a prediction, "
+        "1 answered twice or more (every copy left out)): F1 ")
     with pytest.raises(EvaluationError, match="no manifest beside it"):  # a file prompts did not write
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False,
                                                                                   prompts=tmp_path / "p.jsonl"))

@@ -961,10 +961,10 @@ def test_predictions_pairs_and_evaluations_belong_to_their_settings_and_records(
     assert code == 2 and "is the command's own predictions" in err
 
     evaluate = ["evaluate", "--records", records, "--predictions", predictions, "--out", tmp_path / "eval",
-                "--allow-partial", "--no-diversity", "--no-baselines", "--bootstrap-draws", 5]
+                "--allow-partial", "--no-diversity", "--no-baselines", "--bootstrap-draws", 20]
     assert cli(capsys, *evaluate)[0] == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert metrics["settings"]["intervals"]["draws"] == 5 and set(metrics["made_from"]) == {"records", "predictions"}
+    assert metrics["settings"]["intervals"]["draws"] == 20 and set(metrics["made_from"]) == {"records", "predictions"}
     code, err = cli(capsys, *evaluate, "--seed", 3)
     assert code == 2 and "intervals.seed: 0 there, 3 now" in err
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == metrics
