@@ -584,6 +584,19 @@ def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
     manifest = prepare(config, tmp_path / "run", progress=False)
     assert manifest["scheme"]["name"] == "polyalign" and manifest["totals"]["kept"] == 4
     assert manifest["scheme"]["path"].endswith("polyalign/buckets/polyalign.yaml")
+    # every source under one folder that is not there (a config that expects ../shared beside the checkout):
+    # each missing path, then the folder to put in place
+    (tmp_path / "configs").mkdir()
+    config = tmp_path / "configs" / "data.yaml"
+    config.write_text("scheme: polyalign\nsources:\n  - {name: a, format: chat, path: ../shared/data/en/a.jsonl}\n"
+                      "  - {name: b, format: chat, path: ../shared/data/zh/b.jsonl}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        prepare(config, tmp_path / "run", progress=False)
+    lines = str(error.value).splitlines()
+    assert [line.endswith(": no such file or directory") for line in lines] == [True, True, False]
+    assert lines[-1] == (f"none of the 2 sources is there: the paths are relative to {config}, so they are read under "
+                         f"{tmp_path / 'shared/data'}, and {tmp_path / 'shared'} does not exist; put that folder there "
+                         f"(a link will do: ln -s /path/to/shared {tmp_path / 'shared'}) or change the paths")
 
 
 @pytest.mark.parametrize("form", ["chat", "sharegpt"])

@@ -520,6 +520,14 @@ def _checked_sources(config: DataConfig, roots: list[Path], config_path: Path, s
             files.append(source_files(root, patterns))
         except InputError as err:
             problems.append(f"{where}: {err}")
+    absent = [root for root in roots if not root.exists()]
+    if len(absent) > 1 and len(absent) == len(roots):  # one folder the config expects is not where it looks
+        common = top = Path(os.path.commonpath([str(root) for root in absent]))
+        while top.parent != top and not top.parent.exists():
+            top = top.parent  # the first folder of the way that is missing
+        problems.append(f"none of the {len(roots)} sources is there: the paths are relative to {config_path}, so "
+                        f"they are read under {common}, and {top} does not exist; put that folder there (a link "
+                        f"will do: ln -s /path/to/{top.name} {top}) or change the paths")
     if problems:
         raise ConfigError("\n".join(problems))
     return files

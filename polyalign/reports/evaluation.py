@@ -540,9 +540,9 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
                      "candidates.</p>" if measured else "<p>No intervals (--compat reference computes none).</p>"]
     if m.get("buckets"):  # the default mode's per-bucket reports, with floors and intervals
         images += [_metric_by_bucket(m["buckets"], "bng", "BNG per bucket (lower is more human-like)", out / "bng.png"),
-                   _metric_by_bucket(m["buckets"], "hcr", f"Calibrated HCR per bucket (higher is more human-like; "
-                                     f"the reference's people land near {m['hcr'].get('coverage', 0.9):g} by "
-                                     "construction)", out / "hcr.png"),
+                   _metric_by_bucket(m["buckets"], "hcr", "Calibrated HCR per bucket (higher is more human-like, "
+                                     "up to the grey bar: the test's own people; the people the bands come from "
+                                     f"land near {m['hcr'].get('coverage', 0.9):g} by construction)", out / "hcr.png"),
                    _metric_by_bucket(m["buckets"], "f1", "F1 per bucket (higher is better)", out / "f1.png")]
         if (m.get("detectability") or {}).get("reports"):
             images.append(_metric_by_bucket(m["detectability"]["reports"], "auc",
