@@ -74,6 +74,16 @@ def test_a_system_message_after_the_question_is_rendered_after_it(demo_run, tmp_
         record = Record.from_json(json.loads(line)["record"])
         messages = record_messages(record, "none", with_response=False)
         assert messages[-2:] == [Message("user", row["prompt"][-2]["content"]), Message("system", note["content"])]
+    # an earlier reply that the note interrupted stays where it stood, as prepare keeps it (user, reply, note)
+    interrupted = [{**row, "prompt": [*row["prompt"][:-1], *other["chosen"], note]}  # another person's reply
+                   for row, other in zip(rows, rows[::-1])]
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input",
+                       write_jsonl(tmp_path / "interrupted.jsonl", interrupted), "--out", tmp_path / "i.jsonl")
+    assert code == 0 and "2 training pairs from 2 rows" in out, out
+    for line in (tmp_path / "i.jsonl").read_text().splitlines():
+        record = Record.from_json(json.loads(line)["record"])
+        roles = [m.role for m in record_messages(record, "none", with_response=False)]
+        assert roles[-3:] == ["user", "assistant", "system"] and record.track == "multi"
 
 
 def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_path, capsys):

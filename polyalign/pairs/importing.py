@@ -193,8 +193,12 @@ def _example(row: Any, location: Location, fmt: str) -> Iterator[ImportItem]:
     row = require_dict(row)
     prompt, chosen, rejected = READERS[fmt](row)
     last_user = max((i for i, turn in enumerate(prompt) if turn["role"] == "user"), default=None)
-    if last_user is None or any(turn["role"] != "system" for turn in prompt[last_user + 1:]):
-        raise RowProblem("the prompt must end with a user message (system messages may follow it)")
+    trailing = prompt[last_user + 1:] if last_user is not None else []
+    # after the question: system notes, and an earlier reply a note interrupted, as prepare keeps them
+    if last_user is None or any(turn["role"] not in ("system", "assistant") for turn in trailing) or (
+            trailing and trailing[-1]["role"] != "system"):
+        raise RowProblem("the prompt must end with a user message (system messages may follow it, and an earlier "
+                         "reply before such a message)")
     # system turns stay where they stand, as prepare keeps them: those after the question marked so
     history = prompt[:last_user] + [{**turn, AFTER_QUESTION: True} for turn in prompt[last_user + 1:]]
     own_id = row.get("id")  # the user's own key for the row, to find it again
