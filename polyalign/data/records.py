@@ -20,9 +20,10 @@ ROLES = ("user", "assistant", "system")
 PROFILE_PREAMBLE = "You are a helpful assistant. Follow the target response profile when answering."
 # Split names corpora use for their own splits, mapped to ours.
 OFFICIAL_SPLITS = {"train": "train", "valid": "val", "validation": "val", "dev": "val", "val": "val", "test": "test"}
-# A history turn marked with this key is a system message that stood between the question and the reply
-# (`[..., user, system, assistant]`); such turns come last in a record's history and are rendered after
-# the question, where they stood (tokens/chat.record_messages), never before it.
+# A history turn marked with this key stood between the question and the reply: a system message
+# (`[..., user, system, assistant]`), or an earlier reply that one interrupted (`[..., user, assistant, system,
+# assistant]`); such turns come last in a record's history and are rendered after the question, where they
+# stood (tokens/chat.record_messages), never before it.
 AFTER_QUESTION = "after_question"
 RECORD_FIELDS = (
     "id", "dataset", "split", "language", "track", "family", "style", "question", "context", "history",

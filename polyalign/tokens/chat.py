@@ -186,9 +186,9 @@ def record_messages(record: Record, profile: str = "context", with_response: boo
     """The one rule by which a record becomes chat messages (build, prompts, generate, evaluation and
     preference pairs all call it): the system prompt (`system_prompt`), the history with each turn in
     its own role (a system turn inside the conversation stays a system turn), the question with its
-    context, a system turn that stood between the question and the reply (AFTER_QUESTION) after it,
-    and the human response. Consecutive turns of one role are joined with a newline so that every
-    template sees one message per turn (joined_turns)."""
+    context, the turns that stood between the question and the reply (AFTER_QUESTION: a system note, and an
+    earlier reply it interrupted) after it, and the human response. Consecutive turns of one role are joined
+    with a newline so that every template sees one message per turn (joined_turns)."""
     prompt = system_prompt(record, profile, system)
     messages = [Message("system", prompt)] if prompt else []
     history = before_question(record.history)
