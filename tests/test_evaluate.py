@@ -715,6 +715,15 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
     out = capsys.readouterr().out
     assert "TDM n/a (no multi-turn test rows)" in out and "MAUVE skipped (no --featurizer model was given)" in out
     assert "detectability skipped (--compat reference computes the authors' metrics only)" in out
+    # every headline number that is missing says why, the NUF hypervolume too (it showed "— —" alone)
+    reference = json.loads((tmp_path / "ref" / "metrics.json").read_text())
+    assert (reference["metrics"]["nuf"]["overall"]["hypervolume"] is None) == ("nuf" in reference["not_available"])
+    from polyalign.evaluate.run import not_available_reasons
+    unmeasured = {"bng": {"overall_macro": None}, "tdm": {"overall_macro": 0.5}, "mauve": {"status": "computed"},
+                  "detectability": {"status": "computed", "overall_macro": 0.6}, "utility": {"overall": {"qa_f1": 0.1}},
+                  "aggregate": {"overall": None}, "nuf": {"overall": {"hypervolume": None}}}
+    assert not_available_reasons(unmeasured, "reference")["nuf"] == (
+        "no bucket's BNG is measured (no bucket has 20 test rows, the least --compat reference measures)")
 
 
 def test_a_scorer_beside_a_support_is_refused_before_any_work(demo_run, tmp_path, capsys):

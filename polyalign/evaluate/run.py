@@ -736,6 +736,9 @@ def not_available_reasons(metrics: dict[str, Any], compat: str) -> dict[str, str
         reasons["utility"] = "no rows evaluated"
     if metrics["aggregate"]["overall"] is None:
         reasons["aggregate"] = "its parts (F1, BNG) are not all measured"
+    if (metrics.get("nuf") or {}).get("overall", {}).get("hypervolume") is None:
+        reasons["nuf"] = (f"no bucket's BNG is measured ({reasons['bng']})" if "bng" in reasons else
+                          "no bucket has both F1 and BNG")
     return reasons
 
 

@@ -286,7 +286,7 @@ def _settings(result: dict) -> str:
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
 REASON_OF = {"utility": "utility", "bng": "bng", "hcr": "hcr", "mauve": "mauve", "tdm": "tdm",
-             "aggregate": "aggregate", "detectability": "detectability"}
+             "aggregate": "aggregate", "detectability": "detectability", "nuf": "nuf"}
 
 
 def _with_interval(metrics: dict, path: Sequence[str] | None, interval: Sequence[str] | None) -> str | None:
