@@ -30,6 +30,7 @@ from polyalign.mesh.launch import (
     run_slurm,
     said_by_another_process,
 )
+from polyalign.reports.answer_notes import one_answer_text, wrong_script_text
 from polyalign.reports.no_model import ahead_of_the_model
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_LOST_WHY, SYSTEM_MODES, TRUNCATIONS
 from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
@@ -1087,6 +1088,10 @@ def _run_evaluate(args) -> int:
         print(baselines)
     if behind := ahead_of_the_model(m):
         print(f"warning: {behind} (docs/evaluation.md, Reference rows)", file=sys.stderr)
+    if m["bng"].get("one_answer"):
+        print(f"warning: {one_answer_text(m['bng']['one_answer'])}", file=sys.stderr)
+    if wrong := wrong_script_text(answers.get("wrong_script")):
+        print(f"warning: {wrong}", file=sys.stderr)
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "

@@ -1277,6 +1277,61 @@ def test_a_model_that_loses_to_copying_the_question_is_told_so_from_the_command_
     assert f"**eval: {behind[0].upper() + behind[1:]}.**" in markdown and "**again: " in markdown
 
 
+def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run, tmp_path, capsys):
+    """People's own answers, but one of them replaced by the answers of a whole bucket run together (real text,
+    thousands of characters) and five English answers replaced by Chinese people's: evaluate names the answer
+    that makes the BNG macro and counts the answers in another script, beside people's own count, in its
+    summary, its report and a comparison."""
+    from polyalign.cli import main
+    from polyalign.data.language import wrong_script
+    from polyalign.data.records import read_records
+    from polyalign.reports.answer_notes import one_answer_text, wrong_script_text
+
+    run, _, _ = demo_run
+    everything = read_records(run / "data" / "test.jsonl")
+    records = everything[:300]
+    subset = tmp_path / "test.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    sizes = {b: sum(r.bucket_id == b for r in records) for b in {r.bucket_id for r in records}}
+    runaway = next(r for r in records if 5 <= sizes[r.bucket_id] <= 30)
+    chinese = [r.response for r in everything if r.language == "zh" and wrong_script("en", r.response) == "han"]
+    english = [r for r in records if r.language == "en" and r is not runaway and wrong_script("en", r.response) is None]
+    swapped = dict(zip((r.id for r in english[:5]), chinese))
+    long_text = "\n\n".join(r.response for r in records if r.bucket_id != runaway.bucket_id)[:8000]
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: long_text if r is runaway else swapped.get(r.id, r.response))
+    args = ["--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--bootstrap-draws", "20",
+            "--no-detectability", "--no-progress", "--out", str(tmp_path / "eval")]
+    assert main(["evaluate", *args]) == 0
+    printed = capsys.readouterr()
+    result = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    found, bng = result["metrics"]["bng"]["one_answer"], result["metrics"]["bng"]
+    assert (found["id"], found["bucket"], found["characters"]) == (runaway.id, runaway.bucket_id, len(long_text))
+    # the macro without it, computed by hand from the buckets' BNG
+    others = [v for b, v in bng["by_bucket"].items() if b != runaway.bucket_id]
+    assert found["bng_macro"] == pytest.approx(bng["overall_macro"])
+    assert found["bng_macro_without"] == pytest.approx(np.mean(others + [found["bucket_bng_without"]]))
+    assert found["bng_macro_without"] < 0.8 * found["bng_macro"]
+    assert result["metrics"]["buckets"][runaway.bucket_id]["bng_without_one"]["id"] == runaway.id
+    wrong = result["answers"]["wrong_script"]
+    assert wrong["answers"] == wrong["people"] + 5 and wrong["by_language"]["en"]["han"] >= 5
+    assert set(swapped) <= set(wrong["ids"]) if wrong["answers"] <= 10 else len(wrong["ids"]) == 10
+    for text in (one_answer_text(found), wrong_script_text(wrong)):
+        assert f"warning: {text}\n" in printed.err
+        assert html.escape(text[0].upper() + text[1:]) in (tmp_path / "eval" / "report.html").read_text()
+    assert f"{runaway.id} (8,000 characters where people in {runaway.bucket_id} write a median" in printed.err
+    # people's own answers: no answer makes the macro, and only people's own code-switching is counted
+    _write_predictions(tmp_path / "people.jsonl", records, lambda r: r.response)
+    assert main(["evaluate", *args[:2], "--predictions", str(tmp_path / "people.jsonl"), *args[4:-1],
+                 str(tmp_path / "people")]) == 0
+    capsys.readouterr()
+    clean = json.loads((tmp_path / "people" / "metrics.json").read_text())
+    assert clean["metrics"]["bng"]["one_answer"] is None
+    assert clean["answers"]["wrong_script"]["answers"] == clean["answers"]["wrong_script"]["people"] == wrong["people"]
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "people"), "--out", str(tmp_path / "cmp")]) == 0
+    markdown = (tmp_path / "cmp" / "report.md").read_text()
+    assert f"**eval: {one_answer_text(found)}.**" in markdown and "**people: one answer" not in markdown
+
+
 def test_a_diversity_difference_says_whether_it_moved_toward_peoples_own_value():
     """Distinct-2 of 0.863 -> 0.892 against people's 0.630 is a move away from people, though higher; said
     where both runs measured people alike, nothing where they did not or nothing moved."""

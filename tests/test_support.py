@@ -75,6 +75,24 @@ def test_bng_floor_and_calibrated_hcr_by_hand_on_a_small_pool():
     assert low <= report["bng"] <= high and len(draws["bng"]) == 50
 
 
+def test_leaving_one_answer_out_matches_recomputing_bng_without_it_with_scipy():
+    rng = np.random.default_rng(3)
+    people = rng.normal(size=(3, 40))
+    options = sp.IntervalOptions(near_constant=1.01, max_rank_correlation=1.01)
+    support = sp.make_support(people, ["a", "b", "c"], "b", range(40), None, options)
+    answers = rng.normal(size=(3, 9))
+    answers[:, 6] = [40.0, 1.0, -3.0]  # the runaway answer, far out on the first feature
+    row, without = sp.leave_one_out(support, answers, chunk=4)  # chunks of 4: 9 answers in three chunks
+
+    def bng(columns):
+        return np.mean([wasserstein_distance(answers[f, columns], people[f]) / people[f].std() for f in range(3)])
+
+    expected = [bng([c for c in range(9) if c != left]) for left in range(9)]
+    assert row == 6 == int(np.argmin(expected)) and without == pytest.approx(expected[6], rel=1e-12)
+    assert without < 0.5 * bng(list(range(9)))
+    assert sp.leave_one_out(support, answers[:, :1]) is None  # one answer: nothing is left to measure
+
+
 @pytest.mark.slow
 def test_held_out_humans_score_at_the_floor_and_non_human_answers_do_not(demo_run, tmp_path):
     """Real text only: the human answers of half of each test bucket, measured against the train

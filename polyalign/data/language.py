@@ -176,6 +176,18 @@ def read_script(text: str) -> ScriptReading:
     return ScriptReading("script", weighed["other"] / total, total)
 
 
+# Scripts in words, for a reader told an answer is written in one.
+SCRIPT_WORDS = {"han": "Chinese characters", "kana": "Japanese kana", "hangul": "Hangul", "latin": "Latin letters",
+                "other": "another script"}
+
+
+def wrong_script(language: str, text: str) -> str | None:
+    """The script an answer in a `language` conversation is mostly written in when that language is not
+    written in it (`contradicting_script`, on its prose: a Chinese answer quoting code stays Chinese);
+    None when it agrees, is too short to tell, or is only code or math (which says no language)."""
+    return contradicting_script(language, prose(text)) if has_prose(text) else None
+
+
 def lingua_available() -> bool:
     try:
         # optional extra: langid; this only asks whether lingua is installed

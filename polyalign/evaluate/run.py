@@ -24,6 +24,7 @@ from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import read_record, same_path, sidecar, stage_output
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
+from polyalign.data.language import wrong_script
 from polyalign.data.records import read_records
 from polyalign.evaluate import detectability as dt
 from polyalign.evaluate import naturalness as nat
@@ -377,8 +378,13 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     supports = _supports(by_bucket, human_features, options.support, references, intervals)
     f1 = np.array([s["qa_f1"] for s in scores])
     human_table = None if options.support is None else _feature_matrix(human_features)
-    measured = sp.measure(by_bucket, supports, _feature_matrix(generated_features), f1, intervals, human_table)
+    measured = sp.measure(by_bucket, supports, _feature_matrix(generated_features), f1, intervals, human_table,
+                          one_answer=True)
     bng, hcr = _naturalness_metrics(measured, intervals)
+    bng["one_answer"] = one_answer_of_macro(measured["by_bucket"], joined)
+    for report in measured["by_bucket"].values():  # metrics.json names answers by record id
+        if (found := report.get("bng_without_one")) is not None:
+            report["bng_without_one"] = {"id": joined.records[found["row"]].id, "bng": found["bng"]}
     utility["overall"]["qa_f1_interval"] = measured["summary"]["f1"]["weighted_interval"]
     utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
                         "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
@@ -657,7 +663,8 @@ def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predict
                     # answers with characters but no word once tokenised ("，，，"): left out of diversity too
                     "without_words": sum(1 for p in joined.predictions
                                          if p.strip() and not tokens(p, options.tokenize)),
-                    "in_diversity": options.compat == "reference"},
+                    "in_diversity": options.compat == "reference",
+                    "wrong_script": wrong_script_section(joined)},
         "not_available": not_available_reasons(metrics, options.compat),
         "metrics": metrics,
         "settings": settings,
@@ -665,6 +672,21 @@ def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predict
                       (("records", records_path), ("predictions", predictions_path), ("support", support),
                        ("references", references)) if path is not None},
     }
+
+
+def wrong_script_section(joined: Joined) -> dict[str, Any]:
+    """Answers written in another language's script than their conversation's (an English question
+    answered in Chinese): counted by language and script, the first ids, and people's own answers
+    counted alike (code-switching in the data itself). Every metric scores such answers as they are."""
+    by_language: dict[str, Counter] = defaultdict(Counter)
+    ids = []
+    for record, answer in zip(joined.records, joined.predictions):
+        if (script := wrong_script(record.language, answer)) is not None:
+            by_language[record.language][script] += 1
+            ids.append(record.id)
+    people = sum(wrong_script(r.language, h) is not None for r, h in zip(joined.records, joined.human))
+    return {"answers": len(ids), "ids": ids[:10], "by_language": {k: dict(v) for k, v in sorted(by_language.items())},
+            "people": people, "rows": len(joined.records)}
 
 
 def _write_report(result: dict[str, Any], joined: Joined, tokenize: str, out: Path) -> None:
@@ -819,6 +841,33 @@ def _supports(by_bucket_idx, human_features, support_path: Path | None, referenc
         reference = references["buckets"].get(bucket) if references and pool == bucket else None
         supports[bucket] = sp.make_support(table[:, rows], names, pool, own, reference, options)
     return supports
+
+
+# One answer is said to make the BNG macro when leaving it out lowers the macro by this share of it and
+# by at least ONE_ANSWER_ABSOLUTE: with B buckets of n answers an ordinary answer moves it about 1/(B n).
+ONE_ANSWER_SHARE = 0.2
+ONE_ANSWER_ABSOLUTE = 0.05
+
+
+def one_answer_of_macro(by_bucket: dict[str, dict], joined: Joined) -> dict[str, Any] | None:
+    """The single answer whose removal lowers the BNG macro most, when that is by ONE_ANSWER_SHARE of it
+    or more: its id, its bucket, the macro and the bucket's BNG with and without it, and its length
+    beside people's in the bucket. None where no answer weighs that much (the macro stands on many)."""
+    measured = {b: r for b, r in by_bucket.items() if r.get("bng") is not None}
+    candidates = {b: r for b, r in measured.items() if r.get("bng_without_one")}
+    if not candidates:
+        return None
+    macro = float(np.mean([r["bng"] for r in measured.values()]))
+    bucket = max(candidates, key=lambda b: candidates[b]["bng"] - candidates[b]["bng_without_one"]["bng"])
+    report, found = candidates[bucket], candidates[bucket]["bng_without_one"]
+    without = macro - (report["bng"] - found["bng"]) / len(measured)
+    if macro - without < max(ONE_ANSWER_SHARE * macro, ONE_ANSWER_ABSOLUTE):
+        return None
+    people = sorted(len(joined.human[i]) for i in joined.by_bucket[bucket])
+    return {"id": joined.records[found["row"]].id, "bucket": bucket, "bng_macro": macro, "bng_macro_without": without,
+            "bucket_bng": report["bng"], "bucket_bng_without": found["bng"], "bucket_rows": report["rows"],
+            "characters": len(joined.predictions[found["row"]]), "people_characters_median": people[len(people) // 2]}
+
 
 
 def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[dict, dict]:

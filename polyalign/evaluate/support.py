@@ -135,6 +135,25 @@ def feature_distances(support: Support, generated: np.ndarray, masses: np.ndarra
                      for f, scale in enumerate(support.scale)])
 
 
+def leave_one_out(support: Support, generated: np.ndarray, chunk: int = 256) -> tuple[int, float] | None:
+    """The answer (a column of `generated`: the chosen features x n answers) whose removal lowers the
+    bucket's BNG most, and the BNG without it; None for fewer than two answers. W1 weighs an answer by
+    1/n however far it lies, so in a small bucket one runaway answer (8,000 characters where people
+    write 80) can make the whole bucket's BNG, and with it the macro. Rows of the leave-one-out masses
+    are evaluated `chunk` at a time: the masses are (n, n + people)."""
+    n = generated.shape[1]
+    if n < 2 or not support.features:
+        return None
+    without = np.empty(n)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        masses = np.full((stop - start, n), 1.0 / (n - 1))
+        masses[np.arange(stop - start), np.arange(start, stop)] = 0.0
+        without[start:stop] = feature_distances(support, generated, masses).mean(axis=0)
+    row = int(np.argmin(without))
+    return row, float(without[row])
+
+
 def interval(draws: np.ndarray, level: float, estimate: float | None = None) -> list[float]:
     """The central `level` interval of the draws. Given the estimate, the interval is moved by the
     bootstrap's own bias (median of the draws - estimate): resampling with replacement duplicates
@@ -220,9 +239,10 @@ def _bucket_rng(seed: int, bucket: str) -> np.random.Generator:
 
 
 def _measure_sample(support: Support, generated: np.ndarray, f1: np.ndarray, options: IntervalOptions,
-                    rng: np.random.Generator) -> tuple[dict, dict[str, np.ndarray]]:
+                    rng: np.random.Generator, one_answer: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """BNG, calibrated HCR and F1 of one bucket's responses (`generated`: all features x responses)
-    with bootstrap intervals over the responses, and the draws themselves."""
+    with bootstrap intervals over the responses, and the draws themselves; with `one_answer`, the answer
+    that moves BNG most (`leave_one_out`: `bng_without_one`, its column and the BNG without it)."""
     n = generated.shape[1]
     counts = bootstrap_counts(n, options, rng)
     masses = np.concatenate([np.full((1, n), 1.0 / n), counts / n])
@@ -244,11 +264,13 @@ def _measure_sample(support: Support, generated: np.ndarray, f1: np.ndarray, opt
         "hcr_strict": float((shares == 1.0).mean()), "feature_inside": float(shares.mean()),
         "farthest_features": {support.features[f]: round(float(distances[f, 0]), 4) for f in farthest},
     }
+    if one_answer and (found := leave_one_out(support, chosen)) is not None:
+        report["bng_without_one"] = {"column": found[0], "bng": found[1]}
     return report, {"bng": bng[1:], "hcr": hcr[1:], "f1": f1_draws[1:], "counts": counts}
 
 
 def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.ndarray, options: IntervalOptions,
-                   human: np.ndarray | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+                   human: np.ndarray | None = None, one_answer: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
     """One bucket's BNG, calibrated HCR and F1 with bootstrap intervals, beside the human floor, and the
     bootstrap draws (macro averages combine them draw by draw). `generated` holds all features (rows)
     of the bucket's responses (columns). With `human`, the human answers to the same prompts, when
@@ -256,7 +278,7 @@ def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.
     measured exactly as the model's; without, the support is these human answers themselves and the
     floor comes from held-out halves of them (`human_floor`)."""
     rng = _bucket_rng(options.seed, bucket)
-    report, draws = _measure_sample(support, generated, f1, options, rng)
+    report, draws = _measure_sample(support, generated, f1, options, rng, one_answer)
     report = {"rows": generated.shape[1], "pool": support.pool, "pool_rows": int(support.values.shape[1]),
               "backed_off": support.pool != bucket, "bands": support.bands, "features": len(support.features)} | report
     if report["bng"] is None:
@@ -344,15 +366,20 @@ def _floor_draws(per_bucket: Sequence[np.ndarray | None]) -> np.ndarray | None:
 
 
 def measure(bucket_rows: Mapping[str, Sequence[int]], supports: Mapping[str, Support], generated: np.ndarray,
-            f1: np.ndarray, options: IntervalOptions, human: np.ndarray | None = None) -> dict:
+            f1: np.ndarray, options: IntervalOptions, human: np.ndarray | None = None,
+            one_answer: bool = False) -> dict:
     """Every bucket of one set of responses (`generated`: features x rows, `f1`: per row) and the
-    averages over buckets; `human` (features x rows) when the supports are a separate human set."""
+    averages over buckets; `human` (features x rows) when the supports are a separate human set. With
+    `one_answer`, each bucket's `bng_without_one` names its row (an index of `generated`'s columns)."""
     by_bucket, draws = {}, {}
     weights = np.zeros((options.draws, generated.shape[1]))
     for bucket, rows in sorted(bucket_rows.items()):
         rows = list(rows)
         by_bucket[bucket], draws[bucket] = measure_bucket(bucket, supports[bucket], generated[:, rows], f1[rows],
-                                                          options, None if human is None else human[:, rows])
+                                                          options, None if human is None else human[:, rows],
+                                                          one_answer)
+        if (found := by_bucket[bucket].pop("bng_without_one", None)) is not None:
+            by_bucket[bucket]["bng_without_one"] = {"row": rows[found["column"]], "bng": found["bng"]}
         weights[:, rows] = draws[bucket]["counts"]
     resamples = Resamples(weights, {b: d["f1"] for b, d in draws.items()}, {b: d["bng"] for b, d in draws.items()},
                           {b: r["rows"] for b, r in by_bucket.items()})

@@ -23,6 +23,7 @@ from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
+from polyalign.reports.answer_notes import one_answer_text, wrong_script_text  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.no_model import ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
@@ -281,7 +282,15 @@ def _settings(result: dict) -> str:
     mauve_note = "".join(f" ({html.escape(mauve[key])})" for key in ("note", "featurizer_note") if mauve.get(key))
     return (f"<p>models {html.escape(', '.join(c['models']))}; profile {html.escape(', '.join(c['profile']))}; "
             f"{a['evaluated']} of {a['records']} test rows; compat {c['compat']}; MAUVE "
-            f"{html.escape(str(mauve['status']))}{mauve_note}.{partial}{empty_note}</p>")
+            f"{html.escape(str(mauve['status']))}{mauve_note}.{partial}{empty_note}</p>"
+            + "".join(f"<p><b>{html.escape(text[0].upper() + text[1:])}.</b></p>" for text in answer_notes(result)))
+
+
+def answer_notes(result: dict) -> list[str]:
+    """What single answers do to this evaluation's numbers (reports/answer_notes.py), as sentences."""
+    found = result["metrics"]["bng"].get("one_answer")
+    return [text for text in (one_answer_text(found) if found else None,
+                              wrong_script_text((result.get("answers") or {}).get("wrong_script"))) if text]
 
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
@@ -927,6 +936,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                     f"{its} own model or a model of {its} lineage as the MAUVE featurizer</b>, which reads its own "
                     "answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and the "
                     "aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
+    single = [f"{name}: {text}" for name, r in runs.items() for text in answer_notes(r)]
+    warning += "".join(f"<p><b>{html.escape(text)}.</b></p>" for text in single)
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
@@ -951,6 +962,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
                 *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
+                *(f"**{text}.**" for text in single),
                 "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]

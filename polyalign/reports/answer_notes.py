@@ -1,0 +1,29 @@
+"""Sentences about answers that bend an evaluation's numbers without being wrong about them: one answer
+that makes much of the BNG macro, answers written in another language's script than their
+conversation's. evaluate prints them, and the evaluation and comparison reports write them."""
+
+from __future__ import annotations
+
+from polyalign.data.language import SCRIPT_WORDS
+
+
+def one_answer_text(found: dict) -> str:
+    """The finding of evaluate's `one_answer_of_macro` (metrics.json bng.one_answer) in words."""
+    return (f"one answer makes much of the BNG macro: {found['bng_macro']:.4f}, {found['bng_macro_without']:.4f} "
+            f"without the answer to {found['id']} ({found['characters']:,} characters where people in "
+            f"{found['bucket']} write a median {found['people_characters_median']:,}; that bucket's BNG "
+            f"{found['bucket_bng']:.4f}, {found['bucket_bng_without']:.4f} without it, {found['bucket_rows']} rows); "
+            "BNG weighs every answer by its distance, so read the macro with this answer in mind")
+
+
+def wrong_script_text(section: dict) -> str | None:
+    """metrics.json answers.wrong_script in words; None where no answer is in another script."""
+    if not section or not section.get("answers"):
+        return None
+    parts = [f"{n} {language} in {SCRIPT_WORDS.get(script, script)}"
+             for language, scripts in section["by_language"].items() for script, n in sorted(scripts.items())]
+    n = section["answers"]
+    return (f"{n} of {section['rows']} answer{'s' * (n != 1)} {'are' if n != 1 else 'is'} written in another "
+            f"language's script than {'their' if n != 1 else 'its'} conversation's ({', '.join(parts)}; people's "
+            f"own answers: {section['people']}), e.g. {', '.join(section['ids'][:3])}; every metric scores them as "
+            "they are")
