@@ -1298,7 +1298,8 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
     english = [r for r in records if r.language == "en" and r is not runaway and wrong_script("en", r.response) is None]
     swapped = dict(zip((r.id for r in english[:5]), chinese))
     long_text = "\n\n".join(r.response for r in records if r.bucket_id != runaway.bucket_id)[:8000]
-    _write_predictions(tmp_path / "p.jsonl", records, lambda r: long_text if r is runaway else swapped.get(r.id, r.response))
+    _write_predictions(tmp_path / "p.jsonl", records,
+                       lambda r: long_text if r is runaway else swapped.get(r.id, r.response))
     args = ["--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--bootstrap-draws", "20",
             "--no-detectability", "--no-progress", "--out", str(tmp_path / "eval")]
     assert main(["evaluate", *args]) == 0
