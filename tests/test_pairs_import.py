@@ -476,6 +476,7 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
                 assert not earlier or length(whole[earlier[-1]:]) > budget
             # counted as losing whole turns only where it did (the system message may have gone alone)
             dropped, over = dropped + (len(sent) < len(whole) - 1), over + (len(rest) > budget)
+            assert row.get("messages_over_budget", False) == (len(rest) > budget)
             continue
         assert sent[0].role == "system" and whole[len(whole) - len(sent) + 1:] == sent[1:]
         assert sent[1].role == "user" and sent[-1] == whole[-1]
@@ -483,11 +484,13 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
         if length(sent) > budget:  # only the last question (and what follows it) is left: the ids keep their end
             over += 1
             assert [m.role for m in sent[1:]].count("user") == 1 and len(row["prompt_token_ids"]) == budget
+            assert row["messages_over_budget"] is True
         else:  # the kept turns' ids, whole; as few turns dropped as fit: the one user turn before them would not
             assert row["prompt_token_ids"] == cut_prompt(template, tokenizer, sent, None).ids.tolist()
+            assert "messages_over_budget" not in row
             earlier = max(i for i, m in enumerate(whole[:len(whole) - len(sent) + 1]) if m.role == "user" and i > 0)
             assert length([whole[0], *whole[earlier:]]) > budget
-    assert cut > 10 and dropped > 5, (cut, dropped)
+    assert cut > 10 and dropped > 5 and over > 0, (cut, dropped, over)
     summary = json.loads((tmp_path / "prompts.manifest.json").read_text())["summary"]
     lost = summary["prompts_cut_system_lost"]
     assert code == 0 and (f"{cut} of {len(records)} prompts were longer than --max-prompt-tokens {budget}: "

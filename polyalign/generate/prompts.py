@@ -9,7 +9,7 @@ given raw text. Either way the answers, as rows {"id", "prediction"}, feed `poly
 With a token budget (`--max-prompt-tokens`, as `polyalign generate` cuts its prompts) each row also
 holds `prompt_token_ids`, the very ids `generate` would feed (vLLM's TokensPrompt), and a long
 conversation's `messages`, `prompt` and ids lose their oldest whole turns until they fit (chat.cut_prompt;
-ids still over with the last question alone keep their end).
+ids still over with the last question alone keep their end; such a row says `"messages_over_budget": true`).
 With `--max-new-tokens N|auto` each row holds `max_tokens`, the answer budget `generate` would give it
 (auto: its bucket's, from the human answers of the budget records).
 """
@@ -102,6 +102,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                     cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=kept < len(messages) - head,
                                over=ids.mid_turn)
                     row["prompt_token_ids"], messages = ids.ids.tolist(), ids.messages
+                    if ids.mid_turn:  # a chat API cannot cut inside a turn: these messages go over the budget
+                        row["messages_over_budget"] = True
                 # an engine applying a template that refuses system messages gets them folded, as trained
                 sent = messages if chat.takes_system else [m for _, m in fold_system(messages)]
                 row.update(messages=[{"role": m.role, "content": m.content} for m in sent],
