@@ -1154,17 +1154,24 @@ def _add_report(sub) -> None:
                                    "and each run's settings (profile mode, test size).")
     p.add_argument("evals", nargs="+", type=Path, help="EVAL folders written by `polyalign evaluate`")
     p.add_argument("--out", required=True, type=Path, help="output folder of the comparison")
+    p.add_argument("--names", nargs="+", metavar="NAME",
+                   help="a column name for each EVAL folder, in order (default: the folders' names, with as many "
+                        "parent folders as tell them apart)")
     p.add_argument("--overwrite", action="store_true", help="replace a comparison of other EVAL folders in OUT")
     p.add_argument("--allow-different-data", action="store_true",
                    help="compare intervals even between evaluations of other test records or another support "
                         "(by default those differences are shown but not called supported)")
-    p.set_defaults(handler=_run_report)
+    p.set_defaults(handler=_run_report, parser=p)
 
 
 def _run_report(args) -> int:
     from polyalign.reports.evaluation import compare  # heavy: matplotlib, numpy, kept out of --help
 
-    summary = compare(args.evals, args.out, overwrite=args.overwrite, allow_different_data=args.allow_different_data)
+    if args.names is not None and (len(args.names) != len(args.evals) or len(set(args.names)) != len(args.names)):
+        args.parser.error(f"--names takes one distinct name per EVAL folder: {len(args.evals)} folders, "
+                          f"names {' '.join(args.names)}")
+    summary = compare(args.evals, args.out, names=args.names, overwrite=args.overwrite,
+                      allow_different_data=args.allow_different_data)
     if summary["models_differ_in"]:
         print(f"the models were trained differently: {'; '.join(summary['models_differ_in'])}")
     if summary["unequal_settings"]:

@@ -1328,9 +1328,14 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
     clean = json.loads((tmp_path / "people" / "metrics.json").read_text())
     assert clean["metrics"]["bng"]["one_answer"] is None
     assert clean["answers"]["wrong_script"]["answers"] == clean["answers"]["wrong_script"]["people"] == wrong["people"]
-    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "people"), "--out", str(tmp_path / "cmp")]) == 0
+    evals = [str(tmp_path / "eval"), str(tmp_path / "people")]
+    assert main(["report", *evals, "--names", "runaway", "humans", "--out", str(tmp_path / "cmp")]) == 0
     markdown = (tmp_path / "cmp" / "report.md").read_text()
-    assert f"**eval: {one_answer_text(found)}.**" in markdown and "**people: one answer" not in markdown
+    assert f"**runaway: {one_answer_text(found)}.**" in markdown and "**humans: one answer" not in markdown
+    assert "| metric (value [interval]) | runaway | humans |" in markdown
+    with pytest.raises(SystemExit):  # a name per folder, distinct
+        main(["report", *evals, "--names", "same", "same", "--out", str(tmp_path / "cmp3")])
+    assert "--names takes one distinct name per EVAL folder: 2 folders, names same same" in capsys.readouterr().err
 
 
 def test_a_diversity_difference_says_whether_it_moved_toward_peoples_own_value():
