@@ -928,8 +928,10 @@ def _add_prompts(sub) -> None:
                                    "assistant header)}. Answers as rows {id, prediction} feed `polyalign pairs` "
                                    "and `polyalign evaluate` (docs/evaluation.md).")
     p.add_argument("--records", required=True, type=Path, help="records JSONL, e.g. RUN/data/test.jsonl")
-    p.add_argument("--checkpoint", required=True, type=_location,
-                   help="checkpoint (or tokenizer) directory whose tokenizer and chat template render the prompts")
+    p.add_argument("--checkpoint", type=_location,
+                   help="checkpoint (or tokenizer) directory whose tokenizer and chat template render the prompts; "
+                        "without one, each row holds the messages alone, whole, for a chat API that applies its own "
+                        "template (no prompt, ids or cut)")
     p.add_argument("--out", required=True, type=Path, help="prompts JSONL")
     p.add_argument("--profile", choices=PROFILE_MODES,
                    help="profile system prompt (default: the one the checkpoint was trained with, else context)")
@@ -941,32 +943,53 @@ def _add_prompts(sub) -> None:
                    help="a seeded random N records of each bucket (kept in file order): the records "
                         "`polyalign generate --per-bucket N --seed S` answers")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample's and --per-bucket's subsets (default 0)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512,
-                   help="cut prompts as `polyalign generate --max-prompt-tokens N` does (default 512, generate's): a "
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="with --checkpoint, cut prompts as `polyalign generate --max-prompt-tokens N` does (default "
+                        "512, generate's): a "
                         "longer conversation's messages and ids lose their oldest whole turns; each row holds "
                         "prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt)")
     _budget_options(p, None, "each row's max_tokens, as `polyalign generate --max-new-tokens` budgets its answer "
                              "(default: none in the rows)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was written with other settings")
-    p.set_defaults(handler=_run_prompts)
+    p.set_defaults(handler=_run_prompts, parser=p)
+
+
+def prompts_budget(args) -> int | None:
+    """`prompts`' --max-prompt-tokens: generate's default with a checkpoint; none without one (whole
+    conversations: a cut counts a model's tokens), where asking for one is an error."""
+    from polyalign.generate.run import GenerateOptions  # heavy: jax, kept out of --help
+
+    if args.checkpoint is None:
+        if args.max_prompt_tokens is not None:
+            args.parser.error("--max-prompt-tokens counts a model's tokens: give --checkpoint too (without one, the "
+                              "rows hold each conversation whole)")
+        return None
+    return args.max_prompt_tokens if args.max_prompt_tokens is not None else GenerateOptions().max_prompt_tokens
 
 
 def _run_prompts(args) -> int:
     from polyalign.generate.prompts import write_prompts  # heavy: jax, kept out of --help
 
+    budget = prompts_budget(args)
     summary = write_prompts(args.checkpoint, args.records, args.out, profile=args.profile, template=args.template,
                             limit=args.limit, sample=args.sample, seed=args.seed,
-                            per_bucket=args.per_bucket, max_prompt_tokens=args.max_prompt_tokens,
+                            per_bucket=args.per_bucket, max_prompt_tokens=budget,
                             max_new_tokens=args.max_new_tokens,
                             budget_records=_budget_records(args), budget_quantile=args.budget_quantile,
                             budget_margin=args.budget_margin, budget_ceiling=args.budget_ceiling,
                             overwrite=args.overwrite)
     for note in summary["notes"]:
         print(note)
-    print(f"{summary['records']} prompts rendered with the {summary['template']} template, profile "
-          f"{summary['profile']}, system messages {summary['system']}; stop generating at {', '.join(summary['stop'])}")
+    if summary["template"] is None:
+        print(f"{summary['records']} conversations written as messages (profile {summary['profile']}, system "
+              "messages in place), whole: no --checkpoint, so no rendered prompt or token ids; the engine's chat "
+              "template renders them, and a conversation longer than its context is for it to cut")
+    else:
+        print(f"{summary['records']} prompts rendered with the {summary['template']} template, profile "
+              f"{summary['profile']}, system messages {summary['system']}; stop generating at "
+              f"{', '.join(summary['stop'])}")
     if summary["prompts_cut"]:
-        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
+        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], budget,
                                 summary["messages_turns_dropped"], summary["messages_over_budget"],
                                 summary["prompts_cut_system_lost"], "rows' messages and prompt_token_ids (as generate "
                                 "cuts them) ", "their messages stay over it and their prompt_token_ids keep its end"))

@@ -380,6 +380,50 @@ def test_prompts_render_system_turns_as_the_checkpoint_was_trained(system, templ
         assert "Follow the target response profile" in row["prompt"]
 
 
+def test_prompts_without_a_checkpoint_write_whole_conversations_as_messages(demo_run, tmp_path, capsys):
+    """For a chat API that applies its own template (an external system evaluated beside polyalign's models):
+    no checkpoint, so the rows hold each record's messages whole (profile prompt, system turns in place) and
+    nothing rendered or counted; its selection is evaluated with --prompts; what needs a tokenizer is refused."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+    from polyalign.tokens.chat import record_messages
+
+    run = demo_run[0]
+    records_path, out = run / "data" / "test.jsonl", tmp_path / "messages.jsonl"
+    assert main(["prompts", "--records", str(records_path), "--out", str(out), "--per-bucket", "2",
+                 "--max-new-tokens", "64"]) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    by_id = {r.id: r for r in read_records(records_path)}
+    assert len(rows) == 2 * len({r.bucket_id for r in by_id.values()}) - sum(  # buckets with one test record
+        1 for b in {r.bucket_id for r in by_id.values()} if sum(r.bucket_id == b for r in by_id.values()) < 2)
+    for row in rows:
+        assert set(row) == {"id", "messages", "max_tokens"} and row["max_tokens"] == 64
+        expected = record_messages(by_id[row["id"]], "context", with_response=False)
+        assert row["messages"] == [{"role": m.role, "content": m.content} for m in expected]
+        assert row["messages"][0]["role"] == "system" and "Follow the target response profile" in \
+            row["messages"][0]["content"]
+    assert f"{len(rows)} conversations written as messages (profile context, system messages in place), whole" \
+        in printed
+    # an engine's answers to them (people's own here) are evaluated as the records prompts chose
+    predictions = tmp_path / "answers.jsonl"
+    predictions.write_text("".join(json.dumps({"id": row["id"], "prediction": by_id[row["id"]].response}) + "\n"
+                                   for row in rows))
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(predictions), "--prompts", str(out),
+                 "--out", str(tmp_path / "eval"), "--bootstrap-draws", "20", "--no-detectability",
+                 "--no-baselines", "--no-diversity", "--no-progress"]) == 0
+    assert f"{len(rows)} of {len(by_id)} rows (the ones `prompts --per-bucket 2 --seed 0` answered" in \
+        capsys.readouterr().out
+    command = ["prompts", "--records", str(records_path), "--out", str(tmp_path / "o.jsonl")]
+    with pytest.raises(SystemExit):  # a usage error
+        main([*command, "--max-prompt-tokens", "100"])
+    assert "--max-prompt-tokens counts a model's tokens: give --checkpoint too" in capsys.readouterr().err
+    for flags, needs in ((["--template", "qwen"], "--template needs a --checkpoint"),
+                         (["--max-new-tokens", "auto"], "--max-new-tokens auto needs a --checkpoint")):
+        assert main([*command, *flags]) == 2
+        assert needs in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("trained", ["context", "oracle", "none"])
 def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_run, demo_tokenizer, tmp_path, capsys):
     """A checkpoint exported from a build with `--profile P` says so (polyalign_profile): `prompts` and
@@ -465,13 +509,16 @@ def test_prompts_cut_at_generates_prompt_budget_by_default_from_the_cli_and_the_
     it is called (its rows would otherwise hold prompts generate cuts)."""
     import inspect
 
-    from polyalign.cli import build_parser
+    from polyalign.cli import build_parser, prompts_budget
     from polyalign.generate.prompts import write_prompts
     from polyalign.generate.run import GenerateOptions
 
     budget = GenerateOptions().max_prompt_tokens
     assert inspect.signature(write_prompts).parameters["max_prompt_tokens"].default == budget == 512
     parser = build_parser()
-    for command in (["prompts", "--records", "r", "--checkpoint", "c", "--out", "o"],
-                    ["generate", "--records", "r", "--checkpoint", "c", "--out", "o"]):
-        assert parser.parse_args(command).max_prompt_tokens == budget
+    assert parser.parse_args(["generate", "--records", "r", "--checkpoint", "c", "--out", "o"]).max_prompt_tokens \
+        == budget
+    assert prompts_budget(parser.parse_args(["prompts", "--records", "r", "--checkpoint", "c", "--out", "o"])) \
+        == budget
+    # without a checkpoint nothing counts tokens: whole conversations
+    assert prompts_budget(parser.parse_args(["prompts", "--records", "r", "--out", "o"])) is None

@@ -1,10 +1,10 @@
 """`polyalign prompts`: the exact prompts polyalign would generate from, for an external engine.
 
-One row per record: {"id", "messages", "prompt"}. `messages` are the chat messages polyalign renders
-(the profile system prompt included), for engines that apply the chat template themselves (vLLM's
-chat API, SGLang); `prompt` is the rendered string ending with the assistant header, for engines
-given raw text. Either way the answers, as rows {"id", "prediction"}, feed `polyalign pairs` and
-`polyalign evaluate` unchanged (docs/evaluation.md).
+One row per record: {"id", "messages", "prompt"} ({"id", "messages"} without a checkpoint). `messages`
+are the chat messages polyalign renders (the profile system prompt included), for engines that apply the
+chat template themselves (vLLM's chat API, SGLang); `prompt` is the rendered string ending with the
+assistant header, for engines given raw text. Either way the answers, as rows {"id", "prediction"}, feed
+`polyalign pairs` and `polyalign evaluate` unchanged (docs/evaluation.md).
 
 With a token budget (`--max-prompt-tokens`, as `polyalign generate` cuts its prompts) each row also
 holds `prompt_token_ids`, the very ids `generate` would feed (vLLM's TokensPrompt), and a long
@@ -51,9 +51,18 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                   budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
     """`max_prompt_tokens`: the prompt budget, generate's by default (None: whole prompts, no
     prompt_token_ids). `max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from
-    the answers of `budget_records`, as `generate --max-new-tokens auto` sets it); None writes none."""
+    the answers of `budget_records`, as `generate --max-new-tokens auto` sets it); None writes none.
+    Without a `checkpoint` the rows hold the messages alone, whole (the profile's system prompt included):
+    for a chat API that applies its own template and tokenizer; nothing is rendered, counted or cut."""
     if profile is not None and profile not in PROFILE_MODES:
         raise GenerationError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
+    if checkpoint is None:
+        needs = [name for name, given in (("--template", template is not None),
+                                          ("--max-new-tokens auto", max_new_tokens == "auto")) if given]
+        if needs:
+            raise GenerationError(f"{' and '.join(needs)} need{'s' * (len(needs) == 1)} a --checkpoint: they render "
+                                  "or count in a model's tokenizer (without one, the rows hold the messages alone)")
+        max_prompt_tokens = None  # a cut counts a model's tokens
     records_path, out = Path(records_path), Path(out)
     fitted: list[str] = []  # what was changed to fit the model's positions, as generate changes it
     if max_prompt_tokens is not None and max_new_tokens is not None:
@@ -61,7 +70,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         room, fitted = answer_room(checkpoint, max_prompt_tokens, budget_ceiling if auto else int(max_new_tokens),
                                    budgeted=auto)
         budget_ceiling = room if auto else budget_ceiling
-    settings = {"checkpoint": recorded_path(checkpoint), "records": str(records_path.resolve()), "profile": profile,
+    settings = {"checkpoint": None if checkpoint is None else recorded_path(checkpoint),
+                "records": str(records_path.resolve()), "profile": profile,
                 "template": template, "limit": limit,
                 # only when sampled, so that prompts written before --sample existed keep their settings
                 **({"sample": sample, "seed": seed} if sample is not None else {}),
@@ -73,8 +83,10 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                    if max_new_tokens == "auto" else {})}
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
-        tokenizer = load_tokenizer(checkpoint)
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed, per_bucket)
+        if checkpoint is None:
+            return _write_messages(records, records_path, out, profile or "context", max_new_tokens, settings, notes)
+        tokenizer = load_tokenizer(checkpoint)
         notes += fitted
         say_tokenizer_reading(checkpoint, tokenizer, records, PROMPTS_CONSEQUENCE, notes)
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)
@@ -122,4 +134,21 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                    **({"budgets": budgets.by_bucket, "budget_fallback": budgets.fallback,
                        "budget_records": str(budget_records)} if budgets is not None else {})}
         write_record(sidecar(out), settings, {"records": file_digest(records_path)}, summary=summary)
+    return summary
+
+
+def _write_messages(records, records_path: Path, out: Path, profile: str, max_new_tokens: int | None,
+                    settings: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The rows of `write_prompts` without a checkpoint: {id, messages} (and max_tokens), the conversation
+    whole, its system messages kept in place, as `record_messages` makes it."""
+    with out.open("w", encoding="utf-8") as handle:
+        for record in records:
+            messages = record_messages(record, profile, with_response=False)
+            row = {"id": record.id, "messages": [{"role": m.role, "content": m.content} for m in messages]}
+            if max_new_tokens is not None:
+                row["max_tokens"] = max_new_tokens
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    summary = {"records": len(records), "template": None, "profile": profile, "system": "keep", "stop": [],
+               "out": str(out), "notes": notes, "prompts_cut": 0}
+    write_record(sidecar(out), settings, {"records": file_digest(records_path)}, summary=summary)
     return summary
