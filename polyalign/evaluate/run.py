@@ -869,7 +869,6 @@ def one_answer_of_macro(by_bucket: dict[str, dict], joined: Joined) -> dict[str,
             "characters": len(joined.predictions[found["row"]]), "people_characters_median": people[len(people) // 2]}
 
 
-
 def _naturalness_metrics(measured: dict, options: sp.IntervalOptions) -> tuple[dict, dict]:
     """The default mode's BNG and HCR sections of metrics.json: averages with intervals and floors,
     what they cover, and per-bucket maps (the full per-bucket reports are under metrics.buckets)."""
