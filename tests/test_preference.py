@@ -710,8 +710,10 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert (out / "round-2" / "metrics.jsonl").read_text() == before
     # every round's validation is said, not only the last round's
     margin = summary["rounds"][0]["last"]["val_rewards/margin"]
-    assert re.search(rf"^round 1: to step 2 on 8 pairs; validation reward margin {margin:.4f}, accuracy [\d.]+\n"
-                     r"hdpo: .*\(round 2 of 2\)$", capsys.readouterr().out, re.MULTILINE)
+    assert re.search(r"^rounds 1, 2 finished before: kept, not trained again \(--overwrite trains every round "
+                     rf"again\)\nround 1: to step 2 on 8 pairs; validation reward margin {margin:.4f}, accuracy "
+                     r"[\d.]+\nhdpo: already trained to step 2 \(nothing left to train\) .*\(round 2 of 2\)$",
+                     capsys.readouterr().out, re.MULTILINE)
     # a finished round is kept for its own config only: another value is refused, naming the round
     assert main(command + ["lambda_dist=0.25"]) == 2
     err = capsys.readouterr().err
@@ -744,6 +746,9 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     # an earlier, longer run (trained from the replaced models) goes too
     shutil.copytree(kept / "round-2", kept / "round-3")
     capsys.readouterr()
+    assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false"]) == 0  # rounds=2 again
+    assert "round 3, finished by an earlier run with more rounds, is kept on disk but is not this run's model " \
+           "(rounds=2: OUT/summary.json names round 2's)" in capsys.readouterr().out
     assert main([*command[:5], str(kept), *command[6:-1], "on_policy.refresh_critic=false", "--overwrite"]) == 0
     printed = capsys.readouterr().out
     assert "round-2: the rejected side of 8 pairs answered anew" in printed and "(round 2 of 2)" in printed
@@ -1052,6 +1057,26 @@ def test_a_rounds_summary_says_every_finished_round_and_the_rounds_planned():
     lines = summary_line(final).splitlines()
     assert [line.split(":")[0] for line in lines] == ["round 1", "hdpo", lines[2].split(":")[0], "model"]
     assert lines[1].endswith("(round 2 of 2)")
+    # the same command again after a run with rounds=3: nothing trains, rounds 1 and 2 are kept, round 3 lies beyond
+    again = {**final, "rounds_kept": [1, 2], "rounds_beyond": [3], "start_step": 2, "end_step": 2}
+    lines = summary_line(again).splitlines()
+    assert lines[0] == "rounds 1, 2 finished before: kept, not trained again (--overwrite trains every round again)"
+    assert lines[2].startswith("hdpo: already trained to step 2 (nothing left to train) on 8 pairs")
+    assert lines[-2] == ("round 3, finished by an earlier run with more rounds, is kept on disk but is not this run's "
+                         "model (rounds=2: OUT/summary.json names round 2's)")
+    assert summary_line({**again, "rounds_kept": [1, 2, 3], "rounds_beyond": []}).startswith("rounds 1-3 finished")
+
+
+def test_a_round_beyond_the_rounds_a_later_run_planned_is_still_the_kth_of_k(tmp_path):
+    """Evaluating OUT/round-3 after the same command ran again with rounds=2 (which names round 2 its model):
+    round 3 is not "3 of 2"."""
+    from polyalign.evaluate.run import round_of
+
+    for r in (1, 2, 3):
+        (tmp_path / f"round-{r}").mkdir()
+    (tmp_path / "summary.json").write_text(json.dumps({"rounds_planned": 2}))
+    assert round_of(tmp_path / "round-3")["round"] == "3 of 3 (on-policy)"
+    assert round_of(tmp_path / "round-1")["round"] == "1 of 2 (on-policy)"
 
 
 def test_a_run_is_not_continued_on_pairs_that_changed_since_it_started(demo_run, demo_tokenizer, tmp_path):

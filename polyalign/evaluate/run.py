@@ -632,7 +632,8 @@ def round_of(run: Path) -> dict[str, Any]:
         planned = json.loads((rounds / "summary.json").read_text()).get("rounds_planned")
     except (OSError, ValueError, AttributeError):  # stopped inside a later round, or an earlier version's run
         planned = None
-    planned = planned or len(list(rounds.glob("round-*")))
+    # a later run with fewer rounds leaves this one beyond its plan: it is at least the k-th of k
+    planned = max(planned or len(list(rounds.glob("round-*"))), int(found[1]))
     try:
         first = json.loads((rounds / "round-1" / "config.json").read_text()).get("init")
     except (OSError, ValueError, AttributeError):

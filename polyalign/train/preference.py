@@ -417,7 +417,20 @@ def summary_line(result: dict[str, Any]) -> str:
     # each round's reference is the model it started from: its margins measure that round, not the run
     apart = ("\nthe rounds' reward margins are each against the model the round started from, so they do not "
              "compare across rounds; the drift probe's numbers and `polyalign evaluate` do") if earlier else ""
+    kept, beyond = result.get("rounds_kept") or [], result.get("rounds_beyond") or []
+    earlier = (f"round{'s' * (len(kept) > 1)} {_numbers(kept)} finished before: kept, not trained again (--overwrite "
+               "trains every round again)\n" if kept else "") + earlier
+    beyond_note = (f"\nround{'s' * (len(beyond) > 1)} {_numbers(beyond)}, finished by an earlier run with more rounds, "
+                   f"{'are' if len(beyond) > 1 else 'is'} kept on disk but {'are' if len(beyond) > 1 else 'is'} not "
+                   f"this run's model (rounds={planned}: OUT/summary.json names round {planned}'s)" if beyond else "")
     return (earlier + f"{result['method']}: {trained} on {result['train_pairs']} pairs; last step's batch: reward "
             f"margin {last.get('rewards/margin', nan):.4f}, accuracy {last.get('rewards/accuracy', nan):.3f}"
             f"{validation}" + (f" (round {result['round']} of {planned})" if "rounds" in result else "")
-            + f"{apart}\nmodel: {result['model']}")
+            + f"{apart}{beyond_note}\nmodel: {result['model']}")
+
+
+def _numbers(rounds: list[int]) -> str:
+    """Round numbers as a reader says them: "3", "1-3" for a run of them, else "1, 3"."""
+    if len(rounds) > 2 and rounds == list(range(rounds[0], rounds[-1] + 1)):
+        return f"{rounds[0]}-{rounds[-1]}"
+    return ", ".join(map(str, rounds))

@@ -116,10 +116,11 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
     if overwrite:  # every round, its pairs and critic came from models being replaced; later rounds too
         for made in [out / "summary.json", *(out.glob("round-*") if out.exists() else [])]:
             remove_path(made)
-    policy, summaries = config.init, []
+    policy, summaries, kept = config.init, [], []
     for r in range(1, config.rounds + 1):
         directory = _round_dir(out, r)
         result = None if overwrite else _finished(directory)
+        kept += [r] if result is not None else []
         round_pairs = pairs
         if r > 1:
             regenerated = directory / "pairs" / "train_pairs.jsonl"
@@ -141,7 +142,12 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {})})
         policy = directory / "model"
+    # rounds an earlier run with a larger `rounds` finished: kept on disk, but not this run's model
+    beyond = sorted(int(d.name.split("-")[1]) for d in out.glob("round-*")
+                    if d.name.split("-")[1].isdigit() and int(d.name.split("-")[1]) > config.rounds and _finished(d))
     final = {**result, "round": config.rounds, "rounds": summaries, "rounds_planned": config.rounds,
-             "model": str(policy), "out": str(out)}
+             "rounds_kept": kept, "rounds_beyond": beyond, "model": str(policy), "out": str(out)}
+    if len(kept) == config.rounds:  # every round was finished before: nothing trained now
+        final["start_step"] = final["end_step"]
     (out / "summary.json").write_text(json.dumps(final, indent=2, default=str) + "\n")
     return final
