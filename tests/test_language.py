@@ -181,3 +181,27 @@ def test_an_answer_that_is_only_code_or_a_formula_leaves_the_language_to_the_que
     chooser = LanguageChooser(["en", "zh"])
     assert chooser.choose(answer, question) == "zh"
     assert chooser.choose(answer, question, f"{question}\n{answer}") == "zh"
+
+
+def test_short_replies_in_the_other_language_are_told_apart_and_a_word_or_two_are_not(demo_run):
+    """evaluate's wrong-language check (`wrong_script`) on real short replies of the demo data: a Chinese reply
+    of two or three characters in an English conversation is Chinese, an English one of a few words in a
+    Chinese conversation is English (prepare's ten-letter rule left them unjudged); a lone character or a
+    two-letter word says nothing; each agrees with its own language."""
+    from polyalign.data.language import contradicting_script, wrong_script
+    from polyalign.data.records import read_records
+
+    records = read_records(demo_run[0] / "data" / "train.jsonl")
+    chinese = [r.response for r in records if r.language == "zh" and 2 <= len(r.response.strip("。！？!?，, ")) <= 3
+               and all("\u4e00" <= c <= "\u9fff" for c in r.response.strip("。！？!?，, "))][:20]
+    english = [r.response for r in records if r.language == "en" and 4 <= sum(c.isalpha() for c in r.response) <= 9
+               and r.response.isascii()][:20]
+    assert len(chinese) >= 5 and len(english) >= 5, (chinese, english)
+    for text in chinese:
+        assert contradicting_script("en", text) is None  # under prepare's ten letters
+        assert wrong_script("en", text) == "han" and wrong_script("zh", text) is None, text
+    for text in english:
+        assert wrong_script("zh", text) == "latin" and wrong_script("en", text) is None, text
+    lone = next(r.response for r in records if r.language == "zh" and len(r.response.strip("。！？!?，, ")) == 1
+                and "\u4e00" <= r.response.strip("。！？!?，, ") <= "\u9fff")
+    assert wrong_script("en", lone) is None and wrong_script("zh", "OK") is None

@@ -65,18 +65,20 @@ _LATIN_LANGUAGES = frozenset("en fr de es it pt nl sv da no fi pl cs sk sl hr ro
 _MIN_LETTERS_FOR_SCRIPT = 10
 
 
-def contradicting_script(declared: str, text: str) -> str | None:
+def contradicting_script(declared: str, text: str, min_weighed: int | None = None) -> str | None:
     """The script most of `text`'s letters are in, when it cannot be the declared language's (e.g.
     Arabic or Hebrew letters in an `en` source, no Chinese character in a `zh` one); None when the text
-    agrees, is too short to tell, or the language is not one whose script is known here."""
+    agrees, is too short to tell (under _MIN_LETTERS_FOR_SCRIPT letters, or `min_weighed` weighed ones: a
+    CJK character counting 3), or the language is not one whose script is known here."""
     expected = _SCRIPT_OF.get(declared) or (("latin",) if declared in _LATIN_LANGUAGES else None)
     if expected is None:
         return None
     counts = _script_counts(text)
-    if sum(counts.values()) < _MIN_LETTERS_FOR_SCRIPT:
-        return None
     # weighed as detect_language does: one CJK character carries about a short word
     weighed = {script: n * (3 if script in ("han", "kana", "hangul") else 1) for script, n in counts.items()}
+    if (sum(counts.values()) if min_weighed is None else sum(weighed.values())) < (
+            _MIN_LETTERS_FOR_SCRIPT if min_weighed is None else min_weighed):
+        return None
     if sum(weighed[s] for s in expected) * 2 >= sum(weighed.values()):
         return None
     return max(weighed, key=weighed.get)
@@ -181,11 +183,17 @@ SCRIPT_WORDS = {"han": "Chinese characters", "kana": "Japanese kana", "hangul": 
                 "other": "another script"}
 
 
+# A reply of two CJK characters (是啊, 多谢) or four Latin letters (sure) is in a language; a source row is
+# judged on ten letters (prepare's check), but a dialogue's answers are often shorter than that.
+_MIN_WEIGHED_FOR_ANSWER = 4
+
+
 def wrong_script(language: str, text: str) -> str | None:
     """The script an answer in a `language` conversation is mostly written in when that language is not
     written in it (`contradicting_script`, on its prose: a Chinese answer quoting code stays Chinese);
-    None when it agrees, is too short to tell, or is only code or math (which says no language)."""
-    return contradicting_script(language, prose(text)) if has_prose(text) else None
+    None when it agrees, is too short to tell (under two CJK characters or four Latin letters: "OK" in a
+    Chinese conversation says nothing), or is only code or math (which says no language)."""
+    return contradicting_script(language, prose(text), _MIN_WEIGHED_FOR_ANSWER) if has_prose(text) else None
 
 
 def lingua_available() -> bool:

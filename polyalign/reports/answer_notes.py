@@ -23,7 +23,7 @@ def wrong_script_text(section: dict) -> str | None:
     parts = [f"{n} {language} in {SCRIPT_WORDS.get(script, script)}"
              for language, scripts in section["by_language"].items() for script, n in sorted(scripts.items())]
     n = section["answers"]
-    return (f"{n} of {section['rows']} answer{'s' * (n != 1)} {'are' if n != 1 else 'is'} written in another "
+    return (f"{n} of {section['rows']} answers {'are' if n != 1 else 'is'} written in another "
             f"language's script than {'their' if n != 1 else 'its'} conversation's ({', '.join(parts)}; people's "
             f"own answers: {section['people']}), e.g. {', '.join(section['ids'][:3])}; every metric scores them as "
             "they are")
