@@ -113,13 +113,18 @@ def test_every_preference_loss_is_exact_under_micro_batching(method, hdpo_terms)
         expected += 0.3 * float(losses.distance_regulariser(pc, pr, batch["critic_chosen"], batch["critic_rejected"],
                                                             0.5).mean())
         expected += 0.05 * float(losses.sft_anchor(pc, nc).mean())
+    # the logged reward margin: against the reference where the method has one; for SimPO and ORPO, beta times
+    # each side's mean log-prob per token
+    margin = 0.5 * ((pc / nc - pr / nr) if method in ("simpo", "orpo") else ((pc - rc) - (pr - rr)))
     results = []
     for micro in (1, 4):
         trainer = Trainer(create_model(tiny_model_config(64), seed=0), PreferenceObjective(config, 3),
                           OptimizerConfig(), LoopConfig(steps=1, global_batch=8, micro_batches=micro),
                           parallel.make_mesh())
-        grads, loss, _ = trainer.gradients({k: v.reshape(micro, 8 // micro, *v.shape[1:]) for k, v in batch.items()})
+        grads, loss, sums = trainer.gradients({k: v.reshape(micro, 8 // micro, *v.shape[1:])
+                                               for k, v in batch.items()})
         assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-5), micro
+        assert float(sums["rewards_margin"]) == pytest.approx(float(margin.sum()), rel=1e-5, abs=1e-5), micro
         results.append(jax.tree.leaves(jax.device_get(grads)))
     for grads in results[1:]:
         for a, b in zip(grads, results[0]):

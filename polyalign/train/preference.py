@@ -164,7 +164,11 @@ class PreferenceObjective:
         anchor = losses.sft_anchor(pc, n_chosen) * valid
         if self.hdpo_terms:
             numerators.update(dist=dist.sum(), anchor=anchor.sum())
-        rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
+        if self.spec.needs_reference:
+            rewards = losses.preference_rewards(pc, pr, rc, rr, c.beta)
+        else:  # SimPO, ORPO: no reference; their reward is beta times the mean log-prob per token (as TRL logs it)
+            rewards = losses.preference_rewards(pc / jnp.maximum(n_chosen, 1.0), pr / jnp.maximum(n_rejected, 1.0),
+                                                0.0, 0.0, c.beta)
         sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
         sums.update(pairs=valid.sum(), tokens=tokens, processed_tokens=processed.astype(jnp.float32),
                     dist_reg=dist.sum(), sft_anchor=anchor.sum(),
