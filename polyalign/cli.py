@@ -33,7 +33,15 @@ from polyalign.mesh.launch import (
 from polyalign.reports.answer_notes import one_answer_text, wrong_script_text
 from polyalign.reports.no_model import ahead_of_the_model
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_LOST_WHY, SYSTEM_MODES, TRUNCATIONS
-from polyalign.train.methods import METHODS, config_as_yaml, derived_notes, load_config, method_spec, settings_help
+from polyalign.train.methods import (
+    METHODS,
+    config_as_yaml,
+    derived_notes,
+    load_config,
+    method_spec,
+    settings_help,
+    unread_settings,
+)
 
 DESCRIPTION = """\
 polyalign aligns a language model to the human response distribution of each interaction context
@@ -533,13 +541,16 @@ def _run_train(args) -> int:
     # an override comes last, the subcommand's own method with it (`train hdpo ... method=dpo`): said, not silent
     renamed = (f"note: method={config.method} (an override) trains {config.method}, not the subcommand's "
                f"{args.method}" if args.method and config.method != args.method else None)
+    unread = unread_settings(config)
     if args.print_config:
         print(config_as_yaml(config), end="")
-        for note in [*([renamed] if renamed else []), *derived_notes(config)]:  # YAML comments: it still reads back
+        for note in [*([renamed] if renamed else []), *derived_notes(config), *unread]:  # comments: it reads back
             print(f"# {note}")
         return 0
     if renamed:
         print(renamed, file=sys.stderr)
+    for note in unread:
+        print(f"note: {note}", file=sys.stderr)
     if args.out is None:
         args.parser.error("--out is required (or --print-config)")
     import jax  # heavy: kept out of --help

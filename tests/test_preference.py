@@ -1029,6 +1029,11 @@ def test_the_drift_probe_warns_when_the_critic_scores_far_answers_nearer_people_
     assert warned.startswith("warning: drift probe: the critic scores the policy's answers nearer people (-0.120) "
                              "than people's own answers to the same prompts (0.640), while their support distance "
                              "says they are further (4.200 against people's 1.900)")
+    assert "so HDPO's distance term stops pushing back" in warned
+    # a run without the distance term (dpo, kto, ...) is not told the term stops working, nor to refresh a critic
+    other = critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 4.2}, people, distance_term=False)
+    assert other.startswith(warned[:warned.index("so HDPO")]) and "HDPO's distance term stops" not in other
+    assert "though this run has no distance term to follow it" in other and "refresh_critic" not in other
     assert critic_blind_warning({"drift/critic": 0.7, "drift/support_distance": 4.2}, people) is None
     assert critic_blind_warning({"drift/critic": -0.12, "drift/support_distance": 2.5}, people) is None
     assert critic_blind_warning({"drift/critic": -0.12}, people) is None  # no references: no distance to read

@@ -243,6 +243,42 @@ def test_print_config_says_which_keys_are_hdpos(capsys):
                          "true") == said, (method, overrides)
 
 
+def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_losses(capsys):
+    """Each loss setting of the preference family set for every method: said as not read exactly where changing it
+    leaves the method's pair loss unchanged (computed here from polyalign.train.losses on real-sized log-probs);
+    on-policy and adapter settings are said where there are no rounds or no adapters, in --print-config and when
+    the run starts."""
+    from polyalign.train import losses
+    from polyalign.train.methods import PREFERENCE_METHODS, method_spec, unread_settings
+
+    rng = np.random.default_rng(0)
+    pairs = losses.PairLogps(*(rng.normal(-40.0, 8.0, 6) for _ in range(4)),
+                             *(rng.integers(5, 30, 6).astype(np.float32) for _ in range(2)))
+    changed = {"label_smoothing": 0.2, "simpo_gamma": 2.0, "kto_desirable_weight": 2.0, "kto_undesirable_weight": 3.0}
+    for method in PREFERENCE_METHODS:
+        base = load_config(None, [], method=method)
+        assert unread_settings(base) == [], method
+        loss = getattr(losses, method_spec(method).pair_loss)
+        for key, value in changed.items():
+            other = dataclasses.replace(base, **{key: value})
+            reads = not np.allclose(np.asarray(loss(pairs, base)), np.asarray(loss(pairs, other)))
+            said = [note for note in unread_settings(other) if note.startswith(f"{key}={value} is set")]
+            assert bool(said) != reads, (method, key, said)
+    assert main(["train", "kto", "--print-config", "on_policy.temperature=0.3", "model.lora.alpha=8"]) == 0
+    comments = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
+    assert "# on_policy.temperature=0.3 is set, but this kto run does not read it (it is for on-policy rounds, " \
+           "rounds > 1)" in comments
+    assert "# model.lora.alpha=8.0 is set, but this kto run does not read it (it is for adapters, model.lora.rank > 0)" \
+        in comments
+    assert main(["train", "kto", "--print-config", "on_policy.temperature=0.3", "rounds=2", "model.lora.alpha=8",
+                 "model.lora.rank=8"]) == 0
+    assert "is set, but" not in capsys.readouterr().out
+    # said when the run starts too, before anything else can fail
+    assert main(["train", "orpo", "--out", "/nonexistent/out", "simpo_gamma=2"]) == 2
+    assert "note: simpo_gamma=2.0 is set, but this orpo run does not read it (it is for simpo)" in \
+        capsys.readouterr().err
+
+
 def test_overrides_may_come_before_between_and_after_options(capsys):
     """key=value overrides anywhere on the line, in the order written (the last one wins); an unknown
     option is refused with the subcommand's own usage."""

@@ -41,8 +41,8 @@ class DriftProbe:
 
     def __init__(self, pairs: list[dict], model, tokenizer, template: ChatTemplate, profile: str, mesh,
                  max_new_tokens: int, references: dict | None = None, critic_dir: Path | None = None,
-                 seed: int = 0):
-        self.tokenizer, self.references, self.seed = tokenizer, references, seed
+                 seed: int = 0, distance_term: bool = True):
+        self.tokenizer, self.references, self.seed, self.distance_term = tokenizer, references, seed, distance_term
         records = [Record.from_json(p["record"]) for p in pairs]
         self.buckets = [p["bucket_id"] for p in pairs]
         self.human_tokens = np.array([len(tokenizer.encode(p["chosen"])) for p in pairs], np.float64)
@@ -91,7 +91,8 @@ class DriftProbe:
         out.update(answer_scores(texts, self.buckets, self.references, self.critic))
         answered = [i for i, text in enumerate(texts) if text]
         people = self.people_means(answered)
-        if not self.said_blind and (warning := critic_blind_warning(out, people)) and jax.process_index() == 0:
+        if not self.said_blind and (warning := critic_blind_warning(out, people, self.distance_term)) and \
+                jax.process_index() == 0:
             self.said_blind = True  # once a run: drift/critic and drift/support_distance say whether it lasts
             print(warning, file=sys.stderr, flush=True)
         if not self.people_logged:  # fixed for the run: logged with the first probe, over every prompt
@@ -115,11 +116,11 @@ class DriftProbe:
 BLIND_DISTANCE_RATIO = 1.5
 
 
-def critic_blind_warning(policy: dict[str, Any], people: dict[str, Any]) -> str | None:
+def critic_blind_warning(policy: dict[str, Any], people: dict[str, Any], distance_term: bool = True) -> str | None:
     """A warning when the critic scores the policy's answers nearer people than people's own answers to the
     same prompts (`people`: DriftProbe.people_means over the prompts it answered) while their support
     distance says they are much further (BLIND_DISTANCE_RATIO): the critic's distance, which HDPO's
-    distance term follows, no longer tells these answers from people's."""
+    distance term follows (`distance_term`: this run has one), no longer tells these answers from people's."""
     critic, distance = policy.get("drift/critic"), policy.get("drift/support_distance")
     people_critic, people_distance = people.get("drift/people_critic"), people.get("drift/people_support_distance")
     if None in (critic, distance, people_critic, people_distance):
@@ -129,9 +130,13 @@ def critic_blind_warning(policy: dict[str, Any], people: dict[str, Any]) -> str 
     return (f"warning: drift probe: the critic scores the policy's answers nearer people ({critic:.3f}) than "
             f"people's own answers to the same prompts ({people_critic:.3f}), while their support distance says they "
             f"are further ({distance:.3f} against people's {people_distance:.3f}): the critic no longer tells these "
-            "answers from people's, so HDPO's distance term stops pushing back; read the answers (drift/empty, "
-            "`polyalign generate`), and retrain the critic on them (on_policy.refresh_critic) or lower the "
-            "learning rate")
+            "answers from people's, " + (
+                "so HDPO's distance term stops pushing back; read the answers (drift/empty, `polyalign generate`), "
+                "and retrain the critic on them (on_policy.refresh_critic, with rounds > 1) or lower the learning "
+                "rate" if distance_term else
+                "though this run has no distance term to follow it (hdpo, or hdpo_terms: true, has): the answers "
+                "have moved away from people's; read them (drift/empty, `polyalign generate`), and lower the "
+                "learning rate or stop earlier"))
 
 
 def answer_scores(texts: Sequence[str], buckets: Sequence[str], references: dict | None,

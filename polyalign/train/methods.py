@@ -47,7 +47,7 @@ class MethodSpec:
     lora_lr: float | None = None
     # Preference methods: the function of polyalign/train/losses.py that is the method's loss of one pair
     # (named, so that reading the table never imports jax), and whether it compares against a reference
-    # policy (without one there is no reference pass, and rewards are beta x the policy's log-probs).
+    # policy (without one there is no reference pass, and rewards are beta x the policy's mean log-prob per token).
     pair_loss: str | None = None
     needs_reference: bool = True
 
@@ -277,6 +277,49 @@ def derived_notes(config: Any) -> list[str]:
                      "when the run starts, from the training data's epoch size (the run prints the number)")
     if isinstance(config, schema.SftConfig):
         notes.extend(_built_length_notes(config))
+    return notes
+
+
+# Settings only some runs read, as (key, who reads it, whether this run does): one set where it is not read is
+# said (--print-config beside the keys, a note when the run starts), not silently ignored.
+_READ_BY = (
+    ("label_smoothing", "dpo, hdpo, robust_dpo, ln_dpo and simpo",
+     lambda c: c.method in ("dpo", "hdpo", "robust_dpo", "ln_dpo", "simpo")),
+    ("simpo_gamma", "simpo", lambda c: c.method == "simpo"),
+    ("kto_desirable_weight", "kto", lambda c: c.method == "kto"),
+    ("kto_undesirable_weight", "kto", lambda c: c.method == "kto"),
+    ("reference", "the methods with a reference model, not simpo or orpo",
+     lambda c: method_spec(c.method).needs_reference),
+    ("on_policy", "on-policy rounds, rounds > 1", lambda c: c.rounds > 1),
+    ("model.lora.alpha", "adapters, model.lora.rank > 0", lambda c: c.model.lora.rank > 0),
+    ("model.lora.targets", "adapters, model.lora.rank > 0", lambda c: c.model.lora.rank > 0),
+    ("model.lora.dropout", "adapters, model.lora.rank > 0", lambda c: c.model.lora.rank > 0),
+    ("model.lora.init", "adapters, model.lora.rank > 0", lambda c: c.model.lora.rank > 0),
+)
+
+
+def _setting(config: Any, key: str) -> Any:
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def unread_settings(config: Any) -> list[str]:
+    """The settings that differ from the method's defaults (set by the config file or an override) but that
+    this run does not read: `kto_desirable_weight` in an ORPO run, `on_policy.*` with one round."""
+    defaults = method_spec(config.method).config()
+    notes = []
+    for key, readers, reads in _READ_BY:
+        value = _setting(config, key)
+        if value is None or value == _setting(defaults, key) or reads(config):
+            continue
+        if dataclasses.is_dataclass(value):  # a section: the keys in it that were set
+            default = dataclasses.asdict(_setting(defaults, key))
+            shown = ", ".join(f"{key}.{k}={v}" for k, v in dataclasses.asdict(value).items() if v != default[k])
+        else:
+            shown = f"{key}={value}"
+        notes.append(f"{shown} is set, but this {config.method} run does not read it (it is for {readers})")
     return notes
 
 

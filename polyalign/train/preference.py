@@ -360,7 +360,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     if config.drift_prompts > 0 and val_pairs:
         drift = DriftProbe(val_pairs[:config.drift_prompts], model, tokenizer, template, config.profile, mesh,
                            config.drift_new_tokens, load_references(config.data.dir), Path(paths["pairs"]).parent,
-                           seed=config.train.seed)
+                           seed=config.train.seed, distance_term=(config.method == "hdpo" or config.hdpo_terms)
+                           and config.lambda_dist > 0)
 
     gap_logged = []
 

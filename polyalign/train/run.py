@@ -83,7 +83,7 @@ def resolve_loop(loop: LoopConfig, epoch_size: int | None, method: str) -> LoopC
         if loop.steps != loop.epochs * epoch_steps:
             print(f"polyalign: train.epochs={loop.epochs} sets train.steps to {loop.epochs * epoch_steps} "
                   f"({epoch_size} examples / global_batch {loop.global_batch} an epoch); train.steps "
-                  f"({loop.steps}, the config's or the default) is not used", file=sys.stderr)
+                  f"({loop.steps}) is not used", file=sys.stderr)
         loop = dataclasses.replace(loop, steps=loop.epochs * epoch_steps)
     if loop.eval_every is None and epoch_steps is not None:
         loop = dataclasses.replace(loop, eval_every=epoch_steps)
