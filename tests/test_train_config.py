@@ -268,8 +268,8 @@ def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_l
     comments = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
     assert "# on_policy.temperature=0.3 is set, but this kto run does not read it (it is for on-policy rounds, " \
            "rounds > 1)" in comments
-    assert "# model.lora.alpha=8.0 is set, but this kto run does not read it (it is for adapters, model.lora.rank > 0)" \
-        in comments
+    assert ("# model.lora.alpha=8.0 is set, but this kto run does not read it (it is for adapters, "
+            "model.lora.rank > 0)") in comments
     assert main(["train", "kto", "--print-config", "on_policy.temperature=0.3", "rounds=2", "model.lora.alpha=8",
                  "model.lora.rank=8"]) == 0
     assert "is set, but" not in capsys.readouterr().out
