@@ -30,8 +30,8 @@ from polyalign.mesh.launch import (
     run_slurm,
     said_by_another_process,
 )
-from polyalign.reports.answer_notes import one_answer_text, wrong_script_text
 from polyalign.reports.no_model import ahead_of_the_model
+from polyalign.reports.reading_notes import one_answer_text, tdm_coverage_text, wrong_script_text
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_LOST_WHY, SYSTEM_MODES, TRUNCATIONS
 from polyalign.train.methods import (
     METHODS,
@@ -1126,6 +1126,8 @@ def _run_evaluate(args) -> int:
         print(f"warning: {one_answer_text(m['bng']['one_answer'])}", file=sys.stderr)
     if wrong := wrong_script_text(answers.get("wrong_script")):
         print(f"warning: {wrong}", file=sys.stderr)
+    if coverage := tdm_coverage_text(m["tdm"]):
+        print(f"note: {coverage}")
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "

@@ -1285,7 +1285,7 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
     from polyalign.cli import main
     from polyalign.data.language import wrong_script
     from polyalign.data.records import read_records
-    from polyalign.reports.answer_notes import one_answer_text, wrong_script_text
+    from polyalign.reports.reading_notes import one_answer_text, tdm_coverage_text, wrong_script_text
 
     run, _, _ = demo_run
     everything = read_records(run / "data" / "test.jsonl")
@@ -1320,6 +1320,12 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
         assert f"warning: {text}\n" in printed.err
         assert html.escape(text[0].upper() + text[1:]) in (tmp_path / "eval" / "report.html").read_text()
     assert f"{runaway.id} (8,000 characters where people in {runaway.bucket_id} write a median" in printed.err
+    # TDM leaves the multi-turn buckets under 20 rows out, as METHOD says, and says which
+    multi = {b: n for b, n in sizes.items() if b.split("|")[1] == "multi"}
+    tdm = result["metrics"]["tdm"]
+    assert tdm["left_out"] == {b: n for b, n in sorted(multi.items()) if n < 20} != {}
+    assert set(tdm["by_bucket"]) == {b for b, n in multi.items() if n >= 20} != set()
+    assert f"note: {tdm_coverage_text(tdm)}\n" in printed.out and "multi-turn buckets" in tdm_coverage_text(tdm)
     # people's own answers: no answer makes the macro, and only people's own code-switching is counted
     _write_predictions(tmp_path / "people.jsonl", records, lambda r: r.response)
     assert main(["evaluate", *args[:2], "--predictions", str(tmp_path / "people.jsonl"), *args[4:-1],

@@ -84,7 +84,8 @@ def turn_dynamics_with_draws(questions: Sequence[str], human: Sequence[str], gen
     TF-IDF and its SVD stay those of the rows themselves: a draw resamples rows, not the vocabulary."""
     n = len(questions)
     if n == 0:
-        return {"overall_macro": None, "by_bucket": {}}, {}
+        return {"overall_macro": None, "by_bucket": {}, "rows": 0, "left_out": {},
+                "min_bucket_rows": MIN_BUCKET_ROWS}, {}
     vectorizer = tfidf(tokenize)
     vectorizer.fit(list(questions) + list(human) + list(generated))
     q, h, g = (vectorizer.transform(list(x)) for x in (questions, human, generated))
@@ -102,10 +103,11 @@ def turn_dynamics_with_draws(questions: Sequence[str], human: Sequence[str], gen
         for side, texts, dense, latent in (("human", human, h_dense, lh), ("generated", generated, g_dense, lg))
     }
     buckets = np.asarray(buckets)
-    by_bucket, draws = {}, {}
+    by_bucket, draws, left_out = {}, {}, {}
     for bucket in sorted(set(buckets.tolist())):
         idx = np.flatnonzero(buckets == bucket)
-        if len(idx) < MIN_BUCKET_ROWS:
+        if len(idx) < MIN_BUCKET_ROWS:  # METHOD: too few rows for a distribution; in the fit, out of the report
+            left_out[bucket] = int(len(idx))
             continue
         estimate = _bucket_tdm(rows, lq, idx, np.ones((1, len(idx))))
         by_bucket[bucket] = {"tdm": float(estimate["tdm"][0]), "rows": int(len(idx)),
@@ -114,4 +116,5 @@ def turn_dynamics_with_draws(questions: Sequence[str], human: Sequence[str], gen
         if weights is not None:  # apart from the estimate, which is then the same number to the last bit
             draws[bucket] = _bucket_tdm(rows, lq, idx, weights[:, idx])["tdm"]
     overall = float(np.mean([b["tdm"] for b in by_bucket.values()])) if by_bucket else None
-    return {"overall_macro": overall, "by_bucket": by_bucket, "rows": n}, draws
+    return {"overall_macro": overall, "by_bucket": by_bucket, "rows": n, "left_out": left_out,
+            "min_bucket_rows": MIN_BUCKET_ROWS}, draws

@@ -23,10 +23,10 @@ from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
-from polyalign.reports.answer_notes import one_answer_text, wrong_script_text  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.no_model import ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
+from polyalign.reports.reading_notes import one_answer_text, tdm_coverage_text, wrong_script_text  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -283,14 +283,15 @@ def _settings(result: dict) -> str:
     return (f"<p>models {html.escape(', '.join(c['models']))}; profile {html.escape(', '.join(c['profile']))}; "
             f"{a['evaluated']} of {a['records']} test rows; compat {c['compat']}; MAUVE "
             f"{html.escape(str(mauve['status']))}{mauve_note}.{partial}{empty_note}</p>"
-            + "".join(f"<p><b>{html.escape(text[0].upper() + text[1:])}.</b></p>" for text in answer_notes(result)))
+            + "".join(f"<p><b>{html.escape(text[0].upper() + text[1:])}.</b></p>" for text in notes_for_reader(result)))
 
 
-def answer_notes(result: dict) -> list[str]:
-    """What single answers do to this evaluation's numbers (reports/answer_notes.py), as sentences."""
+def notes_for_reader(result: dict) -> list[str]:
+    """What a reader needs beside this evaluation's numbers (reports/reading_notes.py), as sentences."""
     found = result["metrics"]["bng"].get("one_answer")
     return [text for text in (one_answer_text(found) if found else None,
-                              wrong_script_text((result.get("answers") or {}).get("wrong_script"))) if text]
+                              wrong_script_text((result.get("answers") or {}).get("wrong_script")),
+                              tdm_coverage_text(result["metrics"].get("tdm") or {})) if text]
 
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
@@ -936,7 +937,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                     f"{its} own model or a model of {its} lineage as the MAUVE featurizer</b>, which reads its own "
                     "answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and the "
                     "aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
-    single = [f"{name}: {text}" for name, r in runs.items() for text in answer_notes(r)]
+    single = [f"{name}: {text}" for name, r in runs.items() for text in notes_for_reader(r)]
     warning += "".join(f"<p><b>{html.escape(text)}.</b></p>" for text in single)
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (

@@ -1,6 +1,6 @@
-"""Sentences about answers that bend an evaluation's numbers without being wrong about them: one answer
-that makes much of the BNG macro, answers written in another language's script than their
-conversation's. evaluate prints them, and the evaluation and comparison reports write them."""
+"""Sentences a reader needs beside an evaluation's numbers, where they hold: one answer that makes much of
+the BNG macro, answers written in another language's script than their conversation's, multi-turn buckets
+TDM leaves out. evaluate prints them, and the evaluation and comparison reports write them."""
 
 from __future__ import annotations
 
@@ -27,3 +27,16 @@ def wrong_script_text(section: dict) -> str | None:
             f"language's script than {'their' if n != 1 else 'its'} conversation's ({', '.join(parts)}; people's "
             f"own answers: {section['people']}), e.g. {', '.join(section['ids'][:3])}; every metric scores them as "
             "they are")
+
+
+def tdm_coverage_text(tdm: dict) -> str | None:
+    """Which multi-turn buckets TDM's macro is over, where it leaves some out (under 20 rows, as METHOD
+    defines it); None where it covers every one (or there is no TDM)."""
+    left = tdm.get("left_out") or {}
+    if tdm.get("overall_macro") is None or not left:
+        return None
+    measured = tdm["by_bucket"]
+    rows = sum(b["rows"] for b in measured.values())
+    return (f"TDM is over {len(measured)} of {len(measured) + len(left)} multi-turn buckets ({rows} of {tdm['rows']} "
+            f"rows): {', '.join(f'{b} ({n} rows)' for b, n in left.items())} "
+            f"{'is' if len(left) == 1 else 'are'} under {tdm['min_bucket_rows']} rows and left out")
