@@ -1096,12 +1096,18 @@ def _run_evaluate(args) -> int:
     alignment, wordless = result["alignment"], answers.get("without_words", 0)
     said = []
     if alignment.get("selected_by"):
-        said.append(f"the ones `{alignment['selected_by']}` answered")
-    elif alignment.get("partial"):
-        left = [f"{alignment[key]} {word}" for key, word in (
-            ("missing", "without a prediction"), ("duplicate", "answered twice or more (every copy left out)"),
-            ("extra", "predictions for ids the records do not hold")) if alignment.get(key)]
-        said.append("partial: the ids with one prediction" + (f"; {', '.join(left)}" if left else ""))
+        said.append(f"the ones `{alignment['selected_by']}` {'chose' if 'chosen' in alignment else 'answered'}")
+    # generate's own selection leaves the records it did not choose without a prediction: expected, not said
+    chosen_by_generate = alignment.get("selected_by") and "chosen" not in alignment
+    left = [f"{alignment[key]} {word}" for key, word in (
+        ("missing", "without a prediction") if not chosen_by_generate else ("", ""),
+        ("duplicate", "answered twice or more with different answers (every copy left out)"),
+        ("extra", "predictions for ids the records do not hold")) if key and alignment.get(key)]
+    if left or (alignment.get("partial") and not alignment.get("selected_by")):
+        said.append("partial: the ids with one answer" + (f"; {', '.join(left)}" if left else ""))
+    if alignment.get("identical_copies"):
+        n = alignment["identical_copies"]
+        said.append(f"{n} id{'s' * (n != 1)} given twice or more with the same answer, kept once")
     unworded = [f"{empty} empty answer{'s' * (empty != 1)}"] * bool(empty) + [
         f"{wordless} answer{'s' * (wordless != 1)} without a word (punctuation only)"] * bool(wordless)
     if unworded:

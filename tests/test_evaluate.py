@@ -310,7 +310,9 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
                                                                       {"id": "nope", "prediction": "y"}]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(EvaluationError, match="2 missing, 1 duplicate, 1 extra ids"):
+    with pytest.raises(EvaluationError, match=re.escape(
+            f"2 missing ({records[0].id}, {records[1].id}), 1 duplicate with different answers ({records[5].id} on "
+            f"lines 4, 299), 1 extra ids (nope)")):
         evaluate(subset, path, tmp_path / "eval")
     result = evaluate(subset, path, tmp_path / "eval", EvaluateOptions(allow_partial=True, plots=False))
     assert result["alignment"]["evaluated"] == 297 and result["alignment"]["partial"]
@@ -321,7 +323,8 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
 
     assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp")]) == 0
     markdown = (tmp_path / "cmp" / "report.md").read_text()
-    assert "| test rows | 297 of 300 (partial: the ones with predictions) | 300 |" in markdown and "| F1 |" in markdown
+    assert "| test rows | 297 of 300 (partial: 2 without an answer, 1 answered twice differently) | 300 |" in markdown
+    assert "| F1 |" in markdown
     assert "differ in test rows: 297 | 300" in (tmp_path / "cmp" / "report.html").read_text()
 
 
@@ -354,7 +357,8 @@ def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_r
     assert alignment["partial"] and alignment["evaluated"] == len(chosen) and alignment["missing"] == 60 - len(chosen)
     # a file cut short since is no selection of generate's: refused as before
     _write_predictions(tmp_path / "p.jsonl", chosen[:-1], lambda r: r.question)
-    with pytest.raises(EvaluationError, match=f"{61 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
+    with pytest.raises(EvaluationError,
+                       match=f"{61 - len(chosen)} missing \\(.*\\), 0 duplicate with different answers, 0 extra ids"):
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval1", EvaluateOptions(plots=False))
     # an id the records do not hold is no selection's doing
     _write_predictions(tmp_path / "p.jsonl", [*chosen, records[1]], lambda r: r.question)
@@ -364,7 +368,8 @@ def test_the_records_generate_sampled_are_evaluated_without_allow_partial(demo_r
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval2", EvaluateOptions(plots=False))
     # a selection the manifest does not record (an external engine's subset) needs the flag, as before
     _write_predictions(tmp_path / "q.jsonl", chosen, lambda r: r.question)
-    with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
+    with pytest.raises(EvaluationError,
+                       match=f"{60 - len(chosen)} missing \\(.*\\), 0 duplicate with different answers, 0 extra ids"):
         evaluate(subset, tmp_path / "q.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False))
     # `generate --per-bucket 2 --seed 4`'s records: named as that selection
     chosen, _ = select_records(records, subset, per_bucket=2, seed=4)
@@ -400,17 +405,38 @@ def test_predictions_for_the_records_prompts_chose_are_evaluated_with_its_file(d
     assert main(["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--prompts",
                  str(prompts), "--out", str(tmp_path / "eval"), "--no-progress", "--no-detectability"]) == 0
     assert capsys.readouterr().out.startswith(f"{len(chosen)} of 60 rows (the ones `prompts --per-bucket 2 --seed 4` "
-                                              "answered): F1 ")
-    with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing, 0 duplicate, 0 extra ids"):
+                                              "chose): F1 ")
+    with pytest.raises(EvaluationError, match=f"{60 - len(chosen)} missing \\(.*\\), 0 duplicate with different "
+                                              "answers, 0 extra ids"):
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval2", EvaluateOptions(plots=False))
-    # --allow-partial instead: the line says what the intersection left out, a duplicated id's every copy too
-    with open(tmp_path / "p.jsonl", "a", encoding="utf-8") as handle:
+    # an export that wrote a row twice: the same answer twice is one answer, said
+    answers = tmp_path / "p.jsonl"
+    with open(answers, "a", encoding="utf-8") as handle:
         handle.write(json.dumps({"id": chosen[0].id, "prediction": chosen[0].question}, ensure_ascii=False) + "\n")
-    assert main(["evaluate", "--records", str(subset), "--predictions", str(tmp_path / "p.jsonl"), "--allow-partial",
-                 "--out", str(tmp_path / "eval2"), "--no-progress", "--no-detectability"]) == 0
+    command = ["evaluate", "--records", str(subset), "--predictions", str(answers), "--prompts", str(prompts),
+               "--no-progress", "--no-detectability"]
+    assert main([*command, "--out", str(tmp_path / "eval5")]) == 0
     assert capsys.readouterr().out.startswith(
-        f"{len(chosen) - 1} of 60 rows (partial: the ids with one prediction; {60 - len(chosen)} without a prediction, "
-        "1 answered twice or more (every copy left out)): F1 ")
+        f"{len(chosen)} of 60 rows (the ones `prompts --per-bucket 2 --seed 4` chose; 1 id given twice or more with "
+        "the same answer, kept once): F1 ")
+    # a different answer under the same id, and one the engine left out: counted against the records prompts
+    # chose (not the 60), named with their lines; --allow-partial evaluates the rest and says what it left out
+    with open(answers, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"id": chosen[1].id, "prediction": chosen[1].response}, ensure_ascii=False) + "\n")
+    rows = answers.read_text().splitlines()
+    answers.write_text("\n".join(row for row in rows if json.loads(row)["id"] != chosen[2].id) + "\n")
+    line = next(i for i, row in enumerate(answers.read_text().splitlines(), 1) if json.loads(row)["id"] == chosen[1].id)
+    assert main([*command, "--out", str(tmp_path / "eval6")]) == 2
+    assert (f"predictions do not match the {len(chosen)} records `prompts --per-bucket 2 --seed 4` chose: 1 missing "
+            f"({chosen[2].id}), 1 duplicate with different answers ({chosen[1].id} on lines {line}, "
+            f"{len(answers.read_text().splitlines())}), 0 extra ids; pass --allow-partial") in capsys.readouterr().err
+    assert main([*command, "--out", str(tmp_path / "eval6"), "--allow-partial"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"{len(chosen) - 2} of 60 rows (the ones `prompts --per-bucket 2 --seed 4` chose; partial: the ids with one "
+        "answer; 1 without a prediction, 1 answered twice or more with different answers (every copy left out); 1 id "
+        "given twice or more with the same answer, kept once): F1 ")
+    alignment = json.loads((tmp_path / "eval6" / "metrics.json").read_text())["alignment"]
+    assert (alignment["missing_ids"], alignment["duplicate_ids"]) == ([chosen[2].id], [chosen[1].id])
     with pytest.raises(EvaluationError, match="no manifest beside it"):  # a file prompts did not write
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False,
                                                                                   prompts=tmp_path / "p.jsonl"))

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from polyalign.core import jsonl
 from polyalign.core.errors import EvaluationError, GenerationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
@@ -49,39 +50,63 @@ MAUVE_MAX_TEXTS = 1000
 SUPPORT_ROWS_PER_BUCKET = 1000  # a bucket's support beyond this is a seeded sample: W1 is settled by then
 
 
-def load_predictions(path: Path) -> tuple[list[dict], Counter]:
-    """Every prediction row, and how often each id occurs (duplicates are counted, not refused here)."""
-    rows = [row for _, row in iter_predictions(path)]
-    return rows, Counter(row["id"] for row in rows)
+def load_predictions(path: Path) -> tuple[list[dict], Counter, dict[str, list[int]]]:
+    """Every prediction row, how often each id occurs and on which lines (duplicates are counted, not
+    refused here)."""
+    rows, lines = [], defaultdict(list)
+    for number, row in iter_predictions(path):
+        rows.append(row)
+        lines[row["id"]].append(number)
+    return rows, Counter(row["id"] for row in rows), dict(lines)
 
 
-def align(records, rows: list[dict], seen: Counter, allow_partial: bool,
-          selected_by: str | None = None) -> tuple[list, list[str], dict]:
+def align(records, rows: list[dict], seen: Counter, allow_partial: bool, selected_by: str | None = None,
+          lines: dict[str, list[int]] | None = None, what: str = "the records") -> tuple[list, list[str], dict]:
     """Records and their predictions joined by id; missing, duplicate or extra ids stop the run
-    (with counts) unless allow_partial, which keeps the intersection. `selected_by`: how `generate` chose
-    the records it answered from this very file (generate_selection), whose missing ids are expected."""
+    (with counts, and the ids and lines at fault) unless allow_partial, which keeps the intersection. An id
+    given twice or more with the same answer each time (an export that wrote a row twice) is one answer,
+    counted. `selected_by`: how `generate` chose the records it answered from this very file
+    (generate_selection), whose missing ids are expected. `what`: the records, as the error names them."""
     ids = {r.id for r in records}
+    answers: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        answers[row["id"]].add(row["prediction"])
     missing = [r.id for r in records if r.id not in seen]
-    duplicate = sorted(i for i, c in seen.items() if c > 1)
+    copies = sorted(i for i, c in seen.items() if c > 1 and len(answers[i]) == 1)
+    duplicate = sorted(i for i, c in seen.items() if c > 1 and len(answers[i]) > 1)
     extra = sorted(set(seen) - ids)
     alignment = {"records": len(records), "predictions": len(rows), "missing": len(missing),
-                 "duplicate": len(duplicate), "extra": len(extra), "partial": False}
+                 "duplicate": len(duplicate), "extra": len(extra), "identical_copies": len(copies), "partial": False}
     if missing and selected_by and not (duplicate or extra):
         alignment["selected_by"] = selected_by
     elif (missing or duplicate or extra) and not allow_partial:
-        examples = ", ".join((missing + duplicate + extra)[:3])
-        raise EvaluationError(f"predictions do not match the records: {len(missing)} missing, {len(duplicate)} "
-                              f"duplicate, {len(extra)} extra ids (e.g. {examples}); pass --allow-partial to "
-                              "evaluate the intersection")
+        raise EvaluationError(f"predictions do not match {what}: {_faults(missing, duplicate, extra, lines or {})}; "
+                              "pass --allow-partial to evaluate the intersection")
+    for key, found in (("missing_ids", missing), ("duplicate_ids", duplicate), ("extra_ids", extra)):
+        if found:  # which: a partial evaluation says what it left out
+            alignment[key] = found[:100]
     first = {}
     for row in rows:
         first.setdefault(row["id"], row["prediction"])
-    kept = [r for r in records if r.id in first and seen[r.id] == 1]
+    kept = [r for r in records if r.id in first and (seen[r.id] == 1 or len(answers[r.id]) == 1)]
     alignment["evaluated"] = len(kept)
     alignment["partial"] = len(kept) < len(records)
     if alignment["partial"]:  # which rows: two partial evaluations of one file compare only on the same ones
         alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in kept)
     return kept, [first[r.id] for r in kept], alignment
+
+
+def _faults(missing: list[str], duplicate: list[str], extra: list[str], lines: dict[str, list[int]]) -> str:
+    """The counts of missing, duplicate and extra ids, each with a few of them named (a duplicate with its
+    lines)."""
+    def some(found, show=str):
+        return f" ({', '.join(show(i) for i in found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""
+
+    def with_lines(i):
+        return f"{i} on lines {', '.join(map(str, lines.get(i, [])))}" if lines.get(i) else i
+
+    return (f"{len(missing)} missing{some(missing)}, {len(duplicate)} duplicate with different answers"
+            f"{some(duplicate, with_lines)}, {len(extra)} extra ids{some(extra)}")
 
 
 def evaluated_ids_digest(ids) -> str:
@@ -209,12 +234,34 @@ def _rows_by(keys) -> dict[str, list[int]]:
     return rows
 
 
-def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str],
-                       stage: str = "generate") -> str | None:
-    """How `polyalign generate` (or `prompts`, whose file `predictions_path` then is) chose the records it answered
-    (--limit, --sample, --per-bucket) when it read them from this records file, unchanged since (its manifest's
-    digest), and the predictions answer exactly the records that selection takes (generate's own
-    `select_records` again); None otherwise: a file cut short or filtered since is no selection of generate's."""
+def _prompts_selection(prompts: Path, records_path: Path, records: list) -> tuple[set[str], str]:
+    """The ids a `polyalign prompts` file holds, and how it chose them ("prompts --per-bucket 20 --seed 1";
+    "prompts" where it took every record); refused unless its manifest names these records as they are."""
+    manifest = read_record(prompts)
+    if manifest is None:
+        raise EvaluationError(f"{prompts}: no manifest beside it ({sidecar(prompts)}); --prompts takes the file "
+                              "`polyalign prompts --out` wrote")
+    recorded = (manifest.get("made_from") or {}).get("records")
+    if not is_uri(str(records_path)) and recorded != file_digest(records_path):
+        raise EvaluationError(f"{prompts} was written from other records than {records_path} holds now (another "
+                              "split, or prepare ran again): write the prompts again from these records")
+    chosen = {row["id"] for _, row in jsonl.read_lines(prompts)}
+    unknown = chosen - {r.id for r in records}
+    if unknown:
+        raise EvaluationError(f"{prompts}: {len(unknown)} ids the records do not hold (e.g. {sorted(unknown)[0]})")
+    settings = manifest.get("settings") or {}
+    picked = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
+              if settings.get(key) is not None]
+    seed = f" --seed {settings['seed']}" if settings.get("sample") is not None or settings.get("per_bucket") \
+        is not None else ""
+    return chosen, " ".join(["prompts", *picked]) + seed
+
+
+def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str]) -> str | None:
+    """How `polyalign generate` chose the records it answered (--limit, --sample, --per-bucket) when it read
+    them from this records file, unchanged since (its manifest's digest), and the predictions answer exactly
+    the records that selection takes (generate's own `select_records` again); None otherwise: a file cut
+    short or filtered since is no selection of generate's."""
     manifest = read_record(predictions_path) or {}
     settings = manifest.get("settings") or {}
     chosen = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
@@ -232,18 +279,25 @@ def generate_selection(predictions_path: Path, records_path: Path, records: list
         return None
     seeded = settings.get("sample") is not None or settings.get("per_bucket") is not None
     seed = f" --seed {settings['seed']}" if seeded else ""
-    return f"{stage} {' '.join(chosen)}{seed}"
+    return f"generate {' '.join(chosen)}{seed}"
 
 
 def _join(records_path: Path, predictions_path: Path, allow_partial: bool, prompts: Path | None = None) -> Joined:
-    rows, seen = load_predictions(predictions_path)
+    rows, seen, lines = load_predictions(predictions_path)
     records = read_records(records_path)
-    if prompts is not None and read_record(prompts) is None:
-        raise EvaluationError(f"{prompts}: no manifest beside it ({sidecar(prompts)}); --prompts takes the file "
-                              "`polyalign prompts --out` wrote")
-    selection = (generate_selection(prompts, records_path, records, set(seen), "prompts") if prompts is not None
-                 else generate_selection(predictions_path, records_path, records, set(seen)))
-    records, predictions, alignment = align(records, rows, seen, allow_partial, selection)
+    if prompts is None:
+        selection = generate_selection(predictions_path, records_path, records, set(seen))
+        records, predictions, alignment = align(records, rows, seen, allow_partial, selection, lines)
+    else:  # the records the prompts file holds are the ones to answer: a fault is counted against those
+        chosen, label = _prompts_selection(prompts, records_path, records)
+        total = len(records)
+        records = [r for r in records if r.id in chosen]
+        records, predictions, alignment = align(records, rows, seen, allow_partial, None, lines,
+                                                f"the {len(records)} records `{label}` chose")
+        alignment.update(records=total, chosen=len(chosen), selected_by=label,
+                         partial=alignment["evaluated"] < total)
+        if alignment["partial"] and "evaluated_ids" not in alignment:
+            alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
     return Joined(records, predictions, alignment, profiles=sorted({r.get("profile", "unknown") for r in rows}),
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
 

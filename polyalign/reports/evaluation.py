@@ -875,9 +875,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                          for cell, axis in zip(cells, axes)), human) if name == NUF_ROW else
                 (name, *cells, human) for name, *cells, human in rows]
     rows.append((*_aggregate_row(runs), "—"))
-    settings_rows = [("test rows", *(f"{r['alignment']['evaluated']}"
-                                     + (f" of {r['alignment']['records']} (partial: the ones with predictions)"
-                                        if r["alignment"].get("partial") else "") for r in runs.values())),
+    settings_rows = [("test rows", *(f"{r['alignment']['evaluated']}" + _partial_words(r["alignment"])
+                                     for r in runs.values())),
                      # empty answers: scored by F1 and BNG, left out of (or, compat reference, kept in) diversity
                      ("empty answers", *(str((r.get("answers") or {}).get("empty", 0)) for r in runs.values())),
                      ("featurizer", *("/".join(Path(r["config"]["featurizer"]).parts[-2:])
@@ -971,6 +970,20 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
             "models_differ_in": trained_apart,
             "intervals_compared_across_data": allow_different_data, "differences": verdicts, "out": str(out)}
+
+
+def _partial_words(alignment: dict) -> str:
+    """" of 2842 (...)": which part of the test records a partial evaluation read; nothing for a whole one."""
+    if not alignment.get("partial"):
+        return ""
+    chosen = alignment.get("selected_by")
+    said = [f"the ones `{chosen}` {'chose' if 'chosen' in alignment else 'answered'}"] if chosen else []
+    faults = [f"{alignment[key]} {word}" for key, word in (("missing", "without an answer"),
+                                                          ("duplicate", "answered twice differently"))
+              if alignment.get(key) and not (chosen and "chosen" not in alignment and key == "missing")]
+    said += [f"partial: {', '.join(faults)}" if faults else "partial: the ones with predictions"] \
+        if faults or not chosen else []
+    return f" of {alignment['records']} ({'; '.join(said)})"
 
 
 def differing_models(runs: dict[str, dict]) -> dict[str, list[str]]:
