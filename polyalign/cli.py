@@ -31,7 +31,7 @@ from polyalign.mesh.launch import (
     said_by_another_process,
 )
 from polyalign.reports.no_model import ahead_of_the_model
-from polyalign.reports.reading_notes import one_answer_text, tdm_coverage_text, wrong_script_text
+from polyalign.reports.reading_notes import below_people_text, one_answer_text, tdm_coverage_text, wrong_script_text
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_LOST_WHY, SYSTEM_MODES, TRUNCATIONS
 from polyalign.train.methods import (
     METHODS,
@@ -1134,6 +1134,8 @@ def _run_evaluate(args) -> int:
         print(f"warning: {wrong}", file=sys.stderr)
     if coverage := tdm_coverage_text(m["tdm"]):
         print(f"note: {coverage}")
+    if below := below_people_text(m.get("detectability") or {}):
+        print(f"warning: {below}", file=sys.stderr)
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "

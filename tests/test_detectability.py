@@ -148,3 +148,20 @@ def test_every_floor_interval_lies_between_0_and_1():
                 assert 0.0 <= low <= high <= 1.0, (size, seed, low, high)
                 checked += 1
     assert checked == 4 * 4 * 3
+
+
+def test_a_detectability_below_peoples_own_is_said_to_be_no_win():
+    """A user's bot that answered with other people's answers of the same bucket read 0.357 [0.315, 0.399] against
+    people's 0.482 [0.418, 0.565]: said, as copies a classifier cannot tell apart; overlapping intervals, or a
+    detectability not computed, say nothing."""
+    from polyalign.reports.reading_notes import below_people_text
+
+    detect = {"status": "computed", "overall_macro": 0.357, "macro_interval": [0.315, 0.399], "floor_macro": 0.482,
+              "floor_macro_interval": [0.418, 0.565]}
+    assert below_people_text(detect) == (
+        "detectability 0.3570 [0.315, 0.399] lies below people's own 0.4820 [0.418, 0.565]: the classifier tells "
+        "these answers from people's less well than people's from each other, as when answers repeat people's own "
+        "texts (copied or retrieved answers); read it as that, not as more human than people")
+    assert below_people_text({**detect, "macro_interval": [0.33, 0.42]}) is None
+    assert below_people_text({**detect, "status": "skipped"}) is None
+    assert below_people_text({**detect, "floor_macro_interval": None}) is None

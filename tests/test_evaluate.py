@@ -1301,6 +1301,14 @@ def test_a_model_that_loses_to_copying_the_question_is_told_so_from_the_command_
     assert main(["report", str(tmp_path / "eval"), str(tmp_path / "again"), "--out", str(tmp_path / "cmp2")]) == 0
     markdown = (tmp_path / "cmp2" / "report.md").read_text()
     assert f"**eval: {behind[0].upper() + behind[1:]}.**" in markdown and "**again: " in markdown
+    # beside a run of other test rows there is no shared table of no-model answers: still said, with the settings
+    _write_predictions(tmp_path / "fewer.jsonl", records[:250], lambda r: r.response)
+    assert main(["evaluate", *args[:2], "--predictions", str(tmp_path / "fewer.jsonl"), *args[4:], "--allow-partial",
+                 "--out", str(tmp_path / "fewer")]) == 0
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "fewer"), "--out", str(tmp_path / "cmp3")]) == 0
+    markdown = (tmp_path / "cmp3" / "report.md").read_text()
+    assert "## Against people and no-model answers" not in markdown
+    assert f"**eval: {behind[0].upper() + behind[1:]}.**" in markdown
 
 
 def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run, tmp_path, capsys):

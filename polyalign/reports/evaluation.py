@@ -26,7 +26,12 @@ from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # no
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.no_model import ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
-from polyalign.reports.reading_notes import one_answer_text, tdm_coverage_text, wrong_script_text  # noqa: E402
+from polyalign.reports.reading_notes import (  # noqa: E402
+    below_people_text,
+    one_answer_text,
+    tdm_coverage_text,
+    wrong_script_text,
+)
 
 
 @dataclass(frozen=True)
@@ -291,7 +296,8 @@ def notes_for_reader(result: dict) -> list[str]:
     found = result["metrics"]["bng"].get("one_answer")
     return [text for text in (one_answer_text(found) if found else None,
                               wrong_script_text((result.get("answers") or {}).get("wrong_script")),
-                              tdm_coverage_text(result["metrics"].get("tdm") or {})) if text]
+                              tdm_coverage_text(result["metrics"].get("tdm") or {}),
+                              below_people_text(result["metrics"].get("detectability") or {})) if text]
 
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
@@ -808,9 +814,12 @@ def _shared_rows(runs: dict[str, dict]) -> dict[str, int] | None:
 
 
 AGGREGATE_PART_NAMES = {"f1": "F1", "bng": "BNG", "mauve": "MAUVE", "nuf": "NUF"}
-AGGREGATE_NOTE = ("Aggregate: the geometric mean of the parts measured, each on [0, 1] with higher better: "
-                  "clip(F1), 1/(1 + BNG macro), MAUVE and the NUF hypervolume; a comparison takes the parts every "
-                  "run measured alike. One number for a ranking; the rows above say why.")
+AGGREGATE_NOTE = ("Aggregate (higher is better): the geometric mean of the parts measured, each on [0, 1] with "
+                  "higher better: clip(F1), 1/(1 + BNG macro), MAUVE and the NUF hypervolume; a comparison takes the "
+                  "parts every run measured alike. One number for a ranking; the rows above say why. F1 and the "
+                  "NUF hypervolume reward agreeing with the reference answer's words, so answers that copy people's "
+                  "(even in the wrong language, or with one runaway answer) can rank high here while BNG, HCR "
+                  "and detectability call them less human-like: read those for human-likeness.")
 
 
 def _nuf_axes(runs: dict[str, dict]) -> list[str] | None:
@@ -947,6 +956,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         if small else "")
     aggregate_note = f"<p>{html.escape(overall_note)}</p>"
     answers = []  # people and the no-model answers beside the runs, where all of them share those test rows
+    behind: list[str] = []  # without them, the runs behind the no-model answers, said with the settings
     if not other and all(r["metrics"].get("buckets") for r in runs.values()):
         answers_html, answers_md = _reference_rows(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
         lead = _behind_no_model([(n, r["metrics"]) for n, r in runs.items()])
@@ -954,6 +964,10 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         answers = [("<h2>Against people and no-model answers</h2>", lead + answers_html + notes),
                    ("## Against people and no-model answers",
                     (_plain(lead) + "\n\n" if lead else "") + answers_md + "\n" + _plain(notes))]
+    else:  # no shared table of no-model answers: a run behind them is still told so, with the settings
+        lead = _behind_no_model([(n, r["metrics"]) for n, r in runs.items()])
+        warning += lead
+        behind = [_plain(lead)] if lead else []
     sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html, aggregate_note,
                  *(answers[0] if answers else ()),
                  "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
@@ -962,7 +976,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
                 *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
-                *(f"**{text}.**" for text in single),
+                *(f"**{text}.**" for text in single), *behind,
                 "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]

@@ -1,6 +1,7 @@
 """Sentences a reader needs beside an evaluation's numbers, where they hold: one answer that makes much of
 the BNG macro, answers written in another language's script than their conversation's, multi-turn buckets
-TDM leaves out. evaluate prints them, and the evaluation and comparison reports write them."""
+TDM leaves out, a detectability below people's own. evaluate prints them, and the evaluation and comparison
+reports write them."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ def tdm_coverage_text(tdm: dict) -> str | None:
     return (f"TDM is over {len(measured)} of {len(measured) + len(left)} multi-turn buckets ({rows} of {tdm['rows']} "
             f"rows): {', '.join(f'{b} ({n} rows)' for b, n in left.items())} "
             f"{'is' if len(left) == 1 else 'are'} under {tdm['min_bucket_rows']} rows and left out")
+
+
+def below_people_text(detect: dict) -> str | None:
+    """Detectability whose interval lies wholly below people's floor: not more human than human, but answers a
+    classifier cannot tell from the human ones they sit beside, as copies of people's texts are (retrieved or
+    reused answers). None where it does not, or either has no interval."""
+    model, floor = detect.get("macro_interval"), detect.get("floor_macro_interval")
+    if detect.get("status") != "computed" or not model or not floor or model[1] >= floor[0]:
+        return None
+    return (f"detectability {detect['overall_macro']:.4f} [{model[0]:.3f}, {model[1]:.3f}] lies below people's own "
+            f"{detect['floor_macro']:.4f} [{floor[0]:.3f}, {floor[1]:.3f}]: the classifier tells these answers from "
+            "people's less well than people's from each other, as when answers repeat people's own texts (copied "
+            "or retrieved answers); read it as that, not as more human than people")
