@@ -1108,7 +1108,9 @@ def _run_evaluate(args) -> int:
     if alignment.get("identical_copies"):
         n = alignment["identical_copies"]
         said.append(f"{n} id{'s' * (n != 1)} given twice or more with the same answer, kept once")
-    unworded = [f"{empty} empty answer{'s' * (empty != 1)}"] * bool(empty) + [
+    as_people = answers.get("empty_as_people", 0)
+    where = f" ({as_people} where people's answer is empty too)" if as_people else ""
+    unworded = [f"{empty} empty answer{'s' * (empty != 1)}{where}"] * bool(empty) + [
         f"{wordless} answer{'s' * (wordless != 1)} without a word (punctuation only)"] * bool(wordless)
     if unworded:
         said.append(f"{' and '.join(unworded)}, {kept}")

@@ -715,6 +715,9 @@ def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predict
         # empty answers: scored as answers by utility and naturalness; left out of diversity but in
         # --compat reference, which keeps them as the authors' code does
         "answers": {"evaluated": len(joined.predictions), "empty": len(empty), "empty_ids": empty[:10],
+                    # of those, where the person said nothing too: an answer no model is to blame for
+                    "empty_as_people": sum(1 for p, h in zip(joined.predictions, joined.human)
+                                           if not p.strip() and not h.strip()),
                     # answers with characters but no word once tokenised ("，，，"): left out of diversity too
                     "without_words": sum(1 for p in joined.predictions
                                          if p.strip() and not tokens(p, options.tokenize)),

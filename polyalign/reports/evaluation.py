@@ -887,7 +887,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     settings_rows = [("test rows", *(f"{r['alignment']['evaluated']}" + _partial_words(r["alignment"])
                                      for r in runs.values())),
                      # empty answers: scored by F1 and BNG, left out of (or, compat reference, kept in) diversity
-                     ("empty answers", *(str((r.get("answers") or {}).get("empty", 0)) for r in runs.values())),
+                     ("empty answers", *(_empty_words(r.get("answers") or {}) for r in runs.values())),
                      ("featurizer", *("/".join(Path(r["config"]["featurizer"]).parts[-2:])
                                       if r["config"].get("featurizer") else "none" for r in runs.values())),
                      ("profile", *(", ".join(r["config"]["profile"]) for r in runs.values())),
@@ -984,6 +984,13 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
             "models_differ_in": trained_apart,
             "intervals_compared_across_data": allow_different_data, "differences": verdicts, "out": str(out)}
+
+
+def _empty_words(answers: dict) -> str:
+    """"3 (2 where people's is empty too)": a model's empty answers, and how many of them answer people who
+    said nothing either."""
+    empty, as_people = answers.get("empty", 0), answers.get("empty_as_people", 0)
+    return f"{empty}" + (f" ({as_people} where people's is empty too)" if as_people else "")
 
 
 def _partial_words(alignment: dict) -> str:
