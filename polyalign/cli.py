@@ -171,9 +171,10 @@ def _run_prepare(args) -> int:
               f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
     quarantine = manifest["quarantine"]
     if quarantine["rows"]:  # the file, or a Beam run's shards, as the manifest names them
-        print(f"quarantined {quarantine['rows']} rows -> {args.out / 'data' / quarantine['file']}")
-    if manifest["dropped_rows"]["rows"]:
-        print(f"{manifest['dropped_rows']['rows']} rows left out as they were read, each with its reason -> "
+        print(f"quarantined {quarantine['rows']} row{'s' * (quarantine['rows'] != 1)} -> "
+              f"{args.out / 'data' / quarantine['file']}")
+    if dropped := manifest["dropped_rows"]["rows"]:
+        print(f"{dropped} row{'s' * (dropped != 1)} left out as they were read, each with its reason -> "
               f"{args.out / 'data' / manifest['dropped_rows']['file']}")
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
@@ -535,13 +536,25 @@ def _add_train(sub) -> None:
         m.set_defaults(handler=_run_train, parser=m)
 
 
+def repeated_overrides(overrides: list[str]) -> list[str]:
+    """A key given twice or more on the command line, with its values: the last one wins, said (a pasted line
+    with `optimizer.lr=1e-3` and a later `optimizer.lr=5e-4` would otherwise train at one of them unremarked)."""
+    values: dict[str, list[str]] = {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep:
+            values.setdefault(key.strip(), []).append(value)
+    return [f"{key} is given {len(given)} times ({', then '.join(given)}): the last one, {given[-1]}, is used"
+            for key, given in values.items() if len(given) > 1]
+
+
 def _run_train(args) -> int:
     flags = ["allow_tokenizer_mismatch=true"] if getattr(args, "allow_tokenizer_mismatch", False) else []
     config = load_config(args.config, [*args.overrides, *flags], method=args.method)
     # an override comes last, the subcommand's own method with it (`train hdpo ... method=dpo`): said, not silent
     renamed = (f"note: method={config.method} (an override) trains {config.method}, not the subcommand's "
                f"{args.method}" if args.method and config.method != args.method else None)
-    unread = unread_settings(config)
+    unread = unread_settings(config) + repeated_overrides(args.overrides)
     if args.print_config:
         print(config_as_yaml(config), end="")
         for note in [*([renamed] if renamed else []), *derived_notes(config), *unread]:  # comments: it reads back

@@ -624,6 +624,10 @@ def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_sp
         with pytest.raises(ConfigError) as refused:
             load_data_config(config, [override])
         assert str(refused.value) == f"{config} with the overrides {override}: {problem}"
+    # a misspelt key of an override is the override's, as train says it, not the file's
+    with pytest.raises(ConfigError) as refused:
+        load_data_config(config, ["split.sed=3"])
+    assert str(refused.value) == "override split.sed=3: split: unknown key 'sed'; did you mean 'seed'?"
     with pytest.raises(ConfigError, match="split.weights are all 0; give at least one split a positive weight"):
         load_data_config(config, ["split.weights={train: 0, val: 0, test: 0}"])
     manifest = prepare(config, tmp_path / "run", progress=False, overrides=["split.weights.val=0"])

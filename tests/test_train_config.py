@@ -273,6 +273,11 @@ def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_l
     assert main(["train", "kto", "--print-config", "on_policy.temperature=0.3", "rounds=2", "model.lora.alpha=8",
                  "model.lora.rank=8"]) == 0
     assert "is set, but" not in capsys.readouterr().out
+    # a key given twice: the last one wins, said
+    assert main(["train", "kto", "--print-config", "optimizer.lr=1e-3", "optimizer.lr=5e-4"]) == 0
+    printed = capsys.readouterr().out
+    assert "# optimizer.lr is given 2 times (1e-3, then 5e-4): the last one, 5e-4, is used" in printed
+    assert yaml.safe_load(printed)["optimizer"]["lr"] == 5e-4
     # said when the run starts too, before anything else can fail
     assert main(["train", "orpo", "--out", "/nonexistent/out", "simpo_gamma=2"]) == 2
     assert "note: simpo_gamma=2.0 is set, but this orpo run does not read it (it is for simpo)" in \
@@ -548,8 +553,7 @@ def test_epochs_say_the_steps_they_set_in_place_of_train_steps(capsys):
     loop = resolve_loop(LoopConfig(steps=120, epochs=2, global_batch=4, eval_every=None), epoch_size=10, method="sft")
     assert loop.steps == 6 and loop.eval_every == 3  # ceil(10 / 4) = 3 steps an epoch
     assert capsys.readouterr().err.strip() == ("polyalign: train.epochs=2 sets train.steps to 6 (10 examples / "
-                                               "global_batch 4 an epoch); train.steps (120, the config's or the "
-                                               "default) is not used")
+                                               "global_batch 4 an epoch); train.steps (120) is not used")
     resolve_loop(LoopConfig(steps=6, epochs=2, global_batch=4), epoch_size=10, method="sft")
     assert capsys.readouterr().err == ""  # nothing to say when they agree
 

@@ -194,6 +194,21 @@ def apply_overrides(mapping: dict[str, Any], overrides: list[str], where: str = 
     return mapping
 
 
+def blamed_on_override(err: ConfigError, where: str, overrides: list[str]) -> ConfigError:
+    """An error about a key a `key=value` override set names that override, not the file it never was in."""
+    message = str(err)
+    for item in reversed(overrides):  # the last override of a key is the one that took effect
+        key = item.partition("=")[0]
+        parts = key.split(".")
+        # an unknown key anywhere along the override's path: `optimzer.lr=...` as well as `train.stepz=...`
+        unknown = [f"{where}{''.join('.' + p for p in parts[:k])}: unknown key {parts[k]!r}" for k in range(len(parts))]
+        for blamed in (f"{where}.{key}:", f"{where}: {key}:", f"{where}: {key} ", *unknown):
+            if message.startswith(blamed):
+                rest = message[len(f"{where}.{key}:"):] if blamed == f"{where}.{key}:" else message[len(where) + 1:]
+                return ConfigError(f"override {item}: {rest.strip()}")
+    return err
+
+
 def _default_mapping(section: type | None, name: str) -> dict[str, Any]:
     """A copy of setting `name`'s default where it is a mapping (not a section), else an empty one."""
     fields = {f.name: f for f in dataclasses.fields(section)} if dataclasses.is_dataclass(section) else {}

@@ -26,7 +26,7 @@ from polyalign.core.errors import PolyalignError, PrepareError
 from polyalign.core.outputs import no_empty_folder_left, settings_record, stage_output
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
-from polyalign.core.yaml_config import ConfigError, apply_overrides, from_mapping, load_yaml
+from polyalign.core.yaml_config import ConfigError, apply_overrides, blamed_on_override, from_mapping, load_yaml
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.data.dedup import (
     EXACT_DUPLICATES_FILE,
@@ -169,7 +169,10 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
     apply_overrides(raw, list(overrides), schema=DataConfig)
     if missing := missing_keys(raw):
         raise ConfigError(f"{path}: missing {'; '.join(missing)}")
-    config = from_mapping(DataConfig, raw, str(path))
+    try:
+        config = from_mapping(DataConfig, raw, str(path))
+    except ConfigError as err:  # a key an override set is the override's, not the file's
+        raise blamed_on_override(err, str(path), overrides) from None
     if not config.sources:
         raise ConfigError(f"{path}: 'sources' is empty")
     if config.length_unit is not None and config.length_unit not in LENGTH_UNIT_PATTERNS:

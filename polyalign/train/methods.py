@@ -23,6 +23,7 @@ import yaml
 from polyalign.core.yaml_config import (
     ConfigError,
     apply_overrides,
+    blamed_on_override,
     from_mapping,
     load_mapping,
     out_of_range,
@@ -229,23 +230,8 @@ def load_config(path: Path | None, overrides: list[str] = (), method: str | None
         config = with_lora_defaults(config, spec, lr_given="lr" in (raw.get("optimizer") or {}))
         check_config(config, where)
     except ConfigError as err:
-        raise _blamed_on_override(err, where, renamed) from None
+        raise blamed_on_override(err, where, renamed) from None
     return config
-
-
-def _blamed_on_override(err: ConfigError, where: str, overrides: list[str]) -> ConfigError:
-    """An error about a key a `key=value` override set names that override, not the file it never was in."""
-    message = str(err)
-    for item in reversed(overrides):  # the last override of a key is the one that took effect
-        key = item.partition("=")[0]
-        parts = key.split(".")
-        # an unknown key anywhere along the override's path: `optimzer.lr=...` as well as `train.stepz=...`
-        unknown = [f"{where}{''.join('.' + p for p in parts[:k])}: unknown key {parts[k]!r}" for k in range(len(parts))]
-        for blamed in (f"{where}.{key}:", f"{where}: {key}:", f"{where}: {key} ", *unknown):
-            if message.startswith(blamed):
-                rest = message[len(f"{where}.{key}:"):] if blamed == f"{where}.{key}:" else message[len(where) + 1:]
-                return ConfigError(f"override {item}: {rest.strip()}")
-    return err
 
 
 def with_lora_defaults(config: Any, spec: MethodSpec, lr_given: bool) -> Any:

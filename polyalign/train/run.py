@@ -320,7 +320,8 @@ def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None 
     start = f"from {init}" if init else f"from scratch (model.preset {config.model.preset})"
     if resume_at:
         start = f"resuming at step {resume_at} (OUT/checkpoints) of a run that started {start}"
-    return (f"polyalign: training {config.method} for {loop.steps} steps, global batch {loop.global_batch} in "
+    return (f"polyalign: training {config.method} for {loop.steps} step{'s' * (loop.steps != 1)}, global batch "
+            f"{loop.global_batch} in "
             f"{micro}, on {mesh.devices.size} {jax.default_backend()} device{'s' if mesh.devices.size > 1 else ''} "
             f"({layout}), computing in {compute_dtype(config.model.dtype)}; {schedule}; {trained}{start} -> {out}")
 
