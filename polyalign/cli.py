@@ -135,6 +135,17 @@ def _label_defaults_note(source: dict) -> str | None:
             "where its records are of another kind (docs/data.md: Users' own conversations)")
 
 
+def _unread_keys_note(source: dict) -> str | None:
+    """Keys of a source's rows its format does not read: said, with how many rows held each, since a misspelt
+    key (`outptu`) is otherwise left behind without a word."""
+    unread = source.get("unread_keys") or {}
+    if not unread:
+        return None
+    said = ", ".join(f"{key} ({n} row{'s' * (n != 1)})" for key, n in unread.items())
+    return (f"note: source {source['name']!r}: keys the {source['format']} format does not read, left unread: {said}; "
+            "a misspelt key is one of them (docs/data.md lists each format's keys)")
+
+
 def _opening_replies_note(source: dict) -> str | None:
     """A source of multi-turn conversations whose track nobody named: each conversation's first reply is
     `single` and the later ones `multi`, so one dialogue spans two buckets. Said, with the key that keeps
@@ -179,7 +190,7 @@ def _run_prepare(args) -> int:
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")
-        for line in (_label_defaults_note(source), _opening_replies_note(source)):
+        for line in (_label_defaults_note(source), _opening_replies_note(source), _unread_keys_note(source)):
             if line:
                 print(line)
     for warning in manifest.get("warnings", []):

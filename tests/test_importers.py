@@ -33,6 +33,28 @@ def test_llamafactory_reads_every_row_with_history_and_labels():
         assert example.labels["style"] == row["style_bucket"] and example.labels["bucket_id"] == row["bucket_id"]
     with_history = next(e for _, e in items if len(e.history) > 1)
     assert [t["role"] for t in with_history.history[:3]] == ["system", "user", "assistant"]
+    # every key of the authors' rows is read (or knowingly passed over): none is unread
+    assert all(example.unread_keys == () for _, example in items)
+
+
+def test_a_misspelt_key_of_an_alpaca_row_is_counted_as_unread_not_dropped_silently(tmp_path, capsys):
+    """A user's row with `outptu` beside its keys: prepare keeps the row and says which keys its format does
+    not read, with how many rows held each (the manifest's `unread_keys` too)."""
+    from polyalign.cli import main
+    from tests.conftest import write_config
+
+    rows = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:20]
+    rows[3] = {**rows[3], "outptu": rows[3]["output"]}
+    rows[7] = {**rows[7], "category": "chat"}
+    (tmp_path / "mine.json").write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [{"name": "mine", "format": "llamafactory", "path": "mine.json",
+                                                    "language": "en"}], dedup=False)
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert ("note: source 'mine': keys the llamafactory format does not read, left unread: category (1 row), outptu "
+            "(1 row); a misspelt key is one of them") in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert manifest["sources"][0]["unread_keys"] == {"category": 1, "outptu": 1}
+    assert manifest["sources"][0]["kept"] == 20
 
 
 def test_squad_one_record_per_question_with_all_answers():

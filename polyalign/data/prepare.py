@@ -220,6 +220,8 @@ class SourceTally:
     label_defaults: Counter = field(default_factory=Counter)
     # records that open a multi-turn conversation with track `single` read off it (no label named it)
     opening_replies: int = 0
+    # keys of the source's rows its importer does not read, by how many records' rows held them
+    unread_keys: Counter = field(default_factory=Counter)
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -245,6 +247,7 @@ class SourceTally:
             **({"left_out": dict(sorted(self.notes.items()))} if self.notes else {}),
             **({"label_defaults": dict(sorted(self.label_defaults.items()))} if self.label_defaults else {}),
             **({"opening_replies": self.opening_replies} if self.opening_replies else {}),
+            **({"unread_keys": dict(sorted(self.unread_keys.items()))} if self.unread_keys else {}),
         }
 
 
@@ -368,6 +371,7 @@ class RecordBuilder:
         return hash_split(group, self.split_options.seed, self.split_options.weights)
 
     def build(self, key: str, example: Example, source: SourceConfig, tally: SourceTally) -> Record | Skipped:
+        tally.unread_keys.update(example.unread_keys)
         question, context, response = (normalize(example.question), normalize(example.context),
                                        normalize(example.response))
         history = [{**t, "text": normalize(t["text"])} for t in example.history]

@@ -85,6 +85,7 @@ class Example:
     derived: dict[str, str] = field(default_factory=dict)
     conversation: str | None = None
     opens_conversation: bool = False
+    unread_keys: tuple[str, ...] = ()  # keys of the source row the importer does not read (a misspelt one too)
 
     def as_read(self) -> str:
         """The reply as its importer read it, as JSON: what a quarantine row holds of a problem found while

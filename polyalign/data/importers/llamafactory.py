@@ -34,6 +34,13 @@ ROW_LABELS = {
 }
 
 
+# every key a row may hold that this importer reads, or knowingly passes over (the authors' sample carries its
+# own Bucket-SFT weight, `dist_sft_weight`; polyalign computes the weights from the buckets it assigns); any
+# other is counted as unread (`outptu` for `output`)
+READ_KEYS = frozenset({"instruction", "input", "output", "system", "history", "conversation_id", "group_id",
+                       "dist_sft_weight", *ROW_LABELS})
+
+
 def _history(row: dict[str, Any]) -> list[dict[str, str]]:
     turns = []
     for i, pair in enumerate(list_field(row, "history", optional=True), start=1):
@@ -60,6 +67,7 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
         location=location,
         derived={"track": conversation_track(history)},
         conversation="\n".join([*(t["text"] for t in history), question, response]),
+        unread_keys=tuple(sorted(str(key) for key in set(row) - READ_KEYS)),
     )
 
 
