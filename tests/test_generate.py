@@ -412,8 +412,10 @@ def test_prompts_without_a_checkpoint_write_whole_conversations_as_messages(demo
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(predictions), "--prompts", str(out),
                  "--out", str(tmp_path / "eval"), "--bootstrap-draws", "20", "--no-detectability",
                  "--no-baselines", "--no-diversity", "--no-progress"]) == 0
-    assert f"{len(rows)} of {len(by_id)} rows (the ones `prompts --per-bucket 2 --seed 0` answered" in \
+    assert f"{len(rows)} of {len(by_id)} rows (the ones `prompts --per-bucket 2 --seed 0` chose" in \
         capsys.readouterr().out
+    # the engine's rows name no profile: the one the prompts were written with is the evaluation's
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["config"]["profile"] == ["context"]
     command = ["prompts", "--records", str(records_path), "--out", str(tmp_path / "o.jsonl")]
     with pytest.raises(SystemExit):  # a usage error
         main([*command, "--max-prompt-tokens", "100"])

@@ -59,8 +59,9 @@ def test_prediction_files_are_checked(tmp_path):
     path.write_text('{"id": "a", "prediction": "x"}\n{"id": "a", "prediction": "y"}\n')
     with pytest.raises(InputError, match="p.jsonl:2: duplicate id 'a'"):
         read_predictions(path)
-    path.write_text('{"id": "a"}\n')
-    with pytest.raises(InputError, match="p.jsonl:1: a prediction row needs string fields id and prediction"):
+    path.write_text('{"id": "a", "response": "Paris."}\n')  # the key an engine named otherwise: said which it has
+    with pytest.raises(InputError, match=r"p.jsonl:1: a prediction row needs string fields id and prediction \(it "
+                                         r"has id, response\)"):
         read_predictions(path)
     # the rows written as one JSON array (json.dump of a list), as a user's script may write them
     path.write_text(json.dumps([{"id": "a", "prediction": "Paris is the capital of France."}]))

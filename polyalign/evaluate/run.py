@@ -298,7 +298,10 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool, promp
                          partial=alignment["evaluated"] < total)
         if alignment["partial"] and "evaluated_ids" not in alignment:
             alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
-    return Joined(records, predictions, alignment, profiles=sorted({r.get("profile", "unknown") for r in rows}),
+    # an engine's rows name no profile; the prompts it answered were rendered with one, which its manifest holds
+    rendered = ((read_record(prompts) or {}).get("summary") or {}).get("profile") if prompts is not None else None
+    return Joined(records, predictions, alignment,
+                  profiles=sorted({r.get("profile", rendered or "unknown") for r in rows}),
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
 
 

@@ -21,7 +21,9 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise InputError(f"{path}:{number}: {JSON_ARRAY}")
             if (not isinstance(row, dict) or not isinstance(row.get("id"), str)
                     or not isinstance(row.get("prediction"), str)):
-                raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction")
+                found = (f" (it has {', '.join(map(str, row)) or 'no keys'})" if isinstance(row, dict)
+                         else f" (it is a {type(row).__name__})")
+                raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction{found}")
             yield number, row
     except jsonl.JsonProblem as problem:
         with open(path, encoding="utf-8", errors="replace") as handle:
