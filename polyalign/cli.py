@@ -1517,11 +1517,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `polyalign` program: `main`'s status as the process's. A command stopped by SIGTERM ends at once
-    after its line (os._exit), as the signal's default would have ended it: stopped while JAX's backend was
-    starting, the interpreter's shutdown can crash in a half-initialised native library (status 139)."""
+    """The `polyalign` program: `main`'s status as the process's. A command stopped by SIGTERM or Ctrl-C ends at
+    once after its line (os._exit; its outputs were closed as main returned), as the signal's default would have
+    ended it: stopped while JAX's backend was starting or its threads were running, the interpreter's shutdown
+    can crash in a native library (status 139: `generate` stopped by Ctrl-C once in nine tries)."""
     code = main()
-    if code == TERMINATED:
+    if code in (TERMINATED, 130):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -547,16 +547,20 @@ def test_sigterm_before_a_command_handles_it_stops_in_one_line_with_status_143(m
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_the_program_stopped_by_sigterm_says_so_and_ends_with_status_143(tmp_path):
-    """As a program (`polyalign ...`, `python -m polyalign.cli`): one line and status 143, ended at once
-    after it; stopped while JAX's backend was starting, interpreter shutdown crashed (status 139)."""
+@pytest.mark.parametrize("name, status, said", [("SIGTERM", 143, "stopped by SIGTERM"), ("SIGINT", 130, "interrupted")])
+def test_the_program_stopped_by_a_signal_says_so_and_ends_at_once_with_its_status(name, status, said, tmp_path):
+    """As a program (`polyalign ...`, `python -m polyalign.cli`): one line and status 143 (SIGTERM) or 130
+    (Ctrl-C), ended at once after it, without the interpreter's shutdown (an atexit handler never runs):
+    stopped while JAX's backend was starting or its threads ran, that shutdown crashed (status 139)."""
     import signal
     import subprocess
     import sys
     import time
 
     ready = tmp_path / "ready"
-    program = ("import sys, time\nfrom pathlib import Path\nfrom polyalign import cli\n"
+    program = ("import atexit, signal, sys, time\nfrom pathlib import Path\nfrom polyalign import cli\n"
+               "signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts it\n"
+               "atexit.register(lambda: print('shutdown ran', file=sys.stderr))\n"
                f"def slow(args):\n    Path({str(ready)!r}).write_text('')\n    time.sleep(30)\n"
                "cli._run_generate = slow\n"
                "sys.argv = ['polyalign', 'generate', '--checkpoint', 'M', '--records', 'R.jsonl', '--out', 'P.jsonl']\n"
@@ -565,9 +569,9 @@ def test_the_program_stopped_by_sigterm_says_so_and_ends_with_status_143(tmp_pat
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 143
-    assert process.stderr.read() == "polyalign generate: stopped by SIGTERM\n"
+    process.send_signal(getattr(signal, name))
+    assert process.wait(timeout=30) == status
+    assert process.stderr.read() == f"polyalign generate: {said}\n"
 
 
 def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_run, demo_tokenizer, capsys):
