@@ -1086,6 +1086,10 @@ def _add_evaluate(sub) -> None:
                    help="the file `polyalign prompts` wrote for an external engine (vLLM, SGLang): predictions "
                         "answering the records it chose (--limit, --sample, --per-bucket) from --records are "
                         "evaluated on those, as generate's are")
+    p.add_argument("--common-with", nargs="+", type=Path, default=(), metavar="PREDICTIONS",
+                   help="other systems' predictions files: evaluate only the records every one of them and this one "
+                        "answers once; evaluating each system with the same files gives the same rows, which "
+                        "`polyalign report` compares (exports with missing or duplicated ids included)")
     p.add_argument("--overwrite", action="store_true", help="replace EVAL when it was evaluated with other settings")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_run_evaluate)
@@ -1097,7 +1101,7 @@ def _run_evaluate(args) -> int:
 
     options = EvaluateOptions(compat=args.compat or "cjk", references=args.references, support=args.support,
                               featurizer=args.featurizer, scorer=args.scorer, allow_partial=args.allow_partial,
-                              prompts=args.prompts,
+                              prompts=args.prompts, common_with=tuple(args.common_with),
                               intervals=IntervalOptions(draws=args.bootstrap_draws, seed=args.seed),
                               diversity=not args.no_diversity, baselines=not args.no_baselines,
                               detectability=not args.no_detectability, dtype=args.dtype)
@@ -1119,7 +1123,9 @@ def _run_evaluate(args) -> int:
     kept = "kept in diversity, as the authors' code does" if answers.get("in_diversity") else "left out of diversity"
     alignment, wordless = result["alignment"], answers.get("without_words", 0)
     said = []
-    if alignment.get("selected_by"):
+    if alignment.get("common_with"):
+        said.append(f"the ones all {alignment['common_with']} predictions files answer once (--common-with)")
+    elif alignment.get("selected_by"):
         said.append(f"the ones `{alignment['selected_by']}` {'chose' if 'chosen' in alignment else 'answered'}")
     # generate's own selection leaves the records it did not choose without a prediction: expected, not said
     chosen_by_generate = alignment.get("selected_by") and "chosen" not in alignment
@@ -1127,7 +1133,7 @@ def _run_evaluate(args) -> int:
         ("missing", "without a prediction") if not chosen_by_generate else ("", ""),
         ("duplicate", "answered twice or more with different answers (every copy left out)"),
         ("extra", "predictions for ids the records do not hold")) if key and alignment.get(key)]
-    if left or (alignment.get("partial") and not alignment.get("selected_by")):
+    if left or (alignment.get("partial") and not alignment.get("selected_by") and not alignment.get("common_with")):
         said.append("partial: the ids with one answer" + (f"; {', '.join(left)}" if left else ""))
     if alignment.get("identical_copies"):
         n = alignment["identical_copies"]
@@ -1250,7 +1256,7 @@ def _run_report(args) -> int:
         print(f"note: {', '.join(summary['other_data'])} evaluated other test records or another support than "
               f"{summary['runs'][0]}: their intervals are not compared (--allow-different-data compares them; "
               "runs evaluated with --allow-partial on other ids compare once each is evaluated on the records "
-              "all of them answered)")
+              "all of them answered: `polyalign evaluate ... --common-with` and every run's predictions file)")
     print(f"report: {args.out / 'report.html'}")
     return 0
 

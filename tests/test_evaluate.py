@@ -900,7 +900,8 @@ def test_report_does_not_call_differences_supported_between_other_records_or_sup
     out = capsys.readouterr().out
     assert ("note: support, records evaluated other test records or another support than a: their intervals are "
             "not compared (--allow-different-data compares them; runs evaluated with --allow-partial on other ids "
-            "compare once each is evaluated on the records all of them answered)") in out
+            "compare once each is evaluated on the records all of them answered: `polyalign evaluate ... "
+            "--common-with` and every run's predictions file)") in out
     verdicts = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["summary"]["differences"]
     # every pair, the later run minus the earlier
     assert list(verdicts) == ["same - a", "support - a", "records - a", "support - same", "records - same",
@@ -1379,6 +1380,51 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
     with pytest.raises(SystemExit):  # a name per folder, distinct
         main(["report", *evals, "--names", "same", "same", "--out", str(tmp_path / "cmp3")])
     assert "--names takes one distinct name per EVAL folder: 2 folders, names same same" in capsys.readouterr().err
+
+
+def test_messy_exports_of_three_systems_compare_on_the_rows_all_of_them_answer(demo_run, tmp_path, capsys):
+    """Three systems' answers with the faults real exports have (one leaves ids out, one answers an id twice
+    differently, one repeats a row word for word): each evaluated with --common-with the three files reads the
+    same rows, those every file answers once, and the comparison judges their differences (with
+    --allow-partial alone each read other rows, and nothing was compared)."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "test.jsonl")[:120]
+    subset = tmp_path / "test.jsonl"
+    subset.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+    rows = {"a": [{"id": r.id, "prediction": r.response} for r in records[3:]],
+            "b": [{"id": r.id, "prediction": first_sentence(r.context or r.question)} for r in records]
+            + [{"id": records[10].id, "prediction": records[11].response}],
+            "c": [{"id": r.id, "prediction": r.question} for r in records] + [{"id": records[20].id,
+                                                                               "prediction": records[20].question}]}
+    files = {}
+    for name, written in rows.items():
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in written))
+    common = [r.id for r in records[3:] if r.id != records[10].id]  # a left 3 out; b answered one twice
+    for name in rows:
+        assert main(["evaluate", "--records", str(subset), "--predictions", str(files[name]), "--out",
+                     str(tmp_path / f"eval_{name}"), "--bootstrap-draws", "20", "--no-detectability", "--no-progress",
+                     "--common-with", *(str(f) for f in files.values())]) == 0
+        printed = capsys.readouterr().out
+        assert printed.startswith(f"{len(common)} of 120 rows (the ones all 3 predictions files answer once "
+                                  "(--common-with)")
+        alignment = json.loads((tmp_path / f"eval_{name}" / "metrics.json").read_text())["alignment"]
+        assert alignment["evaluated_ids"] == alignment_digest(common)
+    assert main(["report", *(str(tmp_path / f"eval_{n}") for n in rows), "--out", str(tmp_path / "cmp")]) == 0
+    assert "evaluated other test records" not in capsys.readouterr().out
+    verdicts = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["summary"]["differences"]
+    assert verdicts["eval_b - eval_a"]["BNG weighted"]["verdict"] != "not compared: other test records"
+    markdown = (tmp_path / "cmp" / "report.md").read_text()
+    assert f"| test rows | {len(common)} of 120 (the ones all 3 predictions files answer once) |" in markdown
+
+
+def alignment_digest(ids):
+    from polyalign.evaluate.run import evaluated_ids_digest
+
+    return evaluated_ids_digest(ids)
 
 
 def test_a_diversity_difference_says_whether_it_moved_toward_peoples_own_value():

@@ -152,6 +152,8 @@ class EvaluateOptions:
     records' own. featurizer: a checkpoint whose pooled hidden states feed MAUVE. scorer: a checkpoint for
     the LM features. allow_partial: evaluate the intersection of ids. prompts: the file `polyalign prompts` wrote
     for an external engine, whose selection of records (--limit, --per-bucket) the predictions answer.
+    common_with: other systems' predictions files; only the records every one of them and this one answer
+    (once) are evaluated, so that evaluations of messy exports given the same files read the same rows.
     diversity, baselines: those sections."""
 
     compat: str = "cjk"
@@ -161,6 +163,7 @@ class EvaluateOptions:
     scorer: Path | None = None
     allow_partial: bool = False
     prompts: Path | None = None
+    common_with: tuple[Path, ...] = ()  # other systems' predictions: only the ids every one of them answers
     plots: bool = True
     intervals: sp.IntervalOptions = dataclasses.field(default_factory=sp.IntervalOptions)
     diversity: bool = True
@@ -192,7 +195,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
     if options.scorer is not None and options.support is not None:  # before any work, not after the first metrics
         raise EvaluationError(SCORER_WITH_SUPPORT)
     inputs = {"records": records_path, "predictions": predictions_path, "references": options.references,
-              "support": options.support, "prompts": options.prompts}
+              "support": options.support, "prompts": options.prompts,
+              **{f"common_with {i + 1}": path for i, path in enumerate(options.common_with)}}
     settings = {**{k: None if v is None else str(Path(v).resolve()) for k, v in inputs.items()},
                 "compat": options.compat, "featurizer": options.featurizer and str(options.featurizer),
                 "scorer": options.scorer and str(options.scorer), "allow_partial": options.allow_partial,
@@ -282,10 +286,37 @@ def generate_selection(predictions_path: Path, records_path: Path, records: list
     return f"generate {' '.join(chosen)}{seed}"
 
 
-def _join(records_path: Path, predictions_path: Path, allow_partial: bool, prompts: Path | None = None) -> Joined:
+def answered_once(rows: list[dict]) -> set[str]:
+    """The ids a predictions file answers with one answer (given once, or repeated with the same text)."""
+    answers: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        answers[row["id"]].add(row["prediction"])
+    return {i for i, texts in answers.items() if len(texts) == 1}
+
+
+def _join(records_path: Path, predictions_path: Path, allow_partial: bool, prompts: Path | None = None,
+          common_with: tuple[Path, ...] = ()) -> Joined:
     rows, seen, lines = load_predictions(predictions_path)
     records = read_records(records_path)
-    if prompts is None:
+    if common_with:  # the rows every system answered: each evaluation given the same files reads the same ones
+        common = answered_once(rows)
+        files = {Path(predictions_path).resolve(), *(Path(other).resolve() for other in common_with)}
+        for other in files - {Path(predictions_path).resolve()}:  # this file among them (as users list all) once
+            common &= answered_once(load_predictions(other)[0])
+        total = len(records)
+        if prompts is not None:
+            records = [r for r in records if r.id in _prompts_selection(prompts, records_path, records)[0]]
+        records = [r for r in records if r.id in common]
+        if not records:
+            raise EvaluationError(f"no record is answered once by {predictions_path} and every --common-with file")
+        kept = {r.id for r in records}
+        rows = [row for row in rows if row["id"] in kept]
+        seen = Counter(row["id"] for row in rows)
+        records, predictions, alignment = align(records, rows, seen, allow_partial, None, lines)
+        alignment.update(records=total, common_with=len(files), partial=len(records) < total)
+        if alignment["partial"]:
+            alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
+    elif prompts is None:
         selection = generate_selection(predictions_path, records_path, records, set(seen))
         records, predictions, alignment = align(records, rows, seen, allow_partial, selection, lines)
     else:  # the records the prompts file holds are the ones to answer: a fault is counted against those
@@ -315,7 +346,7 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
               settings: dict[str, Any], progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     # the inputs are read before the bar starts: a bad row is one line, with no bar before it
-    joined = _join(records_path, predictions_path, options.allow_partial, options.prompts)
+    joined = _join(records_path, predictions_path, options.allow_partial, options.prompts, options.common_with)
     with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar:
         return _measure(joined, out, options, settings, bar, started, records_path, predictions_path)
 

@@ -997,6 +997,8 @@ def _partial_words(alignment: dict) -> str:
     """" of 2842 (...)": which part of the test records a partial evaluation read; nothing for a whole one."""
     if not alignment.get("partial"):
         return ""
+    if alignment.get("common_with"):
+        return f" of {alignment['records']} (the ones all {alignment['common_with']} predictions files answer once)"
     chosen = alignment.get("selected_by")
     said = [f"the ones `{chosen}` {'chose' if 'chosen' in alignment else 'answered'}"] if chosen else []
     faults = [f"{alignment[key]} {word}" for key, word in (("missing", "without an answer"),
