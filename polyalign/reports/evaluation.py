@@ -58,7 +58,7 @@ def _macro_row(name: str, *metric: str, optional: bool = False) -> OverallRow:
                       (*metric, "floor_macro_interval"), optional)
 
 
-NUF_ROW = "NUF hypervolume (higher is better)"
+NUF_ROW = "NUF hypervolume: the area under the naturalness-utility frontier of the buckets (higher is better)"
 # each name says which way is better: a reader of one number should not need the docs for that. HCR's bands hold
 # 90% of the reference pool's people by construction; held-out people land on their own floor, the mark here.
 HCR_MACRO = "HCR macro (higher is more human-like; people's floor is the mark)"

@@ -39,7 +39,7 @@ def tdm_coverage_text(tdm: dict) -> str | None:
     measured = tdm["by_bucket"]
     rows = sum(b["rows"] for b in measured.values())
     return (f"TDM is over {len(measured)} of {len(measured) + len(left)} multi-turn buckets ({rows} of {tdm['rows']} "
-            f"rows): {', '.join(f'{b} ({n} rows)' for b, n in left.items())} "
+            f"rows): {', '.join(f'{b} ({_rows(n)})' for b, n in left.items())} "
             f"{'is' if len(left) == 1 else 'are'} under {tdm['min_bucket_rows']} rows and left out")
 
 
@@ -54,3 +54,7 @@ def below_people_text(detect: dict) -> str | None:
             f"{detect['floor_macro']:.4f} [{floor[0]:.3f}, {floor[1]:.3f}]: the classifier tells these answers from "
             "people's less well than people's from each other, as when answers repeat people's own texts (copied "
             "or retrieved answers); read it as that, not as more human than people")
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
