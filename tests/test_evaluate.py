@@ -1419,6 +1419,9 @@ def test_messy_exports_of_three_systems_compare_on_the_rows_all_of_them_answer(d
     assert verdicts["eval_b - eval_a"]["BNG weighted"]["verdict"] != "not compared: other test records"
     markdown = (tmp_path / "cmp" / "report.md").read_text()
     assert f"| test rows | {len(common)} of 120 (the ones all 3 predictions files answer once) |" in markdown
+    # the same rows: what TDM leaves out is the same for every run, said once
+    assert json.loads((tmp_path / "eval_a" / "metrics.json").read_text())["metrics"]["tdm"]["left_out"]
+    assert "\nEvery run: TDM is over " in markdown and "eval_a: TDM" not in markdown
 
 
 def alignment_digest(ids):

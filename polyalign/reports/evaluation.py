@@ -288,16 +288,37 @@ def _settings(result: dict) -> str:
     return (f"<p>models {html.escape(', '.join(c['models']))}; profile {html.escape(', '.join(c['profile']))}; "
             f"{a['evaluated']} of {a['records']} test rows; compat {c['compat']}; MAUVE "
             f"{html.escape(str(mauve['status']))}{mauve_note}.{partial}{empty_note}</p>"
-            + "".join(f"<p><b>{html.escape(text[0].upper() + text[1:])}.</b></p>" for text in notes_for_reader(result)))
+            + "".join(_note_html(text, warns) for text, warns in notes_for_reader(result)))
 
 
-def notes_for_reader(result: dict) -> list[str]:
-    """What a reader needs beside this evaluation's numbers (reports/reading_notes.py), as sentences."""
+def _note_html(text: str, warns: bool, sentence: bool = True) -> str:
+    """A reading note as a paragraph, bold where it warns; `sentence`: it opens one (capitalised), not with a
+    run's name (kept as the user wrote it)."""
+    text = html.escape(text[0].upper() + text[1:] if sentence else text)
+    return f"<p><b>{text}.</b></p>" if warns else f"<p>{text}.</p>"
+
+
+def notes_for_reader(result: dict) -> list[tuple[str, bool]]:
+    """What a reader needs beside this evaluation's numbers (reports/reading_notes.py), as sentences, each
+    with whether it warns (an answer or a number to distrust) or informs (what a number covers)."""
     found = result["metrics"]["bng"].get("one_answer")
-    return [text for text in (one_answer_text(found) if found else None,
-                              wrong_script_text((result.get("answers") or {}).get("wrong_script")),
-                              tdm_coverage_text(result["metrics"].get("tdm") or {}),
-                              below_people_text(result["metrics"].get("detectability") or {})) if text]
+    wrong = (result.get("answers") or {}).get("wrong_script") or {}
+    return [(text, warns) for text, warns in (
+        (one_answer_text(found) if found else None, True),
+        # as many as people's own (code-switching in the data) informs; more warns
+        (wrong_script_text(wrong), wrong.get("answers", 0) > wrong.get("people", 0)),
+        (below_people_text(result["metrics"].get("detectability") or {}), True),
+        (tdm_coverage_text(result["metrics"].get("tdm") or {}), False)) if text]
+
+
+def _runs_notes(runs: dict[str, dict]) -> list[tuple[str, bool]]:
+    """Each run's reading notes named by run; one every run has word for word (the runs read the same rows)
+    is said once, for all of them."""
+    per_run = {name: notes_for_reader(r) for name, r in runs.items()}
+    shared = [note for note in next(iter(per_run.values()), []) if all(note in notes for notes in per_run.values())]
+    everyone = [(f"Every run: {text}", warns) for text, warns in shared] if len(runs) > 1 else []
+    return everyone + [(f"{name}: {text}", warns) for name, notes in per_run.items() for text, warns in notes
+                       if len(runs) == 1 or (text, warns) not in shared]
 
 
 # Which reason (metrics.json's `not_available`) explains a missing number of the overall table.
@@ -945,8 +966,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                     f"{its} own model or a model of {its} lineage as the MAUVE featurizer</b>, which reads its own "
                     "answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and the "
                     "aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
-    single = [f"{name}: {text}" for name, r in runs.items() for text in notes_for_reader(r)]
-    warning += "".join(f"<p><b>{html.escape(text)}.</b></p>" for text in single)
+    single = _runs_notes(runs)
+    warning += "".join(_note_html(text, warns, sentence=False) for text, warns in single)
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
@@ -976,7 +997,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
                 *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
-                *(f"**{text}.**" for text in single), *behind,
+                *(f"**{text}.**" if warns else f"{text}." for text, warns in single), *behind,
                 "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]
