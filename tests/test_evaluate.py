@@ -284,7 +284,8 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
     assert m["diversity"]["overall"]["human"] == m["diversity"]["overall"]["generated"]
     assert m["mauve"]["status"] == "skipped" and m["mauve"]["global"] is None
     assert result["alignment"] == {"records": len(records), "predictions": len(records), "missing": 0,
-                                   "duplicate": 0, "extra": 0, "partial": False, "evaluated": len(records)}
+                                   "duplicate": 0, "extra": 0, "identical_copies": 0, "partial": False,
+                                   "evaluated": len(records)}
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert set(saved["metrics"]) == {"utility", "diversity", "bng", "hcr", "buckets", "reference_rows", "mauve", "tdm",
                                      "nuf", "aggregate", "detectability"}

@@ -642,6 +642,7 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     probe.buckets, probe.human_tokens = ["a", "a", "b"], np.array([4.0, 5.0, 6.0])
     probe.references = probe.critic = None
     probe.said_empty = probe.said_blind = probe.people_logged = False
+    probe.distance_term = True
     probe.people_scores = {"drift/people_support_distance": None, "drift/people_critic": None}
     trainer = SimpleNamespace(model=lambda params: None, state={"params": None})
     first, second = probe(trainer), probe(trainer)
