@@ -1125,11 +1125,16 @@ def _run_evaluate(args) -> int:
     said = []
     if alignment.get("common_with"):
         said.append(f"the ones all {alignment['common_with']} predictions files answer once (--common-with)")
+        if alignment.get("missing") or alignment.get("duplicate"):  # this file's own, among the others' answers
+            said.append("this file left out " + ", ".join(
+                f"{alignment[key]} {word}" for key, word in (("missing", "that another file answers"),
+                                                            ("duplicate", "answered twice differently"))
+                if alignment.get(key)))
     elif alignment.get("selected_by"):
         said.append(f"the ones `{alignment['selected_by']}` {'chose' if 'chosen' in alignment else 'answered'}")
     # generate's own selection leaves the records it did not choose without a prediction: expected, not said
     chosen_by_generate = alignment.get("selected_by") and "chosen" not in alignment
-    left = [f"{alignment[key]} {word}" for key, word in (
+    left = [] if alignment.get("common_with") else [f"{alignment[key]} {word}" for key, word in (
         ("missing", "without a prediction") if not chosen_by_generate else ("", ""),
         ("duplicate", "answered twice or more with different answers (every copy left out)"),
         ("extra", "predictions for ids the records do not hold")) if key and alignment.get(key)]
@@ -1163,7 +1168,9 @@ def _run_evaluate(args) -> int:
     if m["bng"].get("one_answer"):
         print(f"warning: {one_answer_text(m['bng']['one_answer'])}", file=sys.stderr)
     if wrong := wrong_script_text(answers.get("wrong_script")):
-        print(f"warning: {wrong}", file=sys.stderr)
+        counts = answers["wrong_script"]  # no more than people's own (code-switching in the data): a note
+        warns = counts["answers"] > counts.get("people", 0)
+        print(f"{'warning' if warns else 'note'}: {wrong}", file=sys.stderr if warns else sys.stdout)
     if coverage := tdm_coverage_text(m["tdm"]):
         print(f"note: {coverage}")
     if below := below_people_text(m.get("detectability") or {}):

@@ -389,6 +389,7 @@ def test_predictions_for_the_records_prompts_chose_are_evaluated_with_its_file(d
     are evaluated as generate's selection is, named; without it they need --allow-partial (the docs said
     evaluate named such a selection, and it refused: "2592 missing")."""
     from polyalign.cli import main
+    from polyalign.core.outputs import sidecar
     from polyalign.data.records import read_records
 
     run, _, _ = demo_run
@@ -438,6 +439,11 @@ def test_predictions_for_the_records_prompts_chose_are_evaluated_with_its_file(d
         "given twice or more with the same answer, kept once): F1 ")
     alignment = json.loads((tmp_path / "eval6" / "metrics.json").read_text())["alignment"]
     assert (alignment["missing_ids"], alignment["duplicate_ids"]) == ([chosen[2].id], [chosen[1].id])
+    empty = tmp_path / "empty.jsonl"  # a prompts file emptied since: said, not "0 records chose"
+    empty.write_text("")
+    shutil.copy(sidecar(prompts), sidecar(empty))
+    with pytest.raises(EvaluationError, match="empty.jsonl holds no prompts: nothing to evaluate"):
+        evaluate(subset, answers, tmp_path / "eval7", EvaluateOptions(plots=False, prompts=empty, allow_partial=True))
     with pytest.raises(EvaluationError, match="no manifest beside it"):  # a file prompts did not write
         evaluate(subset, tmp_path / "p.jsonl", tmp_path / "eval3", EvaluateOptions(plots=False,
                                                                                   prompts=tmp_path / "p.jsonl"))
@@ -1410,10 +1416,19 @@ def test_messy_exports_of_three_systems_compare_on_the_rows_all_of_them_answer(d
                      str(tmp_path / f"eval_{name}"), "--bootstrap-draws", "20", "--no-detectability", "--no-progress",
                      "--common-with", *(str(f) for f in files.values())]) == 0
         printed = capsys.readouterr().out
+        # what this file itself lacks among what the others answer is still said and named
+        own = {"a": "; this file left out 3 that another file answers", "b": "; this file left out 1 answered twice "
+               "differently", "c": ""}[name]
         assert printed.startswith(f"{len(common)} of 120 rows (the ones all 3 predictions files answer once "
-                                  "(--common-with)")
+                                  f"(--common-with){own}")
         alignment = json.loads((tmp_path / f"eval_{name}" / "metrics.json").read_text())["alignment"]
         assert alignment["evaluated_ids"] == alignment_digest(common)
+        assert (alignment.get("missing_ids"), alignment.get("duplicate_ids")) == {
+            "a": ([r.id for r in records[:3]], None), "b": (None, [records[10].id]), "c": (None, None)}[name]
+    # naming only itself is no comparison: said
+    assert main(["evaluate", "--records", str(subset), "--predictions", str(files["a"]), "--out",
+                 str(tmp_path / "alone"), "--common-with", str(files["a"])]) == 2
+    assert "--common-with names no other predictions file than --predictions" in capsys.readouterr().err
     assert main(["report", *(str(tmp_path / f"eval_{n}") for n in rows), "--out", str(tmp_path / "cmp")]) == 0
     assert "evaluated other test records" not in capsys.readouterr().out
     verdicts = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["summary"]["differences"]

@@ -238,6 +238,42 @@ def _rows_by(keys) -> dict[str, list[int]]:
     return rows
 
 
+def _join_common(records_path: Path, records: list, rows: list[dict], seen: Counter, lines: dict[str, list[int]],
+                 predictions_path: Path, prompts: Path | None, common_with: tuple[Path, ...]
+                 ) -> tuple[list, list[str], dict]:
+    """`_join` under --common-with: the records (of the prompts' selection, with --prompts) that this file and
+    every other answers once. What this file itself lacks among the records any of them answers (an id it
+    left out, one it answered twice differently) is still counted and named in the alignment."""
+    here = Path(predictions_path).resolve()
+    files = {here, *(Path(other).resolve() for other in common_with)}
+    if len(files) < 2:
+        raise EvaluationError("--common-with names no other predictions file than --predictions: give every "
+                              "system's file, to evaluate the records all of them answer")
+    others = [load_predictions(other)[0] for other in sorted(files - {here})]  # this file among them (as users
+    common = answered_once(rows)  # list every system's) is read once
+    for other in others:
+        common &= answered_once(other)
+    total = len(records)
+    if prompts is not None:
+        chosen = _prompts_selection(prompts, records_path, records)[0]
+        records = [r for r in records if r.id in chosen]
+    answered_by_any = set(seen).union(*({row["id"] for row in other} for other in others))
+    missing = [r.id for r in records if r.id in answered_by_any and r.id not in seen]
+    different = sorted(i for i in seen if i not in answered_once(rows))
+    records = [r for r in records if r.id in common]
+    if not records:
+        raise EvaluationError(f"no record is answered once by {predictions_path} and every --common-with file")
+    kept = {r.id for r in records}
+    rows = [row for row in rows if row["id"] in kept]
+    records, predictions, alignment = align(records, rows, Counter(row["id"] for row in rows), True, None, lines)
+    alignment.update(records=total, common_with=len(files), partial=len(records) < total, missing=len(missing),
+                     duplicate=len(different), **({"missing_ids": missing[:100]} if missing else {}),
+                     **({"duplicate_ids": different[:100]} if different else {}))
+    if alignment["partial"]:
+        alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
+    return records, predictions, alignment
+
+
 def _prompts_selection(prompts: Path, records_path: Path, records: list) -> tuple[set[str], str]:
     """The ids a `polyalign prompts` file holds, and how it chose them ("prompts --per-bucket 20 --seed 1";
     "prompts" where it took every record); refused unless its manifest names these records as they are."""
@@ -250,6 +286,8 @@ def _prompts_selection(prompts: Path, records_path: Path, records: list) -> tupl
         raise EvaluationError(f"{prompts} was written from other records than {records_path} holds now (another "
                               "split, or prepare ran again): write the prompts again from these records")
     chosen = {row["id"] for _, row in jsonl.read_lines(prompts)}
+    if not chosen:
+        raise EvaluationError(f"{prompts} holds no prompts: nothing to evaluate")
     unknown = chosen - {r.id for r in records}
     if unknown:
         raise EvaluationError(f"{prompts}: {len(unknown)} ids the records do not hold (e.g. {sorted(unknown)[0]})")
@@ -299,23 +337,8 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool, promp
     rows, seen, lines = load_predictions(predictions_path)
     records = read_records(records_path)
     if common_with:  # the rows every system answered: each evaluation given the same files reads the same ones
-        common = answered_once(rows)
-        files = {Path(predictions_path).resolve(), *(Path(other).resolve() for other in common_with)}
-        for other in files - {Path(predictions_path).resolve()}:  # this file among them (as users list all) once
-            common &= answered_once(load_predictions(other)[0])
-        total = len(records)
-        if prompts is not None:
-            records = [r for r in records if r.id in _prompts_selection(prompts, records_path, records)[0]]
-        records = [r for r in records if r.id in common]
-        if not records:
-            raise EvaluationError(f"no record is answered once by {predictions_path} and every --common-with file")
-        kept = {r.id for r in records}
-        rows = [row for row in rows if row["id"] in kept]
-        seen = Counter(row["id"] for row in rows)
-        records, predictions, alignment = align(records, rows, seen, allow_partial, None, lines)
-        alignment.update(records=total, common_with=len(files), partial=len(records) < total)
-        if alignment["partial"]:
-            alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
+        records, predictions, alignment = _join_common(records_path, records, rows, seen, lines, predictions_path,
+                                                       prompts, common_with)
     elif prompts is None:
         selection = generate_selection(predictions_path, records_path, records, set(seen))
         records, predictions, alignment = align(records, rows, seen, allow_partial, selection, lines)
