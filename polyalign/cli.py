@@ -17,7 +17,7 @@ from pathlib import Path
 import polyalign
 from polyalign.beam import require_beam
 from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, PrepareError
-from polyalign.core.interrupts import TERMINATED, Terminated, interrupts_remembered
+from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, interrupts_remembered
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
@@ -31,7 +31,7 @@ from polyalign.mesh.launch import (
     said_by_another_process,
 )
 from polyalign.reports.no_model import ahead_of_the_model
-from polyalign.reports.reading_notes import below_people_text, one_answer_text, tdm_coverage_text, wrong_script_text
+from polyalign.reports.reading_notes import notes_for_reader
 from polyalign.tokens.profile_template import PROFILE_MODES, SYSTEM_LOST_WHY, SYSTEM_MODES, TRUNCATIONS
 from polyalign.train.methods import (
     METHODS,
@@ -1165,16 +1165,8 @@ def _run_evaluate(args) -> int:
         print(baselines)
     if behind := ahead_of_the_model(m):
         print(f"warning: {behind} (docs/evaluation.md, Reference rows)", file=sys.stderr)
-    if m["bng"].get("one_answer"):
-        print(f"warning: {one_answer_text(m['bng']['one_answer'])}", file=sys.stderr)
-    if wrong := wrong_script_text(answers.get("wrong_script")):
-        counts = answers["wrong_script"]  # no more than people's own (code-switching in the data): a note
-        warns = counts["answers"] > counts.get("people", 0)
-        print(f"{'warning' if warns else 'note'}: {wrong}", file=sys.stderr if warns else sys.stdout)
-    if coverage := tdm_coverage_text(m["tdm"]):
-        print(f"note: {coverage}")
-    if below := below_people_text(m.get("detectability") or {}):
-        print(f"warning: {below}", file=sys.stderr)
+    for text, warns in notes_for_reader(result):  # as the report writes them: a warning, or a note
+        print(f"{'warning' if warns else 'note'}: {text}", file=sys.stderr if warns else sys.stdout)
     detect = m.get("detectability", {})
     if detect.get("status") == "computed":
         print(f"detectability (classifier AUC, 0.5: cannot tell the model from people): "
@@ -1504,7 +1496,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
     except Interrupted as stopped:
         _say(f"polyalign {args.command_path}: {stopped}")
-        return 130
+        return INTERRUPTED
     except PolyalignError as err:
         _say(f"polyalign {args.command_path}: error: {err}")
         return 2
@@ -1518,7 +1510,7 @@ def main(argv: list[str] | None = None) -> int:
         return TERMINATED
     except KeyboardInterrupt:
         _say(f"polyalign {args.command_path}: interrupted")
-        return 130
+        return INTERRUPTED
     except OSError as err:
         if err.errno not in _FULL_OR_READ_ONLY:
             raise
@@ -1535,7 +1527,7 @@ def entry() -> None:
     ended it: stopped while JAX's backend was starting or its threads were running, the interpreter's shutdown
     can crash in a native library (status 139: `generate` stopped by Ctrl-C once in nine tries)."""
     code = main()
-    if code in (TERMINATED, 130):
+    if code in (TERMINATED, INTERRUPTED):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

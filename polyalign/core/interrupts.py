@@ -16,6 +16,7 @@ _requested: dict[int, threading.Event] = {signal.SIGINT: threading.Event(), sign
 
 
 TERMINATED = 128 + signal.SIGTERM  # the shell's status of a process SIGTERM ended; polyalign's after one
+INTERRUPTED = 128 + signal.SIGINT  # the same for Ctrl-C (130)
 
 
 class Terminated(KeyboardInterrupt):

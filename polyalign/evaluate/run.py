@@ -68,9 +68,7 @@ def align(records, rows: list[dict], seen: Counter, allow_partial: bool, selecte
     counted. `selected_by`: how `generate` chose the records it answered from this very file
     (generate_selection), whose missing ids are expected. `what`: the records, as the error names them."""
     ids = {r.id for r in records}
-    answers: dict[str, set[str]] = defaultdict(set)
-    for row in rows:
-        answers[row["id"]].add(row["prediction"])
+    answers = _answers_by_id(rows)
     missing = [r.id for r in records if r.id not in seen]
     copies = sorted(i for i, c in seen.items() if c > 1 and len(answers[i]) == 1)
     duplicate = sorted(i for i, c in seen.items() if c > 1 and len(answers[i]) > 1)
@@ -250,28 +248,34 @@ def _join_common(records_path: Path, records: list, rows: list[dict], seen: Coun
         raise EvaluationError("--common-with names no other predictions file than --predictions: give every "
                               "system's file, to evaluate the records all of them answer")
     others = [load_predictions(other)[0] for other in sorted(files - {here})]  # this file among them (as users
-    common = answered_once(rows)  # list every system's) is read once
-    for other in others:
-        common &= answered_once(other)
+    once = answered_once(rows)  # list every system's) is read once
+    common = once.intersection(*(answered_once(other) for other in others))
     total = len(records)
     if prompts is not None:
         chosen = _prompts_selection(prompts, records_path, records)[0]
         records = [r for r in records if r.id in chosen]
     answered_by_any = set(seen).union(*({row["id"] for row in other} for other in others))
     missing = [r.id for r in records if r.id in answered_by_any and r.id not in seen]
-    different = sorted(i for i in seen if i not in answered_once(rows))
+    different = sorted(set(seen) - once)
     records = [r for r in records if r.id in common]
     if not records:
         raise EvaluationError(f"no record is answered once by {predictions_path} and every --common-with file")
     kept = {r.id for r in records}
     rows = [row for row in rows if row["id"] in kept]
     records, predictions, alignment = align(records, rows, Counter(row["id"] for row in rows), True, None, lines)
-    alignment.update(records=total, common_with=len(files), partial=len(records) < total, missing=len(missing),
-                     duplicate=len(different), **({"missing_ids": missing[:100]} if missing else {}),
+    alignment.update(common_with=len(files), missing=len(missing), duplicate=len(different),
+                     **({"missing_ids": missing[:100]} if missing else {}),
                      **({"duplicate_ids": different[:100]} if different else {}))
+    return records, predictions, _of_the_split(alignment, records, total)
+
+
+def _of_the_split(alignment: dict, records: list, total: int) -> dict:
+    """`alignment` of the records a selection kept (`records`) as a part of the whole split of `total`: partial
+    where fewer, with the digest of which ones (two partial evaluations compare only on the same rows)."""
+    alignment.update(records=total, partial=len(records) < total)
     if alignment["partial"]:
         alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
-    return records, predictions, alignment
+    return alignment
 
 
 def _prompts_selection(prompts: Path, records_path: Path, records: list) -> tuple[set[str], str]:
@@ -291,12 +295,16 @@ def _prompts_selection(prompts: Path, records_path: Path, records: list) -> tupl
     unknown = chosen - {r.id for r in records}
     if unknown:
         raise EvaluationError(f"{prompts}: {len(unknown)} ids the records do not hold (e.g. {sorted(unknown)[0]})")
-    settings = manifest.get("settings") or {}
-    picked = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
+    return chosen, selection_words("prompts", manifest.get("settings") or {})
+
+
+def selection_words(stage: str, settings: dict) -> str:
+    """How a stage chose its records, as its command line said it: "generate --per-bucket 2 --seed 4"; the
+    stage's name alone where it took them all."""
+    chosen = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
               if settings.get(key) is not None]
-    seed = f" --seed {settings['seed']}" if settings.get("sample") is not None or settings.get("per_bucket") \
-        is not None else ""
-    return chosen, " ".join(["prompts", *picked]) + seed
+    seeded = settings.get("sample") is not None or settings.get("per_bucket") is not None
+    return " ".join([stage, *chosen]) + (f" --seed {settings['seed']}" if seeded else "")
 
 
 def generate_selection(predictions_path: Path, records_path: Path, records: list, answered: set[str]) -> str | None:
@@ -306,10 +314,9 @@ def generate_selection(predictions_path: Path, records_path: Path, records: list
     short or filtered since is no selection of generate's."""
     manifest = read_record(predictions_path) or {}
     settings = manifest.get("settings") or {}
-    chosen = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("limit", "sample", "per_bucket")
-              if settings.get(key) is not None]
+    chose = any(settings.get(key) is not None for key in ("limit", "sample", "per_bucket"))
     recorded = (manifest.get("made_from") or {}).get("records")
-    if not chosen or not isinstance(recorded, str) or is_uri(str(records_path)) or \
+    if not chose or not isinstance(recorded, str) or is_uri(str(records_path)) or \
             recorded != file_digest(records_path):
         return None
     try:
@@ -319,17 +326,20 @@ def generate_selection(predictions_path: Path, records_path: Path, records: list
         return None
     if {r.id for r in taken} != answered:
         return None
-    seeded = settings.get("sample") is not None or settings.get("per_bucket") is not None
-    seed = f" --seed {settings['seed']}" if seeded else ""
-    return f"generate {' '.join(chosen)}{seed}"
+    return selection_words("generate", settings)
+
+
+def _answers_by_id(rows: list[dict]) -> dict[str, set[str]]:
+    """The distinct answers each id is given (one set of texts an id)."""
+    answers: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        answers[row["id"]].add(row["prediction"])
+    return answers
 
 
 def answered_once(rows: list[dict]) -> set[str]:
     """The ids a predictions file answers with one answer (given once, or repeated with the same text)."""
-    answers: dict[str, set[str]] = defaultdict(set)
-    for row in rows:
-        answers[row["id"]].add(row["prediction"])
-    return {i for i, texts in answers.items() if len(texts) == 1}
+    return {i for i, texts in _answers_by_id(rows).items() if len(texts) == 1}
 
 
 def _join(records_path: Path, predictions_path: Path, allow_partial: bool, prompts: Path | None = None,
@@ -348,10 +358,7 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool, promp
         records = [r for r in records if r.id in chosen]
         records, predictions, alignment = align(records, rows, seen, allow_partial, None, lines,
                                                 f"the {len(records)} records `{label}` chose")
-        alignment.update(records=total, chosen=len(chosen), selected_by=label,
-                         partial=alignment["evaluated"] < total)
-        if alignment["partial"] and "evaluated_ids" not in alignment:
-            alignment["evaluated_ids"] = evaluated_ids_digest(r.id for r in records)
+        alignment = _of_the_split({**alignment, "chosen": len(chosen), "selected_by": label}, records, total)
     # an engine's rows name no profile; the prompts it answered were rendered with one, which its manifest holds
     rendered = ((read_record(prompts) or {}).get("summary") or {}).get("profile") if prompts is not None else None
     return Joined(records, predictions, alignment,

@@ -26,12 +26,7 @@ from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # no
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.no_model import ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
-from polyalign.reports.reading_notes import (  # noqa: E402
-    below_people_text,
-    one_answer_text,
-    tdm_coverage_text,
-    wrong_script_text,
-)
+from polyalign.reports.reading_notes import notes_for_reader  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -296,19 +291,6 @@ def _note_html(text: str, warns: bool, sentence: bool = True) -> str:
     run's name (kept as the user wrote it)."""
     text = html.escape(text[0].upper() + text[1:] if sentence else text)
     return f"<p><b>{text}.</b></p>" if warns else f"<p>{text}.</p>"
-
-
-def notes_for_reader(result: dict) -> list[tuple[str, bool]]:
-    """What a reader needs beside this evaluation's numbers (reports/reading_notes.py), as sentences, each
-    with whether it warns (an answer or a number to distrust) or informs (what a number covers)."""
-    found = result["metrics"]["bng"].get("one_answer")
-    wrong = (result.get("answers") or {}).get("wrong_script") or {}
-    return [(text, warns) for text, warns in (
-        (one_answer_text(found) if found else None, True),
-        # as many as people's own (code-switching in the data) informs; more warns
-        (wrong_script_text(wrong), wrong.get("answers", 0) > wrong.get("people", 0)),
-        (below_people_text(result["metrics"].get("detectability") or {}), True),
-        (tdm_coverage_text(result["metrics"].get("tdm") or {}), False)) if text]
 
 
 def _runs_notes(runs: dict[str, dict]) -> list[tuple[str, bool]]:

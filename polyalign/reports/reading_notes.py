@@ -5,6 +5,7 @@ reports write them."""
 
 from __future__ import annotations
 
+from polyalign.core.scores import interval_text
 from polyalign.data.language import SCRIPT_WORDS
 
 
@@ -50,10 +51,23 @@ def below_people_text(detect: dict) -> str | None:
     model, floor = detect.get("macro_interval"), detect.get("floor_macro_interval")
     if detect.get("status") != "computed" or not model or not floor or model[1] >= floor[0]:
         return None
-    return (f"detectability {detect['overall_macro']:.4f} [{model[0]:.3f}, {model[1]:.3f}] lies below people's own "
-            f"{detect['floor_macro']:.4f} [{floor[0]:.3f}, {floor[1]:.3f}]: the classifier tells these answers from "
+    return (f"detectability {detect['overall_macro']:.4f} {interval_text(model)} lies below people's own "
+            f"{detect['floor_macro']:.4f} {interval_text(floor)}: the classifier tells these answers from "
             "people's less well than people's from each other, as when answers repeat people's own texts (copied "
             "or retrieved answers); read it as that, not as more human than people")
+
+
+def notes_for_reader(result: dict) -> list[tuple[str, bool]]:
+    """What a reader needs beside an evaluation's numbers (metrics.json as `result`), as sentences, each with
+    whether it warns (an answer or a number to distrust) or informs (what a number covers)."""
+    found = result["metrics"]["bng"].get("one_answer")
+    wrong = (result.get("answers") or {}).get("wrong_script") or {}
+    return [(text, warns) for text, warns in (
+        (one_answer_text(found) if found else None, True),
+        # as many as people's own (code-switching in the data) informs; more warns
+        (wrong_script_text(wrong), wrong.get("answers", 0) > wrong.get("people", 0)),
+        (below_people_text(result["metrics"].get("detectability") or {}), True),
+        (tdm_coverage_text(result["metrics"].get("tdm") or {}), False)) if text]
 
 
 def _rows(n: int) -> str:

@@ -284,28 +284,18 @@ _READ_BY = (
 )
 
 
-def _setting(config: Any, key: str) -> Any:
-    value = config
-    for part in key.split("."):
-        value = getattr(value, part, None)
-    return value
-
-
 def unread_settings(config: Any) -> list[str]:
     """The settings that differ from the method's defaults (set by the config file or an override) but that
-    this run does not read: `kto_desirable_weight` in an ORPO run, `on_policy.*` with one round."""
-    defaults = method_spec(config.method).config()
+    this run does not read: `kto_desirable_weight` in an ORPO run, `on_policy.temperature` with one round."""
+    defaults = {key: value for key, _, value in settings_of(method_spec(config.method).config())}
     notes = []
-    for key, readers, reads in _READ_BY:
-        value = _setting(config, key)
-        if value is None or value == _setting(defaults, key) or reads(config):
+    for key, _, value in settings_of(config):
+        if value == defaults.get(key):
             continue
-        if dataclasses.is_dataclass(value):  # a section: the keys in it that were set
-            default = dataclasses.asdict(_setting(defaults, key))
-            shown = ", ".join(f"{key}.{k}={v}" for k, v in dataclasses.asdict(value).items() if v != default[k])
-        else:
-            shown = f"{key}={value}"
-        notes.append(f"{shown} is set, but this {config.method} run does not read it (it is for {readers})")
+        for setting, readers, reads in _READ_BY:  # a setting, or a key of a section of them (on_policy)
+            if (key == setting or key.startswith(f"{setting}.")) and not reads(config):
+                notes.append(f"{key}={value} is set, but this {config.method} run does not read it (it is for "
+                             f"{readers})")
     return notes
 
 

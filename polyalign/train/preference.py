@@ -125,7 +125,7 @@ class PreferenceObjective:
     def __init__(self, config: PreferenceConfig, num_buckets: int):
         self.config, self.num_buckets = config, num_buckets
         self.spec = method_spec(config.method)
-        self.hdpo_terms = config.method == "hdpo" or config.hdpo_terms
+        self.hdpo_terms = adds_hdpo_terms(config)
         extra = {"dist": config.lambda_dist, "anchor": config.gamma_ftx} if self.hdpo_terms else {}
         self.coefficients = {"dpo": 1.0, **extra}
 
@@ -360,8 +360,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     if config.drift_prompts > 0 and val_pairs:
         drift = DriftProbe(val_pairs[:config.drift_prompts], model, tokenizer, template, config.profile, mesh,
                            config.drift_new_tokens, load_references(config.data.dir), Path(paths["pairs"]).parent,
-                           seed=config.train.seed, distance_term=(config.method == "hdpo" or config.hdpo_terms)
-                           and config.lambda_dist > 0)
+                           seed=config.train.seed, distance_term=adds_hdpo_terms(config) and config.lambda_dist > 0)
 
     gap_logged = []
 
@@ -402,6 +401,12 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                # a reference in the step adds its forward pass; a precomputed one costs the step nothing
                flops_per_token=flops_per_token(model.config, max_length, reference_forward=(
                    method_spec(config.method).needs_reference and config.reference == "in_step")))
+
+
+def adds_hdpo_terms(config: PreferenceConfig) -> bool:
+    """Whether a run's objective holds HDPO's pair weights, distance term and SFT anchor: HDPO's own, or
+    another method's with `hdpo_terms: true`."""
+    return config.method == "hdpo" or config.hdpo_terms
 
 
 def summary_line(result: dict[str, Any]) -> str:

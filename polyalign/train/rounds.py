@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,12 @@ from polyalign.train.methods import require
 
 def _round_dir(out, r: int):
     return as_path(out) / f"round-{r}"
+
+
+def _round_number(directory) -> int | None:
+    """r of a folder OUT/round-<r>; None for another name."""
+    found = re.fullmatch(r"round-(\d+)", directory.name)
+    return int(found[1]) if found else None
 
 
 def _finished(directory) -> dict[str, Any] | None:
@@ -143,8 +150,8 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
                           "last": result.get("last", {})})
         policy = directory / "model"
     # rounds an earlier run with a larger `rounds` finished: kept on disk, but not this run's model
-    beyond = sorted(int(d.name.split("-")[1]) for d in out.glob("round-*")
-                    if d.name.split("-")[1].isdigit() and int(d.name.split("-")[1]) > config.rounds and _finished(d))
+    beyond = sorted(r for d in out.glob("round-*") if (r := _round_number(d)) is not None and r > config.rounds
+                    and _finished(d))
     final = {**result, "round": config.rounds, "rounds": summaries, "rounds_planned": config.rounds,
              "rounds_kept": kept, "rounds_beyond": beyond, "model": str(policy), "out": str(out)}
     if len(kept) == config.rounds:  # every round was finished before: nothing trained now
