@@ -792,9 +792,10 @@ def _add_generate(sub) -> None:
                         "default 0)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences decoded at once (default 16)")
     _dtype_option(p, "the model")
-    p.add_argument("--max-prompt-tokens", type=int, default=512,
+    p.add_argument("--max-prompt-tokens", type=int,
                    help="a longer prompt loses its oldest whole turns, its opening system message kept; one still over "
-                        "with its last question alone keeps its end (default 512)")
+                        "with its last question alone keeps its end (default 512; for a model polyalign trained from "
+                        "scratch on sequences of L tokens, what L leaves after the answer's budget, at least L/2)")
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order)")
     p.add_argument("--per-bucket", type=int, metavar="N",
@@ -873,7 +874,8 @@ def _run_generate(args) -> int:
                                                       args.temperature, **chosen,
                                                       presence_penalty=args.presence_penalty,
                                                       frequency_penalty=args.frequency_penalty),
-                              batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
+                              batch_size=args.batch_size, limit=args.limit,
+                              max_prompt_tokens="auto" if args.max_prompt_tokens is None else args.max_prompt_tokens,
                               sample=args.sample, seed=args.seed, per_bucket=args.per_bucket,
                               budget_records=None if budget_records is None else str(budget_records.resolve()),
                               budget_quantile=args.budget_quantile, budget_margin=args.budget_margin, dtype=args.dtype)
@@ -886,7 +888,7 @@ def _run_generate(args) -> int:
           f"{summary['finish_reasons']['length']} hit the length limit): {summary['new_tokens']} new tokens in "
           f"{summary['seconds']} s{rate}")
     if summary["prompts_cut"]:
-        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], args.max_prompt_tokens,
+        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], summary["max_prompt_tokens"],
                                 summary["prompts_cut_turns_dropped"], summary["prompts_cut_mid_turn"],
                                 summary["prompts_cut_system_lost"], "", "their ids keep its end"))
     if auto:
@@ -979,8 +981,8 @@ def _add_prompts(sub) -> None:
                         "`polyalign generate --per-bucket N --seed S` answers")
     p.add_argument("--seed", type=int, default=0, help="seed of --sample's and --per-bucket's subsets (default 0)")
     p.add_argument("--max-prompt-tokens", type=int,
-                   help="with --checkpoint, cut prompts as `polyalign generate --max-prompt-tokens N` does (default "
-                        "512, generate's): a "
+                   help="with --checkpoint, cut prompts as `polyalign generate --max-prompt-tokens N` does (default: "
+                        "generate's): a "
                         "longer conversation's messages and ids lose their oldest whole turns; each row holds "
                         "prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt)")
     _budget_options(p, None, "each row's max_tokens, as `polyalign generate --max-new-tokens` budgets its answer "
@@ -989,17 +991,15 @@ def _add_prompts(sub) -> None:
     p.set_defaults(handler=_run_prompts, parser=p)
 
 
-def prompts_budget(args) -> int | None:
-    """`prompts`' --max-prompt-tokens: generate's default with a checkpoint; none without one (whole
+def prompts_budget(args) -> int | str | None:
+    """`prompts`' --max-prompt-tokens: generate's default ("auto") with a checkpoint; none without one (whole
     conversations: a cut counts a model's tokens), where asking for one is an error."""
-    from polyalign.generate.run import GenerateOptions  # heavy: jax, kept out of --help
-
     if args.checkpoint is None:
         if args.max_prompt_tokens is not None:
             args.parser.error("--max-prompt-tokens counts a model's tokens: give --checkpoint too (without one, the "
                               "rows hold each conversation whole)")
         return None
-    return args.max_prompt_tokens if args.max_prompt_tokens is not None else GenerateOptions().max_prompt_tokens
+    return args.max_prompt_tokens if args.max_prompt_tokens is not None else "auto"
 
 
 def _run_prompts(args) -> int:
@@ -1024,7 +1024,7 @@ def _run_prompts(args) -> int:
               f"{summary['profile']}, system messages {summary['system']}; stop generating at "
               f"{', '.join(summary['stop'])}")
     if summary["prompts_cut"]:
-        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], budget,
+        print(_prompts_cut_line(summary["prompts_cut"], summary["records"], summary["max_prompt_tokens"],
                                 summary["messages_turns_dropped"], summary["messages_over_budget"],
                                 summary["prompts_cut_system_lost"], "rows' messages and prompt_token_ids (as generate "
                                 "cuts them) ", "their messages stay over it and their prompt_token_ids keep its end"))

@@ -479,7 +479,7 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     """A model polyalign trained from scratch records the longest sequence it trained on, through every
     run trained on from it; generate notes prompt and answer budgets past it, and how to keep within it."""
 
-    from polyalign.generate.run import GenerateOptions, past_trained_length
+    from polyalign.generate.run import GenerateOptions, default_prompt_budget, past_trained_length
     from polyalign.model.export import longest_trained
 
     scratch, base = tmp_path / "scratch", tmp_path / "pretrained"
@@ -491,7 +491,24 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     assert longest_trained(None, 128) == 128
     assert longest_trained(str(scratch), 128) == 256 and longest_trained(str(scratch), 512) == 512
     assert longest_trained(str(base), 128) is None
-    assert GenerateOptions(sampling=SamplingConfig(max_new_tokens=64)).max_prompt_tokens == 512  # generate's default
+    # generate's default prompt budget: what the trained length leaves after the answers (at least half of
+    # it); 512 for a model that does not say, or one trained long enough; a given budget stays as given
+    assert GenerateOptions(sampling=SamplingConfig(max_new_tokens=64)).max_prompt_tokens == "auto"
+    assert default_prompt_budget(scratch, "auto", 64) == (192, [
+        f"--max-prompt-tokens 192 (chosen): {scratch} was trained from scratch on sequences of at most 256 tokens, "
+        "and --max-new-tokens 64 leaves 192 of them (give --max-prompt-tokens to choose; 512 where a model does "
+        "not say)"])
+    assert default_prompt_budget(scratch, "auto", 200)[0] == 128 and "half of them" in default_prompt_budget(
+        scratch, "auto", 200)[1][0]
+    assert default_prompt_budget(scratch, "auto", 1024, budgeted=True)[1][0].count("half of them") == 1
+    assert default_prompt_budget(base, "auto", 64) == (512, []) and default_prompt_budget(scratch, 300, 64) == (300, [])
+    (long := tmp_path / "long").mkdir()
+    (long / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 576}))
+    assert default_prompt_budget(long, "auto", 64) == (512, []) and default_prompt_budget(long, "auto", 65)[0] == 511
+    # the chosen budget never reaches past the trained length where the answers leave room
+    for answers in range(1, 256, 7):
+        budget, _ = default_prompt_budget(scratch, "auto", answers)
+        assert budget >= 128 and (past_trained_length(scratch, budget, answers) is None) == (answers <= 128)
     assert past_trained_length(scratch, 512, 64) == (
         f"{scratch} was trained from scratch on sequences of at most 256 tokens (polyalign_max_length in its "
         "tokenizer_config.json); --max-prompt-tokens 512 + --max-new-tokens 64 = 576 lets a long prompt and its "
@@ -516,10 +533,11 @@ def test_prompts_cut_at_generates_prompt_budget_by_default_from_the_cli_and_the_
     from polyalign.generate.run import GenerateOptions
 
     budget = GenerateOptions().max_prompt_tokens
-    assert inspect.signature(write_prompts).parameters["max_prompt_tokens"].default == budget == 512
+    assert inspect.signature(write_prompts).parameters["max_prompt_tokens"].default == budget == "auto"
     parser = build_parser()
+    # not given on the command line: chosen by the checkpoint (run.default_prompt_budget)
     assert parser.parse_args(["generate", "--records", "r", "--checkpoint", "c", "--out", "o"]).max_prompt_tokens \
-        == budget
+        is None
     assert prompts_budget(parser.parse_args(["prompts", "--records", "r", "--checkpoint", "c", "--out", "o"])) \
         == budget
     # without a checkpoint nothing counts tokens: whole conversations

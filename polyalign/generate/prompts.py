@@ -26,7 +26,8 @@ from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_reco
 from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets
-from polyalign.generate.run import answer_room, past_trained_length, say_tokenizer_reading
+from polyalign.generate.run import answer_room, default_prompt_budget, past_trained_length, say_tokenizer_reading
+from polyalign.generate.sampling import SamplingConfig
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
 from polyalign.model.tokenizer_check import PROMPTS_CONSEQUENCE
@@ -45,13 +46,14 @@ from polyalign.tokens.tokenizer import load_tokenizer
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
                   limit: int | None = None, sample: int | None = None, seed: int = 0,
-                  per_bucket: int | None = None, max_prompt_tokens: int | None = 512,
+                  per_bucket: int | None = None, max_prompt_tokens: int | str | None = "auto",
                   max_new_tokens: int | str | None = None,
                   budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
                   budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
-    """`max_prompt_tokens`: the prompt budget, generate's by default (None: whole prompts, no
-    prompt_token_ids). `max_new_tokens`: each row's `max_tokens`, a number or "auto" (its bucket's budget from
-    the answers of `budget_records`, as `generate --max-new-tokens auto` sets it); None writes none.
+    """`max_prompt_tokens`: the prompt budget, chosen as generate chooses it by default ("auto":
+    run.default_prompt_budget; None: whole prompts, no prompt_token_ids). `max_new_tokens`: each row's
+    `max_tokens`, a number or "auto" (its bucket's budget from the answers of `budget_records`, as
+    `generate --max-new-tokens auto` sets it); None writes none.
     Without a `checkpoint` the rows hold the messages alone, whole (the profile's system prompt included):
     for a chat API that applies its own template and tokenizer; nothing is rendered, counted or cut."""
     if profile is not None and profile not in PROFILE_MODES:
@@ -64,11 +66,16 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                                   "or count in a model's tokenizer (without one, the rows hold the messages alone)")
         max_prompt_tokens = None  # a cut counts a model's tokens
     records_path, out = Path(records_path), Path(out)
-    fitted: list[str] = []  # what was changed to fit the model's positions, as generate changes it
+    fitted: list[str] = []  # what was chosen or changed to fit the model's positions, as generate does
+    auto = max_new_tokens == "auto"
+    if max_prompt_tokens is not None:
+        answers = (budget_ceiling if auto else SamplingConfig().max_new_tokens if max_new_tokens is None
+                   else int(max_new_tokens))
+        max_prompt_tokens, fitted = default_prompt_budget(checkpoint, max_prompt_tokens, answers, auto)
     if max_prompt_tokens is not None and max_new_tokens is not None:
-        auto = max_new_tokens == "auto"
-        room, fitted = answer_room(checkpoint, max_prompt_tokens, budget_ceiling if auto else int(max_new_tokens),
-                                   budgeted=auto)
+        room, changed = answer_room(checkpoint, max_prompt_tokens, budget_ceiling if auto else int(max_new_tokens),
+                                    budgeted=auto)
+        fitted += changed
         budget_ceiling = room if auto else budget_ceiling
     settings = {"checkpoint": None if checkpoint is None else recorded_path(checkpoint),
                 "records": str(records_path.resolve()), "profile": profile,

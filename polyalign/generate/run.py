@@ -48,6 +48,7 @@ class GenerateOptions:
     the `model` of every row (default: the checkpoint's run folder). budget_records: `max_new_tokens
     auto`, each record budgeted by its bucket's human answers in these records (budgets.py: the
     budget_quantile of their token counts times budget_margin), sampling.max_new_tokens the ceiling.
+    max_prompt_tokens: the prompt budget; "auto" chooses it (`default_prompt_budget`).
     dtype: of the weights and the computation (model/architecture.py compute_dtype: auto is bfloat16
     on GPU/TPU, float32 on a CPU); the manifest records the one used."""
 
@@ -55,7 +56,7 @@ class GenerateOptions:
     template: str | None = None
     sampling: SamplingConfig = SamplingConfig()
     batch_size: int = 16
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int | str = "auto"
     limit: int | None = None
     sample: int | None = None
     seed: int = 0
@@ -104,7 +105,10 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     records the settings, the records' digest and the checkpoint; predictions made with other settings are
     not replaced unless `overwrite`."""
     options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
-    options, fitted = fitted_to_positions(checkpoint, options)
+    prompt_tokens, chosen = default_prompt_budget(checkpoint, options.max_prompt_tokens,
+                                                  options.sampling.max_new_tokens, options.budget_records is not None)
+    options, fitted = fitted_to_positions(checkpoint, dataclasses.replace(options, max_prompt_tokens=prompt_tokens))
+    fitted = [*chosen, *fitted]
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
     # penalties and min_p recorded when asked for: predictions of earlier versions, made without them, match
@@ -115,6 +119,28 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs={"records": records_path},
                       lock=OutputLock.for_file(out), paths=["checkpoint"]):
         return _generate_predictions(checkpoint, Path(records_path), Path(out), options, settings, progress, fitted)
+
+
+PROMPT_TOKENS = 512  # the prompt budget where a checkpoint does not say how long it was trained
+
+
+def default_prompt_budget(checkpoint, asked: int | str, answers: int, budgeted: bool = False) -> tuple[int, list[str]]:
+    """The prompt budget (--max-prompt-tokens) and a note when it was chosen here: `asked` where it is a
+    number; for "auto", PROMPT_TOKENS, or for a model trained from scratch on sequences of L tokens (its
+    tokenizer_config.json says L) what L leaves after `answers` (the answer budget, or with `budgeted` the
+    per-bucket budgets' ceiling), at least half of L: a model never learned positions past L, and 512
+    prompt tokens would send every long prompt there."""
+    if asked != "auto":
+        return int(asked), []
+    trained = trained_length(checkpoint)
+    if trained is None or PROMPT_TOKENS + answers <= trained:
+        return PROMPT_TOKENS, []
+    budget = max(trained - answers, trained // 2)
+    share = (f"and {'--budget-ceiling' if budgeted else '--max-new-tokens'} {answers} leaves {budget} of them"
+             if budget == trained - answers else "half of them for the prompt")
+    return budget, [f"--max-prompt-tokens {budget} (chosen): {checkpoint} was trained from scratch on sequences of at "
+                    f"most {trained} tokens, {share} (give --max-prompt-tokens to choose; {PROMPT_TOKENS} where a "
+                    "model does not say)"]
 
 
 def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateOptions, list[str]]:
@@ -235,7 +261,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
     # the template and profile the prompts were rendered with (settings keep what was asked, None for the default)
     summary = {"records": len(records), "template": chat.name, "profile": profile, "system": tokenizer.system_mode,
-               "finish_reasons": counts, "new_tokens": new_tokens,
+               "max_prompt_tokens": options.max_prompt_tokens, "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
                # answers of punctuation alone ("，，，，"): evaluate finds no word in them either
                "without_words": sum(1 for row in rows if row["prediction"] and all(
