@@ -607,11 +607,12 @@ def _run_train(args) -> int:
 
 PAIRS_EPILOG = """\
 Pairs from your own preference data (TRL's {"prompt", "chosen", "rejected"}, strings or message lists,
-UltraFeedback binarized among them; Anthropic HH-RLHF's "\n\nHuman: ... \n\nAssistant: ..." text; LLaMA-Factory's
+UltraFeedback binarized among them; Anthropic HH-RLHF's "\\n\\nHuman: ... \\n\\nAssistant: ..." text; LLaMA-Factory's
 ShareGPT pairs), labelled and bucketed as `polyalign prepare` labels records:
-  polyalign pairs import --format trl --input prefs.jsonl --out RUN/pairs/train.jsonl --language en \
+  polyalign pairs import --format trl --input prefs.jsonl --out RUN/pairs/train.jsonl --language en \\
       --val-fraction 0.05 --val-out RUN/pairs/val.jsonl
-Then: polyalign train dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl val_pairs=RUN/pairs/val.jsonl
+Then: polyalign train dpo --out runs/dpo init=CHECKPOINT pairs=RUN/pairs/train.jsonl \\
+      val_pairs=RUN/pairs/val.jsonl
 (docs/preference.md).
 """
 

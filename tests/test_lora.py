@@ -22,6 +22,7 @@ from polyalign.model.lora import add_adapters, base_model, merge_adapters
 from polyalign.train.config import LoopConfig, OptimizerConfig
 from polyalign.train.methods import load_config
 from polyalign.train.metrics import read_metrics
+from polyalign.train.ownership import RUN_FILES
 from polyalign.train.run import train as train_sft
 from polyalign.train.sft import SftObjective
 from polyalign.train.trainer import Trainer
@@ -237,6 +238,9 @@ def test_a_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports_both_w
 
     # Exports: PEFT's adapter folder and the merged model, which equal the adapted model.
     out = tmp_path / "straight"
+    # everything a run writes is what --overwrite removes (a stale adapter stayed beside a new full model)
+    for folder in (out, tmp_path / "full"):
+        assert {path.name for path in folder.iterdir()} <= set(RUN_FILES), sorted(os.listdir(folder))
     assert straight["adapter"] == str(out / "adapter")
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
@@ -287,6 +291,7 @@ def test_hdpo_with_adapters_precomputed_and_in_step_references_train_alike(demo_
             "train.checkpoint_every=3", "drift_prompts=0", f"model.lora.rank={RANK}", f"reference={reference}"])
         result = train_preference(config, tmp_path / reference, progress=False)
         assert (tmp_path / reference / "adapter" / "adapter_model.safetensors").is_file() and result["adapter"]
+        assert {path.name for path in (tmp_path / reference).iterdir()} <= set(RUN_FILES)
         runs[reference] = [r for r in read_metrics(tmp_path / reference) if "loss" in r]
     first, second = runs["precomputed"], runs["in_step"]
     assert abs(first[0]["rewards/margin"]) < 1e-6 and abs(second[0]["rewards/margin"]) < 1e-6

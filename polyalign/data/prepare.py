@@ -1,8 +1,8 @@
 """`polyalign prepare`: native corpora -> normalised, bucketed, deduplicated, group-safe splits + manifest.
 
-Every row read is accounted for: kept in a split, or dropped with a reason (malformed rows that went to
-quarantine, rows the format excludes, languages outside the scheme, duplicates). The manifest states
-`read = kept + sum(dropped)` per source, and prepare checks it before writing.
+Every record the rows read make is accounted for: kept in a split, or dropped with a reason (malformed
+rows that went to quarantine, rows the format excludes, languages outside the scheme, duplicates). The
+manifest states `records = kept + sum(dropped)` per source, and prepare checks it before writing.
 """
 
 from __future__ import annotations

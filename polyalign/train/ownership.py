@@ -42,7 +42,7 @@ RESUMABLE_KEYS = ("train.steps", "train.epochs", "train.checkpoint_every", "trai
                   "train.peak_tflops", "train.profile_steps")
 # What a run writes into OUT, removed by --overwrite; anything else in the folder is left alone.
 RUN_FILES = ("config.json", "inputs.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "profile",
-             "wandb", "model", "critic.json", "critic.safetensors", "train_pairs.jsonl", "val_pairs.jsonl")
+             "wandb", "model", "adapter", "critic.json", "critic.safetensors", "train_pairs.jsonl", "val_pairs.jsonl")
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:
