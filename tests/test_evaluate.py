@@ -28,7 +28,7 @@ from polyalign.evaluate.text_metrics import (
     tokens,
     utility_scores,
 )
-from tests.conftest import SHARED_DATA
+from tests.conftest import REPO, SHARED_DATA
 
 
 def test_tokenisation_modes():
@@ -576,6 +576,12 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["config"]["compat"] == ("reference" if "reference" in mode else "cjk")
     assert saved["alignment"]["evaluated"] == len(records)
+    # docs/evaluation.md's layout of metrics.json names every key these sections hold
+    layout = (REPO / "docs" / "evaluation.md").read_text(encoding="utf-8").split("## EVAL/metrics.json")[1]
+    layout = layout[:layout.index("```", layout.index("```") + 3)]
+    unnamed = [f"{section}.{key}" for section in ("config", "alignment", "answers", "metrics")
+               for key in saved[section] if not re.search(rf"\b{key}\b", layout)]
+    assert [key for key in saved if not re.search(rf"\b{key}\b", layout)] + unnamed == []
     page = (out / "report.html").read_text()
     assert page.startswith("<!doctype html>") and "data:image/png;base64," in page and "<h2>Overall</h2>" in page
     assert ("<h2>Diversity</h2>" in page) == ("--no-diversity" not in mode)

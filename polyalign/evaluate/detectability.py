@@ -12,7 +12,8 @@ matches those features cannot move it by matching them alone:
 Folds are grouped by prompt: the classifier never sees either answer to a prompt it is scored on, so it
 cannot win by recognising the prompt's topic. Every group holds one answer of each label, so every fold
 is balanced. A bucket with fewer than MIN_PROMPTS prompts is classified within its nearest parent
-group (language|track|family, then language), and its AUC is read on its own rows' out-of-fold scores.
+group (language|track|family, then language|track, then language), and its AUC is read on its own rows'
+out-of-fold scores.
 
 The floor is the same test between people and people: one random half of the pool's human answers
 against the other half, read on the bucket's rows, averaged over FLOOR_HALVINGS halvings (one halving's

@@ -199,7 +199,8 @@ def choose_pools(buckets: Sequence[str], support_rows: Mapping[str, Sequence[int
                  min_rows: int) -> dict[str, tuple[str, list[int]]]:
     """For every bucket, the rows of the human support (`support_rows`, by bucket) that stand for it:
     its own when it has at least `min_rows`, else those of its nearest parent group
-    (language|track|family, then language) that has, else all rows. Nothing disappears from the
+    (bucketing.parent_groups: language|track|family, then language|track, then language) that has, else
+    all rows. Nothing disappears from the
     report for being small."""
     groups: dict[str, list[int]] = {}
     for bucket, rows in support_rows.items():
