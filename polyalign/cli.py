@@ -11,6 +11,7 @@ import difflib
 import errno
 import os
 import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from polyalign.train.methods import (
     load_config,
     method_spec,
     settings_help,
+    shared_sections_help,
     unread_settings,
 )
 
@@ -80,7 +82,8 @@ of the conversation or passage). Paths are relative to the config file. `key=val
 config fields, e.g. dedup=false or near_dedup.remove=true.
 
 Writes RUN/data/{train,val,test}.jsonl, RUN/data/manifest.json (counts read/kept/dropped by reason per
-source, dedup, label agreement, timings), RUN/data/near_duplicates.jsonl and, with --on-error
+source, dedup, label agreement, timings), RUN/data/dropped.jsonl (every row left out: file, line,
+reason), RUN/data/exact_duplicates.jsonl, RUN/data/near_duplicates.jsonl and, with --on-error
 quarantine, RUN/data/quarantine.jsonl.
 """
 
@@ -510,15 +513,11 @@ def _location(text: str):
     return as_path(text)
 
 
-TRAIN_EPILOG = """\
-Every method's config has the same sections: method, init, model (preset, dtype, scan_layers, remat,
-attention_impl, logprob_chunk, seed, lora, quantize), data (dir, max_length, pack, eval_batch, eval_limit),
-optimizer, train (steps or epochs, global_batch, micro_batches, seed, eval_every,
-checkpoint_every, keep_checkpoints, stop_at) and parallel (data, fsdp, tensor), plus the method's
-own keys. key=value arguments override any field, e.g. train.steps=500 model.dtype=bfloat16
-parallel.data=4; unknown keys are an error that names the closest known one.
---print-config prints every key of the resolved config with its value and exits.
-"""
+TRAIN_EPILOG = "\n".join(textwrap.wrap(
+    f"Every method's config has the same sections: method, init, {shared_sections_help()}, plus the method's "
+    "own keys (train.steps or train.epochs sets the length). key=value arguments override any field, e.g. "
+    "train.steps=500 model.dtype=bfloat16 parallel.data=4; unknown keys are an error that names the closest "
+    "known one.", 104)) + "\n--print-config prints every key of the resolved config with its value and exits.\n"
 
 
 def _add_train(sub) -> None:
@@ -530,13 +529,17 @@ def _add_train(sub) -> None:
                                epilog=spec.epilog + "\n" + settings_help(spec.config) + "\n" + TRAIN_EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
         m.add_argument("--config", type=Path, help=f"config (YAML), e.g. {spec.example}; without it, every default")
-        m.add_argument("--out", type=_location, help="output directory, local or gs:// (resumed if it has checkpoints)")
+        # the critic keeps no checkpoints: each run trains it from the start (train/run.py trained_files)
+        again = ("trained again from the start: the critic keeps no checkpoints" if spec.name == "critic" else
+                 "resumed if it has checkpoints")
+        m.add_argument("--out", type=_location, help=f"output directory, local or gs:// ({again})")
         m.add_argument("--print-config", action="store_true",
                        help="print the resolved config (every key, with defaults) and exit")
         m.add_argument("--no-progress", action="store_true", help="no progress bars")
         existing = m.add_mutually_exclusive_group()
         existing.add_argument("--resume", action="store_true",
-                              help="continue OUT's run with changed resumable keys (train.steps, eval_every, ...)")
+                              help="run into OUT with changed resumable keys (train.steps, eval_every, ...)" +
+                              (", trained from the start" if spec.name == "critic" else ", continuing its run"))
         existing.add_argument("--overwrite", action="store_true",
                               help="start over in OUT, removing what an earlier run of another config wrote there")
         if spec.name == "sft":

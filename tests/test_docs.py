@@ -1,6 +1,6 @@
-"""The docs against the code they describe: every test a promise cites exists, every module is named in
-its home, the layering table is the one the layout test enforces, and the lists users read (extras, keys a
-run may change, range-checked subcommands) name everything the code has. A list written by hand goes
+"""The docs against the code they describe: every test a promise cites exists, every example a --help
+shows parses, and the lists users read (extras, keys a run may change, range-checked subcommands) name
+everything the code has (docs/ARCHITECTURE.md's homes and layering: tests/test_layout.py). A list written by hand goes
 stale the day a name is added; these fail that day instead."""
 
 import ast
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_layout import HOME_IMPORTS
 
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 
@@ -45,50 +44,6 @@ def test_every_test_the_docs_cite_exists(doc):
         if not path.is_file() or name not in _test_names(path):
             missing.append(f"{file}::{name}")
     assert not missing, f"{doc.name} cites tests that do not exist: {missing}"
-
-
-def _homes_table() -> dict[str, str]:
-    """ARCHITECTURE.md's Homes table: home folder -> its modules cell."""
-    rows = {}
-    for line in (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8").splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and re.fullmatch(r"`\w+/`", cells[0]):
-            rows.setdefault(cells[0].strip("`/"), cells[2])
-    return rows
-
-
-def test_the_homes_table_names_every_module_of_each_home():
-    """reports/ and beam/ are described by what they hold, not module by module; every other home's row
-    names each of its modules (a subpackage by its folder)."""
-    table = _homes_table()
-    assert set(table) == set(HOME_IMPORTS)
-    unnamed = []
-    for home, cell in table.items():
-        if home in ("reports", "beam"):
-            continue
-        for path in sorted((REPO / "polyalign" / home).iterdir()):
-            name = path.name if path.suffix == ".py" else f"{path.name}/"
-            if path.name == "__init__.py" or path.name.startswith((".", "__")) or \
-                    (path.is_dir() and not (path / "__init__.py").is_file() and path.name != "templates"):
-                continue
-            if path.suffix not in (".py", "") or f"`{name}`" not in cell:
-                unnamed += [f"{home}/{name}"] if path.suffix in (".py", "") else []
-    assert not unnamed, f"docs/ARCHITECTURE.md's Homes table does not name {unnamed}"
-
-
-def test_the_layering_table_is_the_one_the_layout_test_enforces():
-    text = (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
-    section = text[text.index("## Layering"):]
-    section = section[:section.index("\n## ", 3)]
-    layers = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 2 and cells[0].startswith("`"):
-            for home in re.findall(r"`(\w+)/`", cells[0]):
-                layers[home] = set(re.findall(r"`(\w+)`", cells[1]))
-    # train's row says it in words: everything above but the homes it names
-    layers["train"] = {h for h in HOME_IMPORTS if h not in ("train", "evaluate", "reports", "beam")}
-    assert layers == HOME_IMPORTS
 
 
 def test_the_readme_names_every_extra():

@@ -3,6 +3,7 @@
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,7 @@ BEAM_MODULES = ("polyalign.beam.build", "polyalign.beam.prepare")
 # PolyalignError. Source text, so that the Beam environment (without pytest) can run it too.
 _FOREIGN_ERRORS = """
 import importlib
+import re
 from polyalign.core.errors import PolyalignError
 
 def foreign_errors(modules):
@@ -215,3 +217,48 @@ def test_every_error_derives_from_the_base():
     beam = in_beam_env(_FOREIGN_ERRORS + "import sys\nprint('\\n'.join(foreign_errors(sys.argv[1:])))",
                        *BEAM_MODULES)
     assert beam.returncode == 0 and beam.stdout.strip() == "", beam.stdout + beam.stderr[-2000:]
+
+
+# docs/ARCHITECTURE.md against the layout enforced above
+def _homes_table() -> dict[str, str]:
+    """ARCHITECTURE.md's Homes table: home folder -> its modules cell."""
+    rows = {}
+    for line in (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`\w+/`", cells[0]):
+            rows.setdefault(cells[0].strip("`/"), cells[2])
+    return rows
+
+
+def test_the_homes_table_names_every_module_of_each_home():
+    """reports/ and beam/ are described by what they hold, not module by module; every other home's row
+    names each of its modules (a subpackage by its folder)."""
+    table = _homes_table()
+    assert set(table) == set(HOME_IMPORTS)
+    unnamed = []
+    for home, cell in table.items():
+        if home in ("reports", "beam"):
+            continue
+        for path in sorted((PACKAGE / home).iterdir()):
+            name = path.name if path.suffix == ".py" else f"{path.name}/"
+            if path.name == "__init__.py" or path.name.startswith((".", "__")) or \
+                    (path.is_dir() and not (path / "__init__.py").is_file() and path.name != "templates"):
+                continue
+            if path.suffix not in (".py", "") or f"`{name}`" not in cell:
+                unnamed += [f"{home}/{name}"] if path.suffix in (".py", "") else []
+    assert not unnamed, f"docs/ARCHITECTURE.md's Homes table does not name {unnamed}"
+
+
+def test_the_layering_table_is_the_one_the_layout_test_enforces():
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text[text.index("## Layering"):]
+    section = section[:section.index("\n## ", 3)]
+    layers = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            for home in re.findall(r"`(\w+)/`", cells[0]):
+                layers[home] = set(re.findall(r"`(\w+)`", cells[1]))
+    # train's row says it in words: everything above but the homes it names
+    layers["train"] = {h for h in HOME_IMPORTS if h not in ("train", "evaluate", "reports", "beam")}
+    assert layers == HOME_IMPORTS

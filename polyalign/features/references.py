@@ -1,4 +1,4 @@
-"""Per-bucket human support statistics (METHOD.md section 5) and the support distance they define.
+"""Per-bucket human support statistics (METHOD section 5: docs/method.md) and the support distance they define.
 
 References are built from the human responses of the train split only; buckets with fewer than
 `min_bucket_size` responses get none.

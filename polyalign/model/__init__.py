@@ -1,4 +1,5 @@
-"""The decoder (Llama, Qwen2, Gemma 2 families) and Hugging Face checkpoints in and out."""
+"""The decoder (the Llama, Qwen2, Qwen3, Gemma 2 and Gemma 3 families: architecture.FAMILIES) and Hugging Face
+checkpoints in and out."""
 
 from polyalign.model.architecture import ModelConfig, ModelConfigError, RopeScaling, family_defaults
 from polyalign.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint

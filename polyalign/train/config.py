@@ -51,7 +51,7 @@ class ModelSection:
     export_dtype: str | None = None  # weights of OUT/model: float32, bfloat16, float16; None: model.dtype
     scan_layers: bool = True
     remat: str = "none"  # none | full | dots
-    attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (packed rows use XLA)
+    attention_impl: str | None = None  # xla, cudnn, splash; None picks per backend (docs/model.md); decoding: XLA
     logprob_chunk: int = setting(0, range=NON_NEGATIVE,
                                  help="> 0: log-probs in sequence blocks, never full [B, T, V] logits")
     seed: int = setting(0, range=SEED, help="initialisation of what is trained from scratch (the model, the "
@@ -84,10 +84,11 @@ class OptimizerConfig:
     lr: float = setting(1e-3, range=POSITIVE, help="peak learning rate (AdamW, warmup then cosine decay)")
     warmup_ratio: float = setting(0.1, range=PROBABILITY, help="share of the steps spent warming up")
     min_lr_ratio: float = setting(0.0, range=PROBABILITY, help="the rate at the end, as a share of lr")
-    weight_decay: float = setting(0.0, range=NON_NEGATIVE)
-    b1: float = setting(0.9, range=FRACTION)
-    b2: float = setting(0.999, range=FRACTION)
-    eps: float = setting(1e-8, range=POSITIVE)
+    weight_decay: float = setting(0.0, range=NON_NEGATIVE,
+                                  help="AdamW's decoupled weight decay (never on norms and biases)")
+    b1: float = setting(0.9, range=FRACTION, help="AdamW's decay of the gradient's running mean")
+    b2: float = setting(0.999, range=FRACTION, help="AdamW's decay of the squared gradient's running mean")
+    eps: float = setting(1e-8, range=POSITIVE, help="AdamW's epsilon, added to the root of the second moment")
     clip: float | None = setting(1.0, range=Range(0, low_open=True, optional=True),
                                  help="global gradient-norm clip; null: none")
 

@@ -167,6 +167,17 @@ def settings_help(config_class: type) -> str:
     return "The method's own keys (default, range):\n" + "\n".join(lines) + "\n"
 
 
+def shared_sections_help() -> str:
+    """The sections every method shares with their keys, "model (preset, dtype, ...), ... and parallel
+    (...)", read from the schema so that `train --help` names every key there is."""
+    def keys(section) -> str:
+        return ", ".join(f.name for f in dataclasses.fields(section))
+
+    config = schema.SftConfig()
+    parts = [f"{name} ({keys(getattr(config, name))})" for name in SHARED_SECTIONS]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def method_spec(name: str, where: str = "config") -> MethodSpec:
     try:
         return METHODS[name]
