@@ -1135,6 +1135,32 @@ def test_per_bucket_comparison_charts_mark_the_human_floor_missing_numbers_and_r
     close(figures[1])
 
 
+def test_a_runaway_interval_is_cut_at_the_charts_edge_and_says_where_it_ends(tmp_path, monkeypatch):
+    """BNG 0.3 [0.1, 9.6] in a bucket of a few rows squeezed every other bar into a sliver: the axis stops at
+    three times the largest bar, and the cut interval names its end; charts without one are left alone."""
+    import matplotlib.pyplot as plt
+
+    from polyalign.reports import evaluation
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    buckets = {"en|single|qa|short": {"rows": 4, "bng": 0.3, "bng_interval": [0.1, 9.6], "bng_floor": 0.2,
+                                      "bng_floor_interval": [0.1, 0.4], "backed_off": False},
+               "zh|single|qa|short": {"rows": 40, "bng": 0.5, "bng_interval": [0.4, 0.6], "backed_off": False}}
+    evaluation._metric_by_bucket(buckets, "bng", "BNG", tmp_path / "bng.png")
+    evaluation._bucket_bars({"a": {"x": 0.3, "y": 0.5}, "b": {"x": 0.2}}, "BNG", tmp_path / "c.png",
+                            intervals={"a": {"x": [0.1, 9.6], "y": [0.4, 0.6]}, "b": {"x": [0.1, 2.5]}})
+    evaluation._metric_by_bucket({b: {**r, "bng_interval": [0.1, 0.9]} for b, r in buckets.items()}, "bng", "BNG",
+                                 tmp_path / "calm.png")
+    (first, second, calm) = [figure.axes[0] for figure in figures]
+    assert first.get_xlim()[1] == pytest.approx(1.5) and [t.get_text() for t in first.texts] == ["to 9.6 \u2192"]
+    assert second.get_xlim()[1] == pytest.approx(1.5)
+    assert sorted(t.get_text() for t in second.texts) == [" n/a", "to 2.5 \u2192", "to 9.6 \u2192"]  # b has no y
+    assert calm.get_xlim()[1] >= 0.9 and len(calm.texts) == 0
+    for figure in figures:
+        close(figure)
+
+
 def test_native_stderr_is_caught_at_the_file_descriptor(capfd):
     import os
     import sys

@@ -127,22 +127,45 @@ def _error_bars(values: Sequence[float | None], intervals: Sequence[Sequence[flo
     return np.clip(np.array(lengths, float).reshape(-1, 2).T, 0.0, None)
 
 
+RUNAWAY = 3.0  # an interval reaching past this many times the largest bar is cut at that edge
+
+
+def _keep_bars_readable(ax, drawn: Sequence[tuple[float, float | None, Sequence[float] | None]]) -> list[float]:
+    """`drawn`: (row, value, interval) of every bar. An interval reaching past RUNAWAY times the largest bar
+    (a bucket of a few rows with one far answer: BNG 0.3 [0.1, 9.6]) would squeeze every bar into a sliver:
+    the axis then stops there, and each interval cut at the edge says where it ends. The highs cut."""
+    values = [v for _, v, _ in drawn if v is not None and np.isfinite(v)]
+    edge = RUNAWAY * max(values, default=0.0)
+    cut = [(row, i[1]) for row, v, i in drawn if v is not None and i and i[1] is not None and i[1] > edge]
+    if edge <= 0 or not cut:
+        return []
+    ax.set_xlim(min(ax.get_xlim()[0], 0.0), edge)
+    for row, high in cut:
+        ax.annotate(f"to {high:.3g} \u2192", (edge, row), xytext=(-2, 0), textcoords="offset points", ha="right",
+                    va="center", fontsize=7, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    return [high for _, high in cut]
+
+
 def _metric_by_bucket(buckets: dict[str, dict], metric: str, title: str, path: Path) -> str:
     """One metric per bucket: the model's value with its interval, the human floor with its interval
     beside it, n and back-off in the labels."""
     names = [b for b, r in buckets.items() if r.get(metric) is not None]
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * len(names)))
     y = np.arange(len(names))
+    drawn = []
 
     def bars(key, offset, label, color):
         values = [buckets[b].get(key) for b in names]
         shown = [np.nan if v is None else v for v in values]
-        errors = _error_bars(values, [buckets[b].get(f"{key}_interval") for b in names])
+        intervals = [buckets[b].get(f"{key}_interval") for b in names]
+        errors = _error_bars(values, intervals)
         ax.barh(y + offset, shown, height=0.38, xerr=errors, capsize=2, label=label, color=color)
+        drawn.extend(zip(y + offset, values, intervals))
 
     bars(metric, 0.0, "model", "#4C72B0")
     if any(buckets[b].get(f"{metric}_floor") is not None for b in names):
         bars(f"{metric}_floor", 0.4, "human floor", "#999999")
+    _keep_bars_readable(ax, drawn)
     ax.set_yticks(y + 0.2, [_bucket_label(b, buckets[b]) for b in names], fontsize=7)
     ax.invert_yaxis()
     ax.set_title(textwrap.fill(title, 90), fontsize=10)  # a long title wraps rather than run off the figure
@@ -161,12 +184,14 @@ def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path,
     buckets = sorted({b for values in series.values() for b in values})
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.3 * len(buckets) * max(1, len(series)) ** 0.5))
     height = 0.8 / max(1, len(series))
+    drawn = []
     for k, (name, values) in enumerate(series.items()):
         y = np.arange(len(buckets)) + k * height
         shown = [values.get(b) for b in buckets]
         spreads = (intervals or {}).get(name, {})
         ax.barh(y, [np.nan if v is None else v for v in shown], height=height, label=name, capsize=2,
                 xerr=_error_bars(shown, [spreads.get(b) for b in buckets]) if spreads else None)
+        drawn.extend(zip(y, shown, [spreads.get(b) for b in buckets]))
         for row, value in zip(y, shown):
             if value is None:
                 ax.text(0, row, " n/a", va="center", fontsize=6, color="#666666")
@@ -177,6 +202,7 @@ def _bucket_bars(series: dict[str, dict[str, float]], title: str, path: Path,
                 ax.plot([floor[bucket]] * 2, [i - height / 2, i + 0.8 - height / 2], color="black", linewidth=1.5,
                         label=label)
                 label = None  # one legend entry
+    _keep_bars_readable(ax, drawn + [(i, floor.get(b), None) for i, b in enumerate(buckets)] if floor else drawn)
     labels = [f"{b} (n={rows[b]})" if rows and b in rows else b for b in buckets]
     ax.set_yticks(np.arange(len(buckets)) + 0.4 - height / 2, labels, fontsize=7)
     ax.invert_yaxis()
