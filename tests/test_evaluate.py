@@ -865,6 +865,13 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     with_mauve["metrics"]["nuf"]["naturalness_components"] = ["1/(1+BNG)", "C-MAUVE"]  # NUF measured otherwise
     with_mauve["metrics"]["mauve"]["featurizer_note"] = "the featurizer is the model whose answers are measured"
     (tmp_path / "mauve" / "metrics.json").write_text(json.dumps(with_mauve))
+    # the summary line says the interval leaves MAUVE's noise out where MAUVE is a part, and only there
+    from polyalign.cli import _aggregate_parts
+
+    assert _aggregate_parts(with_mauve["metrics"]["aggregate"]).endswith(
+        f"MAUVE 0.0500, NUF {parts['nuf']:.4f}; its interval holds MAUVE at this value: MAUVE's own noise is not "
+        "in it)")
+    assert "MAUVE" not in _aggregate_parts(aggregate)
     assert main(["report", str(tmp_path / "plain"), str(tmp_path / "mauve"), "--out", str(tmp_path / "cmp")]) == 0
     row = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "Aggregate" in line)
     value = f"{combined(parts, ['f1', 'bng']):.4f}"
