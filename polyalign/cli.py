@@ -225,6 +225,8 @@ def _run_stats(args) -> int:
     stats = compute_stats(args.run, progress=not args.no_progress)
     print(f"{stats['total']} records in {len(stats['counts']['by_bucket'])} buckets; "
           f"references for {stats['references']['buckets']} buckets")
+    for note in stats["notes"]:
+        print(f"note: {note}")
     for warning in stats["weights"]["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"report: {args.run / 'stats' / 'report.html'}")

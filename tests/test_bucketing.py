@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 
@@ -130,9 +131,20 @@ def test_scheme_lists_buckets_and_rejects_bad_files(tmp_path):
     bad.write_text(SCHEME.read_text().replace("length_unit: v2", "length_unit: v9"))
     with pytest.raises(ConfigError, match="length_unit"):
         load_scheme(bad)
-    bad.write_text(SCHEME.read_text().replace("  - {name: xlong}\n", ""))
-    with pytest.raises(ConfigError, match="open last bin"):
-        load_scheme(bad)
+    # each problem named where it is, with what to do
+    for change, said in [
+        (("  - {name: xlong}\n", ""), "length_bins: the last bin 3 ('long') has max 240: the last bin has no max"),
+        (("{name: long, max: 240}", "{name: long, max: 100}"),
+         "length_bins: bin 3 ('long') has max 100, not above the bin before it (120)"),
+        (("{name: medium, max: 120}", "{name: medium}"), "length_bins: bin 2 ('medium') has no max"),
+        (("{name: long, max: 240}", "{name: short, max: 240}"), "length_bins: two bins are named 'short'"),
+        (("[language, track, family, length_bin]", "[language, track, famliy, length_bin]"),
+         "dimensions: unknown dimension 'famliy'; did you mean 'family'?"),
+        (("[language, track, family, length_bin]", "[language, family, family]"), "dimensions: family listed twice"),
+    ]:
+        bad.write_text(SCHEME.read_text().replace(*change))
+        with pytest.raises(ConfigError, match=re.escape(f"{bad}: {said}")):
+            load_scheme(bad)
 
 
 def test_label_precedence_row_then_source_then_scheme_then_format(tmp_path):
@@ -188,3 +200,57 @@ def test_track_belongs_to_the_source_not_the_row_shape(demo_run):
     assert coqa_first_turns, "the sample has multi-track rows without history (first turns)"
     first_dialogue_turns = [r for r in records if r["dataset"] == "kdconv" and r["id"].endswith("-turn-1")]
     assert first_dialogue_turns and all(r["track"] == "multi" and r["history"] == [] for r in first_dialogue_turns)
+
+
+def test_a_scheme_of_ones_own_is_what_stats_reads_and_draws_even_after_its_file_changes(tmp_path, monkeypatch):
+    """A team's scheme (language second, no track, three bins of their own): the stats report names it and
+    its bins, draws every bucket in its language's panel, and after the file changes keeps reading the
+    scheme prepare bucketed the records by, saying so (it drew the new bounds over the old bins, silently)."""
+    import yaml
+
+    from polyalign.cli import main
+    from polyalign.reports import plots
+    from polyalign.reports.stats import compute_stats
+
+    scheme = tmp_path / "team.yaml"
+    text = (SCHEME.read_text().replace("dimensions: [language, track, family, length_bin]",
+                                       "dimensions: [family, language, length_bin]")
+            .replace("name: polyalign", "name: team_v1", 1))
+    bins = "length_bins:\n  - {name: brief, max: 20}\n  - {name: mid, max: 80}\n  - {name: long}\n"
+    text = text[:text.index("length_bins:")] + bins + text[text.index("\n", text.index("{name: xlong}")) + 1:]
+    scheme.write_text(text)
+    sources = [{"name": "polyalign_sample", "format": "llamafactory", "language": "en",
+                "path": str(DEMO_DATA / "en/polyalign-sample/dist_sft_val.json")},
+               {"name": "cmrc2018", "format": "squad", "language": "zh",
+                "path": str(DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")}]
+    config = tmp_path / "data.yaml"
+    config.write_text(yaml.safe_dump({"scheme": str(scheme), "sources": sources, "dedup": False}))
+    prepare(config, tmp_path / "run", progress=False)
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # figures kept open to read back
+    stats = compute_stats(tmp_path / "run", progress=False)
+    buckets = stats["counts"]["by_bucket"]
+    assert buckets and all(b.split("|")[1] in ("en", "zh") and b.split("|")[2] in ("brief", "mid", "long")
+                           for b in buckets)
+    counts = next(fig for fig in drawn if fig.axes[0].get_title(loc="left").startswith("records per bucket"))
+    panels = {ax.get_title(loc="left"): [t.get_text() for t in ax.get_yticklabels()] for ax in counts.axes}
+    assert panels == {f"records per bucket ({lang})": sorted(b for b in buckets if b.split("|")[1] == lang)
+                      for lang in ("en", "zh")}
+    said = (tmp_path / "run" / "stats" / "report.md").read_text()
+    assert f"bucket scheme team_v1 ({scheme}): a bucket is family|language|length_bin; length bins brief <= 20, " \
+           "mid <= 80, long > 80 (v2 units)" in said
+    # the file changes after prepare: the records keep their bins, and stats keeps the scheme that made them
+    scheme.write_text(text.replace("{name: brief, max: 20}", "{name: brief, max: 50}"))
+    again = compute_stats(tmp_path / "run", progress=False)
+    assert again["counts"]["by_bucket"] == buckets and again["scheme"]["length_bins"][0] == {"name": "brief", "max": 20}
+    manifest = tmp_path / "run" / "data" / "manifest.json"
+    assert again["notes"] == [f"{scheme} has changed since prepare bucketed this run: its records keep the buckets and "
+                              f"length bins of the scheme as prepare read it (in {manifest}), which is used here; run "
+                              "`polyalign prepare` again to bucket them by the file as it is now"]
+    assert main(["stats", str(tmp_path / "run"), "--no-progress"]) == 0
+    # a scheme with no language dimension: one panel of every bucket
+    plots.bucket_counts(buckets, ["en", "zh"], tmp_path / "one.png", position=None)
+    assert [ax.get_title(loc="left") for ax in drawn[-1].axes] == ["records per bucket (all buckets)"]
+    assert len(drawn[-1].axes[0].get_yticklabels()) == len(buckets)

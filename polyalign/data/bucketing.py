@@ -4,6 +4,7 @@ Bucket-Aware SFT weights of METHOD.md section 4."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
 from collections.abc import Mapping
@@ -82,6 +83,7 @@ class Scheme:
     reference_min_bucket_size: int
     sources: dict[str, dict[str, str]]
     path: str = ""
+    definition: Any = field(default=None, compare=False, repr=False)  # the file's mapping (scheme_from_mapping)
 
     def length_bin(self, length: int) -> str:
         for length_bin in self.length_bins:
@@ -105,9 +107,19 @@ class Scheme:
         return None
 
 
+DIMENSIONS = ("language", "track", "family", "style", "length_bin")
+
+
 def load_scheme(path: Path) -> Scheme:
-    raw = from_mapping(SchemeFile, load_yaml(path), str(path))
-    where = str(path)
+    """The scheme of a YAML file (buckets/polyalign.yaml is the reference, docs/data.md the guide)."""
+    return scheme_from_mapping(load_yaml(path), str(path), str(path))
+
+
+def scheme_from_mapping(mapping: Any, where: str, path: str = "") -> Scheme:
+    """A validated scheme from its file's mapping (`where` names it in errors; `path`: the file it came
+    from). The scheme keeps the mapping (`definition`), so that a prepared run can record the scheme its
+    records were bucketed by and later stages read that one, not the file as it is now."""
+    raw = from_mapping(SchemeFile, mapping, where)
     if raw.length_unit not in LENGTH_UNIT_PATTERNS:
         raise ConfigError(f"{where}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}, "
                           f"got {raw.length_unit!r}")
@@ -118,13 +130,19 @@ def load_scheme(path: Path) -> Scheme:
             raise ConfigError(f"{where}: values.{dimension} must be a non-empty list of names")
         values[dimension] = tuple(items)
     for dimension in raw.dimensions:
-        if dimension not in values and dimension != "length_bin":
-            raise ConfigError(f"{where}: dimension {dimension!r} has no values")
+        if dimension not in DIMENSIONS:
+            close = difflib.get_close_matches(str(dimension), DIMENSIONS, n=1)
+            raise ConfigError(f"{where}: dimensions: unknown dimension {dimension!r}"
+                              + (f"; did you mean {close[0]!r}?" if close else "")
+                              + f" (a bucket id is made of {', '.join(DIMENSIONS)}, in the order you list them)")
+    repeated = sorted({d for d in raw.dimensions if raw.dimensions.count(d) > 1})
+    if repeated or not raw.dimensions:
+        raise ConfigError(f"{where}: dimensions: " + (f"{', '.join(repeated)} listed twice" if repeated else
+                                                      "none listed (a bucket id needs at least one)"))
     bins = tuple(raw.length_bins)
-    bounds = [b.max for b in bins]
-    if (not bins or bounds[-1] is not None or any(b is None for b in bounds[:-1])
-            or bounds[:-1] != sorted(set(bounds[:-1]))):
-        raise ConfigError(f"{where}: length_bins need rising 'max' bounds and an open last bin")
+    bins_problem = _length_bins_problem(bins)
+    if bins_problem:
+        raise ConfigError(f"{where}: length_bins: {bins_problem}")
     sources = {}
     for name, labels in raw.sources.items():
         if not isinstance(labels, dict) or set(labels) - set(LABEL_FIELDS):
@@ -137,8 +155,56 @@ def load_scheme(path: Path) -> Scheme:
         name=raw.name, dimensions=tuple(raw.dimensions), values=values, length_bins=bins,
         length_unit=raw.length_unit, weights=weight_options(raw.weights, f"{where}: weights"),
         reference_min_bucket_size=raw.reference_min_bucket_size,
-        sources=sources, path=str(path),
+        sources=sources, path=path, definition=mapping,
     )
+
+
+def _length_bins_problem(bins: tuple[LengthBin, ...]) -> str | None:
+    """What is wrong with a scheme's length bins, naming the bin: every bin but the last has a `max` above
+    the one before it, and the last has none (it holds every longer response)."""
+    if not bins:
+        return "none listed (at least one bin: the last, with no max, holds every length)"
+    for k, length_bin in enumerate(bins):
+        said = f"bin {k + 1} ({length_bin.name!r})"
+        if k == len(bins) - 1:
+            if length_bin.max is not None:
+                return (f"the last {said} has max {length_bin.max}: the last bin has no max, so that a response "
+                        f"longer than {length_bin.max} has a bin")
+        elif length_bin.max is None:
+            return f"{said} has no max: only the last bin is open"
+        elif k and length_bin.max <= bins[k - 1].max:
+            return f"{said} has max {length_bin.max}, not above the bin before it ({bins[k - 1].max})"
+    names = [b.name for b in bins]
+    if len(set(names)) < len(names):
+        return f"two bins are named {sorted({n for n in names if names.count(n) > 1})[0]!r}"
+    return None
+
+
+def prepared_scheme(manifest: Mapping[str, Any], manifest_path: Path) -> tuple[Scheme, list[str]]:
+    """The scheme a prepared run's records were bucketed by, as its manifest records it, with a note where
+    the scheme file has changed since (its records keep the buckets they were given). A manifest of an
+    earlier release records only the file: that is read, as it is now."""
+    recorded = manifest.get("scheme") or {}
+    path = Path(recorded.get("path") or "")
+    if recorded.get("definition") is None:
+        if not path.is_file():
+            raise ConfigError(f"{manifest_path}: the run's bucket scheme {path} is missing; run its "
+                              "`polyalign prepare` again")
+        return load_scheme(path), []
+    scheme = scheme_from_mapping(recorded["definition"], f"{manifest_path}: scheme", str(path))
+    notes = []
+    try:
+        now = load_yaml(path) if path.is_file() else None
+    except ConfigError:  # the file broken since: the recorded scheme is the one that counts
+        now = "unreadable"
+    if now is None:
+        notes.append(f"{path} (the scheme prepare bucketed the run by) is gone: its definition as prepare read it "
+                     f"is in {manifest_path}, and is used")
+    elif now != recorded["definition"]:
+        notes.append(f"{path} has changed since prepare bucketed this run: its records keep the buckets and "
+                     f"length bins of the scheme as prepare read it (in {manifest_path}), which is used here; run "
+                     "`polyalign prepare` again to bucket them by the file as it is now")
+    return scheme, notes
 
 
 def parent_groups(bucket: str) -> list[str]:

@@ -575,7 +575,9 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config_path": str(context.config_path.resolve()),
         "config": context.raw_config,
-        "scheme": {"path": context.scheme.path, "name": context.scheme.name, "length_unit": context.length_unit},
+        # the scheme as prepare read it: stats and build read this one, whatever the file says later
+        "scheme": {"path": context.scheme.path, "name": context.scheme.name, "length_unit": context.length_unit,
+                   "definition": context.scheme.definition},
         "on_error": on_error,
         **({"engine": engine} if engine else {}),
         "totals": {

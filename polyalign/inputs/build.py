@@ -34,7 +34,7 @@ from polyalign.data.bucketing import (
     WEIGHT_PRESETS,
     WeightOptions,
     bucket_weights,
-    load_scheme,
+    prepared_scheme,
     weight_options,
     weight_warnings,
 )
@@ -97,9 +97,11 @@ def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, 
     base, source = WEIGHT_PRESETS["default"], "preset default (the run's scheme file was not found)"
     manifest = Path(run) / "data" / "manifest.json"
     if manifest.is_file():
-        scheme_path = json.loads(manifest.read_text()).get("scheme", {}).get("path")
-        if scheme_path and Path(scheme_path).is_file():
-            base, source = load_scheme(Path(scheme_path)).weights, f"scheme {scheme_path}"
+        recorded = json.loads(manifest.read_text())
+        scheme_path = recorded.get("scheme", {}).get("path")
+        if recorded.get("scheme", {}).get("definition") is not None or (scheme_path and Path(scheme_path).is_file()):
+            # the scheme the records were bucketed by, as prepare read it (the file may have changed since)
+            base, source = prepared_scheme(recorded, manifest)[0].weights, f"scheme {scheme_path}"
     options = weight_options({**asdict(base), **overrides}, "build weights")
     return options, source + (f", overridden: {', '.join(sorted(overrides))}" if overrides else "")
 

@@ -30,14 +30,21 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[str], path: Path) -> Path:
-    """Stacked horizontal bars of records per bucket and split, one panel per language."""
-    panels = [lang for lang in languages if any(b.startswith(f"{lang}|") for b in counts)] or list(languages)
-    heights = [max(1, sum(1 for b in counts if b.startswith(f"{lang}|"))) for lang in panels]
+def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[str], path: Path,
+                  position: int | None = 0) -> Path:
+    """Stacked horizontal bars of records per bucket and split, one panel per language: the part of the
+    bucket id at `position` (where the scheme lists language among its dimensions); one panel of every
+    bucket for a scheme without a language dimension (None)."""
+    def panel_of(bucket: str) -> str:
+        return "all buckets" if position is None else bucket.split("|")[position]
+
+    panels = ([lang for lang in languages if any(panel_of(b) == lang for b in counts)] if position is not None
+              else ["all buckets"]) or ["all buckets"]
+    heights = [max(1, sum(1 for b in counts if panel_of(b) == panel)) for panel in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.32 * sum(heights)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, lang in zip(axes[:, 0], panels):
-        buckets = sorted(b for b in counts if b.startswith(f"{lang}|"))
+        buckets = sorted(b for b in counts if panel_of(b) == lang)
         left = [0] * len(buckets)
         for split, color in SPLIT_COLORS.items():
             values = [counts[b].get(split, 0) for b in buckets]

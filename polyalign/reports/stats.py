@@ -20,10 +20,11 @@ from polyalign.core.errors import StatsError
 from polyalign.core.outputs import OutputLock
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
+from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
     Scheme,
     bucket_weights,
-    load_scheme,
+    prepared_scheme,
     weight_warnings,
 )
 from polyalign.data.layout import split_files
@@ -59,11 +60,12 @@ def _nested_counts(records: Sequence[Record], key) -> dict[str, dict[str, int]]:
     return {name: {**{s: c[s] for s in SPLITS}, "total": sum(c.values())} for name, c in sorted(counts.items())}
 
 
-def _scheme_of(manifest: dict[str, Any]) -> Scheme:
-    path = Path(manifest["scheme"]["path"])
-    if not path.is_file():
-        raise StatsError(f"{path}: the run's bucket scheme is missing")
-    return load_scheme(path)
+def _scheme_of(manifest: dict[str, Any], run: Path) -> tuple[Scheme, list[str]]:
+    """The scheme the run's records were bucketed by (bucketing.prepared_scheme), with its notes."""
+    try:
+        return prepared_scheme(manifest, run / "data" / "manifest.json")
+    except ConfigError as err:
+        raise StatsError(str(err)) from None
 
 
 def compute_stats(run: Path, progress: bool = True) -> dict[str, Any]:
@@ -76,7 +78,7 @@ def compute_stats(run: Path, progress: bool = True) -> dict[str, Any]:
 def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     manifest, by_split = _load_run(run)
-    scheme = _scheme_of(manifest)
+    scheme, scheme_notes = _scheme_of(manifest, run)
     records = [r for split in SPLITS for r in by_split[split]]
     train = by_split["train"]
 
@@ -114,7 +116,9 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     stats = {
         "polyalign_version": polyalign.__version__,
         "run": str(run.resolve()),
-        "scheme": manifest["scheme"],
+        "scheme": {**manifest["scheme"], "dimensions": list(scheme.dimensions),
+                   "length_bins": [dataclasses.asdict(b) for b in scheme.length_bins]},
+        "notes": scheme_notes,
         "total": len(records),
         "counts": {
             "by_split": {s: len(by_split[s]) for s in SPLITS},
@@ -146,7 +150,8 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     references["made_from"] = {"data/manifest.json": file_digest(run / "data" / "manifest.json")}
     (out / "references.json").write_text(json.dumps(references, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     figures = {
-        "counts": plots.bucket_counts(bucket_counts, scheme.values["language"], out / "counts.png"),
+        "counts": plots.bucket_counts(bucket_counts, scheme.values["language"], out / "counts.png",
+                                      scheme.dimensions.index("language") if "language" in scheme.dimensions else None),
         "lengths": plots.length_histograms(lengths, [b.max for b in scheme.length_bins if b.max], out / "lengths.png"),
         "weights": plots.weights(weights, train_counts, out / "weights.png"),
         "features": plots.feature_boxes(feature_values, MAIN_FEATURES, out / "features.png"),
@@ -199,7 +204,10 @@ def _weight_lines(weights: dict[str, Any]) -> list[str]:
               if options.get("borrow_below") else "")
     power = f"n^-{options['temperature']:g}"
     lines = [f"SFT weight: the scheme's Bucket-SFT weight of a train record in its bucket, {power}"
-             f" over the bucket's train count n{borrow}, scaled to mean 1 over train records{clip}; a build made "
+             f" over the bucket's train count n{borrow}, scaled to mean 1 over train records{clip}"
+             + (f" (mean after clipping {weights['mean_weight_per_record']:.3f})"
+                if clip and abs(weights.get("mean_weight_per_record", 1) - 1) >= 5e-4 else "")
+             + "; a build made "
              f"with {', '.join(WEIGHT_FLAGS.values())} trains with its own (its manifest, `show`)"]
     build = weights.get("build") or {}
     if build.get("stale"):
@@ -240,10 +248,26 @@ def _left_out_name(key: str) -> str:
     return LEFT_OUT_NAMES.get(head, head) + (f" ({detail})" if detail else "")
 
 
+def _scheme_line(scheme: dict[str, Any]) -> list[str]:
+    """The scheme the buckets are made by: its name and file, what a bucket id is made of, and the length
+    bins' bounds (stats of an earlier release do not record the last two)."""
+    if "dimensions" not in scheme:
+        return [f"bucket scheme {scheme.get('name')} ({scheme.get('path')})"]
+    bins, bounds = scheme["length_bins"], []
+    for k, length_bin in enumerate(bins):
+        low = bins[k - 1]["max"] if k else None
+        bounds.append(f"{length_bin['name']} " + (f"<= {length_bin['max']}" if length_bin["max"] is not None
+                                                  else f"> {low}" if low is not None else "any length"))
+    return [f"bucket scheme {scheme['name']} ({scheme['path']}): a bucket is {'|'.join(scheme['dimensions'])}; "
+            f"length bins {', '.join(bounds)} ({scheme['length_unit']} units)"]
+
+
 def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     counts = stats["counts"]
     near = manifest["dedup"].get("near_duplicates", {})
     lines = [
+        *(_scheme_line(stats["scheme"]) or []),
+        *(f"note: {note}" for note in stats.get("notes", [])),
         f"{stats['total']} records: " + ", ".join(f"{s} {counts['by_split'][s]}" for s in SPLITS),
         "languages: " + ", ".join(f"{lang} {c['total']}" for lang, c in counts["by_language"].items()),
         f"{len(counts['by_bucket'])} buckets; length unit {stats['scheme']['length_unit']} "
@@ -281,11 +305,12 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
 
 # What each figure of stats["figures"] shows, as its caption says it.
 FIGURE_CAPTIONS = {
-    "counts": "Records per bucket and split, one panel per language (the number: all splits).",
+    "counts": "Records per bucket and split, one panel per language where the scheme has that dimension (the "
+              "number: all splits).",
     "lengths": "Human response length per bucket, in the scheme's length units (log scale); dashed lines: the "
                "length bins' bounds.",
-    "weights": "The scheme's Bucket-SFT weight per train record in each bucket (the mean over train records is 1; "
-               "n: the bucket's train records).",
+    "weights": "The scheme's Bucket-SFT weight per train record in each bucket (scaled to a mean of 1 over train "
+               "records, then clipped: the summary gives the mean after clipping; n: the bucket's train records).",
     "features": "Main response features of the train split's human answers per bucket (boxes: quartiles).",
 }
 
