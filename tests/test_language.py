@@ -95,6 +95,40 @@ def test_en_chat_and_zh_qa_without_language_prepare_keeping_every_row(monkeypatc
     assert ("lingua not installed" in manifest["language_detection"]) is not lingua
 
 
+@pytest.mark.parametrize("lingua, named", [(True, "en"), (False, "latin_script")])
+def test_rows_in_a_language_the_scheme_leaves_out_are_dropped_under_what_they_are(monkeypatch, tmp_path, lingua,
+                                                                                   named):
+    """A Chinese-only scheme and an English chat export that declares no language: every reply is dropped as
+    language_not_in_scheme:en (lingua) or :latin_script (the core install), counted under that name in
+    detected_languages and listed in dropped.jsonl; `other` said nothing of what the rows were."""
+    import yaml
+
+    from polyalign.data.prepare import prepare
+    from tests.conftest import SCHEME, read_jsonl
+
+    monkeypatch.setattr(language, "lingua_available", lambda: lingua)
+    scheme = yaml.safe_load(SCHEME.read_text())
+    scheme["values"]["language"] = ["zh"]
+    (tmp_path / "zh_only.yaml").write_text(yaml.safe_dump(scheme, allow_unicode=True))
+    dialogues = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:5]
+    rows = [{"id": d["dialogue_id"], "messages": [
+        {"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]} for t in d["turns"]]}
+        for d in dialogues]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [
+        {"name": "restaurant_chats", "format": "chat", "path": "chat.jsonl"},
+        {"name": "reading", "format": "squad", "path": str(DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")}],
+        dedup=False)
+    config.write_text(config.read_text().replace(str(SCHEME), str(tmp_path / "zh_only.yaml")))
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    chats = manifest["sources"][0]
+    replies = sum(m["role"] == "assistant" for r in rows for m in r["messages"])
+    assert chats["detected_languages"] == {named: replies} and chats["kept"] == 0
+    assert chats["dropped"] == {f"language_not_in_scheme:{named}": replies}
+    dropped = read_jsonl(tmp_path / "run" / "data" / "dropped.jsonl")
+    assert {d["reason"] for d in dropped if d["source"] == "restaurant_chats"} == {f"language_not_in_scheme:{named}"}
+
+
 def _conversation(user: str, reply: str) -> tuple[str, str, str]:
     """(reply, prompt, conversation) as a two-turn chat export's record reaches the chooser."""
     return reply, user, f"{user}\n{reply}"

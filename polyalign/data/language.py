@@ -305,6 +305,18 @@ class LanguageChooser:
             return self._name(response, reading)
         return language
 
+    def outside_name(self, text: str) -> str:
+        """What a text `choose` called `other` is, for the reason it is left out of a scheme without `other`:
+        lingua's language where the langid extra is installed (an English row in a Chinese-only scheme is
+        `en`), else its script (`latin_script`, `other_script`): `other` told a user nothing."""
+        text = prose(text)
+        reading = read_script(text)
+        if self.lingua:
+            code, _ = (_latin_code if reading.language == "latin" else _lingua_code)(unicodedata.normalize("NFC", text))
+            if code != UNDETERMINED:
+                return code
+        return {"latin": "latin_script", "script": "other_script"}.get(reading.language, OTHER)
+
     def _name(self, text: str, reading: ScriptReading) -> str:
         if reading.language in CJK_LANGUAGES or reading.language == UNDETERMINED:
             return reading.language

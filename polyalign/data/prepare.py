@@ -388,6 +388,8 @@ class RecordBuilder:
         if language is None:
             prompt = "\n".join([context, *(t["text"] for t in history if t["role"] != "system"), question])
             language = self.languages.choose(response, prompt, example.conversation)
+            if language == OTHER and OTHER not in scheme_languages:  # named for the drop reason: what it is
+                language = self.languages.outside_name(example.conversation or f"{prompt}\n{response}")
             tally.detected_languages[language] += 1
         if language not in scheme_languages:
             return Skipped(example.location, f"language_not_in_scheme:{language}")
