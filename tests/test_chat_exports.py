@@ -644,6 +644,18 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     assert "note: source" not in capsys.readouterr().out
     source = json.loads((tmp_path / "named" / "data" / "manifest.json").read_text())["sources"][0]
     assert "label_defaults" not in source and "opening_replies" not in source
+    # a scheme whose buckets have no track: the first reply shares its dialogue's bucket, so nothing to say
+    import yaml
+
+    from tests.conftest import SCHEME
+
+    scheme = yaml.safe_load(SCHEME.read_text())
+    scheme["dimensions"] = [d for d in scheme["dimensions"] if d != "track"]
+    (tmp_path / "no_track.yaml").write_text(yaml.safe_dump(scheme, allow_unicode=True))
+    config = write_config(tmp_path / "untracked.yaml", [{"name": "mine", "format": form, "path": path.name}])
+    config.write_text(config.read_text().replace(str(SCHEME), str(tmp_path / "no_track.yaml")))
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "untracked"), "--no-progress"]) == 0
+    assert "first reply of a multi-turn" not in capsys.readouterr().out
 
 
 def test_a_turns_build_counts_and_shows_the_system_messages_its_whole_turns_took(tmp_path):

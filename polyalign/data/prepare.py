@@ -328,8 +328,10 @@ class RecordBuilder:
             if found == len(layers) - 1 and tally is not None:
                 tally.label_defaults[name] += 1
             if name == "track" and found is not None and layers[found] is example.derived and \
-                    example.opens_conversation and tally is not None:
-                tally.opening_replies += 1  # read off the conversation: single, though the dialogue goes on
+                    example.opens_conversation and tally is not None and "track" in self.scheme.dimensions:
+                # read off the conversation: single, though the dialogue goes on (in another bucket, where the
+                # scheme's buckets have a track)
+                tally.opening_replies += 1
             if value is None:
                 raise RowProblem(
                     f"no {name} for source {source.name!r}: set `{name}:` on the source in the data config "
