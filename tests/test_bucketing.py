@@ -241,6 +241,15 @@ def test_a_scheme_of_ones_own_is_what_stats_reads_and_draws_even_after_its_file_
     said = (tmp_path / "run" / "stats" / "report.md").read_text()
     assert f"bucket scheme team_v1 ({scheme}): a bucket is family|language|length_bin; length bins brief <= 20, " \
            "mid <= 80, long > 80 (v2 units)" in said
+    # a non-empty answer v2 gives no unit (the sample's "бояре": Cyrillic) is counted apart from empty ones
+    from polyalign.data.records import read_records
+
+    data = tmp_path / "run" / "data"
+    records = [r for split in ("train", "val", "test") for r in read_records(data / f"{split}.jsonl")]
+    assert any(r.response == "бояре" and r.length_tokens == 0 for r in records)
+    unmeasured = sum(1 for r in records if r.response and not r.length_tokens)
+    assert stats["counts"]["unmeasured_responses"] == unmeasured >= 1
+    assert f"{unmeasured} non-empty responses of length 0 (no letter the v2 unit counts" in said
     # the file changes after prepare: the records keep their bins, and stats keeps the scheme that made them
     scheme.write_text(text.replace("{name: brief, max: 20}", "{name: brief, max: 50}"))
     again = compute_stats(tmp_path / "run", progress=False)

@@ -64,7 +64,8 @@ def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[s
 
 
 def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int], path: Path) -> Path:
-    """Response length (units) histogram per bucket, log-spaced bins, bin boundaries dashed."""
+    """Response length (units) histogram per bucket, log-spaced bins, bin boundaries dashed. A length of 0
+    (an empty answer, or one of letters the unit does not count) is drawn at 1, and the title says how many."""
     buckets = sorted(lengths)
     columns = 4
     rows = max(1, math.ceil(len(buckets) / columns))
@@ -77,7 +78,9 @@ def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int
         ax.set_xscale("log")
         for bound in bounds:
             ax.axvline(bound + 0.5, color="#C44E52", linestyle="--", linewidth=0.8)
-        ax.set_title(f"{bucket} (n={len(values)})", fontsize=8)
+        zeros = sum(1 for v in lengths[bucket] if v == 0)
+        ax.set_title(f"{bucket} (n={len(values)}" + (f"; {zeros} of length 0, drawn at 1" if zeros else "") + ")",
+                     fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(buckets):]:
         ax.axis("off")

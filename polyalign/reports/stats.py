@@ -127,6 +127,8 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
             "by_bucket": bucket_counts,
             "by_style": _nested_counts(records, lambda r: r.style),
             "empty_responses": sum(1 for r in records if r.response == ""),
+            # answers with text but no length unit (v2 counts no accented, Cyrillic, kana or Hangul letter)
+            "unmeasured_responses": sum(1 for r in records if r.response and not r.length_tokens),
         },
         "length_quantiles": length_quantiles,
         "weights": {
@@ -272,7 +274,10 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         "languages: " + ", ".join(f"{lang} {c['total']}" for lang, c in counts["by_language"].items()),
         f"{len(counts['by_bucket'])} buckets; length unit {stats['scheme']['length_unit']} "
         f"({LENGTH_UNIT_WORDS.get(stats['scheme']['length_unit'], 'see docs/data.md')} counts 1); "
-        f"{counts['empty_responses']} empty responses (unanswerable QA)",
+        f"{counts['empty_responses']} empty responses (unanswerable QA)"
+        + (f"; {counts['unmeasured_responses']} non-empty responses of length 0 (no letter the "
+           f"{stats['scheme']['length_unit']} unit counts: it counts ASCII letters, digits, Chinese characters and "
+           "punctuation only; binned with the shortest)" if counts.get("unmeasured_responses") else ""),
         f"exact duplicates removed: {manifest['dedup'].get('exact', {}).get('removed', 'dedup off')}; "
         f"train/test near-duplicates: {near.get('pairs', 'off')}"
         + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
