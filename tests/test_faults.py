@@ -616,8 +616,8 @@ def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_sp
     (tmp_path / "c.jsonl").write_text(jsonl([chat_row(d) for d in CAMREST]), encoding="utf-8")
     loaded, _ = load_data_config(config, ["split.weights.test=0.2"])
     assert loaded.split.weights == {"train": 0.9, "val": 0.05, "test": 0.2}
-    assert ("polyalign: split.weights sum to 1.15, not 1; each split gets its share of the sum: train 78.3%, "
-            "val 4.3%, test 17.4%") in capsys.readouterr().err
+    assert "note: split.weights are shares of their sum (1.15): train 78.3%, val 4.3%, test 17.4%" in \
+        capsys.readouterr().out
     for override, problem in (("split.weights.val=-0.1", "split.weights.val must be a number >= 0, got -0.1"),
                               ("split.weights.val=abc", "split.weights.val must be a number >= 0, got 'abc'"),
                               ("split.weights.dev=0.1", "split.weights.dev: no such split (train, val, test)")):

@@ -868,7 +868,7 @@ def not_available_reasons(metrics: dict[str, Any], compat: str) -> dict[str, str
                                            "reference measures" if compat == "reference" else "no bucket measured")
     if metrics["tdm"]["overall_macro"] is None:
         reasons["tdm"] = "no multi-turn test rows" if not metrics["tdm"].get("rows") else \
-            f"no multi-turn bucket has {nat.MIN_BUCKET_ROWS} rows"
+            f"no bucket holds {nat.MIN_BUCKET_ROWS} multi-turn rows"
     if metrics["mauve"]["status"] != "computed":
         reasons["mauve"] = metrics["mauve"].get("reason", "not computed")
     detect = metrics.get("detectability", {})

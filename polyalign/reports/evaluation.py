@@ -254,7 +254,10 @@ def _frontier(runs: dict[str, dict], path: Path, label_points: bool = False,
     return _save(fig, path)
 
 
-def _length_distributions(human_lengths, generated_lengths, buckets, path: Path, limit: int = 12) -> str:
+def _length_distributions(human_lengths, generated_lengths, buckets, path: Path, tokenize: str = "cjk",
+                          limit: int = 12) -> str:
+    """Answer lengths of people and the model in the largest buckets, counted as the metrics count them
+    (`tokenize`: evaluate's --tokenize), not in a model's tokens or the scheme's length units."""
     names = [b for b, _ in sorted(((b, buckets.count(b)) for b in set(buckets)), key=lambda x: -x[1])][:limit]
     cols = 3
     rows = -(-len(names) // cols)
@@ -272,7 +275,9 @@ def _length_distributions(human_lengths, generated_lengths, buckets, path: Path,
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle("Response length (tokens), human vs model, largest buckets")
+    fig.suptitle(f"Answer length in the metrics' words ({tokenize}: "
+                 f"{'a word or a Chinese character each' if tokenize == 'cjk' else 'words split on spaces'}), "
+                 "people vs model, largest buckets", fontsize=10)
     return _save(fig, path)
 
 
@@ -597,7 +602,8 @@ def write_evaluation_report(result: dict, human_lengths: Sequence[int], generate
         per_bucket = {"F1": {b: v["qa_f1"] for b, v in m["utility"]["by_bucket"].items()},
                       "BNG": m["bng"]["by_bucket"], "HCR": m["hcr"]["by_bucket"], "C-MAUVE": m["mauve"]["by_bucket"]}
         images.append(_bucket_bars({k: v for k, v in per_bucket.items() if v}, "Per bucket", out / "buckets.png"))
-    images += [_length_distributions(human_lengths, generated_lengths, buckets, out / "lengths.png"),
+    images += [_length_distributions(human_lengths, generated_lengths, buckets, out / "lengths.png",
+                                     result["config"].get("tokenize") or "cjk"),
                _frontier({"run": m["nuf"]["overall"]}, out / "frontier.png", label_points=True,
                          components={"run": m["nuf"]})]
     sections += [_embedded(out / i) for i in images]
