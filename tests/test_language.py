@@ -70,6 +70,21 @@ def test_lingua_only_chooses_among_the_scheme_languages_and_other(monkeypatch):
     assert chooser.choose(*dutch) == "en" and "lingua not installed" in chooser.note
 
 
+def _chats_and_reading(tmp_path, dialogues: int | None = None):
+    """(rows, data config): an English chat export of CamRest676's dialogues (the first `dialogues`) and
+    the CMRC 2018 file, neither declaring a language."""
+    every = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))
+    rows = [{"id": d["dialogue_id"], "messages": [
+        {"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]} for t in d["turns"]]}
+        for d in every[:dialogues]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [
+        {"name": "restaurant_chats", "format": "chat", "path": "chat.jsonl"},
+        {"name": "reading", "format": "squad", "path": str(DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")}],
+        dedup=False)
+    return rows, config
+
+
 @pytest.mark.parametrize("lingua", [True, False])
 def test_en_chat_and_zh_qa_without_language_prepare_keeping_every_row(monkeypatch, tmp_path, lingua):
     """The core install (lingua absent) and the langid extra: an English chat export of every CamRest676
@@ -78,15 +93,7 @@ def test_en_chat_and_zh_qa_without_language_prepare_keeping_every_row(monkeypatc
     from polyalign.data.prepare import prepare
 
     monkeypatch.setattr(language, "lingua_available", lambda: lingua)
-    dialogues = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))
-    rows = [{"id": d["dialogue_id"], "messages": [
-        {"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]} for t in d["turns"]]}
-        for d in dialogues]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    config = write_config(tmp_path / "data.yaml", [
-        {"name": "restaurant_chats", "format": "chat", "path": "chat.jsonl"},
-        {"name": "reading", "format": "squad", "path": str(DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")}],
-        dedup=False)
+    rows, config = _chats_and_reading(tmp_path)
     manifest = prepare(config, tmp_path / "run", progress=False)
     chats, reading = manifest["sources"]
     assert chats["detected_languages"] == {"en": chats["records"]} and chats["kept"] == chats["records"]
@@ -110,15 +117,7 @@ def test_rows_in_a_language_the_scheme_leaves_out_are_dropped_under_what_they_ar
     scheme = yaml.safe_load(SCHEME.read_text())
     scheme["values"]["language"] = ["zh"]
     (tmp_path / "zh_only.yaml").write_text(yaml.safe_dump(scheme, allow_unicode=True))
-    dialogues = json.loads(zipfile.ZipFile(DEMO_DATA / "en/camrest676/data.zip").read("data/dialogues.json"))[:5]
-    rows = [{"id": d["dialogue_id"], "messages": [
-        {"role": "user" if t["speaker"] == "user" else "assistant", "content": t["utterance"]} for t in d["turns"]]}
-        for d in dialogues]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    config = write_config(tmp_path / "data.yaml", [
-        {"name": "restaurant_chats", "format": "chat", "path": "chat.jsonl"},
-        {"name": "reading", "format": "squad", "path": str(DEMO_DATA / "zh/cmrc2018/cmrc2018_trial.json")}],
-        dedup=False)
+    rows, config = _chats_and_reading(tmp_path, dialogues=5)
     config.write_text(config.read_text().replace(str(SCHEME), str(tmp_path / "zh_only.yaml")))
     manifest = prepare(config, tmp_path / "run", progress=False)
     chats = manifest["sources"][0]
