@@ -98,8 +98,9 @@ def test_weight_options_from_a_scheme_mapping():
         weight_options({"preset": "equal"}, "w")
     with pytest.raises(ConfigError, match="unknown key 'temprature'; did you mean 'temperature'"):
         weight_options({"temprature": 1}, "w")
-    with pytest.raises(ConfigError, match="clip: expected"):
-        weight_options({"clip": [3, 1]}, "w")
+    for clip in ([3, 1], [0, 0], [0.5, float("inf")], [-1, 2]):
+        with pytest.raises(ConfigError, match="clip: expected .* a finite w_max > 0"):
+            weight_options({"clip": clip}, "w")
 
 
 def test_weight_warnings_name_heavy_buckets_and_unmeasured_ones():

@@ -618,8 +618,18 @@ def test_one_split_weight_from_the_command_line_keeps_the_others_and_an_empty_sp
     assert loaded.split.weights == {"train": 0.9, "val": 0.05, "test": 0.2}
     assert "note: split.weights are shares of their sum (1.15): train 78.3%, val 4.3%, test 17.4%" in \
         capsys.readouterr().out
-    for override, problem in (("split.weights.val=-0.1", "split.weights.val must be a number >= 0, got -0.1"),
-                              ("split.weights.val=abc", "split.weights.val must be a number >= 0, got 'abc'"),
+    # every setting checked before a row is read: a shingle of 0 characters flagged every train record as a
+    # near-duplicate of every test record, a NaN weight sent every record to test, silently
+    for override, problem in (("split.weights.val=-0.1", "split.weights.val must be a finite number >= 0, got -0.1"),
+                              ("split.weights.val=abc", "split.weights.val must be a finite number >= 0, got 'abc'"),
+                              ("split.weights.train=.nan", "split.weights.train must be a finite number >= 0, got nan"),
+                              ("split.weights.train=.inf", "split.weights.train must be a finite number >= 0, got inf"),
+                              ("near_dedup.shingle_size=0", "near_dedup.shingle_size must be at least 1, got 0"),
+                              ("near_dedup.threshold=1.5", "near_dedup.threshold must be in (0, 1), got 1.5"),
+                              ("near_dedup.num_perm=1", "near_dedup.num_perm must be at least 2, got 1"),
+                              ("near_dedup.threshold=0.99", "near_dedup.threshold 0.99 with near_dedup.num_perm 128: "
+                                                            "MinHash LSH cannot be built (The number of bands are too "
+                                                            "small (b < 2)); lower the threshold or raise num_perm"),
                               ("split.weights.dev=0.1", "split.weights.dev: no such split (train, val, test)")):
         with pytest.raises(ConfigError) as refused:
             load_data_config(config, [override])

@@ -53,8 +53,11 @@ def weight_options(mapping: Mapping[str, Any] | None, where: str) -> WeightOptio
     if name not in WEIGHT_PRESETS:
         raise ConfigError(f"{where}.preset: unknown weight preset {name!r} (known: {', '.join(WEIGHT_PRESETS)})")
     options = from_mapping(WeightOptions, {**dataclasses.asdict(WEIGHT_PRESETS[name]), **mapping}, where)
-    if options.clip is not None and (len(options.clip) != 2 or not 0 <= options.clip[0] <= options.clip[1]):
-        raise ConfigError(f"{where}.clip: expected [w_min, w_max] with 0 <= w_min <= w_max, got {options.clip}")
+    if options.clip is not None and (len(options.clip) != 2 or not 0 <= options.clip[0] <= options.clip[1]
+                                     or not 0 < options.clip[1] < math.inf):
+        # w_max 0 set every weight to 0: a build whose every example trains nothing
+        raise ConfigError(f"{where}.clip: expected [w_min, w_max] with 0 <= w_min <= w_max and a finite w_max > 0, "
+                          f"got {options.clip}")
     return options
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from polyalign.core.ranges import COUNT, SEED, Range
+from polyalign.core.yaml_config import setting
 from polyalign.data.layout import EXACT_DUPLICATES
 from polyalign.data.records import AFTER_QUESTION, SPLIT_PRIORITY, Record
 
@@ -72,11 +74,23 @@ def count_kinds(duplicates: Sequence[Duplicate]) -> dict[str, int]:
 @dataclass(frozen=True)
 class NearDuplicateOptions:
     enabled: bool = True
-    threshold: float = 0.8
-    shingle_size: int = 5
-    num_perm: int = 128
+    threshold: float = setting(0.8, range=Range(0, 1, low_open=True, high_open=True),
+                               help="estimated Jaccard similarity of character shingles above which a pair is flagged")
+    shingle_size: int = setting(5, range=COUNT, help="characters per shingle")
+    num_perm: int = setting(128, range=Range(2), help="MinHash permutations")
     remove: bool = False
-    seed: int = 1
+    seed: int = setting(1, range=SEED)
+
+
+def near_duplicate_problem(options: NearDuplicateOptions) -> str | None:
+    """Why MinHash LSH cannot be built for `options` (ranges aside): too few permutations for a threshold
+    this high gives it fewer than two bands; said before any row is read, not after the whole import."""
+    try:
+        MinHashLSH(threshold=options.threshold, num_perm=options.num_perm)
+    except ValueError as err:
+        return (f"near_dedup.threshold {options.threshold:g} with near_dedup.num_perm {options.num_perm}: MinHash LSH "
+                f"cannot be built ({err}); lower the threshold or raise num_perm")
+    return None
 
 
 def _shingles(text: str, size: int) -> list[bytes]:

@@ -11,6 +11,7 @@ import copy
 import datetime
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -26,7 +27,16 @@ from polyalign.core.errors import PolyalignError, PrepareError
 from polyalign.core.outputs import no_empty_folder_left, settings_record, stage_output
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
-from polyalign.core.yaml_config import ConfigError, apply_overrides, blamed_on_override, from_mapping, load_yaml
+from polyalign.core.ranges import SEED
+from polyalign.core.yaml_config import (
+    ConfigError,
+    apply_overrides,
+    blamed_on_override,
+    from_mapping,
+    load_yaml,
+    out_of_range,
+    setting,
+)
 from polyalign.data.bucketing import LABEL_FIELDS, Scheme, load_scheme
 from polyalign.data.dedup import (
     EXACT_DUPLICATES_FILE,
@@ -34,6 +44,7 @@ from polyalign.data.dedup import (
     count_kinds,
     duplicate_row,
     exact_dedup,
+    near_duplicate_problem,
     near_duplicates,
 )
 from polyalign.data.importers import get_format, read_source
@@ -110,7 +121,7 @@ class SourceConfig:
 
 @dataclass(frozen=True)
 class SplitOptions:
-    seed: int = 42
+    seed: int = setting(42, range=SEED)
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SPLIT_WEIGHTS))
 
 
@@ -178,11 +189,15 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
     if config.length_unit is not None and config.length_unit not in LENGTH_UNIT_PATTERNS:
         raise ConfigError(f"{path}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}")
     where = f"{path}{' with the overrides ' + ' '.join(overrides) if overrides else ''}"
+    lsh = near_duplicate_problem(config.near_dedup) if config.near_dedup.enabled else None
+    problem = out_of_range(config, where) or (lsh and f"{where}: {lsh}")
+    if problem:  # before any row is read: a bad near_dedup setting failed only after the whole import
+        raise ConfigError(problem)
     for name, value in config.split.weights.items():
         if name not in SPLITS:
             raise ConfigError(f"{where}: split.weights.{name}: no such split (train, val, test)")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{where}: split.weights.{name} must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{where}: split.weights.{name} must be a finite number >= 0, got {value!r}")
     total = sum(config.split.weights.values())
     if total <= 0:
         raise ConfigError(f"{where}: split.weights are all 0; give at least one split a positive weight")
