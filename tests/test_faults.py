@@ -1373,3 +1373,65 @@ def test_a_checkpoints_data_state_is_read_on_any_process_count(tmp_path, monkeyp
     empty.mkdir()
     with pytest.raises(ValueError, match="no data iterator state"):
         restore_data_state(empty, Iterator())
+
+
+def test_prediction_files_users_bring_are_read_or_refused_in_one_line(demo_run, tmp_path, capsys):
+    """What an evaluation meets in users' hands: a Windows tool's UTF-16 export is read; a missing file, a
+    folder, a gzip archive, an empty file and predictions of another split are one line each (they were
+    tracebacks, and --allow-partial, which the mismatch line suggests, crashed on no common id)."""
+    import gzip
+
+    run, _, _ = demo_run
+    test = run / "data" / "test.jsonl"
+    val = [json.loads(line) for line in (run / "data" / "val.jsonl").read_text().splitlines()[:30]]
+    rows = [json.loads(line) for line in test.read_text().splitlines()]
+    answers = "".join(json.dumps({"id": r["id"], "prediction": r["response"]}, ensure_ascii=False) + "\n" for r in rows)
+    (tmp_path / "utf16.jsonl").write_bytes(answers.encode("utf-16"))
+    (tmp_path / "answers.jsonl.gz").write_bytes(gzip.compress(answers.encode()))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"id": r["id"], "prediction": r["response"]},
+                                                           ensure_ascii=False) + "\n" for r in val))
+    (tmp_path / "folder").mkdir()
+
+    def evaluate(name, *extra):
+        code = main(["evaluate", "--records", str(test), "--predictions", str(tmp_path / name), "--out",
+                     str(tmp_path / f"eval-{name}"), "--no-detectability", "--no-baselines", "--no-progress",
+                     *extra])
+        said = capsys.readouterr()
+        assert "Traceback" not in said.err
+        return code, said.err.strip().splitlines()[-1] if said.err.strip() else ""
+
+    assert evaluate("utf16.jsonl")[0] == 0
+    for name, extra, line in [
+        ("missing.jsonl", (), f"{tmp_path / 'missing.jsonl'}: no such predictions file"),
+        ("folder", (), f"{tmp_path / 'folder'}: a folder, not a predictions file"),
+        ("answers.jsonl.gz", (), f"{tmp_path / 'answers.jsonl.gz'}: gzip-compressed; decompress it first"),
+        ("empty.jsonl", ("--allow-partial",), f"{tmp_path / 'empty.jsonl'}: holds no predictions"),
+        ("val.jsonl", ("--allow-partial",), f"{tmp_path / 'val.jsonl'}: none of its 30 ids is a record of {test}"),
+        ("val.jsonl", (), f"{tmp_path / 'val.jsonl'}: none of its 30 ids is a record of {test}"),
+    ]:
+        code, said = evaluate(name, *extra)
+        assert code == 2 and said.startswith(f"polyalign evaluate: error: {line}"), (name, said)
+    # pairs reads predictions the same way
+    assert main(["pairs", "--records", str(test), "--predictions", str(tmp_path / "missing.jsonl"),
+                 "--out", str(tmp_path / "pairs.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path / 'missing.jsonl'}: no such predictions file")
+
+
+def test_a_hand_edited_record_is_refused_naming_its_line_and_field(demo_run, tmp_path):
+    """A records file edited after prepare (`"response": null`, a count that is no count): one line naming the
+    file, line and field, where statistics crashed and a build trained an empty answer."""
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    lines = (run / "data" / "val.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+    for field, value, said in [("response", None, "response is null, not a string"),
+                               ("length_tokens", -1, "length_tokens is -1, not a count"),
+                               ("history", [{"role": "user"}], "history is not a list of {role, text} turns"),
+                               ("bucket_id", "", "bucket_id is empty")]:
+        row = json.loads(lines[1])
+        row[field] = value
+        path = tmp_path / "val.jsonl"
+        path.write_text("\n".join([lines[0], json.dumps(row, ensure_ascii=False), lines[2]]) + "\n", encoding="utf-8")
+        with pytest.raises(InputError, match=re.escape(f"{path}:2: {said}; records come from `polyalign prepare`")):
+            read_records(path)

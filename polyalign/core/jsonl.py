@@ -74,15 +74,58 @@ def parse(text: str) -> Any:
     return value
 
 
-def read_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, value) for every non-blank line of a JSON Lines file; a line that is not strict
-    JSON raises JsonProblem naming the file and line."""
+# The first bytes of the archives a user might hand over for a JSON file ("export.jsonl.gz", a .zip from
+# a web download): said as what they are, not as undecodable bytes on line 1.
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"PK\x03\x04", "zip"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2"),
+              (b"\x28\xb5\x2f\xfd", "zstd"))
+# Byte-order marks of the encodings other than UTF-8 a text file may come in (Windows tools write UTF-16
+# with one); UTF-32-LE's mark begins with UTF-16-LE's, so it is looked for first.
+WIDE_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+             (b"\xfe\xff", "utf-16"))
+
+
+def compressed_kind(head: bytes) -> str | None:
+    """"gzip", "zip", ... when a file's first bytes are that archive's."""
+    return next((kind for magic, kind in COMPRESSED if head.startswith(magic)), None)
+
+
+def wide_encoding(head: bytes) -> str | None:
+    """"utf-16" or "utf-32" when the bytes start with that encoding's byte-order mark."""
+    return next((encoding for bom, encoding in WIDE_BOMS if head.startswith(bom)), None)
+
+
+def read_text_file(path: str | Path, what: str = "file") -> str:
+    """A text file's text: UTF-8 (a byte-order mark allowed), or UTF-16/32 with their mark. A missing file,
+    a folder, an archive or other bytes are one JsonProblem naming the file (no traceback)."""
     path = Path(path)
-    text = path.read_bytes().decode("utf-8-sig")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise JsonProblem(f"{path}: no such {what}") from None
+    except IsADirectoryError:
+        raise JsonProblem(f"{path}: a folder, not a {what}") from None
+    except OSError as err:
+        raise JsonProblem(f"{path}: cannot be read ({err.strerror})") from None
+    if kind := compressed_kind(data[:6]):
+        raise JsonProblem(f"{path}: {kind}-compressed; decompress it first and give the JSON file itself")
+    encoding = wide_encoding(data[:4]) or "utf-8-sig"
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise JsonProblem(f"{path}:{line}: not {encoding.replace('-sig', '').upper()} text ({err.reason}); save it "
+                          "as UTF-8") from None
+
+
+def read_lines(path: str | Path, what: str = "JSON Lines file") -> Iterator[tuple[int, Any]]:
+    """(line number, value) for every non-blank line of a JSON Lines file; a line that is not strict
+    JSON, or a file that is no such text (read_text_file), raises JsonProblem naming the file and line."""
+    path = Path(path)
+    text = read_text_file(path, what)
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             yield number, parse(line)
         except JsonProblem as problem:
-            raise JsonProblem(f"{path}:{number}: {problem}") from None
+            raise JsonProblem(f"{path}:{number}: {problem}", line=number) from None

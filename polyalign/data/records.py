@@ -188,5 +188,34 @@ def read_records(path: str | os.PathLike) -> list[Record]:
             if missing:
                 raise InputError(f"{path}:{line_number}: not a polyalign record (missing {', '.join(missing[:3])}"
                                  f"{', ...' if len(missing) > 3 else ''}); records come from `polyalign prepare`")
+            problem = record_field_problem(row)
+            if problem:
+                raise InputError(f"{path}:{line_number}: {problem}; records come from `polyalign prepare` (a file "
+                                 "edited since: run prepare again)")
             records.append(Record.from_json(row))
     return records
+
+
+_TEXT_FIELDS = ("id", "dataset", "split", "language", "track", "family", "style", "question", "context", "response",
+                "length_bin", "bucket_id")
+
+
+def record_field_problem(row: dict[str, Any]) -> str | None:
+    """What is wrong with a record's fields, by name: a hand-edited `"response": null` crashed the
+    statistics and trained an empty answer in a build."""
+    for name in _TEXT_FIELDS:
+        if not isinstance(row[name], str):
+            return f"{name} is {json.dumps(row[name])[:40]}, not a string"
+    for name in ("id", "split", "language", "bucket_id"):
+        if not row[name]:
+            return f"{name} is empty"
+    length = row["length_tokens"]
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+        return f"length_tokens is {json.dumps(length)[:40]}, not a count"
+    if not isinstance(row["meta"], dict):
+        return f"meta is {json.dumps(row['meta'])[:40]}, not an object"
+    history = row["history"]
+    if not isinstance(history, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("text"), str) for t in history):
+        return "history is not a list of {role, text} turns"
+    return None

@@ -346,6 +346,8 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool, promp
           common_with: tuple[Path, ...] = ()) -> Joined:
     rows, seen, lines = load_predictions(predictions_path)
     records = read_records(records_path)
+    if not {row["id"] for row in rows} & {r.id for r in records}:  # said as what it is, with or without
+        raise EvaluationError(_nothing_in_common(predictions_path, records_path, rows, records))  # --allow-partial
     if common_with:  # the rows every system answered: each evaluation given the same files reads the same ones
         records, predictions, alignment = _join_common(records_path, records, rows, seen, lines, predictions_path,
                                                        prompts, common_with)
@@ -359,11 +361,25 @@ def _join(records_path: Path, predictions_path: Path, allow_partial: bool, promp
         records, predictions, alignment = align(records, rows, seen, allow_partial, None, lines,
                                                 f"the {len(records)} records `{label}` chose")
         alignment = _of_the_split({**alignment, "chosen": len(chosen), "selected_by": label}, records, total)
+    if not records:  # nothing left to measure (--prompts or --common-with chose none of the answered records)
+        raise EvaluationError(f"{predictions_path}: none of the records it answers is among those --prompts or "
+                              "--common-with chose: nothing to evaluate")
     # an engine's rows name no profile; the prompts it answered were rendered with one, which its manifest holds
     rendered = ((read_record(prompts) or {}).get("summary") or {}).get("profile") if prompts is not None else None
     return Joined(records, predictions, alignment,
                   profiles=sorted({r.get("profile", rendered or "unknown") for r in rows}),
                   models=sorted({str(r.get("model", "unknown")) for r in rows}))
+
+
+def _nothing_in_common(predictions_path: Path, records_path: Path, rows: list[dict], records: list) -> str:
+    """Why an evaluation has no row: an empty predictions file, or ids of other records (another split's,
+    a predictions file of other data), with a few of each side's ids to compare."""
+    if not rows:
+        return f"{predictions_path}: holds no predictions (no non-blank line)"
+    theirs = ", ".join(repr(r["id"]) for r in rows[:2])
+    ours = ", ".join(repr(r.id) for r in records[:2])
+    return (f"{predictions_path}: none of its {len(rows)} ids is a record of {records_path} (its ids: {theirs}, ...; "
+            f"the records': {ours}, ...): predictions of other records (another split, or an earlier prepare?)")
 
 
 # What the progress bar counts, in the order they run (the featurizer's and scorer's model runs are the

@@ -16,7 +16,7 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, row) for every non-blank line; a line that is not JSON, or a row without string
     id and prediction, is an error naming the file and line."""
     try:
-        for number, row in jsonl.read_lines(path):
+        for number, row in jsonl.read_lines(path, "predictions file"):
             if isinstance(row, list):  # a JSON array of rows (one written whole with json.dump)
                 raise InputError(f"{path}:{number}: {JSON_ARRAY}")
             if (not isinstance(row, dict) or not isinstance(row.get("id"), str)
@@ -26,6 +26,8 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction{found}")
             yield number, row
     except jsonl.JsonProblem as problem:
+        if problem.line is None:  # the file itself: missing, a folder, compressed, not UTF-8/16 text
+            raise InputError(str(problem)) from None
         with open(path, encoding="utf-8", errors="replace") as handle:
             if handle.read(4096).lstrip().startswith("["):  # an array written over several lines (indent=...)
                 raise InputError(f"{path}: {JSON_ARRAY}") from None

@@ -3,7 +3,6 @@ with precise error locations, typed field access and multi-turn projection."""
 
 from __future__ import annotations
 
-import codecs
 import glob
 import json
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from polyalign.core import jsonl
+from polyalign.core.jsonl import compressed_kind, wide_encoding
 from polyalign.data.records import (
     AFTER_QUESTION,
     Example,
@@ -52,18 +52,9 @@ def _line_of_offset(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
-# Byte-order marks of the encodings other than UTF-8 that a source may come in (Windows tools write
-# UTF-16 with a BOM). UTF-32-LE's mark begins with UTF-16-LE's, so it is looked for first.
-WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
-             (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
-
-
-def wide_encoding(head: bytes) -> str | None:
-    """"utf-16" or "utf-32" when the bytes start with that encoding's byte-order mark."""
-    return next((encoding for bom, encoding in WIDE_BOMS if head.startswith(bom)), None)
-
-
 def decode_document(data: bytes, name: str) -> str:
+    if kind := compressed_kind(data[:6]):
+        raise InputError(f"{name}: {kind}-compressed; decompress it first and give the file itself")
     encoding = wide_encoding(data[:4])
     if encoding is not None:
         try:
@@ -154,7 +145,12 @@ def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
     goes on."""
     row = 0
     with path.open("rb") as handle:
-        if wide_encoding(handle.read(4)) is not None:
+        head = handle.read(6)
+        if kind := compressed_kind(head):
+            yield Malformed(Location(str(path), line=1, row=0), f"{kind}-compressed; decompress it first and give "
+                                                                "the file itself", "")
+            return
+        if wide_encoding(head[:4]) is not None:
             yield from _wide_text_lines(path)
             return
         handle.seek(0)
