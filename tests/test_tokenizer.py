@@ -75,7 +75,12 @@ def test_cli_trains_and_explains_a_too_small_vocabulary(demo_run, tmp_path, caps
     run, _, _ = demo_run
     records = str(run / "data" / "train.jsonl")
     assert main(["tokenizer", "train", "--records", records, "--vocab-size", "500", "--out", str(tmp_path)]) == 2
-    assert "vocab size 500 cannot hold the" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "vocab size 500 cannot hold the" in err and "or lower the coverage (to 0.98 at the least" in err
+    # below 0.98 SentencePiece refuses after reading every record: refused before, with the range
+    assert main(["tokenizer", "train", "--records", records, "--vocab-size", "500", "--character-coverage", "0.97",
+                 "--out", str(tmp_path)]) == 2
+    assert "--character-coverage must be in [0.98, 1], got 0.97" in capsys.readouterr().err
     code = main(["tokenizer", "train", "--records", records, "--vocab-size", "2200", "--character-coverage", "0.98",
                  "--model-type", "bpe", "--out", str(tmp_path)])
     assert code == 0

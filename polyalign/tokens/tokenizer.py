@@ -309,8 +309,10 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
         short = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if short:
             raise TokenizerError(f"vocab size {short[1]} cannot hold the {short[2]} characters that character "
-                                 f"coverage {character_coverage} keeps; raise the vocab size or lower the "
-                                 "coverage (rarer characters then fall back to bytes)") from None
+                                 f"coverage {character_coverage} keeps; raise the vocab size"
+                                 + (" or lower the coverage (to 0.98 at the least; rarer characters then fall back "
+                                    "to bytes)" if character_coverage > 0.98 else " (0.98, the coverage given, is "
+                                    "the least SentencePiece takes)")) from None
         high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
         if high:
             raise TokenizerError(f"vocab size {high[1]} is more than these records can fill: at most {high[2]} "
