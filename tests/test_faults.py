@@ -24,7 +24,7 @@ from polyalign.data.records import InputError
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
 from tests.cli_runs import sft_config, start_cli, start_two_processes, train_args, wait_ok
-from tests.conftest import DEMO_DATA, read_jsonl, write_config
+from tests.conftest import DEMO_DATA, SCHEME, read_jsonl, write_config
 from tests.train_checks import first_batch
 
 SAMPLE = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:4]
@@ -1435,3 +1435,56 @@ def test_a_hand_edited_record_is_refused_naming_its_line_and_field(demo_run, tmp
         path.write_text("\n".join([lines[0], json.dumps(row, ensure_ascii=False), lines[2]]) + "\n", encoding="utf-8")
         with pytest.raises(InputError, match=re.escape(f"{path}:2: {said}; records come from `polyalign prepare`")):
             read_records(path)
+
+
+def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_path):
+    """Rows of one file with the same id (7 and "7" too) need ids of their own; two sources of one name
+    and split need distinct names: each is told its own fix."""
+    for ids in (("same", "same"), (7, "7")):
+        rows = [chat_row(CAMREST[0], id=ids[0]), chat_row(CAMREST[1], id=ids[1])]
+        path = tmp_path / "c.jsonl"
+        with pytest.raises(PrepareError, match=re.escape(
+                f"{path}:2: record id 'src-train-{ids[1]}-turn-1' is also made by {path}:1 of the same file: its rows' "
+                "ids repeat; give each row an id of its own")):
+            run(tmp_path, "chat", "c.jsonl", jsonl(rows))
+    (tmp_path / "a.jsonl").write_text(jsonl([chat_row(CAMREST[0], id="x")]))
+    (tmp_path / "b.jsonl").write_text(jsonl([chat_row(CAMREST[1], id="x")]))
+    config = write_config(tmp_path / "two.yaml", [{"name": "src", "format": "chat", "path": name, "split": "train",
+                                                   "language": "en"} for name in ("a.jsonl", "b.jsonl")], dedup=False)
+    with pytest.raises(PrepareError, match="give each source a distinct name or split"):
+        prepare(config, tmp_path / "two", progress=False)
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_naming_its_line(tmp_path):
+    """YAML keeps the last of two equal keys silently: a source written `name: a` ... `name: b` was named b,
+    and a second `scheme:` replaced the first. Every config polyalign reads refuses it, naming the line."""
+    from polyalign.core.yaml_config import load_yaml
+    from polyalign.train.methods import load_config
+
+    data = tmp_path / "data.yaml"
+    data.write_text("scheme: polyalign\nsources:\n  - name: a\n    format: chat\n    path: c.jsonl\n    name: b\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{data}:6: invalid YAML: key 'name' given twice")):
+        load_yaml(data)
+    train = tmp_path / "sft.yaml"
+    train.write_text("method: sft\noptimizer:\n  lr: 0.001\ntrain:\n  steps: 3\noptimizer:\n  lr: 0.01\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{train}:6: invalid YAML: key 'optimizer' given twice")):
+        load_config(train)
+    data.write_text("a: &base {x: 1}\nb:\n  <<: *base\n  y: 2\n")  # a merge key is no repetition
+    assert load_yaml(data) == {"a": {"x": 1}, "b": {"x": 1, "y": 2}}
+
+
+def test_a_misspelt_scheme_and_an_empty_source_path_are_named_in_the_config(tmp_path):
+    """`scheme: polyalignn` was "polyalignn: no such file" (neither the key nor the shipped name said); a
+    source's `path: ""` read the config's own folder as the source, silently."""
+    from polyalign.data.prepare import load_context, load_data_config
+
+    (tmp_path / "c.jsonl").write_text(jsonl([chat_row(CAMREST[0])]))
+    config = write_config(tmp_path / "c.yaml", [{"name": "src", "format": "chat", "path": "c.jsonl"}])
+    config.write_text(config.read_text().replace(str(SCHEME), "polyalignn"))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{config}: scheme: 'polyalignn' is neither a scheme shipped with polyalign (polyalign) nor a file "
+            f"({tmp_path / 'polyalignn'} does not exist); did you mean 'polyalign'?")):
+        load_context(config)
+    empty = write_config(tmp_path / "e.yaml", [{"name": "src", "format": "chat", "path": ""}])
+    with pytest.raises(ConfigError, match=re.escape(f"{empty}: sources[0] (src): path is empty")):
+        load_data_config(empty)

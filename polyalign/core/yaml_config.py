@@ -21,6 +21,25 @@ from polyalign.core.ranges import Range
 T = TypeVar("T")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping: YAML keeps the last silently, so a
+    source written `name: a` ... `name: b` was named b and a second `scheme:` replaced the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: keys given beside it override the base's
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict)):  # unhashable: the safe loader's own error says so
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
@@ -29,7 +48,7 @@ def load_yaml(path: Path) -> Any:
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text ({err.reason})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # the safe loader's tags only (_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

@@ -167,9 +167,17 @@ def scheme_path(scheme: str, base: Path) -> Path:
     """A scheme given by name (`polyalign`: the scheme shipped in the package, polyalign/buckets/) or
     as a path, relative to the config's folder."""
     packaged = PACKAGED_SCHEMES / f"{scheme}.yaml"
-    if "/" not in scheme and not scheme.endswith((".yaml", ".yml")) and packaged.is_file():
+    named = "/" not in scheme and not scheme.endswith((".yaml", ".yml"))
+    if named and packaged.is_file():
         return packaged
-    return resolve(scheme, base)
+    path = resolve(scheme, base)
+    if not path.is_file():
+        shipped = sorted(p.stem for p in PACKAGED_SCHEMES.glob("*.yaml"))
+        close = difflib.get_close_matches(scheme, shipped, n=1) if named else []
+        raise ConfigError(f"scheme: {scheme!r} is neither a scheme shipped with polyalign ({', '.join(shipped)}) nor "
+                          f"a file ({path} {'is a folder' if path.is_dir() else 'does not exist'})"
+                          + (f"; did you mean {close[0]!r}?" if close else ""))
+    return path
 
 
 def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataConfig, dict[str, Any]]:
@@ -189,6 +197,9 @@ def load_data_config(path: Path, overrides: Iterable[str] = ()) -> tuple[DataCon
     if config.length_unit is not None and config.length_unit not in LENGTH_UNIT_PATTERNS:
         raise ConfigError(f"{path}: length_unit must be one of {sorted(LENGTH_UNIT_PATTERNS)}")
     where = f"{path}{' with the overrides ' + ' '.join(overrides) if overrides else ''}"
+    for k, source in enumerate(config.sources):  # "" would read the config's own folder as the source
+        if not str(source.path).strip():
+            raise ConfigError(f"{where}: sources[{k}] ({source.name}): path is empty")
     lsh = near_duplicate_problem(config.near_dedup) if config.near_dedup.enabled else None
     problem = out_of_range(config, where) or (lsh and f"{where}: {lsh}")
     if problem:  # before any row is read: a bad near_dedup setting failed only after the whole import
@@ -519,7 +530,10 @@ def load_context(config_path: Path, overrides: Iterable[str] = ()) -> PrepareCon
     config_path = Path(config_path)
     config, raw_config = load_data_config(config_path, overrides)
     base = config_path.parent
-    scheme = load_scheme(scheme_path(config.scheme, base))
+    try:
+        scheme = load_scheme(scheme_path(config.scheme, base))
+    except ConfigError as err:
+        raise ConfigError(f"{config_path}: {err}" if str(err).startswith("scheme:") else str(err)) from None
     roots = [resolve(source.path, base) for source in config.sources]
     files = _checked_sources(config, roots, config_path, scheme)
     return PrepareContext(config_path, config, raw_config, scheme, config.length_unit or scheme.length_unit,
@@ -785,6 +799,13 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
 
 
 def duplicate_id_message(record_id: str, locations: list[str]) -> str:
+    """Two rows that make one record id: rows of one file whose own ids repeat (the fix is in the file), or
+    sources whose names and splits collide (the fix is in the config)."""
+    files = {location.rsplit(":", 1)[0] for location in locations}
+    if len(files) == 1:
+        return (f"{locations[0]}: record id {record_id!r} is also made by {', '.join(locations[1:])} of the same "
+                "file: its rows' ids repeat; give each row an id of its own (a row without one is numbered by its "
+                "place in the file, and 7 and \"7\" are one id)")
     return (f"{locations[0]}: record id {record_id!r} is also produced by {', '.join(locations[1:])}; "
             "give each source a distinct name or split")
 
