@@ -1573,3 +1573,27 @@ def test_sample_answers_in_the_report_end_at_a_word_and_say_they_go_on():
     assert 260 <= len(shown) - 2 <= 300
     assert _excerpt(chinese, 300) == chinese[:300].rstrip() + " …"
     assert _excerpt(english[:120], 300) == english[:120]
+
+
+def test_report_refuses_a_damaged_evaluation_in_one_line(tmp_path, capsys):
+    """metrics.json cut short, holding NaN (not JSON: it passed into comparison.json), without its sections,
+    or missing: `report` says which file and why (it raised JSONDecodeError, KeyError, TypeError)."""
+    from polyalign.cli import main
+
+    cases = {"cut": '{"config": {"records": "t', "nan": '{"config": {}, "alignment": {}, "metrics": {"f1": NaN}}',
+             "list": "[1, 2]", "no_metrics": '{"config": {}, "alignment": {}}'}
+    said = {"cut": "damaged, not JSON", "nan": "damaged, not JSON (NaN is not a JSON number)",
+            "list": "not a polyalign evaluation (no config, alignment, metrics section)",
+            "no_metrics": "not a polyalign evaluation (no metrics section)"}
+    for name, text in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(text)
+        (tmp_path / f"{name}-2").mkdir()
+        (tmp_path / f"{name}-2" / "metrics.json").write_text(text)
+        assert main(["report", str(tmp_path / name), str(tmp_path / f"{name}-2"), "--out",
+                     str(tmp_path / f"r-{name}")]) == 2
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name / 'metrics.json'}: {said[name]}" in err and "Traceback" not in err, err
+    (tmp_path / "none").mkdir()
+    assert main(["report", str(tmp_path / "none"), str(tmp_path / "cut"), "--out", str(tmp_path / "r")]) == 2
+    assert f"{tmp_path / 'none' / 'metrics.json'}: missing; run `polyalign evaluate` first" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from adjustText import adjust_text  # noqa: E402
 
+from polyalign.core import jsonl  # noqa: E402
 from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
@@ -901,14 +902,30 @@ def run_names(evals: Sequence[Path]) -> list[str]:
             depth[i] += 1
 
 
+EVALUATION_SECTIONS = ("config", "alignment", "metrics")
+
+
+def read_evaluation(path: Path) -> dict[str, Any]:
+    """An EVAL folder's metrics.json, or one line saying why it is none: missing, damaged (not strict
+    JSON: a NaN written by hand would pass into the comparison), or not an evaluation's."""
+    if not path.is_file():
+        raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
+    try:
+        run = jsonl.parse(path.read_text(encoding="utf-8"))
+    except (jsonl.JsonProblem, UnicodeDecodeError) as problem:
+        raise EvaluationError(f"{path}: damaged, not JSON ({problem}); run `polyalign evaluate` again") from None
+    missing = [key for key in EVALUATION_SECTIONS if not isinstance(run, dict) or not isinstance(run.get(key), dict)]
+    if missing:
+        raise EvaluationError(f"{path}: not a polyalign evaluation (no {', '.join(missing)} section); run "
+                              "`polyalign evaluate` again")
+    return run
+
+
 def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
              allow_different_data: bool) -> dict[str, Any]:
     runs = {}
     for name, directory in zip(names or run_names(evals), evals):
-        path = Path(directory) / "metrics.json"
-        if not path.is_file():
-            raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
-        runs[name] = json.loads(path.read_text())
+        runs[name] = read_evaluation(Path(directory) / "metrics.json")
     header = ["metric (value [interval])", *runs, HUMAN_COLUMN]
     rows = [(row.name, *(_with_interval(r["metrics"], row.path, row.interval) or "—" for r in runs.values()),
              _human_cell(list(runs.values()), row, list(runs))) for row in _shown_rows(list(runs.values()))
