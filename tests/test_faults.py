@@ -1488,3 +1488,50 @@ def test_a_misspelt_scheme_and_an_empty_source_path_are_named_in_the_config(tmp_
     empty = write_config(tmp_path / "e.yaml", [{"name": "src", "format": "chat", "path": ""}])
     with pytest.raises(ConfigError, match=re.escape(f"{empty}: sources[0] (src): path is empty")):
         load_data_config(empty)
+
+
+def test_a_damaged_run_folder_is_one_line_naming_the_piece_and_the_command(demo_run, built_run, tmp_path, capsys):
+    """A prepare manifest cut short, a records file emptied since prepare, a build manifest cut short, a
+    build missing its dataset info or a shard: `stats`, `build` and `show` name the file and the command
+    that makes it again (they raised JSON, TFDS and array_record tracebacks, or blamed prepare)."""
+    source, _, _ = demo_run
+    built, _ = built_run
+    run = tmp_path / "run"
+    shutil.copytree(source / "data", run / "data")
+    manifest = run / "data" / "manifest.json"
+    text = manifest.read_text()
+
+    def said(*command):
+        code = main([*command, "--no-progress"] if command[0] != "show" else list(command))
+        err = capsys.readouterr()
+        assert "Traceback" not in err.err
+        return code, err.err.strip().splitlines()[-1] if err.err.strip() else "", err.out
+
+    manifest.write_text(text[:len(text) // 2])
+    for command in (("stats", str(run)), ("build", str(run), "--tokenizer", str(built / "build"))):
+        code, line, _ = said(*command)
+        assert code == 2 and f"{manifest}: damaged, not JSON" in line and "run `polyalign prepare` again" in line
+    manifest.write_text(text)
+    (run / "data" / "train.jsonl").write_text("")
+    code, line, _ = said("build", str(run), "--tokenizer", str(built / "build"))
+    assert code == 2 and "no records in train.jsonl (" in line and "the files changed since" in line, line
+    code, _, out = said("stats", str(run))
+    assert code == 0 and "note: the records files hold other counts than prepare wrote: train.jsonl 0 (prepare " \
+                         "wrote" in out
+    # a build's pieces
+    copy = tmp_path / "built"
+    shutil.copytree(built / "build", copy / "build")
+    (copy / "data").symlink_to(source / "data", target_is_directory=True)
+    dataset = next((copy / "build").glob("*/*/dataset_info.json")).parent
+    shard = next(dataset.glob("*-train.array_record-*"))
+    shard.rename(shard.with_suffix(".gone"))
+    code, line, _ = said("show", str(copy))
+    assert code == 2 and f"{dataset}: the build is damaged or incomplete ({shard.name} missing); run `polyalign " \
+                         f"build {copy} --overwrite`" in line, line
+    (dataset / "dataset_info.json").unlink()
+    code, line, _ = said("show", str(copy))
+    assert code == 2 and "the build is damaged or incomplete (Could not read dataset info" in line, line
+    build_manifest = copy / "build" / "manifest.json"
+    build_manifest.write_text(build_manifest.read_text()[:100])
+    code, line, _ = said("show", str(copy))
+    assert code == 2 and f"{build_manifest}: damaged, not JSON" in line, line

@@ -94,6 +94,23 @@ def refuse_sources_inside(data_dir: Path, source_files: list[list[Path]]) -> Non
                                   "into; move the source, or give another --out")
 
 
+def prepare_manifest(data_dir) -> dict:
+    """RUN/data/manifest.json, or one line saying it is missing or damaged and what to run: statistics
+    and builds read it, and a file cut short raised a JSON traceback."""
+    path = Path(str(data_dir)) / "manifest.json"
+    if not path.is_file():
+        run = Path(str(data_dir)).parent
+        raise ConfigError(f"{path}: missing; run `polyalign prepare --config CONFIG --out {run}` first (it writes "
+                          "RUN/data with its manifest)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: damaged, not JSON ({err}); run `polyalign prepare` again") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("scheme"), dict):
+        raise ConfigError(f"{path}: not a prepare manifest; run `polyalign prepare` again")
+    return manifest
+
+
 def recorded_files(data_dir: Path) -> set[str] | None:
     """The files the folder's manifest says its prepare wrote (`file_digests`), or None without one."""
     try:

@@ -38,7 +38,7 @@ from polyalign.data.bucketing import (
     weight_options,
     weight_warnings,
 )
-from polyalign.data.layout import split_files
+from polyalign.data.layout import prepare_manifest, split_files
 from polyalign.data.records import Record, read_records
 from polyalign.inputs.built import (
     BUILD_DIR,
@@ -97,7 +97,7 @@ def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, 
     base, source = WEIGHT_PRESETS["default"], "preset default (the run's scheme file was not found)"
     manifest = Path(run) / "data" / "manifest.json"
     if manifest.is_file():
-        recorded = json.loads(manifest.read_text())
+        recorded = prepare_manifest(manifest.parent)
         scheme_path = recorded.get("scheme", {}).get("path")
         if recorded.get("scheme", {}).get("definition") is not None or (scheme_path and Path(scheme_path).is_file()):
             # the scheme the records were bucketed by, as prepare read it (the file may have changed since)
@@ -434,7 +434,12 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
 def require_records(run) -> None:
     """Training needs examples to train on and to validate on: an empty split is one line naming it,
     before anything is written (TFDS would stop half way with its own assertion)."""
+    kept = prepare_manifest(as_path(run) / "data").get("totals", {}).get("by_split", {})
     empty = [split for split in SPLITS if not _has_records(run, split)]
+    changed = [f"{split}.jsonl ({kept[split]} then)" for split in empty if kept.get(split)]
+    if changed:  # emptied since: prepare's manifest counts what it wrote there
+        raise InputError(f"{as_path(run) / 'data'}: no records in {', '.join(changed)}, which prepare wrote with "
+                         "records: the files changed since; run `polyalign prepare` again")
     if empty:
         raise InputError(f"{as_path(run) / 'data'}: no {' and no '.join(empty)} records; build makes the training "
                          "and validation examples, and prepare put none there (give it a source with `split: "

@@ -96,7 +96,12 @@ def read_manifest(run, init: str | None = None) -> dict[str, Any]:
         own = (as_path(run) / "tokenizer").exists() or init is None
         command = shlex.join(["polyalign", "build", str(run), *([] if own else ["--tokenizer", str(init)])])
         raise ConfigError(f"{path}: missing; run `{command}` (or the demo's build stage) first")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: damaged, not JSON ({err}); run `polyalign build {run} --overwrite`") from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{path}: not a build manifest; run `polyalign build {run} --overwrite`")
     made_from = manifest.get("made_from", {})
     # tokens.tokenizer loads sentencepiece and tokenizers, which the config checks (built_manifest) never need
     from polyalign.tokens.tokenizer import CHAT_TEMPLATE_FILE

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from polyalign.core.paths import as_path
+from polyalign.core.yaml_config import ConfigError
 
 
 def open_split(run: Path, split: str):
@@ -25,7 +26,19 @@ def open_split(run: Path, split: str):
 
     from polyalign.inputs.build import dataset_dir  # heavy: jax (inputs.build); the array layouts need only NumPy
 
-    return tfds.builder_from_directory(str(dataset_dir(run))).as_data_source(split=split)
+    folder = dataset_dir(run)
+    try:
+        builder = tfds.builder_from_directory(str(folder))
+        # array_record opens a shard at its first read: a missing one is said here, not mid-run
+        missing = [path.name for path in builder.info.splits[split].filepaths if not path.exists()]
+        if missing:
+            raise FileNotFoundError(f"{', '.join(missing)} missing")
+        source = builder.as_data_source(split=split)
+    except Exception as err:  # TFDS and array_record raise many kinds for a folder missing a file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{folder}: the build is damaged or incomplete ({first[:200]}); run "
+                          f"`polyalign build {run} --overwrite`") from None
+    return source
 
 
 def packed_arrays(examples: list[dict], length: int, pad_id: int) -> dict[str, np.ndarray]:

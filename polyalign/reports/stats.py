@@ -27,7 +27,7 @@ from polyalign.data.bucketing import (
     prepared_scheme,
     weight_warnings,
 )
-from polyalign.data.layout import split_files
+from polyalign.data.layout import prepare_manifest, split_files
 from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
@@ -45,10 +45,12 @@ LENGTH_QUANTILES = ("min", "q10", "q25", "q50", "q75", "q90", "max", "mean")
 
 def _load_run(run: Path) -> tuple[dict[str, Any], dict[str, list[Record]]]:
     data = run / "data"
-    manifest_path = data / "manifest.json"
-    if not manifest_path.is_file():
+    if not (data / "manifest.json").is_file():
         raise StatsError(f"{run}: no data/manifest.json; run `polyalign prepare --config CONFIG --out {run}` first")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    try:
+        manifest = prepare_manifest(data)
+    except ConfigError as err:
+        raise StatsError(str(err)) from None
     records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
     return manifest, records
 
@@ -79,6 +81,12 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     manifest, by_split = _load_run(run)
     scheme, scheme_notes = _scheme_of(manifest, run)
+    written = (manifest.get("totals") or {}).get("by_split") or {}
+    changed = [f"{split}.jsonl {len(by_split[split])} (prepare wrote {written[split]})" for split in SPLITS
+               if split in written and written[split] != len(by_split[split])]
+    if changed:  # edited or cut since: the report describes the files as they are, which it says
+        scheme_notes.append(f"the records files hold other counts than prepare wrote: {', '.join(changed)}; these "
+                            "statistics describe them as they are now (run `polyalign prepare` again to start over)")
     records = [r for split in SPLITS for r in by_split[split]]
     train = by_split["train"]
 
