@@ -63,6 +63,15 @@ def test_prediction_files_are_checked(tmp_path):
     with pytest.raises(InputError, match=r"p.jsonl:1: a prediction row needs string fields id and prediction \(it "
                                          r"has id, response\)"):
         read_predictions(path)
+    # a field of the wrong kind is named with what it holds (and how to write an id)
+    for row, said in [({"id": 7, "prediction": "Paris."}, 'id is 7, not a string (write it as "7")'),
+                      ({"id": "a", "prediction": None}, "prediction is null, not a string"),
+                      ({"id": "a", "prediction": {"role": "assistant", "content": "Paris."}},
+                       "prediction is {\"role\": \"assistant\", \"content\": \"Paris.\"}, not a string (the answer's "
+                       "text goes there, not a message)")]:
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(InputError, match=re.escape(f"p.jsonl:1: {said}")):
+            read_predictions(path)
     # the rows written as one JSON array (json.dump of a list), as a user's script may write them
     path.write_text(json.dumps([{"id": "a", "prediction": "Paris is the capital of France."}]))
     with pytest.raises(InputError, match='p.jsonl:1: a JSON array; predictions are JSONL, one {"id", "prediction"}'):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,21 @@ def iter_predictions(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         for number, row in jsonl.read_lines(path, "predictions file"):
             if isinstance(row, list):  # a JSON array of rows (one written whole with json.dump)
                 raise InputError(f"{path}:{number}: {JSON_ARRAY}")
-            if (not isinstance(row, dict) or not isinstance(row.get("id"), str)
-                    or not isinstance(row.get("prediction"), str)):
-                found = (f" (it has {', '.join(map(str, row)) or 'no keys'})" if isinstance(row, dict)
-                         else f" (it is a {type(row).__name__})")
-                raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction{found}")
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{number}: a prediction row is an object with string fields id and "
+                                 f"prediction (this one is a {type(row).__name__})")
+            absent = [key for key in ("id", "prediction") if key not in row]
+            if absent:
+                raise InputError(f"{path}:{number}: a prediction row needs string fields id and prediction (it has "
+                                 f"{', '.join(map(str, row)) or 'no keys'})")
+            for key in ("id", "prediction"):
+                if not isinstance(row[key], str):  # a number id ("7" is the record's), null, a message object
+                    shown = json.dumps(row[key], ensure_ascii=False)
+                    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                    hint = (f' (write it as "{row[key]}")' if key == "id" and isinstance(row[key], int)
+                            and not isinstance(row[key], bool) else
+                            " (the answer's text goes there, not a message)" if isinstance(row[key], dict) else "")
+                    raise InputError(f"{path}:{number}: {key} is {shown}, not a string{hint}")
             yield number, row
     except jsonl.JsonProblem as problem:
         if problem.line is None:  # the file itself: missing, a folder, compressed, not UTF-8/16 text
