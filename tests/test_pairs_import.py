@@ -634,3 +634,23 @@ def test_conversations_left_to_the_default_family_are_said(demo_run, tmp_path, c
     _, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "b.jsonl",
                     "--family", "dialogue")
     assert "--family's default" not in out
+
+
+def test_an_import_that_keeps_no_pair_fails_and_an_empty_prompt_is_dropped(demo_run, tmp_path, capsys):
+    """An empty or blank preference file wrote an empty pairs file and exit 0 ("0 training pairs from 0
+    rows"), and a row with an empty prompt was kept, where prepare drops a reply to nothing asked."""
+    rows, _ = real_trl_rows(demo_run, n=6)
+    (tmp_path / "empty.jsonl").write_text("\n \n")
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", tmp_path / "empty.jsonl",
+                       "--out", tmp_path / "out" / "empty.jsonl")
+    assert code == 2 and err.endswith(f"{tmp_path / 'empty.jsonl'}: holds no rows; nothing written to "
+                                      f"{tmp_path / 'out' / 'empty.jsonl'}")
+    assert not (tmp_path / "out" / "empty.jsonl").exists()
+    asked_nothing = {**rows[0], "prompt": ""}
+    source = write_jsonl(tmp_path / "prefs.jsonl", [asked_nothing, *rows[1:]])
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "p.jsonl")
+    assert code == 0 and f"{len(rows) - 1} training pairs from {len(rows)} rows" in out and "empty_question 1" in out
+    only = write_jsonl(tmp_path / "only.jsonl", [asked_nothing])
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", only, "--out", tmp_path / "o.jsonl")
+    assert code == 2 and err.endswith(f"{only}: no pair kept of 1 row (empty_question 1); nothing written to "
+                                      f"{tmp_path / 'o.jsonl'}")

@@ -294,6 +294,11 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                     pairs.append(pair)
         finally:
             sink.close()
+        if not pairs:  # as prepare refuses to keep nothing: an empty file trains nothing, silently
+            read = tally.read
+            why = ", ".join(f"{reason} {n}" for reason, n in dropped.items())
+            raise InputError(f"{input_path}: " + (f"no pair kept of {read} row{'s' * (read != 1)} ({why})" if read
+                                                 else "holds no rows") + f"; nothing written to {out}")
         split = write_pair_split(pairs, out, val_out, val_fraction, seed)
         if not sink.count:
             quarantine.unlink(missing_ok=True)
@@ -332,6 +337,8 @@ def _default_style(scheme, family: str | None) -> str | None:
 
 def _pair(record: Record, example: Example) -> tuple[dict[str, Any] | None, str]:
     rejected = normalize(record.meta.pop("rejected"))
+    if not record.question.strip() and not record.context.strip():  # as prepare drops it: nothing was asked
+        return None, "empty_question"
     if not record.response or not rejected:
         return None, "empty_side"
     if record.response == rejected:
