@@ -1597,3 +1597,24 @@ def test_report_refuses_a_damaged_evaluation_in_one_line(tmp_path, capsys):
     (tmp_path / "none").mkdir()
     assert main(["report", str(tmp_path / "none"), str(tmp_path / "cut"), "--out", str(tmp_path / "r")]) == 2
     assert f"{tmp_path / 'none' / 'metrics.json'}: missing; run `polyalign evaluate` first" in capsys.readouterr().err
+
+
+def test_an_evaluation_or_comparison_is_not_written_into_another_stages_folder(demo_run, tmp_path, capsys):
+    """`evaluate --out RUN` wrote metrics.json and its plots among prepare's files; `report --out EVAL` would
+    have put its report.html over the evaluation's: each is refused, with a folder of its own suggested."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = run / "data" / "test.jsonl"
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": r.id, "prediction": r.response}) + "\n"
+                                              for r in read_records(records)))
+    assert main(["evaluate", "--records", str(records), "--predictions", str(tmp_path / "p.jsonl"), "--out",
+                 str(run)]) == 2
+    assert (f"--out {run} is a prepared run (data/manifest.json is there): give the evaluation a "
+            f"folder of its own, e.g. {run / 'eval'}") in capsys.readouterr().err
+    assert not (run / "metrics.json").exists()
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "metrics.json").write_text("{}")
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval"), "--out", str(tmp_path / "eval")]) == 2
+    assert f"--out {tmp_path / 'eval'} is an evaluation (metrics.json is there)" in capsys.readouterr().err

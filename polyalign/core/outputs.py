@@ -72,6 +72,24 @@ def refuse_output_as_input(out: str | os.PathLike, inputs: Mapping[str, str | os
             raise ConfigError(f"{option} {out} is the command's own {name}; write the output somewhere else")
 
 
+# Files that make a folder another stage's: a folder of one's own goes beside them, never into them.
+STAGE_FOLDERS = (("data/manifest.json", "a prepared run"), ("build/manifest.json", "a built run"),
+                 ("checkpoints", "a training run"), ("model/config.json", "a training run"),
+                 ("config.json", "a model or training run"))
+
+
+def other_stages_folder(out: str | os.PathLike, stage: str, inside: str,
+                        also: tuple[tuple[str, str], ...] = ()) -> str | None:
+    """One line when folder `out` is another stage's (a prepared run, a build, a training run, a model),
+    suggesting the folder `inside` it for `stage`: `evaluate --out RUN` wrote its metrics and plots among
+    prepare's files without a word."""
+    folder = Path(out)
+    for name, what in (*STAGE_FOLDERS, *also):
+        if (folder / name).exists():
+            return f"--out {out} is {what} ({name} is there): give {stage} a folder of its own, e.g. {folder / inside}"
+    return None
+
+
 def sidecar(out: str | os.PathLike) -> Path:
     """Where a stage whose output is one file (predictions, pairs) records what made it:
     predictions.jsonl -> predictions.manifest.json."""

@@ -22,7 +22,7 @@ from polyalign.core import jsonl
 from polyalign.core.errors import EvaluationError, GenerationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
-from polyalign.core.outputs import read_record, same_path, sidecar, stage_output
+from polyalign.core.outputs import other_stages_folder, read_record, same_path, sidecar, stage_output
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.data.language import wrong_script
@@ -204,6 +204,8 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
                 # the dtype a featurizer or scorer ran in, which changes their numbers (none: no model ran)
                 **({"dtype": compute_dtype(options.dtype)} if options.featurizer or options.scorer else {})}
     out = Path(out)
+    if elsewhere := other_stages_folder(out, "the evaluation", "eval"):
+        raise EvaluationError(elsewhere)
     check_generated_from(Path(predictions_path), Path(records_path))
     with stage_output(out, out / "metrics.json", settings, overwrite, ours=[out / "metrics.json", out / "report.html"],
                       inputs=inputs):
