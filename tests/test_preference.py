@@ -650,7 +650,7 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: "")
     probe.buckets, probe.human_tokens = ["a", "a", "b"], np.array([4.0, 5.0, 6.0])
     probe.references = probe.critic = None
-    probe.said_empty = probe.said_blind = probe.people_logged = False
+    probe.said_empty = probe.said_blind = probe.people_logged = probe.said_wordless = False
     probe.distance_term = True
     probe.people_scores = {"drift/people_support_distance": None, "drift/people_critic": None}
     trainer = SimpleNamespace(model=lambda params: None, state={"params": None})
@@ -660,6 +660,17 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
         "warning: drift probe: all 3 greedy answers of the policy to its validation prompts were empty (drift/empty "
         "1.0), so drift/length_ratio is 0 and no support distance or critic score is logged; a small or early model "
         "often ends its turn at once under greedy decoding, and sampled answers (generate --temperature) tell more"]
+    # answers of punctuation alone (a Chinese model's "，，，，"): counted and said once, not scored as text only
+    answers = iter(["，，，，，，", "，，，", "我们去看电影吧。"] * 2)
+    probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: next(answers))
+    probe.said_empty = probe.people_logged = False
+    first, second = probe(trainer), probe(trainer)
+    assert first["drift/without_words"] == second["drift/without_words"] == 0.6667 and first["drift/empty"] == 0.0
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: drift probe: 2 of 3 greedy answers of the policy to its validation prompts hold no word, only "
+        "punctuation (drift/without_words 0.6667): the policy has degenerated, whatever its support distance and "
+        "critic score (which measure these answers as text) say; read them (`polyalign generate`), and lower the "
+        "learning rate or stop earlier"]
 
 
 @pytest.mark.slow

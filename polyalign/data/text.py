@@ -7,6 +7,7 @@ The rules are those of METHOD.md sections 1 and 2. Every stored record and every
 from __future__ import annotations
 
 import re
+import unicodedata
 
 # CJK Unified Ideographs, Extension A and the Compatibility Ideographs: the ranges the v2 unit counts
 # one by one.
@@ -47,6 +48,12 @@ def remove_cjk_spacing(text: str) -> str:
     """Undo character-level tokenisation (LCCC): a space next to a CJK character carries no information.
     Spaces between two non-CJK characters (English words, numbers) are kept."""
     return _SPACE_NEXT_TO_CJK.sub("", text)
+
+
+def without_words(text: str) -> bool:
+    """Whether a non-empty answer holds only punctuation and spaces ("，，，，"): text, but no word of any
+    language; a degenerate model's answer that generate, evaluate and the drift probe count apart."""
+    return bool(text) and all(unicodedata.category(c).startswith("P") or c.isspace() for c in text)
 
 
 def length_units(text: str, unit: str = "v2") -> int:

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import re
 import time
-import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_reco
 from polyalign.core.paths import checkpoint_identity, file_digest, is_uri, recorded_path
 from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
+from polyalign.data.text import without_words
 from polyalign.generate.budgets import bucket_budgets, truncation_by_bucket
 from polyalign.generate.engine import Engine, EngineConfig, Request, request_seed
 from polyalign.generate.sampling import FINISH_LENGTH, FINISH_STOP, SamplingConfig
@@ -264,8 +264,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                "max_prompt_tokens": options.max_prompt_tokens, "finish_reasons": counts, "new_tokens": new_tokens,
                "empty": sum(1 for row in rows if not row["prediction"]),
                # answers of punctuation alone ("，，，，"): evaluate finds no word in them either
-               "without_words": sum(1 for row in rows if row["prediction"] and all(
-                   unicodedata.category(c).startswith("P") or c.isspace() for c in row["prediction"])),
+               "without_words": sum(1 for row in rows if without_words(row["prediction"])),
                # of them, the ones that decoded whitespace until the budget (the others ended the turn at once)
                "empty_at_budget": sum(1 for row in rows
                                       if not row["prediction"] and row["finish_reason"] == FINISH_LENGTH),

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from polyalign.data.records import Record
+from polyalign.data.text import without_words
 from polyalign.features.references import read_references
 from polyalign.generate.engine import Engine, EngineConfig, Request
 from polyalign.generate.run import stop_ids_of
@@ -53,7 +54,7 @@ class DriftProbe:
         self.requests = [Request(prompt, SamplingConfig(max_new_tokens=max_new_tokens)) for prompt in self.prompts]
         self.engine = Engine(model, stop_ids_of(tokenizer, template),
                              EngineConfig(slots=16, max_sequence=512 + max_new_tokens), mesh=mesh)
-        self.critic, self.said_empty, self.said_blind = None, False, False
+        self.critic, self.said_empty, self.said_blind, self.said_wordless = None, False, False, False
         if critic_dir is not None and (Path(critic_dir) / "critic.json").is_file():
             self.critic = CriticScorer(Path(critic_dir))
         # people's own answers to the same prompts, measured once per prompt: the mark the policy's drift reads
@@ -81,6 +82,8 @@ class DriftProbe:
                 b: round(float(generated[rows].sum() / max(self.human_tokens[rows].sum(), 1.0)), 4)
                 for b, rows in sorted(by_bucket.items())},
             "drift/empty": round(float(np.mean([not t for t in texts])), 4),
+            # punctuation alone ("，，，，"): text a model degenerates into, which the scores below would measure
+            "drift/without_words": round(float(np.mean([without_words(t) for t in texts])), 4),
         }
         if not any(texts) and not self.said_empty and jax.process_index() == 0:
             self.said_empty = True  # once a run: later probes' drift/empty says whether it lasts
@@ -88,6 +91,14 @@ class DriftProbe:
                   "were empty (drift/empty 1.0), so drift/length_ratio is 0 and no support distance or critic score "
                   "is logged; a small or early model often ends its turn at once under greedy decoding, and "
                   "sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
+        wordless = sum(without_words(t) for t in texts)
+        if wordless * 2 >= len(texts) and wordless and not self.said_wordless and jax.process_index() == 0:
+            self.said_wordless = True  # once a run: later probes' drift/without_words says whether it lasts
+            print(f"warning: drift probe: {wordless} of {len(texts)} greedy answers of the policy to its validation "
+                  "prompts hold no word, only punctuation (drift/without_words "
+                  f"{out['drift/without_words']}): the policy has degenerated, whatever its support distance and "
+                  "critic score (which measure these answers as text) say; read them (`polyalign generate`), and "
+                  "lower the learning rate or stop earlier", file=sys.stderr, flush=True)
         out.update(answer_scores(texts, self.buckets, self.references, self.critic))
         answered = [i for i, text in enumerate(texts) if text]
         people = self.people_means(answered)
@@ -131,12 +142,13 @@ def critic_blind_warning(policy: dict[str, Any], people: dict[str, Any], distanc
             f"people's own answers to the same prompts ({people_critic:.3f}), while their support distance says they "
             f"are further ({distance:.3f} against people's {people_distance:.3f}): the critic no longer tells these "
             "answers from people's, " + (
-                "so HDPO's distance term stops pushing back; read the answers (drift/empty, `polyalign generate`), "
+                "so HDPO's distance term stops pushing back; read the answers (drift/empty, drift/without_words, "
+                "`polyalign generate`), "
                 "and retrain the critic on them (on_policy.refresh_critic, with rounds > 1) or lower the learning "
                 "rate" if distance_term else
                 "though this run has no distance term to follow it (hdpo, or hdpo_terms: true, has): the answers "
-                "have moved away from people's; read them (drift/empty, `polyalign generate`), and lower the "
-                "learning rate or stop earlier"))
+                "have moved away from people's; read them (drift/empty, drift/without_words, `polyalign "
+                "generate`), and lower the learning rate or stop earlier"))
 
 
 def answer_scores(texts: Sequence[str], buckets: Sequence[str], references: dict | None,
