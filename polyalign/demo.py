@@ -127,9 +127,11 @@ def _generate(run: Path, settings: DemoSettings) -> str:
 def _critic(run: Path, settings: DemoSettings) -> str:
     from polyalign.train.run import train  # heavy: jax, kept out of --help
 
+    # the encoder reads no further than the demo model learned (DEMO_MAX_LENGTH positions)
     config = load_config(DEMO_CRITIC_CONFIG, [f"data.dir={run}", f"init={run / POLICY / 'model'}",
                                               f"pairs={run / 'pairs' / 'train.jsonl'}",
-                                              f"val_pairs={run / 'pairs' / 'val.jsonl'}"], method="critic")
+                                              f"val_pairs={run / 'pairs' / 'val.jsonl'}",
+                                              f"data.max_length={DEMO_MAX_LENGTH}"], method="critic")
     report = _finished(train(config, run / "critic", progress=settings.progress, existing=settings.existing), "critic")
     return (f"validation L1 {report['val']['l1']:.3f}, human ranked below model on "
             f"{report['val']['ranking_accuracy']:.0%} of {report['val_pairs']} held-out pairs (human-vs-model AUC "

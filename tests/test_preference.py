@@ -883,6 +883,22 @@ def test_both_sides_of_a_pair_cut_by_turns_answer_one_conversation(demo_run, dem
     assert differed >= 3, differed
 
 
+def test_the_critic_notes_responses_read_past_its_encoders_trained_length(tmp_path):
+    """An encoder trained from scratch at 256 tokens with the critic reading 512 (its default): said, with
+    the length that keeps within them, as generate and the preference methods say it."""
+    from polyalign.tokens.tokenizer import past_trained_note
+
+    init = tmp_path / "sft" / "model"
+    init.mkdir(parents=True)
+    (init / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 256}))
+    assert past_trained_note(init, 512, "the critic encode responses at") == (
+        f"note: {init} was trained from scratch on sequences of at most 256 tokens (polyalign_max_length in its "
+        "tokenizer_config.json): data.max_length 512 lets the critic encode responses at positions it never "
+        "learned; data.max_length=256 keeps within them")
+    assert past_trained_note(init, 256, "pairs reach") is None
+    assert past_trained_note("gs://bucket/model", 512, "pairs reach") is None
+
+
 def test_a_preference_run_notes_pairs_cut_otherwise_than_its_sft_stage(tmp_path):
     """data.dir's build cut its SFT examples to another length or by another truncation than this run cuts
     pairs: a note naming both and the settings that cut alike; an init trained from scratch on shorter

@@ -45,6 +45,18 @@ def trained_length(checkpoint: str | os.PathLike) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def past_trained_note(checkpoint, max_length: int, reaching: str) -> str | None:
+    """A note when data.max_length `max_length` lets a run's sequences (`reaching`: "pairs reach", "the
+    critic encode responses at") past the longest a from-scratch checkpoint trained on: positions it never
+    learned. None for a pretrained checkpoint (no record) or a bucket URI."""
+    trained = None if "://" in str(checkpoint) else trained_length(checkpoint)
+    if trained is None or max_length <= trained:
+        return None
+    return (f"note: {checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} "
+            f"in its tokenizer_config.json): data.max_length {max_length} lets {reaching} positions it never "
+            f"learned; data.max_length={trained} keeps within them")
+
+
 class Tokenizer(abc.ABC):
     """What polyalign needs from a tokenizer. `encode` never adds BOS/EOS: chat templates place them."""
 

@@ -33,7 +33,7 @@ from polyalign.mesh import parallel
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.pooling import encode_responses
 from polyalign.pairs.make import assign_weights, read_pairs, write_pairs
-from polyalign.tokens.tokenizer import load_tokenizer
+from polyalign.tokens.tokenizer import load_tokenizer, past_trained_note
 from polyalign.train.config import CriticConfig, LoopConfig
 from polyalign.train.critic_model import (  # noqa: F401 (MARGIN, CriticScorer: part of this module's face)
     MARGIN,
@@ -142,6 +142,9 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
                                      "set a smaller data.max_length")
     if too_long:
         raise ConfigError(too_long)
+    past = past_trained_note(config.init, config.data.max_length, "the critic encode responses at")
+    if past and jax.process_index() == 0:  # the longest responses read where the encoder never learned
+        print(past, flush=True)
     run = Path(config.data.dir) if config.data.dir else None
     references_path = (Path(config.references) if config.references
                        else (run / "stats" / "references.json" if run else None))

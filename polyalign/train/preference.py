@@ -46,7 +46,7 @@ from polyalign.model.tokenizer_check import (
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template, profile_prompt
 from polyalign.tokens.profile_template import PROFILE_FIELDS, SYSTEM_LOST_WHY, seen_profile_values
-from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, load_tokenizer, trained_length
+from polyalign.tokens.tokenizer import load_tokenizer, past_trained_note
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig
 from polyalign.train.drift import DriftProbe, load_references
@@ -280,12 +280,8 @@ def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
             notes.append(f"note: {config.data.dir}'s build cut its SFT examples to {length} tokens by --truncation "
                          f"{cut}; this run cuts pairs to data.max_length {config.data.max_length} by truncation="
                          f"{config.truncation}: give data.max_length={length} truncation={cut} to cut them alike")
-    trained = None if is_uri(str(config.init)) else trained_length(config.init)
-    if trained is not None and config.data.max_length > trained:
-        notes.append(f"note: {config.init} was trained from scratch on sequences of at most {trained} tokens "
-                     f"({MAX_LENGTH_KEY} in its tokenizer_config.json): data.max_length {config.data.max_length} lets "
-                     f"pairs reach positions it never learned; data.max_length={trained} keeps within them")
-    return notes
+    past = past_trained_note(config.init, config.data.max_length, "pairs reach")
+    return [*notes, *[past] * bool(past)]
 
 
 def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
