@@ -235,10 +235,12 @@ def _run_stats(args) -> int:
 
 TOKENIZER_EPILOG = """\
 Trains a bilingual SentencePiece model on every text of the records (questions, contexts, history
-turns and responses). Text is kept exactly (no NFKC folding of full-width punctuation, no whitespace
-collapsing), characters beyond the coverage fall back to UTF-8 bytes, and the chat template's
-special tokens (<|im_start|>, <|im_end|>) are single pieces. Writes OUT/tokenizer.model,
-OUT/tokenizer_config.json and OUT/tokenizer_report.json (characters per token by language).
+turns and responses) and on the system prompt a build writes before each (its profile prompt, so that
+a Chinese-only tokenizer does not spell those English words letter by letter). Text is kept exactly
+(no NFKC folding of full-width punctuation, no whitespace collapsing), characters beyond the coverage
+fall back to UTF-8 bytes, and the chat template's special tokens (<|im_start|>, <|im_end|>) are single
+pieces. Writes OUT/tokenizer.model, OUT/tokenizer_config.json and OUT/tokenizer_report.json (characters
+per token by language).
 
 A checkpoint's own tokenizer (tokenizer.json or tokenizer.model) needs no training: pass its
 directory wherever a tokenizer is asked for.

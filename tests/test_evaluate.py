@@ -709,6 +709,11 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     assert f"200 rows (40 empty answers{where}, kept in diversity, as the authors' code does)" in printed.out
     # a progress bar over the evaluation's parts (a log line each off a terminal), none with --no-progress
     assert "evaluate: 8/8" in printed.err and "report" in printed.err.splitlines()[-1]
+    # a comparison's "empty answers" row says the punctuation-only answers too (it read 0 beside 18 of them)
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_ref"), "--out", str(tmp_path / "cmp")]) == 0
+    row = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "empty answers" in line)
+    assert f"; {wordless} of punctuation alone" in row.split("|")[2], row
+    capsys.readouterr()
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval_ref2"), "--compat", "reference", "--no-progress", "--no-diversity"]) == 0
     assert "evaluate:" not in capsys.readouterr().err

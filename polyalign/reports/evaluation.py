@@ -1042,10 +1042,13 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
 
 
 def _empty_words(answers: dict) -> str:
-    """"3 (2 where people's is empty too)": a model's empty answers, and how many of them answer people who
-    said nothing either."""
+    """"3 (2 where people's is empty too); 18 of punctuation alone": a model's empty answers, how many of them
+    answer people who said nothing either, and its answers with text but no word ("，，，，", which the
+    row read 0 beside)."""
     empty, as_people = answers.get("empty", 0), answers.get("empty_as_people", 0)
-    return f"{empty}" + (f" ({as_people} where people's is empty too)" if as_people else "")
+    wordless = answers.get("without_words", 0)
+    return (f"{empty}" + (f" ({as_people} where people's is empty too)" if as_people else "")
+            + (f"; {wordless} of punctuation alone" if wordless else ""))
 
 
 def _partial_words(alignment: dict) -> str:
