@@ -1267,11 +1267,11 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
     from polyalign.evaluate.run import decoding_of
     from polyalign.reports.evaluation import decoding_text, differing_settings
 
-    def predictions(name, settings):
+    def predictions(name, settings, summary=None):
         path = tmp_path / f"{name}.jsonl"
         path.write_text('{"id": "a", "prediction": "b"}\n')
         if settings is not None:
-            sidecar(path).write_text(json.dumps({"settings": settings}))
+            sidecar(path).write_text(json.dumps({"settings": settings, **({"summary": summary} if summary else {})}))
         return decoding_of(path)
 
     greedy = predictions("greedy", {"sampling": {"max_new_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
@@ -1298,6 +1298,11 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
                                                                                                   (short, long))}
     assert ("decoding: greedy, prompts cut to 128 tokens, answers up to 48 tokens | greedy, prompts cut to 512 "
             "tokens, answers up to 48 tokens" in differing_settings(runs))
+    # how many prompts the budget took, where generate counted them ("cut to 192" hid 173 of 210)
+    counted = predictions("counted", {"sampling": {"max_new_tokens": 64, "temperature": 0.0}, "max_prompt_tokens": 192},
+                          {"records": 210, "prompts_cut": 173})
+    assert decoding_text(counted) == ("greedy, prompts cut to 192 tokens (173 of 210 were longer), answers up to 64 "
+                                      "tokens")
 
 
 def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals_are_apart():
