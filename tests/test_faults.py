@@ -1535,3 +1535,26 @@ def test_a_damaged_run_folder_is_one_line_naming_the_piece_and_the_command(demo_
     build_manifest.write_text(build_manifest.read_text()[:100])
     code, line, _ = said("show", str(copy))
     assert code == 2 and f"{build_manifest}: damaged, not JSON" in line, line
+
+
+def test_a_file_of_the_other_json_form_or_empty_says_what_it_is(tmp_path):
+    """JSON Lines in a .json file, an indented JSON array in a .jsonl file, an empty .json file and sources
+    written as a mapping: each says what it is and what to do (they read "Extra data", "Expecting value",
+    "missing sources")."""
+    from polyalign.data.prepare import load_data_config
+
+    rows = [chat_row(d) for d in CAMREST[:2]]
+    for name, text, said in [
+        ("rows.json", jsonl(rows), "rows.json:2: invalid JSON: Extra data (column 1); it reads as JSON Lines (one "
+                                   "object a line): name it .jsonl"),
+        ("rows.jsonl", json.dumps(rows, indent=2),
+         "rows.jsonl:1: invalid JSON: Expecting value (column 2); the file looks like one JSON document written over "
+         "many lines: name it .json"),
+        ("empty.json", "\n", "empty.json: empty (no JSON in it)")]:
+        with pytest.raises((PrepareError, InputError), match=re.escape(said)):
+            run(tmp_path, "chat", name, text)
+    config = tmp_path / "mapping.yaml"
+    config.write_text("scheme: polyalign\nsources:\n  name: a\n  format: chat\n  path: c.jsonl\n")
+    with pytest.raises(ConfigError, match=re.escape("sources as a list of {name, format, path} (it is a dict: write "
+                                                    "each source as a `- name: ...` item)")):
+        load_data_config(config)

@@ -142,7 +142,10 @@ def missing_keys(raw: dict[str, Any]) -> list[str]:
     missing = [] if "scheme" in raw else [
         "scheme (a bucket scheme file, or `polyalign` for the one polyalign ships)" + _misspelt("scheme", raw, top)]
     sources = raw.get("sources")
-    if not isinstance(sources, list) or not sources:
+    if sources is not None and not isinstance(sources, list):  # a mapping or a number: there, but not a list
+        return missing + [f"sources as a list of {{name, format, path}} (it is a {type(sources).__name__}: "
+                          "write each source as a `- name: ...` item)"]
+    if not sources:
         return missing + ["sources (a list of {name, format, path})" + _misspelt("sources", raw, top)]
     known = [f.name for f in fields(SourceConfig)]
     for i, source in enumerate(sources):

@@ -226,7 +226,8 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
     OUT's name with .val: pairs.jsonl -> pairs.val.jsonl), chosen by a hash seeded with `seed`."""
     out = Path(out)
     if not Path(input_path).is_file():
-        raise InputError(f"{input_path}: no such file")
+        raise InputError(f"{input_path}: " + ("a folder; give the preference file in it" if Path(input_path).is_dir()
+                                              else "no such file"))
     # each pair's record names its file: the same file however the command spells it, so that the same import
     # writes the same pairs (a training run compares their digest)
     input_path = Path(input_path).resolve()

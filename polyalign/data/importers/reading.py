@@ -71,11 +71,24 @@ def decode_document(data: bytes, name: str) -> str:
 
 
 def parse_json_document(text: str, name: str) -> Any:
+    if not text.strip():
+        raise InputError(f"{name}: empty (no JSON in it)")
     try:
         return jsonl.parse(text)
     except jsonl.JsonProblem as problem:
         where = f"{name}:{problem.line}" if problem.line else name
-        raise InputError(f"{where}: invalid JSON: {problem}") from None
+        # a whole object on line 1 and another after it: JSON Lines in a file named .json
+        hint = ("; it reads as JSON Lines (one object a line): name it .jsonl" if str(problem).startswith("Extra data")
+                and problem.line and problem.line > 1 and _each_line_json(text) else "")
+        raise InputError(f"{where}: invalid JSON: {problem}{hint}") from None
+
+
+def _each_line_json(text: str) -> bool:
+    """Whether every non-blank line of `text` is a JSON value of its own (a JSON Lines document)."""
+    try:
+        return all(jsonl.parse(line) is not None for line in text.splitlines()[:50] if line.strip())
+    except jsonl.JsonProblem:
+        return False
 
 
 def load_json(path: Path) -> Any:
@@ -189,7 +202,10 @@ def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
         try:
             yield location, jsonl.parse(line)
         except jsonl.JsonProblem as problem:
-            yield Malformed(location, f"invalid JSON: {problem}", line)
+            # an indented JSON array (json.dump(rows, indent=2)) in a file named .jsonl
+            hint = ("; the file looks like one JSON document written over many lines: name it .json"
+                    if location.line == 1 and line.strip() in ("[", "{") else "")
+            yield Malformed(location, f"invalid JSON: {problem}{hint}", line)
 
 
 def iter_json_rows(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
