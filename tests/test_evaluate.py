@@ -1624,7 +1624,11 @@ def test_an_evaluation_or_comparison_is_not_written_into_another_stages_folder(d
     assert (f"--out {run} is a prepared run (data/manifest.json is there): give the evaluation a "
             f"folder of its own, e.g. {run / 'eval'}") in capsys.readouterr().err
     assert not (run / "metrics.json").exists()
-    (tmp_path / "eval").mkdir()
-    (tmp_path / "eval" / "metrics.json").write_text("{}")
-    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval"), "--out", str(tmp_path / "eval")]) == 2
-    assert f"--out {tmp_path / 'eval'} is an evaluation (metrics.json is there)" in capsys.readouterr().err
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text("{}")
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")]) == 2
+    assert f"--out {tmp_path / 'c'} is an evaluation (metrics.json is there)" in capsys.readouterr().err
+    # one of the evaluations compared: said as that (the command's own input), not as another stage's folder
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "a")]) == 2
+    assert "is an evaluation" not in capsys.readouterr().err

@@ -194,7 +194,8 @@ def test_the_profile_prompt_every_example_opens_with_is_learnt_with_the_records(
     chinese = [r for r in read_records(run / "data" / "train.jsonl") if r.language == "zh"][:1500]
     records = tmp_path / "zh.jsonl"
     records.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in chinese), encoding="utf-8")
-    learnt, _ = train_from_records(records, tmp_path / "tok", 3000, character_coverage=0.98)
+    learnt, report = train_from_records(records, tmp_path / "tok", 3000, character_coverage=0.98, system_prompts=True)
+    assert report["settings"]["system_prompts"] is True
     alone = train_sentencepiece(record_texts(chinese), tmp_path / "alone", 3000, character_coverage=0.98,
                                 special_tokens=POLYALIGN_SPECIAL_TOKENS)
     for prompt in {system_prompt(r, "context") for r in chinese}:

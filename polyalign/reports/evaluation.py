@@ -21,7 +21,7 @@ from adjustText import adjust_text  # noqa: E402
 
 from polyalign.core import jsonl  # noqa: E402
 from polyalign.core.errors import EvaluationError  # noqa: E402
-from polyalign.core.outputs import other_stages_folder, stage_output  # noqa: E402
+from polyalign.core.outputs import other_stages_folder, same_path, stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
@@ -821,8 +821,9 @@ def compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None = None
     unless `overwrite`. Intervals are compared only between evaluations of the same test records and
     support, unless `allow_different_data`."""
     out = Path(out)
-    if elsewhere := other_stages_folder(out, "the comparison", "comparison",
-                                        also=(("metrics.json", "an evaluation"),)):
+    own_input = any(same_path(out, directory) for directory in evals)  # stage_output names that case itself
+    if not own_input and (elsewhere := other_stages_folder(out, "the comparison", "comparison",
+                                                            also=(("metrics.json", "an evaluation"),))):
         raise EvaluationError(elsewhere)
     settings = {"evals": [str(Path(d).resolve()) for d in evals], "names": list(names) if names else None,
                 "allow_different_data": allow_different_data}
