@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import json
 import os
 import sys
 import textwrap
@@ -421,9 +422,14 @@ def _run_build(args) -> int:
                         "--max-length"}
         own = (" (--system replace leaves the conversations' own system text out of it)" if args.system == "keep"
                and train.get("source_system_prompts") else "")
+        # a tokenizer of one language's text spells the English profile prompt nearly letter by letter
+        trained = _tokenizer_settings(manifest)  # {} for a checkpoint's own tokenizer: nothing to retrain
+        learnt = ("" if not trained or "system_prompts" in trained else
+                  "; a tokenizer trained with `tokenizer train --system-prompts` spells the English profile prompt in "
+                  "fewer pieces (a Chinese-only one: 46 tokens, not 116)")
         print(f"warning: {train['system_cut']} of {train['examples']} train examples "
               f"({train['system_cut'] / train['examples']:.0%}) lost their opening system message, whole or in part, "
-              f"the profile prompt Bucket-SFT conditions on: {fix[args.truncation]}{own}", file=sys.stderr)
+              f"the profile prompt Bucket-SFT conditions on: {fix[args.truncation]}{own}{learnt}", file=sys.stderr)
     print(f"rendered with chat template {manifest['template']}, profile {options.profile}, system messages "
           f"{options.system}, truncation {options.truncation}")
     print(f"Bucket-SFT weights: {manifest['weight_options']['source']}; dataset: {manifest['dataset']}")
@@ -1013,6 +1019,16 @@ def prompts_budget(args) -> int | str | None:
                               "rows hold each conversation whole)")
         return None
     return args.max_prompt_tokens if args.max_prompt_tokens is not None else "auto"
+
+
+def _tokenizer_settings(build: dict) -> dict:
+    """The settings a build's tokenizer was trained with (its tokenizer_report.json), or {} for a checkpoint's
+    own tokenizer or one polyalign did not train."""
+    report = Path(str(build.get("tokenizer", ""))).parent / "tokenizer_report.json"
+    try:
+        return json.loads(report.read_text()).get("settings") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def _run_prompts(args) -> int:

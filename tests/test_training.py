@@ -123,6 +123,8 @@ def test_a_build_with_turns_truncation_stores_whole_turn_cuts_and_says_where_cut
     assert ("lost their opening system message, whole or in part, the profile prompt Bucket-SFT conditions on: "
             "it and their last question together are over the prompt's share of --max-length, and a cut inside a "
             "turn keeps the system message only within half of the share; raise --max-length") in err
+    # the tokenizer polyalign trained on the records alone: the option that learns the prompt too is named
+    assert "a tokenizer trained with `tokenizer train --system-prompts` spells the English profile prompt" in err
     left = [encode_conversation(get_template("polyalign"), tokenizer, record_messages(r, "context"), cutoff=192)
             for r in records.values()]
     assert train["system_cut"] < sum(e.system_cut for e in left) / 4
