@@ -1024,7 +1024,8 @@ def prompts_budget(args) -> int | str | None:
 def _tokenizer_settings(build: dict) -> dict:
     """The settings a build's tokenizer was trained with (its tokenizer_report.json), or {} for a checkpoint's
     own tokenizer or one polyalign did not train."""
-    report = Path(str(build.get("tokenizer", ""))).parent / "tokenizer_report.json"
+    recorded = Path(str(build.get("tokenizer", "")))  # the tokenizer's folder, or its file
+    report = (recorded if recorded.is_dir() else recorded.parent) / "tokenizer_report.json"
     try:
         return json.loads(report.read_text()).get("settings") or {}
     except (OSError, ValueError, AttributeError):
