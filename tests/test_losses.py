@@ -148,6 +148,8 @@ def test_hdpo_matches_numpy():
     assert float(parts["dist_reg"]) == pytest.approx(expected[2], rel=1e-5)
     assert float(parts["sft_anchor"]) == pytest.approx(expected[3], rel=1e-5)
     assert float(parts["dist_gap"]) == pytest.approx((cr - cc).mean(), rel=1e-5)
+    p = 1 / (1 + np.exp(-0.1 * (pc - pr)))  # how much of the distance term's gradient survives: 4 p (1 - p)
+    assert float(parts["dist_reach"]) == pytest.approx((4 * p * (1 - p)).mean(), rel=1e-5)
 
 
 def test_hdpo_by_hand_and_its_reduction_to_dpo():

@@ -324,7 +324,7 @@ def test_imported_trl_pairs_train_with_dpo(demo_run, demo_tokenizer, tmp_path, c
     # imported pairs carry no critic scores: the critic's terms are not logged as zeros, the rest is
     logged = [r for r in read_metrics(out) if "loss" in r or "val_pairs" in r]
     assert all("sft_anchor" in r or "val_sft_anchor" in r for r in logged) and logged[-1]["val_pairs"] == 4
-    assert not any(key.endswith(("dist_reg", "dist_gap")) for r in logged for key in r)
+    assert not any(key.endswith(("dist_reg", "dist_gap", "dist_reach")) for r in logged for key in r)
 
 
 def test_prompts_for_an_external_engine_round_trip_through_pairs(demo_run, demo_tokenizer, tmp_path, capsys):

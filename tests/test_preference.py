@@ -412,6 +412,7 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
     # scored pairs: the critic's terms logged, on training and validation pairs (0 < R < 2, the scores' range)
     assert all(0 < r["dist_reg"] < 2 and "dist_gap" in r for r in steps) and 0 < val[-1]["val_dist_reg"] < 2
+    assert all(0 < r["dist_reach"] <= 1 for r in steps) and 0 < val[-1]["val_dist_reach"] <= 1
     # the validation pairs' score gap is fixed: logged with the first evaluation, not repeated
     assert len(val) >= 3 and "val_dist_gap" in val[0] and not any("val_dist_gap" in r for r in val[1:])
 

@@ -152,6 +152,14 @@ def distance_regulariser(policy_chosen_logps, policy_rejected_logps, critic_chos
     return p * critic_chosen + (1.0 - p) * critic_rejected
 
 
+def distance_reach(policy_chosen_logps, policy_rejected_logps, beta: float = 0.1) -> jax.Array:
+    """Per pair 4 p (1 - p), p as in distance_regulariser: how much of R's gradient survives, 1 where the
+    policy rates both responses alike, near 0 where its log-prob gap saturates p (R then moves nothing,
+    whatever lambda_dist is)."""
+    p = jax.nn.sigmoid(beta * (policy_chosen_logps - policy_rejected_logps))
+    return 4.0 * p * (1.0 - p)
+
+
 def sft_anchor(policy_chosen_logps, chosen_token_counts) -> jax.Array:
     """Per pair, the length-normalised NLL of the human (chosen) response."""
     return -policy_chosen_logps / jnp.maximum(chosen_token_counts, 1.0)
@@ -176,5 +184,6 @@ def hdpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_
                                  beta)
     components = {"loss": total, "dpo": dpo, "dist_reg": dist_reg, "sft_anchor": anchor,
                   "dist_gap": (critic_rejected - critic_chosen).mean(),
+                  "dist_reach": distance_reach(policy_chosen_logps, policy_rejected_logps, beta).mean(),
                   **{f"rewards/{k}": v.mean() for k, v in rewards.items()}}
     return total, components

@@ -173,6 +173,7 @@ class PreferenceObjective:
         sums.update(pairs=valid.sum(), tokens=tokens, processed_tokens=processed.astype(jnp.float32),
                     dist_reg=dist.sum(), sft_anchor=anchor.sum(),
                     dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
+                    dist_reach=(losses.distance_reach(pc, pr, c.beta) * valid).sum(),
                     bucket_margin=jax.ops.segment_sum(rewards["margin"] * valid, mb["bucket"], self.num_buckets),
                     bucket_pairs=jax.ops.segment_sum(valid, mb["bucket"], self.num_buckets))
         return numerators, sums
@@ -185,7 +186,7 @@ def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "",
     n = max(float(host["pairs"]), 1.0)
     out = {f"{prefix}rewards/{k}": round(float(host[f"rewards_{k}"]) / n, 6)
            for k in ("chosen", "rejected", "margin", "accuracy")}
-    critic = ("dist_reg", "dist_gap") if scored else ()
+    critic = ("dist_reg", "dist_gap", "dist_reach") if scored else ()
     out.update({f"{prefix}pairs": int(host["pairs"]),
                 **{f"{prefix}{k}": round(float(host[k]) / n, 6) for k in ("sft_anchor", *critic)}})
     margins = {b: round(float(host["bucket_margin"][i] / host["bucket_pairs"][i]), 6)
