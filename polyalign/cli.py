@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
-import json
 import os
 import sys
 import textwrap
@@ -1024,12 +1023,11 @@ def prompts_budget(args) -> int | str | None:
 def _tokenizer_settings(build: dict) -> dict:
     """The settings a build's tokenizer was trained with (its tokenizer_report.json), or {} for a checkpoint's
     own tokenizer or one polyalign did not train."""
+    from polyalign.tokens.tokenizer_training import read_report  # heavy: sentencepiece, kept out of --help
+
     recorded = Path(str(build.get("tokenizer", "")))  # the tokenizer's folder, or its file
-    report = (recorded if recorded.is_dir() else recorded.parent) / "tokenizer_report.json"
-    try:
-        return json.loads(report.read_text()).get("settings") or {}
-    except (OSError, ValueError, AttributeError):
-        return {}
+    report = read_report(recorded if recorded.is_dir() else recorded.parent) or {}
+    return report.get("settings") or {}
 
 
 def _run_prompts(args) -> int:

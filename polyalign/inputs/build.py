@@ -72,6 +72,7 @@ from polyalign.tokens.tokenizer import (
     TOKENIZERS_FILE,
     load_tokenizer,
 )
+from polyalign.tokens.tokenizer_training import read_report
 
 DATASET_NAME = "sft_examples"
 DATASET_VERSION = "1.0.0"
@@ -98,10 +99,11 @@ def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, 
     manifest = Path(run) / "data" / "manifest.json"
     if manifest.is_file():
         recorded = prepare_manifest(manifest.parent)
-        scheme_path = recorded.get("scheme", {}).get("path")
-        if recorded.get("scheme", {}).get("definition") is not None or (scheme_path and Path(scheme_path).is_file()):
-            # the scheme the records were bucketed by, as prepare read it (the file may have changed since)
-            base, source = prepared_scheme(recorded, manifest)[0].weights, f"scheme {scheme_path}"
+        # the scheme the records were bucketed by, as prepare read it (the file may have changed since); an
+        # earlier release's manifest whose scheme file is gone leaves the default
+        with contextlib.suppress(ConfigError):
+            base, source = (prepared_scheme(recorded, manifest)[0].weights,
+                            f"scheme {recorded['scheme'].get('path')}")
     options = weight_options({**asdict(base), **overrides}, "build weights")
     return options, source + (f", overridden: {', '.join(sorted(overrides))}" if overrides else "")
 
@@ -222,10 +224,10 @@ def stale_tokenizer(run: Path, tokenizer_path: Path) -> str | None:
     """A warning when the tokenizer `tokenizer train` made for this run (its tokenizer_report.json) was
     trained on another train split than RUN/data holds now: prepare ran again since. Its ids still encode
     the data; they were fitted to other text."""
+    report = read_report(tokenizer_path)
     try:
-        report = json.loads((Path(tokenizer_path) / "tokenizer_report.json").read_text(encoding="utf-8"))
         made_from, trained_on = report["made_from"]["records"], Path(report["settings"]["records"])
-    except (OSError, ValueError, KeyError, TypeError):  # no report: a checkpoint's tokenizer, or one not polyalign's
+    except (KeyError, TypeError):  # no report: a checkpoint's tokenizer, or one not polyalign's
         return None
     try:
         files = split_files(run, "train")

@@ -44,6 +44,16 @@ def training_texts(records, system_prompts: bool = False) -> Iterable[str]:
 
 
 REPORT = "tokenizer_report.json"
+
+
+def read_report(folder) -> dict | None:
+    """A tokenizer folder's tokenizer_report.json (its settings, digests and rates), or None for a
+    checkpoint's own tokenizer or one polyalign did not train."""
+    try:
+        report = json.loads((Path(folder) / REPORT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 # What training writes into OUT; a folder holding one of these that polyalign did not make is not replaced.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", REPORT)
 # SentencePiece needs room for its control pieces, the chat template's specials and the byte fallback.

@@ -76,14 +76,15 @@ class DriftProbe:
         by_bucket: dict[str, list[int]] = defaultdict(list)
         for i, bucket in enumerate(self.buckets):
             by_bucket[bucket].append(i)
+        # punctuation alone ("，，，，"): text a model degenerates into, which the scores below would measure
+        wordless = sum(without_words(t) for t in texts)
         out: dict[str, Any] = {
             "drift/length_ratio": round(float(generated.sum() / max(self.human_tokens.sum(), 1.0)), 4),
             "drift/length_ratio_by_bucket": {
                 b: round(float(generated[rows].sum() / max(self.human_tokens[rows].sum(), 1.0)), 4)
                 for b, rows in sorted(by_bucket.items())},
             "drift/empty": round(float(np.mean([not t for t in texts])), 4),
-            # punctuation alone ("，，，，"): text a model degenerates into, which the scores below would measure
-            "drift/without_words": round(float(np.mean([without_words(t) for t in texts])), 4),
+            "drift/without_words": round(wordless / max(len(texts), 1), 4),
         }
         if not any(texts) and not self.said_empty and jax.process_index() == 0:
             self.said_empty = True  # once a run: later probes' drift/empty says whether it lasts
@@ -91,7 +92,6 @@ class DriftProbe:
                   "were empty (drift/empty 1.0), so drift/length_ratio is 0 and no support distance or critic score "
                   "is logged; a small or early model often ends its turn at once under greedy decoding, and "
                   "sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
-        wordless = sum(without_words(t) for t in texts)
         if wordless * 2 >= len(texts) and wordless and not self.said_wordless and jax.process_index() == 0:
             self.said_wordless = True  # once a run: later probes' drift/without_words says whether it lasts
             print(f"warning: drift probe: {wordless} of {len(texts)} greedy answers of the policy to its validation "
