@@ -22,6 +22,7 @@ from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, inter
 from polyalign.core.outputs import sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
+from polyalign.core.wording import counted
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh.launch import (
     DEFAULT_PORT,
@@ -223,8 +224,8 @@ def _run_stats(args) -> int:
     from polyalign.reports.stats import compute_stats  # heavy: matplotlib, numpy, kept out of --help
 
     stats = compute_stats(args.run, progress=not args.no_progress)
-    print(f"{stats['total']} records in {len(stats['counts']['by_bucket'])} buckets; "
-          f"references for {stats['references']['buckets']} buckets")
+    print(f"{counted(stats['total'], 'record')} in {counted(len(stats['counts']['by_bucket']), 'bucket')}; "
+          f"references for {counted(stats['references']['buckets'], 'bucket')}")
     for note in stats["notes"]:
         print(f"note: {note}")
     for warning in stats["weights"]["warnings"]:
@@ -740,8 +741,8 @@ def _run_pairs_import(args) -> int:
                            val_out=args.val_out, seed=args.seed)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     held_out = f" + {summary['val_pairs']} validation" if "val_pairs" in summary else ""
-    print(f"{summary['pairs']} training{held_out} pairs from {summary['read']} rows in {len(summary['buckets'])} "
-          f"buckets; dropped: {dropped}")
+    print(f"{summary['pairs']} training{held_out} pairs from {counted(summary['read'], 'row')} in "
+          f"{counted(len(summary['buckets']), 'bucket')}; dropped: {dropped}")
     if "val_pairs" in summary:
         print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) "
               f"-> {summary['val_out']}")

@@ -203,7 +203,7 @@ def test_track_belongs_to_the_source_not_the_row_shape(demo_run):
     assert first_dialogue_turns and all(r["track"] == "multi" and r["history"] == [] for r in first_dialogue_turns)
 
 
-def test_a_scheme_of_ones_own_is_what_stats_reads_and_draws_even_after_its_file_changes(tmp_path, monkeypatch):
+def test_a_scheme_of_ones_own_is_what_stats_reads_and_editing_it_needs_prepare_overwrite(tmp_path, monkeypatch):
     """A team's scheme (language second, no track, three bins of their own): the stats report names it and
     its bins, draws every bucket in its language's panel, and after the file changes keeps reading the
     scheme prepare bucketed the records by, saying so (it drew the new bounds over the old bins, silently)."""
@@ -256,10 +256,22 @@ def test_a_scheme_of_ones_own_is_what_stats_reads_and_draws_even_after_its_file_
     again = compute_stats(tmp_path / "run", progress=False)
     assert again["counts"]["by_bucket"] == buckets and again["scheme"]["length_bins"][0] == {"name": "brief", "max": 20}
     manifest = tmp_path / "run" / "data" / "manifest.json"
-    assert again["notes"] == [f"{scheme} has changed since prepare bucketed this run: its records keep the buckets and "
-                              f"length bins of the scheme as prepare read it (in {manifest}), which is used here; run "
-                              "`polyalign prepare` again to bucket them by the file as it is now"]
+    assert again["notes"] == [f"{scheme} has changed since prepare bucketed this run (length_bins): its records keep "
+                              f"the buckets and length bins of the scheme as prepare read it (in {manifest}), which is "
+                              "used here; run `polyalign prepare --overwrite` to bucket them by the file as it is now"]
     assert main(["stats", str(tmp_path / "run"), "--no-progress"]) == 0
+    # prepare again with the edited file is another run: refused, naming what changed, until --overwrite
+    with pytest.raises(ConfigError, match=r"made with other settings \(scheme\.length_bins: .*'max': 20.* there, "
+                                          r".*'max': 50.* now\); pass --overwrite"):
+        prepare(config, tmp_path / "run", progress=False)
+    prepare(config, tmp_path / "run", progress=False, overwrite=True)
+    assert json.loads(manifest.read_text())["scheme"]["definition"]["length_bins"][0] == {"name": "brief", "max": 50}
+    prepare(config, tmp_path / "run", progress=False)  # the same file and config again: the same run, allowed
+    # a manifest of the release before definitions were recorded goes by the file as it is now
+    old = json.loads(manifest.read_text())
+    del old["scheme"]["definition"]
+    manifest.write_text(json.dumps(old))
+    prepare(config, tmp_path / "run", progress=False)
     # a scheme with no language dimension: one panel of every bucket
     plots.bucket_counts(buckets, ["en", "zh"], tmp_path / "one.png", position=None)
     assert [ax.get_title(loc="left") for ax in drawn[-1].axes] == ["records per bucket (all buckets)"]

@@ -45,3 +45,11 @@ def test_remove_cjk_spacing_keeps_spaces_between_latin_words():
                                              (121, "long"), (240, "long"), (241, "xlong"), (10**6, "xlong")])
 def test_length_bins_are_inclusive_upper_bounds(length, expected):
     assert load_scheme(SCHEME).length_bin(length) == expected
+
+
+def test_a_count_of_one_is_written_in_the_singular():
+    """Every count the commands print goes through counted(): "in 1 buckets" was printed by pairs import."""
+    from polyalign.core.wording import counted
+
+    assert [counted(n, "bucket") for n in (0, 1, 2)] == ["0 buckets", "1 bucket", "2 buckets"]
+    assert counted(1, "cpu device") == "1 cpu device" and counted(3, "query", "queries") == "3 queries"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polyalign.core.outputs import differing_keys
 from polyalign.core.scores import MIN_INTERVAL_ROWS
 from polyalign.core.yaml_config import ConfigError, from_mapping, load_yaml
 from polyalign.data.text import LENGTH_UNIT_PATTERNS
@@ -204,9 +205,12 @@ def prepared_scheme(manifest: Mapping[str, Any], manifest_path: Path) -> tuple[S
         notes.append(f"{path} (the scheme prepare bucketed the run by) is gone: its definition as prepare read it "
                      f"is in {manifest_path}, and is used")
     elif now != recorded["definition"]:
-        notes.append(f"{path} has changed since prepare bucketed this run: its records keep the buckets and "
-                     f"length bins of the scheme as prepare read it (in {manifest_path}), which is used here; run "
-                     "`polyalign prepare` again to bucket them by the file as it is now")
+        changed = (differing_keys(recorded["definition"], now) if isinstance(now, dict)
+                   else ["it no longer reads as YAML"])
+        notes.append(f"{path} has changed since prepare bucketed this run ({', '.join(changed[:4])}"
+                     f"{f' and {len(changed) - 4} more' if len(changed) > 4 else ''}): its records keep the buckets "
+                     f"and length bins of the scheme as prepare read it (in {manifest_path}), which is used here; "
+                     "run `polyalign prepare --overwrite` to bucket them by the file as it is now")
     return scheme, notes
 
 

@@ -612,8 +612,7 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
         "config_path": str(context.config_path.resolve()),
         "config": context.raw_config,
         # the scheme as prepare read it: stats and build read this one, whatever the file says later
-        "scheme": {"path": context.scheme.path, "name": context.scheme.name, "length_unit": context.length_unit,
-                   "definition": context.scheme.definition},
+        "scheme": scheme_block(context),
         "on_error": on_error,
         **({"engine": engine} if engine else {}),
         "totals": {
@@ -668,21 +667,43 @@ def _lasting(manifest: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in manifest.items() if k not in VOLATILE_MANIFEST_KEYS}
 
 
+def scheme_block(context: PrepareContext) -> dict[str, Any]:
+    """The manifest's `scheme`: the file and the scheme as prepare read it (stats and build read this one)."""
+    return {"path": context.scheme.path, "name": context.scheme.name, "length_unit": context.length_unit,
+            "definition": context.scheme.definition}
+
+
 def prepare_settings(context: PrepareContext, on_error: str) -> dict[str, Any]:
     """What makes OUT/data what it is, as the manifest records it at its top level: prepare is deterministic,
-    so the same settings make the same files."""
-    return {"config": context.raw_config, "on_error": on_error}
+    so the same settings make the same files. The scheme's contents are among them: a scheme file edited
+    since (bins 30 -> 50) makes other records from the same config."""
+    return {"config": context.raw_config, "on_error": on_error, "scheme": scheme_block(context)}
 
 
 def prepare_meaning(settings: dict[str, Any]) -> dict[str, Any]:
     """Recorded prepare settings as they take effect: the config with its defaults read in, so that
-    `split.seed=42` (the default, written out) matches a config that leaves it. A recorded config this
-    version cannot read is compared as written."""
+    `split.seed=42` (the default, written out) matches a config that leaves it; of the scheme, only what
+    it defines (the config names its file). A recorded config this version cannot read is compared as
+    written."""
+    settings = {**settings, "scheme": _scheme_meaning(settings.get("scheme"))}
     try:
         config = from_mapping(DataConfig, copy.deepcopy(settings["config"]), "the recorded config")
     except (PolyalignError, KeyError, TypeError, ValueError):
         return settings
     return {**settings, "config": settings_record(asdict(config))}
+
+
+def _scheme_meaning(block: Any) -> Any:
+    """A recorded scheme block's definition. A manifest of an earlier release recorded only the file: what
+    it holds now is all there is to go by (the behaviour of that release)."""
+    if not isinstance(block, dict):
+        return block
+    if block.get("definition") is None:
+        try:
+            return load_yaml(Path(str(block.get("path") or ""))) if block.get("path") else None
+        except ConfigError:
+            return None
+    return block["definition"]
 
 
 def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Iterable[str] = (),

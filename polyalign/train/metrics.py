@@ -18,6 +18,7 @@ import jax
 
 from polyalign.core.extras import require
 from polyalign.core.paths import as_path
+from polyalign.core.wording import counted
 
 
 class _TensorBoard:
@@ -129,7 +130,7 @@ class MetricsWriter:
         temporary.replace(self.path)
         steps = sorted(set(later))
         what = [f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"] if steps else []
-        what += [f"{cut} cut line{'s' if cut > 1 else ''}"] if cut else []
+        what += [counted(cut, 'cut line')] if cut else []
         since = f"after step {step}" if step else "before any checkpoint"
         print(f"note: {self.path} held {' and '.join(what)} logged {since} by a run that ended without "
               "checkpointing them; taken out, this run logs those steps again")

@@ -27,6 +27,7 @@ from flax import nnx
 
 from polyalign.core.outputs import OutputLock, no_empty_folder_left
 from polyalign.core.paths import as_path, is_uri, recorded_path
+from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
 from polyalign.mesh import parallel
@@ -312,7 +313,7 @@ def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None 
     from (or resumes) and where it writes."""
     optimizer = config.optimizer
     warmup = warmup_steps(optimizer, loop.steps)
-    warming = f", {warmup} warmup step{'s' if warmup > 1 else ''}" if warmup else ""
+    warming = f", {counted(warmup, 'warmup step')}" if warmup else ""
     schedule = f"learning rate {optimizer.lr:.1e}{warming}, cosine to {optimizer.lr * optimizer.min_lr_ratio:.1e}"
     layout = ", ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     micro = f"{loop.micro_batches} micro-batch{'es' if loop.micro_batches > 1 else ''}"
@@ -322,7 +323,7 @@ def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None 
         start = f"resuming at step {resume_at} (OUT/checkpoints) of a run that started {start}"
     return (f"polyalign: training {config.method} for {loop.steps} step{'s' * (loop.steps != 1)}, global batch "
             f"{loop.global_batch} in "
-            f"{micro}, on {mesh.devices.size} {jax.default_backend()} device{'s' if mesh.devices.size > 1 else ''} "
+            f"{micro}, on {counted(mesh.devices.size, jax.default_backend() + ' device')} "
             f"({layout}), computing in {compute_dtype(config.model.dtype)}; {schedule}; {trained}{start} -> {out}")
 
 
