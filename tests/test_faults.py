@@ -479,13 +479,14 @@ def test_a_python_tag_in_a_config_file_is_refused_naming_the_file(tmp_path, caps
     assert err.count("\n") == 1 and f"{config}:1" in err and not (tmp_path / "owned.txt").exists()
 
 
-@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-be"])
-def test_sources_in_utf16_or_utf32_with_a_byte_order_mark_read_like_utf8(tmp_path, encoding):
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-be", "utf-16-le (no mark)"])
+def test_sources_in_utf16_or_utf32_with_or_without_a_byte_order_mark_read_like_utf8(tmp_path, encoding):
     rows = jsonl([json.dumps(chat_row(d), ensure_ascii=False) for d in CAMREST])
     (tmp_path / "utf8").mkdir()
     (tmp_path / "wide").mkdir()
     expected = run(tmp_path / "utf8", "chat", "c.jsonl", rows)
-    data = ("\ufeff" + rows).encode(encoding) if encoding.endswith("-be") else rows.encode(encoding)
+    data = (("\ufeff" + rows).encode(encoding) if encoding.endswith("-be")
+            else rows.encode(encoding.split()[0]))  # utf-16-le writes no mark
     manifest = run(tmp_path / "wide", "chat", "c.jsonl", data)
     assert manifest["totals"] == expected["totals"] and manifest["totals"]["kept"] > 0
     for split in ("train",):
@@ -1387,6 +1388,7 @@ def test_prediction_files_users_bring_are_read_or_refused_in_one_line(demo_run, 
     rows = [json.loads(line) for line in test.read_text().splitlines()]
     answers = "".join(json.dumps({"id": r["id"], "prediction": r["response"]}, ensure_ascii=False) + "\n" for r in rows)
     (tmp_path / "utf16.jsonl").write_bytes(answers.encode("utf-16"))
+    (tmp_path / "utf16le.jsonl").write_bytes(answers.encode("utf-16-le"))  # no byte-order mark
     (tmp_path / "answers.jsonl.gz").write_bytes(gzip.compress(answers.encode()))
     (tmp_path / "empty.jsonl").write_text("\n\n")
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"id": r["id"], "prediction": r["response"]},
@@ -1401,7 +1403,10 @@ def test_prediction_files_users_bring_are_read_or_refused_in_one_line(demo_run, 
         assert "Traceback" not in said.err
         return code, said.err.strip().splitlines()[-1] if said.err.strip() else ""
 
-    assert evaluate("utf16.jsonl")[0] == 0
+    assert evaluate("utf16.jsonl")[0] == 0 and evaluate("utf16le.jsonl")[0] == 0
+    for name in ("utf16.jsonl", "utf16le.jsonl"):
+        metrics = json.loads((tmp_path / f"eval-{name}/metrics.json").read_text())
+        assert metrics["alignment"]["evaluated"] == len(rows), name
     for name, extra, line in [
         ("missing.jsonl", (), f"{tmp_path / 'missing.jsonl'}: no such predictions file"),
         ("folder", (), f"{tmp_path / 'folder'}: a folder, not a predictions file"),
@@ -1538,9 +1543,9 @@ def test_a_damaged_run_folder_is_one_line_naming_the_piece_and_the_command(demo_
 
 
 def test_a_file_of_the_other_json_form_or_empty_says_what_it_is(tmp_path):
-    """JSON Lines in a .json file, an indented JSON array in a .jsonl file, an empty .json file and sources
-    written as a mapping: each says what it is and what to do (they read "Extra data", "Expecting value",
-    "missing sources")."""
+    """JSON Lines in a .json file, a JSON array (indented or on one line) in a .jsonl file, an empty .json
+    file and sources written as a mapping: each says what it is and what to do (they read "Extra data",
+    "Expecting value", "row must be a JSON object, got list", "missing sources")."""
     from polyalign.data.prepare import load_data_config
 
     rows = [chat_row(d) for d in CAMREST[:2]]
@@ -1550,6 +1555,9 @@ def test_a_file_of_the_other_json_form_or_empty_says_what_it_is(tmp_path):
         ("rows.jsonl", json.dumps(rows, indent=2),
          "rows.jsonl:1: invalid JSON: Expecting value (column 2); the file looks like one JSON document written over "
          "many lines: name it .json"),
+        ("oneline.jsonl", json.dumps(rows),
+         "oneline.jsonl:1: a JSON array of 2 rows on one line, where JSON Lines holds one row a line; name the file "
+         ".json"),
         ("empty.json", "\n", "empty.json: empty (no JSON in it)")]:
         with pytest.raises((PrepareError, InputError), match=re.escape(said)):
             run(tmp_path, "chat", name, text)

@@ -78,10 +78,6 @@ def parse(text: str) -> Any:
 # a web download): said as what they are, not as undecodable bytes on line 1.
 COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"PK\x03\x04", "zip"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2"),
               (b"\x28\xb5\x2f\xfd", "zstd"))
-# Byte-order marks of the encodings other than UTF-8 a text file may come in (Windows tools write UTF-16
-# with one); UTF-32-LE's mark begins with UTF-16-LE's, so it is looked for first.
-WIDE_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
-             (b"\xfe\xff", "utf-16"))
 
 
 def compressed_kind(head: bytes) -> str | None:
@@ -90,12 +86,17 @@ def compressed_kind(head: bytes) -> str | None:
 
 
 def wide_encoding(head: bytes) -> str | None:
-    """"utf-16" or "utf-32" when the bytes start with that encoding's byte-order mark."""
-    return next((encoding for bom, encoding in WIDE_BOMS if head.startswith(bom)), None)
+    """"utf-16", "utf-32" (with a byte-order mark) or "utf-16-le" ... (without one) when a text file's first
+    bytes are UTF-16 or UTF-32, else None. Without a mark the NULs of the first four bytes tell, as JSON's
+    encoding detection does (RFC 4627, json.detect_encoding): a file's first characters are ASCII (`{`,
+    `[`, a letter), which these encodings pad with NULs, and UTF-8 text holds no NUL. Windows tools write
+    UTF-16 with a mark; some exporters without."""
+    encoding = json.detect_encoding(head[:4]) if len(head) >= 4 else "utf-8"
+    return None if encoding in ("utf-8", "utf-8-sig") else encoding
 
 
 def read_text_file(path: str | Path, what: str = "file") -> str:
-    """A text file's text: UTF-8 (a byte-order mark allowed), or UTF-16/32 with their mark. A missing file,
+    """A text file's text: UTF-8 (a byte-order mark allowed), or UTF-16/32 (wide_encoding). A missing file,
     a folder, an archive or other bytes are one JsonProblem naming the file (no traceback)."""
     path = Path(path)
     try:

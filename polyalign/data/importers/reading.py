@@ -60,7 +60,7 @@ def decode_document(data: bytes, name: str) -> str:
         try:
             return data.decode(encoding)
         except UnicodeDecodeError as err:
-            raise InputError(f"{name}: undecodable {encoding.upper()} (it starts with that byte-order mark): "
+            raise InputError(f"{name}: undecodable {encoding.upper()} (its first bytes are that encoding's): "
                              f"{err.reason}") from None
     try:
         return data.decode("utf-8-sig")
@@ -200,12 +200,19 @@ def iter_json_lines(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
             continue
         location, line = item
         try:
-            yield location, jsonl.parse(line)
+            value = jsonl.parse(line)
         except jsonl.JsonProblem as problem:
             # an indented JSON array (json.dump(rows, indent=2)) in a file named .jsonl
             hint = ("; the file looks like one JSON document written over many lines: name it .json"
                     if location.line == 1 and line.strip() in ("[", "{") else "")
             yield Malformed(location, f"invalid JSON: {problem}{hint}", line)
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            # json.dump(rows) without indent in a file named .jsonl: every row on line 1, no row would be read
+            yield Malformed(location, f"a JSON array of {len(value)} rows on one line, where JSON Lines holds one "
+                                      "row a line" + ("; name the file .json" if location.line == 1 else ""), line)
+            continue
+        yield location, value
 
 
 def iter_json_rows(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
