@@ -588,6 +588,25 @@ def test_a_conversation_nobody_answered_is_dropped_and_listed_not_a_malformed_ro
         ("no_reply", f"{tmp_path / 'c.jsonl'}:2")]
 
 
+@pytest.mark.parametrize("fmt", ["chat", "sharegpt", "kdconv", "lccc"])
+def test_an_empty_conversation_is_read_and_dropped_as_no_reply_in_every_dialogue_format(tmp_path, fmt):
+    """Every dialogue importer counts a conversation with no turns: KdConv's `messages: []` was missing from
+    the rows read (no record, no drop, no word)."""
+    turns = [t["utterance"] for t in CAMREST[0]["turns"][:2]]
+    name, text = {
+        "chat": ("c.jsonl", jsonl([{"messages": [{"role": r, "content": u} for r, u in zip(("user", "assistant"),
+                                                                                          turns)]},
+                                   {"messages": []}])),
+        "sharegpt": ("c.jsonl", jsonl([{"conversations": [{"from": r, "value": u} for r, u in zip(("human", "gpt"),
+                                                                                                 turns)]},
+                                       {"conversations": []}])),
+        "kdconv": ("c.json", json.dumps([{"messages": [{"message": u} for u in turns]}, {"messages": []}])),
+        "lccc": ("c.json", json.dumps([turns, []])),
+    }[fmt]
+    source = run(tmp_path, fmt, name, text)["sources"][0]
+    assert (source["read"], source["kept"], source["dropped"]) == (2, 1, {"no_reply": 1}), source
+
+
 def test_a_reply_left_out_of_a_conversation_is_listed_with_its_start(tmp_path):
     """A conversation is one line holding many replies: a dropped reply's row says which, by its start."""
     dialogue = json.loads(json.dumps(CAMREST[0]))

@@ -167,7 +167,14 @@ def _hh(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str]:
             answers.append(row[key].strip())
         return prompt, answers[0], answers[1]
     chosen, rejected = _hh_turns(row["chosen"], "chosen"), _hh_turns(row["rejected"], "rejected")
-    if chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+    for key, turns in (("chosen", chosen), ("rejected", rejected)):
+        if turns[-1]["role"] != "assistant":
+            # "Human: ...\nAssistant: ...": one Human turn, its answer inside it
+            single = "\nAssistant:" in turns[-1]["text"]
+            raise RowProblem(f"{key!r} does not end with an Assistant turn" + (
+                ": its 'Assistant:' follows a single newline, where HH text opens every turn with a blank line "
+                "('\\n\\nHuman: ...\\n\\nAssistant: ...')" if single else ""))
+    if chosen[:-1] != rejected[:-1]:
         raise RowProblem("chosen and rejected must share every turn but their last, an Assistant turn")
     return chosen[:-1], chosen[-1]["text"], rejected[-1]["text"]
 
@@ -185,6 +192,9 @@ def _sharegpt_pairs(row: dict[str, Any]) -> tuple[list[dict[str, str]], str, str
     for key in ("chosen", "rejected"):
         if key not in row:
             raise RowProblem(f"missing field {key!r}")
+        if not isinstance(row[key], dict):  # LLaMA-Factory writes the answer as one turn, not a list of them
+            raise RowProblem(f"{key!r} must be one turn, {{\"from\": \"gpt\", \"value\": ...}}, got "
+                             f"{type_name(row[key])}")
         answers.append(_answer(labelled_turns([row[key]], SHAREGPT_ROLES, "from", "value", key), key))
     return prompt, answers[0], answers[1]
 

@@ -31,7 +31,7 @@ from polyalign.data.importers.reading import (
     string_labels,
     type_name,
 )
-from polyalign.data.records import ImportItem, Location, RowProblem, Skipped
+from polyalign.data.records import ImportItem, Location, RowProblem
 
 PATTERNS = ("*.jsonl", "*.json")
 DEFAULTS = {"track": "single", "family": "assistant", "style": "assistant_like"}
@@ -50,14 +50,7 @@ def dialogue_id(row: dict[str, Any], location: Location) -> str:
 
 
 def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]]) -> Iterator[ImportItem]:
-    key = dialogue_id(row, location)
-    if not any(turn["role"] == "assistant" and any(t["role"] in ("user", "assistant") for t in turns[:k])
-               for k, turn in enumerate(turns)):
-        # well-formed, and common in real chat logs (a question nobody answered): nothing to learn from,
-        # so dropped with its reason and listed, rather than stopping the run as malformed
-        yield Skipped(location, "no_reply", key)
-        return
-    yield from project_dialogue(turns, key, location, labels=string_labels(row, ROW_LABELS))
+    yield from project_dialogue(turns, dialogue_id(row, location), location, labels=string_labels(row, ROW_LABELS))
 
 
 def _messages(row: dict[str, Any]) -> list[Any]:

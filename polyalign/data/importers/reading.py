@@ -41,6 +41,8 @@ def source_files(path: Path, patterns: Sequence[str]) -> list[Path]:
                         if f.is_file() and not _DOCUMENTATION.match(f.name)})
     elif path.is_file():
         files = [path]
+    elif path.is_symlink():
+        raise InputError(f"{path}: a link to {os.readlink(path)}, which does not exist")
     else:
         raise InputError(f"{path}: no such file or directory")
     if not files:
@@ -439,14 +441,19 @@ def project_dialogue(
     one before its reply as `after_tool_call`; a reply marked `untrained` (OpenAI's `"weight": 0`) is skipped
     as `weight_0`, and stays in the history of the replies after it. A conversation that ends with user turns after its
     last reply has nothing to learn from them: they are counted as a Notice (`unanswered_last_user_turn`),
-    never lost without a word."""
+    never lost without a word, and one with no reply at all is skipped as `no_reply`."""
     turns = join_runs(turns)
-    targets = [k for k, t in enumerate(turns) if t["role"] == "assistant"]
-    if targets and any(t["role"] == "user" for t in turns[targets[-1] + 1:]):
-        yield Notice(location, "unanswered_last_user_turn")
-    conversation = "\n".join(t["text"] for t in turns if t["role"] in ("user", "assistant") and not t.get("tool"))
     replies = [k for k, turn in enumerate(turns)
                if turn["role"] == "assistant" and any(t["role"] in ("user", "assistant") for t in turns[:k])]
+    if not replies:
+        # well-formed, and common in real chat logs (a question nobody answered, `messages: []`): nothing to
+        # learn from, so dropped with its reason and listed, rather than stopping the run as malformed
+        yield Skipped(location, "no_reply", dialogue_id)
+        return
+    targets = [k for k, t in enumerate(turns) if t["role"] == "assistant"]
+    if any(t["role"] == "user" for t in turns[targets[-1] + 1:]):
+        yield Notice(location, "unanswered_last_user_turn")
+    conversation = "\n".join(t["text"] for t in turns if t["role"] in ("user", "assistant") and not t.get("tool"))
     for k, turn in enumerate(turns):
         if k not in replies:
             continue

@@ -23,7 +23,7 @@ from polyalign.data.importers.reading import (
     require_dict,
     text_field,
 )
-from polyalign.data.records import ImportItem, Location
+from polyalign.data.records import ImportItem, Location, RowProblem
 
 PATTERNS = ("*.json", "*.jsonl")
 DEFAULTS = {"track": "single", "family": "assistant", "style": "assistant_like"}
@@ -43,6 +43,10 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     # where no turn has ShareGPT's own
     keys = ("role", "content") if messages and all(
         isinstance(m, dict) and "role" in m and "from" not in m for m in messages) else ("from", "value")
+    if mixed := next((i for i, m in enumerate(messages, start=1)
+                      if isinstance(m, dict) and "from" not in m and "role" in m), None):
+        raise RowProblem(f"turn {mixed} is written with 'role'/'content', other turns with 'from'/'value': write "
+                         "every turn of a conversation with one pair of keys")
     turns, notices = message_turns(messages, ROLES, *keys, "turn", location, tool_roles=("tool",),
                                    call_roles=("function_call",))
     turns = [{**turn, "index": k} for k, turn in enumerate(turns)]
