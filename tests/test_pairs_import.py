@@ -201,6 +201,28 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     assert pairs[0]["record"]["meta"]["source_labels"]["language"] == "zh-CN"  # the user's own label, as given
 
 
+def test_preference_rows_written_a_little_off_say_what_is_off(demo_run, tmp_path, capsys):
+    """HH turns after a single newline ("Human: ...\\nAssistant: ...") read "must share every turn"; a
+    sharegpt-pairs answer written as a list of turns named "chosen 1"; both now say what is off."""
+    rows, _ = real_trl_rows(demo_run, n=2)
+    single = [{side: _hh_text(row["prompt"] + row[side]).strip().replace("\n\n", "\n")
+               for side in ("chosen", "rejected")} for row in rows]
+    code, _, _ = cli(capsys, "pairs", "import", "--format", "hh", "--input", write_jsonl(tmp_path / "hh.jsonl", single),
+                     "--out", tmp_path / "hh-pairs.jsonl", "--on-error", "quarantine")
+    quarantined = (tmp_path / "hh-pairs.quarantine.jsonl").read_text().splitlines()
+    problems = [json.loads(line)["problem"] for line in quarantined]
+    assert code == 2 and problems == ["'chosen' does not end with an Assistant turn: its 'Assistant:' follows a single "
+                                      "newline, where HH text opens every turn with a blank line ('\\n\\nHuman: "
+                                      "...\\n\\nAssistant: ...')"] * 2
+    listed = [{"conversations": [{"from": "human", "value": row["prompt"][-1]["content"]}],
+               "chosen": [{"from": "gpt", "value": row["chosen"][0]["content"]}],
+               "rejected": {"from": "gpt", "value": row["rejected"][0]["content"]}} for row in rows]
+    code, _, err = cli(capsys, "pairs", "import", "--format", "sharegpt-pairs", "--input",
+                       write_jsonl(tmp_path / "sg.jsonl", listed), "--out", tmp_path / "sg-pairs.jsonl")
+    assert code == 2 and err.strip().endswith(
+        f"{tmp_path / 'sg.jsonl'}:1: 'chosen' must be one turn, {{\"from\": \"gpt\", \"value\": ...}}, got list")
+
+
 def test_language_names_the_schemes_language_by_a_region_tag_too(demo_run, tmp_path, capsys):
     """`--language zh-CN` labels every row zh, as a row's own zh-CN does; `--language zh-TW` is refused."""
     from polyalign.pairs.make import read_pairs
