@@ -169,6 +169,7 @@ def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
 @pytest.mark.parametrize("problem,fragment", [
     ({"format": "sharegtp"}, "did you mean 'sharegpt'"),
     ({"path": "missing.jsonl"}, "missing.jsonl: no such file or directory"),
+    ({"path": "link.jsonl"}, "link.jsonl: a link to moved/c.jsonl, which does not exist"),
     ({"split": "dev"}, "split must be one of train, val, test, auto"),
     ({"colour": "blue"}, "unknown key 'colour'"),
     # checked before any row is read (it would drop them all, after reading them)
@@ -177,6 +178,7 @@ def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
 ])
 def test_config_problems_are_named(tmp_path, problem, fragment):
     (tmp_path / "c.jsonl").write_text(json.dumps(chat_row(CAMREST[0])) + "\n", encoding="utf-8")
+    (tmp_path / "link.jsonl").symlink_to("moved/c.jsonl")  # a link left behind when its file moved
     source = {"name": "src", "format": "chat", "path": "c.jsonl", "split": "train", **problem}
     config = write_config(tmp_path / "config.yaml", [source])
     with pytest.raises((ConfigError, InputError), match=fragment):
@@ -605,6 +607,17 @@ def test_an_empty_conversation_is_read_and_dropped_as_no_reply_in_every_dialogue
     }[fmt]
     source = run(tmp_path, fmt, name, text)["sources"][0]
     assert (source["read"], source["kept"], source["dropped"]) == (2, 1, {"no_reply": 1}), source
+
+
+def test_sharegpt_turns_mixing_the_two_key_pairs_say_so(tmp_path):
+    """A ShareGPT conversation whose turns are written half with from/value, half with role/content (two
+    exports concatenated) read "turn 2: role must be a string, got null"."""
+    turns = [t["utterance"] for t in CAMREST[0]["turns"][:2]]
+    mixed = {"conversations": [{"from": "human", "value": turns[0]}, {"role": "assistant", "content": turns[1]}]}
+    with pytest.raises(PrepareError, match=re.escape(
+            "c.jsonl:1: turn 2 is written with 'role'/'content', other turns with 'from'/'value': write every turn "
+            "of a conversation with one pair of keys")):
+        run(tmp_path, "sharegpt", "c.jsonl", jsonl([mixed]))
 
 
 def test_a_reply_left_out_of_a_conversation_is_listed_with_its_start(tmp_path):
