@@ -1528,7 +1528,7 @@ def test_a_misspelt_scheme_and_an_empty_source_path_are_named_in_the_config(tmp_
 
 
 def test_a_damaged_run_folder_is_one_line_naming_the_piece_and_the_command(demo_run, built_run, tmp_path, capsys):
-    """A prepare manifest cut short, a records file emptied since prepare, a build manifest cut short, a
+    """A prepare manifest cut short, a records file edited or emptied since prepare, a build manifest cut short, a
     build missing its dataset info or a shard: `stats`, `build` and `show` name the file and the command
     that makes it again (they raised JSON, TFDS and array_record tracebacks, or blamed prepare)."""
     source, _, _ = demo_run
@@ -1549,12 +1549,21 @@ def test_a_damaged_run_folder_is_one_line_naming_the_piece_and_the_command(demo_
         code, line, _ = said(*command)
         assert code == 2 and f"{manifest}: damaged, not JSON" in line and "run `polyalign prepare` again" in line
     manifest.write_text(text)
+    # a hand edit that keeps the count of records: told by the digest prepare recorded
+    val = run / "data" / "val.jsonl"
+    rows = val.read_text().splitlines()
+    edited = json.loads(rows[0])
+    val.write_text("\n".join([json.dumps({**edited, "response": edited["response"] + " (edited)"}), *rows[1:]]) + "\n")
+    code, _, out = said("stats", str(run))
+    assert code == 0 and "note: the records files are not as prepare wrote them (val.jsonl changed); these " \
+                         "statistics describe them as they are now" in out, out
     (run / "data" / "train.jsonl").write_text("")
     code, line, _ = said("build", str(run), "--tokenizer", str(built / "build"))
     assert code == 2 and "no records in train.jsonl (" in line and "the files changed since" in line, line
     code, _, out = said("stats", str(run))
-    assert code == 0 and "note: the records files hold other counts than prepare wrote: train.jsonl 0 (prepare " \
-                         "wrote" in out
+    written = json.loads(text)["totals"]["by_split"]["train"]
+    assert code == 0 and "note: the records files are not as prepare wrote them (train.jsonl, val.jsonl changed: " \
+                         f"train 0 records (prepare wrote {written}))" in out, out
     # a build's pieces
     copy = tmp_path / "built"
     shutil.copytree(built / "build", copy / "build")

@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from polyalign.core.paths import remove_path
+from polyalign.core.paths import file_digest, remove_path
 from polyalign.core.yaml_config import ConfigError
 
 EXACT_DUPLICATES = "exact_duplicates"
@@ -33,6 +33,23 @@ def file_names(stem: str, num_shards: int) -> list[str]:
 def file_label(stem: str, num_shards: int) -> str:
     """How the manifest and the console name an output: its file, or the pattern of its shards."""
     return f"{stem}.jsonl" if num_shards == 1 else f"{stem}-*-of-{num_shards:05d}.jsonl"
+
+
+def edited_records_files(data_dir: Path, manifest: dict) -> list[str]:
+    """The records files (train, val, test, of either layout) whose bytes are not those prepare wrote, by
+    the manifest's `file_digests`: an edit that keeps the count of records is one too. A manifest
+    without digests has none to tell by."""
+    digests = manifest.get("file_digests")
+    if not isinstance(digests, dict):
+        return []
+    edited = []
+    for name, digest in sorted(digests.items()):
+        shard = _SHARD.match(name)
+        stem = shard["stem"] if shard else name.removesuffix(".jsonl")
+        path = Path(data_dir) / name
+        if stem in ("train", "val", "test") and (not path.is_file() or file_digest(path) != digest):
+            edited.append(name)
+    return edited
 
 
 def recorded_shards(data_dir: Path) -> int | None:

@@ -27,7 +27,7 @@ from polyalign.data.bucketing import (
     prepared_scheme,
     weight_warnings,
 )
-from polyalign.data.layout import prepare_manifest, split_files
+from polyalign.data.layout import edited_records_files, prepare_manifest, split_files
 from polyalign.data.records import SPLITS, Record, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
@@ -82,11 +82,14 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
     manifest, by_split = _load_run(run)
     scheme, scheme_notes = _scheme_of(manifest, run)
     written = (manifest.get("totals") or {}).get("by_split") or {}
-    changed = [f"{split}.jsonl {len(by_split[split])} (prepare wrote {written[split]})" for split in SPLITS
-               if split in written and written[split] != len(by_split[split])]
-    if changed:  # edited or cut since: the report describes the files as they are, which it says
-        scheme_notes.append(f"the records files hold other counts than prepare wrote: {', '.join(changed)}; these "
-                            "statistics describe them as they are now (run `polyalign prepare` again to start over)")
+    counts = [f"{split} {len(by_split[split])} records (prepare wrote {written[split]})" for split in SPLITS
+              if split in written and written[split] != len(by_split[split])]
+    edited = edited_records_files(run / "data", manifest)
+    if counts or edited:  # edited or cut since: the report describes the files as they are, which it says
+        scheme_notes.append(
+            f"the records files are not as prepare wrote them ({', '.join(edited) or 'their counts'} changed"
+            f"{': ' + ', '.join(counts) if counts else ''}); these statistics describe them as they are now (run "
+            "`polyalign prepare` again to start over)")
     records = [r for split in SPLITS for r in by_split[split]]
     train = by_split["train"]
 
