@@ -165,3 +165,27 @@ def test_a_detectability_below_peoples_own_is_said_to_be_no_win():
     assert below_people_text({**detect, "macro_interval": [0.33, 0.42]}) is None
     assert below_people_text({**detect, "status": "skipped"}) is None
     assert below_people_text({**detect, "floor_macro_interval": None}) is None
+
+
+@pytest.mark.parametrize("representation", [dt.CHAR_NGRAMS, dt.HIDDEN_STATES])
+def test_out_of_fold_scores_are_scikit_learns_cross_val_predict_exactly(demo_run, representation):
+    """The folds are fitted by hand (without scikit-learn's per-call argument checks: a third of the time of
+    an evaluation's thousands of small fits): the scores are cross_val_predict's to the last bit, on real
+    answers of both languages and on dense hidden-state-like rows."""
+    from sklearn.model_selection import GroupKFold, cross_val_predict
+
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "val.jsonl")
+    for n in (3, 40, 150):
+        texts = [r.response for r in records[:2 * n]]
+        inputs = (dt._stack(dt.char_ngram_counts(texts[:n]), dt.char_ngram_counts(texts[n:]))
+                  if representation == dt.CHAR_NGRAMS
+                  else np.random.default_rng(n).normal(size=(2 * n, 16)).astype(np.float32))
+        labels = np.r_[np.zeros(n, int), np.ones(n, int)]
+        groups = np.r_[np.arange(n), np.arange(n)]
+        expected = cross_val_predict(dt.REPRESENTATIONS[representation](), inputs, labels, groups=groups,
+                                     cv=GroupKFold(n_splits=min(dt.FOLDS, n)), method="decision_function")
+        assert np.array_equal(dt.out_of_fold_scores(inputs, labels, groups, representation), expected), n
+    assert dt.out_of_fold_scores(inputs[:2], labels[[0, n]], np.array([0, 0]), representation) is None
