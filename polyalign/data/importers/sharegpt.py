@@ -41,12 +41,12 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     messages = list_field(row, "conversations")
     # some exports write OpenAI's keys inside `conversations` (LLaMA-Factory's role_tag/content_tag): read them
     # where no turn has ShareGPT's own
-    keys = ("role", "content") if messages and all(
-        isinstance(m, dict) and "role" in m and "from" not in m for m in messages) else ("from", "value")
-    if mixed := next((i for i, m in enumerate(messages, start=1)
-                      if isinstance(m, dict) and "from" not in m and "role" in m), None):
-        raise RowProblem(f"turn {mixed} is written with 'role'/'content', other turns with 'from'/'value': write "
-                         "every turn of a conversation with one pair of keys")
+    openai_keyed = [i for i, m in enumerate(messages, start=1)
+                    if isinstance(m, dict) and "role" in m and "from" not in m]
+    keys = ("role", "content") if messages and len(openai_keyed) == len(messages) else ("from", "value")
+    if openai_keyed and keys == ("from", "value"):  # two exports' turns in one conversation
+        raise RowProblem(f"turn {openai_keyed[0]} is written with 'role'/'content', other turns with "
+                         "'from'/'value': write every turn of a conversation with one pair of keys")
     turns, notices = message_turns(messages, ROLES, *keys, "turn", location, tool_roles=("tool",),
                                    call_roles=("function_call",))
     turns = [{**turn, "index": k} for k, turn in enumerate(turns)]
