@@ -44,7 +44,7 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     openai_keyed = [i for i, m in enumerate(messages, start=1)
                     if isinstance(m, dict) and "role" in m and "from" not in m]
     keys = ("role", "content") if messages and len(openai_keyed) == len(messages) else ("from", "value")
-    if openai_keyed and keys == ("from", "value"):  # two exports' turns in one conversation
+    if openai_keyed and any(isinstance(m, dict) and "from" in m for m in messages):  # two exports' turns in one
         raise RowProblem(f"turn {openai_keyed[0]} is written with 'role'/'content', other turns with "
                          "'from'/'value': write every turn of a conversation with one pair of keys")
     turns, notices = message_turns(messages, ROLES, *keys, "turn", location, tool_roles=("tool",),
