@@ -134,8 +134,10 @@ def _label_defaults_note(source: dict) -> str | None:
     named = " and ".join(f"{name} {defaults[name]}" for name in defaulted)
     counts = " and ".join(map(str, dict.fromkeys(defaulted.values())))
     keys = " and ".join(f"`{name}:`" for name in defaulted)
+    of = f" of its {source['records']} records" if "records" in source else " of its records"
     return (f"note: source {source['name']!r}: {named} are the {source['format']} format's defaults, taken by "
-            f"{counts} of its records (no row, data config or scheme entry named them); set {keys} on the source "
+            f"{counts}{of} as read, before drops and deduplication (no row, data config or scheme entry named "
+            f"them); set {keys} on the source "
             "where its records are of another kind (docs/data.md: Users' own conversations)")
 
 

@@ -630,7 +630,8 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     # CamRest dialogues, bucketed as assistant chats since nothing named them otherwise: said, with the fix
     assert source["label_defaults"] == {"family": source["records"], "style": source["records"]}
     assert (f"note: source 'mine': family assistant and style assistant_like are the {form} format's defaults, "
-            f"taken by {source['records']} of its records (no row, data config or scheme entry named them); set "
+            f"taken by {source['records']} of its {source['records']} records as read, before drops and deduplication "
+            "(no row, data config or scheme entry named them); set "
             "`family:` and `style:` on the source where its records are of another kind") in printed
     # each dialogue's first reply is single and the later ones multi, read off the conversation: said, with the fix
     opening = sum(len(c) // 2 > 1 for c in conversations)
