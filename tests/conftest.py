@@ -62,6 +62,12 @@ def pytest_configure(config):
     # spreads them (unless --maxschedchunk is given).
     if getattr(config.option, "maxschedchunk", "no xdist") is None:
         config.option.maxschedchunk = 1
+    # One BLAS and OpenMP thread a test process: pytest-xdist already runs a test on every core, and
+    # OpenBLAS's own threads then spin against the other workers' (a TruncatedSVD of turn dynamics ran 17x
+    # slower beside one busy process: 0.66 s against 0.04 s; bench/RESULTS.md). Set before the workers and
+    # subprocesses start, which inherit it; a value the user set is kept.
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
     if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {known_xla_flags(TEST_XLA_FLAGS)}".strip()
     if CACHE_ENV in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
