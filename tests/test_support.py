@@ -220,3 +220,30 @@ def test_the_gap_interval_counts_the_floors_noise_too():
     width = fewer["gap_macro_interval"][1] - fewer["gap_macro_interval"][0]
     assert width > shifted[1] - shifted[0] and fewer["gap_macro_interval"][0] < gap < fewer["gap_macro_interval"][1]
     assert summary(None)["gap_macro_interval"] == pytest.approx(shifted)
+
+
+def test_an_answer_without_a_word_is_human_like_only_where_people_give_one(demo_run):
+    """Short English answers in conversations about a passage (CoQA's, in the demo sample): an empty reply
+    sits inside enough of their feature bands to pass calibrated HCR (a count of 0 is inside many), while
+    no person there replies with nothing: it is not human-like. Where people do give empty answers
+    (unanswerable single-turn English QA), it may be."""
+    from polyalign.data.records import read_records
+    from polyalign.evaluate.run import _feature_matrix, _features
+    from polyalign.features.response import FEATURE_NAMES
+
+    run, _, _ = demo_run
+    train = read_records(run / "data" / "train.jsonl")
+    options = sp.IntervalOptions(draws=50)
+    silent = _feature_matrix(_features(["", "", "……", "。"]))
+    for pool, people_give_none in (("en|multi|qa|short", False), ("en|single|qa|short", True)):
+        answers = [r.response for r in train if r.bucket_id.startswith(pool)]
+        assert any(not a.strip() for a in answers) == people_give_none
+        support = sp.make_support(_feature_matrix(_features(answers)), FEATURE_NAMES, pool, [], None, options)
+        shares = support.inside_share(silent[list(support.indices)])
+        report, _ = sp.measure_bucket(pool, support, silent, np.zeros(4), options)
+        if people_give_none:
+            assert support.could_be_people(silent).all()
+            assert report["hcr"] == pytest.approx(float((shares >= support.threshold).mean()))
+        else:
+            assert (shares[:2] >= support.threshold).all()  # the bands alone would call silence human-like
+            assert not support.could_be_people(silent).any() and report["hcr"] == report["hcr_strict"] == 0.0

@@ -37,6 +37,10 @@ class IntervalOptions:
     min_rows: int = MIN_INTERVAL_ROWS  # fewer test rows: no interval and no gap of the bucket's own
 
 
+# The feature that tells an answer without a word (words, digit runs, CJK characters: features/response.py).
+WORDS_FEATURE = "word_token_count"
+
+
 def signed_w1(values: np.ndarray, masses: np.ndarray) -> np.ndarray:
     """W1 between P and Q that put their mass on the same points `values` (n,), for every row of
     `masses` (D, n) = p - q at once: the integral of |F_P - F_Q|, as scipy.stats.wasserstein_distance
@@ -82,6 +86,9 @@ class Support:
     pool: str  # the bucket itself, or the parent group whose answers stand in for it
     own: tuple[int, ...]  # the bucket's own answers among the pool's (all of them unless backed off)
     bands: str  # "references" (train split) or "pool" (these answers' own q10-q90)
+    # the full table's row of WORDS_FEATURE, where people in the pool never answer without a word: a
+    # wordless answer (empty, or punctuation only) is then never human-like, whatever its other features
+    wordless_unlike_people: int | None = None
 
     @property
     def scale(self) -> np.ndarray:
@@ -91,6 +98,15 @@ class Support:
     def inside_share(self, values: np.ndarray) -> np.ndarray:
         """Per response (columns of `values`), the share of features inside their band."""
         return ((values >= self.low[:, None]) & (values <= self.high[:, None])).mean(axis=0)
+
+    def could_be_people(self, table: np.ndarray) -> np.ndarray:
+        """Per response (columns of `table`, every feature), whether it may count as human-like at all: an
+        answer without a word, where no person in the pool gave one, may not. Bands read an empty answer
+        kindly (a count of 0 sits inside many of them): in a pool of mixed lengths an empty reply passed
+        calibrated HCR while people never reply with nothing."""
+        if self.wordless_unlike_people is None:
+            return np.ones(table.shape[1], bool)
+        return table[self.wordless_unlike_people] > 0
 
 
 def nearest_rank_band(values: np.ndarray, low: float = 0.1, high: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
@@ -110,6 +126,8 @@ def make_support(values: np.ndarray, names: Sequence[str], pool: str, own: Seque
     """The support of a bucket from its human pool `values` (all features x answers): informative
     features, bands from the bucket's train references where it has them (else the pool's own), and
     the calibrated HCR threshold."""
+    words = list(names).index(WORDS_FEATURE) if WORDS_FEATURE in names else None
+    wordless_unlike_people = words if words is not None and bool((values[words] > 0).all()) else None
     chosen = informative_features(values, options.near_constant, options.max_rank_correlation)
     values = values[chosen]
     features = tuple(names[f] for f in chosen)
@@ -120,7 +138,7 @@ def make_support(values: np.ndarray, names: Sequence[str], pool: str, own: Seque
     else:
         low, high = nearest_rank_band(values)
         bands = "pool"
-    support = Support(values, tuple(chosen), features, low, high, 0.0, pool, tuple(own), bands)
+    support = Support(values, tuple(chosen), features, low, high, 0.0, pool, tuple(own), bands, wordless_unlike_people)
     threshold = calibrated_threshold(support.inside_share(values), options.coverage) if features else 0.0
     return dataclasses.replace(support, threshold=threshold)
 
@@ -257,12 +275,13 @@ def _measure_sample(support: Support, generated: np.ndarray, f1: np.ndarray, opt
     distances = feature_distances(support, chosen, masses)
     bng = distances.mean(axis=0)
     shares = support.inside_share(chosen)
-    hcr = masses @ (shares >= support.threshold).astype(float)
+    possible = support.could_be_people(generated)
+    hcr = masses @ ((shares >= support.threshold) & possible).astype(float)
     farthest = np.argsort(-distances[:, 0])[:3]
     report |= {
         "bng": float(bng[0]), "bng_interval": interval(bng[1:], options.level, bng[0]),
         "hcr": float(hcr[0]), "hcr_interval": interval(hcr[1:], options.level, hcr[0]),
-        "hcr_strict": float((shares == 1.0).mean()), "feature_inside": float(shares.mean()),
+        "hcr_strict": float(((shares == 1.0) & possible).mean()), "feature_inside": float(shares.mean()),
         "farthest_features": {support.features[f]: round(float(distances[f, 0]), 4) for f in farthest},
     }
     if one_answer and (found := leave_one_out(support, chosen)) is not None:
