@@ -713,6 +713,17 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_ref"), "--out", str(tmp_path / "cmp")]) == 0
     row = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if "empty answers" in line)
     assert f"; {wordless} of punctuation alone" in row.split("|")[2], row
+    # a model that says nothing, compared: every difference with it is marked, and the note says why
+    _write_predictions(tmp_path / "silent.jsonl", records, lambda r: "")
+    assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "silent.jsonl"),
+                 "--out", str(tmp_path / "eval_silent"), "--bootstrap-draws", "20", "--no-baselines",
+                 "--no-detectability", "--no-progress"]) == 0
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_silent"), "--out", str(tmp_path / "cmp2"),
+                 "--names", "model", "silent"]) == 0
+    said = (tmp_path / "cmp2" / "report.md").read_text()
+    pair = next(line for line in said.splitlines() if line.startswith("| silent - model |"))
+    assert all(cell.strip() in ("—", "") or cell.strip().endswith("§") for cell in pair.split("|")[2:-1]), pair
+    assert "§ a run whose answers mostly hold no word (silent: 200 of 200 answers): its numbers measure silence" in said
     capsys.readouterr()
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval_ref2"), "--compat", "reference", "--no-progress", "--no-diversity"]) == 0

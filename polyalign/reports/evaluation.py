@@ -723,7 +723,8 @@ def _differences(runs: dict[str, dict], allow_different_data: bool) -> tuple[str
                     verdict += f" (other {' and '.join(differs)})"
                 pair[row.name] = {"difference": difference, "verdict": verdict}
                 toward = _toward_people(row, a["metrics"], b["metrics"], x, y) + _few_worded(row, a, b)
-                cells.append("—" if difference is None else f"{difference:+.4f} {verdict}{toward}")
+                silent = " §" if _wordless(a) or _wordless(b) else ""
+                cells.append("—" if difference is None else f"{difference:+.4f} {verdict}{toward}{silent}")
             verdicts[f"{later} - {earlier}"] = pair
             rows.append((f"{later} - {earlier}", *cells))
     html_table, markdown = _table(["runs", *(row.name for row in INTERVAL_ROWS)], rows)
@@ -767,6 +768,21 @@ def _few_worded(row: IntervalRow, a: dict, b: dict) -> str:
     return f", on {first} of {first_total} and {second} of {second_total} answers with a word"
 
 
+# A run of which at least this share of answers hold no word is said to measure silence.
+WORDLESS_SHARE = 0.5
+
+
+def _wordless(run: dict) -> tuple[int, int] | None:
+    """(answers without a word, answers) where at least WORDLESS_SHARE of a run's answers hold no word
+    (empty or punctuation only), else None: its naturalness numbers then measure silence against people,
+    and a BNG below another model's says the other is farther from people, not that this one is near."""
+    evaluated = (run.get("alignment") or {}).get("evaluated")
+    empty = _get(run["metrics"], ("diversity", "overall", "generated_empty"))
+    if not isinstance(evaluated, int) or not isinstance(empty, int) or not evaluated:
+        return None
+    return (empty, evaluated) if empty >= WORDLESS_SHARE * evaluated else None
+
+
 def same_answers(runs: dict[str, dict]) -> list[list[str]]:
     """Groups of runs that evaluated the same predictions (their recorded digests are equal)."""
     groups: dict[str, list[str]] = {}
@@ -808,6 +824,13 @@ def _differences_note(runs: dict[str, dict]) -> str:
         text += (f" † not judged: the macros count buckets with fewer than {rows} test rows ({which}) as fully as "
                  "any other, and their few answers carry no spread of their own, so a macro's interval understates "
                  "its noise; the weighted columns weigh those buckets by their rows.")
+    silent = {name: found for name, r in runs.items() if (found := _wordless(r))}
+    if silent:
+        which = "; ".join(f"{name}: {k} of {n} answers" for name, (k, n) in silent.items())
+        text += (f" § a run whose answers mostly hold no word ({which}): its numbers measure silence against "
+                 "people, and a BNG, HCR or detectability better than another run's there says how far the other "
+                 "is from people, not that this one is near them (each evaluation's report gives the empty "
+                 "answer's own numbers among the answers that need no model).")
     return f"<p>{html.escape(text)}</p>"
 
 
