@@ -1,6 +1,7 @@
 """Sampling with a KV cache against decoding by full recomputation, and `polyalign generate`."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -196,6 +197,15 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert main(["generate", "--checkpoint", str(tmp_path / "cktp"), "--records", str(run / "data" / "test.jsonl"),
                  "--out", str(tmp_path / "x.jsonl"), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip().endswith(f"{tmp_path / 'cktp'}: no such checkpoint folder")
+    # a training run's folder for its model (RUN/config.json is the run's settings): named, with the model
+    trained = tmp_path / "trained"
+    shutil.copytree(tmp_path / "ckpt", trained / "model")
+    (trained / "config.json").write_text(json.dumps({"method": "sft", "init": str(tmp_path / "ckpt")}))
+    assert main(["generate", "--checkpoint", str(trained), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(tmp_path / "x.jsonl"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"{trained} is a training run's folder (its config.json holds the run's settings); its model is "
+        f"{trained / 'model'}")
     # --max-new-tokens auto: each record within its bucket's budget, taken from train.jsonl beside the records
     auto = tmp_path / "auto.jsonl"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),

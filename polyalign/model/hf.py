@@ -100,9 +100,15 @@ def read_hf_config(path: str | os.PathLike) -> dict:
             raise CheckpointError(f"{path}: no such checkpoint folder")
         raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory is expected")
     try:
-        return json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{config_path}: line {err.lineno}: {err.msg}") from None
+    model = as_path(path) / "model"
+    if isinstance(config, dict) and "model_type" not in config and (model / "config.json").is_file():
+        # RUN/config.json is a training run's settings: the natural slip of giving the run for its model
+        raise CheckpointError(f"{path} is a training run's folder (its config.json holds the run's settings); "
+                              f"its model is {model}")
+    return config
 
 
 def _layer_names(cfg: ModelConfig, hf_name: str) -> list[str]:
