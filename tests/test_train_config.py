@@ -533,10 +533,14 @@ def test_adapters_bring_the_methods_lora_learning_rate_unless_one_is_set(method,
             f"default with adapters is {expected:g} (docs/lora.md)") in capsys.readouterr().out
 
 
-def test_print_config_says_the_preset_is_unused_with_an_init(capsys):
-    assert main(["train", "dpo", "--print-config", "init=/models/qwen"]) == 0
+def test_print_config_says_the_preset_is_unused_with_an_init(capsys, tmp_path):
+    (tmp_path / "qwen").mkdir()
+    assert main(["train", "dpo", "--print-config", f"init={tmp_path / 'qwen'}"]) == 0
     out = capsys.readouterr().out
-    assert "# model.preset is not used: the architecture is init's (/models/qwen/config.json)" in out
+    assert f"# model.preset is not used: the architecture is init's ({tmp_path / 'qwen'}/config.json)" in out
+    # a path that is not there is said before the run refuses it (print-config exited 0 without a word)
+    assert main(["train", "dpo", "--print-config", "init=/models/qwen"]) == 0
+    assert "# init=/models/qwen: no such file or folder; the run refuses it" in capsys.readouterr().out
     assert main(["train", "sft", "--print-config"]) == 0
     # the one value a default always chooses from elsewhere: the compute dtype, from the machine
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")] == [

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from polyalign.core.paths import is_uri
 from polyalign.core.yaml_config import (
     ConfigError,
     apply_overrides,
@@ -267,7 +268,10 @@ def derived_notes(config: Any) -> list[str]:
     if getattr(config.model, "dtype", None) == "auto":  # said without starting JAX on a machine others may hold
         notes.append("model.dtype auto computes in bfloat16 on GPU and TPU, float32 on a CPU (the run's first line "
                      "says which); parameters and optimizer state stay float32")
-    if config.init is not None:
+    if config.init is not None and not is_uri(config.init) and not Path(config.init).exists():
+        # said here too: --print-config is how a user checks a command before running it
+        notes.append(f"init={config.init}: no such file or folder; the run refuses it")
+    elif config.init is not None:
         notes.append(f"model.preset is not used: the architecture is init's ({config.init}/config.json)")
     if config.train.epochs is not None:
         notes.append(f"train.steps {config.train.steps} is not used: train.epochs={config.train.epochs} sets the steps "
