@@ -267,6 +267,7 @@ def test_oracle_predictions_score_perfectly(demo_run, tmp_path):
                                       support=run / "data" / "train.jsonl"))
     m = result["metrics"]
     assert m["utility"]["overall"]["em"] == 1.0 and m["utility"]["overall"]["qa_f1"] == 1.0
+    assert m["utility"]["overall"]["em_interval"] == m["utility"]["overall"]["rouge_l_f1_interval"] == [1.0, 1.0]
     # the human answers are the human floor: every bucket measured, each exactly at its floor
     assert len(m["buckets"]) == len({r.bucket_id for r in records}) == m["bng"]["buckets"]
     for bucket, r in m["buckets"].items():
@@ -697,6 +698,12 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert saved["answers"]["empty"] == 40 and saved["answers"]["empty_ids"][0] == records[0].id
     assert saved["answers"]["without_words"] == wordless and saved["answers"]["empty_as_people"] == as_people
+    # ROUGE-L and EM carry intervals, resampled as F1's (they had none: a number with nothing to read it by)
+    utility = saved["metrics"]["utility"]["overall"]
+    for key in ("rouge_l_f1", "em", "qa_f1"):
+        low, high = utility[f"{key}_interval"]
+        assert low <= utility[key] <= high and (high > low or utility[key] in (0.0, 1.0)), key
+    assert utility["rouge_l_f1_interval"][1] > utility["rouge_l_f1_interval"][0]
     overall = saved["metrics"]["diversity"]["overall"]
     assert overall["generated"] == pytest.approx(diversity([a for a in answer.values() if a and a != "，，，"], "cjk"))
     assert overall["human"] == pytest.approx(diversity([r.response for r in records if r.response.strip()], "cjk"))

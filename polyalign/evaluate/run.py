@@ -522,6 +522,12 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
         if (found := report.get("bng_without_one")) is not None:
             report["bng_without_one"] = {"id": joined.records[found["row"]].id, "bng": found["bng"]}
     utility["overall"]["qa_f1_interval"] = measured["summary"]["f1"]["weighted_interval"]
+    # ROUGE-L and EM on the same stratified resamples of the test rows as F1's interval
+    weights = measured["resamples"].weights
+    for key in ("rouge_l_f1", "em"):
+        values = np.array([s[key] for s in scores], float)
+        utility["overall"][f"{key}_interval"] = sp.interval(weights @ values / weights.sum(axis=1), intervals.level,
+                                                             utility["overall"][key])
     utility["macro"] = {"qa_f1": measured["summary"]["f1"]["macro"],
                         "qa_f1_interval": measured["summary"]["f1"]["macro_interval"]}
     reference_rows = {"human": {**{f"{name}_macro{end}": section.get(f"floor_macro{end}") for name, section in

@@ -60,8 +60,9 @@ NUF_ROW = "NUF hypervolume: the area under the naturalness-utility frontier of t
 HCR_MACRO = "HCR macro (higher is more human-like; people's floor is the mark)"
 OVERALL_ROWS = (
     OverallRow("F1 (higher is better)", ("utility", "overall", "qa_f1"), ("utility", "overall", "qa_f1_interval")),
-    OverallRow("ROUGE-L (higher is better)", ("utility", "overall", "rouge_l_f1")),
-    OverallRow("EM (higher is better)", ("utility", "overall", "em")),
+    OverallRow("ROUGE-L (higher is better)", ("utility", "overall", "rouge_l_f1"),
+               ("utility", "overall", "rouge_l_f1_interval")),
+    OverallRow("EM (higher is better)", ("utility", "overall", "em"), ("utility", "overall", "em_interval")),
     _diversity_row("Distinct-2 (higher is more diverse; people's own is the mark)", "distinct_2"),
     _diversity_row("Self-BLEU-4 (lower is more diverse; people's own is the mark)", "self_bleu_4"),
     _macro_row("BNG macro (lower is more human-like)", "bng"),
