@@ -704,3 +704,26 @@ def test_a_turns_build_counts_and_shows_the_system_messages_its_whole_turns_took
     (shown,) = show_examples(tmp_path / "run", ids=left_out[:1])
     assert "left out its opening system message whole (over half of the prompt's share)" in shown
 
+
+
+def test_the_stats_report_quotes_the_opening_system_prompts_it_read(tmp_path):
+    """A team checks its system prompt was read as one: the statistics count the records that open with a
+    system prompt, how many different ones, and quote the most common (it said only "an opening system
+    prompt: 1347")."""
+    from polyalign.reports.stats import compute_stats
+
+    rows = openai_rows()
+    write_jsonl(tmp_path / "chats.jsonl", rows)
+    config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
+    prepare(config, tmp_path / "run", progress=False)
+    stats = compute_stats(tmp_path / "run", progress=False)
+    prompts = stats["counts"]["system_prompts"]
+    opening = {row["messages"][0]["content"] for row in rows}  # every conversation opens with its own
+    assert prompts["records"] == stats["total"] and prompts["distinct"] == len(opening) == len(rows)
+    assert len(prompts["most_common"]) == 3 and all(p["text"] in opening for p in prompts["most_common"])
+    assert sum(p["records"] for p in prompts["most_common"]) <= prompts["records"]
+    top = prompts["most_common"][0]
+    said = (tmp_path / "run" / "stats" / "report.md").read_text(encoding="utf-8")
+    assert (f"- opening system prompts: {prompts['records']} records open with one, {len(rows)} different "
+            f"({top['records']} records: «{top['text']}»") in said
+    assert f"; and {len(rows) - 3} more); build keeps each and adds polyalign's profile prompt" in said

@@ -55,6 +55,30 @@ def _load_run(run: Path) -> tuple[dict[str, Any], dict[str, list[Record]]]:
     return manifest, records
 
 
+SYSTEM_PROMPTS_SHOWN = 3  # the most common opening system prompts the report quotes
+SYSTEM_PROMPT_CHARS = 160  # of each, as many characters
+
+
+def _system_prompts(records: Sequence[Record]) -> dict[str, Any]:
+    """The opening system prompts of the records' conversations (a chat export's own): how many records open
+    with one, how many different ones there are, and the most common, quoted, so that a team sees its prompt
+    was read as a system prompt (and which others came with the data)."""
+    opening = Counter(r.history[0]["text"] for r in records if r.history and r.history[0].get("role") == "system")
+    return {"records": sum(opening.values()), "distinct": len(opening),
+            "most_common": [{"text": text[:SYSTEM_PROMPT_CHARS] + ("…" if len(text) > SYSTEM_PROMPT_CHARS else ""),
+                             "records": n} for text, n in opening.most_common(SYSTEM_PROMPTS_SHOWN)]}
+
+
+def _system_prompt_lines(prompts: dict[str, Any] | None) -> list[str]:
+    if not prompts or not prompts["records"]:
+        return []
+    quoted = "; ".join(f"{p['records']} records: «{p['text']}»" for p in prompts["most_common"])
+    more = prompts["distinct"] - len(prompts["most_common"])
+    return [f"opening system prompts: {prompts['records']} records open with one, {prompts['distinct']} different "
+            f"({quoted}{f'; and {more} more' if more > 0 else ''}); build keeps each and adds polyalign's "
+            "profile prompt after it by default (`build --system`, `--profile`; `polyalign show` renders an example)"]
+
+
 def _nested_counts(records: Sequence[Record], key) -> dict[str, dict[str, int]]:
     counts: dict[str, Counter] = defaultdict(Counter)
     for record in records:
@@ -140,6 +164,7 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
             "empty_responses": sum(1 for r in records if r.response == ""),
             # answers with text but no length unit (v2 counts no accented, Cyrillic, kana or Hangul letter)
             "unmeasured_responses": sum(1 for r in records if r.response and not r.length_tokens),
+            "system_prompts": _system_prompts(records),
         },
         "length_quantiles": length_quantiles,
         "weights": {
@@ -293,6 +318,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         f"train/test near-duplicates: {near.get('pairs', 'off')}"
         + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
         f"quarantined rows: {manifest['quarantine']['rows']}",
+        *_system_prompt_lines(counts.get("system_prompts")),
     ]
     lines += _weight_lines(stats["weights"])
     lines += [f"warning: {warning}" for warning in stats["weights"]["warnings"]]
