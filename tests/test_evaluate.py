@@ -1397,7 +1397,12 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
     from polyalign.cli import main
     from polyalign.data.language import wrong_script
     from polyalign.data.records import read_records
-    from polyalign.reports.reading_notes import one_answer_text, tdm_coverage_text, wrong_script_text
+    from polyalign.reports.reading_notes import (
+        one_answer_text,
+        small_buckets_text,
+        tdm_coverage_text,
+        wrong_script_text,
+    )
 
     run, _, _ = demo_run
     everything = read_records(run / "data" / "test.jsonl")
@@ -1438,6 +1443,14 @@ def test_one_runaway_answer_and_answers_in_the_wrong_language_are_named(demo_run
     assert tdm["left_out"] == {b: n for b, n in sorted(multi.items()) if n < 20} != {}
     assert set(tdm["by_bucket"]) == {b for b, n in multi.items() if n >= 20} != set()
     assert f"note: {tdm_coverage_text(tdm)}\n" in printed.out and "multi-turn buckets" in tdm_coverage_text(tdm)
+    # the macros count buckets too small for an interval: said, naming each with its rows
+    small = {b: n for b, n in sizes.items() if n < bng["min_interval_rows"]}
+    assert sorted(bng["small_buckets"]) == sorted(small) != []
+    note = small_buckets_text(result["metrics"])
+    assert f"note: {note}\n" in printed.out and note.startswith(f"the BNG and HCR macros count {len(small)} of "
+                                                                 f"{len(sizes)} buckets with fewer than")
+    assert all(f"{b} ({n} row" in note for b, n in small.items())
+    assert f"HCR weighted by test rows {result['metrics']['hcr']['overall_weighted']:.4f}" in note
     # people's own answers: no answer makes the macro, and only people's own code-switching is counted
     _write_predictions(tmp_path / "people.jsonl", records, lambda r: r.response)
     assert main(["evaluate", *args[:2], "--predictions", str(tmp_path / "people.jsonl"), *args[4:-1],

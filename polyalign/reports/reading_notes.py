@@ -1,7 +1,7 @@
 """Sentences a reader needs beside an evaluation's numbers, where they hold: one answer that makes much of
-the BNG macro, answers written in another language's script than their conversation's, multi-turn buckets
-TDM leaves out, a detectability below people's own. evaluate prints them, and the evaluation and comparison
-reports write them."""
+the BNG macro, answers written in another language's script than their conversation's, macros that count
+buckets too small for intervals, multi-turn buckets TDM leaves out, a detectability below people's own.
+evaluate prints them, and the evaluation and comparison reports write them."""
 
 from __future__ import annotations
 
@@ -57,6 +57,25 @@ def below_people_text(detect: dict) -> str | None:
             "or retrieved answers); read it as that, not as more human than people")
 
 
+def small_buckets_text(metrics: dict) -> str | None:
+    """Buckets too small for an interval of their own (under min_interval_rows test rows) that the BNG and HCR
+    macros count as fully as any other: their few answers carry no spread, so the macros' intervals
+    understate the noise, and a macro can rest on one answer (a 1-row bucket at HCR 1.0 made a macro of
+    0.1000 [0.100, 0.100] over ten buckets). None where there are none."""
+    bng, hcr = metrics.get("bng") or {}, metrics.get("hcr") or {}
+    small = sorted(set(bng.get("small_buckets") or []) | set(hcr.get("small_buckets") or []))
+    if not small or bng.get("overall_macro") is None:
+        return None
+    rows = {b: (metrics.get("buckets") or {}).get(b, {}).get("rows") for b in small}
+    weighted = "; ".join(f"{name} weighted by test rows {section['overall_weighted']:.4f}"
+                         for name, section in (("BNG", bng), ("HCR", hcr))
+                         if isinstance(section.get("overall_weighted"), float))
+    return (f"the BNG and HCR macros count {len(small)} of {bng.get('buckets', len(small))} buckets with fewer than "
+            f"{bng.get('min_interval_rows')} test rows ({', '.join(f'{b} ({_rows(n)})' for b, n in rows.items())}) as "
+            "fully as any other, and their few answers carry no spread of their own: the macros' intervals "
+            "understate the noise" + (f" ({weighted}, which weigh those buckets by their rows)" if weighted else ""))
+
+
 def notes_for_reader(result: dict) -> list[tuple[str, bool]]:
     """What a reader needs beside an evaluation's numbers (metrics.json as `result`), as sentences, each with
     whether it warns (an answer or a number to distrust) or informs (what a number covers)."""
@@ -67,6 +86,7 @@ def notes_for_reader(result: dict) -> list[tuple[str, bool]]:
         # as many as people's own (code-switching in the data) informs; more warns
         (wrong_script_text(wrong), wrong.get("answers", 0) > wrong.get("people", 0)),
         (below_people_text(result["metrics"].get("detectability") or {}), True),
+        (small_buckets_text(result["metrics"]), False),
         (tdm_coverage_text(result["metrics"].get("tdm") or {}), False)) if text]
 
 
