@@ -1270,6 +1270,25 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
     assert "Thread 0x" in output or "Current thread" in output  # the stacks
 
 
+def test_a_two_process_job_into_a_folder_another_job_writes_stops_every_process_with_one_line(built_run, tmp_path):
+    """OUT's lock held by another live process (this test's own, standing in for a running job): process 0
+    refuses, and process 1 stops with the same line instead of going on into a collective and an Orbax
+    traceback (it took the lock on process 0 only)."""
+    import socket
+
+    run, _ = built_run
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / ".polyalign.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    workers = start_two_processes(run, out)
+    outputs = [w.communicate()[0] for w in workers]
+    for index, (worker, output) in enumerate(zip(workers, outputs)):
+        assert worker.returncode == 2, (index, output[-3000:])
+        assert "Traceback" not in output and f"another polyalign process (pid {os.getpid()}" in output, output[-3000:]
+    assert "(process 0 refused it; this process stops with it)" in outputs[1]
+    assert not (out / "checkpoints").exists()
+
+
 def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsys, monkeypatch):
     """Another config into the same OUT is refused with the differing keys named; changed resumable
     keys need existing="resume" (--resume); --overwrite starts over; OUT may not be an input. The same

@@ -2,6 +2,7 @@
 detection and the peer monitor."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -328,9 +329,35 @@ def test_a_process_whose_peers_never_join_says_what_it_waits_for_and_ends_with_o
         f"polyalign: process {process_id} of 2 is waiting for the job's other processes to join at {address} "
         f"(up to 6 s, POLYALIGN_JOIN_TIMEOUT): {start}",
         f"polyalign: error: process {process_id} of 2: the job's processes did not all join at {address} within "
-        f"6 s; {start} (a firewall between the hosts, or a coordinator address the others cannot reach, looks "
-        "the same)"], done.stderr[-2000:]
+        f"6 s; {start} (a firewall between the hosts, a coordinator address the others cannot reach, a coordinator "
+        "that could not start, e.g. its port in use, and two processes given one POLYALIGN_PROCESS_ID look the "
+        "same)"], done.stderr[-2000:]
     assert "Check failure" not in done.stderr
+
+
+def test_a_coordinator_port_in_use_is_one_line_before_any_join(fresh_start, monkeypatch):
+    """A stale job's server on the coordinator's port: process 0 and the launcher say so in one line (JAX's
+    RPC server failed with a traceback, or a segfault, while the other process waited out the join)."""
+    import socket
+
+    from polyalign.core.errors import LaunchError, ParallelError
+    from polyalign.mesh import parallel
+    from polyalign.mesh.launch import run_local
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("POLYALIGN_COORDINATOR", f"127.0.0.1:{port}")
+        monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "2")
+        monkeypatch.setenv("POLYALIGN_PROCESS_ID", "0")
+        with pytest.raises(ParallelError, match=re.escape(
+                f"POLYALIGN_COORDINATOR=127.0.0.1:{port}: port {port} is in use on this host (another job's "
+                "coordinator, or any server); give the job another port")):
+            parallel.initialize_distributed()
+        with pytest.raises(LaunchError, match=re.escape(f"--port {port}: port {port} is in use on this host")):
+            run_local(["true"], 2, port=port)
+    assert not parallel.port_in_use(port)  # closed: free again
 
 
 @pytest.mark.parametrize("processes, process_id", [("2", "2"), ("2", "-1"), ("4", "7"), ("0", "0")])

@@ -72,6 +72,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int) -> bool:
+    """Whether a server already listens on `port` on this host, where a job's coordinator would bind it on
+    every interface: JAX's RPC server then fails to start, with a traceback or a segfault, and its peers
+    wait out the join timeout. SO_REUSEADDR, as the coordinator's server sets it, so that a port a
+    finished job left in TIME_WAIT is not taken for one in use."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def port_in_use_message(port: int, where: str) -> str:
+    return (f"{where}: port {port} is in use on this host (another job's coordinator, or any server); give the job "
+            "another port (`polyalign launch --port`, or the same POLYALIGN_COORDINATOR=host:PORT on every host)")
+
+
 HOST_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -114,6 +133,8 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     if cpu_devices is not None and cpu_devices < 1:
         raise LaunchError(f"--cpu-devices must be at least 1, got {cpu_devices}")
     require_program(command[0])
+    if port and port_in_use(port):
+        raise LaunchError(port_in_use_message(port, f"--port {port}"))
     port = port or free_port()
     # A survivor blocked in a collective with a dead peer cannot run a signal handler, but its peer
     # monitor (a thread) reads this folder every second: a notice there names the process that ended,

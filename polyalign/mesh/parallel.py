@@ -7,12 +7,13 @@ model definition runs unsharded on a laptop, over data/fsdp/tensor on a GPU node
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -22,8 +23,9 @@ from flax.core import spmd as flax_spmd
 from jax._src import clusters, distributed
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from polyalign.core.errors import ParallelError
-from polyalign.mesh.launch import NOTICES_ENV
+from polyalign.core.errors import ParallelError, PolyalignError
+from polyalign.core.yaml_config import ConfigError
+from polyalign.mesh.launch import NOTICES_ENV, port_in_use, port_in_use_message
 from polyalign.mesh.shape import ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -317,6 +319,37 @@ def _launcher_notices(folder: str | None) -> dict[int, str]:
         return {}
 
 
+_decisions = 0  # how many refusal_shared blocks this process has passed: every process passes them in order
+DECISION_WAIT = 600  # seconds the others wait for process 0's outcome (it takes a lock and reads a folder)
+
+
+@contextlib.contextmanager
+def refusal_shared(what: str) -> Iterator[None]:
+    """A block that only process 0 runs for real (taking OUT's lock), whose refusal every process of the
+    job raises alike: process 0 publishes its outcome in the coordination service, the others wait for it.
+    A second job writing into a running job's folder was refused on process 0 while process 1 went on
+    into its first collective and ended with an Orbax traceback."""
+    global _decisions
+    client = distributed.global_state.client
+    if jax.process_count() == 1 or client is None:
+        yield
+        return
+    _decisions += 1
+    key = f"polyalign/refusal/{_decisions}-{what}"
+    if jax.process_index() == 0:
+        try:
+            yield
+        except PolyalignError as error:
+            client.key_value_set(key, f"refused\n{error}")
+            raise
+        client.key_value_set(key, "ok")
+        return
+    yield
+    said = client.blocking_key_value_get(key, DECISION_WAIT * 1000)
+    if said != "ok":
+        raise ConfigError(said.partition("\n")[2] + " (process 0 refused it; this process stops with it)")
+
+
 JOIN_TIMEOUT = 120  # seconds the processes of a job started by POLYALIGN_COORDINATOR have to join
 DETECTED_JOIN_TIMEOUT = 300  # JAX's own default, kept for clusters it detects (TPU VMs, SLURM, GKE)
 JOIN_WAIT_NOTICE = 15  # seconds of waiting before a process says what it waits for
@@ -364,7 +397,8 @@ def _watch_join(joined: threading.Event, decided: threading.Lock, timeout: int, 
         if joined.is_set():  # the join completed while this thread woke
             return
         print(f"polyalign: error: {who}: the job's processes did not all join{where} within {timeout} s; {start} "
-              "(a firewall between the hosts, or a coordinator address the others cannot reach, looks the same)",
+              "(a firewall between the hosts, a coordinator address the others cannot reach, a coordinator that could "
+              "not start, e.g. its port in use, and two processes given one POLYALIGN_PROCESS_ID look the same)",
               file=sys.stderr, flush=True)
         os._exit(2)  # the main thread is inside JAX's C++ join, which no exception reaches
 
@@ -395,6 +429,9 @@ def initialize_distributed() -> None:
                                 f"each process's id is one of 0 to {expected - 1}, different on every host"
                                 if expected >= 1 else
                                 f"POLYALIGN_NUM_PROCESSES={expected} must be at least 1")
+        port = coordinator.rpartition(":")[2]
+        if expected > 1 and process_id == 0 and port.isdigit() and port_in_use(int(port)):
+            raise ParallelError(port_in_use_message(int(port), f"POLYALIGN_COORDINATOR={coordinator}"))
         _distributed_started = True
         if expected > 1:
             _initialize(JOIN_TIMEOUT, coordinator_address=coordinator, num_processes=expected,

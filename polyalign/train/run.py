@@ -208,8 +208,10 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
         if local:
             ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
                             remove=jax.process_index() == 0, contents=contents)
-        lock = OutputLock(out) if local and jax.process_index() == 0 else contextlib.nullcontext()
-        with lock:
+        with contextlib.ExitStack() as held:
+            with parallel.refusal_shared("output lock"):  # process 0 holds the lock; a refusal stops every process
+                if local and jax.process_index() == 0:
+                    held.enter_context(OutputLock(out))
             return _train(config, out, progress, contents)
 
 
