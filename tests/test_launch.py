@@ -196,6 +196,26 @@ def test_the_peer_monitor_asks_once_per_beat_and_names_the_silent_peer(monkeypat
     assert reported[0] == ([2], "no sign of life for 0.25 s")
 
 
+def test_a_lost_coordinator_is_named_where_jax_aborts_the_others(capfd):
+    """Process 0 dies (SIGKILL) and JAX's distributed client aborts process 1 (SIGABRT, its own C++ log,
+    no word of polyalign's: jaxlib takes no Python callback for it): the launcher says what the abort is and
+    that the same command resumes."""
+    import sys
+
+    from polyalign.mesh.launch import run_local
+
+    program = ("import os, signal, time\n"
+               "if os.environ['POLYALIGN_PROCESS_ID'] == '0':\n"
+               "    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(1.5); os.kill(os.getpid(), signal.SIGABRT)\n")
+    assert run_local([sys.executable, "-c", program], nproc=2, cpu_devices=1) == 137
+    err = capfd.readouterr().err
+    assert "polyalign launch: process 0 was killed by SIGKILL; stopping the other 1" in err
+    assert ("polyalign launch: process 1 was aborted by JAX's distributed client, as every process is when the "
+            "coordinator (process 0) is lost (docs/tpu.md); the committed checkpoints are intact, and this same "
+            "command resumes from the last one") in err
+
+
 def test_a_process_killed_under_the_launcher_is_named_and_the_others_are_stopped(capfd):
     """Process 1 of 3 dies by SIGKILL (a crashed host): the launcher says which and how, stops the two
     others at once instead of leaving them to wait, and exits 137 as a shell would."""

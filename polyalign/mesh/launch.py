@@ -159,7 +159,7 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     try:
         # After a failure the others read its notice and stop by themselves; one that does not (not
         # training yet, or past hearing it) gets SIGTERM after a grace, then SIGKILL after another.
-        code, deadlines = 0, []
+        code, deadlines, first = 0, [], None
         remaining = list(processes)
         while remaining:
             for p in list(remaining):
@@ -170,7 +170,14 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
                 remaining.remove(p)
                 if result != 0:
                     Path(notices, f"gone-{processes.index(p)}").write_text(ended(result))
+                if result == -signal.SIGABRT and first == 0:
+                    # the peers cannot say it themselves: JAX's client aborts them when the coordinator is gone
+                    print(f"polyalign launch: process {processes.index(p)} was aborted by JAX's distributed client, "
+                          "as every process is when the coordinator (process 0) is lost (docs/tpu.md); the "
+                          "committed checkpoints are intact, and this same command resumes from the last one",
+                          file=sys.stderr, flush=True)
                 if result != 0 and code == 0:
+                    first = processes.index(p)
                     code = result if result > 0 else 128 - result  # a signal: the shell's 128 + N
                     print(f"polyalign launch: process {processes.index(p)} {ended(result)}; stopping the other "
                           f"{len(remaining)} (each says where it stopped; a line they print alike is shown once)",
