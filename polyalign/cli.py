@@ -591,10 +591,13 @@ def _run_train(args) -> int:
         for note in [*([renamed] if renamed else []), *derived_notes(config), *unread]:  # comments: it reads back
             print(f"# {note}")
         return 0
-    if renamed:
-        print(renamed, file=sys.stderr)
-    for note in unread:
-        print(f"note: {note}", file=sys.stderr)
+    # every process of a job reads the same command: its notes are said once, by process 0 (a launched
+    # job's stderr is each process's own, so `launch` cannot fold them into one)
+    if os.environ.get("POLYALIGN_PROCESS_ID", "0").strip() in ("", "0"):
+        for note in [renamed] if renamed else []:
+            print(note, file=sys.stderr)
+        for note in unread:
+            print(f"note: {note}", file=sys.stderr)
     if args.out is None:
         args.parser.error("--out is required (or --print-config)")
     import jax  # heavy: kept out of --help

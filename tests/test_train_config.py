@@ -243,7 +243,7 @@ def test_print_config_says_which_keys_are_hdpos(capsys):
                          "true") == said, (method, overrides)
 
 
-def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_losses(capsys):
+def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_losses(capsys, monkeypatch):
     """Each loss setting of the preference family set for every method: said as not read exactly where changing it
     leaves the method's pair loss unchanged (computed here from polyalign.train.losses on real-sized log-probs);
     on-policy and adapter settings are said where there are no rounds or no adapters, in --print-config and when
@@ -282,6 +282,10 @@ def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_l
     assert main(["train", "orpo", "--out", "/nonexistent/out", "simpo_gamma=2"]) == 2
     assert "note: simpo_gamma=2.0 is set, but this orpo run does not read it (it is for simpo)" in \
         capsys.readouterr().err
+    # by process 0 of a job alone: every process reads the same command, and launch showed each note twice
+    monkeypatch.setenv("POLYALIGN_PROCESS_ID", "1")
+    assert main(["train", "orpo", "--out", "/nonexistent/out", "simpo_gamma=2"]) == 2
+    assert "simpo_gamma" not in capsys.readouterr().err
 
 
 def test_overrides_may_come_before_between_and_after_options(capsys):
