@@ -147,7 +147,7 @@ def _unread_keys_note(source: dict) -> str | None:
     unread = source.get("unread_keys") or {}
     if not unread:
         return None
-    said = ", ".join(f"{key} ({n} row{'s' * (n != 1)})" for key, n in unread.items())
+    said = ", ".join(f"{key} ({counted(n, 'row')})" for key, n in unread.items())
     return (f"note: source {source['name']!r}: keys the {source['format']} format does not read, left unread: {said}; "
             "a misspelt key is one of them (docs/data.md lists each format's keys)")
 
@@ -188,10 +188,10 @@ def _run_prepare(args) -> int:
               f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
     quarantine = manifest["quarantine"]
     if quarantine["rows"]:  # the file, or a Beam run's shards, as the manifest names them
-        print(f"quarantined {quarantine['rows']} row{'s' * (quarantine['rows'] != 1)} -> "
+        print(f"quarantined {counted(quarantine['rows'], 'row')} -> "
               f"{args.out / 'data' / quarantine['file']}")
     if dropped := manifest["dropped_rows"]["rows"]:
-        print(f"{dropped} row{'s' * (dropped != 1)} left out as they were read, each with its reason -> "
+        print(f"{counted(dropped, 'row')} left out as they were read, each with its reason -> "
               f"{args.out / 'data' / manifest['dropped_rows']['file']}")
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
@@ -594,8 +594,8 @@ def _run_train(args) -> int:
     # every process of a job reads the same command: its notes are said once, by process 0 (a launched
     # job's stderr is each process's own, so `launch` cannot fold them into one)
     if os.environ.get("POLYALIGN_PROCESS_ID", "0").strip() in ("", "0"):
-        for note in [renamed] if renamed else []:
-            print(note, file=sys.stderr)
+        if renamed:
+            print(renamed, file=sys.stderr)
         for note in unread:
             print(f"note: {note}", file=sys.stderr)
     if args.out is None:
@@ -1176,11 +1176,11 @@ def _run_evaluate(args) -> int:
         said.append("partial: the ids with one answer" + (f"; {', '.join(left)}" if left else ""))
     if alignment.get("identical_copies"):
         n = alignment["identical_copies"]
-        said.append(f"{n} id{'s' * (n != 1)} given twice or more with the same answer, kept once")
+        said.append(f"{counted(n, 'id')} given twice or more with the same answer, kept once")
     as_people = answers.get("empty_as_people", 0)
     where = f" ({as_people} where people's answer is empty too)" if as_people else ""
-    unworded = [f"{empty} empty answer{'s' * (empty != 1)}{where}"] * bool(empty) + [
-        f"{wordless} answer{'s' * (wordless != 1)} without a word (punctuation only)"] * bool(wordless)
+    unworded = [f"{counted(empty, 'empty answer')}{where}"] * bool(empty) + [
+        f"{counted(wordless, 'answer')} without a word (punctuation only)"] * bool(wordless)
     if unworded:
         said.append(f"{' and '.join(unworded)}, {kept}")
     of = f" of {alignment['records']}" if alignment.get("partial") else ""
@@ -1225,8 +1225,7 @@ def _hidden_states_line(hidden: dict) -> str | None:
     floor = "" if hidden.get("floor_macro") is None else (
         f", against a human floor of {hidden['floor_macro']:.4f}{_bracket(hidden.get('floor_macro_interval'), ' ')}")
     return (f"detectability on the featurizer's hidden states: {hidden['overall_macro']:.4f}"
-            f"{_bracket(hidden.get('macro_interval'), ' ')} over {hidden['buckets']} "
-            f"bucket{'s' * (hidden['buckets'] != 1)}{floor}")
+            f"{_bracket(hidden.get('macro_interval'), ' ')} over {counted(hidden['buckets'], 'bucket')}{floor}")
 
 
 # the aggregate's parts as METHOD names them, each on [0, 1] with higher better

@@ -25,6 +25,7 @@ from polyalign.core.native_stderr import captured_stderr_lines
 from polyalign.core.outputs import other_stages_folder, read_record, same_path, sidecar, stage_output
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
+from polyalign.core.wording import counted
 from polyalign.data.language import wrong_script
 from polyalign.data.records import read_records
 from polyalign.evaluate import detectability as dt
@@ -869,7 +870,7 @@ def _diversity(human: list[str], generated: list[str], tokenize: str,
         section[f"{side}_empty"] = len(texts) - len(worded)
         if len(kept) < 2:
             section[side] = {key: None for key in DIVERSITY_KEYS}
-            section[f"{side}_reason"] = (f"undefined: {len(kept)} answer{'s' * (len(kept) != 1)} with a word "
+            section[f"{side}_reason"] = (f"undefined: {counted(len(kept), 'answer')} with a word "
                                          "(needs 2)")
             if intervals is not None:
                 section[f"{side}_interval"] = {key: None for key in DIVERSITY_KEYS}

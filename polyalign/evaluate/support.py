@@ -22,6 +22,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from polyalign.core.scores import MIN_INTERVAL_ROWS
+from polyalign.core.wording import counted
 from polyalign.data.bucketing import parent_groups
 
 
@@ -318,7 +319,7 @@ def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.
     if report["rows"] < options.min_rows:
         report |= {key: None for key in ("bng_interval", "hcr_interval", "f1_interval", "bng_floor_interval",
                                          "hcr_floor_interval", "bng_gap")}
-        report["too_small"] = (f"{report['rows']} test row{'s' * (report['rows'] != 1)}, fewer than "
+        report["too_small"] = (f"{counted(report['rows'], 'test row')}, fewer than "
                                f"{options.min_rows}: no interval or gap")
     # HCR counts answers inside people's bands, so answers that all sit at the typical values (an LLM's
     # mode-seeking style, one answer repeated) pass more often than people themselves: above the floor

@@ -35,6 +35,7 @@ from typing import Any
 
 from polyalign.core.outputs import OutputLock, check_output, sidecar, stage_output, write_record
 from polyalign.core.paths import file_digest
+from polyalign.core.wording import counted
 from polyalign.data.bucketing import load_scheme
 from polyalign.data.importers.reading import (
     content_text,
@@ -308,7 +309,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
         if not pairs:  # as prepare refuses to keep nothing: an empty file trains nothing, silently
             read = tally.read
             why = ", ".join(f"{reason} {n}" for reason, n in dropped.items())
-            raise InputError(f"{input_path}: " + (f"no pair kept of {read} row{'s' * (read != 1)} ({why})" if read
+            raise InputError(f"{input_path}: " + (f"no pair kept of {counted(read, 'row')} ({why})" if read
                                                  else "holds no rows") + f"; nothing written to {out}")
         split = write_pair_split(pairs, out, val_out, val_fraction, seed)
         if not sink.count:

@@ -751,19 +751,23 @@ def _toward_people(row: IntervalRow, a: dict, b: dict, x: float | None, y: float
 FEW_WORDED_SHARE = 0.75
 
 
+def _worded(run: dict) -> tuple[int, int] | None:
+    """(answers with a word, answers) of a run, as its alignment and diversity section count them (empty
+    and punctuation-only answers hold none); None where either is not recorded."""
+    evaluated = (run.get("alignment") or {}).get("evaluated")
+    empty = _get(run["metrics"], ("diversity", "overall", "generated_empty"))
+    if not isinstance(evaluated, int) or not isinstance(empty, int) or not evaluated:
+        return None
+    return evaluated - empty, evaluated
+
+
 def _few_worded(row: IntervalRow, a: dict, b: dict) -> str:
     """For a diversity number: on how many answers with a word each run measured it, where either kept
     fewer than FEW_WORDED_SHARE of its answers (empty and punctuation-only ones are left out)."""
     if row.people is None:
         return ""
-    kept = []
-    for run in (a, b):
-        evaluated = (run.get("alignment") or {}).get("evaluated")
-        empty = _get(run["metrics"], ("diversity", "overall", "generated_empty"))
-        if not isinstance(evaluated, int) or not isinstance(empty, int) or not evaluated:
-            return ""
-        kept.append((evaluated - empty, evaluated))
-    if all(worded >= FEW_WORDED_SHARE * total for worded, total in kept):
+    kept = [_worded(a), _worded(b)]
+    if None in kept or all(worded >= FEW_WORDED_SHARE * total for worded, total in kept):
         return ""
     (first, first_total), (second, second_total) = kept
     return f", on {first} of {first_total} and {second} of {second_total} answers with a word"
@@ -777,11 +781,10 @@ def _wordless(run: dict) -> tuple[int, int] | None:
     """(answers without a word, answers) where at least WORDLESS_SHARE of a run's answers hold no word
     (empty or punctuation only), else None: its naturalness numbers then measure silence against people,
     and a BNG below another model's says the other is farther from people, not that this one is near."""
-    evaluated = (run.get("alignment") or {}).get("evaluated")
-    empty = _get(run["metrics"], ("diversity", "overall", "generated_empty"))
-    if not isinstance(evaluated, int) or not isinstance(empty, int) or not evaluated:
+    if (counts := _worded(run)) is None:
         return None
-    return (empty, evaluated) if empty >= WORDLESS_SHARE * evaluated else None
+    worded, evaluated = counts
+    return (evaluated - worded, evaluated) if evaluated - worded >= WORDLESS_SHARE * evaluated else None
 
 
 def same_answers(runs: dict[str, dict]) -> list[list[str]]:

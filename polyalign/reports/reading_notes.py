@@ -6,6 +6,7 @@ evaluate prints them, and the evaluation and comparison reports write them."""
 from __future__ import annotations
 
 from polyalign.core.scores import interval_text
+from polyalign.core.wording import counted
 from polyalign.data.language import SCRIPT_WORDS
 
 
@@ -39,8 +40,9 @@ def tdm_coverage_text(tdm: dict) -> str | None:
         return None
     measured = tdm["by_bucket"]
     rows = sum(b["rows"] for b in measured.values())
+    listed = ", ".join(f"{b} ({counted(n, 'row')})" for b, n in left.items())
     return (f"TDM is over {len(measured)} of {len(measured) + len(left)} multi-turn buckets ({rows} of {tdm['rows']} "
-            f"rows): {', '.join(f'{b} ({_rows(n)})' for b, n in left.items())} "
+            f"rows): {listed} "
             f"{'is' if len(left) == 1 else 'are'} under {tdm['min_bucket_rows']} rows and left out")
 
 
@@ -70,8 +72,9 @@ def small_buckets_text(metrics: dict) -> str | None:
     weighted = "; ".join(f"{name} weighted by test rows {section['overall_weighted']:.4f}"
                          for name, section in (("BNG", bng), ("HCR", hcr))
                          if isinstance(section.get("overall_weighted"), float))
+    listed = ", ".join(f"{b} ({counted(n, 'row')})" for b, n in rows.items())
     return (f"the BNG and HCR macros count {len(small)} of {bng.get('buckets', len(small))} buckets with fewer than "
-            f"{bng.get('min_interval_rows')} test rows ({', '.join(f'{b} ({_rows(n)})' for b, n in rows.items())}) as "
+            f"{bng.get('min_interval_rows')} test rows ({listed}) as "
             "fully as any other, and their few answers carry no spread of their own: the macros' intervals "
             "understate the noise" + (f" ({weighted}, which weigh those buckets by their rows)" if weighted else ""))
 
@@ -89,6 +92,3 @@ def notes_for_reader(result: dict) -> list[tuple[str, bool]]:
         (small_buckets_text(result["metrics"]), False),
         (tdm_coverage_text(result["metrics"].get("tdm") or {}), False)) if text]
 
-
-def _rows(n: int) -> str:
-    return f"{n} row" if n == 1 else f"{n} rows"

@@ -44,6 +44,10 @@ def training_texts(records, system_prompts: bool = False) -> Iterable[str]:
 
 
 REPORT = "tokenizer_report.json"
+# What training writes into OUT; a folder holding one of these that polyalign did not make is not replaced.
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", REPORT)
+# SentencePiece needs room for its control pieces, the chat template's specials and the byte fallback.
+MIN_VOCAB_SIZE = 300
 
 
 def read_report(folder) -> dict | None:
@@ -54,10 +58,6 @@ def read_report(folder) -> dict | None:
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) else None
-# What training writes into OUT; a folder holding one of these that polyalign did not make is not replaced.
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", REPORT)
-# SentencePiece needs room for its control pieces, the chat template's specials and the byte fallback.
-MIN_VOCAB_SIZE = 300
 
 
 def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,

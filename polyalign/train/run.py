@@ -323,7 +323,7 @@ def start_line(config, loop: LoopConfig, mesh, out: Path, resume_at: int | None 
     start = f"from {init}" if init else f"from scratch (model.preset {config.model.preset})"
     if resume_at:
         start = f"resuming at step {resume_at} (OUT/checkpoints) of a run that started {start}"
-    return (f"polyalign: training {config.method} for {loop.steps} step{'s' * (loop.steps != 1)}, global batch "
+    return (f"polyalign: training {config.method} for {counted(loop.steps, 'step')}, global batch "
             f"{loop.global_batch} in "
             f"{micro}, on {counted(mesh.devices.size, jax.default_backend() + ' device')} "
             f"({layout}), computing in {compute_dtype(config.model.dtype)}; {schedule}; {trained}{start} -> {out}")
