@@ -10,6 +10,7 @@ import argparse
 import difflib
 import errno
 import os
+import signal
 import sys
 import textwrap
 from collections import Counter
@@ -24,6 +25,7 @@ from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
 from polyalign.core.wording import counted
 from polyalign.demo import STAGES, parse_stages, run_demo
+from polyalign.mesh import supervisor
 from polyalign.mesh.launch import (
     DEFAULT_PORT,
     main_command,
@@ -1562,7 +1564,15 @@ def entry() -> None:
     """The `polyalign` program: `main`'s status as the process's. A command stopped by SIGTERM or Ctrl-C ends at
     once after its line (os._exit; its outputs were closed as main returned), as the signal's default would have
     ended it: stopped while JAX's backend was starting or its threads were running, the interpreter's shutdown
-    can crash in a native library (status 139: `generate` stopped by Ctrl-C once in nine tries)."""
+    can crash in a native library (status 139: `generate` stopped by Ctrl-C once in nine tries).
+    Training started as one of several processes runs as a child of a parent that names a lost coordinator
+    (polyalign/mesh/supervisor.py)."""
+    if supervisor.wanted(sys.argv[1:], os.environ):
+        code = supervisor.run_as_parent(sys.argv[1:])
+        if code < 0:  # the child ended by a signal: so does this process, for the shell or the launcher to see
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        sys.exit(code)
     code = main()
     if code in (TERMINATED, INTERRUPTED):
         sys.stdout.flush()

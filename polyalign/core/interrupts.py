@@ -29,6 +29,11 @@ def _on_sigint(signum, frame) -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
+    # One stop, however many times it is asked for: a scheduler signalling every process of a job step
+    # reaches a training process both directly and through its parent (mesh/supervisor.py), and a second
+    # Terminated raised while the first unwinds would end the command with a traceback.
+    if _requested[signal.SIGTERM].is_set():
+        return
     _requested[signal.SIGTERM].set()
     raise Terminated
 

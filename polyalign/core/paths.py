@@ -88,3 +88,12 @@ def changed_since(base: str | os.PathLike, made_from: dict[str, str | None]) -> 
         if path.is_file() and (digest is None or file_digest(path) != digest):
             changed.append(name)
     return changed
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps whose checkpoint is complete on disk in `directory` (a folder named by its step alone; a write
+    in progress or cut short has another name), read from the folder: nothing is created or opened."""
+    try:
+        return sorted(int(p.name) for p in as_path(directory).iterdir() if p.name.isdigit())
+    except OSError:
+        return []

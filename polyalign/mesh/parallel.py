@@ -27,6 +27,7 @@ from polyalign.core.errors import ParallelError, PolyalignError
 from polyalign.core.yaml_config import ConfigError
 from polyalign.mesh.launch import NOTICES_ENV, port_in_use, port_in_use_message
 from polyalign.mesh.shape import ParallelConfig
+from polyalign.mesh.supervisor import PEER_LOST_EXIT, tell_parent
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -224,7 +225,6 @@ def _int_env(name: str) -> int | None:
 # What a process prints when the coordination service reports a peer gone (polyalign/train/run.py
 # sets it to name the last committed checkpoint and the command that resumes): lost ids -> one line.
 peer_lost_report = None
-PEER_LOST_EXIT = 4
 
 
 def report_peer_lost(lost: list[int], cause: str) -> None:
@@ -443,6 +443,9 @@ def initialize_distributed() -> None:
         if (detected or 0) > 1 or (expected or 0) > 1:
             _initialize(DETECTED_JOIN_TIMEOUT)
     check_processes(expected, _int_env("POLYALIGN_NUM_DEVICES"))
+    if jax.process_count() > 1:  # what the parent needs to name a lost coordinator (mesh/supervisor.py)
+        tell_parent(process=jax.process_index(), processes=jax.process_count(),
+                    coordinator=distributed.global_state.coordinator_address)
 
 
 def check_processes(expected_processes: int | None, expected_devices: int | None = None) -> None:

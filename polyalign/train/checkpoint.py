@@ -14,16 +14,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from polyalign.core.errors import CheckpointError
-from polyalign.core.paths import as_path
-
-
-def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps whose checkpoint is complete on disk in `directory` (a folder named by its step alone; a write
-    in progress or cut short has another name), read from the folder: nothing is created or opened."""
-    try:
-        return sorted(int(p.name) for p in as_path(directory).iterdir() if p.name.isdigit())
-    except OSError:
-        return []
+from polyalign.core.paths import as_path, committed_steps
 
 
 def restore_data_state(folder, data_iterator) -> None:

@@ -13,8 +13,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +29,7 @@ from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
 from polyalign.mesh import parallel
-from polyalign.mesh.launch import LAUNCH_COMMAND_ENV
+from polyalign.mesh.supervisor import lost_peer_line, resume_command, tell_parent
 from polyalign.mesh.watchdog import Watchdog, resolve_timeout
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
@@ -238,6 +236,8 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
         checkpointer = Checkpointer(out / "checkpoints", loop.checkpoint_every, loop.keep_checkpoints,
                                     meta=job.checkpoint_meta)
     resume_at = checkpointer.latest_step() if checkpointer is not None else None
+    if checkpointer is not None:
+        tell_parent(checkpoints=str(checkpointer.directory))
     if jax.process_index() == 0:
         print(start_line(config, loop, mesh, out, resume_at, trained_parameters(job.model)), flush=True)
         for note in [schedule_note(config, loop, previous, resume_at, out), *job.notes]:
@@ -362,26 +362,12 @@ def _lost_peer_error(error: BaseException) -> bool:
                                    "coordination service", "UNAVAILABLE", "DEADLINE_EXCEEDED"))
 
 
-def resume_command() -> str:
-    argv = list(sys.argv)
-    head = ("polyalign" if argv and (argv[0].endswith("cli.py") or Path(argv[0]).name == "polyalign")
-            else shlex.quote(argv[0]))
-    return " ".join([head, *(shlex.quote(a) for a in argv[1:])])
-
-
 def report_lost_peer(lost: list[int] | None, cause: str, checkpointer) -> str:
     """The one line a process prints when a peer is gone: who, the last committed checkpoint, and the
     command that resumes."""
-    who = (f"process {', '.join(map(str, lost))}" if lost else "a peer process") + f" of {jax.process_count()}"
     steps = checkpointer.committed_steps() if checkpointer is not None else []
-    where = (f"the last committed checkpoint is step {steps[-1]} ({checkpointer.directory / str(steps[-1])})"
-             if steps else "no checkpoint was committed yet (the run starts over)")
-    first = cause.strip().splitlines()[0][:120] if cause.strip() else "no reason given"
-    launched = os.environ.get(LAUNCH_COMMAND_ENV)  # started by `polyalign launch`: that is what to rerun
-    rerun = (f"running the same launch command: {launched}" if launched else
-             f"running the same command on every process: {resume_command()} (a host lost for good: on the "
-             "processes left, their POLYALIGN_NUM_PROCESSES and ids set to them; a checkpoint resumes on any number)")
-    return f"polyalign: process {jax.process_index()} stops: {who} is gone ({first}); {where}; resume by {rerun}"
+    return lost_peer_line(jax.process_index(), jax.process_count(), lost or [], cause, steps,
+                          checkpointer.directory if checkpointer is not None else None, resume_command(sys.argv[1:]))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,189 @@
+"""The parent over each process of a multi-process training job (polyalign/mesh/supervisor.py): it names a
+coordinator JAX's client aborted the process for, and is otherwise invisible (status, signals, its child
+ending with it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from polyalign.mesh import supervisor
+from polyalign.mesh.launch import free_port
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the parent runs on Linux only (prctl)")
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _wait_for(condition, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def test_a_process_jax_aborts_for_a_lost_coordinator_says_where_to_resume_and_exits_4(tmp_path, monkeypatch, capfd):
+    """Two real processes joined by jax.distributed; process 0 (the coordinator) is SIGKILLed after
+    checkpoint 3 was committed. JAX's client aborts process 1 at once (SIGABRT), before any Python code of
+    its own can run; its parent says who is gone, the last committed checkpoint and the command that
+    resumes, and ends with the lost-peer status instead of 134."""
+    program = tmp_path / "joined.py"
+    program.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        from pathlib import Path
+        from polyalign.mesh import parallel
+        from polyalign.mesh.supervisor import tell_parent
+        parallel.initialize_distributed()
+        import jax
+        checkpoints = Path(sys.argv[1]) / f"process{jax.process_index()}"
+        for step in ("3", "6.orbax-checkpoint-tmp-1"):  # 3 committed, 6 being written
+            (checkpoints / step).mkdir(parents=True)
+        tell_parent(checkpoints=str(checkpoints))
+        if jax.process_index() == 0:
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """))
+    port = free_port()
+    for name, value in {"JAX_PLATFORMS": "cpu", "POLYALIGN_COORDINATOR": f"127.0.0.1:{port}",
+                        "POLYALIGN_NUM_PROCESSES": "2", "PYTHONPATH": str(Path(__file__).parents[1])}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(supervisor.STATE_ENV, raising=False)
+    monkeypatch.delenv("POLYALIGN_LAUNCH_COMMAND", raising=False)
+    coordinator = subprocess.Popen([sys.executable, str(program), str(tmp_path)],
+                                   env={**os.environ, "POLYALIGN_PROCESS_ID": "0"})
+    monkeypatch.setenv("POLYALIGN_PROCESS_ID", "1")
+    started = time.monotonic()
+    code = supervisor.run_as_parent(["train", "sft", "--out", "run 1"], [sys.executable, str(program), str(tmp_path)])
+    assert coordinator.wait(timeout=30) == -signal.SIGKILL
+    assert code == supervisor.PEER_LOST_EXIT
+    assert time.monotonic() - started < 30  # at once, not after a peer or heartbeat timeout
+    err = capfd.readouterr().err
+    assert "Terminating process because the JAX distributed service detected fatal errors" in err  # JAX's own log
+    line = err.strip().splitlines()[-1]
+    assert line == ("polyalign: process 1 stops: process 0 of 2 is gone (JAX's distributed client ended this "
+                    f"process when the coordinator stopped answering at 127.0.0.1:{port}: its log is above); the last "
+                    f"committed checkpoint is step 3 ({tmp_path}/process1/3); resume by running the same command on "
+                    "every process: polyalign train sft --out 'run 1' (a host lost for good: on the processes left, "
+                    "their POLYALIGN_NUM_PROCESSES and ids set to them; a checkpoint resumes on any number)")
+
+
+@pytest.fixture
+def listening():
+    """An address that accepts connections (a coordinator still up)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_only_an_abort_with_the_coordinator_gone_is_named(tmp_path, listening, monkeypatch):
+    """The line is said only for a process other than 0 of a job of several whose coordinator no longer
+    answers; any other abort keeps JAX's (or the program's) own words and status."""
+    monkeypatch.delenv("POLYALIGN_LAUNCH_COMMAND", raising=False)
+    gone = f"127.0.0.1:{free_port()}"
+    state = {"process": 2, "processes": 3, "coordinator": gone}
+    line = supervisor.lost_coordinator_line(state, ["train", "dpo"])
+    assert line.startswith("polyalign: process 2 stops: process 0 of 3 is gone (") and \
+        "no checkpoint was committed yet (the run starts over); resume by running the same command on every " \
+        "process: polyalign train dpo (" in line
+    assert supervisor.lost_coordinator_line({**state, "coordinator": listening}, ["train", "dpo"]) is None
+    assert supervisor.lost_coordinator_line({**state, "process": 0}, ["train", "dpo"]) is None
+    assert supervisor.lost_coordinator_line({**state, "processes": 1, "process": 0}, ["train", "dpo"]) is None
+    assert supervisor.lost_coordinator_line({}, ["train", "dpo"]) is None  # aborted before it joined
+    monkeypatch.setenv("POLYALIGN_LAUNCH_COMMAND", "polyalign launch --nproc 3 -- polyalign train dpo")
+    assert supervisor.lost_coordinator_line(state, ["train", "dpo"]).endswith(
+        "resume by running the same launch command: polyalign launch --nproc 3 -- polyalign train dpo")
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["train", "sft"], {"POLYALIGN_NUM_PROCESSES": "2"}, True),
+    (["train", "hdpo", "--out", "x"], {"POLYALIGN_NUM_PROCESSES": " 16 "}, True),
+    (["train", "sft"], {"POLYALIGN_NUM_PROCESSES": "1"}, False),
+    (["train", "sft"], {}, False),
+    (["train", "sft"], {"POLYALIGN_NUM_PROCESSES": "two"}, False),
+    (["generate", "--checkpoint", "M"], {"POLYALIGN_NUM_PROCESSES": "2"}, False),  # refuses several processes
+    (["launch", "--nproc", "2", "--", "polyalign", "train", "sft"], {"POLYALIGN_NUM_PROCESSES": "2"}, False),
+    ([], {"POLYALIGN_NUM_PROCESSES": "2"}, False),
+    (["train", "sft"], {"POLYALIGN_NUM_PROCESSES": "2", supervisor.STATE_ENV: "/tmp/x.json"}, False),  # the child
+    (["train", "sft"], {"POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_NO_PARENT": "1"}, False),
+])
+def test_training_on_several_processes_and_nothing_else_runs_under_a_parent(argv, env, expected):
+    assert supervisor.wanted(argv, env) is expected
+
+
+def _start_waiting_to_join(tmp_path) -> subprocess.Popen:
+    """`polyalign train sft` as process 1 of 2 whose coordinator never comes: it waits to join."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "POLYALIGN_COORDINATOR": f"127.0.0.1:{free_port()}",
+           "POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_PROCESS_ID": "1", "POLYALIGN_JOIN_TIMEOUT": "120"}
+    env.pop(supervisor.STATE_ENV, None)
+    return subprocess.Popen([sys.executable, "-m", "polyalign", "train", "sft", "--out", str(tmp_path / "out")],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_parent_ends_as_its_child_does_and_passes_signals_on(tmp_path):
+    """Started by hand as one of two, `polyalign train` is a parent over a child in a process group of its own
+    (a terminal's Ctrl-C reaches the child once, through the parent); a signal sent to the parent reaches the
+    child, and the parent ends the way the child did."""
+    parent = _start_waiting_to_join(tmp_path)
+    _wait_for(lambda: _children(parent.pid))
+    child = _children(parent.pid)[0]
+    assert os.getpgid(child) == child != os.getpgid(parent.pid)
+    assert Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[1:4] == [b"-P", b"-m", b"polyalign.cli"]
+    time.sleep(1)
+    parent.send_signal(signal.SIGUSR1)  # the child has no handler for it: the default ends it
+    parent.communicate(timeout=30)
+    assert parent.returncode == -signal.SIGUSR1
+    assert not Path(f"/proc/{child}").exists()
+
+
+def test_a_child_never_outlives_a_parent_killed_outright(tmp_path):
+    """A parent SIGKILLed (a scheduler, `polyalign launch` after its grace) cannot pass anything on: the
+    kernel ends its child with it, which would otherwise hold the accelerator."""
+    parent = _start_waiting_to_join(tmp_path)
+    _wait_for(lambda: _children(parent.pid))
+    child = _children(parent.pid)[0]
+    parent.kill()
+    parent.communicate(timeout=30)
+    _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])
+
+
+def test_a_child_status_is_the_parent_status(tmp_path):
+    """A training command that fails the user's way (a missing config) ends the parent with the same status
+    and the child's one line, said once."""
+    env = {**os.environ, "POLYALIGN_NUM_PROCESSES": "2"}
+    env.pop(supervisor.STATE_ENV, None)
+    done = subprocess.run([sys.executable, "-m", "polyalign", "train", "sft", "--config", "missing.yaml", "--out", "o"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("missing.yaml") == 1 and "Traceback" not in done.stderr
+
+
+def test_a_second_sigterm_while_the_first_unwinds_is_the_same_stop():
+    """A scheduler that signals every process of a job step reaches a training process directly and through
+    its parent: the second SIGTERM must not raise again inside the first one's handling."""
+    from polyalign.core.interrupts import Terminated, check_interrupted, interrupts_remembered
+
+    raised = 0
+    with interrupts_remembered():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        except Terminated:
+            raised += 1
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives during the first one's handling
+            time.sleep(0.2)
+        with pytest.raises(Terminated):
+            check_interrupted()  # still remembered
+    assert raised == 1
