@@ -33,7 +33,7 @@ def _wait_for(condition, seconds: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_process_jax_aborts_for_a_lost_coordinator_says_where_to_resume_and_exits_4(tmp_path, monkeypatch, capfd):
+def test_a_process_jax_aborts_for_a_lost_coordinator_says_where_to_resume_and_exits_4(tmp_path, monkeypatch):
     """Two real processes joined by jax.distributed; process 0 (the coordinator) is SIGKILLed after
     checkpoint 3 was committed. JAX's client aborts process 1 at once (SIGABRT), before any Python code of
     its own can run; its parent says who is gone, the last committed checkpoint and the command that
@@ -63,13 +63,16 @@ def test_a_process_jax_aborts_for_a_lost_coordinator_says_where_to_resume_and_ex
     monkeypatch.delenv("POLYALIGN_LAUNCH_COMMAND", raising=False)
     coordinator = subprocess.Popen([sys.executable, str(program), str(tmp_path)],
                                    env={**os.environ, "POLYALIGN_PROCESS_ID": "0"})
-    monkeypatch.setenv("POLYALIGN_PROCESS_ID", "1")
+    parent = ("import sys; from polyalign.mesh.supervisor import run_as_parent; "
+              f"sys.exit(run_as_parent(['train', 'sft', '--out', 'run 1'], [sys.executable, {str(program)!r}, "
+              f"{str(tmp_path)!r}]))")
     started = time.monotonic()
-    code = supervisor.run_as_parent(["train", "sft", "--out", "run 1"], [sys.executable, str(program), str(tmp_path)])
+    done = subprocess.run([sys.executable, "-c", parent], env={**os.environ, "POLYALIGN_PROCESS_ID": "1"},
+                          capture_output=True, text=True, timeout=60)
     assert coordinator.wait(timeout=30) == -signal.SIGKILL
-    assert code == supervisor.PEER_LOST_EXIT
+    assert done.returncode == supervisor.PEER_LOST_EXIT, done.stderr[-3000:]
     assert time.monotonic() - started < 30  # at once, not after a peer or heartbeat timeout
-    err = capfd.readouterr().err
+    err = done.stderr
     assert "Terminating process because the JAX distributed service detected fatal errors" in err  # JAX's own log
     line = err.strip().splitlines()[-1]
     assert line == ("polyalign: process 1 stops: process 0 of 2 is gone (JAX's distributed client ended this "
@@ -132,15 +135,23 @@ def _start_waiting_to_join(tmp_path) -> subprocess.Popen:
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _started_child(parent: subprocess.Popen) -> int:
+    """The parent's child once it runs polyalign (its process group is set between fork and exec)."""
+    def running() -> bool:
+        children = _children(parent.pid)
+        return bool(children) and Path(f"/proc/{children[0]}/cmdline").read_bytes().split(b"\0")[1:4] == [
+            b"-P", b"-m", b"polyalign.cli"]
+    _wait_for(running)
+    return _children(parent.pid)[0]
+
+
 def test_the_parent_ends_as_its_child_does_and_passes_signals_on(tmp_path):
     """Started by hand as one of two, `polyalign train` is a parent over a child in a process group of its own
     (a terminal's Ctrl-C reaches the child once, through the parent); a signal sent to the parent reaches the
     child, and the parent ends the way the child did."""
     parent = _start_waiting_to_join(tmp_path)
-    _wait_for(lambda: _children(parent.pid))
-    child = _children(parent.pid)[0]
+    child = _started_child(parent)
     assert os.getpgid(child) == child != os.getpgid(parent.pid)
-    assert Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[1:4] == [b"-P", b"-m", b"polyalign.cli"]
     time.sleep(1)
     parent.send_signal(signal.SIGUSR1)  # the child has no handler for it: the default ends it
     parent.communicate(timeout=30)
@@ -152,8 +163,7 @@ def test_a_child_never_outlives_a_parent_killed_outright(tmp_path):
     """A parent SIGKILLed (a scheduler, `polyalign launch` after its grace) cannot pass anything on: the
     kernel ends its child with it, which would otherwise hold the accelerator."""
     parent = _start_waiting_to_join(tmp_path)
-    _wait_for(lambda: _children(parent.pid))
-    child = _children(parent.pid)[0]
+    child = _started_child(parent)
     parent.kill()
     parent.communicate(timeout=30)
     _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])
@@ -187,3 +197,35 @@ def test_a_second_sigterm_while_the_first_unwinds_is_the_same_stop():
         with pytest.raises(Terminated):
             check_interrupted()  # still remembered
     assert raised == 1
+
+
+def test_a_process_still_joining_stops_at_once_when_the_launcher_saw_a_peer_fail(tmp_path, capfd):
+    """Process 0 fails before its coordinator starts (here: exit 2 at once); process 1 waits in JAX's join,
+    where no signal handler runs, so the launcher's SIGTERM after its grace did nothing and its SIGKILL came
+    20 s later. Process 1's parent reads the launcher's notice and ends it within a second, saying why."""
+    from polyalign.mesh.launch import run_local
+
+    script = ('if [ "$POLYALIGN_PROCESS_ID" = 0 ]; then echo "process 0: a problem of its own" >&2; exit 2; fi; '
+              f'exec {sys.executable} -m polyalign train sft --out "{tmp_path}/out"')
+    started = time.monotonic()
+    assert run_local(["sh", "-c", script], nproc=2, cpu_devices=1) == 2
+    assert time.monotonic() - started < 8
+    err = capfd.readouterr().err
+    assert "polyalign launch: process 0 exited with status 2; stopping the other 1" in err
+    assert ("polyalign: process 1 stops: process 0 exited with status 2 before the job's processes had all joined "
+            "(nothing was trained; its own lines say why)") in err
+
+
+def test_a_sigterm_reaches_a_process_waiting_to_join(tmp_path):
+    """SIGTERM (scancel, a scheduler's stop) to a process waiting for its peers: the join is C++ that the
+    child's handler cannot interrupt, so the parent ends it after JOIN_STOP_GRACE, with the usual line and 143."""
+    parent = _start_waiting_to_join(tmp_path)
+    _started_child(parent)
+    time.sleep(3)  # well into the join
+    asked = time.monotonic()
+    parent.send_signal(signal.SIGTERM)
+    err = parent.communicate(timeout=30)[1]
+    assert time.monotonic() - asked < supervisor.JOIN_STOP_GRACE + 3
+    assert parent.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] == ("polyalign train sft: stopped by SIGTERM while waiting for the job's other "
+                                            "processes to join")

@@ -245,6 +245,17 @@ def _relay_lines(stream) -> threading.Thread:
     return thread
 
 
+def launcher_notices(folder: str | None) -> dict[int, str]:
+    """Processes `polyalign launch` saw end with a failure (its notices folder): id -> how it ended."""
+    if not folder:
+        return {}
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith("gone-")]
+        return {int(name[5:]): Path(folder, name).read_text() for name in names}
+    except (OSError, ValueError):  # the launcher is gone too, or a notice is being written
+        return {}
+
+
 def said_by_another_process(line: str) -> bool:
     """Under `polyalign launch`, whether another process of the run has printed this very line: every
     process of a run meets the same bad input, and one line says it once. The first to print it leaves

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from polyalign.core.errors import ParallelError, PolyalignError
 from polyalign.core.yaml_config import ConfigError
-from polyalign.mesh.launch import NOTICES_ENV, port_in_use, port_in_use_message
+from polyalign.mesh.launch import NOTICES_ENV, launcher_notices, port_in_use, port_in_use_message
 from polyalign.mesh.shape import ParallelConfig
 from polyalign.mesh.supervisor import PEER_LOST_EXIT, tell_parent
 
@@ -282,7 +281,7 @@ class PeerMonitor:
         notices = os.environ.get(NOTICES_ENV)
         while not self._stop.wait(self.interval):
             now = time.monotonic()
-            gone = _launcher_notices(notices)
+            gone = launcher_notices(notices)
             if gone:
                 report_peer_lost(sorted(gone), f"the launcher saw it end: {'; '.join(gone.values())}")
             try:
@@ -306,17 +305,6 @@ class PeerMonitor:
             lost = sorted(p for p, (_, since) in seen.items() if now - since > self.timeout)
             if lost and not self._stop.is_set():
                 report_peer_lost(lost, f"no sign of life for {self.timeout:g} s")
-
-
-def _launcher_notices(folder: str | None) -> dict[int, str]:
-    """Processes `polyalign launch` saw end with a failure (its notices folder): id -> how it ended."""
-    if not folder:
-        return {}
-    try:
-        names = [name for name in os.listdir(folder) if name.startswith("gone-")]
-        return {int(name[5:]): Path(folder, name).read_text() for name in names}
-    except (OSError, ValueError):  # the launcher is gone too, or a notice is being written
-        return {}
 
 
 _decisions = 0  # how many refusal_shared blocks this process has passed: every process passes them in order

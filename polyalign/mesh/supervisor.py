@@ -23,11 +23,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polyalign.core.paths import committed_steps
-from polyalign.mesh.launch import LAUNCH_COMMAND_ENV
+from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_notices
 
 PEER_LOST_EXIT = 4  # the status of a process that stopped because a peer of its job is gone
 STATE_ENV = "POLYALIGN_PARENT_STATE"  # set in the child: the file it tells the parent through
@@ -65,11 +66,12 @@ def _end_with_parent() -> None:
 def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> int:
     """Runs `command` (this `polyalign` with `argv`) as a child and returns what this process's status should
     be. The child has a process group of its own, so a terminal's Ctrl-C reaches it once, through here; SIGTERM,
-    SIGINT, SIGHUP and SIGUSR1 are passed on."""
+    SIGINT, SIGHUP and SIGUSR1 are passed on. Until the child has joined its job, the parent also ends it
+    itself (stopped_while_joining): JAX's join is C++ that no Python signal handler interrupts."""
     command = list(command or [sys.executable, "-P", "-m", "polyalign.cli", *argv])
     handle, state = tempfile.mkstemp(prefix="polyalign-parent-", suffix=".json")
     os.close(handle)
-    previous = {}
+    previous, asked = {}, []
     try:
         child = subprocess.Popen(command, env={**os.environ, STATE_ENV: state}, process_group=0,
                                  preexec_fn=_end_with_parent)
@@ -77,9 +79,23 @@ def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> 
         def forward(signum, frame):
             if child.poll() is None:
                 child.send_signal(signum)
+                asked.append((signum, time.monotonic()))
 
         previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
-        code = child.wait()
+        joined = False
+        while True:
+            try:
+                code = child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            joined = joined or "process" in _read_state(state)
+            stop = None if joined else stopped_while_joining(argv, asked, os.environ)
+            if stop is not None:
+                child.kill()
+                child.wait()
+                print(stop[0], file=sys.stderr, flush=True)
+                return stop[1]
         if code == -signal.SIGABRT:
             line = lost_coordinator_line(_read_state(state), argv)
             if line is not None:
@@ -91,6 +107,29 @@ def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> 
             signal.signal(sig, handler)
         with contextlib.suppress(OSError):
             os.unlink(state)
+
+
+JOIN_STOP_GRACE = 2.0  # seconds a child asked to stop before it joined gets to stop by itself
+
+
+def stopped_while_joining(argv: Sequence[str], asked: Sequence[tuple[int, float]],
+                          env: Mapping[str, str]) -> tuple[str, int] | None:
+    """Whether a child that has not joined its job yet is to be ended now, and if so the line and status: a
+    process of the job `polyalign launch` saw fail (its notice) will never join, so the child would wait out
+    the join timeout; a SIGTERM or Ctrl-C it has not acted on within JOIN_STOP_GRACE seconds is waiting in
+    JAX's join. Nothing was trained before the join, so nothing is lost."""
+    me = f"process {env['POLYALIGN_PROCESS_ID']}" if env.get("POLYALIGN_PROCESS_ID") else "this process"
+    gone = launcher_notices(env.get(NOTICES_ENV))
+    if gone:
+        who = "; ".join(f"process {peer} {how}" for peer, how in sorted(gone.items()))
+        return (f"polyalign: {me} stops: {who} before the job's processes had all joined (nothing was trained; "
+                "its own lines say why)", PEER_LOST_EXIT)
+    if asked and time.monotonic() - asked[0][1] > JOIN_STOP_GRACE:
+        sig, how = ((signal.SIGTERM, "stopped by SIGTERM") if asked[0][0] != signal.SIGINT else
+                    (signal.SIGINT, "interrupted"))
+        return (f"polyalign {' '.join(argv[:2])}: {how} while waiting for the job's other processes to join",
+                128 + sig)
+    return None
 
 
 def _read_state(path: str) -> dict:
