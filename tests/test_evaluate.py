@@ -1663,3 +1663,33 @@ def test_an_evaluation_or_comparison_is_not_written_into_another_stages_folder(d
     # one of the evaluations compared: said as that (the command's own input), not as another stage's folder
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "a")]) == 2
     assert "is an evaluation" not in capsys.readouterr().err
+
+
+def test_the_measures_run_on_one_blas_thread_whatever_the_process_has(demo_run, tmp_path, monkeypatch):
+    """Detectability fits thousands of small classifiers and MAUVE a PCA and k-means: on a pool of BLAS threads
+    these took 4.3 times as long on 2 cores (more cores, more to wake). evaluate measures on one thread and
+    gives the caller's pools back."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from polyalign.evaluate import detectability
+
+    def blas_threads():
+        return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+    seen, measure = [], detectability.measure
+
+    def measured(*args, **kwargs):
+        seen.append(blas_threads())
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(detectability, "measure", measured)
+    run, _, _ = demo_run
+    records_path, records = _subset(run, tmp_path, lambda r: True)
+    records_path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records[:60]))
+    _write_predictions(tmp_path / "p.jsonl", records[:60], lambda r: first_sentence(r.context or r.question))
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert blas_threads() == {2}
+        evaluate(records_path, tmp_path / "p.jsonl", tmp_path / "eval",
+                 EvaluateOptions(intervals=IntervalOptions(draws=20), baselines=False, plots=False))
+        assert blas_threads() == {2}
+    assert seen and all(threads == {1} for threads in seen), seen

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from polyalign.core import jsonl
 from polyalign.core.errors import EvaluationError, GenerationError
@@ -396,7 +397,13 @@ def _evaluate(records_path: Path, predictions_path: Path, out: Path, options: Ev
     started = time.perf_counter()
     # the inputs are read before the bar starts: a bad row is one line, with no bar before it
     joined = _join(records_path, predictions_path, options.allow_partial, options.prompts, options.common_with)
-    with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar:
+    # One BLAS and OpenMP thread for the measures: they are thousands of small fits (detectability's
+    # classifiers, MAUVE's PCA and k-means), for which a pool over every core costs more to wake than the
+    # matrices take to compute: one model's evaluation on the quick demo took 69.6 s on 2 cores with the
+    # default pools and 16.1 s with one thread, to the same numbers (bench/RESULTS.md). JAX's own threads
+    # (the featurizer) are not these pools.
+    with progress_bar(total=len(EVALUATION_PARTS), progress=progress, desc="evaluate", unit="part") as bar, \
+            threadpool_limits(limits=1):
         return _measure(joined, out, options, settings, bar, started, records_path, predictions_path)
 
 
