@@ -1101,7 +1101,9 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--bootstrap-draws", type=int, default=200, metavar="N",
                    help="bootstrap draws for the intervals of BNG, HCR, F1 and detectability (default 200, "
                         "at least 20)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap and the floor's held-out halves")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the bootstrap and the floor's held-out halves (the support's sample of at most "
+                        "1,000 answers a bucket is the same whatever the seed)")
     p.add_argument("--no-diversity", action="store_true",
                    help="skip distinct-n and Self-BLEU (the slowest text metrics on long answers)")
     p.add_argument("--no-baselines", action="store_true",

@@ -8,6 +8,7 @@ import math
 import random
 import re
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -1693,3 +1694,38 @@ def test_the_measures_run_on_one_blas_thread_whatever_the_process_has(demo_run, 
                  EvaluateOptions(intervals=IntervalOptions(draws=20), baselines=False, plots=False))
         assert blas_threads() == {2}
     assert seen and all(threads == {1} for threads in seen), seen
+
+
+def test_another_seed_keeps_the_point_estimates_and_a_support_holding_the_records_is_refused(demo_run, tmp_path,
+                                                                                               capsys):
+    """`--seed` draws the bootstrap and the floor's halves, not the support's sample of 1,000 answers a bucket:
+    another sample moved a bucket's HCR from 0.654 to 0.527 on the same answers, and `report` called two
+    seeds of one predictions file apart. And a support that holds the evaluated records (the test split
+    given as --support) measured each human answer against itself: refused, naming the file and an id."""
+    from polyalign.cli import main
+
+    run, _, _ = demo_run
+    support = run / "data" / "train.jsonl"
+    large = {b for b, n in Counter(r.bucket_id for r in read_records_of(support)).items() if n > 1000}
+    records_path, records = _subset(run, tmp_path, lambda r: r.bucket_id in large)
+    assert large and records
+    _write_predictions(tmp_path / "p.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    def evaluated(support, out, *more):
+        return main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"),
+                     "--support", str(support), "--bootstrap-draws", "20", "--no-baselines", "--no-detectability",
+                     "--no-diversity", "--out", str(tmp_path / out), *more])
+
+    metrics = []
+    for seed in (0, 1):
+        assert evaluated(support, f"seed{seed}", "--seed", str(seed)) == 0
+        metrics.append(json.loads((tmp_path / f"seed{seed}" / "metrics.json").read_text())["metrics"])
+    for bucket in metrics[0]["buckets"]:
+        for key in ("bng", "hcr", "bng_floor", "hcr_floor"):
+            assert metrics[0]["buckets"][bucket][key] == metrics[1]["buckets"][bucket][key], (bucket, key)
+    assert metrics[0]["bng"]["macro_interval"] != metrics[1]["bng"]["macro_interval"]  # the seed still draws
+    capsys.readouterr()
+    assert evaluated(records_path, "x") == 2
+    err = capsys.readouterr().err
+    assert f"{records_path}: {len(records)} evaluated records of {len(records)} are in the support " \
+           f"too (id {records[0].id})" in err, err
+    assert "RUN/data/train.jsonl" in err and "Traceback" not in err

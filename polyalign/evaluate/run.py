@@ -13,6 +13,7 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -519,7 +520,8 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
     if options.compat == "reference":
         return FeatureBased(*_paper_naturalness(by_bucket, human_features, generated_features, references))
     intervals = options.intervals
-    supports = _supports(by_bucket, human_features, options.support, references, intervals)
+    supports = _supports(by_bucket, human_features, options.support, references, intervals,
+                         [r.id for r in records])
     f1 = np.array([s["qa_f1"] for s in scores])
     human_table = None if options.support is None else _feature_matrix(human_features)
     measured = sp.measure(by_bucket, supports, _feature_matrix(generated_features), f1, intervals, human_table,
@@ -948,34 +950,42 @@ def _paper_naturalness(by_bucket_idx, human_features, generated_features, refere
              "feature_inside_by_bucket": hcr_inside})
 
 
-def _support_sample(path: Path, seed: int) -> tuple[list[str], dict[str, list[int]]]:
-    """Human answers of a support file (the train split), at most SUPPORT_ROWS_PER_BUCKET per bucket
-    (a seeded sample), and their rows by bucket."""
+def _support_sample(path: Path) -> tuple[list[str], dict[str, list[int]], frozenset[str]]:
+    """Human answers of a support file (the train split), at most SUPPORT_ROWS_PER_BUCKET per bucket (a
+    sample fixed by the bucket's name), their rows by bucket, and every record's id. The sample is the same
+    whatever `--seed`: the seed draws the bootstrap and the floor's halves, which the intervals carry, while
+    another support sample moves the point estimates themselves (a bucket's HCR read 0.654 on one sample of
+    1,000 of its 7,688 train answers and 0.527 on another, both outside the other's interval), so that two
+    evaluations of the same answers with other seeds differed as if they were other models. The draw is
+    the one seed 0 made before."""
     by_bucket: dict[str, list[str]] = defaultdict(list)
+    ids = set()
     for record in read_records(path):
         by_bucket[record.bucket_id].append(record.response)
+        ids.add(record.id)
     texts, rows = [], {}
     for bucket, answers in sorted(by_bucket.items()):
         if len(answers) > SUPPORT_ROWS_PER_BUCKET:
-            answers = random.Random(f"{seed}:{bucket}").sample(answers, SUPPORT_ROWS_PER_BUCKET)
+            answers = random.Random(f"0:{bucket}").sample(answers, SUPPORT_ROWS_PER_BUCKET)
         rows[bucket] = list(range(len(texts), len(texts) + len(answers)))
         texts += answers
-    return texts, rows
+    return texts, rows, frozenset(ids)
 
 
 @functools.lru_cache(maxsize=2)
-def _support_table(path: str, modified_ns: int, size: int, seed: int) -> tuple[np.ndarray, dict[str, list[int]]]:
-    """The support's feature table (read-only) and rows by bucket, kept for the next evaluation against
-    the same unchanged file: the demo and the methods bench evaluate several models against one train
-    split."""
-    texts, rows = _support_sample(Path(path), seed)
+def _support_table(path: str, modified_ns: int, size: int
+                   ) -> tuple[np.ndarray, dict[str, list[int]], frozenset[str]]:
+    """The support's feature table (read-only), rows by bucket and record ids, kept for the next evaluation
+    against the same unchanged file: the demo and the methods bench evaluate several models against one
+    train split."""
+    texts, rows, ids = _support_sample(Path(path))
     table = _feature_matrix(_features(texts))
     table.flags.writeable = False
-    return table, rows
+    return table, rows, ids
 
 
 def _supports(by_bucket_idx, human_features, support_path: Path | None, references,
-              options: sp.IntervalOptions) -> dict[str, sp.Support]:
+              options: sp.IntervalOptions, record_ids: Sequence[str]) -> dict[str, sp.Support]:
     """Each bucket's human support: the human answers of a separate support file (the train split)
     when given, else the test records' own; the bucket's, or its parent group's when it has fewer than
     MIN_BUCKET_ROWS; bands from the bucket's train references when the pool is its own."""
@@ -991,7 +1001,15 @@ def _supports(by_bucket_idx, human_features, support_path: Path | None, referenc
             raise EvaluationError(f"{support_path}: no such support file; pass the train split's records "
                                   "(RUN/data/train.jsonl)")
         stat = path.stat()
-        table, pool_rows = _support_table(str(path), stat.st_mtime_ns, stat.st_size, options.seed)
+        table, pool_rows, support_ids = _support_table(str(path), stat.st_mtime_ns, stat.st_size)
+        if shared := [i for i in record_ids if i in support_ids]:
+            # a human answer inside its own support: the floor measures people against themselves
+            raise EvaluationError(
+                f"{support_path}: {counted(len(shared), 'evaluated record')} of {len(record_ids)} "
+                f"{'is' if len(shared) == 1 else 'are'} in the support too (id {shared[0]}): each human answer "
+                "would be measured against a support that holds it, and the floor and every gap with it; pass a "
+                "split the records are not in (RUN/data/train.jsonl), or leave --support out (the records' own human "
+                "answers are then the pool, and the floor comes from held-out halves of them)")
     supports = {}
     for bucket, (pool, rows) in sp.choose_pools(list(by_bucket_idx), pool_rows, nat.MIN_BUCKET_ROWS).items():
         position = {row: i for i, row in enumerate(rows)}
