@@ -317,6 +317,13 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
             f"2 missing ({records[0].id}, {records[1].id}), 1 duplicate with different answers ({records[5].id} on "
             f"lines 4, 299), 1 extra ids (nope)")):
         evaluate(subset, path, tmp_path / "eval")
+    # answers to a part of the records alone, as an engine answering `polyalign prompts --per-bucket` rows
+    # writes them: the error names --prompts before --allow-partial (which would mark the run partial)
+    _write_predictions(tmp_path / "part.jsonl", records[:40], lambda r: "ok")
+    with pytest.raises(EvaluationError, match=re.escape(
+            "if they answer the records `polyalign prompts` chose (--limit, --sample, --per-bucket), pass its file "
+            "as --prompts (they are evaluated on those, as generate's are); otherwise pass --allow-partial")):
+        evaluate(subset, tmp_path / "part.jsonl", tmp_path / "eval")
     result = evaluate(subset, path, tmp_path / "eval", EvaluateOptions(allow_partial=True, plots=False))
     assert result["alignment"]["evaluated"] == 297 and result["alignment"]["partial"]
     # A comparison names the settings and warns when runs saw different test sets.
@@ -823,6 +830,17 @@ def test_report_names_the_settings_that_differ(demo_run, tmp_path, capsys):
     assert "intervals: 200 draws, seed 0 | 200 draws, seed 0 | none" in note and "test rows" not in note
     assert "compat: cjk | cjk | reference" in (tmp_path / "cmp" / "report.html").read_text()
     assert "featurizer" not in note  # none ran in any
+    # a run named as one of the rows people and the no-model answers have in the report is refused, given or
+    # taken from its folder's name (two rows named "human" read as one)
+    shutil.copytree(tmp_path / "a", tmp_path / "human")
+    for command in (["--names", "echo_question", "b"], []):
+        first = [str(tmp_path / "b"), str(tmp_path / "human")] if not command else [str(tmp_path / "a"),
+                                                                                    str(tmp_path / "b")]
+        assert main(["report", *first, "--out", str(tmp_path / "cmp2"), *command]) == 2
+        err = capsys.readouterr().err
+        assert f"a run named {'echo_question' if command else 'human'!r}, a name the report gives a row of its own" \
+            in err and "name the runs with --names" in err
+    assert not (tmp_path / "cmp2").exists()
     # another featurizer is another measure of MAUVE and hidden-state detectability: said as a setting
     from polyalign.reports.evaluation import differing_settings
 

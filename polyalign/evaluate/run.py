@@ -81,8 +81,12 @@ def align(records, rows: list[dict], seen: Counter, allow_partial: bool, selecte
     if missing and selected_by and not (duplicate or extra):
         alignment["selected_by"] = selected_by
     elif (missing or duplicate or extra) and not allow_partial:
-        raise EvaluationError(f"predictions do not match {what}: {_faults(missing, duplicate, extra, lines or {})}; "
-                              "pass --allow-partial to evaluate the intersection")
+        # answers to a subset alone: most likely the rows `polyalign prompts` chose for an external engine
+        subset = (" if they answer the records `polyalign prompts` chose (--limit, --sample, --per-bucket), pass "
+                  "its file as --prompts (they are evaluated on those, as generate's are); otherwise"
+                  if missing and not (duplicate or extra) and what == "the records" else "")
+        raise EvaluationError(f"predictions do not match {what}: {_faults(missing, duplicate, extra, lines or {})};"
+                              f"{subset} pass --allow-partial to evaluate the intersection")
     for key, found in (("missing_ids", missing), ("duplicate_ids", duplicate), ("extra_ids", extra)):
         if found:  # which: a partial evaluation says what it left out
             alignment[key] = found[:100]

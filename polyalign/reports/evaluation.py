@@ -25,7 +25,7 @@ from polyalign.core.outputs import other_stages_folder, same_path, stage_output 
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
-from polyalign.reports.no_model import ahead_of_the_model  # noqa: E402
+from polyalign.reports.no_model import BASELINE_WORDS, ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
 from polyalign.reports.reading_notes import notes_for_reader  # noqa: E402
 
@@ -954,8 +954,14 @@ def read_evaluation(path: Path) -> dict[str, Any]:
 
 def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
              allow_different_data: bool) -> dict[str, Any]:
+    names = list(names or run_names(evals))
+    # people's answers and the no-model answers have rows of their own beside the runs: a run of one of
+    # their names read as two rows of that name
+    if taken := [name for name in names if name in {"human", "people", *BASELINE_WORDS}]:
+        raise EvaluationError(f"a run named {taken[0]!r}, a name the report gives a row of its own (people's answers, "
+                              f"and the no-model answers {', '.join(BASELINE_WORDS)}): name the runs with --names")
     runs = {}
-    for name, directory in zip(names or run_names(evals), evals):
+    for name, directory in zip(names, evals):
         runs[name] = read_evaluation(Path(directory) / "metrics.json")
     header = ["metric (value [interval])", *runs, HUMAN_COLUMN]
     rows = [(row.name, *(_with_interval(r["metrics"], row.path, row.interval) or "—" for r in runs.values()),
