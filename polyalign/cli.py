@@ -889,6 +889,13 @@ def _run_generate(args) -> int:
     budget_records = _budget_records(args)
     given = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
              "repetition_penalty": args.repetition_penalty}
+    if args.temperature == 0 and (shaping := [f"--{key.replace('_', '-')} {value:g}" for key, value in given.items()
+                                              if key != "repetition_penalty" and value is not None
+                                              and value != NEUTRAL_FLAGS[key]]):
+        # greedy decoding takes the most likely token: top-p, top-k and min-p only choose what sampling draws from
+        print(f"note: {' and '.join(shaping)} {'does' if len(shaping) == 1 else 'do'} nothing under greedy decoding "
+              "(--temperature 0, the default); give --temperature (e.g. 0.8) to sample from what "
+              f"{'it keeps' if len(shaping) == 1 else 'they keep'}")
     chosen, taken = unset_from_checkpoint(given, args.checkpoint)
     if taken:
         print(f"note: {describe_sampling(taken)} from {args.checkpoint}/generation_config.json for the settings not "

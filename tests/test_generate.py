@@ -188,6 +188,14 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert "presence_penalty" not in sampling
     assert [json.loads(line)["prediction"] for line in penalised.read_text().splitlines()] != [
         r["prediction"] for r in rows]
+    # top-p under greedy decoding chooses nothing: said, with the setting that samples (the penalties above change
+    # the logits greedy decoding reads, and were not)
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+                 "--out", str(tmp_path / "top_p.jsonl"), "--limit", "2", "--max-new-tokens", "2", "--top-p", "0.5",
+                 "--no-progress"]) == 0
+    assert ("note: --top-p 0.5 does nothing under greedy decoding (--temperature 0, the default); give --temperature "
+            "(e.g. 0.8) to sample from what it keeps") in capsys.readouterr().out
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
                  "--out", str(penalised), "--presence-penalty", "3"]) == 2
