@@ -967,7 +967,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--slots", type=int, default=16, help="sequences decoded at once (default 16)")
     p.add_argument("--max-sequence", type=int, default=None,
                    help="the longest prompt plus answer of one request, in tokens (default: the model's positions, "
-                        "at most 2048)")
+                        "at most 2048, and for a model trained from scratch the longest sequence it was trained on)")
     p.add_argument("--max-pending", type=int, default=64,
                    help="requests waiting or running at once; more are answered 429 (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=256,

@@ -429,6 +429,19 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
     with pytest.raises(GenerationError, match=f"--max-sequence 64 {re.escape(limit)}give a smaller --max-sequence"):
         with_max_sequence(ServeOptions(max_sequence=64), ckpt)
     assert with_max_sequence(ServeOptions(), tmp_path).max_sequence == 2048  # no config.json says otherwise
+    # a model trained from scratch on 24-token sequences (its tokenizer_config.json says): served within them by
+    # default, as generate keeps its prompts, and said; a longer --max-sequence is served with a note
+    from polyalign.generate.serve import context_note
+
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 24}))
+    assert with_max_sequence(ServeOptions(), ckpt).max_sequence == 24
+    assert context_note(ckpt, 24) == (
+        f"context: {ckpt} was trained from scratch on sequences of at most 24 tokens (polyalign_max_length in its "
+        "tokenizer_config.json), so a request's prompt and answer get 24 tokens, as `generate` keeps them; a longer "
+        "one is refused with status 400 (--max-sequence serves more, in positions it never learned)")
+    assert with_max_sequence(ServeOptions(max_sequence=30), ckpt).max_sequence == 30
+    assert "note: --max-sequence 30: " in context_note(ckpt, 30) and context_note(ckpt, 16) is None
+    assert context_note(tmp_path, 2048) is None  # a model that does not say
 
 
 def test_a_build_recorded_before_truncation_was_an_option_reads_as_left(tmp_path):

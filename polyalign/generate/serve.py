@@ -40,6 +40,7 @@ from polyalign.generate.settings import (
 from polyalign.model.architecture import longer_than_positions, position_limit
 from polyalign.tokens.chat import Message, encode_prompt, encode_rendered, profile_text, with_system_prompt
 from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODE_KEYS, profile_problem, trained_profile_text
+from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -428,15 +429,34 @@ DEFAULT_MAX_SEQUENCE = 2048
 
 def with_max_sequence(options: ServeOptions, checkpoint) -> ServeOptions:
     """`options` with the context the engine holds: --max-sequence as given (refused past the model's
-    positions), else the model's positions up to DEFAULT_MAX_SEQUENCE."""
+    positions), else the model's positions up to DEFAULT_MAX_SEQUENCE, and no further than the longest
+    sequence a model trained from scratch learned (its tokenizer_config.json says): past it a request runs
+    in positions the model never learned, where `generate` and `prompts` cut prompts to keep within it."""
     limit = position_limit(str(checkpoint))
     if options.max_sequence is None:
-        return dataclasses.replace(options, max_sequence=min(DEFAULT_MAX_SEQUENCE, limit or DEFAULT_MAX_SEQUENCE))
+        trained = None if is_uri(checkpoint) else trained_length(checkpoint)
+        return dataclasses.replace(options, max_sequence=min(DEFAULT_MAX_SEQUENCE, limit or DEFAULT_MAX_SEQUENCE,
+                                                             trained or DEFAULT_MAX_SEQUENCE))
     problem = longer_than_positions(str(checkpoint), options.max_sequence, f"--max-sequence {options.max_sequence}",
                                     "give a smaller --max-sequence, or leave it out to use the model's positions")
     if problem:
         raise GenerationError(problem)
     return options
+
+
+def context_note(checkpoint, context: int) -> str | None:
+    """What the context has to do with the longest sequence a from-scratch model was trained on, where its
+    tokenizer_config.json says: the same, or longer (given by --max-sequence), into positions it never learned."""
+    trained = None if is_uri(checkpoint) else trained_length(checkpoint)
+    if trained is None or context < trained:
+        return None
+    where = (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
+             "its tokenizer_config.json)")
+    if context == trained:
+        return (f"context: {where}, so a request's prompt and answer get {trained} tokens, as `generate` keeps them; "
+                "a longer one is refused with status 400 (--max-sequence serves more, in positions it never learned)")
+    return (f"note: --max-sequence {context}: {where}; a request past {trained} tokens runs in positions it never "
+            "learned, where `generate` cuts prompts to keep within them")
 
 
 def load_service(checkpoint, options: ServeOptions, template: str | None = None) -> Service:
@@ -487,6 +507,8 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     options = service.options
     print(f"serving {service.model_name} at http://{options.host}:{options.port}/v1 "
           f"({options.slots} sequences at once, {options.max_sequence}-token context)", flush=True)
+    if note := context_note(checkpoint, options.max_sequence):
+        print(note, flush=True)
     print(sampling_line(service, checkpoint), flush=True)
     if keys := PROFILE_MODE_KEYS.get(service.tokenizer.profile_mode or "none"):
         # the most common slip: a client that names no profile gets a prompt this model never read
