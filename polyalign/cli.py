@@ -1015,7 +1015,7 @@ def _add_prompts(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of --sample's and --per-bucket's subsets (default 0)")
     p.add_argument("--max-prompt-tokens", type=int,
                    help="with --checkpoint, cut prompts as `polyalign generate --max-prompt-tokens N` does (default: "
-                        "generate's): a "
+                        "generate's, for the --max-new-tokens given here, else for generate's 128): a "
                         "longer conversation's messages and ids lose their oldest whole turns; each row holds "
                         "prompt_token_ids, the ids generate feeds (vLLM's TokensPrompt)")
     _budget_options(p, None, "each row's max_tokens, as `polyalign generate --max-new-tokens` budgets its answer "
