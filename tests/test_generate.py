@@ -117,7 +117,7 @@ def test_temperature_sampling_is_seeded():
 
 
 @pytest.mark.slow
-def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer, capsys):
+def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer, capsys, monkeypatch):
     from polyalign.cli import empty_answers_warning, main
     from polyalign.data.records import read_records
     from polyalign.generate.selection import select_records
@@ -188,6 +188,41 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert "presence_penalty" not in sampling
     assert [json.loads(line)["prediction"] for line in penalised.read_text().splitlines()] != [
         r["prediction"] for r in rows]
+    # Ctrl-C after 5 of 12 sampled answers: each was kept as it finished, and the same command answers only the
+    # other 7, to the file an unbroken run writes
+    from polyalign.generate.engine import Engine
+
+    sampled = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--records", str(run / "data" / "test.jsonl"),
+               "--limit", "12", "--max-new-tokens", "6", "--batch-size", "5", "--temperature", "0.8", "--no-progress"]
+    assert main([*sampled, "--out", str(tmp_path / "whole.jsonl")]) == 0
+    generate, asked = Engine.generate, []
+
+    def stopped_after_five(self, requests, progress=None, each=None):
+        def kept(index, completions):
+            each(index, completions)
+            if sum(1 for line in (tmp_path / "broken.jsonl.partial").open()) == 6:  # its header and 5 answers
+                raise KeyboardInterrupt
+        return generate(self, requests, progress, kept)
+
+    monkeypatch.setattr(Engine, "generate", stopped_after_five)
+    assert main([*sampled, "--out", str(tmp_path / "broken.jsonl")]) == 130
+    assert not (tmp_path / "broken.jsonl").exists() and (tmp_path / "broken.jsonl.partial").is_file()
+    monkeypatch.setattr(Engine, "generate", lambda self, requests, progress=None, each=None: (
+        asked.append(len(requests)), generate(self, requests, progress, each))[1])
+    capsys.readouterr()
+    assert main([*sampled, "--out", str(tmp_path / "broken.jsonl")]) == 0
+    assert f"resuming: 5 of 12 answers kept from an interrupted run of this command ({tmp_path / 'broken.jsonl'}" \
+           ".partial); 7 to go" in capsys.readouterr().out
+    assert asked == [7] and not (tmp_path / "broken.jsonl.partial").exists()
+    assert (tmp_path / "broken.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
+    # answers kept under other settings are not taken: another seed starts over, and says so
+    (tmp_path / "other.jsonl.partial").write_text((tmp_path / "broken.jsonl.partial").read_text()
+                                                  if (tmp_path / "broken.jsonl.partial").exists() else
+                                                  json.dumps({"polyalign_partial": {}}) + "\n")
+    assert main([*sampled, "--seed", "1", "--out", str(tmp_path / "other.jsonl")]) == 0
+    assert "holds answers of an interrupted run with other settings, records or checkpoint; starting over" in \
+        capsys.readouterr().out and asked[-1] == 12
+    monkeypatch.setattr(Engine, "generate", generate)
     # top-p under greedy decoding chooses nothing: said, with the setting that samples (the penalties above change
     # the logits greedy decoding reads, and were not)
     capsys.readouterr()

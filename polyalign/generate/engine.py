@@ -325,13 +325,14 @@ class Engine:
     def _pages_needed(self, request: Request) -> int:
         return self._shared_pages(request) + request.n * self._own_pages(request)
 
-    def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None
-                 ) -> list[list[Completion]]:
+    def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None,
+                 each: Callable[[int, list[Completion]], None] | None = None) -> list[list[Completion]]:
         """The n completions of each request, in request order. `progress(k)` is told of k finished
-        requests as they finish."""
+        requests as they finish, and `each(i, completions)` of request i's the moment it finishes (what an
+        interrupted run keeps)."""
         for index, request in enumerate(requests):
             self._check(index, request)
-        run = _Run(self, requests, progress)
+        run = _Run(self, requests, progress, each)
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
             results = run.until_done()
         self.stats = run.stats()
@@ -341,8 +342,8 @@ class Engine:
 class _Run:
     """One `Engine.generate` call: the waiting requests, the slots, the pages and the prefill queue."""
 
-    def __init__(self, engine: Engine, requests: Sequence[Request], progress):
-        self.engine, self.requests, self.progress = engine, list(requests), progress
+    def __init__(self, engine: Engine, requests: Sequence[Request], progress, each=None):
+        self.engine, self.requests, self.progress, self.each = engine, list(requests), progress, each
         cfg = engine.config
         # Longest budget first: the long requests start early and the short ones fill the gaps, so the run
         # does not end with one long sequence decoding alone. Order never changes a request's tokens.
@@ -546,6 +547,8 @@ class _Run:
         self.open_samples[index] -= 1
         if self.open_samples[index]:
             return 0
+        if self.each is not None:
+            self.each(index, self.results[index])
         if index in self.on_done:
             self.on_done.pop(index)(self.results[index])
             self.results[index] = self.requests[index] = None

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from polyalign.core.errors import GenerationError
-from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_record
+from polyalign.core.outputs import OutputLock, settings_record, sidecar, stage_output, write_record
 from polyalign.core.paths import checkpoint_identity, file_digest, is_uri, recorded_path
 from polyalign.core.progress import progress_bar
 from polyalign.data.records import read_records
@@ -122,6 +122,41 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
 
 
 PROMPT_TOKENS = 512  # the prompt budget where a checkpoint does not say how long it was trained
+PARTIAL_HEADER = "polyalign_partial"  # the first line of OUT.partial: what made the answers below it
+
+
+def partial_path(out: Path) -> Path:
+    """Where a run keeps its answers as they finish, until OUT is written whole."""
+    return out.with_name(out.name + ".partial")
+
+
+def resumed_answers(partial: Path, identity: dict, ids: set[str], notes: list[str]) -> dict[str, dict]:
+    """The answers an interrupted run of the same settings, records and checkpoint kept in `partial`, by id
+    (only the records this run answers), with a note; {} (and a note saying why) when it was made otherwise.
+    A last line cut short by the interruption is left out."""
+    if not partial.is_file():
+        return {}
+    lines = partial.read_text(encoding="utf-8").splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else {}
+    except ValueError:
+        header = {}
+    if not isinstance(header, dict) or header.get(PARTIAL_HEADER) != json.loads(json.dumps(identity, default=str)):
+        notes.append(f"note: {partial} holds answers of an interrupted run with other settings, records or checkpoint; "
+                     "starting over")
+        return {}
+    kept = {}
+    for line in lines[1:]:
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and answer.get("id") in ids:
+            kept[answer["id"]] = answer
+    if kept:
+        notes.append(f"resuming: {len(kept)} of {len(ids)} answers kept from an interrupted run of this command "
+                     f"({partial}); {len(ids) - len(kept)} to go")
+    return kept
 
 
 def default_prompt_budget(checkpoint, asked: int | str, answers: int, budgeted: bool = False) -> tuple[int, list[str]]:
@@ -245,17 +280,35 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
     requests = [Request(ids, options.sampling if budgets is None else
                         dataclasses.replace(options.sampling, max_new_tokens=budgets(record.bucket_id)),
                         seed=request_seed(record.id, options.seed)) for record, (ids, *_) in zip(records, prompts)]
-    with progress_bar(total=len(records), progress=progress, desc="generate", unit="rec") as bar:
-        completions = engine.generate(requests, progress=bar.update)
-    rows = []
-    for record, (completion,) in zip(records, completions):
+
+    def row(record, completion) -> dict:
         prediction = tokenizer.decode(completion.tokens, skip_special=True).strip()  # no chat markers in the text
-        rows.append({"id": record.id, "prediction": prediction, "model": name,
-                     "finish_reason": completion.finish_reason, "new_tokens": len(completion.tokens),
-                     "profile": profile})
+        return {"id": record.id, "prediction": prediction, "model": name, "finish_reason": completion.finish_reason,
+                "new_tokens": len(completion.tokens), "profile": profile}
+
+    # Each answer is kept the moment it finishes, so that the same command after an interruption answers
+    # only the rest: a request's answer depends on its record and seed alone, never on its batch.
+    partial = partial_path(out)
+    identity = {"settings": settings_record(settings), "records": file_digest(records_path),
+                "checkpoint": checkpoint_identity(checkpoint)}
+    kept = resumed_answers(partial, identity, {record.id for record in records}, notes)
+    todo = [i for i, record in enumerate(records) if record.id not in kept]
+    with partial.open("a" if kept else "w", encoding="utf-8") as keeping, \
+            progress_bar(total=len(records), progress=progress, desc="generate", unit="rec", initial=len(kept)) as bar:
+        if not kept:
+            keeping.write(json.dumps({PARTIAL_HEADER: identity}, ensure_ascii=False, default=str) + "\n")
+
+        def each(index: int, completions) -> None:
+            keeping.write(json.dumps(row(records[todo[index]], completions[0]), ensure_ascii=False) + "\n")
+            keeping.flush()
+
+        completions = engine.generate([requests[i] for i in todo], progress=bar.update, each=each)
+    answered = {records[i].id: row(records[i], completion) for i, (completion,) in zip(todo, completions)}
+    rows = [kept.get(record.id) or answered[record.id] for record in records]
     with out.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for one in rows:
+            handle.write(json.dumps(one, ensure_ascii=False) + "\n")
+    partial.unlink()
     seconds = time.perf_counter() - started
     new_tokens = sum(row["new_tokens"] for row in rows)
     counts = {reason: sum(row["finish_reason"] == reason for row in rows) for reason in (FINISH_STOP, FINISH_LENGTH)}
