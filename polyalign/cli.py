@@ -7,6 +7,7 @@ Each subcommand parses its arguments and calls its stage; errors that come from 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import os
@@ -608,10 +609,14 @@ def _run_train(args) -> int:
 
     existing = "resume" if args.resume else "overwrite" if args.overwrite else "continue"
     result = train(config, args.out, progress=not args.no_progress, existing=existing)
+    saved = f"{str(args.out).rstrip('/')}/checkpoints/{result['end_step']}"
     if jax.process_index() > 0:  # several processes ran one job: its outcome is said once, by process 0
+        if result["interrupted"]:  # but a host's own log says that it stopped, and where
+            print(f"process {jax.process_index()}: stopped at step {result['end_step']} with the job; checkpoint "
+                  f"saved ({saved})")
         return 0
     if result["interrupted"]:
-        print(f"stopped at step {result['end_step']}; checkpoint saved. Run the same command to resume.")
+        print(f"stopped at step {result['end_step']}; checkpoint saved ({saved}). Run the same command to resume.")
         return 0
     if result["stopped_early"]:  # train.stop_at: the same command would stop there again
         where = (f"already at step {result['end_step']}, at or past train.stop_at={config.train.stop_at}; nothing "
@@ -1559,6 +1564,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say(f"polyalign {args.command_path}: interrupted")
         return INTERRUPTED
+    except BrokenPipeError:
+        # standard output's reader is gone (`| head`, a launcher killed outright): whatever the command did
+        # stands; there is no one to tell, and the interpreter's own flush at exit must not fail again
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as err:
         if err.errno not in _FULL_OR_READ_ONLY:
             raise
@@ -1579,7 +1590,8 @@ def entry() -> None:
     if supervisor.wanted(sys.argv[1:], os.environ):
         code = supervisor.run_as_parent(sys.argv[1:])
         if code < 0:  # the child ended by a signal: so does this process, for the shell or the launcher to see
-            signal.signal(-code, signal.SIG_DFL)
+            with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP take no handler, and need none
+                signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         sys.exit(code)
     code = main()

@@ -229,3 +229,76 @@ def test_a_sigterm_reaches_a_process_waiting_to_join(tmp_path):
     assert parent.returncode == 128 + signal.SIGTERM
     assert err.strip().splitlines()[-1] == ("polyalign train sft: stopped by SIGTERM while waiting for the job's other "
                                             "processes to join")
+
+
+def test_a_worker_killed_outright_ends_its_parent_the_same_way(tmp_path):
+    """The kernel's out-of-memory killer SIGKILLs the process doing the work: its parent ends by SIGKILL too
+    (a shell's 137, `was killed by SIGKILL` to the launcher), not with a traceback and status 1."""
+    parent = _start_waiting_to_join(tmp_path)
+    os.kill(_started_child(parent), signal.SIGKILL)
+    err = parent.communicate(timeout=30)[1]
+    assert parent.returncode == -signal.SIGKILL and "Traceback" not in err, err
+
+
+def test_a_launcher_killed_outright_stops_its_processes(tmp_path):
+    """`polyalign launch` SIGKILLed (or out of memory): each process it started gets SIGTERM from the kernel,
+    the stop a training process checkpoints on, instead of training on with no one to read it."""
+    program = ("import os, signal, sys, time\n"
+               f"def mark(what): open(os.path.join({str(tmp_path)!r}, what + os.environ['POLYALIGN_PROCESS_ID']), "
+               "'w').close()\n"
+               "def stop(signum, frame):\n"
+               "    mark('stopped-'); sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, stop)\n"
+               "mark('started-')\n"
+               "time.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "polyalign", "launch", "--nproc", "2", "--cpu-devices", "1",
+                                 "--", sys.executable, "-c", program], stdout=subprocess.DEVNULL)
+    _wait_for(lambda: all((tmp_path / f"started-{i}").exists() for i in range(2)))
+    launcher.kill()
+    launcher.wait(timeout=30)
+    _wait_for(lambda: all((tmp_path / f"stopped-{i}").exists() for i in range(2)), seconds=10)
+
+
+def test_sigterm_after_the_join_reaches_polyalign_not_jax(tmp_path):
+    """JAX's preemption service took SIGTERM in C++ from the join on: a stop during compilation or restore was
+    swallowed and the job trained on. With the service off, the process's own handler hears it."""
+    program = tmp_path / "joined.py"
+    program.write_text(textwrap.dedent("""
+        import os, signal, time
+        heard = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+        from polyalign.mesh import parallel
+        parallel.initialize_distributed()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        print("heard" if heard else "not heard", flush=True)
+        import jax
+        jax.distributed.shutdown()
+    """))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "POLYALIGN_COORDINATOR": f"127.0.0.1:{free_port()}",
+           "POLYALIGN_NUM_PROCESSES": "2", "PYTHONPATH": str(Path(__file__).parents[1])}
+    processes = [subprocess.Popen([sys.executable, str(program)], env={**env, "POLYALIGN_PROCESS_ID": str(i)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+    assert [p.communicate(timeout=60)[0].strip() for p in processes] == ["heard", "heard"]
+
+
+def test_a_closing_terminal_stops_training_after_a_checkpoint_as_sigterm_does():
+    """SIGHUP (an ssh session or terminal that closes) ended a run at once, losing the steps since its last
+    checkpoint: the training loop takes it as it takes SIGTERM and Ctrl-C."""
+    from polyalign.train.trainer import _StopSignal
+
+    with _StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.2)
+        assert stop.requested(mesh=None)
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_a_reader_gone_from_standard_output_is_no_traceback(tmp_path):
+    """A launcher killed outright (or `| head`) leaves a command writing into a closed pipe: it ends with the
+    shell's status for SIGPIPE and nothing on standard error, not a BrokenPipeError traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "polyalign", "train", "sft", "--print-config"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=60) == 128 + signal.SIGPIPE and "Traceback" not in err, err

@@ -355,6 +355,10 @@ def _initialize(default_timeout: int, **arguments) -> None:
         raise ParallelError(f"POLYALIGN_JOIN_TIMEOUT={timeout} must be at least 1 (seconds)")
     timeout = timeout or default_timeout
     arguments["initialization_timeout"] = timeout + 60
+    # JAX's preemption service takes SIGTERM in C++ from the join on, where polyalign's handler never hears
+    # it: a scheduler's stop during compilation or restore was swallowed and the job trained on. polyalign
+    # agrees on a stop itself, every step, over all processes (train/trainer.py _StopSignal).
+    jax.config.update("jax_enable_preemption_service", False)
     joined, decided = threading.Event(), threading.Lock()
     threading.Thread(target=_watch_join, args=(joined, decided, timeout, arguments), daemon=True,
                      name="polyalign-join-watch").start()

@@ -14,7 +14,6 @@ and where its checkpoints are through a small JSON file (`tell_parent`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shlex
@@ -28,12 +27,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polyalign.core.paths import committed_steps
-from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_notices
+from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_notices, signal_when_parent_ends
 
 PEER_LOST_EXIT = 4  # the status of a process that stopped because a peer of its job is gone
 STATE_ENV = "POLYALIGN_PARENT_STATE"  # set in the child: the file it tells the parent through
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-_PR_SET_PDEATHSIG = 1  # prctl option: a signal the kernel sends this process when its parent ends
 
 
 def wanted(argv: Sequence[str], env: Mapping[str, str]) -> bool:
@@ -57,12 +55,6 @@ def tell_parent(**facts) -> None:
         os.replace(temporary, path)  # whole or not at all: the parent may read it at any moment
 
 
-def _end_with_parent() -> None:
-    """In the child, before it runs: the kernel kills it when the parent ends, so that a parent killed
-    outright (SIGKILL from a scheduler or `polyalign launch`) never leaves a child holding the devices."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> int:
     """Runs `command` (this `polyalign` with `argv`) as a child and returns what this process's status should
     be. The child has a process group of its own, so a terminal's Ctrl-C reaches it once, through here; SIGTERM,
@@ -73,8 +65,10 @@ def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> 
     os.close(handle)
     previous, asked = {}, []
     try:
+        # killed with the parent: a parent killed outright (SIGKILL from a scheduler or `polyalign launch`)
+        # can pass nothing on, and must not leave a child holding the devices
         child = subprocess.Popen(command, env={**os.environ, STATE_ENV: state}, process_group=0,
-                                 preexec_fn=_end_with_parent)
+                                 preexec_fn=signal_when_parent_ends(signal.SIGKILL))
 
         def forward(signum, frame):
             if child.poll() is None:

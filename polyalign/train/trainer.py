@@ -472,7 +472,9 @@ class _Profile:
 
 
 class _StopSignal:
-    """SIGTERM / SIGINT ask the loop to checkpoint and stop after the current step."""
+    """SIGTERM / SIGINT / SIGHUP ask the loop to checkpoint and stop after the current step (SIGHUP: a
+    terminal or ssh session that closes, which ended the run at once, losing the steps since the last
+    checkpoint)."""
 
     def __init__(self):
         self._flag = False
@@ -482,7 +484,7 @@ class _StopSignal:
         self._flag = True
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
