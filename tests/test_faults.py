@@ -1254,7 +1254,10 @@ def test_sigterm_to_one_of_two_processes_stops_both_and_a_hung_pair_ends_by_itse
 
     workers = start_two_processes(run, out, *args)
     wait_for_steps(stopped + 3)
-    child = int(Path(f"/proc/{workers[1].pid}/task/{workers[1].pid}/children").read_text().split()[0])
+    # the process doing the work: timeout(1)'s child is the parent over it (polyalign/mesh/supervisor.py)
+    child = workers[1].pid
+    for _ in range(2):
+        child = int(Path(f"/proc/{child}/task/{child}/children").read_text().split()[0])
     os.kill(child, signal.SIGSTOP)
     frozen = time.time()
     try:
