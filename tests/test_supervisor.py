@@ -241,22 +241,27 @@ def test_a_worker_killed_outright_ends_its_parent_the_same_way(tmp_path):
 
 
 def test_a_launcher_killed_outright_stops_its_processes(tmp_path):
-    """`polyalign launch` SIGKILLed (or out of memory): each process it started gets SIGTERM from the kernel,
-    the stop a training process checkpoints on, instead of training on with no one to read it."""
-    program = ("import os, signal, sys, time\n"
-               f"def mark(what): open(os.path.join({str(tmp_path)!r}, what + os.environ['POLYALIGN_PROCESS_ID']), "
-               "'w').close()\n"
-               "def stop(signum, frame):\n"
-               "    mark('stopped-'); sys.exit(0)\n"
-               "signal.signal(signal.SIGTERM, stop)\n"
-               "mark('started-')\n"
-               "time.sleep(60)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "polyalign", "launch", "--nproc", "2", "--cpu-devices", "1",
-                                 "--", sys.executable, "-c", program], stdout=subprocess.DEVNULL)
-    _wait_for(lambda: all((tmp_path / f"started-{i}").exists() for i in range(2)))
+    """`polyalign launch` SIGKILLed (or out of memory) forwards nothing: each training process it started sees
+    itself handed to another parent and stops as on a scheduler's SIGTERM, instead of training on with no one
+    to read it. Here the launcher is a stand-in holding one process that waits to join (so its stop is the
+    join-phase one: ended 2 s after the SIGTERM it cannot act on)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "POLYALIGN_COORDINATOR": f"127.0.0.1:{free_port()}",
+           "POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_PROCESS_ID": "1", "POLYALIGN_LAUNCH_NOTICES": str(tmp_path)}
+    env.pop(supervisor.STATE_ENV, None)
+    stand_in = ("import subprocess, sys, time\n"
+                "p = subprocess.Popen([sys.executable, '-m', 'polyalign', 'train', 'sft', '--out', "
+                f"{str(tmp_path / 'out')!r}])\n"
+                "print(p.pid, flush=True)\n"
+                "time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", stand_in], env=env, stdout=subprocess.PIPE, text=True)
+    parent = int(launcher.stdout.readline())
+    _wait_for(lambda: _children(parent) and Path(f"/proc/{_children(parent)[0]}/cmdline").read_bytes().split(
+        b"\0")[1:4] == [b"-P", b"-m", b"polyalign.cli"])
+    child = _children(parent)[0]
     launcher.kill()
     launcher.wait(timeout=30)
-    _wait_for(lambda: all((tmp_path / f"stopped-{i}").exists() for i in range(2)), seconds=10)
+    _wait_for(lambda: not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text()
+                              .split()[2] for pid in (parent, child)), seconds=supervisor.JOIN_STOP_GRACE + 8)
 
 
 def test_sigterm_after_the_join_reaches_polyalign_not_jax(tmp_path):

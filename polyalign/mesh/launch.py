@@ -8,7 +8,6 @@ processes itself (one GPU each through CUDA_VISIBLE_DEVICES, or CPU devices for 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import io
 import os
@@ -22,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -147,10 +146,7 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     # "[Gloo] Rank [Gloo] Rank 10 is connected to  is connected to 11 peer ranks."); Python's own, unbuffered,
     # comes as it is printed. Standard error (progress bars, warnings) is the terminal's, as it was.
     shared["PYTHONUNBUFFERED"] = "1"
-    # A launcher killed outright (SIGKILL, an out-of-memory kill) stops its processes as a scheduler's stop
-    # would, a checkpoint after the current step, instead of leaving them training with no one to read them.
-    processes = [subprocess.Popen(list(command), env={**os.environ, **shared, **env}, stdout=subprocess.PIPE,
-                                  preexec_fn=signal_when_parent_ends(signal.SIGTERM))
+    processes = [subprocess.Popen(list(command), env={**os.environ, **shared, **env}, stdout=subprocess.PIPE)
                  for env in local_environments(nproc, port, cpu_devices, os.environ.get("XLA_FLAGS"))]
     relays = [_relay_lines(p.stdout) for p in processes]
 
@@ -202,16 +198,6 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
         shutil.rmtree(notices, ignore_errors=True)
 
 
-def signal_when_parent_ends(sig: int) -> Callable[[], None]:
-    """A `preexec_fn` for a child process: the kernel sends it `sig` when the process that started it
-    ends, however it ends (PR_SET_PDEATHSIG; Linux only, elsewhere nothing)."""
-    def arm() -> None:
-        if sys.platform == "linux":
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    return arm
-
-
-_PR_SET_PDEATHSIG = 1  # prctl option: a signal the kernel sends this process when its parent ends
 _OUTPUT_LOCK = threading.Lock()
 _LONGEST_HELD = 1 << 20  # a line longer than this (no end in sight) goes out in pieces rather than grow in memory
 

@@ -14,6 +14,7 @@ and where its checkpoints are through a small JSON file (`tell_parent`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shlex
@@ -23,11 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from polyalign.core.paths import committed_steps
-from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_notices, signal_when_parent_ends
+from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_notices
 
 PEER_LOST_EXIT = 4  # the status of a process that stopped because a peer of its job is gone
 STATE_ENV = "POLYALIGN_PARENT_STATE"  # set in the child: the file it tells the parent through
@@ -55,6 +56,16 @@ def tell_parent(**facts) -> None:
         os.replace(temporary, path)  # whole or not at all: the parent may read it at any moment
 
 
+def signal_when_parent_ends(sig: int) -> Callable[[], None]:
+    """A `preexec_fn` for a child process: the kernel sends it `sig` when the process that started it
+    ends, however it ends (PR_SET_PDEATHSIG; Linux only, elsewhere nothing)."""
+    def arm() -> None:
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    return arm
+
+
+_PR_SET_PDEATHSIG = 1  # prctl option: a signal the kernel sends this process when its parent ends
 def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> int:
     """Runs `command` (this `polyalign` with `argv`) as a child and returns what this process's status should
     be. The child has a process group of its own, so a terminal's Ctrl-C reaches it once, through here; SIGTERM,
@@ -77,12 +88,19 @@ def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> 
 
         previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
         joined = False
+        # Started by `polyalign launch`: a launcher killed outright (SIGKILL, out of memory) forwards nothing,
+        # and its processes would train on with no one to read them; this one is handed to another parent
+        # then, and stops as a scheduler's SIGTERM stops it (a checkpoint after the current step).
+        launcher = os.getppid() if os.environ.get(NOTICES_ENV) else None
         while True:
             try:
                 code = child.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if launcher is not None and os.getppid() != launcher:
+                launcher = None
+                forward(signal.SIGTERM, None)
             joined = joined or "process" in _read_state(state)
             stop = None if joined else stopped_while_joining(argv, asked, os.environ)
             if stop is not None:
