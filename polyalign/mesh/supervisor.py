@@ -8,7 +8,9 @@ training loop can say what happened or where to resume. Started as one of severa
 that imports no JAX: the parent passes signals on, ends with the child's status, and turns that abort
 into the lost-peer line (the last committed checkpoint, the command that resumes) and status
 PEER_LOST_EXIT, as the other ways of losing a peer end. The child tells the parent who it is in the job
-and where its checkpoints are through a small JSON file (`tell_parent`).
+and where its checkpoints are through a small JSON file (`tell_parent`). The parent also does what the
+child cannot: it ends a child stuck in JAX's join when asked to stop or when the launcher saw a peer fail,
+and stops it when `polyalign launch` itself is gone.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_noti
 PEER_LOST_EXIT = 4  # the status of a process that stopped because a peer of its job is gone
 STATE_ENV = "POLYALIGN_PARENT_STATE"  # set in the child: the file it tells the parent through
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+_PR_SET_PDEATHSIG = 1  # prctl option: a signal the kernel sends this process when its parent ends
 
 
 def wanted(argv: Sequence[str], env: Mapping[str, str]) -> bool:
@@ -65,7 +68,6 @@ def signal_when_parent_ends(sig: int) -> Callable[[], None]:
     return arm
 
 
-_PR_SET_PDEATHSIG = 1  # prctl option: a signal the kernel sends this process when its parent ends
 def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> int:
     """Runs `command` (this `polyalign` with `argv`) as a child and returns what this process's status should
     be. The child has a process group of its own, so a terminal's Ctrl-C reaches it once, through here; SIGTERM,
