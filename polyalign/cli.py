@@ -609,14 +609,13 @@ def _run_train(args) -> int:
 
     existing = "resume" if args.resume else "overwrite" if args.overwrite else "continue"
     result = train(config, args.out, progress=not args.no_progress, existing=existing)
-    saved = f"{str(args.out).rstrip('/')}/checkpoints/{result['end_step']}"
+    saved = f"checkpoint saved ({result['checkpoint']})" if "checkpoint" in result else "no checkpoint kept"
     if jax.process_index() > 0:  # several processes ran one job: its outcome is said once, by process 0
         if result["interrupted"]:  # but a host's own log says that it stopped, and where
-            print(f"process {jax.process_index()}: stopped at step {result['end_step']} with the job; checkpoint "
-                  f"saved ({saved})")
+            print(f"process {jax.process_index()}: stopped at step {result['end_step']} with the job; {saved}")
         return 0
     if result["interrupted"]:
-        print(f"stopped at step {result['end_step']}; checkpoint saved ({saved}). Run the same command to resume.")
+        print(f"stopped at step {result['end_step']}; {saved}. Run the same command to resume.")
         return 0
     if result["stopped_early"]:  # train.stop_at: the same command would stop there again
         where = (f"already at step {result['end_step']}, at or past train.stop_at={config.train.stop_at}; nothing "

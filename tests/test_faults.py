@@ -1218,7 +1218,7 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes(built_run, tmp_
     output = process.communicate(timeout=120)[0]
     assert process.returncode == 0, output[-2000:]
     stopped = len(read_metrics(out))
-    assert f"stopped at step {stopped}" in output
+    assert f"stopped at step {stopped}; checkpoint saved ({out / 'checkpoints' / str(stopped)})" in output
     assert (out / "checkpoints" / str(stopped)).is_dir()
     output = wait_ok([start_cli(args + [f"train.stop_at={stopped + 2}"], {}, devices=1)])[0]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, stopped + 3))

@@ -419,6 +419,7 @@ class Trainer:
                     if checkpointer is not None:
                         phase(f"checkpoint {step}", "checkpoint")
                         checkpointer.save(step, self.state, train_iterator, force=True)
+                        result["checkpoint"] = str(checkpointer.directory / str(step))
         finally:
             bar.close()
             if checkpointer is not None:
