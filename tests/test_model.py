@@ -153,6 +153,38 @@ def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path):
             load_hf_checkpoint(checkpoint)
 
 
+def test_a_checkpoints_fingerprint_follows_its_weights_and_config_not_its_path(tmp_path):
+    """What a training run records of its init (train/ownership.py): the same files anywhere give the same
+    fingerprint; one projection's weights changed, as a merged adapter changes them, or the config edited,
+    give another, also in a checkpoint of more tensors than the fingerprint reads."""
+    from safetensors.numpy import save_file
+
+    from polyalign.model.hf import checkpoint_fingerprint
+
+    checkpoint, copy = tmp_path / "checkpoint", tmp_path / "elsewhere" / "copy"
+    shutil.copytree(FIXTURES / "hf" / "llama", checkpoint)
+    shutil.copytree(checkpoint, copy)
+    assert checkpoint_fingerprint(checkpoint) == checkpoint_fingerprint(copy)
+    tensors = load_file(checkpoint / "model.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+    save_file({**tensors, name: tensors[name] + 1e-3}, copy / "model.safetensors", metadata={"format": "pt"})
+    assert checkpoint_fingerprint(copy) != checkpoint_fingerprint(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "rope_theta": 1234.0}))
+    before = checkpoint_fingerprint(checkpoint)
+    shutil.copy(FIXTURES / "hf" / "llama" / "config.json", checkpoint / "config.json")
+    assert checkpoint_fingerprint(checkpoint) != before
+    # 7 projections a layer, 300 tensors: an adapter merged into one projection of each layer is seen
+    rng = np.random.default_rng(0)
+    many = {f"model.layers.{i // 7}.proj_{i % 7}.weight": rng.standard_normal((4, 2048), np.float32) for i in range(300)}
+    (tmp_path / "many").mkdir()
+    save_file(many, tmp_path / "many" / "model.safetensors")
+    before = checkpoint_fingerprint(tmp_path / "many")
+    save_file({k: v + 1e-3 if k.endswith("proj_3.weight") else v for k, v in many.items()},
+              tmp_path / "many" / "model.safetensors")
+    assert checkpoint_fingerprint(tmp_path / "many") != before
+
+
 def test_config_round_trip():
     for family in FAMILIES:
         hf = json.loads((FIXTURES / "hf" / family / "config.json").read_text())

@@ -1128,10 +1128,11 @@ def test_a_round_beyond_the_rounds_a_later_run_planned_is_still_the_kth_of_k(tmp
     assert round_of(tmp_path / "round-1")["round"] == "1 of 2 (on-policy)"
 
 
-def test_a_run_is_not_continued_on_pairs_that_changed_since_it_started(demo_run, demo_tokenizer, tmp_path):
+def test_a_run_is_not_continued_on_pairs_or_an_init_that_changed_since_it_started(demo_run, demo_tokenizer, tmp_path):
     """OUT/inputs.json records what the pairs files held: the same command after `pairs import --overwrite`
     wrote other pairs at the same path is refused (with --resume too), since the checkpoints were trained on
-    the others; the same bytes written again continue it; --overwrite trains on the new pairs."""
+    the others; the same bytes written again continue it; --overwrite trains on the new pairs. An init
+    checkpoint replaced at its path (another SFT run's --overwrite) is refused the same way."""
     from polyalign.core.yaml_config import ConfigError
     from polyalign.train.methods import load_config
     from polyalign.train.run import train as train_preference
@@ -1144,7 +1145,7 @@ def test_a_run_is_not_continued_on_pairs_that_changed_since_it_started(demo_run,
     out = tmp_path / "out"
     assert train_preference(config, out, progress=False)["end_step"] == 1
     recorded = json.loads((out / "inputs.json").read_text())
-    assert set(recorded) == {"pairs", "val_pairs"}
+    assert set(recorded) == {"init", "pairs", "val_pairs"}
     assert recorded["pairs"]["digest"] == file_digest(tmp_path / "train.jsonl")
     pairs = (tmp_path / "train.jsonl").read_bytes()
     (tmp_path / "train.jsonl").write_bytes(pairs)  # written again, the same pairs: the same run
@@ -1157,6 +1158,17 @@ def test_a_run_is_not_continued_on_pairs_that_changed_since_it_started(demo_run,
     again = train_preference(config, out, progress=False, existing="overwrite")
     assert again["start_step"] == 0 and again["train_pairs"] == 5
     assert json.loads((out / "inputs.json").read_text())["pairs"]["digest"] == file_digest(tmp_path / "train.jsonl")
+    # The init trained or exported again at the same path: the reference and the starting point are other
+    # weights, and the checkpoints went on from the old ones.
+    from polyalign.model import create_model, load_hf_checkpoint, save_hf_checkpoint
+
+    init = load_hf_checkpoint(tmp_path / "init")
+    save_hf_checkpoint(create_model(init.config, seed=1), tmp_path / "init", overwrite=True, extra_files={
+        name: (tmp_path / "init" / name).read_bytes() for name in ("tokenizer.model", "tokenizer_config.json")})
+    for existing in ("continue", "resume"):
+        with pytest.raises(ConfigError, match=rf"{out}: the run started from another model: init={tmp_path / 'init'} "
+                                              r"\([0-9a-f]{12}… then, [0-9a-f]{12}… now\) holds other weights"):
+            train_preference(config, out, progress=False, existing=existing)
 
 
 def test_a_finished_round_and_a_build_are_judged_by_what_they_hold(tmp_path):

@@ -3,6 +3,7 @@ index), read and written with safetensors' NumPy backend; torch is never needed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import uuid
@@ -91,6 +92,36 @@ def _safetensors_files(path: epath.Path) -> list[epath.Path]:
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files (polyalign reads safetensors checkpoints only)")
     return files
+
+
+# How many tensors of a checkpoint its fingerprint reads from, and how much of each.
+_FINGERPRINT_TENSORS = 64
+_FINGERPRINT_BYTES = 4096
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """A digest of what a checkpoint folder holds, for telling whether `init` was replaced since a run
+    started from it: its config.json, every safetensors file's name, size and header, and 4 KiB from the
+    middle of each of up to 64 tensors spread over the header's order. Another training or export changes
+    the weights of every tensor it trains (a merged adapter, those of q_proj and v_proj), so the sample sees
+    it; hashing every byte would read a 15 GB checkpoint, or download it from a bucket, on every start."""
+    folder = as_path(path)
+    digest = hashlib.sha256((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
+    for file in _safetensors_files(folder):
+        with file.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = handle.read(size)
+            digest.update(file.name.encode() + b"\0" + header)
+            try:
+                spans = [v["data_offsets"] for k, v in json.loads(header).items() if k != "__metadata__"]
+            except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
+                continue  # not a safetensors file: loading it says so; its bytes so far are in the digest
+            step = max(len(spans) // _FINGERPRINT_TENSORS, 1)
+            for begin, end in sorted(spans[::step][:_FINGERPRINT_TENSORS]):
+                middle = 8 + size + (begin + end) // 2
+                handle.seek(max(middle - _FINGERPRINT_BYTES // 2, 8 + size + begin))
+                digest.update(handle.read(min(_FINGERPRINT_BYTES, end - begin)))
+    return "sha256:" + digest.hexdigest()
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:

@@ -10,9 +10,10 @@ the config is the same; otherwise the keys that differ decide:
   learning-rate schedule);
 - anything else (the data, the model, the method, the optimiser) is another run: refused unless
   `--overwrite`, which starts over and removes what the earlier run wrote.
-OUT/inputs.json records what the files the run trains and validates on held (their digests): a file at the
-same path that holds something else since (pairs imported again, a run built again) makes it another run
-too, whatever the flags but --overwrite, since its checkpoints were trained on the other.
+OUT/inputs.json records what the files the run trains and validates on held (their digests), and the init
+checkpoint it started from (a fingerprint): a file at the same path that holds something else since (pairs
+imported again, a run built again, an init trained again) makes it another run too, whatever the flags but
+--overwrite, since its checkpoints were trained on the other.
 A lock file (polyalign/core/outputs.py) refuses a second process writing the same folder.
 """
 
@@ -102,12 +103,17 @@ BUILD_CIRCUMSTANCES = ("seconds", "dataset")
 def input_contents(files: dict[str, str | None]) -> dict[str, dict[str, str]]:
     """{key: {"path", "digest"}} of each of `files` that is there: what OUT/inputs.json records. A build's
     digest is its manifest's, less how long it took and where its dataset lies (its settings, inputs'
-    digests, counts per split: a newer polyalign that cuts otherwise changes them)."""
+    digests, counts per split: a newer polyalign that cuts otherwise changes them); a checkpoint folder's, its
+    fingerprint (polyalign/model/hf.py)."""
     contents = {}
     for key, path in files.items():
-        if not path or not as_path(path).is_file():
+        if not path or not as_path(path).exists():
             continue
-        if as_path(path).name == "manifest.json":
+        if as_path(path).is_dir():  # an init checkpoint
+            from polyalign.model.hf import checkpoint_fingerprint  # heavy: jax; ownership is read without it
+
+            digest = checkpoint_fingerprint(path)
+        elif as_path(path).name == "manifest.json":
             manifest = json.loads(as_path(path).read_text(encoding="utf-8"))
             made = json.dumps({k: v for k, v in manifest.items() if k not in BUILD_CIRCUMSTANCES}, sort_keys=True,
                               default=str)
@@ -131,12 +137,21 @@ def check_contents(out: Path, contents: dict[str, dict[str, str]]) -> None:
         return
     recorded = json.loads(recorded_file.read_text(encoding="utf-8"))
     changed = [key for key in contents if key in recorded and recorded[key]["digest"] != contents[key]["digest"]]
+    if "init" in changed:  # the model it started from: its checkpoints went on from weights that are gone
+        shown = _changed_inputs(["init"], recorded, contents)
+        raise ConfigError(f"{out}: the run started from another model: {shown} holds other weights since (trained "
+                          "or exported again); its checkpoints went on from what was there. Pass --overwrite to start "
+                          "from the new init, or give another --out")
     if changed:
-        shown = ", ".join(f"{key}={contents[key]['path']} ({recorded[key]['digest'][7:19]}… then, "
-                          f"{contents[key]['digest'][7:19]}… now)" for key in changed)
+        shown = _changed_inputs(changed, recorded, contents)
         raise ConfigError(f"{out}: the run started on other data: {shown} {'hold' if len(changed) > 1 else 'holds'} "
                           "something else since (imported or built again); its checkpoints were trained on what was "
                           "there. Pass --overwrite to train on the new data from the start, or give another --out")
+
+
+def _changed_inputs(keys: list[str], recorded: dict, contents: dict) -> str:
+    return ", ".join(f"{key}={contents[key]['path']} ({recorded[key]['digest'][7:19]}… then, "
+                     f"{contents[key]['digest'][7:19]}… now)" for key in keys)
 
 
 def _moved_round_keys(out: Path, saved: dict[str, Any], current: dict[str, Any], keys) -> set[str]:

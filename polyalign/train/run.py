@@ -162,11 +162,12 @@ def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
 
 def trained_files(config) -> dict[str, str | None]:
     """The files a run trains and validates on, by the key that names them (pairs as a preference method
-    resolves them; an SFT run's build, by its manifest): what OUT/inputs.json records (ownership.py). None for
-    the critic, which trains from the start whenever it runs."""
+    resolves them; an SFT run's build, by its manifest), and the init checkpoint it starts from: what
+    OUT/inputs.json records (ownership.py). None for the critic, which trains from the start whenever it runs."""
     files: dict[str, str | None] = {}
     if config.method == "critic":  # trained from the start every time (no checkpoints): nothing to continue
         return files
+    files["init"] = getattr(config, "init", None)
     if hasattr(config, "pair_file"):  # the preference methods
         for key in ("pairs", "val_pairs"):
             with contextlib.suppress(ConfigError):  # no pairs named: the method says so when it reads them
