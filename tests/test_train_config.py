@@ -264,6 +264,16 @@ def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_l
             reads = not np.allclose(np.asarray(loss(pairs, base)), np.asarray(loss(pairs, other)))
             said = [note for note in unread_settings(other) if note.startswith(f"{key}={value} is set")]
             assert bool(said) != reads, (method, key, said)
+    # HDPO's own terms, read by hdpo and by the others with hdpo_terms; adaptive weighting's settings by it alone
+    for method in PREFERENCE_METHODS:
+        for terms in (False, True):
+            config = load_config(None, ["lambda_dist=0.5", "gamma_ftx=0.2", f"hdpo_terms={terms}"], method=method)
+            said = sorted(note.split("=")[0] for note in unread_settings(config))
+            assert said == ([] if method == "hdpo" or terms else ["gamma_ftx", "lambda_dist"]), (method, terms, said)
+    for weighting in ("uniform", "bucket", "adaptive"):
+        config = load_config(None, [f"weighting={weighting}", "adaptive.step_size=0.5"], method="sft")
+        assert [n.split("=")[0] for n in unread_settings(config)] == ([] if weighting == "adaptive" else
+                                                                      ["adaptive.step_size"]), weighting
     assert main(["train", "kto", "--print-config", "on_policy.temperature=0.3", "model.lora.alpha=8"]) == 0
     comments = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# ")]
     assert "# on_policy.temperature=0.3 is set, but this kto run does not read it (it is for on-policy rounds, " \
