@@ -1247,7 +1247,7 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     # the preset the config still names is left out: the architecture was init's
     assert bucket == {"checkpoint": str(tmp_path / "bucket_sft" / "model"), "method": "sft", "weighting": "bucket",
                       "steps": 300, "learning rate": 2e-5, "init": "/ckpt/Qwen2.5-0.5B-Instruct", "LoRA rank": 0,
-                      "data": "/runs/r"}
+                      "data": "/runs/r", "settings": {}}
     # lambda_dist and gamma_ftx are HDPO's terms: said for HDPO and for a method with hdpo_terms, not for plain DPO
     for name, method in (("dpo", {"method": "dpo"}), ("hdpo", {"method": "hdpo"}),
                          ("dpo_terms", {"method": "dpo", "hdpo_terms": True})):
@@ -1272,6 +1272,15 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
                                       "LoRA rank": ["0", "0", "—"], "data": ["runs/r", "runs/r", "—"]}
     assert differing_models({"a": {"config": {"trained": bucket}}, "b": {"config": {"trained": uniform}}}) == {
         "method": ["sft", "sft"], "weighting": ["bucket", "uniform"]}
+    # every other setting that shapes the model is named by its key where the runs that have it differ; where
+    # a run stopped and what it logged are not, nor a setting only one method has
+    seeded = [trained_run(f"seed{seed}", "bucket", train={"steps": 300, "seed": seed, "eval_every": 10 * seed},
+                          optimizer={"lr": 2e-5, "min_lr_ratio": 0.1 * seed}) for seed in (0, 1)]
+    assert seeded[1]["settings"] == {"train.seed": 1, "optimizer.min_lr_ratio": 0.1}
+    preference = trained_run("dpo_seed", None, method="dpo", beta=0.1, label_smoothing=0.0, train={"seed": 1})
+    runs = {name: {"config": {"trained": t}} for name, t in zip("abc", [*seeded, preference])}
+    assert {k: v for k, v in differing_models(runs).items() if "." in k} == {
+        "train.seed": ["0", "1", "1"], "optimizer.min_lr_ratio": ["0", "0.1", "—"]}
     # a round of on-policy rounds: which round of how many, and the model round 1 started from
     (tmp_path / "hdpo_rounds" / "round-1").mkdir(parents=True)
     (tmp_path / "hdpo_rounds" / "round-1" / "config.json").write_text(json.dumps({"method": "hdpo",

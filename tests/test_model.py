@@ -176,7 +176,8 @@ def test_a_checkpoints_fingerprint_follows_its_weights_and_config_not_its_path(t
     assert checkpoint_fingerprint(checkpoint) != before
     # 7 projections a layer, 300 tensors: an adapter merged into one projection of each layer is seen
     rng = np.random.default_rng(0)
-    many = {f"model.layers.{i // 7}.proj_{i % 7}.weight": rng.standard_normal((4, 2048), np.float32) for i in range(300)}
+    many = {f"model.layers.{i // 7}.proj_{i % 7}.weight": rng.standard_normal((4, 2048), np.float32)
+            for i in range(300)}
     (tmp_path / "many").mkdir()
     save_file(many, tmp_path / "many" / "model.safetensors")
     before = checkpoint_fingerprint(tmp_path / "many")

@@ -24,6 +24,22 @@ from polyalign.core.yaml_config import ConfigError
 LOCK = ".polyalign.lock"
 
 
+# A training config's keys that say where a run stops and how it is laid out: the same model is computed
+# under any of them (a run continues when only they changed).
+FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.", "train.hang_timeout",
+             "train.peer_timeout")
+# Keys that change what a run logs, checks or keeps, never the model it trains: a finished round of
+# on-policy rounds is the same round under any of them.
+REPORTING_KEYS = ("train.checkpoint_every", "train.eval_every", "train.log_every", "train.max_nonfinite",
+                  "data.eval_limit", "train.report_to", "train.tracker_project", "train.peak_tflops",
+                  "train.profile_steps")
+
+
+def keys_match(key: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a dotted key is one of `patterns`, or inside one ending in a dot (a section)."""
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
 def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat = {}
     for key, value in mapping.items():

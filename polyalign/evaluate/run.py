@@ -24,7 +24,17 @@ from polyalign.core import jsonl
 from polyalign.core.errors import EvaluationError, GenerationError
 from polyalign.core.extras import require
 from polyalign.core.native_stderr import captured_stderr_lines
-from polyalign.core.outputs import other_stages_folder, read_record, same_path, sidecar, stage_output
+from polyalign.core.outputs import (
+    FREE_KEYS,
+    REPORTING_KEYS,
+    flatten,
+    keys_match,
+    other_stages_folder,
+    read_record,
+    same_path,
+    sidecar,
+    stage_output,
+)
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.core.wording import counted
@@ -778,7 +788,12 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's terms: the others never read them
         settings.pop("lambda_dist", None)
         settings.pop("gamma_ftx", None)
-    return {"checkpoint": checkpoint, **settings, **round_of(Path(checkpoint).parent)}
+    # Every other setting that shapes the model, by its key (train.seed, optimizer.min_lr_ratio, data.pack...):
+    # a comparison names whichever of them differ; where a run stops and what it logs are left out.
+    named = {".".join(keys) for _, keys in TRAINING_SETTINGS}
+    others = {key: value for key, value in flatten(config).items()
+              if key not in named and not keys_match(key, FREE_KEYS + REPORTING_KEYS)}
+    return {"checkpoint": checkpoint, **settings, **round_of(Path(checkpoint).parent), "settings": others}
 
 
 def round_of(run: Path) -> dict[str, Any]:

@@ -1108,9 +1108,16 @@ def differing_models(runs: dict[str, dict]) -> dict[str, list[str]]:
     trained = [r["config"].get("trained") or {} for r in runs.values()]
     if not any(len(t) > 1 for t in trained):
         return {}
-    names = [name for name in dict.fromkeys(k for t in trained for k in t) if name != "checkpoint"]
-    return {name: _cells([t.get(name, "—") for t in trained]) for name in names
-            if name == "method" or len({json.dumps(t.get(name), default=str) for t in trained}) > 1}
+    names = [name for name in dict.fromkeys(k for t in trained for k in t) if name not in ("checkpoint", "settings")]
+    named = {name: _cells([t.get(name, "—") for t in trained]) for name in names
+             if name == "method" or len({json.dumps(t.get(name), default=str) for t in trained}) > 1}
+    # the other settings, by key (train.seed): one only some methods have, or that an older evaluation did not
+    # record, differs where the runs that have it differ
+    others = [t.get("settings") or {} for t in trained]
+    for key in dict.fromkeys(k for o in others for k in o):
+        if len({json.dumps(o[key], default=str) for o in others if key in o}) > 1:
+            named[key] = _cells([o.get(key, "—") for o in others])
+    return named
 
 
 def _cells(values: list[Any]) -> list[str]:

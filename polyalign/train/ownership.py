@@ -26,28 +26,25 @@ import re
 from pathlib import Path
 from typing import Any
 
-from polyalign.core.outputs import describe_changes, differing_keys, flatten, same_path
+from polyalign.core.outputs import (
+    FREE_KEYS,
+    REPORTING_KEYS,
+    describe_changes,
+    differing_keys,
+    flatten,
+    keys_match,
+    same_path,
+)
 from polyalign.core.paths import as_path, file_digest, recorded_path, remove_path
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
-FREE_KEYS = ("train.stop_at", "train.keep_checkpoints", "data.eval_batch", "parallel.", "train.hang_timeout",
-             "train.peer_timeout")
-# Keys that change what a run logs, checks or keeps, never the model it trains: a finished round of
-# on-policy rounds is the same round under any of them.
-REPORTING_KEYS = ("train.checkpoint_every", "train.eval_every", "train.log_every", "train.max_nonfinite",
-                  "data.eval_limit", "train.report_to", "train.tracker_project", "train.peak_tflops",
-                  "train.profile_steps")
 RESUMABLE_KEYS = ("train.steps", "train.epochs", "train.checkpoint_every", "train.eval_every", "train.log_every",
                   "train.max_nonfinite", "data.eval_limit", "train.report_to", "train.tracker_project",
                   "train.peak_tflops", "train.profile_steps")
 # What a run writes into OUT, removed by --overwrite; anything else in the folder is left alone.
 RUN_FILES = ("config.json", "inputs.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "profile",
              "wandb", "model", "adapter", "critic.json", "critic.safetensors", "train_pairs.jsonl", "val_pairs.jsonl")
-
-
-def _matches(key: str, patterns: tuple[str, ...]) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
 
 def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], existing: str = "continue",
@@ -84,8 +81,8 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
         return "overwrite"
     moved = _moved_round_keys(out, saved, current, inputs)  # a stopped round of a folder of rounds copied since
     changed = [k for k in changed if k not in moved]
-    needs_resume = [k for k in changed if not _matches(k, FREE_KEYS)]
-    other = [k for k in needs_resume if not _matches(k, RESUMABLE_KEYS)]
+    needs_resume = [k for k in changed if not keys_match(k, FREE_KEYS)]
+    other = [k for k in needs_resume if not keys_match(k, RESUMABLE_KEYS)]
     if other:
         raise ConfigError(f"{out}: made by another config ({describe_changes(other, saved, current)}); pass "
                           "--overwrite to start over there, or give another --out")
@@ -208,9 +205,9 @@ def check_finished_round(out: Path, config: dict[str, Any], inputs: dict[str, st
         return
     saved, current, changed = _compared(saved_path, config, inputs)
     moved = _moved_round_keys(out, saved, current, inputs)
-    other = [k for k in changed if not _matches(k, FREE_KEYS + REPORTING_KEYS + unused) and k not in moved]
+    other = [k for k in changed if not keys_match(k, FREE_KEYS + REPORTING_KEYS + unused) and k not in moved]
     if other:
-        resumable = [k for k in other if _matches(k, RESUMABLE_KEYS)]
+        resumable = [k for k in other if keys_match(k, RESUMABLE_KEYS)]
         why = (f" ({', '.join(resumable)}: --resume continues a stopped round, not a finished one)"
                if resumable else "")
         raise ConfigError(f"{out}: a finished round of another config ({describe_changes(other, saved, current)})"
