@@ -1454,13 +1454,43 @@ def _out_of_range(args, parser: argparse.ArgumentParser) -> str | None:
     return None
 
 
+_GIVEN = "_polyalign_options_given"  # the namespace's record of the options met so far, removed after parsing
+
+
+class _StoreOnce(argparse._StoreAction):
+    """An option that takes a value, refused when it is given twice: argparse keeps the last one, so a second
+    --config would replace the first file whole and a second --out would write elsewhere, unsaid."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, _GIVEN, None)
+        if given is None:
+            given = {}
+            setattr(namespace, _GIVEN, given)
+        if self.dest in given:
+            first, then = (" ".join(map(str, v)) if isinstance(v, list) else str(v) for v in (given[self.dest], values))
+            hint = "; one config file a run: change single settings with key=value" \
+                if self.dest == "config" and parser.prog.startswith("polyalign train") else ""
+            parser.error(f"{option_string} is given twice ({first}, then {then}): give it once{hint}")
+        given[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
     """Options written out in full: argparse would take `--bootstrap-draw` for `--bootstrap-draws`, and an
-    abbreviation that is unique today can mean another option once one is added. Every subcommand's
-    parser is of this class (argparse makes subparsers of their parent's)."""
+    abbreviation that is unique today can mean another option once one is added; an option that takes a
+    value is given once (_StoreOnce). Every subcommand's parser is of this class (argparse makes subparsers
+    of their parent's)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        for name in (None, "store"):  # argument groups read the parser's registry too
+            self.register("action", name, _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        if hasattr(parsed, _GIVEN):
+            delattr(parsed, _GIVEN)
+        return parsed, extra
 
     def error(self, message: str):
         """argparse's refusal, with the option meant where an unknown one is close to a known one."""

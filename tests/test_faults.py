@@ -370,13 +370,16 @@ def _command_path(argv) -> str:
     return max(paths, key=len)
 
 
-def _required_arguments(parser):
-    """Placeholder values for a subcommand's required arguments: the range check runs before any is read."""
+def _required_arguments(parser, but: str | None = None):
+    """Placeholder values for a subcommand's required arguments but the option `but` (given once, by the
+    caller): the range check runs before any is read."""
     import argparse
 
     argv = []
     for action in parser._actions:
         if isinstance(action, (argparse._SubParsersAction, argparse._HelpAction)) or action.nargs == argparse.REMAINDER:
+            continue
+        if but in action.option_strings:
             continue
         if action.option_strings and not action.required:
             continue
@@ -409,11 +412,57 @@ def test_every_numeric_option_of_every_subcommand_has_a_range_and_is_refused_out
         for value in refused:
             text = str(action.type(value)) if value == value and abs(value) != float("inf") else str(value)
             given = [text] * (action.nargs if isinstance(action.nargs, int) else 1)
-            argv = [*path.split(), *_required_arguments(parsers[path]), option, *given]
+            argv = [*path.split(), *_required_arguments(parsers[path], but=option), option, *given]
             assert main(argv) == 2, argv
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and "Traceback" not in err, err
             assert err.startswith(f"polyalign {path}: error: {option} must be "), err
+
+
+def _takes(action, value: str) -> bool:
+    """Whether an option's type reads `value`."""
+    import argparse
+
+    try:
+        action.type and action.type(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        return False
+    return True
+
+
+def test_every_option_that_takes_a_value_is_refused_when_given_twice(capsys):
+    """argparse keeps an option's last value: a second --config replaced the first file whole, and a second
+    --out wrote elsewhere, unsaid. Every option of every subcommand that takes a value is refused the second
+    time, in one line naming both values; flags and the options meant to repeat are not."""
+    import argparse
+
+    from polyalign.cli import _StoreOnce, build_parser, subcommands
+
+    checked = 0
+    for path, parser in subcommands(build_parser()):
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            if isinstance(action, argparse._StoreAction):
+                assert isinstance(action, _StoreOnce), (path, action.option_strings)
+            if not isinstance(action, _StoreOnce):
+                continue
+            value = str(action.choices[0]) if action.choices else "x" if _takes(action, "x") else "1"
+            given = [value] * (action.nargs if isinstance(action.nargs, int) else 1)
+            option = action.option_strings[0]
+            with pytest.raises(SystemExit) as stop:
+                main([*path.split(), option, *given, option, *given])
+            assert stop.value.code == 2, (path, option)
+            err = capsys.readouterr().err.splitlines()[-1]
+            hint = "; one config file a run: change single settings with key=value" \
+                if option == "--config" and path.startswith("train ") else ""
+            shown = " ".join(str(action.type(v)) if action.type else v for v in given)
+            assert err == f"polyalign {path}: error: {option} is given twice ({shown}, then {shown}): give it once{hint}"
+            checked += 1
+    assert checked > 100
+    # what a parse returns holds the options, not the record of which were met
+    args = build_parser().parse_args(["report", "a", "b", "--out", "o", "--names", "p", "q"])
+    assert (str(args.out), args.names) == ("o", ["p", "q"]) and not hasattr(args, "_polyalign_options_given")
 
 
 def test_markdown_reports_escape_what_they_embed():
@@ -998,7 +1047,7 @@ def test_predictions_pairs_and_evaluations_belong_to_their_settings_and_records(
     assert cli(capsys, *generate)[0] == 0 and predictions.read_text() == first  # the same command, the same rows
     code, err = cli(capsys, *generate, "--seed", 1)
     assert code == 2 and "seed: 0 there, 1 now" in err and predictions.read_text() == first
-    code, err = cli(capsys, *generate, "--out", records)
+    code, err = cli(capsys, *generate[:generate.index("--out")], "--out", records, *generate[generate.index("--out") + 2:])
     assert code == 2 and f"--out {records} is the command's own records" in err
 
     pairs = ["pairs", "--records", records, "--predictions", predictions, "--out", tmp_path / "pairs.jsonl"]

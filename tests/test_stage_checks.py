@@ -193,7 +193,8 @@ def test_an_interrupted_build_restarts_with_the_same_command_and_equals_an_unint
     tokenizer = str(demo_tokenizer[0].path.parent)
 
     def build(run, *extra):
-        return main(["build", str(run), "--tokenizer", tokenizer, "--max-length", "64", "--no-progress", *extra])
+        length = [] if "--max-length" in extra else ["--max-length", "64"]
+        return main(["build", str(run), "--tokenizer", tokenizer, *length, "--no-progress", *extra])
 
     real = build_module.write_dataset
 

@@ -36,6 +36,7 @@ from polyalign.core.outputs import (
     same_path,
 )
 from polyalign.core.paths import as_path, file_digest, recorded_path, remove_path
+from polyalign.core.errors import CheckpointError
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
@@ -109,7 +110,10 @@ def input_contents(files: dict[str, str | None]) -> dict[str, dict[str, str]]:
         if as_path(path).is_dir():  # an init checkpoint
             from polyalign.model.hf import checkpoint_fingerprint  # heavy: jax; ownership is read without it
 
-            digest = checkpoint_fingerprint(path)
+            try:
+                digest = checkpoint_fingerprint(path)
+            except CheckpointError:  # no weights there: loading it says so, after the run's own checks
+                continue
         elif as_path(path).name == "manifest.json":
             manifest = json.loads(as_path(path).read_text(encoding="utf-8"))
             made = json.dumps({k: v for k, v in manifest.items() if k not in BUILD_CIRCUMSTANCES}, sort_keys=True,
