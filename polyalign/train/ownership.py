@@ -26,6 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from polyalign.core.errors import CheckpointError
 from polyalign.core.outputs import (
     FREE_KEYS,
     REPORTING_KEYS,
@@ -36,7 +37,6 @@ from polyalign.core.outputs import (
     same_path,
 )
 from polyalign.core.paths import as_path, file_digest, recorded_path, remove_path
-from polyalign.core.errors import CheckpointError
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
