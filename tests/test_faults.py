@@ -457,7 +457,8 @@ def test_every_option_that_takes_a_value_is_refused_when_given_twice(capsys):
             hint = "; one config file a run: change single settings with key=value" \
                 if option == "--config" and path.startswith("train ") else ""
             shown = " ".join(str(action.type(v)) if action.type else v for v in given)
-            assert err == f"polyalign {path}: error: {option} is given twice ({shown}, then {shown}): give it once{hint}"
+            assert err == f"polyalign {path}: error: {option} is given twice ({shown}, then {shown}): give it once" \
+                          f"{hint}"
             checked += 1
     assert checked > 100
     # what a parse returns holds the options, not the record of which were met
@@ -1047,7 +1048,8 @@ def test_predictions_pairs_and_evaluations_belong_to_their_settings_and_records(
     assert cli(capsys, *generate)[0] == 0 and predictions.read_text() == first  # the same command, the same rows
     code, err = cli(capsys, *generate, "--seed", 1)
     assert code == 2 and "seed: 0 there, 1 now" in err and predictions.read_text() == first
-    code, err = cli(capsys, *generate[:generate.index("--out")], "--out", records, *generate[generate.index("--out") + 2:])
+    at = generate.index("--out")
+    code, err = cli(capsys, *generate[:at], "--out", records, *generate[at + 2:])
     assert code == 2 and f"--out {records} is the command's own records" in err
 
     pairs = ["pairs", "--records", records, "--predictions", predictions, "--out", tmp_path / "pairs.jsonl"]
