@@ -44,6 +44,7 @@ from polyalign.train.methods import (
     derived_notes,
     load_config,
     method_spec,
+    retargeted_note,
     settings_help,
     shared_sections_help,
     unread_settings,
@@ -588,7 +589,8 @@ def _run_train(args) -> int:
     # an override comes last, the subcommand's own method with it (`train hdpo ... method=dpo`): said, not silent
     renamed = (f"note: method={config.method} (an override) trains {config.method}, not the subcommand's "
                f"{args.method}" if args.method and config.method != args.method else None)
-    unread = unread_settings(config) + repeated_overrides(args.overrides)
+    retargeted = None if renamed else retargeted_note(args.config, args.method)
+    unread = [*([retargeted] if retargeted else []), *unread_settings(config), *repeated_overrides(args.overrides)]
     if args.print_config:
         print(config_as_yaml(config), end="")
         for note in [*([renamed] if renamed else []), *derived_notes(config), *unread]:  # comments: it reads back

@@ -216,8 +216,16 @@ def test_the_subcommand_picks_the_method_and_refuses_another_schema(capsys):
     printed = capsys.readouterr().out
     assert "\nmethod: ipo\n" in printed
     assert "\n# note: method=ipo (an override) trains ipo, not the subcommand's dpo\n" in printed
+    assert "says method:" not in printed  # the override's note says it all
     assert main(["train", "dpo", "--config", str(CONFIGS["hdpo"]), "--print-config"]) == 0
-    assert "# note: method=" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "# note: method=" not in printed
+    # the file's own method, replaced by the subcommand's, is said too (at the start of a run as a note)
+    assert f"\n# {CONFIGS['hdpo']} says method: hdpo; this run trains dpo, the subcommand's method\n" in printed
+    assert main(["train", "hdpo", "--config", str(CONFIGS["hdpo"]), "--print-config"]) == 0
+    assert "says method:" not in capsys.readouterr().out
+    assert main(["train", "dpo", "--config", str(CONFIGS["hdpo"]), "--out", "/nonexistent/out"]) == 2
+    assert capsys.readouterr().err.startswith(f"note: {CONFIGS['hdpo']} says method: hdpo; this run trains dpo")
     with pytest.raises(ConfigError, match="the config is for method 'sft'; train it with `polyalign train sft`"):
         load_config(CONFIGS["sft"], [], method="hdpo")
     with pytest.raises(ConfigError, match="method 'sft' is not trained by `polyalign train critic`"):

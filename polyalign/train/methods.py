@@ -246,6 +246,15 @@ def load_config(path: Path | None, overrides: list[str] = (), method: str | None
     return config
 
 
+def retargeted_note(path: Path | None, method: str | None) -> str | None:
+    """What `polyalign train METHOD --config C` says when C is another method's config of the same family
+    (`train hdpo` on a DPO config trains HDPO: the subcommand wins, load_config); None otherwise."""
+    written = str(load_mapping(path).get("method", "")) if path is not None and method is not None else ""
+    if not written or written == method:
+        return None
+    return f"{path} says method: {written}; this run trains {method}, the subcommand's method"
+
+
 def with_lora_defaults(config: Any, spec: MethodSpec, lr_given: bool) -> Any:
     """`config` with the method's LoRA learning rate when it trains adapters and no one set optimizer.lr."""
     if not config.model.lora.rank or lr_given or spec.lora_lr is None:
