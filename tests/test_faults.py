@@ -1143,6 +1143,19 @@ def _damage(checkpoint: Path) -> None:
             path.write_bytes(b"\0" * max(path.stat().st_size, 16))
 
 
+def test_a_batch_that_does_not_divide_over_the_devices_leaves_nothing_behind(built_run, tmp_path):
+    """Refused before config.json is written: the corrected command then starts afresh (it was refused as
+    `made by another config (train.global_batch: 6 there, 8 now)`)."""
+    run, _ = built_run
+    out = tmp_path / "out"
+    process = start_cli(train_args(run, out, "parallel.data=4", "train.global_batch=6"), {}, devices=4)
+    output = process.communicate()[0]
+    assert process.returncode == 2, output[-2000:]
+    assert output.splitlines()[-1] == ("polyalign train sft: error: global_batch 6 / micro_batches 1 = 6 sequences per "
+                                       "micro-batch must divide over 4 batch shards (data x fsdp) and 1 processes")
+    assert not out.exists()
+
+
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes(built_run, tmp_path, capsys):
     from polyalign.core.errors import CheckpointError
 

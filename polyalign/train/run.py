@@ -42,7 +42,7 @@ from polyalign.train.methods import method_spec
 from polyalign.train.metrics import MetricsWriter, read_metrics
 from polyalign.train.rounds import train_rounds
 from polyalign.train.throughput import Throughput
-from polyalign.train.trainer import Objective, Trainer, make_optimizer, warmup_steps
+from polyalign.train.trainer import Objective, Trainer, check_batch_division, make_optimizer, warmup_steps
 
 
 @dataclass
@@ -223,6 +223,7 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
     mesh = parallel.make_mesh(config.parallel)
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
+    check_batch_division(loop, mesh)  # before config.json is written: the corrected command then starts afresh
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
     if jax.process_index() == 0:

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from polyalign.core.errors import TrainingError
 from polyalign.core.progress import progress_bar
@@ -96,6 +96,17 @@ def _bound(objective, state: dict):
     return objective.bind(state) if state else objective
 
 
+def check_batch_division(loop, mesh: Mesh) -> None:
+    """Refuses a global batch whose micro-batches do not divide over the mesh's batch shards and the
+    processes; a run checks it before it writes anything into OUT, so the corrected command starts afresh."""
+    micro = loop.global_batch // loop.micro_batches
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if loop.global_batch % loop.micro_batches or micro % shards or micro % jax.process_count():
+        raise TrainingError(f"global_batch {loop.global_batch} / micro_batches {loop.micro_batches} = {micro} "
+                            f"sequences per micro-batch must divide over {shards} batch shards (data x fsdp) "
+                            f"and {jax.process_count()} processes")
+
+
 class Trainer:
     """Owns the sharded state {params, opt_state, step, rng, nonfinite} and runs the loop.
 
@@ -163,12 +174,7 @@ class Trainer:
         self._step = parallel.ordered_jit(self._step_impl, out_shardings=(self.state_shardings, None),
                                           donate_argnums=0)
         self.watchdog = None  # a polyalign.mesh.watchdog.Watchdog told each phase of fit
-        micro = loop.global_batch // loop.micro_batches
-        shards = mesh.shape["data"] * mesh.shape["fsdp"]
-        if loop.global_batch % loop.micro_batches or micro % shards or micro % jax.process_count():
-            raise TrainingError(f"global_batch {loop.global_batch} / micro_batches {loop.micro_batches} = {micro} "
-                                f"sequences per micro-batch must divide over {shards} batch shards (data x fsdp) "
-                                f"and {jax.process_count()} processes")
+        check_batch_division(loop, mesh)
 
     # --- the step ------------------------------------------------------------------------------
 
