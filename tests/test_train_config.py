@@ -59,6 +59,32 @@ def test_a_typo_anywhere_names_the_closest_key_and_the_override(method, typo, un
     assert f"unknown key '{unknown}'; did you mean '{suggestion}'" in str(caught.value)
 
 
+def test_another_methods_setting_is_named_as_such_for_every_method_and_key(tmp_path):
+    """Every top-level key of any method's config, given to a method that has no such key (`beta` to SFT,
+    `weighting` to DPO), from an override or from the file, is said to be a setting of the methods that
+    have it, rather than pointed at a look-alike (`did you mean 'data'?`)."""
+    from polyalign.core.yaml_config import BUILD_FLAGS, section_keys
+
+    tops = {name: set(_fields(spec.config)) for name, spec in METHODS.items()}
+    checked = 0
+    for method, own in tops.items():
+        for key in sorted(set().union(*tops.values()) - own):
+            if section_keys(METHODS[method].config, key) or (key in BUILD_FLAGS and method == "sft"):
+                continue  # a key of one of its sections, bare, or a build's flag: pointed there
+            readers = [name for name in METHODS if key in tops[name]]
+            said = f"unknown key '{key}': {key} is a setting of {', '.join(readers)}, not of {method} " \
+                   f"(polyalign train {readers[0]})"
+            with pytest.raises(ConfigError) as caught:
+                load_config(None, [f"{key}=1"], method=method)
+            assert str(caught.value) == f"override {key}=1: {said}"
+            checked += 1
+    assert checked > 20
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({"method": "sft", "beta": 0.3}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: unknown key 'beta': beta is a setting of hdpo, dpo")):
+        load_config(path, [], method="sft")
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_a_key_given_without_its_section_is_pointed_at_its_section(method):
     """Every key of every section (at any depth), given bare (`lr=1e-3`, `steps=3`, `rank=8`), is refused
