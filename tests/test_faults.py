@@ -1380,6 +1380,13 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
         train_sft(sft_config(run, 3, "optimizer.lr=0.002"), out, progress=False)
     with pytest.raises(ConfigError, match=r"started with train.steps=3 \(now 4\); pass --resume"):
         train_sft(sft_config(run, 4), out, progress=False)
+    # another method's run: said first, not as a list of every key the two methods do not share
+    from polyalign.train.ownership import claim
+
+    with pytest.raises(ConfigError) as other:
+        claim(out, {**json.loads((out / "config.json").read_text()), "method": "dpo", "beta": 0.1}, {})
+    assert str(other.value) == f"{out}: holds a run of sft; this command trains dpo. Give another --out, or pass " \
+                               "--overwrite to replace that run"
     capsys.readouterr()
     resumed = train_sft(sft_config(run, 4), out, progress=False, existing="resume")
     assert resumed["start_step"] == 3 and resumed["end_step"] == 4

@@ -84,6 +84,9 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     changed = [k for k in changed if k not in moved]
     needs_resume = [k for k in changed if not keys_match(k, FREE_KEYS)]
     other = [k for k in needs_resume if not keys_match(k, RESUMABLE_KEYS)]
+    if "method" in other:  # said first: beside another method's keys, the rest of the list is noise
+        raise ConfigError(f"{out}: holds a run of {saved.get('method')}; this command trains {current.get('method')}. "
+                          "Give another --out, or pass --overwrite to replace that run")
     if other:
         raise ConfigError(f"{out}: made by another config ({describe_changes(other, saved, current)}); pass "
                           "--overwrite to start over there, or give another --out")
