@@ -1404,9 +1404,10 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
         train_sft(sft_config(run, 3), run, progress=False)
     # --overwrite with a mistyped input: refused before anything of the earlier run is removed
     kept = sorted(p.name for p in out.iterdir())
-    with pytest.raises(ConfigError, match=f"data.dir={tmp_path / 'nowhere'}: no such file or folder; nothing in "
-                                          "--out was removed"):
-        train_sft(sft_config(tmp_path / "nowhere", 3), out, progress=False, existing="overwrite")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"data.dir={tmp_path / 'nowhere'}: no such file or folder; nothing in --out was removed (a training "
+            f"config's paths are read from the folder the command runs in, {tmp_path}, not from the config file's)")):
+        train_sft(sft_config("nowhere", 3), out, progress=False, existing="overwrite")
     assert sorted(p.name for p in out.iterdir()) == kept and "checkpoints" in kept
 
 

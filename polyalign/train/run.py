@@ -157,7 +157,10 @@ def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
     for key, path in inputs.items():
         if path and not is_uri(path) and not Path(path).exists():
             kept = "; nothing in --out was removed" if existing == "overwrite" else ""
-            raise ConfigError(f"{key}={path}: no such file or folder{kept}")
+            # a relative path in a config file, read from where the command runs (not the file's folder)
+            hint = (f" (a training config's paths are read from the folder the command runs in, {Path.cwd()}, not "
+                    "from the config file's)") if Path(path).is_relative_to(Path.cwd()) else ""
+            raise ConfigError(f"{key}={path}: no such file or folder{kept}{hint}")
 
 
 def trained_files(config) -> dict[str, str | None]:
