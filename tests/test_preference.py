@@ -390,9 +390,23 @@ def test_packed_pairs_give_the_unpacked_loss_and_gradient(method, demo_run, demo
 
 
 @pytest.mark.slow
-def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
+def test_the_packing_note_of_pairs_counts_rows_and_positions_by_hand():
+    """Four pairs of a 3-token prompt and 2-token answers (ids cut to max_length 8): a tree takes the prompt's
+    2 shared positions once and 2 + 2 of each side's, 6 in all, so a row of 16 holds 2; packed, 24 of 32
+    positions hold tokens (75%); unpacked, each side takes a row of 8 with 4 positions each (32 of 64, 50%)."""
+    from polyalign.inputs.pair_rows import pair_packing_note
+
+    examples = [{"id": str(i), "chosen_ids": [1, 2, 3, 4 + i, 5], "rejected_ids": [1, 2, 3, 9 + i, 7]}
+                for i in range(4)]
+    assert pair_packing_note(examples, 8, seed=0) == (
+        "data.pack: an epoch's 4 pairs fill 2 rows of 16 positions (2.00 a row, at most 2; each prompt once): 75% of "
+        "positions hold tokens, against 50% unpacked (a row of 8 a side); the loss is the same")
+
+
+def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
     """`data.pack=true` end to end: rows of whole pairs, several pairs a step, a first step at the
-    reference (margin 0), validation on unpacked pairs and an exported model."""
+    reference (margin 0), validation on unpacked pairs and an exported model; the run says what packing
+    filled (an SFT run says it of its examples)."""
     from polyalign.train.methods import load_config
     from polyalign.train.metrics import read_metrics
     from polyalign.train.run import train as train_preference
@@ -402,9 +416,17 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path):
         f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
         "data.pack=true", "max_length=192", "train.steps=3", "train.global_batch=2", "train.eval_every=1",
         "train.checkpoint_every=3", "attention_impl=xla"])
+    capsys.readouterr()
     result = train_preference(config, tmp_path / "out", progress=False)
     steps = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3] and result["train_pairs"] == 20
+    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data.pack: "))
+    found = re.fullmatch(r"data\.pack: an epoch's 20 pairs fill (\d+) rows of 384 positions \(([\d.]+) a row, at "
+                         r"most (\d+); each prompt once\): (\d+)% of positions hold tokens, against (\d+)% unpacked "
+                         r"\(a row of 192 a side\); the loss is the same", note)
+    assert found, note
+    rows, slots = int(found[1]), int(found[3])
+    assert rows < 20 and rows * slots >= 20 and found[2] == f"{20 / rows:.2f}"
     assert abs(steps[0]["rewards/margin"]) < 1e-4
     assert all(r["pairs"] >= 2 for r in steps) and sum(r["pairs"] for r in steps) > 6  # rows hold several pairs
     val = [r for r in read_metrics(tmp_path / "out") if "val_pairs" in r]

@@ -190,6 +190,21 @@ def ordered_pair_rows(examples: list[dict], length: int, pad_id: int, pack: bool
     return rows, arrays_of
 
 
+def pair_packing_note(examples: list[dict], max_length: int, seed: int) -> str:
+    """What `data.pack` does to the first epoch of pairs: the rows of 2 x max_length positions its pairs fill,
+    and the share of positions that hold tokens packed (each prompt once) and unpacked (a row of max_length
+    for each side, the prompt in both). The loss and gradient are the same either way: only the work is."""
+    spans = np.array([tree_spans(e, max_length) for e in examples], np.int64).reshape(-1, 3)
+    trees = spans[:, 1] + spans[:, 2] - spans[:, 0]
+    slots = pair_slots(trees, 2 * max_length)
+    rows = pipeline.packed_rows_per_epoch(trees, 2 * max_length, seed, max_items=slots)
+    packed = trees.sum() / (rows * 2 * max_length)
+    unpacked = (spans[:, 1] + spans[:, 2]).sum() / (len(spans) * 2 * max_length)
+    return (f"data.pack: an epoch's {len(spans):,} pairs fill {rows:,} row{'s' * (rows != 1)} of {2 * max_length} "
+            f"positions ({len(spans) / rows:.2f} a row, at most {slots}; each prompt once): {packed:.0%} of positions "
+            f"hold tokens, against {unpacked:.0%} unpacked (a row of {max_length} a side); the loss is the same")
+
+
 def train_pair_batches(examples: list[dict], layout: pipeline.Layout, steps: int, seed: int, max_length: int,
                        pad_id: int, pack: bool = False):
     """The training batches: one pair per row pair (chosen and rejected rows of max_length), or packed,

@@ -206,12 +206,17 @@ class _PackedRows:
         return self._first_row[1]
 
 
+def packed_rows_per_epoch(lengths: np.ndarray, length: int, seed: int, max_items: int | None = None) -> int:
+    """How many rows of `length` positions the first epoch's examples fill, packed as training packs them."""
+    return _PackedRows(lengths, length, seed, max_items=max_items).rows_per_epoch()
+
+
 def packing_note(lengths: np.ndarray, length: int, seed: int) -> str:
     """What packing does to the first epoch: how many rows its examples fill, and the share of positions
     that hold tokens packed and unpacked (examples cut to `length` as training cuts them). With most
     examples as long as a row already, packing gains little, and this says so before any step."""
     cut = np.minimum(lengths, length)
-    rows = _PackedRows(lengths, length, seed).rows_per_epoch()
+    rows = packed_rows_per_epoch(lengths, length, seed)
     packed, unpacked = cut.sum() / (rows * length), cut.sum() / (len(cut) * length)
     # cut to the build's max_length: an example's positions are its tokens less one, so it fills all but one
     full = int((lengths >= length - 1).sum())

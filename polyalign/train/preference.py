@@ -28,6 +28,7 @@ from polyalign.inputs.pair_rows import (
     is_packed,
     ordered_pair_rows,
     pair_arrays,
+    pair_packing_note,
     tokenise_pairs,
     train_pair_batches,
 )
@@ -343,7 +344,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                   config.truncation)
     notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation, config.profile),
              *cut_unlike_sft_notes(config), profile_note(config, tokenizer, train_pairs[0]),
-             tokenizer_note(config, tokenizer, train_pairs)]
+             tokenizer_note(config, tokenizer, train_pairs),
+             pair_packing_note(train_examples, max_length, config.train.seed) if config.data.pack else None]
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
             reference_logps(base_model(model), train_examples + val_examples, max_length, tokenizer.pad_id,
