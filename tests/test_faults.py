@@ -1390,6 +1390,11 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     capsys.readouterr()
     resumed = train_sft(sft_config(run, 4), out, progress=False, existing="resume")
     assert resumed["start_step"] == 3 and resumed["end_step"] == 4
+    # the run's history is kept: a reader of its model card, or of a comparison, sees it was resumed longer
+    segments = json.loads((out / "summary.json").read_text())["segments"]
+    assert [(s["start_step"], s["end_step"], s["steps"]) for s in segments] == [(0, 3, 3), (3, 4, 4)]
+    assert "| steps | 3, then 4 from step 3 (resumed with another train.steps) |" in \
+        (out / "model" / "README.md").read_text(encoding="utf-8")
     printed = capsys.readouterr().out
     assert "resumed from step 3" in printed and "; resuming at step 3 (OUT/checkpoints) of a run that started from " \
                                                  "scratch (model.preset " in printed

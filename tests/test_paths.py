@@ -123,3 +123,19 @@ def test_a_built_run_read_from_a_bucket_finds_its_dataset_and_tokenizer(built_ru
         assert str(build_tokenizer_path("gs://bucket/runs/demo", moved)) == "gs://bucket/runs/demo/tokenizer"
         assert str(dataset_dir("gs://bucket/runs/demo")) == "gs://bucket/runs/demo/build/sft_examples/1.0.0"
     assert str(build_tokenizer_path(run, manifest)) == manifest["tokenizer"]
+
+
+def test_a_runs_length_history_names_each_length_and_where_it_began():
+    from polyalign.core.paths import length_history
+
+    def segments(*spans):
+        return [{"start_step": a, "end_step": b, "steps": n} for a, b, n in spans]
+
+    assert length_history(segments((0, 20, 20)), 20) is None
+    assert length_history(segments((0, 7, 20), (7, 20, 20)), 20) is None  # stopped and resumed alike
+    # during the resumed invocation (its own segment not yet written) and after it
+    assert length_history(segments((0, 20, 20)), 30) == "20, then 30 from step 20"
+    assert length_history(segments((0, 20, 20), (20, 30, 30)), 30) == "20, then 30 from step 20"
+    assert length_history(segments((0, 10, 20), (10, 25, 30), (25, 40, 40)), 40) == \
+        "20, then 30 from step 10, then 40 from step 25"
+    assert length_history([{"start_step": 0, "end_step": 5, "steps": None}], 8) is None  # an older summary

@@ -7,6 +7,7 @@ reads checkpoints goes through `as_path` instead, so a URI reaches the libraries
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from typing import Any
@@ -97,3 +98,36 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
         return sorted(int(p.name) for p in as_path(directory).iterdir() if p.name.isdigit())
     except OSError:
         return []
+
+
+def run_segments(out: str | os.PathLike) -> list[dict]:
+    """The invocations that trained the run in OUT, oldest first (OUT/summary.json's `segments`): each one's
+    start_step, end_step and the train.steps it ran with. A summary written before segments were kept counts
+    as one invocation, of unknown length."""
+    try:
+        summary = json.loads((as_path(out) / "summary.json").read_text())
+    except (OSError, ValueError):  # a new run, or one that never finished an invocation
+        return []
+    if not isinstance(summary, dict):
+        return []
+    if isinstance(summary.get("segments"), list):
+        return summary["segments"]
+    if "end_step" in summary:
+        return [{"start_step": summary.get("start_step", 0), "end_step": summary["end_step"], "steps": None}]
+    return []
+
+
+def length_history(segments: list[dict], steps: int) -> str | None:
+    """How the run's length changed on resume, where it did: `20, then 30 from step 20` (a resumed run
+    with another train.steps follows the new length's schedule from there); None where it never changed."""
+    said, lengths = [], []
+    for segment in segments:
+        if segment.get("steps") is not None and (not lengths or lengths[-1] != segment["steps"]):
+            lengths.append(segment["steps"])
+            said.append(f"{segment['steps']}" + (f" from step {segment['start_step']}" if said else ""))
+    if not lengths or lengths == [steps]:
+        return None
+    if lengths[-1] != steps:
+        said.append(f"{steps} from step {segments[-1].get('end_step')}")
+    return ", then ".join(said)
+

@@ -35,7 +35,7 @@ from polyalign.core.outputs import (
     sidecar,
     stage_output,
 )
-from polyalign.core.paths import file_digest, is_uri
+from polyalign.core.paths import file_digest, is_uri, length_history, run_segments
 from polyalign.core.progress import progress_bar
 from polyalign.core.wording import counted
 from polyalign.data.language import wrong_script
@@ -783,6 +783,9 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
             value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
             settings[name] = value
+    lengths = length_history(run_segments(Path(checkpoint).parent), (config.get("train") or {}).get("steps"))
+    if lengths:  # resumed with another train.steps: not a plain run of the last length
+        settings["steps"] = lengths
     if settings.get("init"):  # the architecture is init's: a preset the config still names was not used
         settings.pop("preset", None)
     if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's terms: the others never read them

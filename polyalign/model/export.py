@@ -30,7 +30,7 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as Tokenizers
 
 from polyalign.core.errors import CheckpointError
-from polyalign.core.paths import as_path
+from polyalign.core.paths import as_path, length_history, run_segments
 from polyalign.mesh import parallel
 from polyalign.model.architecture import compute_dtype
 from polyalign.model.hf import save_hf_checkpoint
@@ -262,14 +262,18 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
     `coverage`: how many training examples held the profile prompt whole (profile_coverage); `max_length`:
     the longest sequence this run trained on (default data.max_length)."""
     written = {}
+    card = training_card(config)
+    lengths = length_history(run_segments(out), config.train.steps)
+    if lengths:  # resumed with another train.steps: the schedule changed where it resumed
+        card["steps"] = f"{lengths} (resumed with another train.steps)"
     if has_adapters(model):
-        export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=training_card(config))
+        export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=card)
         written["adapter"] = str(as_path(out) / "adapter")
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
                       dtype=config.model.export_dtype or compute_dtype(config.model.dtype),
-                      card={**training_card(config), **({PROFILE_COVERAGE: coverage} if coverage else {})},
+                      card={**card, **({PROFILE_COVERAGE: coverage} if coverage else {})},
                       base=config.init, system=system, values=values,
                       max_length=longest_trained(config.init, max_length or config.data.max_length))
     return {"model": str(as_path(out) / "model"), **written}

@@ -24,7 +24,7 @@ import jax
 from flax import nnx
 
 from polyalign.core.outputs import OutputLock, no_empty_folder_left
-from polyalign.core.paths import as_path, is_uri, recorded_path
+from polyalign.core.paths import as_path, is_uri, recorded_path, run_segments
 from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
@@ -271,6 +271,14 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
                 result.update(job.finish(trainer, out) or {})
     result.update(out=str(out), method=config.method, **job.summary,
                   seconds=round(time.perf_counter() - started, 1), mesh=dict(mesh.shape))
+    # every invocation that trained the run, kept across resumes (a changed train.steps reshapes the schedule
+    # from where it resumed: the model card and evaluate's record say so, read from here)
+    segments = run_segments(out)
+    if result["end_step"] > result["start_step"] or not segments:
+        segments = [*segments, {"start_step": result["start_step"], "end_step": result["end_step"],
+                                "steps": loop.steps, "processes": jax.process_count(), "mesh": dict(mesh.shape),
+                                "seconds": result["seconds"]}]
+    result["segments"] = segments
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
