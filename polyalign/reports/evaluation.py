@@ -1035,7 +1035,17 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                     "answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and the "
                     "aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
     single = _runs_notes(runs)
-    warning += "".join(_note_html(text, warns, sentence=False) for text, warns in single)
+    # notes every run shares stand with the settings; each run's own come after the overall table, so five
+    # runs' notes do not push the numbers down a page (the bold ones are pointed to from here)
+    shared = [(text, warns) for text, warns in single if text.startswith("Every run: ")] if len(runs) > 1 else single
+    own_notes = [note for note in single if note not in shared]
+    warned = list(dict.fromkeys(text.split(": ", 1)[0] for text, warns in own_notes if warns))
+    warning += "".join(_note_html(text, warns, sentence=False) for text, warns in shared)
+    if warned:
+        warning += (f"<p><b>{html.escape(', '.join(warned))} {'has a warning' if len(warned) == 1 else 'have warnings'}"
+                    "</b> under Notes on each run, below the overall table.</p>")
+    run_notes = ["<h2>Notes on each run</h2>", "".join(_note_html(text, warns, sentence=False)
+                                                        for text, warns in own_notes)] if own_notes else []
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
     overall_note = AGGREGATE_NOTE + (
         f" Macros count every bucket once, the ones with fewer than "
@@ -1058,15 +1068,20 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         warning += lead
         behind = [_plain(lead)] if lead else []
     sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html, aggregate_note,
-                 *(answers[0] if answers else ()),
+                 *run_notes, *(answers[0] if answers else ()),
                  "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
                 + [_embedded(out / i) for i in images])
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     markdown = ["# polyalign comparison", "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
                 *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
-                *(f"**{text}.**" if warns else f"{text}." for text, warns in single), *behind,
-                "## Overall", table_md, overall_note, *(answers[1] if answers else ()),
+                *(f"**{text}.**" if warns else f"{text}." for text, warns in shared), *behind,
+                *([f"**{', '.join(warned)} {'has a warning' if len(warned) == 1 else 'have warnings'}** under Notes on "
+                   "each run, below the overall table."] if warned else []),
+                "## Overall", table_md, overall_note,
+                *(["## Notes on each run", *(f"**{text}.**" if warns else f"{text}." for text, warns in own_notes)]
+                  if own_notes else []),
+                *(answers[1] if answers else ()),
                 "## Which differences the intervals support", _plain(differences_note), differences_md,
                 "".join(f"![{i}]({i})\n" for i in images)]
     (out / "report.md").write_text("\n\n".join(part.strip("\n") for part in markdown) + "\n", encoding="utf-8")
