@@ -739,6 +739,10 @@ def test_empty_answers_are_counted_and_left_out_of_diversity(demo_run, tmp_path,
     pair = next(line for line in said.splitlines() if line.startswith("| silent - model |"))
     assert all(cell.strip() in ("—", "") or cell.strip().endswith("§") for cell in pair.split("|")[2:-1]), pair
     assert "§ a run whose answers mostly hold no word (silent: 200 of 200 answers): its numbers measure silence" in said
+    # each run's own notes after the overall table (a note every run shares stays with the settings)
+    before, after = said.split("## Overall", 1)
+    assert "Every run: TDM is over" in before and "silent: the BNG and HCR macros count" not in before
+    assert "\nsilent: the BNG and HCR macros count" in after.split("## Notes on each run")[1]
     capsys.readouterr()
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "eval_ref2"), "--compat", "reference", "--no-progress", "--no-diversity"]) == 0
