@@ -760,6 +760,13 @@ def test_a_preference_run_says_which_numbers_are_its_last_batch_and_which_valida
                          "(22 pairs): reward margin 0.0912, accuracy 0.818"), line
     result["last"] = {k: v for k, v in last.items() if not k.startswith("val_")}
     assert summary_line(result).splitlines()[0].endswith("last step's batch: reward margin 0.1636, accuracy 1.000")
+    # HDPO's distance term, validation's where it was measured, else the batch's: a lambda_dist sweep shows
+    result["last"] = {**last, "dist_reg": 0.61, "dist_reach": 0.2, "val_dist_reg": 0.618792, "val_dist_reach": 0.0734}
+    assert summary_line(result).splitlines()[0].endswith(
+        "accuracy 0.818; its distance term dist_reg 0.6188, dist_reach 0.073"), summary_line(result)
+    result["last"] = {"rewards/margin": 0.1636, "rewards/accuracy": 1.0, "dist_reg": 0.61, "dist_reach": 0.2}
+    assert summary_line(result).splitlines()[0].endswith(
+        "accuracy 1.000; the batch's distance term dist_reg 0.6100, dist_reach 0.200")
 
 
 def test_a_model_card_says_the_objective_and_the_data_it_was_trained_on():

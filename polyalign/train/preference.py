@@ -415,6 +415,12 @@ def summary_line(result: dict[str, Any]) -> str:
     # the last step's batch, then the validation pairs where the last step evaluated them
     validation = (f"; validation ({result['val_pairs']} pairs): reward margin {last['val_rewards/margin']:.4f}, "
                   f"accuracy {last.get('val_rewards/accuracy', nan):.3f}" if "val_rewards/margin" in last else "")
+    # HDPO's distance term, where it was logged: a lambda_dist sweep otherwise shows no difference here
+    where = "val_" if "val_dist_reg" in last else ""
+    if f"{where}dist_reg" in last:
+        owner = "its" if where else "the batch's"
+        validation += (f"; {owner} distance term dist_reg {last[where + 'dist_reg']:.4f}, dist_reach "
+                       f"{last.get(where + 'dist_reach', nan):.3f}")
     rounds = result.get("rounds", [])
     # every round's validation, so that the rounds compare where the run is read (summary.json has them too)
     earlier = "".join(f"round {r['round']}: to step {r['end_step']} on {r.get('train_pairs')} pairs"
