@@ -769,6 +769,19 @@ def test_a_preference_run_says_which_numbers_are_its_last_batch_and_which_valida
         "accuracy 1.000; the batch's distance term dist_reg 0.6100, dist_reach 0.200")
 
 
+def test_an_sft_run_says_which_objective_its_training_loss_is():
+    """The training loss is the last batch's objective, weighted as the run weighs buckets (adaptive weights
+    too); the validation loss, a plain mean, is the one to compare runs by."""
+    from polyalign.train.sft import summary_line
+
+    result = {"end_step": 20, "start_step": 0, "seconds": 9.0, "last": {"loss": 7.5, "val_loss": 7.2}, "model": "m"}
+    said = {w: summary_line({**result, "weighting": w}).splitlines()[0] for w in ("uniform", "bucket", "adaptive")}
+    assert said["uniform"].endswith("final loss 7.5000 (the last batch's objective), validation loss 7.2000 (mean "
+                                    "over examples: compare runs by it)")
+    assert "(the last batch's bucket-weighted objective)" in said["bucket"]
+    assert "(the last batch's adaptively bucket-weighted objective)" in said["adaptive"]
+
+
 def test_a_model_card_says_the_objective_and_the_data_it_was_trained_on():
     """training_card: SFT names its weighting (Bucket-SFT, plain or adaptive: their exports are otherwise
     alike), a preference method its pairs file (the default one under data.dir when none is set)."""

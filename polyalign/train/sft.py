@@ -267,9 +267,10 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
 def summary_line(result: dict[str, Any]) -> str:
     last = result.get("last", {})
     trained = steps_phrase(result, f"trained {steps_run(result)} in {result['seconds']} s")
-    # the training loss is one batch's objective, bucket-weighted under Bucket-SFT; the validation loss is the mean
-    # over examples under every weighting, the number to compare runs by
-    objective = "bucket-weighted " if result.get("weighting") == "bucket" else ""
+    # the training loss is one batch's objective, weighted by bucket under Bucket-SFT and adaptive weighting; the
+    # validation loss is the mean over examples under every weighting, the number to compare runs by
+    objective = {"bucket": "bucket-weighted ", "adaptive": "adaptively bucket-weighted "}.get(
+        result.get("weighting"), "")
     return (f"{trained}; final loss {last.get('loss', float('nan')):.4f} (the last batch's {objective}objective)"
             + (f", validation loss {last['val_loss']:.4f} (mean over examples: compare runs by it)"
                if "val_loss" in last else "")
