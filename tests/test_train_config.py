@@ -769,6 +769,19 @@ def test_a_preference_run_says_which_numbers_are_its_last_batch_and_which_valida
         "accuracy 1.000; the batch's distance term dist_reg 0.6100, dist_reach 0.200")
 
 
+def test_a_switch_reads_as_yaml_writes_it_and_as_1_0_or_a_quoted_word(tmp_path):
+    """data.pack=yes/off (YAML 1.1), 1/0 and "false" in quotes are the switch; 2 and "maybe" are refused."""
+    for given, read in (("yes", True), ("off", False), ("1", True), ("0", False), ("'false'", False),
+                        ('"True"', True)):
+        assert load_config(None, [f"data.pack={given}"], method="sft").data.pack is read, given
+    path = tmp_path / "sft.yaml"
+    path.write_text('method: sft\ndata:\n  pack: "false"\n')
+    assert load_config(path, [], method="sft").data.pack is False
+    for given in ("2", "maybe"):
+        with pytest.raises(ConfigError, match="data.pack"):
+            load_config(None, [f"data.pack={given}"], method="sft")
+
+
 def test_an_sft_run_says_which_objective_its_training_loss_is():
     """The training loss is the last batch's objective, weighted as the run weighs buckets (adaptive weights
     too); the validation loss, a plain mean, is the one to compare runs by."""

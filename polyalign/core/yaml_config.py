@@ -152,6 +152,11 @@ def _convert(value: Any, annotation: Any, where: str, default: Any = None, root:
         return float(value)
     if annotation is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
         return float(value.strip().replace("_", ""))
+    # a switch as 1/0 (data.pack=1) or quoted ("false" in a file), as YAML's yes/off already are
+    if annotation is bool and type(value) is int and value in (0, 1):
+        return bool(value)
+    if annotation is bool and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
     if annotation in (str, int, float, bool) and not isinstance(value, annotation) or (
         annotation is int and isinstance(value, bool)
     ):
