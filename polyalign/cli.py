@@ -21,7 +21,7 @@ import polyalign
 from polyalign.beam import require_beam
 from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, PrepareError
 from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, interrupts_remembered
-from polyalign.core.outputs import sidecar
+from polyalign.core.outputs import read_record, sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
 from polyalign.core.wording import counted
@@ -710,14 +710,16 @@ def _run_pairs(args) -> int:
     summary = make_pairs(args.records, args.predictions, args.out, overwrite=args.overwrite)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}")
-    _note_few_bucket_pairs(summary, args.records)
+    # how many records a bucket `generate --per-bucket` answered, where it made the predictions
+    per_bucket = ((read_record(args.predictions) or {}).get("settings") or {}).get("per_bucket")
+    _note_few_bucket_pairs(summary, args.records, per_bucket)
     print(f"pairs: {args.out}")
     return 0
 
 
-def _note_few_bucket_pairs(summary: dict, records: Path) -> None:
+def _note_few_bucket_pairs(summary: dict, records: Path, per_bucket: int | None = None) -> None:
     """Pairs follow the answered records' mix: a note names the buckets that get few or none, and how to
-    answer every bucket where its records allow more."""
+    answer every bucket where its records allow more (`per_bucket`: what the predictions' generate took)."""
     few = summary["few_pairs"]
     if not few:
         return
@@ -727,7 +729,10 @@ def _note_few_bucket_pairs(summary: dict, records: Path) -> None:
     listed += f" and {len(few) - 4} more" if len(few) > 4 else ""
     # [pairs, records, answered records]; summaries before answered records were counted: as many as paired
     unanswered = any(held > (rest[0] if rest else paired) for paired, held, *rest in few.values())
-    hint = (f"; `polyalign generate --per-bucket N` answers N records of every bucket of {records}" if unanswered
+    more = (f"these predictions answered {per_bucket} records a bucket (`generate --per-bucket {per_bucket}`); a "
+            f"larger --per-bucket answers more of every bucket of {records}" if per_bucket else
+            f"`polyalign generate --per-bucket N` answers N records of every bucket of {records}")
+    hint = (f"; {more}" if unanswered
             else "; every record of those buckets was answered already (an empty answer, or the person's own, makes "
                  "no pair)")
     print(f"note: {len(few)} of {summary['buckets']} buckets of {records} get fewer than {summary['few_below']} "

@@ -676,3 +676,17 @@ def test_an_import_that_keeps_no_pair_fails_and_an_empty_prompt_is_dropped(demo_
     code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", only, "--out", tmp_path / "o.jsonl")
     assert code == 2 and err.endswith(f"{only}: no pair kept of 1 row (empty_question 1); nothing written to "
                                       f"{tmp_path / 'o.jsonl'}")
+
+
+def test_the_few_pairs_note_names_the_per_bucket_the_predictions_were_made_with(capsys):
+    """Predictions `generate --per-bucket 4` made: the note says 4 and asks for a larger one, not for N."""
+    from polyalign.cli import _note_few_bucket_pairs
+
+    summary = {"few_pairs": {"en|single|qa|short": [2, 30, 4]}, "buckets": 12, "few_below": 8}
+    _note_few_bucket_pairs(summary, "val.jsonl", per_bucket=4)
+    assert capsys.readouterr().err.strip().endswith(
+        "these predictions answered 4 records a bucket (`generate --per-bucket 4`); a larger --per-bucket answers "
+        "more of every bucket of val.jsonl")
+    _note_few_bucket_pairs(summary, "val.jsonl")
+    assert capsys.readouterr().err.strip().endswith(
+        "`polyalign generate --per-bucket N` answers N records of every bucket of val.jsonl")
