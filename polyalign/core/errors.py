@@ -17,6 +17,15 @@ class ConfigError(PolyalignError, ValueError):
     """A configuration problem; the message names the file and the key."""
 
 
+class UnknownKeyError(ConfigError):
+    """A key the config's schema does not have: `key`, and whether it stands at the config's top level (a
+    caller that knows other schemas, as the training methods do, can say whose key it is)."""
+
+    def __init__(self, message: str, key: str, top_level: bool):
+        super().__init__(message)
+        self.key, self.top_level = key, top_level
+
+
 class InputError(PolyalignError):
     """A problem with a whole input (missing file, unreadable JSON document, bad config). The message
     names the file and, where known, the line."""

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from polyalign.core.errors import ConfigError
+from polyalign.core.errors import ConfigError, UnknownKeyError
 from polyalign.core.ranges import Range
 
 T = TypeVar("T")
@@ -177,9 +177,10 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None, 
     kwargs = {}
     for key, value in mapping.items():
         if key not in fields:
-            raise ConfigError(unknown_key_message(str(key), list(fields), where,
-                                                  nested=section_keys(root or cls, str(key)),
-                                                  built=getattr(root or cls, "BUILD_SETTINGS", False)))
+            raise UnknownKeyError(unknown_key_message(str(key), list(fields), where,
+                                                      nested=section_keys(root or cls, str(key)),
+                                                      built=getattr(root or cls, "BUILD_SETTINGS", False)),
+                                  str(key), top_level=root is None)
         default = getattr(base, key) if base is not None else _field_default(fields[key])
         kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default, root or cls)
     if base is not None:

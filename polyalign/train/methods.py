@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import functools
 import importlib
-import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from polyalign.core.errors import UnknownKeyError
 from polyalign.core.paths import is_uri
 from polyalign.core.yaml_config import (
     BUILD_FLAGS,
@@ -245,27 +245,23 @@ def load_config(path: Path | None, overrides: list[str] = (), method: str | None
         config = with_lora_defaults(config, spec, lr_given="lr" in (raw.get("optimizer") or {}))
         check_config(config, where)
     except ConfigError as err:
-        raise another_methods_setting(blamed_on_override(err, where, renamed), where, spec) from None
+        raise blamed_on_override(another_methods_setting(err, where, spec), where, renamed) from None
     return config
 
 
 def another_methods_setting(err: ConfigError, where: str, spec: MethodSpec) -> ConfigError:
     """An unknown top-level key that is another method's setting (`beta` given to SFT, `weighting` to DPO)
     said as such, naming the methods that read it, rather than pointed at a look-alike key of this one."""
-    message = str(err)
-    found = re.search(r"unknown key '([^']+)'", message)
-    if found is None:
+    if not isinstance(err, UnknownKeyError) or not err.top_level:
         return err
-    key, before = found.group(1), message[:found.start()]
-    top_level = before == f"{where}: " or (before.startswith("override ") and
-                                            before.removeprefix("override ").split("=")[0].split(".")[0] == key)
+    key = err.key
     readers = [name for name, other in METHODS.items() if key in {f.name for f in dataclasses.fields(other.config)}]
     # a key of one of this method's sections given bare, or a build's flag given to SFT, is pointed there
     # (unknown_key_message)
-    if not top_level or not readers or spec.name in readers or section_keys(spec.config, key) or (
-            key in BUILD_FLAGS and getattr(spec.config, "BUILD_SETTINGS", False)):
+    if not readers or section_keys(spec.config, key) or (key in BUILD_FLAGS and getattr(spec.config,
+                                                                                        "BUILD_SETTINGS", False)):
         return err
-    return ConfigError(f"{message[:found.end()]}: {key} is a setting of {', '.join(readers)}, not of {spec.name} "
+    return ConfigError(f"{where}: unknown key {key!r}: {key} is a setting of {', '.join(readers)}, not of {spec.name} "
                        f"(polyalign train {readers[0]})")
 
 
