@@ -1289,7 +1289,7 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     assert trained_run("resumed", "bucket", train={"steps": 30})["steps"] == 30
     (tmp_path / "resumed" / "summary.json").write_text(json.dumps({"segments": [
         {"start_step": 0, "end_step": 20, "steps": 20}, {"start_step": 20, "end_step": 30, "steps": 30}]}))
-    assert trained_with(tmp_path / "resumed.jsonl")["steps"] == "20, then 30 from step 20"
+    assert trained_with(tmp_path / "resumed.jsonl")["steps"] == "30 (train.steps 20 up to step 20, then 30)"
     # a round of on-policy rounds: which round of how many, and the model round 1 started from
     (tmp_path / "hdpo_rounds" / "round-1").mkdir(parents=True)
     (tmp_path / "hdpo_rounds" / "round-1" / "config.json").write_text(json.dumps({"method": "hdpo",

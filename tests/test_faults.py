@@ -1393,8 +1393,17 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     # the run's history is kept: a reader of its model card, or of a comparison, sees it was resumed longer
     segments = json.loads((out / "summary.json").read_text())["segments"]
     assert [(s["start_step"], s["end_step"], s["steps"]) for s in segments] == [(0, 3, 3), (3, 4, 4)]
-    assert "| steps | 3, then 4 from step 3 (resumed with another train.steps) |" in \
-        (out / "model" / "README.md").read_text(encoding="utf-8")
+    card = (out / "model" / "README.md").read_text(encoding="utf-8")
+    assert "| steps | 4 (train.steps 3 up to step 3, then 4), resumed on the new length's learning-rate " \
+           "schedule |" in card
+    # fewer steps than the run has trained: refused before anything is moved, removed or exported again
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    with pytest.raises(ConfigError, match=re.escape(f"{out}: already trained to step 4, past the 3 steps this config "
+                                                    "asks for; give train.steps of at least 4 to continue it")):
+        train_sft(sft_config(run, 3), out, progress=False, existing="resume")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
+    assert (out / "model" / "README.md").read_text(encoding="utf-8") == card
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4
     printed = capsys.readouterr().out
     assert "resumed from step 3" in printed and "; resuming at step 3 (OUT/checkpoints) of a run that started from " \
                                                  "scratch (model.preset " in printed
@@ -1411,7 +1420,8 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     kept = sorted(p.name for p in out.iterdir())
     with pytest.raises(ConfigError, match=re.escape(
             f"data.dir={tmp_path / 'nowhere'}: no such file or folder; nothing in --out was removed (a training "
-            f"config's paths are read from the folder the command runs in, {tmp_path}, not from the config file's)")):
+            f"config's relative paths are read from the folder the command runs in, {tmp_path}, not from the config "
+            "file's)")):
         train_sft(sft_config("nowhere", 3), out, progress=False, existing="overwrite")
     assert sorted(p.name for p in out.iterdir()) == kept and "checkpoints" in kept
 

@@ -134,8 +134,8 @@ def test_a_runs_length_history_names_each_length_and_where_it_began():
     assert length_history(segments((0, 20, 20)), 20) is None
     assert length_history(segments((0, 7, 20), (7, 20, 20)), 20) is None  # stopped and resumed alike
     # during the resumed invocation (its own segment not yet written) and after it
-    assert length_history(segments((0, 20, 20)), 30) == "20, then 30 from step 20"
-    assert length_history(segments((0, 20, 20), (20, 30, 30)), 30) == "20, then 30 from step 20"
+    assert length_history(segments((0, 20, 20)), 30) == "30 (train.steps 20 up to step 20, then 30)"
+    assert length_history(segments((0, 20, 20), (20, 30, 30)), 30) == "30 (train.steps 20 up to step 20, then 30)"
     assert length_history(segments((0, 10, 20), (10, 25, 30), (25, 40, 40)), 40) == \
-        "20, then 30 from step 10, then 40 from step 25"
+        "40 (train.steps 20 up to step 10, 30 up to step 25, then 40)"
     assert length_history([{"start_step": 0, "end_step": 5, "steps": None}], 8) is None  # an older summary

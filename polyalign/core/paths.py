@@ -118,16 +118,16 @@ def run_segments(out: str | os.PathLike) -> list[dict]:
 
 
 def length_history(segments: list[dict], steps: int) -> str | None:
-    """How the run's length changed on resume, where it did: `20, then 30 from step 20` (a resumed run
-    with another train.steps follows the new length's schedule from there); None where it never changed."""
-    said, lengths = [], []
+    """How the run's length changed on resume, where it did: `30 (train.steps 20 up to step 20, then 30)`, the
+    steps in all and the schedules they followed (a resumed run with another train.steps follows the new
+    length's schedule from where it resumed); None where it never changed."""
+    changes: list[tuple[int, int]] = []  # (train.steps, the step it took over at)
     for segment in segments:
-        if segment.get("steps") is not None and (not lengths or lengths[-1] != segment["steps"]):
-            lengths.append(segment["steps"])
-            said.append(f"{segment['steps']}" + (f" from step {segment['start_step']}" if said else ""))
-    if not lengths or lengths == [steps]:
+        if segment.get("steps") is not None and (not changes or changes[-1][0] != segment["steps"]):
+            changes.append((segment["steps"], segment["start_step"]))
+    if changes and changes[-1][0] != steps:  # the invocation under way, before its segment is written
+        changes.append((steps, segments[-1].get("end_step")))
+    if len(changes) < 2:
         return None
-    if lengths[-1] != steps:
-        said.append(f"{steps} from step {segments[-1].get('end_step')}")
-    return ", then ".join(said)
-
+    earlier = ", ".join(f"{n} up to step {later[1]}" for (n, _), later in zip(changes, changes[1:]))
+    return f"{steps} (train.steps {earlier}, then {steps})"

@@ -265,7 +265,7 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
     card = training_card(config)
     lengths = length_history(run_segments(out), config.train.steps)
     if lengths:  # resumed with another train.steps: the schedule changed where it resumed
-        card["steps"] = f"{lengths} (resumed with another train.steps)"
+        card["steps"] = f"{lengths}, resumed on the new length's learning-rate schedule"
     if has_adapters(model):
         export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=card)
         written["adapter"] = str(as_path(out) / "adapter")

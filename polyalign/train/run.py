@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -151,15 +152,20 @@ def with_recorded_paths(config):
     return dataclasses.replace(config, data=data, **changes)
 
 
-def check_inputs_exist(inputs: dict[str, str | None], existing: str) -> None:
+def input_paths(config) -> dict[str, str | None]:
+    """The paths a run reads, by key (init, pairs, val_pairs, references, data.dir)."""
+    return {**{key: getattr(config, key, None) for key in INPUT_PATH_KEYS}, "data.dir": config.data.dir}
+
+
+def check_inputs_exist(inputs: dict[str, str | None], existing: str, relative: set[str] = frozenset()) -> None:
     """Every local input path the config names exists, checked before OUT is claimed: --overwrite removes
-    the earlier run's checkpoints, which a mistyped path must not cost."""
+    the earlier run's checkpoints, which a mistyped path must not cost. A missing path the config gave
+    relative (`relative`, by key) says where it was read from."""
     for key, path in inputs.items():
         if path and not is_uri(path) and not Path(path).exists():
             kept = "; nothing in --out was removed" if existing == "overwrite" else ""
-            # a relative path in a config file, read from where the command runs (not the file's folder)
-            hint = (f" (a training config's paths are read from the folder the command runs in, {Path.cwd()}, not "
-                    "from the config file's)") if Path(path).is_relative_to(Path.cwd()) else ""
+            hint = (f" (a training config's relative paths are read from the folder the command runs in, "
+                    f"{Path.cwd()}, not from the config file's)") if key in relative else ""
             raise ConfigError(f"{key}={path}: no such file or folder{kept}{hint}")
 
 
@@ -183,9 +189,7 @@ def trained_files(config) -> dict[str, str | None]:
 def check_finished(config, out, unused: tuple[str, ...] = ()) -> None:
     """Refuses a finished round of an on-policy run that `config` did not make (ownership.py)."""
     config = with_recorded_paths(with_compute_dtype(config))
-    inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
-    ownership.check_finished_round(as_path(out), dataclasses.asdict(config),
-                                   {**inputs, "data.dir": config.data.dir}, unused,
+    ownership.check_finished_round(as_path(out), dataclasses.asdict(config), input_paths(config), unused,
                                    contents=ownership.input_contents(trained_files(config)))
 
 
@@ -194,6 +198,8 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
     says what to do when OUT holds a run of another config (polyalign/train/ownership.py): continue
     only a run of the same config, resume with changed resumable keys, or overwrite."""
     parallel.initialize_distributed()
+    relative = {key for key, path in input_paths(config).items() if path and not is_uri(path)
+                and not os.path.isabs(path)}  # read from where the command runs: a missing one says so
     config = with_recorded_paths(with_compute_dtype(config))
     if getattr(config, "rounds", 1) > 1:
         return train_rounds(config, out, functools.partial(train, existing=existing), progress,
@@ -204,11 +210,11 @@ def train(config, out, progress: bool = True, existing: str = "continue") -> dic
     # a run refused before it wrote anything (a missing setting, a bad pairs file) leaves no empty OUT
     with no_empty_folder_left(out) if local else contextlib.nullcontext():
         if local:
-            inputs = {key: getattr(config, key, None) for key in INPUT_PATH_KEYS}
-            check_inputs_exist({**inputs, "data.dir": config.data.dir}, existing)
+            inputs = input_paths(config)
+            check_inputs_exist(inputs, existing, relative)
         contents = ownership.input_contents(trained_files(config))
         if local:
-            ownership.claim(out, dataclasses.asdict(config), {**inputs, "data.dir": config.data.dir}, existing,
+            ownership.claim(out, dataclasses.asdict(config), inputs, existing,
                             remove=jax.process_index() == 0, contents=contents)
         with contextlib.ExitStack() as held:
             with parallel.refusal_shared("output lock"):  # process 0 holds the lock; a refusal stops every process
@@ -227,6 +233,10 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
     check_batch_division(loop, mesh)  # before config.json is written: the corrected command then starts afresh
+    if done and done[-1] > loop.steps:  # its checkpoints would not restore into the shorter run's data order
+        raise ConfigError(f"{out}: already trained to step {done[-1]}, past the {counted(loop.steps, 'step')} this "
+                          f"config asks for; give train.steps of at least {done[-1]} to continue it, or --overwrite to "
+                          "train the shorter run from the start")
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
     if jax.process_index() == 0:
@@ -365,7 +375,7 @@ def steps_phrase(result: dict[str, Any], trained: str) -> str:
 def steps_run(result: dict[str, Any]) -> str:
     """"12 steps", or after a resume "to step 12 (4 steps this run)": a summary's time is this run's."""
     start, end = result.get("start_step", 0), result["end_step"]
-    return f"{end} steps" if not start else f"to step {end} ({end - start} steps this run)"
+    return counted(end, "step") if not start else f"to step {end} ({counted(end - start, 'step')} this run)"
 
 
 def _lost_peer_error(error: BaseException) -> bool:
