@@ -803,7 +803,14 @@ def test_a_model_card_says_the_objective_and_the_data_it_was_trained_on():
     for weighting in ("bucket", "uniform", "adaptive"):
         card = training_card(load_config(CONFIGS["sft"], [f"weighting={weighting}", "data.dir=runs/x"], method="sft"))
         assert card["weighting"] == weighting and card["pairs"] is None and card["data"] == "runs/x"
+    # a model folder copied away from its run still says what set it apart from its recipe's other runs
+    card = training_card(load_config(CONFIGS["sft"], ["data.dir=runs/x", "train.seed=3", "optimizer.min_lr_ratio=0.5"],
+                                     method="sft"))
+    assert card["seed"] == "data order 3, initialisation 0" and card["global batch"] == 16
+    assert card["optimizer"] == ("AdamW, learning rate 0.003 (0.1 of the steps warming up, cosine to 0.5 of it), "
+                                 "weight decay 0.01, clip 1.0")
     card = training_card(load_config(CONFIGS["hdpo"], ["data.dir=runs/x", "init=runs/x/sft/model"], method="hdpo"))
+    assert card["seed"] == "data order 0"  # the weights are init's
     assert card["pairs"] == "runs/x/critic/train_pairs.jsonl" and card["weighting"] is None
 
 

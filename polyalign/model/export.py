@@ -238,11 +238,18 @@ def training_card(config: Any) -> dict[str, Any]:
     """The model card's rows from a training config."""
     pairs = config.pair_files()["pairs"] if hasattr(config, "pair_files") else None  # the preference methods'
     lora = getattr(config.model, "lora", None)
+    opt = config.optimizer
     return {"method": config.method,
             "base": base_reference(config.init) or f"trained from scratch (preset {config.model.preset})",
             "data": config.data.dir, "pairs": pairs,
             # SFT's objective: bucket (Bucket-SFT), uniform (plain SFT) or adaptive
             "weighting": getattr(config, "weighting", None), "steps": config.train.steps,
+            # what tells two runs of one recipe apart where the card travels without its run's config.json
+            "optimizer": (f"AdamW, learning rate {opt.lr:g} ({opt.warmup_ratio:g} of the steps warming up, cosine to "
+                          f"{opt.min_lr_ratio:g} of it), weight decay {opt.weight_decay:g}, clip {opt.clip}"),
+            "global batch": config.train.global_batch,
+            "seed": (f"data order {config.train.seed}" if config.init else
+                     f"data order {config.train.seed}, initialisation {config.model.seed}"),
             "training dtype": compute_dtype(config.model.dtype),
             "adapters": (f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; merged into "
                          "this folder's weights (OUT/adapter holds them apart)" if lora and lora.rank else None),
