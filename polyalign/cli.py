@@ -446,8 +446,10 @@ def _run_build(args) -> int:
 def _prompts_cut_line(cut: int, records: int, budget: int, dropped: int, inside: int, lost: int, whose: str,
                       kept: str) -> str:
     """What --max-prompt-tokens took from the prompts over it (chat.cut_prompt), as generate and prompts say it."""
+    both = dropped + inside - cut  # the two groups overlap: a prompt still over may have lost turns first
     said = ([f"{dropped} {whose}lost their oldest whole turns"] if dropped else []) + (
-        [f"{inside} still over with only the last question left: {kept}"] if inside else [])
+        [f"{inside} still over with only the last question left: {kept}"
+         + (f" ({both} of them after losing their oldest turns)" if both > 0 else "")] if inside else [])
     return (f"{cut} of {records} prompts were longer than --max-prompt-tokens {budget}: {'; '.join(said)}"
             + (f"; {lost} of those lost their opening system message too, since it takes over half of "
                "--max-prompt-tokens (a cut inside a turn keeps it only within half)" if lost else ""))

@@ -520,6 +520,8 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
                           "whole turns"
                           + (f"; {over} still over with only the last question left: their messages stay over it and "
                              "their prompt_token_ids keep its end" if over else "")
+                          + (f" ({dropped + over - cut} of them after losing their oldest turns)"
+                             if over and dropped + over > cut else "")
                           + (f"; {lost} of those lost their opening system message too" if lost else "")) in out
     assert (summary["prompts_cut"], summary["messages_turns_dropped"], summary["messages_over_budget"]) == (
         cut, dropped, over)
