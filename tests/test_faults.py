@@ -892,6 +892,18 @@ def test_a_run_holds_one_layout_and_every_reader_follows_its_manifest(tmp_path, 
     assert main(["prepare", "--config", str(inside), "--out", str(run), "--no-progress", "--overwrite"]) == 2
     assert f"{run / 'data' / 'c.jsonl'}: a source file inside {run / 'data'}" in capsys.readouterr().err
     assert (run / "data" / "c.jsonl").is_file() and (run / "data" / "train.jsonl").is_file()
+    # a training run, a model or an evaluation given as prepare's --out: refused, a folder beside it suggested
+    for name, marker, what in (("sft", "checkpoints", "a training run"), ("model", "config.json", "a model or "
+                               "training run"), ("eval", "metrics.json", "an evaluation")):
+        (tmp_path / name).mkdir()
+        if marker == "checkpoints":
+            (tmp_path / name / marker).mkdir()
+        else:
+            (tmp_path / name / marker).write_text("{}")
+        assert main(["prepare", "--config", str(config), "--out", str(tmp_path / name), "--no-progress"]) == 2
+        assert (f"--out {tmp_path / name} is {what} ({marker} is there): give prepare a folder of its own, e.g. "
+                f"{tmp_path / (name + '-data')}") in capsys.readouterr().err
+        assert not (tmp_path / name / "data").exists()
 
 
 # Outputs: every stage's output belongs to the settings that made it.

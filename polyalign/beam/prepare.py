@@ -45,6 +45,7 @@ from polyalign.data.layout import (
     file_label,
     owned_files,
     recorded_files,
+    refuse_other_stages_folder,
     refuse_sources_inside,
     stale_note,
 )
@@ -230,6 +231,7 @@ def prepare_beam(config_path: Path, out: Path, on_error: str = "fail", overrides
         raise PrepareError(f"--num-shards must be at least 1, got {num_shards}")
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
+    refuse_other_stages_folder(Path(out))
     refuse_sources_inside(data_dir, context.source_files)
     recorded = recorded_files(data_dir)  # before --overwrite removes the manifest that lists them
     with stage_output(data_dir, data_dir / "manifest.json", prepare_settings(context, on_error), overwrite,

@@ -95,14 +95,16 @@ STAGE_FOLDERS = (("data/manifest.json", "a prepared run"), ("build/manifest.json
 
 
 def other_stages_folder(out: str | os.PathLike, stage: str, inside: str,
-                        also: tuple[tuple[str, str], ...] = ()) -> str | None:
+                        also: tuple[tuple[str, str], ...] = (), own: tuple[str, ...] = ()) -> str | None:
     """One line when folder `out` is another stage's (a prepared run, a build, a training run, a model),
-    suggesting the folder `inside` it for `stage`: `evaluate --out RUN` wrote its metrics and plots among
-    prepare's files without a word."""
+    suggesting the folder `inside` it (a path relative to `out`) for `stage`: `evaluate --out RUN` wrote its
+    metrics and plots among prepare's files without a word. `own` names the files of STAGE_FOLDERS that are
+    the stage's own folder's (prepare's RUN holds data/ and build/)."""
     folder = Path(out)
     for name, what in (*STAGE_FOLDERS, *also):
-        if (folder / name).exists():
-            return f"--out {out} is {what} ({name} is there): give {stage} a folder of its own, e.g. {folder / inside}"
+        if name not in own and (folder / name).exists():
+            suggestion = os.path.normpath(folder / inside)
+            return f"--out {out} is {what} ({name} is there): give {stage} a folder of its own, e.g. {suggestion}"
     return None
 
 

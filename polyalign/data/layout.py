@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+from polyalign.core.outputs import other_stages_folder
 from polyalign.core.paths import file_digest, remove_path
 from polyalign.core.yaml_config import ConfigError
 
@@ -109,6 +110,15 @@ def refuse_sources_inside(data_dir: Path, source_files: list[list[Path]]) -> Non
             if Path(path).resolve().is_relative_to(data_dir):
                 raise ConfigError(f"{path}: a source file inside {data_dir}, the folder prepare writes its splits "
                                   "into; move the source, or give another --out")
+
+
+def refuse_other_stages_folder(out: Path) -> None:
+    """`prepare --out` a training run, a model or an evaluation put data/ among their files without a word:
+    refused, suggesting a folder beside it. A prepared (and built) run is prepare's own."""
+    if elsewhere := other_stages_folder(out, "prepare", f"../{Path(out).resolve().name}-data",
+                                        also=(("metrics.json", "an evaluation"),),
+                                        own=("data/manifest.json", "build/manifest.json")):
+        raise ConfigError(elsewhere)
 
 
 def prepare_manifest(data_dir) -> dict:

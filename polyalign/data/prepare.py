@@ -57,6 +57,7 @@ from polyalign.data.layout import (
     file_names,
     owned_files,
     recorded_files,
+    refuse_other_stages_folder,
     refuse_sources_inside,
     stale_note,
 )
@@ -714,6 +715,7 @@ def prepare(config_path: Path, out: Path, on_error: str = "fail", overrides: Ite
     context = load_context(config_path, overrides)
     data_dir = Path(out) / "data"
     # a first prepare stopped by a bad row leaves neither OUT/data nor OUT behind
+    refuse_other_stages_folder(Path(out))
     refuse_sources_inside(data_dir, context.source_files)
     recorded = recorded_files(data_dir)  # before --overwrite removes the manifest that lists them
     with no_empty_folder_left(Path(out)), stage_output(
