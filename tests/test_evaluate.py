@@ -1298,6 +1298,24 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     second = trained_run("hdpo_rounds/round-2", None, method="hdpo", init=str(tmp_path / "hdpo_rounds/round-1/model"))
     assert (second["round"], second["rounds from"]) == ("2 of 2 (on-policy)", "/runs/sft/model")
     assert "round" not in bucket
+    # a model folder copied out of its run keeps how it was trained in its own record (the export writes it)
+    from polyalign.core.paths import TRAINING_RECORD
+    resumed = tmp_path / "resumed"
+    (resumed / "model" / TRAINING_RECORD).write_text(json.dumps({
+        "config": json.loads((resumed / "config.json").read_text()),
+        "segments": json.loads((resumed / "summary.json").read_text())["segments"]}))
+    in_place = trained_with(tmp_path / "resumed.jsonl")
+    shutil.copytree(resumed / "model", tmp_path / "shared_drive" / "resumed_model")
+    sidecar(tmp_path / "resumed.jsonl").write_text(json.dumps({"settings": {
+        "checkpoint": str(tmp_path / "shared_drive" / "resumed_model")}}))
+    copied = trained_with(tmp_path / "resumed.jsonl")
+    assert copied == {**in_place, "checkpoint": str(tmp_path / "shared_drive" / "resumed_model")}
+    assert copied["steps"] == "30 (train.steps 20 up to step 20, then 30)" and copied["weighting"] == "bucket"
+    # the record travels with the weights: a folder it was copied into that holds another run says nothing of it
+    shutil.copytree(resumed / "model", tmp_path / "sft" / "resumed_model")
+    sidecar(tmp_path / "resumed.jsonl").write_text(json.dumps({"settings": {
+        "checkpoint": str(tmp_path / "sft" / "resumed_model")}}))
+    assert trained_with(tmp_path / "resumed.jsonl")["weighting"] == "bucket"  # the sft run beside it: uniform
     # two lineages of rounds: each init named by as many parts as tell them apart
     lineages = {name: {"config": {"trained": {**bucket, "init": f"/runs/{name}/round-1/model"}}}
                 for name in ("hdpo", "dpo")}
@@ -1633,6 +1651,15 @@ def test_a_featurizer_from_the_models_own_lineage_is_named_as_such(tmp_path):
         "the model's base (the init it was trained from)")
     assert featurizer_relation(base, predictions) == "a model it was trained from, 2 inits back"
     assert featurizer_relation(tmp_path / "elsewhere", predictions) is None
+    # the HDPO model copied out of its run: its own record names its init
+    from polyalign.core.paths import TRAINING_RECORD
+    (tmp_path / "shared" / "hdpo").mkdir(parents=True)
+    (tmp_path / "shared" / "hdpo" / TRAINING_RECORD).write_text(json.dumps({
+        "config": json.loads((tmp_path / "hdpo" / "config.json").read_text()), "segments": []}))
+    manifest = {"settings": {"checkpoint": str(tmp_path / "shared" / "hdpo")}}
+    (tmp_path / "p.manifest.json").write_text(json.dumps(manifest))
+    assert featurizer_relation(tmp_path / "sft" / "model", predictions) == (
+        "the model's base (the init it was trained from)")
     (tmp_path / "p.manifest.json").unlink()  # an external engine's answers name no checkpoint
     assert featurizer_relation(base, predictions) is None
 

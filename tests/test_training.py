@@ -371,6 +371,11 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
         assert again[step]["lr"] == pytest.approx(straight[step]["lr"])
     assert again[12]["val_loss"] == pytest.approx(straight[12]["val_loss"], abs=1e-5)
     assert (tmp_path / "resumed" / "model" / "model.safetensors").is_file()
+    # the model folder keeps its run's config and invocations: copied out of the run, it still says how it trained
+    from polyalign.core.paths import TRAINING_RECORD
+    record = json.loads((tmp_path / "resumed" / "model" / TRAINING_RECORD).read_text())
+    assert record["config"] == json.loads((tmp_path / "resumed" / "config.json").read_text())
+    assert record["segments"][0] == {**record["segments"][0], "start_step": 0, "end_step": 6, "steps": 12}
     # The export names the profile values its training data held (the build counted them), and the card lists them.
     manifest = json.loads((run / "build" / "manifest.json").read_text())
     held = {key: sorted({getattr(r, field) for r in read_records(run / "data" / "train.jsonl")})

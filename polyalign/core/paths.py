@@ -131,3 +131,35 @@ def length_history(segments: list[dict], steps: int) -> str | None:
         return None
     earlier = ", ".join(f"{n} up to step {later[1]}" for (n, _), later in zip(changes, changes[1:]))
     return f"{steps} (train.steps {earlier}, then {steps})"
+
+
+# The file a training export writes into its model folder: the run's config and the invocations that trained
+# it, so that a model folder copied out of its run (to a shared drive, a hub) still says how it was trained.
+TRAINING_RECORD = "polyalign_training.json"
+
+
+def _training_config(path) -> dict[str, Any] | None:
+    try:
+        config = json.loads(as_path(path).read_text())
+    except (OSError, ValueError):  # none there, or not JSON: not a training run's
+        return None
+    return config if isinstance(config, dict) and "method" in config else None
+
+
+def training_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
+    """How the model in `checkpoint` was trained, where polyalign trained it: {"config": its run's config,
+    "segments": the invocations (run_segments), "run": the run's folder where the model is still in it, else
+    None}. The model folder's own record (TRAINING_RECORD) comes first: it travels with the weights; a
+    model exported before there was one reads OUT/config.json beside it. None for any other checkpoint."""
+    folder = as_path(checkpoint)
+    run = folder.parent if _training_config(folder.parent / "config.json") is not None else None
+    try:
+        record = json.loads((folder / TRAINING_RECORD).read_text())
+    except (OSError, ValueError):  # exported before the record, or not a polyalign export
+        record = None
+    if isinstance(record, dict) and isinstance(record.get("config"), dict) and "method" in record["config"]:
+        segments = record.get("segments")
+        return {"config": record["config"], "segments": segments if isinstance(segments, list) else [], "run": run}
+    if run is None:
+        return None
+    return {"config": _training_config(run / "config.json"), "segments": run_segments(run), "run": run}

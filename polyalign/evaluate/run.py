@@ -35,7 +35,7 @@ from polyalign.core.outputs import (
     sidecar,
     stage_output,
 )
-from polyalign.core.paths import file_digest, is_uri, length_history, run_segments
+from polyalign.core.paths import file_digest, is_uri, length_history, training_record
 from polyalign.core.progress import progress_bar
 from polyalign.core.wording import counted
 from polyalign.data.language import wrong_script
@@ -671,10 +671,10 @@ def featurizer_relation(featurizer, predictions_path: Path) -> str | None:
         if same_path(featurizer, checkpoint):
             return ("the model itself", "the model's base (the init it was trained from)")[depth] if depth < 2 else \
                 f"a model it was trained from, {depth} inits back"
-        try:
-            checkpoint = json.loads((Path(checkpoint).parent / "config.json").read_text()).get("init")
-        except (OSError, ValueError, AttributeError):  # a checkpoint no polyalign run made: the lineage ends
+        record = training_record(checkpoint)
+        if record is None:  # a checkpoint no polyalign run made: the lineage ends
             return None
+        checkpoint = record["config"].get("init")
         if not isinstance(checkpoint, str):
             return None
     return None
@@ -753,8 +753,9 @@ def _detectability_summary(measured: dict) -> dict[str, Any]:
             "reports": reports}
 
 
-# What the comparison report shows of the model behind the predictions, from its training run's config.json
-# (predictions -> their manifest's checkpoint OUT/model -> OUT/config.json), as (name, path in the config)
+# What the comparison report shows of the model behind the predictions, from its training run's config
+# (predictions -> their manifest's checkpoint OUT/model -> its polyalign_training.json, or OUT/config.json beside
+# it), as (name, path in the config)
 TRAINING_SETTINGS = (("method", ("method",)), ("weighting", ("weighting",)), ("steps", ("train", "steps")),
                      ("learning rate", ("optimizer", "lr")), ("init", ("init",)), ("preset", ("model", "preset")),
                      ("LoRA rank", ("model", "lora", "rank")), ("data", ("data", "dir")), ("pairs", ("pairs",)),
@@ -770,12 +771,10 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     checkpoint = predictions_checkpoint(predictions_path)
     if checkpoint is None:
         return None
-    try:
-        config = json.loads((Path(checkpoint).parent / "config.json").read_text())
-    except (OSError, ValueError):  # a base checkpoint (no training run around it), or one moved since
+    record = training_record(checkpoint)
+    if record is None:  # a base checkpoint, or a model exported before its folder kept a record and moved since
         return {"checkpoint": checkpoint}
-    if not isinstance(config, dict) or "method" not in config:  # a config.json beside it, not a training run's
-        return {"checkpoint": checkpoint}
+    config = record["config"]
     settings = {}
     for name, keys in TRAINING_SETTINGS:
         value = config
@@ -783,7 +782,7 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
             value = value.get(key) if isinstance(value, dict) else None
         if value is not None:
             settings[name] = value
-    lengths = length_history(run_segments(Path(checkpoint).parent), (config.get("train") or {}).get("steps"))
+    lengths = length_history(record["segments"], (config.get("train") or {}).get("steps"))
     if lengths:  # resumed with another train.steps: not a plain run of the last length
         settings["steps"] = lengths
     if settings.get("init"):  # the architecture is init's: a preset the config still names was not used
@@ -796,7 +795,8 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     named = {".".join(keys) for _, keys in TRAINING_SETTINGS}
     others = {key: value for key, value in flatten(config).items()
               if key not in named and not keys_match(key, FREE_KEYS + REPORTING_KEYS)}
-    return {"checkpoint": checkpoint, **settings, **round_of(Path(checkpoint).parent), "settings": others}
+    rounds = round_of(record["run"]) if record["run"] is not None else {}
+    return {"checkpoint": checkpoint, **settings, **rounds, "settings": others}
 
 
 def round_of(run: Path) -> dict[str, Any]:

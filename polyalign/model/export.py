@@ -18,6 +18,7 @@ scores, byte fallback and the same special tokens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from typing import Any
@@ -30,7 +31,7 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as Tokenizers
 
 from polyalign.core.errors import CheckpointError
-from polyalign.core.paths import as_path, length_history, run_segments
+from polyalign.core.paths import TRAINING_RECORD, as_path, length_history, run_segments
 from polyalign.mesh import parallel
 from polyalign.model.architecture import compute_dtype
 from polyalign.model.hf import save_hf_checkpoint
@@ -282,7 +283,9 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
                       dtype=config.model.export_dtype or compute_dtype(config.model.dtype),
                       card={**card, **({PROFILE_COVERAGE: coverage} if coverage else {})},
                       base=config.init, system=system, values=values,
-                      max_length=longest_trained(config.init, max_length or config.data.max_length))
+                      max_length=longest_trained(config.init, max_length or config.data.max_length),
+                      training={"config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+                                "segments": run_segments(out)})
     return {"model": str(as_path(out) / "model"), **written}
 
 
@@ -329,13 +332,15 @@ def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.P
                       template: ChatTemplate, profile: str = "context", dtype: str | None = None,
                       card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES,
                       base: str | None = None, system: str = "keep", values: dict[str, list[str]] | None = None,
-                      max_length: int | None = None) -> None:
+                      max_length: int | None = None, training: dict[str, Any] | None = None) -> None:
     """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
     whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'.
     `base`, the checkpoint trained from: its generation_config.json is kept and merged. `system`: how
     training composed a conversation's own system message with the profile prompt (SYSTEM_MODES).
     `values`: the profile values training saw (the card lists them, the chat template refuses others);
-    `max_length`: the longest sequence the model ever trained on, where known (tokenizer_files)."""
+    `max_length`: the longest sequence the model ever trained on, where known (tokenizer_files); `training`:
+    the run's config and invocations, kept as TRAINING_RECORD so the folder says how it was trained wherever
+    it is copied (core/paths.py training_record)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         params = parallel.to_host(params)
@@ -344,6 +349,7 @@ def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.P
     generation = generation_config(tokenizer, template, base_generation_config(base))
     extra = {**tokenizer_files(tokenizer, template, profile, system, values, max_length),
              "generation_config.json": json.dumps(generation, indent=2) + "\n",
-             "README.md": model_card(card or {}, template, profile, system, values)}
+             "README.md": model_card(card or {}, template, profile, system, values),
+             **({TRAINING_RECORD: json.dumps(training, indent=2) + "\n"} if training else {})}
     save_hf_checkpoint(nnx.merge(graphdef, params, rest), path, dtype=dtype, max_shard_bytes=max_shard_bytes,
                        overwrite=True, extra_files=extra)
