@@ -1403,8 +1403,12 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     resumed = train_sft(sft_config(run, 4), out, progress=False, existing="resume")
     assert resumed["start_step"] == 3 and resumed["end_step"] == 4
     # the run's history is kept: a reader of its model card, or of a comparison, sees it was resumed longer
-    segments = json.loads((out / "summary.json").read_text())["segments"]
+    summary = json.loads((out / "summary.json").read_text())
+    segments = summary["segments"]
     assert [(s["start_step"], s["end_step"], s["steps"]) for s in segments] == [(0, 3, 3), (3, 4, 4)]
+    # `seconds` is the last invocation's; `total_seconds` the run's in all
+    assert summary["seconds"] == segments[-1]["seconds"]
+    assert summary["total_seconds"] == pytest.approx(segments[0]["seconds"] + segments[1]["seconds"], abs=0.11)
     card = (out / "model" / "README.md").read_text(encoding="utf-8")
     assert "| steps | 4 (train.steps 3 up to step 3, then 4), resumed on the new length's learning-rate " \
            "schedule |" in card

@@ -289,6 +289,9 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
                                 "steps": loop.steps, "processes": jax.process_count(), "mesh": dict(mesh.shape),
                                 "seconds": result["seconds"]}]
     result["segments"] = segments
+    # `seconds` is this invocation's; the run's whole time where every invocation recorded its own
+    if all("seconds" in segment for segment in segments):
+        result["total_seconds"] = round(sum(segment["seconds"] for segment in segments), 1)
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
