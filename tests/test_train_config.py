@@ -180,10 +180,11 @@ BAD_SETTINGS = [
     ("hdpo", "beta=-0.1", "beta must be above 0, got -0.1"),
     ("hdpo", "on_policy.top_p=0", r"on_policy.top_p must be in \(0, 1\], got 0"),
     ("hdpo", "rounds=0", "rounds must be at least 1, got 0"),
-    ("sft", "model.preset=qwen2.5-1.5", r"model.preset: unknown preset .qwen2.5-1.5.; did you mean .qwen2.5-1.5b.\?"),
+    ("sft", "model.preset=qwen2.5-1.5",
+     r"override model.preset=qwen2.5-1.5: unknown preset .qwen2.5-1.5.; did you mean .qwen2.5-1.5b.\?"),
     ("critic", "dropout=1", r"dropout must be in \[0, 1\), got 1"),
     ("critic", "pair_batch=0", "pair_batch must be at least 1, got 0"),
-    ("dpo", "data.max_length=null", "data.max_length: each side of a pair is cut to it"),
+    ("dpo", "data.max_length=null", "override data.max_length=null: each side of a pair is cut to it"),
     ("sft", "train.steps=[1", "train.steps=\\[1 is not a value YAML reads"),
     ("sft", "train.steps=!!python/name:os.system", "is not a value YAML reads .*no tags"),
 ]
@@ -211,6 +212,34 @@ def leaf_fields(cls, prefix=""):
 def numeric_fields(cls):
     """(dotted key, field) of every int or float setting of a config class."""
     return [(key, f) for key, f, kind in leaf_fields(cls) if kind in (int, float, int | None, float | None)]
+
+
+def test_a_wrong_value_in_a_config_file_names_the_file_then_the_keys_path(tmp_path):
+    """Every setting of every method, given a value of the wrong type in a config file, is one line naming the
+    file and then the key's dotted path (`c.yaml: train.steps: expected int`; it read `c.yaml.train.steps`,
+    one file's name), and an unknown key in a section names the file and the section."""
+    simple = (int, float, str, bool, int | None, float | None, str | None, bool | None)
+    for spec in METHODS.values():
+        checked = 0
+        for key, _, kind in leaf_fields(spec.config):
+            if kind not in simple or key == "method":  # the method picks the schema: its own refusal
+                continue
+            nested = {"method": spec.name}
+            node = nested
+            *sections, leaf = key.split(".")
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = {"a": 1}  # a mapping is none of the simple types
+            (tmp_path / "c.yaml").write_text(yaml.safe_dump(nested))
+            with pytest.raises(ConfigError) as caught:
+                load_config(tmp_path / "c.yaml")
+            assert str(caught.value).startswith(f"{tmp_path / 'c.yaml'}: {key}: expected "), (key, str(caught.value))
+            checked += 1
+        assert checked >= 30, spec.name
+    (tmp_path / "c.yaml").write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'c.yaml'}: train: unknown key 'stepz'; did you "
+                                                    "mean 'steps'?")):
+        load_config(tmp_path / "c.yaml")
 
 
 def test_every_numeric_setting_has_a_range():

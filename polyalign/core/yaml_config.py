@@ -117,6 +117,12 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
+def key_place(where: str, key: str) -> str:
+    """Where key `key` of the mapping read at `where` stands, for messages: the file, then the key's dotted
+    path (`sft.yaml: train`, then `sft.yaml: train.steps`; `sft.yaml.train.steps` read as one file's name)."""
+    return f"{where}.{key}" if ": " in where else f"{where}: {key}"
+
+
 def _convert(value: Any, annotation: Any, where: str, default: Any = None, root: type | None = None) -> Any:
     """`value` as `annotation`; a mapping for a section starts from `default`, the section the
     enclosing class gives that field, so that it changes only the keys it names. `root`: the class of
@@ -182,7 +188,7 @@ def from_mapping(cls: type[T], mapping: Any, where: str, base: T | None = None, 
                                                       built=getattr(root or cls, "BUILD_SETTINGS", False)),
                                   str(key), top_level=root is None)
         default = getattr(base, key) if base is not None else _field_default(fields[key])
-        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", default, root or cls)
+        kwargs[key] = _convert(value, hints[key], key_place(where, str(key)), default, root or cls)
     if base is not None:
         return dataclasses.replace(base, **kwargs)
     missing = [name for name, f in fields.items() if name not in kwargs
@@ -226,11 +232,13 @@ def blamed_on_override(err: ConfigError, where: str, overrides: list[str]) -> Co
         key = item.partition("=")[0]
         parts = key.split(".")
         # an unknown key anywhere along the override's path: `optimzer.lr=...` as well as `train.stepz=...`
-        unknown = [f"{where}{''.join('.' + p for p in parts[:k])}: unknown key {parts[k]!r}" for k in range(len(parts))]
-        for blamed in (f"{where}.{key}:", f"{where}: {key}:", f"{where}: {key} ", *unknown):
+        unknown = [f"{key_place(where, '.'.join(parts[:k])) if k else where}: unknown key {parts[k]!r}"
+                   for k in range(len(parts))]
+        if message.startswith(f"{key_place(where, key)}:"):  # about the value itself: the override names the key
+            return ConfigError(f"override {item}: {message[len(key_place(where, key)) + 1:].strip()}")
+        for blamed in (f"{where}: {key} ", *unknown):
             if message.startswith(blamed):
-                rest = message[len(f"{where}.{key}:"):] if blamed == f"{where}.{key}:" else message[len(where) + 1:]
-                return ConfigError(f"override {item}: {rest.strip()}")
+                return ConfigError(f"override {item}: {message[len(where) + 1:].strip()}")
     return err
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from polyalign.core.outputs import differing_keys
 from polyalign.core.scores import MIN_INTERVAL_ROWS
-from polyalign.core.yaml_config import ConfigError, from_mapping, load_yaml
+from polyalign.core.yaml_config import ConfigError, from_mapping, key_place, load_yaml
 from polyalign.data.text import LENGTH_UNIT_PATTERNS
 
 LABEL_FIELDS = ("track", "family", "style")
@@ -52,13 +52,14 @@ def weight_options(mapping: Mapping[str, Any] | None, where: str) -> WeightOptio
     mapping = dict(mapping or {})
     name = mapping.pop("preset", "default")
     if name not in WEIGHT_PRESETS:
-        raise ConfigError(f"{where}.preset: unknown weight preset {name!r} (known: {', '.join(WEIGHT_PRESETS)})")
+        raise ConfigError(f"{key_place(where, 'preset')}: unknown weight preset {name!r} "
+                          f"(known: {', '.join(WEIGHT_PRESETS)})")
     options = from_mapping(WeightOptions, {**dataclasses.asdict(WEIGHT_PRESETS[name]), **mapping}, where)
     if options.clip is not None and (len(options.clip) != 2 or not 0 <= options.clip[0] <= options.clip[1]
                                      or not 0 < options.clip[1] < math.inf):
         # w_max 0 set every weight to 0: a build whose every example trains nothing
-        raise ConfigError(f"{where}.clip: expected [w_min, w_max] with 0 <= w_min <= w_max and a finite w_max > 0, "
-                          f"got {options.clip}")
+        raise ConfigError(f"{key_place(where, 'clip')}: expected [w_min, w_max] with 0 <= w_min <= w_max and a "
+                          f"finite w_max > 0, got {options.clip}")
     return options
 
 
