@@ -9,12 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from polyalign.core.temporary import process_temporary
 from polyalign.mesh import supervisor
 from polyalign.mesh.launch import free_port
 
@@ -127,9 +129,12 @@ def test_training_on_several_processes_and_nothing_else_runs_under_a_parent(argv
 
 
 def _start_waiting_to_join(tmp_path) -> subprocess.Popen:
-    """`polyalign train sft` as process 1 of 2 whose coordinator never comes: it waits to join."""
+    """`polyalign train sft` as process 1 of 2 whose coordinator never comes: it waits to join. Its temporary
+    files go to tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "POLYALIGN_COORDINATOR": f"127.0.0.1:{free_port()}",
-           "POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_PROCESS_ID": "1", "POLYALIGN_JOIN_TIMEOUT": "120"}
+           "POLYALIGN_NUM_PROCESSES": "2", "POLYALIGN_PROCESS_ID": "1", "POLYALIGN_JOIN_TIMEOUT": "120",
+           "TMPDIR": str(tmp_path / "tmp")}
     env.pop(supervisor.STATE_ENV, None)
     return subprocess.Popen([sys.executable, "-m", "polyalign", "train", "sft", "--out", str(tmp_path / "out")],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -159,14 +164,44 @@ def test_the_parent_ends_as_its_child_does_and_passes_signals_on(tmp_path):
     assert not Path(f"/proc/{child}").exists()
 
 
-def test_a_child_never_outlives_a_parent_killed_outright(tmp_path):
+def test_a_child_never_outlives_a_parent_killed_outright(tmp_path, monkeypatch):
     """A parent SIGKILLed (a scheduler, `polyalign launch` after its grace) cannot pass anything on: the
-    kernel ends its child with it, which would otherwise hold the accelerator."""
+    kernel ends its child with it, which would otherwise hold the accelerator; the state file it leaves is
+    removed by the next process on this host."""
     parent = _start_waiting_to_join(tmp_path)
     child = _started_child(parent)
     parent.kill()
     parent.communicate(timeout=30)
     _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])
+    # nor could it remove its state file: the next process on this host does (every such job left one in /tmp)
+    left = [p.name for p in (tmp_path / "tmp").iterdir()]
+    assert left == [name for name in left if name.startswith(f"polyalign-parent-{parent.pid}@{socket.gethostname()}_")]
+    assert len(left) == 1, left
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    made = process_temporary("polyalign-parent-", suffix=".json")
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [Path(made).name]
+
+
+def test_a_process_temporary_of_an_ended_process_on_this_host_is_removed_and_no_other(tmp_path, monkeypatch):
+    """process_temporary removes the files and folders its prefix names for a process of this host that has
+    ended, and keeps a live process's, another host's (a shared /tmp), another prefix's and an older name's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname()
+    gone = [tmp_path / f"polyalign-launch-{ended.pid}@{host}_abc", tmp_path / f"polyalign-launch-{ended.pid}@{host}_x"]
+    gone[0].mkdir()
+    (gone[0] / "gone-1").write_text("ended with status 1")
+    gone[1].write_text("")
+    kept = [tmp_path / f"polyalign-launch-{os.getpid()}@{host}_live",
+            tmp_path / f"polyalign-launch-{ended.pid}@{host}-2_x",  # another host's, whose name begins as this one's
+            tmp_path / f"polyalign-parent-{ended.pid}@{host}_x.json",  # another prefix's
+            tmp_path / "polyalign-launch-k3j2x_9"]  # named before names carried a host and a process
+    for path in kept:
+        path.write_text("")
+    made = Path(process_temporary("polyalign-launch-", folder=True))
+    assert made.is_dir() and made.name.startswith(f"polyalign-launch-{os.getpid()}@{host}_")
+    assert not any(path.exists() for path in gone) and all(path.exists() for path in kept)
 
 
 def test_a_child_status_is_the_parent_status(tmp_path):

@@ -163,3 +163,4 @@ def training_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     if run is None:
         return None
     return {"config": _training_config(run / "config.json"), "segments": run_segments(run), "run": run}
+

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from typing import NoReturn
 
 from polyalign.core.errors import LaunchError
 from polyalign.core.interrupts import TERMINATED
+from polyalign.core.temporary import process_temporary
 
 DEFAULT_PORT = 12355
 # The launcher's folder of notices (gone-<process id>, holding how it ended) and its own command line, in
@@ -139,7 +139,7 @@ def run_local(command: Sequence[str], nproc: int, port: int | None = None, cpu_d
     # A survivor blocked in a collective with a dead peer cannot run a signal handler, but its peer
     # monitor (a thread) reads this folder every second: a notice there names the process that ended,
     # and the survivor says so with its checkpoint and the command to rerun, which is this launch.
-    notices = tempfile.mkdtemp(prefix="polyalign-launch-")
+    notices = process_temporary("polyalign-launch-", folder=True)
     shared = {NOTICES_ENV: notices, LAUNCH_COMMAND_ENV: shlex.join(["polyalign", *sys.argv[1:]])}
     # Standard output comes through the launcher a whole line at a time: native code writes a line in pieces
     # (gloo's "[Gloo] Rank 0 is connected to 1 peer ranks ..." from every process at once read as

@@ -24,12 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from polyalign.core.paths import committed_steps
+from polyalign.core.temporary import process_temporary
 from polyalign.mesh.launch import LAUNCH_COMMAND_ENV, NOTICES_ENV, launcher_notices
 
 PEER_LOST_EXIT = 4  # the status of a process that stopped because a peer of its job is gone
@@ -74,8 +74,7 @@ def run_as_parent(argv: Sequence[str], command: Sequence[str] | None = None) -> 
     SIGINT, SIGHUP and SIGUSR1 are passed on. Until the child has joined its job, the parent also ends it
     itself (stopped_while_joining): JAX's join is C++ that no Python signal handler interrupts."""
     command = list(command or [sys.executable, "-P", "-m", "polyalign.cli", *argv])
-    handle, state = tempfile.mkstemp(prefix="polyalign-parent-", suffix=".json")
-    os.close(handle)
+    state = process_temporary("polyalign-parent-", suffix=".json")
     previous, asked = {}, []
     try:
         # killed with the parent: a parent killed outright (SIGKILL from a scheduler or `polyalign launch`)
