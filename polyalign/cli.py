@@ -807,9 +807,9 @@ def _add_generate(sub) -> None:
                                                                "pairs file: each pair's record)")
     p.add_argument("--out", required=True, type=Path, help="predictions JSONL")
     p.add_argument("--profile", choices=PROFILE_MODES,
-                   help="profile system prompt (default: the one the checkpoint was trained with, else context: "
-                        "what a real request reveals; oracle adds the gold length bin and must be labelled as such "
-                        "in reports)")
+                   help="profile system prompt (default: the one the checkpoint was trained with; none for a "
+                        "checkpoint polyalign did not train, such as a base model. context: what a real request "
+                        "reveals; oracle adds the gold length bin and must be labelled as such in reports)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     _budget_options(p, 128, "most tokens per answer (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -1017,7 +1017,8 @@ def _add_prompts(sub) -> None:
                         "template (no prompt, ids or cut)")
     p.add_argument("--out", required=True, type=Path, help="prompts JSONL")
     p.add_argument("--profile", choices=PROFILE_MODES,
-                   help="profile system prompt (default: the one the checkpoint was trained with, else context)")
+                   help="profile system prompt (default: the one the checkpoint was trained with; none for a "
+                        "checkpoint polyalign did not train)")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
     p.add_argument("--limit", type=int, help="only the first N records")
     p.add_argument("--sample", type=int, help="a seeded random subset of N records (kept in file order): the records "

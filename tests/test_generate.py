@@ -521,6 +521,45 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
                     f"(style {records[-1].style!r} {len(unseen)}): the model never read such profile prompts"]
 
 
+def test_a_checkpoint_polyalign_did_not_train_is_prompted_as_it_was_trained(demo_run, demo_tokenizer, tmp_path):
+    """A base model (a tokenizer config with no polyalign_* key) never read polyalign's profile prompt: prompts
+    and generate render its records without it by default, and say so (given it, a comparison with the
+    models trained from it measured the base on prompts it was never trained on: 109 of 120 answers changed).
+    A polyalign export that does not name its profile keeps the evaluation default, context."""
+    import shutil
+
+    from polyalign.data.records import read_records
+    from polyalign.generate.prompts import write_prompts
+    from polyalign.tokens.chat import record_messages
+
+    checkpoint = tmp_path / "base"
+    shutil.copytree(demo_tokenizer[0].path.parent, checkpoint)
+    ours = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    base = {key: value for key, value in ours.items() if not key.startswith("polyalign_")}
+    assert base != ours  # the fixture is polyalign's own: the keys the export writes are taken out
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(base))
+    path = demo_run[0] / "data" / "val.jsonl"
+    records = read_records(path)[:3]
+    summary = write_prompts(checkpoint, path, tmp_path / "base.jsonl", limit=3, max_prompt_tokens=None,
+                            template="polyalign")
+    assert summary["profile"] == "none" and summary["notes"] == [
+        f"{checkpoint} was not trained by polyalign (its tokenizer config names no polyalign_profile): prompted "
+        "without polyalign's profile prompt, as it was trained (--profile context gives it the one the models "
+        "polyalign trains read)"]
+    rows = [json.loads(line) for line in (tmp_path / "base.jsonl").read_text().splitlines()]
+    for record, row in zip(records, rows):
+        expected = record_messages(record, "none", with_response=False)
+        assert [(m["role"], m["content"]) for m in row["messages"]] == [(m.role, m.content) for m in expected]
+        assert not any("target response profile" in m["content"] for m in row["messages"])
+    asked = write_prompts(checkpoint, path, tmp_path / "asked.jsonl", profile="context", limit=3,
+                          max_prompt_tokens=None, template="polyalign")
+    assert asked["profile"] == "context" and asked.get("notes", []) == []
+    # polyalign's export that names no profile (written before it did): the evaluation default
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**base, "polyalign_system": "keep"}))
+    assert write_prompts(checkpoint, path, tmp_path / "older.jsonl", limit=3, max_prompt_tokens=None,
+                         template="polyalign")["profile"] == "context"
+
+
 def test_a_share_above_nothing_never_reads_zero_percent():
     from polyalign.cli import _share
 

@@ -56,7 +56,7 @@ from polyalign.generate.settings import asked_for
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
 from polyalign.model.pooling import encode_responses
-from polyalign.tokens.tokenizer import load_tokenizer
+from polyalign.tokens.tokenizer import exported_setting, load_tokenizer
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
@@ -785,6 +785,8 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     lengths = length_history(record["segments"], (config.get("train") or {}).get("steps"))
     if lengths:  # resumed with another train.steps: not a plain run of the last length
         settings["steps"] = lengths
+    if "profile" not in settings and isinstance(exported := exported_setting(checkpoint, "polyalign_profile"), str):
+        settings["profile"] = exported  # an SFT run's profile is its build's: the export names it
     if settings.get("init"):  # the architecture is init's: a preset the config still names was not used
         settings.pop("preset", None)
     if config.get("method") != "hdpo" and not config.get("hdpo_terms"):  # HDPO's terms: the others never read them

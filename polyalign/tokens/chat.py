@@ -172,12 +172,20 @@ def say_unseen_profile_values(tokenizer: Tokenizer, records: Sequence[Record], p
 
 
 def trained_profile(tokenizer: Tokenizer, asked: str | None, where: str, notes: list[str] | None = None) -> str:
-    """The profile a checkpoint's prompts are rendered with: the one asked for, else the one it was
-    trained with (its export's polyalign_profile), else context. Asking for another than the trained one
-    is said (and added to `notes`): the model never read such prompts."""
+    """The profile a checkpoint's prompts are rendered with: the one asked for, else the one it was trained
+    with: its export's polyalign_profile; none for another tool's checkpoint (a base model, which never read
+    polyalign's profile prompt: given it by default, a comparison with the models trained from it measured
+    the base on prompts it was never trained on), said; context for a polyalign export that does not say.
+    Asking for another than the trained one is said (and added to `notes`): the model never read such
+    prompts."""
     trained = tokenizer.profile_mode
     if asked is not None and trained is not None and asked != trained:
         _say(f"{where} was trained with profile {trained!r}; rendering with {asked!r} as asked", notes)
+    if asked is None and trained is None and not tokenizer.from_polyalign:
+        _say(f"{where} was not trained by polyalign (its tokenizer config names no polyalign_profile): prompted "
+             "without polyalign's profile prompt, as it was trained (--profile context gives it the one the models "
+             "polyalign trains read)", notes)
+        return "none"
     return asked or trained or "context"
 
 

@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 from tokenizers import Tokenizer as _Tokenizer
@@ -35,13 +36,19 @@ POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "poly
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
 
-def trained_length(checkpoint: str | os.PathLike) -> int | None:
-    """A checkpoint's polyalign_max_length (its tokenizer_config.json); None where it says none."""
+def exported_setting(checkpoint: str | os.PathLike, key: str) -> Any:
+    """What a checkpoint's tokenizer_config.json says of `key` (one polyalign's export writes); None where it
+    says nothing, or there is no such file."""
     config = as_path(checkpoint) / TOKENIZER_CONFIG
     try:
-        value = json.loads(config.read_text()).get(MAX_LENGTH_KEY) if config.is_file() else None
+        return json.loads(config.read_text()).get(key) if config.is_file() else None
     except (json.JSONDecodeError, AttributeError, OSError):
         return None
+
+
+def trained_length(checkpoint: str | os.PathLike) -> int | None:
+    """A checkpoint's polyalign_max_length (its tokenizer_config.json); None where it says none."""
+    value = exported_setting(checkpoint, MAX_LENGTH_KEY)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -72,6 +79,9 @@ class Tokenizer(abc.ABC):
     system_mode: str = "keep"
     # The profile prompt a checkpoint was trained with (its export's polyalign_profile); None: not said.
     profile_mode: str | None = None
+    # Whether polyalign wrote the tokenizer's config (a key polyalign_*): a checkpoint without one is another
+    # tool's, trained without polyalign's profile prompt.
+    from_polyalign: bool = False
     # The profile values the checkpoint's training data held, per key (its export's
     # polyalign_profile_values: {"family": [...], ...}); None: not said.
     profile_values: dict[str, list[str]] | None = None
@@ -148,6 +158,7 @@ class Tokenizer(abc.ABC):
             if key.startswith("polyalign_") and key not in POLYALIGN_CONFIG_KEYS:
                 raise TokenizerError(unknown_key_message(key, POLYALIGN_CONFIG_KEYS, str(self.config_file),
                                                          prefix="polyalign_"))
+        self.from_polyalign = any(key.startswith("polyalign_") for key in config)
         self.chat_template = config.get("polyalign_chat_template", self.chat_template)
         self.system_mode = config.get("polyalign_system", self.system_mode)
         self.profile_mode = config.get("polyalign_profile", self.profile_mode)
