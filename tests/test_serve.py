@@ -432,3 +432,25 @@ def test_a_request_that_sets_no_sampling_takes_the_checkpoints_generation_config
                               "repetition_penalty": config.get("repetition_penalty", 1.0)}
     finally:
         service.loop.close()
+
+
+def test_the_start_up_line_says_what_a_client_sends_for_the_prompts_the_model_was_trained_on():
+    """A model trained with the profile prompt answers requests that name no profile without one, which it
+    read only where truncation had cut it: start-up says which keys to send, with an example of the values its
+    training data held; a model trained without it gets no line."""
+    from types import SimpleNamespace
+
+    from polyalign.generate.serve import profile_line
+
+    held = {"family": ["assistant", "dialogue"], "track": ["multi", "single"], "style": ["casual", "formal"],
+            "length": ["long", "short"]}
+    line = profile_line(SimpleNamespace(profile_mode="context", profile_values=held))
+    assert line == ('profile: this model was trained with the context profile prompt; name family, track and style '
+                    'in each request\'s chat_template_kwargs, e.g. {"family": "assistant", "track": "multi", '
+                    '"style": "casual"} (the values its training data held are in its model card). A request '
+                    "without them gets no profile prompt, which the model read only in the training examples whose "
+                    "profile prompt truncation cut (its model card says how many)")
+    oracle = profile_line(SimpleNamespace(profile_mode="oracle", profile_values=None))
+    assert "name family, track, style and length in" in oracle and '"length": "..."}. A request' in oracle
+    assert profile_line(SimpleNamespace(profile_mode="none", profile_values=held)) is None
+    assert profile_line(SimpleNamespace(profile_mode=None, profile_values=None)) is None

@@ -496,6 +496,22 @@ def sampling_line(service: Service, checkpoint) -> str:
     return f"sampling: a request that leaves {', '.join(CHECKPOINT_KEYS)} unset gets {chosen}: {where}{greedy}"
 
 
+def profile_line(tokenizer) -> str | None:
+    """What a client must send for the prompts this model was trained on, at start-up; None for a model
+    trained without the profile prompt. The most common slip: a client that names no profile gets a prompt
+    the model read only where truncation had cut the profile away."""
+    keys = PROFILE_MODE_KEYS.get(tokenizer.profile_mode or "none")
+    if not keys:
+        return None
+    held = tokenizer.profile_values or {}
+    example = json.dumps({key: (held.get(key) or ["..."])[0] for key in keys}, ensure_ascii=False)
+    return (f"profile: this model was trained with the {tokenizer.profile_mode} profile prompt; name "
+            f"{', '.join(keys[:-1])} and {keys[-1]} in each request's chat_template_kwargs, e.g. {example}"
+            f"{' (the values its training data held are in its model card)' if held else ''}. A request without "
+            "them gets no profile prompt, which the model read only in the training examples whose profile prompt "
+            "truncation cut (its model card says how many)")
+
+
 def serve(checkpoint, options: ServeOptions, template: str | None = None) -> None:
     """Runs the endpoint until interrupted."""
     uvicorn = require("uvicorn", "serve", "polyalign serve")
@@ -510,11 +526,8 @@ def serve(checkpoint, options: ServeOptions, template: str | None = None) -> Non
     if note := context_note(checkpoint, options.max_sequence):
         print(note, flush=True)
     print(sampling_line(service, checkpoint), flush=True)
-    if keys := PROFILE_MODE_KEYS.get(service.tokenizer.profile_mode or "none"):
-        # the most common slip: a client that names no profile gets a prompt this model never read
-        print(f"profile: name {', '.join(keys)} in each request's chat_template_kwargs; a request without them "
-              f"gets no profile prompt, which this model ({service.tokenizer.profile_mode} profile) was trained with "
-              "(its model card says in how many training examples)", flush=True)
+    if line := profile_line(service.tokenizer):
+        print(line, flush=True)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # Ctrl-C, SIGTERM: running requests get STOP_ANSWER_S to finish
