@@ -1300,7 +1300,8 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     assert "round" not in bucket
     # an SFT run's profile is its build's, not a key of its config: its export's tokenizer config names it
     assert "profile" not in bucket
-    (tmp_path / "bucket_sft" / "model" / "tokenizer_config.json").write_text(json.dumps({"polyalign_profile": "oracle"}))
+    exported = tmp_path / "bucket_sft" / "model" / "tokenizer_config.json"
+    exported.write_text(json.dumps({"polyalign_profile": "oracle"}))
     assert trained_with(tmp_path / "bucket_sft.jsonl")["profile"] == "oracle"
     # a model folder copied out of its run keeps how it was trained in its own record (the export writes it)
     from polyalign.core.paths import TRAINING_RECORD

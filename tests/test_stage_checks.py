@@ -347,7 +347,9 @@ def test_missing_pairs_say_what_makes_them_for_the_method(tmp_path, capsys, meth
     run.mkdir()
     assert main(["train", method, "--out", str(tmp_path / "out"), f"init={tmp_path}", f"data.dir={run}"]) == 2
     err = capsys.readouterr().err
-    assert f"{run}/critic/train_pairs.jsonl: no such pairs file; " in err and "Traceback" not in err
+    # the path was a default (pairs unset): said, with where it comes from
+    assert (f"{run}/critic/train_pairs.jsonl: no such pairs file; pairs is not set, so the critic's scored pairs in "
+            "data.dir's critic/ are read; ") in err and "Traceback" not in err
     if method == "hdpo":
         assert (f"HDPO reads pairs the critic scored: make pairs with `polyalign pairs` or `polyalign pairs "
                 f"import`, then `polyalign train critic --out {run}/critic pairs=... val_pairs=...` writes them "
@@ -355,6 +357,19 @@ def test_missing_pairs_say_what_makes_them_for_the_method(tmp_path, capsys, meth
     else:
         assert err.rstrip().endswith("make pairs with `polyalign pairs` or `polyalign pairs import` and set pairs= "
                                      "to the file")
+        # a user's own pairs given, val_pairs not: its default is said, and where held-out pairs come from
+        (tmp_path / "p.jsonl").write_text("")
+        argv = ["train", method, "--out", str(tmp_path / "out"), f"init={tmp_path}", f"data.dir={run}",
+                f"pairs={tmp_path / 'p.jsonl'}"]
+        assert main([*argv, "--print-config"]) == 0
+        assert (f"# val_pairs null reads {run}/critic/val_pairs.jsonl (the critic's scored pairs in data.dir): no "
+                "such file; the run refuses it") in capsys.readouterr().out
+        assert main(argv) == 2
+        assert capsys.readouterr().err.rstrip().endswith(
+            f"{run}/critic/val_pairs.jsonl: no such pairs file; val_pairs is not set, so the critic's scored pairs "
+            "in data.dir's critic/ are read; make pairs with `polyalign pairs` or `polyalign pairs import` and set "
+            "val_pairs= to the file (held-out pairs: `polyalign pairs import ... --val-fraction 0.1` writes "
+            "NAME.val.jsonl beside its --out, or `polyalign pairs` on RUN/data/val.jsonl)")
 
 
 def test_a_critic_without_references_says_where_they_come_from(tmp_path, capsys):

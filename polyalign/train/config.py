@@ -241,7 +241,7 @@ class PreferenceConfig:
 def _val_pairs_hint(pairs: str | None) -> str:
     """Where held-out pairs come from, naming the file `pairs import --val-fraction` wrote beside `pairs`."""
     hint = ("; held-out pairs come from `polyalign pairs import ... --val-fraction 0.1` (written beside its --out "
-            "as NAME.val.jsonl) or `polyalign pairs` (RUN/pairs/val.jsonl)")
+            "as NAME.val.jsonl) or `polyalign pairs` on the val split's records and predictions (RUN/data/val.jsonl)")
     beside = str(pairs)[:-len(".jsonl")] + ".val.jsonl" if pairs and str(pairs).endswith(".jsonl") else None
     if beside and as_path(beside).exists():
         hint += f"; {beside} is there: val_pairs={beside}"

@@ -306,6 +306,21 @@ def derived_notes(config: Any) -> list[str]:
                      "when the run starts, from the training data's epoch size (the run prints the number)")
     if isinstance(config, schema.SftConfig):
         notes.extend(_built_length_notes(config))
+    notes.extend(_defaulted_pairs_notes(config))
+    return notes
+
+
+def _defaulted_pairs_notes(config: Any) -> list[str]:
+    """Where an unset pairs or val_pairs is read from (RUN/critic/, the critic's scored pairs): printed as
+    null, it read as "none" to a user the run then refused for the missing default file."""
+    if not hasattr(config, "pair_file") or config.data.dir is None:
+        return []
+    notes = []
+    for key in ("pairs", "val_pairs"):
+        if getattr(config, key) is None:
+            path = config.pair_file(key)
+            missing = "" if is_uri(path) or Path(path).is_file() else ": no such file; the run refuses it"
+            notes.append(f"{key} null reads {path} (the critic's scored pairs in data.dir){missing}")
     return notes
 
 

@@ -232,11 +232,16 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
     other methods."""
     scored = (config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0
     made = "make pairs with `polyalign pairs` or `polyalign pairs import`"
+    # the path was not given: say where it came from, or the user looks for a setting they never made
+    defaulted = (f"{key} is not set, so the critic's scored pairs in data.dir's critic/ are read; "
+                 if getattr(config, key) is None else "")
     if scored:
         out = f"{str(config.data.dir).rstrip('/')}/critic" if getattr(config, key) is None else "CRITIC"
-        return (f"HDPO reads pairs the critic scored: {made}, then `polyalign train critic --out {out} pairs=... "
-                f"val_pairs=...` writes them scored to {out}/train_pairs.jsonl and {out}/val_pairs.jsonl")
-    return made + (f" and set {key}= to the file" if getattr(config, key) is None else "")
+        return (f"{defaulted}HDPO reads pairs the critic scored: {made}, then `polyalign train critic --out {out} "
+                f"pairs=... val_pairs=...` writes them scored to {out}/train_pairs.jsonl and {out}/val_pairs.jsonl")
+    held_out = (" (held-out pairs: `polyalign pairs import ... --val-fraction 0.1` writes NAME.val.jsonl beside its "
+                "--out, or `polyalign pairs` on RUN/data/val.jsonl)" if key == "val_pairs" else "")
+    return f"{defaulted}{made} and set {key}= to the file{held_out}" if defaulted else made
 
 
 def pairs_whose_cut(examples: list[dict], took: str) -> int:
