@@ -97,7 +97,7 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
                                   checkpoint)
     check = manifest["tokenizer_check"]
     assert check["differing"] > 0 and check["reader"].endswith("(Loaded, loaded with config.json's model_type qwen2)")
-    assert "loaded with config.json's model_type qwen2) reads" in err and "pre-tokenizer" in err
+    assert "loaded with config.json's model_type qwen2) reads" in err and "save_pretrained(D)` with D = " in err
     # transformers not installed (the README's install): transformers 5's Qwen2Tokenizer is emulated with the
     # tokenizers library, so the same warning comes; a tokenizer.json with Qwen2's own pre-tokenizer reads alike
     emulated = ("transformers 5's Qwen2Tokenizer (chosen by config.json's model_type qwen2; emulated, since "
@@ -174,8 +174,10 @@ def test_training_checks_its_export_as_transformers_loads_it(json_tokenizer, tmp
     digits = sum(any(c.isdigit() for c in t) for t in texts)
     assert check["reader"] == f"transformers stand-in AutoTokenizer (Loaded, loaded with config.json's model_type " \
                               f"{model_type})" and 0 < check["differing"] <= digits and check["probes"] == len(texts)
-    assert result["tokenizer_warning"].endswith(f"{EXPORT_CONSEQUENCE}. A tokenizer.json whose pre-tokenizer is the "
-                                                "one transformers builds for that class reads alike in both")
+    assert result["tokenizer_warning"].endswith(
+        f"{EXPORT_CONSEQUENCE}. To make them agree, save the tokenizer as transformers reads it "
+        f"(`AutoTokenizer.from_pretrained(D).save_pretrained(D)` with D = {folder} writes the tokenizer.json it "
+        "builds for that class), then build and train on it again")
     assert f"**{check['reader']} reads this folder's tokenizer with other ids than training used**, on " \
            f"{check['differing']} of {len(texts)} probe texts" in (folder / "README.md").read_text()
 
