@@ -453,6 +453,11 @@ def test_an_adapter_peft_made_gives_peft_logits_and_our_export_reads_back(tmp_pa
     export_adapter(adapted, tmp_path / "adapter", base=str(FIXTURES / "hf" / "qwen2"))
     again = load_adapter(base, tmp_path / "adapter")
     np.testing.assert_array_equal(np.asarray(again(expected["input_ids"])), np.asarray(adapted(expected["input_ids"])))
+    assert "rounded to" not in (tmp_path / "adapter" / "README.md").read_text()  # merged in float32: exact
+    # merged weights exported in bfloat16 differ from base + adapter by that rounding: the README says so
+    export_adapter(adapted, tmp_path / "bf16_adapter", base=str(FIXTURES / "hf" / "qwen2"), merged_dtype="bfloat16")
+    assert ("`../model` holds the merged weights W + (alpha / r) A B rounded to bfloat16 (model.export_dtype)"
+            in (tmp_path / "bf16_adapter" / "README.md").read_text())
 
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))

@@ -274,13 +274,14 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
     lengths = length_history(run_segments(out), config.train.steps)
     if lengths:  # resumed with another train.steps: the schedule changed where it resumed
         card["steps"] = f"{lengths}, resumed on the new length's learning-rate schedule"
+    dtype = config.model.export_dtype or compute_dtype(config.model.dtype)
     if has_adapters(model):
-        export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=card)
+        export_adapter(model, as_path(out) / "adapter", mesh, base=config.init, card=card, merged_dtype=dtype)
         written["adapter"] = str(as_path(out) / "adapter")
         with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
             model = merge_adapters(model)
     export_checkpoint(model, tokenizer, as_path(out) / "model", mesh, template=template, profile=profile,
-                      dtype=config.model.export_dtype or compute_dtype(config.model.dtype),
+                      dtype=dtype,
                       card={**card, **({PROFILE_COVERAGE: coverage} if coverage else {})},
                       base=config.init, system=system, values=values,
                       max_length=longest_trained(config.init, max_length or config.data.max_length),
@@ -300,10 +301,11 @@ def longest_trained(init: str | None, length: int | None) -> int | None:
 
 
 def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: str | None = None,
-                   card: dict[str, Any] | None = None) -> None:
+                   card: dict[str, Any] | None = None, merged_dtype: str = "float32") -> None:
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors in float32): PeftModel
-    .from_pretrained(transformers' base model, path) gives the adapted model. Every process calls it;
-    process 0 writes."""
+    .from_pretrained(transformers' base model, path) gives the adapted model. `merged_dtype`: what `../model`
+    holds the merged weights in (its README says a rounding the adapter does not have). Every process calls
+    it; process 0 writes."""
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         adapters = parallel.to_host(nnx.state(model, nnx.LoRAParam))
     if jax.process_index() != 0:
@@ -323,6 +325,11 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
               "quantised base: on the full-precision base named above it gives other outputs than the model that "
               "was trained. `../model` is what was trained (the quantised base, dequantised, with the adapter "
               "merged); load the adapter onto the base only where that difference is acceptable.\n")
+    if merged_dtype != "float32":  # a user compared the two and found logits a few hundredths apart, unsaid
+        caveat += (f"\n`../model` holds the merged weights W + (alpha / r) A B rounded to {merged_dtype} "
+                   "(model.export_dtype): its outputs differ from the base with this adapter by that rounding "
+                   "(logits by a few hundredths on a small model); `model.export_dtype=float32` keeps the merge "
+                   "exact.\n")
     (path / "README.md").write_text(f"# LoRA adapter (PEFT format)\n\n| | |\n|---|---|\n{rows}\n"
                                     "Load with `PeftModel.from_pretrained(base, this_folder)`; `../model` holds the "
                                     f"weights with the adapter merged.\n{caveat}")
