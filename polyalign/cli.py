@@ -954,11 +954,14 @@ def _run_generate(args) -> int:
 
 def empty_answers_warning(summary: dict, greedy: bool) -> str:
     """What `generate` says of answers that are empty once decoded and stripped (how many ended the turn
-    at once and how many decoded only whitespace until the token budget), and of answers without a word
-    (punctuation only, as evaluate reads them)."""
+    at once, how many decoded only whitespace and then ended it, and how many until the token budget), and of
+    answers without a word (punctuation only, as evaluate reads them)."""
     at_budget, empty, wordless = summary.get("empty_at_budget", 0), summary["empty"], summary.get("without_words", 0)
-    said = [f"{empty} of {summary['records']} answers are empty after decoding ({empty - at_budget} ended the turn "
-            f"at once, {at_budget} decoded only whitespace until the token budget)"] * bool(empty)
+    at_once = summary.get("empty_at_once", empty - at_budget)
+    ways = [(at_once, "ended the turn at once"), (empty - at_once - at_budget, "decoded only whitespace, then ended "
+            "the turn"), (at_budget, "decoded only whitespace until the token budget")]
+    how = ", ".join(f"{count} {way}" for count, way in ways if count)
+    said = [f"{empty} of {summary['records']} answers are empty after decoding ({how})"] * bool(empty)
     said += [f"{wordless} of {summary['records']} hold no word (punctuation only)"] * bool(wordless)
     return (f"warning: {'; '.join(said)}; evaluate counts them and leaves them out of diversity"
             + ("; greedy decoding of a small model often does this, --temperature 0.8 samples instead"

@@ -151,9 +151,17 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
     assert (record["settings"]["template"], record["settings"]["profile"]) == (None, None)
     assert summary["empty"] == sum(not r["prediction"] for r in rows)
     assert summary["empty_at_budget"] == sum(not r["prediction"] and r["finish_reason"] == "length" for r in rows)
-    assert empty_answers_warning({"empty": 49, "records": 49, "empty_at_budget": 49}, greedy=True).startswith(
-        "warning: 49 of 49 answers are empty after decoding (0 ended the turn at once, 49 decoded only whitespace "
-        "until the token budget); evaluate counts them")
+    assert summary["empty_at_once"] == sum(not r["prediction"] and r["new_tokens"] == 0 for r in rows)
+    assert empty_answers_warning({"empty": 49, "records": 49, "empty_at_budget": 49, "empty_at_once": 0},
+                                 greedy=True).startswith(
+        "warning: 49 of 49 answers are empty after decoding (49 decoded only whitespace until the token budget); "
+        "evaluate counts them")
+    # an answer of 13 newlines, then the end of the turn, did not end it at once (a user read "8 ended the turn
+    # at once, 0 decoded only whitespace" of such an answer)
+    assert empty_answers_warning({"empty": 8, "records": 8, "empty_at_budget": 0, "empty_at_once": 7},
+                                 greedy=False).startswith(
+        "warning: 8 of 8 answers are empty after decoding (7 ended the turn at once, 1 decoded only whitespace, "
+        "then ended the turn); evaluate counts them")
     # answers of punctuation alone, as a 150-step model answered 320 of 320 prompts: counted as evaluate counts them
     import unicodedata
 

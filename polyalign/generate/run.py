@@ -318,7 +318,10 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                "empty": sum(1 for row in rows if not row["prediction"]),
                # answers of punctuation alone ("，，，，"): evaluate finds no word in them either
                "without_words": sum(1 for row in rows if without_words(row["prediction"])),
-               # of them, the ones that decoded whitespace until the budget (the others ended the turn at once)
+               # of them, the ones that ended the turn at once (no token before the end of the turn) and the ones
+               # that decoded whitespace until the budget (the others decoded whitespace, then ended the turn)
+               "empty_at_once": sum(1 for row in rows if not row["prediction"] and row["new_tokens"] == 0
+                                    and row["finish_reason"] == FINISH_STOP),
                "empty_at_budget": sum(1 for row in rows
                                       if not row["prediction"] and row["finish_reason"] == FINISH_LENGTH),
                "prompts_cut": sum(p.cut for p in prompts),  # oldest whole turns dropped (chat.py cut_prompt)
