@@ -182,6 +182,8 @@ BAD_SETTINGS = [
     ("hdpo", "rounds=0", "rounds must be at least 1, got 0"),
     ("sft", "model.preset=qwen2.5-1.5",
      r"override model.preset=qwen2.5-1.5: unknown preset .qwen2.5-1.5.; did you mean .qwen2.5-1.5b.\?"),
+    ("sft", "model.lora.targets=[q_proj,v_proj]",  # PEFT's names, pointed at polyalign's
+     r"expected some of q, k, v, o, gate, up, down, got \['q_proj', 'v_proj'\]; did you mean \[q, v\]"),
     ("critic", "dropout=1", r"dropout must be in \[0, 1\), got 1"),
     ("critic", "pair_batch=0", "pair_batch must be at least 1, got 0"),
     ("dpo", "data.max_length=null", "override data.max_length=null: each side of a pair is cut to it"),

@@ -466,8 +466,13 @@ def _check_lora(config: Any, where: str) -> None:
     lora = config.model.lora
     unknown = [t for t in lora.targets if t not in LORA_TARGETS]
     if unknown or not lora.targets:
+        # PEFT's and transformers' module names (q_proj, self_attn.v_proj, mlp.down_proj), the ones users bring
+        peft = {path.split(".")[-1]: name for name, path in LORA_TARGETS.items()}
+        meant = [peft.get(str(t).split(".")[-1], t if t in LORA_TARGETS else None) for t in lora.targets]
+        hint = (f"; did you mean [{', '.join(meant)}] (polyalign's names for PEFT's {', '.join(map(str, unknown))})?"
+                if lora.targets and all(meant) else "")
         raise ConfigError(f"{where}: model.lora.targets: expected some of {', '.join(LORA_TARGETS)}, got "
-                          f"{list(lora.targets)}")
+                          f"{list(lora.targets)}{hint}")
     _check_choice(where, "model.lora.init", lora.init, LORA_INITS)
     _check_choice(where, "model.quantize", config.model.quantize, (None, *QUANTIZE_KINDS))
     if config.model.quantize and not lora.rank:
