@@ -244,6 +244,9 @@ def test_a_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports_both_w
     assert straight["adapter"] == str(out / "adapter")
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
+    # the adapter folder carries the model's tokenizer (AutoPeftModelForCausalLM reads it there, not the network)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / "adapter" / name).read_bytes() == (out / "model" / name).read_bytes(), name
     assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
                                                 "v_proj"]
     tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))

@@ -287,6 +287,12 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
                       max_length=longest_trained(config.init, max_length or config.data.max_length),
                       training={"config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
                                 "segments": run_segments(out)})
+    if written and jax.process_index() == 0:
+        # the tokenizer beside the adapter: PEFT's AutoPeftModelForCausalLM reads it from the adapter's folder, and
+        # without it went to the network for the base's, warning offline
+        for name in (TOKENIZERS_FILE, TOKENIZER_CONFIG, SENTENCEPIECE_FILE):
+            if (as_path(out) / "model" / name).exists():
+                (as_path(out) / "adapter" / name).write_bytes((as_path(out) / "model" / name).read_bytes())
     return {"model": str(as_path(out) / "model"), **written}
 
 
