@@ -952,6 +952,29 @@ def test_a_tokenizer_belongs_to_the_settings_that_trained_it(demo_run, tmp_path,
                                       "pieces; 8000 suits the demo data)")
 
 
+def test_the_same_build_again_is_said_to_be_the_same(built_run, tmp_path):
+    """`build` run again with nothing changed rebuilds without a word, leaving a user to wonder what changed:
+    a note says the build is already this one; other options, or data prepared again, get no such note."""
+    from dataclasses import asdict
+
+    from polyalign.inputs.build import BuildOptions, same_build_note
+
+    source, manifest = built_run
+    run = tmp_path / "run"
+    (run / "build").mkdir(parents=True)
+    (run / "data").mkdir()
+    (run / "data" / "manifest.json").write_bytes((source / "data" / "manifest.json").read_bytes())
+    (run / "build" / "manifest.json").write_text(json.dumps(manifest))
+    options = BuildOptions(**manifest["settings"])
+    assert asdict(options) == manifest["settings"]
+    assert same_build_note(run, options) == (f"note: {run / 'build'} already holds this build (the same options, "
+                                             "from the data and the tokenizer as they are now); building it again "
+                                             "gives the same examples")
+    assert same_build_note(run, BuildOptions(**{**manifest["settings"], "max_length": 32})) is None
+    (run / "data" / "manifest.json").write_text("{}")  # prepared again since
+    assert same_build_note(run, options) is None
+
+
 def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tokenizer, tmp_path, capsys):
     from polyalign.inputs.build import tokenizer_digests
     from polyalign.inputs.built import read_manifest

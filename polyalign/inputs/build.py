@@ -13,6 +13,7 @@ import io
 import json
 import shlex
 import shutil
+import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from etils import epath
 from polyalign.core.errors import ChatTemplateError, InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import as_path, file_digest, files_digest, is_uri
+from polyalign.core.paths import as_path, changed_since, file_digest, files_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
@@ -385,6 +386,8 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     elsewhere = (f"build into a RUN of its own beside it: mkdir {shlex.quote(str(other))} && ln -s "
                  f"{shlex.quote(str(Path(run).resolve() / 'data'))} {shlex.quote(str(other / 'data'))}, then "
                  f"{command} (and polyalign stats on it where HDPO needs them)")
+    if note := same_build_note(run, options):
+        print(note, file=sys.stderr)
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
                         ours=[out / "manifest.json", out / DATASET_NAME], elsewhere=elsewhere,
                         paths=["tokenizer"], legacy=LEGACY_SETTINGS)
@@ -398,6 +401,21 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
     require_records(run)
     with claim_build(run, options, overwrite):
         return _build(Path(run), options, progress)
+
+
+def same_build_note(run: Path, options: BuildOptions) -> str | None:
+    """A note when RUN/build already holds this very build (the same options, made from the data and the
+    tokenizer as they are now): the command rebuilds it, and a user saw it rebuild without a word, unsure
+    whether something had changed."""
+    try:
+        manifest = json.loads((Path(run) / BUILD_DIR / "manifest.json").read_text())
+    except (OSError, ValueError):  # no build yet, or an interrupted one
+        return None
+    made_from = manifest.get("made_from") if isinstance(manifest, dict) else None
+    if manifest.get("settings") != asdict(options) or not isinstance(made_from, dict) or changed_since(run, made_from):
+        return None
+    return (f"note: {Path(run) / BUILD_DIR} already holds this build (the same options, from the data and the "
+            "tokenizer as they are now); building it again gives the same examples")
 
 
 def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
