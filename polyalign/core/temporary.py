@@ -1,6 +1,5 @@
-"""Temporary files and folders of a process that outlive it only as long as it lives: the launcher's notices
-folder and a training process's parent's state file, removed when they end, and by the next one on this host
-when they were killed outright."""
+"""A process's temporary files and folders (the launcher's notices folder, a training process's parent's state
+file): removed by the process when it ends, and by the next one on the same host when it was killed outright."""
 
 from __future__ import annotations
 
