@@ -360,9 +360,13 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
     assert not (tmp_path / "resumed" / "model").exists()
     resumed = train_sft(sft_config(run, 12), tmp_path / "resumed", progress=False)
     assert resumed["start_step"] == 6 and resumed["end_step"] == 12
-    # the same command once more: nothing left to train, and the summary still says how it ended
+    # the same command once more: nothing left to train, and the summary still says how it ended; the export,
+    # already this config's at this step, is kept as it is (it was rewritten, a new checkpoint to its readers)
+    exported = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "resumed" / "model").iterdir()}
     again = train_sft(sft_config(run, 12), tmp_path / "resumed", progress=False)
     assert again["start_step"] == again["end_step"] == 12 and again["last"] == resumed["last"]
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "resumed" / "model").iterdir()} == exported
+    assert again["model"] == resumed["model"] and again["tokenizer_check"] == resumed["tokenizer_check"]
     straight = {r["step"]: r for r in read_metrics(tmp_path / "straight")}
     again = {r["step"]: r for r in read_metrics(tmp_path / "resumed")}
     assert sorted(again) == list(range(1, 13))

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from polyalign.core.outputs import OutputLock, no_empty_folder_left
-from polyalign.core.paths import as_path, is_uri, recorded_path, run_segments
+from polyalign.core.paths import TRAINING_RECORD, as_path, is_uri, recorded_path, run_segments
 from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pipeline import Layout
@@ -275,7 +277,13 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
             metrics.close()
         if "last" not in result:  # resumed at its last step: nothing trained this time
             result["last"] = logged_step(out, result["end_step"])
-        if not result["stopped_early"] and job.finish is not None:
+        kept = kept_export(out, config, result) if not result["stopped_early"] else None
+        if kept is not None:
+            result.update(kept)
+            if jax.process_index() == 0:
+                print(f"{kept['model']}: already this run's export at step {result['end_step']}, kept as it is",
+                      flush=True)
+        elif not result["stopped_early"] and job.finish is not None:
             watchdog.phase(f"the closing work of {config.method} (export, scoring)", "finish")
             with peers_watched(checkpointer, out):
                 result.update(job.finish(trainer, out) or {})
@@ -295,6 +303,33 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+# What a finished run's export added to its summary, kept when the same command finds nothing to train
+EXPORT_RESULTS = ("model", "adapter", "tokenizer_check", "tokenizer_warning")
+
+
+def kept_export(out: Path, config, result: dict[str, Any]) -> dict[str, Any] | None:
+    """The export's results from the last summary when this invocation trained nothing and OUT/model is
+    already the export of this config at this step (its TRAINING_RECORD): the same command run again on a
+    finished run rewrote a whole model folder (15 GB at 7B) to the same bytes, and its new modification times
+    read as another checkpoint to the outputs made from it. Every process must agree (the export gathers
+    parameters on all of them): one that does not keeps nothing."""
+    keep = None
+    if result["start_step"] == result["end_step"]:
+        try:
+            previous = json.loads((as_path(out) / "summary.json").read_text())
+            record = json.loads((as_path(out) / "model" / TRAINING_RECORD).read_text())
+        except (OSError, ValueError):  # a run exported before the record, or a model folder removed
+            previous = record = None
+        current = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+        if (isinstance(previous, dict) and isinstance(record, dict) and previous.get("end_step") == result["end_step"]
+                and "model" in previous and record.get("config") == current):
+            keep = {key: previous[key] for key in EXPORT_RESULTS if key in previous}
+    agreed = keep is not None
+    if jax.process_count() > 1:
+        agreed = bool(np.asarray(multihost_utils.process_allgather(np.array([agreed]))).all())
+    return keep if agreed else None
 
 
 def saved_train_section(out: Path) -> dict[str, Any] | None:
