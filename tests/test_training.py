@@ -432,6 +432,11 @@ def test_two_processes_match_one_process_with_four_devices(built_run, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
     assert "val_loss" in two[5] and abs(one[5]["val_loss"] - two[5]["val_loss"]) <= 1e-5
     assert abs(one[-1]["val_loss"] - two[-1]["val_loss"]) <= 1e-5
+    # the same command again on the finished run: both processes agree that OUT/model is already its export
+    exported = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "two" / "model").iterdir()}
+    again = wait_ok(start_two_processes(run, tmp_path / "two", *UNEVEN_EVAL, *LONGER))
+    assert f"{tmp_path / 'two' / 'model'}: already this run's export at step 12, kept as it is" in again[0]
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "two" / "model").iterdir()} == exported
 
     lost = tmp_path / "lost"
     workers = start_two_processes(run, lost, *UNEVEN_EVAL, *LONGER, "train.peer_timeout=5")
