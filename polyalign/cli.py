@@ -936,7 +936,7 @@ def _run_generate(args) -> int:
     if summary["prompts_cut"]:
         print(_prompts_cut_line(summary["prompts_cut"], summary["records"], summary["max_prompt_tokens"],
                                 summary["prompts_cut_turns_dropped"], summary["prompts_cut_mid_turn"],
-                                summary["prompts_cut_system_lost"], "", "their ids keep its end"))
+                                summary["prompts_cut_system_lost"], "", "cut inside it, its end kept"))
     if auto:
         budgets = summary["budgets"]["by_bucket"]
         print(f"budgets by bucket ({len(budgets)} buckets of {budget_records}): "
@@ -1321,6 +1321,8 @@ def _run_report(args) -> int:
               f"{summary['runs'][0]}: their intervals are not compared (--allow-different-data compares them; "
               "runs evaluated with --allow-partial on other ids compare once each is evaluated on the records "
               "all of them answered: `polyalign evaluate ... --common-with` and every run's predictions file)")
+    for line in summary["in_short"]:  # the report's first section: what the intervals support
+        print(f"{line}.")
     print(f"report: {args.out / 'report.html'}")
     return 0
 

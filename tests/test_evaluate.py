@@ -1797,3 +1797,38 @@ def test_another_seed_keeps_the_point_estimates_and_a_support_holding_the_record
     assert f"{records_path}: {len(records)} evaluated records of {len(records)} are in the support " \
            f"too (id {records[0].id})" in err, err
     assert "RUN/data/train.jsonl" in err and "Traceback" not in err
+
+
+def test_a_comparison_opens_with_what_its_intervals_support_and_who_no_model_answers_beat():
+    """The report's first section (and `report`'s output): which run the intervals put ahead of which, on
+    what, with the direction each number reads in (lower BNG, higher F1); that none is, where none is; and
+    the runs answers needing no model do better than. A reader ranked runs by the aggregate, whose every
+    difference was not judged, below a 20-row settings table."""
+    from polyalign.reports.evaluation import in_short
+
+    def run(aggregate, echo=None):
+        rows = {} if echo is None else {"echo_question": {"aggregate": echo, "aggregate_interval": [echo - 0.02,
+                                                                                                     echo + 0.02]}}
+        return {"metrics": {"aggregate": {"overall": aggregate, "interval": [aggregate - 0.01, aggregate + 0.01]},
+                            "bng": {"overall_macro": 1.0, "macro_interval": [0.9, 1.1]}, "reference_rows": rows}}
+
+    runs = {"sft": run(0.10, echo=0.40), "hdpo": run(0.12)}
+    verdicts = {"hdpo - sft": {"BNG weighted": {"difference": -0.3, "verdict": "apart"},
+                               "F1": {"difference": 0.01, "verdict": "apart"},
+                               "HCR macro": {"difference": 0.2, "verdict": "not judged †"},
+                               "Distinct-2 (people's own is the mark)": {"difference": 0.1, "verdict": "apart"},
+                               "Aggregate": {"difference": 0.02, "verdict": "overlap"}}}
+    assert in_short(runs, verdicts) == [
+        "The intervals put hdpo ahead of sft on BNG weighted and F1; every other difference overlaps or is not "
+        "judged (Which differences the intervals support)",
+        "sft is behind answers that need no model (copying the question, say) on the aggregate or BNG: not yet "
+        "better than they are (Against people and no-model answers)"]
+    # a higher BNG is worse: the earlier run is ahead; nothing apart: said so; every run behind: said once
+    verdicts = {"hdpo - sft": {"BNG weighted": {"difference": 0.3, "verdict": "apart"}}}
+    assert in_short(runs, verdicts)[0].startswith("The intervals put sft ahead of hdpo on BNG weighted; ")
+    runs = {"sft": run(0.10, echo=0.40), "hdpo": run(0.12, echo=0.40)}
+    assert in_short(runs, {"hdpo - sft": {"F1": {"difference": 0.01, "verdict": "overlap"}}}) == [
+        "The intervals put no run ahead of another: every difference overlaps or is not judged (Which differences "
+        "the intervals support)",
+        "Every run is behind answers that need no model (copying the question, say) on the aggregate or BNG: not "
+        "yet better than they are (Against people and no-model answers)"]

@@ -1,4 +1,4 @@
-"""Counts as a reader writes them: 1 bucket, 2 buckets."""
+"""Counts and lists as a reader writes them: 1 bucket, 2 buckets; a, b and c."""
 
 from __future__ import annotations
 
@@ -6,3 +6,8 @@ from __future__ import annotations
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`n` and its noun, singular for exactly one: counted(1, "bucket") -> "1 bucket"."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def listed(items: list[str], last: str = "and") -> str:
+    """`a`, `a and b`, `a, b and c` (`last`: the word before the last item)."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"

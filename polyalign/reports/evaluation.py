@@ -24,6 +24,7 @@ from polyalign.core.errors import EvaluationError  # noqa: E402
 from polyalign.core.outputs import other_stages_folder, same_path, stage_output  # noqa: E402
 from polyalign.core.paths import file_digest  # noqa: E402
 from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # noqa: E402
+from polyalign.core.wording import listed  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.no_model import BASELINE_WORDS, ahead_of_the_model  # noqa: E402
 from polyalign.reports.plots import embedded_img  # noqa: E402
@@ -667,6 +668,44 @@ NOT_JUDGED = "not judged †"
 NOT_JUDGED_MAUVE = "not judged ‡"
 
 
+# Which way each judged number is better; the diversity rows read against people's own (the table says which
+# way a move went) and are left out of the short reading.
+HIGHER_IS_BETTER = {"BNG macro": False, "BNG weighted": False, "HCR macro": True, "HCR weighted": True,
+                    "Detectability AUC macro": False, "Detectability AUC weighted": False, "F1": True,
+                    "TDM macro": True, "NUF hypervolume": True, "Aggregate": True}
+
+
+def in_short(runs: dict[str, dict], verdicts: dict[str, dict]) -> list[str]:
+    """The comparison's reading in a few sentences, first on the page: which run the intervals put ahead of
+    which and on what (or that they put none ahead), and the runs that answers needing no model do better
+    than. A reader met a 20-row settings table first and ranked the runs by the aggregate, whose every
+    difference was not judged."""
+    names = list(runs)
+    ahead: dict[tuple[str, str], list[str]] = {}
+    for i, earlier in enumerate(names):
+        for later in names[i + 1:]:
+            for number, judged in verdicts.get(f"{later} - {earlier}", {}).items():
+                if judged["verdict"] != "apart" or number not in HIGHER_IS_BETTER or judged["difference"] is None:
+                    continue
+                up = (judged["difference"] > 0) == HIGHER_IS_BETTER[number]
+                ahead.setdefault((later, earlier) if up else (earlier, later), []).append(number)
+    said = []
+    if len(runs) > 1 and ahead:
+        said.append("The intervals put " + "; ".join(f"{better} ahead of {worse} on {listed(numbers)}"
+                                                     for (better, worse), numbers in ahead.items())
+                    + "; every other difference overlaps or is not judged (Which differences the intervals support)")
+    elif len(runs) > 1:
+        said.append("The intervals put no run ahead of another: every difference overlaps or is not judged (Which "
+                    "differences the intervals support)")
+    behind = [name for name, run in runs.items() if ahead_of_the_model(run["metrics"])]
+    if behind:
+        who = ("Every run is" if len(behind) == len(runs) > 1 else
+               f"{listed(behind)} {'is' if len(behind) == 1 else 'are'}")
+        said.append(f"{who} behind answers that need no model (copying the question, say) on the aggregate or BNG: "
+                    "not yet better than they are (Against people and no-model answers)")
+    return said
+
+
 def _small_buckets(run: dict) -> list[str]:
     """The buckets with too few test rows for an interval of their own (the same for every macro)."""
     return (run["metrics"].get("bng") or {}).get("small_buckets") or []
@@ -1067,12 +1106,17 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         lead = _behind_no_model([(n, r["metrics"]) for n, r in runs.items()])
         warning += lead
         behind = [_plain(lead)] if lead else []
-    sections = (["<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html, aggregate_note,
+    short = in_short(runs, verdicts)
+    short_html = ("<h2>In short</h2><ul>" + "".join(f"<li>{html.escape(line)}.</li>" for line in short) + "</ul>"
+                  if short else "")
+    sections = ([short_html, "<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
+                 aggregate_note,
                  *run_notes, *(answers[0] if answers else ()),
                  "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
                 + [_embedded(out / i) for i in images])
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
-    markdown = ["# polyalign comparison", "## Settings", settings_md,
+    short_md = ["## In short", "".join(f"- {line}.\n" for line in short)] if short else []
+    markdown = ["# polyalign comparison", *short_md, "## Settings", settings_md,
                 *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
                 *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
                 *(f"**{text}.**" if warns else f"{text}." for text, warns in shared), *behind,
@@ -1086,7 +1130,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                 "".join(f"![{i}]({i})\n" for i in images)]
     (out / "report.md").write_text("\n\n".join(part.strip("\n") for part in markdown) + "\n", encoding="utf-8")
     return {"runs": list(runs), "unequal_settings": unequal, "differing": differing, "other_data": other,
-            "models_differ_in": trained_apart,
+            "models_differ_in": trained_apart, "in_short": short,
             "intervals_compared_across_data": allow_different_data, "differences": verdicts, "out": str(out)}
 
 

@@ -5,6 +5,7 @@ and reports lead their no-model rows with, so that a model that has not beaten t
 from __future__ import annotations
 
 from polyalign.core.scores import interval_text
+from polyalign.core.wording import listed
 
 # What each no-model answer does, in words, for a reader told that it beats a model.
 BASELINE_WORDS = {"echo_question": "copying the question", "first_sentence": "quoting the first sentence of the "
@@ -36,14 +37,10 @@ def ahead_of_the_model(metrics: dict) -> str | None:
                 ahead.append(f"{name} {row[key]:.4f} {interval_text(other)}")
                 beaten_by += [name] * (name not in beaten_by)
         if ahead:
-            said.append(f"on {label}, {_listed(ahead, 'and')} against the model's {value:.4f} "
+            said.append(f"on {label}, {listed(ahead, 'and')} against the model's {value:.4f} "
                         f"{interval_text(interval)}")
     if not said:
         return None
     return (f"answers that need no model do better than this model, their intervals apart from its: {'; '.join(said)}."
-            f" It has not yet beaten {_listed([BASELINE_WORDS[name] for name in beaten_by], 'or')}")
+            f" It has not yet beaten {listed([BASELINE_WORDS[name] for name in beaten_by], 'or')}")
 
-
-def _listed(items: list[str], last: str) -> str:
-    """`a`, `a and b`, `a, b and c`."""
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"

@@ -20,6 +20,7 @@ from polyalign.core.errors import StatsError
 from polyalign.core.outputs import OutputLock
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
+from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
     Scheme,
@@ -310,8 +311,8 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         "languages: " + ", ".join(f"{lang} {c['total']}" for lang, c in counts["by_language"].items()),
         f"{len(counts['by_bucket'])} buckets; length unit {stats['scheme']['length_unit']} "
         f"({LENGTH_UNIT_WORDS.get(stats['scheme']['length_unit'], 'see docs/data.md')} counts 1); "
-        f"{counts['empty_responses']} empty responses (unanswerable QA)"
-        + (f"; {counts['unmeasured_responses']} non-empty responses of length 0 (no letter the "
+        f"{counted(counts['empty_responses'], 'empty response')} (unanswerable QA)"
+        + (f"; {counted(counts['unmeasured_responses'], 'non-empty response')} of length 0 (no letter the "
            f"{stats['scheme']['length_unit']} unit counts: it counts ASCII letters, digits, Chinese characters and "
            "punctuation only; binned with the shortest)" if counts.get("unmeasured_responses") else ""),
         f"exact duplicates removed: {manifest['dedup'].get('exact', {}).get('removed', 'dedup off')}; "

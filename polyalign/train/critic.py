@@ -222,9 +222,10 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
 
 def summary_line(result: dict[str, Any]) -> str:
     val = result["val"]
-    line = (f"critic: best epoch {result['best_epoch']}, validation L1 {val['l1']:.4f}, ranking accuracy "
-            f"{val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs, chosen-vs-rejected AUC "
-            f"{val['auc']:.3f} (0.5 is chance)\n"
+    line = (f"critic: best epoch {result['best_epoch']}, validation L1 {val['l1']:.4f} (its support distances' "
+            f"mean error), ranking accuracy {val['ranking_accuracy']:.3f} on {result['val_pairs']} held-out pairs "
+            f"(the chosen answer put nearer people than the rejected one), chosen-vs-rejected AUC {val['auc']:.3f} "
+            "(0.5 is chance)\n"
             f"scored pairs: {result['out']}/train_pairs.jsonl, {result['out']}/val_pairs.jsonl")
     if val["ranking_accuracy"] < 0.5:
         # HDPO's distance term follows the critic: one that ranks held-out pairs backwards pushes the wrong way
