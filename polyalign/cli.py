@@ -1102,8 +1102,8 @@ def _halvings(detect: dict) -> str:
     said = "" if not spread else (f" (mean of {detect['floor_halvings']} halvings of the people, "
                                   f"{spread[0]:.4f} to {spread[1]:.4f})")
     if detect.get("floor_buckets") and detect["floor_buckets"] < detect["buckets"]:
-        said += (f", the floor over {detect['floor_buckets']} of the {detect['buckets']} buckets, where the model "
-                 f"reads {detect['macro_floored']:.4f}")
+        said += (f"; people have a floor in {detect['floor_buckets']} of the {detect['buckets']} buckets (the others "
+                 f"hold too few answers to halve), and in those the model reads {detect['macro_floored']:.4f}")
     return said
 
 

@@ -661,8 +661,9 @@ def test_every_evaluate_mode_writes_its_report_from_the_command_line(demo_run, t
         assert low <= detect["floor_macro"] <= high and detect["floor_halvings"] == 8
         assert f"(mean of 8 halvings of the people, {low:.4f} to {high:.4f})" in printed.out
         if detect["floor_buckets"] < detect["buckets"]:  # one-answer buckets: the gap over the floor's buckets
-            assert (f", the floor over {detect['floor_buckets']} of the {detect['buckets']} buckets, where the model "
-                    f"reads {detect['macro_floored']:.4f}") in printed.out
+            assert (f"; people have a floor in {detect['floor_buckets']} of the {detect['buckets']} buckets (the "
+                    f"others hold too few answers to halve), and in those the model reads "
+                    f"{detect['macro_floored']:.4f}") in printed.out
         assert detect["gap_macro"] == pytest.approx(detect["macro_floored"] - detect["floor_macro"])
         assert "(the mean of 8 random halvings of the people; one halving alone ranged" in page
 
