@@ -928,7 +928,7 @@ def _run_generate(args) -> int:
     summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
                                    overwrite=args.overwrite)
     for note in summary["notes"]:
-        print(note)
+        print(said_as_note(note))
     rate = f" ({summary['tokens_per_s']} tokens/s)" if summary["new_tokens"] else ""
     print(f"{summary['records']} predictions ({summary['finish_reasons']['stop']} stopped, "
           f"{summary['finish_reasons']['length']} hit the length limit): {summary['new_tokens']} new tokens in "
@@ -950,6 +950,12 @@ def _run_generate(args) -> int:
         print(empty_answers_warning(summary, greedy=args.temperature == 0))
     print(f"predictions: {args.out}")
     return 0
+
+
+def said_as_note(line: str) -> str:
+    """A stage's note as every command prints one, `note: ...`, unless it says already what it is (a warning,
+    a resumption): generate and prompts printed some bare, beside others that began `note:`."""
+    return line if line.startswith(("note: ", "warning: ", "resuming: ")) else f"note: {line}"
 
 
 def empty_answers_warning(summary: dict, greedy: bool) -> str:
@@ -1074,7 +1080,7 @@ def _run_prompts(args) -> int:
                             budget_margin=args.budget_margin, budget_ceiling=args.budget_ceiling,
                             overwrite=args.overwrite)
     for note in summary["notes"]:
-        print(note)
+        print(said_as_note(note))
     if summary["template"] is None:
         print(f"{summary['records']} conversations written as messages (profile {summary['profile']}, system "
               "messages in place), whole: no --checkpoint, so no rendered prompt or token ids; the engine's chat "

@@ -118,7 +118,7 @@ def test_temperature_sampling_is_seeded():
 
 @pytest.mark.slow
 def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer, capsys, monkeypatch):
-    from polyalign.cli import empty_answers_warning, main
+    from polyalign.cli import empty_answers_warning, main, said_as_note
     from polyalign.data.records import read_records
     from polyalign.generate.selection import select_records
     from polyalign.model import save_hf_checkpoint
@@ -156,6 +156,9 @@ def test_cli_writes_one_row_per_record_by_id(built_run, tmp_path, demo_tokenizer
                                  greedy=True).startswith(
         "warning: 49 of 49 answers are empty after decoding (49 decoded only whitespace until the token budget); "
         "evaluate counts them")
+    # a stage's notes print as every command's do (some were bare), and what says its kind keeps it
+    assert [said_as_note(line) for line in ("ckpt names chat template 'x'", "warning: w", "note: n", "resuming: r")] \
+        == ["note: ckpt names chat template 'x'", "warning: w", "note: n", "resuming: r"]
     # an answer of 13 newlines, then the end of the turn, did not end it at once (a user read "8 ended the turn
     # at once, 0 decoded only whitespace" of such an answer)
     assert empty_answers_warning({"empty": 8, "records": 8, "empty_at_budget": 0, "empty_at_once": 7},
