@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
     WEIGHT_PRESETS,
@@ -250,7 +251,7 @@ def test_a_scheme_of_ones_own_is_what_stats_reads_and_editing_it_needs_prepare_o
     assert any(r.response == "бояре" and r.length_tokens == 0 for r in records)
     unmeasured = sum(1 for r in records if r.response and not r.length_tokens)
     assert stats["counts"]["unmeasured_responses"] == unmeasured >= 1
-    assert f"{unmeasured} non-empty responses of length 0 (no letter the v2 unit counts" in said
+    assert f"{counted(unmeasured, 'non-empty response')} of length 0 (no letter the v2 unit counts" in said
     # the file changes after prepare: the records keep their bins, and stats keeps the scheme that made them
     scheme.write_text(text.replace("{name: brief, max: 20}", "{name: brief, max: 50}"))
     again = compute_stats(tmp_path / "run", progress=False)

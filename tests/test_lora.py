@@ -82,7 +82,7 @@ def test_bad_adapter_settings_are_named():
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.targets=[q, x]"])
     with pytest.raises(ConfigError, match="model.lora.init"):
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.lora.init=normal"])
-    with pytest.raises(ConfigError, match="model.quantize: a quantised base is frozen.*model.lora.rank"):
+    with pytest.raises(ConfigError, match="override model.quantize=nf4: a quantised base is frozen.*model.lora.rank"):
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.quantize=nf4"])
     with pytest.raises(ConfigError, match="model.quantize must be one of null, nf4, int8"):
         load_config(REPO / "configs" / "sft_demo.yaml", ["model.lora.rank=8", "model.quantize=fp4"])

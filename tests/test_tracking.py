@@ -123,7 +123,8 @@ def test_logged_steps_carry_throughput_and_reach_every_tracker(built_run, tmp_pa
 
 @pytest.mark.parametrize("override, fragment", [
     ("train.report_to=[mlflow]", "train.report_to must be one of tensorboard, wandb, trackio, got 'mlflow'"),
-    ("train.profile_steps=[3, 2]", "train.profile_steps: expected [first, last] with 1 <= first <= last"),
+    ("train.profile_steps=[3, 2]",
+     "override train.profile_steps=[3, 2]: expected [first, last] with 1 <= first <= last"),
     ("train.peak_tflops=0", "train.peak_tflops must be"),
 ])
 def test_bad_tracking_settings_are_named(override, fragment, tmp_path):
