@@ -240,6 +240,8 @@ def _evaluate(run: Path, settings: DemoSettings) -> str:
         print("demo: MAUVE skipped (pip install 'polyalign[mauve]' to compute it)", flush=True)
     summaries = []
     for method in DEMO_METHODS:
+        if settings.progress:  # the bars below say "generate" and "evaluate": this says whose
+            print(f"{method}: answering and evaluating", file=sys.stderr, flush=True)
         predictions = run / "generate" / f"{method}_test.jsonl"
         # Sampled, as the pairs are: under greedy decoding the 7M-parameter demo models mostly end
         # their turn at once, and every metric would compare empty strings.

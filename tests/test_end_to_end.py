@@ -270,6 +270,7 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
         # copying the question beat)
         if behind := ahead_of_the_model(metrics["metrics"]):
             assert f"warning: {method}: {behind}" in demo.stderr
+        assert f"{method}: answering and evaluating\n" in demo.stderr  # whose progress bars follow
         assert metrics["metrics"]["mauve"]["status"] == "computed"
         # a classifier tells the 20-step demo models' answers from people's, well above people's own floor
         detect = metrics["metrics"]["detectability"]
