@@ -31,6 +31,7 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as Tokenizers
 
 from polyalign.core.errors import CheckpointError
+from polyalign.core.outputs import settings_record
 from polyalign.core.paths import TRAINING_RECORD, as_path, length_history, run_segments
 from polyalign.mesh import parallel
 from polyalign.model.architecture import compute_dtype
@@ -285,7 +286,7 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
                       card={**card, **({PROFILE_COVERAGE: coverage} if coverage else {})},
                       base=config.init, system=system, values=values,
                       max_length=longest_trained(config.init, max_length or config.data.max_length),
-                      training={"config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+                      training={"config": settings_record(dataclasses.asdict(config)),
                                 "segments": run_segments(out)})
     if written and jax.process_index() == 0:
         # the tokenizer beside the adapter: PEFT's AutoPeftModelForCausalLM reads it from the adapter's folder, and

@@ -230,7 +230,7 @@ class PreferenceConfig:
             return getattr(self, key)
         if self.data.dir is None:
             raise ConfigError(f"set {key}= or data.dir=RUN (whose critic/ holds the scored pairs)"
-                              + (_val_pairs_hint(self.pairs) if key == "val_pairs" else ""))
+                              + (val_pairs_hint(self.pairs) if key == "val_pairs" else ""))
         return f"{str(self.data.dir).rstrip('/')}/critic/{'train_pairs' if key == 'pairs' else key}.jsonl"
 
     def pair_files(self) -> dict[str, str]:
@@ -238,10 +238,10 @@ class PreferenceConfig:
         return {key: self.pair_file(key) for key in ("pairs", "val_pairs")}
 
 
-def _val_pairs_hint(pairs: str | None) -> str:
+def val_pairs_hint(pairs: str | None) -> str:
     """Where held-out pairs come from, naming the file `pairs import --val-fraction` wrote beside `pairs`."""
-    hint = ("; held-out pairs come from `polyalign pairs import ... --val-fraction 0.1` (written beside its --out "
-            "as NAME.val.jsonl) or `polyalign pairs` on the val split's records and predictions (RUN/data/val.jsonl)")
+    hint = (" (held-out pairs: `polyalign pairs import ... --val-fraction 0.1` writes NAME.val.jsonl beside its "
+            "--out, or `polyalign pairs` on RUN/data/val.jsonl)")
     beside = str(pairs)[:-len(".jsonl")] + ".val.jsonl" if pairs and str(pairs).endswith(".jsonl") else None
     if beside and as_path(beside).exists():
         hint += f"; {beside} is there: val_pairs={beside}"

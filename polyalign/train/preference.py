@@ -49,7 +49,7 @@ from polyalign.tokens.chat import choose_template, get_template, profile_prompt
 from polyalign.tokens.profile_template import PROFILE_FIELDS, SYSTEM_LOST_WHY, seen_profile_values
 from polyalign.tokens.tokenizer import load_tokenizer, past_trained_note
 from polyalign.train import losses
-from polyalign.train.config import LoopConfig, PreferenceConfig
+from polyalign.train.config import LoopConfig, PreferenceConfig, val_pairs_hint
 from polyalign.train.drift import DriftProbe, load_references
 from polyalign.train.methods import method_spec, require
 from polyalign.train.run import Job, load_init, steps_phrase, steps_run
@@ -239,8 +239,7 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
         out = f"{str(config.data.dir).rstrip('/')}/critic" if getattr(config, key) is None else "CRITIC"
         return (f"{defaulted}HDPO reads pairs the critic scored: {made}, then `polyalign train critic --out {out} "
                 f"pairs=... val_pairs=...` writes them scored to {out}/train_pairs.jsonl and {out}/val_pairs.jsonl")
-    held_out = (" (held-out pairs: `polyalign pairs import ... --val-fraction 0.1` writes NAME.val.jsonl beside its "
-                "--out, or `polyalign pairs` on RUN/data/val.jsonl)" if key == "val_pairs" else "")
+    held_out = val_pairs_hint(config.pairs) if key == "val_pairs" else ""
     return f"{defaulted}{made} and set {key}= to the file{held_out}" if defaulted else made
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from polyalign.core.outputs import OutputLock, no_empty_folder_left
+from polyalign.core.outputs import OutputLock, no_empty_folder_left, settings_record
 from polyalign.core.paths import TRAINING_RECORD, as_path, is_uri, recorded_path, run_segments
 from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
@@ -322,7 +322,7 @@ def kept_export(out: Path, config, result: dict[str, Any]) -> dict[str, Any] | N
             record = json.loads((as_path(out) / "model" / TRAINING_RECORD).read_text())
         except (OSError, ValueError):  # a run exported before the record, or a model folder removed
             previous = record = None
-        current = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+        current = settings_record(dataclasses.asdict(config))
         if (isinstance(previous, dict) and isinstance(record, dict) and previous.get("end_step") == result["end_step"]
                 and "model" in previous and record.get("config") == current):
             keep = {key: previous[key] for key in EXPORT_RESULTS if key in previous}
