@@ -288,12 +288,14 @@ def test_a_folder_stage_that_fails_before_writing_leaves_no_folder_and_no_marker
                 (out / "lengths.png").write_bytes(b"png")
             raise ValueError("predictions.jsonl line 3: not JSON")
 
-    for out, made_by_user in ((tmp_path / "eval", False), (tmp_path / "mine", True)):
+    for out, made_by_user in ((tmp_path / "eval", False), (tmp_path / "mine", True),
+                              (tmp_path / "new" / "runs" / "eval", False)):  # the parents it made go too
         if made_by_user:
             out.mkdir()
         with pytest.raises(ValueError, match="line 3"):
             stage(out)
         assert out.is_dir() == made_by_user and (not made_by_user or not any(out.iterdir()))
+    assert not (tmp_path / "new").exists()
     with pytest.raises(ValueError):
         stage(tmp_path / "half", write=True)
     assert sorted(p.name for p in (tmp_path / "half").iterdir()) == [".metrics.json.started", "lengths.png"]

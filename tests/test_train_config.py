@@ -265,7 +265,7 @@ def test_a_range_beside_a_field_is_what_the_config_check_applies():
                 load_config(None, [f"{key}={below}"], method=spec.name)
 
 
-def test_the_subcommand_picks_the_method_and_refuses_another_schema(capsys):
+def test_the_subcommand_picks_the_method_and_refuses_another_schema(capsys, tmp_path):
     assert load_config(CONFIGS["hdpo"], [], method="dpo").method == "dpo"
     assert load_config(CONFIGS["hdpo"], ["method=ipo"], method="hdpo").method == "ipo"  # overrides come last
     # ... and said: in --print-config as a YAML comment (the output still reads back)
@@ -281,7 +281,7 @@ def test_the_subcommand_picks_the_method_and_refuses_another_schema(capsys):
     assert f"\n# {CONFIGS['hdpo']} says method: hdpo; this run trains dpo, the subcommand's method\n" in printed
     assert main(["train", "hdpo", "--config", str(CONFIGS["hdpo"]), "--print-config"]) == 0
     assert "says method:" not in capsys.readouterr().out
-    assert main(["train", "dpo", "--config", str(CONFIGS["hdpo"]), "--out", "/nonexistent/out"]) == 2
+    assert main(["train", "dpo", "--config", str(CONFIGS["hdpo"]), "--out", str(tmp_path / "nonexistent" / "out")]) == 2
     assert capsys.readouterr().err.startswith(f"note: {CONFIGS['hdpo']} says method: hdpo; this run trains dpo")
     with pytest.raises(ConfigError, match="the config is for method 'sft'; train it with `polyalign train sft`"):
         load_config(CONFIGS["sft"], [], method="hdpo")
@@ -308,7 +308,7 @@ def test_print_config_says_which_keys_are_hdpos(capsys):
                          "true") == said, (method, overrides)
 
 
-def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_losses(capsys, monkeypatch):
+def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_losses(capsys, monkeypatch, tmp_path):
     """Each loss setting of the preference family set for every method: said as not read exactly where changing it
     leaves the method's pair loss unchanged (computed here from polyalign.train.losses on real-sized log-probs);
     on-policy and adapter settings are said where there are no rounds or no adapters, in --print-config and when
@@ -354,12 +354,12 @@ def test_a_setting_the_run_does_not_read_is_said_and_the_table_agrees_with_the_l
     assert "# optimizer.lr is given 2 times (1e-3, then 5e-4): the last one, 5e-4, is used" in printed
     assert yaml.safe_load(printed)["optimizer"]["lr"] == 5e-4
     # said when the run starts too, before anything else can fail
-    assert main(["train", "orpo", "--out", "/nonexistent/out", "simpo_gamma=2"]) == 2
+    assert main(["train", "orpo", "--out", str(tmp_path / "nonexistent" / "out"), "simpo_gamma=2"]) == 2
     assert "note: simpo_gamma=2.0 is set, but this orpo run does not read it (it is for simpo)" in \
         capsys.readouterr().err
     # by process 0 of a job alone: every process reads the same command, and launch showed each note twice
     monkeypatch.setenv("POLYALIGN_PROCESS_ID", "1")
-    assert main(["train", "orpo", "--out", "/nonexistent/out", "simpo_gamma=2"]) == 2
+    assert main(["train", "orpo", "--out", str(tmp_path / "nonexistent" / "out"), "simpo_gamma=2"]) == 2
     assert "simpo_gamma" not in capsys.readouterr().err
 
 

@@ -209,13 +209,20 @@ def check_output(output: str | os.PathLike, record: str | os.PathLike, settings:
 @contextlib.contextmanager
 def no_empty_folder_left(folder: Path) -> Iterator[None]:
     """A folder the block creates (to hold a marker, a lock, a claim) is removed again when the block fails
-    before writing anything into it: a refused or failed first run leaves no empty folder behind."""
-    existed = folder.exists()
+    before writing anything into it, and so are the parents it created for it (`--out runs/new/sft` refused
+    left runs/new): a refused or failed first run leaves no empty folder behind."""
+    missing = []  # the folder and its parents that do not exist yet, innermost first
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists():
+            break
+        missing.append(path)
     try:
         yield
     except BaseException:
-        if not existed and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+        for path in missing:
+            if not path.is_dir() or any(path.iterdir()):
+                break
+            path.rmdir()
         raise
 
 
