@@ -1398,7 +1398,8 @@ def _add_demo(sub) -> None:
                        description="Run the pipeline end to end on the real English and Chinese demo data bundled "
                                    f"with polyalign. Stages available: {', '.join(STAGES)}.")
     p.add_argument("--out", required=True, type=Path, help="run directory")
-    p.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)} (default: all)")
+    p.add_argument("--stages", help=f"the stages to run, comma-separated (e.g. sft,generate), of: "
+                                    f"{', '.join(STAGES)} (default: all)")
     p.add_argument("--quick", action="store_true",
                    help="reduced sizes for a fast check: 20 SFT steps of 8 sequences and 8 preference steps on pairs "
                         "cut to 128 tokens a side (instead of 120 steps of 16 and 40 of 256), fewer prompts sampled "

@@ -113,3 +113,22 @@ def test_every_command_a_help_text_shows_parses_and_a_training_one_says_where_it
             if words[0] == "train" and len(words) > 2:
                 assert "--out" in words or "--print-config" in words, (path, command)
     assert examples >= 10
+
+
+def test_no_help_text_breaks_a_word_across_lines(monkeypatch):
+    """argparse wraps help text at spaces, but cuts a run of characters longer than the column in the middle
+    (`--stages` listed prepare,stats,...,sft,... and an 80-column terminal showed "sf" / "t"). At 80 columns
+    an option's help column is at least 80 - 2 - 24 = 54 wide (argparse's max_help_position), a
+    description's 78: no run of characters without a space or hyphen may be longer."""
+    import argparse
+
+    from polyalign.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for path, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        texts = [(78, parser.description or ""), (78, parser.epilog or "")]
+        texts += [(54, formatter._expand_help(a)) for a in parser._actions if a.help and a.help != argparse.SUPPRESS]
+        for width, text in texts:
+            for run in re.split(r"\s+|(?<=-)", text):
+                assert len(run) <= width, f"`polyalign {' '.join(path)} --help`: {run!r} is cut across lines"
