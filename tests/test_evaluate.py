@@ -37,6 +37,32 @@ def test_tokenisation_modes():
     assert tokens("北京，是首都。", "reference") == ["北京，是首都。"]  # one token per whitespace run
     assert tokens("北京，是首都。", "cjk") == ["北", "京", "是", "首", "都"]
     assert tokens("An apple (苹果)!", "cjk") == ["apple", "苹", "果"]
+    # METHOD section 9: `cjk` is SQuAD's normalisation (ASCII punctuation deleted, not spaced: "don't" is one
+    # word, as the paper's numbers count it) plus CJK; a full-width mark parts the words on either side
+    assert tokens("I don't know, it's $5.", "cjk") == tokens("I don't know, it's $5.", "reference") == [
+        "i", "dont", "know", "its", "5"]
+    assert token_f1(tokens("dont know", "cjk"), tokens("I don't know", "cjk")) == pytest.approx(0.8)
+    assert tokens("Python，Java和C++。", "cjk") == ["python", "java", "和", "c"]
+
+
+def test_the_cjk_tokenisation_is_squads_on_every_ascii_answer_and_keeps_no_punctuation(demo_run):
+    """Over every human answer of the demo's test split: where an answer is ASCII, `cjk` reads it exactly as
+    SQuAD (`reference`) does; no token of any answer holds a punctuation mark or a symbol SQuAD deletes."""
+    import string
+    import unicodedata
+
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    answers = [r.response for r in read_records(run / "data" / "test.jsonl")]
+    ascii_answers = [a for a in answers if a.isascii()]
+    assert len(ascii_answers) > 300 and len(answers) - len(ascii_answers) > 300
+    for answer in ascii_answers:
+        assert tokens(answer, "cjk") == tokens(answer, "reference"), answer
+    for answer in answers:
+        for token in tokens(answer, "cjk"):
+            assert not any(ch in string.punctuation or unicodedata.category(ch).startswith("P") for ch in token), (
+                answer, token)
 
 
 def test_utility_by_hand():

@@ -23,14 +23,14 @@ _CJK_CHAR = re.compile(f"([{CJK_IDEOGRAPH}])")
 
 
 def normalize_answer(text: str, tokenize: str = "cjk") -> str:
-    """SQuAD's normalize_answer (lower-case, no ASCII punctuation, no a/an/the, single spaces); the
-    `cjk` variant also removes all other punctuation and spaces out every CJK character."""
-    text = text.lower()
+    """SQuAD's normalize_answer (lower-case, ASCII punctuation deleted, no a/an/the, single spaces:
+    "don't" is "dont", "$5." is "5"); the `cjk` variant (METHOD section 9) also removes every other
+    punctuation mark and spaces out every CJK character. A full-width mark becomes a space rather than
+    nothing: Chinese text puts no space beside it, so "Python，Java" would otherwise read as one word."""
+    text = "".join(ch for ch in text.lower() if ch not in _ASCII_PUNCTUATION)
     if tokenize == "cjk":
         text = "".join(" " if unicodedata.category(ch).startswith("P") else ch for ch in text)
         text = _CJK_CHAR.sub(r" \1 ", text)
-    else:
-        text = "".join(ch for ch in text if ch not in _ASCII_PUNCTUATION)
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())
 
