@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polyalign.core.errors import Interrupted
+from polyalign.core.wording import continued
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.records import read_records
 from polyalign.train.methods import load_config
@@ -275,7 +276,7 @@ def _report(run: Path, settings: DemoSettings) -> str:
     from polyalign.reports.evaluation import compare  # heavy: matplotlib, numpy, kept out of --help
 
     summary = compare([run / "eval" / m for m in DEMO_METHODS], run / "report", overwrite=settings.overwrite)
-    short = "".join(f"; {line[0].lower()}{line[1:]}" for line in summary["in_short"])
+    short = "".join(f"; {continued(line)}" for line in summary["in_short"])
     return f"{', '.join(DEMO_METHODS)} side by side{short} -> {run / 'report' / 'report.html'}"
 
 

@@ -970,6 +970,18 @@ def test_report_compares_aggregates_over_the_parts_every_run_measured(demo_run, 
     own = "<b>mauve was measured with its own model or a model of its lineage as the MAUVE featurizer</b>"
     assert own in (tmp_path / "cmp" / "report.html").read_text()
     assert "as the MAUVE featurizer" not in (tmp_path / "same" / "report.html").read_text()
+    # ... and it is the comparison's first reading too, where the aggregate it moves is read
+    assert ("- MAUVE, hidden-state detectability and the aggregate favour some runs: mauve was measured with its own "
+            "model or a model of its lineage as the MAUVE featurizer.") in (tmp_path / "cmp" / "report.md").read_text()
+    # report.md says what report.html says: every warning (bold) of either page is in the other (the featurizer
+    # and same-answers warnings were in the HTML page alone)
+    import html
+    import re
+
+    for compared in ("cmp", "same"):
+        page, markdown = ((tmp_path / compared / name).read_text() for name in ("report.html", "report.md"))
+        warnings = re.findall(r"<b>(.*?)</b>", page, re.S)
+        assert warnings and all(html.unescape(text) in markdown for text in warnings), compared
 
 
 def test_report_does_not_call_differences_supported_between_other_records_or_supports(demo_run, tmp_path, capsys):

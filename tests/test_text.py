@@ -53,3 +53,12 @@ def test_a_count_of_one_is_written_in_the_singular():
 
     assert [counted(n, "bucket") for n in (0, 1, 2)] == ["0 buckets", "1 bucket", "2 buckets"]
     assert counted(1, "cpu device") == "1 cpu device" and counted(3, "query", "queries") == "3 queries"
+
+
+def test_a_sentence_continued_after_a_semicolon_keeps_an_acronym_in_capitals():
+    """The demo's report line joins the comparison's first readings with semicolons: "MAUVE, ..." read as
+    "mAUVE, ..."."""
+    from polyalign.core.wording import continued
+
+    assert [continued(s) for s in ("The intervals put", "MAUVE, hidden-state", "BNG: x", "A model", "")] == [
+        "the intervals put", "MAUVE, hidden-state", "BNG: x", "a model", ""]

@@ -675,6 +675,19 @@ HIGHER_IS_BETTER = {"BNG macro": False, "BNG weighted": False, "HCR macro": True
                     "TDM macro": True, "NUF hypervolume": True, "Aggregate": True}
 
 
+def featurizer_in_lineage(runs: dict[str, dict]) -> str | None:
+    """The runs of a comparison whose MAUVE featurizer was their own model or one they were trained from
+    (metrics.json's mauve.featurizer_note), as a sentence: its hidden states read their answers kindly, so
+    MAUVE, hidden-state detectability and the aggregate favour them. None for a single run (its own report
+    says it) or where no run's was."""
+    own = [name for name, r in runs.items() if (r["metrics"].get("mauve") or {}).get("featurizer_note")]
+    if not own or len(runs) < 2:
+        return None
+    its = "its" if len(own) == 1 else "their"
+    return (f"{listed(own)} {'was' if len(own) == 1 else 'were'} measured with {its} own model or a model of {its} "
+            "lineage as the MAUVE featurizer")
+
+
 def in_short(runs: dict[str, dict], verdicts: dict[str, dict]) -> list[str]:
     """The comparison's reading in a few sentences, first on the page: which run the intervals put ahead of
     which and on what (or that they put none ahead), and the runs that answers needing no model do better
@@ -703,6 +716,8 @@ def in_short(runs: dict[str, dict], verdicts: dict[str, dict]) -> list[str]:
                f"{listed(behind)} {'is' if len(behind) == 1 else 'are'}")
         said.append(f"{who} behind answers that need no model (copying the question, say) on the aggregate or BNG: "
                     "not yet better than they are (Against people and no-model answers)")
+    if own := featurizer_in_lineage(runs):
+        said.append(f"MAUVE, hidden-state detectability and the aggregate favour some runs: {own}")
     return said
 
 
@@ -1055,34 +1070,33 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         _frontier({n: r["metrics"]["nuf"]["overall"] for n, r in runs.items()}, out / "frontier.png",
                   components={n: r["metrics"]["nuf"] for n, r in runs.items()}),
     ]
-    warning = (f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"
-               if unequal else "")
+    # what stands under the settings, the same paragraphs in report.html and report.md
+    cautions = [f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"] * unequal
     # what sets the models apart in training (the comparison's point, not a caution): said beside the settings
     # settings two known models differ in ("—": a model polyalign did not train, or a setting it has not)
     trained_apart = [f"{name} ({' | '.join(values)})" for name, values in models.items()
                      if len(set(values) - {"—"}) > 1]
     if trained_apart:
-        warning += f"<p>The models were trained differently: {html.escape('; '.join(trained_apart))}.</p>"
+        cautions.append(f"<p>The models were trained differently: {html.escape('; '.join(trained_apart))}.</p>")
     for names in same_answers(runs):
-        warning += (f"<p><b>{html.escape(' and '.join(names))} evaluated the same answers</b> (one predictions file's "
-                    "contents): what differs between them is the evaluation's settings, not a model.</p>")
-    own = [name for name, r in runs.items() if (r["metrics"].get("mauve") or {}).get("featurizer_note")]
-    if own and len(runs) > 1:  # one run's featurizer is its own model: its MAUVE reads its answers kindly
-        its = "its" if len(own) == 1 else "their"
-        warning += (f"<p><b>{html.escape(' and '.join(own))} {'was' if len(own) == 1 else 'were'} measured with "
-                    f"{its} own model or a model of {its} lineage as the MAUVE featurizer</b>, which reads its own "
-                    "answers kindly (and those of models trained from it): MAUVE, hidden-state detectability and the "
-                    "aggregate do not compare fairly here; a separate checkpoint as --featurizer does.</p>")
+        cautions.append(f"<p><b>{html.escape(' and '.join(names))} evaluated the same answers</b> (one predictions "
+                        "file's contents): what differs between them is the evaluation's settings, not a model.</p>")
+    own = featurizer_in_lineage(runs)
+    if own:
+        cautions.append(f"<p><b>{html.escape(own)}</b>, which reads its own answers kindly (and those of models "
+                        "trained from it): MAUVE, hidden-state detectability and the aggregate do not compare fairly "
+                        "here; a separate checkpoint as --featurizer does.</p>")
     single = _runs_notes(runs)
     # notes every run shares stand with the settings; each run's own come after the overall table, so five
     # runs' notes do not push the numbers down a page (the bold ones are pointed to from here)
     shared = [(text, warns) for text, warns in single if text.startswith("Every run: ")] if len(runs) > 1 else single
     own_notes = [note for note in single if note not in shared]
     warned = list(dict.fromkeys(text.split(": ", 1)[0] for text, warns in own_notes if warns))
-    warning += "".join(_note_html(text, warns, sentence=False) for text, warns in shared)
+    cautions += [_note_html(text, warns, sentence=False) for text, warns in shared]
     if warned:
-        warning += (f"<p><b>{html.escape(', '.join(warned))} {'has a warning' if len(warned) == 1 else 'have warnings'}"
-                    "</b> under Notes on each run, below the overall table.</p>")
+        has = "has a warning" if len(warned) == 1 else "have warnings"
+        cautions.append(f"<p><b>{html.escape(', '.join(warned))} {has}</b> under Notes on each run, below the overall "
+                        "table.</p>")
     run_notes = ["<h2>Notes on each run</h2>", "".join(_note_html(text, warns, sentence=False)
                                                         for text, warns in own_notes)] if own_notes else []
     small = {name: _small_buckets(r) for name, r in runs.items() if _small_buckets(r)}
@@ -1094,7 +1108,6 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
         if small else "")
     aggregate_note = f"<p>{html.escape(overall_note)}</p>"
     answers = []  # people and the no-model answers beside the runs, where all of them share those test rows
-    behind: list[str] = []  # without them, the runs behind the no-model answers, said with the settings
     if not other and all(r["metrics"].get("buckets") for r in runs.values()):
         answers_html, answers_md = _reference_rows(first["metrics"], [(n, r["metrics"]) for n, r in runs.items()])
         lead = _behind_no_model([(n, r["metrics"]) for n, r in runs.items()])
@@ -1103,13 +1116,11 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                    ("## Against people and no-model answers",
                     (_plain(lead) + "\n\n" if lead else "") + answers_md + "\n" + _plain(notes))]
     else:  # no shared table of no-model answers: a run behind them is still told so, with the settings
-        lead = _behind_no_model([(n, r["metrics"]) for n, r in runs.items()])
-        warning += lead
-        behind = [_plain(lead)] if lead else []
+        cautions.append(_behind_no_model([(n, r["metrics"]) for n, r in runs.items()]))
     short = in_short(runs, verdicts)
     short_html = ("<h2>In short</h2><ul>" + "".join(f"<li>{html.escape(line)}.</li>" for line in short) + "</ul>"
                   if short else "")
-    sections = ([short_html, "<h2>Settings</h2>", settings_html, warning, "<h2>Overall</h2>", table_html,
+    sections = ([short_html, "<h2>Settings</h2>", settings_html, *cautions, "<h2>Overall</h2>", table_html,
                  aggregate_note,
                  *run_notes, *(answers[0] if answers else ()),
                  "<h2>Which differences the intervals support</h2>", differences_note, differences_html]
@@ -1117,11 +1128,7 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     (out / "report.html").write_text(_page("polyalign comparison", sections), encoding="utf-8")
     short_md = ["## In short", "".join(f"- {line}.\n" for line in short)] if short else []
     markdown = ["# polyalign comparison", *short_md, "## Settings", settings_md,
-                *([f"**The runs differ in {'; '.join(differing)}; compare with care.**"] if unequal else []),
-                *([f"The models were trained differently: {'; '.join(trained_apart)}."] if trained_apart else []),
-                *(f"**{text}.**" if warns else f"{text}." for text, warns in shared), *behind,
-                *([f"**{', '.join(warned)} {'has a warning' if len(warned) == 1 else 'have warnings'}** under Notes on "
-                   "each run, below the overall table."] if warned else []),
+                *(_plain(caution) for caution in cautions if caution),
                 "## Overall", table_md, overall_note,
                 *(["## Notes on each run", *(f"**{text}.**" if warns else f"{text}." for text, warns in own_notes)]
                   if own_notes else []),
