@@ -167,7 +167,9 @@ def _hdpo(run: Path, settings: DemoSettings) -> str:
                       for decoding in COMPARE_DECODINGS)
     # a reader took 8 steps' numbers for the methods' verdict (HDPO "doubling" the distance)
     caveat = (f" ({QUICK_CAVEAT}: bench/RESULTS.md compares the methods over seeds)" if settings.quick else "")
-    return f"{'; '.join(summaries)}; support distance of validation generations, {lines}{caveat}"
+    compared = next(iter(comparison["methods"].values()))["sampled"]["answers"]
+    return (f"{'; '.join(summaries)}; support distance of each model's answers to {compared} validation records "
+            f"(not the drift probe's prompts), {lines}{caveat}")
 
 
 # The demo compares its preference models' validation answers decoded two ways, labelled: sampled as
@@ -250,9 +252,10 @@ def _evaluate(run: Path, settings: DemoSettings) -> str:
                                   per_bucket=DEMO_TEST_PER_BUCKET[settings.quick], seed=2)
         generate_predictions(run / method / "model", run / "data" / "test.jsonl", predictions, options,
                              progress=settings.progress, overwrite=settings.overwrite)
-        # The predictions cover a sample of the test split: evaluate that intersection, and say so.
+        # The predictions answer a selection of the test split, which their manifest names: evaluate reads that
+        # part as the whole (no --allow-partial) and says which it is.
         result = evaluate(run / "data" / "test.jsonl", predictions, run / "eval" / method,
-                          EvaluateOptions(allow_partial=True, references=run / "stats" / "references.json",
+                          EvaluateOptions(references=run / "stats" / "references.json",
                                           support=run / "data" / "train.jsonl", featurizer=featurizer),
                           overwrite=settings.overwrite, progress=settings.progress)
         metrics = result["metrics"]

@@ -682,9 +682,10 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     first, second = probe(trainer), probe(trainer)
     assert first == second and first["drift/empty"] == 1.0 and first["drift/length_ratio"] == 0.0
     assert capsys.readouterr().err.splitlines() == [
-        "warning: drift probe: all 3 greedy answers of the policy to its validation prompts were empty (drift/empty "
-        "1.0), so drift/length_ratio is 0 and no support distance or critic score is logged; a small or early model "
-        "often ends its turn at once under greedy decoding, and sampled answers (generate --temperature) tell more"]
+        "warning: drift probe: all 3 greedy answers of the policy to the prompts of its validation pairs were empty "
+        "(drift/empty 1.0), so drift/length_ratio is 0 and no support distance or critic score is logged; a small "
+        "or early model often ends its turn at once under greedy decoding, and sampled answers (generate "
+        "--temperature) tell more"]
     # answers of punctuation alone (a Chinese model's "，，，，"): counted and said once, not scored as text only
     answers = iter(["，，，，，，", "，，，", "我们去看电影吧。"] * 2)
     probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: next(answers))
@@ -692,10 +693,10 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     first, second = probe(trainer), probe(trainer)
     assert first["drift/without_words"] == second["drift/without_words"] == 0.6667 and first["drift/empty"] == 0.0
     assert capsys.readouterr().err.splitlines() == [
-        "warning: drift probe: 2 of 3 greedy answers of the policy to its validation prompts hold no word, only "
-        "punctuation (drift/without_words 0.6667): the policy has degenerated, whatever its support distance and "
-        "critic score (which measure these answers as text) say; read them (`polyalign generate`), and lower the "
-        "learning rate or stop earlier"]
+        "warning: drift probe: 2 of 3 greedy answers of the policy to the prompts of its validation pairs hold no "
+        "word, only punctuation (drift/without_words 0.6667): the policy has degenerated, whatever its support "
+        "distance and critic score (which measure these answers as text) say; read them (`polyalign generate`), and "
+        "lower the learning rate or stop earlier"]
 
 
 @pytest.mark.slow
@@ -988,8 +989,9 @@ def test_a_preference_run_says_what_it_cut_adds_and_reads_otherwise_before_its_s
     kept = tokenise_pairs(pairs, tokenizer, template, "context", limit, buckets, "keep_system")
     lost = sum(e["system_cut"] for e in cut)
     assert lost > 0 and sum(e["system_cut"] for e in kept) < lost
-    assert note.endswith(f"; {lost} of them lose their opening system message, whole or in part (truncation=turns "
-                         "keeps it where it and the last question fit the prompt's share); a larger "
+    assert note.endswith(f"; {lost} of them lose their opening system message, whole or in part (truncation=left "
+                         "cuts a prompt from its start, the system message first; truncation=turns would keep it "
+                         "where it and the last question fit the prompt's share); a larger "
                          f"data.max_length keeps more (`polyalign show p.jsonl --checkpoint INIT --max-length {limit} "
                          "--truncation left` shows them)")
     for before, after in zip(whole, kept):

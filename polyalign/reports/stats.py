@@ -232,7 +232,7 @@ def _bucket_header(stats: dict[str, Any]) -> list[str]:
     return BUCKET_HEADER + (["build weight"] if "by_bucket" in (stats["weights"].get("build") or {}) else [])
 
 
-BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / q90", "SFT weight"]
+BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / q90 (all splits)", "SFT weight"]
 
 
 def _weight_lines(weights: dict[str, Any]) -> list[str]:

@@ -28,7 +28,8 @@ SYSTEM_MODES = ("keep", "replace", "drop")
 TRUNCATIONS = ("left", "keep_system", "turns")
 # Why a cut example lost its opening system message, by truncation (chat.encode_conversation): what a build's
 # line and a preference run's note say; `{option}` is how the command spells the setting.
-SYSTEM_LOST_WHY = {"left": "{option}turns keeps it where it and the last question fit the prompt's share",
+SYSTEM_LOST_WHY = {"left": "{option}left cuts a prompt from its start, the system message first; {option}turns "
+                           "would keep it where it and the last question fit the prompt's share",
                    "keep_system": "it took over half of the prompt's share",
                    "turns": "it and the last question together were over the prompt's share, and a cut inside a "
                             "turn keeps the system message only within half of the share"}

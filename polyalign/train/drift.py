@@ -88,14 +88,14 @@ class DriftProbe:
         }
         if not any(texts) and not self.said_empty and jax.process_index() == 0:
             self.said_empty = True  # once a run: later probes' drift/empty says whether it lasts
-            print(f"warning: drift probe: all {len(texts)} greedy answers of the policy to its validation prompts "
-                  "were empty (drift/empty 1.0), so drift/length_ratio is 0 and no support distance or critic score "
-                  "is logged; a small or early model often ends its turn at once under greedy decoding, and "
-                  "sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
+            print(f"warning: drift probe: all {len(texts)} greedy answers of the policy to the prompts of its "
+                  "validation pairs were empty (drift/empty 1.0), so drift/length_ratio is 0 and no support distance "
+                  "or critic score is logged; a small or early model often ends its turn at once under greedy "
+                  "decoding, and sampled answers (generate --temperature) tell more", file=sys.stderr, flush=True)
         if wordless * 2 >= len(texts) and wordless and not self.said_wordless and jax.process_index() == 0:
             self.said_wordless = True  # once a run: later probes' drift/without_words says whether it lasts
-            print(f"warning: drift probe: {wordless} of {len(texts)} greedy answers of the policy to its validation "
-                  "prompts hold no word, only punctuation (drift/without_words "
+            print(f"warning: drift probe: {wordless} of {len(texts)} greedy answers of the policy to the prompts of "
+                  "its validation pairs hold no word, only punctuation (drift/without_words "
                   f"{out['drift/without_words']}): the policy has degenerated, whatever its support distance and "
                   "critic score (which measure these answers as text) say; read them (`polyalign generate`), and "
                   "lower the learning rate or stop earlier", file=sys.stderr, flush=True)
