@@ -13,7 +13,14 @@ import pytest
 
 from polyalign.core.paths import file_digest
 from polyalign.data.records import InputError
-from polyalign.pairs.make import assign_weights, build_pairs, imbalance_gains, pair_weight, read_predictions
+from polyalign.pairs.make import (
+    assign_weights,
+    build_pairs,
+    imbalance_gains,
+    pair_weight,
+    read_predictions,
+    write_pair_split,
+)
 from polyalign.train import losses
 from tests.conftest import REPO
 from tests.real_inputs import init_checkpoint_and_pair_files, real_pairs
@@ -41,7 +48,7 @@ def test_pairs_join_by_id_and_drop_unusable_ones(demo_run):
     assert pair["bucket_id"] == records[5].bucket_id and pair["record"]["id"] == records[5].id
 
 
-def test_pair_weights_by_hand():
+def test_pair_weights_by_hand(tmp_path):
     # Counts 6, 3, 1 over K = 3 (N = 10): raw = max(0, 10/(3n) - 1) = 0, 0.111, 2.333; g = raw / max.
     gains = imbalance_gains({"a": 6, "b": 3, "c": 1})
     assert gains["a"] == 0 and gains["b"] == pytest.approx((10 / 9 - 1) / (10 / 3 - 1)) and gains["c"] == 1
@@ -52,6 +59,19 @@ def test_pair_weights_by_hand():
     pairs = [{"bucket_id": b, "language": "en"} for b in "aaaaaabbbc"]
     assign_weights(pairs)
     assert [p["weight"] for p in pairs[-2:]] == pytest.approx([1 + 0.5 * gains["b"], 1.5])
+    # held-out pairs take the training pairs' gains (METHOD section 7), whatever their own counts: among
+    # themselves a and c would be the rare ones; a bucket or language training lacks is the rarest (gain 1)
+    held_out = [{"bucket_id": b, "language": lang} for b, lang in [("b", "en")] * 3 + [("a", "en"), ("c", "zh"),
+                                                                                         ("d", "en")]]
+    assign_weights(held_out, training=pairs)
+    assert [p["weight"] for p in held_out] == pytest.approx(
+        [1 + 0.5 * gains["b"]] * 3 + [1.0, 1 + 0.5 + 0.25, 1 + 0.5])
+    split = write_pair_split([{**p, "id": f"p{i}", "record": {"question": f"q{i}"}} for i, p in enumerate(pairs * 4)],
+                             tmp_path / "t.jsonl", tmp_path / "v.jsonl", 0.25, seed=0)
+    train, val = ([json.loads(line) for line in (tmp_path / name).open()] for name in ("t.jsonl", "v.jsonl"))
+    expected = imbalance_gains(split["buckets"])
+    assert split["val_pairs"] and all(p["weight"] == pytest.approx(1 + 0.5 * expected.get(p["bucket_id"], 1.0))
+                                      for p in train + val)
 
 
 def test_prediction_files_are_checked(tmp_path):

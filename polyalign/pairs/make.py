@@ -73,13 +73,19 @@ def build_pairs(records: Sequence[Record], predictions: Mapping[str, Mapping[str
     return pairs, dict(dropped)
 
 
-def assign_weights(pairs: list[dict]) -> None:
-    """Pair weights from the imbalance of buckets and languages among these pairs, and from the
-    critic scores where the pairs carry them (`critic_chosen`, `critic_rejected`)."""
-    bucket_gains = imbalance_gains(Counter(p["bucket_id"] for p in pairs))
-    language_gains = imbalance_gains(Counter(p["language"] for p in pairs))
+def assign_weights(pairs: list[dict], training: list[dict] | None = None) -> None:
+    """Pair weights from the imbalance of buckets and languages among the training pairs (`training`; these
+    pairs themselves when they are the training pairs), and from the critic scores where the pairs carry
+    them (`critic_chosen`, `critic_rejected`). Held-out pairs are weighted as the training objective weighs
+    their bucket and language (METHOD section 7: "of the training pairs"), so that the weighted validation
+    loss measures what training optimises; a group the training pairs lack counts as the rarest (gain 1,
+    the limit of N / (K n) as n falls)."""
+    counted = pairs if training is None else training
+    bucket_gains = imbalance_gains(Counter(p["bucket_id"] for p in counted))
+    language_gains = imbalance_gains(Counter(p["language"] for p in counted))
     for pair in pairs:
-        pair["weight"] = pair_weight(bucket_gains[pair["bucket_id"]], language_gains[pair["language"]],
+        pair["weight"] = pair_weight(bucket_gains.get(pair["bucket_id"], 1.0),
+                                     language_gains.get(pair["language"], 1.0),
                                      pair.get("critic_chosen"), pair.get("critic_rejected"))
 
 
@@ -226,7 +232,7 @@ def as_validation(pair: dict) -> dict:
 def write_pair_split(pairs: list[dict], out, val_out=None, val_fraction: float | None = None,
                      seed: int = 0) -> dict[str, Any]:
     """OUT (and, with `val_fraction`, VAL_OUT: prompts held out, their pair ids distinct from OUT's),
-    each weighted among its own pairs; returns what the summary says of the split (each file's pairs
+    both weighted by the imbalance of OUT's pairs; returns what the summary says of the split (each file's pairs
     per bucket under `buckets` and `val_buckets`)."""
     if not val_fraction:
         assign_weights(pairs)
@@ -235,7 +241,7 @@ def write_pair_split(pairs: list[dict], out, val_out=None, val_fraction: float |
     train, val = split_by_prompt(pairs, val_fraction, seed)
     val = [as_validation(p) for p in val]
     assign_weights(train)
-    assign_weights(val)
+    assign_weights(val, training=train)
     write_pairs(train, out)
     write_pairs(val, val_out)
     return {"pairs": len(train), "val_pairs": len(val), "val_out": str(val_out), "val_fraction": val_fraction,

@@ -199,7 +199,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
             check_not_collapsed(human, generated)
             set_scores(pairs, human, generated)
         assign_weights(train_pairs)
-        assign_weights(val_pairs)
+        assign_weights(val_pairs, training=train_pairs)
         flat = nnx.to_flat_state(nnx.state(critic, nnx.Param))
         report = {
             "best_epoch": best["epoch"], "val": best["report"], "train": train_report,
