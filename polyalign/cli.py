@@ -986,14 +986,16 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--template", choices=TEMPLATE_CHOICES, help=TEMPLATE_HELP)
-    p.add_argument("--slots", type=int, default=16, help="sequences decoded at once (default 16)")
+    p.add_argument("--slots", type=int, default=16,
+                   help="sequences decoded at once, and the most samples (n) one request may ask for (default 16)")
     p.add_argument("--max-sequence", type=int, default=None,
                    help="the longest prompt plus answer of one request, in tokens (default: the model's positions, "
                         "at most 2048, and for a model trained from scratch the longest sequence it was trained on)")
     p.add_argument("--max-pending", type=int, default=64,
                    help="requests waiting or running at once; more are answered 429 (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="a request's budget when it names no max_tokens (default 256)")
+                   help="a request's budget when it names no max_tokens (default 256), cut to what --max-sequence "
+                        "leaves after its prompt, as vLLM cuts it (a max_tokens past that is answered 400)")
     p.add_argument("--model-name", help="the model's name in /v1/models and responses (default: the run folder)")
     p.add_argument("--no-request-log", dest="log_requests", action="store_false",
                    help="no line per request (by default: time, method, path, status, seconds, prompt + completion "

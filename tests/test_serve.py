@@ -151,15 +151,21 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens).lstrip()
     assert greedy.choices[0].finish_reason == expected.finish_reason
     assert greedy.usage.prompt_tokens == len(prompt) and greedy.usage.completion_tokens == len(expected.tokens)
-    for completion in (as_text, as_ids):
+    for completion in (as_text, as_ids):  # a chat answer leaves out the space its first piece opens with
         assert completion.usage.prompt_tokens == len(prompt)
-        assert completion.choices[0].text == greedy.choices[0].message.content
+        assert completion.choices[0].text.lstrip() == greedy.choices[0].message.content
+        assert completion.choices[0].text == service._continuation(prompt.tolist(), expected.tokens)
     # a seed gives the same three samples twice; the three differ from one another
     contents = [[c.message.content for c in response.choices] for response in sampled]
     assert contents[0] == contents[1] and len(set(contents[0])) == 3
-    raw = engine.generate([Request(np.asarray(tokenizer.encode("The hotel is in the centre")),
-                                   SamplingConfig(max_new_tokens=6))])[0][0]
-    assert text.choices[0].text == tokenizer.decode(raw.tokens).lstrip()
+    ids = list(tokenizer.encode("The hotel is in the centre"))
+    raw = engine.generate([Request(np.asarray(ids), SamplingConfig(max_new_tokens=6))])[0][0]
+    # a completion continues its prompt, as OpenAI's and vLLM's do: prompt + text is the whole text, the
+    # space a word piece opens with included (it was stripped: "...centre" + "of" for " of")
+    assert tokenizer.decode(ids + list(raw.tokens), skip_special=True) == tokenizer.decode(ids) + text.choices[0].text
+    words = list(tokenizer.encode(" of the city"))
+    assert service._continuation(ids, words) == " of the city"
+    assert service._answer(words) == "of the city"  # a chat answer's opening space is the piece's, not the model's
     assert stopped.choices[0].message.content == content[:content.index(stop)]
     assert len(word) == 6 and stopped_at_word.choices[0].message.content == content[:content.index(word)]
     assert stopped.choices[0].finish_reason == "stop" and long.usage.completion_tokens == 60

@@ -12,6 +12,7 @@ is answered 400.
 import asyncio
 import dataclasses
 import difflib
+import functools
 import json
 import queue
 import socket
@@ -45,6 +46,7 @@ from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 STOP_ANSWER_S = 5  # after Ctrl-C or SIGTERM, how long running requests may still finish before a 503
+CONTINUATION_CONTEXT = 6  # prompt tokens a completion is decoded after, for its leading space (vLLM reads 5-6)
 
 
 @dataclass(frozen=True)
@@ -224,14 +226,14 @@ class Service:
         return SamplingConfig(budget, **{**self.sampling_defaults, **given}), seed % 2 ** 32
 
     async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
-                        stops: list[str] = ()):
+                        stops: list[str] = (), text_of: Callable[[list[int]], str] | None = None):
         """The completions of one request; dropped from the engine when `client` (the HTTP request)
         disconnects first, so an abandoned request does not hold slots others wait for. A sample ends
-        once its text holds one of `stops` (the answer is cut there afterwards)."""
+        once its text (`text_of` its tokens) holds one of `stops` (the answer is cut there afterwards)."""
         stop_when = None
         if stops:
             def stop_when(tokens: list[int]) -> bool:
-                return self._cut(tokens, stops)[1]
+                return self._cut(tokens, stops, text_of)[1]
         try:
             future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when))
         except queue.Full as error:
@@ -266,27 +268,44 @@ class Service:
             return list(prompt)
         return encode_rendered(_text(prompt), self.tokenizer)
 
-    def _choices(self, completions, stops: list[str]) -> tuple[list[tuple[str, str]], int]:
+    def _choices(self, completions, stops: list[str], text_of: Callable[[list[int]], str] | None = None
+                 ) -> tuple[list[tuple[str, str]], int]:
         """(text, finish reason) of each completion, and the completion tokens they count: a stopped one
         counts up to the token that completed its stop string, as vLLM counts (decoding runs in calls of
         several tokens, so a few past it were made)."""
         out, made = [], 0
         for completion in completions:
-            text, stopped = self._cut(completion.tokens, stops)
+            text, stopped = self._cut(completion.tokens, stops, text_of)
             out.append((text, "stop" if stopped else completion.finish_reason))
-            made += self._tokens_to_stop(completion.tokens, stops) if stopped else len(completion.tokens)
+            made += self._tokens_to_stop(completion.tokens, stops, text_of) if stopped else len(completion.tokens)
         return out, made
 
-    def _cut(self, tokens, stops: list[str]) -> tuple[str, bool]:
-        return _cut_at_stop(self.tokenizer.decode(list(tokens), skip_special=True).lstrip(), stops)
+    def _answer(self, tokens) -> str:
+        """A chat answer's text: its leading whitespace is the piece boundary a reply opens with in training
+        (a SentencePiece word piece's space), not the model's writing, and no chat API returns it."""
+        return self.tokenizer.decode(list(tokens), skip_special=True).lstrip()
 
-    def _tokens_to_stop(self, tokens, stops: list[str]) -> int:
+    def _continuation(self, prompt: list[int], tokens) -> str:
+        """A completion's text as it continues its prompt, leading space included: "The sky is" + " blue",
+        so that prompt + text is the whole (OpenAI's and vLLM's completions). Decoded after the prompt's
+        last tokens, as vLLM's detokenizer does: SentencePiece and Metaspace drop the space of a sequence's
+        first piece, which decoding the completion alone would lose."""
+        context = list(prompt[-CONTINUATION_CONTEXT:])
+        before = self.tokenizer.decode(context, skip_special=True)
+        whole = self.tokenizer.decode(context + list(tokens), skip_special=True)
+        return whole[len(before):] if whole.startswith(before) else self.tokenizer.decode(list(tokens),
+                                                                                           skip_special=True)
+
+    def _cut(self, tokens, stops: list[str], text_of: Callable[[list[int]], str] | None = None) -> tuple[str, bool]:
+        return _cut_at_stop((text_of or self._answer)(tokens), stops)
+
+    def _tokens_to_stop(self, tokens, stops: list[str], text_of: Callable[[list[int]], str] | None = None) -> int:
         """The fewest leading tokens whose text holds a stop string (bisection: a prefix that holds one,
         every longer prefix holds it too)."""
         low, high = 1, len(tokens)
         while low < high:
             middle = (low + high) // 2
-            if self._cut(tokens[:middle], stops)[1]:
+            if self._cut(tokens[:middle], stops, text_of)[1]:
                 high = middle
             else:
                 low = middle + 1
@@ -336,11 +355,12 @@ class Service:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         encoded = [self._prompt_ids(p) for p in prompts]
         requests = [self._sampling(body, ids, "prompt") for ids in encoded]
-        results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n, client, stops)
-                                         for ids, (sampling, seed) in zip(encoded, requests)))
+        readers = [functools.partial(self._continuation, ids) for ids in encoded]
+        results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n, client, stops, text_of)
+                                         for ids, (sampling, seed), text_of in zip(encoded, requests, readers)))
         choices, made = [], 0
-        for completions in results:
-            texts, count = self._choices(completions, stops)
+        for completions, text_of in zip(results, readers):
+            texts, count = self._choices(completions, stops, text_of)
             choices += texts
             made += count
         prompt_tokens = sum(len(ids) for ids in encoded)
