@@ -219,6 +219,12 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"messages": chat, "ignore_eos": True}, 400, "does not support ignore_eos"),
         ("post", "/chat/completions", {"messages": chat, "repetition_penalty": 0}, 400, "repetition_penalty"),
         ("post", "/completions", {"prompt": "x", "echo": True}, 400, "does not support echo"),
+        # OpenAI's own parameters are named as unsupported, not unknown (web_search_options read as a misspelt
+        # stream_options)
+        ("post", "/chat/completions", {"messages": chat, "web_search_options": {}}, 400,
+         "does not support web_search_options"),
+        ("post", "/chat/completions", {"messages": chat, "prediction": {"type": "content", "content": "x"}}, 400,
+         "does not support prediction"),
         ("post", "/completions", {"prompt": "A hotel near the station. " * 60}, 400, "context"),
     ]
     with Server(checkpoint, slots=2, max_sequence=256) as server:

@@ -149,7 +149,7 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools":
                "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
                "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
                "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-               "prompt_logprobs": (None, 0)}
+               "prompt_logprobs": (None, 0), "prediction": (None,), "audio": (None,), "web_search_options": (None,)}
 # OpenAI's parameters that do not change an answer (who asked, what to keep of the exchange): taken as given
 NO_EFFECT = ("user", "metadata", "store", "service_tier")
 
