@@ -46,7 +46,7 @@ from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 STOP_ANSWER_S = 5  # after Ctrl-C or SIGTERM, how long running requests may still finish before a 503
-CONTINUATION_CONTEXT = 6  # prompt tokens a completion is decoded after, for its leading space (vLLM reads 5-6)
+CONTINUATION_CONTEXT = 6  # prompt tokens a completion is decoded after, for its leading space (vLLM's start 5 back)
 
 
 @dataclass(frozen=True)
@@ -281,8 +281,8 @@ class Service:
         return out, made
 
     def _answer(self, tokens) -> str:
-        """A chat answer's text: its leading whitespace is the piece boundary a reply opens with in training
-        (a SentencePiece word piece's space), not the model's writing, and no chat API returns it."""
+        """A chat answer's text, its leading whitespace left out, as chat APIs return an answer and `generate`
+        writes a prediction (the answer is the message's whole content, not a continuation of text)."""
         return self.tokenizer.decode(list(tokens), skip_special=True).lstrip()
 
     def _continuation(self, prompt: list[int], tokens) -> str:

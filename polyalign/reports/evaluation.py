@@ -1071,7 +1071,8 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
                   components={n: r["metrics"]["nuf"] for n, r in runs.items()}),
     ]
     # what stands under the settings, the same paragraphs in report.html and report.md
-    cautions = [f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"] * unequal
+    cautions = ([f"<p><b>The runs differ in {html.escape('; '.join(differing))}; compare with care.</b></p>"]
+                if unequal else [])
     # what sets the models apart in training (the comparison's point, not a caution): said beside the settings
     # settings two known models differ in ("—": a model polyalign did not train, or a setting it has not)
     trained_apart = [f"{name} ({' | '.join(values)})" for name, values in models.items()
