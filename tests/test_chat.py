@@ -512,3 +512,18 @@ def test_a_cut_never_trains_an_earlier_reply_from_its_middle(demo_run, demo_toke
                 if cut.loss_mask[i]:  # and what is trained is trained in the whole conversation too
                     assert mask[start + i - head]
     assert opened_inside > 5, opened_inside  # the cuts did open inside earlier replies
+
+
+def test_a_cut_that_took_only_the_system_message_lost_no_turns():
+    """generate and prompts count the prompts a cut took whole turns from with one rule: a long system message
+    left out alone is no lost turn (generate counted every changed prompt, prompts the turns: the same records
+    read "4 lost their oldest whole turns" in one and 3 in the other)."""
+    from polyalign.tokens.chat import Message, lost_whole_turns
+
+    system, u1, a1, u2 = (Message("system", "s"), Message("user", "q1"), Message("assistant", "a1"),
+                          Message("user", "q2"))
+    assert lost_whole_turns([system, u1, a1, u2], [system, u2])
+    assert not lost_whole_turns([system, u1, a1, u2], [u1, a1, u2])  # the system message alone
+    assert lost_whole_turns([system, u1, a1, u2], [u2])
+    assert not lost_whole_turns([system, u1, a1, u2], [system, u1, a1, u2])
+    assert lost_whole_turns([u1, a1, u2], [u2]) and not lost_whole_turns([u1, a1, u2], [u1, a1, u2])

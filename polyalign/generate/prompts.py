@@ -37,6 +37,7 @@ from polyalign.tokens.chat import (
     cut_prompt,
     fold_system,
     get_template,
+    lost_whole_turns,
     record_messages,
     say_unseen_profile_values,
     trained_profile,
@@ -115,11 +116,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 row = {"id": record.id}
                 if max_prompt_tokens is not None:
                     ids = cut_prompt(chat, tokenizer, messages, max_prompt_tokens)
-                    # whole turns lost: fewer messages after the opening system message (which may have gone alone)
-                    head = int(bool(messages) and messages[0].role == "system")
-                    kept = len(ids.messages) - int(head and ids.messages[:1] == messages[:1])
-                    cut.update(cut=ids.cut, system_lost=ids.system_lost, turns_dropped=kept < len(messages) - head,
-                               over=ids.mid_turn)
+                    cut.update(cut=ids.cut, system_lost=ids.system_lost,
+                               turns_dropped=lost_whole_turns(messages, ids.messages), over=ids.mid_turn)
                     row["prompt_token_ids"], messages = ids.ids.tolist(), ids.messages
                     if ids.mid_turn:  # a chat API cannot cut inside a turn: these messages go over the budget
                         row["messages_over_budget"] = True

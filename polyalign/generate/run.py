@@ -28,6 +28,7 @@ from polyalign.tokens.chat import (
     choose_template,
     cut_prompt,
     get_template,
+    lost_whole_turns,
     record_messages,
     say_unseen_profile_values,
     trained_profile,
@@ -328,7 +329,7 @@ def _generate_predictions(checkpoint, records_path: Path, out: Path, options: Ge
                # of them, the ones still over with the last question alone (cut inside it, keeping its end), those
                # that lost whole turns, and those whose opening system message went too (over half the budget)
                "prompts_cut_mid_turn": sum(p.mid_turn for p in prompts),
-               "prompts_cut_turns_dropped": sum(p.cut and p.messages != m for p, m in zip(prompts, messages)),
+               "prompts_cut_turns_dropped": sum(lost_whole_turns(m, p.messages) for p, m in zip(prompts, messages)),
                "prompts_cut_system_lost": sum(p.system_lost for p in prompts),
                "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1), "out": str(out),
                "truncated_by_bucket": truncation_by_bucket([r.bucket_id for r in records],

@@ -732,6 +732,15 @@ class CutPrompt(NamedTuple):
     mid_turn: bool = False  # still over with its last question left: its ids open inside a turn
 
 
+def lost_whole_turns(messages: Sequence[Message], kept: Sequence[Message]) -> bool:
+    """Whether a cut prompt (`kept`: CutPrompt.messages of `messages`) lost whole turns, not only its opening
+    system message (one over half the budget goes alone): fewer messages after it than there were. generate
+    and prompts count their cuts with it, so the same records read the same in both."""
+    head = int(bool(messages) and messages[0].role == "system")
+    after = len(kept) - int(head and list(kept[:1]) == list(messages[:1]))
+    return after < len(messages) - head
+
+
 def prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message]) -> list[int]:
     """The ids of a generation prompt, whole."""
     return encode_pieces(template.pieces(messages, add_generation_prompt=True), tokenizer, set())[0]
