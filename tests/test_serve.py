@@ -289,8 +289,10 @@ def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good
     shutil.copytree(checkpoint, copy)
     config = json.loads((copy / "tokenizer_config.json").read_text())
     held = {"family": ["dialogue", "qa"], "track": ["multi", "single"], "style": ["open_chat", "task"]}
+    together = [good, {"family": "qa", "track": "single", "style": "open_chat"}] if good else None
     (copy / "tokenizer_config.json").write_text(json.dumps({
-        **config, "polyalign_profile": trained, **({"polyalign_profile_values": held} if good else {})}))
+        **config, "polyalign_profile": trained,
+        **({"polyalign_profile_values": held, "polyalign_profile_combinations": together} if good else {})}))
     chat = [{"role": "user", "content": "Is there a cheap hotel nearby?"}]
     with Server(copy, slots=2, max_sequence=256) as server:
         if good is not None:
@@ -318,6 +320,24 @@ def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good
                                 body={"messages": chat, "chat_template_kwargs": {**good, "style": "tsak"}})
             said = "style 'tsak' was not in this model's training data (style there: open_chat, task)"
             assert code == 400 and answer["error"]["message"] == f"chat_template_kwargs {said}"
+            # values each held, never together (the demo's assistant answers are all single-turn): refused too
+            code, answer = call(server.url + "/chat/completions",
+                                body={"messages": chat, "chat_template_kwargs": {**good, "track": "single"}})
+            assert code == 400 and answer["error"]["message"] == (
+                'chat_template_kwargs {"family": "dialogue", "track": "single", "style": "task"}: each value was in '
+                'this model\'s training data, but never together (it held {"family": "dialogue", "track": "multi", '
+                '"style": "task"}; {"family": "qa", "track": "single", "style": "open_chat"})')
+            # the exported template refuses it alike (it renders what serve renders)
+            from polyalign.core.errors import ChatTemplateError
+            from polyalign.tokens.chat_jinja import JinjaRenderer
+            from polyalign.tokens.profile_template import exported_source
+
+            source = exported_source("{{ messages[0]['content'] }}", profile="context",
+                                     values={**held, "combinations": together})
+            assert JinjaRenderer(source, {}, good).render(chat).endswith("family=dialogue; track=multi; style=task.")
+            with pytest.raises(ChatTemplateError, match=re.escape("family, track, style dialogue|single|task: each "
+                                                                  "value was in this model's training data")):
+                JinjaRenderer(source, {}, {**good, "track": "single"}).render(chat)
         partial = {"family": "dialogue"}
         code, answer = call(server.url + "/chat/completions", body={"messages": chat, "chat_template_kwargs": partial})
         said = ("this model was trained with profile context: family, track, style; give track, style too"
@@ -462,6 +482,12 @@ def test_the_start_up_line_says_what_a_client_sends_for_the_prompts_the_model_wa
                     '"style": "casual"} (the values its training data held are in its model card). A request '
                     "without them gets no profile prompt, which the model read only in the training examples whose "
                     "profile prompt truncation cut (its model card says how many)")
+    # where the export lists the combinations its data held, the example is the most common one: each key's
+    # first value made a combination the data never held (assistant answers are single-turn)
+    together = {**held, "combinations": [{"family": "dialogue", "track": "multi", "style": "casual"},
+                                         {"family": "assistant", "track": "single", "style": "formal"}]}
+    line = profile_line(SimpleNamespace(profile_mode="context", profile_values=together))
+    assert 'e.g. {"family": "dialogue", "track": "multi", "style": "casual"} (the values' in line
     oracle = profile_line(SimpleNamespace(profile_mode="oracle", profile_values=None))
     assert "name family, track, style and length in" in oracle and '"length": "..."}. A request' in oracle
     assert profile_line(SimpleNamespace(profile_mode="none", profile_values=held)) is None

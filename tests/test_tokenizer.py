@@ -134,7 +134,7 @@ def test_a_checkpoint_naming_an_unknown_profile_or_system_mode_is_refused_with_t
 @pytest.mark.parametrize(("key", "hint"), [
     ("polyalign_profle", "; did you mean 'polyalign_profile'?"),
     ("polyalign_seed", " (known: polyalign_tokenizer, polyalign_chat_template, polyalign_profile, polyalign_system, "
-                       "polyalign_profile_values, polyalign_max_length)")])
+                       "polyalign_profile_values, polyalign_profile_combinations, polyalign_max_length)")])
 def test_a_checkpoint_with_an_unknown_polyalign_key_is_refused_naming_the_nearest_one(json_tokenizer, tmp_path, key,
                                                                                       hint):
     folder = _checkpoint_with(json_tokenizer, tmp_path / "checkpoint", **{key: "oracle"})

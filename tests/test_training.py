@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -384,10 +385,23 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
     manifest = json.loads((run / "build" / "manifest.json").read_text())
     held = {key: sorted({getattr(r, field) for r in read_records(run / "data" / "train.jsonl")})
             for key, field in (("family", "family"), ("track", "track"), ("style", "style"), ("length", "length_bin"))}
-    assert {key: sorted(counts) for key, counts in manifest["train_profile_values"].items()} == held
-    assert sum(manifest["train_profile_values"]["family"].values()) == manifest["splits"]["train"]["examples"]
+    counted = dict(manifest["train_profile_values"])
+    combinations = counted.pop("combinations")
+    assert {key: sorted(counts) for key, counts in counted.items()} == held
+    assert sum(counted["family"].values()) == manifest["splits"]["train"]["examples"]
+    # and the combinations of them it held, counted: the keys are not independent (assistant is single-turn here)
+    records = read_records(run / "data" / "train.jsonl")
+    together = Counter((r.family, r.track, r.style, r.length_bin) for r in records)
+    assert {(c["family"], c["track"], c["style"], c["length"]): c["examples"] for c in combinations} == together
+    assert [c["examples"] for c in combinations] == sorted(together.values(), reverse=True)
     config = json.loads((tmp_path / "resumed" / "model" / "tokenizer_config.json").read_text())
     assert config["polyalign_profile_values"] == {key: held[key] for key in ("family", "track", "style")}
+    three = Counter()
+    for (family, track, style, _), n in together.items():
+        three[(family, track, style)] += n
+    assert [tuple(c.values()) for c in config["polyalign_profile_combinations"]] == sorted(
+        three, key=lambda c: (-three[c], c))
+    assert len(three) < len(held["family"]) * len(held["track"]) * len(held["style"])
     # trained from scratch: the longest sequence it ever trained on is the build's length
     assert config["polyalign_max_length"] == manifest["options"]["max_length"] == 64
     card = (tmp_path / "resumed" / "model" / "README.md").read_text()

@@ -40,7 +40,13 @@ from polyalign.generate.settings import (
 )
 from polyalign.model.architecture import longer_than_positions, position_limit
 from polyalign.tokens.chat import Message, encode_prompt, encode_rendered, profile_text, with_system_prompt
-from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODE_KEYS, profile_problem, trained_profile_text
+from polyalign.tokens.profile_template import (
+    PROFILE_KEYS,
+    PROFILE_MODE_KEYS,
+    profile_example,
+    profile_problem,
+    trained_profile_text,
+)
 from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 
 DEFAULT_PORT = 8000
@@ -524,7 +530,7 @@ def profile_line(tokenizer) -> str | None:
     if not keys:
         return None
     held = tokenizer.profile_values or {}
-    example = json.dumps({key: (held.get(key) or ["..."])[0] for key in keys}, ensure_ascii=False)
+    example = json.dumps({**dict.fromkeys(keys, "..."), **profile_example(held, keys)}, ensure_ascii=False)
     return (f"profile: this model was trained with the {tokenizer.profile_mode} profile prompt; name "
             f"{', '.join(keys[:-1])} and {keys[-1]} in each request's chat_template_kwargs, e.g. {example}"
             f"{' (the values its training data held are in its model card)' if held else ''}. A request without "

@@ -65,7 +65,7 @@ from polyalign.tokens.chat import (
     record_messages,
     source_system,
 )
-from polyalign.tokens.profile_template import PROFILE_FIELDS
+from polyalign.tokens.profile_template import PROFILE_COMBINATIONS, PROFILE_FIELDS
 from polyalign.tokens.tokenizer import (
     CHAT_TEMPLATE_FILE,
     SENTENCEPIECE_FILE,
@@ -81,6 +81,7 @@ DATASET_VERSION = "1.0.0"
 # trained on this build read in its profile prompts (the manifest's train_profile_values; the export
 # lists them and its chat template refuses others).
 PROFILE_COUNT = "profile:"
+PROFILE_COMBINATION = "profile combination:"  # + the example's {key: value} of every profile key, as JSON
 # Of the truncated examples: mid_turn, those whose prompt opens inside a turn (cut by tokens); turns_dropped,
 # those that lost whole turns (--truncation turns), and system_dropped, those of them that lost a system
 # message from inside the conversation with those turns; reply_cut, those whose reply lost its end (trained
@@ -291,6 +292,8 @@ def encode_record(record: Record, tokenizer, template, options: BuildOptions, ta
                      source_system_prompts=int(source_system(record) is not None),
                      system_turns_in_history=sum(m.role == "system" for m in messages[1:]))
     counts.update(f"{PROFILE_COUNT}{key}={getattr(record, field)}" for key, field in PROFILE_FIELDS.items())
+    counts[PROFILE_COMBINATION + json.dumps({key: getattr(record, field) for key, field in PROFILE_FIELDS.items()},
+                                            ensure_ascii=False, sort_keys=True)] += 1
     return record.id, {
         "input_ids": encoded.ids,
         "loss_mask": encoded.loss_mask.astype(np.uint8),
@@ -335,7 +338,8 @@ def write_manifest(run: Path, tokenizer_path: Path, tokenizer, template_name: st
         "train_bucket_counts": table.train_counts,
         "warnings": [*warnings, *untrained_warnings(stats, options.max_length)],
         "splits": {split: {k: stats[split][k] for k in STAT_KEYS} for split in SPLITS},
-        "train_profile_values": profile_value_counts(stats["train"]),
+        "train_profile_values": {**profile_value_counts(stats["train"]),
+                                 PROFILE_COMBINATIONS: profile_combination_counts(stats["train"])},
         "settings": asdict(options),
         "made_from": {PREPARE_MANIFEST: file_digest(as_path(run) / PREPARE_MANIFEST),
                       **tokenizer_digests(run, tokenizer_path, own_template=template_name == CHECKPOINT_TEMPLATE)},
@@ -353,6 +357,13 @@ def profile_value_counts(counts: Counter) -> dict[str, dict[str, int]]:
             key, value = name[len(PROFILE_COUNT):].split("=", 1)
             values[key][value] = count
     return values
+
+
+def profile_combination_counts(counts: Counter) -> list[dict[str, Any]]:
+    """[{profile key: value, ..., "examples": n}] from a split's PROFILE_COMBINATION counters, most common first."""
+    found = [{**json.loads(name[len(PROFILE_COMBINATION):]), "examples": count}
+             for name, count in counts.items() if name.startswith(PROFILE_COMBINATION)]
+    return sorted(found, key=lambda c: (-c["examples"], [c[key] for key in PROFILE_FIELDS]))
 
 
 def untrained_warnings(stats: dict[str, Counter], max_length: int) -> list[str]:

@@ -39,7 +39,7 @@ from polyalign.model.hf import save_hf_checkpoint
 from polyalign.model.lora import has_adapters, merge_adapters, peft_config, peft_state_dict
 from polyalign.model.transformer import Transformer
 from polyalign.tokens.chat import PROFILE_PREAMBLE, TEMPLATES, ChatTemplate
-from polyalign.tokens.profile_template import PROFILE_MODE_KEYS, exported_source
+from polyalign.tokens.profile_template import PROFILE_COMBINATIONS, PROFILE_MODE_KEYS, exported_source, profile_example
 from polyalign.tokens.tokenizer import (
     MAX_LENGTH_KEY,
     SENTENCEPIECE_FILE,
@@ -125,9 +125,12 @@ def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, 
     config.update({key: value for key, value in tokenizer.template_tokens().items() if value is not None})
     config["chat_template"] = export_template(template, system, profile, values)
     config["polyalign_profile"], config["polyalign_system"] = profile, system
-    config.pop("polyalign_profile_values", None)  # a base export's, when this one's data says nothing
+    for key in ("polyalign_profile_values", "polyalign_profile_combinations"):
+        config.pop(key, None)  # a base export's, when this one's data says nothing
     if values:
-        config["polyalign_profile_values"] = values
+        config["polyalign_profile_values"] = {k: v for k, v in values.items() if k != PROFILE_COMBINATIONS}
+        if values.get(PROFILE_COMBINATIONS):
+            config["polyalign_profile_combinations"] = values[PROFILE_COMBINATIONS]
     config.pop(MAX_LENGTH_KEY, None)  # the tokenizer's folder's (an earlier export), when this model's is unknown
     if max_length:
         config[MAX_LENGTH_KEY] = max_length
@@ -187,7 +190,8 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
     """README.md: what the model was made from and how to prompt it."""
     rows = "\n".join(f"| {key} | {value} |" for key, value in card.items() if value is not None)
     keys = PROFILE_MODE_KEYS[profile]
-    variables = ", ".join(f'{k}="{values[k][0]}"' if values and values.get(k) else f'{k}="..."' for k in keys)
+    example = profile_example(values, keys)
+    variables = ", ".join(f'{k}="{example.get(k, "...")}"' for k in keys)
     prompt = ("trained without a profile system prompt (profile `none`): pass the conversation as it is"
               if profile == "none" else
               f"trained with polyalign's profile system prompt (profile `{profile}`): `{PROFILE_PREAMBLE} "

@@ -8,7 +8,9 @@ messages)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from polyalign.data.records import PROFILE_PREAMBLE
@@ -177,15 +179,51 @@ FOLD_SYSTEM_JINJA = (
     "{%- set messages = polyalign_fold.out -%}\n")
 
 
-def seen_profile_values(profile: str, *sources: dict[str, Iterable[str]] | None) -> dict[str, list[str]] | None:
+# Beside each key's values, `values` (seen_profile_values) holds the combinations of the keys the data held,
+# most common first ({key: value} each): the keys are not independent (the demo's assistant answers are all
+# single-turn), and a prompt made of values each seen but never together is one the model never read. An
+# export writes them as polyalign_profile_combinations.
+PROFILE_COMBINATIONS = "combinations"
+
+
+def seen_profile_values(profile: str, *sources: dict[str, Any] | None) -> dict[str, Any] | None:
     """The values of each key `profile` names that any of `sources` held ({key: values}: a build's
-    train_profile_values, a checkpoint's polyalign_profile_values, the pairs' records), sorted; None
-    when no source says (nothing to check against)."""
+    train_profile_values, a checkpoint's polyalign_profile_values, the pairs' records), sorted, and under
+    PROFILE_COMBINATIONS the combinations of those keys the sources list ({key: value, "examples": n}
+    where counted), most common first; None when no source says (nothing to check against)."""
     known = [source for source in sources if source]
-    if not known or not PROFILE_MODE_KEYS[profile]:
+    keys = PROFILE_MODE_KEYS[profile]
+    if not known or not keys:
         return None
-    return {key: sorted({value for source in known for value in source.get(key) or ()})
-            for key in PROFILE_MODE_KEYS[profile]}
+    values: dict[str, Any] = {key: sorted({value for source in known for value in source.get(key) or ()})
+                              for key in keys}
+    counts: Counter = Counter()
+    for source in known:
+        for combination in source.get(PROFILE_COMBINATIONS) or ():
+            if all(key in combination for key in keys):
+                counts[tuple(combination[key] for key in keys)] += combination.get("examples", 0)
+    if counts:
+        values[PROFILE_COMBINATIONS] = [dict(zip(keys, combination)) for combination, _ in
+                                        sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+    return values
+
+
+def profile_example(values: dict[str, Any] | None, keys: Sequence[str]) -> dict[str, str]:
+    """Profile values to show as an example: the combination the training data held most often, where its
+    combinations are known, else each key's first value (a key with none known is left out)."""
+    combinations = (values or {}).get(PROFILE_COMBINATIONS)
+    if combinations and all(key in combinations[0] for key in keys):
+        return {key: combinations[0][key] for key in keys}
+    return {key: (values or {})[key][0] for key in keys if (values or {}).get(key)}
+
+
+def unseen_combination_text(given: dict[str, str] | None, combinations: Sequence[dict[str, str]]) -> str:
+    """Why a profile of values each held is refused, after the profile itself (`given`; None: the words
+    alone, which the exported template writes after its own rendering of the values)."""
+    shown = "; ".join(json.dumps(c, ensure_ascii=False) for c in combinations[:4])
+    more = f" and {len(combinations) - 4} more" if len(combinations) > 4 else ""
+    why = f"each value was in this model's training data, but never together (it held {shown}{more})"
+    return why if given is None else f"{json.dumps(given, ensure_ascii=False)}: {why}"
 
 
 def trained_profile_text(profile: str) -> str:
@@ -234,6 +272,10 @@ def profile_problem(variables: dict[str, str], profile: str | None,
         seen = (values or {}).get(key)
         if seen and given[key] not in seen:
             return unseen_value_text(key, given[key], seen)
+    combinations = (values or {}).get(PROFILE_COMBINATIONS)
+    named = {key: given[key] for key in wanted}
+    if combinations and named not in combinations:
+        return unseen_combination_text(named, combinations)
     return None
 
 
@@ -275,6 +317,15 @@ def profile_check_jinja(profile: str, values: dict[str, list[str]] | None = None
             lines.append(f"{{%- if {key} is defined and {key} and {key} not in {listed} -%}}"
                          f"{{{{- raise_exception(\"{key} '\" ~ {key} ~ {_jinja_string(message)}) -}}}}"
                          "{%- endif -%}\n")
+    combinations = (values or {}).get(PROFILE_COMBINATIONS)
+    if combinations and wanted:  # the keys named whole (checked above): their values held together
+        joined = " ~ '|' ~ ".join(wanted)
+        held = "[" + ", ".join(_jinja_string("|".join(c[key] for key in wanted)) for c in combinations) + "]"
+        text = unseen_combination_text(None, combinations)
+        lines.append(f"{{%- if polyalign_given.keys and ({joined}) not in {held} -%}}"
+                     f"{{{{- raise_exception({_jinja_string(', '.join(wanted) + ' ')} ~ ({joined}) ~ ': ' ~ "
+                     f"{_jinja_string(text)}) -}}}}"
+                     "{%- endif -%}\n")
     return "".join(lines) + _CHECK_END
 
 

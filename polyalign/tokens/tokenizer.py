@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as _Tokenizer
 from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path
 from polyalign.core.yaml_config import unknown_key_message
-from polyalign.tokens.profile_template import PROFILE_KEYS, PROFILE_MODES, SYSTEM_MODES
+from polyalign.tokens.profile_template import PROFILE_COMBINATIONS, PROFILE_KEYS, PROFILE_MODES, SYSTEM_MODES
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SENTENCEPIECE_FILE = "tokenizer.model"
@@ -31,7 +31,7 @@ MAX_LENGTH_KEY = "polyalign_max_length"
 # What polyalign's export writes into a checkpoint's tokenizer config (polyalign/model/export.py): any other
 # key with the prefix is a typing slip that would otherwise render the chats as if it were absent.
 POLYALIGN_CONFIG_KEYS = ("polyalign_tokenizer", "polyalign_chat_template", "polyalign_profile", "polyalign_system",
-                         "polyalign_profile_values", MAX_LENGTH_KEY)
+                         "polyalign_profile_values", "polyalign_profile_combinations", MAX_LENGTH_KEY)
 # Special tokens of polyalign's own tokenizer: SentencePiece reserves the first four ids.
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 
@@ -83,8 +83,9 @@ class Tokenizer(abc.ABC):
     # tool's, trained without polyalign's profile prompt.
     from_polyalign: bool = False
     # The profile values the checkpoint's training data held, per key (its export's
-    # polyalign_profile_values: {"family": [...], ...}); None: not said.
-    profile_values: dict[str, list[str]] | None = None
+    # polyalign_profile_values: {"family": [...], ...}), and under PROFILE_COMBINATIONS the combinations it
+    # held (polyalign_profile_combinations); None: not said.
+    profile_values: dict[str, Any] | None = None
 
     @property
     def config_file(self) -> Path:
@@ -174,6 +175,14 @@ class Tokenizer(abc.ABC):
                 for key, seen in values.items())):
             raise TokenizerError(f"{self.config_file}: polyalign_profile_values must map profile keys "
                                  f"({', '.join(PROFILE_KEYS)}) to lists of strings, got {json.dumps(values)[:200]}")
+        combinations = config.get("polyalign_profile_combinations")
+        if combinations is not None:
+            if not (isinstance(combinations, list) and all(
+                    isinstance(c, dict) and all(k in PROFILE_KEYS and isinstance(v, str) for k, v in c.items())
+                    for c in combinations)):
+                raise TokenizerError(f"{self.config_file}: polyalign_profile_combinations must be a list of "
+                                     f"{{profile key: value}} objects, got {json.dumps(combinations)[:200]}")
+            values = {**(values or {}), PROFILE_COMBINATIONS: combinations}
         self.profile_values = values
         listed = [token(t) for t in config.get("additional_special_tokens") or []]
         decoder = config.get("added_tokens_decoder")

@@ -8,6 +8,7 @@ sum w l / sum w (pair weights), lambda_dist * mean R and gamma_ftx * mean anchor
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,12 @@ from polyalign.model.tokenizer_check import (
 )
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template, profile_prompt
-from polyalign.tokens.profile_template import PROFILE_FIELDS, SYSTEM_LOST_WHY, seen_profile_values
+from polyalign.tokens.profile_template import (
+    PROFILE_COMBINATIONS,
+    PROFILE_FIELDS,
+    SYSTEM_LOST_WHY,
+    seen_profile_values,
+)
 from polyalign.tokens.tokenizer import load_tokenizer, past_trained_note
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig, val_pairs_hint
@@ -381,6 +387,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
         # the values the pairs held and those the policy's SFT data held (its export says them)
         pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
+        held = Counter(tuple(p["record"][field] for field in PROFILE_FIELDS.values()) for p in train_pairs)
+        pair_values[PROFILE_COMBINATIONS] = [{**dict(zip(PROFILE_FIELDS, c)), "examples": n} for c, n in held.items()]
         # in how many training pairs the profile prompt stood whole (either side cut counts), as SFT's card says
         cut = {"examples": len(train_examples), "system_cut": sum(bool(e["system_cut"]) for e in train_examples),
                "system_left_out": pairs_whose_cut(train_examples, "system_left_out")}
