@@ -527,3 +527,29 @@ def test_a_cut_that_took_only_the_system_message_lost_no_turns():
     assert lost_whole_turns([system, u1, a1, u2], [u2])
     assert not lost_whole_turns([system, u1, a1, u2], [system, u1, a1, u2])
     assert lost_whole_turns([u1, a1, u2], [u2]) and not lost_whole_turns([u1, a1, u2], [u1, a1, u2])
+
+
+def test_the_profile_combinations_an_export_lists_are_every_sources_most_common_first():
+    """seen_profile_values: the combinations of a profile's keys, counted over the sources (a build's, a preference
+    run's pairs, its init's export), most common first; none where a source lists values alone (made before
+    combinations were counted): it may have held any, and refusing them would refuse its own data."""
+    from polyalign.tokens.profile_template import seen_profile_values
+
+    def held(family, track, style, length, examples):
+        return {"family": family, "track": track, "style": style, "length": length, "examples": examples}
+
+    build = {"family": ["dialogue", "qa"], "track": ["multi", "single"], "style": ["chat", "search"],
+             "combinations": [held("qa", "single", "search", "short", 2), held("dialogue", "multi", "chat", "short", 3),
+                              held("qa", "single", "search", "long", 2)]}
+    init = {"family": ["assistant"], "track": ["single"], "style": ["help"],
+            "combinations": [{"family": "assistant", "track": "single", "style": "help"}]}
+    values = seen_profile_values("context", build, init)
+    assert values["combinations"] == [{"family": "qa", "track": "single", "style": "search"},  # 2 + 2, then 3
+                                      {"family": "dialogue", "track": "multi", "style": "chat"},
+                                      {"family": "assistant", "track": "single", "style": "help"}]  # no count: last
+    assert values["family"] == ["assistant", "dialogue", "qa"]
+    assert "combinations" not in seen_profile_values("context", build, {k: v for k, v in init.items()
+                                                                        if k != "combinations"})
+    assert seen_profile_values("oracle", build)["combinations"][0] == {
+        "family": "dialogue", "track": "multi", "style": "chat", "length": "short"}
+    assert seen_profile_values("none", build) is None

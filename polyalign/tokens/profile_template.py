@@ -197,9 +197,11 @@ def seen_profile_values(profile: str, *sources: dict[str, Any] | None) -> dict[s
         return None
     values: dict[str, Any] = {key: sorted({value for source in known for value in source.get(key) or ()})
                               for key in keys}
+    # combinations only where every source lists its own: one that lists values alone (a build or an export
+    # made before combinations were counted) may have held any, and refusing them would be refusing its data
     counts: Counter = Counter()
-    for source in known:
-        for combination in source.get(PROFILE_COMBINATIONS) or ():
+    for source in known if all(source.get(PROFILE_COMBINATIONS) for source in known) else ():
+        for combination in source[PROFILE_COMBINATIONS]:
             if all(key in combination for key in keys):
                 counts[tuple(combination[key] for key in keys)] += combination.get("examples", 0)
     if counts:
