@@ -498,7 +498,7 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
 
     from polyalign.data.records import read_records
     from polyalign.generate.prompts import write_prompts
-    from polyalign.tokens.chat import record_messages
+    from polyalign.tokens.chat import record_messages, record_profile
 
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(demo_tokenizer[0].path.parent, checkpoint)
@@ -530,6 +530,17 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
     said = write_prompts(checkpoint, path, tmp_path / "unseen.jsonl", limit=4, max_prompt_tokens=None)["notes"]
     assert said == [f"{len(unseen)} of 4 records name profile values {checkpoint}'s training data did not hold "
                     f"(style {records[-1].style!r} {len(unseen)}): the model never read such profile prompts"]
+    # ... and records whose values were each held, never together (the export's combinations): said apart
+    first = record_profile(records[0], trained)
+    together = [{key: f"other {value}" for key, value in first.items()}]
+    everything = {key: sorted({getattr(r, field) for r in records}) for key, field in
+                  (("family", "family"), ("track", "track"), ("style", "style"), ("length", "length_bin"))}
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "polyalign_profile_values": everything, "polyalign_profile_combinations": together}))
+    apart = sum(record_profile(r, trained) not in together for r in records)
+    said = write_prompts(checkpoint, path, tmp_path / "apart.jsonl", limit=4, max_prompt_tokens=None)["notes"]
+    assert apart and said == [f"{apart} of 4 records name a profile whose values {checkpoint}'s training data held, "
+                              "but never together: the model never read such profile prompts"]
 
 
 def test_a_checkpoint_polyalign_did_not_train_is_prompted_as_it_was_trained(demo_run, demo_tokenizer, tmp_path):

@@ -22,6 +22,7 @@ import numpy as np
 from polyalign.core.errors import ChatTemplateError
 from polyalign.data.records import PROFILE_PREAMBLE, Record, after_question, before_question
 from polyalign.tokens.profile_template import (
+    PROFILE_COMBINATIONS,
     PROFILE_FIELDS,
     PROFILE_KEYS,
     PROFILE_MODE_KEYS,
@@ -158,17 +159,22 @@ def say_unseen_profile_values(tokenizer: Tokenizer, records: Sequence[Record], p
     polyalign_profile_values): their prompts are ones the model never read (another dataset's styles,
     say). Nothing is said for a checkpoint that lists none."""
     values = tokenizer.profile_values or {}
+    combinations = values.get(PROFILE_COMBINATIONS)
     unseen: Counter = Counter()
-    affected = 0
+    affected = apart = 0
     for record in records:
-        missing = [(key, value) for key, value in record_profile(record, profile).items()
-                   if values.get(key) and value not in values[key]]
+        named = record_profile(record, profile)
+        missing = [(key, value) for key, value in named.items() if values.get(key) and value not in values[key]]
         unseen.update(missing)
         affected += bool(missing)
+        apart += bool(not missing and combinations and named not in combinations)
     if affected:
         listed = ", ".join(f"{key} {value!r} {n}" for (key, value), n in unseen.most_common())
         _say(f"{affected} of {len(records)} records name profile values {where}'s training data did not hold "
              f"({listed}): the model never read such profile prompts", notes)
+    if apart:  # each value held, never together (polyalign_profile_combinations)
+        _say(f"{apart} of {len(records)} records name a profile whose values {where}'s training data held, but "
+             "never together: the model never read such profile prompts", notes)
 
 
 def trained_profile(tokenizer: Tokenizer, asked: str | None, where: str, notes: list[str] | None = None) -> str:
