@@ -231,8 +231,8 @@ class Service:
             given["top_k"] = 0
         return SamplingConfig(budget, **{**self.sampling_defaults, **given}), seed % 2 ** 32
 
-    async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client=None,
-                        stops: list[str] = (), text_of: Callable[[list[int]], str] | None = None):
+    async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client,
+                        stops: list[str], text_of: Callable[[list[int]], str]):
         """The completions of one request; dropped from the engine when `client` (the HTTP request)
         disconnects first, so an abandoned request does not hold slots others wait for. A sample ends
         once its text (`text_of` its tokens) holds one of `stops` (the answer is cut there afterwards)."""
@@ -274,7 +274,7 @@ class Service:
             return list(prompt)
         return encode_rendered(_text(prompt), self.tokenizer)
 
-    def _choices(self, completions, stops: list[str], text_of: Callable[[list[int]], str] | None = None
+    def _choices(self, completions, stops: list[str], text_of: Callable[[list[int]], str]
                  ) -> tuple[list[tuple[str, str]], int]:
         """(text, finish reason) of each completion, and the completion tokens they count: a stopped one
         counts up to the token that completed its stop string, as vLLM counts (decoding runs in calls of
@@ -299,13 +299,16 @@ class Service:
         context = list(prompt[-CONTINUATION_CONTEXT:])
         before = self.tokenizer.decode(context, skip_special=True)
         whole = self.tokenizer.decode(context + list(tokens), skip_special=True)
-        return whole[len(before):] if whole.startswith(before) else self.tokenizer.decode(list(tokens),
-                                                                                           skip_special=True)
+        if whole.startswith(before):
+            return whole[len(before):]
+        return self.tokenizer.decode(list(tokens), skip_special=True)  # a piece merged across the boundary
 
-    def _cut(self, tokens, stops: list[str], text_of: Callable[[list[int]], str] | None = None) -> tuple[str, bool]:
-        return _cut_at_stop((text_of or self._answer)(tokens), stops)
+    def _cut(self, tokens, stops: list[str], text_of: Callable[[list[int]], str]) -> tuple[str, bool]:
+        """The text of `tokens` as `text_of` reads it (a chat answer, a completion), cut at the first stop string,
+        and whether one was there."""
+        return _cut_at_stop(text_of(tokens), stops)
 
-    def _tokens_to_stop(self, tokens, stops: list[str], text_of: Callable[[list[int]], str] | None = None) -> int:
+    def _tokens_to_stop(self, tokens, stops: list[str], text_of: Callable[[list[int]], str]) -> int:
         """The fewest leading tokens whose text holds a stop string (bisection: a prefix that holds one,
         every longer prefix holds it too)."""
         low, high = 1, len(tokens)
@@ -345,7 +348,8 @@ class Service:
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
         sampling, seed = self._sampling(body, prompt)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        choices, made = self._choices(await self._complete(prompt, sampling, seed, body.n, client, stops), stops)
+        completions = await self._complete(prompt, sampling, seed, body.n, client, stops, self._answer)
+        choices, made = self._choices(completions, stops, self._answer)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
@@ -530,7 +534,7 @@ def profile_line(tokenizer) -> str | None:
     if not keys:
         return None
     held = tokenizer.profile_values or {}
-    example = json.dumps({**dict.fromkeys(keys, "..."), **profile_example(held, keys)}, ensure_ascii=False)
+    example = json.dumps(profile_example(held, keys), ensure_ascii=False)
     return (f"profile: this model was trained with the {tokenizer.profile_mode} profile prompt; name "
             f"{', '.join(keys[:-1])} and {keys[-1]} in each request's chat_template_kwargs, e.g. {example}"
             f"{' (the values its training data held are in its model card)' if held else ''}. A request without "

@@ -53,7 +53,7 @@ from polyalign.tokens.tokenizer import (
 SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 
 def export_template(template: ChatTemplate, system: str = "keep", profile: str | None = None,
-                    values: dict[str, list[str]] | None = None) -> str:
+                    values: dict[str, Any] | None = None) -> str:
     """The chat_template an export carries: the training template behind the profile preamble of the
     build's system mode (tokens/profile_template.py), written once however many exports are chained; a
     template that takes no system message gets them folded into user turns, as training folded them;
@@ -99,7 +99,7 @@ def sentencepiece_json(tokenizer: SentencePieceTokenizer) -> str:
 
 
 def tokenizer_files(tokenizer: Tokenizer, template: ChatTemplate, profile: str, system: str = "keep",
-                    values: dict[str, list[str]] | None = None, max_length: int | None = None
+                    values: dict[str, Any] | None = None, max_length: int | None = None
                     ) -> dict[str, str | bytes]:
     """tokenizer.json (and tokenizer.model where there is one) and a tokenizer_config.json with the
     special tokens, the training template (behind the preamble of the build's system mode and the
@@ -186,12 +186,11 @@ def _profile_coverage(card: dict[str, Any]) -> str:
 
 
 def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, system: str = "keep",
-               values: dict[str, list[str]] | None = None) -> str:
+               values: dict[str, Any] | None = None) -> str:
     """README.md: what the model was made from and how to prompt it."""
     rows = "\n".join(f"| {key} | {value} |" for key, value in card.items() if value is not None)
     keys = PROFILE_MODE_KEYS[profile]
-    example = profile_example(values, keys)
-    variables = ", ".join(f'{k}="{example.get(k, "...")}"' for k in keys)
+    variables = ", ".join(f'{k}="{v}"' for k, v in profile_example(values, keys).items())
     prompt = ("trained without a profile system prompt (profile `none`): pass the conversation as it is"
               if profile == "none" else
               f"trained with polyalign's profile system prompt (profile `{profile}`): `{PROFILE_PREAMBLE} "
@@ -212,7 +211,7 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
             f"{prompt}. Generation stops at the template's end-of-turn token (generation_config.json).\n{seen}")
 
 
-def _track_words(values: dict[str, list[str]] | None) -> str:
+def _track_words(values: dict[str, Any] | None) -> str:
     """What the card says `track` is: how polyalign labels conversations, or, where the training data held
     one track only (a data source set it), that one, which the template accepts whatever the turn."""
     held = (values or {}).get("track") or []
@@ -267,7 +266,7 @@ def training_card(config: Any) -> dict[str, Any]:
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
                    template: ChatTemplate, profile: str, system: str = "keep",
-                   values: dict[str, list[str]] | None = None, coverage: str | None = None,
+                   values: dict[str, Any] | None = None, coverage: str | None = None,
                    max_length: int | None = None) -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
@@ -349,7 +348,7 @@ def export_adapter(model: Transformer, path, mesh: Mesh | None = None, *, base: 
 def export_checkpoint(model: Transformer, tokenizer: Tokenizer, path: str | os.PathLike, mesh: Mesh | None = None, *,
                       template: ChatTemplate, profile: str = "context", dtype: str | None = None,
                       card: dict[str, Any] | None = None, max_shard_bytes: int = SHARD_BYTES,
-                      base: str | None = None, system: str = "keep", values: dict[str, list[str]] | None = None,
+                      base: str | None = None, system: str = "keep", values: dict[str, Any] | None = None,
                       max_length: int | None = None, training: dict[str, Any] | None = None) -> None:
     """Every process calls it: parameters sharded over `mesh` are gathered one at a time (never the
     whole model replicated on every device); process 0 writes. `dtype` defaults to the parameters'.

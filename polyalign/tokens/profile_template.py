@@ -212,11 +212,11 @@ def seen_profile_values(profile: str, *sources: dict[str, Any] | None) -> dict[s
 
 def profile_example(values: dict[str, Any] | None, keys: Sequence[str]) -> dict[str, str]:
     """Profile values to show as an example: the combination the training data held most often, where its
-    combinations are known, else each key's first value (a key with none known is left out)."""
+    combinations are known, else each key's first value ("..." for a key with none known)."""
     combinations = (values or {}).get(PROFILE_COMBINATIONS)
     if combinations and all(key in combinations[0] for key in keys):
         return {key: combinations[0][key] for key in keys}
-    return {key: (values or {})[key][0] for key in keys if (values or {}).get(key)}
+    return {key: ((values or {}).get(key) or ["..."])[0] for key in keys}
 
 
 def unseen_combination_text(given: dict[str, str] | None, combinations: Sequence[dict[str, str]]) -> str:
@@ -251,7 +251,7 @@ def opens_with_profile_prompt(messages: Sequence[Any] | None) -> bool:
 
 
 def profile_problem(variables: dict[str, str], profile: str | None,
-                    values: dict[str, list[str]] | None = None, messages: Sequence[Any] | None = None) -> str | None:
+                    values: dict[str, Any] | None = None, messages: Sequence[Any] | None = None) -> str | None:
     """What is wrong with the template variables a caller names for a model trained with `profile`
     (None: not recorded, nothing checked), or None: a profile is named whole or not at all (a partial
     one, or one with a key the model never read, renders a prompt it never saw), and each value is one
@@ -293,7 +293,7 @@ def _jinja_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def profile_check_jinja(profile: str, values: dict[str, list[str]] | None = None) -> str:
+def profile_check_jinja(profile: str, values: dict[str, Any] | None = None) -> str:
     """Written first in an exported template: refuses, as `serve` does (profile_problem), template
     variables that name the profile in part or with a key the model never read, and a value its training
     data never held, so that a misspelled style never renders a prompt the model never saw."""
@@ -347,7 +347,7 @@ def training_source(source: str) -> str:
 
 
 def exported_source(source: str, system: str = "keep", fold: bool = False, profile: str | None = None,
-                    values: dict[str, list[str]] | None = None) -> str:
+                    values: dict[str, Any] | None = None) -> str:
     """The chat_template an export carries: the training template behind the preamble of the build's
     system mode, written once; `fold`: the template takes no system message, which the preamble then
     folds into user turns (FOLD_SYSTEM_JINJA); `profile` (and the `values` training saw): the variables
