@@ -709,17 +709,25 @@ def test_a_turns_build_counts_and_shows_the_system_messages_its_whole_turns_took
 def test_the_stats_report_quotes_the_opening_system_prompts_it_read(tmp_path):
     """A team checks its system prompt was read as one: the statistics count the records that open with a
     system prompt, how many different ones, and quote the most common (it said only "an opening system
-    prompt: 1347")."""
+    prompt: 1347"). A system note between a question and its reply opens no conversation and is not counted."""
     from polyalign.reports.stats import compute_stats
 
     rows = openai_rows()
+    # a conversation with no opening system prompt, a note before its first reply (given split: test, so it
+    # cannot fall out as a duplicate of its source conversation)
+    first_reply = next(k for k, m in enumerate(rows[0]["messages"]) if m["role"] == "assistant")
+    noted = rows[0]["messages"][1:first_reply] + [{"role": "system", "content": "Answer in one sentence."}] + \
+        rows[0]["messages"][first_reply:first_reply + 1]
     write_jsonl(tmp_path / "chats.jsonl", rows)
-    config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"}])
+    write_jsonl(tmp_path / "noted.jsonl", [{"messages": noted}])
+    config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "chats.jsonl"},
+                                                   {"name": "noted", "format": "chat", "path": "noted.jsonl",
+                                                    "split": "test"}], dedup=False)
     prepare(config, tmp_path / "run", progress=False)
     stats = compute_stats(tmp_path / "run", progress=False)
     prompts = stats["counts"]["system_prompts"]
     opening = {row["messages"][0]["content"] for row in rows}  # every conversation opens with its own
-    assert prompts["records"] == stats["total"] and prompts["distinct"] == len(opening) == len(rows)
+    assert prompts["records"] == stats["total"] - 1 and prompts["distinct"] == len(opening) == len(rows)
     assert len(prompts["most_common"]) == 3 and all(p["text"] in opening for p in prompts["most_common"])
     assert sum(p["records"] for p in prompts["most_common"]) <= prompts["records"]
     top = prompts["most_common"][0]

@@ -276,27 +276,29 @@ def test_a_rows_language_label_that_is_no_code_is_a_row_problem_and_another_code
 
 
 @pytest.mark.parametrize("tag, language", [("en", "en"), ("zh-CN", "zh"), ("zh_SG", "zh"), ("zh-Hans-CN", "zh"),
-                                           ("en-US", "en"), ("en-GB", "en"), ("zh-419", "zh"), ("zh-Hant", "zh-Hant"),
-                                           ("zh-Hant-TW", "zh-Hant-TW"), ("en-Dsrt", "en-Dsrt"), ("fr-CA", "fr-CA"),
-                                           ("zh-TW", "zh-TW"), ("zh_HK", "zh_HK"), ("zh-MO", "zh-MO"),
-                                           ("zh-Hans-TW", "zh"), ("other", "other")])
-def test_a_language_tag_with_a_region_or_the_usual_script_is_the_schemes_language(tag, language):
+                                           ("en-US", "en"), ("en-GB", "en"), ("zh-419", "zh"), ("zh-Hant", "zh"),
+                                           ("zh-Hant-TW", "zh"), ("en-Dsrt", "en-Dsrt"), ("fr-CA", "fr-CA"),
+                                           ("zh-TW", "zh"), ("zh_HK", "zh"), ("zh-MO", "zh"), ("zh-Latn", "zh-Latn"),
+                                           ("zh-Hans-TW", "zh"), ("other", "other"), ("EN", "en"), ("EN-us", "en"),
+                                           ("ZH-hant-tw", "zh"), ("FR", "fr"), ("Fr-CA", "fr-CA")])
+def test_a_language_tag_in_any_case_with_a_region_or_a_script_of_the_language_is_the_schemes_language(tag, language):
+    """BCP 47 tags are case-insensitive, and METHOD counts Traditional Chinese as zh (zh-Hant, zh-TW)."""
     from polyalign.data.prepare import scheme_language
 
     assert scheme_language(tag, ("en", "zh")) == language
 
 
 def test_a_sources_language_tag_with_a_region_is_its_language(tmp_path):
-    """A source declared `language: en-US` is the scheme's en, as a row's own label is; `zh-TW` (written in
-    Traditional) is refused before any row is read, as any language the scheme lacks."""
+    """A source declared `language: en-US` is the scheme's en, as a row's own label is; `zh-Latn` (pinyin, another
+    script) is refused before any row is read, as any language the scheme lacks."""
     rows = [chat_row(CAMREST[0]), chat_row(CAMREST[1])]
     manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows), language="en-US")
     records = read_jsonl(tmp_path / "run" / "data" / "train.jsonl")
     assert records and {r["language"] for r in records} == {"en"} and manifest["sources"][0]["dropped"] == {}
     from polyalign.core.yaml_config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"language: unknown language 'zh-TW'"):
-        run(tmp_path, "chat", "c.jsonl", jsonl(rows), language="zh-TW")
+    with pytest.raises(ConfigError, match=r"language: unknown language 'zh-Latn'"):
+        run(tmp_path, "chat", "c.jsonl", jsonl(rows), language="zh-Latn")
 
 
 def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_trains_a_reply(

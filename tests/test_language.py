@@ -238,3 +238,46 @@ def test_short_replies_in_the_other_language_are_told_apart_and_a_word_or_two_ar
     lone = next(r.response for r in records if r.language == "zh" and len(r.response.strip("。！？!?，, ")) == 1
                 and "\u4e00" <= r.response.strip("。！？!?，, ") <= "\u9fff")
     assert wrong_script("en", lone) is None and wrong_script("zh", "OK") is None
+
+
+def test_an_english_question_answered_with_foreign_names_stays_english_and_a_dutch_row_does_not(tmp_path):
+    """PolyAlign sample rows its authors label English, read with no `language:` (lingua installed): an English
+    question answered "Cléopâtre from director Georges Méliès", one answered with a list of Italian prime
+    ministers, and "Yes" to an English passage about Amelanchier were dropped as fr, it and it (lingua's
+    trigrams were 99% sure of the answer and of the whole row, and an alpaca row's passage was left out of
+    the text its language is read from). Their English prompts keep them en; the sample's Dutch row is still
+    left out, as language_not_in_scheme:nl."""
+    from polyalign.data.prepare import prepare
+    from tests.conftest import SHARED_DATA
+
+    sample = json.loads((SHARED_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))
+    starts = ("The oldest film set in ancient Egypt", ". Giorgia Meloni", "Yes", "De dag dat Jezus")
+    rows = [next(r for r in sample if r["output"].startswith(start) and (start != "Yes" or "Amelanchier" in r["input"]))
+            for start in starts]
+    assert {r["bucket_id"].split("|")[0] for r in rows} == {"en"} and "Méliès" in rows[0]["output"]
+    (tmp_path / "rows.json").write_text(json.dumps(rows), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [{"name": "sample", "format": "llamafactory", "path": "rows.json",
+                                                    "split": "train"}], dedup=False)
+    manifest = prepare(config, tmp_path / "run", progress=False)
+    kept = [json.loads(line) for line in (tmp_path / "run/data/train.jsonl").read_text().splitlines()]
+    assert [r["response"][:12] for r in kept] == [r["output"][:12] for r in rows[:3]]
+    assert {r["language"] for r in kept} == {"en"}
+    assert manifest["sources"][0]["dropped"] == {"language_not_in_scheme:nl": 1}
+
+
+def test_inline_code_that_wraps_onto_a_second_line_is_no_language():
+    """A COIG-CQIA SegmentFault question quoting a Vue error in one inline code span that wraps onto a second
+    line (CommonMark allows it): the span was read as English prose and the Chinese row became en. A span
+    never crosses a blank line, so a stray backtick does not swallow paragraphs."""
+    from tests.conftest import SHARED_DATA
+
+    with open(SHARED_DATA / "zh/coig-cqia/segmentfault/segmentfault_upvote5_clean.jsonl", encoding="utf-8") as rows:
+        row = next(r for r in map(json.loads, rows) if r["instruction"].startswith("vue项目报错如下"))
+    question = f"{row['instruction']}\n{row['input']}".strip()
+    span = question[question.index("`"):question.rindex("`") + 1]
+    assert "\n" in span and "\n\n" not in span
+    assert span not in language.prose(question) and "项目报错" in language.prose(question)
+    chooser = LanguageChooser(["en", "zh"])
+    assert chooser.choose(row["output"], question) == "zh"
+    assert chooser.choose(row["output"], question, f"{question}\n{row['output']}") == "zh"
+    assert language.prose("a `b\n\nc` d") == "a `b\n\nc` d"  # no span across a blank line

@@ -162,7 +162,7 @@ def test_every_form_of_a_preference_file_gives_the_same_pairs(demo_run, tmp_path
 
 def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(demo_run, tmp_path, capsys):
     """HH text given as --format trl names --format hh; a content part a text model cannot train on is a row
-    problem; a region tag is its language (zh-CN is zh), another script is not (zh-Hant, left out); every row
+    problem; a region tag is its language (zh-CN is zh), another script is not (zh-Latn, left out); every row
     left out is listed with its line and reason; a row's own id is kept."""
     from polyalign.pairs.make import read_pairs
 
@@ -176,14 +176,14 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     # a prompt that quotes a chat log after its own question is no HH text: TRL's
     quoting = {**rows[5], "prompt": rows[5]["prompt"][-1]["content"] + _hh_text(rows[6]["prompt"] + rows[6]["chosen"])}
     lines = [hh or _forms(rows[2])["hh"][1], image, {**rows[zh], "language": "zh-CN", "id": 17},
-             {**rows[zh], "language": "zh-Hant"}, {**rows[3], "rejected": [{"role": "assistant", "content": " "}]},
+             {**rows[zh], "language": "zh-Latn"}, {**rows[3], "rejected": [{"role": "assistant", "content": " "}]},
              {**rows[4], "id": "my-row-5"}, with_prompt, quoting]
     source = write_jsonl(tmp_path / "prefs.jsonl", lines)
     code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                          tmp_path / "pairs.jsonl", "--on-error", "quarantine")
     assert code == 0 and "3 training pairs from 8 rows" in out
-    assert "dropped: malformed 3, language_not_in_scheme:zh-Hant 1, empty_side 1" in out
-    assert "note: rows in a language outside the scheme were dropped (zh-Hant 1 declared)" in err
+    assert "dropped: malformed 3, language_not_in_scheme:zh-Latn 1, empty_side 1" in out
+    assert "note: rows in a language outside the scheme were dropped (zh-Latn 1 declared)" in err
     quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
     assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["1", "2", "7"]
     assert quarantined[0]["problem"].endswith("--format hh reads it")
@@ -191,7 +191,7 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     assert quarantined[1]["problem"] == ("prompt message 1 holds image_url content, which a text model cannot "
                                          "train on")
     listed = [json.loads(line) for line in (tmp_path / "pairs.dropped.jsonl").read_text().splitlines()]
-    assert [(d["where"]["line"], d["reason"]) for d in listed] == [(4, "language_not_in_scheme:zh-Hant"),
+    assert [(d["where"]["line"], d["reason"]) for d in listed] == [(4, "language_not_in_scheme:zh-Latn"),
                                                                   (5, "empty_side")]
     assert f"dropped rows, with their lines and reasons -> {tmp_path / 'pairs.dropped.jsonl'}" in out
     pairs = read_pairs(tmp_path / "pairs.jsonl")
@@ -224,7 +224,7 @@ def test_preference_rows_written_a_little_off_say_what_is_off(demo_run, tmp_path
 
 
 def test_language_names_the_schemes_language_by_a_region_tag_too(demo_run, tmp_path, capsys):
-    """`--language zh-CN` labels every row zh, as a row's own zh-CN does; `--language zh-TW` is refused."""
+    """`--language zh-CN` labels every row zh, as a row's own zh-CN does; `--language zh-Latn` is refused."""
     from polyalign.pairs.make import read_pairs
 
     rows, _ = real_trl_rows(demo_run, n=2000)
@@ -235,8 +235,8 @@ def test_language_names_the_schemes_language_by_a_region_tag_too(demo_run, tmp_p
     assert code == 0 and "4 training pairs from 4 rows" in out, err
     assert {p["language"] for p in read_pairs(tmp_path / "pairs.jsonl")} == {"zh"}
     code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
-                       tmp_path / "tw.jsonl", "--language", "zh-TW")
-    assert code == 2 and "--language zh-TW is not one of the scheme's: en, zh" in err
+                       tmp_path / "tw.jsonl", "--language", "zh-Latn")
+    assert code == 2 and "--language zh-Latn is not one of the scheme's: en, zh" in err
 
 
 def test_show_reads_a_pairs_file_as_the_preference_run_tokenises_it(demo_run, demo_tokenizer, tmp_path, capsys):

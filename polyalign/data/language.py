@@ -140,8 +140,9 @@ class ScriptReading:
 
 # Code and TeX are no language: a Chinese question about JavaScript is Chinese however long its code
 # block (SegmentFault), and COIG's answers are full of math. Fenced blocks, inline code, $...$, $$...$$
-# and TeX commands (\\frac) are left out before a text is read.
-_NOT_PROSE = re.compile(r"```.*?(?:```|$)|`[^`\n]+`|\$\$.*?\$\$|\$[^$\n]*\$|\\[A-Za-z]+", re.DOTALL)
+# and TeX commands (\\frac) are left out before a text is read. Inline code may wrap onto the next line but
+# never spans a blank one (CommonMark's code spans).
+_NOT_PROSE = re.compile(r"```.*?(?:```|$)|`(?:[^`\n]|\n(?![ \t]*\n))+`|\$\$.*?\$\$|\$[^$\n]*\$|\\[A-Za-z]+", re.DOTALL)
 
 
 def prose(text: str) -> str:
@@ -245,7 +246,8 @@ class LanguageChooser:
     - Latin script: with lingua installed (over the major Latin-script languages), it chooses among
       the scheme's Latin-script languages,
       calling the text `other` only when it is at least 99% sure of a language outside the scheme on
-      24 letters or more (for a single row: of its response and of the whole row); without lingua,
+      24 letters or more (for a single row: of its response and of the whole row), and never where the
+      prompt, 24 Latin letters or more, does not read as another language (`_unless_prompt_says`); without lingua,
       the scheme's first Latin-script language (en), and `note` says so once in the manifest. Another
       script: lingua's language if the scheme has it, else `other`.
     """
@@ -272,12 +274,26 @@ class LanguageChooser:
         response_decides = has_prose(response) and reading.weighed >= _MIN_WEIGHED and reading.share >= _CLEAR_SHARE \
             and not _prompt_prevails(asked, reading)
         if not response_decides:
-            return self._name(whole, read_script(whole))
+            return self._unless_prompt_says(prompt, self._name(whole, read_script(whole)))
         if asked.language == reading.language == "latin" and self.lingua:
             # `other` only when lingua says so of the response alone and of the whole row
             named = {self._name(response, reading), self._name(whole, read_script(whole))}
-            return OTHER if named == {OTHER} else min(named - {OTHER})
-        return self._name(response, reading)
+            return self._unless_prompt_says(prompt, OTHER) if named == {OTHER} else min(named - {OTHER})
+        return self._unless_prompt_says(prompt, self._name(response, reading))
+
+    def _unless_prompt_says(self, prompt: str, language: str) -> str:
+        """`language`, unless it is `other` and the prompt is long enough to tell (_MIN_LETTERS_FOR_DETECTOR
+        Latin letters of prose) and lingua does not call it another language: then the scheme's Latin-script
+        language it is. An English question answered with foreign names ("Cléopâtre from director Georges
+        Méliès", a list of Italian prime ministers) is an English row; lingua's trigrams, 99% sure of French
+        on the whole row, were not."""
+        if language != OTHER or not self.lingua or not self.latin:
+            return language
+        text = prose(prompt)
+        if read_script(text).language != "latin" or _script_counts(text)["latin"] < _MIN_LETTERS_FOR_DETECTOR:
+            return language
+        named = self._name(text, read_script(text))
+        return named if named in self.latin else language
 
     def _in_conversation(self, response: str, prompt: str, conversation: str) -> str:
         """A reply's language in a conversation, which decides unless the reply is clearly in another
@@ -300,10 +316,10 @@ class LanguageChooser:
             decides = reading.weighed >= 2 * _MIN_WEIGHED and not _prompt_prevails(read_script(prompt), reading)
         if decides and reading.share >= _CLEAR_SHARE and reading.language != whole.language:
             named = self._name(response, reading)
-            return language if named == OTHER and language != OTHER else named
+            return language if named == OTHER and language != OTHER else self._unless_prompt_says(prompt, named)
         if language == OTHER and reading.weighed >= _MIN_WEIGHED:
-            return self._name(response, reading)
-        return language
+            return self._unless_prompt_says(prompt, self._name(response, reading))
+        return self._unless_prompt_says(prompt, language)
 
     def outside_name(self, text: str) -> str:
         """What a text `choose` called `other` is, for the reason it is left out of a scheme without `other`:

@@ -84,28 +84,28 @@ SOURCE_SPLITS = (*SPLITS, "auto")
 EMPTY_ANSWER_FAMILIES = ("qa",)
 AGREEMENT_FIELDS = ("language", *LABEL_FIELDS, "length_bin", "bucket_id")
 # A row's own language label outside the scheme is a language the user keeps out (dropped, counted) when
-# it is an ISO 639 code (fr, yue, zh-Hant); anything else ("english", "EN") is a mistake in the row.
-LANGUAGE_CODE = re.compile(r"^[a-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})*$")
-# The script each scheme language is written in (a tag naming another, zh-Hant, is another language here),
-# and the regions whose tag alone implies another one (zh-TW, zh-HK and zh-MO are written in Traditional).
-USUAL_SCRIPTS = {"zh": "hans", "en": "latn"}
-OTHER_SCRIPT_REGIONS = {"zh": {"tw", "hk", "mo"}}
+# it is an ISO 639 code in any case, as BCP 47 tags are (fr, FR, yue, zh-Latn); anything else ("english")
+# is a mistake in the row.
+LANGUAGE_CODE = re.compile(r"^[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{2,8})*$")
+# The scripts each scheme language is written in: METHOD counts Traditional Chinese as zh, so zh-Hant and the
+# regions written in it (zh-TW, zh-HK) are zh; a tag naming another script (zh-Latn, pinyin; en-Dsrt) is
+# another language here.
+SCHEME_SCRIPTS = {"zh": {"hans", "hant"}, "en": {"latn"}}
 
 
 def scheme_language(tag: str, scheme_languages) -> str:
-    """A BCP 47 tag as the scheme's language it names: zh-CN, zh_SG, zh-Hans-CN and en-US are zh and en (a
-    region, or the language's usual script, does not make another language); zh-Hant, zh-TW (a region written
-    in another script), or a language the scheme lacks, stays as it is (left out as language_not_in_scheme,
-    counted)."""
+    """A BCP 47 tag, in any case, as the scheme's language it names: zh-CN, zh_SG, zh-Hans-CN, zh-TW, zh-Hant,
+    EN and en-US are zh and en (a region, or a script the language is written in, does not make another
+    language); zh-Latn or a language the scheme lacks stays as it is, its language subtag in lower case (left
+    out as language_not_in_scheme, counted)."""
     primary, *rest = re.split(r"[-_]", tag)
-    if primary.lower() not in scheme_languages or tag in scheme_languages:
-        return tag
-    usual, elsewhere = USUAL_SCRIPTS.get(primary.lower()), OTHER_SCRIPT_REGIONS.get(primary.lower(), set())
-    scripted = any(part.lower() == usual for part in rest)  # zh-Hans-TW: the script says it
-    if all((re.fullmatch(r"[A-Za-z]{2}|\d{3}", part) and (scripted or part.lower() not in elsewhere))
-           or part.lower() == usual for part in rest):
+    lowered = primary.lower() + tag[len(primary):]
+    if primary.lower() not in scheme_languages or lowered in scheme_languages:
+        return lowered
+    scripts = SCHEME_SCRIPTS.get(primary.lower(), set())
+    if all(re.fullmatch(r"[A-Za-z]{2}|\d{3}", part) or part.lower() in scripts for part in rest):
         return primary.lower()
-    return tag
+    return lowered
 
 
 @dataclass(frozen=True)

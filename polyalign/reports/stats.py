@@ -29,7 +29,7 @@ from polyalign.data.bucketing import (
     weight_warnings,
 )
 from polyalign.data.layout import edited_records_files, prepare_manifest, split_files
-from polyalign.data.records import SPLITS, Record, read_records
+from polyalign.data.records import SPLITS, Record, before_question, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
 from polyalign.features.response import text_features
@@ -64,7 +64,9 @@ def _system_prompts(records: Sequence[Record]) -> dict[str, Any]:
     """The opening system prompts of the records' conversations (a chat export's own): how many records open
     with one, how many different ones there are, and the most common, quoted, so that a team sees its prompt
     was read as a system prompt (and which others came with the data)."""
-    opening = Counter(r.history[0]["text"] for r in records if r.history and r.history[0].get("role") == "system")
+    # a system note that stood between the question and the reply (after_question) opens no conversation
+    opening = Counter(turns[0]["text"] for r in records if (turns := before_question(r.history))
+                      and turns[0].get("role") == "system")
     return {"records": sum(opening.values()), "distinct": len(opening),
             "most_common": [{"text": text[:SYSTEM_PROMPT_CHARS] + ("…" if len(text) > SYSTEM_PROMPT_CHARS else ""),
                              "records": n} for text, n in opening.most_common(SYSTEM_PROMPTS_SHOWN)]}

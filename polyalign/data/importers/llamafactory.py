@@ -57,16 +57,18 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     group = row.get("conversation_id", row.get("group_id"))
     question = text_field(row, "instruction")
     response = text_field(row, "output", what="response 'output'")
+    context = text_field(row, "input", default="")
     yield Example(
         question=question,
-        context=text_field(row, "input", default=""),
+        context=context,
         response=response,
         history=([{"role": "system", "text": system}] if system else []) + history,
         labels=string_labels(row, ROW_LABELS),
         group=str(group) if group is not None else None,
         location=location,
         derived={"track": conversation_track(history)},
-        conversation="\n".join([*(t["text"] for t in history), question, response]),
+        # the passage (`input`) is part of what the row is written in: "Yes" to an English passage is English
+        conversation="\n".join(text for text in (context, *(t["text"] for t in history), question, response) if text),
         unread_keys=tuple(sorted(str(key) for key in set(row) - READ_KEYS)),
     )
 
