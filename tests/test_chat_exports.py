@@ -600,6 +600,33 @@ def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
 
 
 @pytest.mark.parametrize("form", ["chat", "sharegpt"])
+def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_path):
+    """A conversation a bot opens with a greeting (CamRest dialogues less their first user turn): the greeting
+    is no record (nothing asked for it) and was counted nowhere; it is counted under left_out and stays in the
+    history of the replies after it."""
+    from tests.chat_exports import camrest_messages
+
+    conversations = [camrest_messages(dialogue, 6)[k:] for dialogue, k in zip(camrest_dialogues(3, start=30), (1, 0, 1))]
+    if form == "chat":
+        path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
+    else:
+        path = tmp_path / "share.json"
+        path.write_text(json.dumps([{"conversations": [{"from": "human" if m["role"] == "user" else "gpt",
+                                                        "value": m["content"]} for m in c]} for c in conversations],
+                                   ensure_ascii=False), encoding="utf-8")
+    config = write_config(tmp_path / "data.yaml", [{"name": "mine", "format": form, "path": path.name}], dedup=False)
+    prepare(config, tmp_path / "run", progress=False)
+    source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]
+    assert source["left_out"] == {"reply_before_any_question": 2}
+    asked = sum(sum(m["role"] == "assistant" for m in c) - (c[0]["role"] == "assistant") for c in conversations)
+    assert source["kept"] == source["records"] == asked  # the replies after a question, each a record
+    records = [r for split in ("train", "val", "test") for r in read_records(tmp_path / "run" / "data" / f"{split}.jsonl")]
+    greeting = normalize(conversations[0][0]["content"])
+    assert greeting not in {r.response for r in records}
+    assert any(r.history and r.history[0] == {"role": "assistant", "text": greeting} for r in records)
+
+
+@pytest.mark.parametrize("form", ["chat", "sharegpt"])
 def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form, tmp_path, capsys):
     """Every user turn is a record's question, lies in a record's history, or is counted: a conversation
     that ends with a user turn after its last reply says so in the manifest and in prepare's output."""

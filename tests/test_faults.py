@@ -1625,15 +1625,23 @@ def test_a_hand_edited_record_is_refused_naming_its_line_and_field(demo_run, tmp
 
 
 def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_path):
-    """Rows of one file with the same id (7 and "7" too) need ids of their own; two sources of one name
-    and split need distinct names: each is told its own fix."""
+    """Rows of one file with the same id (7 and "7" too) need ids of their own: the run stops naming both
+    lines, or under --on-error quarantine the later row is quarantined and the run goes on (it stopped the
+    run whatever the mode); two sources of one name and split need distinct names: each is told its own fix."""
     for ids in (("same", "same"), (7, "7")):
-        rows = [chat_row(CAMREST[0], id=ids[0]), chat_row(CAMREST[1], id=ids[1])]
+        rows = [chat_row(CAMREST[0], id=ids[0]), chat_row(CAMREST[1], id=ids[1]), chat_row(CAMREST[2], id="other")]
         path = tmp_path / "c.jsonl"
-        with pytest.raises(PrepareError, match=re.escape(
-                f"{path}:2: record id 'src-train-{ids[1]}-turn-1' is also made by {path}:1 of the same file: its rows' "
-                "ids repeat; give each row an id of its own")):
+        said = (f"{path}:2: its id makes the record key '{ids[1]}-turn-1', as line 1 does: the file's rows' ids "
+                "repeat; give each row an id of its own")
+        with pytest.raises(PrepareError, match=re.escape(said)):
             run(tmp_path, "chat", "c.jsonl", jsonl(rows))
+        manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows), on_error="quarantine")
+        quarantined = read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl")
+        replies = [sum(m["role"] == "assistant" for m in row["messages"]) for row in rows]
+        assert len(quarantined) == replies[1] > 1  # the row whole, a line per reply
+        assert all(f"{q['location']}: {q['problem']}".startswith(said) for q in quarantined)
+        (source,) = manifest["sources"]
+        assert source["dropped"] == {"malformed": replies[1]} and source["kept"] == replies[0] + replies[2]
     (tmp_path / "a.jsonl").write_text(jsonl([chat_row(CAMREST[0], id="x")]))
     (tmp_path / "b.jsonl").write_text(jsonl([chat_row(CAMREST[1], id="x")]))
     config = write_config(tmp_path / "two.yaml", [{"name": "src", "format": "chat", "path": name, "split": "train",

@@ -67,6 +67,7 @@ from polyalign.data.records import (
     SPLITS,
     Example,
     InputError,
+    Location,
     Malformed,
     Notice,
     Record,
@@ -252,6 +253,10 @@ class SourceTally:
     opening_replies: int = 0
     # keys of the source's rows its importer does not read, by how many records' rows held them
     unread_keys: Counter = field(default_factory=Counter)
+    # (file, record key) -> where the first row that made it is: a later row of the file making it again
+    # repeats an id, a problem of that row (quarantined under --on-error quarantine)
+    keys_seen: dict[tuple[str, str], Location] = field(default_factory=dict, repr=False, compare=False)
+    repeating_rows: dict[Location, str] = field(default_factory=dict, repr=False, compare=False)
 
     def drop(self, reason: str, split: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -824,6 +829,13 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
     return manifest
 
 
+def repeated_id_problem(key: str, first: Location) -> str:
+    """A row whose own id makes a record key an earlier row of its file made: the row's problem, its file's to fix."""
+    where = f"line {first.line}" if first.line is not None else str(first).removeprefix(first.file).lstrip(": ")
+    return (f"its id makes the record key {key!r}, as {where} does: the file's rows' ids repeat; give each row an "
+            "id of its own (a row without one is numbered by its place in the file, and 7 and \"7\" are one id)")
+
+
 def duplicate_id_message(record_id: str, locations: list[str]) -> str:
     """Two rows that make one record id: rows of one file whose own ids repeat (the fix is in the file), or
     sources whose names and splits collide (the fix is in the config)."""
@@ -859,6 +871,13 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         return None
     if isinstance(item, Skipped):
         drop(item.reason)
+        return None
+    if key is not None and (first := tally.keys_seen.setdefault((item.location.file, key), item.location)) \
+            != item.location or item.location in tally.repeating_rows:
+        # the row's later replies go with the one that repeated a key: a row is kept or quarantined whole
+        problem = tally.repeating_rows.setdefault(item.location, repeated_id_problem(key, first))
+        sink(source.name, Malformed(item.location, problem, item.as_read()))
+        tally.drop("malformed")
         return None
     try:
         built = builder.build(key, item, source, tally)

@@ -280,6 +280,7 @@ SYSTEM_MESSAGE_NAMES = {"system_prompt": "an opening system prompt",
                         "system_turn_before_reply": "a system message just before the reply",
                         "system_is_profile_prompt": "polyalign's profile prompt (left out)"}
 LEFT_OUT_NAMES = {"unanswered_last_user_turn": "a last user turn no one answered",
+                  "reply_before_any_question": "a reply before any question (context only)",
                   "content_part_dropped": "a content part that is no text"}
 
 

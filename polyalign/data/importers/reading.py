@@ -441,7 +441,9 @@ def project_dialogue(
     one before its reply as `after_tool_call`; a reply marked `untrained` (OpenAI's `"weight": 0`) is skipped
     as `weight_0`, and stays in the history of the replies after it. A conversation that ends with user turns after its
     last reply has nothing to learn from them: they are counted as a Notice (`unanswered_last_user_turn`),
-    never lost without a word, and one with no reply at all is skipped as `no_reply`."""
+    never lost without a word, and so is a reply that opens the conversation before anyone asked
+    (`reply_before_any_question`: no record trains it, the later ones keep it as context); one with no
+    reply at all is skipped as `no_reply`."""
     turns = join_runs(turns)
     replies = [k for k, turn in enumerate(turns)
                if turn["role"] == "assistant" and any(t["role"] in ("user", "assistant") for t in turns[:k])]
@@ -453,6 +455,8 @@ def project_dialogue(
     targets = [k for k, t in enumerate(turns) if t["role"] == "assistant"]
     if any(t["role"] == "user" for t in turns[targets[-1] + 1:]):
         yield Notice(location, "unanswered_last_user_turn")
+    if targets[0] not in replies:  # a greeting before the user speaks: context of the replies after it
+        yield Notice(location, "reply_before_any_question")
     conversation = "\n".join(t["text"] for t in turns if t["role"] in ("user", "assistant") and not t.get("tool"))
     for k, turn in enumerate(turns):
         if k not in replies:
