@@ -606,7 +606,8 @@ def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_pa
     history of the replies after it."""
     from tests.chat_exports import camrest_messages
 
-    conversations = [camrest_messages(dialogue, 6)[k:] for dialogue, k in zip(camrest_dialogues(3, start=30), (1, 0, 1))]
+    dialogues = camrest_dialogues(3, start=30)
+    conversations = [camrest_messages(dialogue, 6)[k:] for dialogue, k in zip(dialogues, (1, 0, 1))]
     if form == "chat":
         path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
     else:
@@ -620,7 +621,8 @@ def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_pa
     assert source["left_out"] == {"reply_before_any_question": 2}
     asked = sum(sum(m["role"] == "assistant" for m in c) - (c[0]["role"] == "assistant") for c in conversations)
     assert source["kept"] == source["records"] == asked  # the replies after a question, each a record
-    records = [r for split in ("train", "val", "test") for r in read_records(tmp_path / "run" / "data" / f"{split}.jsonl")]
+    records = [r for split in ("train", "val", "test")
+               for r in read_records(tmp_path / "run" / "data" / f"{split}.jsonl")]
     greeting = normalize(conversations[0][0]["content"])
     assert greeting not in {r.response for r in records}
     assert any(r.history and r.history[0] == {"role": "assistant", "text": greeting} for r in records)
