@@ -1189,7 +1189,7 @@ def test_a_batch_that_does_not_divide_over_the_devices_leaves_nothing_behind(bui
     output = process.communicate()[0]
     assert process.returncode == 2, output[-2000:]
     assert output.splitlines()[-1] == ("polyalign train sft: error: global_batch 6 / micro_batches 1 = 6 sequences per "
-                                       "micro-batch must divide over 4 batch shards (data x fsdp) and 1 processes")
+                                       "micro-batch must divide over 4 batch shards (data x fsdp)")
     assert not out.exists()
 
 

@@ -1,6 +1,7 @@
 """Pairs, the critic and the HDPO/DPO method on the shared trainer."""
 
 import json
+import math
 import re
 import shutil
 import sys
@@ -459,6 +460,34 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
     assert len(val) >= 3 and "val_dist_gap" in val[0] and not any("val_dist_gap" in r for r in val[1:])
 
 
+def test_validation_reports_the_objective_and_every_evaluation_is_logged(demo_run, demo_tokenizer, tmp_path):
+    """A preference run's validation gives its loss, as SFT's does: with one validation pair (its weight
+    cancels) HDPO's objective is -log sigmoid(margin) + lambda_dist R + gamma_ftx anchor, from the reward
+    margin and terms logged beside it. An evaluation at a step `log_every` skips is written too (only SFT's
+    were: the check looked for SFT's val_loss)."""
+    from polyalign.train.methods import load_config
+    from polyalign.train.metrics import read_metrics
+    from polyalign.train.run import train as train_preference
+
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=6, val=2)
+    config = load_config(REPO / "configs" / "hdpo_demo.yaml", [
+        f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}",
+        "max_length=128", "train.steps=3", "train.global_batch=2", "train.eval_every=1", "train.log_every=2",
+        "data.eval_limit=1", "drift_prompts=0", "attention_impl=xla", "lambda_dist=0.7", "gamma_ftx=0.3",
+        "optimizer.lr=1e-2"])
+    result = train_preference(config, tmp_path / "out", progress=False)
+    val = [r for r in read_metrics(tmp_path / "out") if "val_loss" in r]
+    assert [r["step"] for r in val] == [1, 2, 3] and all(r["val_pairs"] == 1 for r in val)
+    for r in val:
+        margin = r["val_rewards/margin"]
+        expected = math.log1p(math.exp(-margin)) + 0.7 * r["val_dist_reg"] + 0.3 * r["val_sft_anchor"]
+        assert r["val_loss"] == pytest.approx(expected, abs=2e-5), r
+    assert abs(val[-1]["val_rewards/margin"]) > 1e-3  # trained away from the reference: the check has a margin
+    from polyalign.train.preference import summary_line
+
+    assert f"validation (1 pair): loss {val[-1]['val_loss']:.4f}, reward margin" in summary_line(result)
+
+
 @pytest.mark.slow
 def test_packed_hdpo_on_two_processes_matches_one_process(demo_run, demo_tokenizer, tmp_path):
     """HDPO with packed pairs, the policy loaded straight into its shardings (data 2 x fsdp 2) and the
@@ -599,7 +628,7 @@ def test_a_new_loss_trains_end_to_end_from_the_cli(method, demo_run, demo_tokeni
                  "train.global_batch=4", "train.eval_every=2", "train.checkpoint_every=2", f"data.dir={demo_run[0]}",
                  "drift_prompts=3", "drift_new_tokens=8"]) == 0
     printed, err = capsys.readouterr()
-    assert f"{method}: 2 steps on 8 pairs" in printed and "; validation (4 pairs): reward margin" in printed
+    assert f"{method}: 2 steps on 8 pairs" in printed and "; validation (4 pairs): loss " in printed
     check = json.loads((out / "summary.json").read_text())["tokenizer_check"]
     model_type = json.loads((out / "model" / "config.json").read_text())["model_type"]
     reader = f"transformers stand-in AutoTokenizer (Loaded, loaded with config.json's model_type {model_type})"

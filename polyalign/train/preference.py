@@ -21,6 +21,7 @@ from polyalign.core.outputs import same_path
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
 from polyalign.core.yaml_config import ConfigError
+from polyalign.core.wording import counted
 from polyalign.data.records import Record
 from polyalign.inputs import pipeline
 from polyalign.inputs.built import built_manifest
@@ -177,6 +178,8 @@ class PreferenceObjective:
             rewards = losses.preference_rewards(pc / jnp.maximum(n_chosen, 1.0), pr / jnp.maximum(n_rejected, 1.0),
                                                 0.0, 0.0, c.beta)
         sums = {f"rewards_{k}": (v * valid).sum() for k, v in rewards.items()}
+        # the method's own loss term, weighted as the step weighs it: validation reports the objective from it
+        sums.update(loss_weighted=numerators["dpo"], loss_weight=self._weights(mb).sum())
         sums.update(pairs=valid.sum(), tokens=tokens, processed_tokens=processed.astype(jnp.float32),
                     dist_reg=dist.sum(), sft_anchor=anchor.sum(),
                     dist_gap=((mb["critic_rejected"] - mb["critic_chosen"]) * valid).sum(),
@@ -186,13 +189,19 @@ class PreferenceObjective:
         return numerators, sums
 
 
-def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "", scored: bool = True
-              ) -> dict[str, Any]:
+def summarize(host: dict[str, np.ndarray], buckets: list[str], prefix: str = "", scored: bool = True,
+              coefficients: dict[str, float] | None = None) -> dict[str, Any]:
     """The logged means over the pairs. `scored`: the pairs carry the critic's scores; without them the
-    critic's terms (dist_reg, dist_gap) read 0.0, which would look like a measurement, and are left out."""
+    critic's terms (dist_reg, dist_gap) read 0.0, which would look like a measurement, and are left out.
+    `coefficients` (the objective's): `{prefix}loss` is the objective over these pairs, each term's weighted
+    mean times its coefficient as the step computes it (validation; a step logs its own loss)."""
     n = max(float(host["pairs"]), 1.0)
     out = {f"{prefix}rewards/{k}": round(float(host[f"rewards_{k}"]) / n, 6)
            for k in ("chosen", "rejected", "margin", "accuracy")}
+    if coefficients is not None and (scored or "dist" not in coefficients):
+        means = {"dpo": float(host["loss_weighted"]) / max(float(host["loss_weight"]), 1e-12),
+                 "dist": float(host["dist_reg"]) / n, "anchor": float(host["sft_anchor"]) / n}
+        out[f"{prefix}loss"] = round(sum(c * means[k] for k, c in coefficients.items()), 6)
     critic = ("dist_reg", "dist_gap", "dist_reach") if scored else ()
     out.update({f"{prefix}pairs": int(host["pairs"]),
                 **{f"{prefix}{k}": round(float(host[k]) / n, 6) for k in ("sft_anchor", *critic)}})
@@ -373,10 +382,13 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
 
     gap_logged = []
 
+    objective = PreferenceObjective(config, len(buckets))
+
     def evaluate(trainer: Trainer) -> dict[str, Any]:
         dataset = pipeline.eval_batches(val_examples, trainer.eval_batch_size(config.data.eval_batch), max_length,
                                         tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
-        measured = summarize(trainer.metric_sums(dataset), buckets, prefix="val_", scored=not unscored_pairs(val_pairs))
+        measured = summarize(trainer.metric_sums(dataset), buckets, prefix="val_", scored=not unscored_pairs(val_pairs),
+                             coefficients=objective.coefficients)
         if gap_logged:  # the critic's scores of fixed pairs: the same at every evaluation, logged with the first
             measured.pop("val_dist_gap", None)
         gap_logged.append(True)
@@ -399,7 +411,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                         None if config.profile == "none" else coverage)
         return {**written, **check_export(written["model"], tokenizer, pair_texts(train_pairs))}
 
-    return Job(model, PreferenceObjective(config, len(buckets)), batches,
+    return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_examples),
                evaluate=evaluate if val_examples else None,
                summarize=lambda host: summarize(host, buckets, scored=train_scored),
@@ -425,7 +437,9 @@ def summary_line(result: dict[str, Any]) -> str:
     trained = steps_phrase(result, steps_run(result))
     nan = float("nan")
     # the last step's batch, then the validation pairs where the last step evaluated them
-    validation = (f"; validation ({result['val_pairs']} pairs): reward margin {last['val_rewards/margin']:.4f}, "
+    validation = (f"; validation ({counted(result['val_pairs'], 'pair')}): "
+                  + (f"loss {last['val_loss']:.4f}, " if "val_loss" in last else "")
+                  + f"reward margin {last['val_rewards/margin']:.4f}, "
                   f"accuracy {last.get('val_rewards/accuracy', nan):.3f}" if "val_rewards/margin" in last else "")
     # HDPO's distance term, where it was logged: a lambda_dist sweep otherwise shows no difference here
     where = "val_" if "val_dist_reg" in last else ""

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from polyalign.core.errors import TrainingError
 from polyalign.core.progress import progress_bar
+from polyalign.core.wording import counted
 from polyalign.inputs.pipeline import iterate
 from polyalign.mesh import parallel
 from polyalign.model.lora import has_adapters
@@ -102,9 +103,10 @@ def check_batch_division(loop, mesh: Mesh) -> None:
     micro = loop.global_batch // loop.micro_batches
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if loop.global_batch % loop.micro_batches or micro % shards or micro % jax.process_count():
+        processes = jax.process_count()
         raise TrainingError(f"global_batch {loop.global_batch} / micro_batches {loop.micro_batches} = {micro} "
-                            f"sequences per micro-batch must divide over {shards} batch shards (data x fsdp) "
-                            f"and {jax.process_count()} processes")
+                            f"sequences per micro-batch must divide over {counted(shards, 'batch shard')} (data x fsdp)"
+                            + (f" and {processes} processes" if processes > 1 else ""))
 
 
 class Trainer:
@@ -371,7 +373,7 @@ class Trainer:
                 evaluating = time.perf_counter()
                 record.update(evaluate())
                 record["eval_s"] = round(time.perf_counter() - evaluating, 4)
-            if self.metrics is not None and (step % loop.log_every == 0 or step == last or "val_loss" in record):
+            if self.metrics is not None and (step % loop.log_every == 0 or step == last or done.evaluated):
                 self.metrics.write(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)  # drawn by the update, when due
             bar.update(1)
