@@ -20,8 +20,8 @@ from flax import nnx
 from polyalign.core.outputs import same_path
 from polyalign.core.paths import file_digest, is_uri
 from polyalign.core.progress import progress_bar
-from polyalign.core.yaml_config import ConfigError
 from polyalign.core.wording import counted
+from polyalign.core.yaml_config import ConfigError
 from polyalign.data.records import Record
 from polyalign.inputs import pipeline
 from polyalign.inputs.built import built_manifest
