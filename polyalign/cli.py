@@ -1309,6 +1309,10 @@ def _add_report(sub) -> None:
     p.add_argument("--allow-different-data", action="store_true",
                    help="compare intervals even between evaluations of other test records or another support "
                         "(by default those differences are shown but not called supported)")
+    # a script that passes --no-progress to every stage (the demo's commands, a pipeline's Makefile) may pass
+    # it here too: the comparison takes seconds and draws no bar
+    p.add_argument("--no-progress", action="store_true", help="accepted as every command takes it; report draws "
+                                                               "no progress bar")
     p.set_defaults(handler=_run_report, parser=p)
 
 

@@ -357,7 +357,9 @@ def test_misaligned_predictions_stop_unless_partial(demo_run, tmp_path):
     evaluate(subset, tmp_path / "full.jsonl", tmp_path / "eval_full", EvaluateOptions(plots=False))
     from polyalign.cli import main
 
-    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp")]) == 0
+    # --no-progress, which a script passes to every stage, is taken here too
+    assert main(["report", str(tmp_path / "eval"), str(tmp_path / "eval_full"), "--out", str(tmp_path / "cmp"),
+                 "--no-progress"]) == 0
     markdown = (tmp_path / "cmp" / "report.md").read_text()
     assert "| test rows | 297 of 300 (partial: 2 without an answer, 1 answered twice differently) | 300 |" in markdown
     assert "| F1 |" in markdown
