@@ -256,7 +256,14 @@ def test_a_sigterm_reaches_a_process_waiting_to_join(tmp_path):
     child's handler cannot interrupt, so the parent ends it after JOIN_STOP_GRACE, with the usual line and 143."""
     parent = _start_waiting_to_join(tmp_path)
     _started_child(parent)
-    time.sleep(3)  # well into the join
+    # into the join: the child says it waits (a fixed 3 s was not, on a loaded machine, where the child was still
+    # importing and its own handler stopped it); the join timeout (120 s) ends the wait should the line not come
+    said = []
+    while not any("is waiting for the job's other processes to join" in line for line in said):
+        line = parent.stderr.readline()
+        assert line, said
+        said.append(line)
+    time.sleep(1)
     asked = time.monotonic()
     parent.send_signal(signal.SIGTERM)
     err = parent.communicate(timeout=30)[1]
