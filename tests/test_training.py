@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from polyalign.data.bucketing import WEIGHT_PRESETS, bucket_weights
 from polyalign.data.records import read_records
 from polyalign.inputs import pipeline
-from polyalign.tokens.chat import encode_conversation, get_template, record_messages
+from polyalign.tokens.chat import encode_conversation, get_template, record_messages, system_prompt
 from polyalign.train.metrics import read_metrics
 from polyalign.train.run import train as train_sft
 from tests.cli_runs import (
@@ -67,8 +67,17 @@ def test_build_stores_what_the_template_encodes(built_run, demo_tokenizer):
     train = manifest["splits"]["train"]
     assert train["system_cut"] == sum(e.system_cut for e in encoded) > 0
     assert train["truncated"] == sum(e.truncated for e in encoded) >= train["system_cut"]
-    # left cuts by tokens: every cut prompt opens inside a turn, none loses whole turns only
+    # left cuts by tokens lose no whole turns only, and each is counted by what its kept ids open with, read off
+    # the decoded text: inside a turn unless a turn's header comes first (a cut at the newline between two turns,
+    # or of the BOS alone, was counted inside a turn too), its system message lost unless it stands whole
     assert train["mid_turn"] == sum(e.mid_turn for e in encoded) > 0 and train["turns_dropped"] == 0
+    tokenizer = demo_tokenizer[0]
+    for record, e in zip(records.values(), encoded):
+        if e.truncated:
+            text = tokenizer.decode(e.ids.tolist())
+            assert e.mid_turn == (not text.lstrip().startswith("<|im_start|>")), text[:80]
+            assert e.system_cut == (f"<|im_start|>system\n{system_prompt(record, 'context')}<|im_end|>" not in text)
+    assert sum(e.truncated and not e.mid_turn for e in encoded) > 0  # cuts that open between turns, the case
     # examples the cut left nothing to train on are counted, and warned about where there are any
     assert train["untrained"] == sum(not e.loss_mask.any() for e in encoded)
     said = [w for w in manifest["warnings"] if "keep no token to train on" in w]

@@ -670,12 +670,33 @@ def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: 
         while 0 < end < len(source_mask) and source_mask[end] and source_mask[end - 1]:
             end += 1
         source_mask = source_mask[:start] + [False] * (end - start) + source_mask[end:]
+        # counted by what the cut took: one that took only the BOS keeps the system message whole, and one at the
+        # newline between two turns opens at a turn's header, not inside a turn
+        truncated, system_cut = True, system_left_out or (messages[0].role == "system" and head == 0 and start > 0
+                                                          and not _text_free(tokenizer, source_ids[:start]))
+        mid_turn = start > head and not _opens_at_turn(template, tokenizer, source_ids, start)
+        reply_cut = keep_target < len(target_mask)
         source_ids, source_mask = source_ids[:head] + source_ids[start:], source_mask[:head] + source_mask[start:]
-        truncated, system_cut = True, system_left_out or (messages[0].role == "system" and head == 0 and start > 0)
-        mid_turn, reply_cut = start > head, keep_target < len(target_mask)
         target_ids, target_mask = target_ids[:keep_target], target_mask[:keep_target]
     return Encoded(np.asarray(source_ids + target_ids, np.int32), np.asarray(source_mask + target_mask, bool),
                    truncated, system_cut, mid_turn, dropped, reply_cut, system_dropped, system_left_out)
+
+
+def _text_free(tokenizer: Tokenizer, ids: Sequence[int]) -> bool:
+    """Whether `ids` hold no text: a BOS, the newlines between turns."""
+    return all(not tokenizer.decode([token]).strip() for token in ids)
+
+
+def _opens_at_turn(template: ChatTemplate, tokenizer: Tokenizer, ids: Sequence[int], start: int) -> bool:
+    """Whether a prompt cut to begin at `ids[start]` opens between turns: what it dropped since the last
+    end-of-turn token (or since the prompt's start) holds no text, so the kept ids begin with a turn's header."""
+    end_of_turn = tokenizer.token_to_id(template.end_of_turn)
+    for token in reversed(ids[:start]):
+        if token == end_of_turn:
+            return True
+        if tokenizer.decode([token]).strip():
+            return False
+    return True
 
 
 def _drop_turns(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[Message], share: int,
