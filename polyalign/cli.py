@@ -298,6 +298,8 @@ response and its end-of-turn token), the record's Bucket-SFT weight (computed on
 its bucket index and its id as a TFDS dataset in array_record format: RUN/build/sft_examples/1.0.0.
 Sequences over --max-length are cut as docs/model.md says (the prompt from its start, the
 response from its end). RUN/build/manifest.json records the tokenizer, template, weights and counts.
+Packing several examples into a row happens when training reads the build (`data.pack=true` in
+`polyalign train`), not here: one build serves packed and unpacked runs.
 """
 
 

@@ -628,6 +628,28 @@ def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_pa
     assert any(r.history and r.history[0] == {"role": "assistant", "text": greeting} for r in records)
 
 
+def test_a_first_reply_after_two_user_turns_is_multi_turn_and_not_said_to_be_single(tmp_path, capsys):
+    """A conversation that opens with two user turns a system note stands between (user, system, user, reply,
+    ...): its first reply has a user turn in its history, so its track is multi, and prepare's note that first
+    replies read as single (and split a dialogue across buckets) does not count it."""
+    from polyalign.cli import main
+    from tests.chat_exports import camrest_messages
+
+    conversations = []
+    for dialogue in camrest_dialogues(3, start=40):
+        messages = camrest_messages(dialogue, 4)
+        conversations.append([{"role": "user", "content": dialogue["turns"][0]["utterance"]},
+                              {"role": "system", "content": "The user may write twice before a reply."}, *messages])
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
+    config = write_config(tmp_path / "data.yaml", [{"name": "mine", "format": "chat", "path": path.name}], dedup=False)
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    records = [r for split in ("train", "val", "test")
+               for r in read_records(tmp_path / "run" / "data" / f"{split}.jsonl")]
+    assert len(records) == 2 * len(conversations) and {r.track for r in records} == {"multi"}
+    source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]
+    assert "opening_replies" not in source and "first reply of a multi-turn" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("form", ["chat", "sharegpt"])
 def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form, tmp_path, capsys):
     """Every user turn is a record's question, lies in a record's history, or is counted: a conversation

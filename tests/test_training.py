@@ -173,6 +173,10 @@ def test_build_weights_come_from_the_scheme_unless_overridden(built_run):
     assert scheme_weights == WEIGHT_PRESETS["default"] and source.startswith("scheme ") and "overridden" not in source
     method, source = build_weights(run, {"preset": "method"})
     assert method == WEIGHT_PRESETS["method"] and source == "preset method"
+    # a preset with options of its own says so, as the scheme's does (it read "preset method" whatever followed)
+    clipped, source = build_weights(run, {"preset": "method", "clip": [0.5, 2.0], "borrow_below": 5})
+    assert tuple(clipped.clip) == (0.5, 2.0) and clipped.borrow_below == 5
+    assert source == "preset method, overridden: borrow_below, clip"
     hotter, source = build_weights(run, {"temperature": 1.0, "clip": None})
     assert (hotter.temperature, hotter.clip, hotter.borrow_below) == (1.0, None, 20)
     assert source.endswith("overridden: clip, temperature")
@@ -593,7 +597,7 @@ def test_packing_visits_every_example_once_per_epoch_in_full_rows(built_run):
         f"{filled / (len(source) * 256):.0%} unpacked)")
     full = int((lengths >= 31).sum())  # 32 tokens, 31 positions: cut to the row
     assert 0 < full and pipeline.packing_note(lengths, 32, seed=3).endswith(
-        f"; {full:,} examples ({full / len(source):.0%}) fill a row alone, cut to it)")
+        f"; {full:,} examples ({full / len(source):.0%}) fill a row alone (as long as it, or cut to it))")
 
 
 def test_a_packed_run_says_what_packing_fills_and_trains(built_run, tmp_path, capsys):

@@ -362,8 +362,8 @@ class RecordBuilder:
             value = None if found is None else layers[found][name]
             if found == len(layers) - 1 and tally is not None:
                 tally.label_defaults[name] += 1
-            if name == "track" and found is not None and layers[found] is example.derived and \
-                    example.opens_conversation and tally is not None and "track" in self.scheme.dimensions:
+            if name == "track" and found is not None and layers[found] is example.derived and value == "single" \
+                    and example.opens_conversation and tally is not None and "track" in self.scheme.dimensions:
                 # read off the conversation: single, though the dialogue goes on (in another bucket, where the
                 # scheme's buckets have a track)
                 tally.opening_replies += 1

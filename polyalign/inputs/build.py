@@ -96,7 +96,9 @@ def build_weights(run: Path, overrides: dict[str, Any]) -> tuple[WeightOptions, 
     """The weight options a build uses, and where they came from: the run's bucket scheme (named in
     RUN/data/manifest.json) with `overrides` applied, or a preset when `overrides` names one."""
     if "preset" in overrides:
-        return weight_options(overrides, "build weights"), f"preset {overrides['preset']}"
+        others = sorted(set(overrides) - {"preset"})
+        return (weight_options(overrides, "build weights"),
+                f"preset {overrides['preset']}" + (f", overridden: {', '.join(others)}" if others else ""))
     base, source = WEIGHT_PRESETS["default"], "preset default (the run's scheme file was not found)"
     manifest = Path(run) / "data" / "manifest.json"
     if manifest.is_file():

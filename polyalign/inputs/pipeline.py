@@ -222,7 +222,8 @@ def packing_note(lengths: np.ndarray, length: int, seed: int) -> str:
     full = int((lengths >= length - 1).sum())
     return (f"data.pack: an epoch's {len(cut):,} examples fill {rows:,} row{'s' * (rows != 1)} of {length} positions "
             f"({len(cut) / rows:.2f} a row; {packed:.0%} of positions hold tokens, against {unpacked:.0%} unpacked"
-            + (f"; {full:,} examples ({full / len(cut):.0%}) fill a row alone, cut to it" if full else "") + ")")
+            + (f"; {full:,} examples ({full / len(cut):.0%}) fill a row alone (as long as it, or cut to it)"
+               if full else "") + ")")
 
 
 def lengths_cache(run, split: str):

@@ -342,9 +342,9 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
         if short:
             # SentencePiece's count holds the kept characters with the byte and special pieces, and a vocab of
             # that size trains (measured on CMRC 2018 text: 3,626 said, 3,626 trains, 3,620 does not)
-            raise TokenizerError(f"vocab size {short[1]} cannot hold the {short[2]} pieces that the characters "
-                                 f"character coverage {character_coverage} keeps need (with the byte and special "
-                                 f"pieces); give a vocab size of {short[2]} or more"
+            raise TokenizerError(f"vocab size {short[1]} cannot hold the {short[2]} pieces needed: one for each "
+                                 f"character that character coverage {character_coverage} keeps, with the byte and "
+                                 f"special pieces; give a vocab size of {short[2]} or more"
                                  + (", or a lower --character-coverage to keep fewer characters (0.98 is the least "
                                     "SentencePiece takes; the rest fall back to bytes)" if character_coverage > 0.98
                                     else " (0.98, the coverage given, is the least SentencePiece takes)")) from None
