@@ -599,6 +599,17 @@ def test_a_first_data_config_names_everything_missing_at_once(tmp_path):
                          f"(a link will do: ln -s /path/to/shared {tmp_path / 'shared'}) or change the paths")
 
 
+def _write_export(tmp_path, form: str, conversations: list[list[dict]]):
+    """User/assistant conversations as an OpenAI chat export (chats.jsonl) or a ShareGPT file (share.json)."""
+    if form == "chat":
+        return write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human" if m["role"] == "user" else "gpt",
+                                                    "value": m["content"]} for m in c]} for c in conversations],
+                               ensure_ascii=False), encoding="utf-8")
+    return path
+
+
 @pytest.mark.parametrize("form", ["chat", "sharegpt"])
 def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_path):
     """A conversation a bot opens with a greeting (CamRest dialogues less their first user turn): the greeting
@@ -608,13 +619,7 @@ def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_pa
 
     dialogues = camrest_dialogues(3, start=30)
     conversations = [camrest_messages(dialogue, 6)[k:] for dialogue, k in zip(dialogues, (1, 0, 1))]
-    if form == "chat":
-        path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
-    else:
-        path = tmp_path / "share.json"
-        path.write_text(json.dumps([{"conversations": [{"from": "human" if m["role"] == "user" else "gpt",
-                                                        "value": m["content"]} for m in c]} for c in conversations],
-                                   ensure_ascii=False), encoding="utf-8")
+    path = _write_export(tmp_path, form, conversations)
     config = write_config(tmp_path / "data.yaml", [{"name": "mine", "format": form, "path": path.name}], dedup=False)
     prepare(config, tmp_path / "run", progress=False)
     source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]
@@ -658,13 +663,7 @@ def test_a_conversation_ending_with_a_user_turn_counts_what_no_record_holds(form
     from tests.chat_exports import camrest_messages
 
     conversations = [camrest_messages(dialogue, n) for dialogue, n in zip(camrest_dialogues(4, start=20), (3, 4, 5, 6))]
-    if form == "chat":
-        path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in conversations])
-    else:
-        path = tmp_path / "share.json"
-        path.write_text(json.dumps([{"conversations": [{"from": "human" if m["role"] == "user" else "gpt",
-                                                        "value": m["content"]} for m in c]} for c in conversations],
-                                   ensure_ascii=False), encoding="utf-8")
+    path = _write_export(tmp_path, form, conversations)
     config = write_config(tmp_path / "data.yaml", [{"name": "mine", "format": form, "path": path.name}])
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]
