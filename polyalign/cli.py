@@ -24,7 +24,7 @@ from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, inter
 from polyalign.core.outputs import read_record, sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
-from polyalign.core.wording import counted
+from polyalign.core.wording import counted, listed
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh import supervisor
 from polyalign.mesh.launch import (
@@ -156,6 +156,18 @@ def _unread_keys_note(source: dict) -> str | None:
             "a misspelt key is one of them (docs/data.md lists each format's keys)")
 
 
+def _scheme_entry_note(source: dict) -> str | None:
+    """A source named as one of the scheme's corpora takes that corpus's labels unless it sets its own: said,
+    since a team's export named `camrest` is bucketed as CamRest676's task dialogues without a word."""
+    taken = source.get("scheme_entry_labels")
+    if not taken:
+        return None
+    labels = listed([f"{name} {value}" for name, value in taken.items()])
+    return (f"note: source {source['name']!r}: {labels} come from the bucket scheme's entry for the name "
+            f"{source['name']!r} (a corpus the scheme knows), not from the rows; rename the source, or set "
+            f"{listed([f'`{name}:`' for name in taken])} on it, where its rows are not that corpus")
+
+
 def _opening_replies_note(source: dict) -> str | None:
     """A source of multi-turn conversations whose track nobody named: each conversation's first reply is
     `single` and the later ones `multi`, so one dialogue spans two buckets. Said, with the key that keeps
@@ -192,15 +204,17 @@ def _run_prepare(args) -> int:
               f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
     quarantine = manifest["quarantine"]
     if quarantine["rows"]:  # the file, or a Beam run's shards, as the manifest names them
-        print(f"quarantined {counted(quarantine['rows'], 'row')} -> "
-              f"{args.out / 'data' / quarantine['file']}")
+        # a line a record: a conversation row with a problem is quarantined once for each of its replies
+        print(f"quarantined {counted(quarantine['rows'], 'record')} (the malformed drops above), each with its "
+              f"problem and what was read of it -> {args.out / 'data' / quarantine['file']}")
     if dropped := manifest["dropped_rows"]["rows"]:
-        print(f"{counted(dropped, 'row')} left out as they were read, each with its reason -> "
+        print(f"{counted(dropped, 'record')} left out as they were read, each with its reason -> "
               f"{args.out / 'data' / manifest['dropped_rows']['file']}")
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")
-        for line in (_label_defaults_note(source), _opening_replies_note(source), _unread_keys_note(source)):
+        for line in (_scheme_entry_note(source), _label_defaults_note(source), _opening_replies_note(source),
+                     _unread_keys_note(source)):
             if line:
                 print(line)
     for warning in manifest.get("warnings", []):

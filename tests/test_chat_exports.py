@@ -633,6 +633,28 @@ def test_a_reply_before_any_question_is_counted_and_kept_as_context(form, tmp_pa
     assert any(r.history and r.history[0] == {"role": "assistant", "text": greeting} for r in records)
 
 
+def test_an_export_named_after_a_corpus_the_scheme_knows_is_told_it_takes_that_corpuss_labels(tmp_path, capsys):
+    """A team's chat export of restaurant conversations named `camrest`: the scheme's entry for that name
+    (CamRest676: multi-turn task dialogues) labels it, over the chat format's own defaults; prepare said
+    nothing of it. It says so now, and a source that sets its labels, or another name, hears nothing."""
+    from polyalign.cli import main
+    from tests.chat_exports import camrest_messages
+
+    path = _write_export(tmp_path, "chat", [camrest_messages(d, 4) for d in camrest_dialogues(3, start=50)])
+    for name, extra, said in (("camrest", {}, True), ("camrest", {"family": "assistant", "style": "assistant_like",
+                                                                  "track": "multi"}, False), ("bookings", {}, False)):
+        config = write_config(tmp_path / "data.yaml", [{"name": name, "format": "chat", "path": path.name, **extra}])
+        out = tmp_path / f"run-{name}-{bool(extra)}"
+        assert main(["prepare", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+        source = json.loads((out / "data" / "manifest.json").read_text())["sources"][0]
+        printed = capsys.readouterr().out
+        assert ("scheme_entry_labels" in source) == said == ("the bucket scheme's entry for the name" in printed)
+        if said:
+            assert source["scheme_entry_labels"] == {"track": "multi", "family": "dialogue", "style": "task_dialogue"}
+            assert ("note: source 'camrest': track multi, family dialogue and style task_dialogue come from the "
+                    "bucket scheme's entry for the name 'camrest'") in printed
+
+
 def test_a_first_reply_after_two_user_turns_is_multi_turn_and_not_said_to_be_single(tmp_path, capsys):
     """A conversation that opens with two user turns a system note stands between (user, system, user, reply,
     ...): its first reply has a user turn in its history, so its track is multi, and prepare's note that first

@@ -1624,7 +1624,7 @@ def test_a_hand_edited_record_is_refused_naming_its_line_and_field(demo_run, tmp
             read_records(path)
 
 
-def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_path):
+def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_path, capsys):
     """Rows of one file with the same id (7 and "7" too) need ids of their own: the run stops naming both
     lines, or under --on-error quarantine the later row is quarantined and the run goes on (it stopped the
     run whatever the mode); two sources of one name and split need distinct names: each is told its own fix."""
@@ -1642,6 +1642,11 @@ def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_pa
         assert all(f"{q['location']}: {q['problem']}".startswith(said) for q in quarantined)
         (source,) = manifest["sources"]
         assert source["dropped"] == {"malformed": replies[1]} and source["kept"] == replies[0] + replies[2]
+    # said as records, a line each (a user read "quarantined 14 rows" for 3 rows of several replies)
+    assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "said"),
+                 "--on-error", "quarantine", "--no-progress"]) == 0
+    assert (f"quarantined {replies[1]} records (the malformed drops above), each with its problem and what was read "
+            f"of it -> {tmp_path / 'said' / 'data' / 'quarantine.jsonl'}") in capsys.readouterr().out
     (tmp_path / "a.jsonl").write_text(jsonl([chat_row(CAMREST[0], id="x")]))
     (tmp_path / "b.jsonl").write_text(jsonl([chat_row(CAMREST[1], id="x")]))
     config = write_config(tmp_path / "two.yaml", [{"name": "src", "format": "chat", "path": name, "split": "train",

@@ -598,6 +598,15 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
     """The manifest both engines write; checks that every row read is accounted for."""
     num_shards = (engine or {}).get("num_shards", 1)
     sources_json = [t.to_json() for t in tallies]
+    for entry, tally in zip(sources_json, tallies):
+        # labels a source takes from the scheme's entry for its name (camrest, kdconv: the corpora the scheme
+        # knows) other than its format's own, unless the source sets them: a team's chat export named after the
+        # corpus it came from is bucketed as that corpus (the demo's corpora, read by their own formats, agree)
+        defaults = get_format(tally.config.format).defaults
+        taken = {k: v for k, v in context.scheme.sources.get(tally.config.name, {}).items()
+                 if k in LABEL_FIELDS and not getattr(tally.config, k) and defaults.get(k) != v}
+        if taken:
+            entry["scheme_entry_labels"] = taken
     for entry in sources_json:
         accounted = entry["kept"] + sum(entry["dropped"].values())
         if accounted != entry["records"]:
