@@ -787,6 +787,12 @@ def test_prepare_into_an_output_of_another_config_is_refused_unless_overwrite(tm
     assert "made with other settings (config.dedup: true there, false now); pass --overwrite" in err, err
     assert main([*argv, "split.seed=41"]) == 2
     assert "config.dedup: true there, false now, config.split.seed: 42 there, 41 now" in capsys.readouterr().err
+    # a source's own key changed: named by its place in the list, not as both whole lists
+    write_config(tmp_path / "config.yaml", [{**source, "family": "dialogue"}], dedup=True)
+    assert main(argv) == 2
+    assert ("made with other settings (config.sources[0].family: not set (the default) there, 'dialogue' now); pass "
+            "--overwrite") in capsys.readouterr().err
+    write_config(tmp_path / "config.yaml", [source], dedup=False)
     assert main([*argv, "--overwrite"]) == 0
     assert json.loads((tmp_path / "run/data/manifest.json").read_text())["config"]["dedup"] is False
 

@@ -41,10 +41,15 @@ def keys_match(key: str, patterns: tuple[str, ...]) -> bool:
 
 
 def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as dotted keys; a list of mappings (a data config's sources) by index, so that a change
+    names `config.sources[2].family`, not the whole list twice."""
     flat = {}
     for key, value in mapping.items():
         if isinstance(value, dict):
             flat.update(flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            for i, item in enumerate(value):
+                flat.update(flatten(item, f"{prefix}{key}[{i}]."))
         else:
             flat[prefix + key] = value
     return flat
