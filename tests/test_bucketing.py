@@ -257,9 +257,10 @@ def test_a_scheme_of_ones_own_is_what_stats_reads_and_editing_it_needs_prepare_o
     again = compute_stats(tmp_path / "run", progress=False)
     assert again["counts"]["by_bucket"] == buckets and again["scheme"]["length_bins"][0] == {"name": "brief", "max": 20}
     manifest = tmp_path / "run" / "data" / "manifest.json"
-    assert again["notes"] == [f"{scheme} has changed since prepare bucketed this run (length_bins[0].max): its records "
-                              f"keep the buckets and length bins of the scheme as prepare read it (in {manifest}), which "
-                              "is used here; run `polyalign prepare --overwrite` to bucket them by the file as it is now"]
+    assert again["notes"] == [
+        f"{scheme} has changed since prepare bucketed this run (length_bins[0].max): its records keep the buckets and "
+        f"length bins of the scheme as prepare read it (in {manifest}), which is used here; run `polyalign prepare "
+        "--overwrite` to bucket them by the file as it is now"]
     assert main(["stats", str(tmp_path / "run"), "--no-progress"]) == 0
     # prepare again with the edited file is another run: refused, naming what changed, until --overwrite
     with pytest.raises(ConfigError, match=r"made with other settings \(scheme\.length_bins\[0\]\.max: 20 there, 50 "
