@@ -290,9 +290,10 @@ class LanguageChooser:
         if language != OTHER or not self.lingua or not self.latin:
             return language
         text = prose(prompt)
-        if read_script(text).language != "latin" or _script_counts(text)["latin"] < _MIN_LETTERS_FOR_DETECTOR:
+        reading = read_script(text)
+        if reading.language != "latin" or _script_counts(text)["latin"] < _MIN_LETTERS_FOR_DETECTOR:
             return language
-        named = self._name(text, read_script(text))
+        named = self._name(text, reading)
         return named if named in self.latin else language
 
     def _in_conversation(self, response: str, prompt: str, conversation: str) -> str:

@@ -846,13 +846,9 @@ def repeated_id_problem(key: str, first: Location) -> str:
 
 
 def duplicate_id_message(record_id: str, locations: list[str]) -> str:
-    """Two rows that make one record id: rows of one file whose own ids repeat (the fix is in the file), or
-    sources whose names and splits collide (the fix is in the config)."""
-    files = {location.rsplit(":", 1)[0] for location in locations}
-    if len(files) == 1:
-        return (f"{locations[0]}: record id {record_id!r} is also made by {', '.join(locations[1:])} of the same "
-                "file: its rows' ids repeat; give each row an id of its own (a row without one is numbered by its "
-                "place in the file, and 7 and \"7\" are one id)")
+    """Rows of two files that make one record id: sources whose names and splits collide (the fix is in the
+    config). Rows of one file whose own ids repeat never get here: build_item quarantines or refuses the
+    later row as it is read (repeated_id_problem)."""
     return (f"{locations[0]}: record id {record_id!r} is also produced by {', '.join(locations[1:])}; "
             "give each source a distinct name or split")
 
