@@ -1633,17 +1633,25 @@ def test_a_hand_edited_record_is_refused_naming_its_line_and_field(demo_run, tmp
 def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_path, capsys):
     """Rows of one file with the same id (7 and "7" too) need ids of their own: the run stops naming both
     lines, or under --on-error quarantine the later row is quarantined and the run goes on (it stopped the
-    run whatever the mode); two sources of one name and split need distinct names: each is told its own fix."""
-    for ids in (("same", "same"), (7, "7")):
-        rows = [chat_row(CAMREST[0], id=ids[0]), chat_row(CAMREST[1], id=ids[1]), chat_row(CAMREST[2], id="other")]
+    run whatever the mode); two sources of one name and split need distinct names: each is told its own fix.
+    A repeat whose turns number otherwise (it opens with a greeting: no record key collides) is caught by its
+    id all the same (a user's third repeated id went through, two conversations read as one)."""
+    for ids, greeting in ((("same", "same"), False), ((7, "7"), False), (("same", "same"), True)):
+        second = chat_row(CAMREST[1], id=ids[1])
+        if greeting:
+            second["messages"] = [{"role": "assistant", "content": CAMREST[2]["turns"][1]["utterance"]},
+                                  *second["messages"]]
+        rows = [chat_row(CAMREST[0], id=ids[0]), second, chat_row(CAMREST[2], id="other")]
         path = tmp_path / "c.jsonl"
-        said = (f"{path}:2: its id makes the record key '{ids[1]}-turn-1', as line 1 does: the file's rows' ids "
-                "repeat; give each row an id of its own")
+        said = (f"{path}:2: its id '{ids[1]}' is also line 1's: the file's rows' ids repeat; give each row an id of "
+                "its own")
         with pytest.raises(PrepareError, match=re.escape(said)):
             run(tmp_path, "chat", "c.jsonl", jsonl(rows))
         manifest = run(tmp_path, "chat", "c.jsonl", jsonl(rows), on_error="quarantine")
         quarantined = read_jsonl(tmp_path / "run" / "data" / "quarantine.jsonl")
-        replies = [sum(m["role"] == "assistant" for m in row["messages"]) for row in rows]
+        # a greeting before any question is no reply of its own (counted apart)
+        replies = [sum(m["role"] == "assistant" for m in row["messages"]) - (row["messages"][0]["role"] == "assistant")
+                   for row in rows]
         assert len(quarantined) == replies[1] > 1  # the row whole, a line per reply
         assert all(f"{q['location']}: {q['problem']}".startswith(said) for q in quarantined)
         (source,) = manifest["sources"]

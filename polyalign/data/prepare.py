@@ -253,9 +253,9 @@ class SourceTally:
     opening_replies: int = 0
     # keys of the source's rows its importer does not read, by how many records' rows held them
     unread_keys: Counter = field(default_factory=Counter)
-    # (file, record key) -> where the first row that made it is: a later row of the file making it again
-    # repeats an id, a problem of that row (quarantined under --on-error quarantine)
-    keys_seen: dict[tuple[str, str], Location] = field(default_factory=dict, repr=False, compare=False)
+    # (file, "id" or "record key", its value) -> where the first row that had it is: a later row of the file
+    # with it again repeats an id, a problem of that row (quarantined under --on-error quarantine)
+    keys_seen: dict[tuple[str, str, str], Location] = field(default_factory=dict, repr=False, compare=False)
     repeating_rows: dict[Location, str] = field(default_factory=dict, repr=False, compare=False)
 
     def drop(self, reason: str, split: str | None = None) -> None:
@@ -838,10 +838,13 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
     return manifest
 
 
-def repeated_id_problem(key: str, first: Location) -> str:
-    """A row whose own id makes a record key an earlier row of its file made: the row's problem, its file's to fix."""
+def repeated_id_problem(what: str, value: str, first: Location) -> str:
+    """A row whose id (a conversation's own, or the record key it makes) an earlier row of its file has: the
+    row's problem, its file's to fix."""
     where = f"line {first.line}" if first.line is not None else str(first).removeprefix(first.file).lstrip(": ")
-    return (f"its id makes the record key {key!r}, as {where} does: the file's rows' ids repeat; give each row an "
+    said = f"its id {value!r} is also {where}'s" if what == "id" else \
+        f"its id makes the record key {value!r}, as {where} does"
+    return (f"{said}: the file's rows' ids repeat; give each row an "
             "id of its own (a row without one is numbered by its place in the file, and 7 and \"7\" are one id)")
 
 
@@ -877,10 +880,13 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
     if isinstance(item, Skipped):
         drop(item.reason)
         return None
-    if key is not None and (first := tally.keys_seen.setdefault((item.location.file, key), item.location)) \
+    # a conversation row's own id (two conversations under one id, however their turns number), else the key
+    row_id = item.meta.get("dialogue_id") if isinstance(item, Example) else None
+    named = ("id", str(row_id)) if row_id is not None else ("record key", key)
+    if named[1] is not None and (first := tally.keys_seen.setdefault((item.location.file, *named), item.location)) \
             != item.location or item.location in tally.repeating_rows:
-        # the row's later replies go with the one that repeated a key: a row is kept or quarantined whole
-        problem = tally.repeating_rows.setdefault(item.location, repeated_id_problem(key, first))
+        # the row's later replies go with the one that repeated an id: a row is kept or quarantined whole
+        problem = tally.repeating_rows.setdefault(item.location, repeated_id_problem(*named, first))
         sink(source.name, Malformed(item.location, problem, item.as_read()))
         tally.drop("malformed")
         return None
