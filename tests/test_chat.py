@@ -392,8 +392,17 @@ def test_the_checkpoint_template_is_found_where_transformers_keeps_it(checkpoint
         tokenizer = load_tokenizer(folder)
         if layout == "none":
             assert tokenizer.template_source is None and choose_template(tokenizer, family="qwen2") == "qwen"
-            with pytest.raises(ChatTemplateError, match="the tokenizer has no chat template"):
+            with pytest.raises(ChatTemplateError, match="the tokenizer has no chat template and the model family is"):
                 choose_template(tokenizer)
+            # Qwen3 is a family polyalign knows, with no built-in template: said so, and Qwen2.5's own system
+            # prompt named beside the template that would add it (it read "the model family is unknown")
+            with pytest.raises(ChatTemplateError) as refused:
+                choose_template(tokenizer, family="qwen3", where="ckpt")
+            assert str(refused.value).startswith(
+                "ckpt: the tokenizer has no chat template and polyalign has no built-in template for the qwen3 "
+                "family, whose checkpoints ship their own (put it in tokenizer_config.json's chat_template or "
+                "chat_template.jinja); or pass --template with one whose tokens it has (")
+            assert "qwen (adds its own default system prompt where a conversation has none)" in str(refused.value)
             with pytest.raises(ChatTemplateError, match="tokenizer_config.json has none"):
                 choose_template(tokenizer, "checkpoint")
         elif layout == "polyalign":

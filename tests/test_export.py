@@ -317,6 +317,43 @@ def test_a_checkpoint_template_is_exported_as_it_trained(json_tokenizer, tmp_pat
                           encode_conversation(template, tokenizer, messages).ids)
 
 
+def test_an_exported_template_that_prints_the_date_prints_the_one_training_rendered(json_tokenizer, tmp_path):
+    """A Llama 3.2 template prints today's date unless given date_string; training renders it with polyalign's
+    fixed date, so the export pins that date for transformers and vLLM, which call strftime_now (every prompt
+    read other ids than training's: 0 of 511 alike). A date the caller passes still wins."""
+    from polyalign.tokens.chat_jinja import _environment
+
+    source = (FIXTURES / "chat" / "templates" / "llama3_2_dated.jinja").read_text(encoding="utf-8")
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(json_tokenizer.path.read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                              "eos_token": "<|eot_id|>", "chat_template": source}))
+    tokenizer = load_tokenizer(folder)
+    template = get_template("checkpoint", tokenizer)
+    export_checkpoint(tiny_model(tokenizer.vocab_size), tokenizer, tmp_path / "out", template=template,
+                      profile="none")
+    exported = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+    environment = _environment()  # transformers' own: sandboxed, strftime_now a global
+    environment.globals["strftime_now"] = lambda format: "01 Jan 2031"
+    messages = [Message("user", "今天天气怎么样？"), Message("assistant", "挺好的，出去走走吧。")]
+    as_trained = template.render(messages)
+    assert "Today Date: 26 Jul 2024" in as_trained
+    for given in (source, exported):  # the checkpoint's own source drifts with the calendar; the export does not
+        rendered = environment.from_string(given).render(messages=as_dicts(messages), add_generation_prompt=False,
+                                                         bos_token="<|begin_of_text|>")
+        assert (rendered == as_trained) is (given is exported)
+    chosen = environment.from_string(exported).render(messages=as_dicts(messages), bos_token="<|begin_of_text|>",
+                                                      date_string="05 May 2025")
+    assert chosen == as_trained.replace("26 Jul 2024", "05 May 2025")
+    # exported again (a model trained from the export), the pin is written once
+    again = get_template("checkpoint", load_tokenizer(tmp_path / "out"))
+    export_checkpoint(tiny_model(tokenizer.vocab_size), load_tokenizer(tmp_path / "out"), tmp_path / "out2",
+                      template=again, profile="none")
+    twice = json.loads((tmp_path / "out2" / "tokenizer_config.json").read_text())["chat_template"]
+    assert twice == exported and exported.count("date_string is not defined %}{%- set") == 1
+
+
 def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys, tmp_path):
     """An export (or any write) that meets a full disk, a quota or a read-only mount: one line naming the
     file, status 2, no traceback; other OS errors still surface as they are."""

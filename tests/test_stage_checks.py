@@ -88,6 +88,9 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
                                                                capsys):
     """The build was encoded with the demo's SentencePiece model; an init carrying another tokenizer is
     refused before anything loads, unless --allow-tokenizer-mismatch; one carrying the same files passes."""
+    from polyalign.model.architecture import to_hf_config
+    from polyalign.model.presets import preset
+
     run, _ = built_run
     other = tmp_path / "other-init"
     other.mkdir()
@@ -96,6 +99,10 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
     same.mkdir()
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(demo_tokenizer[0].path.parent / name, same / name)
+    # each a checkpoint's config.json and tokenizer, without weights
+    model = to_hf_config(preset("tiny", vocab_size=demo_tokenizer[0].vocab_size))
+    for init in (other, same):
+        (init / "config.json").write_text(json.dumps(model))
 
     def train(init, *flags):
         code = main(["train", "sft", "--out", str(tmp_path / "out"), "--no-progress", "--overwrite", *flags,
@@ -109,9 +116,62 @@ def test_sft_refuses_an_init_whose_tokenizer_is_not_the_builds(built_run, demo_t
     assert f"rebuild with `polyalign build {run} --tokenizer {other} --max-length 64`" in err, err
     for init, flags in ((other, ["--allow-tokenizer-mismatch"]), (same, [])):
         code, err = train(init, *flags)  # past the check: the init has no weights, which is the next refusal
-        assert code == 2 and "other tokens" not in err and "config.json" in err, err
+        assert code == 2 and "other tokens" not in err and "no *.safetensors files" in err, err
     assert main(["train", "sft", "--print-config", "--allow-tokenizer-mismatch"]) == 0
     assert "allow_tokenizer_mismatch: true" in capsys.readouterr().out
+
+
+def test_every_command_refuses_a_checkpoint_whose_vocabulary_its_tokenizer_outruns(built_run, demo_tokenizer,
+                                                                                     json_tokenizer, real_pairs,
+                                                                                     tmp_path, capsys):
+    """A checkpoint with 4,000 embedding rows beside the demo's 8,000-piece tokenizer: ids from 4,000 on read
+    no embedding and every logit is NaN. Only SFT refused it; generate wrote "!!!!", preference training
+    skipped NaN steps, prompts wrote ids past the vocabulary, each exiting 0. Every command that pairs a
+    checkpoint with its tokenizer now stops in one line naming config.json, before loading a weight."""
+    from polyalign.model import create_model, save_hf_checkpoint
+    from polyalign.model.presets import preset
+
+    run, _ = built_run
+    tokenizer = demo_tokenizer[0]
+    narrow = tmp_path / "narrow"
+    save_hf_checkpoint(create_model(preset("tiny", vocab_size=4000, num_layers=1, hidden_size=32, num_heads=2,
+                                           num_kv_heads=1, head_dim=16, intermediate_size=64)), narrow,
+                       extra_files={name: (tokenizer.path.parent / name).read_bytes()
+                                    for name in ("tokenizer.model", "tokenizer_config.json")})
+    records = run / "data" / "test.jsonl"
+    commands = {
+        "generate": ["generate", "--checkpoint", str(narrow), "--records", str(records), "--out",
+                     str(tmp_path / "p.jsonl"), "--limit", "2", "--no-progress"],
+        "prompts": ["prompts", "--checkpoint", str(narrow), "--records", str(records), "--out",
+                    str(tmp_path / "prompts.jsonl"), "--limit", "2"],
+        "show": ["show", str(real_pairs / "train.jsonl"), "--checkpoint", str(narrow), "--limit", "1"],
+        "dpo": ["train", "dpo", "--out", str(tmp_path / "dpo"), "--no-progress", f"init={narrow}",
+                f"pairs={real_pairs / 'train.jsonl'}", f"val_pairs={real_pairs / 'val.jsonl'}"],
+        "sft": ["train", "sft", "--out", str(tmp_path / "sft"), "--no-progress", f"data.dir={run}", f"init={narrow}"],
+    }
+    for name, argv in commands.items():
+        code, err = main(argv), capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (name, err)
+        said = f"{narrow / 'config.json'}: the model's vocabulary holds 4000 ids, fewer than the 8000"
+        assert said in err and "(every logit would be NaN)" in err, (name, err)
+    # an init whose tokenizer file is damaged is named as such (it read as "no tokenizer files" and trained)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(narrow, damaged)
+    (damaged / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    code, err = main(["train", "sft", "--out", str(tmp_path / "sft2"), "--no-progress", f"data.dir={run}",
+                      f"init={damaged}"]), capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and str(damaged / "tokenizer.model") in err and "no tokenizer" not in err
+    # an architecture polyalign does not build is said first, before the tokenizer is compared with the build's
+    mistral = tmp_path / "mistral"
+    shutil.copytree(narrow, mistral)
+    (mistral / "tokenizer.model").unlink()
+    shutil.copy(json_tokenizer.path, mistral / "tokenizer.json")
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "model_type": "mistral",
+                                                     "architectures": ["MistralForCausalLM"]}))
+    code, err = main(["train", "sft", "--out", str(tmp_path / "sft3"), "--no-progress", f"data.dir={run}",
+                      f"init={mistral}"]), capsys.readouterr().err
+    assert code == 2 and "unsupported model_type 'mistral'" in err and "other tokens" not in err, err
 
 
 def test_validation_pairs_sharing_ids_with_the_training_pairs_are_refused(demo_run, tmp_path, capsys):

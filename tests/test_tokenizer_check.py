@@ -92,7 +92,8 @@ def test_the_check_reads_a_checkpoint_as_its_model_type_makes_transformers_read_
     manifest, _, _ = build_with(sample_data, json_tokenizer, tmp_path / "a", capsys, monkeypatch, transformers,
                                 checkpoint)
     assert manifest["tokenizer_check"]["differing"] == 0  # no config.json: the tokenizer.json as it is
-    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 600}))
+    config = {"model_type": "qwen2", "vocab_size": json_tokenizer.vocab_size}
+    (checkpoint / "config.json").write_text(json.dumps(config))
     manifest, _, err = build_with(sample_data, json_tokenizer, tmp_path / "b", capsys, monkeypatch, transformers,
                                   checkpoint)
     check = manifest["tokenizer_check"]

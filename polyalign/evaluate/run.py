@@ -55,8 +55,9 @@ from polyalign.generate.selection import select_records
 from polyalign.generate.settings import asked_for
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.model.pooling import encode_responses
-from polyalign.tokens.tokenizer import exported_setting, load_tokenizer
+from polyalign.tokens.tokenizer import exported_setting
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
@@ -1113,7 +1114,8 @@ def _finite(value):
 def _featurizer(checkpoint: Path, dtype: str):
     """Texts -> mean-pooled hidden states of the checkpoint; each distinct text is encoded once, since
     MAUVE (overall and per bucket) and detectability read the same answers again."""
-    model, tokenizer = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype)), load_tokenizer(checkpoint)
+    tokenizer = checkpoint_tokenizer(checkpoint)
+    model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype))
     seen: dict[str, np.ndarray] = {}
 
     def featurize(texts):
@@ -1127,7 +1129,8 @@ def _featurizer(checkpoint: Path, dtype: str):
 
 
 def _lm_scorer(scorer: Path, dtype: str):
-    return LMScorer(load_hf_checkpoint(scorer, dtype=compute_dtype(dtype)), load_tokenizer(scorer))
+    tokenizer = checkpoint_tokenizer(scorer)
+    return LMScorer(load_hf_checkpoint(scorer, dtype=compute_dtype(dtype)), tokenizer)
 
 
 def _answer_features(records, answers: list[str] | None, lm) -> dict[str, np.ndarray]:

@@ -30,6 +30,7 @@ from polyalign.generate.run import answer_room, default_prompt_budget, past_trai
 from polyalign.generate.sampling import SamplingConfig
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.model.tokenizer_check import PROMPTS_CONSEQUENCE
 from polyalign.tokens.chat import (
     PROFILE_MODES,
@@ -42,7 +43,6 @@ from polyalign.tokens.chat import (
     say_unseen_profile_values,
     trained_profile,
 )
-from polyalign.tokens.tokenizer import load_tokenizer
 
 
 def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | None = None, template: str | None = None,
@@ -94,7 +94,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
         records, notes = select_records(read_records(records_path), records_path, limit, sample, seed, per_bucket)
         if checkpoint is None:
             return _write_messages(records, records_path, out, profile or "context", max_new_tokens, settings, notes)
-        tokenizer = load_tokenizer(checkpoint)
+        tokenizer = checkpoint_tokenizer(checkpoint, model_required=False)
         notes += fitted
         say_tokenizer_reading(checkpoint, tokenizer, records, PROMPTS_CONSEQUENCE, notes)
         profile = trained_profile(tokenizer, profile, str(checkpoint), notes)

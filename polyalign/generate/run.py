@@ -23,6 +23,7 @@ from polyalign.generate.settings import asked_for, checkpoint_sampling, describe
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype, longer_than_positions, position_limit
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.model.tokenizer_check import GENERATE_CONSEQUENCE, check_folder, probe_texts, spread_records
 from polyalign.tokens.chat import (
     choose_template,
@@ -33,7 +34,7 @@ from polyalign.tokens.chat import (
     say_unseen_profile_values,
     trained_profile,
 )
-from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, load_tokenizer, trained_length
+from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def open_checkpoint(checkpoint, template: str | None, config: EngineConfig, dtyp
     the engine runs under a mesh, as the drift probe's does inside training: the programs are then traced
     alike and compiled once for both."""
     mesh = parallel.make_mesh()
+    tokenizer = checkpoint_tokenizer(checkpoint)
     model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype), mesh=mesh)
-    tokenizer = load_tokenizer(checkpoint)
     chat = get_template(choose_template(tokenizer, template, model.config.family, str(checkpoint), notes), tokenizer)
     return Engine(model, stop_ids_of(tokenizer, chat), config, mesh=mesh), tokenizer, chat
 

@@ -22,6 +22,7 @@ from polyalign.inputs.built import LEGACY_SETTINGS, BuildOptions, build_tokenize
 from polyalign.inputs.pair_rows import SIDES, tokenise_pairs
 from polyalign.inputs.pipeline import open_split
 from polyalign.model.architecture import checkpoint_family
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.tokens.chat import Encoded, choose_template, get_template, record_messages
 from polyalign.tokens.tokenizer import load_tokenizer
 
@@ -145,7 +146,7 @@ def show_pairs(pairs: Sequence[dict], where: str, checkpoint: Path, *, max_lengt
         chosen = [by_id[pair_id] for pair_id in ids]
     else:
         chosen = list(pairs[:limit])
-    tokenizer = load_tokenizer(checkpoint)
+    tokenizer = checkpoint_tokenizer(checkpoint, model_required=False)
     template = get_template(choose_template(tokenizer, family=checkpoint_family(checkpoint), where=str(checkpoint)),
                             tokenizer)
     buckets = sorted({pair["bucket_id"] for pair in chosen})

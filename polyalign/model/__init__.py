@@ -2,8 +2,8 @@
 checkpoints in and out."""
 
 from polyalign.model.architecture import ModelConfig, ModelConfigError, RopeScaling, family_defaults
-from polyalign.model.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
+from polyalign.model.hf import CheckpointError, checkpoint_tokenizer, load_hf_checkpoint, save_hf_checkpoint
 from polyalign.model.transformer import Transformer, abstract_model, create_model
 
 __all__ = ["CheckpointError", "ModelConfig", "ModelConfigError", "RopeScaling", "Transformer", "abstract_model",
-           "create_model", "family_defaults", "load_hf_checkpoint", "save_hf_checkpoint"]
+           "checkpoint_tokenizer", "create_model", "family_defaults", "load_hf_checkpoint", "save_hf_checkpoint"]

@@ -26,9 +26,11 @@ from polyalign.model.architecture import (
     ModelConfig,
     ModelConfigError,
     from_hf_config,
+    text_config,
     to_hf_config,
 )
 from polyalign.model.transformer import Transformer, abstract_model
+from polyalign.tokens.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -142,6 +144,41 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     return config
 
 
+def checkpoint_config(path: str | os.PathLike, **policy) -> ModelConfig:
+    """The model a checkpoint folder's config.json describes, its weights unread: commands check an
+    architecture polyalign does not build, and the vocabulary, before they load anything."""
+    try:
+        return from_hf_config(read_hf_config(path), where=str(as_path(path) / "config.json"), **policy)
+    except ModelConfigError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def check_vocabulary(path: str | os.PathLike, tokenizer_size: int, tokenizer_name: str, fix: str) -> None:
+    """Refuses a checkpoint whose embedding has fewer rows than its tokenizer has ids (`tokenizer_size`):
+    an id past the last row reads no embedding, so every logit from there on is NaN, and generation
+    wrote "!!!!" and preference training skipped NaN steps, each exiting 0. `fix` says what to do."""
+    vocab = text_config(read_hf_config(path)).get("vocab_size")
+    if isinstance(vocab, int) and tokenizer_size > vocab:
+        raise CheckpointError(f"{as_path(path) / 'config.json'}: the model's vocabulary holds {vocab} ids, fewer "
+                              f"than the {tokenizer_size} of {tokenizer_name}: ids from {vocab} on have no "
+                              f"embedding (every logit would be NaN); {fix}")
+
+
+def checkpoint_tokenizer(path: str | os.PathLike, model_required: bool = True) -> Tokenizer:
+    """A checkpoint folder's own tokenizer, refused where its ids outrun the model's vocabulary. The
+    folder's config.json is read first, so that a folder that is no checkpoint (or one of an architecture
+    polyalign does not build) is said as such; without `model_required`, a folder without config.json is
+    a tokenizer's alone (prompts and show read only the tokenizer), with no model to outrun."""
+    if model_required:
+        checkpoint_config(path)
+    tokenizer = load_tokenizer(path)
+    if (as_path(path) / "config.json").is_file():
+        check_vocabulary(path, tokenizer.vocab_size, str(tokenizer.path),
+                         "the folder's tokenizer files are another model's: put the checkpoint's own beside its "
+                         "config.json")
+    return tokenizer
+
+
 def _layer_names(cfg: ModelConfig, hf_name: str) -> list[str]:
     """The checkpoint names behind one of our parameters: one per layer for a stacked tensor."""
     return [hf_name.format(i=i) for i in range(cfg.num_layers)] if "{i}" in hf_name else [hf_name]
@@ -197,11 +234,7 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: str = "float32", compute_
     path = as_path(path)
     if dtype not in _DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    try:
-        cfg = from_hf_config(read_hf_config(path), where=str(path / "config.json"), param_dtype=dtype,
-                             dtype=compute_dtype or dtype, **policy)
-    except ModelConfigError as err:
-        raise CheckpointError(str(err)) from None
+    cfg = checkpoint_config(path, param_dtype=dtype, dtype=compute_dtype or dtype, **policy)
     tensors = _Tensors(_safetensors_files(path))
     available = tensors.names()
     prefix = next((p for p in _LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in available), "model.")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyalign.data.records import PROFILE_PREAMBLE
+from polyalign.tokens.chat_jinja import DEFAULT_TEMPLATE_KWARGS
 
 PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile prompt names them in
 # The profile prompts a model can be trained with (chat.profile_prompt), and how a conversation's own
@@ -331,6 +332,13 @@ def profile_check_jinja(profile: str, values: dict[str, Any] | None = None) -> s
     return "".join(lines) + _CHECK_END
 
 
+# The variables polyalign renders every template with where the caller gives none (a Llama 3 template's
+# date_string), pinned in the export as training rendered them: transformers and vLLM otherwise print
+# today's date into the system turn, and every prompt read other ids than training's (0 of 511 alike).
+PINNED_DEFAULTS_JINJA = "".join(f"{{%- if {name} is not defined %}}{{%- set {name} = {json.dumps(value)} %}}"
+                                f"{{%- endif %}}\n" for name, value in DEFAULT_TEMPLATE_KWARGS.items())
+
+
 def training_source(source: str) -> str:
     """A chat template without the profile preambles exports wrote before it (however many chained
     exports wrote, of this release or an earlier one): the template training rendered."""
@@ -339,7 +347,8 @@ def training_source(source: str) -> str:
         stripped = False
         if source.startswith(_CHECK_HEAD) and _CHECK_END in source:
             source, stripped = source.split(_CHECK_END, 1)[1], True
-        preambles = (READ_MESSAGES_JINJA, *PROFILE_PREAMBLES_JINJA.values(), FOLD_SYSTEM_JINJA, _LEGACY_PREAMBLE)
+        preambles = (PINNED_DEFAULTS_JINJA, READ_MESSAGES_JINJA, *PROFILE_PREAMBLES_JINJA.values(), FOLD_SYSTEM_JINJA,
+                     _LEGACY_PREAMBLE)
         for preamble in preambles:
             if source.startswith(preamble):
                 source, stripped = source[len(preamble):], True
@@ -354,5 +363,7 @@ def exported_source(source: str, system: str = "keep", fold: bool = False, profi
     are checked first (profile_check_jinja). The messages are read as training read them first
     (READ_MESSAGES_JINJA)."""
     check = profile_check_jinja(profile, values) if profile is not None else ""
-    return (check + READ_MESSAGES_JINJA + PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "")
-            + training_source(source))
+    trained = training_source(source)
+    pinned = PINNED_DEFAULTS_JINJA if any(name in trained for name in DEFAULT_TEMPLATE_KWARGS) else ""
+    return (pinned + check + READ_MESSAGES_JINJA + PROFILE_PREAMBLES_JINJA[system] + (FOLD_SYSTEM_JINJA if fold else "")
+            + trained)

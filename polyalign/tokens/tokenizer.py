@@ -276,6 +276,12 @@ class JsonTokenizer(Tokenizer):
                                    *(t.content for t in self._tok.get_added_tokens_decoder().values())]))
 
 
+def has_tokenizer_files(directory: str | os.PathLike) -> bool:
+    """Whether a folder holds a tokenizer load_tokenizer would read (a checkpoint may come without one)."""
+    directory = as_path(directory)
+    return (directory / TOKENIZERS_FILE).is_file() or (directory / SENTENCEPIECE_FILE).is_file()
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a directory (tokenizer.json preferred, else tokenizer.model, plus
     tokenizer_config.json for the special tokens) or from one of those files directly; local or gs://.

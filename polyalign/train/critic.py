@@ -31,9 +31,10 @@ from polyalign.inputs.critic_rows import EncodedPairs, critic_batches
 from polyalign.inputs.pipeline import capped_pairs
 from polyalign.mesh import parallel
 from polyalign.model.architecture import longer_than_positions
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.model.pooling import encode_responses
 from polyalign.pairs.make import assign_weights, read_pairs, write_pairs
-from polyalign.tokens.tokenizer import load_tokenizer, past_trained_note
+from polyalign.tokens.tokenizer import past_trained_note
 from polyalign.train.config import CriticConfig, LoopConfig
 from polyalign.train.critic_model import (  # noqa: F401 (MARGIN, CriticScorer: part of this module's face)
     MARGIN,
@@ -165,8 +166,8 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
     unreferenced = pairs_without_references(train_pairs, references)
     if unreferenced and jax.process_index() == 0:
         print(unreferenced_note(unreferenced, len(train_pairs), references_path), flush=True)
+    tokenizer = checkpoint_tokenizer(config.init)
     encoder = load_init(config)
-    tokenizer = load_tokenizer(config.init)
     buckets = sorted({p["bucket_id"] for p in train_pairs} | set(references["buckets"]))
     bucket_index = {b: i for i, b in enumerate(buckets)}
     train = encode_pairs(train_pairs, encoder, tokenizer, references, bucket_index, config, progress)

@@ -19,8 +19,8 @@ from polyalign.features.references import support_distance
 from polyalign.features.response import text_features
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.model.pooling import encode_responses
-from polyalign.tokens.tokenizer import load_tokenizer
 
 MARGIN = 0.1
 BUCKET_DIM, HIDDEN = 64, 256
@@ -88,8 +88,8 @@ class CriticScorer:
         info = json.loads((directory / "critic.json").read_text())
         self.buckets = {b: i for i, b in enumerate(info["buckets"])}
         self.max_tokens = info["max_tokens"] if "max_tokens" in info else info["config"]["max_tokens"]
+        self.tokenizer = checkpoint_tokenizer(info["encoder"])
         self.encoder = load_hf_checkpoint(info["encoder"])
-        self.tokenizer = load_tokenizer(info["encoder"])
         with parallel.unsharded():
             self.critic = Critic(info["hidden_size"], len(self.buckets), 0.0, nnx.Rngs(0))
         tensors = load((directory / "critic.safetensors").read_bytes())

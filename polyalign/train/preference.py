@@ -37,6 +37,7 @@ from polyalign.inputs.pair_rows import (
 from polyalign.model import export
 from polyalign.model.architecture import longer_than_positions
 from polyalign.model.flops import flops_per_token
+from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.model.lora import base_model
 from polyalign.model.tokenizer_check import (
     PROBE_CHARS,
@@ -54,7 +55,7 @@ from polyalign.tokens.profile_template import (
     SYSTEM_LOST_WHY,
     seen_profile_values,
 )
-from polyalign.tokens.tokenizer import load_tokenizer, past_trained_note
+from polyalign.tokens.tokenizer import past_trained_note
 from polyalign.train import losses
 from polyalign.train.config import LoopConfig, PreferenceConfig, val_pairs_hint
 from polyalign.train.drift import DriftProbe, load_references
@@ -351,8 +352,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     if not train_pairs:
         raise ConfigError(f"{paths['pairs']}: no pairs")
     check_pairs(config, paths, train_pairs, val_pairs)
+    tokenizer = checkpoint_tokenizer(config.init)
     model = load_init(config, mesh)
-    tokenizer = load_tokenizer(config.init)
     template_name = choose_template(tokenizer, family=model.config.family, where=str(config.init))
     template = get_template(template_name, tokenizer)
     val_pairs = pipeline.capped_pairs(val_pairs, config.data.eval_limit)

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polyalign.core.errors import TokenizerError
 from polyalign.core.paths import as_path, file_digest
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs import pipeline
@@ -21,11 +20,12 @@ from polyalign.inputs.built import build_tokenizer_path, probe_records, read_man
 from polyalign.model import create_model, export
 from polyalign.model.architecture import compute_dtype, longer_than_positions
 from polyalign.model.flops import flops_per_token
+from polyalign.model.hf import check_vocabulary, checkpoint_config
 from polyalign.model.presets import preset
 from polyalign.model.tokenizer_check import PROBE_RECORDS, check_export, probe_texts
 from polyalign.tokens.chat import get_template
 from polyalign.tokens.profile_template import seen_profile_values
-from polyalign.tokens.tokenizer import load_tokenizer
+from polyalign.tokens.tokenizer import has_tokenizer_files, load_tokenizer
 from polyalign.train.config import DataSection, LoopConfig, SftConfig
 from polyalign.train.methods import built_length_mismatch, require
 from polyalign.train.run import Job, load_init, model_policy, steps_phrase, steps_run, with_adapters
@@ -164,11 +164,8 @@ def build_model(config: SftConfig, vocab_size: int, tokenizer_ids: dict[str, int
     """The model to train, from `init` or initialised from the preset; placed in its shardings over
     `mesh` from the start when given."""
     if config.init:
-        model = load_init(config, mesh)
-        if model.config.vocab_size < vocab_size:
-            raise ConfigError(f"init {config.init}: vocabulary {model.config.vocab_size} is smaller than the "
-                              f"build's tokenizer ({vocab_size}); build with the checkpoint's own tokenizer")
-        return model
+        check_vocabulary(config.init, vocab_size, "the build's tokenizer", "build with the checkpoint's own tokenizer")
+        return load_init(config, mesh)
     cfg = preset(config.model.preset, vocab_size=vocab_size, dtype=compute_dtype(config.model.dtype),
                  **model_policy(config.model), **tokenizer_ids)
     return with_adapters(create_model(cfg, seed=config.model.seed, mesh=mesh), config, mesh)
@@ -181,12 +178,11 @@ def check_init_tokenizer(config: SftConfig, build_tokenizer, run, manifest: dict
     suggests keeps every other option the build was made with (template, length, weights)."""
     if not config.init or config.allow_tokenizer_mismatch:
         return
-    try:
-        init_tokenizer = load_tokenizer(config.init)
-    except TokenizerError:
+    if not has_tokenizer_files(config.init):
         print(f"polyalign: init {config.init} has no tokenizer files; its ids are taken to be those of the "
               f"build's tokenizer ({build_tokenizer.path})", file=sys.stderr)
         return
+    init_tokenizer = load_tokenizer(config.init)  # a damaged one stops here, naming its file
     build_digest, init_digest = file_digest(build_tokenizer.path), file_digest(init_tokenizer.path)
     if build_digest != init_digest:
         rebuild = rebuild_command(run, {**manifest, "settings": {**(manifest.get("settings") or {}),
@@ -213,6 +209,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
     if too_long:
         raise ConfigError(too_long)
     pad_id = manifest["pad_id"]
+    if config.init:  # an architecture polyalign does not build is said before anything about its tokenizer
+        checkpoint_config(config.init)
     tokenizer = load_tokenizer(build_tokenizer_path(run, manifest))
     check_init_tokenizer(config, tokenizer, run, manifest)
     model = build_model(config, manifest["vocab_size"],
