@@ -676,6 +676,10 @@ def _add_pairs(sub) -> None:
     p.add_argument("--records", type=Path, help="records JSONL (the train or val split)")
     p.add_argument("--predictions", type=Path, help="the initial policy's predictions (JSONL)")
     p.add_argument("--out", type=Path, help="pairs JSONL")
+    p.add_argument("--training-pairs", type=Path, metavar="TRAIN_PAIRS",
+                   help="for held-out (validation) pairs: the training pairs whose bucket and language counts weigh "
+                        "them, as METHOD section 7 and the training objective do (without it a file's pairs are "
+                        "weighted by their own counts, right for training pairs)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it was made from other files "
                                                             "(or not by polyalign)")
     p.set_defaults(handler=_run_pairs, parser=p)
@@ -719,15 +723,24 @@ def _add_pairs(sub) -> None:
     imported.set_defaults(handler=_run_pairs_import)
 
 
+HELD_OUT_SPLIT_NAMES = ("val", "validation", "dev", "test")  # records files whose pairs are held out
+
+
 def _run_pairs(args) -> int:
     from polyalign.pairs.make import make_pairs  # heavy: etils.epath, kept out of --help
 
     missing = [f"--{name}" for name in ("records", "predictions", "out") if getattr(args, name) is None]
     if missing:
         args.parser.error(f"{', '.join(missing)} required (or `pairs import` for a preference file)")
-    summary = make_pairs(args.records, args.predictions, args.out, overwrite=args.overwrite)
+    summary = make_pairs(args.records, args.predictions, args.out, overwrite=args.overwrite,
+                         training_pairs=args.training_pairs)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
-    print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}")
+    print(f"{summary['pairs']} pairs from {summary['predictions']} predictions; dropped: {dropped}; weighted by "
+          f"{summary['weighted_by']}")
+    if args.training_pairs is None and args.records.stem.lower() in HELD_OUT_SPLIT_NAMES:
+        print(f"note: {args.records} looks like held-out records, and its pairs are weighted by their own bucket and "
+              "language counts; validation pairs are weighted as training weighs them with --training-pairs "
+              "TRAIN_PAIRS (the training pairs file)")
     # how many records a bucket `generate --per-bucket` answered, where it made the predictions
     per_bucket = ((read_record(args.predictions) or {}).get("settings") or {}).get("per_bucket")
     _note_few_bucket_pairs(summary, args.records, per_bucket)

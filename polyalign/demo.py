@@ -122,8 +122,10 @@ def _generate(run: Path, settings: DemoSettings) -> str:
         options = GenerateOptions(sampling=SamplingConfig(**DEMO_SAMPLING), sample=sizes[settings.quick], seed=0)
         generate_predictions(run / POLICY / "model", run / "data" / f"{split}.jsonl", predictions, options,
                              progress=settings.progress, overwrite=settings.overwrite)
+        # held-out pairs weighed by the training pairs' counts, as training weighs them (made first)
+        training = run / "pairs" / "train.jsonl" if split != "train" else None
         summary = make_pairs(run / "data" / f"{split}.jsonl", predictions, run / "pairs" / f"{split}.jsonl",
-                             overwrite=settings.overwrite)
+                             overwrite=settings.overwrite, training_pairs=training)
         counts.append(f"{split} {summary['pairs']}")
     return f"pairs from the Bucket-SFT model's samples: {', '.join(counts)} -> {run / 'pairs'}"
 

@@ -75,6 +75,50 @@ def test_pair_weights_by_hand(tmp_path):
                                       for p in train + val)
 
 
+def test_held_out_pairs_made_by_the_command_are_weighted_by_the_training_pairs_counts(demo_run, tmp_path, capsys):
+    """`polyalign pairs` on validation records weighted them by their own counts, unlike training (3 of the
+    quick demo's 22 off by up to 0.387); with --training-pairs each weight is 1 + 0.5 g_b + 0.25 g_lang of the
+    training pairs' counts (recomputed here from METHOD section 7), and a val records file without it is noted."""
+    from polyalign.cli import main
+    from polyalign.data.records import read_records
+    from polyalign.evaluate.baselines import first_sentence
+
+    run, _, _ = demo_run
+    files = {}
+    for split, count in (("train", 120), ("val", 40)):
+        records = read_records(run / "data" / f"{split}.jsonl")[::7][:count]
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records))
+        (tmp_path / f"{split}_p.jsonl").write_text("".join(json.dumps(
+            {"id": r.id, "prediction": first_sentence(r.context or r.question)}, ensure_ascii=False) + "\n"
+            for r in records))
+    argv = ["pairs", "--records", str(files["train"]), "--predictions", str(tmp_path / "train_p.jsonl"), "--out"]
+    assert main([*argv, str(tmp_path / "train_pairs.jsonl")]) == 0
+    assert "weighted by their own counts" in capsys.readouterr().out
+    argv = ["pairs", "--records", str(files["val"]), "--predictions", str(tmp_path / "val_p.jsonl"), "--out"]
+    assert main([*argv, str(tmp_path / "own.jsonl")]) == 0
+    assert f"note: {files['val']} looks like held-out records" in capsys.readouterr().out
+    training_pairs = ["--training-pairs", str(tmp_path / "train_pairs.jsonl")]
+    assert main([*argv, str(tmp_path / "val_pairs.jsonl"), *training_pairs]) == 0
+    out = capsys.readouterr().out
+    training = [json.loads(line) for line in (tmp_path / "train_pairs.jsonl").open()]
+    assert f"weighted by the counts of {len(training)} training pairs" in out and "note:" not in out
+
+    def gains(key):
+        counts = Counter(p[key] for p in training)
+        raw = {k: max(0.0, len(training) / (len(counts) * n) - 1) for k, n in counts.items()}
+        top = max(raw.values())
+        return {k: r / top if top else 0.0 for k, r in raw.items()}
+
+    by_bucket, by_language = gains("bucket_id"), gains("language")
+    held_out = [json.loads(line) for line in (tmp_path / "val_pairs.jsonl").open()]
+    expected = [min(3.0, max(0.5, 1 + 0.5 * by_bucket.get(p["bucket_id"], 1.0)
+                             + 0.25 * by_language.get(p["language"], 1.0))) for p in held_out]
+    assert [p["weight"] for p in held_out] == pytest.approx(expected)
+    own = [json.loads(line)["weight"] for line in (tmp_path / "own.jsonl").open()]
+    assert own != pytest.approx(expected)  # the case the option exists for: the two weightings differ here
+
+
 def test_prediction_files_are_checked(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"id": "a", "prediction": "x"}\n{"id": "a", "prediction": "y"}\n')
@@ -746,6 +790,33 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
         "word, only punctuation (drift/without_words 0.6667): the policy has degenerated, whatever its support "
         "distance and critic score (which measure these answers as text) say; read them (`polyalign generate`), and "
         "lower the learning rate or stop earlier"]
+
+
+def test_a_round_whose_policy_leaves_no_pair_says_why_and_what_to_change(demo_run, tmp_path, monkeypatch):
+    """Greedy answers of a small model came back empty for all 86 pairs and the round stopped at
+    "train_pairs.jsonl: no pairs": it now names the reasons, the answers' file and the setting to change."""
+    from polyalign.core.errors import ConfigError
+    from polyalign.pairs.make import write_pairs
+    from polyalign.train import rounds
+    from polyalign.train.config import OnPolicySection, PreferenceConfig
+
+    pairs = real_pairs(demo_run, 6)
+    write_pairs(pairs, tmp_path / "pairs.jsonl")
+
+    def answers_nothing(policy, records, out, options, progress):
+        out.write_text("".join(json.dumps({"id": p["id"], "prediction": ""}) + "\n" for p in pairs))
+
+    monkeypatch.setattr(rounds, "generate_predictions", answers_nothing)
+    for temperature, advice in ((0.0, "sample them (on_policy.temperature above 0"), (0.8, None)):
+        config = PreferenceConfig(on_policy=OnPolicySection(temperature=temperature))
+        with pytest.raises(ConfigError) as refused:
+            rounds.regenerate_pairs("R/round-1/model", tmp_path / "pairs.jsonl", tmp_path / "round-2" / "pairs", None,
+                                    config, progress=False)
+        said, answers = str(refused.value), tmp_path / "round-2" / "pairs" / "policy_answers.jsonl"
+        assert said.startswith("round-2: the policy R/round-1/model left none of the 6 pairs usable (6 with an empty "
+                               f"policy answer; its answers: {answers})")
+        assert said.endswith("train the round before it longer")
+        assert (advice in said) if advice else "sample" not in said
 
 
 @pytest.mark.slow

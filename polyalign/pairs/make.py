@@ -89,32 +89,37 @@ def assign_weights(pairs: list[dict], training: list[dict] | None = None) -> Non
                                      pair.get("critic_chosen"), pair.get("critic_rejected"))
 
 
-def make_pairs(records_path: Path, predictions_path: Path, out: Path, overwrite: bool = False) -> dict:
-    """Joins records and predictions by id into OUT (JSONL), weighted; returns a summary. Pairs made
-    from other files are not replaced unless `overwrite`."""
-    inputs = {"records": records_path, "predictions": predictions_path}
-    settings = {"records": str(Path(records_path).resolve()), "predictions": str(Path(predictions_path).resolve())}
+def make_pairs(records_path: Path, predictions_path: Path, out: Path, overwrite: bool = False,
+               training_pairs: Path | None = None) -> dict:
+    """Joins records and predictions by id into OUT (JSONL), weighted; returns a summary. Held-out pairs
+    are weighted by the bucket and language counts of `training_pairs` (assign_weights), others by their
+    own. Pairs made from other files are not replaced unless `overwrite`."""
+    inputs = {"records": records_path, "predictions": predictions_path,
+              **({"training_pairs": training_pairs} if training_pairs is not None else {})}
+    settings = {name: str(Path(path).resolve()) for name, path in inputs.items()}
     check_generated_from(Path(predictions_path), Path(records_path))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with stage_output(out, sidecar(out), settings, overwrite, ours=[out], inputs=inputs, lock=OutputLock.for_file(out)):
-        summary = _make_pairs(Path(records_path), Path(predictions_path), out)
-        write_record(sidecar(out), settings, {"records": file_digest(records_path),
-                                              "predictions": file_digest(predictions_path)}, summary=summary)
+        training = read_pairs(Path(training_pairs)) if training_pairs is not None else None
+        summary = _make_pairs(Path(records_path), Path(predictions_path), out, training)
+        write_record(sidecar(out), settings, {name: file_digest(path) for name, path in inputs.items()},
+                     summary=summary)
     return summary
 
 
-def _make_pairs(records_path: Path, predictions_path: Path, out: Path) -> dict:
+def _make_pairs(records_path: Path, predictions_path: Path, out: Path, training: list[dict] | None) -> dict:
     records = read_records(records_path)
     predictions = read_predictions(predictions_path)
     extra = len(set(predictions) - {r.id for r in records})
     if extra:
         raise InputError(f"{predictions_path}: {extra} prediction ids are not records of {records_path}")
     pairs, dropped = build_pairs(records, predictions)
-    assign_weights(pairs)
+    assign_weights(pairs, training=training)
     write_pairs(pairs, out)
     return {"records": len(records), "predictions": len(predictions), "pairs": len(pairs), "dropped": dropped,
             "records_without_prediction": len(records) - (len(predictions) - extra),
             "predictions_without_record": extra, "out": str(out),
+            "weighted_by": "their own counts" if training is None else f"the counts of {len(training)} training pairs",
             **bucket_coverage(records, pairs, set(predictions))}
 
 

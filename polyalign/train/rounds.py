@@ -73,9 +73,16 @@ def regenerate_pairs(policy, pairs_path: Path, directory, critic_dir: Path | Non
     generate_predictions(policy, records_file, predictions_file,
                          GenerateOptions(sampling=sampling, seed=config.train.seed), progress=progress)
     fresh, dropped = build_pairs(records, read_predictions(predictions_file))
+    reasons = ", ".join(f"{n} {DROP_REASONS.get(reason, reason)}" for reason, n in sorted(dropped.items()))
+    if not fresh:  # the round would stop at an empty pairs file, naming neither why nor what to change
+        sample = (" sample them (on_policy.temperature above 0; greedy answers of a small model are often empty), or"
+                  if config.on_policy.temperature == 0 else "")
+        raise ConfigError(f"{directory.parent.name}: the policy {policy} left none of the {len(pairs)} pairs usable "
+                          f"({reasons}; its answers: {predictions_file}):{sample} train the round before it "
+                          "longer")
     if dropped:  # a pair the round cannot use is said, not silently fewer
-        print(f"{directory.parent.name}: {sum(dropped.values())} of {len(pairs)} pairs left out (" + ", ".join(
-            f"{n} {DROP_REASONS.get(reason, reason)}" for reason, n in sorted(dropped.items())) + ")", flush=True)
+        print(f"{directory.parent.name}: {sum(dropped.values())} of {len(pairs)} pairs left out ({reasons})",
+              flush=True)
     if critic_dir is not None and (critic_dir / "critic.json").is_file():
         scorer = CriticScorer(critic_dir)
         buckets = [p["bucket_id"] for p in fresh]
