@@ -463,9 +463,15 @@ def test_the_packing_note_of_pairs_counts_rows_and_positions_by_hand():
 
     examples = [{"id": str(i), "chosen_ids": [1, 2, 3, 4 + i, 5], "rejected_ids": [1, 2, 3, 9 + i, 7]}
                 for i in range(4)]
-    assert pair_packing_note(examples, 8, seed=0) == (
-        "data.pack: an epoch's 4 pairs fill 2 rows of 16 positions (2.00 a row, at most 2; each prompt once): 75% of "
-        "positions hold tokens, against 50% unpacked (a row of 8 a side); the loss is the same")
+    said = ("data.pack: an epoch's 4 pairs fill 2 rows of 16 positions (2.00 a row, at most 2; each prompt once): 75% "
+            "of positions hold tokens, against 50% unpacked (a row of 8 a side); each pair's loss is the one it has "
+            "unpacked")
+    assert pair_packing_note(examples, 8, seed=0) == said
+    # a step of global_batch rows then takes twice the pairs: another run than unpacked, said with the batch
+    # that takes as many (a user's packed HDPO validated at 0.927 against 0.873 and read "the loss is the same")
+    assert pair_packing_note(examples, 8, seed=0, global_batch=8) == said + (
+        "; train.global_batch counts rows: a step of 8 takes about 16.0 pairs where unpacked it takes 8 "
+        "(train.global_batch=4 takes about as many packed)")
 
 
 def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path, capsys):

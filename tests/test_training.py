@@ -595,6 +595,10 @@ def test_packing_visits_every_example_once_per_epoch_in_full_rows(built_run):
         f"data.pack: an epoch's {len(source):,} examples fill {per_epoch:,} rows of 256 positions "
         f"({len(source) / per_epoch:.2f} a row; {filled / (per_epoch * 256):.0%} of positions hold tokens, against "
         f"{filled / (len(source) * 256):.0%} unpacked)")
+    per_row = len(source) / per_epoch
+    assert pipeline.packing_note(lengths, 256, seed=3, global_batch=16).endswith(
+        f"unpacked); train.global_batch counts rows: a step of 16 takes about {16 * per_row:.1f} examples where "
+        f"unpacked it takes 16 (train.global_batch={round(16 / per_row)} takes about as many packed)")
     full = int((lengths >= 31).sum())  # 32 tokens, 31 positions: cut to the row
     assert 0 < full and pipeline.packing_note(lengths, 32, seed=3).endswith(
         f"; {full:,} examples ({full / len(source):.0%}) fill a row alone (as long as it, or cut to it))")
@@ -605,7 +609,7 @@ def test_a_packed_run_says_what_packing_fills_and_trains(built_run, tmp_path, ca
     result = train_sft(sft_config(run, 2, "data.pack=true"), tmp_path / "packed", progress=False)
     printed = capsys.readouterr().out
     lengths = pipeline.example_lengths(pipeline.open_split(run, "train"))
-    note = pipeline.packing_note(lengths, manifest["options"]["max_length"], seed=0)
+    note = pipeline.packing_note(lengths, manifest["options"]["max_length"], seed=0, global_batch=8)
     assert note.startswith(f"data.pack: an epoch's {len(lengths):,} examples fill ") and f"\n{note}\n" in printed
     steps = [r for r in read_metrics(tmp_path / "packed") if "loss" in r]
     assert result["end_step"] == 2 and len(steps) == 2 and all(np.isfinite(r["loss"]) for r in steps)

@@ -190,10 +190,11 @@ def ordered_pair_rows(examples: list[dict], length: int, pad_id: int, pack: bool
     return rows, arrays_of
 
 
-def pair_packing_note(examples: list[dict], max_length: int, seed: int) -> str:
+def pair_packing_note(examples: list[dict], max_length: int, seed: int, global_batch: int | None = None) -> str:
     """What `data.pack` does to the first epoch of pairs: the rows of 2 x max_length positions its pairs fill,
     and the share of positions that hold tokens packed (each prompt once) and unpacked (a row of max_length
-    for each side, the prompt in both). The loss and gradient are the same either way: only the work is."""
+    for each side, the prompt in both). Each pair's loss and gradient are the same either way; a step of
+    `global_batch` rows holds more pairs (pipeline.packed_batch_note)."""
     spans = np.array([tree_spans(e, max_length) for e in examples], np.int64).reshape(-1, 3)
     trees = spans[:, 1] + spans[:, 2] - spans[:, 0]
     slots = pair_slots(trees, 2 * max_length)
@@ -202,7 +203,8 @@ def pair_packing_note(examples: list[dict], max_length: int, seed: int) -> str:
     unpacked = (spans[:, 1] + spans[:, 2]).sum() / (len(spans) * 2 * max_length)
     return (f"data.pack: an epoch's {len(spans):,} pairs fill {rows:,} row{'s' * (rows != 1)} of {2 * max_length} "
             f"positions ({len(spans) / rows:.2f} a row, at most {slots}; each prompt once): {packed:.0%} of positions "
-            f"hold tokens, against {unpacked:.0%} unpacked (a row of {max_length} a side); the loss is the same")
+            f"hold tokens, against {unpacked:.0%} unpacked (a row of {max_length} a side); each pair's loss is the "
+            "one it has unpacked" + pipeline.packed_batch_note(len(spans) / rows, global_batch, "pairs"))
 
 
 def train_pair_batches(examples: list[dict], layout: pipeline.Layout, steps: int, seed: int, max_length: int,

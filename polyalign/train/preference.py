@@ -365,7 +365,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation, config.profile),
              *cut_unlike_sft_notes(config), profile_note(config, tokenizer, train_pairs[0]),
              tokenizer_note(config, tokenizer, train_pairs),
-             pair_packing_note(train_examples, max_length, config.train.seed) if config.data.pack else None]
+             pair_packing_note(train_examples, max_length, config.train.seed, config.train.global_batch)
+             if config.data.pack else None]
     if method_spec(config.method).needs_reference and config.reference == "precomputed":
         with jax.set_mesh(mesh):  # with adapters, the reference is the base with them off
             reference_logps(base_model(model), train_examples + val_examples, max_length, tokenizer.pad_id,

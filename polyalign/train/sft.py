@@ -223,7 +223,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         lengths = pipeline.example_lengths(train_source, pipeline.lengths_cache(run, "train"),
                                            write_cache=jax.process_index() == 0)
         if jax.process_index() == 0:  # only process 0 prints it, and it packs a whole epoch to count
-            notes.append(pipeline.packing_note(lengths, length, config.train.seed))
+            notes.append(pipeline.packing_note(lengths, length, config.train.seed, config.train.global_batch))
 
     def batches(layout: pipeline.Layout, loop: LoopConfig):
         return pipeline.iterate(pipeline.train_batches(train_source, layout, loop.steps, length, pad_id, loop.seed,
