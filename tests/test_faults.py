@@ -960,27 +960,38 @@ def test_a_tokenizer_belongs_to_the_settings_that_trained_it(demo_run, tmp_path,
                                       "pieces; 8000 suits the demo data)")
 
 
-def test_the_same_build_again_is_said_to_be_the_same(built_run, tmp_path):
-    """`build` run again with nothing changed rebuilds without a word, leaving a user to wonder what changed:
-    a note says the build is already this one; other options, or data prepared again, get no such note."""
+def test_the_same_build_again_is_kept_and_a_changed_input_is_named(built_run, tmp_path, capsys):
+    """`build` run again with nothing changed rebuilt the same examples (23 s) without a word: it is kept, said
+    so, unless --overwrite; with the same options from changed inputs (data prepared again, a tokenizer trained
+    again into the same folder) it builds again, naming the files that changed (it said nothing)."""
     from dataclasses import asdict
 
-    from polyalign.inputs.build import BuildOptions, same_build_note
+    from polyalign.core.paths import file_digest
+    from polyalign.inputs.build import BuildOptions, kept_build
 
     source, manifest = built_run
     run = tmp_path / "run"
     (run / "build").mkdir(parents=True)
     (run / "data").mkdir()
     (run / "data" / "manifest.json").write_bytes((source / "data" / "manifest.json").read_bytes())
-    (run / "build" / "manifest.json").write_text(json.dumps(manifest))
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    made_from = {**manifest["made_from"], str(tokenizer): file_digest(tokenizer)}
+    (run / "build" / "manifest.json").write_text(json.dumps({**manifest, "made_from": made_from}))
     options = BuildOptions(**manifest["settings"])
     assert asdict(options) == manifest["settings"]
-    assert same_build_note(run, options) == (f"note: {run / 'build'} already holds this build (the same options, "
-                                             "from the data and the tokenizer as they are now); building it again "
-                                             "gives the same examples")
-    assert same_build_note(run, BuildOptions(**{**manifest["settings"], "max_length": 32})) is None
+    assert kept_build(run, options, overwrite=False)["made_from"] == made_from
+    assert capsys.readouterr().err == (f"note: {run / 'build'} already holds this build (the same options, from the "
+                                       "data and the tokenizer as they are now): kept (--overwrite builds it again)\n")
+    assert kept_build(run, options, overwrite=True) is None
+    assert kept_build(run, BuildOptions(**{**manifest["settings"], "max_length": 32}), overwrite=False) is None
+    assert capsys.readouterr().err == ""  # other options: the build's own refusal (or --overwrite) says it
+    tokenizer.write_text('{"trained": "again"}')
     (run / "data" / "manifest.json").write_text("{}")  # prepared again since
-    assert same_build_note(run, options) is None
+    assert kept_build(run, options, overwrite=False) is None
+    assert capsys.readouterr().err == (f"note: {run / 'build'} was built with the same options from other contents of "
+                                       f"data/manifest.json, {tokenizer}; building it again from them as they are "
+                                       "now\n")
 
 
 def test_a_build_belongs_to_its_options_and_to_its_tokenizer(built_run, demo_tokenizer, tmp_path, capsys):

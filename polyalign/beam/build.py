@@ -28,6 +28,7 @@ from polyalign.inputs.build import (
     check_options,
     claim_build,
     encode_record,
+    kept_build,
     require_records,
     split_bucket_counts,
     stale_tokenizer,
@@ -71,6 +72,8 @@ def build_beam(run: Path, options: BuildOptions = BuildOptions(), beam_options: 
     """Builds RUN/build/sft_examples with a Beam pipeline; returns the manifest (RUN/build/manifest.json).
     A build made with other options is not replaced unless `overwrite`."""
     require_records(run)
+    if (kept := kept_build(run, options, overwrite)) is not None:
+        return kept
     with claim_build(run, options, overwrite):
         return _build_beam(Path(run), options, beam_options)
 

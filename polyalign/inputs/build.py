@@ -399,8 +399,6 @@ def claim_build(run: Path, options: BuildOptions, overwrite: bool):
     elsewhere = (f"build into a RUN of its own beside it: mkdir {shlex.quote(str(other))} && ln -s "
                  f"{shlex.quote(str(Path(run).resolve() / 'data'))} {shlex.quote(str(other / 'data'))}, then "
                  f"{command} (and polyalign stats on it where HDPO needs them)")
-    if note := same_build_note(run, options):
-        print(note, file=sys.stderr)
     return stage_output(out, out / "manifest.json", asdict(options), overwrite,
                         ours=[out / "manifest.json", out / DATASET_NAME], elsewhere=elsewhere,
                         paths=["tokenizer"], legacy=LEGACY_SETTINGS)
@@ -412,23 +410,34 @@ def build(run: Path, options: BuildOptions = BuildOptions(), progress: bool = Tr
     (also written to RUN/build/manifest.json). polyalign.beam.build does the same as a Beam pipeline.
     A build made with other options is not replaced unless `overwrite`."""
     require_records(run)
+    if (kept := kept_build(run, options, overwrite)) is not None:
+        return kept
     with claim_build(run, options, overwrite):
         return _build(Path(run), options, progress)
 
 
-def same_build_note(run: Path, options: BuildOptions) -> str | None:
-    """A note when RUN/build already holds this very build (the same options, made from the data and the
-    tokenizer as they are now): the command rebuilds it, and a user saw it rebuild without a word, unsure
-    whether something had changed."""
+def kept_build(run: Path, options: BuildOptions, overwrite: bool) -> dict[str, Any] | None:
+    """The manifest of RUN/build where it already holds this very build (the same options, made from the
+    data and the tokenizer as they are now), kept and said so instead of built again (23 s for the same
+    examples), unless `overwrite`; else None, saying which of its inputs changed where the options are the
+    same (a tokenizer trained again into the same folder was rebuilt from without a word)."""
     try:
         manifest = json.loads((Path(run) / BUILD_DIR / "manifest.json").read_text())
     except (OSError, ValueError):  # no build yet, or an interrupted one
         return None
     made_from = manifest.get("made_from") if isinstance(manifest, dict) else None
-    if manifest.get("settings") != asdict(options) or not isinstance(made_from, dict) or changed_since(run, made_from):
+    if manifest.get("settings") != asdict(options) or not isinstance(made_from, dict):
         return None
-    return (f"note: {Path(run) / BUILD_DIR} already holds this build (the same options, from the data and the "
-            "tokenizer as they are now); building it again gives the same examples")
+    changed = changed_since(run, made_from)
+    if changed:
+        print(f"note: {Path(run) / BUILD_DIR} was built with the same options from other contents of "
+              f"{', '.join(changed)}; building it again from them as they are now", file=sys.stderr)
+        return None
+    if overwrite:
+        return None
+    print(f"note: {Path(run) / BUILD_DIR} already holds this build (the same options, from the data and the tokenizer "
+          "as they are now): kept (--overwrite builds it again)", file=sys.stderr)
+    return manifest
 
 
 def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
