@@ -812,6 +812,11 @@ def _run_pairs_import(args) -> int:
     if args.family is None and conversations:
         print(f"note: {conversations} multi-turn pairs are labelled family assistant, --family's default; "
               "conversations between people (KdConv, MultiWOZ-like dialogues) belong in --family dialogue")
+    if summary.get("rejected_chosen_elsewhere"):
+        print(f"warning: {summary['rejected_chosen_elsewhere']} of {summary['pairs'] + summary.get('val_pairs', 0)} "
+              "pairs reject an answer another pair chooses, word for word: training pushes each such answer up in "
+              "one pair and down in the other (rejected answers borrowed from other rows' chosen ones teach little "
+              "but that)", file=sys.stderr)
     if summary["system_messages"]:
         print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
               "adds the profile prompt after it; docs/model.md, System messages)")

@@ -160,6 +160,28 @@ def test_every_form_of_a_preference_file_gives_the_same_pairs(demo_run, tmp_path
         assert pairs == {i: imported["messages"][i] for i in pairs}, name
 
 
+def test_rejected_answers_that_other_pairs_choose_are_counted(demo_run, tmp_path, capsys):
+    """A file whose rejected answers are other rows' chosen ones (real_trl_rows: the next record's answer in the
+    bucket) pushes each answer up and down at once; a user's DPO on such a file fell to validation accuracy
+    0.25. The import counts them and warns; rejected answers of their own draw no warning."""
+    from polyalign.pairs.importing import rejected_chosen_elsewhere
+
+    rows, _ = real_trl_rows(demo_run, n=24)
+    borrowed = sum(1 for row in rows if any(row["rejected"] == other["chosen"] for other in rows))
+    assert borrowed > 0
+    source = write_jsonl(tmp_path / "borrowed.jsonl", rows)
+    code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "b.jsonl")
+    assert code == 0 and (f"warning: {borrowed} of 24 pairs reject an answer another pair chooses, word for word"
+                          in err), err
+    own = [{**row, "rejected": [{"role": "assistant", "content": "我不知道。" if row["language"] == "zh" else
+                                 "I do not know."}]} for row in rows]
+    code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", write_jsonl(tmp_path / "own.jsonl",
+                                                                                              own),
+                         "--out", tmp_path / "o.jsonl")
+    assert code == 0 and "another pair chooses" not in err
+    assert rejected_chosen_elsewhere([{"chosen": "a ", "rejected": "b"}, {"chosen": "b", "rejected": "c"}]) == 1
+
+
 def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(demo_run, tmp_path, capsys):
     """HH text given as --format trl names --format hh; a content part a text model cannot train on is a row
     problem; a region tag is its language (zh-CN is zh), another script is not (zh-Latn, left out); every row
