@@ -740,7 +740,7 @@ def _run_pairs(args) -> int:
     if args.training_pairs is None and args.records.stem.lower() in HELD_OUT_SPLIT_NAMES:
         print(f"note: {args.records} looks like held-out records, and its pairs are weighted by their own bucket and "
               "language counts; validation pairs are weighted as training weighs them with --training-pairs "
-              "TRAIN_PAIRS (the training pairs file)")
+              "TRAIN_PAIRS (the training pairs file)", file=sys.stderr)
     # how many records a bucket `generate --per-bucket` answered, where it made the predictions
     per_bucket = ((read_record(args.predictions) or {}).get("settings") or {}).get("per_bucket")
     _note_few_bucket_pairs(summary, args.records, per_bucket)

@@ -97,12 +97,12 @@ def test_held_out_pairs_made_by_the_command_are_weighted_by_the_training_pairs_c
     assert "weighted by their own counts" in capsys.readouterr().out
     argv = ["pairs", "--records", str(files["val"]), "--predictions", str(tmp_path / "val_p.jsonl"), "--out"]
     assert main([*argv, str(tmp_path / "own.jsonl")]) == 0
-    assert f"note: {files['val']} looks like held-out records" in capsys.readouterr().out
+    assert f"note: {files['val']} looks like held-out records" in capsys.readouterr().err
     training_pairs = ["--training-pairs", str(tmp_path / "train_pairs.jsonl")]
     assert main([*argv, str(tmp_path / "val_pairs.jsonl"), *training_pairs]) == 0
-    out = capsys.readouterr().out
+    printed = capsys.readouterr()
     training = [json.loads(line) for line in (tmp_path / "train_pairs.jsonl").open()]
-    assert f"weighted by the counts of {len(training)} training pairs" in out and "note:" not in out
+    assert f"weighted by the counts of {len(training)} training pairs" in printed.out and "held-out" not in printed.err
 
     def gains(key):
         counts = Counter(p[key] for p in training)
