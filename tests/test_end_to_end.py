@@ -241,6 +241,8 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     # human-vs-model AUC over all validation responses, and per bucket where both sides exist
     assert 0 <= critic["val"]["auc"] <= 1 and critic["val"]["auc_by_bucket"]
     assert set(critic["val"]["auc_by_bucket"]) <= set(critic["buckets"])
+    assert set(critic["val"]["pairs_by_bucket"]) == set(critic["val"]["auc_by_bucket"])  # each AUC with its pairs
+    assert sum(critic["val"]["pairs_by_bucket"].values()) <= critic["val_pairs"]
     assert all("critic_chosen" in p for p in read_jsonl(run / "critic" / "train_pairs.jsonl"))
     _critic_ranks_held_out_people_first(run)
     for method in ("hdpo", "dpo"):

@@ -798,6 +798,19 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
         "lower the learning rate or stop earlier"]
 
 
+def test_the_critics_auc_per_bucket_comes_with_the_pairs_it_rests_on():
+    """By hand: bucket a's two pairs rank people below the model once of the four human-model comparisons
+    (AUC 0.25, ties half); bucket b's one pair reads 1.0 from one pair, said beside it; the unknown bucket's
+    index (past the list) is left out."""
+    from polyalign.train.critic import bucket_aucs
+
+    human = np.array([0.2, 0.9, 0.1, 0.5])
+    generated = np.array([0.1, 0.3, 0.4, 0.7])
+    aucs, counts = bucket_aucs(human, generated, np.array([0, 0, 1, 2]), ["a", "b"])
+    # a: humans 0.2, 0.9 vs models 0.1, 0.3; "human lower" in 0.2 < 0.3 only: 1 of 4
+    assert aucs == {"a": 0.25, "b": 1.0} and counts == {"a": 2, "b": 1}
+
+
 def test_a_round_whose_policy_leaves_no_pair_says_why_and_what_to_change(demo_run, tmp_path, monkeypatch):
     """Greedy answers of a small model came back empty for all 86 pairs and the round stopped at
     "train_pairs.jsonl: no pairs": it now names the reasons, the answers' file and the setting to change."""

@@ -109,14 +109,28 @@ def evaluate_split(critic: Critic, split: EncodedPairs, buckets: list[str]) -> d
     predicted = np.concatenate([human, generated])
     target = np.concatenate([split.target_human, split.target_model])
     has = ~np.isnan(target)
-    by_bucket = {buckets[b]: human_model_auc(human[split.bucket == b], generated[split.bucket == b])
-                 for b in np.unique(split.bucket) if b < len(buckets)}
+    aucs, counts = bucket_aucs(human, generated, split.bucket, buckets)
     return {"l1": float(np.abs(predicted[has] - target[has]).mean()) if has.any() else float("nan"),
             "ranking_accuracy": float((human < generated).mean()),
             "auc": human_model_auc(human, generated),
             "hinge": float(np.maximum(0.0, MARGIN - generated + human).mean()),
             "human_mean": float(human.mean()), "model_mean": float(generated.mean()),
-            "auc_by_bucket": {b: round(v, 4) for b, v in sorted(by_bucket.items()) if v is not None}}
+            "auc_by_bucket": aucs, "pairs_by_bucket": counts}
+
+
+def bucket_aucs(human: np.ndarray, generated: np.ndarray, bucket: np.ndarray,
+                buckets: list[str]) -> tuple[dict[str, float], dict[str, int]]:
+    """human_model_auc within each bucket of the pairs (`bucket`: each pair's index into `buckets`; the unknown
+    bucket's index past them is left out), and beside it the pairs it rests on: one pair's AUC reads 1.0 or
+    0.0 and was printed alone."""
+    aucs, counts = {}, {}
+    for b in np.unique(bucket):
+        if b < len(buckets):
+            inside = bucket == b
+            auc = human_model_auc(human[inside], generated[inside])
+            if auc is not None:
+                aucs[buckets[b]], counts[buckets[b]] = round(auc, 4), int(inside.sum())
+    return dict(sorted(aucs.items())), dict(sorted(counts.items()))
 
 
 def pairs_without_references(pairs: list[dict], references: dict) -> dict[str, int]:
