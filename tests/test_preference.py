@@ -494,10 +494,11 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
     note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data.pack: "))
     found = re.fullmatch(r"data\.pack: an epoch's 20 pairs fill (\d+) rows of 384 positions \(([\d.]+) a row, at "
                          r"most (\d+); each prompt once\): (\d+)% of positions hold tokens, against (\d+)% unpacked "
-                         r"\(a row of 192 a side\); the loss is the same", note)
+                         r"\(a row of 192 a side\); each pair's loss is the one it has unpacked; train\.global_batch "
+                         r"counts rows: a step of 2 takes about ([\d.]+) pairs where unpacked it takes 2", note)
     assert found, note
     rows, slots = int(found[1]), int(found[3])
-    assert rows < 20 and rows * slots >= 20 and found[2] == f"{20 / rows:.2f}"
+    assert rows < 20 and rows * slots >= 20 and found[2] == f"{20 / rows:.2f}" and found[6] == f"{2 * 20 / rows:.1f}"
     assert abs(steps[0]["rewards/margin"]) < 1e-4
     assert all(r["pairs"] >= 2 for r in steps) and sum(r["pairs"] for r in steps) > 6  # rows hold several pairs
     val = [r for r in read_metrics(tmp_path / "out") if "val_pairs" in r]

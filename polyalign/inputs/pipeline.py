@@ -234,8 +234,9 @@ def packed_batch_note(per_row: float, global_batch: int | None, what: str) -> st
     if global_batch is None or per_row < 1.005:
         return ""
     same = max(1, round(global_batch / per_row))
+    closer = f" (train.global_batch={same} takes about as many packed)" if same != global_batch else ""
     return (f"; train.global_batch counts rows: a step of {global_batch} takes about {global_batch * per_row:.1f} "
-            f"{what} where unpacked it takes {global_batch} (train.global_batch={same} takes about as many packed)")
+            f"{what} where unpacked it takes {global_batch}{closer}")
 
 
 def lengths_cache(run, split: str):

@@ -28,9 +28,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from polyalign.core.errors import ChatTemplateError
+from polyalign.tokens.profile_template import DEFAULT_TEMPLATE_KWARGS
 
-# Llama 3.x templates print today's date unless given one: a fixed date keeps builds reproducible.
-DEFAULT_TEMPLATE_KWARGS = {"date_string": "26 Jul 2024"}
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyalign.data.records import PROFILE_PREAMBLE
-from polyalign.tokens.chat_jinja import DEFAULT_TEMPLATE_KWARGS
 
 PROFILE_KEYS = ("family", "track", "style", "length")  # the order the profile prompt names them in
 # The profile prompts a model can be trained with (chat.profile_prompt), and how a conversation's own
@@ -332,6 +331,9 @@ def profile_check_jinja(profile: str, values: dict[str, Any] | None = None) -> s
     return "".join(lines) + _CHECK_END
 
 
+# Llama 3.x templates print today's date unless given one: a fixed date keeps builds reproducible. Here,
+# not in chat_jinja.py (which renders with it), so that a training process need not import jinja2.
+DEFAULT_TEMPLATE_KWARGS = {"date_string": "26 Jul 2024"}
 # The variables polyalign renders every template with where the caller gives none (a Llama 3 template's
 # date_string), pinned in the export as training rendered them: transformers and vLLM otherwise print
 # today's date into the system turn, and every prompt read other ids than training's (0 of 511 alike).
