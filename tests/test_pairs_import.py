@@ -432,8 +432,13 @@ def test_answers_for_every_bucket_make_pairs_for_every_bucket_and_a_mix_says_whi
     def pairs_from(selected, name):
         answers = [{"id": r.id, "prediction": selected[(i + 1) % len(selected)].response + " ..."}
                    for i, r in enumerate(selected)]
-        return cli(capsys, "pairs", "--records", val, "--predictions", write_jsonl(tmp_path / f"{name}.jsonl", answers),
-                   "--out", tmp_path / f"{name}_pairs.jsonl")
+        predictions = write_jsonl(tmp_path / f"{name}.jsonl", answers)
+        code, out, err = cli(capsys, "pairs", "--records", val, "--predictions", predictions, "--out",
+                             tmp_path / f"{name}_pairs.jsonl")
+        # val.jsonl without --training-pairs: its own-counts weighting is noted first; the bucket notes follow
+        held_out, _, rest = err.partition("\n")
+        assert held_out.startswith(f"note: {val} looks like held-out records"), err
+        return code, out, rest
 
     code, out, err = pairs_from(every[:20], "first")
     paired = Counter(r.bucket_id for r in every[:20])
