@@ -523,15 +523,11 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
         # as trained_profile says of a profile: the model may never have read such a rendering
         _say(f"{where} names chat template {own!r}; rendering with {requested!r} as asked", notes)
     name = requested or own or FAMILY_TEMPLATES.get(family)
-    # a template with its own default system prompt (Qwen's "You are Qwen...") says so: the model would
-    # read it in every conversation that has no system message
-    fitting = [t + (" (adds its own default system prompt where a conversation has none)"
-                    if getattr(TEMPLATES[t], "default_system", None) else "")
-               for t in TEMPLATES if not _missing_tokens(t, tokenizer)]
     if name is None:
         unknown = (f"polyalign has no built-in template for the {family} family, whose checkpoints ship their own "
                    "(put it in tokenizer_config.json's chat_template or chat_template.jinja)" if family else
                    "the model family is unknown")
+        fitting = _fitting_templates(tokenizer)
         choices = f"one whose tokens it has ({', '.join(fitting)})" if fitting else f"one of {', '.join(TEMPLATES)}"
         raise ChatTemplateError(f"{where}: the tokenizer has no chat template and {unknown}; or pass --template with "
                                 f"{choices}")
@@ -539,11 +535,21 @@ def choose_template(tokenizer: Tokenizer, requested: str | None = None, family: 
     if missing:
         why = ("asked for" if requested else f"named by {tokenizer.config_file}" if own else
                f"the {family} family's, since the tokenizer has no chat template of its own")
+        fitting = _fitting_templates(tokenizer)
         fix = (f"pass --template with one whose tokens it has ({', '.join(fitting)})" if fitting else
                "give the tokenizer a chat_template (tokenizer_config.json) and pass --template checkpoint")
         raise ChatTemplateError(f"{where}: chat template {name!r} ({why}) needs {', '.join(map(repr, missing))}, "
                                 f"which the tokenizer does not have as tokens; {fix}")
     return name
+
+
+def _fitting_templates(tokenizer: Tokenizer) -> list[str]:
+    """The built-in templates whose tokens the tokenizer has, for a refusal to offer. One with its own default
+    system prompt (Qwen's "You are Qwen...") says so: the model would read it in every conversation that
+    has no system message."""
+    return [t + (" (adds its own default system prompt where a conversation has none)"
+                 if getattr(TEMPLATES[t], "default_system", None) else "")
+            for t in TEMPLATES if not _missing_tokens(t, tokenizer)]
 
 
 def _missing_tokens(name: str, tokenizer: Tokenizer) -> list[str]:
