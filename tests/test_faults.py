@@ -562,6 +562,19 @@ def test_an_empty_source_is_a_warning_in_the_manifest_and_on_stderr(tmp_path, ca
         f"split.weights); {then}" for split, then in (("val", "build needs train and val records"),
                                                       ("test", "nothing to evaluate on"))]]
     assert f"warning: source empty: no rows read from {tmp_path / 'empty.jsonl'}" in capsys.readouterr().err
+    # a source whose rows are read but whose every record is left out said only `kept 0` in its table line
+    unanswered = [{"messages": [m for m in chat_row(d)["messages"] if m["role"] == "user"][:1]} for d in CAMREST]
+    (tmp_path / "questions.jsonl").write_text(jsonl(unanswered), encoding="utf-8")
+    config = write_config(tmp_path / "config2.yaml", [
+        {"name": "good", "format": "chat", "path": "good.jsonl", "split": "auto", "language": "en"},
+        {"name": "questions", "format": "chat", "path": "questions.jsonl", "split": "auto", "language": "en"}])
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run2"), "--no-progress"]) == 0
+    manifest = json.loads((tmp_path / "run2/data/manifest.json").read_text())
+    questions = next(e for e in manifest["sources"] if e["name"] == "questions")
+    reasons = ", ".join(f"{reason} {n}" for reason, n in questions["dropped"].items())
+    said = f"source questions: none of its {questions['records']} records kept ({reasons}); its buckets get nothing"
+    assert questions["records"] == len(CAMREST) and said in manifest["warnings"][0], manifest["warnings"]
+    assert f"warning: {said}" in capsys.readouterr().err
 
 
 def _zip_of(member: str, content: bytes, encrypted: bool = False) -> bytes:

@@ -75,6 +75,27 @@ def test_hdpo_on_scored_pairs_passes_the_check(real_pairs):
         check_pairs(PreferenceConfig(), files, one_missing)
 
 
+def test_hdpo_on_a_critic_that_ranks_backwards_repeats_the_critics_warning(tmp_path):
+    """The critic run warned that it ranks held-out pairs worse than chance; HDPO on its scored pairs trained
+    without a word. The warning comes back where the distance term is on, and only there."""
+    from polyalign.train.config import PreferenceConfig
+    from polyalign.train.preference import backward_critic_note
+
+    pairs = str(tmp_path / "train_pairs.jsonl")
+    assert backward_critic_note(PreferenceConfig(), pairs) is None  # no critic.json beside the pairs
+    for accuracy, warned in ((0.346, True), (0.5, False), (0.81, False)):
+        (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": accuracy}}))
+        said = backward_critic_note(PreferenceConfig(), pairs)
+        assert (said is not None) is warned
+    assert said is None and backward_critic_note(PreferenceConfig(method="dpo"), pairs) is None
+    (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": 0.346}}))
+    assert backward_critic_note(PreferenceConfig(lambda_dist=0.0), pairs) is None
+    assert backward_critic_note(PreferenceConfig(), pairs) == (
+        f"warning: the critic that scored {pairs} ranks its held-out pairs worse than chance (0.346, "
+        f"{tmp_path / 'critic.json'}): HDPO's distance term (lambda_dist 0.1) pushes toward the rejected answers; "
+        "train the critic longer, or set lambda_dist=0")
+
+
 def test_validation_pairs_that_are_the_training_pairs_are_refused(real_pairs, tmp_path, capsys):
     code, err = _train(capsys, "dpo", real_pairs, tmp_path, val="train.jsonl")
     assert code == 2 and err.count("\n") == 1 and "holds the training pairs" in err and "--val-fraction" in err

@@ -616,6 +616,12 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
     # than let its buckets quietly go missing.
     warnings = [f"source {e['name']}: no rows read from {', '.join(e['files']) or 'its files'}"
                 for e in sources_json if e["read"] == 0]
+    # ... or one whose every record is left out (COIG-CQIA's ruozhiba: every answer written by a model): its
+    # line in the table said `kept 0`, and nothing else did
+    warnings += [f"source {e['name']}: none of its {e['records']:,} records kept ("
+                 + ", ".join(f"{reason} {n:,}" for reason, n in sorted(e["dropped"].items(), key=lambda d: -d[1]))
+                 + "); its buckets get nothing from it"
+                 for e in sources_json if e["records"] and e["kept"] == 0]
     if sum(by_split.values()):  # none kept at all is an error of its own (the CLI's)
         warnings += [f"split {split}: no records (none from a `split: {split}` source, none from `split: auto` "
                      f"sources by split.weights); "

@@ -8,6 +8,7 @@ sum w l / sum w (pair weights), lambda_dist * mean R and gamma_ftx * mean anchor
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,23 @@ def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
     return [*notes, *[past] * bool(past)]
 
 
+def backward_critic_note(config: PreferenceConfig, pairs_file: str) -> str | None:
+    """The critic's own warning, said again where HDPO's distance term trains on its scores: a critic that
+    ranked its held-out pairs worse than chance (critic.json beside the scored pairs) pushes the policy toward
+    the rejected answers, and a user who missed the critic run's warning trained on it without a word."""
+    if not ((config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0):
+        return None
+    try:
+        accuracy = json.loads((Path(pairs_file).parent / "critic.json").read_text())["val"]["ranking_accuracy"]
+    except (OSError, ValueError, KeyError, TypeError):  # pairs scored elsewhere, or a critic.json of another shape
+        return None
+    if not isinstance(accuracy, int | float) or accuracy >= 0.5:
+        return None
+    return (f"warning: the critic that scored {pairs_file} ranks its held-out pairs worse than chance ({accuracy:.3f}, "
+            f"{Path(pairs_file).parent / 'critic.json'}): HDPO's distance term (lambda_dist {config.lambda_dist}) "
+            "pushes toward the rejected answers; train the critic longer, or set lambda_dist=0")
+
+
 def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
     """Said when the init checkpoint was not trained with polyalign's profile prompt (a user's own model)
     and this run adds one: the trained model then expects it wherever it is served."""
@@ -364,6 +382,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                   config.truncation)
     notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation, config.profile),
              *cut_unlike_sft_notes(config), profile_note(config, tokenizer, train_pairs[0]),
+             backward_critic_note(config, paths["pairs"]),
              tokenizer_note(config, tokenizer, train_pairs),
              pair_packing_note(train_examples, max_length, config.train.seed, config.train.global_batch)
              if config.data.pack else None]
