@@ -183,6 +183,19 @@ def test_the_stats_report_shows_the_weights_its_build_trains_with(built_run, tmp
     row = next(line for line in report.splitlines() if line.startswith("| " + bucket.replace("|", "\\|")))
     assert row.endswith(f"| {stats['weights']['by_bucket'][bucket]:.3f} | {built[bucket]:.3f} |")
     assert "build weight</th>" in (mine / "stats/report.html").read_text(encoding="utf-8")
+    # a bucket with no train record has no weight in either column (the build lists it at 1, for
+    # val_loss_weighted; the scheme's weights leave it out): "-", said once above the table
+    from polyalign.reports.stats import render_markdown
+    assert "no train records, so nothing trains" not in report
+    held_out = {**stats, "counts": {**stats["counts"], "by_bucket": {
+        **stats["counts"]["by_bucket"], "en|single|qa|huge": {"train": 0, "val": 2, "test": 1, "total": 3}}},
+        "length_quantiles": {**stats["length_quantiles"], "en|single|qa|huge": {"q10": 1, "q50": 2, "q90": 3}}}
+    held_out["weights"] = {**stats["weights"], "build": {**stats["weights"]["build"], "by_bucket": {
+        **stats["weights"]["build"]["by_bucket"], "en|single|qa|huge": 1.0}}}
+    report = render_markdown(held_out, json.loads((run / "data/manifest.json").read_text()))
+    assert "| en\\|single\\|qa\\|huge | 0 | 2 | 1 | 3 | 1 / 2 / 3 | - | - |" in report
+    assert row in report  # the others as before
+    assert "; -: no train records, so nothing trains on the bucket" in report
     # a build made before prepare ran again (training refuses it): its weights are not shown as what trains
     made_from = {**manifest["made_from"], "data/manifest.json": "0" * 64}
     (mine / "build/manifest.json").write_text(json.dumps({**manifest, "bucket_weights": built, "made_from": made_from}))

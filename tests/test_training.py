@@ -533,6 +533,29 @@ def test_unknown_config_keys_name_the_closest(built_run):
         sft_config(run, 4, "weighting=square")
 
 
+def test_the_worst_validation_bucket_is_one_training_saw():
+    """Mean loss per bucket from summed metrics; the worst bucket and the spread over the buckets with train
+    examples only; a bucket met only in validation is named apart, its loss still in val_by_bucket."""
+    from polyalign.train.sft import validation_measures
+
+    buckets = ["a", "b", "c", "d"]
+    host = {"bucket_loss": np.array([6.0, 2.0, 9.0, 0.0]), "bucket_examples": np.array([3.0, 1.0, 2.0, 0.0])}
+    weights = np.array([1.0, 2.0, 1.0, 1.0])
+    out = validation_measures(host, buckets, weights, trained=np.array([True, True, False, True]))
+    assert out["val_loss"] == round(17 / 6, 6)
+    assert out["val_loss_weighted"] == round((6 + 4 + 9) / (3 + 2 + 2), 6)
+    assert out["val_by_bucket"] == {"a": 2.0, "b": 2.0, "c": 4.5}  # d: no val example
+    assert (out["val_worst_bucket"], out["val_worst_bucket_id"]) == (2.0, "a")  # not c (4.5): never trained on
+    assert out["val_bucket_spread"] == 0.0 and out["val_untrained_buckets"] == ["c"]
+    every = validation_measures(host, buckets, weights, trained=np.ones(4, bool))
+    assert (every["val_worst_bucket"], every["val_worst_bucket_id"]) == (4.5, "c")
+    assert every["val_bucket_spread"] == round(float(np.std([2.0, 2.0, 4.5])), 6)
+    assert "val_untrained_buckets" not in every
+    # validation on untrained buckets alone (a train split of other buckets): judged over what there is
+    alone = validation_measures(host, buckets, weights, trained=np.array([False, False, False, True]))
+    assert alone["val_worst_bucket_id"] == "c" and alone["val_untrained_buckets"] == ["a", "b", "c"]
+
+
 def test_a_capped_validation_takes_every_bucket_in_turn():
     """data.eval_limit's examples: every bucket in turn (a seeded order within each), so that every bucket
     is in while the cap allows, the counts differ by at most one but where a bucket runs out, and a random

@@ -222,12 +222,17 @@ def _build_weights(run: Path, weights: dict[str, float]) -> dict[str, Any] | Non
 def _bucket_rows(stats: dict[str, Any]) -> list[list[str]]:
     rows = []
     weights, build = stats["weights"]["by_bucket"], stats["weights"].get("build")
+    columns = [weights] + ([build["by_bucket"]] if build and "by_bucket" in build else [])
     for bucket, counts in stats["counts"]["by_bucket"].items():
         q = stats["length_quantiles"][bucket]
+        # no train record, no weight: nothing trains on the bucket (a build lists it at 1 for val_loss_weighted)
+        shown = [f"{column.get(bucket, 0.0):.3f}" if counts["train"] else NO_WEIGHT for column in columns]
         rows.append([bucket, *(str(counts[s]) for s in SPLITS), str(counts["total"]),
-                     f"{q['q10']:g} / {q['q50']:g} / {q['q90']:g}", f"{weights.get(bucket, 0.0):.3f}"]
-                    + ([f"{build['by_bucket'].get(bucket, 0.0):.3f}"] if build and "by_bucket" in build else []))
+                     f"{q['q10']:g} / {q['q50']:g} / {q['q90']:g}", *shown])
     return rows
+
+
+NO_WEIGHT = "-"
 
 
 def _bucket_header(stats: dict[str, Any]) -> list[str]:
@@ -237,9 +242,11 @@ def _bucket_header(stats: dict[str, Any]) -> list[str]:
 BUCKET_HEADER = ["bucket", "train", "val", "test", "total", "length q10 / q50 / q90 (all splits)", "SFT weight"]
 
 
-def _weight_lines(weights: dict[str, Any]) -> list[str]:
+def _weight_lines(stats: dict[str, Any]) -> list[str]:
     """What the SFT weight column is, and the build's own column where it trains with other weights."""
+    weights = stats["weights"]
     options = weights["options"]
+    untrained = any(not counts["train"] for counts in stats["counts"]["by_bucket"].values())
     clip = f", clipped to [{options['clip'][0]:g}, {options['clip'][1]:g}]" if options.get("clip") else ""
     borrow = (f" (a bucket under {options['borrow_below']} train records takes its parent group's mean size)"
               if options.get("borrow_below") else "")
@@ -249,7 +256,8 @@ def _weight_lines(weights: dict[str, Any]) -> list[str]:
              + (f" (mean after clipping {weights['mean_weight_per_record']:.3f})"
                 if clip and abs(weights.get("mean_weight_per_record", 1) - 1) >= 5e-4 else "")
              + "; a build made "
-             f"with {', '.join(WEIGHT_FLAGS.values())} trains with its own (its manifest, `show`)"]
+             f"with {', '.join(WEIGHT_FLAGS.values())} trains with its own (its manifest, `show`)"
+             + (f"; {NO_WEIGHT}: no train records, so nothing trains on the bucket" if untrained else "")]
     build = weights.get("build") or {}
     if build.get("stale"):
         lines.append(f"{BUILD_DIR}/ was made before prepare ran again: its weights are not shown (build it again; "
@@ -324,7 +332,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         f"quarantined rows: {manifest['quarantine']['rows']}",
         *_system_prompt_lines(counts.get("system_prompts")),
     ]
-    lines += _weight_lines(stats["weights"])
+    lines += _weight_lines(stats)
     lines += [f"warning: {warning}" for warning in stats["weights"]["warnings"]]
     if stats["references"]["skipped_buckets"]:
         lines.append("buckets without a reference (< "

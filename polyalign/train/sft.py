@@ -132,9 +132,30 @@ def per_bucket(sums: dict[str, np.ndarray], buckets: list[str], prefix: str) -> 
     return {prefix: out} if out else {}
 
 
-def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, length: int, pad_id: int,
-                   data: DataSection):
-    """Validation loss overall (mean over examples), weighted by the bucket weights, and per bucket."""
+def validation_measures(host: dict[str, np.ndarray], buckets: list[str], weights: np.ndarray,
+                        trained: np.ndarray) -> dict[str, Any]:
+    """Validation loss overall (mean over examples), weighted by the bucket weights, and per bucket, from
+    summed metrics. The worst bucket and the spread are over the buckets training saw (`trained`, those
+    with train examples): a bucket met only in validation is named apart, its loss in val_by_bucket."""
+    examples = host["bucket_examples"]
+    mean_by_bucket = np.divide(host["bucket_loss"], examples, out=np.zeros_like(examples), where=examples > 0)
+    present = examples > 0
+    judged = present & trained if (present & trained).any() else present
+    untrained = [b for i, b in enumerate(buckets) if present[i] and not trained[i]]
+    return {
+        "val_loss": round(float(host["bucket_loss"].sum() / examples.sum()), 6),
+        "val_loss_weighted": round(float((weights * host["bucket_loss"]).sum() / (weights * examples).sum()), 6),
+        "val_worst_bucket": round(float(mean_by_bucket[judged].max()), 6),  # the loss; its bucket below
+        "val_worst_bucket_id": buckets[int(np.argmax(np.where(judged, mean_by_bucket, -np.inf)))],
+        "val_bucket_spread": round(float(mean_by_bucket[judged].std()), 6),
+        **per_bucket(host, buckets, "val_by_bucket"),
+        **({"val_untrained_buckets": untrained} if untrained else {}),
+    }
+
+
+def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, trained: np.ndarray, length: int,
+                   pad_id: int, data: DataSection):
+    """validation_measures over the val split, read in batches on every process."""
     source = pipeline.open_split(run, "val")
     # a capped validation takes every bucket in turn: the examples' buckets, read once
     capped = data.eval_limit is not None and data.eval_limit < len(source)
@@ -145,17 +166,7 @@ def make_evaluator(run: Path, buckets: list[str], weights: np.ndarray, length: i
         host = trainer.metric_sums(pipeline.eval_batches(source, batch_size, length, pad_id, jax.process_index(),
                                                          jax.process_count(), data.eval_limit,
                                                          buckets=buckets_of_examples))
-        examples = host["bucket_examples"]
-        mean_by_bucket = np.divide(host["bucket_loss"], examples, out=np.zeros_like(examples), where=examples > 0)
-        present = examples > 0
-        return {
-            "val_loss": round(float(host["bucket_loss"].sum() / examples.sum()), 6),
-            "val_loss_weighted": round(float((weights * host["bucket_loss"]).sum() / (weights * examples).sum()), 6),
-            "val_worst_bucket": round(float(mean_by_bucket[present].max()), 6),  # the loss; its bucket below
-            "val_worst_bucket_id": buckets[int(np.argmax(np.where(present, mean_by_bucket, -np.inf)))],
-            "val_bucket_spread": round(float(mean_by_bucket[present].std()), 6),
-            **per_bucket(host, buckets, "val_by_bucket"),
-        }
+        return validation_measures(host, buckets, weights, trained)
 
     return evaluate
 
@@ -256,7 +267,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
 
     return Job(model, objective, batches,
                epoch_size=None if config.data.pack else len(train_source),
-               evaluate=make_evaluator(run, buckets, weights, length, pad_id, config.data), summarize=summarize,
+               evaluate=make_evaluator(run, buckets, weights, train_counts > 0, length, pad_id, config.data),
+               summarize=summarize,
                checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish,
                summary={"weighting": config.weighting},
                flops_per_token=flops_per_token(model.config, length), notes=notes)
