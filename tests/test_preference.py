@@ -1058,8 +1058,9 @@ def test_the_critic_notes_responses_read_past_its_encoders_trained_length(tmp_pa
     init.mkdir(parents=True)
     (init / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 256}))
     assert past_trained_note(init, 512, "the critic encode responses at") == (
-        f"note: {init} was trained from scratch on sequences of at most 256 tokens (polyalign_max_length in its "
-        "tokenizer_config.json): data.max_length 512 lets the critic encode responses at positions it never "
+        f"note: {init} never trained on a sequence longer than 256 tokens (polyalign_max_length in its "
+        "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch): "
+        "data.max_length 512 lets the critic encode responses at positions it never "
         "learned; data.max_length=256 keeps within them")
     assert past_trained_note(init, 256, "pairs reach") is None
     assert past_trained_note("gs://bucket/model", 512, "pairs reach") is None
@@ -1085,8 +1086,9 @@ def test_a_preference_run_notes_pairs_cut_otherwise_than_its_sft_stage(tmp_path)
     assert cut_unlike_sft_notes(config) == [
         f"note: {run}'s build cut its SFT examples to 192 tokens by --truncation turns; this run cuts pairs to "
         "data.max_length 256 by truncation=left: give data.max_length=192 truncation=turns to cut them alike",
-        f"note: {init} was trained from scratch on sequences of at most 192 tokens (polyalign_max_length in its "
-        "tokenizer_config.json): data.max_length 256 lets pairs reach positions it never learned; "
+        f"note: {init} never trained on a sequence longer than 192 tokens (polyalign_max_length in its "
+        "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch): "
+        "data.max_length 256 lets pairs reach positions it never learned; "
         "data.max_length=192 keeps within them"]
     alike = dataclasses.replace(config, truncation="turns", data=dataclasses.replace(config.data, max_length=192))
     assert cut_unlike_sft_notes(alike) == []

@@ -535,9 +535,10 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 24}))
     assert with_max_sequence(ServeOptions(), ckpt).max_sequence == 24
     assert context_note(ckpt, 24) == (
-        f"context: {ckpt} was trained from scratch on sequences of at most 24 tokens (polyalign_max_length in its "
-        "tokenizer_config.json), so a request's prompt and answer get 24 tokens, as `generate` keeps them; a longer "
-        "one is refused with status 400 (--max-sequence serves more, in positions it never learned)")
+        f"context: {ckpt} never trained on a sequence longer than 24 tokens (polyalign_max_length in its "
+        "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch), so a request's "
+        "prompt and answer get 24 tokens, as `generate` keeps them; a longer one is refused with status 400 "
+        "(--max-sequence serves more, in positions it never learned)")
     assert with_max_sequence(ServeOptions(max_sequence=30), ckpt).max_sequence == 30
     assert "note: --max-sequence 30: " in context_note(ckpt, 30) and context_note(ckpt, 16) is None
     assert context_note(tmp_path, 2048) is None  # a model that does not say

@@ -34,7 +34,7 @@ from polyalign.tokens.chat import (
     say_unseen_profile_values,
     trained_profile,
 )
-from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
+from polyalign.tokens.tokenizer import never_trained_past, trained_length
 
 
 @dataclass(frozen=True)
@@ -175,9 +175,8 @@ def default_prompt_budget(checkpoint, asked: int | str, answers: int, budgeted: 
     budget = max(trained - answers, trained // 2)
     share = (f"and {'--budget-ceiling' if budgeted else '--max-new-tokens'} {answers} leaves {budget} of them"
              if budget == trained - answers else "half of them for the prompt")
-    return budget, [f"--max-prompt-tokens {budget} (chosen): {checkpoint} was trained from scratch on sequences of at "
-                    f"most {trained} tokens, {share} (give --max-prompt-tokens to choose; {PROMPT_TOKENS} where a "
-                    "model does not say)"]
+    return budget, [f"--max-prompt-tokens {budget} (chosen): {never_trained_past(checkpoint, trained)}, {share} "
+                    f"(give --max-prompt-tokens to choose; {PROMPT_TOKENS} where a model does not say)"]
 
 
 def fitted_to_positions(checkpoint, options: GenerateOptions) -> tuple[GenerateOptions, list[str]]:
@@ -225,10 +224,9 @@ def past_trained_length(checkpoint, max_prompt_tokens: int, answers: int, budget
         prompt = min(max_prompt_tokens, trained // 2)
         fix = (f"--max-prompt-tokens {prompt} and {'--budget-ceiling' if budgeted else '--max-new-tokens'} "
                f"{trained - prompt} keep within them")
-    return (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
-            f"its tokenizer_config.json); --max-prompt-tokens {max_prompt_tokens} + {what} = {longest} lets "
-            f"a long prompt and its answer run past them, into positions the model never learned: {fix} (a prompt "
-            "cut shorter loses its opening system message where that takes over half of it)")
+    return (f"{never_trained_past(checkpoint, trained)}; --max-prompt-tokens {max_prompt_tokens} + {what} = "
+            f"{longest} lets a long prompt and its answer run past them, into positions the model never learned: "
+            f"{fix} (a prompt cut shorter loses its opening system message where that takes over half of it)")
 
 
 def say_checkpoint_sampling(checkpoint, sampling: SamplingConfig, notes: list[str]) -> None:

@@ -47,7 +47,7 @@ from polyalign.tokens.profile_template import (
     profile_problem,
     trained_profile_text,
 )
-from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
+from polyalign.tokens.tokenizer import never_trained_past, trained_length
 
 DEFAULT_PORT = 8000
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -480,8 +480,7 @@ def context_note(checkpoint, context: int) -> str | None:
     trained = None if is_uri(checkpoint) else trained_length(checkpoint)
     if trained is None or context < trained:
         return None
-    where = (f"{checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} in "
-             "its tokenizer_config.json)")
+    where = never_trained_past(checkpoint, trained)
     if context == trained:
         return (f"context: {where}, so a request's prompt and answer get {trained} tokens, as `generate` keeps them; "
                 "a longer one is refused with status 400 (--max-sequence serves more, in positions it never learned)")

@@ -52,6 +52,13 @@ def trained_length(checkpoint: str | os.PathLike) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def never_trained_past(checkpoint, trained: int) -> str:
+    """What a checkpoint's MAX_LENGTH_KEY says, in words: true of a model polyalign trained from scratch and
+    of one trained on from it (an HDPO export of a from-scratch SFT model records its ancestor's length)."""
+    return (f"{checkpoint} never trained on a sequence longer than {trained} tokens ({MAX_LENGTH_KEY} in its "
+            "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch)")
+
+
 def past_trained_note(checkpoint, max_length: int, reaching: str) -> str | None:
     """A note when data.max_length `max_length` lets a run's sequences (`reaching`: "pairs reach", "the
     critic encode responses at") past the longest a from-scratch checkpoint trained on: positions it never
@@ -59,9 +66,8 @@ def past_trained_note(checkpoint, max_length: int, reaching: str) -> str | None:
     trained = None if "://" in str(checkpoint) else trained_length(checkpoint)
     if trained is None or max_length <= trained:
         return None
-    return (f"note: {checkpoint} was trained from scratch on sequences of at most {trained} tokens ({MAX_LENGTH_KEY} "
-            f"in its tokenizer_config.json): data.max_length {max_length} lets {reaching} positions it never "
-            f"learned; data.max_length={trained} keeps within them")
+    return (f"note: {never_trained_past(checkpoint, trained)}: data.max_length {max_length} lets {reaching} "
+            f"positions it never learned; data.max_length={trained} keeps within them")
 
 
 class Tokenizer(abc.ABC):
