@@ -433,7 +433,7 @@ def test_resume_continues_exactly(built_run, tmp_path, monkeypatch):
                          "texts of the training data.\n") and card.count("## Tokenizer check") == 1
     # Weighting and per-bucket logging.
     record = straight[12]
-    assert record["val_by_bucket"] and record["train_by_bucket"]
+    assert record["val_by_bucket"] and record["train_by_bucket"] and record["examples"] == 8  # unpacked: the batch
     assert record["val_worst_bucket"] == max(record["val_by_bucket"].values())
     assert record["val_by_bucket"][record["val_worst_bucket_id"]] == record["val_worst_bucket"]
     assert list((tmp_path / "straight" / "tensorboard").glob("events.out.tfevents.*"))
@@ -636,6 +636,19 @@ def test_a_packed_run_says_what_packing_fills_and_trains(built_run, tmp_path, ca
     assert note.startswith(f"data.pack: an epoch's {len(lengths):,} examples fill ") and f"\n{note}\n" in printed
     steps = [r for r in read_metrics(tmp_path / "packed") if "loss" in r]
     assert result["end_step"] == 2 and len(steps) == 2 and all(np.isfinite(r["loss"]) for r in steps)
+    # each step logs the examples its 8 rows held: the packing order's rows 0-7, then 8-15 (at 64 tokens, with the
+    # profile prompt, every example here fills a row alone; the count of a row of several is summed on the device
+    # as test_packed_loss_and_gradient_equal_the_unpacked_ones checks)
+    rows = pipeline._PackedRows(lengths, manifest["options"]["max_length"], seed=0)
+    held = [sum(len(rows(r)) for r in range(8 * s, 8 * s + 8)) for s in range(2)]
+    assert [r["examples"] for r in steps] == held
+    # and the run says it was packed: the summary, its line and the model card's global batch
+    from polyalign.train.sft import summary_line
+
+    assert result["packed"] is True and summary_line(result).startswith("trained 2 steps of packed rows in ")
+    card = (tmp_path / "packed" / "model" / "README.md").read_text()
+    assert ("| global batch | 8 rows of packed examples (data.pack): a step trained on several examples a row, more "
+            "than an unpacked step of that batch (metrics.jsonl logs how many) |") in card
 
 
 def test_example_lengths_are_cached_inside_the_built_dataset(built_run, tmp_path):

@@ -252,7 +252,7 @@ def training_card(config: Any) -> dict[str, Any]:
             # what tells two runs of one recipe apart where the card travels without its run's config.json
             "optimizer": (f"AdamW, learning rate {opt.lr:g} ({opt.warmup_ratio:g} of the steps warming up, cosine to "
                           f"{opt.min_lr_ratio:g} of it), weight decay {opt.weight_decay:g}, clip {opt.clip}"),
-            "global batch": config.train.global_batch,
+            "global batch": packed_batch_words(config),
             "seed": (f"data order {config.train.seed}" if config.init else
                      f"data order {config.train.seed}, initialisation {config.model.seed}"),
             "training dtype": compute_dtype(config.model.dtype),
@@ -262,6 +262,16 @@ def training_card(config: Any) -> dict[str, Any]:
             "frozen base": (f"quantised to {config.model.quantize} in training (QLoRA); this folder's weights are "
                             "that base, dequantised, with the adapter merged: what was trained"
                             if getattr(config.model, "quantize", None) else None)}
+
+
+def packed_batch_words(config: Any) -> int | str:
+    """The card's global batch: train.global_batch, or for a packed run what its steps held (rows, each of
+    several examples or pairs), since a packed step trains on more than an unpacked one of that batch."""
+    if not config.data.pack:
+        return config.train.global_batch
+    unit = "pairs" if hasattr(config, "pair_files") else "examples"
+    return (f"{config.train.global_batch} rows of packed {unit} (data.pack): a step trained on several {unit} a row, "
+            "more than an unpacked step of that batch (metrics.jsonl logs how many)")
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,

@@ -440,7 +440,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                # the files under their own names: `val_pairs` is the count, as the metrics have it
                summary={"pairs_file": paths["pairs"], "val_pairs_file": paths["val_pairs"],
                         "train_pairs": len(train_examples), "val_pairs": len(val_examples),
-                        "train_pairs_cut": sum(e["truncated"] for e in train_examples)},
+                        "train_pairs_cut": sum(e["truncated"] for e in train_examples), "packed": config.data.pack},
                notes=[note for note in notes if note],
                # a reference in the step adds its forward pass; a precomputed one costs the step nothing
                flops_per_token=flops_per_token(model.config, max_length, reference_forward=(

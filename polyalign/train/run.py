@@ -411,9 +411,12 @@ def steps_phrase(result: dict[str, Any], trained: str) -> str:
 
 
 def steps_run(result: dict[str, Any]) -> str:
-    """"12 steps", or after a resume "to step 12 (4 steps this run)": a summary's time is this run's."""
+    """"12 steps", or after a resume "to step 12 (4 steps this run)": a summary's time is this run's. A packed
+    run says so: its steps take more examples than train.global_batch (metrics.jsonl logs how many)."""
     start, end = result.get("start_step", 0), result["end_step"]
-    return counted(end, "step") if not start else f"to step {end} ({counted(end - start, 'step')} this run)"
+    rows = " of packed rows" if result.get("packed") else ""
+    return (counted(end, "step") + rows if not start
+            else f"to step {end} ({counted(end - start, 'step')}{rows} this run)")
 
 
 def _lost_peer_error(error: BaseException) -> bool:

@@ -245,7 +245,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                              config.adaptive.step_size, config.adaptive.floor)
 
     def summarize(host):
-        record = {"tokens": int(host["tokens"]), "target_tokens": int(host["target_tokens"]),
+        record = {"examples": int(host["examples"]), "tokens": int(host["tokens"]),
+                  "target_tokens": int(host["target_tokens"]),
                   **per_bucket(host, buckets, "train_by_bucket")}
         if "objective/bucket_q" in host:  # the adaptive weights this step used, per train bucket
             adaptive = np.asarray(objective.adaptive_weights(host["objective/bucket_q"]))
@@ -270,7 +271,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                evaluate=make_evaluator(run, buckets, weights, train_counts > 0, length, pad_id, config.data),
                summarize=summarize,
                checkpoint_meta={"method": "sft", "weighting": config.weighting}, finish=finish,
-               summary={"weighting": config.weighting},
+               summary={"weighting": config.weighting, "packed": config.data.pack},
                flops_per_token=flops_per_token(model.config, length), notes=notes)
 
 
