@@ -504,6 +504,12 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
     val = [r for r in read_metrics(tmp_path / "out") if "val_pairs" in r]
     assert val and val[-1]["val_pairs"] == 4
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+    from polyalign.train.preference import summary_line
+
+    assert result["packed"] is True and summary_line(result).startswith("hdpo: 3 steps of packed rows on 20 pairs;")
+    assert ("| global batch | 2 rows of packed pairs (data.pack): a step trained on several pairs a row, more than "
+            "an unpacked step of that batch (metrics.jsonl logs how many) |") in (
+        tmp_path / "out" / "model" / "README.md").read_text()
     # scored pairs: the critic's terms logged, on training and validation pairs (0 < R < 2, the scores' range)
     assert all(0 < r["dist_reg"] < 2 and "dist_gap" in r for r in steps) and 0 < val[-1]["val_dist_reg"] < 2
     assert all(0 < r["dist_reach"] <= 1 for r in steps) and 0 < val[-1]["val_dist_reach"] <= 1
