@@ -258,6 +258,10 @@ def test_quick_demo_trains_and_its_validation_loss_falls(tmp_path, capsys):
     assert sum(critic["val"]["pairs_by_bucket"].values()) <= critic["val_pairs"]
     assert all("critic_chosen" in p for p in read_jsonl(run / "critic" / "train_pairs.jsonl"))
     _critic_ranks_held_out_people_first(run)
+    # HDPO's card names the critic its distance term trained on, with its held-out ranking; DPO's has none
+    assert (f"critic.json: ranking accuracy {critic['val']['ranking_accuracy']:.3f}, AUC {critic['val']['auc']:.3f} "
+            f"on {critic['val_pairs']} held-out pairs (0.5: chance)") in (run / "hdpo/model/README.md").read_text()
+    assert "| critic |" not in (run / "dpo/model/README.md").read_text()
     for method in ("hdpo", "dpo"):
         steps = read_metrics(run / method)
         assert [r["step"] for r in steps] == list(range(1, 9))

@@ -77,23 +77,36 @@ def test_hdpo_on_scored_pairs_passes_the_check(real_pairs):
 
 def test_hdpo_on_a_critic_that_ranks_backwards_repeats_the_critics_warning(tmp_path):
     """The critic run warned that it ranks held-out pairs worse than chance; HDPO on its scored pairs trained
-    without a word. The warning comes back where the distance term is on, and only there."""
+    without a word. The warning comes back where the distance term is on, and only there; the model card
+    names the critic and its held-out ranking wherever the distance term trained on its scores."""
     from polyalign.train.config import PreferenceConfig
-    from polyalign.train.preference import backward_critic_note
+    from polyalign.train.preference import backward_critic_note, critic_card_row, scoring_critic
+
+    def said(config):
+        return backward_critic_note(config, scoring_critic(config, pairs), pairs)
 
     pairs = str(tmp_path / "train_pairs.jsonl")
-    assert backward_critic_note(PreferenceConfig(), pairs) is None  # no critic.json beside the pairs
+    assert said(PreferenceConfig()) is None and scoring_critic(PreferenceConfig(), pairs) is None  # no critic.json
+    assert critic_card_row(None) == {}
     for accuracy, warned in ((0.346, True), (0.5, False), (0.81, False)):
-        (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": accuracy}}))
-        said = backward_critic_note(PreferenceConfig(), pairs)
-        assert (said is not None) is warned
-    assert said is None and backward_critic_note(PreferenceConfig(method="dpo"), pairs) is None
-    (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": 0.346}}))
-    assert backward_critic_note(PreferenceConfig(lambda_dist=0.0), pairs) is None
-    assert backward_critic_note(PreferenceConfig(), pairs) == (
+        (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": accuracy, "auc": 0.389},
+                                                          "val_pairs": 26}))
+        assert (said(PreferenceConfig()) is not None) is warned
+    dpo = PreferenceConfig(method="dpo")
+    assert said(dpo) is None and scoring_critic(dpo, pairs) is None
+    assert critic_card_row(scoring_critic(PreferenceConfig(), pairs)) == {"critic": (
+        f"{tmp_path / 'critic.json'}: ranking accuracy 0.810, AUC 0.389 on 26 held-out pairs (0.5: chance); the "
+        "distance term trained on its scores")}
+    (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": 0.346, "auc": 0.389}}))
+    assert said(PreferenceConfig(lambda_dist=0.0)) is None and scoring_critic(PreferenceConfig(lambda_dist=0.0),
+                                                                               pairs) is None
+    assert said(PreferenceConfig()) == (
         f"warning: the critic that scored {pairs} ranks its held-out pairs worse than chance (0.346, "
         f"{tmp_path / 'critic.json'}): HDPO's distance term (lambda_dist 0.1) pushes toward the rejected answers; "
         "train the critic longer, or set lambda_dist=0")
+    assert "held-out pairs (0.5" not in critic_card_row(scoring_critic(PreferenceConfig(), pairs))["critic"]
+    (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": 0.346}}))  # another shape
+    assert said(PreferenceConfig()) is None
 
 
 def test_validation_pairs_that_are_the_training_pairs_are_refused(real_pairs, tmp_path, capsys):

@@ -277,14 +277,15 @@ def packed_batch_words(config: Any) -> int | str:
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
                    template: ChatTemplate, profile: str, system: str = "keep",
                    values: dict[str, Any] | None = None, coverage: str | None = None,
-                   max_length: int | None = None) -> dict[str, str]:
+                   max_length: int | None = None, card_rows: dict[str, str] | None = None) -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
     weights W + (alpha / r) A B. `values`: the profile values the run's data held (seen_profile_values);
     `coverage`: how many training examples held the profile prompt whole (profile_coverage); `max_length`:
-    the longest sequence this run trained on (default data.max_length)."""
+    the longest sequence this run trained on (default data.max_length); `card_rows`: the method's own rows
+    for the model card (HDPO's critic)."""
     written = {}
-    card = training_card(config)
+    card = {**training_card(config), **(card_rows or {})}
     lengths = length_history(run_segments(out), config.train.steps)
     if lengths:  # resumed with another train.steps: the schedule changed where it resumed
         card["steps"] = f"{lengths}, resumed on the new length's learning-rate schedule"

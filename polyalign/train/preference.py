@@ -307,21 +307,41 @@ def cut_unlike_sft_notes(config: PreferenceConfig) -> list[str]:
     return [*notes, *[past] * bool(past)]
 
 
-def backward_critic_note(config: PreferenceConfig, pairs_file: str) -> str | None:
-    """The critic's own warning, said again where HDPO's distance term trains on its scores: a critic that
-    ranked its held-out pairs worse than chance (critic.json beside the scored pairs) pushes the policy toward
-    the rejected answers, and a user who missed the critic run's warning trained on it without a word."""
+def scoring_critic(config: PreferenceConfig, pairs_file: str) -> dict[str, Any] | None:
+    """How well the critic whose scores HDPO's distance term trains on ranked its held-out pairs (critic.json
+    beside the scored pairs, as `train critic` writes them): its file, ranking accuracy, AUC and pairs. None
+    where the run has no distance term or the pairs were scored elsewhere."""
     if not ((config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0):
         return None
+    path = Path(pairs_file).parent / "critic.json"
     try:
-        accuracy = json.loads((Path(pairs_file).parent / "critic.json").read_text())["val"]["ranking_accuracy"]
+        record = json.loads(path.read_text())
+        val = {key: record["val"][key] for key in ("ranking_accuracy", "auc")}
     except (OSError, ValueError, KeyError, TypeError):  # pairs scored elsewhere, or a critic.json of another shape
         return None
-    if not isinstance(accuracy, int | float) or accuracy >= 0.5:
+    if not all(isinstance(value, int | float) for value in val.values()):
         return None
-    return (f"warning: the critic that scored {pairs_file} ranks its held-out pairs worse than chance ({accuracy:.3f}, "
-            f"{Path(pairs_file).parent / 'critic.json'}): HDPO's distance term (lambda_dist {config.lambda_dist}) "
-            "pushes toward the rejected answers; train the critic longer, or set lambda_dist=0")
+    return {"file": str(path), **val, "val_pairs": record.get("val_pairs")}
+
+
+def backward_critic_note(config: PreferenceConfig, critic: dict[str, Any] | None, pairs_file: str) -> str | None:
+    """The critic's own warning, said again where HDPO's distance term trains on its scores (`critic`:
+    scoring_critic): a critic that ranked its held-out pairs worse than chance pushes the policy toward the
+    rejected answers, and a user who missed the critic run's warning trained on it without a word."""
+    if critic is None or critic["ranking_accuracy"] >= 0.5:
+        return None
+    return (f"warning: the critic that scored {pairs_file} ranks its held-out pairs worse than chance "
+            f"({critic['ranking_accuracy']:.3f}, {critic['file']}): HDPO's distance term (lambda_dist "
+            f"{config.lambda_dist}) pushes toward the rejected answers; train the critic longer, or set lambda_dist=0")
+
+
+def critic_card_row(critic: dict[str, Any] | None) -> dict[str, str]:
+    """The model card's row on the critic whose scores the distance term trained on (scoring_critic)."""
+    if critic is None:
+        return {}
+    pairs = f" on {critic['val_pairs']} held-out pairs" if isinstance(critic.get("val_pairs"), int) else ""
+    return {"critic": f"{critic['file']}: ranking accuracy {critic['ranking_accuracy']:.3f}, AUC {critic['auc']:.3f}"
+                      f"{pairs} (0.5: chance); the distance term trained on its scores"}
 
 
 def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:
@@ -380,9 +400,10 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                     config.truncation)
     val_examples = tokenise_pairs(val_pairs, tokenizer, template, config.profile, max_length, buckets,
                                   config.truncation)
+    critic = scoring_critic(config, paths["pairs"])
     notes = [truncation_note(train_examples, paths["pairs"], max_length, config.truncation, config.profile),
              *cut_unlike_sft_notes(config), profile_note(config, tokenizer, train_pairs[0]),
-             backward_critic_note(config, paths["pairs"]),
+             backward_critic_note(config, critic, paths["pairs"]),
              tokenizer_note(config, tokenizer, train_pairs),
              pair_packing_note(train_examples, max_length, config.train.seed, config.train.global_batch)
              if config.data.pack else None]
@@ -429,7 +450,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config, template,
                                         config.profile, tokenizer.system_mode,
                                         seen_profile_values(config.profile, pair_values, tokenizer.profile_values),
-                                        None if config.profile == "none" else coverage)
+                                        None if config.profile == "none" else coverage,
+                                        card_rows=critic_card_row(critic))
         return {**written, **check_export(written["model"], tokenizer, pair_texts(train_pairs))}
 
     return Job(model, objective, batches,
@@ -440,7 +462,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                # the files under their own names: `val_pairs` is the count, as the metrics have it
                summary={"pairs_file": paths["pairs"], "val_pairs_file": paths["val_pairs"],
                         "train_pairs": len(train_examples), "val_pairs": len(val_examples),
-                        "train_pairs_cut": sum(e["truncated"] for e in train_examples), "packed": config.data.pack},
+                        "train_pairs_cut": sum(e["truncated"] for e in train_examples), "packed": config.data.pack,
+                        **({"critic": critic} if critic else {})},
                notes=[note for note in notes if note],
                # a reference in the step adds its forward pass; a precomputed one costs the step nothing
                flops_per_token=flops_per_token(model.config, max_length, reference_forward=(
