@@ -1338,6 +1338,14 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     (tmp_path / "hdpo_rounds" / "summary.json").write_text(json.dumps({"rounds_planned": 2}))
     second = trained_run("hdpo_rounds/round-2", None, method="hdpo", init=str(tmp_path / "hdpo_rounds/round-1/model"))
     assert (second["round"], second["rounds from"]) == ("2 of 2 (on-policy)", "/runs/sft/model")
+    # a round's model moved out of its rounds folder: its own record says which round it was
+    moved = tmp_path / "moved" / "model"
+    moved.mkdir(parents=True)
+    (moved / "polyalign_training.json").write_text(json.dumps({"config": {"method": "hdpo", "rounds": 1},
+                                                               "round": {"number": 2, "of": 3}}))
+    (tmp_path / "moved.jsonl").write_text('{"id": "a", "prediction": "b"}\n')
+    sidecar(tmp_path / "moved.jsonl").write_text(json.dumps({"settings": {"checkpoint": str(moved)}}))
+    assert trained_with(tmp_path / "moved.jsonl")["round"] == "2 of 3 (on-policy)"
     assert "round" not in bucket
     # an SFT run's profile is its build's, not a key of its config: its export's tokenizer config names it
     assert "profile" not in bucket

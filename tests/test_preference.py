@@ -900,6 +900,14 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
         assert scored[pair["id"]]["weight"] > 0
     round2 = json.loads((out / "round-2" / "config.json").read_text())
     assert round2["init"] == str(out / "round-1" / "model") and round2["rounds"] == 1
+    # ... so each round's model folder says which round of how many it is: its record and its card
+    for r, start in ((1, "init"), (2, "round 1's model")):
+        model = out / f"round-{r}" / "model"
+        assert json.loads((model / "polyalign_training.json").read_text())["round"] == {"number": r, "of": 2}
+        card = (model / "README.md").read_text()
+        assert card.count("| on-policy round |") == 1 and (
+            f"| hdpo |\n| on-policy round | {r} of 2 (rounds=2: trained from {start} as a run of its own, so its "
+            "config records rounds 1) |\n") in card
     assert round2["pairs"] == str(out / "round-2" / "critic" / "train_pairs.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [1, 2] and summary["model"] == str(out / "round-2" / "model")
@@ -907,6 +915,7 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     capsys.readouterr()
     assert main(command) == 0  # both rounds finished: nothing trains again
     assert (out / "round-2" / "metrics.jsonl").read_text() == before
+    assert (out / "round-2" / "model" / "README.md").read_text() == card  # marked again, alike
     # every round's validation is said, not only the last round's
     margin = summary["rounds"][0]["last"]["val_rewards/margin"]
     assert re.search(r"^rounds 1, 2 finished before: kept, not trained again \(--overwrite trains every round "

@@ -149,8 +149,9 @@ def _training_config(path) -> dict[str, Any] | None:
 def training_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     """How the model in `checkpoint` was trained, where polyalign trained it: {"config": its run's config,
     "segments": the invocations (run_segments), "run": the run's folder where the model is still in it, else
-    None}. The model folder's own record (TRAINING_RECORD) comes first: it travels with the weights; a
-    model exported before there was one reads OUT/config.json beside it. None for any other checkpoint."""
+    None, "round": {"number", "of"} for a round of on-policy rounds, else None}. The model folder's own record
+    (TRAINING_RECORD) comes first: it travels with the weights; a model exported before there was one reads
+    OUT/config.json beside it. None for any other checkpoint."""
     folder = as_path(checkpoint)
     run = folder.parent if _training_config(folder.parent / "config.json") is not None else None
     try:
@@ -159,8 +160,10 @@ def training_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
         record = None
     if isinstance(record, dict) and isinstance(record.get("config"), dict) and "method" in record["config"]:
         segments = record.get("segments")
-        return {"config": record["config"], "segments": segments if isinstance(segments, list) else [], "run": run}
+        round_of = record.get("round")
+        return {"config": record["config"], "segments": segments if isinstance(segments, list) else [], "run": run,
+                "round": round_of if isinstance(round_of, dict) else None}
     if run is None:
         return None
-    return {"config": _training_config(run / "config.json"), "segments": run_segments(run), "run": run}
+    return {"config": _training_config(run / "config.json"), "segments": run_segments(run), "run": run, "round": None}
 

@@ -799,6 +799,9 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     others = {key: value for key, value in flatten(config).items()
               if key not in named and not keys_match(key, FREE_KEYS + REPORTING_KEYS)}
     rounds = round_of(record["run"]) if record["run"] is not None else {}
+    marked = record.get("round") or {}
+    if not rounds and marked.get("number"):  # a round's model moved out of its rounds folder: its record says
+        rounds = {"round": f"{marked['number']} of {marked.get('of', '?')} (on-policy)"}
     return {"checkpoint": checkpoint, **settings, **rounds, "settings": others}
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from polyalign.core.paths import as_path, remove_path
+from polyalign.core.paths import TRAINING_RECORD, as_path, remove_path
 from polyalign.core.yaml_config import ConfigError, from_mapping
 from polyalign.data.records import Record
 from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
@@ -109,6 +109,28 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
     return out
 
 
+ROUND_CARD_ROW = "| on-policy round |"
+
+
+def mark_round(model: Path, r: int, rounds: int) -> None:
+    """Says in round r's model folder that it is round r of `rounds`: in its training record ("round") and
+    its card. A round trains as a run of its own, so the config both record says rounds 1; a kept round is
+    marked again with this run's count."""
+    record_path, card_path = model / TRAINING_RECORD, model / "README.md"
+    if record_path.is_file():
+        record = json.loads(record_path.read_text())
+        record["round"] = {"number": r, "of": rounds}
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+    if card_path.is_file():
+        lines = [line for line in card_path.read_text().split("\n") if not line.startswith(ROUND_CARD_ROW)]
+        at = next((i + 1 for i, line in enumerate(lines) if line.startswith("| method |")), None)
+        if at is not None:
+            start = "init" if r == 1 else f"round {r - 1}'s model"
+            lines.insert(at, f"{ROUND_CARD_ROW} {r} of {rounds} (rounds={rounds}: trained from {start} as a run of "
+                             "its own, so its config records rounds 1) |")
+            card_path.write_text("\n".join(lines))
+
+
 def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True,
                  check: Callable[[Any, Path, tuple[str, ...]], None] | None = None,
                  overwrite: bool = False) -> dict[str, Any]:
@@ -153,6 +175,7 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
             result = train(round_config, directory, progress)
             if result["stopped_early"]:
                 return {**result, "round": r, "rounds": summaries, "rounds_planned": config.rounds}
+        mark_round(directory / "model", r, config.rounds)
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {})})
         policy = directory / "model"
