@@ -739,7 +739,8 @@ def test_show_prints_what_training_reads_with_the_trained_tokens_marked(built_ru
             assert ("its reply cut short" in said) == (not text.endswith(f"<|im_end|>{TRAINED_CLOSE}"))
             cut += 1
         plain = text.replace(TRAINED_OPEN, "").replace(TRAINED_CLOSE, "")
-        assert plain == tokenizer.decode(ids.tolist())
+        bos = "<s>" if ids[0] == tokenizer.bos_id else ""  # shown as its token where the example keeps it
+        assert plain == bos + tokenizer.decode(ids.tolist())
         record = records[record_id]
         assert plain.strip() in template.render(record_messages(record, "context"))
         assert text.count(TRAINED_OPEN) == 1 and text.endswith(TRAINED_CLOSE)
@@ -774,3 +775,9 @@ def test_show_marks_a_span_inside_a_sentence_without_losing_its_space(demo_token
             marked = marked_text(tokenizer, ids, mask)
             assert marked.replace(TRAINED_OPEN, "").replace(TRAINED_CLOSE, "") == whole, (start, end, marked)
             assert marked.count(TRAINED_OPEN) == 1
+    # a leading BOS (as a template writes it, the first of the stored ids) is shown as its token: decoding drops it
+    assert tokenizer.bos_token == "<s>" and not tokenizer.decode([tokenizer.bos_id, *ids.tolist()]).startswith("<s>")
+    mask = np.zeros(len(ids) + 1, np.uint8)
+    mask[-3:] = 1
+    marked = marked_text(tokenizer, np.asarray([tokenizer.bos_id, *ids.tolist()]), mask)
+    assert marked.startswith("<s>The museum") and marked.count("<s>") == 1 and marked.endswith(TRAINED_CLOSE)

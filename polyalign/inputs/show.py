@@ -42,7 +42,8 @@ def spans(mask: np.ndarray) -> Iterator[tuple[int, int, bool]]:
 def marked_text(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
     """The decoded example, each trained span between TRAINED_OPEN and TRAINED_CLOSE. A span's text is
     what decoding the example up to its end adds to decoding it up to its start: decoded alone, a
-    SentencePiece span would lose the space its first piece carries, and a split character its bytes."""
+    SentencePiece span would lose the space its first piece carries, and a split character its bytes. A
+    leading BOS, which decoding drops as a control token, is written as its token, as the ids hold it."""
     ids = [int(i) for i in ids]
     parts, before = [], ""
     for start, end, trained in spans(mask):
@@ -51,7 +52,11 @@ def marked_text(tokenizer, ids: np.ndarray, mask: np.ndarray) -> str:
         text = upto[len(before):] if upto.startswith(before) else tokenizer.decode(ids[start:end])
         parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained else text)
         before = upto
-    return "".join(parts)
+    text = "".join(parts)
+    bos = tokenizer.bos_token
+    if ids and ids[0] == tokenizer.bos_id and bos and not text.startswith(bos):
+        return bos + text
+    return text
 
 
 def show_examples(run: Path, split: str = "train", ids: Sequence[str] = (), limit: int = 3,
