@@ -193,6 +193,8 @@ def _run_prepare(args) -> int:
 
         manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
                            progress=not args.no_progress, overwrite=args.overwrite)
+    from polyalign.data.layout import quarantined_records
+
     totals = manifest["totals"]
     print(f"read {totals['read']} rows -> {totals['records']} records: kept {totals['kept']}, dropped "
           f"{totals['dropped']} (train {totals['by_split']['train']}, val {totals['by_split']['val']}, test "
@@ -202,11 +204,9 @@ def _run_prepare(args) -> int:
         left_out = ", ".join(f"{k} {v}" for k, v in source.get("left_out", {}).items())
         print(f"  {source['name']:<20} rows {source['read']:>6}  records {source['records']:>6}  kept "
               f"{source['kept']:>6}  {dropped}{f'; left out of kept rows: {left_out}' if left_out else ''}")
-    quarantine = manifest["quarantine"]
-    if quarantine["rows"]:  # the file, or a Beam run's shards, as the manifest names them
-        # a line a record: a conversation row with a problem is quarantined once for each of its replies
-        print(f"quarantined {counted(quarantine['rows'], 'record')} (the malformed drops above), each with its "
-              f"problem and what was read of it -> {args.out / 'data' / quarantine['file']}")
+    if quarantined := quarantined_records(manifest):  # the file, or a Beam run's shards, as the manifest names them
+        print(f"quarantined {counted(quarantined, 'record')} (the malformed drops above), each with its problem and "
+              f"what was read of it -> {args.out / 'data' / manifest['quarantine']['file']}")
     if dropped := manifest["dropped_rows"]["rows"]:
         print(f"{counted(dropped, 'record')} left out as they were read, each with its reason -> "
               f"{args.out / 'data' / manifest['dropped_rows']['file']}")

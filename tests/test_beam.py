@@ -159,7 +159,7 @@ def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     beam = json.loads((tmp_path / "beam/data/manifest.json").read_text())
     assert comparable(beam) == comparable(local)
     # the case really covers what it claims
-    assert local["quarantine"]["rows"] == 1
+    assert local["quarantine"]["records"] == 1
     assert local["dedup"]["exact"]["by_kind"] == {"train_vs_test": 1}
     assert local["dedup"]["near_duplicates"]["removed"] >= 1
     assert local["sources"][0]["read"] == 38 + 171 and len(local["sources"][0]["files"]) == 2

@@ -448,7 +448,7 @@ def test_sharegpt_rows_with_role_and_content_keys_read_as_with_from_and_value(tm
         folder.mkdir()
         (folder / "share.json").write_text(json.dumps(written, ensure_ascii=False), encoding="utf-8")
         config = write_config(folder / "data.yaml", [{"name": "share", "format": "sharegpt", "path": "share.json"}])
-        assert prepare(config, folder / "run", progress=False)["quarantine"]["rows"] == 0
+        assert prepare(config, folder / "run", progress=False)["quarantine"]["records"] == 0
         made.append({r.id: (r.question, r.response, r.history, r.bucket_id) for s in ("train", "val", "test")
                      for r in read_records(folder / "run" / "data" / f"{s}.jsonl")})
     assert made[0] == made[1] and len(made[0]) == 2 * len(rows)

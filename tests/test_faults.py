@@ -163,7 +163,12 @@ def test_quarantine_keeps_going_and_accounts_for_every_row(tmp_path):
     assert source["kept"] == good and source["dropped"] == {"malformed": 2}
     assert source["records"] == source["kept"] + 2  # a malformed row is one record, dropped as malformed
     assert source["read"] == len(CAMREST) + 2  # rows: every dialogue line and the two bad ones
-    assert manifest["quarantine"]["rows"] == 2
+    assert manifest["quarantine"]["records"] == 2
+    # the count is of records (a conversation row is quarantined once a reply); an earlier manifest's `rows` too
+    from polyalign.data.layout import quarantined_records
+
+    assert quarantined_records(manifest) == 2 and quarantined_records({"quarantine": {"rows": 3}}) == 3
+    assert quarantined_records({"quarantine": {"enabled": False}}) == 0
 
 
 @pytest.mark.parametrize("problem,fragment", [

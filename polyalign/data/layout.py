@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from polyalign.core.outputs import other_stages_folder
 from polyalign.core.paths import file_digest, remove_path
@@ -172,3 +173,9 @@ def stale_note(data_dir: Path, removed: list[str]) -> str | None:
     shown = ", ".join(removed[:4]) + (f" and {len(removed) - 4} more" if len(removed) > 4 else "")
     return (f"note: removed {len(removed)} file(s) an earlier prepare left in {data_dir} that this one did not "
             f"write ({shown}), so that nothing reads them as this run's data")
+
+
+def quarantined_records(manifest: dict[str, Any]) -> int:
+    """How many records a prepare quarantined (an earlier manifest named the count `rows`: it counted records)."""
+    quarantine = manifest.get("quarantine") or {}
+    return int(quarantine.get("records", quarantine.get("rows", 0)))

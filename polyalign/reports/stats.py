@@ -28,7 +28,7 @@ from polyalign.data.bucketing import (
     prepared_scheme,
     weight_warnings,
 )
-from polyalign.data.layout import edited_records_files, prepare_manifest, split_files
+from polyalign.data.layout import edited_records_files, prepare_manifest, quarantined_records, split_files
 from polyalign.data.records import SPLITS, Record, before_question, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
@@ -329,7 +329,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         f"exact duplicates removed: {manifest['dedup'].get('exact', {}).get('removed', 'dedup off')}; "
         f"train/test near-duplicates: {near.get('pairs', 'off')}"
         + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
-        f"quarantined rows: {manifest['quarantine']['rows']}",
+        f"quarantined records: {quarantined_records(manifest)}",
         *_system_prompt_lines(counts.get("system_prompts")),
     ]
     lines += _weight_lines(stats)
