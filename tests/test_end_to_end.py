@@ -196,6 +196,14 @@ def test_the_stats_report_shows_the_weights_its_build_trains_with(built_run, tmp
     assert "| en\\|single\\|qa\\|huge | 0 | 2 | 1 | 3 | 1 / 2 / 3 | - | - |" in report
     assert row in report  # the others as before
     assert "; -: no train records, so nothing trains on the bucket" in report
+    # a language training has and the test split lacks is said once, as a language (its buckets are listed too)
+    assert "warning: language " not in report
+    held_out["counts"]["by_language"] = {**stats["counts"]["by_language"],
+                                         "yue": {"train": 7, "val": 1, "test": 0, "total": 8}}
+    report = render_markdown(held_out, json.loads((run / "data/manifest.json").read_text()))
+    assert report.count("warning: language ") == 1 and (
+        "- warning: language yue: 7 train records and none in test, so no test number covers yue (a source's "
+        "`split:` in the data config, or split.weights, gives it some)\n") in report
     # a build made before prepare ran again (training refuses it): its weights are not shown as what trains
     made_from = {**manifest["made_from"], "data/manifest.json": "0" * 64}
     (mine / "build/manifest.json").write_text(json.dumps({**manifest, "bucket_weights": built, "made_from": made_from}))

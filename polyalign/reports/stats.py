@@ -269,6 +269,19 @@ def _weight_lines(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _language_warnings(by_language: dict[str, dict[str, int]]) -> list[str]:
+    """A language training has but validation or the test split lacks: no number of that split covers it
+    (the bucket warnings below list its buckets one by one, where a reader may miss that they are all of it)."""
+    lines = []
+    for language, counts in by_language.items():
+        missing = [split for split in ("val", "test") if counts["train"] and not counts[split]]
+        if missing:
+            lines.append(f"language {language}: {counts['train']} train records and none in "
+                         f"{' or '.join(missing)}, so no {' or '.join(missing)} number covers {language} (a source's "
+                         "`split:` in the data config, or split.weights, gives it some)")
+    return lines
+
+
 def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
     return [[s["name"], s["format"], str(s["read"]), str(s.get("records", "-")), str(s["kept"]),
              ", ".join(f"{k}: {v}" for k, v in s["dropped"].items()) or "-",
@@ -333,6 +346,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         *_system_prompt_lines(counts.get("system_prompts")),
     ]
     lines += _weight_lines(stats)
+    lines += [f"warning: {warning}" for warning in _language_warnings(counts["by_language"])]
     lines += [f"warning: {warning}" for warning in stats["weights"]["warnings"]]
     if stats["references"]["skipped_buckets"]:
         lines.append("buckets without a reference (< "
