@@ -1341,11 +1341,12 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
     # a round's model moved out of its rounds folder: its own record says which round it was
     moved = tmp_path / "moved" / "model"
     moved.mkdir(parents=True)
-    (moved / "polyalign_training.json").write_text(json.dumps({"config": {"method": "hdpo", "rounds": 1},
-                                                               "round": {"number": 2, "of": 3}}))
+    (moved / "polyalign_training.json").write_text(json.dumps({"config": {"method": "hdpo", "rounds": 1}, "round": {
+        "number": 2, "of": 3, "from": "/runs/sft/model"}}))
     (tmp_path / "moved.jsonl").write_text('{"id": "a", "prediction": "b"}\n')
     sidecar(tmp_path / "moved.jsonl").write_text(json.dumps({"settings": {"checkpoint": str(moved)}}))
-    assert trained_with(tmp_path / "moved.jsonl")["round"] == "2 of 3 (on-policy)"
+    said = trained_with(tmp_path / "moved.jsonl")
+    assert (said["round"], said["rounds from"]) == ("2 of 3 (on-policy)", "/runs/sft/model")
     assert "round" not in bucket
     # an SFT run's profile is its build's, not a key of its config: its export's tokenizer config names it
     assert "profile" not in bucket

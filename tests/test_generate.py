@@ -609,7 +609,7 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     # it); 512 for a model that does not say, or one trained long enough; a given budget stays as given
     assert GenerateOptions(sampling=SamplingConfig(max_new_tokens=64)).max_prompt_tokens == "auto"
     assert default_prompt_budget(scratch, "auto", 64) == (192, [
-        f"--max-prompt-tokens 192 (chosen): {scratch} never trained on a sequence longer than 256 tokens "
+        f"--max-prompt-tokens 192 (chosen): {scratch} was never trained on a sequence longer than 256 tokens "
         "(polyalign_max_length in its tokenizer_config.json: polyalign trained it, or the model it was trained from, "
         "from scratch), and --max-new-tokens 64 leaves 192 of them (give --max-prompt-tokens to choose; 512 where a "
         "model does not say)"])
@@ -625,7 +625,7 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
         budget, _ = default_prompt_budget(scratch, "auto", answers)
         assert budget >= 128 and (past_trained_length(scratch, budget, answers) is None) == (answers <= 128)
     assert past_trained_length(scratch, 512, 64) == (
-        f"{scratch} never trained on a sequence longer than 256 tokens (polyalign_max_length in its "
+        f"{scratch} was never trained on a sequence longer than 256 tokens (polyalign_max_length in its "
         "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch); "
         "--max-prompt-tokens 512 + --max-new-tokens 64 = 576 lets a long prompt and its answer run past them, into "
         "positions the model never learned: --max-prompt-tokens 192 keeps within them (a prompt cut shorter loses its "

@@ -507,8 +507,8 @@ def test_training_on_packed_pairs(demo_run, demo_tokenizer, tmp_path, capsys):
     from polyalign.train.preference import summary_line
 
     assert result["packed"] is True and summary_line(result).startswith("hdpo: 3 steps of packed rows on 20 pairs;")
-    assert ("| global batch | 2 rows of packed pairs (data.pack): a step trained on several pairs a row, more than "
-            "an unpacked step of that batch (metrics.jsonl logs how many) |") in (
+    assert ("| global batch | 2 rows of packed pairs (data.pack): a step trained on as many pairs as fit its rows, at "
+            "least one a row (metrics.jsonl logs how many) |") in (
         tmp_path / "out" / "model" / "README.md").read_text()
     # scored pairs: the critic's terms logged, on training and validation pairs (0 < R < 2, the scores' range)
     assert all(0 < r["dist_reg"] < 2 and "dist_gap" in r for r in steps) and 0 < val[-1]["val_dist_reg"] < 2
@@ -901,9 +901,10 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     round2 = json.loads((out / "round-2" / "config.json").read_text())
     assert round2["init"] == str(out / "round-1" / "model") and round2["rounds"] == 1
     # ... so each round's model folder says which round of how many it is: its record and its card
-    for r, start in ((1, "init"), (2, "round 1's model")):
+    for r, start in ((1, str(tmp_path / "init")), (2, "round 1's model")):
         model = out / f"round-{r}" / "model"
-        assert json.loads((model / "polyalign_training.json").read_text())["round"] == {"number": r, "of": 2}
+        assert json.loads((model / "polyalign_training.json").read_text())["round"] == {
+            "number": r, "of": 2, "from": str(tmp_path / "init")}
         card = (model / "README.md").read_text()
         assert card.count("| on-policy round |") == 1 and (
             f"| hdpo |\n| on-policy round | {r} of 2 (rounds=2: trained from {start} as a run of its own, so its "
@@ -1073,7 +1074,7 @@ def test_the_critic_notes_responses_read_past_its_encoders_trained_length(tmp_pa
     init.mkdir(parents=True)
     (init / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 256}))
     assert past_trained_note(init, 512, "the critic encode responses at") == (
-        f"note: {init} never trained on a sequence longer than 256 tokens (polyalign_max_length in its "
+        f"note: {init} was never trained on a sequence longer than 256 tokens (polyalign_max_length in its "
         "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch): "
         "data.max_length 512 lets the critic encode responses at positions it never "
         "learned; data.max_length=256 keeps within them")
@@ -1101,7 +1102,7 @@ def test_a_preference_run_notes_pairs_cut_otherwise_than_its_sft_stage(tmp_path)
     assert cut_unlike_sft_notes(config) == [
         f"note: {run}'s build cut its SFT examples to 192 tokens by --truncation turns; this run cuts pairs to "
         "data.max_length 256 by truncation=left: give data.max_length=192 truncation=turns to cut them alike",
-        f"note: {init} never trained on a sequence longer than 192 tokens (polyalign_max_length in its "
+        f"note: {init} was never trained on a sequence longer than 192 tokens (polyalign_max_length in its "
         "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch): "
         "data.max_length 256 lets pairs reach positions it never learned; "
         "data.max_length=192 keeps within them"]
@@ -1451,3 +1452,34 @@ def test_pair_sides_leave_a_long_system_message_out_together(demo_run, demo_toke
             assert "(1 left out whole, over half of the prompt's share, rather than keep its last tokens)" in note
             found += 1
     assert found >= 2, found
+
+
+def test_a_round_is_marked_in_its_record_and_both_cards_whole_and_once(tmp_path):
+    """mark_round: the record gets "round", the model's and the adapter's cards a row after the method's (once,
+    however often a round is marked; a rerun with another count replaces it); a record that is not an export's
+    (not JSON, not a mapping) and a card without a method row are left as they are."""
+    from polyalign.train.rounds import mark_round
+
+    model, adapter = tmp_path / "round-2" / "model", tmp_path / "round-2" / "adapter"
+    model.mkdir(parents=True)
+    adapter.mkdir()
+    card = "# m\n\n| key | value |\n|---|---|\n| method | hdpo |\n| steps | 4 |\n"
+    for folder in (model, adapter):
+        (folder / "README.md").write_text(card)
+    (model / "polyalign_training.json").write_text(json.dumps({"config": {"rounds": 1}, "segments": []}))
+    for rounds in (2, 3, 3):
+        mark_round(model, 2, rounds, "/runs/sft/model")
+    row = ("| on-policy round | 2 of 3 (rounds=3: trained from round 1's model as a run of its own, so its config "
+           "records rounds 1) |")
+    for folder in (model, adapter):
+        assert (folder / "README.md").read_text() == card.replace("| hdpo |\n", f"| hdpo |\n{row}\n")
+    assert json.loads((model / "polyalign_training.json").read_text()) == {
+        "config": {"rounds": 1}, "segments": [], "round": {"number": 2, "of": 3, "from": "/runs/sft/model"}}
+    assert not list(tmp_path.rglob("*.partial"))
+    (model / "polyalign_training.json").write_text("{truncated")
+    (model / "README.md").write_text("a card of one's own\n")
+    mark_round(model, 1, 2, "/runs/sft/model")
+    assert (model / "polyalign_training.json").read_text() == "{truncated"
+    assert (model / "README.md").read_text() == "a card of one's own\n"
+    assert "2 of 3" not in (adapter / "README.md").read_text() and "| on-policy round | 1 of 2 (rounds=2: trained " \
+        "from /runs/sft/model as a run" in (adapter / "README.md").read_text()

@@ -104,9 +104,18 @@ def test_hdpo_on_a_critic_that_ranks_backwards_repeats_the_critics_warning(tmp_p
         f"warning: the critic that scored {pairs} ranks its held-out pairs worse than chance (0.346, "
         f"{tmp_path / 'critic.json'}): HDPO's distance term (lambda_dist 0.1) pushes toward the rejected answers; "
         "train the critic longer, or set lambda_dist=0")
-    assert "held-out pairs (0.5" not in critic_card_row(scoring_critic(PreferenceConfig(), pairs))["critic"]
-    (tmp_path / "critic.json").write_text(json.dumps({"val": {"ranking_accuracy": 0.346}}))  # another shape
-    assert said(PreferenceConfig()) is None
+    assert critic_card_row(scoring_critic(PreferenceConfig(), pairs))["critic"].endswith(
+        "ranking accuracy 0.346, AUC 0.389 (0.5: chance); the distance term trained on its scores")  # pairs unknown
+    # an earlier critic.json, or one whose AUC had an empty side: the accuracy alone warns, and the card has no AUC
+    for val in ({"ranking_accuracy": 0.346}, {"ranking_accuracy": 0.346, "auc": None}):
+        (tmp_path / "critic.json").write_text(json.dumps({"val": val}))
+        assert said(PreferenceConfig()).startswith("warning: the critic that scored ")
+        assert critic_card_row(scoring_critic(PreferenceConfig(), pairs))["critic"] == (
+            f"{tmp_path / 'critic.json'}: ranking accuracy 0.346 (0.5: chance); the distance term trained on its "
+            "scores")
+    for other in ({"val": {"ranking_accuracy": "high"}}, {"val": [0.3]}, []):  # of another shape: nothing said
+        (tmp_path / "critic.json").write_text(json.dumps(other))
+        assert said(PreferenceConfig()) is None
 
 
 def test_validation_pairs_that_are_the_training_pairs_are_refused(real_pairs, tmp_path, capsys):
@@ -548,7 +557,7 @@ def test_sequences_past_the_models_positions_are_refused_before_anything_loads(b
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 24}))
     assert with_max_sequence(ServeOptions(), ckpt).max_sequence == 24
     assert context_note(ckpt, 24) == (
-        f"context: {ckpt} never trained on a sequence longer than 24 tokens (polyalign_max_length in its "
+        f"context: {ckpt} was never trained on a sequence longer than 24 tokens (polyalign_max_length in its "
         "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch), so a request's "
         "prompt and answer get 24 tokens, as `generate` keeps them; a longer one is refused with status 400 "
         "(--max-sequence serves more, in positions it never learned)")

@@ -64,6 +64,15 @@ def remove_path(path) -> None:
         path.unlink()
 
 
+def replace_text(path, text: str) -> None:
+    """Writes `path` whole or not at all: into a file beside it, then renamed over it, so that a process killed
+    while writing leaves the old file (a local path; a bucket's objects are written whole anyway)."""
+    path = as_path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def checkpoint_identity(path: str | os.PathLike) -> dict[str, Any]:
     """What tells one checkpoint folder from another without reading its weights: the digest of its
     config and the size and modification time of every weight file. Recorded by the outputs made with

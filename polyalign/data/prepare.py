@@ -653,8 +653,9 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
         "dropped_rows": {"file": file_label("dropped", num_shards), "rows": sum(
             sum(t.dropped.values()) - t.dropped["malformed"] - sum(sum(c.values()) for c in t.dropped_by_split.values())
             for t in tallies)},
-        # a line a record: a conversation row with a problem is quarantined once for each of its replies
-        "quarantine": {"enabled": on_error == "quarantine", "records": quarantined,
+        # a line a record: a conversation row with a problem is quarantined once for each of its replies; `rows`,
+        # the same count under its earlier name, is deprecated (CHANGELOG)
+        "quarantine": {"enabled": on_error == "quarantine", "records": quarantined, "rows": quarantined,
                        **({"file": file_label("quarantine", num_shards)} if on_error == "quarantine" else {})},
         **agreement.to_manifest(),
         "timings_s": {k: round(v, 3) for k, v in timings.items()},

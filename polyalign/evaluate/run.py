@@ -801,8 +801,14 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     rounds = round_of(record["run"]) if record["run"] is not None else {}
     marked = record.get("round") or {}
     if not rounds and marked.get("number"):  # a round's model moved out of its rounds folder: its record says
-        rounds = {"round": f"{marked['number']} of {marked.get('of', '?')} (on-policy)"}
+        rounds = {"round": round_words(marked["number"], marked.get("of", "?")),
+                  **({"rounds from": marked["from"]} if marked.get("from") else {})}
     return {"checkpoint": checkpoint, **settings, **rounds, "settings": others}
+
+
+def round_words(number: int, of: int | str) -> str:
+    """A round of on-policy rounds as the comparison report names it: "2 of 3 (on-policy)"."""
+    return f"{number} of {of} (on-policy)"
 
 
 def round_of(run: Path) -> dict[str, Any]:
@@ -822,7 +828,7 @@ def round_of(run: Path) -> dict[str, Any]:
         first = json.loads((rounds / "round-1" / "config.json").read_text()).get("init")
     except (OSError, ValueError, AttributeError):
         first = None
-    return {"round": f"{found[1]} of {planned} (on-policy)", **({"rounds from": first} if first else {})}
+    return {"round": round_words(int(found[1]), planned), **({"rounds from": first} if first else {})}
 
 
 def _result(joined: Joined, metrics: dict[str, Any], records_path: Path, predictions_path: Path,

@@ -266,12 +266,12 @@ def training_card(config: Any) -> dict[str, Any]:
 
 def packed_batch_words(config: Any) -> int | str:
     """The card's global batch: train.global_batch, or for a packed run what its steps held (rows, each of
-    several examples or pairs), since a packed step trains on more than an unpacked one of that batch."""
+    one or more examples or pairs), since a packed step may train on more than an unpacked one of that batch."""
     if not config.data.pack:
         return config.train.global_batch
     unit = "pairs" if hasattr(config, "pair_files") else "examples"
-    return (f"{config.train.global_batch} rows of packed {unit} (data.pack): a step trained on several {unit} a row, "
-            "more than an unpacked step of that batch (metrics.jsonl logs how many)")
+    return (f"{config.train.global_batch} rows of packed {unit} (data.pack): a step trained on as many {unit} as fit "
+            "its rows, at least one a row (metrics.jsonl logs how many)")
 
 
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,

@@ -55,7 +55,7 @@ def trained_length(checkpoint: str | os.PathLike) -> int | None:
 def never_trained_past(checkpoint, trained: int) -> str:
     """What a checkpoint's MAX_LENGTH_KEY says, in words: true of a model polyalign trained from scratch and
     of one trained on from it (an HDPO export of a from-scratch SFT model records its ancestor's length)."""
-    return (f"{checkpoint} never trained on a sequence longer than {trained} tokens ({MAX_LENGTH_KEY} in its "
+    return (f"{checkpoint} was never trained on a sequence longer than {trained} tokens ({MAX_LENGTH_KEY} in its "
             "tokenizer_config.json: polyalign trained it, or the model it was trained from, from scratch)")
 
 

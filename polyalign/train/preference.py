@@ -316,12 +316,14 @@ def scoring_critic(config: PreferenceConfig, pairs_file: str) -> dict[str, Any] 
     path = Path(pairs_file).parent / "critic.json"
     try:
         record = json.loads(path.read_text())
-        val = {key: record["val"][key] for key in ("ranking_accuracy", "auc")}
-    except (OSError, ValueError, KeyError, TypeError):  # pairs scored elsewhere, or a critic.json of another shape
+        accuracy, auc = record["val"]["ranking_accuracy"], record["val"].get("auc")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # scored elsewhere, or of another shape
         return None
-    if not all(isinstance(value, int | float) for value in val.values()):
+    if not isinstance(accuracy, int | float):
         return None
-    return {"file": str(path), **val, "val_pairs": record.get("val_pairs")}
+    # the AUC is None where a side was empty, and an earlier critic.json has none
+    return {"file": str(path), "ranking_accuracy": accuracy, "auc": auc if isinstance(auc, int | float) else None,
+            "val_pairs": record.get("val_pairs")}
 
 
 def backward_critic_note(config: PreferenceConfig, critic: dict[str, Any] | None, pairs_file: str) -> str | None:
@@ -340,8 +342,9 @@ def critic_card_row(critic: dict[str, Any] | None) -> dict[str, str]:
     if critic is None:
         return {}
     pairs = f" on {critic['val_pairs']} held-out pairs" if isinstance(critic.get("val_pairs"), int) else ""
-    return {"critic": f"{critic['file']}: ranking accuracy {critic['ranking_accuracy']:.3f}, AUC {critic['auc']:.3f}"
-                      f"{pairs} (0.5: chance); the distance term trained on its scores"}
+    auc = f", AUC {critic['auc']:.3f}" if critic["auc"] is not None else ""
+    return {"critic": f"{critic['file']}: ranking accuracy {critic['ranking_accuracy']:.3f}{auc}{pairs} (0.5: "
+                      "chance); the distance term trained on its scores"}
 
 
 def profile_note(config: PreferenceConfig, tokenizer, pair: dict) -> str | None:

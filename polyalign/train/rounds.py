@@ -16,6 +16,7 @@ validation pairs stay fixed, so the drift probe's measures of each round's own a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -26,7 +27,7 @@ from typing import Any
 
 import jax
 
-from polyalign.core.paths import TRAINING_RECORD, as_path, remove_path
+from polyalign.core.paths import TRAINING_RECORD, as_path, remove_path, replace_text
 from polyalign.core.yaml_config import ConfigError, from_mapping
 from polyalign.data.records import Record
 from polyalign.generate.run import GenerateOptions, SamplingConfig, generate_predictions
@@ -112,23 +113,28 @@ def refresh_critic(critic_dir: Path, pairs_path: Path, out: Path, train: Callabl
 ROUND_CARD_ROW = "| on-policy round |"
 
 
-def mark_round(model: Path, r: int, rounds: int) -> None:
-    """Says in round r's model folder that it is round r of `rounds`: in its training record ("round") and
-    its card. A round trains as a run of its own, so the config both record says rounds 1; a kept round is
-    marked again with this run's count."""
-    record_path, card_path = model / TRAINING_RECORD, model / "README.md"
-    if record_path.is_file():
+def mark_round(model: Path, r: int, rounds: int, first_init: str) -> None:
+    """Says in round r's model folder (and its adapter folder, where it has one) that it is round r of
+    `rounds`: its training record gets "round" ({number, of, from}: the model round 1 started from) and its
+    cards a row. A round trains as a run of its own, so the config it records says rounds 1; a kept round is
+    marked again with this run's count. Each file is replaced whole; one that is not as an export writes it
+    (edited by hand, say) is left as it is."""
+    record_path = model / TRAINING_RECORD
+    with contextlib.suppress(OSError, ValueError):  # none there, or not JSON
         record = json.loads(record_path.read_text())
-        record["round"] = {"number": r, "of": rounds}
-        record_path.write_text(json.dumps(record, indent=2) + "\n")
-    if card_path.is_file():
+        if isinstance(record, dict):
+            replace_text(record_path, json.dumps({**record, "round": {"number": r, "of": rounds, "from": first_init}},
+                                                 indent=2) + "\n")
+    start = first_init if r == 1 else f"round {r - 1}'s model"
+    row = (f"{ROUND_CARD_ROW} {r} of {rounds} (rounds={rounds}: trained from {start} as a run of its own, so its "
+           "config records rounds 1) |")
+    for card_path in (model / "README.md", model.parent / "adapter" / "README.md"):
+        if not card_path.is_file():
+            continue
         lines = [line for line in card_path.read_text().split("\n") if not line.startswith(ROUND_CARD_ROW)]
         at = next((i + 1 for i, line in enumerate(lines) if line.startswith("| method |")), None)
         if at is not None:
-            start = "init" if r == 1 else f"round {r - 1}'s model"
-            lines.insert(at, f"{ROUND_CARD_ROW} {r} of {rounds} (rounds={rounds}: trained from {start} as a run of "
-                             "its own, so its config records rounds 1) |")
-            card_path.write_text("\n".join(lines))
+            replace_text(card_path, "\n".join([*lines[:at], row, *lines[at:]]))
 
 
 def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bool = True,
@@ -175,7 +181,7 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
             result = train(round_config, directory, progress)
             if result["stopped_early"]:
                 return {**result, "round": r, "rounds": summaries, "rounds_planned": config.rounds}
-        mark_round(directory / "model", r, config.rounds)
+        mark_round(directory / "model", r, config.rounds, str(config.init))
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {})})
         policy = directory / "model"

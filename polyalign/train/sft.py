@@ -136,7 +136,8 @@ def validation_measures(host: dict[str, np.ndarray], buckets: list[str], weights
                         trained: np.ndarray) -> dict[str, Any]:
     """Validation loss overall (mean over examples), weighted by the bucket weights, and per bucket, from
     summed metrics. The worst bucket and the spread are over the buckets training saw (`trained`, those
-    with train examples): a bucket met only in validation is named apart, its loss in val_by_bucket."""
+    with train examples; all, where validation holds none of them): a bucket met only in validation is named
+    apart, its loss in val_by_bucket."""
     examples = host["bucket_examples"]
     mean_by_bucket = np.divide(host["bucket_loss"], examples, out=np.zeros_like(examples), where=examples > 0)
     present = examples > 0
