@@ -1472,6 +1472,9 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     card = (out / "model" / "README.md").read_text(encoding="utf-8")
     assert "| steps | 4 (train.steps 3 up to step 3, then 4), resumed on the new length's learning-rate " \
            "schedule |" in card
+    # the model's own record holds the invocation that exported it too (it held the earlier ones only)
+    record = json.loads((out / "model" / "polyalign_training.json").read_text())["segments"]
+    assert [(s["start_step"], s["end_step"], s["steps"]) for s in record] == [(0, 3, 3), (3, 4, 4)]
     # fewer steps than the run has trained: refused before anything is moved, removed or exported again
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     with pytest.raises(ConfigError, match=re.escape(f"{out}: already trained to step 4, past the 3 steps this config "
@@ -1487,6 +1490,17 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     rates = {r["step"]: r["lr"] for r in read_metrics(out) if "lr" in r}
     assert (f"note: the run's length changed on resume, so the learning-rate schedule is the one for 4 steps from "
             f"here: step 4 takes {rates[4]:.2e}, where step 3 took {rates[3]:.2e}") in printed
+    # an invocation stopped outright (SIGKILL) after its last checkpoint wrote no summary: the next one, which
+    # resumes from that checkpoint, keeps its steps as a segment of unknown time
+    before = (out / "summary.json").read_text()
+    train_sft(sft_config(run, 6), out, progress=False, existing="resume")
+    (out / "summary.json").write_text(before)  # as if 4 -> 6 had been killed before writing its summary
+    whole = train_sft(sft_config(run, 6), out, progress=False)
+    assert (whole["start_step"], whole["end_step"]) == (6, 6)
+    assert [(s["start_step"], s["end_step"], s["steps"], s.get("ended")) for s in whole["segments"]] == [
+        (0, 3, 3, None), (3, 4, 4, None), (4, 6, 6, "without a summary (stopped outright)")]
+    assert "total_seconds" not in whole  # one invocation's time is unknown
+    assert json.loads((out / "model" / "polyalign_training.json").read_text())["segments"] == whole["segments"]
     again = train_sft(sft_config(run, 3, "optimizer.lr=0.002"), out, progress=False, existing="overwrite")
     assert again["start_step"] == 0 and json.loads((out / "config.json").read_text())["optimizer"]["lr"] == 2e-3
     assert len([r for r in read_metrics(out) if "loss" in r]) == 3 and first["end_step"] == 3

@@ -277,16 +277,19 @@ def packed_batch_words(config: Any) -> int | str:
 def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | None, config: Any,
                    template: ChatTemplate, profile: str, system: str = "keep",
                    values: dict[str, Any] | None = None, coverage: str | None = None,
-                   max_length: int | None = None, card_rows: dict[str, str] | None = None) -> dict[str, str]:
+                   max_length: int | None = None, card_rows: dict[str, str] | None = None,
+                   segments: list[dict] | None = None) -> dict[str, str]:
     """OUT/model from a finished run, in model.export_dtype (default: the training dtype). A run with
     adapters also writes them as a PEFT adapter folder, OUT/adapter, and OUT/model holds the merged
     weights W + (alpha / r) A B. `values`: the profile values the run's data held (seen_profile_values);
     `coverage`: how many training examples held the profile prompt whole (profile_coverage); `max_length`:
     the longest sequence this run trained on (default data.max_length); `card_rows`: the method's own rows
-    for the model card (HDPO's critic)."""
+    for the model card (HDPO's critic); `segments`: the invocations that trained the run, this one included
+    (default: those OUT/summary.json records, which this one has not yet joined)."""
     written = {}
     card = {**training_card(config), **(card_rows or {})}
-    lengths = length_history(run_segments(out), config.train.steps)
+    segments = run_segments(out) if segments is None else segments
+    lengths = length_history(segments, config.train.steps)
     if lengths:  # resumed with another train.steps: the schedule changed where it resumed
         card["steps"] = f"{lengths}, resumed on the new length's learning-rate schedule"
     dtype = config.model.export_dtype or compute_dtype(config.model.dtype)
@@ -300,8 +303,7 @@ def export_trained(model: Transformer, tokenizer: Tokenizer, out, mesh: Mesh | N
                       card={**card, **({PROFILE_COVERAGE: coverage} if coverage else {})},
                       base=config.init, system=system, values=values,
                       max_length=longest_trained(config.init, max_length or config.data.max_length),
-                      training={"config": settings_record(dataclasses.asdict(config)),
-                                "segments": run_segments(out)})
+                      training={"config": settings_record(dataclasses.asdict(config)), "segments": segments})
     if written and jax.process_index() == 0:
         # the tokenizer beside the adapter: PEFT's AutoPeftModelForCausalLM reads it from the adapter's folder, and
         # without it went to the network for the base's, warning offline

@@ -205,7 +205,7 @@ def setup(config: CriticConfig, mesh, progress: bool = True) -> Job:
                         params=jax.device_get(trainer.state["params"]))
         return {f"val_{k}": round(v, 6) if isinstance(v, float) else v for k, v in report.items()}
 
-    def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
+    def finish(trainer: Trainer, out: Path, segments: list[dict]) -> dict[str, Any]:  # the critic keeps no record
         critic = trainer.model(best["params"])
         train_report = evaluate_split(critic, train, buckets)
         for split, pairs in ((train, train_pairs), (val, val_pairs)):

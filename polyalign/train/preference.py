@@ -441,7 +441,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
 
     train_scored = not unscored_pairs(train_pairs)
 
-    def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
+    def finish(trainer: Trainer, out: Path, segments: list[dict]) -> dict[str, Any]:
         # the values the pairs held and those the policy's SFT data held (its export says them)
         pair_values = {key: {p["record"][field] for p in train_pairs} for key, field in PROFILE_FIELDS.items()}
         held = Counter(tuple(p["record"][field] for field in PROFILE_FIELDS.values()) for p in train_pairs)
@@ -454,7 +454,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                         config.profile, tokenizer.system_mode,
                                         seen_profile_values(config.profile, pair_values, tokenizer.profile_values),
                                         None if config.profile == "none" else coverage,
-                                        card_rows=critic_card_row(critic))
+                                        card_rows=critic_card_row(critic), segments=segments)
         return {**written, **check_export(written["model"], tokenizer, pair_texts(train_pairs))}
 
     return Job(model, objective, batches,

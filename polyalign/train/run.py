@@ -62,8 +62,9 @@ class Job:
     summarize: Callable[[dict], dict[str, Any]] | None = None  # a step's metric sums -> logged values
     checkpoint_meta: dict[str, Any] | None = None  # None: the method keeps no checkpoints
     # After a run that reached its last step (not after an interruption): export, scoring; what it
-    # returns joins the summary.
-    finish: Callable[[Trainer, Path], dict[str, Any] | None] | None = None
+    # returns joins the summary. Its third argument: the invocations that trained the run, this one included
+    # (run_segments', for the export's record).
+    finish: Callable[[Trainer, Path, list[dict]], dict[str, Any] | None] | None = None
     summary: dict[str, Any] = field(default_factory=dict)  # facts known at setup (pairs, examples)
     # Model FLOPs per token a step runs (polyalign/model/flops.py), for MFU; None: not logged.
     flops_per_token: float | None = None
@@ -277,6 +278,14 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
             metrics.close()
         if "last" not in result:  # resumed at its last step: nothing trained this time
             result["last"] = logged_step(out, result["end_step"])
+        earlier = reconciled_segments(run_segments(out), result["start_step"], previous)
+
+        def segments(seconds: float) -> list[dict]:  # every invocation that trained the run, this one included
+            if result["end_step"] == result["start_step"] and earlier:
+                return earlier
+            return [*earlier, {"start_step": result["start_step"], "end_step": result["end_step"], "steps": loop.steps,
+                               "processes": jax.process_count(), "mesh": dict(mesh.shape), "seconds": seconds}]
+
         kept = kept_export(out, config, result) if not result["stopped_early"] else None
         if kept is not None:
             result.update(kept)
@@ -286,20 +295,16 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
         elif not result["stopped_early"] and job.finish is not None:
             watchdog.phase(f"the closing work of {config.method} (export, scoring)", "finish")
             with peers_watched(checkpointer, out):
-                result.update(job.finish(trainer, out) or {})
+                result.update(job.finish(trainer, out, segments(round(time.perf_counter() - started, 1))) or {})
     result.update(out=str(out), method=config.method, **job.summary,
                   seconds=round(time.perf_counter() - started, 1), mesh=dict(mesh.shape))
     # every invocation that trained the run, kept across resumes (a changed train.steps reshapes the schedule
     # from where it resumed: the model card and evaluate's record say so, read from here)
-    segments = run_segments(out)
-    if result["end_step"] > result["start_step"] or not segments:
-        segments = [*segments, {"start_step": result["start_step"], "end_step": result["end_step"],
-                                "steps": loop.steps, "processes": jax.process_count(), "mesh": dict(mesh.shape),
-                                "seconds": result["seconds"]}]
-    result["segments"] = segments
-    # `seconds` is this invocation's; the run's whole time where every invocation recorded its own
-    if all("seconds" in segment for segment in segments):
-        result["total_seconds"] = round(sum(segment["seconds"] for segment in segments), 1)
+    result["segments"] = segments(result["seconds"])
+    # `seconds` is this invocation's; the run's whole time where every invocation recorded its own (one killed
+    # outright recorded none)
+    if all("seconds" in segment for segment in result["segments"]):
+        result["total_seconds"] = round(sum(segment["seconds"] for segment in result["segments"]), 1)
     if jax.process_index() == 0:
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
@@ -400,6 +405,19 @@ def logged_step(out: Path, step: int) -> dict[str, Any]:
         if row.get("step") == step:
             record.update(row)
     return record
+
+
+def reconciled_segments(segments: list[dict], start_step: int, previous: dict[str, Any] | None) -> list[dict]:
+    """`segments` (run_segments) with the invocations that trained the run to `start_step` but ended without
+    writing a summary (killed outright: SIGKILL, a preempted host) as one segment of unknown time, with the
+    train.steps of the config they left (`previous`, its train section): they trained the steps this one
+    resumed from, and the record of how the model was trained lost them."""
+    done = segments[-1].get("end_step", 0) if segments else 0
+    if start_step <= done:
+        return segments
+    steps = (previous or {}).get("steps")
+    return [*segments, {"start_step": done, "end_step": start_step, "steps": steps if isinstance(steps, int) else None,
+                        "ended": "without a summary (stopped outright)"}]
 
 
 def steps_phrase(result: dict[str, Any], trained: str) -> str:

@@ -255,7 +255,7 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
                                           if train_counts[i] > 0}
         return record
 
-    def finish(trainer: Trainer, out: Path) -> dict[str, Any]:
+    def finish(trainer: Trainer, out: Path, segments: list[dict]) -> dict[str, Any]:
         options = manifest["options"]
         # the values the data held, and those of the checkpoint trained on from (its own SFT data)
         values = seen_profile_values(options["profile"], manifest.get("train_profile_values"),
@@ -264,7 +264,8 @@ def setup(config: SftConfig, mesh, progress: bool = True) -> Job:
         written = export.export_trained(trainer.model(), tokenizer, out, trainer.mesh, config,
                                         get_template(manifest["template"], tokenizer), options["profile"],
                                         options.get("system", "keep"), values,  # builds before system modes: keep
-                                        None if options["profile"] == "none" else coverage, max_length=length)
+                                        None if options["profile"] == "none" else coverage, max_length=length,
+                                        segments=segments)
         return {**written, **check_export(written["model"], tokenizer, probe_texts(probe_records(run, PROBE_RECORDS)))}
 
     return Job(model, objective, batches,
