@@ -385,6 +385,21 @@ def test_save_never_replaces_a_checkpoint_unasked(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging folders left behind
 
 
+def test_a_save_removes_what_a_save_stopped_outright_left(tmp_path, capsys):
+    """A process killed while saving leaves its staging folder (and, mid-replacement, the retired model) beside
+    the target, where its own cleanup never ran: the next save of that path removes them, saying so; another
+    path's are not its to remove."""
+    model = load_hf_checkpoint(FIXTURES / "hf" / "qwen2")
+    for left in (".model.staging-0693c181", ".model.old", ".other.staging-12345678"):
+        (tmp_path / left).mkdir()
+        (tmp_path / left / "config.json").write_text("{}")
+    save_hf_checkpoint(model, tmp_path / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.staging-12345678", "model"]
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / '.model.staging-0693c181'} removed: an unfinished save of model (a process stopped " \
+           "while writing it)" in err and err.count("note: ") == 2
+
+
 # Parameter counts the model cards publish (embedding included, tied heads counted once).
 PUBLISHED_SIZES = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
                    "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "gemma2-2b": 2_614_341_888,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -304,6 +305,17 @@ def hf_state_dict(model: Transformer, dtype: str | None = None) -> dict[str, np.
     return out
 
 
+def remove_unfinished_saves(path: epath.Path) -> None:
+    """Removes what a save of `path` stopped outright (SIGKILL, a preempted host) left beside it, which its own
+    cleanup never ran for: staging folders (up to a whole model's shards) and the retired copy of a model being
+    replaced. One writer saves a path at a time (a run's output lock), so none of them is still being written."""
+    for left in [*path.parent.glob(f".{path.name}.staging-*"), path.parent / f".{path.name}.old"]:
+        if left.exists():
+            left.rmtree()
+            print(f"note: {left} removed: an unfinished save of {path.name} (a process stopped while writing it)",
+                  file=sys.stderr, flush=True)
+
+
 def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, dtype: str | None = None,
                        max_shard_bytes: int | None = None, overwrite: bool = False,
                        extra_files: dict[str, str | bytes] | None = None) -> epath.Path:
@@ -319,6 +331,7 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, dtype: st
     dtype = dtype or model.config.param_dtype
     tensors = hf_state_dict(model, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_unfinished_saves(path)
     staging = path.parent / f".{path.name}.staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
