@@ -781,10 +781,10 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: "")
     probe.buckets, probe.human_tokens = ["a", "a", "b"], np.array([4.0, 5.0, 6.0])
     probe.references = probe.critic = None
-    probe.said_empty = probe.said_blind = probe.people_logged = probe.said_wordless = False
+    probe.said_empty = probe.said_blind = probe.said_wordless = False
     probe.distance_term = True
     probe.people_scores = {"drift/people_support_distance": None, "drift/people_critic": None}
-    trainer = SimpleNamespace(model=lambda params: None, state={"params": None})
+    trainer = SimpleNamespace(model=lambda params: None, state={"params": None}, first_evaluation=lambda: True)
     first, second = probe(trainer), probe(trainer)
     assert first == second and first["drift/empty"] == 1.0 and first["drift/length_ratio"] == 0.0
     assert capsys.readouterr().err.splitlines() == [
@@ -795,7 +795,7 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
     # answers of punctuation alone (a Chinese model's "，，，，"): counted and said once, not scored as text only
     answers = iter(["，，，，，，", "，，，", "我们去看电影吧。"] * 2)
     probe.tokenizer = SimpleNamespace(decode=lambda tokens, skip_special: next(answers))
-    probe.said_empty = probe.people_logged = False
+    probe.said_empty = False
     first, second = probe(trainer), probe(trainer)
     assert first["drift/without_words"] == second["drift/without_words"] == 0.6667 and first["drift/empty"] == 0.0
     assert capsys.readouterr().err.splitlines() == [
@@ -803,6 +803,21 @@ def test_a_drift_probe_whose_answers_are_all_empty_says_so_once(capsys):
         "word, only punctuation (drift/without_words 0.6667): the policy has degenerated, whatever its support "
         "distance and critic score (which measure these answers as text) say; read them (`polyalign generate`), and "
         "lower the learning rate or stop earlier"]
+
+
+def test_what_a_run_logs_once_goes_with_its_first_scheduled_evaluation():
+    """People's drift numbers and the validation pairs' score gap are fixed for a run: logged with its first
+    evaluation by the schedule, not with the first a process makes (a run resumed past it logged them again)."""
+    from types import SimpleNamespace
+
+    from polyalign.train.trainer import Trainer
+
+    def first(step, eval_every, steps=12):
+        return Trainer.first_evaluation(SimpleNamespace(step_number=step, loop=SimpleNamespace(
+            eval_every=eval_every, steps=steps)))
+
+    assert first(6, 6) and not first(12, 6)  # resumed at step 8: its first evaluation here, at 12, is the second
+    assert first(12, 0) and first(12, 20)  # evaluated at the last step only: that one is the first
 
 
 def test_the_critics_auc_per_bucket_comes_with_the_pairs_it_rests_on():

@@ -65,7 +65,6 @@ class DriftProbe:
                 support_targets(chosen, self.buckets, references), np.float64),
             "drift/people_critic": None if self.critic is None else np.asarray(self.critic(chosen, self.buckets),
                                                                                 np.float64)}
-        self.people_logged = False
 
     def __call__(self, trainer) -> dict[str, Any]:
         self.engine.set_model(trainer.model(trainer.state["params"]))  # the current parameters, no copy kept
@@ -106,9 +105,8 @@ class DriftProbe:
                 jax.process_index() == 0:
             self.said_blind = True  # once a run: drift/critic and drift/support_distance say whether it lasts
             print(warning, file=sys.stderr, flush=True)
-        if not self.people_logged:  # fixed for the run: logged with the first probe, over every prompt
+        if trainer.first_evaluation():  # fixed for the run: logged with its first evaluation, over every prompt
             out.update(self.people_means(range(len(texts))))
-            self.people_logged = True
         return out
 
     def people_means(self, rows) -> dict[str, float]:

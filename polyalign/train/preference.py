@@ -425,8 +425,6 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                            config.drift_new_tokens, load_references(config.data.dir), Path(paths["pairs"]).parent,
                            seed=config.train.seed, distance_term=adds_hdpo_terms(config) and config.lambda_dist > 0)
 
-    gap_logged = []
-
     objective = PreferenceObjective(config, len(buckets))
 
     def evaluate(trainer: Trainer) -> dict[str, Any]:
@@ -434,9 +432,8 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
                                         tokenizer.pad_id, jax.process_index(), jax.process_count(), convert=pair_arrays)
         measured = summarize(trainer.metric_sums(dataset), buckets, prefix="val_", scored=not unscored_pairs(val_pairs),
                              coefficients=objective.coefficients)
-        if gap_logged:  # the critic's scores of fixed pairs: the same at every evaluation, logged with the first
+        if not trainer.first_evaluation():  # the critic's scores of fixed pairs: logged with the first evaluation
             measured.pop("val_dist_gap", None)
-        gap_logged.append(True)
         return {**measured, **(drift(trainer) if drift else {})}
 
     train_scored = not unscored_pairs(train_pairs)

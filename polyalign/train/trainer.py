@@ -312,6 +312,12 @@ class Trainer:
     def step_number(self) -> int:
         return int(self.state["step"])
 
+    def first_evaluation(self) -> bool:
+        """Whether the evaluation at this step is the run's first by its schedule (eval_every, else the last
+        step). What a run logs once (fixed numbers of its validation data) goes with it: a resumed run's first
+        evaluation in this process may be a later one, and metrics.jsonl keeps the first one's record."""
+        return self.step_number <= (self.loop.eval_every or self.loop.steps)
+
     # --- the loop ------------------------------------------------------------------------------
 
     def fit(self, train_iterator, evaluate: Callable[[], dict[str, Any]] | None = None,
