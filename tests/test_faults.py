@@ -1480,6 +1480,8 @@ def test_an_output_belongs_to_the_config_that_made_it(built_run, tmp_path, capsy
     with pytest.raises(ConfigError, match=re.escape(f"{out}: already trained to step 4, past the 3 steps this config "
                                                     "asks for; give train.steps of at least 4 to continue it")):
         train_sft(sft_config(run, 3), out, progress=False, existing="resume")
+    with pytest.raises(ConfigError, match=re.escape(f"{out}: already trained to step 4, past the 3 steps")):
+        train_sft(sft_config(run, 3), out, progress=False)  # said at once: --resume would only lead to it
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
     assert (out / "model" / "README.md").read_text(encoding="utf-8") == card
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 4
@@ -1827,3 +1829,19 @@ def test_a_file_of_the_other_json_form_or_empty_says_what_it_is(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("sources as a list of {name, format, path} (it is a dict: write "
                                                     "each source as a `- name: ...` item)")):
         load_data_config(config)
+
+
+def test_a_stopped_round_of_another_config_says_overwrite_trains_every_round(tmp_path):
+    """A stopped round (OUT/round-2) of another config: --overwrite on the rounds command trains every round
+    again, and the refusal says so (it said "start over there", as for one run)."""
+    from polyalign.core.yaml_config import ConfigError
+    from polyalign.train.ownership import claim
+
+    config = {"method": "hdpo", "beta": 0.1, "train": {"steps": 4}}
+    for name, said in (("round-2", "pass --overwrite to train every round again"),
+                       ("single", "pass --overwrite to start over there")):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match=re.escape(f"(beta: 0.1 there, 0.2 now); {said}, or give another --out")):
+            claim(out, {**config, "beta": 0.2}, {})

@@ -927,6 +927,9 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert round2["pairs"] == str(out / "round-2" / "critic" / "train_pairs.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [1, 2] and summary["model"] == str(out / "round-2" / "model")
+    # the run's time is this command's (both rounds, round 2's answers and critic), not the last round's
+    assert "total_seconds" not in summary and all(r["seconds"] > 0 for r in summary["rounds"])
+    assert summary["seconds"] > sum(r["seconds"] for r in summary["rounds"][1:])  # round 1 partly ran before
     before = (out / "round-2" / "metrics.jsonl").read_text()
     capsys.readouterr()
     assert main(command) == 0  # both rounds finished: nothing trains again

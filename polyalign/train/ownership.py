@@ -36,7 +36,8 @@ from polyalign.core.outputs import (
     keys_match,
     same_path,
 )
-from polyalign.core.paths import as_path, file_digest, recorded_path, remove_path
+from polyalign.core.paths import as_path, committed_steps, file_digest, recorded_path, remove_path
+from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 
 EXISTING = ("continue", "resume", "overwrite")
@@ -87,14 +88,31 @@ def claim(out: Path, config: dict[str, Any], inputs: dict[str, str | None], exis
     if "method" in other:  # said first: beside another method's keys, the rest of the list is noise
         raise ConfigError(f"{out}: holds a run of {saved.get('method')}; this command trains {current.get('method')}. "
                           "Give another --out, or pass --overwrite to replace that run")
+    # --overwrite on a round of on-policy rounds trains every round again, not that round alone
+    start_over = ("--overwrite to train every round again" if re.fullmatch(r"round-\d+", out.name)
+                  else "--overwrite to start over there")
     if other:
         raise ConfigError(f"{out}: made by another config ({describe_changes(other, saved, current)}); pass "
-                          "--overwrite to start over there, or give another --out")
+                          f"{start_over}, or give another --out")
+    steps = (current.get("train") or {}).get("steps")
+    if "train.steps" in needs_resume and isinstance(steps, int) and (shorter := shorter_than_trained(out, steps)):
+        raise ConfigError(shorter)  # said before --resume is suggested: --resume would only lead to it
     if needs_resume and existing != "resume":
         raise ConfigError(f"{out}: started with {describe_changes(needs_resume, saved, current, old=True)}; pass "
-                          "--resume to continue it with the new values, or --overwrite to start over")
+                          f"--resume to continue it with the new values, or {start_over}")
     check_contents(out, contents or {})
     return "continue"
+
+
+def shorter_than_trained(out: Path, steps: int) -> str | None:
+    """Why a run of `steps` steps cannot continue OUT's when OUT has trained past them: its checkpoints would
+    not restore into the shorter run's data order. None where it has not."""
+    done = committed_steps(out / "checkpoints")
+    if not done or done[-1] <= steps:
+        return None
+    return (f"{out}: already trained to step {done[-1]}, past the {counted(steps, 'step')} this config asks for; "
+            f"give train.steps of at least {done[-1]} to continue it, or --overwrite to train the shorter run from "
+            "the start")
 
 
 # What a build manifest records of the circumstances, not of the examples: building the same again changes them.

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,7 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
     if overwrite:  # every round, its pairs and critic came from models being replaced; later rounds too
         for made in [out / "summary.json", *(out.glob("round-*") if out.exists() else [])]:
             remove_path(made)
+    started = time.perf_counter()
     policy, summaries, kept = config.init, [], []
     for r in range(1, config.rounds + 1):
         directory = _round_dir(out, r)
@@ -183,13 +185,18 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
                 return {**result, "round": r, "rounds": summaries, "rounds_planned": config.rounds}
         mark_round(directory / "model", r, config.rounds, str(config.init))
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
-                          "last": result.get("last", {})})
+                          "last": result.get("last", {}),
+                          # the round's training in all (its invocations), where each recorded its time
+                          **({"seconds": result["total_seconds"]} if "total_seconds" in result else {})})
         policy = directory / "model"
     # rounds an earlier run with a larger `rounds` finished: kept on disk, but not this run's model
     beyond = sorted(r for d in out.glob("round-*") if (r := _round_number(d)) is not None and r > config.rounds
                     and _finished(d))
-    final = {**result, "round": config.rounds, "rounds": summaries, "rounds_planned": config.rounds,
-             "rounds_kept": kept, "rounds_beyond": beyond, "model": str(policy), "out": str(out)}
+    final = {**{k: v for k, v in result.items() if k != "total_seconds"},  # the last round's, not the run's
+             "round": config.rounds, "rounds": summaries, "rounds_planned": config.rounds,
+             "rounds_kept": kept, "rounds_beyond": beyond, "model": str(policy), "out": str(out),
+             # this command's time: its rounds' training, their answers and critics
+             "seconds": round(time.perf_counter() - started, 1)}
     if len(kept) == config.rounds:  # every round was finished before: nothing trained now
         final["start_step"] = final["end_step"]
     (out / "summary.json").write_text(json.dumps(final, indent=2, default=str) + "\n")

@@ -236,10 +236,8 @@ def _train(config, out, progress: bool, contents: dict[str, dict[str, str]]) -> 
     job = method_spec(config.method).implementation().setup(config, mesh, progress)
     loop = resolve_loop(config.train, job.epoch_size, config.method)
     check_batch_division(loop, mesh)  # before config.json is written: the corrected command then starts afresh
-    if done and done[-1] > loop.steps:  # its checkpoints would not restore into the shorter run's data order
-        raise ConfigError(f"{out}: already trained to step {done[-1]}, past the {counted(loop.steps, 'step')} this "
-                          f"config asks for; give train.steps of at least {done[-1]} to continue it, or --overwrite to "
-                          "train the shorter run from the start")
+    if shorter := ownership.shorter_than_trained(out, loop.steps):
+        raise ConfigError(shorter)
     previous = saved_train_section(out)  # before it is replaced: a resumed run with other steps says so below
     save_config(out, config)
     if jax.process_index() == 0:
