@@ -183,6 +183,36 @@ def test_multi_file_row_sources_number_rows_in_source_order():
     assert files == sorted(files)
 
 
+def test_a_folder_of_chat_exports_without_ids_numbers_conversations_across_its_files(tmp_path):
+    """Two monthly exports in one source folder, conversations without ids: numbered by row across the files
+    (2026-01's 0-2, 2026-02's 3-5), as row sources number theirs; each file's first row made 000000, and prepare refused
+    the folder ("also produced by 2026-02.jsonl:1") though the rows were other conversations."""
+    dialogues = _camrest_dialogues(6)
+
+    def row(d, fmt):
+        if fmt == "chat":
+            return {"messages": [{"role": "user" if t["speaker"] == "user" else "assistant",
+                                  "content": t["utterance"]} for t in d["turns"]]}
+        return {"conversations": [{"from": "human" if t["speaker"] == "user" else "gpt", "value": t["utterance"]}
+                                  for t in d["turns"]]}
+
+    for fmt, write in (("chat", lambda rows: "".join(json.dumps(r) + "\n" for r in rows)), ("sharegpt", json.dumps)):
+        folder = tmp_path / fmt
+        folder.mkdir()
+        suffix = ".jsonl" if fmt == "chat" else ".json"
+        (folder / f"2026-01{suffix}").write_text(write([row(d, fmt) for d in dialogues[:3]]), encoding="utf-8")
+        (folder / f"2026-02{suffix}").write_text(write([row(d, fmt) for d in dialogues[3:]]), encoding="utf-8")
+        items = examples(fmt, folder)
+        numbers = [key.split("-turn-")[0] for key, _ in items]
+        assert sorted(set(numbers)) == [f"{i:06d}" for i in range(6)], fmt  # 2026-02's first row is 000003
+        assert len({key for key, _ in items}) == len(items)
+        second = [item for key, item in items if item.location.file.endswith(f"2026-02{suffix}")]
+        assert second[0].meta["dialogue_id"] == "000003" and second[0].response == examples(
+            fmt, folder / f"2026-02{suffix}")[0][1].response
+    # one file alone keeps its numbers (the first file of a folder too)
+    assert examples("chat", tmp_path / "chat" / "2026-02.jsonl")[0][0].startswith("000000-turn-")
+
+
 def test_unknown_format_suggests_the_closest_name():
     with pytest.raises(InputError, match="did you mean 'sharegpt'"):
         get_format("sharegtp")

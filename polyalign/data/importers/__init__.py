@@ -70,7 +70,11 @@ def read_file(format_name: str, file: Path, root: Path, offset: int = 0) -> Iter
     """The items of one file of a source, as (row key, item). Row keys continue the source's numbering
     from `offset`, the number of rows in the source's earlier files."""
     fmt = get_format(format_name)
-    for item in fmt.module.read(file, _file_tag(file, root)):
+    tag = _file_tag(file, root)
+    # conversations numbered by their row take the offset themselves (their row number is their id)
+    items = (fmt.module.read(file, tag, offset=offset) if getattr(fmt.module, "ROW_NUMBERED", False)
+             else fmt.module.read(file, tag))
+    for item in items:
         key = getattr(item, "key", None)
         if key is None and item.location.row is not None:
             key = f"{offset + item.location.row:06d}"

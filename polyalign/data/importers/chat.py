@@ -17,6 +17,7 @@ records after them as `after_tool_call`. Each record's track is derived from its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,17 +41,24 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 ROW_LABELS = {"language": "language", "track": "track", "family": "family", "style": "style"}
 
 
-def dialogue_id(row: dict[str, Any], location: Location) -> str:
+# A conversation without an id is numbered by its row, across the source's files (read_file passes `offset`, the
+# rows of its earlier files), as row sources number theirs: two exports' first rows are other conversations.
+ROW_NUMBERED = True
+
+
+def dialogue_id(row: dict[str, Any], location: Location, offset: int = 0) -> str:
     value = row.get("id")
     if value is None:
-        return f"{location.row:06d}"
+        return f"{offset + location.row:06d}"
     if not isinstance(value, (str, int)) or isinstance(value, bool) or not str(value).strip():
         raise RowProblem("'id' must be a non-empty string or an integer")
     return str(value).strip()
 
 
-def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]]) -> Iterator[ImportItem]:
-    yield from project_dialogue(turns, dialogue_id(row, location), location, labels=string_labels(row, ROW_LABELS))
+def project(row: dict[str, Any], location: Location, turns: list[dict[str, str]], offset: int = 0
+            ) -> Iterator[ImportItem]:
+    yield from project_dialogue(turns, dialogue_id(row, location, offset), location,
+                                labels=string_labels(row, ROW_LABELS))
 
 
 def _messages(row: dict[str, Any]) -> list[Any]:
@@ -69,13 +77,13 @@ def _messages(row: dict[str, Any]) -> list[Any]:
     return parts
 
 
-def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
+def _parse(row: Any, location: Location, offset: int = 0) -> Iterator[ImportItem]:
     row = require_dict(row)
     turns, notices = message_turns(_messages(row), ROLES, "role", "content", "message", location,
                                    tool_roles=("tool",))
     yield from notices
-    yield from project(row, location, turns)
+    yield from project(row, location, turns, offset)
 
 
-def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
-    return parse_rows(iter_json_rows(path), _parse)
+def read(path: Path, file_tag: str, offset: int = 0) -> Iterator[ImportItem]:
+    return parse_rows(iter_json_rows(path), functools.partial(_parse, offset=offset))

@@ -10,6 +10,7 @@ instead of `from`/`value` (as some exports write them) is read by those keys.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,10 @@ ROLES = {
 }
 
 
-def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
+ROW_NUMBERED = True  # as chat's: a conversation without an id is numbered across the source's files
+
+
+def _parse(row: Any, location: Location, offset: int = 0) -> Iterator[ImportItem]:
     row = require_dict(row)
     system = text_field(row, "system", default="")
     messages = list_field(row, "conversations")
@@ -53,8 +57,8 @@ def _parse(row: Any, location: Location) -> Iterator[ImportItem]:
     if system:
         turns.insert(0, {"role": "system", "text": system, "index": -1})
     yield from notices
-    yield from project(row, location, turns)
+    yield from project(row, location, turns, offset)
 
 
-def read(path: Path, file_tag: str) -> Iterator[ImportItem]:
-    return parse_rows(iter_json_rows(path), _parse)
+def read(path: Path, file_tag: str, offset: int = 0) -> Iterator[ImportItem]:
+    return parse_rows(iter_json_rows(path), functools.partial(_parse, offset=offset))
