@@ -184,3 +184,9 @@ def test_beam_prepare_fails_with_the_same_line_as_the_single_machine_path(tmp_pa
     assert beam.returncode == 2 and "Traceback" not in beam.stderr
     assert beam.stderr.strip().splitlines()[-1] == f"polyalign prepare: error: {local.value}"
     assert "chat.jsonl:3: invalid JSON" in beam.stderr
+    # it leaves what one machine leaves: nothing, so the corrected command (here: quarantine) is not refused as
+    # an unfinished run of other settings
+    assert not (tmp_path / "beam").exists() and not (tmp_path / "local").exists()
+    again = beam_cli("prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam", "--on-error",
+                     "quarantine")
+    assert again.returncode == 0, again.stderr[-2000:]

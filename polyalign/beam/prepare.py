@@ -28,6 +28,7 @@ import numpy as np
 
 from polyalign.beam import pipeline_options
 from polyalign.core.outputs import stage_output
+from polyalign.core.paths import remove_path
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.dedup import (
     Duplicate,
@@ -313,6 +314,10 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
             _ = summed | "Write events" >> beam.io.WriteToText(str(events_dir / "events"), file_name_suffix=".jsonl")
     except Exception as err:
         if (message := _row_error(err)) is not None:
+            # a bad row stops the run as on one machine, which writes nothing before it: what the pipeline
+            # wrote so far goes, or its unfinished-run marker would refuse the corrected command as another config
+            for path in owned_files(data_dir):
+                remove_path(path)
             raise PrepareError(message) from None
         raise
 

@@ -90,7 +90,9 @@ def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
     # a run folder, or its data folder (prepare's output, whose manifest sits beside the splits)
     run = records_path.parent if (records_path / "manifest.json").is_file() else records_path
     files = split_files(run, "train") if records_path.is_dir() else [records_path]
-    records = [record for path in files for record in read_records(path)]
+    # in id order: SentencePiece's pieces depend on the order it reads, and the files' order is the layout's (a
+    # Beam prepare's shards hold the same records in another), so the same records train the same tokenizer
+    records = sorted((record for path in files for record in read_records(path)), key=lambda record: record.id)
     if not records:
         raise TokenizerError(f"{records_path}: no records to train on")
     started = time.perf_counter()
