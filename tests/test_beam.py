@@ -190,3 +190,24 @@ def test_beam_prepare_fails_with_the_same_line_as_the_single_machine_path(tmp_pa
     again = beam_cli("prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam", "--on-error",
                      "quarantine")
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_what_a_runner_wraps_reaches_the_command_as_the_single_machine_path_raises_it(tmp_path):
+    """Ctrl-C inside the DirectRunner came out as a 150-line RuntimeError (exit 1, where one machine says
+    `interrupted`, 130); a runner Beam does not know, as a 25-line traceback. A bad row stays a bad row."""
+    from polyalign.beam import runner_errors
+    from polyalign.core.yaml_config import ConfigError
+
+    with pytest.raises(KeyboardInterrupt), runner_errors():
+        raise RuntimeError("KeyboardInterrupt [while running 'By content']")
+    with pytest.raises(ConfigError, match=r"^--beam-options: Unexpected pipeline runner: FooRunner\.$"), \
+            runner_errors():
+        raise ValueError("Unexpected pipeline runner: FooRunner.\nValid values are ...")
+    with pytest.raises(PrepareError, match="chat.jsonl:3"), runner_errors():
+        raise PrepareError("chat.jsonl:3: invalid JSON")
+    with pytest.raises(ValueError, match="other"), runner_errors():
+        raise ValueError("other")
+    done = beam_cli("prepare", "--config", str(REPO / "configs/data/demo.yaml"), "--out", str(tmp_path / "run"),
+                    "--beam", "--beam-options=--runner=FooRunner")
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr[-2000:]
+    assert done.stderr.startswith("polyalign prepare: error: --beam-options: Unexpected pipeline runner: FooRunner.")

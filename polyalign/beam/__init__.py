@@ -9,11 +9,13 @@ maps. Runs on any Beam runner: DirectRunner here and in tests; Dataflow, Flink o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
+from collections.abc import Iterator
 from typing import Any
 
-from polyalign.core.errors import PolyalignError
+from polyalign.core.errors import ConfigError, PolyalignError
 from polyalign.core.extras import require
 
 
@@ -64,3 +66,21 @@ def pipeline_options(flags: str | None) -> Any:
     # the main session.
     options.view_as(beam.options.pipeline_options.SetupOptions).save_main_session = False
     return options
+
+
+@contextlib.contextmanager
+def runner_errors() -> Iterator[None]:
+    """What a runner wraps, as the single-machine path raises it: Ctrl-C (the DirectRunner re-raises it as a
+    RuntimeError naming the step) as KeyboardInterrupt, so the command says `interrupted` and exits 130, and a
+    runner Beam does not know (`--beam-options=--runner=...`) as one line naming the option."""
+    try:
+        yield
+    except PolyalignError:
+        raise
+    except Exception as err:
+        text = str(err)
+        if "KeyboardInterrupt" in text:
+            raise KeyboardInterrupt from None
+        if isinstance(err, ValueError) and "runner" in text.lower():
+            raise ConfigError(f"--beam-options: {text.strip().splitlines()[0]}") from None
+        raise

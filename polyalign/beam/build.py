@@ -18,7 +18,7 @@ import apache_beam as beam
 import tensorflow_datasets as tfds
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
-from polyalign.beam import pipeline_options
+from polyalign.beam import pipeline_options, runner_errors
 from polyalign.data.bucketing import WeightOptions, weight_warnings
 from polyalign.data.layout import split_files
 from polyalign.data.records import Record
@@ -114,8 +114,9 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
             counters[counter.key.metric.name] = counters.get(counter.key.metric.name, 0) + value
 
     pipeline = pipeline_options(beam_options)
-    write_dataset(run, split_examples, tfds.download.DownloadConfig(beam_options=pipeline),
-                  on_pipeline_result=collect_counters)
+    with runner_errors():
+        write_dataset(run, split_examples, tfds.download.DownloadConfig(beam_options=pipeline),
+                      on_pipeline_result=collect_counters)
 
     stats = {split: Counter() for split in SPLITS}
     bucket_counts: dict[str, Counter] = {split: Counter() for split in SPLITS}

@@ -26,7 +26,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from polyalign.beam import pipeline_options
+from polyalign.beam import pipeline_options, runner_errors
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import remove_path
 from polyalign.core.yaml_config import ConfigError
@@ -257,7 +257,7 @@ def _run_pipeline(context: PrepareContext, data_dir: Path, on_error: str, beam_o
         return spec, rows_in_file(source.format, context.source_files[spec[0]][spec[1]], context.source_roots[spec[0]])
 
     try:
-        with beam.Pipeline(options=options) as pipeline:
+        with runner_errors(), beam.Pipeline(options=options) as pipeline:
             # Row sources number rows across their files, so a file's first key depends on the row counts
             # of the files before it: a first, cheap pass counts them.
             offsets = (pipeline | "Multi-file sources" >> beam.Create(multi_file)
