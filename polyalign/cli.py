@@ -19,7 +19,7 @@ from pathlib import Path
 
 import polyalign
 from polyalign.beam import require_beam
-from polyalign.core.errors import GenerationError, Interrupted, PolyalignError, PrepareError
+from polyalign.core.errors import ConfigError, GenerationError, Interrupted, PolyalignError, PrepareError
 from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, interrupts_remembered
 from polyalign.core.outputs import read_record, sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
@@ -99,7 +99,8 @@ def _add_beam_arguments(p, what: str) -> None:
                        help=f"{what} as an Apache Beam pipeline (same output as without --beam)")
     group.add_argument("--beam-options", metavar="FLAGS",
                        help="Beam pipeline flags in one string, e.g. \"--runner=DataflowRunner --project=P "
-                            "--region=R --temp_location=gs://B/tmp\" (default: DirectRunner)")
+                            "--region=R --temp_location=gs://B/tmp\" (default: DirectRunner); one flag alone is "
+                            "written --beam-options=--runner=X, with =")
 
 
 def _add_prepare(sub) -> None:
@@ -182,6 +183,9 @@ def _opening_replies_note(source: dict) -> str | None:
 
 
 def _run_prepare(args) -> int:
+    if args.num_shards != 1 and not args.beam:  # one machine writes one file a split: it was ignored without a word
+        raise ConfigError(f"--num-shards {args.num_shards} shards a Beam prepare's outputs; add --beam, or leave "
+                          "--num-shards out")
     if args.beam:
         require_beam()
         from polyalign.beam.prepare import prepare_beam  # optional extra: apache-beam
@@ -196,9 +200,10 @@ def _run_prepare(args) -> int:
     from polyalign.data.layout import quarantined_records
 
     totals = manifest["totals"]
-    print(f"read {totals['read']} rows -> {totals['records']} records: kept {totals['kept']}, dropped "
-          f"{totals['dropped']} (train {totals['by_split']['train']}, val {totals['by_split']['val']}, test "
-          f"{totals['by_split']['test']})")
+    # the split counts beside what they count (after "dropped" they read as the dropped records')
+    print(f"read {totals['read']} rows -> {totals['records']} records: kept {totals['kept']} (train "
+          f"{totals['by_split']['train']}, val {totals['by_split']['val']}, test {totals['by_split']['test']}), "
+          f"dropped {totals['dropped']}")
     for source in manifest["sources"]:
         dropped = ", ".join(f"{k} {v}" for k, v in source["dropped"].items()) or "none dropped"
         left_out = ", ".join(f"{k} {v}" for k, v in source.get("left_out", {}).items())

@@ -315,7 +315,8 @@ def test_prepare_counts_rows_and_records_and_build_says_how_often_train_on_all_t
                                                       "split": "train", "language": "en"}], dedup=False)
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"read {len(CAMREST)} rows -> {sum(replies)} records: kept {sum(replies)}, dropped 0"), out
+    assert out.startswith(f"read {len(CAMREST)} rows -> {sum(replies)} records: kept {sum(replies)} (train "), out
+    assert out.splitlines()[0].endswith("), dropped 0"), out
     (tmp_path / "run/data/val.jsonl").write_text((tmp_path / "run/data/train.jsonl").read_text(encoding="utf-8"))
     assert main(["build", str(tmp_path / "run"), "--tokenizer", str(json_tokenizer.path.parent), "--template", "qwen",
                  "--train-on", "all", "--max-length", "4096", "--no-progress"]) == 0
@@ -1561,6 +1562,11 @@ def test_a_feature_whose_extra_is_missing_names_the_extra(tmp_path, capsys, monk
     capsys.readouterr()
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam"]) == 2
     assert "needs the 'beam' extra: pip install 'polyalign[beam]'" in capsys.readouterr().err
+    # --num-shards is a Beam prepare's: without --beam it was ignored without a word
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "shards"), "--num-shards", "3"]) == 2
+    assert capsys.readouterr().err == ("polyalign prepare: error: --num-shards 3 shards a Beam prepare's outputs; add "
+                                       "--beam, or leave --num-shards out\n")
+    assert not (tmp_path / "shards").exists()
     records = tmp_path / "records.jsonl"
     records.write_text("", encoding="utf-8")
     assert main(["evaluate", "--records", str(records), "--predictions", str(records), "--out", str(tmp_path / "eval"),
