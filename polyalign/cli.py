@@ -25,6 +25,7 @@ from polyalign.core.outputs import read_record, sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
 from polyalign.core.wording import counted, listed
+from polyalign.data.layout import quarantined_records
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh import supervisor
 from polyalign.mesh.launch import (
@@ -197,8 +198,6 @@ def _run_prepare(args) -> int:
 
         manifest = prepare(args.config, args.out, on_error=args.on_error, overrides=args.overrides,
                            progress=not args.no_progress, overwrite=args.overwrite)
-    from polyalign.data.layout import quarantined_records
-
     totals = manifest["totals"]
     # the split counts beside what they count (after "dropped" they read as the dropped records')
     print(f"read {totals['read']} rows -> {totals['records']} records: kept {totals['kept']} (train "

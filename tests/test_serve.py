@@ -148,7 +148,8 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     prompt = encode_prompt(chat, tokenizer, [Message(m["role"], m["content"]) for m in messages])
     engine = Engine(model, stop_ids_of(tokenizer, chat), EngineConfig(slots=2, max_sequence=512))
     expected = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=12))])[0][0]
-    assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens).lstrip()
+    # decoded as vLLM decodes an answer, special tokens left out (a small model can sample <unk>, " ⁇ ")
+    assert greedy.choices[0].message.content == tokenizer.decode(expected.tokens, skip_special=True).lstrip()
     assert greedy.choices[0].finish_reason == expected.finish_reason
     assert greedy.usage.prompt_tokens == len(prompt) and greedy.usage.completion_tokens == len(expected.tokens)
     for completion in (as_text, as_ids):  # a chat answer leaves out the space its first piece opens with
@@ -171,7 +172,7 @@ def test_the_openai_client_gets_the_engines_answers(checkpoint):
     assert stopped.choices[0].finish_reason == "stop" and long.usage.completion_tokens == 60
     # counted up to the token that completed the stop string (as vLLM counts), not the decoding call's end
     made = engine.generate([Request(prompt, SamplingConfig(max_new_tokens=60))])[0][0].tokens
-    assert tokenizer.decode(made).lstrip() == content
+    assert tokenizer.decode(made, skip_special=True).lstrip() == content
     upto = next(k for k in range(1, 61) if stop in tokenizer.decode(made[:k]).lstrip())
     assert stopped.usage.completion_tokens == upto
     # a line per request: when, what, the answer's status, seconds, and the tokens of an answered one
