@@ -341,9 +341,7 @@ def save_hf_checkpoint(model: Transformer, path: str | os.PathLike, *, dtype: st
             target = staging / name
             target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
         if path.exists():
-            retired = path.parent / f".{path.name}.old"
-            if retired.exists():
-                retired.rmtree()
+            retired = path.parent / f".{path.name}.old"  # none there: remove_unfinished_saves took a stopped save's
             path.rename(retired)
             staging.rename(path)
             retired.rmtree()

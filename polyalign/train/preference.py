@@ -234,7 +234,7 @@ def check_pairs(config: PreferenceConfig, paths: dict[str, str], train_pairs: li
         raise ConfigError(f"{val_file}: {len(shared)} pair ids are also in {train_file} (e.g. {shared[0]!r}): files "
                           "imported apart under one --dataset number their rows alike; import the validation file "
                           "with another --dataset, or split one file with `pairs import --val-fraction`")
-    if (config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0:
+    if trains_distance_term(config):
         unscored = unscored_pairs(train_pairs)
         if unscored:
             raise ConfigError(f"{train_file}: {unscored} of {len(train_pairs)} pairs carry no critic scores "
@@ -247,7 +247,7 @@ def _missing_pairs_hint(config: PreferenceConfig, key: str) -> str:
     """What to run when a pairs file is missing: the critic writes the scored pairs HDPO's distance term
     needs into RUN/critic/ (the default place); `polyalign pairs` makes unscored ones, enough for the
     other methods."""
-    scored = (config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0
+    scored = trains_distance_term(config)
     made = "make pairs with `polyalign pairs` or `polyalign pairs import`"
     # the path was not given: say where it came from, or the user looks for a setting they never made
     defaulted = (f"{key} is not set, so the critic's scored pairs in data.dir's critic/ are read; "
@@ -311,7 +311,7 @@ def scoring_critic(config: PreferenceConfig, pairs_file: str) -> dict[str, Any] 
     """How well the critic whose scores HDPO's distance term trains on ranked its held-out pairs (critic.json
     beside the scored pairs, as `train critic` writes them): its file, ranking accuracy, AUC and pairs. None
     where the run has no distance term or the pairs were scored elsewhere."""
-    if not ((config.method == "hdpo" or config.hdpo_terms) and config.lambda_dist > 0):
+    if not trains_distance_term(config):
         return None
     path = Path(pairs_file).parent / "critic.json"
     try:
@@ -423,7 +423,7 @@ def setup(config: PreferenceConfig, mesh, progress: bool = True) -> Job:
     if config.drift_prompts > 0 and val_pairs:
         drift = DriftProbe(val_pairs[:config.drift_prompts], model, tokenizer, template, config.profile, mesh,
                            config.drift_new_tokens, load_references(config.data.dir), Path(paths["pairs"]).parent,
-                           seed=config.train.seed, distance_term=adds_hdpo_terms(config) and config.lambda_dist > 0)
+                           seed=config.train.seed, distance_term=trains_distance_term(config))
 
     objective = PreferenceObjective(config, len(buckets))
 
@@ -474,6 +474,11 @@ def adds_hdpo_terms(config: PreferenceConfig) -> bool:
     """Whether a run's objective holds HDPO's pair weights, distance term and SFT anchor: HDPO's own, or
     another method's with `hdpo_terms: true`."""
     return config.method == "hdpo" or config.hdpo_terms
+
+
+def trains_distance_term(config: PreferenceConfig) -> bool:
+    """Whether the objective holds HDPO's critic distance term with a weight: it then reads the critic's scores."""
+    return adds_hdpo_terms(config) and config.lambda_dist > 0
 
 
 def summary_line(result: dict[str, Any]) -> str:
