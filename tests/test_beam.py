@@ -152,6 +152,11 @@ def _edge_case_config(tmp_path: Path) -> Path:
 
 def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     config = _edge_case_config(tmp_path)
+    # the train file cut off inside a 41st row, as an interrupted download leaves it: both keep the 40 before it
+    sample = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))
+    whole = json.dumps(sample[:41], ensure_ascii=False)
+    (tmp_path / "train.json").write_text(whole[:-len(json.dumps(sample[40], ensure_ascii=False)) // 2],
+                                         encoding="utf-8")
     local = prepare(config, tmp_path / "local", on_error="quarantine", progress=False)
     done = beam_cli("prepare", "--config", str(config), "--out", str(tmp_path / "beam"), "--beam",
                     "--on-error", "quarantine")
@@ -159,7 +164,9 @@ def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     beam = json.loads((tmp_path / "beam/data/manifest.json").read_text())
     assert comparable(beam) == comparable(local)
     # the case really covers what it claims
-    assert local["quarantine"]["records"] == 1
+    assert local["quarantine"]["records"] == 2
+    sample_source = next(source for source in local["sources"] if source["path"].endswith("train.json"))
+    assert sample_source["read"] == 41 and sample_source["dropped"]["malformed"] == 1
     assert local["dedup"]["exact"]["by_kind"] == {"train_vs_test": 1}
     assert local["dedup"]["near_duplicates"]["removed"] >= 1
     assert local["sources"][0]["read"] == 38 + 171 and len(local["sources"][0]["files"]) == 2
@@ -173,7 +180,8 @@ def test_beam_prepare_matches_on_quarantine_duplicates_and_removal(tmp_path):
     chat = next(source for source in local["sources"] if source["name"] == "chat")
     labelled = chat["records"] - chat["dropped"]["malformed"]  # the quarantined row never reaches its labels
     assert chat["label_defaults"] == {"family": labelled, "style": labelled} and labelled == 6
-    assert read_jsonl(tmp_path / "beam/data/quarantine.jsonl")[0]["location"].endswith("chat.jsonl:3")
+    assert sorted(q["location"].rsplit("/", 1)[1] for q in read_jsonl(tmp_path / "beam/data/quarantine.jsonl")) \
+        == ["chat.jsonl:3", "train.json:1"]
 
 
 def test_beam_prepare_fails_with_the_same_line_as_the_single_machine_path(tmp_path):
@@ -211,3 +219,22 @@ def test_what_a_runner_wraps_reaches_the_command_as_the_single_machine_path_rais
                     "--beam", "--beam-options=--runner=FooRunner")
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr[-2000:]
     assert done.stderr.startswith("polyalign prepare: error: --beam-options: Unexpected pipeline runner: FooRunner.")
+
+
+def test_a_record_copied_by_hand_stops_the_beam_build_naming_its_file(demo_run, demo_tokenizer, tmp_path):
+    """The Beam side of test_faults' copied-record build: one line naming the file, no TFDS traceback."""
+    from tests.conftest import first_records
+
+    run = tmp_path / "run"
+    first_records(demo_run[0], run / "data", {"train": 6, "val": 3, "test": 2})
+    train = run / "data" / "train.jsonl"
+    lines = train.read_text(encoding="utf-8").splitlines(keepends=True)
+    train.write_text("".join(lines + [lines[1]]), encoding="utf-8")
+    done = beam_cli("build", str(run), "--beam", "--tokenizer", str(demo_tokenizer[0].path.parent), "--max-length",
+                    "64", "--no-progress")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    record_id = json.loads(lines[1])["id"]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"polyalign build: error: {train}: record id {record_id!r} is in 2 rows (of {train}); each record is one "
+        "example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
+    assert not (run / "build" / "sft_examples").exists()

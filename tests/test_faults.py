@@ -514,6 +514,67 @@ def test_bad_json_rows_are_quarantined_with_their_reason(tmp_path):
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} written"))  # the output stays JSON
 
 
+def test_every_cut_of_a_json_array_reads_the_rows_before_it_and_says_where_it_stops():
+    """Invariant over every place a download or write could stop: the rows read are exactly the whole rows
+    before the cut, and the break names the row it falls in as cut off (never as a syntax error)."""
+    from polyalign.core import jsonl
+    from tests.chat_exports import openai_rows
+
+    rows = openai_rows()[:3]
+    text = json.dumps(rows, indent=2, ensure_ascii=False)
+    ends = [text.index("\n  }", text.index(json.dumps(r["id"]))) + 4 for r in rows]  # where each row's "}" ends
+    assert list(jsonl.array_elements(text)) == rows == list(jsonl.array_elements(" \n" + text + "\n"))
+    for cut in range(1, len(text)):
+        read, stop = [], None
+        try:
+            read.extend(jsonl.array_elements(text[:cut]))
+        except jsonl.ArrayBreak as problem:
+            stop = problem
+        whole = sum(end <= cut for end in ends)
+        assert read == rows[:whole], cut
+        assert stop is not None and stop.kind == "cut" and stop.element == whole + 1, (cut, stop)
+
+
+@pytest.mark.parametrize(("text", "kind", "element", "read"), [
+    ('[{"a": 1}, {"a": 2} {"a": 3}]', "invalid", 3, 2),  # a comma lost in a hand edit
+    ('[{"a": 1}, {"a": NaN}, {"a": 3}]', "invalid", 2, 1),  # strict JSON holds inside the array too
+    ('[{"a": 1}, {"a": 1, "a": 2}]', "invalid", 2, 1),
+    ('[{"a": 1}]\n[{"a": 2}]', "extra", 2, 1),  # two dumps appended to one file
+    ('[{"a": "\\ud800"}]', "invalid", 1, 0),
+    ('{"a": 1}', "invalid", 1, 0),
+])
+def test_a_json_array_broken_inside_says_which_row_and_keeps_the_ones_before(text, kind, element, read):
+    from polyalign.core import jsonl
+
+    rows = []
+    with pytest.raises(jsonl.ArrayBreak) as info:
+        rows.extend(jsonl.array_elements(text))
+    assert (info.value.kind, info.value.element, len(rows)) == (kind, element, read)
+
+
+def test_a_chat_export_cut_off_mid_file_keeps_its_whole_rows_under_quarantine_and_stops_naming_the_line(tmp_path):
+    from tests.chat_exports import openai_rows
+
+    rows = openai_rows()
+    text = json.dumps(rows, indent=2, ensure_ascii=False)
+    fifth = text.index(json.dumps(rows[4]["id"]))
+    cut = text[:fifth + 400]  # inside the fifth conversation, as an interrupted download leaves it
+    with pytest.raises(PrepareError) as info:
+        run(tmp_path, "chat", "export.json", cut)
+    start_line = text[:text.rindex("\n  {", 0, fifth)].count("\n") + 2
+    assert f"export.json:{start_line}: the file ends inside row 5, at line {cut.count(chr(10)) + 1} (cut off?); " \
+           "rows 1-4 were read" in str(info.value)
+
+    whole = run(tmp_path, "chat", "export.json", json.dumps(rows[:4], ensure_ascii=False), on_error="quarantine")
+    manifest = run(tmp_path, "chat", "export.json", cut, on_error="quarantine")
+    (quarantined,) = read_jsonl(tmp_path / "run/data/quarantine.jsonl")
+    assert quarantined["location"].endswith(f"export.json:{start_line}")
+    assert "cut off" in quarantined["problem"] and quarantined["raw"] == cut[cut.rindex("\n  {") + 3:]
+    source, source_whole = manifest["sources"][0], whole["sources"][0]
+    assert source["kept"] == source_whole["kept"] > 0 and source["dropped"] == {"malformed": 1}
+    assert source["read"] == 5 and manifest["quarantine"]["records"] == 1
+
+
 def test_own_files_keep_line_separators_inside_strings_and_name_bad_lines(tmp_path):
     from polyalign.data.records import RECORD_FIELDS
     from polyalign.pairs.make import read_pairs, write_pairs
@@ -1190,6 +1251,31 @@ def test_a_build_is_refused_once_the_prepare_it_was_made_from_is_replaced(built_
     command = shlex.join(["polyalign", "build", str(moved), "--tokenizer", manifest["settings"]["tokenizer"],
                           "--max-length", "64"])
     assert str(refused.value).endswith(f"rerun `{command}`")
+
+
+def test_a_record_copied_by_hand_into_a_split_file_stops_build_naming_both_lines(demo_run, demo_tokenizer, tmp_path,
+                                                                                  capsys):
+    """A row pasted twice into train.jsonl ended build in a TFDS traceback about duplicate keys; one pasted
+    into val.jsonl too would be trained on and validated on."""
+    from tests.conftest import first_records
+
+    source, _, _ = demo_run
+    run = tmp_path / "run"
+    first_records(source, run / "data", {"train": 6, "val": 3, "test": 2})
+    train = run / "data" / "train.jsonl"
+    lines = train.read_text(encoding="utf-8").splitlines(keepends=True)
+    train.write_text("".join(lines + [lines[1]]), encoding="utf-8")
+    with (run / "data" / "val.jsonl").open("a", encoding="utf-8") as val:
+        val.write(lines[4])
+    args = ["build", str(run), "--tokenizer", str(demo_tokenizer[0].path.parent), "--max-length", "64",
+            "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    record_id = json.loads(lines[1])["id"]
+    assert err == [f"polyalign build: error: {train}:2: record id {record_id!r} again at {train}:7 (another id "
+                   "repeats too); each record is one example: remove the copies (an edit by hand?), or run `polyalign "
+                   "prepare` again"]
+    assert not (run / "build" / "sft_examples").exists()
 
 
 @pytest.mark.parametrize("settings", [

@@ -885,6 +885,7 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert main(command) == 0
     printed = capsys.readouterr().out
     assert "(round 2 of 2)" in printed
+    assert re.search(r"^round 1: to step 2 \(resumed at step 1\) on 8 pairs; ", printed, re.MULTILINE), printed
     assert (f"round-2: the rejected side of 8 pairs answered anew by {out / 'round-1' / 'model'} (on-policy rounds: "
             f"the rejected answers of {critic / 'train_pairs.jsonl'} serve the first round only)") in printed
     for r in (1, 2):  # each round's drift probe reads the critic that scored its pairs
@@ -927,6 +928,7 @@ def test_on_policy_rounds_regenerate_rescore_and_resume(demo_run, demo_tokenizer
     assert round2["pairs"] == str(out / "round-2" / "critic" / "train_pairs.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in summary["rounds"]] == [1, 2] and summary["model"] == str(out / "round-2" / "model")
+    assert summary["rounds"][0]["resumed_from_step"] == 1 and "resumed_from_step" not in summary["rounds"][1]
     # the run's time is this command's (both rounds, round 2's answers and critic), not the last round's
     assert "total_seconds" not in summary and all(r["seconds"] > 0 for r in summary["rounds"])
     assert summary["seconds"] > sum(r["seconds"] for r in summary["rounds"][1:])  # round 1 partly ran before
@@ -1316,6 +1318,10 @@ def test_a_rounds_summary_says_every_finished_round_and_the_rounds_planned():
     assert lines[-2] == ("round 3, finished by an earlier run with more rounds, is kept on disk but is not this run's "
                          "model (rounds=2: OUT/summary.json names round 2's)")
     assert summary_line({**again, "rounds_kept": [1, 2, 3], "rounds_beyond": []}).startswith("rounds 1-3 finished")
+    # round 1 killed at step 1 and taken up there by this command: its line says so, as the last round's does
+    resumed = {**final, "rounds": [{**first, "resumed_from_step": 1}, {**first, "round": 2}]}
+    assert summary_line(resumed).splitlines()[0] == ("round 1: to step 2 (resumed at step 1) on 8 pairs; validation "
+                                                     "reward margin 0.1000, accuracy 0.500")
 
 
 def test_a_round_beyond_the_rounds_a_later_run_planned_is_still_the_kth_of_k(tmp_path):

@@ -241,3 +241,38 @@ def test_the_same_records_in_another_order_train_the_same_tokenizer(demo_run, tm
                                                      special_tokens=POLYALIGN_SPECIAL_TOKENS).path.read_bytes())
     assert trained["forward"] == trained["reversed"]
     assert plain["forward"] != plain["reversed"]  # what reading in id order takes away
+
+
+def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_count(demo_run, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """SentencePiece's pieces depend on how many threads train it (it sums their statistics in their split of
+    the sentences), and the thread count was the machine's core count: a laptop and a pod's host trained other
+    tokenizers from one train.jsonl. The count is now fixed; `--threads` changes it, recorded. The test can
+    fail: the same records under 4 threads train other pieces."""
+    import os
+
+    import sentencepiece as spm
+
+    from polyalign.data.records import read_records
+
+    def vocabulary(folder) -> list[tuple[str, float]]:
+        processor = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        return [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
+
+    run, _, _ = demo_run
+    english = [r for r in read_records(run / "data" / "train.jsonl") if r.language == "en"][:1200]
+    records = tmp_path / "en.jsonl"
+    records.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in english), encoding="utf-8")
+    for cores in (1, 64):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000",
+                     "--out", str(tmp_path / f"cores-{cores}")]) == 0
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "4",
+                 "--out", str(tmp_path / "threads-4")]) == 0
+    assert vocabulary(tmp_path / "cores-1") == vocabulary(tmp_path / "cores-64")
+    assert vocabulary(tmp_path / "threads-4") != vocabulary(tmp_path / "cores-1")
+    reports = {name: json.loads((tmp_path / name / "tokenizer_report.json").read_text())
+               for name in ("cores-1", "threads-4")}
+    assert reports["cores-1"]["threads"] == 2 and "threads" not in reports["cores-1"]["settings"]
+    assert reports["threads-4"]["threads"] == 4 == reports["threads-4"]["settings"]["threads"]
+    capsys.readouterr()

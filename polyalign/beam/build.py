@@ -19,6 +19,7 @@ import tensorflow_datasets as tfds
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
 from polyalign.beam import pipeline_options, runner_errors
+from polyalign.core.errors import InputError
 from polyalign.data.bucketing import WeightOptions, weight_warnings
 from polyalign.data.layout import split_files
 from polyalign.data.records import Record
@@ -63,6 +64,17 @@ class EncodeRecord(beam.DoFn):
         yield key, example
 
 
+def _refuse_repeated_id(item: tuple[str, Any]) -> list[None]:
+    """The Beam side of build.refuse_repeated_ids: the files, not the lines (a worker reads lines unnumbered)."""
+    record_id, files = item
+    files = sorted(files)
+    if len(files) > 1:
+        raise InputError(f"{files[0]}: record id {record_id!r} is in {len(files)} rows (of "
+                         f"{', '.join(sorted(set(files)))}); each record is one example: remove the copies (an edit "
+                         "by hand?), or run `polyalign prepare` again")
+    return []
+
+
 def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], weights: WeightOptions) -> BucketTable:
     return BucketTable.from_counts(train_counts, set(buckets), weights)
 
@@ -87,12 +99,16 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
     files = {split: [str(f) for f in split_files(run, split)] for split in SPLITS}
 
     def split_examples(pipeline):
-        records = {
+        placed = {
             split: (pipeline | f"{split} files" >> beam.Create(files[split])
-                    | f"Read {split}" >> beam.io.ReadAllFromText()
-                    | f"Parse {split}" >> beam.Map(lambda line: Record.from_json(json.loads(line))))
+                    | f"Read {split}" >> beam.io.ReadAllFromText(with_filename=True)
+                    | f"Parse {split}" >> beam.MapTuple(lambda file, line: (file, Record.from_json(json.loads(line)))))
             for split in SPLITS
         }
+        _ = ([placed[split] for split in SPLITS] | "All placed records" >> beam.Flatten()
+             | "Ids" >> beam.MapTuple(lambda file, record: (record.id, file)) | "Group ids" >> beam.GroupByKey()
+             | "Unique ids" >> beam.FlatMap(_refuse_repeated_id))
+        records = {split: placed[split] | f"Records {split}" >> beam.Values() for split in SPLITS}
         train_counts = (records["train"] | "Train buckets" >> beam.Map(lambda r: r.bucket_id)
                         | "Count train buckets" >> beam.combiners.Count.PerElement())
         buckets = ((records["train"], records["val"]) | "All records" >> beam.Flatten()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,76 @@ def parse(text: str) -> Any:
     if "\\ud" in text.lower() and _has_lone_surrogate(value):
         raise JsonProblem("a lone UTF-16 surrogate escape (not a character)")
     return value
+
+
+_STRICT = json.JSONDecoder(parse_constant=refuse_constant, parse_float=finite_float, object_pairs_hook=unique_keys)
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's four, as the json module skips them
+
+
+class ArrayBreak(JsonProblem):
+    """Where a JSON array document stops parsing. `element` (1-based) is the element it breaks in, `start`
+    the offset that element starts at (the text's end where text follows the array), `line` the line of
+    the problem itself; `kind` is "cut" (the text ends inside the array: a file cut off), "invalid" (a
+    syntax error inside it) or "extra" (text after the array's closing bracket)."""
+
+    def __init__(self, message: str, line: int, element: int, start: int, kind: str):
+        super().__init__(message, line=line)
+        self.element, self.start, self.kind = element, start, kind
+
+
+def array_elements(text: str) -> Iterator[Any]:
+    """The elements of a JSON array document one at a time, each parsed as parse() parses; ArrayBreak
+    after the last element that parses where the document breaks off. For a file cut off part-way (a
+    download or a write interrupted) or broken by a hand edit, whose complete rows are still the user's."""
+
+    def line_at(index: int) -> int:
+        return text.count("\n", 0, index) + 1
+
+    def ends_after(index: int) -> bool:
+        return _WHITESPACE.match(text, index).end() >= len(text)
+
+    index = _WHITESPACE.match(text).end()
+    if text[index:index + 1] != "[":
+        raise ArrayBreak("not a JSON array", line_at(index), 1, index, "invalid")
+    index = _WHITESPACE.match(text, index + 1).end()
+    element = 1
+    if text[index:index + 1] == "]":
+        index += 1
+    else:
+        while True:
+            try:
+                value, end = _STRICT.raw_decode(text, index)
+            except json.JSONDecodeError as err:
+                # the scanner says "Unterminated string" only where the text ends before the closing quote
+                cut = ends_after(err.pos) or err.msg.startswith("Unterminated string")
+                raise ArrayBreak(f"{err.msg} (line {err.lineno}, column {err.colno})", err.lineno, element, index,
+                                 "cut" if cut else "invalid") from None
+            except RecursionError:
+                raise ArrayBreak("nested too deeply", line_at(index), element, index, "invalid") from None
+            except JsonProblem as problem:
+                raise ArrayBreak(str(problem), line_at(index), element, index, "invalid") from None
+            except ValueError as err:  # an integer of more digits than Python converts
+                raise ArrayBreak(str(err).split(";")[0], line_at(index), element, index, "invalid") from None
+            if "\\ud" in text[index:end].lower() and _has_lone_surrogate(value):
+                raise ArrayBreak("a lone UTF-16 surrogate escape (not a character)", line_at(index), element, index,
+                                 "invalid")
+            yield value
+            after = _WHITESPACE.match(text, end).end()
+            separator = text[after:after + 1]
+            if separator == "]":
+                index = after + 1
+                break
+            if separator != ",":
+                kind = "cut" if not separator else "invalid"
+                raise ArrayBreak("the text ends inside the array" if kind == "cut" else
+                                 f"expected ',' or ']' after an element (line {line_at(after)})",
+                                 line_at(after), element + 1, after, kind)
+            index = _WHITESPACE.match(text, after + 1).end()
+            element += 1
+    if not ends_after(index):
+        extra = _WHITESPACE.match(text, index).end()
+        raise ArrayBreak(f"text after the array's closing bracket (line {line_at(extra)})", line_at(extra),
+                         element + 1, extra, "extra")
 
 
 # The first bytes of the archives a user might hand over for a JSON file ("export.jsonl.gz", a .zip from

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from polyalign.core import jsonl
 from polyalign.core.errors import ChatTemplateError, InputError
 from polyalign.core.interrupts import check_interrupted
 from polyalign.core.outputs import stage_output
@@ -444,6 +445,7 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     check_options(options)
     records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
+    refuse_repeated_ids(run, records)
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
     template = get_template(template_name, tokenizer)
     train_counts = Counter(r.bucket_id for r in records["train"])
@@ -471,6 +473,23 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     return write_manifest(run, tokenizer_path, tokenizer, template_name, options, table, stats,
                           time.perf_counter() - started, warnings=[*warnings, *[mismatch] * bool(mismatch)],
                           tokenizer_check=check)
+
+
+def refuse_repeated_ids(run, records: dict[str, list[Record]]) -> None:
+    """Each record id once across the splits, as prepare writes them: a row copied by hand within a file or
+    into another split would be two examples of one key (TFDS stops on it with a traceback naming no file)
+    or a record trained on and validated on."""
+    ids = Counter(r.id for split in SPLITS for r in records[split])
+    repeated = next((record_id for record_id, n in ids.items() if n > 1), None)
+    if repeated is None:
+        return
+    where = [f"{path}:{number}" for split in SPLITS for path in split_files(run, split)
+             for number, line in enumerate(as_path(path).read_text(encoding="utf-8").split("\n"), start=1)
+             if line.strip() and jsonl.parse(line).get("id") == repeated]
+    others = sum(n > 1 for n in ids.values()) - 1
+    also = " (another id repeats too)" if others == 1 else f" ({others} other ids repeat too)" if others else ""
+    raise InputError(f"{where[0]}: record id {repeated!r} again at {', '.join(where[1:])}{also}; each record is one "
+                     "example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
 
 
 def require_records(run) -> None:

@@ -327,10 +327,17 @@ def _read_config(directory) -> dict | None:
         raise TokenizerError(f"{config_file}: line {err.lineno}: {err.msg}") from None
 
 
+# SentencePiece splits its sentences among this many threads and sums their statistics in that split, so the
+# pieces depend on the number (2 against 4 threads: 301 of 2,000 pieces in another place, 6 others), not on the
+# cores running them: one fixed number trains the same tokenizer from the same records on every machine.
+DEFAULT_TRAIN_THREADS = 2
+
+
 def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int, *,
                         special_tokens: Sequence[str] = (), chat_template: str = "polyalign",
                         model_type: str = "unigram", character_coverage: float = 0.9995,
-                        max_sentences: int = 2_000_000, threads: int | None = None) -> SentencePieceTokenizer:
+                        max_sentences: int = 2_000_000,
+                        threads: int = DEFAULT_TRAIN_THREADS) -> SentencePieceTokenizer:
     """Trains a bilingual SentencePiece model into OUT/tokenizer.model (+ tokenizer_config.json).
 
     Text is kept exactly: no NFKC (it folds full-width Chinese punctuation), no whitespace collapsing
@@ -348,7 +355,7 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
             allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=list(special_tokens),
             pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=PAD, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
             input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=1 << 16,
-            num_threads=threads or os.cpu_count() or 1, minloglevel=2)
+            num_threads=threads, minloglevel=2)
     except RuntimeError as err:
         short = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if short:

@@ -15,7 +15,7 @@ from polyalign.core.paths import files_digest
 from polyalign.data.layout import split_files
 from polyalign.data.records import read_records
 from polyalign.tokens.chat import POLYALIGN_SPECIAL_TOKENS, system_prompt
-from polyalign.tokens.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from polyalign.tokens.tokenizer import DEFAULT_TRAIN_THREADS, SentencePieceTokenizer, train_sentencepiece
 
 
 def record_texts(records) -> Iterable[str]:
@@ -107,7 +107,7 @@ def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
         tokens[record.language] = (tokens.get(record.language, 0)
                                    + sum(len(ids) for ids in tokenizer.encode_batch(texts)))
     report = {"records": str(records_path), "num_records": len(records), "vocab_size": tokenizer.vocab_size,
-              "train_seconds": round(seconds, 2),
+              "train_seconds": round(seconds, 2), "threads": options.get("threads", DEFAULT_TRAIN_THREADS),
               "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)},
               "settings": settings,
               "made_from": {"records": files_digest(files)}}

@@ -498,7 +498,9 @@ def summary_line(result: dict[str, Any]) -> str:
                        f"{last.get(where + 'dist_reach', nan):.3f}")
     rounds = result.get("rounds", [])
     # every round's validation, so that the rounds compare where the run is read (summary.json has them too)
-    earlier = "".join(f"round {r['round']}: to step {r['end_step']} on {r.get('train_pairs')} pairs"
+    earlier = "".join(f"round {r['round']}: to step {r['end_step']}"
+                      + (f" (resumed at step {r['resumed_from_step']})" if r.get("resumed_from_step") else "")
+                      + f" on {r.get('train_pairs')} pairs"
                       + (f"; validation reward margin {r['last']['val_rewards/margin']:.4f}, accuracy "
                          f"{r['last'].get('val_rewards/accuracy', nan):.3f}"
                          if "val_rewards/margin" in r.get("last", {}) else "") + "\n"

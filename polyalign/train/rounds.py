@@ -186,6 +186,10 @@ def train_rounds(config, out, train: Callable[..., dict[str, Any]], progress: bo
         mark_round(directory / "model", r, config.rounds, str(config.init))
         summaries.append({"round": r, "end_step": result["end_step"], "train_pairs": result.get("train_pairs"),
                           "last": result.get("last", {}),
+                          # a round this command took up where a killed one left it (the last round's line says so
+                          # through its own start_step)
+                          **({"resumed_from_step": result["start_step"]}
+                             if r not in kept and result.get("start_step") else {}),
                           # the round's training in all (its invocations), where each recorded its time
                           **({"seconds": result["total_seconds"]} if "total_seconds" in result else {})})
         policy = directory / "model"

@@ -15,6 +15,7 @@ from typing import Any
 
 from polyalign.core import jsonl
 from polyalign.core.jsonl import compressed_kind, wide_encoding
+from polyalign.core.wording import counted
 from polyalign.data.records import (
     AFTER_QUESTION,
     Example,
@@ -222,11 +223,46 @@ def iter_json_rows(path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
     if path.suffix == ".jsonl":
         yield from iter_json_lines(path)
         return
-    document = load_json(path)
+    text = decode_document(path.read_bytes(), str(path))
+    try:
+        document = parse_json_document(text, str(path))
+    except InputError:
+        if not text.lstrip(" \t\r\n").startswith("["):
+            raise
+        yield from _rows_up_to_break(text, path)
+        return
     if not isinstance(document, list):
         raise InputError(f"{path}: expected a JSON array of rows, got {type(document).__name__}")
     for number, row in enumerate(document, start=1):
         yield Location(str(path), element=number, row=number - 1), row
+
+
+# What a quarantine row keeps of an array's unreadable rest: enough to recognise it, not the file again.
+BROKEN_TAIL_CHARS = 2000
+
+
+def _rows_up_to_break(text: str, path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
+    """The rows of a JSON array file that stops parsing part-way, up to where it breaks, then one Malformed
+    for the rest: quarantine keeps the rows that are whole and says what was lost; fail mode stops there,
+    naming the line. The rows after a syntax error cannot be told apart, so they are one quarantine row."""
+    try:
+        for number, row in enumerate(jsonl.array_elements(text), start=1):
+            yield Location(str(path), element=number, row=number - 1), row
+    except jsonl.ArrayBreak as stop:
+        read = stop.element - 1
+        before = f"rows 1-{read} were read" if read > 1 else "row 1 was read" if read == 1 else "no row was read"
+        lines = counted(text.count("\n", stop.start) + 1, "line")
+        last_line = text.count("\n") + 1
+        problem = {
+            "cut": f"the file ends inside row {stop.element}, at line {last_line:,} (cut off?); {before}",
+            "invalid": f"invalid JSON in row {stop.element} ({stop}); {before}, and the {lines} from this row to the "
+                       "end cannot be split into rows",
+            "extra": f"{stop}; {before}; what follows ({lines}) is not part of the array",
+        }[stop.kind]
+        tail = text[stop.start:]
+        raw = tail if len(tail) <= BROKEN_TAIL_CHARS else f"{tail[:BROKEN_TAIL_CHARS]}... ({len(tail):,} characters)"
+        line = text.count("\n", 0, stop.start) + 1
+        yield Malformed(Location(str(path), line=line, element=stop.element, row=stop.element - 1), problem, raw)
 
 
 def type_name(value: Any) -> str:
