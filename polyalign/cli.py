@@ -733,6 +733,48 @@ def _add_pairs(sub) -> None:
                                "command again rewrites it from the input as the input is now; a training run "
                                "started on the old pairs then refuses to continue on them)")
     imported.set_defaults(handler=_run_pairs_import)
+    accuracy = actions.add_parser(
+        "accuracy", help="how often a model prefers the chosen answer of held-out pairs",
+        description="Reward accuracy (the share of pairs whose implicit reward beta (pi - rho) is higher for the "
+                    "chosen answer, against a reference model: what DPO-family training logs as "
+                    "val_rewards/accuracy) and log-prob preference (the share whose chosen answer has the higher "
+                    "mean log-prob per token, with the reference's own share as its baseline), per bucket and "
+                    "overall, each with a 95% Wilson interval. Settings left out are read from the model's "
+                    "training record (a polyalign export): the reference is the model it was trained from.",
+        epilog="Writes OUT/accuracy.json (the table's numbers, the settings and where each came from) and "
+               "OUT/per_pair.jsonl (each pair's log-probs, margin and verdicts: join two models' files on `id` "
+               "for a paired comparison).")
+    accuracy.add_argument("--model", required=True, type=Path, help="the model folder (e.g. OUT/model)")
+    accuracy.add_argument("--pairs", required=True, type=Path,
+                          help="pairs JSONL (`polyalign pairs` or `pairs import`), e.g. held-out test pairs")
+    accuracy.add_argument("--out", required=True, type=Path, help="output folder")
+    accuracy.add_argument("--reference", help="the reference model (default: the model's training record's init; "
+                                              "none for another checkpoint: then no reward accuracy)")
+    accuracy.add_argument("--beta", type=float, help="the implicit reward's inverse temperature (default: the "
+                                                     "training record's, else 0.1); it scales the margin, not the "
+                                                     "accuracy")
+    accuracy.add_argument("--max-length", type=int, help="tokens of a pair's side, prompt and answer (default: the "
+                                                         "training record's data.max_length, else 1024)")
+    accuracy.add_argument("--profile", choices=PROFILE_MODES,
+                          help="the profile system prompt (default: the training record's, else context)")
+    accuracy.add_argument("--truncation", choices=TRUNCATIONS,
+                          help="how a prompt over its share is cut (default: the training record's, else left)")
+    accuracy.add_argument("--batch-size", type=int, default=8, help="pairs a forward pass (default 8)")
+    accuracy.add_argument("--overwrite", action="store_true",
+                          help="replace OUT when it was made with other settings (or not by polyalign)")
+    accuracy.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    accuracy.set_defaults(handler=_run_pairs_accuracy)
+
+
+def _run_pairs_accuracy(args) -> int:
+    from polyalign.pairs.accuracy import AccuracyOptions, pairs_accuracy, print_summary  # heavy: jax
+
+    options = AccuracyOptions(reference=args.reference, beta=args.beta, max_length=args.max_length,
+                              profile=args.profile, truncation=args.truncation, batch_size=args.batch_size)
+    summary = pairs_accuracy(args.model, args.pairs, args.out, options, overwrite=args.overwrite,
+                             progress=args.progress)
+    print_summary(summary, args.out)
+    return 0
 
 
 HELD_OUT_SPLIT_NAMES = ("val", "validation", "dev", "test")  # records files whose pairs are held out
@@ -1498,6 +1540,9 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
+    "pairs accuracy": {"--beta": Range(0.0, low_open=True), "--max-length": Range(8, why="a chat template needs room "
+                                                                                         "for its headers"),
+                       "--batch-size": COUNT},
     "evaluate": {"--bootstrap-draws": Range(20, why="an interval's 2.5% and 97.5% points need draws to stand on; "
                                                  "200 is the default"), "--seed": SEED},
     "launch": {"--nproc": COUNT, "--cpu-devices": COUNT, "--port": Range(1, 65535)},

@@ -1507,3 +1507,64 @@ def test_a_round_is_marked_in_its_record_and_both_cards_whole_and_once(tmp_path)
     assert (model / "README.md").read_text() == "a card of one's own\n"
     assert "2 of 3" not in (adapter / "README.md").read_text() and "| on-policy round | 1 of 2 (rounds=2: trained " \
         "from /runs/sft/model as a run" in (adapter / "README.md").read_text()
+
+
+def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself_ties(demo_run, demo_tokenizer,
+                                                                                       tmp_path, capsys):
+    """`pairs accuracy` on a DPO model's validation pairs, with every setting read from its training record,
+    gives the reward accuracy and margin training logged on them at its last step (two code paths: the
+    trainer's metric sums, and per-pair log-probs here); the model as its own reference ties on every pair
+    (margin 0, accuracy 0: a tie counts as wrong); a checkpoint with no training record has no reference,
+    so no reward accuracy, only the log-prob preference, recomputed here by hand from the per-pair file."""
+    from polyalign.cli import main
+    from polyalign.train.metrics import read_metrics
+
+    init_checkpoint_and_pair_files(demo_run, demo_tokenizer[0], tmp_path, train=8, val=12)
+    assert main(["train", "dpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out", str(tmp_path / "dpo"),
+                 "--no-progress", f"init={tmp_path / 'init'}", f"pairs={tmp_path / 'train.jsonl'}",
+                 f"val_pairs={tmp_path / 'val.jsonl'}", "train.steps=2", "train.global_batch=4", "train.eval_every=2",
+                 "data.max_length=96", "drift_prompts=0", "beta=0.5"]) == 0
+    logged = [m for m in read_metrics(tmp_path / "dpo") if "val_rewards/accuracy" in m][-1]
+    model = tmp_path / "dpo" / "model"
+    capsys.readouterr()
+    assert main(["pairs", "accuracy", "--model", str(model), "--pairs", str(tmp_path / "val.jsonl"),
+                 "--out", str(tmp_path / "acc"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
+    overall = summary["overall"]
+    assert summary["resolved"]["reference"] == str(tmp_path / "init") and summary["resolved"]["beta"] == 0.5
+    assert summary["settings_from"]["max_length"] == "the model's training record"
+    assert overall["pairs"] == len((tmp_path / "val.jsonl").read_text().splitlines())
+    assert overall["reward_accuracy"]["share"] == pytest.approx(logged["val_rewards/accuracy"], abs=1e-4)
+    assert overall["reward_margin"] == pytest.approx(logged["val_rewards/margin"], abs=2e-4)
+    assert re.search(rf"^all +{overall['pairs']} +{overall['reward_accuracy']['share']:.3f} \[", printed, re.MULTILINE)
+    assert "against the reference " + str(tmp_path / "init") in printed
+
+    assert main(["pairs", "accuracy", "--model", str(model), "--reference", str(model), "--pairs",
+                 str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "itself"), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "itself" / "per_pair.jsonl").read_text().splitlines()]
+    assert all(row["reward_margin"] == 0.0 and not row["reward_correct"] for row in rows)
+    itself = json.loads((tmp_path / "itself" / "accuracy.json").read_text())["overall"]
+    assert itself["reward_accuracy"]["share"] == 0.0 and itself["logp_preference"] == itself[
+        "reference_logp_preference"]
+
+    assert main(["pairs", "accuracy", "--model", str(tmp_path / "init"), "--pairs", str(tmp_path / "val.jsonl"),
+                 "--out", str(tmp_path / "plain"), "--no-progress"]) == 0
+    plain = json.loads((tmp_path / "plain" / "accuracy.json").read_text())
+    assert "reward_accuracy" not in plain["overall"] and plain["settings_from"]["max_length"] == "the default"
+    rows = [json.loads(line) for line in (tmp_path / "plain" / "per_pair.jsonl").read_text().splitlines()]
+    prefers = sum(r["chosen_logp"] / r["chosen_tokens"] > r["rejected_logp"] / r["rejected_tokens"] for r in rows)
+    assert plain["overall"]["logp_preference"]["share"] == round(prefers / len(rows), 4)
+    low, high = plain["overall"]["logp_preference"]["interval"]
+    assert low <= prefers / len(rows) <= high and 0 <= low < high <= 1
+    assert "no reference" in capsys.readouterr().out
+
+
+def test_the_accuracy_intervals_are_wilsons_by_hand():
+    """3 of 4: p = 0.75, z = 1.959964; centre (p + z^2/2n) / (1 + z^2/n) = 0.62753, half-width
+    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n) = 0.32689."""
+    from polyalign.pairs.accuracy import share, wilson
+
+    assert wilson(3, 4) == (0.3006, 0.9544)
+    assert share([True, False, True, True]) == {"share": 0.75, "interval": (0.3006, 0.9544)}
+    assert wilson(0, 5) == (0.0, 0.4345)  # (z^2/n) / (1 + z^2/n) = 0.76829 / 1.76829

@@ -1,0 +1,237 @@
+"""`polyalign pairs accuracy`: how often a model prefers the chosen answer of held-out pairs.
+
+Two measures, each per bucket and overall with a 95% Wilson interval:
+- reward accuracy: the share of pairs whose implicit reward beta (pi - rho) is higher for the chosen answer
+  than for the rejected one (pi the model's summed log-prob of an answer, rho the reference's), a tie
+  counting as wrong: what DPO-family training logs as `val_rewards/accuracy`, on any pairs file. Needs the
+  reference, by default the model its training started from (its training record's `init`).
+- log-prob preference: the share whose chosen answer has the higher mean log-prob per token under the model
+  alone, with the reference's own share beside it as the baseline (reward accuracy has none: the reference
+  against itself ties on every pair).
+Both sides of a pair are tokenised with the model's tokenizer and template as training tokenised them
+(`tokenise_pairs`: profile prompt, truncation and max_length from the training record unless given).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from scipy.stats import binomtest
+
+from polyalign.core.errors import InputError
+from polyalign.core.outputs import stage_output
+from polyalign.core.paths import file_digest, training_record
+from polyalign.core.yaml_config import ConfigError
+from polyalign.inputs.pair_rows import tokenise_pairs
+from polyalign.mesh import parallel
+from polyalign.model import load_hf_checkpoint
+from polyalign.model.architecture import checkpoint_family, compute_dtype
+from polyalign.model.hf import checkpoint_tokenizer
+from polyalign.pairs.make import read_pairs
+from polyalign.tokens.chat import choose_template, get_template
+
+RECORD = "accuracy.json"
+PER_PAIR = "per_pair.jsonl"
+DEFAULT_MAX_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class AccuracyOptions:
+    reference: str | None = None  # None: the training record's init
+    beta: float | None = None  # None: the training record's, else 0.1
+    max_length: int | None = None  # None: the training record's data.max_length, else DEFAULT_MAX_LENGTH
+    profile: str | None = None
+    truncation: str | None = None
+    batch_size: int = 8
+    dtype: str = "float32"
+
+
+def wilson(correct: int, n: int) -> tuple[float, float]:
+    """The 95% Wilson interval of correct / n."""
+    interval = binomtest(correct, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return round(float(interval.low), 4), round(float(interval.high), 4)
+
+
+def share(flags: list[bool]) -> dict[str, Any]:
+    correct = int(sum(flags))
+    return {"share": round(correct / len(flags), 4), "interval": wilson(correct, len(flags))}
+
+
+def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, dict[str, str]]:
+    """`options` with what was left unsaid read from the model's training record (polyalign's own exports),
+    and where each came from."""
+    record = training_record(model) or {}
+    config = record.get("config") or {}
+    trained = {"reference": config.get("init"), "beta": config.get("beta"),
+               "max_length": (config.get("data") or {}).get("max_length"), "profile": config.get("profile"),
+               "truncation": config.get("truncation")}
+    fallback = {"beta": 0.1, "max_length": DEFAULT_MAX_LENGTH, "profile": "context", "truncation": "left"}
+    values, sources = asdict(options), {}
+    for key, value in trained.items():
+        if values[key] is not None:
+            sources[key] = "given"
+        elif value is not None:
+            values[key], sources[key] = value, "the model's training record"
+        elif key in fallback:
+            values[key], sources[key] = fallback[key], "the default"
+    return AccuracyOptions(**values), sources
+
+
+def answer_logps(checkpoint, examples: list[dict], options: AccuracyOptions, pad_id: int,
+                 progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Summed log-probs of every pair's chosen and rejected answer under `checkpoint`."""
+    from polyalign.train.preference import reference_logps
+
+    mesh = parallel.make_mesh()
+    model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(options.dtype), mesh=mesh)
+    with jax.set_mesh(mesh):
+        reference_logps(model, examples, options.max_length, pad_id, batch_size=options.batch_size,
+                        progress=progress, mesh=mesh)
+    return (np.array([e.pop("ref_chosen") for e in examples]), np.array([e.pop("ref_rejected") for e in examples]))
+
+
+def same_tokenizer(model: Path, reference: str, tokenizer, pairs: list[dict]) -> None:
+    """The reference must read the pairs as the model does: its log-probs are of the model's token ids."""
+    other = checkpoint_tokenizer(reference)
+    texts = [pair[side] for pair in pairs[:20] for side in ("chosen", "rejected")]
+    if other.vocab_size != tokenizer.vocab_size or other.encode_batch(texts) != tokenizer.encode_batch(texts):
+        raise ConfigError(f"--reference {reference}: its tokenizer reads text otherwise than {model}'s; the implicit "
+                          "reward compares the two models on the same token ids (give the model it was trained "
+                          "from)")
+
+
+def measure(model: Path, pairs_path: Path, options: AccuracyOptions, progress: bool = True) -> dict[str, Any]:
+    """Per-pair values and the summary (overall and per bucket); writes nothing."""
+    options, sources = resolved(model, options)
+    pairs = read_pairs(pairs_path, "make them with `polyalign pairs` or `polyalign pairs import`")
+    if not pairs:
+        raise InputError(f"{pairs_path}: no pairs")
+    tokenizer = checkpoint_tokenizer(model)
+    template = get_template(choose_template(tokenizer, family=checkpoint_family(model), where=str(model)), tokenizer)
+    buckets = sorted({pair["bucket_id"] for pair in pairs})
+    examples = tokenise_pairs(pairs, tokenizer, template, options.profile, options.max_length, buckets,
+                              options.truncation)
+    lengths = {side: np.array([max(int(np.sum(e[f"{side}_mask"])), 1) for e in examples]) for side in ("chosen",
+                                                                                                      "rejected")}
+    policy = answer_logps(model, examples, options, tokenizer.pad_id, progress)
+    reference = None
+    if options.reference is not None:
+        same_tokenizer(model, options.reference, tokenizer, pairs)
+        reference = answer_logps(options.reference, examples, options, tokenizer.pad_id, progress)
+    rows = []
+    for i, (pair, example) in enumerate(zip(pairs, examples, strict=True)):
+        row = {"id": pair["id"], "bucket_id": pair["bucket_id"], "chosen_logp": policy[0][i],
+               "rejected_logp": policy[1][i], "chosen_tokens": int(lengths["chosen"][i]),
+               "rejected_tokens": int(lengths["rejected"][i]), "truncated": bool(example["truncated"])}
+        row["prefers_chosen"] = bool(row["chosen_logp"] / row["chosen_tokens"]
+                                     > row["rejected_logp"] / row["rejected_tokens"])
+        if reference is not None:
+            margin = options.beta * ((policy[0][i] - reference[0][i]) - (policy[1][i] - reference[1][i]))
+            row.update(ref_chosen_logp=reference[0][i], ref_rejected_logp=reference[1][i],
+                       reward_margin=float(margin), reward_correct=bool(margin > 0),
+                       reference_prefers_chosen=bool(reference[0][i] / row["chosen_tokens"]
+                                                     > reference[1][i] / row["rejected_tokens"]))
+        rows.append({k: float(v) if isinstance(v, np.floating) else v for k, v in row.items()})
+    groups = defaultdict(list)
+    for row in rows:
+        groups[row["bucket_id"]].append(row)
+    summary = {"model": str(model), "pairs_file": str(pairs_path), "settings": {**asdict(options)},
+               "settings_from": sources, "overall": summarize(rows),
+               "by_bucket": {bucket: summarize(members) for bucket, members in sorted(groups.items())}}
+    return {"summary": summary, "rows": rows}
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    measured = {"pairs": len(rows), "truncated": sum(row["truncated"] for row in rows),
+                "logp_preference": share([row["prefers_chosen"] for row in rows])}
+    if rows and "reward_correct" in rows[0]:
+        margins = [row["reward_margin"] for row in rows]
+        measured.update(reward_accuracy=share([row["reward_correct"] for row in rows]),
+                        reward_margin=round(float(np.mean(margins)), 4),
+                        reference_logp_preference=share([row["reference_prefers_chosen"] for row in rows]))
+    return measured
+
+
+def pairs_accuracy(model, pairs_path, out, options: AccuracyOptions = AccuracyOptions(), overwrite: bool = False,
+                   progress: bool = True) -> dict[str, Any]:
+    """Measures (measure) and writes OUT/accuracy.json (the summary, its settings and the inputs' digests) and
+    OUT/per_pair.jsonl (each pair's log-probs, margin and verdicts, for paired comparisons between models)."""
+    model, pairs_path, out = Path(model), Path(pairs_path), Path(out)
+    if not (model / "config.json").is_file():
+        raise InputError(f"--model {model}: no config.json (give a Hugging Face model folder, e.g. OUT/model)")
+    settings = {"model": str(model.resolve()), "pairs": str(pairs_path.resolve()), **asdict(options)}
+    started = time.perf_counter()
+    with stage_output(out, out / RECORD, settings, overwrite, ours=[out / PER_PAIR], inputs={"pairs": pairs_path}):
+        measured = measure(model, pairs_path, options, progress)
+        with (out / PER_PAIR).open("w", encoding="utf-8") as handle:
+            for row in measured["rows"]:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        made_from = {"pairs": file_digest(pairs_path)}
+        summary = {**measured["summary"], "settings": settings, "resolved": measured["summary"]["settings"],
+                   "made_from": made_from, "seconds": round(time.perf_counter() - started, 1)}
+        (out / RECORD).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return summary
+
+
+def _cell(measured: dict[str, Any] | None) -> str:
+    if measured is None:
+        return "-"
+    low, high = measured["interval"]
+    return f"{measured['share']:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The printed table: one row per bucket and the overall row, each share with its 95% interval."""
+    rewards = "reward_accuracy" in summary["overall"]
+    header = ["bucket", "pairs", *(["reward accuracy", "margin"] if rewards else []), "log-prob pref.",
+              *(["reference log-prob pref."] if rewards else [])]
+    lines = []
+    for name, measured in [*summary["by_bucket"].items(), ("all", summary["overall"])]:
+        cells = [name, str(measured["pairs"])]
+        if rewards:
+            cells += [_cell(measured["reward_accuracy"]), f"{measured['reward_margin']:+.4f}"]
+        cells.append(_cell(measured["logp_preference"]))
+        if rewards:
+            cells.append(_cell(measured["reference_logp_preference"]))
+        lines.append(cells)
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+                     for row in [header, *lines])
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """What the command prints below the table: what the numbers are against, and where they are."""
+    settings, sources = summary["resolved"], summary["settings_from"]
+    overall = summary["overall"]
+    lines = []
+    if "reward_accuracy" in overall:
+        lines.append(f"reward accuracy: the share of pairs whose implicit reward beta (pi - rho) is higher for the "
+                     f"chosen answer (a tie counts as wrong), against the reference {settings['reference']} "
+                     f"({sources['reference']}), beta {settings['beta']} ({sources['beta']}); chance is 0.5")
+        lines.append("log-prob preference: the share whose chosen answer has the higher mean log-prob per token; "
+                     "the reference's own share is its baseline")
+    else:
+        lines.append("log-prob preference: the share whose chosen answer has the higher mean log-prob per token; no "
+                     "reference (the model has no training record naming one: --reference SFT_MODEL), so no reward "
+                     "accuracy and no baseline")
+    if overall["truncated"]:
+        lines.append(f"note: {overall['truncated']} of {overall['pairs']} pairs were cut to max_length "
+                     f"{settings['max_length']} ({sources['max_length']})")
+    if overall["pairs"] < 30:
+        lines.append(f"note: {overall['pairs']} pairs: read the intervals, which are wide")
+    return lines
+
+
+def print_summary(summary: dict[str, Any], out: Path) -> None:
+    print(summary_table(summary))
+    for line in summary_lines(summary):
+        print(line, file=sys.stderr if line.startswith("note:") else sys.stdout)
+    print(f"accuracy: {out / RECORD} (each pair: {out / PER_PAIR})")
