@@ -302,7 +302,7 @@ def _add_tokenizer(sub) -> None:
 
 
 def _run_tokenizer_train(args) -> int:
-    from polyalign.tokens.tokenizer import DEFAULT_TRAIN_THREADS
+    from polyalign.tokens.tokenizer import DEFAULT_TRAIN_THREADS  # heavy: sentencepiece, kept out of --help
     from polyalign.tokens.tokenizer_training import train_from_records  # heavy: numpy, kept out of --help
 
     # threads in the settings only when not the default: a tokenizer trained before the option keeps its settings
@@ -767,7 +767,7 @@ def _add_pairs(sub) -> None:
 
 
 def _run_pairs_accuracy(args) -> int:
-    from polyalign.pairs.accuracy import AccuracyOptions, pairs_accuracy, print_summary  # heavy: jax
+    from polyalign.train.pair_accuracy import AccuracyOptions, pairs_accuracy, print_summary  # heavy: jax
 
     options = AccuracyOptions(reference=args.reference, beta=args.beta, max_length=args.max_length,
                               profile=args.profile, truncation=args.truncation, batch_size=args.batch_size)

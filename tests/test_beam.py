@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from polyalign.data.prepare import PrepareError, prepare
+from polyalign.data.records import InputError
 from polyalign.inputs.built import BuildOptions
 from tests.beam_env import in_beam_env
 from tests.conftest import DEMO_DATA, REPO, read_jsonl, write_config
@@ -213,6 +214,8 @@ def test_what_a_runner_wraps_reaches_the_command_as_the_single_machine_path_rais
         raise ValueError("Unexpected pipeline runner: FooRunner.\nValid values are ...")
     with pytest.raises(PrepareError, match="chat.jsonl:3"), runner_errors():
         raise PrepareError("chat.jsonl:3: invalid JSON")
+    with pytest.raises(InputError, match=r"^train.jsonl: record id 'a' is in 2 rows$"), runner_errors():
+        raise InputError("train.jsonl: record id 'a' is in 2 rows [while running 'Check ids']")
     with pytest.raises(ValueError, match="other"), runner_errors():
         raise ValueError("other")
     done = beam_cli("prepare", "--config", str(REPO / "configs/data/demo.yaml"), "--out", str(tmp_path / "run"),
@@ -222,7 +225,8 @@ def test_what_a_runner_wraps_reaches_the_command_as_the_single_machine_path_rais
 
 
 def test_a_record_copied_by_hand_stops_the_beam_build_naming_its_file(demo_run, demo_tokenizer, tmp_path):
-    """The Beam side of test_faults' copied-record build: one line naming the file, no TFDS traceback."""
+    """The Beam side of test_faults' copied-record build: one line naming the file, no TFDS traceback; a
+    record in both splits is the same warning."""
     from tests.conftest import first_records
 
     run = tmp_path / "run"
@@ -235,6 +239,15 @@ def test_a_record_copied_by_hand_stops_the_beam_build_naming_its_file(demo_run, 
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     record_id = json.loads(lines[1])["id"]
     assert done.stderr.strip().splitlines()[-1] == (
-        f"polyalign build: error: {train}: record id {record_id!r} is in 2 rows (of {train}); each record is one "
+        f"polyalign build: error: {train}: record id {record_id!r} is in 2 rows of {train}; each record is one "
         "example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
-    assert not (run / "build" / "sft_examples").exists()
+    assert not (run / "build" / "manifest.json").exists()
+    # one in both splits builds (over what the stopped pipeline left), with the single-machine build's warning
+    train.write_text("".join(lines), encoding="utf-8")
+    with (run / "data" / "val.jsonl").open("a", encoding="utf-8") as val:
+        val.write(lines[4])
+    done = beam_cli("build", str(run), "--beam", "--tokenizer", str(demo_tokenizer[0].path.parent), "--max-length",
+                    "64", "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warning: 1 of the 4 val records are train records too (the same ids): validation measures them as " \
+           "trained on" in done.stderr

@@ -1256,7 +1256,7 @@ def test_a_build_is_refused_once_the_prepare_it_was_made_from_is_replaced(built_
 def test_a_record_copied_by_hand_into_a_split_file_stops_build_naming_both_lines(demo_run, demo_tokenizer, tmp_path,
                                                                                   capsys):
     """A row pasted twice into train.jsonl ended build in a TFDS traceback about duplicate keys; one pasted
-    into val.jsonl too would be trained on and validated on."""
+    into val.jsonl is trained on and validated on, which build says."""
     from tests.conftest import first_records
 
     source, _, _ = demo_run
@@ -1272,10 +1272,14 @@ def test_a_record_copied_by_hand_into_a_split_file_stops_build_naming_both_lines
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     record_id = json.loads(lines[1])["id"]
-    assert err == [f"polyalign build: error: {train}:2: record id {record_id!r} again at {train}:7 (another id "
-                   "repeats too); each record is one example: remove the copies (an edit by hand?), or run `polyalign "
-                   "prepare` again"]
+    assert err == [f"polyalign build: error: {train}:2: record id {record_id!r} again at {train}:7; each record "
+                   "is one example: remove the copies (an edit by hand?), or run `polyalign prepare` again"]
     assert not (run / "build" / "sft_examples").exists()
+    # one in both splits builds, said: validation then measures a record training saw
+    train.write_text("".join(lines), encoding="utf-8")
+    assert main(args) == 0
+    assert "warning: 1 of the 4 val records are train records too (the same ids): validation measures them as " \
+           "trained on" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("settings", [

@@ -1540,6 +1540,12 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     assert re.search(rf"^all +{overall['pairs']} +{overall['reward_accuracy']['share']:.3f} \[", printed, re.MULTILINE)
     assert "against the reference " + str(tmp_path / "init") in printed
 
+    # a reference that is not there is said before any forward pass, and leaves no OUT
+    assert main(["pairs", "accuracy", "--model", str(model), "--reference", str(tmp_path / "gone"), "--pairs",
+                 str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "none"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"reference {tmp_path / 'gone'}: no model folder there (give a "
+                                                    "Hugging Face model folder)")
+    assert not (tmp_path / "none").exists()
     assert main(["pairs", "accuracy", "--model", str(model), "--reference", str(model), "--pairs",
                  str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "itself"), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "itself" / "per_pair.jsonl").read_text().splitlines()]
@@ -1563,7 +1569,7 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
 def test_the_accuracy_intervals_are_wilsons_by_hand():
     """3 of 4: p = 0.75, z = 1.959964; centre (p + z^2/2n) / (1 + z^2/n) = 0.62753, half-width
     z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n) = 0.32689."""
-    from polyalign.pairs.accuracy import share, wilson
+    from polyalign.train.pair_accuracy import share, wilson
 
     assert wilson(3, 4) == (0.3006, 0.9544)
     assert share([True, False, True, True]) == {"share": 0.75, "interval": (0.3006, 0.9544)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shlex
 from collections.abc import Iterator
 from typing import Any
@@ -68,6 +69,11 @@ def pipeline_options(flags: str | None) -> Any:
     return options
 
 
+def without_step(text: str) -> str:
+    """An error's message less the step the DirectRunner appends when it re-raises it from a transform."""
+    return re.sub(r"\s*\[while running '.*'\]$", "", text).strip()
+
+
 @contextlib.contextmanager
 def runner_errors() -> Iterator[None]:
     """What a runner wraps, as the single-machine path raises it: Ctrl-C (the DirectRunner re-raises it as a
@@ -75,8 +81,15 @@ def runner_errors() -> Iterator[None]:
     runner Beam does not know (`--beam-options=--runner=...`) as one line naming the option."""
     try:
         yield
-    except PolyalignError:
-        raise
+    except PolyalignError as err:
+        text = without_step(str(err))
+        if text == str(err):
+            raise
+        try:
+            again = type(err)(text)
+        except TypeError:  # an error class that takes more than its message
+            raise err from None
+        raise again from None
     except Exception as err:
         text = str(err)
         if "KeyboardInterrupt" in text:

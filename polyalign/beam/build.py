@@ -31,6 +31,7 @@ from polyalign.inputs.build import (
     encode_record,
     kept_build,
     require_records,
+    shared_warning,
     split_bucket_counts,
     stale_tokenizer,
     tokenizer_and_template,
@@ -43,6 +44,7 @@ from polyalign.tokens.chat import get_template
 from polyalign.tokens.tokenizer import load_tokenizer
 
 NAMESPACE = "polyalign.build"
+SHARED_COUNTER = "shared.val_in_train"  # val records whose ids train has too
 
 
 class EncodeRecord(beam.DoFn):
@@ -64,14 +66,20 @@ class EncodeRecord(beam.DoFn):
         yield key, example
 
 
-def _refuse_repeated_id(item: tuple[str, Any]) -> list[None]:
-    """The Beam side of build.refuse_repeated_ids: the files, not the lines (a worker reads lines unnumbered)."""
-    record_id, files = item
-    files = sorted(files)
-    if len(files) > 1:
-        raise InputError(f"{files[0]}: record id {record_id!r} is in {len(files)} rows (of "
-                         f"{', '.join(sorted(set(files)))}); each record is one example: remove the copies (an edit "
-                         "by hand?), or run `polyalign prepare` again")
+def _check_id(item: tuple[str, Any]) -> list[None]:
+    """The Beam side of build.repeated_ids: an id twice in one split is refused, naming the file (a worker
+    reads lines unnumbered); one in both splits is counted for the warning."""
+    record_id, places = item
+    places = sorted(places)
+    splits = [split for split, _ in places]
+    for split in SPLITS:
+        files = [file for where, file in places if where == split]
+        if len(files) > 1:
+            raise InputError(f"{files[0]}: record id {record_id!r} is in {len(files)} rows of "
+                             f"{', '.join(sorted(set(files)))}; each record is one example: remove the copies (an edit "
+                             "by hand?), or run `polyalign prepare` again")
+    if len(set(splits)) > 1:
+        Metrics.counter(NAMESPACE, SHARED_COUNTER).inc()
     return []
 
 
@@ -105,9 +113,10 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
                     | f"Parse {split}" >> beam.MapTuple(lambda file, line: (file, Record.from_json(json.loads(line)))))
             for split in SPLITS
         }
-        _ = ([placed[split] for split in SPLITS] | "All placed records" >> beam.Flatten()
-             | "Ids" >> beam.MapTuple(lambda file, record: (record.id, file)) | "Group ids" >> beam.GroupByKey()
-             | "Unique ids" >> beam.FlatMap(_refuse_repeated_id))
+        _ = ([placed[split] | f"{split} ids" >> beam.MapTuple(lambda file, record, split=split: (record.id,
+                                                                                                  (split, file)))
+              for split in SPLITS]
+             | "All ids" >> beam.Flatten() | "Group ids" >> beam.GroupByKey() | "Check ids" >> beam.FlatMap(_check_id))
         records = {split: placed[split] | f"Records {split}" >> beam.Values() for split in SPLITS}
         train_counts = (records["train"] | "Train buckets" >> beam.Map(lambda r: r.bucket_id)
                         | "Count train buckets" >> beam.combiners.Count.PerElement())
@@ -136,6 +145,7 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
 
     stats = {split: Counter() for split in SPLITS}
     bucket_counts: dict[str, Counter] = {split: Counter() for split in SPLITS}
+    shared = counters.pop(SHARED_COUNTER, 0)
     for name, value in counters.items():
         kind, rest = name.split(".", 1)
         if kind == "bucket":
@@ -151,6 +161,7 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
     warnings = weight_warnings(table.weights, train_counts, bucket_counts["val"], split_bucket_counts(run, "test"),
                                weights.warn_above)
     warnings += [stale] if (stale := stale_tokenizer(run, tokenizer_path)) else []
+    warnings += [shared_warning(shared, stats["val"]["examples"])] if shared else []
     runner = pipeline.view_as(beam.options.pipeline_options.StandardOptions).runner
     check, mismatch = check_tokenizer(tokenizer, get_template(template_name, tokenizer), options.profile,
                                       probe_records(run, PROBE_RECORDS), str(tokenizer_path))

@@ -14,7 +14,6 @@ workers, so their rows come in no particular order (records are keyed by id down
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from polyalign.beam import pipeline_options, runner_errors
+from polyalign.beam import pipeline_options, runner_errors, without_step
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import remove_path
 from polyalign.core.yaml_config import ConfigError
@@ -338,7 +337,7 @@ def _row_error(err: Exception) -> str | None:
         if not found:
             return None
         text = found[0]
-    return re.sub(r"\s*\[while running '.*'\]$", "", text).strip()
+    return without_step(text)
 
 
 def _read_events(events_dir: Path) -> list[tuple[tuple[Any, ...], int]]:

@@ -445,7 +445,7 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     started = time.perf_counter()
     check_options(options)
     records = {split: [r for path in split_files(run, split) for r in read_records(path)] for split in SPLITS}
-    refuse_repeated_ids(run, records)
+    repeated = repeated_ids(run, records)
     tokenizer_path, tokenizer, template_name = tokenizer_and_template(run, options)
     template = get_template(template_name, tokenizer)
     train_counts = Counter(r.bucket_id for r in records["train"])
@@ -454,6 +454,7 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
     warnings = weight_warnings(table.weights, train_counts, Counter(r.bucket_id for r in records["val"]),
                                split_bucket_counts(run, "test"), table.options.warn_above)
     warnings += [stale] if (stale := stale_tokenizer(run, tokenizer_path)) else []
+    warnings += repeated
     stats = {split: Counter() for split in SPLITS}
 
     def examples(split):
@@ -475,21 +476,30 @@ def _build(run: Path, options: BuildOptions, progress: bool) -> dict[str, Any]:
                           tokenizer_check=check)
 
 
-def refuse_repeated_ids(run, records: dict[str, list[Record]]) -> None:
-    """Each record id once across the splits, as prepare writes them: a row copied by hand within a file or
-    into another split would be two examples of one key (TFDS stops on it with a traceback naming no file)
-    or a record trained on and validated on."""
-    ids = Counter(r.id for split in SPLITS for r in records[split])
-    repeated = next((record_id for record_id, n in ids.items() if n > 1), None)
-    if repeated is None:
-        return
-    where = [f"{path}:{number}" for split in SPLITS for path in split_files(run, split)
-             for number, line in enumerate(as_path(path).read_text(encoding="utf-8").split("\n"), start=1)
-             if line.strip() and jsonl.parse(line).get("id") == repeated]
-    others = sum(n > 1 for n in ids.values()) - 1
-    also = " (another id repeats too)" if others == 1 else f" ({others} other ids repeat too)" if others else ""
-    raise InputError(f"{where[0]}: record id {repeated!r} again at {', '.join(where[1:])}{also}; each record is one "
-                     "example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
+def repeated_ids(run, records: dict[str, list[Record]]) -> list[str]:
+    """A record id twice in one split (a row copied by hand) would be two examples of one key, which TFDS
+    stops on with a traceback naming no file: refused, naming both lines. One in both splits (val.jsonl made
+    from train.jsonl, say) builds, with a warning: validation then measures records training saw."""
+    for split in SPLITS:
+        ids = Counter(r.id for r in records[split])
+        repeated = next((record_id for record_id, n in ids.items() if n > 1), None)
+        if repeated is None:
+            continue
+        where = [f"{path}:{number}" for path in split_files(run, split)
+                 for number, line in enumerate(as_path(path).read_text(encoding="utf-8").split("\n"), start=1)
+                 if line.strip() and jsonl.parse(line).get("id") == repeated]
+        others = sum(n > 1 for n in ids.values()) - 1
+        also = " (another id repeats too)" if others == 1 else f" ({others} other ids repeat too)" if others else ""
+        raise InputError(f"{where[0]}: record id {repeated!r} again at {', '.join(where[1:])}{also}; each record is "
+                         "one example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
+    trained = {r.id for r in records["train"]}
+    shared = sum(r.id in trained for r in records["val"])
+    return [shared_warning(shared, len(records["val"]))] if shared else []
+
+
+def shared_warning(shared: int, val: int) -> str:
+    return f"{shared} of the {val} val records are train records too (the same ids): validation measures them as " \
+           "trained on"
 
 
 def require_records(run) -> None:

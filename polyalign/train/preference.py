@@ -104,7 +104,7 @@ def response_lengths(batch) -> tuple[jax.Array, jax.Array]:
 
 
 def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch_size: int = 8,
-                    progress: bool = True, mesh=None, pack: bool = False) -> None:
+                    progress: bool = True, mesh=None, pack: bool = False, desc: str = "reference log-probs") -> None:
     """Adds ref_chosen / ref_rejected (the frozen initial policy's log-probs) to every example, from
     batches of `batch_size` row pairs, or with `pack` of `batch_size` packed rows (as training packs
     them; the values are the same). With a `mesh` (the model sharded over it), every process gets
@@ -115,7 +115,7 @@ def reference_logps(model, examples: list[dict], length: int, pad_id: int, batch
     rows, arrays_of = ordered_pair_rows(examples, length, pad_id, pack)
     # every process computes every value; one bar says how far they are
     for start in progress_bar(range(0, len(rows), batch_size), progress=progress and jax.process_index() == 0,
-                              desc="reference log-probs", unit="batch"):
+                              desc=desc, unit="batch"):
         chunk = rows[start:start + batch_size]
         arrays = [arrays_of(row) for row in chunk] + [arrays_of(None)] * (batch_size - len(chunk))
         batch = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}

@@ -37,6 +37,7 @@ from polyalign.model.architecture import checkpoint_family, compute_dtype
 from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template
+from polyalign.train.preference import reference_logps
 
 RECORD = "accuracy.json"
 PER_PAIR = "per_pair.jsonl"
@@ -86,20 +87,23 @@ def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, di
 
 
 def answer_logps(checkpoint, examples: list[dict], options: AccuracyOptions, pad_id: int,
-                 progress: bool) -> tuple[np.ndarray, np.ndarray]:
+                 progress: bool, desc: str) -> tuple[np.ndarray, np.ndarray]:
     """Summed log-probs of every pair's chosen and rejected answer under `checkpoint`."""
-    from polyalign.train.preference import reference_logps
-
     mesh = parallel.make_mesh()
     model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(options.dtype), mesh=mesh)
     with jax.set_mesh(mesh):
         reference_logps(model, examples, options.max_length, pad_id, batch_size=options.batch_size,
-                        progress=progress, mesh=mesh)
+                        progress=progress, mesh=mesh, desc=desc)
     return (np.array([e.pop("ref_chosen") for e in examples]), np.array([e.pop("ref_rejected") for e in examples]))
 
 
-def same_tokenizer(model: Path, reference: str, tokenizer, pairs: list[dict]) -> None:
-    """The reference must read the pairs as the model does: its log-probs are of the model's token ids."""
+def check_reference(model: Path, reference: str, source: str, tokenizer, pairs: list[dict]) -> None:
+    """Before any forward pass: the reference is a model folder that reads the pairs as the model does (its
+    log-probs are of the model's token ids)."""
+    if not (Path(reference) / "config.json").is_file():
+        where = ("the model's training record names it as the model it trained from, and it is not there from here: "
+                 "give --reference" if source != "given" else "give a Hugging Face model folder")
+        raise ConfigError(f"reference {reference}: no model folder there ({where})")
     other = checkpoint_tokenizer(reference)
     texts = [pair[side] for pair in pairs[:20] for side in ("chosen", "rejected")]
     if other.vocab_size != tokenizer.vocab_size or other.encode_batch(texts) != tokenizer.encode_batch(texts):
@@ -121,11 +125,13 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, progress: b
                               options.truncation)
     lengths = {side: np.array([max(int(np.sum(e[f"{side}_mask"])), 1) for e in examples]) for side in ("chosen",
                                                                                                       "rejected")}
-    policy = answer_logps(model, examples, options, tokenizer.pad_id, progress)
+    if options.reference is not None:
+        check_reference(model, options.reference, sources["reference"], tokenizer, pairs)
+    policy = answer_logps(model, examples, options, tokenizer.pad_id, progress, "the model's log-probs")
     reference = None
     if options.reference is not None:
-        same_tokenizer(model, options.reference, tokenizer, pairs)
-        reference = answer_logps(options.reference, examples, options, tokenizer.pad_id, progress)
+        reference = answer_logps(options.reference, examples, options, tokenizer.pad_id, progress,
+                                 "the reference's log-probs")
     rows = []
     for i, (pair, example) in enumerate(zip(pairs, examples, strict=True)):
         row = {"id": pair["id"], "bucket_id": pair["bucket_id"], "chosen_logp": policy[0][i],
