@@ -33,7 +33,7 @@ from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pair_rows import tokenise_pairs
 from polyalign.mesh import parallel
 from polyalign.model import load_hf_checkpoint
-from polyalign.model.architecture import checkpoint_family, compute_dtype
+from polyalign.model.architecture import checkpoint_family, compute_dtype, longer_than_positions
 from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template
@@ -125,6 +125,10 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, progress: b
                               options.truncation)
     lengths = {side: np.array([max(int(np.sum(e[f"{side}_mask"])), 1) for e in examples]) for side in ("chosen",
                                                                                                       "rejected")}
+    for checkpoint in filter(None, (model, options.reference)):
+        if too_long := longer_than_positions(checkpoint, options.max_length, f"max_length {options.max_length} "
+                                             f"({sources['max_length']})", "give a smaller --max-length"):
+            raise ConfigError(too_long)
     if options.reference is not None:
         check_reference(model, options.reference, sources["reference"], tokenizer, pairs)
     policy = answer_logps(model, examples, options, tokenizer.pad_id, progress, "the model's log-probs")
