@@ -17,13 +17,13 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-import polyalign
 from polyalign.beam import require_beam
 from polyalign.core.errors import ConfigError, GenerationError, Interrupted, PolyalignError, PrepareError
 from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, interrupts_remembered
 from polyalign.core.outputs import read_record, sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
 from polyalign.core.scores import interval_text
+from polyalign.core.version import polyalign_version
 from polyalign.core.wording import counted, listed
 from polyalign.data.layout import quarantined_records
 from polyalign.demo import STAGES, parse_stages, run_demo
@@ -1632,7 +1632,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="polyalign", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"polyalign {polyalign.__version__}")
+    parser.add_argument("--version", action="version", version=f"polyalign {polyalign_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_prepare(sub)
     _add_stats(sub)

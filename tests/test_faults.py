@@ -592,6 +592,17 @@ def test_own_files_keep_line_separators_inside_strings_and_name_bad_lines(tmp_pa
         read_pairs(tmp_path / "pairs.jsonl")
 
 
+def test_python_m_polyalign_works_from_a_folder_holding_a_folder_named_polyalign(tmp_path):
+    """`python -m polyalign` from the parent of a clone: the clone's folder on sys.path first makes `polyalign`
+    a namespace package with no __version__, while an editable install's finder still serves its modules; the
+    version came from there, and every command ended in an AttributeError traceback."""
+    (tmp_path / "polyalign").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "polyalign", "--version"], cwd=tmp_path, capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "polyalign 0.1.0", done.stderr[-2000:]
+
+
 def test_a_python_tag_in_a_config_file_is_refused_naming_the_file(tmp_path, capsys):
     config = tmp_path / "config.yaml"
     config.write_text('scheme: !!python/object/apply:os.system ["echo owned > owned.txt"]\n', encoding="utf-8")

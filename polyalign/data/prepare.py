@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import polyalign
 from polyalign.core.errors import PolyalignError, PrepareError
 from polyalign.core.outputs import no_empty_folder_left, settings_record, stage_output
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
 from polyalign.core.ranges import SEED
+from polyalign.core.version import polyalign_version
 from polyalign.core.yaml_config import (
     ConfigError,
     apply_overrides,
@@ -628,7 +628,7 @@ def assemble_manifest(context: PrepareContext, on_error: str, tallies: list[Sour
                      + ("build needs train and val records" if split != "test" else "nothing to evaluate on")
                      for split in SPLITS if by_split[split] == 0]
     return {
-        "polyalign_version": polyalign.__version__,
+        "polyalign_version": polyalign_version(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config_path": str(context.config_path.resolve()),
         "config": context.raw_config,

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import polyalign
 from polyalign.core.errors import StatsError
 from polyalign.core.outputs import OutputLock
 from polyalign.core.paths import file_digest
 from polyalign.core.progress import progress_bar
+from polyalign.core.version import polyalign_version
 from polyalign.core.wording import counted
 from polyalign.core.yaml_config import ConfigError
 from polyalign.data.bucketing import (
@@ -152,7 +152,7 @@ def _compute_stats(run: Path, progress: bool) -> dict[str, Any]:
 
     bucket_counts = _nested_counts(records, lambda r: r.bucket_id)
     stats = {
-        "polyalign_version": polyalign.__version__,
+        "polyalign_version": polyalign_version(),
         "run": str(run.resolve()),
         "scheme": {**manifest["scheme"], "dimensions": list(scheme.dimensions),
                    "length_bins": [dataclasses.asdict(b) for b in scheme.length_bins]},
