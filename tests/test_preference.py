@@ -1532,13 +1532,16 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     printed = capsys.readouterr().out
     summary = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
     overall = summary["overall"]
-    assert summary["resolved"]["reference"] == str(tmp_path / "init") and summary["resolved"]["beta"] == 0.5
+    assert summary["settings"]["reference"] == str(tmp_path / "init") and summary["settings"]["beta"] == 0.5
     assert summary["settings_from"]["max_length"] == "the model's training record"
     assert overall["pairs"] == len((tmp_path / "val.jsonl").read_text().splitlines())
     assert overall["reward_accuracy"]["share"] == pytest.approx(logged["val_rewards/accuracy"], abs=1e-4)
     assert overall["reward_margin"] == pytest.approx(logged["val_rewards/margin"], abs=2e-4)
     assert re.search(rf"^all +{overall['pairs']} +{overall['reward_accuracy']['share']:.3f} \[", printed, re.MULTILINE)
     assert "against the reference " + str(tmp_path / "init") in printed
+    # what the record gave, spelt out, is the same measurement (it was refused as other settings)
+    assert main(["pairs", "accuracy", "--model", str(model), "--pairs", str(tmp_path / "val.jsonl"), "--beta", "0.5",
+                 "--reference", str(tmp_path / "init"), "--out", str(tmp_path / "acc"), "--no-progress"]) == 0
 
     # a reference that is not there is said before any forward pass, and leaves no OUT
     assert main(["pairs", "accuracy", "--model", str(model), "--reference", str(tmp_path / "gone"), "--pairs",
@@ -1552,7 +1555,8 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     assert all(row["reward_margin"] == 0.0 and not row["reward_correct"] for row in rows)
     itself = json.loads((tmp_path / "itself" / "accuracy.json").read_text())["overall"]
     assert itself["reward_accuracy"]["share"] == 0.0 and itself["logp_preference"] == itself[
-        "reference_logp_preference"]
+        "reference_logp_preference"] and itself["ties"] == len(rows)
+    assert "every pair ties (a margin of 0 on each)" in capsys.readouterr().out  # not "below chance"
 
     assert main(["pairs", "accuracy", "--model", str(tmp_path / "init"), "--pairs", str(tmp_path / "val.jsonl"),
                  "--out", str(tmp_path / "plain"), "--no-progress"]) == 0
@@ -1574,3 +1578,19 @@ def test_the_accuracy_intervals_are_wilsons_by_hand():
     assert wilson(3, 4) == (0.3006, 0.9544)
     assert share([True, False, True, True]) == {"share": 0.75, "interval": (0.3006, 0.9544)}
     assert wilson(0, 5) == (0.0, 0.4345)  # (z^2/n) / (1 + z^2/n) = 0.76829 / 1.76829
+
+
+def test_pairs_accuracy_measures_an_sft_model_at_the_length_its_build_trained_it(tmp_path):
+    """An SFT run's config leaves data.max_length unset (the build sets it): it was measured at the default
+    1024, past the 256 tokens it trained on; a from-scratch model's tokenizer config says its own length."""
+    from polyalign.train.pair_accuracy import DEFAULT_MAX_LENGTH, trained_max_length
+
+    (tmp_path / "run" / "build").mkdir(parents=True)
+    (tmp_path / "run" / "build" / "manifest.json").write_text(json.dumps({"settings": {"max_length": 256}}))
+    (tmp_path / "model").mkdir()
+    assert trained_max_length(tmp_path / "model", {"data": {"dir": str(tmp_path / "run")}}) == (
+        256, f"the build it trained on, {tmp_path / 'run' / 'build'}")
+    assert trained_max_length(tmp_path / "model", {"data": {"dir": str(tmp_path / "gone")}}) == (
+        DEFAULT_MAX_LENGTH, "the default")
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 128}))
+    assert trained_max_length(tmp_path / "model", {}) == (128, "polyalign_max_length in its tokenizer_config.json")

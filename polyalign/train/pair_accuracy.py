@@ -37,6 +37,7 @@ from polyalign.model.architecture import checkpoint_family, compute_dtype, longe
 from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template
+from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 from polyalign.train.preference import reference_logps
 
 RECORD = "accuracy.json"
@@ -68,22 +69,43 @@ def share(flags: list[bool]) -> dict[str, Any]:
 
 def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, dict[str, str]]:
     """`options` with what was left unsaid read from the model's training record (polyalign's own exports),
-    and where each came from."""
+    and where each came from; paths absolute, so that the same measurement asked from another folder, or
+    with a value spelt out that was read before, is the same settings."""
     record = training_record(model) or {}
     config = record.get("config") or {}
     trained = {"reference": config.get("init"), "beta": config.get("beta"),
                "max_length": (config.get("data") or {}).get("max_length"), "profile": config.get("profile"),
                "truncation": config.get("truncation")}
-    fallback = {"beta": 0.1, "max_length": DEFAULT_MAX_LENGTH, "profile": "context", "truncation": "left"}
     values, sources = asdict(options), {}
     for key, value in trained.items():
         if values[key] is not None:
             sources[key] = "given"
         elif value is not None:
             values[key], sources[key] = value, "the model's training record"
-        elif key in fallback:
-            values[key], sources[key] = fallback[key], "the default"
+    if values["max_length"] is None:  # SFT takes its length from the build it trained on
+        values["max_length"], sources["max_length"] = trained_max_length(model, config)
+    for key, value in {"beta": 0.1, "profile": "context", "truncation": "left"}.items():
+        if values[key] is None:
+            values[key], sources[key] = value, "the default"
+    if values["reference"] is not None:
+        values["reference"] = str(Path(values["reference"]).absolute())
     return AccuracyOptions(**values), sources
+
+
+def trained_max_length(model: Path, config: dict[str, Any]) -> tuple[int, str]:
+    """The longest sequence the model trained on where it says so, else DEFAULT_MAX_LENGTH: an SFT run's build
+    (its data.dir's build manifest), or the length a from-scratch model records in its tokenizer config."""
+    data_dir = (config.get("data") or {}).get("dir")
+    if data_dir:
+        try:
+            built = json.loads((Path(data_dir) / "build" / "manifest.json").read_text())["settings"]["max_length"]
+        except (OSError, ValueError, KeyError, TypeError):  # the run's data moved or was never built here
+            built = None
+        if isinstance(built, int):
+            return built, f"the build it trained on, {Path(data_dir) / 'build'}"
+    if (length := trained_length(model)) is not None:
+        return length, f"{MAX_LENGTH_KEY} in its tokenizer_config.json"
+    return DEFAULT_MAX_LENGTH, "the default"
 
 
 def answer_logps(checkpoint, examples: list[dict], options: AccuracyOptions, pad_id: int,
@@ -104,6 +126,9 @@ def check_reference(model: Path, reference: str, source: str, tokenizer, pairs: 
         where = ("the model's training record names it as the model it trained from, and it is not there from here: "
                  "give --reference" if source != "given" else "give a Hugging Face model folder")
         raise ConfigError(f"reference {reference}: no model folder there ({where})")
+    if checkpoint_family(reference) is None:
+        raise ConfigError(f"--reference {reference}: not a model polyalign loads (its config.json names no model "
+                          "family polyalign builds: a critic's folder, say); give the model the run trained from")
     other = checkpoint_tokenizer(reference)
     texts = [pair[side] for pair in pairs[:20] for side in ("chosen", "rejected")]
     if other.vocab_size != tokenizer.vocab_size or other.encode_batch(texts) != tokenizer.encode_batch(texts):
@@ -112,9 +137,9 @@ def check_reference(model: Path, reference: str, source: str, tokenizer, pairs: 
                           "from)")
 
 
-def measure(model: Path, pairs_path: Path, options: AccuracyOptions, progress: bool = True) -> dict[str, Any]:
-    """Per-pair values and the summary (overall and per bucket); writes nothing."""
-    options, sources = resolved(model, options)
+def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: dict[str, str],
+            progress: bool = True) -> dict[str, Any]:
+    """Per-pair values and the summary (overall and per bucket) under resolved `options`; writes nothing."""
     pairs = read_pairs(pairs_path, "make them with `polyalign pairs` or `polyalign pairs import`")
     if not pairs:
         raise InputError(f"{pairs_path}: no pairs")
@@ -153,10 +178,14 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, progress: b
     groups = defaultdict(list)
     for row in rows:
         groups[row["bucket_id"]].append(row)
-    summary = {"model": str(model), "pairs_file": str(pairs_path), "settings": {**asdict(options)},
-               "settings_from": sources, "overall": summarize(rows),
+    summary = {"model": str(model), "pairs_file": str(pairs_path), "settings_from": sources,
+               "trained_profile": trained_profile(model), "overall": summarize(rows),
                "by_bucket": {bucket: summarize(members) for bucket, members in sorted(groups.items())}}
     return {"summary": summary, "rows": rows}
+
+
+def trained_profile(model: Path) -> str | None:
+    return ((training_record(model) or {}).get("config") or {}).get("profile")
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
@@ -166,7 +195,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         margins = [row["reward_margin"] for row in rows]
         measured.update(reward_accuracy=share([row["reward_correct"] for row in rows]),
                         reward_margin=round(float(np.mean(margins)), 4),
-                        reference_logp_preference=share([row["reference_prefers_chosen"] for row in rows]))
+                        reference_logp_preference=share([row["reference_prefers_chosen"] for row in rows]),
+                        ties=sum(margin == 0 for margin in margins))
     return measured
 
 
@@ -177,16 +207,21 @@ def pairs_accuracy(model, pairs_path, out, options: AccuracyOptions = AccuracyOp
     model, pairs_path, out = Path(model), Path(pairs_path), Path(out)
     if not (model / "config.json").is_file():
         raise InputError(f"--model {model}: no config.json (give a Hugging Face model folder, e.g. OUT/model)")
+    if checkpoint_family(model) is None:
+        raise InputError(f"--model {model}: not a model polyalign loads (its config.json names no model family "
+                         "polyalign builds)")
+    options, sources = resolved(model, options)
+    # the settings as measured: a value spelt out that the record gave before is the same measurement
     settings = {"model": str(model.resolve()), "pairs": str(pairs_path.resolve()), **asdict(options)}
     started = time.perf_counter()
     with stage_output(out, out / RECORD, settings, overwrite, ours=[out / PER_PAIR], inputs={"pairs": pairs_path}):
-        measured = measure(model, pairs_path, options, progress)
+        measured = measure(model, pairs_path, options, sources, progress)
         with (out / PER_PAIR).open("w", encoding="utf-8") as handle:
             for row in measured["rows"]:
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
         made_from = {"pairs": file_digest(pairs_path)}
-        summary = {**measured["summary"], "settings": settings, "resolved": measured["summary"]["settings"],
-                   "made_from": made_from, "seconds": round(time.perf_counter() - started, 1)}
+        summary = {**measured["summary"], "settings": settings, "made_from": made_from,
+                   "seconds": round(time.perf_counter() - started, 1)}
         (out / RECORD).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return summary
 
@@ -219,9 +254,13 @@ def summary_table(summary: dict[str, Any]) -> str:
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """What the command prints below the table: what the numbers are against, and where they are."""
-    settings, sources = summary["resolved"], summary["settings_from"]
+    settings, sources = summary["settings"], summary["settings_from"]
     overall = summary["overall"]
     lines = []
+    if overall.get("ties") == overall["pairs"]:
+        lines.append("every pair ties (a margin of 0 on each): the reference scores the answers as the model does "
+                     "(the same weights?), so reward accuracy is 0 by construction (a tie counts as wrong), not a "
+                     "preference against the chosen answers; read the log-prob preference")
     if "reward_accuracy" in overall:
         lines.append(f"reward accuracy: the share of pairs whose implicit reward beta (pi - rho) is higher for the "
                      f"chosen answer (a tie counts as wrong), against the reference {settings['reference']} "
@@ -232,6 +271,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append("log-prob preference: the share whose chosen answer has the higher mean log-prob per token; no "
                      "reference (the model has no training record naming one: --reference SFT_MODEL), so no reward "
                      "accuracy and no baseline")
+    trained = summary.get("trained_profile")
+    if trained is not None and sources.get("profile") == "given" and settings["profile"] != trained:
+        lines.append(f"note: the model trained with profile={trained}; its prompts here open with profile="
+                     f"{settings['profile']}, which it did not learn to read")
     if overall["truncated"]:
         lines.append(f"note: {overall['truncated']} of {overall['pairs']} pairs were cut to max_length "
                      f"{settings['max_length']} ({sources['max_length']})")
