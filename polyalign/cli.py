@@ -874,8 +874,13 @@ def _run_pairs_import(args) -> int:
     if summary["system_messages"]:
         print(f"{summary['system_messages']} rows had a system message, kept as their system prompt (training "
               "adds the profile prompt after it; docs/model.md, System messages)")
+    if summary.get("system_is_profile_prompt"):
+        print(f"{counted(summary['system_is_profile_prompt'], 'row')} opened with polyalign's own profile prompt as "
+              "their system message: left out (training writes the profile prompt from each pair's labels, never "
+              "twice)")
     if summary["quarantined"]:
-        print(f"quarantined {summary['quarantined']} rows -> {args.out.with_name(args.out.stem + '.quarantine.jsonl')}")
+        print(f"quarantined {counted(summary['quarantined'], 'row')} -> "
+              f"{args.out.with_name(args.out.stem + '.quarantine.jsonl')}")
     print(f"pairs: {args.out}")
     return 0
 

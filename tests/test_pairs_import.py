@@ -719,3 +719,23 @@ def test_the_few_pairs_note_names_the_per_bucket_the_predictions_were_made_with(
     _note_few_bucket_pairs(summary, "val.jsonl")
     assert capsys.readouterr().err.strip().endswith(
         "`polyalign generate --per-bucket N` answers N records of every bucket of val.jsonl")
+
+
+def test_a_system_message_that_is_polyaligns_profile_prompt_is_left_out_and_said(tmp_path, capsys):
+    """The PolyAlign sample's rows carry polyalign's own profile prompt as their system message: prepare leaves
+    it out and counts it (`system_is_profile_prompt`); `pairs import` left it out too but said nothing (its
+    manifest read `system_messages: 0` for 4 rows that had one)."""
+    from tests.conftest import DEMO_DATA
+
+    sample = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:5]
+    rows = [{"prompt": [{"role": "system", "content": row["system"]}, {"role": "user", "content": row["instruction"]}],
+             "chosen": row["output"], "rejected": other["output"]} for row, other in zip(sample, sample[1:])]
+    source = tmp_path / "prefs.json"
+    source.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+    code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "p.jsonl")
+    assert code == 0 and ("4 rows opened with polyalign's own profile prompt as their system message: left out "
+                          "(training writes the profile prompt from each pair's labels, never twice)") in out, out
+    summary = json.loads((tmp_path / "p.manifest.json").read_text())["summary"]
+    assert summary["system_is_profile_prompt"] == 4 and summary["system_messages"] == 0
+    pairs = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert all(not any(turn["role"] == "system" for turn in p["record"]["history"]) for p in pairs)

@@ -21,7 +21,8 @@ reason under --on-error quarantine; a well-formed row left out (an empty side, c
 language outside the scheme) is counted and listed in OUT.dropped.jsonl with its line. A system message
 is kept as prepare keeps one (a history turn of role system: the record's system prompt, composed with
 the profile prompt when the pair is rendered; counted as `system_messages`; one after the prompt's last
-user message is rendered after it, where it stood), and the track is derived
+user message is rendered after it, where it stood; one that is polyalign's own profile prompt is left out and
+counted as `system_is_profile_prompt`, as prepare does), and the track is derived
 from the conversation as prepare derives it (multi when earlier user/assistant turns exist).
 """
 
@@ -322,6 +323,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
             rows.close()
         summary = {"read": tally.read, "pairs": len(pairs), "dropped": dict(dropped),
                    "system_messages": tally.system_messages["system_prompt"],
+                   "system_is_profile_prompt": tally.system_messages["system_is_profile_prompt"],
                    "languages_detected": dict(tally.detected_languages),
                    "language_mismatches": dict(tally.language_mismatches),
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
