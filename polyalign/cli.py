@@ -302,11 +302,9 @@ def _add_tokenizer(sub) -> None:
 
 
 def _run_tokenizer_train(args) -> int:
-    from polyalign.tokens.tokenizer import DEFAULT_TRAIN_THREADS  # heavy: sentencepiece, kept out of --help
     from polyalign.tokens.tokenizer_training import train_from_records  # heavy: numpy, kept out of --help
 
-    # threads in the settings only when not the default: a tokenizer trained before the option keeps its settings
-    threads = {"threads": args.threads} if args.threads not in (None, DEFAULT_TRAIN_THREADS) else {}
+    threads = {"threads": args.threads} if args.threads is not None else {}
     _, report = train_from_records(args.records, args.out, args.vocab_size, model_type=args.model_type,
                                    character_coverage=args.character_coverage, overwrite=args.overwrite,
                                    system_prompts=args.system_prompts, **threads)

@@ -273,6 +273,17 @@ def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_coun
     assert vocabulary(tmp_path / "threads-4") != vocabulary(tmp_path / "cores-1")
     reports = {name: json.loads((tmp_path / name / "tokenizer_report.json").read_text())
                for name in ("cores-1", "threads-4")}
-    assert reports["cores-1"]["threads"] == 2 and "threads" not in reports["cores-1"]["settings"]
+    assert reports["cores-1"]["threads"] == 2 == reports["cores-1"]["settings"]["threads"]
     assert reports["threads-4"]["threads"] == 4 == reports["threads-4"]["settings"]["threads"]
-    capsys.readouterr()
+    # the default spelt out is the same settings; so is a report from before the count was recorded
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "2",
+                 "--out", str(tmp_path / "cores-1")]) == 0
+    report = tmp_path / "cores-1" / "tokenizer_report.json"
+    older = json.loads(report.read_text())
+    del older["settings"]["threads"]
+    report.write_text(json.dumps(older))
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000",
+                 "--out", str(tmp_path / "cores-1")]) == 0
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "4",
+                 "--out", str(tmp_path / "cores-1")]) == 2
+    assert "threads: 2 there, 4 now" in capsys.readouterr().err

@@ -76,12 +76,14 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"vocab size {vocab_size} is too small: at least {MIN_VOCAB_SIZE} (the byte fallback "
                              "alone takes 256 pieces); 8000 suits the demo data")
+    options.setdefault("threads", DEFAULT_TRAIN_THREADS)
     settings = {"records": str(records_path.resolve()), "vocab_size": vocab_size,
                 **{k: v for k, v in sorted(options.items())},
                 # only when asked: tokenizers trained before the option keep their settings
                 **({"system_prompts": True} if system_prompts else {})}
+    # a report from before the thread count was recorded: its tokenizer counts as trained with the default
     with stage_output(out_dir, out_dir / REPORT, settings, overwrite, ours=[out_dir / f for f in TOKENIZER_FILES],
-                      inputs={"records": records_path}):
+                      inputs={"records": records_path}, legacy={"threads": DEFAULT_TRAIN_THREADS}):
         return _train(records_path, out_dir, vocab_size, settings, options, system_prompts)
 
 
@@ -107,7 +109,7 @@ def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
         tokens[record.language] = (tokens.get(record.language, 0)
                                    + sum(len(ids) for ids in tokenizer.encode_batch(texts)))
     report = {"records": str(records_path), "num_records": len(records), "vocab_size": tokenizer.vocab_size,
-              "train_seconds": round(seconds, 2), "threads": options.get("threads", DEFAULT_TRAIN_THREADS),
+              "train_seconds": round(seconds, 2), "threads": options["threads"],
               "chars_per_token": {lang: round(chars[lang] / max(tokens[lang], 1), 3) for lang in sorted(chars)},
               "settings": settings,
               "made_from": {"records": files_digest(files)}}
