@@ -287,3 +287,10 @@ def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_coun
     assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "4",
                  "--out", str(tmp_path / "cores-1")]) == 2
     assert "threads: 2 there, 4 now" in capsys.readouterr().err
+    # a run folder and its one train file are the same records (the one was refused as other settings)
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    (tmp_path / "run" / "data" / "manifest.json").write_bytes((run / "data" / "manifest.json").read_bytes())
+    (tmp_path / "run" / "data" / "train.jsonl").write_bytes(records.read_bytes())
+    for given in (tmp_path / "run", tmp_path / "run" / "data" / "train.jsonl"):
+        assert main(["tokenizer", "train", "--records", str(given), "--vocab-size", "1000",
+                     "--out", str(tmp_path / "from-run")]) == 0, capsys.readouterr().err

@@ -76,22 +76,37 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"vocab size {vocab_size} is too small: at least {MIN_VOCAB_SIZE} (the byte fallback "
                              "alone takes 256 pieces); 8000 suits the demo data")
-    options.setdefault("threads", DEFAULT_TRAIN_THREADS)
-    settings = {"records": str(records_path.resolve()), "vocab_size": vocab_size,
+    for key, value in DEFAULT_OPTIONS.items():  # said in every report, however the call spelt them
+        options.setdefault(key, value)
+    files = train_files(records_path)
+    # a run folder of one train file and that file are the same records
+    records = files[0] if records_path.is_dir() and len(files) == 1 else records_path
+    settings = {"records": str(Path(records).resolve()), "vocab_size": vocab_size,
                 **{k: v for k, v in sorted(options.items())},
                 # only when asked: tokenizers trained before the option keep their settings
                 **({"system_prompts": True} if system_prompts else {})}
-    # a report from before the thread count was recorded: its tokenizer counts as trained with the default
+    # a report from before these were recorded: its tokenizer was trained with the defaults
     with stage_output(out_dir, out_dir / REPORT, settings, overwrite, ours=[out_dir / f for f in TOKENIZER_FILES],
-                      inputs={"records": records_path}, legacy={"threads": DEFAULT_TRAIN_THREADS}):
-        return _train(records_path, out_dir, vocab_size, settings, options, system_prompts)
+                      inputs={"records": records_path}, legacy=DEFAULT_OPTIONS):
+        return _train(records_path, files, out_dir, vocab_size, settings, options, system_prompts)
 
 
-def _train(records_path: Path, out_dir: Path, vocab_size: int, settings: dict,
-           options: dict, system_prompts: bool = False) -> tuple[SentencePieceTokenizer, dict]:
+# What train_sentencepiece trains with when a call leaves them out, recorded in every report.
+DEFAULT_OPTIONS = {"threads": DEFAULT_TRAIN_THREADS, "model_type": "unigram", "character_coverage": 0.9995}
+
+
+def train_files(records_path: Path) -> list:
+    """The records files a records path names: itself, or a run folder's (or its data folder's) train split in
+    either layout."""
+    if not records_path.is_dir():
+        return [records_path]
     # a run folder, or its data folder (prepare's output, whose manifest sits beside the splits)
     run = records_path.parent if (records_path / "manifest.json").is_file() else records_path
-    files = split_files(run, "train") if records_path.is_dir() else [records_path]
+    return split_files(run, "train")
+
+
+def _train(records_path: Path, files: list, out_dir: Path, vocab_size: int, settings: dict,
+           options: dict, system_prompts: bool = False) -> tuple[SentencePieceTokenizer, dict]:
     # in id order: SentencePiece's pieces depend on the order it reads, and the files' order is the layout's (a
     # Beam prepare's shards hold the same records in another), so the same records train the same tokenizer
     records = sorted((record for path in files for record in read_records(path)), key=lambda record: record.id)
