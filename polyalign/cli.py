@@ -733,9 +733,10 @@ def _add_pairs(sub) -> None:
     imported.set_defaults(handler=_run_pairs_import)
     accuracy = actions.add_parser(
         "accuracy", help="how often a model prefers the chosen answer of held-out pairs",
-        description="Reward accuracy (the share of pairs whose implicit reward beta (pi - rho) is higher for the "
-                    "chosen answer, against a reference model: what DPO-family training logs as "
-                    "val_rewards/accuracy) and log-prob preference (the share whose chosen answer has the higher "
+        description="Reward accuracy (the share of pairs whose implicit reward is higher for the chosen answer: "
+                    "what preference training logs as val_rewards/accuracy, with the reward of the model's method: "
+                    "beta (pi - rho) against a reference model, or for SimPO and ORPO beta times the mean log-prob "
+                    "per token) and log-prob preference (the share whose chosen answer has the higher "
                     "mean log-prob per token, with the reference's own share as its baseline), per bucket and "
                     "overall, each with a 95% Wilson interval. Settings left out are read from the model's "
                     "training record (a polyalign export): the reference is the model it was trained from.",
@@ -746,8 +747,13 @@ def _add_pairs(sub) -> None:
     accuracy.add_argument("--pairs", required=True, type=Path,
                           help="pairs JSONL (`polyalign pairs` or `pairs import`), e.g. held-out test pairs")
     accuracy.add_argument("--out", required=True, type=Path, help="output folder")
-    accuracy.add_argument("--reference", help="the reference model (default: the model's training record's init; "
-                                              "none for another checkpoint: then no reward accuracy)")
+    accuracy.add_argument("--reference", help="the reference model (default: the model's training record's init, "
+                                              "the model it was trained from); `none` for none: the log-prob "
+                                              "preference alone, without its baseline")
+    accuracy.add_argument("--reward", choices=PAIR_REWARDS,
+                          help="against_reference: beta (pi - rho), DPO's; mean_logprob: beta times the mean log-prob "
+                               "per token, SimPO's and ORPO's, no reference (default: the one the model's method "
+                               "logs, else against_reference)")
     accuracy.add_argument("--beta", type=float, help="the implicit reward's inverse temperature (default: the "
                                                      "training record's, else 0.1); it scales the margin, not the "
                                                      "accuracy")
@@ -767,7 +773,7 @@ def _add_pairs(sub) -> None:
 def _run_pairs_accuracy(args) -> int:
     from polyalign.train.pair_accuracy import AccuracyOptions, pairs_accuracy, print_summary  # heavy: jax
 
-    options = AccuracyOptions(reference=args.reference, beta=args.beta, max_length=args.max_length,
+    options = AccuracyOptions(reference=args.reference, reward=args.reward, beta=args.beta, max_length=args.max_length,
                               profile=args.profile, truncation=args.truncation, batch_size=args.batch_size)
     summary = pairs_accuracy(args.model, args.pairs, args.out, options, overwrite=args.overwrite,
                              progress=args.progress)
@@ -775,6 +781,8 @@ def _run_pairs_accuracy(args) -> int:
     return 0
 
 
+# polyalign.train.pair_accuracy.REWARDS, spelled out so that --help imports nothing heavy (a test keeps them equal).
+PAIR_REWARDS = ("against_reference", "mean_logprob")
 HELD_OUT_SPLIT_NAMES = ("val", "validation", "dev", "test")  # records files whose pairs are held out
 
 

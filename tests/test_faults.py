@@ -537,11 +537,9 @@ def test_every_cut_of_a_json_array_reads_the_rows_before_it_and_says_where_it_st
 
 @pytest.mark.parametrize(("text", "kind", "element", "read"), [
     ('[{"a": 1}, {"a": 2} {"a": 3}]', "invalid", 3, 2),  # a comma lost in a hand edit
-    ('[{"a": 1}, {"a": NaN}, {"a": 3}]', "invalid", 2, 1),  # strict JSON holds inside the array too
-    ('[{"a": 1}, {"a": 1, "a": 2}]', "invalid", 2, 1),
     ('[{"a": 1}]\n[{"a": 2}]', "extra", 2, 1),  # two dumps appended to one file
-    ('[{"a": "\\ud800"}]', "invalid", 1, 0),
     ('{"a": 1}', "invalid", 1, 0),
+    ('[{"a": 1},', "cut", 2, 1),  # cut just after a whole row
 ])
 def test_a_json_array_broken_inside_says_which_row_and_keeps_the_ones_before(text, kind, element, read):
     from polyalign.core import jsonl
@@ -550,6 +548,30 @@ def test_a_json_array_broken_inside_says_which_row_and_keeps_the_ones_before(tex
     with pytest.raises(jsonl.ArrayBreak) as info:
         rows.extend(jsonl.array_elements(text))
     assert (info.value.kind, info.value.element, len(rows)) == (kind, element, read)
+
+
+def test_a_row_that_is_json_but_not_strict_json_is_that_row_alone(tmp_path):
+    """NaN, a repeated key, a lone surrogate or an integer too long are not syntax: where the row ends is known,
+    so the rows after it are read (one NaN in row 2 of 10,000 made rows 2-10,000 one quarantine row)."""
+    from polyalign.core import jsonl
+
+    text = '[{"a": 1}, {"a": NaN}, {"a": 1, "a": 2}, {"a": "\\ud800"}, {"a": ' + "9" * 5000 + '}, {"a": 3}]'
+    elements = list(jsonl.array_elements(text))
+    assert elements[0] == {"a": 1} and elements[-1] == {"a": 3} and len(elements) == 6
+    problems = elements[1:5]
+    assert all(isinstance(p, jsonl.ElementProblem) for p in problems)
+    assert [p.element for p in problems] == [2, 3, 4, 5]
+    assert [text[p.start:p.end] for p in problems[:3]] == ['{"a": NaN}', '{"a": 1, "a": 2}', '{"a": "\\ud800"}']
+    assert "NaN is not a JSON number" in str(problems[0]) and "appears twice" in str(problems[1])
+    # through prepare: the row quarantined with its own text, the rows after it kept
+    from tests.chat_exports import openai_rows
+
+    rows = openai_rows()[:3]
+    export = "[" + ", ".join([json.dumps(rows[0]), '{"messages": NaN}', json.dumps(rows[2])]) + "]"
+    manifest = run(tmp_path, "chat", "export.json", export, on_error="quarantine")
+    (quarantined,) = read_jsonl(tmp_path / "run/data/quarantine.jsonl")
+    assert quarantined["raw"] == '{"messages": NaN}' and "NaN is not a JSON number" in quarantined["problem"]
+    assert quarantined["location"].endswith("export.json: element 2") and manifest["sources"][0]["read"] == 3
 
 
 def test_a_chat_export_cut_off_mid_file_keeps_its_whole_rows_under_quarantine_and_stops_naming_the_line(tmp_path):
@@ -564,6 +586,13 @@ def test_a_chat_export_cut_off_mid_file_keeps_its_whole_rows_under_quarantine_an
     start_line = text[:text.rindex("\n  {", 0, fifth)].count("\n") + 2
     assert f"export.json:{start_line}: the file ends inside row 5, at line {cut.count(chr(10)) + 1} (cut off?); " \
            "rows 1-4 were read" in str(info.value)
+
+    # cut just after a whole row: no row is half there, and the message says what is missing
+    after_fourth = text[:text.rindex("\n  }", 0, fifth) + 4]
+    with pytest.raises(PrepareError) as info:
+        run(tmp_path, "chat", "export.json", after_fourth)
+    assert "the file ends after row 4, without the array's closing ']' (cut off?); rows 1-4 were read" in \
+        str(info.value)
 
     whole = run(tmp_path, "chat", "export.json", json.dumps(rows[:4], ensure_ascii=False), on_error="quarantine")
     manifest = run(tmp_path, "chat", "export.json", cut, on_error="quarantine")

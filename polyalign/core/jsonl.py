@@ -90,10 +90,32 @@ class ArrayBreak(JsonProblem):
         self.element, self.start, self.kind = element, start, kind
 
 
+class ElementProblem(JsonProblem):
+    """An element of a JSON array that is JSON but not strict JSON (NaN, a repeated key, a lone surrogate, an
+    integer too long): array_elements yields it in the element's place, text[start:end], and goes on."""
+
+    def __init__(self, message: str, line: int, element: int, start: int, end: int):
+        super().__init__(message, line=line)
+        self.element, self.start, self.end = element, start, end
+
+
+# Reads where an element ends without judging its values: no number is converted, a repeated key is kept.
+_LENIENT = json.JSONDecoder(parse_int=len, parse_float=len, parse_constant=len)
+
+
+def _element_problem(text: str, index: int, element: int, message: str, line: int) -> tuple[ElementProblem, int]:
+    try:
+        _, end = _LENIENT.raw_decode(text, index)
+    except RecursionError:
+        raise ArrayBreak("nested too deeply", line, element, index, "invalid") from None
+    return ElementProblem(message, line, element, index, end), end
+
+
 def array_elements(text: str) -> Iterator[Any]:
-    """The elements of a JSON array document one at a time, each parsed as parse() parses; ArrayBreak
-    after the last element that parses where the document breaks off. For a file cut off part-way (a
-    download or a write interrupted) or broken by a hand edit, whose complete rows are still the user's."""
+    """The elements of a JSON array document one at a time, each parsed as parse() parses; an element that
+    is JSON but not strict JSON comes as an ElementProblem in its place; ArrayBreak after the last element
+    where the document breaks off (its syntax). For a file cut off part-way (a download or a write
+    interrupted) or broken by a hand edit, whose complete rows are still the user's."""
 
     def line_at(index: int) -> int:
         return text.count("\n", 0, index) + 1
@@ -119,13 +141,11 @@ def array_elements(text: str) -> Iterator[Any]:
                                  "cut" if cut else "invalid") from None
             except RecursionError:
                 raise ArrayBreak("nested too deeply", line_at(index), element, index, "invalid") from None
-            except JsonProblem as problem:
-                raise ArrayBreak(str(problem), line_at(index), element, index, "invalid") from None
-            except ValueError as err:  # an integer of more digits than Python converts
-                raise ArrayBreak(str(err).split(";")[0], line_at(index), element, index, "invalid") from None
+            except ValueError as err:  # JsonProblem (NaN, a repeated key) or an integer too long to convert
+                value, end = _element_problem(text, index, element, str(err).split(";")[0], line_at(index))
             if "\\ud" in text[index:end].lower() and _has_lone_surrogate(value):
-                raise ArrayBreak("a lone UTF-16 surrogate escape (not a character)", line_at(index), element, index,
-                                 "invalid")
+                value = ElementProblem("a lone UTF-16 surrogate escape (not a character)", line_at(index), element,
+                                       index, end)
             yield value
             after = _WHITESPACE.match(text, end).end()
             separator = text[after:after + 1]

@@ -1,13 +1,15 @@
 """`polyalign pairs accuracy`: how often a model prefers the chosen answer of held-out pairs.
 
 Two measures, each per bucket and overall with a 95% Wilson interval:
-- reward accuracy: the share of pairs whose implicit reward beta (pi - rho) is higher for the chosen answer
-  than for the rejected one (pi the model's summed log-prob of an answer, rho the reference's), a tie
-  counting as wrong: what DPO-family training logs as `val_rewards/accuracy`, on any pairs file. Needs the
-  reference, by default the model its training started from (its training record's `init`).
+- reward accuracy: the share of pairs whose implicit reward is higher for the chosen answer than for the
+  rejected one, a tie counting as wrong, with the mean margin: what preference training logs as
+  `val_rewards/accuracy` and `val_rewards/margin`, on any pairs file. The reward is the one the model's own
+  method logs: `beta (pi - rho)` (pi the model's summed log-prob of an answer, rho the reference's: DPO and
+  the methods with a reference, whose reference is by default the model training started from), or, for
+  SimPO and ORPO, which have none, `beta` times the mean log-prob per token.
 - log-prob preference: the share whose chosen answer has the higher mean log-prob per token under the model
-  alone, with the reference's own share beside it as the baseline (reward accuracy has none: the reference
-  against itself ties on every pair).
+  alone, with the reference's own share beside it as the baseline (the reference against itself ties on
+  every pair of the first reward).
 Both sides of a pair are tokenised with the model's tokenizer and template as training tokenised them
 (`tokenise_pairs`: profile prompt, truncation and max_length from the training record unless given).
 """
@@ -15,6 +17,7 @@ Both sides of a pair are tokenised with the model's tokenizer and template as tr
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -28,7 +31,8 @@ from scipy.stats import binomtest
 
 from polyalign.core.errors import InputError
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import file_digest, training_record
+from polyalign.core.paths import as_path, file_digest, recorded_path, training_record
+from polyalign.core.scores import interval_text
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pair_rows import tokenise_pairs
 from polyalign.mesh import parallel
@@ -38,18 +42,27 @@ from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template
 from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
+from polyalign.train.methods import METHODS, method_spec
 from polyalign.train.preference import reference_logps
 
 RECORD = "accuracy.json"
 PER_PAIR = "per_pair.jsonl"
 DEFAULT_MAX_LENGTH = 1024
+NO_REFERENCE = "none"  # --reference none: the log-prob preference alone, whatever the record names
+# The two implicit rewards of the preference methods (train/preference.py, preference_rewards).
+AGAINST_REFERENCE, MEAN_LOGPROB = "against_reference", "mean_logprob"
+REWARDS = (AGAINST_REFERENCE, MEAN_LOGPROB)
+# A margin this small is a tie: the model and its reference compute the same log-probs in other programs,
+# whose sums can differ in their last bits.
+TIE = 1e-6
 
 
 @dataclass(frozen=True)
 class AccuracyOptions:
-    reference: str | None = None  # None: the training record's init
+    reference: str | None = None  # None: the training record's init; NO_REFERENCE: none
+    reward: str | None = None  # None: the one the record's method logs, else AGAINST_REFERENCE
     beta: float | None = None  # None: the training record's, else 0.1
-    max_length: int | None = None  # None: the training record's data.max_length, else DEFAULT_MAX_LENGTH
+    max_length: int | None = None  # None: what the model trained on (trained_max_length), else DEFAULT_MAX_LENGTH
     profile: str | None = None
     truncation: str | None = None
     batch_size: int = 8
@@ -57,9 +70,9 @@ class AccuracyOptions:
 
 
 def wilson(correct: int, n: int) -> tuple[float, float]:
-    """The 95% Wilson interval of correct / n."""
+    """The 95% Wilson interval of correct / n, rounded outward to 4 places (it holds what the exact one holds)."""
     interval = binomtest(correct, n).proportion_ci(confidence_level=0.95, method="wilson")
-    return round(float(interval.low), 4), round(float(interval.high), 4)
+    return math.floor(interval.low * 1e4 + 1e-9) / 1e4, math.ceil(interval.high * 1e4 - 1e-9) / 1e4
 
 
 def share(flags: list[bool]) -> dict[str, Any]:
@@ -69,10 +82,9 @@ def share(flags: list[bool]) -> dict[str, Any]:
 
 def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, dict[str, str]]:
     """`options` with what was left unsaid read from the model's training record (polyalign's own exports),
-    and where each came from; paths absolute, so that the same measurement asked from another folder, or
-    with a value spelt out that was read before, is the same settings."""
-    record = training_record(model) or {}
-    config = record.get("config") or {}
+    and where each came from; paths as a record keeps them (core/paths.py recorded_path), so that the same
+    measurement asked from another folder, or with a value spelt out that the record gave, is the same."""
+    config = (training_record(model) or {}).get("config") or {}
     trained = {"reference": config.get("init"), "beta": config.get("beta"),
                "max_length": (config.get("data") or {}).get("max_length"), "profile": config.get("profile"),
                "truncation": config.get("truncation")}
@@ -82,13 +94,21 @@ def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, di
             sources[key] = "given"
         elif value is not None:
             values[key], sources[key] = value, "the model's training record"
+    if values["reward"] is not None:
+        sources["reward"] = "given"
+    elif config.get("method") in METHODS and not method_spec(config["method"]).needs_reference:
+        values["reward"], sources["reward"] = MEAN_LOGPROB, f"{config['method']}'s, as its training logs it"
+    else:
+        values["reward"], sources["reward"] = AGAINST_REFERENCE, "the default"
     if values["max_length"] is None:  # SFT takes its length from the build it trained on
         values["max_length"], sources["max_length"] = trained_max_length(model, config)
     for key, value in {"beta": 0.1, "profile": "context", "truncation": "left"}.items():
         if values[key] is None:
             values[key], sources[key] = value, "the default"
-    if values["reference"] is not None:
-        values["reference"] = str(Path(values["reference"]).absolute())
+    if values["reference"] == NO_REFERENCE:
+        values["reference"] = None
+    elif values["reference"] is not None:
+        values["reference"] = recorded_path(values["reference"])
     return AccuracyOptions(**values), sources
 
 
@@ -98,11 +118,11 @@ def trained_max_length(model: Path, config: dict[str, Any]) -> tuple[int, str]:
     data_dir = (config.get("data") or {}).get("dir")
     if data_dir:
         try:
-            built = json.loads((Path(data_dir) / "build" / "manifest.json").read_text())["settings"]["max_length"]
+            built = json.loads((as_path(data_dir) / "build" / "manifest.json").read_text())["settings"]["max_length"]
         except (OSError, ValueError, KeyError, TypeError):  # the run's data moved or was never built here
             built = None
         if isinstance(built, int):
-            return built, f"the build it trained on, {Path(data_dir) / 'build'}"
+            return built, f"the build it trained on, {as_path(data_dir) / 'build'}"
     if (length := trained_length(model)) is not None:
         return length, f"{MAX_LENGTH_KEY} in its tokenizer_config.json"
     return DEFAULT_MAX_LENGTH, "the default"
@@ -119,22 +139,30 @@ def answer_logps(checkpoint, examples: list[dict], options: AccuracyOptions, pad
     return (np.array([e.pop("ref_chosen") for e in examples]), np.array([e.pop("ref_rejected") for e in examples]))
 
 
-def check_reference(model: Path, reference: str, source: str, tokenizer, pairs: list[dict]) -> None:
-    """Before any forward pass: the reference is a model folder that reads the pairs as the model does (its
-    log-probs are of the model's token ids)."""
-    if not (Path(reference) / "config.json").is_file():
-        where = ("the model's training record names it as the model it trained from, and it is not there from here: "
-                 "give --reference" if source != "given" else "give a Hugging Face model folder")
-        raise ConfigError(f"reference {reference}: no model folder there ({where})")
-    if checkpoint_family(reference) is None:
-        raise ConfigError(f"--reference {reference}: not a model polyalign loads (its config.json names no model "
-                          "family polyalign builds: a critic's folder, say); give the model the run trained from")
-    other = checkpoint_tokenizer(reference)
-    texts = [pair[side] for pair in pairs[:20] for side in ("chosen", "rejected")]
-    if other.vocab_size != tokenizer.vocab_size or other.encode_batch(texts) != tokenizer.encode_batch(texts):
-        raise ConfigError(f"--reference {reference}: its tokenizer reads text otherwise than {model}'s; the implicit "
-                          "reward compares the two models on the same token ids (give the model it was trained "
-                          "from)")
+def check_model(checkpoint: str, what: str, hint: str) -> None:
+    """A folder polyalign loads a model from, or one line saying what it is not."""
+    if not (as_path(checkpoint) / "config.json").is_file():
+        raise ConfigError(f"{what} {checkpoint}: no model folder there ({hint})")
+    if checkpoint_family(checkpoint) is None:
+        raise ConfigError(f"{what} {checkpoint}: not a model polyalign loads (its config.json names no model family "
+                          "polyalign builds: a critic's folder, say)")
+
+
+def same_vocabulary(tokenizer, other) -> bool:
+    """Whether two tokenizers give every id the same piece: then the reference's log-probs are of the very
+    token ids the model's are."""
+    return tokenizer.vocab_size == other.vocab_size and all(
+        tokenizer.decode([i]) == other.decode([i]) for i in range(tokenizer.vocab_size))
+
+
+def check_reference(model: Path, reference: str, source: str, tokenizer) -> None:
+    """Before any forward pass: the reference is a model folder whose vocabulary is the model's."""
+    check_model(reference, "reference", "the model's training record names it as the model it trained from, and it "
+                "is not there from here: give --reference, or --reference none" if source != "given"
+                else "give a Hugging Face model folder")
+    if not same_vocabulary(tokenizer, checkpoint_tokenizer(reference)):
+        raise ConfigError(f"--reference {reference}: its vocabulary is not {model}'s; the implicit reward compares "
+                          "the two models on the same token ids (give the model it was trained from)")
 
 
 def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: dict[str, str],
@@ -143,38 +171,25 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: di
     pairs = read_pairs(pairs_path, "make them with `polyalign pairs` or `polyalign pairs import`")
     if not pairs:
         raise InputError(f"{pairs_path}: no pairs")
-    tokenizer = checkpoint_tokenizer(model)
-    template = get_template(choose_template(tokenizer, family=checkpoint_family(model), where=str(model)), tokenizer)
-    buckets = sorted({pair["bucket_id"] for pair in pairs})
-    examples = tokenise_pairs(pairs, tokenizer, template, options.profile, options.max_length, buckets,
-                              options.truncation)
-    lengths = {side: np.array([max(int(np.sum(e[f"{side}_mask"])), 1) for e in examples]) for side in ("chosen",
-                                                                                                      "rejected")}
     for checkpoint in filter(None, (model, options.reference)):
         if too_long := longer_than_positions(checkpoint, options.max_length, f"max_length {options.max_length} "
                                              f"({sources['max_length']})", "give a smaller --max-length"):
             raise ConfigError(too_long)
+    tokenizer = checkpoint_tokenizer(model)
     if options.reference is not None:
-        check_reference(model, options.reference, sources["reference"], tokenizer, pairs)
+        check_reference(model, options.reference, sources["reference"], tokenizer)
+    template = get_template(choose_template(tokenizer, family=checkpoint_family(model), where=str(model)), tokenizer)
+    buckets = sorted({pair["bucket_id"] for pair in pairs})
+    examples = tokenise_pairs(pairs, tokenizer, template, options.profile, options.max_length, buckets,
+                              options.truncation)
+    tokens = {side: [max(int(np.sum(e[f"{side}_mask"])), 1) for e in examples] for side in ("chosen", "rejected")}
     policy = answer_logps(model, examples, options, tokenizer.pad_id, progress, "the model's log-probs")
     reference = None
     if options.reference is not None:
         reference = answer_logps(options.reference, examples, options, tokenizer.pad_id, progress,
                                  "the reference's log-probs")
-    rows = []
-    for i, (pair, example) in enumerate(zip(pairs, examples, strict=True)):
-        row = {"id": pair["id"], "bucket_id": pair["bucket_id"], "chosen_logp": policy[0][i],
-               "rejected_logp": policy[1][i], "chosen_tokens": int(lengths["chosen"][i]),
-               "rejected_tokens": int(lengths["rejected"][i]), "truncated": bool(example["truncated"])}
-        row["prefers_chosen"] = bool(row["chosen_logp"] / row["chosen_tokens"]
-                                     > row["rejected_logp"] / row["rejected_tokens"])
-        if reference is not None:
-            margin = options.beta * ((policy[0][i] - reference[0][i]) - (policy[1][i] - reference[1][i]))
-            row.update(ref_chosen_logp=reference[0][i], ref_rejected_logp=reference[1][i],
-                       reward_margin=float(margin), reward_correct=bool(margin > 0),
-                       reference_prefers_chosen=bool(reference[0][i] / row["chosen_tokens"]
-                                                     > reference[1][i] / row["rejected_tokens"]))
-        rows.append({k: float(v) if isinstance(v, np.floating) else v for k, v in row.items()})
+    rows = [pair_row(pair, example, i, policy, reference, tokens, options)
+            for i, (pair, example) in enumerate(zip(pairs, examples, strict=True))]
     groups = defaultdict(list)
     for row in rows:
         groups[row["bucket_id"]].append(row)
@@ -184,6 +199,28 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: di
     return {"summary": summary, "rows": rows}
 
 
+def pair_row(pair: dict, example: dict, i: int, policy, reference, tokens: dict[str, list[int]],
+             options: AccuracyOptions) -> dict[str, Any]:
+    """One pair's log-probs, margin and verdicts (per_pair.jsonl)."""
+    chosen, rejected = float(policy[0][i]), float(policy[1][i])
+    n_chosen, n_rejected = tokens["chosen"][i], tokens["rejected"][i]
+    row = {"id": pair["id"], "bucket_id": pair["bucket_id"], "chosen_logp": chosen, "rejected_logp": rejected,
+           "chosen_tokens": n_chosen, "rejected_tokens": n_rejected, "truncated": bool(example["truncated"]),
+           "prefers_chosen": chosen / n_chosen > rejected / n_rejected}
+    margin = None
+    if reference is not None:
+        ref_chosen, ref_rejected = float(reference[0][i]), float(reference[1][i])
+        row.update(ref_chosen_logp=ref_chosen, ref_rejected_logp=ref_rejected,
+                   reference_prefers_chosen=ref_chosen / n_chosen > ref_rejected / n_rejected)
+        if options.reward == AGAINST_REFERENCE:
+            margin = options.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    if options.reward == MEAN_LOGPROB:
+        margin = options.beta * (chosen / n_chosen - rejected / n_rejected)
+    if margin is not None:  # a tie counts as wrong, as training counts it
+        row.update(reward_margin=margin, reward_correct=margin > 0)
+    return row
+
+
 def trained_profile(model: Path) -> str | None:
     return ((training_record(model) or {}).get("config") or {}).get("profile")
 
@@ -191,12 +228,13 @@ def trained_profile(model: Path) -> str | None:
 def summarize(rows: list[dict]) -> dict[str, Any]:
     measured = {"pairs": len(rows), "truncated": sum(row["truncated"] for row in rows),
                 "logp_preference": share([row["prefers_chosen"] for row in rows])}
-    if rows and "reward_correct" in rows[0]:
+    if "reward_margin" in rows[0]:
         margins = [row["reward_margin"] for row in rows]
         measured.update(reward_accuracy=share([row["reward_correct"] for row in rows]),
                         reward_margin=round(float(np.mean(margins)), 4),
-                        reference_logp_preference=share([row["reference_prefers_chosen"] for row in rows]),
-                        ties=sum(margin == 0 for margin in margins))
+                        ties=sum(abs(margin) <= TIE for margin in margins))
+    if "reference_prefers_chosen" in rows[0]:
+        measured["reference_logp_preference"] = share([row["reference_prefers_chosen"] for row in rows])
     return measured
 
 
@@ -205,22 +243,17 @@ def pairs_accuracy(model, pairs_path, out, options: AccuracyOptions = AccuracyOp
     """Measures (measure) and writes OUT/accuracy.json (the summary, its settings and the inputs' digests) and
     OUT/per_pair.jsonl (each pair's log-probs, margin and verdicts, for paired comparisons between models)."""
     model, pairs_path, out = Path(model), Path(pairs_path), Path(out)
-    if not (model / "config.json").is_file():
-        raise InputError(f"--model {model}: no config.json (give a Hugging Face model folder, e.g. OUT/model)")
-    if checkpoint_family(model) is None:
-        raise InputError(f"--model {model}: not a model polyalign loads (its config.json names no model family "
-                         "polyalign builds)")
+    check_model(str(model), "--model", "give a Hugging Face model folder, e.g. OUT/model")
     options, sources = resolved(model, options)
     # the settings as measured: a value spelt out that the record gave before is the same measurement
-    settings = {"model": str(model.resolve()), "pairs": str(pairs_path.resolve()), **asdict(options)}
+    settings = {"model": recorded_path(model), "pairs": recorded_path(pairs_path), **asdict(options)}
     started = time.perf_counter()
     with stage_output(out, out / RECORD, settings, overwrite, ours=[out / PER_PAIR], inputs={"pairs": pairs_path}):
         measured = measure(model, pairs_path, options, sources, progress)
         with (out / PER_PAIR).open("w", encoding="utf-8") as handle:
             for row in measured["rows"]:
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        made_from = {"pairs": file_digest(pairs_path)}
-        summary = {**measured["summary"], "settings": settings, "made_from": made_from,
+        summary = {**measured["summary"], "settings": settings, "made_from": {"pairs": file_digest(pairs_path)},
                    "seconds": round(time.perf_counter() - started, 1)}
         (out / RECORD).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return summary
@@ -229,22 +262,22 @@ def pairs_accuracy(model, pairs_path, out, options: AccuracyOptions = AccuracyOp
 def _cell(measured: dict[str, Any] | None) -> str:
     if measured is None:
         return "-"
-    low, high = measured["interval"]
-    return f"{measured['share']:.3f} [{low:.3f}, {high:.3f}]"
+    return f"{measured['share']:.3f} {interval_text(measured['interval'])}"
 
 
 def summary_table(summary: dict[str, Any]) -> str:
     """The printed table: one row per bucket and the overall row, each share with its 95% interval."""
-    rewards = "reward_accuracy" in summary["overall"]
+    overall = summary["overall"]
+    rewards, baseline = "reward_accuracy" in overall, "reference_logp_preference" in overall
     header = ["bucket", "pairs", *(["reward accuracy", "margin"] if rewards else []), "log-prob pref.",
-              *(["reference log-prob pref."] if rewards else [])]
+              *(["reference log-prob pref."] if baseline else [])]
     lines = []
-    for name, measured in [*summary["by_bucket"].items(), ("all", summary["overall"])]:
+    for name, measured in [*summary["by_bucket"].items(), ("all", overall)]:
         cells = [name, str(measured["pairs"])]
         if rewards:
             cells += [_cell(measured["reward_accuracy"]), f"{measured['reward_margin']:+.4f}"]
         cells.append(_cell(measured["logp_preference"]))
-        if rewards:
+        if baseline:
             cells.append(_cell(measured["reference_logp_preference"]))
         lines.append(cells)
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
@@ -258,19 +291,24 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     overall = summary["overall"]
     lines = []
     if overall.get("ties") == overall["pairs"]:
-        lines.append("every pair ties (a margin of 0 on each): the reference scores the answers as the model does "
-                     "(the same weights?), so reward accuracy is 0 by construction (a tie counts as wrong), not a "
-                     "preference against the chosen answers; read the log-prob preference")
-    if "reward_accuracy" in overall:
+        lines.append(f"every pair ties (a margin within {TIE:g} of 0 on each): the reference scores the answers as "
+                     "the model does (the same weights?), so reward accuracy is 0 by construction (a tie counts as "
+                     "wrong), not a preference against the chosen answers; read the log-prob preference")
+    beta = f"beta {settings['beta']} ({sources['beta']})"
+    if "reward_accuracy" in overall and settings["reward"] == MEAN_LOGPROB:
+        lines.append(f"reward accuracy: the share of pairs whose reward, {beta} times the mean log-prob per token, "
+                     f"is higher for the chosen answer (a tie counts as wrong; the reward of {sources['reward']}, "
+                     "with no reference); chance is 0.5")
+    elif "reward_accuracy" in overall:
         lines.append(f"reward accuracy: the share of pairs whose implicit reward beta (pi - rho) is higher for the "
                      f"chosen answer (a tie counts as wrong), against the reference {settings['reference']} "
-                     f"({sources['reference']}), beta {settings['beta']} ({sources['beta']}); chance is 0.5")
-        lines.append("log-prob preference: the share whose chosen answer has the higher mean log-prob per token; "
-                     "the reference's own share is its baseline")
-    else:
-        lines.append("log-prob preference: the share whose chosen answer has the higher mean log-prob per token; no "
-                     "reference (the model has no training record naming one: --reference SFT_MODEL), so no reward "
-                     "accuracy and no baseline")
+                     f"({sources['reference']}), {beta}; chance is 0.5")
+    baseline = ("; the reference's own share is its baseline" if "reference_logp_preference" in overall else
+                "; no reference, so no baseline (--reference SFT_MODEL gives one)")
+    lines.append(f"log-prob preference: the share whose chosen answer has the higher mean log-prob per token{baseline}")
+    if "reward_accuracy" not in overall:
+        lines.append("no reward accuracy: it needs the reference the model was trained against (the model has no "
+                     "training record naming one, or --reference none)")
     trained = summary.get("trained_profile")
     if trained is not None and sources.get("profile") == "given" and settings["profile"] != trained:
         lines.append(f"note: the model trained with profile={trained}; its prompts here open with profile="
@@ -288,3 +326,4 @@ def print_summary(summary: dict[str, Any], out: Path) -> None:
     for line in summary_lines(summary):
         print(line, file=sys.stderr if line.startswith("note:") else sys.stdout)
     print(f"accuracy: {out / RECORD} (each pair: {out / PER_PAIR})")
+

@@ -244,17 +244,25 @@ BROKEN_TAIL_CHARS = 2000
 def _rows_up_to_break(text: str, path: Path) -> Iterator[tuple[Location, Any] | Malformed]:
     """The rows of a JSON array file that stops parsing part-way, up to where it breaks, then one Malformed
     for the rest: quarantine keeps the rows that are whole and says what was lost; fail mode stops there,
-    naming the line. The rows after a syntax error cannot be told apart, so they are one quarantine row."""
+    naming the line. The rows after a syntax error cannot be told apart, so they are one quarantine row; a row
+    that is JSON but not strict JSON (NaN, a repeated key) is quarantined alone."""
     try:
         for number, row in enumerate(jsonl.array_elements(text), start=1):
-            yield Location(str(path), element=number, row=number - 1), row
+            location = Location(str(path), element=number, row=number - 1)
+            if isinstance(row, jsonl.ElementProblem):  # JSON, not strict JSON: this row alone
+                yield Malformed(location, f"invalid JSON: {row}", text[row.start:row.end])
+            else:
+                yield location, row
     except jsonl.ArrayBreak as stop:
         read = stop.element - 1
         before = f"rows 1-{read} were read" if read > 1 else "row 1 was read" if read == 1 else "no row was read"
         lines = counted(text.count("\n", stop.start) + 1, "line")
         last_line = text.count("\n") + 1
+        after = f"after row {read}" if read else "after its opening '['"
         problem = {
-            "cut": f"the file ends inside row {stop.element}, at line {last_line:,} (cut off?); {before}",
+            "cut": f"the file ends inside row {stop.element}, at line {last_line:,} (cut off?); {before}"
+                   if text[stop.start:].strip(" \t\r\n,") else
+                   f"the file ends {after}, without the array's closing ']' (cut off?); {before}",
             "invalid": f"invalid JSON in row {stop.element} ({stop}); {before}, and the {lines} from this row to the "
                        "end cannot be split into rows",
             "extra": f"{stop}; {before}; what follows ({lines}) is not part of the array",
