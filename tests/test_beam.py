@@ -17,7 +17,7 @@ from polyalign.data.prepare import PrepareError, prepare
 from polyalign.data.records import InputError
 from polyalign.inputs.built import BuildOptions
 from tests.beam_env import in_beam_env
-from tests.conftest import DEMO_DATA, REPO, read_jsonl, write_config
+from tests.conftest import DEMO_DATA, REPO, first_records, read_jsonl, write_config
 
 # file_digests: each engine writes its own files (one train.jsonl, or shards of it)
 RUN_DEPENDENT = ("created", "timings_s", "engine", "file_digests")
@@ -216,6 +216,11 @@ def test_what_a_runner_wraps_reaches_the_command_as_the_single_machine_path_rais
         raise PrepareError("chat.jsonl:3: invalid JSON")
     with pytest.raises(InputError, match=r"^train.jsonl: record id 'a' is in 2 rows$"), runner_errors():
         raise InputError("train.jsonl: record id 'a' is in 2 rows [while running 'Check ids']")
+    from polyalign.core.errors import JsonProblem
+
+    with pytest.raises(JsonProblem, match=r"^bad$") as carried, runner_errors():
+        raise JsonProblem("bad [while running 'Parse']", line=7)
+    assert carried.value.line == 7  # what it carries besides its message
     with pytest.raises(ValueError, match="other"), runner_errors():
         raise ValueError("other")
     done = beam_cli("prepare", "--config", str(REPO / "configs/data/demo.yaml"), "--out", str(tmp_path / "run"),
@@ -227,8 +232,6 @@ def test_what_a_runner_wraps_reaches_the_command_as_the_single_machine_path_rais
 def test_a_record_copied_by_hand_stops_the_beam_build_naming_its_file(demo_run, demo_tokenizer, tmp_path):
     """The Beam side of test_faults' copied-record build: one line naming the file, no TFDS traceback; a
     record in both splits is the same warning."""
-    from tests.conftest import first_records
-
     run = tmp_path / "run"
     first_records(demo_run[0], run / "data", {"train": 6, "val": 3, "test": 2})
     train = run / "data" / "train.jsonl"
@@ -239,8 +242,8 @@ def test_a_record_copied_by_hand_stops_the_beam_build_naming_its_file(demo_run, 
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     record_id = json.loads(lines[1])["id"]
     assert done.stderr.strip().splitlines()[-1] == (
-        f"polyalign build: error: {train}: record id {record_id!r} is in 2 rows of {train}; each record is one "
-        "example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
+        f"polyalign build: error: {train}: record id {record_id!r} is in 2 rows; each record is one example: remove "
+        "the copies (an edit by hand?), or run `polyalign prepare` again")
     assert not (run / "build" / "manifest.json").exists()
     # one in both splits builds (over what the stopped pipeline left), with the single-machine build's warning
     train.write_text("".join(lines), encoding="utf-8")

@@ -9,7 +9,7 @@ import pytest
 from polyalign.cli import main
 from polyalign.data.records import InputError, read_records
 from tests.chat_exports import write_jsonl
-from tests.conftest import REPO
+from tests.conftest import DEMO_DATA, REPO
 from tests.real_inputs import real_trl_rows
 
 
@@ -725,8 +725,6 @@ def test_a_system_message_that_is_polyaligns_profile_prompt_is_left_out_and_said
     """The PolyAlign sample's rows carry polyalign's own profile prompt as their system message: prepare leaves
     it out and counts it (`system_is_profile_prompt`); `pairs import` left it out too but said nothing (its
     manifest read `system_messages: 0` for 4 rows that had one)."""
-    from tests.conftest import DEMO_DATA
-
     sample = json.loads((DEMO_DATA / "en/polyalign-sample/dist_sft_val.json").read_text(encoding="utf-8"))[:5]
     rows = [{"prompt": [{"role": "system", "content": row["system"]}, {"role": "user", "content": row["instruction"]}],
              "chosen": row["output"], "rejected": other["output"]} for row, other in zip(sample, sample[1:])]

@@ -1540,6 +1540,25 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     assert overall["reward_margin"] == pytest.approx(logged["val_rewards/margin"], abs=2e-4)
     assert re.search(rf"^all +{overall['pairs']} +{overall['reward_accuracy']['share']:.3f} \[", printed, re.MULTILINE)
     assert "against the reference " + str(tmp_path / "init") in printed
+    # the first pair's chosen log-prob, from the model's logits here (its own softmax, its own shift)
+    from polyalign.inputs.pair_rows import tokenise_pairs
+    from polyalign.model import load_hf_checkpoint
+    from polyalign.model.hf import checkpoint_tokenizer
+    from polyalign.pairs.make import read_pairs
+    from polyalign.tokens.chat import get_template
+
+    pair = read_pairs(tmp_path / "val.jsonl")[0]
+    tokenizer = checkpoint_tokenizer(model)
+    example = tokenise_pairs([pair], tokenizer, get_template("polyalign", tokenizer), "context", 96,
+                             [pair["bucket_id"]], "left")[0]
+    ids, mask = np.asarray(example["chosen_ids"]), np.asarray(example["chosen_mask"], bool)
+    logits = np.asarray(load_hf_checkpoint(model)(jnp.asarray(ids[None])))[0].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    by_hand = sum(logp[t - 1, ids[t]] for t in range(1, len(ids)) if mask[t])
+    first = json.loads((tmp_path / "acc" / "per_pair.jsonl").read_text().splitlines()[0])
+    assert first["id"] == pair["id"] and first["chosen_logp"] == pytest.approx(by_hand, abs=1e-3)
+    assert first["chosen_tokens"] == mask.sum()
     # what the record gave, spelt out, is the same measurement (it was refused as other settings)
     assert main(["pairs", "accuracy", "--model", str(model), "--pairs", str(tmp_path / "val.jsonl"), "--beta", "0.5",
                  "--reference", str(tmp_path / "init"), "--out", str(tmp_path / "acc"), "--no-progress"]) == 0
@@ -1557,7 +1576,7 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     itself = json.loads((tmp_path / "itself" / "accuracy.json").read_text())["overall"]
     assert itself["reward_accuracy"]["share"] == 0.0 and itself["logp_preference"] == itself[
         "reference_logp_preference"] and itself["ties"] == len(rows)
-    assert "every pair ties (a margin of 0 on each)" in capsys.readouterr().out  # not "below chance"
+    assert "every pair ties (a margin within 1e-06 of 0 on each)" in capsys.readouterr().out  # not "below chance"
 
     assert main(["pairs", "accuracy", "--model", str(tmp_path / "init"), "--pairs", str(tmp_path / "val.jsonl"),
                  "--out", str(tmp_path / "plain"), "--no-progress"]) == 0
@@ -1570,14 +1589,36 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     assert low <= prefers / len(rows) <= high and 0 <= low < high <= 1
     assert "no reference" in capsys.readouterr().out
 
+    # SimPO has no reference: its training logs beta times the mean log-prob per token, and so does this
+    assert main(["train", "simpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out",
+                 str(tmp_path / "simpo"), "--no-progress", f"init={tmp_path / 'init'}",
+                 f"pairs={tmp_path / 'train.jsonl'}", f"val_pairs={tmp_path / 'val.jsonl'}", "train.steps=2",
+                 "train.global_batch=4", "train.eval_every=2", "data.max_length=96", "drift_prompts=0",
+                 "beta=2.0"]) == 0
+    logged = [m for m in read_metrics(tmp_path / "simpo") if "val_rewards/accuracy" in m][-1]
+    capsys.readouterr()
+    assert main(["pairs", "accuracy", "--model", str(tmp_path / "simpo" / "model"), "--pairs",
+                 str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "acc-simpo"), "--no-progress"]) == 0
+    simpo = json.loads((tmp_path / "acc-simpo" / "accuracy.json").read_text())
+    assert simpo["settings"]["reward"] == "mean_logprob" and simpo["settings_from"]["reward"].startswith("simpo's")
+    assert simpo["overall"]["reward_accuracy"]["share"] == pytest.approx(logged["val_rewards/accuracy"], abs=1e-4)
+    assert simpo["overall"]["reward_margin"] == pytest.approx(logged["val_rewards/margin"], abs=2e-4)
+    assert simpo["overall"]["reward_accuracy"] == simpo["overall"]["logp_preference"]  # one measure, by definition
+    # --reference none: the log-prob preference alone, said
+    assert main(["pairs", "accuracy", "--model", str(model), "--reference", "none", "--pairs",
+                 str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "alone"), "--no-progress"]) == 0
+    alone = json.loads((tmp_path / "alone" / "accuracy.json").read_text())
+    assert alone["settings"]["reference"] is None and "reward_accuracy" not in alone["overall"]
+    assert "no reward accuracy" in capsys.readouterr().out
+
 
 def test_the_accuracy_intervals_are_wilsons_by_hand():
     """3 of 4: p = 0.75, z = 1.959964; centre (p + z^2/2n) / (1 + z^2/n) = 0.62753, half-width
-    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n) = 0.32689."""
+    z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n) = 0.32689: [0.30064, 0.95442], rounded outward to 4 places."""
     from polyalign.train.pair_accuracy import share, wilson
 
-    assert wilson(3, 4) == (0.3006, 0.9544)
-    assert share([True, False, True, True]) == {"share": 0.75, "interval": (0.3006, 0.9544)}
+    assert wilson(3, 4) == (0.3006, 0.9545)
+    assert share([True, False, True, True]) == {"share": 0.75, "interval": (0.3006, 0.9545)}
     assert wilson(0, 5) == (0.0, 0.4345)  # (z^2/n) / (1 + z^2/n) = 0.76829 / 1.76829
 
 

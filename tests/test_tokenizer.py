@@ -294,3 +294,9 @@ def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_coun
     for given in (tmp_path / "run", tmp_path / "run" / "data" / "train.jsonl"):
         assert main(["tokenizer", "train", "--records", str(given), "--vocab-size", "1000",
                      "--out", str(tmp_path / "from-run")]) == 0, capsys.readouterr().err
+    report = tmp_path / "from-run" / "tokenizer_report.json"  # ... in a report from before, which kept the folder
+    older = json.loads(report.read_text())
+    older["settings"]["records"] = str(tmp_path / "run")
+    report.write_text(json.dumps(older))
+    assert main(["tokenizer", "train", "--records", str(tmp_path / "run" / "data" / "train.jsonl"), "--vocab-size",
+                 "1000", "--out", str(tmp_path / "from-run")]) == 0, capsys.readouterr().err

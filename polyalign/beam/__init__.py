@@ -89,6 +89,7 @@ def runner_errors() -> Iterator[None]:
             again = type(err)(text)
         except TypeError:  # an error class that takes more than its message
             raise err from None
+        again.__dict__.update(err.__dict__)  # what it carries besides its message (a JsonProblem's line)
         raise again from None
     except Exception as err:
         text = str(err)

@@ -66,24 +66,27 @@ class EncodeRecord(beam.DoFn):
         yield key, example
 
 
-def _check_id(item: tuple[str, Any]) -> list[None]:
-    """The Beam side of build.repeated_ids: an id twice in one split is refused, naming the file (a worker
-    reads lines unnumbered); one in both splits is counted for the warning."""
+def _check_id(item: tuple[str, Any], names: dict[str, list[str]]) -> list[None]:
+    """The Beam side of build.repeated_ids: an id twice in one split is refused, naming its file (a worker
+    reads lines unnumbered); one in both splits is counted for the warning. `item`: (id, [(split, index of
+    the file in names[split])])."""
     record_id, places = item
     places = sorted(places)
-    splits = [split for split, _ in places]
     for split in SPLITS:
-        files = [file for where, file in places if where == split]
+        files = [names[split][index] for where, index in places if where == split]
         if len(files) > 1:
-            raise InputError(f"{files[0]}: record id {record_id!r} is in {len(files)} rows of "
-                             f"{', '.join(sorted(set(files)))}; each record is one example: remove the copies (an edit "
-                             "by hand?), or run `polyalign prepare` again")
-    if len(set(splits)) > 1:
+            others = f" (of {', '.join(sorted(set(files)))})" if len(set(files)) > 1 else ""
+            raise InputError(f"{files[0]}: record id {record_id!r} is in {len(files)} rows{others}; each record is "
+                             "one example: remove the copies (an edit by hand?), or run `polyalign prepare` again")
+    if len({split for split, _ in places}) > 1:
         Metrics.counter(NAMESPACE, SHARED_COUNTER).inc()
     return []
 
 
-def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], weights: WeightOptions) -> BucketTable:
+def _bucket_table(_, train_counts: dict[str, int], buckets: list[str], weights: WeightOptions,
+                  checked: list[None]) -> BucketTable:
+    """`checked`, the id check's (empty) output, is a side input so that no record is encoded, and no example
+    reaches TFDS's writer, before every id was checked."""
     return BucketTable.from_counts(train_counts, set(buckets), weights)
 
 
@@ -113,10 +116,12 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
                     | f"Parse {split}" >> beam.MapTuple(lambda file, line: (file, Record.from_json(json.loads(line)))))
             for split in SPLITS
         }
-        _ = ([placed[split] | f"{split} ids" >> beam.MapTuple(lambda file, record, split=split: (record.id,
-                                                                                                  (split, file)))
-              for split in SPLITS]
-             | "All ids" >> beam.Flatten() | "Group ids" >> beam.GroupByKey() | "Check ids" >> beam.FlatMap(_check_id))
+        index = {split: {name: i for i, name in enumerate(files[split])} for split in SPLITS}
+        checked = ([placed[split] | f"{split} ids" >> beam.MapTuple(
+                        lambda file, record, split=split: (record.id, (split, index[split][file])))
+                    for split in SPLITS]
+                   | "All ids" >> beam.Flatten() | "Group ids" >> beam.GroupByKey()
+                   | "Check ids" >> beam.FlatMap(_check_id, files))
         records = {split: placed[split] | f"Records {split}" >> beam.Values() for split in SPLITS}
         train_counts = (records["train"] | "Train buckets" >> beam.Map(lambda r: r.bucket_id)
                         | "Count train buckets" >> beam.combiners.Count.PerElement())
@@ -124,7 +129,7 @@ def _build_beam(run: Path, options: BuildOptions, beam_options: str | None) -> d
                    | "Buckets" >> beam.Map(lambda r: r.bucket_id) | "Distinct buckets" >> beam.Distinct())
         table = (pipeline | "Table seed" >> beam.Create([None])
                  | "Bucket table" >> beam.Map(_bucket_table, beam.pvalue.AsDict(train_counts),
-                                               beam.pvalue.AsList(buckets), weights))
+                                               beam.pvalue.AsList(buckets), weights, beam.pvalue.AsList(checked)))
         return {
             split: records[split] | f"Encode {split}" >> beam.ParDo(
                 EncodeRecord(str(tokenizer_path), template_name, options, split), beam.pvalue.AsSingleton(table))

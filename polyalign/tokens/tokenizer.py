@@ -332,6 +332,7 @@ def _read_config(directory) -> dict | None:
 # other ids), not on the cores running them (4 threads on one core: the same pieces as on two): one fixed
 # number trains the same tokenizer from the same records on every machine.
 DEFAULT_TRAIN_THREADS = 2
+TRAIN_SEED = 0
 
 
 def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int, *,
@@ -348,6 +349,9 @@ def train_sentencepiece(texts: Iterable[str], out_dir: str | os.PathLike, vocab_
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = (line for text in texts for line in text.split("\n") if line.strip())
+    # past max_sentences SentencePiece samples the sentences it trains on, with its own generator: seeded, the
+    # same records train the same tokenizer there too
+    spm.set_random_generator_seed(TRAIN_SEED)
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=lines, model_prefix=str(out / "tokenizer"), model_type=model_type,

@@ -3,6 +3,7 @@ report of characters per token by language. The tokenizer library itself is poly
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -15,7 +16,7 @@ from polyalign.core.paths import files_digest
 from polyalign.data.layout import split_files
 from polyalign.data.records import read_records
 from polyalign.tokens.chat import POLYALIGN_SPECIAL_TOKENS, system_prompt
-from polyalign.tokens.tokenizer import DEFAULT_TRAIN_THREADS, SentencePieceTokenizer, train_sentencepiece
+from polyalign.tokens.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 
 def record_texts(records) -> Iterable[str]:
@@ -85,14 +86,25 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
                 **{k: v for k, v in sorted(options.items())},
                 # only when asked: tokenizers trained before the option keep their settings
                 **({"system_prompts": True} if system_prompts else {})}
-    # a report from before these were recorded: its tokenizer was trained with the defaults
+    # A report from before these were recorded reads as made with the defaults (its thread count was then the
+    # machine's cores: the same command trains it again with the default, as it retrains any tokenizer), and
+    # one that named a run folder of one train file as made from that file.
     with stage_output(out_dir, out_dir / REPORT, settings, overwrite, ours=[out_dir / f for f in TOKENIZER_FILES],
-                      inputs={"records": records_path}, legacy=DEFAULT_OPTIONS):
+                      inputs={"records": records_path}, legacy=DEFAULT_OPTIONS, view=_same_records):
         return _train(records_path, files, out_dir, vocab_size, settings, options, system_prompts)
 
 
+def _same_records(settings: dict) -> dict:
+    records = settings.get("records")
+    if records is None or not Path(records).is_dir():
+        return settings
+    files = train_files(Path(records))
+    return {**settings, "records": str(Path(files[0]).resolve())} if len(files) == 1 else settings
+
+
 # What train_sentencepiece trains with when a call leaves them out, recorded in every report.
-DEFAULT_OPTIONS = {"threads": DEFAULT_TRAIN_THREADS, "model_type": "unigram", "character_coverage": 0.9995}
+DEFAULT_OPTIONS = {key: inspect.signature(train_sentencepiece).parameters[key].default
+                   for key in ("threads", "model_type", "character_coverage")}
 
 
 def train_files(records_path: Path) -> list:
