@@ -260,14 +260,14 @@ def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_coun
         return [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
 
     run, _, _ = demo_run
-    english = [r for r in read_records(run / "data" / "train.jsonl") if r.language == "en"][:1200]
+    english = [r for r in read_records(run / "data" / "train.jsonl") if r.language == "en"][:400]
     records = tmp_path / "en.jsonl"
     records.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in english), encoding="utf-8")
     for cores in (1, 64):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
-        assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000",
+        assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "500",
                      "--out", str(tmp_path / f"cores-{cores}")]) == 0
-    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "4",
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "500", "--threads", "4",
                  "--out", str(tmp_path / "threads-4")]) == 0
     assert vocabulary(tmp_path / "cores-1") == vocabulary(tmp_path / "cores-64")
     assert vocabulary(tmp_path / "threads-4") != vocabulary(tmp_path / "cores-1")
@@ -276,15 +276,15 @@ def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_coun
     assert reports["cores-1"]["threads"] == 2 == reports["cores-1"]["settings"]["threads"]
     assert reports["threads-4"]["threads"] == 4 == reports["threads-4"]["settings"]["threads"]
     # the default spelt out is the same settings; so is a report from before the count was recorded
-    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "2",
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "500", "--threads", "2",
                  "--out", str(tmp_path / "cores-1")]) == 0
     report = tmp_path / "cores-1" / "tokenizer_report.json"
     older = json.loads(report.read_text())
     del older["settings"]["threads"]
     report.write_text(json.dumps(older))
-    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000",
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "500",
                  "--out", str(tmp_path / "cores-1")]) == 0
-    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "1000", "--threads", "4",
+    assert main(["tokenizer", "train", "--records", str(records), "--vocab-size", "500", "--threads", "4",
                  "--out", str(tmp_path / "cores-1")]) == 2
     assert "threads: 2 there, 4 now" in capsys.readouterr().err
     # a run folder and its one train file are the same records (the one was refused as other settings)
@@ -292,11 +292,11 @@ def test_the_same_records_train_the_same_tokenizer_on_a_machine_of_any_core_coun
     (tmp_path / "run" / "data" / "manifest.json").write_bytes((run / "data" / "manifest.json").read_bytes())
     (tmp_path / "run" / "data" / "train.jsonl").write_bytes(records.read_bytes())
     for given in (tmp_path / "run", tmp_path / "run" / "data" / "train.jsonl"):
-        assert main(["tokenizer", "train", "--records", str(given), "--vocab-size", "1000",
+        assert main(["tokenizer", "train", "--records", str(given), "--vocab-size", "500",
                      "--out", str(tmp_path / "from-run")]) == 0, capsys.readouterr().err
     report = tmp_path / "from-run" / "tokenizer_report.json"  # ... in a report from before, which kept the folder
     older = json.loads(report.read_text())
     older["settings"]["records"] = str(tmp_path / "run")
     report.write_text(json.dumps(older))
     assert main(["tokenizer", "train", "--records", str(tmp_path / "run" / "data" / "train.jsonl"), "--vocab-size",
-                 "1000", "--out", str(tmp_path / "from-run")]) == 0, capsys.readouterr().err
+                 "500", "--out", str(tmp_path / "from-run")]) == 0, capsys.readouterr().err
