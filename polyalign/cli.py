@@ -66,6 +66,7 @@ Pipeline:
   polyalign pairs --records RUN/data/train.jsonl --predictions P.jsonl --out PAIRS.jsonl
   polyalign train critic --config configs/critic_demo.yaml --out CRITIC init=SFT/model ...
   polyalign train hdpo --config configs/hdpo_demo.yaml --out OUT data.dir=RUN init=SFT/model
+  polyalign pairs accuracy --model OUT/model --pairs TEST_PAIRS.jsonl --out ACC   on held-out pairs
   polyalign evaluate --records RUN/data/test.jsonl --predictions P.jsonl --out EVAL
   polyalign report EVAL_A EVAL_B --out CMP
   polyalign demo --out RUN                                            everything on the bundled data

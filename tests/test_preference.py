@@ -1636,3 +1636,10 @@ def test_pairs_accuracy_measures_an_sft_model_at_the_length_its_build_trained_it
         DEFAULT_MAX_LENGTH, "the default")
     (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 128}))
     assert trained_max_length(tmp_path / "model", {}) == (128, "polyalign_max_length in its tokenizer_config.json")
+
+
+def test_the_rewards_the_cli_offers_are_the_ones_pairs_accuracy_computes():
+    from polyalign import cli
+    from polyalign.train.pair_accuracy import REWARDS
+
+    assert cli.PAIR_REWARDS == REWARDS
