@@ -761,7 +761,8 @@ def _add_pairs(sub) -> None:
     accuracy.add_argument("--max-length", type=int, help="tokens of a pair's side, prompt and answer (default: the "
                                                          "training record's data.max_length, else 1024)")
     accuracy.add_argument("--profile", choices=PROFILE_MODES,
-                          help="the profile system prompt (default: the training record's, else context)")
+                          help="the profile system prompt (default: the one the model was trained with, as "
+                               "generate renders its prompts)")
     accuracy.add_argument("--truncation", choices=TRUNCATIONS,
                           help="how a prompt over its share is cut (default: the training record's, else left)")
     accuracy.add_argument("--batch-size", type=int, default=8, help="pairs a forward pass (default 8)")

@@ -56,6 +56,14 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+LONE_SURROGATE = "a lone UTF-16 surrogate escape (not a character)"
+
+
+def holds_lone_surrogate(text: str, value: Any) -> bool:
+    """Whether `value`, parsed from `text`, holds a lone surrogate (only an escape in the text can make one)."""
+    return "\\ud" in text.lower() and _has_lone_surrogate(value)
+
+
 def parse(text: str) -> Any:
     """json.loads, strictly (see the module's doc); JsonProblem (or json.JSONDecodeError, a subclass of
     ValueError too) says why not."""
@@ -70,8 +78,8 @@ def parse(text: str) -> Any:
         raise
     except ValueError as err:  # an integer of more digits than Python converts
         raise JsonProblem(str(err).split(";")[0]) from None
-    if "\\ud" in text.lower() and _has_lone_surrogate(value):
-        raise JsonProblem("a lone UTF-16 surrogate escape (not a character)")
+    if holds_lone_surrogate(text, value):
+        raise JsonProblem(LONE_SURROGATE)
     return value
 
 
@@ -143,9 +151,8 @@ def array_elements(text: str) -> Iterator[Any]:
                 raise ArrayBreak("nested too deeply", line_at(index), element, index, "invalid") from None
             except ValueError as err:  # JsonProblem (NaN, a repeated key) or an integer too long to convert
                 value, end = _element_problem(text, index, element, str(err).split(";")[0], line_at(index))
-            if "\\ud" in text[index:end].lower() and _has_lone_surrogate(value):
-                value = ElementProblem("a lone UTF-16 surrogate escape (not a character)", line_at(index), element,
-                                       index, end)
+            if holds_lone_surrogate(text[index:end], value):
+                value = ElementProblem(LONE_SURROGATE, line_at(index), element, index, end)
             yield value
             after = _WHITESPACE.match(text, end).end()
             separator = text[after:after + 1]

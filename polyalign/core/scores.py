@@ -31,10 +31,15 @@ def combined(parts: Mapping[str, float | None], over: Sequence[str] = AGGREGATE_
     return geometric_mean(values) if len(values) >= 2 else None
 
 
-def interval_text(values: Sequence[float], digits: int = 3) -> str:
-    """`[low, high]` rounded outward (low down, high up), so that the interval shown holds every value the
-    computed one holds: rounded to the nearest, a point 0.9999 read as outside its `[1.000, 1.000]`."""
+def rounded_outward(values: Sequence[float], digits: int) -> tuple[float, float]:
+    """(low, high) rounded outward (low down, high up) to `digits` places, so that the interval holds every value
+    the computed one holds: rounded to the nearest, a point 0.9999 read as outside its `[1.000, 1.000]`."""
     scale = 10 ** digits
     # the 1e-9 keeps a value already on the grid there (0.025 * 1000 is 25.000000000000004)
-    low, high = math.floor(values[0] * scale + 1e-9) / scale, math.ceil(values[1] * scale - 1e-9) / scale
+    return math.floor(values[0] * scale + 1e-9) / scale, math.ceil(values[1] * scale - 1e-9) / scale
+
+
+def interval_text(values: Sequence[float], digits: int = 3) -> str:
+    """`[low, high]` rounded outward (rounded_outward)."""
+    low, high = rounded_outward(values, digits)
     return f"[{low:.{digits}f}, {high:.{digits}f}]"

@@ -80,9 +80,7 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
     for key, value in DEFAULT_OPTIONS.items():  # said in every report, however the call spelt them
         options.setdefault(key, value)
     files = train_files(records_path)
-    # a run folder of one train file and that file are the same records
-    records = files[0] if records_path.is_dir() and len(files) == 1 else records_path
-    settings = {"records": str(Path(records).resolve()), "vocab_size": vocab_size,
+    settings = {"records": records_setting(records_path, files), "vocab_size": vocab_size,
                 **{k: v for k, v in sorted(options.items())},
                 # only when asked: tokenizers trained before the option keep their settings
                 **({"system_prompts": True} if system_prompts else {})}
@@ -94,12 +92,17 @@ def train_from_records(records_path: str | os.PathLike, out_dir: str | os.PathLi
         return _train(records_path, files, out_dir, vocab_size, settings, options, system_prompts)
 
 
+def records_setting(records_path: Path, files: list) -> str:
+    """The records as the settings keep them: a run folder of one train file is that file (the same records)."""
+    return str(Path(files[0] if records_path.is_dir() and len(files) == 1 else records_path).resolve())
+
+
 def _same_records(settings: dict) -> dict:
+    """A recorded setting read as records_setting writes it now (a report from before kept the run folder)."""
     records = settings.get("records")
     if records is None or not Path(records).is_dir():
         return settings
-    files = train_files(Path(records))
-    return {**settings, "records": str(Path(files[0]).resolve())} if len(files) == 1 else settings
+    return {**settings, "records": records_setting(Path(records), train_files(Path(records)))}
 
 
 # What train_sentencepiece trains with when a call leaves them out, recorded in every report.

@@ -11,17 +11,17 @@ Two measures, each per bucket and overall with a 95% Wilson interval:
   alone, with the reference's own share beside it as the baseline (the reference against itself ties on
   every pair of the first reward).
 Both sides of a pair are tokenised with the model's tokenizer and template as training tokenised them
-(`tokenise_pairs`: profile prompt, truncation and max_length from the training record unless given).
+(`tokenise_pairs`: truncation and max_length from the training record unless given; the profile prompt by the
+rule every command renders a checkpoint's prompts with, tokens/chat.py trained_profile).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from scipy.stats import binomtest
 from polyalign.core.errors import InputError
 from polyalign.core.outputs import stage_output
 from polyalign.core.paths import as_path, file_digest, recorded_path, training_record
-from polyalign.core.scores import interval_text
+from polyalign.core.scores import interval_text, rounded_outward
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pair_rows import tokenise_pairs
 from polyalign.mesh import parallel
@@ -40,7 +40,7 @@ from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import checkpoint_family, compute_dtype, longer_than_positions
 from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.pairs.make import read_pairs
-from polyalign.tokens.chat import choose_template, get_template
+from polyalign.tokens.chat import choose_template, get_template, trained_profile
 from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 from polyalign.train.methods import METHODS, method_spec
 from polyalign.train.preference import reference_logps
@@ -72,7 +72,7 @@ class AccuracyOptions:
 def wilson(correct: int, n: int) -> tuple[float, float]:
     """The 95% Wilson interval of correct / n, rounded outward to 4 places (it holds what the exact one holds)."""
     interval = binomtest(correct, n).proportion_ci(confidence_level=0.95, method="wilson")
-    return math.floor(interval.low * 1e4 + 1e-9) / 1e4, math.ceil(interval.high * 1e4 - 1e-9) / 1e4
+    return rounded_outward((interval.low, interval.high), 4)
 
 
 def share(flags: list[bool]) -> dict[str, Any]:
@@ -80,14 +80,17 @@ def share(flags: list[bool]) -> dict[str, Any]:
     return {"share": round(correct / len(flags), 4), "interval": wilson(correct, len(flags))}
 
 
-def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, dict[str, str]]:
-    """`options` with what was left unsaid read from the model's training record (polyalign's own exports),
-    and where each came from; paths as a record keeps them (core/paths.py recorded_path), so that the same
+def training_config(model: Path) -> dict[str, Any]:
+    """The config the model's training record holds (polyalign's own exports); {} for any other checkpoint."""
+    return (training_record(model) or {}).get("config") or {}
+
+
+def resolved(model: Path, options: AccuracyOptions, config: dict[str, Any]) -> tuple[AccuracyOptions, dict[str, str]]:
+    """`options` with what was left unsaid read from the model's training `config` (training_config), and
+    where each came from; paths as a record keeps them (core/paths.py recorded_path), so that the same
     measurement asked from another folder, or with a value spelt out that the record gave, is the same."""
-    config = (training_record(model) or {}).get("config") or {}
     trained = {"reference": config.get("init"), "beta": config.get("beta"),
-               "max_length": (config.get("data") or {}).get("max_length"), "profile": config.get("profile"),
-               "truncation": config.get("truncation")}
+               "max_length": (config.get("data") or {}).get("max_length"), "truncation": config.get("truncation")}
     values, sources = asdict(options), {}
     for key, value in trained.items():
         if values[key] is not None:
@@ -102,7 +105,7 @@ def resolved(model: Path, options: AccuracyOptions) -> tuple[AccuracyOptions, di
         values["reward"], sources["reward"] = AGAINST_REFERENCE, "the default"
     if values["max_length"] is None:  # SFT takes its length from the build it trained on
         values["max_length"], sources["max_length"] = trained_max_length(model, config)
-    for key, value in {"beta": 0.1, "profile": "context", "truncation": "left"}.items():
+    for key, value in {"beta": 0.1, "truncation": "left"}.items():
         if values[key] is None:
             values[key], sources[key] = value, "the default"
     if values["reference"] == NO_REFERENCE:
@@ -165,9 +168,10 @@ def check_reference(model: Path, reference: str, source: str, tokenizer) -> None
                           "the two models on the same token ids (give the model it was trained from)")
 
 
-def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: dict[str, str],
+def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: dict[str, str], tokenizer,
             progress: bool = True) -> dict[str, Any]:
-    """Per-pair values and the summary (overall and per bucket) under resolved `options`; writes nothing."""
+    """Per-pair values and the summary (overall and per bucket) under resolved `options`, with the model's
+    `tokenizer`; writes nothing."""
     pairs = read_pairs(pairs_path, "make them with `polyalign pairs` or `polyalign pairs import`")
     if not pairs:
         raise InputError(f"{pairs_path}: no pairs")
@@ -175,7 +179,6 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: di
         if too_long := longer_than_positions(checkpoint, options.max_length, f"max_length {options.max_length} "
                                              f"({sources['max_length']})", "give a smaller --max-length"):
             raise ConfigError(too_long)
-    tokenizer = checkpoint_tokenizer(model)
     if options.reference is not None:
         check_reference(model, options.reference, sources["reference"], tokenizer)
     template = get_template(choose_template(tokenizer, family=checkpoint_family(model), where=str(model)), tokenizer)
@@ -194,7 +197,7 @@ def measure(model: Path, pairs_path: Path, options: AccuracyOptions, sources: di
     for row in rows:
         groups[row["bucket_id"]].append(row)
     summary = {"model": str(model), "pairs_file": str(pairs_path), "settings_from": sources,
-               "trained_profile": trained_profile(model), "overall": summarize(rows),
+               "overall": summarize(rows),
                "by_bucket": {bucket: summarize(members) for bucket, members in sorted(groups.items())}}
     return {"summary": summary, "rows": rows}
 
@@ -221,10 +224,6 @@ def pair_row(pair: dict, example: dict, i: int, policy, reference, tokens: dict[
     return row
 
 
-def trained_profile(model: Path) -> str | None:
-    return ((training_record(model) or {}).get("config") or {}).get("profile")
-
-
 def summarize(rows: list[dict]) -> dict[str, Any]:
     measured = {"pairs": len(rows), "truncated": sum(row["truncated"] for row in rows),
                 "logp_preference": share([row["prefers_chosen"] for row in rows])}
@@ -244,16 +243,22 @@ def pairs_accuracy(model, pairs_path, out, options: AccuracyOptions = AccuracyOp
     OUT/per_pair.jsonl (each pair's log-probs, margin and verdicts, for paired comparisons between models)."""
     model, pairs_path, out = Path(model), Path(pairs_path), Path(out)
     check_model(str(model), "--model", "give a Hugging Face model folder, e.g. OUT/model")
-    options, sources = resolved(model, options)
+    options, sources = resolved(model, options, training_config(model))
+    tokenizer, notes = checkpoint_tokenizer(model), []
+    # the profile as generate and evaluate render this checkpoint's prompts (and another than the trained one said)
+    sources["profile"] = ("given" if options.profile else "its export's polyalign_profile" if tokenizer.profile_mode
+                          else "the rule for a checkpoint that names none")
+    options = replace(options, profile=trained_profile(tokenizer, options.profile, str(model), notes))
     # the settings as measured: a value spelt out that the record gave before is the same measurement
     settings = {"model": recorded_path(model), "pairs": recorded_path(pairs_path), **asdict(options)}
     started = time.perf_counter()
     with stage_output(out, out / RECORD, settings, overwrite, ours=[out / PER_PAIR], inputs={"pairs": pairs_path}):
-        measured = measure(model, pairs_path, options, sources, progress)
+        measured = measure(model, pairs_path, options, sources, tokenizer, progress)
         with (out / PER_PAIR).open("w", encoding="utf-8") as handle:
             for row in measured["rows"]:
                 handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        summary = {**measured["summary"], "settings": settings, "made_from": {"pairs": file_digest(pairs_path)},
+        summary = {**measured["summary"], "settings": settings, "notes": notes,
+                   "made_from": {"pairs": file_digest(pairs_path)},
                    "seconds": round(time.perf_counter() - started, 1)}
         (out / RECORD).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return summary
@@ -309,10 +314,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     if "reward_accuracy" not in overall:
         lines.append("no reward accuracy: it needs the reference the model was trained against (the model has no "
                      "training record naming one, or --reference none)")
-    trained = summary.get("trained_profile")
-    if trained is not None and sources.get("profile") == "given" and settings["profile"] != trained:
-        lines.append(f"note: the model trained with profile={trained}; its prompts here open with profile="
-                     f"{settings['profile']}, which it did not learn to read")
+    lines += [f"note: {note}" for note in summary.get("notes", [])]
     if overall["truncated"]:
         lines.append(f"note: {overall['truncated']} of {overall['pairs']} pairs were cut to max_length "
                      f"{settings['max_length']} ({sources['max_length']})")
