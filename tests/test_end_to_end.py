@@ -100,12 +100,38 @@ def test_every_bucket_total_is_printed_inside_its_counts_panel(demo_run, tmp_pat
         longest = max((b for b in counts if b.startswith(f"{language}|")), key=lambda b: counts[b]["total"])
         counts[longest]["test"] = 0
     figures = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(plots, "saved_figure", lambda fig, path: figures.append(fig) or path)
     plots.bucket_counts(counts, ["en", "zh"], tmp_path / "counts.png")
     for ax in figures[0].axes:
         totals = [float(text.get_position()[0]) for text in ax.texts]
         assert totals and max(totals) <= 0.95 * ax.get_xlim()[1], (ax.get_title(), max(totals), ax.get_xlim())
 
+
+def test_every_record_is_drawn_in_its_buckets_length_histogram(demo_run, tmp_path, monkeypatch):
+    """Each panel of the stats report's length histograms holds all of its bucket's records, the empty ones
+    at 1, in bins that start at 1 and are drawn from there; every bin bound is in view."""
+    from polyalign.reports import plots
+
+    run, _, _ = demo_run
+    lengths = {}
+    for split in ("train", "val", "test"):
+        for row in read_jsonl(run / "data" / f"{split}.jsonl"):
+            lengths.setdefault(row["bucket_id"], []).append(row["length_tokens"])
+    lengths["en|single|qa|short"] += [0, 0]
+    figures = []
+    monkeypatch.setattr(plots, "saved_figure", lambda fig, path: figures.append(fig) or path)
+    plots.length_histograms(lengths, [40, 120, 256], tmp_path / "lengths.png")
+    panels = [ax for ax in figures[0].axes if ax.get_title()]
+    assert len(panels) == len(lengths)
+    for ax, bucket in zip(panels, sorted(lengths)):
+        assert ax.get_title().startswith(f"{bucket} (n={len(lengths[bucket])}")
+        (drawn,) = ax.patches
+        heights = drawn.get_data().values
+        assert heights.sum() == len(lengths[bucket]), bucket
+        assert ax.get_xlim()[0] == 1 and drawn.get_data().edges[0] == 1
+        assert ax.get_xlim()[1] >= 256.5, (bucket, ax.get_xlim())
+    short = next(ax for ax in panels if ax.get_title().startswith("en|single|qa|short"))
+    assert short.get_title().endswith(" of length 0, drawn at 1)")
 
 def test_authors_sample_labels_are_reproduced_with_v1(tmp_path):
     """The bundled half of the sample here; the next test checks both files from ../shared/data."""

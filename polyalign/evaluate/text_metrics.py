@@ -167,11 +167,11 @@ def self_bleu_scores(texts: Sequence[str], tokenize: str, max_texts: int = 500, 
     if len(token_lists) < 2:
         return []
     tables = [_ngram_table(t, 4) for t in token_lists]
-    postings: list[dict[tuple, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(4)]
+    postings: list[dict[tuple, dict[int, int]]] = [defaultdict(dict) for _ in range(4)]
     for index, table in enumerate(tables):
         for n, counts in enumerate(table):
             for gram, count in counts.items():
-                postings[n][gram].append((index, count))
+                postings[n][gram][index] = count
     scores = []
     for i, table in enumerate(tables):
         others = [j for j in range(len(token_lists)) if j != i]
@@ -180,10 +180,18 @@ def self_bleu_scores(texts: Sequence[str], tokenize: str, max_texts: int = 500, 
             # order draws the same ones
             others = rng.sample(others, max_references)
         chosen = set(others)
-        reference_max = [{gram: max((c for j, c in postings[n][gram] if j in chosen), default=0) for gram in counts}
+        reference_max = [{gram: _largest_count(postings[n][gram], chosen) for gram in counts}
                          for n, counts in enumerate(table)]
         scores.append(_bleu(table, reference_max, len(token_lists[i]), [len(token_lists[j]) for j in others], 0.1))
     return scores
+
+
+def _largest_count(posting: dict[int, int], chosen: set[int]) -> int:
+    """The largest count of an n-gram among the chosen texts, from its posting (text -> count), walking the
+    smaller of the two: a common word's posting holds most texts, a rare 4-gram's one."""
+    if len(posting) <= len(chosen):
+        return max((c for j, c in posting.items() if j in chosen), default=0)
+    return max((posting.get(j, 0) for j in chosen), default=0)
 
 
 def diversity(texts: Sequence[str], tokenize: str) -> dict[str, float]:

@@ -7,6 +7,7 @@ comparability. Floats are rounded to 6 decimals; every division by zero gives 0.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -102,6 +103,7 @@ def _pstd(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # words repeat: a response's readability looks each one up
 def syllables(word: str) -> int:
     """Vowel-group syllable count of an English word (FEATURES.md section 2, readability)."""
     letters = NON_LETTER.sub("", word.lower())
@@ -170,15 +172,15 @@ def text_features(raw_text: str) -> dict[str, float]:
     char_no_space = len(text.replace(" ", "").replace("\n", ""))
     f["char_count"] = char_count
     f["char_no_space_count"] = char_no_space
-    f["whitespace_count"] = sum(1 for ch in text if ch.isspace())
+    f["whitespace_count"] = sum(map(str.isspace, text))
     f["newline_count"] = text.count("\n")
     f["paragraph_count"] = sum(1 for chunk in PARAGRAPH_BREAK.split(text) if chunk.strip()) if text else 0
     f["punctuation_count"] = punctuation_count = len(PUNCTUATION_CHAR.findall(text))
-    f["digit_char_count"] = sum(1 for ch in text if ch.isdigit())
-    f["alphabetic_char_count"] = alphabetic_chars = sum(1 for ch in text if ch.isalpha())
-    f["uppercase_char_count"] = sum(1 for ch in text if ch.isupper())
-    f["lowercase_char_count"] = sum(1 for ch in text if ch.islower())
-    f["non_ascii_char_count"] = sum(1 for ch in text if ord(ch) > 127)
+    f["digit_char_count"] = sum(map(str.isdigit, text))
+    f["alphabetic_char_count"] = alphabetic_chars = sum(map(str.isalpha, text))
+    f["uppercase_char_count"] = sum(map(str.isupper, text))
+    f["lowercase_char_count"] = sum(map(str.islower, text))
+    f["non_ascii_char_count"] = char_count - len(text.encode("ascii", "ignore"))
 
     tokens = WORD_TOKEN.findall(text)
     words = lexical_tokens(text)
@@ -245,11 +247,11 @@ def text_features(raw_text: str) -> dict[str, float]:
     title_case = sum(1 for t in tokens if len(t) > 1 and t[0].isupper() and t[1:].islower())
     f["all_caps_token_count"] = all_caps
     f["title_case_token_count"] = title_case
-    f["lowercase_token_count"] = sum(1 for t in tokens if t.islower())
+    f["lowercase_token_count"] = sum(map(str.islower, tokens))
     f["all_caps_token_ratio"] = _div(all_caps, token_count)
     f["title_case_token_ratio"] = _div(title_case, token_count)
     f["contraction_count"] = sum(1 for t in tokens if "'" in t)
-    f["number_token_count"] = sum(1 for t in tokens if any(ch.isdigit() for ch in t))
+    f["number_token_count"] = sum(1 for t in tokens if any(map(str.isdigit, t)))
     f["year_token_count"] = len(YEAR.findall(text))
     f["ordinal_token_count"] = len(ORDINAL.findall(text))
     f["url_count"] = len(URL.findall(text))

@@ -27,7 +27,7 @@ from polyalign.core.scores import AGGREGATE_PARTS, combined, interval_text  # no
 from polyalign.core.wording import listed  # noqa: E402
 from polyalign.reports.markdown import table as markdown_table  # noqa: E402
 from polyalign.reports.no_model import BASELINE_WORDS, ahead_of_the_model  # noqa: E402
-from polyalign.reports.plots import embedded_img  # noqa: E402
+from polyalign.reports.plots import embedded_img, filled_bins, saved_figure  # noqa: E402
 from polyalign.reports.reading_notes import notes_for_reader  # noqa: E402
 
 
@@ -103,10 +103,7 @@ def _legend_beside(ax) -> None:
 
 
 def _save(fig, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return saved_figure(fig, path).name
 
 
 def _embedded(path: Path) -> str:
@@ -271,8 +268,8 @@ def _length_distributions(human_lengths, generated_lengths, buckets, path: Path,
         g = [generated_lengths[i] for i in idx]
         top = max(h + g + [1])
         bins = np.linspace(0, top, 20)
-        ax.hist(h, bins=bins, alpha=0.6, label="human")
-        ax.hist(g, bins=bins, alpha=0.6, label="model")
+        filled_bins(ax, h, bins, alpha=0.6, label="human", color="C0")
+        filled_bins(ax, g, bins, alpha=0.6, label="model", color="C1")
         ax.set_title(bucket, fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(names):]:

@@ -12,6 +12,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import NullLocator  # noqa: E402
 
 SPLIT_COLORS = {"train": "#4C72B0", "val": "#DD8452", "test": "#55A868"}
 
@@ -23,7 +25,15 @@ def embedded_img(path: Path, alt: str | None = None) -> str:
     return f"<img alt='{html.escape(alt or Path(path).name)}' src='data:image/png;base64,{data}'>"
 
 
-def _save(fig, path: Path) -> Path:
+def filled_bins(ax, values: Sequence[float], edges: Sequence[float], **style) -> None:
+    """A histogram of `values` over `edges` as one filled outline: it looks as `ax.hist`'s bars do, and is
+    one artist instead of a rectangle per bin, which a report of dozens of panels draws several times faster."""
+    counts, _ = np.histogram(values, bins=edges)
+    ax.stairs(counts, edges, fill=True, **style)
+
+
+def saved_figure(fig, path: Path) -> Path:
+    """`fig` laid out, written to `path` as PNG and closed."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -60,7 +70,7 @@ def bucket_counts(counts: Mapping[str, Mapping[str, int]], languages: Sequence[s
         ax.set_xlim(0, max(max(left, default=0), 1) * 1.1)
         # beside the axes: a bar of any length, at any row, would run under a legend inside them
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    return _save(fig, path)
+    return saved_figure(fig, path)
 
 
 def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int], path: Path) -> Path:
@@ -74,10 +84,13 @@ def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int
         values = [max(1, v) for v in lengths[bucket]]
         top = max(values + [2])
         edges = [10 ** (i * math.log10(top * 1.05) / 30) for i in range(31)]
-        ax.hist(values, bins=edges, color="#4C72B0")
+        filled_bins(ax, values, edges, color="#4C72B0")
         ax.set_xscale("log")
+        if top >= 10:  # a panel this small reads by its decades alone, and spans at least two of them
+            ax.xaxis.set_minor_locator(NullLocator())
         for bound in bounds:
             ax.axvline(bound + 0.5, color="#C44E52", linestyle="--", linewidth=0.8)
+        ax.set_xlim(left=1)  # from the first bin, empty or not, as bars drew it; the right as the bounds need
         zeros = sum(1 for v in lengths[bucket] if v == 0)
         ax.set_title(f"{bucket} (n={len(values)}" + (f"; {zeros} of length 0, drawn at 1" if zeros else "") + ")",
                      fontsize=8)
@@ -85,7 +98,7 @@ def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int
     for ax in list(axes.flat)[len(buckets):]:
         ax.axis("off")
     fig.suptitle("response length in units (log scale); dashed: bin bounds", fontsize=10)
-    return _save(fig, path)
+    return saved_figure(fig, path)
 
 
 def weights(weights_by_bucket: Mapping[str, float], train_counts: Mapping[str, int], path: Path) -> Path:
@@ -99,7 +112,7 @@ def weights(weights_by_bucket: Mapping[str, float], train_counts: Mapping[str, i
     ax.invert_yaxis()
     ax.set_xlabel("Bucket-SFT weight per record (train; mean over records = 1)")
     ax.tick_params(axis="y", labelsize=8)
-    return _save(fig, path)
+    return saved_figure(fig, path)
 
 
 def feature_boxes(values: Mapping[str, Mapping[str, Sequence[float]]], features: Sequence[str], path: Path) -> Path:
@@ -116,4 +129,4 @@ def feature_boxes(values: Mapping[str, Mapping[str, Sequence[float]]], features:
         ax.tick_params(axis="x", labelsize=7)
     for ax in list(axes.flat)[len(features):]:
         ax.axis("off")
-    return _save(fig, path)
+    return saved_figure(fig, path)
