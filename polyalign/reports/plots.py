@@ -90,7 +90,10 @@ def length_histograms(lengths: Mapping[str, Sequence[int]], bounds: Sequence[int
             ax.xaxis.set_minor_locator(NullLocator())
         for bound in bounds:
             ax.axvline(bound + 0.5, color="#C44E52", linestyle="--", linewidth=0.8)
-        ax.set_xlim(left=1)  # from the first bin, empty or not, as bars drew it; the right as the bounds need
+        # from the first bin to the last bound, empty bins or not, with matplotlib's 5% margin each side (of
+        # the log span): a bar at 1 stands clear of the axis line, as the bars of `ax.hist` did
+        span = max(edges[-1], max(bounds, default=0) + 0.5)
+        ax.set_xlim(span ** -0.05, span ** 1.05)
         zeros = sum(1 for v in lengths[bucket] if v == 0)
         ax.set_title(f"{bucket} (n={len(values)}" + (f"; {zeros} of length 0, drawn at 1" if zeros else "") + ")",
                      fontsize=8)
