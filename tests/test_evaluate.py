@@ -1882,3 +1882,54 @@ def test_a_comparison_opens_with_what_its_intervals_support_and_who_no_model_ans
         "the intervals support)",
         "Every run is behind answers that need no model (copying the question, say) on the aggregate or BNG: not "
         "yet better than they are (Against people and no-model answers)"]
+
+
+def test_an_evaluation_reading_the_kept_human_side_equals_one_measured_afresh(demo_run, tmp_path, monkeypatch):
+    """An evaluation keeps what it measured of people's answers and the no-model answers for the next
+    evaluation of the same records in the process (evaluate/run.py _human_side). In a sequence that changes
+    one thing at a time (the predictions, the seed, the support file rewritten in place, the references,
+    the records), each result equals the same evaluation with nothing kept, and the floors are measured
+    again exactly where an input of theirs changed: nothing is read that was measured under other inputs,
+    and what is read was not changed by the evaluation before."""
+    from polyalign.evaluate import run as evaluation
+
+    run, _, _ = demo_run
+    chosen = {"zh|multi|dialogue|medium", "en|multi|qa|short", "zh|single|qa|short"}
+    records_path, records = _subset(run, tmp_path, lambda r: r.bucket_id in chosen)
+    assert {r.bucket_id for r in records} == chosen and len(records) < 100
+    support = tmp_path / "train.jsonl"
+    train = (run / "data" / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    support.write_text("".join(train[::8]), encoding="utf-8")
+    _write_predictions(tmp_path / "first.jsonl", records, lambda r: first_sentence(r.context or r.question))
+    _write_predictions(tmp_path / "echo.jsonl", records, lambda r: r.question)
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records[:-3]))
+    floors_measured = []
+    measure_floors = evaluation.sp.human_floors
+    monkeypatch.setattr(evaluation.sp, "human_floors", lambda *a: floors_measured.append(1) or measure_floors(*a))
+
+    def options(**changed):
+        return EvaluateOptions(**{"support": support, "references": run / "stats" / "references.json",
+                                  "plots": False, "diversity": False, "allow_partial": True,
+                                  "intervals": IntervalOptions(draws=30, floor_repeats=10), **changed})
+
+    seed_1 = IntervalOptions(draws=30, floor_repeats=10, seed=1)
+    # each step one change from the step before, whose side is the one kept
+    steps = [("first.jsonl", records_path, options()), ("echo.jsonl", records_path, options()),
+             ("rewrite", None, None), ("echo.jsonl", records_path, options()),
+             ("echo.jsonl", records_path, options(references=None)),
+             ("echo.jsonl", records_path, options(references=None, intervals=seed_1)),
+             ("echo.jsonl", fewer, options(references=None, intervals=seed_1))]
+    evaluation._human_sides.clear()
+    measured_by_kept = []
+    for i, (predictions, records_of, settings) in enumerate(steps):
+        if predictions == "rewrite":  # the same path, other answers in it
+            support.write_text("".join(train[1::8]), encoding="utf-8")
+            continue
+        floors_measured.clear()
+        kept = evaluate(records_of, tmp_path / predictions, tmp_path / f"kept{i}", settings)["metrics"]
+        measured_by_kept.append(len(floors_measured))
+        evaluation._human_sides.clear()
+        afresh = evaluate(records_of, tmp_path / predictions, tmp_path / f"afresh{i}", settings)["metrics"]
+        assert kept == afresh, (i, predictions, settings)
+    assert measured_by_kept == [1, 0, 1, 1, 1, 1]

@@ -160,27 +160,52 @@ def _floor_pairs(pool: str, rows_by_bucket: Mapping[str, Sequence[int]], seed: i
     return np.concatenate(side0), np.concatenate(side1)
 
 
-def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: Matrix, options: IntervalOptions,
-            representation: str = CHAR_NGRAMS, floor: bool = True) -> dict[str, Any]:
-    """Detectability of `generated` against `human` (row i of each, in `representation`'s matrix form,
-    answers prompt i) in every bucket, the human floor beside it (unless `floor` is False: the no-model
-    baselines share the model's floor), and macro and row-weighted averages with intervals."""
+def _pool_rows(bucket_rows: Mapping[str, Sequence[int]]) -> tuple[dict[str, tuple[str, list[int]]],
+                                                                    dict[str, np.ndarray]]:
+    """Each bucket's pool (choose_pools), and each pool's rows."""
     pools = choose_pools(list(bucket_rows), bucket_rows, MIN_PROMPTS)
-    model_scores: dict[str, Scored | None] = {}
-    floor_scores: dict[str, list[Scored | None]] = {}
+    return pools, dict(sorted({p: np.asarray(r, dtype=int) for p, r in pools.values()}.items()))
+
+
+# Each pool's people-against-people scores, one entry a halving.
+FloorScores = dict[str, list["Scored | None"]]
+
+
+def floor_scores(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, options: IntervalOptions,
+                 representation: str = CHAR_NGRAMS) -> FloorScores:
+    """The classifiers of the floor: in each pool, FLOOR_HALVINGS halvings of people's answers told from
+    each other. They depend on the prompts and people's answers only, so every set of answers to the same
+    prompts is read against the same ones (`measure`'s `floor`)."""
+    _, pool_rows = _pool_rows(bucket_rows)
     bucket_of = {row: bucket for bucket, rows in bucket_rows.items() for row in rows}
-    for pool, rows in sorted({p: np.asarray(r, dtype=int) for p, r in pools.values()}.items()):
-        model_scores[pool] = _scored(rows, rows, human, generated, representation)
-        if floor:
-            members: dict[str, list[int]] = {}
-            for row in rows:
-                members.setdefault(bucket_of[row], []).append(row)
-            floor_scores[pool] = [_scored(*_floor_pairs(pool, members, options.seed, halving), human, human,
-                                          representation) for halving in range(FLOOR_HALVINGS)]
+    scores = {}
+    for pool, rows in pool_rows.items():
+        members: dict[str, list[int]] = {}
+        for row in rows:
+            members.setdefault(bucket_of[row], []).append(row)
+        scores[pool] = [_scored(*_floor_pairs(pool, members, options.seed, halving), human, human, representation)
+                        for halving in range(FLOOR_HALVINGS)]
+    return scores
+
+
+def measure(bucket_rows: Mapping[str, Sequence[int]], human: Matrix, generated: Matrix, options: IntervalOptions,
+            representation: str = CHAR_NGRAMS, floor: bool | FloorScores = True) -> dict[str, Any]:
+    """Detectability of `generated` against `human` (row i of each, in `representation`'s matrix form,
+    answers prompt i) in every bucket, the human floor beside it, and macro and row-weighted averages with
+    intervals. `floor`: True measures the floor here; `floor_scores` of the same rows and human answers
+    reads that one (measured once for several sets of answers); False, none (the no-model baselines share
+    the model's floor)."""
+    pools, pool_rows = _pool_rows(bucket_rows)
+    model_scores = {pool: _scored(rows, rows, human, generated, representation) for pool, rows in pool_rows.items()}
+    floor_scored: FloorScores = {}
+    if floor is True:
+        floor_scored = floor_scores(bucket_rows, human, options, representation)
+    elif floor:
+        floor_scored = floor
     by_bucket, draws = {}, {}
     for bucket, rows in sorted(bucket_rows.items()):
         pool = pools[bucket][0]
-        report, draws[bucket] = _bucket(bucket, list(rows), pool, model_scores[pool], floor_scores.get(pool, []),
+        report, draws[bucket] = _bucket(bucket, list(rows), pool, model_scores[pool], floor_scored.get(pool, []),
                                         options)
         by_bucket[bucket] = report
     return {"by_bucket": by_bucket, **summarize(by_bucket, draws, options)}

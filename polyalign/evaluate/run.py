@@ -3,6 +3,7 @@ records by id, written to EVAL/metrics.json and EVAL/report.html."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -12,8 +13,8 @@ import random
 import re
 import sys
 import time
-from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,57 @@ class Joined:
         return _rows_by(r.bucket_id for r in self.records)
 
 
+# What an evaluation measures of people's answers and of the no-model answers (the buckets' supports and
+# floors, the baselines' rows, the featurizer's vectors) depends on the evaluated records and the settings,
+# not on the predictions: an evaluation of other predictions of the same records in the same process (the
+# demo's four models, the methods bench) reads it instead of measuring it again, to the same numbers.
+HUMAN_SIDES_KEPT = 2
+_human_sides: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+
+def _human_side(joined: Joined, options: EvaluateOptions) -> dict[str, Any]:
+    """The human side of `joined`'s records under `options`, which its parts fill as they are first measured
+    (`_kept`); the last HUMAN_SIDES_KEPT are kept."""
+    key = _human_side_key(joined, options)
+    side = _human_sides.pop(key, {})
+    _human_sides[key] = side
+    while len(_human_sides) > HUMAN_SIDES_KEPT:
+        _human_sides.popitem(last=False)
+    return side
+
+
+def _human_side_key(joined: Joined, options: EvaluateOptions) -> str:
+    """The records as evaluated (every field), the settings that change what is measured of them, and the
+    state of the files they name: the support, the references, the featurizer's and the scorer's checkpoints."""
+    digest = hashlib.sha256()
+    for record in joined.records:
+        digest.update(json.dumps(record.to_json(), sort_keys=True, ensure_ascii=False).encode("utf-8"))
+    # which records are joined is in the records themselves; plots and diversity measure nothing of this side
+    measured_alike = dataclasses.replace(options, plots=True, diversity=True, allow_partial=False, prompts=None,
+                                         common_with=())
+    digest.update(repr(measured_alike).encode("utf-8"))
+    for path in (options.support, options.references, options.featurizer, options.scorer):
+        digest.update(repr(_file_state(path)).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def _file_state(path: Path | None) -> tuple | None:
+    """A file's, or a checkpoint folder's files', resolved path, size and time of change."""
+    if path is None or is_uri(str(path)) or not Path(path).exists():
+        return None if path is None else (str(path),)
+    path = Path(path).resolve()
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return str(path), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+def _kept(side: dict[str, Any], part: str, measure: Callable[[], Any]) -> Any:
+    """`part` of the human side: measured by `measure` the first time, then read; a copy, so that nothing
+    done with it changes what the next evaluation reads."""
+    if part not in side:
+        side[part] = measure()
+    return copy.deepcopy(side[part])
+
+
 def _rows_by(keys) -> dict[str, list[int]]:
     rows: dict[str, list[int]] = defaultdict(list)
     for i, key in enumerate(keys):
@@ -437,10 +489,12 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     running("diversity")
     div = _diversity_section(joined, options)
     running("BNG and HCR")
-    feature_based = _naturalness(joined, scores, utility, options)
+    side = _human_side(joined, options)
+    feature_based = _naturalness(joined, scores, utility, options, side)
     bng_metrics, hcr_metrics, reference_rows = feature_based.bng, feature_based.hcr, feature_based.reference_rows
     running("MAUVE")
-    featurize = _featurizer(options.featurizer, options.dtype) if options.featurizer is not None else None
+    featurize = None if options.featurizer is None else \
+        _featurizer(options.featurizer, options.dtype, side.setdefault("featurizer's vectors", {}))
     mauve_metrics = _mauve_section(joined, featurize)
     relation = featurizer_relation(options.featurizer, predictions_path) if featurize is not None else None
     if relation == "the model itself":
@@ -450,7 +504,7 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     if relation is not None:
         mauve_metrics["featurizer_relation"] = relation
     running("detectability")
-    detect = _detectability_section(joined, options, featurize)
+    detect = _detectability_section(joined, options, featurize, side)
     for name, row in detect.get("baselines", {}).items():
         reference_rows.setdefault(name, {}).update(row)
     if "human" in reference_rows and detect["status"] == "computed":
@@ -468,10 +522,12 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
                "buckets": feature_based.buckets, "reference_rows": reference_rows, "mauve": mauve_metrics,
                "detectability": detect, "tdm": tdm, "nuf": nuf, "aggregate": aggregate}
     running("no-model answers")  # their TDM, MAUVE, frontier and aggregate, as the model's
-    for name, buckets in feature_based.baseline_buckets.items():
-        reference_rows[name] |= _baseline_composites(joined, baseline_answers(name, joined.records), buckets,
-                                                     reference_rows[name], featurize, options,
-                                                     feature_based.resamples.get(name))
+    composites = _kept(side, "composites of the baselines", lambda: {
+        name: _baseline_composites(joined, baseline_answers(name, joined.records), buckets, reference_rows[name],
+                                   featurize, options, feature_based.resamples.get(name))
+        for name, buckets in feature_based.baseline_buckets.items()})
+    for name, extra in composites.items():
+        reference_rows[name] |= extra
     result = _result(joined, metrics, records_path, predictions_path, options, settings)
     result["config"]["seconds"] = round(time.perf_counter() - started, 2)
     out.mkdir(parents=True, exist_ok=True)
@@ -524,23 +580,24 @@ class FeatureBased:
 
 
 def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[str, Any],
-                 options: EvaluateOptions) -> FeatureBased:
+                 options: EvaluateOptions, side: dict[str, Any]) -> FeatureBased:
     """BNG, HCR and what goes with them (FeatureBased). The default mode also adds F1's intervals to
-    `utility`."""
+    `utility`. `side`: the records' human side (`_human_side`)."""
     lm = _lm_scorer(options.scorer, options.dtype) if options.scorer is not None else None
     records, by_bucket = joined.records, joined.by_bucket
-    human_features = _answer_features(records, None, lm)
+    human_features = _kept(side, "human features", lambda: _answer_features(records, None, lm))
     generated_features = _answer_features(records, joined.predictions, lm)
     references = read_references(options.references) if options.references else None
     if options.compat == "reference":
         return FeatureBased(*_paper_naturalness(by_bucket, human_features, generated_features, references))
     intervals = options.intervals
-    supports = _supports(by_bucket, human_features, options.support, references, intervals,
-                         [r.id for r in records])
+    supports = _kept(side, "supports", lambda: _supports(by_bucket, human_features, options.support, references,
+                                                         intervals, [r.id for r in records]))
     f1 = np.array([s["qa_f1"] for s in scores])
     human_table = None if options.support is None else _feature_matrix(human_features)
+    floors = _kept(side, "floors", lambda: sp.human_floors(by_bucket, supports, intervals, human_table))
     measured = sp.measure(by_bucket, supports, _feature_matrix(generated_features), f1, intervals, human_table,
-                          one_answer=True)
+                          one_answer=True, floors=floors)
     bng, hcr = _naturalness_metrics(measured, intervals)
     bng["one_answer"] = one_answer_of_macro(measured["by_bucket"], joined)
     for report in measured["by_bucket"].values():  # metrics.json names answers by record id
@@ -559,21 +616,34 @@ def _naturalness(joined: Joined, scores: list[dict[str, float]], utility: dict[s
                                    (("bng", bng), ("hcr", hcr)) for end in ("", "_interval")}, "rows": len(records)}}
     baseline_buckets, resamples = {}, {MODEL_ANSWERS: measured["resamples"]}
     if options.baselines:
-        human_tokens = [tokens(h, options.tokenize) for h in joined.human]
-        for name in BASELINES:
-            answers = baseline_answers(name, records)
-            answer_f1 = np.array([token_f1(tokens(a, options.tokenize), g) for a, g in zip(answers, human_tokens)])
-            baseline = sp.measure(by_bucket, supports, _feature_matrix(_answer_features(records, answers, lm)),
-                                  answer_f1, intervals, human_table)
-            summary, resamples[name] = baseline["summary"], baseline["resamples"]
-            baseline_buckets[name] = {b: {"bng": r["bng"], "f1": r["f1"]} for b, r in baseline["by_bucket"].items()}
-            reference_rows[name] = {"bng_macro": summary["bng"]["macro"],
-                                    "bng_macro_interval": summary["bng"].get("macro_interval"),
-                                    "hcr_macro": summary["hcr"]["macro"],
-                                    "hcr_macro_interval": summary["hcr"].get("macro_interval"),
-                                    "f1": summary["f1"]["weighted"],
-                                    "f1_interval": summary["f1"]["weighted_interval"], "rows": len(records)}
+        baselines = _kept(side, "baselines", lambda: _baseline_measures(joined, supports, floors, human_table, lm,
+                                                                        options))
+        for name, (row, buckets, draws) in baselines.items():
+            reference_rows[name], baseline_buckets[name], resamples[name] = row, buckets, draws
     return FeatureBased(bng, hcr, measured["by_bucket"], reference_rows, baseline_buckets, resamples)
+
+
+def _baseline_measures(joined: Joined, supports: dict[str, sp.Support], floors: dict[str, sp.Floor],
+                       human_table: np.ndarray | None, lm, options: EvaluateOptions
+                       ) -> dict[str, tuple[dict[str, Any], dict[str, dict], sp.Resamples]]:
+    """Each no-model baseline's reference row (BNG, HCR and F1 macros with intervals), its BNG and F1 by
+    bucket (its frontier's points) and its bootstrap draws, measured as the model's answers are."""
+    records, intervals = joined.records, options.intervals
+    human_tokens = [tokens(h, options.tokenize) for h in joined.human]
+    measured = {}
+    for name in BASELINES:
+        answers = baseline_answers(name, records)
+        answer_f1 = np.array([token_f1(tokens(a, options.tokenize), g) for a, g in zip(answers, human_tokens)])
+        baseline = sp.measure(joined.by_bucket, supports, _feature_matrix(_answer_features(records, answers, lm)),
+                              answer_f1, intervals, human_table, floors=floors)
+        summary = baseline["summary"]
+        row = {"bng_macro": summary["bng"]["macro"], "bng_macro_interval": summary["bng"].get("macro_interval"),
+               "hcr_macro": summary["hcr"]["macro"], "hcr_macro_interval": summary["hcr"].get("macro_interval"),
+               "f1": summary["f1"]["weighted"], "f1_interval": summary["f1"]["weighted_interval"],
+               "rows": len(records)}
+        buckets = {b: {"bng": r["bng"], "f1": r["f1"]} for b, r in baseline["by_bucket"].items()}
+        measured[name] = (row, buckets, baseline["resamples"])
+    return measured
 
 
 def _turn_dynamics(joined: Joined, answers: list[str], options: EvaluateOptions,
@@ -703,35 +773,46 @@ def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:
     return section
 
 
-def _detectability_section(joined: Joined, options: EvaluateOptions, featurize) -> dict[str, Any]:
+def _detectability_section(joined: Joined, options: EvaluateOptions, featurize, side: dict[str, Any]) -> dict[str, Any]:
     """Per bucket, how well a classifier tells the model's answers from people's answers to the same
     prompts (ROC AUC, 0.5: not at all), on character n-grams, beside the human floor; the no-model
-    baselines measured the same way; with a featurizer, the same on its hidden states."""
+    baselines measured the same way; with a featurizer, the same on its hidden states. `side`: the
+    records' human side (`_human_side`), which holds the floors and the baselines."""
     if not options.detectability:
         return {"status": "skipped", "reason": "--no-detectability"}
     if options.compat == "reference":
         return {"status": "skipped", "reason": "--compat reference computes the authors' metrics only"}
-    human = dt.char_ngram_counts(joined.human)
+    human = _kept(side, "character n-grams", lambda: dt.char_ngram_counts(joined.human))
 
     def measured(representation, human_matrix, answers_matrix, floor=True):
         return dt.measure(joined.by_bucket, human_matrix, answers_matrix, options.intervals, representation, floor)
 
-    section = _detectability_summary(measured(dt.CHAR_NGRAMS, human, dt.char_ngram_counts(joined.predictions)))
+    def floor_of(representation, human_matrix):
+        return _kept(side, f"detectability floor, {representation}",
+                     lambda: dt.floor_scores(joined.by_bucket, human_matrix, options.intervals, representation))
+
+    section = _detectability_summary(measured(dt.CHAR_NGRAMS, human, dt.char_ngram_counts(joined.predictions),
+                                              floor_of(dt.CHAR_NGRAMS, human)))
     section |= {"status": "computed", "representation": dt.CHAR_NGRAMS, "classifier": "logistic regression",
                 "folds": dt.FOLDS, "grouped_by": "prompt", "min_prompts": dt.MIN_PROMPTS}
     if options.baselines:
-        section["baselines"] = {}
-        for name in BASELINES:
-            summary = measured(dt.CHAR_NGRAMS, human, dt.char_ngram_counts(baseline_answers(name, joined.records)),
-                               floor=False)
-            section["baselines"][name] = {"detectability_macro": summary["macro"],
-                                          "detectability_macro_interval": summary.get("macro_interval")}
+        def baselines():
+            found = {}
+            for name in BASELINES:
+                summary = measured(dt.CHAR_NGRAMS, human,
+                                   dt.char_ngram_counts(baseline_answers(name, joined.records)), floor=False)
+                found[name] = {"detectability_macro": summary["macro"],
+                               "detectability_macro_interval": summary.get("macro_interval")}
+            return found
+
+        section["baselines"] = _kept(side, "detectability of the baselines", baselines)
     if featurize is not None:
         def vectors(texts):
             return np.asarray(featurize(list(texts)), float)
 
+        people = vectors(joined.human)
         section[dt.HIDDEN_STATES] = _detectability_summary(
-            measured(dt.HIDDEN_STATES, vectors(joined.human), vectors(joined.predictions)))
+            measured(dt.HIDDEN_STATES, people, vectors(joined.predictions), floor_of(dt.HIDDEN_STATES, people)))
     return section
 
 
@@ -1120,18 +1201,21 @@ def _finite(value):
     return value
 
 
-def _featurizer(checkpoint: Path, dtype: str):
+def _featurizer(checkpoint: Path, dtype: str, seen: dict[str, np.ndarray]):
     """Texts -> mean-pooled hidden states of the checkpoint; each distinct text is encoded once, since
-    MAUVE (overall and per bucket) and detectability read the same answers again."""
-    tokenizer = checkpoint_tokenizer(checkpoint)
-    model = load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype))
-    seen: dict[str, np.ndarray] = {}
+    MAUVE (overall and per bucket) and detectability read the same answers again: `seen` holds the
+    vectors of the texts encoded so far (the human side's: people's answers are encoded once for every
+    evaluation of their records). The checkpoint loads at the first text to encode."""
+
+    @functools.cache
+    def loaded():
+        return load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype)), checkpoint_tokenizer(checkpoint)
 
     def featurize(texts):
         texts = list(texts)
         new = list(dict.fromkeys(t for t in texts if t not in seen))
         if new:
-            seen.update(zip(new, encode_responses(model, tokenizer, new, 512, 16, progress=False)))
+            seen.update(zip(new, encode_responses(*loaded(), new, 512, 16, progress=False)))
         return np.stack([seen[t] for t in texts])
 
     return featurize

@@ -17,6 +17,7 @@ import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.stats import rankdata
@@ -290,27 +291,48 @@ def _measure_sample(support: Support, generated: np.ndarray, f1: np.ndarray, opt
     return report, {"bng": bng[1:], "hcr": hcr[1:], "f1": f1_draws[1:], "counts": counts}
 
 
+# One bucket's human floor: its BNG, HCR and their intervals, and its draws (None: one outcome only).
+Floor = tuple[dict[str, Any], dict[str, np.ndarray] | None]
+
+
+def bucket_floor(bucket: str, support: Support, rows: int, options: IntervalOptions,
+                 human: np.ndarray | None = None) -> Floor:
+    """The human floor of a bucket of `rows` answers. With `human` (features x rows), the human answers to
+    the same prompts, when the support is a separate set of human answers (the train split), the floor is
+    those answers measured exactly as the model's; without, the support is these human answers themselves
+    and the floor comes from held-out halves of them (`human_floor`). It draws from a stream of its own,
+    so it is the same beside any answers to these prompts."""
+    if human is not None:
+        floor, floor_draws = _measure_sample(support, human, np.zeros(human.shape[1]), options,
+                                             _bucket_rng(options.seed + 1, bucket))
+        return {k: floor[k] for k in ("bng", "bng_interval", "hcr", "hcr_interval")}, floor_draws
+    floor = human_floor(support, rows, options, _bucket_rng(options.seed + 1, bucket))
+    return floor, floor.pop("draws", None)
+
+
+def human_floors(bucket_rows: Mapping[str, Sequence[int]], supports: Mapping[str, Support], options: IntervalOptions,
+                 human: np.ndarray | None = None) -> dict[str, Floor]:
+    """Every measured bucket's floor (`bucket_floor`; none where every feature of the pool is constant):
+    what `measure` reads beside each set of answers to these prompts, the model's and the no-model ones."""
+    return {bucket: bucket_floor(bucket, supports[bucket], len(rows), options,
+                                 None if human is None else human[:, list(rows)])
+            for bucket, rows in sorted(bucket_rows.items()) if supports[bucket].features}
+
+
 def measure_bucket(bucket: str, support: Support, generated: np.ndarray, f1: np.ndarray, options: IntervalOptions,
-                   human: np.ndarray | None = None, one_answer: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+                   human: np.ndarray | None = None, one_answer: bool = False,
+                   floor: Floor | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """One bucket's BNG, calibrated HCR and F1 with bootstrap intervals, beside the human floor, and the
     bootstrap draws (macro averages combine them draw by draw). `generated` holds all features (rows)
-    of the bucket's responses (columns). With `human`, the human answers to the same prompts, when
-    the support is a separate set of human answers (the train split), the floor is those answers
-    measured exactly as the model's; without, the support is these human answers themselves and the
-    floor comes from held-out halves of them (`human_floor`)."""
+    of the bucket's responses (columns); `human`: as `bucket_floor` takes it. `floor`: the bucket's floor
+    already measured (`human_floors`), else measured here."""
     rng = _bucket_rng(options.seed, bucket)
     report, draws = _measure_sample(support, generated, f1, options, rng, one_answer)
     report = {"rows": generated.shape[1], "pool": support.pool, "pool_rows": int(support.values.shape[1]),
               "backed_off": support.pool != bucket, "bands": support.bands, "features": len(support.features)} | report
     if report["bng"] is None:
         return report, draws
-    if human is not None:
-        floor, floor_draws = _measure_sample(support, human, np.zeros(human.shape[1]), options,
-                                             _bucket_rng(options.seed + 1, bucket))
-        floor = {k: floor[k] for k in ("bng", "bng_interval", "hcr", "hcr_interval")}
-    else:
-        floor = human_floor(support, generated.shape[1], options, _bucket_rng(options.seed + 1, bucket))
-        floor_draws = floor.pop("draws", None)
+    floor, floor_draws = floor or bucket_floor(bucket, support, generated.shape[1], options, human)
     if floor_draws is not None:  # the floor's bootstrap draws (or held-out repeats), for the macro's interval
         draws = {**draws, "bng_floor": floor_draws["bng"], "hcr_floor": floor_draws["hcr"]}
     report |= {"bng_floor": floor["bng"], "bng_floor_interval": floor["bng_interval"],
@@ -388,17 +410,19 @@ def _floor_draws(per_bucket: Sequence[np.ndarray | None]) -> np.ndarray | None:
 
 def measure(bucket_rows: Mapping[str, Sequence[int]], supports: Mapping[str, Support], generated: np.ndarray,
             f1: np.ndarray, options: IntervalOptions, human: np.ndarray | None = None,
-            one_answer: bool = False) -> dict:
+            one_answer: bool = False, floors: Mapping[str, Floor] | None = None) -> dict:
     """Every bucket of one set of responses (`generated`: features x rows, `f1`: per row) and the
     averages over buckets; `human` (features x rows) when the supports are a separate human set. With
-    `one_answer`, each bucket's `bng_without_one` names its row (an index of `generated`'s columns)."""
+    `one_answer`, each bucket's `bng_without_one` names its row (an index of `generated`'s columns).
+    `floors`: `human_floors` of the same rows, supports and human answers, measured once for several sets
+    of answers; else each bucket's is measured here."""
     by_bucket, draws = {}, {}
     weights = np.zeros((options.draws, generated.shape[1]))
     for bucket, rows in sorted(bucket_rows.items()):
         rows = list(rows)
         by_bucket[bucket], draws[bucket] = measure_bucket(bucket, supports[bucket], generated[:, rows], f1[rows],
                                                           options, None if human is None else human[:, rows],
-                                                          one_answer)
+                                                          one_answer, (floors or {}).get(bucket))
         if (found := by_bucket[bucket].pop("bng_without_one", None)) is not None:
             by_bucket[bucket]["bng_without_one"] = {"row": rows[found["column"]], "bng": found["bng"]}
         weights[:, rows] = draws[bucket]["counts"]
