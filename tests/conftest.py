@@ -91,6 +91,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_human_side():
+    """Each test starts with no evaluation's human side kept (evaluate/run.py _human_side): a side kept by an
+    earlier test on the same worker would make a test's numbers depend on the order tests run in, were
+    either to change something the side's key does not hold (a module constant)."""
+    yield
+    if (evaluation := sys.modules.get("polyalign.evaluate.run")) is not None:
+        evaluation._human_sides.clear()
+
+
 def write_config(path: Path, sources: list[dict], **options) -> Path:
     """A data config next to its inputs, using the project's bucket scheme."""
     import yaml

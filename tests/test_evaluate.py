@@ -543,6 +543,19 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     from polyalign.evaluate.run import FEATURIZER_IS_MODEL
 
     assert mauve["featurizer_note"] == FEATURIZER_IS_MODEL and "featurizer_note" not in plain["metrics"]["mauve"]
+    # Another file of answers to the same records reads the featurizer's vectors of people's and the no-model
+    # answers that the evaluation before kept (its own answers are the echo baseline's: read from it, too),
+    # and equals the same evaluation with nothing kept
+    from polyalign.evaluate import run as evaluation
+
+    _write_predictions(tmp_path / "q.jsonl", records, lambda r: first_sentence(r.context or r.question) + " ok")
+    with_featurizer = EvaluateOptions(featurizer=tmp_path / "ckpt", plots=False)
+    evaluate(subset, tmp_path / "p.jsonl", tmp_path / "p_kept", with_featurizer)
+    kept = evaluate(subset, tmp_path / "q.jsonl", tmp_path / "q_kept", with_featurizer)["metrics"]
+    evaluation._human_sides.clear()
+    afresh = evaluate(subset, tmp_path / "q.jsonl", tmp_path / "q_afresh", with_featurizer)["metrics"]
+    assert kept["mauve"]["global"] is not None and kept["detectability"]["hidden_states"]["overall_macro"] is not None
+    assert kept == afresh
     assert full["config"]["trained"] == {"checkpoint": str(tmp_path / "ckpt")}  # no training run around it
     assert full["metrics"]["bng"]["overall_macro"] != plain["metrics"]["bng"]["overall_macro"]  # 43 more features
     assert full["metrics"]["aggregate"]["overall"] is not None
@@ -1887,10 +1900,10 @@ def test_a_comparison_opens_with_what_its_intervals_support_and_who_no_model_ans
 def test_an_evaluation_reading_the_kept_human_side_equals_one_measured_afresh(demo_run, tmp_path, monkeypatch):
     """An evaluation keeps what it measured of people's answers and the no-model answers for the next
     evaluation of the same records in the process (evaluate/run.py _human_side). In a sequence that changes
-    one thing at a time (the predictions, the seed, the support file rewritten in place, the references,
-    the records), each result equals the same evaluation with nothing kept, and the floors are measured
-    again exactly where an input of theirs changed: nothing is read that was measured under other inputs,
-    and what is read was not changed by the evaluation before."""
+    one thing at a time (the predictions, the support file rewritten in place, the references rewritten in
+    place, then none, the seed, the records), each result equals the same evaluation with nothing kept, and
+    the floors are measured again exactly where an input of theirs changed: nothing is read that was
+    measured under other inputs, and what is read was not changed by the evaluation before."""
     from polyalign.evaluate import run as evaluation
 
     run, _, _ = demo_run
@@ -1908,8 +1921,11 @@ def test_an_evaluation_reading_the_kept_human_side_equals_one_measured_afresh(de
     measure_floors = evaluation.sp.human_floors
     monkeypatch.setattr(evaluation.sp, "human_floors", lambda *a: floors_measured.append(1) or measure_floors(*a))
 
+    references = tmp_path / "references.json"
+    references.write_bytes((run / "stats" / "references.json").read_bytes())
+
     def options(**changed):
-        return EvaluateOptions(**{"support": support, "references": run / "stats" / "references.json",
+        return EvaluateOptions(**{"support": support, "references": references,
                                   "plots": False, "diversity": False, "allow_partial": True,
                                   "intervals": IntervalOptions(draws=30, floor_repeats=10), **changed})
 
@@ -1917,6 +1933,7 @@ def test_an_evaluation_reading_the_kept_human_side_equals_one_measured_afresh(de
     # each step one change from the step before, whose side is the one kept
     steps = [("first.jsonl", records_path, options()), ("echo.jsonl", records_path, options()),
              ("rewrite", None, None), ("echo.jsonl", records_path, options()),
+             ("rewrite references", None, None), ("echo.jsonl", records_path, options()),
              ("echo.jsonl", records_path, options(references=None)),
              ("echo.jsonl", records_path, options(references=None, intervals=seed_1)),
              ("echo.jsonl", fewer, options(references=None, intervals=seed_1))]
@@ -1926,10 +1943,13 @@ def test_an_evaluation_reading_the_kept_human_side_equals_one_measured_afresh(de
         if predictions == "rewrite":  # the same path, other answers in it
             support.write_text("".join(train[1::8]), encoding="utf-8")
             continue
+        if predictions == "rewrite references":  # the same path and bands, written again
+            references.write_bytes(references.read_bytes())
+            continue
         floors_measured.clear()
         kept = evaluate(records_of, tmp_path / predictions, tmp_path / f"kept{i}", settings)["metrics"]
         measured_by_kept.append(len(floors_measured))
         evaluation._human_sides.clear()
         afresh = evaluate(records_of, tmp_path / predictions, tmp_path / f"afresh{i}", settings)["metrics"]
         assert kept == afresh, (i, predictions, settings)
-    assert measured_by_kept == [1, 0, 1, 1, 1, 1]
+    assert measured_by_kept == [1, 0, 1, 1, 1, 1, 1]

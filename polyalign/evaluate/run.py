@@ -12,6 +12,7 @@ import math
 import random
 import re
 import sys
+import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
@@ -57,11 +58,12 @@ from polyalign.generate.settings import asked_for
 from polyalign.model import load_hf_checkpoint
 from polyalign.model.architecture import compute_dtype
 from polyalign.model.hf import checkpoint_tokenizer
-from polyalign.model.pooling import encode_responses
+from polyalign.model.pooling import encode_responses, padded_length
 from polyalign.tokens.tokenizer import exported_setting
 
 COMPAT_MODES = ("cjk", "reference")
 MAUVE_MAX_TEXTS = 1000
+FEATURIZER_TOKENS = 512  # of each text the featurizer reads
 SUPPORT_ROWS_PER_BUCKET = 1000  # a bucket's support beyond this is a seeded sample: W1 is settled by then
 
 
@@ -204,7 +206,9 @@ def evaluate(records_path: Path, predictions_path: Path, out: Path, options: Eva
     against their parent group's human answers), with its human floor and bootstrap intervals, and the
     no-model baselines are measured the same way; `compat="reference"` reproduces the authors' code.
     EVAL/metrics.json records the settings and the inputs' digests; an evaluation made with other
-    settings is not replaced unless `overwrite`. `progress`: a bar over its parts, naming the one running."""
+    settings is not replaced unless `overwrite`. `progress`: a bar over its parts, naming the one running.
+    What it measures of people's and the no-model answers is kept for the next evaluation of the same
+    records in the process (`_human_side`)."""
     if options.compat not in COMPAT_MODES:
         raise EvaluationError(f"compat must be one of {', '.join(COMPAT_MODES)}")
     if options.featurizer is not None:
@@ -251,27 +255,36 @@ class Joined:
 
 
 # What an evaluation measures of people's answers and of the no-model answers (the buckets' supports and
-# floors, the baselines' rows, the featurizer's vectors) depends on the evaluated records and the settings,
-# not on the predictions: an evaluation of other predictions of the same records in the same process (the
-# demo's four models, the methods bench) reads it instead of measuring it again, to the same numbers.
+# floors, the baselines' rows, their texts' featurizer vectors) depends on the evaluated records and the
+# settings, not on the predictions: an evaluation of other predictions of the same records in the same
+# process (the demo's four models, the methods bench) reads it instead of measuring it again, to the same
+# numbers. The last HUMAN_SIDES_KEPT are kept; inputs named by URI are not kept (their state is not read).
 HUMAN_SIDES_KEPT = 2
 _human_sides: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_human_sides_lock = threading.Lock()
 
 
 def _human_side(joined: Joined, options: EvaluateOptions) -> dict[str, Any]:
     """The human side of `joined`'s records under `options`, which its parts fill as they are first measured
-    (`_kept`); the last HUMAN_SIDES_KEPT are kept."""
+    (`_kept`)."""
     key = _human_side_key(joined, options)
-    side = _human_sides.pop(key, {})
-    _human_sides[key] = side
-    while len(_human_sides) > HUMAN_SIDES_KEPT:
-        _human_sides.popitem(last=False)
+    if key is None:
+        return {}
+    with _human_sides_lock:
+        side = _human_sides.pop(key, {})
+        _human_sides[key] = side
+        while len(_human_sides) > HUMAN_SIDES_KEPT:
+            _human_sides.popitem(last=False)
     return side
 
 
-def _human_side_key(joined: Joined, options: EvaluateOptions) -> str:
-    """The records as evaluated (every field), the settings that change what is measured of them, and the
-    state of the files they name: the support, the references, the featurizer's and the scorer's checkpoints."""
+def _human_side_key(joined: Joined, options: EvaluateOptions) -> str | None:
+    """The records as evaluated (every field, in order), the settings that change what is measured of them,
+    and the state of the files they name: the support, the references, the featurizer's and the scorer's
+    checkpoints. None where one of those is a URI."""
+    paths = (options.support, options.references, options.featurizer, options.scorer)
+    if any(path is not None and is_uri(str(path)) for path in paths):
+        return None
     digest = hashlib.sha256()
     for record in joined.records:
         digest.update(json.dumps(record.to_json(), sort_keys=True, ensure_ascii=False).encode("utf-8"))
@@ -279,18 +292,21 @@ def _human_side_key(joined: Joined, options: EvaluateOptions) -> str:
     measured_alike = dataclasses.replace(options, plots=True, diversity=True, allow_partial=False, prompts=None,
                                          common_with=())
     digest.update(repr(measured_alike).encode("utf-8"))
-    for path in (options.support, options.references, options.featurizer, options.scorer):
+    for path in paths:
         digest.update(repr(_file_state(path)).encode("utf-8"))
     return digest.hexdigest()
 
 
 def _file_state(path: Path | None) -> tuple | None:
-    """A file's, or a checkpoint folder's files', resolved path, size and time of change."""
-    if path is None or is_uri(str(path)) or not Path(path).exists():
+    """A file's, or a checkpoint folder's files' (its top level: a Hugging Face checkpoint's layout), resolved
+    path, inode, size, and times of modification and of change (a copy that kept the size and the
+    modification time has another inode or time of change)."""
+    if path is None or not Path(path).exists():
         return None if path is None else (str(path),)
     path = Path(path).resolve()
     files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return str(path), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+    return str(path), tuple((f.name, f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ctime_ns)
+                            for f in files if f.is_file())
 
 
 def _kept(side: dict[str, Any], part: str, measure: Callable[[], Any]) -> Any:
@@ -494,7 +510,8 @@ def _measure(joined: Joined, out: Path, options: EvaluateOptions, settings: dict
     bng_metrics, hcr_metrics, reference_rows = feature_based.bng, feature_based.hcr, feature_based.reference_rows
     running("MAUVE")
     featurize = None if options.featurizer is None else \
-        _featurizer(options.featurizer, options.dtype, side.setdefault("featurizer's vectors", {}))
+        _featurizer(options.featurizer, options.dtype, side.setdefault("featurizer's vectors", {}),
+                    lasting=_side_texts(joined, options))
     mauve_metrics = _mauve_section(joined, featurize)
     relation = featurizer_relation(options.featurizer, predictions_path) if featurize is not None else None
     if relation == "the model itself":
@@ -784,7 +801,7 @@ def _detectability_section(joined: Joined, options: EvaluateOptions, featurize, 
         return {"status": "skipped", "reason": "--compat reference computes the authors' metrics only"}
     human = _kept(side, "character n-grams", lambda: dt.char_ngram_counts(joined.human))
 
-    def measured(representation, human_matrix, answers_matrix, floor=True):
+    def measured(representation, human_matrix, answers_matrix, floor):
         return dt.measure(joined.by_bucket, human_matrix, answers_matrix, options.intervals, representation, floor)
 
     def floor_of(representation, human_matrix):
@@ -1201,24 +1218,45 @@ def _finite(value):
     return value
 
 
-def _featurizer(checkpoint: Path, dtype: str, seen: dict[str, np.ndarray]):
-    """Texts -> mean-pooled hidden states of the checkpoint; each distinct text is encoded once, since
-    MAUVE (overall and per bucket) and detectability read the same answers again: `seen` holds the
-    vectors of the texts encoded so far (the human side's: people's answers are encoded once for every
-    evaluation of their records). The checkpoint loads at the first text to encode."""
+def _featurizer(checkpoint: Path, dtype: str, kept: dict[str, np.ndarray], lasting: set[str]):
+    """Texts -> mean-pooled hidden states of the checkpoint. Each distinct text is encoded once, since MAUVE
+    (overall and per bucket) and detectability read the same answers again; the vectors of the `lasting`
+    texts (people's answers and the no-model answers: `_side_texts`) go to `kept`, the human side's, and are
+    read by every later evaluation of the same records, the others are this evaluation's. Each text is
+    encoded beside texts of its own padded length, so that its vector is the same whichever texts were
+    encoded with it, in this evaluation or an earlier one. The checkpoint loads at the first text to encode."""
+    own: dict[str, np.ndarray] = {}
 
     @functools.cache
     def loaded():
-        return load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype)), checkpoint_tokenizer(checkpoint)
+        tokenizer = checkpoint_tokenizer(checkpoint)  # a tokenizer that does not fit says so before the weights load
+        return load_hf_checkpoint(checkpoint, dtype=compute_dtype(dtype)), tokenizer
 
     def featurize(texts):
         texts = list(texts)
-        new = list(dict.fromkeys(t for t in texts if t not in seen))
+        new = list(dict.fromkeys(t for t in texts if t not in kept and t not in own))
         if new:
-            seen.update(zip(new, encode_responses(*loaded(), new, 512, 16, progress=False)))
-        return np.stack([seen[t] for t in texts])
+            model, tokenizer = loaded()
+            by_length = defaultdict(list)
+            for text in new:
+                tokens_read = min(len(tokenizer.encode(text)), FEATURIZER_TOKENS)
+                by_length[padded_length(tokens_read, FEATURIZER_TOKENS)].append(text)
+            for group in by_length.values():
+                vectors = encode_responses(model, tokenizer, group, FEATURIZER_TOKENS, 16, progress=False)
+                for text, vector in zip(group, vectors):
+                    (kept if text in lasting else own)[text] = vector
+        return np.stack([kept[t] if t in kept else own[t] for t in texts])
 
     return featurize
+
+
+def _side_texts(joined: Joined, options: EvaluateOptions) -> set[str]:
+    """The texts of the human side: people's answers, and the no-model answers where they are measured."""
+    texts = set(joined.human)
+    if options.baselines:
+        for name in BASELINES:
+            texts.update(baseline_answers(name, joined.records))
+    return texts
 
 
 def _lm_scorer(scorer: Path, dtype: str):
