@@ -538,7 +538,7 @@ def test_featurizer_and_scorer_add_mauve_and_lm_features(demo_run, demo_tokenize
     assert set(mauve["by_bucket"]) == {"en|multi|dialogue|short"}
     # 40 answers are too few for faiss's k-means: its warnings become one note, not lines on the terminal
     assert "WARNING clustering" not in capfd.readouterr().err
-    assert mauve["note"].startswith("faiss warned ") and "noisy" in mauve["note"]
+    assert re.match(r"faiss warned (1 time|([2-9]|\d\d+) times) that", mauve["note"]) and "noisy" in mauve["note"]
     # the featurizer is the model that answered: said, since its hidden states favour its own answers
     from polyalign.evaluate.run import FEATURIZER_IS_MODEL
 

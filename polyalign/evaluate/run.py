@@ -784,9 +784,9 @@ def _mauve_section(joined: Joined, featurize) -> dict[str, Any]:
     section = {"status": "computed", "global": overall,
                "by_bucket": {b: v for b, v in by_bucket.items() if math.isfinite(v)}}
     if few_points:
-        section["note"] = (f"faiss warned {few_points} times that MAUVE's k-means had fewer than the 39 points per "
-                           "cluster it asks for (MAUVE makes one cluster per 10 answers): on so few answers MAUVE is "
-                           "noisy")
+        section["note"] = (f"faiss warned {counted(few_points, 'time')} that MAUVE's k-means had fewer than the 39 "
+                           "points per cluster it asks for (MAUVE makes one cluster per 10 answers): on so few answers "
+                           "MAUVE is noisy")
     return section
 
 
