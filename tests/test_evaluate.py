@@ -829,6 +829,14 @@ def test_small_buckets_get_no_interval_or_gap_and_every_na_says_why(demo_run, tm
         assert f"<td>{buckets[bucket]['bng']:.4f} *</td>" in row and "<td>*</td>" in row, row
     # no multi-turn rows: TDM is n/a and says why; MAUVE says why it was skipped
     assert result["not_available"]["tdm"] == "no multi-turn test rows"
+    # a comparison's overall table says so in each run's cell, as one evaluation's report does (it showed a
+    # bare dash)
+    from polyalign.reports.evaluation import compare
+
+    shutil.copytree(tmp_path / "eval", tmp_path / "again")
+    compare([tmp_path / "eval", tmp_path / "again"], tmp_path / "cmp", names=["first", "again"])
+    tdm = next(line for line in (tmp_path / "cmp" / "report.md").read_text().splitlines() if line.startswith("| TDM"))
+    assert tdm.endswith(" | n/a (no multi-turn test rows) | n/a (no multi-turn test rows) | — |"), tdm
     assert main(["evaluate", "--records", str(records_path), "--predictions", str(tmp_path / "p.jsonl"), "--out",
                  str(tmp_path / "ref"), "--compat", "reference"]) == 0
     out = capsys.readouterr().out

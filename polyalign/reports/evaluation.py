@@ -1015,12 +1015,14 @@ def _compare(evals: Sequence[Path], out: Path, names: Sequence[str] | None,
     for name, directory in zip(names, evals):
         runs[name] = read_evaluation(Path(directory) / "metrics.json")
     header = ["metric (value [interval])", *runs, HUMAN_COLUMN]
-    rows = [(row.name, *(_with_interval(r["metrics"], row.path, row.interval) or "—" for r in runs.values()),
+    # a number no run has says why in each cell, as one evaluation's report does ("n/a (no bucket holds 20
+    # multi-turn rows)"), not a bare dash
+    rows = [(row.name, *(_overall_value(r, row) for r in runs.values()),
              _human_cell(list(runs.values()), row, list(runs))) for row in _shown_rows(list(runs.values()))
             if row.name != "Aggregate"]
     axes = _nuf_axes(runs)
     if axes is not None:  # each hypervolume says its naturalness axis
-        rows = [(name, *(f"{cell} (naturalness: {axis})" if cell != "—" else cell
+        rows = [(name, *(f"{cell} (naturalness: {axis})" if cell != "—" and not cell.startswith("n/a") else cell
                          for cell, axis in zip(cells, axes)), human) if name == NUF_ROW else
                 (name, *cells, human) for name, *cells, human in rows]
     rows.append((*_aggregate_row(runs), "—"))
