@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 from polyalign.beam import require_beam
-from polyalign.core.errors import ConfigError, GenerationError, Interrupted, PolyalignError, PrepareError
+from polyalign.core.errors import ConfigError, GenerationError, Interrupted, LaunchError, PolyalignError, PrepareError
 from polyalign.core.interrupts import INTERRUPTED, TERMINATED, Terminated, interrupts_remembered
 from polyalign.core.outputs import read_record, sidecar
 from polyalign.core.ranges import COUNT, NON_NEGATIVE, SEED, Range
@@ -991,7 +991,6 @@ def _dtype_option(parser, what: str) -> None:
 
 
 def _run_generate(args) -> int:
-    refuse_several_processes("polyalign generate")
     from polyalign.generate.run import (  # heavy: jax, kept out of --help
         GenerateOptions,
         SamplingConfig,
@@ -1105,7 +1104,6 @@ def _add_serve(sub) -> None:
 
 
 def _run_serve(args) -> int:
-    refuse_several_processes("polyalign serve")
     from polyalign.generate.serve import ServeOptions, serve  # heavy: jax, kept out of --help
 
     serve(args.checkpoint, ServeOptions(host=args.host, port=args.port, slots=args.slots,
@@ -1447,7 +1445,9 @@ Several nodes under SLURM (one task per GPU; the first node of the job is the co
   srun --ntasks-per-node=8 polyalign launch --slurm -- polyalign train sft ...
 CPU processes (tests, laptops): --cpu-devices K gives each process K CPU devices.
 Each process gets POLYALIGN_COORDINATOR, POLYALIGN_NUM_PROCESSES and POLYALIGN_PROCESS_ID. SIGTERM and
-Ctrl-C are forwarded; when one process fails the others are stopped. See docs/gpu.md.
+Ctrl-C are forwarded; when one process fails the others are stopped. Only `train` runs as several
+processes; every other command runs once, on every device of its host (started as one of several, it
+stops with one line saying so). See docs/gpu.md.
 """
 
 
@@ -1687,6 +1687,13 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+# The commands that run as one of several processes, each a part of one job (training joins them through
+# jax.distributed; launch starts them; plan only prints). Every other command runs once: started as one of
+# several (`launch --nproc N`, tpu_scripts/launch.sh --workers N) each would write the same outputs, so it
+# stops in one line before it reads anything.
+SEVERAL_PROCESSES = ("train", "launch", "plan")
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers, imported by MAUVE and the build's tokenizer check where it is installed, advises on
     # stderr that PyTorch is missing: polyalign never asks it for a model, so the advice is noise.
@@ -1701,6 +1708,12 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
         else:
             command.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if args.command_path.split()[0] not in SEVERAL_PROCESSES:
+            refuse_several_processes(f"polyalign {args.command_path}")
+    except LaunchError as err:
+        _say(f"polyalign {args.command_path}: error: {err}")
+        return 2
     problem = _out_of_range(args, command)
     if problem:
         _say(f"polyalign {args.command_path}: error: {problem}")

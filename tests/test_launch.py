@@ -234,22 +234,53 @@ def test_a_process_killed_under_the_launcher_is_named_and_the_others_are_stopped
     assert "polyalign launch: process 1 was killed by SIGKILL; stopping the other 2" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["generate", "--checkpoint", "M", "--records", "R.jsonl", "--out", "P.jsonl"],
-                                     ["serve", "--checkpoint", "M"]])
-def test_single_process_commands_refuse_to_run_as_one_of_several(command, tmp_path, monkeypatch, capsys):
-    """Launched on several processes, each would write the same predictions (or bind the same port): one
-    line says to run it once, before anything is read."""
-    from polyalign.cli import main
+def _required_arguments(parser) -> list[str]:
+    """The least a command's parser takes: each required option and positional with a made-up value."""
+    import argparse
+
+    argv = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) or not (action.required or not action.option_strings):
+            continue
+        if action.nargs in ("*", "?", argparse.REMAINDER):
+            continue
+        value = str(next(iter(action.choices))) if action.choices else "1"  # a count, a path, a name
+        argv += [*action.option_strings[:1], value]
+    return argv
+
+
+def _commands():
+    from polyalign.cli import build_parser, subcommands
+
+    return [(path, sub) for path, sub in subcommands(build_parser())
+            if not any(isinstance(a, __import__("argparse")._SubParsersAction) for a in sub._actions)]
+
+
+def test_every_command_but_training_refuses_to_run_as_one_of_several(tmp_path, monkeypatch, capsys):
+    """Launched on several processes, each would write the same outputs (or bind the same port): every
+    command that does not join the others (all but training, the launcher and plan's printing) says in
+    one line to run it once, before anything is read or written. It was two commands by name: `pairs
+    accuracy` under `launch --nproc 2` ran twice and failed on its own output lock."""
+    from polyalign.cli import SEVERAL_PROCESSES, main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "2")
-    assert main(command) == 2
-    err = capsys.readouterr().err
-    assert f"polyalign {command[0]} runs in one process" in err and "POLYALIGN_NUM_PROCESSES=2" in err
-    assert "--nproc 1" in err and "Traceback" not in err
-    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "1")  # one process of one: it goes on to the missing files
-    assert main(command) == 2 and "runs in one process" not in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []  # a command stopped by a missing input leaves nothing behind
+    commands = _commands()
+    assert {path.split()[0] for path, _ in commands} >= {"prepare", "generate", "serve", "evaluate", "demo", "pairs"}
+    assert SEVERAL_PROCESSES == ("train", "launch", "plan")
+    refusing = [(path, sub) for path, sub in commands if path.split()[0] not in SEVERAL_PROCESSES]
+    for path, sub in refusing:
+        argv = [*path.split(), *_required_arguments(sub)]
+        monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "2")
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"polyalign {path} runs in one process" in err and "POLYALIGN_NUM_PROCESSES=2" in err, (argv, err)
+        assert "--nproc 1" in err and "Traceback" not in err
+        assert list(tmp_path.iterdir()) == [], argv  # stopped before it read or wrote anything
+    for argv in (["generate", "--checkpoint", "M", "--records", "R.jsonl", "--out", "P.jsonl"],
+                 ["serve", "--checkpoint", "M"]):
+        monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "1")  # one process of one: it goes on to the missing files
+        assert main(argv) == 2 and "runs in one process" not in capsys.readouterr().err
+        assert list(tmp_path.iterdir()) == []  # a command stopped by a missing input leaves nothing behind
 
 
 def test_a_launched_polyalign_is_the_installed_one_whatever_folder_it_starts_in(tmp_path, monkeypatch, capfd):

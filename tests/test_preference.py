@@ -1587,7 +1587,22 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     assert plain["overall"]["logp_preference"]["share"] == round(prefers / len(rows), 4)
     low, high = plain["overall"]["logp_preference"]["interval"]
     assert low <= prefers / len(rows) <= high and 0 <= low < high <= 1
-    assert "no reference" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no reference, so no baseline (--reference MODEL measures another checkpoint beside it)" in out
+    assert ("no reward accuracy: it needs the reference the model was trained against (the model has no training "
+            "record naming its init; give --reference INIT)") in out  # a model made elsewhere
+    assert main(["pairs", "accuracy", "--model", str(model), "--reference", "none", "--pairs",
+                 str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "unreferenced"), "--no-progress"]) == 0
+    assert "(--reference none)" in capsys.readouterr().out
+    (tmp_path / "scratch").mkdir()  # a model trained from scratch: its record names no init
+    for name in (tmp_path / "init").iterdir():
+        (tmp_path / "scratch" / name.name).write_bytes(name.read_bytes())
+    record = json.loads((model / "polyalign_training.json").read_text())
+    (tmp_path / "scratch" / "polyalign_training.json").write_text(json.dumps(
+        {**record, "config": {**record["config"], "method": "sft", "init": None}}))
+    assert main(["pairs", "accuracy", "--model", str(tmp_path / "scratch"), "--pairs", str(tmp_path / "val.jsonl"),
+                 "--out", str(tmp_path / "scratch_acc"), "--no-progress"]) == 0
+    assert "(its training record names no init (trained from scratch))" in capsys.readouterr().out
 
     # SimPO has no reference: its training logs beta times the mean log-prob per token, and so does this
     assert main(["train", "simpo", "--config", str(REPO / "configs" / "hdpo_demo.yaml"), "--out",
@@ -1636,6 +1651,22 @@ def test_pairs_accuracy_measures_an_sft_model_at_the_length_its_build_trained_it
         DEFAULT_MAX_LENGTH, "the default")
     (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"polyalign_max_length": 128}))
     assert trained_max_length(tmp_path / "model", {}) == (128, "polyalign_max_length in its tokenizer_config.json")
+    # the build's truncation too: a run built with --truncation turns was measured cutting pairs as `left` does
+    from polyalign.train.pair_accuracy import AccuracyOptions, resolved
+
+    (tmp_path / "run" / "build" / "manifest.json").write_text(json.dumps({"settings": {"max_length": 256,
+                                                                                      "truncation": "turns"}}))
+    sft = {"method": "sft", "data": {"dir": str(tmp_path / "run")}}
+    options, sources = resolved(tmp_path / "model", AccuracyOptions(), sft)
+    built = f"the build it trained on, {tmp_path / 'run' / 'build'}"
+    assert (options.max_length, options.truncation) == (256, "turns")
+    assert sources["max_length"] == sources["truncation"] == built
+    options, sources = resolved(tmp_path / "model", AccuracyOptions(truncation="left"), sft)  # given: kept
+    assert (options.truncation, sources["truncation"]) == ("left", "given")
+    hdpo = {"method": "hdpo", "truncation": "keep_system", "data": {"dir": str(tmp_path / "run"), "max_length": 64}}
+    options, sources = resolved(tmp_path / "model", AccuracyOptions(), hdpo)  # a preference run's own record
+    assert (options.max_length, options.truncation) == (64, "keep_system")
+    assert sources["truncation"] == "the model's training record"
 
 
 def test_the_rewards_the_cli_offers_are_the_ones_pairs_accuracy_computes():

@@ -41,6 +41,7 @@ from polyalign.model.architecture import checkpoint_family, compute_dtype, longe
 from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.pairs.make import read_pairs
 from polyalign.tokens.chat import choose_template, get_template, trained_profile
+from polyalign.tokens.profile_template import TRUNCATIONS
 from polyalign.tokens.tokenizer import MAX_LENGTH_KEY, trained_length
 from polyalign.train.methods import METHODS, method_spec
 from polyalign.train.preference import reference_logps
@@ -55,6 +56,9 @@ REWARDS = (AGAINST_REFERENCE, MEAN_LOGPROB)
 # A margin this small is a tie: the model and its reference compute the same log-probs in other programs,
 # whose sums can differ in their last bits.
 TIE = 1e-6
+
+
+NO_TRAINING_RECORD = "none: the model has no training record naming its init; give --reference INIT"
 
 
 @dataclass(frozen=True)
@@ -103,11 +107,16 @@ def resolved(model: Path, options: AccuracyOptions, config: dict[str, Any]) -> t
         values["reward"], sources["reward"] = MEAN_LOGPROB, f"{config['method']}'s, as its training logs it"
     else:
         values["reward"], sources["reward"] = AGAINST_REFERENCE, "the default"
-    if values["max_length"] is None:  # SFT takes its length from the build it trained on
+    if values["max_length"] is None:  # SFT takes its length and truncation from the build it trained on
         values["max_length"], sources["max_length"] = trained_max_length(model, config)
+    if values["truncation"] is None and (built := trained_truncation(config)) is not None:
+        values["truncation"], sources["truncation"] = built
     for key, value in {"beta": 0.1, "truncation": "left"}.items():
         if values[key] is None:
             values[key], sources[key] = value, "the default"
+    if values["reference"] is None:  # why there is none, for the line that says so
+        sources["reference"] = (NO_TRAINING_RECORD if not config else
+                                "none: its training record names no init (trained from scratch)")
     if values["reference"] == NO_REFERENCE:
         values["reference"] = None
     elif values["reference"] is not None:
@@ -115,20 +124,34 @@ def resolved(model: Path, options: AccuracyOptions, config: dict[str, Any]) -> t
     return AccuracyOptions(**values), sources
 
 
+def _build_setting(config: dict[str, Any], key: str) -> tuple[Any, str] | None:
+    """A setting of the build an SFT run trained on (its data.dir's build manifest) and where it was read;
+    None where the run's data moved, was never built there, or the manifest lacks it."""
+    data_dir = (config.get("data") or {}).get("dir")
+    if not data_dir:
+        return None
+    try:
+        value = json.loads((as_path(data_dir) / "build" / "manifest.json").read_text())["settings"][key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value, f"the build it trained on, {as_path(data_dir) / 'build'}"
+
+
 def trained_max_length(model: Path, config: dict[str, Any]) -> tuple[int, str]:
     """The longest sequence the model trained on where it says so, else DEFAULT_MAX_LENGTH: an SFT run's build
     (its data.dir's build manifest), or the length a from-scratch model records in its tokenizer config."""
-    data_dir = (config.get("data") or {}).get("dir")
-    if data_dir:
-        try:
-            built = json.loads((as_path(data_dir) / "build" / "manifest.json").read_text())["settings"]["max_length"]
-        except (OSError, ValueError, KeyError, TypeError):  # the run's data moved or was never built here
-            built = None
-        if isinstance(built, int):
-            return built, f"the build it trained on, {as_path(data_dir) / 'build'}"
+    if (built := _build_setting(config, "max_length")) is not None and isinstance(built[0], int):
+        return built
     if (length := trained_length(model)) is not None:
         return length, f"{MAX_LENGTH_KEY} in its tokenizer_config.json"
     return DEFAULT_MAX_LENGTH, "the default"
+
+
+def trained_truncation(config: dict[str, Any]) -> tuple[str, str] | None:
+    """How the build an SFT run trained on cut long examples (`--truncation turns` keeps the system message
+    and last question), where its manifest says so: the held-out pairs are cut the same way."""
+    built = _build_setting(config, "truncation")
+    return built if built is not None and built[0] in TRUNCATIONS else None
 
 
 def answer_logps(checkpoint, examples: list[dict], options: AccuracyOptions, pad_id: int,
@@ -309,11 +332,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
                      f"chosen answer (a tie counts as wrong), against the reference {settings['reference']} "
                      f"({sources['reference']}), {beta}; chance is 0.5")
     baseline = ("; the reference's own share is its baseline" if "reference_logp_preference" in overall else
-                "; no reference, so no baseline (--reference SFT_MODEL gives one)")
+                "; no reference, so no baseline (--reference MODEL measures another checkpoint beside it)")
     lines.append(f"log-prob preference: the share whose chosen answer has the higher mean log-prob per token{baseline}")
     if "reward_accuracy" not in overall:
-        lines.append("no reward accuracy: it needs the reference the model was trained against (the model has no "
-                     "training record naming one, or --reference none)")
+        why = ("--reference none" if sources.get("reference") == "given" else
+               sources.get("reference", NO_TRAINING_RECORD).removeprefix("none: "))
+        lines.append(f"no reward accuracy: it needs the reference the model was trained against ({why})")
     lines += [f"note: {note}" for note in summary.get("notes", [])]
     if overall["truncated"]:
         lines.append(f"note: {overall['truncated']} of {overall['pairs']} pairs were cut to max_length "
