@@ -1452,6 +1452,14 @@ def test_the_report_says_how_each_runs_answers_were_decoded(tmp_path):
                           {"records": 210, "prompts_cut": 173})
     assert decoding_text(counted) == ("greedy, prompts cut to 192 tokens (173 of 210 were longer), answers up to 64 "
                                       "tokens")
+    # the dtype `generate --dtype` computed in: bfloat16 answers of one checkpoint against float32 ones (it
+    # reached no report: both runs' settings read alike)
+    half, full = (predictions(f"d{dtype}", {"sampling": {"max_new_tokens": 48, "temperature": 0.0}, "dtype": dtype})
+                  for dtype in ("bfloat16", "float32"))
+    runs = {name: {**run, "config": {**run["config"], "decoding": d}} for (name, run), d in zip(runs.items(),
+                                                                                                  (half, full))}
+    assert ("decoding: greedy, answers up to 48 tokens, computed in bfloat16 | greedy, answers up to 48 tokens, "
+            "computed in float32" in differing_settings(runs))
 
 
 def test_a_model_behind_the_no_model_answers_is_told_so_only_where_the_intervals_are_apart():

@@ -727,7 +727,8 @@ def predictions_checkpoint(predictions_path: Path) -> str | None:
 
 def decoding_of(predictions_path: Path) -> dict[str, Any] | None:
     """How `polyalign generate` decoded the predictions (its manifest's sampling settings, `auto` where each
-    bucket had its own budget, and the prompt budget its prompts were cut to); None for an external engine's."""
+    bucket had its own budget, the prompt budget its prompts were cut to, and the dtype it computed in); None
+    for an external engine's."""
     record = read_record(predictions_path) or {}
     settings, summary = record.get("settings") or {}, record.get("summary") or {}
     sampling = settings.get("sampling")
@@ -737,7 +738,9 @@ def decoding_of(predictions_path: Path) -> dict[str, Any] | None:
     cut = {"prompts_cut": summary["prompts_cut"], "prompts": summary["records"]} if isinstance(
         summary.get("prompts_cut"), int) and isinstance(summary.get("records"), int) else {}
     return {**asked_for(sampling), **({"max_new_tokens": "auto"} if settings.get("budget_records") else {}),
-            **({"max_prompt_tokens": settings["max_prompt_tokens"], **cut} if "max_prompt_tokens" in settings else {})}
+            **({"max_prompt_tokens": settings["max_prompt_tokens"], **cut} if "max_prompt_tokens" in settings else {}),
+            # the weights' and computation's dtype (--dtype): bfloat16 answers can differ from float32 ones
+            **({"dtype": settings["dtype"]} if isinstance(settings.get("dtype"), str) else {})}
 
 
 FEATURIZER_IS_BASE = ("the featurizer is {relation}: the measured model's hidden states began as its own, so "

@@ -1213,7 +1213,7 @@ def decoding_text(decoding: dict | None) -> str:
     # evaluate keeps the penalties and min_p only where they ask for something (decoding_of)
     penalties = [f"{key} {value:g}" for key, value in decoding.items()
                  if key not in ("max_new_tokens", "max_prompt_tokens", "temperature", "top_p", "top_k", "prompts_cut",
-                                "prompts")]
+                                "prompts", "dtype")]
     said = ["greedy"] if not decoding.get("temperature") else [
         f"{key} {decoding[key]:g}" for key in ("temperature", "top_p", "top_k") if key in decoding]
     # the budgets: a prompt cut shorter, or an answer stopped sooner, is another condition for the same model
@@ -1221,7 +1221,8 @@ def decoding_text(decoding: dict | None) -> str:
     budgets = ([f"prompts cut to {decoding['max_prompt_tokens']} tokens{cut}"] if "max_prompt_tokens" in decoding
                else []) + ([f"answers up to {decoding['max_new_tokens']} tokens" if decoding["max_new_tokens"] != "auto"
                             else "answers up to their bucket's budget"] if "max_new_tokens" in decoding else [])
-    return ", ".join(said + penalties + budgets)
+    computed = [f"computed in {decoding['dtype']}"] if "dtype" in decoding else []
+    return ", ".join(said + penalties + budgets + computed)
 
 
 
