@@ -766,6 +766,7 @@ def _add_pairs(sub) -> None:
     accuracy.add_argument("--truncation", choices=TRUNCATIONS,
                           help="how a prompt over its share is cut (default: the training record's, else left)")
     accuracy.add_argument("--batch-size", type=int, default=8, help="pairs a forward pass (default 8)")
+    _dtype_option(accuracy, "the model and its reference")
     accuracy.add_argument("--overwrite", action="store_true",
                           help="replace OUT when it was made with other settings (or not by polyalign)")
     accuracy.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -776,7 +777,8 @@ def _run_pairs_accuracy(args) -> int:
     from polyalign.train.pair_accuracy import AccuracyOptions, pairs_accuracy, print_summary  # heavy: jax
 
     options = AccuracyOptions(reference=args.reference, reward=args.reward, beta=args.beta, max_length=args.max_length,
-                              profile=args.profile, truncation=args.truncation, batch_size=args.batch_size)
+                              profile=args.profile, truncation=args.truncation, batch_size=args.batch_size,
+                              dtype=args.dtype)
     summary = pairs_accuracy(args.model, args.pairs, args.out, options, overwrite=args.overwrite,
                              progress=args.progress)
     print_summary(summary, args.out)

@@ -1786,6 +1786,11 @@ def test_report_refuses_a_damaged_evaluation_in_one_line(tmp_path, capsys):
     (tmp_path / "none").mkdir()
     assert main(["report", str(tmp_path / "none"), str(tmp_path / "cut"), "--out", str(tmp_path / "r")]) == 2
     assert f"{tmp_path / 'none' / 'metrics.json'}: missing; run `polyalign evaluate` first" in capsys.readouterr().err
+    # a folder that is not there is a typo, not an evaluation still to run
+    assert main(["report", str(tmp_path / "cutt"), str(tmp_path / "cut"), "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"{tmp_path / 'cutt'}: no such folder; give the folders `polyalign evaluate --out` wrote")
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_evaluation_or_comparison_is_not_written_into_another_stages_folder(demo_run, tmp_path, capsys):

@@ -1587,6 +1587,14 @@ def test_pairs_accuracy_reads_what_training_validated_and_a_model_against_itself
     assert plain["overall"]["logp_preference"]["share"] == round(prefers / len(rows), 4)
     low, high = plain["overall"]["logp_preference"]["interval"]
     assert low <= prefers / len(rows) <= high and 0 <= low < high <= 1
+    assert plain["settings"]["dtype"] == "float32"  # auto, on a CPU
+    # --dtype bfloat16: the same pairs read in bfloat16, close to float32's log-probs but not equal to them
+    assert main(["pairs", "accuracy", "--model", str(tmp_path / "init"), "--pairs", str(tmp_path / "val.jsonl"),
+                 "--out", str(tmp_path / "half"), "--no-progress", "--dtype", "bfloat16"]) == 0
+    assert json.loads((tmp_path / "half" / "accuracy.json").read_text())["settings"]["dtype"] == "bfloat16"
+    half = [json.loads(line) for line in (tmp_path / "half" / "per_pair.jsonl").read_text().splitlines()]
+    full, halved = (np.array([r["chosen_logp"] for r in got]) for got in (rows, half))
+    assert not np.array_equal(full, halved) and np.allclose(halved, full, rtol=0.05)
     out = capsys.readouterr().out
     assert "no reference, so no baseline (--reference MODEL measures another checkpoint beside it)" in out
     assert ("no reward accuracy: it needs the reference the model was trained against (the model has no training "

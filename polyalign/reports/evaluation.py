@@ -990,6 +990,8 @@ EVALUATION_SECTIONS = ("config", "alignment", "metrics")
 def read_evaluation(path: Path) -> dict[str, Any]:
     """An EVAL folder's metrics.json, or one line saying why it is none: missing, damaged (not strict
     JSON: a NaN written by hand would pass into the comparison), or not an evaluation's."""
+    if not path.parent.exists():  # a mistyped folder is not an evaluation still to run
+        raise EvaluationError(f"{path.parent}: no such folder; give the folders `polyalign evaluate --out` wrote")
     if not path.is_file():
         raise EvaluationError(f"{path}: missing; run `polyalign evaluate` first")
     try:

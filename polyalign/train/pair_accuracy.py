@@ -70,7 +70,7 @@ class AccuracyOptions:
     profile: str | None = None
     truncation: str | None = None
     batch_size: int = 8
-    dtype: str = "float32"
+    dtype: str = "auto"  # model/architecture.py compute_dtype: bfloat16 on GPU and TPU, float32 on a CPU
 
 
 def wilson(correct: int, n: int) -> tuple[float, float]:
@@ -271,7 +271,8 @@ def pairs_accuracy(model, pairs_path, out, options: AccuracyOptions = AccuracyOp
     # the profile as generate and evaluate render this checkpoint's prompts (and another than the trained one said)
     sources["profile"] = ("given" if options.profile else "its export's polyalign_profile" if tokenizer.profile_mode
                           else "the rule for a checkpoint that names none")
-    options = replace(options, profile=trained_profile(tokenizer, options.profile, str(model), notes))
+    options = replace(options, profile=trained_profile(tokenizer, options.profile, str(model), notes),
+                      dtype=compute_dtype(options.dtype))  # the one used, in the settings
     # the settings as measured: a value spelt out that the record gave before is the same measurement
     settings = {"model": recorded_path(model), "pairs": recorded_path(pairs_path), **asdict(options)}
     started = time.perf_counter()
