@@ -1323,6 +1323,13 @@ def test_the_model_behind_predictions_is_read_from_its_training_run(tmp_path):
         assert said["truncation"] == "turns" and "max length" not in said  # data.max_length unset in the config
     cut = trained_run("dpo_128", None, method="dpo", data={"dir": "/runs/r", "max_length": 128})
     assert cut["max length"] == 128
+    # an SFT run's length and cut are its build's, read there (the report showed "—" for both)
+    (tmp_path / "run" / "build").mkdir(parents=True)
+    (tmp_path / "run" / "build" / "manifest.json").write_text(json.dumps({"settings": {"max_length": 256,
+                                                                                      "truncation": "turns"}}))
+    built = trained_run("sft_built", "bucket", data={"dir": str(tmp_path / "run")})
+    assert (built["max length"], built["truncation"]) == (256, "turns")
+    assert "max length" not in trained_run("dpo_built", None, method="dpo", data={"dir": str(tmp_path / "run")})
     external = tmp_path / "engine.jsonl"
     external.write_text('{"id": "a", "prediction": "b"}\n')
     assert trained_with(external) is None  # an external engine's predictions name no checkpoint

@@ -155,6 +155,21 @@ def _training_config(path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) and "method" in config else None
 
 
+def build_setting(config: dict[str, Any], key: str) -> tuple[Any, str] | None:
+    """A setting (max_length, truncation...) of the build an SFT run trained on (its data.dir's build
+    manifest, which holds what an SFT config leaves unset) and where it was read; None where the run's data
+    moved, was never built there, or the manifest lacks it."""
+    data_dir = (config.get("data") or {}).get("dir")
+    if not isinstance(data_dir, str) or not data_dir:
+        return None
+    build = as_path(data_dir) / "build"
+    try:
+        value = json.loads((build / "manifest.json").read_text())["settings"][key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value, f"the build it trained on, {build}"
+
+
 def training_record(checkpoint: str | os.PathLike) -> dict[str, Any] | None:
     """How the model in `checkpoint` was trained, where polyalign trained it: {"config": its run's config,
     "segments": the invocations (run_segments), "run": the run's folder where the model is still in it, else

@@ -37,7 +37,7 @@ from polyalign.core.outputs import (
     sidecar,
     stage_output,
 )
-from polyalign.core.paths import file_digest, is_uri, length_history, training_record
+from polyalign.core.paths import build_setting, file_digest, is_uri, length_history, training_record
 from polyalign.core.progress import progress_bar
 from polyalign.core.wording import counted
 from polyalign.data.language import wrong_script
@@ -863,7 +863,7 @@ TRAINING_SETTINGS = (("method", ("method",)), ("weighting", ("weighting",)), ("s
                      ("LoRA rank", ("model", "lora", "rank")), ("data", ("data", "dir")), ("pairs", ("pairs",)),
                      ("beta", ("beta",)), ("lambda_dist", ("lambda_dist",)), ("gamma_ftx", ("gamma_ftx",)),
                      ("profile", ("profile",)),
-                     # a preference run's own cut (an SFT run's is its build's, data.max_length unset)
+                     # a preference run's own cut (an SFT run's is its build's, read there: trained_with)
                      ("max length", ("data", "max_length")), ("truncation", ("truncation",)))
 
 
@@ -887,6 +887,9 @@ def trained_with(predictions_path: Path) -> dict[str, Any] | None:
     lengths = length_history(record["segments"], (config.get("train") or {}).get("steps"))
     if lengths:  # resumed with another train.steps: not a plain run of the last length
         settings["steps"] = lengths
+    for name, key in (("max length", "max_length"), ("truncation", "truncation")):
+        if config.get("method") == "sft" and (built := build_setting(config, key)) is not None:  # its build's
+            settings[name] = built[0]
     if "profile" not in settings and isinstance(exported := exported_setting(checkpoint, "polyalign_profile"), str):
         settings["profile"] = exported  # an SFT run's profile is its build's: the export names it
     if settings.get("init"):  # the architecture is init's: a preset the config still names was not used

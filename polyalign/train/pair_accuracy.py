@@ -31,7 +31,7 @@ from scipy.stats import binomtest
 
 from polyalign.core.errors import InputError
 from polyalign.core.outputs import stage_output
-from polyalign.core.paths import as_path, file_digest, recorded_path, training_record
+from polyalign.core.paths import as_path, build_setting, file_digest, recorded_path, training_record
 from polyalign.core.scores import interval_text, rounded_outward
 from polyalign.core.yaml_config import ConfigError
 from polyalign.inputs.pair_rows import tokenise_pairs
@@ -124,23 +124,10 @@ def resolved(model: Path, options: AccuracyOptions, config: dict[str, Any]) -> t
     return AccuracyOptions(**values), sources
 
 
-def _build_setting(config: dict[str, Any], key: str) -> tuple[Any, str] | None:
-    """A setting of the build an SFT run trained on (its data.dir's build manifest) and where it was read;
-    None where the run's data moved, was never built there, or the manifest lacks it."""
-    data_dir = (config.get("data") or {}).get("dir")
-    if not data_dir:
-        return None
-    try:
-        value = json.loads((as_path(data_dir) / "build" / "manifest.json").read_text())["settings"][key]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return value, f"the build it trained on, {as_path(data_dir) / 'build'}"
-
-
 def trained_max_length(model: Path, config: dict[str, Any]) -> tuple[int, str]:
     """The longest sequence the model trained on where it says so, else DEFAULT_MAX_LENGTH: an SFT run's build
     (its data.dir's build manifest), or the length a from-scratch model records in its tokenizer config."""
-    if (built := _build_setting(config, "max_length")) is not None and isinstance(built[0], int):
+    if (built := build_setting(config, "max_length")) is not None and isinstance(built[0], int):
         return built
     if (length := trained_length(model)) is not None:
         return length, f"{MAX_LENGTH_KEY} in its tokenizer_config.json"
@@ -150,7 +137,7 @@ def trained_max_length(model: Path, config: dict[str, Any]) -> tuple[int, str]:
 def trained_truncation(config: dict[str, Any]) -> tuple[str, str] | None:
     """How the build an SFT run trained on cut long examples (`--truncation turns` keeps the system message
     and last question), where its manifest says so: the held-out pairs are cut the same way."""
-    built = _build_setting(config, "truncation")
+    built = build_setting(config, "truncation")
     return built if built is not None and built[0] in TRUNCATIONS else None
 
 
