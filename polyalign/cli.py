@@ -853,8 +853,9 @@ def _run_pairs_import(args) -> int:
                            on_error=args.on_error, overwrite=args.overwrite, val_fraction=args.val_fraction,
                            val_out=args.val_out, seed=args.seed)
     dropped = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
-    held_out = f" + {summary['val_pairs']} validation" if "val_pairs" in summary else ""
-    print(f"{summary['pairs']} training{held_out} pairs from {counted(summary['read'], 'row')} in "
+    # "training" only beside a validation share: a file imported whole may be someone's held-out pairs
+    held_out = f" training + {summary['val_pairs']} validation" if "val_pairs" in summary else ""
+    print(f"{summary['pairs']}{held_out} pairs from {counted(summary['read'], 'row')} in "
           f"{counted(len(summary['buckets']), 'bucket')}; dropped: {dropped}")
     if "val_pairs" in summary:
         print(f"{summary['val_pairs']} validation pairs (other prompts, seed {summary['seed']}) "

@@ -27,7 +27,7 @@ def test_trl_rows_become_pairs_in_the_buckets_prepare_gave_their_records(demo_ru
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
     code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                        tmp_path / "pairs.jsonl")
-    assert code == 0 and f"{len(rows)} training pairs from {len(rows)} rows" in out
+    assert code == 0 and f"{len(rows)} pairs from {len(rows)} rows" in out
     from polyalign.pairs.make import read_pairs
 
     pairs = read_pairs(tmp_path / "pairs.jsonl")
@@ -69,7 +69,7 @@ def test_a_system_message_after_the_question_is_rendered_after_it(demo_run, tmp_
     source = write_jsonl(tmp_path / "prefs.jsonl", rows)
     code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                        tmp_path / "pairs.jsonl")
-    assert code == 0 and "2 training pairs from 2 rows" in out
+    assert code == 0 and "2 pairs from 2 rows" in out
     for row, line in zip(rows, (tmp_path / "pairs.jsonl").read_text().splitlines()):
         record = Record.from_json(json.loads(line)["record"])
         messages = record_messages(record, "none", with_response=False)
@@ -79,7 +79,7 @@ def test_a_system_message_after_the_question_is_rendered_after_it(demo_run, tmp_
                    for row, other in zip(rows, rows[::-1])]
     code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input",
                        write_jsonl(tmp_path / "interrupted.jsonl", interrupted), "--out", tmp_path / "i.jsonl")
-    assert code == 0 and "2 training pairs from 2 rows" in out, out
+    assert code == 0 and "2 pairs from 2 rows" in out, out
     for line in (tmp_path / "i.jsonl").read_text().splitlines():
         record = Record.from_json(json.loads(line)["record"])
         roles = [m.role for m in record_messages(record, "none", with_response=False)]
@@ -97,7 +97,7 @@ def test_bad_rows_stop_the_import_or_are_quarantined_and_counted(demo_run, tmp_p
     assert code == 2 and err.endswith(f"{source}:2: missing field 'rejected'")
     assert not (tmp_path / "pairs.jsonl").exists()
     code, out, _ = cli(capsys, *command, "--on-error", "quarantine")
-    assert (code == 0 and "3 training pairs from 6 rows" in out and "malformed 2" in out
+    assert (code == 0 and "3 pairs from 6 rows" in out and "malformed 2" in out
             and "chosen_equals_rejected 1" in out)
     quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
     assert [q["location"].rsplit(":", 1)[1] for q in quarantined] == ["2", "4"]
@@ -152,7 +152,7 @@ def test_every_form_of_a_preference_file_gives_the_same_pairs(demo_run, tmp_path
         source = write_jsonl(tmp_path / f"{name}.jsonl", [form for _, (_, form) in chosen])
         code, out, err = cli(capsys, "pairs", "import", "--format", chosen[0][1][0], "--input", source, "--out",
                              tmp_path / f"{name}.pairs.jsonl")
-        assert code == 0 and f"{len(chosen)} training pairs from {len(chosen)} rows" in out, (name, err)
+        assert code == 0 and f"{len(chosen)} pairs from {len(chosen)} rows" in out, (name, err)
         imported[name] = {i: seen(p) for (i, _), p in zip(chosen, read_pairs(tmp_path / f"{name}.pairs.jsonl"),
                                                           strict=True)}
     assert len(imported["hh"]) >= 10
@@ -203,7 +203,7 @@ def test_rows_a_format_does_not_read_say_which_does_and_dropped_rows_are_listed(
     source = write_jsonl(tmp_path / "prefs.jsonl", lines)
     code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                          tmp_path / "pairs.jsonl", "--on-error", "quarantine")
-    assert code == 0 and "3 training pairs from 8 rows" in out
+    assert code == 0 and "3 pairs from 8 rows" in out
     assert "dropped: malformed 3, language_not_in_scheme:zh-Latn 1, empty_side 1" in out
     assert "note: rows in a language outside the scheme were dropped (zh-Latn 1 declared)" in err
     quarantined = [json.loads(line) for line in (tmp_path / "pairs.quarantine.jsonl").read_text().splitlines()]
@@ -254,7 +254,7 @@ def test_language_names_the_schemes_language_by_a_region_tag_too(demo_run, tmp_p
     source = write_jsonl(tmp_path / "prefs.jsonl", chinese)
     code, out, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                          tmp_path / "pairs.jsonl", "--language", "zh-CN")
-    assert code == 0 and "4 training pairs from 4 rows" in out, err
+    assert code == 0 and "4 pairs from 4 rows" in out, err
     assert {p["language"] for p in read_pairs(tmp_path / "pairs.jsonl")} == {"zh"}
     code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out",
                        tmp_path / "tw.jsonl", "--language", "zh-Latn")
@@ -688,7 +688,7 @@ def test_conversations_left_to_the_default_family_are_said(demo_run, tmp_path, c
 
 
 def test_an_import_that_keeps_no_pair_fails_and_an_empty_prompt_is_dropped(demo_run, tmp_path, capsys):
-    """An empty or blank preference file wrote an empty pairs file and exit 0 ("0 training pairs from 0
+    """An empty or blank preference file wrote an empty pairs file and exit 0 ("0 pairs from 0
     rows"), and a row with an empty prompt was kept, where prepare drops a reply to nothing asked."""
     rows, _ = real_trl_rows(demo_run, n=6)
     (tmp_path / "empty.jsonl").write_text("\n \n")
@@ -700,7 +700,7 @@ def test_an_import_that_keeps_no_pair_fails_and_an_empty_prompt_is_dropped(demo_
     asked_nothing = {**rows[0], "prompt": ""}
     source = write_jsonl(tmp_path / "prefs.jsonl", [asked_nothing, *rows[1:]])
     code, out, _ = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "p.jsonl")
-    assert code == 0 and f"{len(rows) - 1} training pairs from {len(rows)} rows" in out and "empty_question 1" in out
+    assert code == 0 and f"{len(rows) - 1} pairs from {len(rows)} rows" in out and "empty_question 1" in out
     only = write_jsonl(tmp_path / "only.jsonl", [asked_nothing])
     code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", only, "--out", tmp_path / "o.jsonl")
     assert code == 2 and err.endswith(f"{only}: no pair kept of 1 row (empty_question 1); nothing written to "
