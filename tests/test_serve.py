@@ -226,7 +226,14 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
          "does not support web_search_options"),
         ("post", "/chat/completions", {"messages": chat, "prediction": {"type": "content", "content": "x"}}, 400,
          "does not support prediction"),
-        ("post", "/completions", {"prompt": "A hotel near the station. " * 60}, 400, "context"),
+        ("post", "/completions", {"prompt": "A hotel near the station. " * 60}, 400,
+         "prompt tokens leave no room for an answer in this server's 256-token context"),  # read "+ 0 new tokens"
+        # a completion's logprobs 0 asks for the sampled tokens' own (it came back null); a chat's false asks nothing
+        ("post", "/completions", {"prompt": "x", "logprobs": 0}, 400, "does not support logprobs"),
+        ("post", "/completions", {"prompt": "x", "chat_template_kwargs": {"family": "qa"}}, 400,
+         "which /v1/completions does not apply (its prompt is read as written): send it to /v1/chat/completions"),
+        ("post", "/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400,
+         "temperature: Input should be a finite number"),
     ]
     with Server(checkpoint, slots=2, max_sequence=256) as server:
         for method, path, body, status, words in bad:
@@ -241,6 +248,15 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         assert call(server.url + "/completions", body={"prompt": "A hotel near the station. " * 60}
                     )[1]["error"]["param"] == "prompt"
         assert call(server.url + "/chat/completions", body=b"{not json")[1]["error"]["param"] is None  # no field
+        # `curl -d` without a Content-Type sends form data: said, not "Input should be a valid dictionary"
+        unlabelled = urllib.request.Request(server.url + "/chat/completions",
+                                            data=json.dumps({"messages": chat}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(unlabelled, timeout=60)
+        assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["message"].startswith(
+            "send the body as JSON, with the header Content-Type: application/json (")
+        quiet = {"messages": chat, "max_tokens": 4, "logprobs": False}  # a chat's false asks for nothing
+        assert call(server.url + "/chat/completions", body=quiet)[0] == 200
         assert call(server.url + "/chat/completions", body={"messages": chat, "max_tokens": 4})[0] == 200
         # OpenAI's penalties and vLLM's extras are taken (they were refused), greedy with a penalty too
         penalised = {"messages": chat, "max_tokens": 4, "temperature": 0, "presence_penalty": 0.5,
@@ -493,3 +509,31 @@ def test_the_start_up_line_says_what_a_client_sends_for_the_prompts_the_model_wa
     assert "name family, track, style and length in" in oracle and '"length": "..."}. A request' in oracle
     assert profile_line(SimpleNamespace(profile_mode="none", profile_values=held)) is None
     assert profile_line(SimpleNamespace(profile_mode=None, profile_values=None)) is None
+
+
+def test_a_client_that_hangs_up_has_its_request_dropped_from_the_engine(checkpoint):
+    """A request whose client disconnects is dropped from the engine at once and logged as 499 (docs/
+    preference.md). Behind the request log's middleware it ran to its end and was logged 200: an abandoned
+    request (an openai client's timeout, retried twice by default) held its slots until it finished."""
+    long = {"prompt": "A room for two nights", "max_tokens": 1000, "n": 4, "temperature": 1.0, "seed": 5}
+    with Server(checkpoint, slots=4, max_sequence=1024) as server:
+        assert call(server.url + "/completions", body={**long, "max_tokens": 4})[0] == 200  # compiled
+        started = time.monotonic()
+        status, whole = call(server.url + "/completions", body=long)
+        taken = time.monotonic() - started
+        assert status == 200 and whole["usage"]["completion_tokens"] > 2000
+        body = json.dumps(long).encode()
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.options.port)) as hanging_up:
+            hanging_up.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.3)
+        while len(server.log) < 3 and time.monotonic() - started < 60:
+            time.sleep(0.02)
+        dropped_after = time.monotonic() - started
+        assert " POST /v1/completions 499 " in server.log[-1], server.log
+        assert dropped_after < 0.3 + max(0.25 * taken, 0.5), (dropped_after, taken)  # not the whole request's time
+        while server.service.loop._pending and time.monotonic() - started < 0.3 + taken / 2:
+            time.sleep(0.02)  # the engine drops it at its next call
+        assert server.service.loop._pending == 0
+        assert call(server.url + "/completions", body={**long, "max_tokens": 4})[0] == 200

@@ -98,7 +98,7 @@ def _models():
 
     class Sampling(BaseModel):
         # strict: "10" is not a number and true is not 1; fields polyalign cannot honour are refused below
-        model_config = ConfigDict(extra="allow", strict=True)
+        model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # NaN is no temperature
         model: str | None = None
         max_tokens: int | None = Field(None, ge=1)
         max_completion_tokens: int | None = Field(None, ge=1)
@@ -156,6 +156,8 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools":
                "length_penalty": (None, 1, 1.0), "truncate_prompt_tokens": (None,), "add_special_tokens": (None, False),
                "add_generation_prompt": (None, True), "continue_final_message": (None, False),
                "prompt_logprobs": (None, 0), "prediction": (None,), "audio": (None,), "web_search_options": (None,)}
+# A completion's logprobs is a count, and 0 asks for each sampled token's own (a chat request's is true/false)
+COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "logprobs": (None,)}
 # OpenAI's parameters that do not change an answer (who asked, what to keep of the exchange): taken as given
 NO_EFFECT = ("user", "metadata", "store", "service_tier")
 
@@ -195,18 +197,23 @@ class Service:
         share its random draws."""
         prompt_tokens = len(prompt)
         extra = body.model_extra or {}
-        for name, harmless in UNSUPPORTED.items():
+        chat = prompt_param == "messages"
+        for name, harmless in (UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items():
             if name in extra and extra[name] not in harmless:
                 raise _ApiError(400, f"polyalign serve does not support {name}; send the request without it",
                                 param=name)
         unknown = [key for key in extra if key not in UNSUPPORTED and key not in NO_EFFECT and key not in PROFILE_KEYS]
+        if not chat and "chat_template_kwargs" in unknown:
+            raise _ApiError(400, "chat_template_kwargs fills a chat template, which /v1/completions does not apply "
+                                 "(its prompt is read as written): send it to /v1/chat/completions",
+                            param="chat_template_kwargs")
         if unknown:  # a misspelt setting would otherwise decode with the default, unnoticed
             known = [*type(body).model_fields, *UNSUPPORTED, *NO_EFFECT]
             close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise _ApiError(400, f"unknown parameter {unknown[0]!r}{hint} (polyalign serve takes the OpenAI "
-                                 "parameters it can honour and vLLM's top_k, min_p, repetition_penalty and "
-                                 "chat_template_kwargs)", param=unknown[0])
+                                 "parameters it can honour and vLLM's top_k, min_p, repetition_penalty"
+                                 f"{' and chat_template_kwargs' if chat else ''})", param=unknown[0])
         misplaced = [key for key in PROFILE_KEYS if key in extra]
         if misplaced:  # ignored there, the request would run without the profile the client meant to give
             raise _ApiError(400, f"{', '.join(misplaced)}: profile variables go in chat_template_kwargs "
@@ -221,8 +228,9 @@ class Service:
             self.options.max_new_tokens, self.engine.config.max_sequence - prompt_tokens)
         if budget < 1 or prompt_tokens + budget > self.engine.config.max_sequence:
             too_long = prompt_tokens >= self.engine.config.max_sequence
-            raise _ApiError(400, f"{prompt_tokens} prompt tokens + {max(budget, 0)} new tokens exceed this server's "
-                                 f"{self.engine.config.max_sequence}-token context",
+            asked = f"{prompt_tokens} prompt tokens + {budget} new tokens exceed" if budget >= 1 else (
+                f"{prompt_tokens} prompt tokens leave no room for an answer in")  # no max_tokens: what is left
+            raise _ApiError(400, f"{asked} this server's {self.engine.config.max_sequence}-token context",
                             param=prompt_param if too_long else "max_tokens")
         seed = (request_seed(uuid.uuid4().hex) if body.seed is None
                 else request_seed(",".join(map(str, prompt)), body.seed))
@@ -409,9 +417,11 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
         return f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_, error: RequestValidationError):
+    async def invalid(request, error: RequestValidationError):
         errors = error.errors()
         problems = "; ".join(problem(e) for e in errors)
+        if "json" not in request.headers.get("content-type", ""):  # curl -d sends form data unless told
+            problems = f"send the body as JSON, with the header Content-Type: application/json ({problems})"
         # ("body", field, ...); a body that is no JSON at all has a character offset there, not a field
         fields = [e["loc"][1] for e in errors if len(e.get("loc", ())) > 1 and isinstance(e["loc"][1], str)]
         return JSONResponse(_ApiError(400, problems or "malformed request", param=fields[0] if fields else None).body(),
@@ -441,17 +451,39 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
         return answer
 
     if log is not None:
-        @app.middleware("http")
-        async def log_request(request: fastapi.Request, call_next):
-            started = time.monotonic()
-            response = await call_next(request)
-            usage = getattr(request.state, "usage", None)
-            tokens = f" {usage['prompt_tokens']}+{usage['completion_tokens']} tokens" if usage else ""
-            log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {request.method} {request.url.path} {response.status_code} "
-                f"{time.monotonic() - started:.2f} s{tokens}")
-            return response
-
+        app.add_middleware(RequestLog, log=log)
     return app
+
+
+class RequestLog:
+    """A line per HTTP request (time, method, path, status, seconds, prompt + completion tokens of an answered
+    one), as plain ASGI middleware that passes the request's messages through untouched. Starlette's
+    BaseHTTPMiddleware (`@app.middleware("http")`) reads them itself: behind it an endpoint never saw its
+    client hang up, so an abandoned request ran to its end, holding its slots, and was logged 200."""
+
+    def __init__(self, app, log: Callable[[str], None]):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.monotonic(), 500  # 500: the app ended without answering
+        state = scope.setdefault("state", {})  # request.state: the endpoints leave the usage there
+
+        async def sending(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            usage = state.get("usage")
+            tokens = f" {usage['prompt_tokens']}+{usage['completion_tokens']} tokens" if usage else ""
+            self.log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {scope['method']} {scope['path']} {status} "
+                     f"{time.monotonic() - started:.2f} s{tokens}")
 
 
 DEFAULT_MAX_SEQUENCE = 2048
