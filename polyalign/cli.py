@@ -1448,9 +1448,9 @@ Several nodes under SLURM (one task per GPU; the first node of the job is the co
   srun --ntasks-per-node=8 polyalign launch --slurm -- polyalign train sft ...
 CPU processes (tests, laptops): --cpu-devices K gives each process K CPU devices.
 Each process gets POLYALIGN_COORDINATOR, POLYALIGN_NUM_PROCESSES and POLYALIGN_PROCESS_ID. SIGTERM and
-Ctrl-C are forwarded; when one process fails the others are stopped. Only `train` runs as several
-processes; every other command runs once, on every device of its host (started as one of several, it
-stops with one line saying so). See docs/gpu.md.
+Ctrl-C are forwarded; when one process fails the others are stopped. `generate`, `serve` and `pairs
+accuracy` run once, on every device of their host (started as one of several, they stop with one line
+saying so). See docs/gpu.md.
 """
 
 
@@ -1690,11 +1690,12 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-# The commands that run as one of several processes, each a part of one job (training joins them through
-# jax.distributed; launch starts them; plan only prints). Every other command runs once: started as one of
-# several (`launch --nproc N`, tpu_scripts/launch.sh --workers N) each would write the same outputs, so it
-# stops in one line before it reads anything.
-SEVERAL_PROCESSES = ("train", "launch", "plan")
+# The commands that load a model onto every device of their host and answer once: started as one of several
+# processes (`launch --nproc N`, tpu_scripts/launch.sh --workers N), each would load it again and write the
+# same outputs (or bind the same port), so they stop in one line before they read anything. Training joins
+# its processes; the data commands run on each worker's own disk (docs/tpu.md), and two writers of one
+# folder are refused by its output lock.
+RUN_ONCE = ("generate", "serve", "pairs accuracy")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1712,7 +1713,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        if args.command_path.split()[0] not in SEVERAL_PROCESSES:
+        if args.command_path in RUN_ONCE:
             refuse_several_processes(f"polyalign {args.command_path}")
     except LaunchError as err:
         _say(f"polyalign {args.command_path}: error: {err}")

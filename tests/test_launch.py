@@ -256,31 +256,31 @@ def _commands():
             if not any(isinstance(a, __import__("argparse")._SubParsersAction) for a in sub._actions)]
 
 
-def test_every_command_but_training_refuses_to_run_as_one_of_several(tmp_path, monkeypatch, capsys):
-    """Launched on several processes, each would write the same outputs (or bind the same port): every
-    command that does not join the others (all but training, the launcher and plan's printing) says in
-    one line to run it once, before anything is read or written. It was two commands by name: `pairs
-    accuracy` under `launch --nproc 2` ran twice and failed on its own output lock."""
-    from polyalign.cli import SEVERAL_PROCESSES, main
+def test_the_commands_that_load_a_model_once_refuse_to_run_as_one_of_several(tmp_path, monkeypatch, capsys):
+    """Launched on several processes, a command that loads the model onto every device of its host and answers
+    once would load it again in each and write the same outputs (or bind the same port): one line says to
+    run it once, before anything is read or written. `pairs accuracy` under `launch --nproc 2` ran twice and
+    failed on its own output lock. The data commands run on every TPU worker's own disk (docs/tpu.md)."""
+    from polyalign.cli import RUN_ONCE, main
 
     monkeypatch.chdir(tmp_path)
-    commands = _commands()
-    assert {path.split()[0] for path, _ in commands} >= {"prepare", "generate", "serve", "evaluate", "demo", "pairs"}
-    assert SEVERAL_PROCESSES == ("train", "launch", "plan")
-    refusing = [(path, sub) for path, sub in commands if path.split()[0] not in SEVERAL_PROCESSES]
-    for path, sub in refusing:
-        argv = [*path.split(), *_required_arguments(sub)]
+    commands = dict(_commands())
+    assert set(RUN_ONCE) == {"generate", "serve", "pairs accuracy"} and set(RUN_ONCE) <= set(commands)
+    for path in RUN_ONCE:
+        argv = [*path.split(), *_required_arguments(commands[path])]
         monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "2")
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert f"polyalign {path} runs in one process" in err and "POLYALIGN_NUM_PROCESSES=2" in err, (argv, err)
         assert "--nproc 1" in err and "Traceback" not in err
         assert list(tmp_path.iterdir()) == [], argv  # stopped before it read or wrote anything
-    for argv in (["generate", "--checkpoint", "M", "--records", "R.jsonl", "--out", "P.jsonl"],
-                 ["serve", "--checkpoint", "M"]):
         monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "1")  # one process of one: it goes on to the missing files
         assert main(argv) == 2 and "runs in one process" not in capsys.readouterr().err
         assert list(tmp_path.iterdir()) == []  # a command stopped by a missing input leaves nothing behind
+    # the data stages, run on each worker's own disk as docs/tpu.md does, are not refused
+    monkeypatch.setenv("POLYALIGN_NUM_PROCESSES", "4")
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--stages", "bogus"]) == 2
+    assert "unknown demo stage 'bogus'" in capsys.readouterr().err
 
 
 def test_a_launched_polyalign_is_the_installed_one_whatever_folder_it_starts_in(tmp_path, monkeypatch, capfd):
