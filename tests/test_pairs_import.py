@@ -552,6 +552,15 @@ def test_prompts_under_a_token_budget_hold_generates_ids_and_whole_turns_that_fi
                           + (f"; {lost} of those lost their opening system message too" if lost else "")) in out
     assert (summary["prompts_cut"], summary["messages_turns_dropped"], summary["messages_over_budget"]) == (
         cut, dropped, over)
+    # one record: counts, not flags (an empty Counter's first update kept True: "True of 1 prompts were longer")
+    first = next(r for r in records if length(record_messages(r, "context", with_response=False)) > budget)
+    code, out, _ = cli(capsys, "prompts", "--records", write_jsonl(tmp_path / "one.jsonl", [first.to_json()]),
+                       "--checkpoint", checkpoint, "--out", tmp_path / "one_prompts.jsonl",
+                       "--max-prompt-tokens", budget)
+    one = json.loads((tmp_path / "one_prompts.manifest.json").read_text())["summary"]
+    counts = ("prompts_cut", "prompts_cut_system_lost", "messages_turns_dropped", "messages_over_budget")
+    assert code == 0 and one["prompts_cut"] == 1 and all(type(one[key]) is int for key in counts), one
+    assert "1 of 1 prompts were longer than --max-prompt-tokens" in out and "True" not in out
     assert all("max_tokens" not in row for row in rows)  # no answer budget asked for: none written
     # each answer's budget as generate gives it: one number, or its bucket's from the train answers (auto)
     from polyalign.generate.budgets import bucket_budgets

@@ -116,8 +116,9 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                 row = {"id": record.id}
                 if max_prompt_tokens is not None:
                     ids = cut_prompt(chat, tokenizer, messages, max_prompt_tokens)
-                    cut.update(cut=ids.cut, system_lost=ids.system_lost,
-                               turns_dropped=lost_whole_turns(messages, ids.messages), over=ids.mid_turn)
+                    # counts, not flags: an empty Counter's first update keeps the values as given (True)
+                    cut.update(cut=int(ids.cut), system_lost=int(ids.system_lost),
+                               turns_dropped=int(lost_whole_turns(messages, ids.messages)), over=int(ids.mid_turn))
                     row["prompt_token_ids"], messages = ids.ids.tolist(), ids.messages
                     if ids.mid_turn:  # a chat API cannot cut inside a turn: these messages go over the budget
                         row["messages_over_budget"] = True
