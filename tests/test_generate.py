@@ -541,6 +541,15 @@ def test_prompts_use_the_profile_the_checkpoint_was_trained_with(trained, demo_r
     said = write_prompts(checkpoint, path, tmp_path / "apart.jsonl", limit=4, max_prompt_tokens=None)["notes"]
     assert apart and said == [f"{apart} of 4 records name a profile whose values {checkpoint}'s training data held, "
                               "but never together: the model never read such profile prompts"]
+    # every record's combination held: asked for `oracle` (context's three keys and the length) or `none` (no
+    # profile prompt at all), nothing is said of combinations (both said every record's was never held)
+    held_together = [record_profile(r, trained) for r in records]
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "polyalign_profile_values": everything, "polyalign_profile_combinations": held_together}))
+    for asked_for in ("oracle", "none"):
+        said = write_prompts(checkpoint, path, tmp_path / f"{asked_for}.jsonl", profile=asked_for, limit=4,
+                             max_prompt_tokens=None)["notes"]
+        assert not any("never together" in note for note in said), (asked_for, said)
 
 
 def test_a_checkpoint_polyalign_did_not_train_is_prompted_as_it_was_trained(demo_run, demo_tokenizer, tmp_path):

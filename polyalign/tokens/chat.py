@@ -162,12 +162,16 @@ def say_unseen_profile_values(tokenizer: Tokenizer, records: Sequence[Record], p
     combinations = values.get(PROFILE_COMBINATIONS)
     unseen: Counter = Counter()
     affected = apart = 0
+    # a combination is judged on the keys training's combinations hold: `oracle` adds length to context's three,
+    # and `none` names nothing (no profile prompt, nothing the model did not read)
+    combined = {key for combination in combinations or [] for key in combination}
     for record in records:
         named = record_profile(record, profile)
         missing = [(key, value) for key, value in named.items() if values.get(key) and value not in values[key]]
         unseen.update(missing)
         affected += bool(missing)
-        apart += bool(not missing and combinations and named not in combinations)
+        together = {key: value for key, value in named.items() if key in combined}
+        apart += bool(not missing and together and together not in combinations)
     if affected:
         listed = ", ".join(f"{key} {value!r} {n}" for (key, value), n in unseen.most_common())
         _say(f"{affected} of {len(records)} records name profile values {where}'s training data did not hold "
