@@ -24,6 +24,7 @@ from polyalign.inputs.pipeline import open_split
 from polyalign.model.architecture import checkpoint_family
 from polyalign.model.hf import checkpoint_tokenizer
 from polyalign.tokens.chat import Encoded, choose_template, get_template, record_messages
+from polyalign.tokens.profile_template import SYSTEM_LOST_WHY
 from polyalign.tokens.tokenizer import load_tokenizer
 
 # Around each trained span: characters no chat template or corpus text here uses.
@@ -120,19 +121,21 @@ def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: 
             continue
         before = len(messages) - 1 - (messages[0].role == "system")  # the messages before the reply, system aside
         said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "
-                           f"{', '.join(cut_phrases(encoded, before))}"]
+                           f"{', '.join(cut_phrases(encoded, before, options.truncation, '--truncation '))}"]
     return said
 
 
-def cut_phrases(encoded: Encoded, before: int) -> list[str]:
+def cut_phrases(encoded: Encoded, before: int, truncation: str, option: str) -> list[str]:
     """What a cut took from an example (`before`: the messages before its reply, the opening system message
-    aside), in words."""
+    aside), in words; a lost system message with why `truncation` lost it (`option`: how the command spells
+    the setting, "--truncation " or "truncation=")."""
     notes = (f" ({encoded.system_dropped} of them system messages from inside the conversation)"
              if encoded.system_dropped else "")
+    why = f" ({SYSTEM_LOST_WHY[truncation].format(option=option)})" if truncation in SYSTEM_LOST_WHY else ""
     return ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages{notes}"]
             if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
         (["left out its opening system message whole (over half of the prompt's share)"] if encoded.system_left_out
-         else ["lost its opening system message, whole or in part"] if encoded.system_cut else []) + \
+         else [f"lost its opening system message, whole or in part{why}"] if encoded.system_cut else []) + \
         (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
 
 
@@ -165,7 +168,7 @@ def show_pairs(pairs: Sequence[dict], where: str, checkpoint: Path, *, max_lengt
                  f"{float(pair.get('weight', 1.0)):.3f})"]
         for side, encoded in example.get("cuts", {}).items():
             lines.append(f"   {side} cut to max_length {max_length} by truncation {truncation}: "
-                         f"{', '.join(cut_phrases(encoded, before))}")
+                         f"{', '.join(cut_phrases(encoded, before, truncation, '--truncation '))}")
         for side in SIDES:
             side_ids, mask = np.asarray(example[f"{side}_ids"]), np.asarray(example[f"{side}_mask"])
             lines += [f"-- {side} ({len(side_ids)} tokens, {int(mask.sum())} trained between {TRAINED_OPEN} "
