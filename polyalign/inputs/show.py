@@ -121,17 +121,16 @@ def _cuts(run: Path, split: str, manifest: dict[str, Any], tokenizer, examples: 
             continue
         before = len(messages) - 1 - (messages[0].role == "system")  # the messages before the reply, system aside
         said[record_id] = [f"   cut to --max-length {options.max_length} by --truncation {options.truncation}: "
-                           f"{', '.join(cut_phrases(encoded, before, options.truncation, '--truncation '))}"]
+                           f"{', '.join(cut_phrases(encoded, before, options.truncation))}"]
     return said
 
 
-def cut_phrases(encoded: Encoded, before: int, truncation: str, option: str) -> list[str]:
+def cut_phrases(encoded: Encoded, before: int, truncation: str) -> list[str]:
     """What a cut took from an example (`before`: the messages before its reply, the opening system message
-    aside), in words; a lost system message with why `truncation` lost it (`option`: how the command spells
-    the setting, "--truncation " or "truncation=")."""
+    aside), in words; a lost system message with why `truncation` lost it, as `show --truncation` spells it."""
     notes = (f" ({encoded.system_dropped} of them system messages from inside the conversation)"
              if encoded.system_dropped else "")
-    why = f" ({SYSTEM_LOST_WHY[truncation].format(option=option)})" if truncation in SYSTEM_LOST_WHY else ""
+    why = f" ({SYSTEM_LOST_WHY[truncation].format(option='--truncation ')})" if truncation in SYSTEM_LOST_WHY else ""
     return ([f"lost its {encoded.turns_dropped} oldest of {before} earlier messages{notes}"]
             if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
         (["left out its opening system message whole (over half of the prompt's share)"] if encoded.system_left_out
@@ -168,7 +167,7 @@ def show_pairs(pairs: Sequence[dict], where: str, checkpoint: Path, *, max_lengt
                  f"{float(pair.get('weight', 1.0)):.3f})"]
         for side, encoded in example.get("cuts", {}).items():
             lines.append(f"   {side} cut to max_length {max_length} by truncation {truncation}: "
-                         f"{', '.join(cut_phrases(encoded, before, truncation, '--truncation '))}")
+                         f"{', '.join(cut_phrases(encoded, before, truncation))}")
         for side in SIDES:
             side_ids, mask = np.asarray(example[f"{side}_ids"]), np.asarray(example[f"{side}_mask"])
             lines += [f"-- {side} ({len(side_ids)} tokens, {int(mask.sum())} trained between {TRAINED_OPEN} "
