@@ -1082,8 +1082,9 @@ def _add_serve(sub) -> None:
                        description="Serve a checkpoint over HTTP as OpenAI's API does: GET /v1/models, POST "
                                    "/v1/chat/completions (messages rendered with the checkpoint's chat template) and "
                                    "POST /v1/completions, through the generation engine (requests join the running "
-                                   "batch as they arrive). Any OpenAI client works: base_url=http://HOST:PORT/v1. "
-                                   "No streaming. Needs the serve extra: pip install 'polyalign[serve]'.")
+                                   "batch as they arrive). Any OpenAI client works: base_url=http://HOST:PORT/v1; "
+                                   "stream=true streams the answer as it is decoded. Needs the serve extra: pip "
+                                   "install 'polyalign[serve]'.")
     p.add_argument("--checkpoint", required=True, type=_location,
                    help="Hugging Face checkpoint directory with its tokenizer, e.g. OUT/model")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")

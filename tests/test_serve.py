@@ -195,7 +195,12 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"messages": chat, "n": 0}, 400, "n"),
         ("post", "/chat/completions", {"messages": chat, "max_tokens": 0}, 400, "max_tokens"),
         ("post", "/chat/completions", {"messages": chat, "max_tokens": 10_000}, 400, "context"),
-        ("post", "/chat/completions", {"messages": chat, "stream": True}, 400, "stream"),
+        ("post", "/chat/completions", {"messages": chat, "stream_options": {"include_usage": True}}, 400,
+         "stream_options is only allowed when stream is true"),
+        ("post", "/chat/completions", {"messages": chat, "stream": True, "stream_options": {"usage": True}}, 400,
+         "stream_options.usage: Extra inputs are not permitted"),
+        # a streamed request the server cannot take is refused before its answer starts, as JSON
+        ("post", "/chat/completions", {"messages": chat, "stream": True, "max_tokens": 10_000}, 400, "context"),
         ("post", "/chat/completions", {"model": "gpt-4o", "messages": chat}, 404, "does not exist"),
         ("post", "/completions", {"prompt": ""}, 400, "prompt"),
         ("post", "/completions", {"prompt": 7}, 400, "prompt"),
@@ -243,7 +248,7 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
                 assert words in answer["error"]["message"], answer
         # the field at fault is named, as OpenAI names it
         assert [call(server.url + "/chat/completions", body={"messages": chat, **extra})[1]["error"]["param"]
-                for extra in ({"max_tokens": "10"}, {"temperature": 5}, {"stream": True})] == [
+                for extra in ({"max_tokens": "10"}, {"temperature": 5}, {"stream": "yes"})] == [
                     "max_tokens", "temperature", "stream"]
         assert call(server.url + "/completions", body={"prompt": "A hotel near the station. " * 60}
                     )[1]["error"]["param"] == "prompt"
@@ -537,3 +542,107 @@ def test_a_client_that_hangs_up_has_its_request_dropped_from_the_engine(checkpoi
             time.sleep(0.02)  # the engine drops it at its next call
         assert server.service.loop._pending == 0
         assert call(server.url + "/completions", body={**long, "max_tokens": 4})[0] == 200
+
+
+def _streamed(chunks, chat: bool) -> tuple[dict[int, str], dict[int, str], list]:
+    """The text of each choice joined from its chunks, each choice's finish reason, and the usage chunk's."""
+    texts, reasons, usages = {}, {}, []
+    for chunk in chunks:
+        usages.append(chunk.usage)
+        for choice in chunk.choices:
+            piece = (choice.delta.content or "") if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + piece
+            if choice.finish_reason is not None:
+                assert choice.index not in reasons  # a choice finishes once
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, usages
+
+
+def test_a_streamed_answer_joins_into_the_answer_the_same_request_gets_unstreamed(checkpoint):
+    """For every request form (chat, completion, a list of prompts; greedy, seeded samples; stop strings; short
+    and long budgets), the chunks of each choice join into the unstreamed answer, with its finish reason and
+    usage, and the text arrives in pieces as it is decoded, not at the end."""
+    dialogue = crosswoz_dialogues(1)[0][1]
+    messages = crosswoz_messages(dialogue, 3)
+    prompts = ["The hotel is in the centre", "A room for two nights"]
+    with Server(checkpoint, slots=6, max_sequence=512) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        long = client.chat.completions.create(model="sft", messages=messages, max_tokens=80, temperature=0)
+        content = long.choices[0].message.content
+        stop = content[10:13]  # three characters of the answer, met mid-answer
+        forms = [{"max_tokens": 80, "temperature": 0}, {"max_tokens": 80, "temperature": 0, "stop": [stop, "zz"]},
+                 {"max_tokens": 40, "temperature": 1.0, "n": 3, "seed": 7}, {"max_tokens": 1, "temperature": 0},
+                 {"max_tokens": 60, "temperature": 1.0, "seed": 2, "stop": "。"}]
+        for form in forms:
+            for chat in (True, False):
+                if chat:
+                    create, request = client.chat.completions.create, {"messages": messages, **form}
+                else:
+                    create, request = client.completions.create, {"prompt": prompts, **form}
+                whole = create(model="sft", **request)
+                chunks = list(create(model="sft", stream=True, stream_options={"include_usage": True}, **request))
+                texts, reasons, usages = _streamed(chunks, chat)
+                answers = [c.message.content if chat else c.text for c in whole.choices]
+                assert [texts[i] for i in range(len(answers))] == answers, (form, chat)
+                assert [reasons[i] for i in range(len(answers))] == [c.finish_reason for c in whole.choices]
+                # the usage comes once, in a last chunk without choices, as OpenAI sends it
+                assert usages[:-1] == [None] * (len(chunks) - 1) and not chunks[-1].choices
+                assert usages[-1].model_dump() == whole.usage.model_dump(), (form, chat)
+                if chat:  # a chat choice opens with its role
+                    assert {c.choices[0].index for c in chunks[:len(answers)]} == set(range(len(answers)))
+                    assert all(c.choices[0].delta.role == "assistant" for c in chunks[:len(answers)])
+                    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
+        assert long.choices[0].finish_reason == "length" and stop in content
+        # the text arrives as it is decoded: an 80-token answer in many pieces (a decoding call makes 8 tokens)
+        pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
+            model="sft", messages=messages, max_tokens=80, temperature=0, stream=True) if c.choices[0].delta.content]
+        assert "".join(pieces) == content and len(pieces) >= 5, pieces
+        # without stream_options, no usage anywhere and no usage chunk
+        plain = list(client.completions.create(model="sft", prompt=prompts[0], max_tokens=5, stream=True))
+        assert all(c.usage is None and c.choices for c in plain)
+    logged = [line for line in server.log if "/completions" in line]
+    assert all(" 200 " in line and line.endswith(" tokens") for line in logged), logged
+
+
+def test_a_streamed_choice_never_sends_what_later_tokens_change():
+    """What `_StreamedText` holds back: a stop string's possible beginning, a character whose bytes are still
+    arriving (U+FFFD), trailing whitespace; the finished answer sends the rest."""
+    from polyalign.generate.serve import _StreamedText
+
+    decoded = ["Hel", "Hello wo", "Hello world. St", "Hello world. STOP", "Hello world. STOP and more"]
+    streamed = _StreamedText(lambda tokens: decoded[len(tokens) - 1], ["STOP"])
+    sent = [streamed.update([0] * k) for k in range(1, 6)]
+    # "STOP" is 4 characters: the last 3 of a text may begin it; once it is there the text ends before it
+    assert sent == ["", "Hello", " world.", "", ""]
+    assert streamed.finish("Hello world. ") == " "
+    chinese = ["你", "你\ufffd", "你好\ufffd\ufffd", "你好世界 "]
+    streamed = _StreamedText(lambda tokens: chinese[len(tokens) - 1], [])
+    assert [streamed.update([0] * k) for k in range(1, 5)] == ["你", "", "好", "世界"]
+    assert streamed.finish("你好世界 ") == " "
+
+
+def test_a_streaming_client_that_hangs_up_has_its_request_dropped(checkpoint):
+    """A client that closes a streamed answer midway drops the request from the engine; the log says 499."""
+    long = {"prompt": "A room for two nights", "max_tokens": 1000, "n": 4, "temperature": 1.0, "seed": 5}
+    with Server(checkpoint, slots=4, max_sequence=1024) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        started = time.monotonic()
+        assert client.completions.create(model="sft", **long).usage.completion_tokens > 2000
+        taken = time.monotonic() - started
+        started = time.monotonic()
+        stream = client.completions.create(model="sft", stream=True, **long)
+        assert next(iter(stream)).choices[0].finish_reason is None
+        stream.close()
+        while (server.service.loop._pending or len(server.log) < 2) and time.monotonic() - started < taken:
+            time.sleep(0.02)
+        assert server.service.loop._pending == 0 and time.monotonic() - started < max(0.5 * taken, 1.0), taken
+        assert " POST /v1/completions 499 " in server.log[-1], server.log
+        deadline = time.monotonic() + 30
+        # the server stopping while a stream runs ends it with an error event, and the log says 503
+        server.service.stopping_since = time.monotonic() - 60
+        with pytest.raises(openai.APIError, match="the server is stopping"):
+            list(client.completions.create(model="sft", prompt="A room", max_tokens=900, stream=True))
+        server.service.stopping_since = None
+        while not server.log[-1].startswith(time.strftime("%Y")) or " 503 " not in server.log[-1]:
+            assert time.monotonic() < deadline, server.log
+            time.sleep(0.02)

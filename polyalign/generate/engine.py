@@ -81,13 +81,16 @@ class EngineConfig:
 class Request:
     """A prompt's token ids, how to sample it, its seed (`request_seed` derives one from an id), the
     number of samples, and optionally `stop_when(tokens)`: True ends a sample (finish reason "stop"),
-    checked after each decoding call (stop strings, which no single token id expresses)."""
+    checked after each decoding call (stop strings, which no single token id expresses); and
+    `on_tokens(sample, tokens)`: told of a sample's tokens so far after each decoding call that made some
+    (a streamed answer; called on the engine's thread, so it must not block)."""
 
     prompt: Sequence[int]
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0
     n: int = 1
     stop_when: Callable[[list[int]], bool] | None = None
+    on_tokens: Callable[[int, list[int]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -521,8 +524,13 @@ class _Run:
             self.slots[name] = np.array(after[name], dtype=_SLOT_FIELDS[name])
         finished = 0
         for slot in np.flatnonzero(was_live).tolist():
-            self.made[slot].extend(tokens[made[:, slot], slot].tolist())
-            stop_when = self.requests[self.owner[slot][0]].stop_when
+            new = tokens[made[:, slot], slot].tolist()
+            self.made[slot].extend(new)
+            index, sample = self.owner[slot]
+            request = self.requests[index]
+            if new and request.on_tokens is not None:
+                request.on_tokens(sample, list(self.made[slot]))
+            stop_when = request.stop_when
             if self.slots["live"][slot] and stop_when is not None and stop_when(self.made[slot]):
                 self.slots["live"][slot] = False
                 finished += self._finish(slot, FINISH_STOP)

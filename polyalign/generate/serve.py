@@ -4,12 +4,14 @@ GET /v1/models, POST /v1/chat/completions (messages rendered with the checkpoint
 as `generate` renders records) and POST /v1/completions (the prompt's own tokens). Requests join the
 engine's running batch as they arrive (EngineLoop). FastAPI parses and validates each request; anything
 malformed is answered 400 in OpenAI's error shape, an unknown model 404, and a request beyond the
-bounded queue 429; none of them reaches the engine. Streaming is not offered: a request asking for it
-is answered 400.
+bounded queue 429; none of them reaches the engine. `stream: true` answers as OpenAI's API streams
+(server-sent events of chunks, then `data: [DONE]`): the text arrives as the engine decodes it, and the
+chunks of a choice join into the answer the same request gets unstreamed.
 """
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import difflib
 import functools
@@ -27,7 +29,7 @@ from polyalign.core.errors import GenerationError, PolyalignError
 from polyalign.core.extras import require
 from polyalign.core.paths import is_uri
 from polyalign.data.text import normalize
-from polyalign.generate.engine import Engine, EngineConfig, EngineLoop, Request, request_seed
+from polyalign.generate.engine import Completion, Engine, EngineConfig, EngineLoop, Request, request_seed
 from polyalign.generate.run import open_checkpoint, run_name
 from polyalign.generate.sampling import SamplingConfig
 from polyalign.generate.settings import (
@@ -96,6 +98,10 @@ def _models():
         role: Literal["system", "developer", "user", "assistant"]
         content: str | list[ContentPart]
 
+    class StreamOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        include_usage: bool = False  # a last chunk with the request's usage, as OpenAI sends it
+
     class Sampling(BaseModel):
         # strict: "10" is not a number and true is not 1; fields polyalign cannot honour are refused below
         model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # NaN is no temperature
@@ -116,6 +122,7 @@ def _models():
         # one string or up to four (the limit is the list's, not the string's length)
         stop: str | Annotated[list[str], Field(max_length=4)] | None = None
         stream: bool = False
+        stream_options: StreamOptions | None = None
 
     class ChatRequest(Sampling):
         messages: list[ChatMessage] = Field(min_length=1)
@@ -149,7 +156,7 @@ def _text(content) -> str:
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
                "logit_bias": (None, {}), "echo": (None, False), "suffix": (None,), "best_of": (None, 1),
-               "stream_options": (None,), "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
+               "parallel_tool_calls": (None, True, False), "modalities": (None, ["text"]),
                "reasoning_effort": (None,), "min_tokens": (None, 0), "ignore_eos": (None, False),
                "stop_token_ids": (None, []), "skip_special_tokens": (None, True), "use_beam_search": (None, False),
                "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
@@ -166,6 +173,40 @@ def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """The text up to the first stop string, and whether one was found."""
     ends = [text.index(s) for s in stops if s and s in text]
     return (text[:min(ends)], True) if ends else (text, False)
+
+
+def _event(body: dict) -> str:
+    """One server-sent event, as OpenAI's API streams a chunk."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _StreamedText:
+    """What a streamed choice has sent of its text. An update sends only what later tokens cannot change:
+    not the last characters that may begin a stop string (the answer is cut before it), not a character
+    whose bytes are still arriving (decoded as U+FFFD), not trailing whitespace (a tokenizer may join it to
+    what follows). The finished answer, as an unstreamed request gets it, sends the rest."""
+
+    def __init__(self, text_of: Callable[[list[int]], str], stops: list[str]):
+        self.text_of, self.stops, self.sent = text_of, stops, ""
+        self.hold = max((len(stop) for stop in stops), default=1) - 1
+
+    def update(self, tokens: list[int]) -> str:
+        text, stopped = _cut_at_stop(self.text_of(tokens), self.stops)
+        if not stopped and self.hold:
+            text = text[:max(len(text) - self.hold, 0)]
+        if "\ufffd" in text[len(self.sent):]:
+            text = text[:text.index("\ufffd", len(self.sent))]
+        return self._send(text.rstrip())
+
+    def finish(self, answer: str) -> str:
+        # what was sent is the answer's beginning (update sends nothing later tokens change), so the rest follows
+        return answer[len(self.sent):]
+
+    def _send(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
 
 
 class Service:
@@ -219,8 +260,8 @@ class Service:
             raise _ApiError(400, f"{', '.join(misplaced)}: profile variables go in chat_template_kwargs "
                                  f"({{\"chat_template_kwargs\": {{\"{misplaced[0]}\": ...}}}}), not at the top "
                                  "of the request", param=misplaced[0])
-        if body.stream:
-            raise _ApiError(400, "polyalign serve does not stream; send the request without stream", param="stream")
+        if body.stream_options is not None and not body.stream:
+            raise _ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if body.model is not None and body.model != self.model_name:
             raise _ApiError(404, f"The model {body.model!r} does not exist; this server has {self.model_name!r}",
                             kind="not_found_error", param="model")
@@ -239,37 +280,131 @@ class Service:
             given["top_k"] = 0
         return SamplingConfig(budget, **{**self.sampling_defaults, **given}), seed % 2 ** 32
 
-    async def _complete(self, prompt: list[int], sampling: SamplingConfig, seed: int, n: int, client,
-                        stops: list[str], text_of: Callable[[list[int]], str]):
-        """The completions of one request; dropped from the engine when `client` (the HTTP request)
-        disconnects first, so an abandoned request does not hold slots others wait for. A sample ends
-        once its text (`text_of` its tokens) holds one of `stops` (the answer is cut there afterwards)."""
-        stop_when = None
-        if stops:
-            def stop_when(tokens: list[int]) -> bool:
-                return self._cut(tokens, stops, text_of)[1]
+    def _submit(self, jobs: list[tuple[list[int], SamplingConfig, int, Callable[[list[int]], str]]], n: int,
+                stops: list[str], on_tokens: Callable[[int, int, list[int]], None] | None = None
+                ) -> list[concurrent.futures.Future]:
+        """Each job (prompt, sampling, seed, `text_of`) into the engine as a request of `n` samples. A sample ends
+        once its text (`text_of` its tokens) holds one of `stops` (the answer is cut there afterwards);
+        `on_tokens(job, sample, tokens)` is told of its tokens as they are made (a streamed answer). Nothing
+        stays in the engine when one cannot be taken."""
+        futures = []
         try:
-            future = self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when))
-        except queue.Full as error:
-            raise _ApiError(429, f"too many requests at once ({error}); retry later", kind="rate_limit_error") from None
-        except GenerationError as error:
+            for job, (prompt, sampling, seed, text_of) in enumerate(jobs):
+                stop_when = functools.partial(self._stopped, stops=stops, text_of=text_of) if stops else None
+                told = None if on_tokens is None else functools.partial(on_tokens, job)
+                futures.append(self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when,
+                                                        on_tokens=told)))
+        except (queue.Full, GenerationError) as error:
+            self._cancel(futures)
+            if isinstance(error, queue.Full):
+                raise _ApiError(429, f"too many requests at once ({error}); retry later",
+                                kind="rate_limit_error") from None
             raise _ApiError(400, str(error)) from None
-        answer = asyncio.wrap_future(future)
+        return futures
+
+    def _cancel(self, futures) -> None:
+        for future in futures:
+            if not future.done():
+                self.loop.cancel(future)
+
+    def _check_stopping(self, futures) -> None:
+        """A request still running STOP_ANSWER_S after the server was told to stop is dropped (503)."""
+        if self.stopping_since is not None and time.monotonic() - self.stopping_since > STOP_ANSWER_S:
+            self._cancel(futures)
+            raise _ApiError(503, "the server is stopping; send the request again once it is back", kind="server_error")
+
+    async def _wait(self, futures, client) -> list[list[Completion]]:
+        """The completions of each submitted job; dropped from the engine when `client` (the HTTP request)
+        disconnects first, so an abandoned request does not hold slots others wait for."""
+        answers = [asyncio.wrap_future(future) for future in futures]
         try:
             while True:
-                if self.stopping_since is not None and time.monotonic() - self.stopping_since > STOP_ANSWER_S:
-                    self.loop.cancel(future)
-                    raise _ApiError(503, "the server is stopping; send the request again once it is back",
-                                    kind="server_error")
-                done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return answer.result()
+                self._check_stopping(futures)
+                _, pending = await asyncio.wait(answers, timeout=DISCONNECT_POLL_S)
+                if not pending:
+                    return [answer.result() for answer in answers]
                 if client is not None and await client.is_disconnected():
-                    self.loop.cancel(future)
+                    self._cancel(futures)
                     raise _ApiError(499, "the client closed the connection")
         except asyncio.CancelledError:
-            self.loop.cancel(future)
+            self._cancel(futures)
             raise
+
+    def _stream(self, jobs, n: int, stops: list[str], client, chat: bool, include_usage: bool):
+        """The jobs submitted now (a request the engine cannot take is refused before the answer starts) and
+        the events that stream their answers."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def told(job: int, sample: int, tokens: list[int]) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(updates.put_nowait, (job * n + sample, tokens))
+
+        futures = self._submit(jobs, n, stops, told)
+        return self._events(futures, updates, jobs, n, stops, client, chat, include_usage)
+
+    async def _events(self, futures, updates: asyncio.Queue, jobs, n: int, stops: list[str], client, chat: bool,
+                      include_usage: bool):
+        """Server-sent events of OpenAI's chunks: a chat choice opens with its role; each choice's text as it is
+        decoded, then its finish reason; the usage when asked; `data: [DONE]`. A client that hangs up drops
+        the request from the engine; the request log says 499."""
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+
+        def chunk(index: int, text: str, reason: str | None = None, opening: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": text} if opening else {"content": text} if text else {}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            return _event({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+
+        texts = [_StreamedText(text_of, stops) for *_, text_of in jobs for _ in range(n)]
+        answers = [asyncio.wrap_future(future) for future in futures]
+        finished: set[int] = set()
+        made, ended, getter = 0, False, None
+        try:
+            if chat:
+                for index in range(len(texts)):
+                    yield chunk(index, "", opening=True)
+            while len(finished) < len(answers):
+                try:
+                    self._check_stopping(futures)
+                except _ApiError as error:
+                    _set_state(client, status=error.status)
+                    yield _event(error.body())
+                    ended = True
+                    return
+                getter = getter or asyncio.ensure_future(updates.get())
+                await asyncio.wait([getter, *(a for j, a in enumerate(answers) if j not in finished)],
+                                   timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    index, tokens = getter.result()
+                    getter = None
+                    if index // n not in finished and (delta := texts[index].update(tokens)):
+                        yield chunk(index, delta)
+                for job, answer in enumerate(answers):
+                    if job in finished or not answer.done():
+                        continue
+                    finished.add(job)
+                    choices, count = self._choices(answer.result(), stops, jobs[job][3])
+                    made += count
+                    for sample, (text, reason) in enumerate(choices):
+                        index = job * n + sample
+                        yield chunk(index, texts[index].finish(text), reason)
+            prompt_tokens = sum(len(prompt) for prompt, *_ in jobs)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": made, "total_tokens": prompt_tokens + made}
+            _set_state(client, usage=usage)
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+            ended = True
+        finally:
+            if getter is not None:
+                getter.cancel()
+            self._cancel(futures)
+            if not ended:  # the client hung up (the response's task was cancelled)
+                _set_state(client, status=499)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids: ids as given (each checked against the vocabulary), or the text's
@@ -311,6 +446,9 @@ class Service:
             return whole[len(before):]
         return self.tokenizer.decode(list(tokens), skip_special=True)  # a piece merged across the boundary
 
+    def _stopped(self, tokens: list[int], stops: list[str], text_of: Callable[[list[int]], str]) -> bool:
+        return self._cut(tokens, stops, text_of)[1]
+
     def _cut(self, tokens, stops: list[str], text_of: Callable[[list[int]], str]) -> tuple[str, bool]:
         """The text of `tokens` as `text_of` reads it (a chat answer, a completion), cut at the first stop string,
         and whether one was there."""
@@ -332,7 +470,8 @@ class Service:
         trained = self.tokenizer.profile_mode
         return "the profile it was trained with is not recorded" if trained is None else trained_profile_text(trained)
 
-    async def chat_completion(self, body, client=None) -> dict:
+    async def chat_completion(self, body, client=None):
+        """The answer (OpenAI's chat.completion), or with `stream` the events that stream it."""
         # read as prepare read the training conversations: developer is a system role, whitespace normalised
         messages = [Message("system" if m.role == "developer" else m.role, normalize(_text(m.content)))
                     for m in body.messages]
@@ -356,7 +495,10 @@ class Service:
         prompt = encode_prompt(self.chat, self.tokenizer, messages).tolist()
         sampling, seed = self._sampling(body, prompt)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        completions = await self._complete(prompt, sampling, seed, body.n, client, stops, self._answer)
+        jobs = [(prompt, sampling, seed, self._answer)]
+        if body.stream:
+            return self._stream(jobs, body.n, stops, client, chat=True, include_usage=_include_usage(body))
+        [completions] = await self._wait(self._submit(jobs, body.n, stops), client)
         choices, made = self._choices(completions, stops, self._answer)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
@@ -364,7 +506,8 @@ class Service:
                              "logprobs": None} for i, (text, reason) in enumerate(choices)],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": made, "total_tokens": len(prompt) + made}}
 
-    async def completion(self, body, client=None) -> dict:
+    async def completion(self, body, client=None):
+        """The answer (OpenAI's text_completion), or with `stream` the events that stream it."""
         single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
         prompts = [body.prompt] if single else body.prompt
         if not prompts or not all(prompts):
@@ -372,12 +515,13 @@ class Service:
                             param="prompt")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         encoded = [self._prompt_ids(p) for p in prompts]
-        requests = [self._sampling(body, ids, "prompt") for ids in encoded]
-        readers = [functools.partial(self._continuation, ids) for ids in encoded]
-        results = await asyncio.gather(*(self._complete(ids, sampling, seed, body.n, client, stops, text_of)
-                                         for ids, (sampling, seed), text_of in zip(encoded, requests, readers)))
+        jobs = [(ids, *self._sampling(body, ids, "prompt"), functools.partial(self._continuation, ids))
+                for ids in encoded]
+        if body.stream:
+            return self._stream(jobs, body.n, stops, client, chat=False, include_usage=_include_usage(body))
+        results = await self._wait(self._submit(jobs, body.n, stops), client)
         choices, made = [], 0
-        for completions, text_of in zip(results, readers):
+        for completions, (*_, text_of) in zip(results, jobs):
             texts, count = self._choices(completions, stops, text_of)
             choices += texts
             made += count
@@ -395,7 +539,7 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
     seconds, prompt + completion tokens of an answered one), None: no request log."""
     fastapi = require("fastapi", "serve", "polyalign serve")
     from fastapi.exceptions import RequestValidationError  # the serve extra, present once `require` passed
-    from fastapi.responses import JSONResponse  # the serve extra
+    from fastapi.responses import JSONResponse, StreamingResponse  # the serve extra
     from starlette.exceptions import HTTPException  # installed with fastapi
 
     chat_request, completion_request = _models()
@@ -438,17 +582,23 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
                             kind="not_found_error", param="model")
         return service.models()["data"][0]
 
+    def answered(answer):
+        if isinstance(answer, dict):
+            return answer
+        # a stream: its events set the usage (or the status of one cut short) as they end
+        return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: chat_request, client: fastapi.Request):
         answer = await service.chat_completion(body, client)
-        client.state.usage = answer["usage"]
-        return answer
+        _set_state(client, usage=answer.get("usage") if isinstance(answer, dict) else None)
+        return answered(answer)
 
     @app.post("/v1/completions")
     async def completions(body: completion_request, client: fastapi.Request):
         answer = await service.completion(body, client)
-        client.state.usage = answer["usage"]
-        return answer
+        _set_state(client, usage=answer.get("usage") if isinstance(answer, dict) else None)
+        return answered(answer)
 
     if log is not None:
         app.add_middleware(RequestLog, log=log)
@@ -468,22 +618,37 @@ class RequestLog:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started, status = time.monotonic(), 500  # 500: the app ended without answering
+        started, status, whole = time.monotonic(), 500, False  # 500: the app ended without answering
         state = scope.setdefault("state", {})  # request.state: the endpoints leave the usage there
 
         async def sending(message):
-            nonlocal status
+            nonlocal status, whole
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                whole = True
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
+            # a stream cut short: its start said 200 before the server stopped it or the client hung up
+            status = state.get("status", status if whole or status != 200 else 499)
             usage = state.get("usage")
             tokens = f" {usage['prompt_tokens']}+{usage['completion_tokens']} tokens" if usage else ""
             self.log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {scope['method']} {scope['path']} {status} "
                      f"{time.monotonic() - started:.2f} s{tokens}")
+
+
+def _include_usage(body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _set_state(client, **values) -> None:
+    """What the request log reads of a request (its usage; a status its response's start could not say)."""
+    if client is not None:
+        for key, value in values.items():
+            setattr(client.state, key, value)
 
 
 DEFAULT_MAX_SEQUENCE = 2048
