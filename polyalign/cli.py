@@ -520,13 +520,13 @@ def _run_show(args) -> int:
     from polyalign.inputs.show import show_examples, show_pairs
 
     if not args.run.exists():
-        args.parser.error(f"{args.run}: no such run folder or pairs file")
+        raise ConfigError(f"{args.run}: no such run folder or pairs file")
     if args.run.is_file():
         if args.checkpoint is None:
-            args.parser.error(f"{args.run} is a file: a pairs file is shown as a preference run reads it, with its "
+            raise ConfigError(f"{args.run} is a file: a pairs file is shown as a preference run reads it, with its "
                               "init's tokenizer and template: give --checkpoint INIT")
         if args.split is not None:
-            args.parser.error("--split is a run's; a pairs file is one split")
+            raise ConfigError("--split is a run's; a pairs file is one split")
         from polyalign.pairs.make import read_pairs  # heavy: etils.epath, kept out of --help
 
         blocks = show_pairs(read_pairs(args.run), str(args.run), args.checkpoint, max_length=args.max_length,
@@ -536,7 +536,9 @@ def _run_show(args) -> int:
         given = [f"--{name.replace('_', '-')}" for name in PAIR_SHOW_OPTIONS
                  if getattr(args, name) != args.parser.get_default(name)]
         if given:
-            args.parser.error(f"{', '.join(given)}: for a pairs file; a run's build was made with its own settings")
+            raise ConfigError(f"{', '.join(given)}: for a pairs file; a run's examples are shown as its build made "
+                              f"them (its settings: {Path(args.run) / 'build' / 'manifest.json'}; `polyalign build "
+                              f"{args.run} --max-length N --overwrite` builds them anew)")
         blocks = show_examples(args.run, args.split or "train", args.ids, args.limit, args.token_ids)
     for block in blocks:
         print(block + "\n")
@@ -1157,7 +1159,7 @@ def prompts_budget(args) -> int | str | None:
     conversations: a cut counts a model's tokens), where asking for one is an error."""
     if args.checkpoint is None:
         if args.max_prompt_tokens is not None:
-            args.parser.error("--max-prompt-tokens counts a model's tokens: give --checkpoint too (without one, the "
+            raise ConfigError("--max-prompt-tokens counts a model's tokens: give --checkpoint too (without one, the "
                               "rows hold each conversation whole)")
         return None
     return args.max_prompt_tokens if args.max_prompt_tokens is not None else "auto"
@@ -1423,7 +1425,7 @@ def _run_report(args) -> int:
     from polyalign.reports.evaluation import compare  # heavy: matplotlib, numpy, kept out of --help
 
     if args.names is not None and (len(args.names) != len(args.evals) or len(set(args.names)) != len(args.names)):
-        args.parser.error(f"--names takes one distinct name per EVAL folder: {len(args.evals)} folders, "
+        raise ConfigError(f"--names takes one distinct name per EVAL folder: {len(args.evals)} folders, "
                           f"names {' '.join(args.names)}")
     summary = compare(args.evals, args.out, names=args.names, overwrite=args.overwrite,
                       allow_different_data=args.allow_different_data)

@@ -341,6 +341,9 @@ def test_every_limit_and_sample_takes_records_in_file_order_and_says_when_it_ask
             assert order == sorted(set(order)) and max(order) < held
             assert [r.id for r in select_records(records, source, limit, sample, seed=3)[0]] == [r.id for r in taken]
             expected = [f"--limit {limit}: {source} holds 30 records; all are taken"] * bool(limit and limit > 30)
+            # both choosing is said, whatever their values: neither reads as ignored
+            expected += [f"--limit {limit} with --sample {sample}: chosen from the first {held} records only"] * bool(
+                limit and sample)
             more = sample is not None and sample > held
             expected += [f"--sample {sample}: {held} records to sample from; all are taken"] * more
             assert notes == expected, (limit, sample, notes)
@@ -481,9 +484,10 @@ def test_prompts_without_a_checkpoint_write_whole_conversations_as_messages(demo
     # the engine's rows name no profile: the one the prompts were written with is the evaluation's
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["config"]["profile"] == ["context"]
     command = ["prompts", "--records", str(records_path), "--out", str(tmp_path / "o.jsonl")]
-    with pytest.raises(SystemExit):  # a usage error
-        main([*command, "--max-prompt-tokens", "100"])
-    assert "--max-prompt-tokens counts a model's tokens: give --checkpoint too" in capsys.readouterr().err
+    assert main([*command, "--max-prompt-tokens", "100"]) == 2  # one line, not argparse's usage block
+    err = capsys.readouterr().err
+    assert err.startswith("polyalign prompts: error: --max-prompt-tokens counts a model's tokens: give --checkpoint "
+                          "too") and len(err.splitlines()) == 1
     for flags, needs in ((["--template", "qwen"], "--template needs a --checkpoint"),
                          (["--max-new-tokens", "auto"], "--max-new-tokens auto needs a --checkpoint")):
         assert main([*command, *flags]) == 2

@@ -24,6 +24,9 @@ def select_records(records: list[Record], source: Path, limit: int | None = None
     if limit is not None and limit > len(records):
         notes.append(f"--limit {limit}: {source} holds {len(records)} records; all are taken")
     records = records[:limit]
+    chooser = f"--sample {sample}" if sample is not None else f"--per-bucket {per_bucket}" if per_bucket else None
+    if limit is not None and chooser:  # both choose: said, so neither reads as ignored
+        notes.append(f"--limit {limit} with {chooser}: chosen from the first {len(records)} records only")
     if sample is not None and sample > len(records):
         notes.append(f"--sample {sample}: {len(records)} records to sample from; all are taken")
     elif sample is not None and sample < len(records):

@@ -172,6 +172,8 @@ def checkpoint_tokenizer(path: str | os.PathLike, model_required: bool = True) -
     a tokenizer's alone (prompts and show read only the tokenizer), with no model to outrun."""
     if model_required:
         checkpoint_config(path)
+    elif not as_path(path).exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
     tokenizer = load_tokenizer(path)
     if (as_path(path) / "config.json").is_file():
         check_vocabulary(path, tokenizer.vocab_size, str(tokenizer.path),

@@ -307,7 +307,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         else:
             raise TokenizerError(f"{path}: no {TOKENIZERS_FILE} or {SENTENCEPIECE_FILE}")
     elif not path.is_file():
-        raise TokenizerError(f"{path}: no such file")
+        raise TokenizerError(f"{path}: no such tokenizer file or folder")
     tokenizer: Tokenizer = JsonTokenizer(path) if path.suffix == ".json" else SentencePieceTokenizer(path)
     if config is not None:
         tokenizer._apply_config(config)
