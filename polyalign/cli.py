@@ -178,10 +178,12 @@ def _opening_replies_note(source: dict) -> str | None:
     count = source.get("opening_replies")
     if not count:
         return None
-    return (f"note: source {source['name']!r}: {count} records are the first reply of a multi-turn conversation: "
-            "read off the conversation, their track is single (no earlier turn) and the later replies' multi, so "
-            "each dialogue spans two buckets; set `track: multi` on the source to bucket whole conversations as "
-            "multi-turn, as the scheme does for its dialogue corpora (docs/data.md: Users' own conversations)")
+    are = "is" if count == 1 else "are"
+    return (f"note: source {source['name']!r}: {counted(count, 'record')} {are} the first reply of a multi-turn "
+            "conversation: read off the conversation, their track is single (no earlier turn) and the later "
+            "replies' multi, so each dialogue spans two buckets; set `track: multi` on the source to bucket whole "
+            "conversations as multi-turn, as the scheme does for its dialogue corpora (docs/data.md: Users' own "
+            "conversations)")
 
 
 def _run_prepare(args) -> int:
@@ -664,6 +666,8 @@ def _run_train(args) -> int:
               f"{check['probes']} probe texts")
     elif result.get("tokenizer_warning"):
         print(f"warning: {result['tokenizer_warning']}", file=sys.stderr)
+    elif check.get("reason"):  # as build says it: a check not made is a line too, not silence
+        print(f"tokenizer: {check['reason']}")
     return 0
 
 
@@ -841,7 +845,7 @@ def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by
     """A declared language that the text's script contradicts labels rows into another language's
     buckets: said on the console, not only in the manifest."""
     if mismatches:
-        counts = ", ".join(f"{count} rows {mismatch}" for mismatch, count in mismatches.items())
+        counts = ", ".join(f"{counted(count, 'row')} {mismatch}" for mismatch, count in mismatches.items())
         print(f"warning: {what}: {counts}; they are bucketed as declared. Check {declared_by}, or leave it out "
               "to detect each conversation's language", file=sys.stderr)
 
@@ -967,7 +971,8 @@ def _budget_options(parser, default: int | None, what: str) -> None:
                         help="with auto: the length quantile (default 0.99)")
     parser.add_argument("--budget-margin", type=float, default=1.2, help="with auto: times this (default 1.2)")
     parser.add_argument("--budget-ceiling", type=int, default=1024,
-                        help="with auto: the most tokens of any bucket (default 1024)")
+                        help="with auto: the most tokens of any bucket (default 1024, or for a model trained from "
+                             "scratch what the prompt leaves of its trained length)")
 
 
 def _budget_records(args) -> Path | None:

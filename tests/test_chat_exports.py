@@ -93,7 +93,8 @@ def test_a_reply_weighted_0_is_history_never_a_target(tmp_path):
     assert weighted not in {r.response for r in records}
     assert all(weighted in [t["text"] for t in r.history] for r in records)  # every later reply's history holds it
     listed = [json.loads(line) for line in (tmp_path / "run" / "data" / "dropped.jsonl").read_text().splitlines()]
-    assert [d["reason"] for d in listed] == ["weight_0"]
+    # which of the line's replies: the one left out, as docs/data.md says of a reply dropped from a conversation
+    assert [(d["reason"], d["response"]) for d in listed] == [("weight_0", weighted[:80])]
     row["messages"][first]["weight"] = 0.5
     write_jsonl(tmp_path / "chats.jsonl", [row])
     from polyalign.core.errors import PrepareError

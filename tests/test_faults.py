@@ -727,7 +727,7 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
     capsys.readouterr()
     assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"),
                  "--no-progress"]) == 0
-    assert ("warning: source 'src': 1 rows en declared, han script; they are bucketed as declared. Check its "
+    assert ("warning: source 'src': 1 row en declared, han script; they are bucketed as declared. Check its "
             "`language:` in the data config") in capsys.readouterr().err
 
 

@@ -886,7 +886,7 @@ def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally,
         tally.drop("malformed")
         return None
     if isinstance(item, Skipped):
-        drop(item.reason)
+        drop(item.reason, item.response)
         return None
     # a conversation row's own id (two conversations under one id, however their turns number), else the key
     row_id = item.meta.get("dialogue_id") if isinstance(item, Example) else None

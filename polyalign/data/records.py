@@ -116,11 +116,14 @@ class Malformed:
 
 @dataclass
 class Skipped:
-    """A well-formed row the format itself excludes (e.g. an LLM-written COIG answer); counted by reason."""
+    """A well-formed row the format itself excludes (e.g. an LLM-written COIG answer); counted by reason.
+    `response`: the reply left out, where the row is a conversation that holds others (dropped.jsonl says
+    which of its replies)."""
 
     location: Location
     reason: str
     key: str | None = None
+    response: str | None = None
 
 
 ImportItem = Union[Example, Malformed, Skipped, Notice]

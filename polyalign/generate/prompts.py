@@ -26,7 +26,13 @@ from polyalign.core.outputs import OutputLock, sidecar, stage_output, write_reco
 from polyalign.core.paths import file_digest, recorded_path
 from polyalign.data.records import read_records
 from polyalign.generate.budgets import bucket_budgets
-from polyalign.generate.run import answer_room, default_prompt_budget, past_trained_length, say_tokenizer_reading
+from polyalign.generate.run import (
+    BUDGET_CEILING,
+    answer_room,
+    default_budgets,
+    past_trained_length,
+    say_tokenizer_reading,
+)
 from polyalign.generate.sampling import SamplingConfig
 from polyalign.generate.selection import select_records
 from polyalign.model.architecture import checkpoint_family
@@ -50,7 +56,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                   per_bucket: int | None = None, max_prompt_tokens: int | str | None = "auto",
                   max_new_tokens: int | str | None = None,
                   budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
-                  budget_ceiling: int = 1024, overwrite: bool = False) -> dict[str, Any]:
+                  budget_ceiling: int = BUDGET_CEILING, overwrite: bool = False) -> dict[str, Any]:
     """`max_prompt_tokens`: the prompt budget, chosen as generate chooses it by default ("auto":
     run.default_prompt_budget; None: whole prompts, no prompt_token_ids). `max_new_tokens`: each row's
     `max_tokens`, a number or "auto" (its bucket's budget from the answers of `budget_records`, as
@@ -72,7 +78,8 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
     if max_prompt_tokens is not None:
         answers = (budget_ceiling if auto else SamplingConfig().max_new_tokens if max_new_tokens is None
                    else int(max_new_tokens))
-        max_prompt_tokens, fitted = default_prompt_budget(checkpoint, max_prompt_tokens, answers, auto)
+        max_prompt_tokens, answers, fitted = default_budgets(checkpoint, max_prompt_tokens, answers, auto)
+        budget_ceiling = answers if auto else budget_ceiling
     if max_prompt_tokens is not None and max_new_tokens is not None:
         room, changed = answer_room(checkpoint, max_prompt_tokens, budget_ceiling if auto else int(max_new_tokens),
                                     budgeted=auto)

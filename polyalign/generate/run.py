@@ -107,9 +107,12 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     records the settings, the records' digest and the checkpoint; predictions made with other settings are
     not replaced unless `overwrite`."""
     options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
-    prompt_tokens, chosen = default_prompt_budget(checkpoint, options.max_prompt_tokens,
-                                                  options.sampling.max_new_tokens, options.budget_records is not None)
-    options, fitted = fitted_to_positions(checkpoint, dataclasses.replace(options, max_prompt_tokens=prompt_tokens))
+    budgeted = options.budget_records is not None
+    prompt_tokens, answers, chosen = default_budgets(checkpoint, options.max_prompt_tokens,
+                                                     options.sampling.max_new_tokens, budgeted)
+    options = dataclasses.replace(options, max_prompt_tokens=prompt_tokens,
+                                  sampling=dataclasses.replace(options.sampling, max_new_tokens=answers))
+    options, fitted = fitted_to_positions(checkpoint, options)
     fitted = [*chosen, *fitted]
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
@@ -124,6 +127,7 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
 
 
 PROMPT_TOKENS = 512  # the prompt budget where a checkpoint does not say how long it was trained
+BUDGET_CEILING = 1024  # --max-new-tokens auto: the most tokens of any bucket, unless given or chosen to fit
 PARTIAL_HEADER = "polyalign_partial"  # the first line of OUT.partial: what made the answers below it
 
 
@@ -159,6 +163,24 @@ def resumed_answers(partial: Path, identity: dict, ids: set[str], notes: list[st
         notes.append(f"resuming: {len(kept)} of {len(ids)} answers kept from an interrupted run of this command "
                      f"({partial}); {len(ids) - len(kept)} to go")
     return kept
+
+
+def default_budgets(checkpoint, asked: int | str, answers: int, budgeted: bool = False
+                    ) -> tuple[int, int, list[str]]:
+    """The prompt budget and the answer budget, with a note for what was chosen here (default_prompt_budget).
+    Per-bucket budgets whose ceiling is the default (BUDGET_CEILING, not given) beside a chosen prompt budget
+    share a from-scratch model's trained length with it: the ceiling is what the prompt leaves, said in the
+    same note, rather than a ceiling that a second note then says runs past the positions the model learned."""
+    prompt, notes = default_prompt_budget(checkpoint, asked, answers, budgeted)
+    trained = trained_length(checkpoint)
+    if not (budgeted and notes and answers == BUDGET_CEILING and trained is not None and prompt + answers > trained):
+        return prompt, answers, notes
+    ceiling = trained - prompt
+    where = never_trained_past(checkpoint, trained)
+    return prompt, ceiling, [
+        f"--max-prompt-tokens {prompt} and --budget-ceiling {ceiling} (chosen): {where}, half of them for the prompt "
+        f"and the rest for the longest answer (give either to choose; {PROMPT_TOKENS} and {BUDGET_CEILING} where a "
+        "model does not say)"]
 
 
 def default_prompt_budget(checkpoint, asked: int | str, answers: int, budgeted: bool = False) -> tuple[int, list[str]]:

@@ -507,13 +507,13 @@ def project_dialogue(
             continue
         key = f"{dialogue_id}-turn-{turn['index']}"
         if turn.get("tool"):
-            yield Skipped(location, "tool_call", key=key)
+            yield Skipped(location, "tool_call", key=key, response=turn["text"])
             continue
         if any(t.get("tool") for t in turns[:k]):
-            yield Skipped(location, "after_tool_call", key=key)
+            yield Skipped(location, "after_tool_call", key=key, response=turn["text"])
             continue
         if turn.get("untrained"):  # weight 0: kept as the history of later replies, never a target itself
-            yield Skipped(location, "weight_0", key=key)
+            yield Skipped(location, "weight_0", key=key, response=turn["text"])
             continue
         user_index = next((i for i in range(k - 1, -1, -1) if turns[i]["role"] == "user"), None)
         question = turns[user_index]["text"] if user_index is not None else ""
