@@ -221,9 +221,9 @@ def _run_prepare(args) -> int:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")
         for line in (_scheme_entry_note(source), _label_defaults_note(source), _opening_replies_note(source),
-                     _unread_keys_note(source)):
+                     _unread_keys_note(source), _mojibake_note(source)):
             if line:
-                print(line)
+                print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)
     for warning in manifest.get("warnings", []):
         print(f"warning: {warning}", file=sys.stderr)
     print(f"manifest: {args.out / 'data' / 'manifest.json'}")
@@ -839,6 +839,20 @@ def _note_few_bucket_pairs(summary: dict, records: Path, per_bucket: int | None 
     print(f"note: {len(few)} of {summary['buckets']} buckets of {records} get fewer than {summary['few_below']} "
           f"pairs, {none} of them none (fewest: {listed}): pairs follow the answered records' mix, and a bucket's "
           f"weight lifts its few pairs but cannot stand in for missing ones{hint}", file=sys.stderr)
+
+
+def _mojibake_note(source: dict) -> str | None:
+    """Records whose text was decoded with the wrong encoding somewhere before polyalign read it: a model
+    trained on them learns to write "â€“". Said with the fix, or with what the fix did."""
+    count = source.get("mojibake")
+    if not count:
+        return None
+    what = (f"source {source['name']!r}: {counted(count, 'record')} held mojibake (UTF-8 text read as Windows-1252: "
+            "\"1944â€“46\" for \"1944–46\")")
+    if source.get("fix_encoding"):
+        return f"note: {what}, repaired (fix_encoding; meta.mojibake \"repaired\" marks them)"
+    return (f"warning: {what}, kept as read (meta.mojibake \"kept\" marks them); set `fix_encoding: true` on the "
+            "source to repair them")
 
 
 def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by: str) -> None:

@@ -808,3 +808,58 @@ def test_the_stats_report_quotes_the_opening_system_prompts_it_read(tmp_path):
     assert (f"- opening system prompts: {prompts['records']} records open with one, {len(rows)} different "
             f"({top['records']} records: «{top['text']}»") in said
     assert f"; and {len(rows) - 3} more); build keeps each and adds polyalign's profile prompt" in said
+
+
+def test_mojibake_is_counted_marked_and_repaired_on_request(tmp_path, capsys):
+    """An export whose Chinese conversations went through a Windows-1252 reading on the way ("ä½ å¥½" for
+    "你好", as a spreadsheet round trip leaves them): prepare counts every record holding some, marks it
+    (meta.mojibake) and warns with the fix; with `fix_encoding: true` on the source its records are those of
+    the export as it was written, mark aside, and its English conversations are never touched."""
+    import ftfy.bad_codecs  # noqa: F401  registers sloppy-windows-1252, the codec such readings use
+
+    from polyalign.cli import main
+
+    def mojibake(message: dict) -> dict:
+        content = message["content"]
+        broken = content.encode("utf-8").decode("sloppy-windows-1252") if isinstance(content, str) else content
+        return {**message, "content": broken}
+
+    clean = openai_rows()
+    broken = [{**row, "messages": [mojibake(m) for m in row["messages"]]} if row["id"].startswith("crosswoz") else row
+              for row in clean]
+    assert broken != clean
+
+    def records_of(rows, fix: bool | None, name: str):
+        folder = tmp_path / name
+        folder.mkdir()
+        write_jsonl(folder / "chats.jsonl", rows)
+        source = {"name": "chats", "format": "chat", "path": "chats.jsonl", **({"fix_encoding": fix} if fix else {})}
+        assert main(["prepare", "--config", str(write_config(folder / "data.yaml", [source])), "--out",
+                     str(folder / "run"), "--no-progress"]) == 0
+        manifest = json.loads((folder / "run" / "data" / "manifest.json").read_text())
+        records = {r.id: r for split in ("train", "val", "test")
+                   for r in read_records(folder / "run" / "data" / f"{split}.jsonl")}
+        return manifest["sources"][0], records, capsys.readouterr()
+
+    _, expected, _ = records_of(clean, None, "clean")
+    kept, as_read, said = records_of(broken, None, "kept")
+    chinese = {i for i in expected if "crosswoz" in i}
+    assert chinese and kept["mojibake"] == len(chinese)
+    assert {i: r.meta.get("mojibake") for i, r in as_read.items()} == {
+        i: "kept" if i in chinese else None for i in as_read}
+    # read as it was broken, a reply's language is no longer Chinese: one is even dropped from the scheme's
+    assert {as_read[i].language for i in chinese & set(as_read)} != {"zh"}
+    assert set(expected) - set(as_read) == {next(iter(chinese - set(as_read)))} and any(
+        reason.startswith("language_not_in_scheme") for reason in kept["dropped"])
+    assert (f"warning: source 'chats': {len(chinese)} records held mojibake (UTF-8 text read as Windows-1252: "
+            "\"1944â€“46\" for \"1944–46\"), kept as read (meta.mojibake \"kept\" marks them); set `fix_encoding: "
+            "true` on the source to repair them") in said.err.splitlines()
+    fixed, repaired, said = records_of(broken, True, "fixed")
+    assert fixed["mojibake"] == len(chinese) and fixed["fix_encoding"] is True
+    assert "(fix_encoding; meta.mojibake \"repaired\" marks them)" in said.out
+
+    def content(record):
+        return (record.language, record.bucket_id, record.question, record.context, record.history, record.response)
+
+    assert {i: content(r) for i, r in repaired.items()} == {i: content(r) for i, r in expected.items()}
+    assert {i for i, r in repaired.items() if r.meta.get("mojibake") == "repaired"} == chinese

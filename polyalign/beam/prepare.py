@@ -133,6 +133,7 @@ class ImportFile(beam.DoFn):
         for name, count in tally.label_defaults.items():
             yield _event("default", source_index, name, count=count)
         yield _event("opening", source_index, count=tally.opening_replies)
+        yield _event("mojibake", source_index, count=tally.mojibake)
         if self.on_error == "quarantine":
             yield _event("quarantined", count=tally.dropped["malformed"])
 
@@ -392,6 +393,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             tallies[fields[0]].label_defaults[fields[1]] += count
         elif kind == "opening":
             tallies[fields[0]].opening_replies += count
+        elif kind == "mojibake":
+            tallies[fields[0]].mojibake += count
         elif kind == "kept":
             tallies[fields[0]].kept_by_split[fields[1]] += count
         elif kind == "label":

@@ -77,7 +77,7 @@ from polyalign.data.records import (
     before_question,
 )
 from polyalign.data.splits import DEFAULT_SPLIT_WEIGHTS, hash_split, protected_splits
-from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize
+from polyalign.data.text import LENGTH_UNIT_PATTERNS, length_units, normalize, repaired_encoding
 
 ON_ERROR_MODES = ("fail", "quarantine")
 SOURCE_SPLITS = (*SPLITS, "auto")
@@ -119,6 +119,8 @@ class SourceConfig:
     track: str | None = None
     family: str | None = None
     style: str | None = None
+    # mojibake repaired (data/text.py repaired_encoding); unset or false: counted and marked, kept as read
+    fix_encoding: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ class SourceTally:
     label_defaults: Counter = field(default_factory=Counter)
     # records that open a multi-turn conversation with track `single` read off it (no label named it)
     opening_replies: int = 0
+    # records with mojibake in a text (repaired where the source says fix_encoding)
+    mojibake: int = 0
     # keys of the source's rows its importer does not read, by how many records' rows held them
     unread_keys: Counter = field(default_factory=Counter)
     # (file, "id" or "record key", its value) -> where the first row that had it is: a later row of the file
@@ -282,6 +286,7 @@ class SourceTally:
             **({"left_out": dict(sorted(self.notes.items()))} if self.notes else {}),
             **({"label_defaults": dict(sorted(self.label_defaults.items()))} if self.label_defaults else {}),
             **({"opening_replies": self.opening_replies} if self.opening_replies else {}),
+            **({"mojibake": self.mojibake} if self.mojibake else {}),
             **({"unread_keys": dict(sorted(self.unread_keys.items()))} if self.unread_keys else {}),
         }
 
@@ -409,9 +414,18 @@ class RecordBuilder:
 
     def build(self, key: str, example: Example, source: SourceConfig, tally: SourceTally) -> Record | Skipped:
         tally.unread_keys.update(example.unread_keys)
-        question, context, response = (normalize(example.question), normalize(example.context),
-                                       normalize(example.response))
-        history = [{**t, "text": normalize(t["text"])} for t in example.history]
+        texts = [example.question, example.context, example.response, *(t["text"] for t in example.history)]
+        repaired = [repaired_encoding(text) for text in texts]
+        mojibake = repaired != texts
+        if mojibake:
+            tally.mojibake += 1
+            texts = repaired if source.fix_encoding else texts
+        question, context, response, *turns = map(normalize, texts)
+        # the whole conversation decides its language: repaired too, where the records' texts are
+        conversation = example.conversation
+        if source.fix_encoding and conversation:
+            conversation = repaired_encoding(conversation)
+        history = [{**t, "text": text} for t, text in zip(example.history, turns)]
         history = self.system_turns(history, tally)
         labels = self.labels(example, source, tally)
         declared = example.labels.get("language") or source.language
@@ -424,9 +438,9 @@ class RecordBuilder:
         language = declared if declared is None else scheme_language(declared, scheme_languages)
         if language is None:
             prompt = "\n".join([context, *(t["text"] for t in history if t["role"] != "system"), question])
-            language = self.languages.choose(response, prompt, example.conversation)
+            language = self.languages.choose(response, prompt, conversation)
             if language == OTHER and OTHER not in scheme_languages:  # named for the drop reason: what it is
-                language = self.languages.outside_name(example.conversation or f"{prompt}\n{response}")
+                language = self.languages.outside_name(conversation or f"{prompt}\n{response}")
             tally.detected_languages[language] += 1
         if language not in scheme_languages:
             return Skipped(example.location, f"language_not_in_scheme:{language}")
@@ -444,6 +458,8 @@ class RecordBuilder:
                                 "group": group}
         if example.labels:
             meta["source_labels"] = dict(example.labels)
+        if mojibake:  # which records, for a reader of the files: `grep '"mojibake"' RUN/data/train.jsonl`
+            meta["mojibake"] = "repaired" if source.fix_encoding else "kept"
         meta.update(example.meta)
         return Record(
             id=f"{source.name}-{split}-{key}", dataset=source.name, split=split, language=language,
