@@ -134,6 +134,33 @@ def test_the_card_says_the_one_track_the_training_data_held():
     assert "`track` is `multi` when the conversation has an earlier user or assistant turn" in both
 
 
+def test_the_card_and_a_refusal_name_every_combination_the_training_data_held():
+    """The profile's values are not independent (a dialogue's turns are all multi-turn in the demo): a client
+    told "each value held, never together" needs the combinations, so the card lists them all, most common
+    first, and a refusal names up to 12, then says where the rest are (it said "and 2 more", no more)."""
+    from polyalign.model.export import model_card
+    from polyalign.tokens.profile_template import PROFILE_COMBINATIONS, unseen_combination_text
+
+    together = [{"family": "dialogue", "track": "multi", "style": "task_dialogue"},
+                {"family": "assistant", "track": "single", "style": "assistant_like"},
+                {"family": "qa", "track": "single", "style": "qa_search"},
+                {"family": "qa", "track": "multi", "style": "qa_search"},
+                {"family": "dialogue", "track": "multi", "style": "open_chat"},
+                {"family": "assistant", "track": "multi", "style": "assistant_like"}]
+    values = {"family": ["assistant", "dialogue", "qa"], "track": ["multi", "single"],
+              "style": ["assistant_like", "open_chat", "qa_search", "task_dialogue"], PROFILE_COMBINATIONS: together}
+    card = model_card({}, get_template("polyalign"), "context", values=values)
+    table = card[card.index("| family | track | style |"):].splitlines()
+    assert table[2:2 + len(together)] == [f"| {c['family']} | {c['track']} | {c['style']} |" for c in together]
+    asked = {"family": "dialogue", "track": "single", "style": "task_dialogue"}
+    said = unseen_combination_text(asked, together)
+    assert all(json.dumps(c) in said for c in together) and "more" not in said
+    many = [{"family": f"f{i}", "track": "multi", "style": "s"} for i in range(14)]
+    assert unseen_combination_text(asked, many).endswith(
+        '{"family": "f11", "track": "multi", "style": "s"} and 2 more, which the model card and tokenizer_config.json '
+        "(polyalign_profile_combinations) list)")
+
+
 @pytest.mark.parametrize("profile", ["context", "oracle", "none"])
 def test_the_exported_template_refuses_the_profiles_serve_refuses_and_changes_nothing_else(demo_run, profile):
     """For every set of template variables (each subset of the profile keys, each value one the training

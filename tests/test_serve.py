@@ -200,7 +200,8 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"messages": chat, "stream": True, "stream_options": {"usage": True}}, 400,
          "stream_options.usage: Extra inputs are not permitted"),
         # a streamed request the server cannot take is refused before its answer starts, as JSON
-        ("post", "/chat/completions", {"messages": chat, "stream": True, "max_tokens": 10_000}, 400, "context"),
+        ("post", "/chat/completions", {"messages": chat, "stream": True, "max_tokens": 10_000}, 400,
+         "-token context (max_tokens 2"),  # the most it may ask, with this prompt
         ("post", "/chat/completions", {"model": "gpt-4o", "messages": chat}, 404, "does not exist"),
         ("post", "/completions", {"prompt": ""}, 400, "prompt"),
         ("post", "/completions", {"prompt": 7}, 400, "prompt"),
@@ -385,7 +386,15 @@ def test_a_profile_is_the_one_the_model_was_trained_with_and_whole(trained, good
 def test_a_flood_of_requests_is_refused_beyond_the_queue(checkpoint):
     with Server(checkpoint, slots=1, max_sequence=256, max_pending=2) as server:
         def ask(_):
-            return call(server.url + "/completions", body={"prompt": "A room for two nights", "max_tokens": 24})[0]
+            body = json.dumps({"prompt": "A room for two nights", "max_tokens": 24}).encode()
+            request = urllib.request.Request(server.url + "/completions", data=body,
+                                             headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status
+            except urllib.error.HTTPError as error:  # a refusal says when to try again, as OpenAI's does
+                assert error.code != 429 or error.headers["Retry-After"] == "1"
+                return error.code
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(ask, range(40)))
@@ -407,6 +416,31 @@ def test_a_request_nobody_waits_for_gives_its_slot_back(checkpoint):
         assert long.cancelled() and loop._pending == 0
     finally:
         loop.close()
+
+
+def test_each_sample_of_a_request_is_told_of_its_end_when_it_ends(checkpoint):
+    """A streamed choice ends at its own time: the engine tells each sample's end the moment it comes (a UI shows
+    that alternative done), with the completion the request's result then holds, not once all n have ended."""
+    engine = Engine(load_hf_checkpoint(checkpoint), [], EngineConfig(slots=4, max_sequence=256, steps_per_sync=4))
+
+    def stop_when(tokens):  # a sample whose first token is odd stops after 8 tokens, the others run 40
+        return len(tokens) >= (8 if tokens[0] % 2 else 40)
+
+    for seed in range(20):  # a seed whose four samples open with both parities
+        events = []
+        request = Request([5, 6, 7], SamplingConfig(max_new_tokens=40, temperature=1.0), seed=seed, n=4,
+                          stop_when=stop_when, on_tokens=lambda sample, tokens: events.append(("tokens", sample)),
+                          on_finish=lambda sample, completion: events.append(("finish", sample, completion)))
+        [result] = engine.generate([request])
+        if len({len(c.tokens) >= 40 for c in result}) == 2:
+            break
+    else:
+        raise AssertionError("no seed of 20 gave samples of both lengths")
+    ends = {event[1]: (position, event[2]) for position, event in enumerate(events) if event[0] == "finish"}
+    assert sorted(ends) == [0, 1, 2, 3] and [ends[s][1] for s in range(4)] == result
+    short = [s for s in range(4) if len(result[s].tokens) < 40]
+    last_news_of_long = max(i for i, e in enumerate(events) if e[0] == "tokens" and e[1] not in short)
+    assert all(ends[s][0] < last_news_of_long for s in short), events
 
 
 OPENAI = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}

@@ -81,9 +81,10 @@ class EngineConfig:
 class Request:
     """A prompt's token ids, how to sample it, its seed (`request_seed` derives one from an id), the
     number of samples, and optionally `stop_when(tokens)`: True ends a sample (finish reason "stop"),
-    checked after each decoding call (stop strings, which no single token id expresses); and
-    `on_tokens(sample, tokens)`: told of a sample's tokens so far after each decoding call that made some
-    (a streamed answer; called on the engine's thread, so it must not block)."""
+    checked after each decoding call (stop strings, which no single token id expresses); and for a
+    streamed answer `on_tokens(sample, tokens)`, told of a sample's tokens so far after each decoding call
+    that made some, and `on_finish(sample, completion)`, told of each sample the moment it ends (the
+    request's own result waits for all n). Both are called on the engine's thread: they must not block."""
 
     prompt: Sequence[int]
     sampling: SamplingConfig = SamplingConfig()
@@ -91,6 +92,7 @@ class Request:
     n: int = 1
     stop_when: Callable[[list[int]], bool] | None = None
     on_tokens: Callable[[int, list[int]], None] | None = None
+    on_finish: Callable[[int, Completion], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -551,6 +553,8 @@ class _Run:
         else:
             completion = Completion(tokens, FINISH_LENGTH)
         self.results[index][sample] = completion
+        if self.requests[index].on_finish is not None:
+            self.requests[index].on_finish(sample, completion)
         self._release(slot)
         self.open_samples[index] -= 1
         if self.open_samples[index]:

@@ -12,6 +12,7 @@ chunks of a choice join into the answer the same request gets unstreamed.
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -271,7 +272,10 @@ class Service:
             too_long = prompt_tokens >= self.engine.config.max_sequence
             asked = f"{prompt_tokens} prompt tokens + {budget} new tokens exceed" if budget >= 1 else (
                 f"{prompt_tokens} prompt tokens leave no room for an answer in")  # no max_tokens: what is left
-            raise _ApiError(400, f"{asked} this server's {self.engine.config.max_sequence}-token context",
+            room = self.engine.config.max_sequence - prompt_tokens
+            fix = (f" (max_tokens {room} at most with this prompt; left unset, it takes what is left)"
+                   if budget >= 1 and room >= 1 else "")
+            raise _ApiError(400, f"{asked} this server's {self.engine.config.max_sequence}-token context{fix}",
                             param=prompt_param if too_long else "max_tokens")
         seed = (request_seed(uuid.uuid4().hex) if body.seed is None
                 else request_seed(",".join(map(str, prompt)), body.seed))
@@ -281,19 +285,19 @@ class Service:
         return SamplingConfig(budget, **{**self.sampling_defaults, **given}), seed % 2 ** 32
 
     def _submit(self, jobs: list[tuple[list[int], SamplingConfig, int, Callable[[list[int]], str]]], n: int,
-                stops: list[str], on_tokens: Callable[[int, int, list[int]], None] | None = None
+                stops: list[str], told: Callable[[int, int, list[int] | Completion], None] | None = None
                 ) -> list[concurrent.futures.Future]:
         """Each job (prompt, sampling, seed, `text_of`) into the engine as a request of `n` samples. A sample ends
         once its text (`text_of` its tokens) holds one of `stops` (the answer is cut there afterwards);
-        `on_tokens(job, sample, tokens)` is told of its tokens as they are made (a streamed answer). Nothing
-        stays in the engine when one cannot be taken."""
+        `told(job, sample, tokens or completion)` hears of its tokens as they are made and of its end (a streamed
+        answer). Nothing stays in the engine when one cannot be taken."""
         futures = []
         try:
             for job, (prompt, sampling, seed, text_of) in enumerate(jobs):
                 stop_when = functools.partial(self._stopped, stops=stops, text_of=text_of) if stops else None
-                told = None if on_tokens is None else functools.partial(on_tokens, job)
+                heard = None if told is None else functools.partial(told, job)
                 futures.append(self.loop.submit(Request(prompt, sampling, seed=seed, n=n, stop_when=stop_when,
-                                                        on_tokens=told)))
+                                                        on_tokens=heard, on_finish=heard)))
         except (queue.Full, GenerationError) as error:
             self._cancel(futures)
             if isinstance(error, queue.Full):
@@ -336,8 +340,9 @@ class Service:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
-        def told(job: int, sample: int, tokens: list[int]) -> None:  # on the engine's thread
-            loop.call_soon_threadsafe(updates.put_nowait, (job * n + sample, tokens))
+        def told(job: int, sample: int, news: list[int] | Completion) -> None:  # on the engine's thread
+            with contextlib.suppress(RuntimeError):  # the event loop closed (the server stopped): nobody listens
+                loop.call_soon_threadsafe(updates.put_nowait, (job * n + sample, news))
 
         futures = self._submit(jobs, n, stops, told)
         return self._events(futures, updates, jobs, n, stops, client, chat, include_usage)
@@ -361,37 +366,41 @@ class Service:
 
         texts = [_StreamedText(text_of, stops) for *_, text_of in jobs for _ in range(n)]
         answers = [asyncio.wrap_future(future) for future in futures]
-        finished: set[int] = set()
+        finished: set[int] = set()  # the choices whose last chunk went
         made, ended, getter = 0, False, None
         try:
             if chat:
                 for index in range(len(texts)):
                     yield chunk(index, "", opening=True)
-            while len(finished) < len(answers):
+            while len(finished) < len(texts):
                 try:
                     self._check_stopping(futures)
+                    failed = next((a for a in answers if a.done() and not a.cancelled() and a.exception()), None)
+                    if failed is not None:  # the engine stopped; every choice still open would wait forever
+                        raise _ApiError(503, str(failed.exception()), kind="server_error")
                 except _ApiError as error:
                     _set_state(client, status=error.status)
-                    yield _event(error.body())
+                    yield _event(error.body())  # then [DONE], as vLLM ends a stream that failed
+                    yield "data: [DONE]\n\n"
                     ended = True
                     return
                 getter = getter or asyncio.ensure_future(updates.get())
-                await asyncio.wait([getter, *(a for j, a in enumerate(answers) if j not in finished)],
-                                   timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    index, tokens = getter.result()
-                    getter = None
-                    if index // n not in finished and (delta := texts[index].update(tokens)):
-                        yield chunk(index, delta)
-                for job, answer in enumerate(answers):
-                    if job in finished or not answer.done():
-                        continue
-                    finished.add(job)
-                    choices, count = self._choices(answer.result(), stops, jobs[job][3])
+                # an answer's end comes after its choices' last news (both leave the engine's thread in that order)
+                await asyncio.wait([getter, *(a for a in answers if not a.done())], timeout=DISCONNECT_POLL_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    continue
+                index, news = getter.result()
+                getter = None
+                if index in finished:
+                    continue
+                if isinstance(news, Completion):  # this choice's end, at its own time (the others may go on)
+                    finished.add(index)
+                    [(text, reason)], count = self._choices([news], stops, jobs[index // n][3])
                     made += count
-                    for sample, (text, reason) in enumerate(choices):
-                        index = job * n + sample
-                        yield chunk(index, texts[index].finish(text), reason)
+                    yield chunk(index, texts[index].finish(text), reason)
+                elif delta := texts[index].update(news):
+                    yield chunk(index, delta)
             prompt_tokens = sum(len(prompt) for prompt, *_ in jobs)
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": made, "total_tokens": prompt_tokens + made}
             _set_state(client, usage=usage)
@@ -547,7 +556,9 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
 
     @app.exception_handler(_ApiError)
     async def api_error(_, error: _ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
+        # a full queue: clients that honour Retry-After (the openai client does) wait a second before trying again
+        return JSONResponse(error.body(), status_code=error.status,
+                            headers={"Retry-After": "1"} if error.status == 429 else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, error: HTTPException):  # unknown paths, wrong methods, unreadable bodies

@@ -205,6 +205,11 @@ def model_card(card: dict[str, Any], template: ChatTemplate, profile: str, syste
                    "and `style` the kind of answer, as the training data's buckets name them")
     seen = "".join(f"| {key} | {', '.join(values[key])} |\n" for key in keys if values and values.get(key))
     seen = f"\n## Profile values in the training data\n\n| variable | values |\n|---|---|\n{seen}" if seen else ""
+    together = [c for c in (values or {}).get(PROFILE_COMBINATIONS) or [] if all(key in c for key in keys)]
+    if seen and together:  # the values are not independent: a client needs the ones the data held together
+        seen += (f"\nTogether, most common first (a profile of values each held but never together is refused):\n\n"
+                 f"| {' | '.join(keys)} |\n|{'---|' * len(keys)}\n"
+                 + "".join(f"| {' | '.join(c[key] for key in keys)} |\n" for c in together))
     return (f"# {card.get('method', 'polyalign')} model\n\nTrained with polyalign.\n\n| | |\n|---|---|\n{rows}\n"
             f"| chat template | {template.name} |\n| profile | {profile} |\n| system messages | {system} |\n\n"
             "## Prompt format\n\nThe model was "

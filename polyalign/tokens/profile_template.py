@@ -219,11 +219,15 @@ def profile_example(values: dict[str, Any] | None, keys: Sequence[str]) -> dict[
     return {key: ((values or {}).get(key) or ["..."])[0] for key in keys}
 
 
+SHOWN_COMBINATIONS = 12  # a scheme's data holds a handful; every one is an answer to "then which?"
+
+
 def unseen_combination_text(given: dict[str, str] | None, combinations: Sequence[dict[str, str]]) -> str:
     """Why a profile of values each held is refused, after the profile itself (`given`; None: the words
     alone, which the exported template writes after its own rendering of the values)."""
-    shown = "; ".join(json.dumps(c, ensure_ascii=False) for c in combinations[:4])
-    more = f" and {len(combinations) - 4} more" if len(combinations) > 4 else ""
+    shown = "; ".join(json.dumps(c, ensure_ascii=False) for c in combinations[:SHOWN_COMBINATIONS])
+    more = (f" and {len(combinations) - SHOWN_COMBINATIONS} more, which the model card and tokenizer_config.json "
+            "(polyalign_profile_combinations) list" if len(combinations) > SHOWN_COMBINATIONS else "")
     why = f"each value was in this model's training data, but never together (it held {shown}{more})"
     return why if given is None else f"{json.dumps(given, ensure_ascii=False)}: {why}"
 
