@@ -205,6 +205,14 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"model": "gpt-4o", "messages": chat}, 404, "does not exist"),
         ("post", "/completions", {"prompt": ""}, 400, "prompt"),
         ("post", "/completions", {"prompt": 7}, 400, "prompt"),
+        # a field of several forms is said by its forms, once, not by why each form failed ("stop.str: ...;
+        # stop.list[str]: ...")
+        ("post", "/chat/completions", {"messages": chat, "stop": ["a", "b", "c", "d", "e"]}, 400,
+         "stop must be a string or a list of at most 4 strings"),
+        ("post", "/completions", {"prompt": ["Hi", [1, 2, 3]]}, 400,
+         "prompt must be a string, a list of strings, a list of token ids, or a list of token id lists"),
+        ("post", "/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+         'messages.0.content must be a string or a list of content parts ({"type": "text", "text": "..."})'),
         ("get", "/chat/completions", None, 405, "Method Not Allowed"),
         ("get", "/embeddings", None, 404, "Not Found"),
         ("post", "/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
@@ -247,6 +255,7 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
             assert code == status, (path, body, answer)
             if words:
                 assert words in answer["error"]["message"], answer
+            assert ".str:" not in answer["error"]["message"], answer  # no union form named
         # the field at fault is named, as OpenAI names it
         assert [call(server.url + "/chat/completions", body={"messages": chat, **extra})[1]["error"]["param"]
                 for extra in ({"max_tokens": "10"}, {"temperature": 5}, {"stream": "yes"})] == [

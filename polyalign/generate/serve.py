@@ -166,6 +166,11 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "tools":
                "prompt_logprobs": (None, 0), "prediction": (None,), "audio": (None,), "web_search_options": (None,)}
 # A completion's logprobs is a count, and 0 asks for each sampled token's own (a chat request's is true/false)
 COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "logprobs": (None,)}
+# The fields a request may give in several forms, as said where none of the forms fits (pydantic says why
+# each form does not, "stop.str: ...; stop.list[str]: ...", which reads as the type checker's, not the API's).
+UNION_SHAPES = {"stop": "a string or a list of at most 4 strings",
+                "prompt": "a string, a list of strings, a list of token ids, or a list of token id lists",
+                "content": 'a string or a list of content parts ({"type": "text", "text": "..."})'}
 # OpenAI's parameters that do not change an answer (who asked, what to keep of the exchange): taken as given
 NO_EFFECT = ("user", "metadata", "store", "service_tier")
 
@@ -569,12 +574,16 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
     def problem(e: dict) -> str:
         if e.get("type") == "json_invalid":
             return f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
-        return f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+        where = [str(p) for p in e["loc"][1:]]
+        union = next((i for i, p in enumerate(where) if p in UNION_SHAPES), None)
+        if union is not None and len(where) > union + 1:  # one of a union's forms: said as the field's shapes
+            return f"{'.'.join(where[:union + 1])} must be {UNION_SHAPES[where[union]]}"
+        return f"{'.'.join(where) or 'body'}: {e['msg']}"
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
         errors = error.errors()
-        problems = "; ".join(problem(e) for e in errors)
+        problems = "; ".join(dict.fromkeys(problem(e) for e in errors))  # a union's forms say it once
         if "json" not in request.headers.get("content-type", ""):  # curl -d sends form data unless told
             problems = f"send the body as JSON, with the header Content-Type: application/json ({problems})"
         # ("body", field, ...); a body that is no JSON at all has a character offset there, not a field
