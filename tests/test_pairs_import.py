@@ -294,6 +294,28 @@ def test_show_reads_a_pairs_file_as_the_preference_run_tokenises_it(demo_run, de
             assert len(cut) == (side in example.get("cuts", {}))
         assert example.get("cuts"), "64 tokens cut both pairs"
         assert block.count("⟦") >= 2  # each side's answer marked
+    # at the shortest length, every side whose answer keeps no token says so, not "cut short" (read as trained
+    # in part), and every side said cut short keeps some
+    code, out, _ = cli(capsys, "show", pairs_file, "--checkpoint", init, "--max-length", 8, "--limit", 6)
+    assert code == 0
+    sides = {}
+    for block in out.strip().split("\n\n== "):
+        lines = block.splitlines()
+        for side in SIDES:
+            cut = next(line for line in lines if line.startswith(f"   {side} cut to max_length 8"))
+            trained = int(next(line for line in lines if line.startswith(f"-- {side} (")).split(", ")[1].split()[0])
+            sides[block.split(":")[0], side] = trained
+            assert ("its reply cut away whole: no token left to train on" in cut) == (trained == 0), cut
+            assert "its reply cut short" not in cut or trained > 0, cut
+    assert len(sides) == 12, sides
+    from polyalign.inputs.show import cut_phrases  # with this tokenizer every side keeps a token or two: said alike
+    from polyalign.tokens.chat import Encoded
+
+    gone = Encoded(np.arange(8), np.zeros(8, bool), truncated=True, reply_cut=True)
+    assert cut_phrases(gone, 2, "left") == [
+        "its reply cut away whole: no token left to train on (a longer max length keeps it)"]
+    kept = Encoded(np.arange(8), np.arange(8) > 5, truncated=True, reply_cut=True)
+    assert cut_phrases(kept, 2, "left") == ["its reply cut short (trained without its end-of-turn token)"]
     for args, said in ((["show", pairs_file], "give --checkpoint INIT"),
                        (["show", pairs_file, "--checkpoint", init, "--split", "val"], "--split is a run's"),
                        (["show", tmp_path, "--truncation", "turns"], "--truncation: for a pairs file"),

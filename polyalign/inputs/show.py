@@ -135,7 +135,9 @@ def cut_phrases(encoded: Encoded, before: int, truncation: str) -> list[str]:
             if encoded.turns_dropped else []) + (["opens inside a turn"] if encoded.mid_turn else []) + \
         (["left out its opening system message whole (over half of the prompt's share)"] if encoded.system_left_out
          else [f"lost its opening system message, whole or in part{why}"] if encoded.system_cut else []) + \
-        (["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
+        (["its reply cut away whole: no token left to train on (a longer max length keeps it)"]
+         if encoded.reply_cut and not encoded.loss_mask.any() else
+         ["its reply cut short (trained without its end-of-turn token)"] if encoded.reply_cut else [])
 
 
 def show_pairs(pairs: Sequence[dict], where: str, checkpoint: Path, *, max_length: int = 256,
