@@ -26,6 +26,7 @@ from polyalign.core.scores import interval_text
 from polyalign.core.version import polyalign_version
 from polyalign.core.wording import counted, listed
 from polyalign.data.layout import quarantined_records
+from polyalign.data.notes import language_mismatch_warning, mojibake_line
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh import supervisor
 from polyalign.mesh.launch import (
@@ -142,9 +143,10 @@ def _label_defaults_note(source: dict) -> str | None:
     counts = " and ".join(map(str, dict.fromkeys(defaulted.values())))
     keys = " and ".join(f"`{name}:`" for name in defaulted)
     of = f" of its {source['records']} records" if "records" in source else " of its records"
-    return (f"note: source {source['name']!r}: {named} are the {source['format']} format's defaults, taken by "
-            f"{counts}{of} as read, before drops and deduplication (no row, data config or scheme entry named "
-            f"them); set {keys} on the source "
+    are, them = ("is", "it") if len(defaulted) == 1 else ("are", "them")
+    return (f"note: source {source['name']!r}: {named} {are} the {source['format']} format's "
+            f"default{'s' * (len(defaulted) > 1)}, taken by {counts}{of} as read, before drops and deduplication (no "
+            f"row, data config or scheme entry named {them}); set {keys} on the source "
             "where its records are of another kind (docs/data.md: Users' own conversations)")
 
 
@@ -217,11 +219,18 @@ def _run_prepare(args) -> int:
     if dropped := manifest["dropped_rows"]["rows"]:
         print(f"{counted(dropped, 'record')} left out as they were read, each with its reason -> "
               f"{args.out / 'data' / manifest['dropped_rows']['file']}")
+    near = manifest["dedup"].get("near_duplicates", {})
+    if near.get("pairs"):  # a test record a train record nearly repeats: the test numbers then read it as seen
+        kept = ("removed from train" if near.get("remove") else
+                "kept (near_dedup.remove: true in the data config removes them)")
+        print(f"{counted(near['train_records'], 'train record')} nearly repeat{'s' * (near['train_records'] == 1)} "
+              f"a test record (MinHash Jaccard >= {near['threshold']:g}, {counted(near['pairs'], 'pair')}), "
+              f"{kept} -> {args.out / 'data' / near['file']}")
     for source in manifest["sources"]:
         _warn_language_mismatches(source.get("language_mismatches", {}), f"source {source['name']!r}",
                                   "its `language:` in the data config")
         for line in (_scheme_entry_note(source), _label_defaults_note(source), _opening_replies_note(source),
-                     _unread_keys_note(source), _mojibake_note(source)):
+                     _unread_keys_note(source), mojibake_line(source), _unread_files_note(source)):
             if line:
                 print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout)
     for warning in manifest.get("warnings", []):
@@ -841,27 +850,29 @@ def _note_few_bucket_pairs(summary: dict, records: Path, per_bucket: int | None 
           f"weight lifts its few pairs but cannot stand in for missing ones{hint}", file=sys.stderr)
 
 
-def _mojibake_note(source: dict) -> str | None:
-    """Records whose text was decoded with the wrong encoding somewhere before polyalign read it: a model
-    trained on them learns to write "â€“". Said with the fix, or with what the fix did."""
-    count = source.get("mojibake")
-    if not count:
+def _unread_files_note(source: dict) -> str | None:
+    """Files in a source's folder that its format does not read (a zip of the same exports, a .csv): read by
+    nobody, so said, with what the format reads."""
+    from polyalign.data.importers import get_format  # the prepare command's own, loaded by now
+
+    unread = source.get("unread_files")
+    if not unread:
         return None
-    what = (f"source {source['name']!r}: {counted(count, 'record')} held mojibake (UTF-8 text read as Windows-1252: "
-            "\"1944â€“46\" for \"1944–46\")")
-    if source.get("fix_encoding"):
-        return f"note: {what}, repaired (fix_encoding; meta.mojibake \"repaired\" marks them)"
-    return (f"warning: {what}, kept as read (meta.mojibake \"kept\" marks them); set `fix_encoding: true` on the "
-            "source to repair them")
+    shown = ", ".join(unread[:5]) + (f" and {len(unread) - 5} more (the manifest lists them)"
+                                     if len(unread) > 5 else "")
+    patterns = ", ".join(get_format(source["format"]).module.PATTERNS)
+    are = "is" if len(unread) == 1 else "are"
+    return (f"note: source {source['name']!r}: {counted(len(unread), 'file')} in its folder {are} not read "
+            f"({source['format']} reads {patterns}): {shown}; unpack an archive into the folder, and give files of "
+            "another format a source of their own")
 
 
-def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by: str) -> None:
-    """A declared language that the text's script contradicts labels rows into another language's
+def _warn_language_mismatches(mismatches: dict[str, int], what: str, declared_by: str, unit: str = "record"
+                              ) -> None:
+    """A declared language that the text's script contradicts labels records into another language's
     buckets: said on the console, not only in the manifest."""
-    if mismatches:
-        counts = ", ".join(f"{counted(count, 'row')} {mismatch}" for mismatch, count in mismatches.items())
-        print(f"warning: {what}: {counts}; they are bucketed as declared. Check {declared_by}, or leave it out "
-              "to detect each conversation's language", file=sys.stderr)
+    if line := language_mismatch_warning(mismatches, what, declared_by, unit):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def _run_pairs_import(args) -> int:
@@ -892,7 +903,7 @@ def _run_pairs_import(args) -> int:
               "labels every row of the file instead", file=sys.stderr)
     if summary.get("dropped_rows"):
         print(f"dropped rows, with their lines and reasons -> {summary['dropped_rows']}")
-    _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language")
+    _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language", "pair")
     conversations = summary["multi_turn_families"].get("assistant", 0)
     if args.family is None and conversations:
         print(f"note: {conversations} multi-turn pairs are labelled family assistant, --family's default; "

@@ -854,6 +854,11 @@ def test_mojibake_is_counted_marked_and_repaired_on_request(tmp_path, capsys):
     assert (f"warning: source 'chats': {len(chinese)} records held mojibake (UTF-8 text read as Windows-1252: "
             "\"1944â€“46\" for \"1944–46\"), kept as read (meta.mojibake \"kept\" marks them); set `fix_encoding: "
             "true` on the source to repair them") in said.err.splitlines()
+    # the statistics report says it too: the buckets it shows hold those records
+    assert main(["stats", str(tmp_path / "kept" / "run"), "--no-progress"]) == 0
+    report = (tmp_path / "kept" / "run" / "stats" / "report.md").read_text()
+    assert f"- warning: source 'chats': {len(chinese)} records held mojibake (UTF-8 text read as" in report
+    capsys.readouterr()
     fixed, repaired, said = records_of(broken, True, "fixed")
     assert fixed["mojibake"] == len(chinese) and fixed["fix_encoding"] is True
     assert "(fix_encoding; meta.mojibake \"repaired\" marks them)" in said.out
@@ -863,3 +868,42 @@ def test_mojibake_is_counted_marked_and_repaired_on_request(tmp_path, capsys):
 
     assert {i: content(r) for i, r in repaired.items()} == {i: content(r) for i, r in expected.items()}
     assert {i for i, r in repaired.items() if r.meta.get("mojibake") == "repaired"} == chinese
+    # a reading that replaced the bytes it could not decode (errors="replace") lost characters: the repair gets back
+    # the rest, and says which records still hold U+FFFD rather than calling them repaired
+    lossy = [{**row, "messages": [{**m, "content": m["content"].encode("utf-8").decode("cp1252", errors="replace")}
+                                  for m in row["messages"]]} if row["id"].startswith("crosswoz") else row
+             for row in clean]
+    source, partly, said = records_of(lossy, True, "lossy")
+    lost = {i for i, r in partly.items() if r.meta.get("mojibake") == "partly repaired"}
+    assert lost and lost <= chinese and source["mojibake_lost"] == len(lost)
+    assert all("\ufffd" in partly[i].response + partly[i].question + "".join(t["text"] for t in partly[i].history)
+               for i in lost)
+    assert (f"; {len(lost)} of them still hold U+FFFD (�) where characters were lost before polyalign read them"
+            in said.out)
+
+
+def test_a_folder_source_names_the_files_its_format_does_not_read(tmp_path, capsys):
+    """A zip of the same exports (or a .csv) beside the files a folder source reads was skipped without a word,
+    though the same zip given as the path is refused by name: every file of the folder its format does not read
+    is listed in the manifest and said, documentation and hidden files aside."""
+    import zipfile
+
+    from polyalign.cli import main
+
+    folder = tmp_path / "exports"
+    (folder / "2025").mkdir(parents=True)
+    rows = openai_rows()
+    write_jsonl(folder / "chats.jsonl", rows[:3])
+    write_jsonl(folder / "2025" / "more.jsonl", rows[3:])
+    with zipfile.ZipFile(folder / "2025" / "exports.zip", "w") as archive:
+        archive.write(folder / "chats.jsonl", "chats.jsonl")
+    (folder / "notes.csv").write_text("id,comment\n1,ok\n")
+    (folder / "README.md").write_text("what these are")
+    (folder / ".DS_Store").write_bytes(b"\0")
+    config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "exports"}])
+    assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]
+    assert source["unread_files"] == ["2025/exports.zip", "notes.csv"] and len(source["files"]) == 2
+    assert ("note: source 'chats': 2 files in its folder are not read (chat reads *.jsonl, *.json): 2025/exports.zip, "
+            "notes.csv; unpack an archive into the folder, and give files of another format a source of their own"
+            ) in capsys.readouterr().out.splitlines()

@@ -116,7 +116,7 @@ def test_dedup_false_keeps_duplicates(tmp_path):
     assert off["totals"]["kept"] == 3 and off["dedup"]["near_duplicates"] == {"enabled": False}
 
 
-def test_near_duplicate_removal_is_optional_and_counted(tmp_path):
+def test_near_duplicate_removal_is_optional_and_counted(tmp_path, capsys):
     dialogues = CAMREST[:30]
     def rows(items, punct):
         return "".join(json.dumps({"messages": [{"role": "user", "content": d["turns"][0]["utterance"]},
@@ -137,6 +137,17 @@ def test_near_duplicate_removal_is_optional_and_counted(tmp_path):
     assert manifest["sources"][0]["kept"] == 30 - sum(dropped.values())
     kept_train = {r["id"] for r in read_jsonl(tmp_path / "run/data/train.jsonl")}
     assert not kept_train & {p["train_id"] for p in read_jsonl(tmp_path / "run/data/near_duplicates.jsonl")}
+    # said on the console, removed or kept (it was in the manifest and the stats report only)
+    from polyalign.cli import main
+
+    for remove, said in ((True, "removed from train"), (False, "kept (near_dedup.remove: true in the data config "
+                                                               "removes them)")):
+        config = write_config(tmp_path / f"{remove}.yaml", sources, near_dedup={"threshold": 0.7, "remove": remove})
+        out = tmp_path / f"cli-{remove}"
+        assert main(["prepare", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+        printed = capsys.readouterr().out
+        assert (f"{near['train_records']} train records nearly repeat a test record (MinHash Jaccard >= 0.7, "
+                f"{near['pairs']} pairs), {said} -> {out / 'data' / 'near_duplicates.jsonl'}") in printed.splitlines()
 
 
 def test_an_unchanged_prepare_run_again_from_anywhere_changes_nothing_downstream(tmp_path, monkeypatch):

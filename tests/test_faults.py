@@ -727,7 +727,7 @@ def test_a_declared_language_the_text_contradicts_is_counted(tmp_path, capsys):
     capsys.readouterr()
     assert main(["prepare", "--config", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "cli"),
                  "--no-progress"]) == 0
-    assert ("warning: source 'src': 1 row en declared, han script; they are bucketed as declared. Check its "
+    assert ("warning: source 'src': 1 record en declared, han script; they are bucketed as declared. Check its "
             "`language:` in the data config") in capsys.readouterr().err
 
 
@@ -1849,6 +1849,18 @@ def test_rows_that_make_one_record_id_are_told_apart_from_sources_that_do(tmp_pa
                                                    "language": "en"} for name in ("a.jsonl", "b.jsonl")], dedup=False)
     with pytest.raises(PrepareError, match="give each source a distinct name or split"):
         prepare(config, tmp_path / "two", progress=False)
+    # one source whose folder holds a re-export of the same conversation beside the first: named for what it is
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_text(jsonl([chat_row(CAMREST[0], id="x")]))
+    (tmp_path / "folder" / "a_again.json").write_text(json.dumps([chat_row(CAMREST[0], id="x")]))
+    config = write_config(tmp_path / "folder.yaml", [{"name": "src", "format": "chat", "path": "folder",
+                                                      "split": "train", "language": "en"}], dedup=False)
+    for on_error in ("fail", "quarantine"):  # the files are at fault, not a row
+        with pytest.raises(PrepareError, match=r"a_again.json: element 1: record id 'src-train-x-turn-\d+' is also "
+                                               r"produced by .*a.jsonl:1: one conversation \(or row\) id read from two "
+                                               r"files. Two files of one source holding the same conversations \(a "
+                                               r"re-export beside the first\): keep one of them"):
+            prepare(config, tmp_path / f"folder-{on_error}", on_error=on_error, progress=False)
 
 
 def test_a_key_given_twice_in_a_config_file_is_refused_naming_its_line(tmp_path):
@@ -1982,3 +1994,47 @@ def test_a_stopped_round_of_another_config_says_overwrite_trains_every_round(tmp
         (out / "config.json").write_text(json.dumps(config))
         with pytest.raises(ConfigError, match=re.escape(f"(beta: 0.1 there, 0.2 now); {said}, or give another --out")):
             claim(out, {**config, "beta": 0.2}, {})
+
+
+def test_a_file_saved_in_a_windows_encoding_is_named_with_how_to_convert_it(demo_run, tmp_path):
+    """A Windows "ANSI" export is GBK on a Chinese machine and Windows-1252 on a Western one; its lines are not
+    UTF-8 and are refused (or quarantined) by line as before, now saying which encoding they read as and how
+    to convert the file: for every real text of the demo data that either encoding can hold."""
+    import codecs
+
+    from polyalign.data.importers.reading import encoding_hint
+    from polyalign.data.records import read_records
+
+    run, _, _ = demo_run
+    records = read_records(run / "data" / "train.jsonl")
+    checked = {"GBK": 0, "WINDOWS-1252": 0}
+    for record in records[::7]:
+        text = json.dumps({"messages": [{"role": "user", "content": record.question},
+                                        {"role": "assistant", "content": record.response}]}, ensure_ascii=False)
+        if text.isascii():
+            continue
+        codec, name = ("gbk", "GBK") if record.language == "zh" else ("cp1252", "WINDOWS-1252")
+        try:
+            raw = codecs.encode(text, codec)
+        except UnicodeEncodeError:  # a character the encoding has not (an emoji, a rare ideograph)
+            continue
+        try:
+            raw.decode("utf-8")
+            continue  # bytes that are UTF-8 all the same (the sample's mojibake, "Ã®" saved back): read as such
+        except UnicodeDecodeError:
+            pass
+        assert encoding_hint(raw).startswith(f"; it reads as {name} ("), (record.id, encoding_hint(raw))
+        checked[name] += 1
+    assert checked["GBK"] > 100 and checked["WINDOWS-1252"] > 10, checked
+    # as prepare says it, by line, with the quarantine
+    from tests.chat_exports import crosswoz_dialogues, crosswoz_messages
+
+    chinese = {"messages": crosswoz_messages(crosswoz_dialogues(1)[0][1], 2)}  # "你好，我想找家人均消费..."
+    (tmp_path / "ansi.jsonl").write_bytes(json.dumps(chat_row(CAMREST[0]), ensure_ascii=False).encode() + b"\n"
+                                          + json.dumps(chinese, ensure_ascii=False).encode("gbk") + b"\n")
+    config = write_config(tmp_path / "c.yaml", [{"name": "s", "format": "chat", "path": "ansi.jsonl"}])
+    with pytest.raises((PrepareError, InputError), match=r"ansi.jsonl:2: undecodable bytes \(not UTF-8\): [^;]+; "
+                                                         r"it reads as GBK \(.*你好.*\), as a Windows program saves "
+                                                         r"text: save the file as UTF-8 \(iconv -f GBK -t UTF-8 FILE > "
+                                                         r"FILE.utf8\)"):
+        prepare(config, tmp_path / "run", progress=False)

@@ -670,7 +670,7 @@ def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_ru
     code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", source, "--out", tmp_path / "p.jsonl",
                        "--language", "en")
     assert code == 0
-    assert f"warning: {source}: {len(chinese)} rows en declared, han script; they are bucketed as declared" in err
+    assert f"warning: {source}: {len(chinese)} pairs en declared, han script; they are bucketed as declared" in err
 
 
 def test_an_export_given_to_training_names_the_format_that_imports_it(demo_run, tmp_path, capsys):

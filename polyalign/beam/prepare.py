@@ -64,6 +64,7 @@ from polyalign.data.prepare import (
     prepare_meaning,
     prepare_settings,
     quarantine_row,
+    source_tallies,
     unit_votes,
     write_manifest,
 )
@@ -134,6 +135,7 @@ class ImportFile(beam.DoFn):
             yield _event("default", source_index, name, count=count)
         yield _event("opening", source_index, count=tally.opening_replies)
         yield _event("mojibake", source_index, count=tally.mojibake)
+        yield _event("mojibake_lost", source_index, count=tally.mojibake_lost)
         if self.on_error == "quarantine":
             yield _event("quarantined", count=tally.dropped["malformed"])
 
@@ -362,8 +364,7 @@ def read_near_duplicates(data_dir: Path) -> list[tuple[str, str, float]]:
 def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path, events_dir: Path,
                           num_shards: int, options: Any) -> dict[str, Any]:
     config = context.config
-    tallies = [SourceTally(source, files=[str(f) for f in files])
-               for source, files in zip(config.sources, context.source_files)]
+    tallies = source_tallies(context)
     agreement = AgreementCounts()
     moved: dict[str, int] = {}
     kinds: dict[str, int] = {}
@@ -395,6 +396,8 @@ def _manifest_from_events(context: PrepareContext, on_error: str, data_dir: Path
             tallies[fields[0]].opening_replies += count
         elif kind == "mojibake":
             tallies[fields[0]].mojibake += count
+        elif kind == "mojibake_lost":
+            tallies[fields[0]].mojibake_lost += count
         elif kind == "kept":
             tallies[fields[0]].kept_by_split[fields[1]] += count
         elif kind == "label":

@@ -48,7 +48,7 @@ from polyalign.data.dedup import (
     near_duplicates,
 )
 from polyalign.data.importers import get_format, read_source
-from polyalign.data.importers.reading import source_files
+from polyalign.data.importers.reading import source_files, unread_files
 from polyalign.data.language import OTHER, LanguageChooser, contradicting_script
 from polyalign.data.layout import (
     OUTPUT_STEMS,
@@ -238,6 +238,8 @@ def resolve(path: str, base: Path) -> Path:
 class SourceTally:
     config: SourceConfig
     files: list[str] = field(default_factory=list)
+    # files in the source's folder its format does not read (paths inside the folder): said, never skipped unseen
+    unread_files: list[str] = field(default_factory=list)
     read: int = 0  # source rows: JSONL lines, array elements, dialogues, SQuAD questions
     records: int = 0  # the candidate records those rows became (kept + dropped)
     last_location: Any = field(default=None, repr=False, compare=False)
@@ -253,8 +255,10 @@ class SourceTally:
     label_defaults: Counter = field(default_factory=Counter)
     # records that open a multi-turn conversation with track `single` read off it (no label named it)
     opening_replies: int = 0
-    # records with mojibake in a text (repaired where the source says fix_encoding)
+    # records with mojibake in a text (repaired where the source says fix_encoding), and of those repaired, the
+    # ones still holding U+FFFD: characters lost before polyalign read them (decoded with errors="replace")
     mojibake: int = 0
+    mojibake_lost: int = 0
     # keys of the source's rows its importer does not read, by how many records' rows held them
     unread_keys: Counter = field(default_factory=Counter)
     # (file, "id" or "record key", its value) -> where the first row that had it is: a later row of the file
@@ -272,6 +276,7 @@ class SourceTally:
         return {
             **{k: v for k, v in asdict(self.config).items() if v is not None},
             "files": self.files,
+            **({"unread_files": self.unread_files} if self.unread_files else {}),
             "read": self.read,
             "records": self.records,
             "kept": kept,
@@ -287,6 +292,7 @@ class SourceTally:
             **({"label_defaults": dict(sorted(self.label_defaults.items()))} if self.label_defaults else {}),
             **({"opening_replies": self.opening_replies} if self.opening_replies else {}),
             **({"mojibake": self.mojibake} if self.mojibake else {}),
+            **({"mojibake_lost": self.mojibake_lost} if self.mojibake_lost else {}),
             **({"unread_keys": dict(sorted(self.unread_keys.items()))} if self.unread_keys else {}),
         }
 
@@ -416,10 +422,14 @@ class RecordBuilder:
         tally.unread_keys.update(example.unread_keys)
         texts = [example.question, example.context, example.response, *(t["text"] for t in example.history)]
         repaired = [repaired_encoding(text) for text in texts]
-        mojibake = repaired != texts
-        if mojibake:
+        mojibake = None
+        if repaired != texts:
             tally.mojibake += 1
-            texts = repaired if source.fix_encoding else texts
+            mojibake = "kept"
+            if source.fix_encoding:
+                texts = repaired
+                mojibake = "partly repaired" if any("\ufffd" in text for text in repaired) else "repaired"
+                tally.mojibake_lost += mojibake == "partly repaired"
         question, context, response, *turns = map(normalize, texts)
         # the whole conversation decides its language: repaired too, where the records' texts are
         conversation = example.conversation
@@ -459,7 +469,7 @@ class RecordBuilder:
         if example.labels:
             meta["source_labels"] = dict(example.labels)
         if mojibake:  # which records, for a reader of the files: `grep '"mojibake"' RUN/data/train.jsonl`
-            meta["mojibake"] = "repaired" if source.fix_encoding else "kept"
+            meta["mojibake"] = mojibake
         meta.update(example.meta)
         return Record(
             id=f"{source.name}-{split}-{key}", dataset=source.name, split=split, language=language,
@@ -549,6 +559,12 @@ class PrepareContext:
     @property
     def builder(self) -> RecordBuilder:
         return RecordBuilder(self.scheme, self.length_unit, self.config.split)
+
+
+def source_tallies(context: PrepareContext) -> list[SourceTally]:
+    """A tally for each source, with its files and the files of its folder that its format does not read."""
+    return [SourceTally(source, files=[str(f) for f in files], unread_files=unread_files(root, files))
+            for source, root, files in zip(context.config.sources, context.source_roots, context.source_files)]
 
 
 def load_context(config_path: Path, overrides: Iterable[str] = ()) -> PrepareContext:
@@ -768,8 +784,7 @@ def _prepare(context: PrepareContext, data_dir: Path, on_error: str, progress: b
     started = time.perf_counter()
     timings: dict[str, float] = {}
     config, builder = context.config, context.builder
-    tallies = [SourceTally(source, files=[str(f) for f in files])
-               for source, files in zip(config.sources, context.source_files)]
+    tallies = source_tallies(context)
 
     data_dir.mkdir(parents=True, exist_ok=True)
     if note := stale_note(data_dir, clear_outputs(data_dir, 1, recorded)):
@@ -873,11 +888,14 @@ def repeated_id_problem(what: str, value: str, first: Location) -> str:
 
 
 def duplicate_id_message(record_id: str, locations: list[str]) -> str:
-    """Rows of two files that make one record id: sources whose names and splits collide (the fix is in the
-    config). Rows of one file whose own ids repeat never get here: build_item quarantines or refuses the
-    later row as it is read (repeated_id_problem)."""
-    return (f"{locations[0]}: record id {record_id!r} is also produced by {', '.join(locations[1:])}; "
-            "give each source a distinct name or split")
+    """Rows of two files that make one record id: two files of one source that hold the same conversations (a
+    re-export beside the first), or sources whose names and splits collide. Either way the files or the config
+    are at fault, not a row, so quarantine does not set it aside. Rows of one file whose own ids repeat never
+    get here: build_item quarantines or refuses the later row as it is read (repeated_id_problem)."""
+    return (f"{locations[0]}: record id {record_id!r} is also produced by {', '.join(locations[1:])}: one "
+            "conversation (or row) id read from two files. Two files of one source holding the same conversations "
+            "(a re-export beside the first): keep one of them, or give each file a source of its own; two sources "
+            "of one name and split: give each source a distinct name or split")
 
 
 def build_item(builder: RecordBuilder, source: SourceConfig, tally: SourceTally, key: str | None,

@@ -29,6 +29,7 @@ from polyalign.data.bucketing import (
     weight_warnings,
 )
 from polyalign.data.layout import edited_records_files, prepare_manifest, quarantined_records, split_files
+from polyalign.data.notes import language_mismatch_warning, mojibake_line
 from polyalign.data.records import SPLITS, Record, before_question, read_records
 from polyalign.data.text import LENGTH_UNIT_WORDS
 from polyalign.features.references import build_references, summarize
@@ -282,6 +283,19 @@ def _language_warnings(by_language: dict[str, dict[str, int]]) -> list[str]:
     return lines
 
 
+def _source_warnings(manifest: dict[str, Any]) -> list[str]:
+    """What prepare said of each source's records that shapes the buckets read here (mojibake: a Chinese
+    conversation so broken sits in an English bucket; a declared language the text contradicts), as it said it."""
+    lines = []
+    for source in manifest["sources"]:
+        if line := mojibake_line(source):
+            lines.append(line)
+        if line := language_mismatch_warning(source.get("language_mismatches", {}), f"source {source['name']!r}",
+                                             "its `language:` in the data config"):
+            lines.append(f"warning: {line}")
+    return lines
+
+
 def _source_rows(manifest: dict[str, Any]) -> list[list[str]]:
     return [[s["name"], s["format"], str(s["read"]), str(s.get("records", "-")), str(s["kept"]),
              ", ".join(f"{k}: {v}" for k, v in s["dropped"].items()) or "-",
@@ -344,6 +358,7 @@ def _summary_lines(stats: dict[str, Any], manifest: dict[str, Any]) -> list[str]
         + (f" pairs over {near['train_records']} train records" if near.get("enabled") else ""),
         f"quarantined records: {quarantined_records(manifest)}",
         *_system_prompt_lines(counts.get("system_prompts")),
+        *_source_warnings(manifest),
     ]
     lines += _weight_lines(stats)
     lines += [f"warning: {warning}" for warning in _language_warnings(counts["by_language"])]

@@ -51,8 +51,47 @@ def source_files(path: Path, patterns: Sequence[str]) -> list[Path]:
     return files
 
 
+def unread_files(path: Path, files: Sequence[Path]) -> list[str]:
+    """The files under a source's folder that its format does not read (its PATTERNS match none of them), as
+    paths inside the folder: a zip of exports beside them, a .csv, a file saved as .txt. Documentation and
+    hidden files aside. [] for a source that names a file or a glob."""
+    if any(ch in str(path) for ch in "*?[") or not path.is_dir():
+        return []
+    read = set(files)
+    return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f not in read
+                  and not _DOCUMENTATION.match(f.name)
+                  and not any(part.startswith(".") for part in f.relative_to(path).parts))
+
+
 def _line_of_offset(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
+
+
+# What a Windows "ANSI" export is in, by the language of the machine that saved it: GBK on a Chinese one,
+# Windows-1252 on a Western one.
+_HIGH_RUN = re.compile(rb"[\x80-\xff]+")
+_CJK = re.compile("[\u3400-\u9fff]")
+
+
+def encoding_hint(raw: bytes) -> str:
+    """For bytes that are not UTF-8: the legacy encoding they read as, with the words it gives and how to convert
+    the file; "" when none reads them. GBK writes a Chinese character as two high bytes, so runs of them; a
+    Western text in Windows-1252 has a high byte here and there between ASCII letters (which GBK would also
+    decode, pairing "é" with the "s" after it)."""
+    runs = _HIGH_RUN.findall(raw)
+    paired = sum(len(run) >= 2 for run in runs) * 2 >= len(runs)
+    for codec, name in (("gbk", "GBK"), ("cp1252", "WINDOWS-1252")) if paired else (("cp1252", "WINDOWS-1252"),):
+        try:
+            text = raw.decode(codec)
+        except UnicodeDecodeError:
+            continue
+        if codec == "gbk" and not _CJK.search(text):
+            continue
+        at = next((i for i, c in enumerate(text) if ord(c) > 127), 0)
+        snippet = " ".join(text[max(at - 12, 0):at + 12].split())  # one line, whatever the file's lines
+        return (f"; it reads as {name} (\"{snippet}\"), as a Windows program saves text: save the file as UTF-8 "
+                f"(iconv -f {name} -t UTF-8 FILE > FILE.utf8)")
+    return ""
 
 
 def decode_document(data: bytes, name: str) -> str:
@@ -70,6 +109,7 @@ def decode_document(data: bytes, name: str) -> str:
     except UnicodeDecodeError as err:
         raise InputError(
             f"{name}:{_line_of_offset(data, err.start)}: undecodable bytes (not UTF-8): {err.reason}"
+            f"{encoding_hint(data)}"
         ) from None
 
 
@@ -178,7 +218,7 @@ def iter_text_lines(path: Path) -> Iterator[tuple[Location, str] | Malformed]:
                 line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
                 row += 1
-                yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}",
+                yield Malformed(location, f"undecodable bytes (not UTF-8): {err.reason}{encoding_hint(raw)}",
                                 raw.decode("utf-8", "replace"))
                 continue
             if line.strip():
