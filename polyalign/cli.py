@@ -1567,6 +1567,9 @@ NUMBER_TYPES = (int, float, _budget)
 # stage runs: an out-of-range value (zero and negative ones included, NaN and infinities never) is one line
 # naming the option. tests/test_faults.py walks the parser so that no numeric option is missing here.
 # --max-new-tokens and the budgets of its `auto`, as generate and prompts take them (_budget_options)
+# a length a prompt or a sequence is cut to: a chat template's headers alone take several tokens (a prompt cut to
+# 4 was the assistant header's tail, with nothing of the conversation)
+HEADER_ROOM = Range(8, why="a chat template needs room for its headers")
 BUDGET_RANGES = {"--max-new-tokens": COUNT, "--budget-quantile": Range(0.0, 1.0, low_open=True),
                  "--budget-margin": Range(0.0, low_open=True), "--budget-ceiling": COUNT}
 NUMBER_RANGES: dict[str, dict[str, Range]] = {
@@ -1574,29 +1577,28 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "tokenizer train": {
         "--vocab-size": Range(300, why="the byte fallback alone takes 256 pieces; 8000 suits the demo data"),
         "--character-coverage": Range(0.98, 1.0, why="SentencePiece trains with no less"), "--threads": COUNT},
-    "show": {"--limit": COUNT, "--max-length": Range(8, why="a chat template needs room for its headers")},
-    "build": {"--max-length": Range(8, why="a chat template needs room for its headers"),
+    "show": {"--limit": COUNT, "--max-length": HEADER_ROOM},
+    "build": {"--max-length": HEADER_ROOM,
               "--weight-temperature": Range(0.0), "--clip-weights": Range(0.0),
               "--borrow-below": NON_NEGATIVE, "--min-bucket-size": NON_NEGATIVE},
     "generate": {"--temperature": Range(0.0), **BUDGET_RANGES, "--min-p": Range(0.0, 1.0),
                  "--repetition-penalty": Range(0.0, low_open=True), "--presence-penalty": Range(-2.0, 2.0),
                  "--frequency-penalty": Range(-2.0, 2.0),
                  "--top-p": Range(0.0, 1.0, low_open=True), "--top-k": NON_NEGATIVE, "--batch-size": COUNT,
-                 "--max-prompt-tokens": COUNT, "--limit": COUNT, "--sample": COUNT,
+                 "--max-prompt-tokens": HEADER_ROOM, "--limit": COUNT, "--sample": COUNT,
                  "--per-bucket": COUNT, "--seed": SEED},
     "prompts": {"--limit": COUNT, "--sample": COUNT, "--per-bucket": COUNT, "--seed": SEED,
-                "--max-prompt-tokens": COUNT, **BUDGET_RANGES},
+                "--max-prompt-tokens": HEADER_ROOM, **BUDGET_RANGES},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
               "--max-pending": COUNT, "--max-new-tokens": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
-    "pairs accuracy": {"--beta": Range(0.0, low_open=True), "--max-length": Range(8, why="a chat template needs room "
-                                                                                         "for its headers"),
+    "pairs accuracy": {"--beta": Range(0.0, low_open=True), "--max-length": HEADER_ROOM,
                        "--batch-size": COUNT},
     "evaluate": {"--bootstrap-draws": Range(20, why="an interval's 2.5% and 97.5% points need draws to stand on; "
                                                  "200 is the default"), "--seed": SEED},
     "launch": {"--nproc": COUNT, "--cpu-devices": COUNT, "--port": Range(1, 65535)},
     "plan": {"--devices": COUNT, "--device-memory": Range(0.0, low_open=True),
-             "--seq": Range(8, why="a chat template needs room for its headers")},
+             "--seq": HEADER_ROOM},
 }
 
 
