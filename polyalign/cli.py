@@ -904,6 +904,11 @@ def _run_pairs_import(args) -> int:
     if summary.get("dropped_rows"):
         print(f"dropped rows, with their lines and reasons -> {summary['dropped_rows']}")
     _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language", "pair")
+    if summary.get("mojibake"):  # prepare's fix_encoding has no pairs counterpart: the file is the place to mend
+        print(f"warning: {args.input}: {counted(summary['mojibake'], 'pair')} held mojibake in the prompt or the "
+              "chosen answer (UTF-8 text read as Windows-1252: \"1944â€“46\" for \"1944–46\"), kept as read; repair "
+              "the file's texts first (ftfy.fix_encoding on each string; ftfy is installed with polyalign)",
+              file=sys.stderr)
     conversations = summary["multi_turn_families"].get("assistant", 0)
     if args.family is None and conversations:
         print(f"note: {conversations} multi-turn pairs are labelled family assistant, --family's default; "
@@ -995,7 +1000,7 @@ def _budget_options(parser, default: int | None, what: str) -> None:
     parser.add_argument("--budget-quantile", type=float, default=0.99,
                         help="with auto: the length quantile (default 0.99)")
     parser.add_argument("--budget-margin", type=float, default=1.2, help="with auto: times this (default 1.2)")
-    parser.add_argument("--budget-ceiling", type=int, default=1024,
+    parser.add_argument("--budget-ceiling", type=int, default=None,
                         help="with auto: the most tokens of any bucket (default 1024, or for a model trained from "
                              "scratch what the prompt leaves of its trained length)")
 
@@ -1007,7 +1012,7 @@ def _budget_records(args) -> Path | None:
         given = [option for option, value, default in (("--budget-records", args.budget_records, None),
                                                         ("--budget-quantile", args.budget_quantile, 0.99),
                                                         ("--budget-margin", args.budget_margin, 1.2),
-                                                        ("--budget-ceiling", args.budget_ceiling, 1024))
+                                                        ("--budget-ceiling", args.budget_ceiling, None))
                  if value != default]
         if given:
             raise GenerationError(f"{', '.join(given)}: budgets by bucket, which only --max-new-tokens auto sets")
@@ -1027,6 +1032,7 @@ def _dtype_option(parser, what: str) -> None:
 
 def _run_generate(args) -> int:
     from polyalign.generate.run import (  # heavy: jax, kept out of --help
+        BUDGET_CEILING,
         GenerateOptions,
         SamplingConfig,
         generate_predictions,
@@ -1051,7 +1057,8 @@ def _run_generate(args) -> int:
               f"{' '.join('--' + k.replace('_', '-') + ' ' + format(NEUTRAL_FLAGS[k], 'g') for k in taken)}, to "
               "decode without)")
     options = GenerateOptions(profile=args.profile, template=args.template,
-                              sampling=SamplingConfig(args.budget_ceiling if auto else args.max_new_tokens,
+                              sampling=SamplingConfig((args.budget_ceiling or BUDGET_CEILING) if auto
+                                                      else args.max_new_tokens,
                                                       args.temperature, **chosen,
                                                       presence_penalty=args.presence_penalty,
                                                       frequency_penalty=args.frequency_penalty),
@@ -1059,7 +1066,8 @@ def _run_generate(args) -> int:
                               max_prompt_tokens="auto" if args.max_prompt_tokens is None else args.max_prompt_tokens,
                               sample=args.sample, seed=args.seed, per_bucket=args.per_bucket,
                               budget_records=None if budget_records is None else str(budget_records.resolve()),
-                              budget_quantile=args.budget_quantile, budget_margin=args.budget_margin, dtype=args.dtype)
+                              budget_quantile=args.budget_quantile, budget_margin=args.budget_margin, dtype=args.dtype,
+                              budget_ceiling_chosen=args.budget_ceiling is None)
     summary = generate_predictions(args.checkpoint, args.records, args.out, options, progress=not args.no_progress,
                                    overwrite=args.overwrite)
     for note in summary["notes"]:

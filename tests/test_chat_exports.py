@@ -880,6 +880,15 @@ def test_mojibake_is_counted_marked_and_repaired_on_request(tmp_path, capsys):
                for i in lost)
     assert (f"; {len(lost)} of them still hold U+FFFD (�) where characters were lost before polyalign read them"
             in said.out)
+    # a U+FFFD the export had anyway, in a text the repair did not touch (an English system message), is no loss
+    # of the repair's
+    english = camrest_goal(camrest_dialogues(1)[0])[0] + " \ufffd"
+    marked = [{**row, "messages": [{**m, "content": english} if m["role"] == "system" else m
+                                   for m in row["messages"]]} if row["id"].startswith("crosswoz") else row
+              for row in broken]
+    source, whole, _ = records_of(marked, True, "marked")
+    assert "mojibake_lost" not in source and {r.meta.get("mojibake") for i, r in whole.items() if i in chinese} == {
+        "repaired"}
 
 
 def test_a_folder_source_names_the_files_its_format_does_not_read(tmp_path, capsys):
@@ -900,6 +909,9 @@ def test_a_folder_source_names_the_files_its_format_does_not_read(tmp_path, caps
     (folder / "notes.csv").write_text("id,comment\n1,ok\n")
     (folder / "README.md").write_text("what these are")
     (folder / ".DS_Store").write_bytes(b"\0")
+    (folder / "__MACOSX").mkdir()  # what a Mac's zip adds: AppleDouble copies, not JSON
+    (folder / "__MACOSX" / "._chats.jsonl").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X")
+    (folder / "._chats.jsonl").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X")
     config = write_config(tmp_path / "data.yaml", [{"name": "chats", "format": "chat", "path": "exports"}])
     assert main(["prepare", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     source = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["sources"][0]

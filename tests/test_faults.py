@@ -2023,9 +2023,14 @@ def test_a_file_saved_in_a_windows_encoding_is_named_with_how_to_convert_it(demo
             continue  # bytes that are UTF-8 all the same (the sample's mojibake, "Ã®" saved back): read as such
         except UnicodeDecodeError:
             pass
-        assert encoding_hint(raw).startswith(f"; it reads as {name} ("), (record.id, encoding_hint(raw))
+        assert encoding_hint(raw).startswith(f"; read as {name}, "), (record.id, encoding_hint(raw))
         checked[name] += 1
     assert checked["GBK"] > 100 and checked["WINDOWS-1252"] > 10, checked
+    # where a guess would be wrong, none: a UTF-8 line with a stray byte (converting the file would double-encode
+    # its good lines), a Cyrillic Windows encoding; a Portuguese "ção" (a pair GBK also decodes) stays Western
+    assert encoding_hint("Le café est très bon".encode() + b"\xff").startswith("; the rest of it is UTF-8")
+    assert encoding_hint("Привет, как дела? Всё хорошо".encode("cp1251")) == ""
+    assert encoding_hint("A informação sobre a situação".encode("cp1252")).startswith("; read as WINDOWS-1252, ")
     # as prepare says it, by line, with the quarantine
     from tests.chat_exports import crosswoz_dialogues, crosswoz_messages
 
@@ -2033,8 +2038,7 @@ def test_a_file_saved_in_a_windows_encoding_is_named_with_how_to_convert_it(demo
     (tmp_path / "ansi.jsonl").write_bytes(json.dumps(chat_row(CAMREST[0]), ensure_ascii=False).encode() + b"\n"
                                           + json.dumps(chinese, ensure_ascii=False).encode("gbk") + b"\n")
     config = write_config(tmp_path / "c.yaml", [{"name": "s", "format": "chat", "path": "ansi.jsonl"}])
-    with pytest.raises((PrepareError, InputError), match=r"ansi.jsonl:2: undecodable bytes \(not UTF-8\): [^;]+; "
-                                                         r"it reads as GBK \(.*你好.*\), as a Windows program saves "
-                                                         r"text: save the file as UTF-8 \(iconv -f GBK -t UTF-8 FILE > "
-                                                         r"FILE.utf8\)"):
+    said = (r"ansi.jsonl:2: undecodable bytes \(not UTF-8\): [^;]+; read as GBK, a Chinese Windows encoding, it says "
+            r"\".*你好.*\": if that is the text, save the file as UTF-8 \(iconv -f GBK -t UTF-8 FILE > FILE.utf8\)")
+    with pytest.raises((PrepareError, InputError), match=said):
         prepare(config, tmp_path / "run", progress=False)

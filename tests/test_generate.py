@@ -654,7 +654,7 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     # note says both, and no second note then says they run past it (they did: "128 (chosen)", then "128 + 1024")
     from polyalign.generate.run import BUDGET_CEILING, default_budgets
 
-    prompt, ceiling, notes = default_budgets(scratch, "auto", BUDGET_CEILING, budgeted=True)
+    prompt, ceiling, notes = default_budgets(scratch, "auto", BUDGET_CEILING, budgeted=True, ceiling_chosen=True)
     assert (prompt, ceiling) == (128, 128) and past_trained_length(scratch, prompt, ceiling, True) is None
     assert notes == [f"--max-prompt-tokens 128 and --budget-ceiling 128 (chosen): {scratch} was never trained on a "
                      "sequence longer than 256 tokens (polyalign_max_length in its tokenizer_config.json: polyalign "
@@ -663,9 +663,10 @@ def test_budgets_past_the_longest_sequence_a_model_trained_on_are_noted(tmp_path
     # what a user gave stays as given (a ceiling, a prompt budget, a fixed answer budget), as for a model that
     # does not say how long it trained
     assert default_budgets(scratch, "auto", 1000, budgeted=True)[:2] == (128, 1000)
-    assert default_budgets(scratch, 100, BUDGET_CEILING, budgeted=True) == (100, BUDGET_CEILING, [])
+    assert default_budgets(scratch, "auto", BUDGET_CEILING, budgeted=True)[:2] == (128, BUDGET_CEILING)  # given
+    assert default_budgets(scratch, 100, BUDGET_CEILING, True, ceiling_chosen=True) == (100, BUDGET_CEILING, [])
     assert default_budgets(scratch, "auto", 64) == (192, 64, default_prompt_budget(scratch, "auto", 64)[1])
-    assert default_budgets(base, "auto", BUDGET_CEILING, budgeted=True) == (512, BUDGET_CEILING, [])
+    assert default_budgets(base, "auto", BUDGET_CEILING, True, ceiling_chosen=True) == (512, BUDGET_CEILING, [])
 
 
 def test_prompts_cut_at_generates_prompt_budget_by_default_from_the_cli_and_the_api():

@@ -671,6 +671,12 @@ def test_a_declared_language_the_text_contradicts_is_said_on_the_console(demo_ru
                        "--language", "en")
     assert code == 0
     assert f"warning: {source}: {len(chinese)} pairs en declared, han script; they are bucketed as declared" in err
+    # the Chinese rows' chosen answers read as Windows-1252 on the way (a spreadsheet round trip): said, and kept
+    broken = [{**row, "chosen": [{**m, "content": m["content"].encode("utf-8").decode("cp1252", errors="replace")}
+                                 for m in row["chosen"]]} if i >= 10 else row for i, row in enumerate(rows)]
+    broken_file = write_jsonl(tmp_path / "b.jsonl", broken)
+    code, _, err = cli(capsys, "pairs", "import", "--format", "trl", "--input", broken_file, "--out", tmp_path / "o")
+    assert code == 0 and f"b.jsonl: {len(chinese)} pairs held mojibake in the prompt or the chosen answer" in err
 
 
 def test_an_export_given_to_training_names_the_format_that_imports_it(demo_run, tmp_path, capsys):

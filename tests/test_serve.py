@@ -452,6 +452,21 @@ def test_each_sample_of_a_request_is_told_of_its_end_when_it_ends(checkpoint):
     assert all(ends[s][0] < last_news_of_long for s in short), events
 
 
+def test_a_streamed_sample_is_never_shown_the_stop_token_that_ends_it(checkpoint):
+    """The tokens a stream is told of leave out the stop token that ended the sample, as its completion does: a
+    stop token that is no special token (a template's end of turn added as a plain piece) would otherwise be
+    streamed, and the joined text would be longer than the answer."""
+    engine = Engine(load_hf_checkpoint(checkpoint), list(range(0, 4000, 2)), EngineConfig(slots=4, max_sequence=256))
+    told: dict[int, list[list[int]]] = {}
+    request = Request([5, 6, 7], SamplingConfig(max_new_tokens=60, temperature=1.0), seed=1, n=4,
+                      on_tokens=lambda sample, tokens: told.setdefault(sample, []).append(tokens))
+    [result] = engine.generate([request])
+    assert any(c.finish_reason == "stop" for c in result)  # half the vocabulary ends a sample
+    for sample, completion in enumerate(result):
+        assert all(not tokens or tokens[-1] not in engine.stop_ids for tokens in told[sample])
+        assert told[sample][-1] == completion.tokens
+
+
 OPENAI = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
@@ -662,6 +677,14 @@ def test_a_streamed_choice_never_sends_what_later_tokens_change():
     streamed = _StreamedText(lambda tokens: chinese[len(tokens) - 1], [])
     assert [streamed.update([0] * k) for k in range(1, 5)] == ["你", "", "好", "世界"]
     assert streamed.finish("你好世界 ") == " "
+    # a character still arriving does not use up the hold-back: "用" may begin the stop string "用户"
+    stopping = ["你好用", "你好用\ufffd", "你好用户：再见"]
+    streamed = _StreamedText(lambda tokens: stopping[len(tokens) - 1], ["用户"])
+    assert [streamed.update([0] * k) for k in range(1, 4)] == ["你好", "", ""] and streamed.finish("你好") == ""
+    # a U+FFFD inside the text is the model's own: what follows it streams
+    inside = ["ab\ufffd", "ab\ufffd and then a long answer goes on"]
+    streamed = _StreamedText(lambda tokens: inside[len(tokens) - 1], [])
+    assert [streamed.update([0] * k) for k in range(1, 3)] == ["ab", "\ufffd and then a long answer goes on"]
 
 
 def test_a_streaming_client_that_hangs_up_has_its_request_dropped(checkpoint):

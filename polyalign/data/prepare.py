@@ -427,8 +427,11 @@ class RecordBuilder:
             tally.mojibake += 1
             mojibake = "kept"
             if source.fix_encoding:
+                # U+FFFD in a text the repair changed: characters lost before polyalign read them (one elsewhere
+                # in the record is no part of this)
+                lossy = any("\ufffd" in after for after, before in zip(repaired, texts) if after != before)
+                mojibake = "partly repaired" if lossy else "repaired"
                 texts = repaired
-                mojibake = "partly repaired" if any("\ufffd" in text for text in repaired) else "repaired"
                 tally.mojibake_lost += mojibake == "partly repaired"
         question, context, response, *turns = map(normalize, texts)
         # the whole conversation decides its language: repaired too, where the records' texts are

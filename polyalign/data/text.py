@@ -6,6 +6,7 @@ The rules are those of METHOD.md sections 1 and 2. Every stored record and every
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
@@ -44,6 +45,7 @@ def normalize(text: str) -> str:
     return "\n".join(lines).strip()
 
 
+@functools.lru_cache(maxsize=4096)  # a conversation's turns recur in the history of each of its later records
 def repaired_encoding(text: str) -> str:
     """The text with its mojibake undone: UTF-8 read as Windows-1252 or Latin-1 ("1944â€“46" for "1944–46",
     "fiancÃ©" for "fiancé"), as ftfy.fix_encoding undoes it; any other text unchanged. ftfy changes a text only

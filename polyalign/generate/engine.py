@@ -530,8 +530,9 @@ class _Run:
             self.made[slot].extend(new)
             index, sample = self.owner[slot]
             request = self.requests[index]
-            if new and request.on_tokens is not None:
-                request.on_tokens(sample, list(self.made[slot]))
+            if new and request.on_tokens is not None:  # without a stop token that ended it, as _finish leaves it out
+                so_far = self.made[slot]
+                request.on_tokens(sample, so_far[:-1] if so_far[-1] in self.engine.stop_ids else list(so_far))
             stop_when = request.stop_when
             if self.slots["live"][slot] and stop_when is not None and stop_when(self.made[slot]):
                 self.slots["live"][slot] = False
@@ -600,14 +601,14 @@ class EngineLoop:
         """A future of the request's completions. Raises GenerationError for a request the engine cannot
         hold, QueueFull when max_pending requests are already in."""
         self.engine._check(0, request)
-        with self._lock:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:  # put under the lock the engine's thread takes to fail what is left in the inbox
             if self._failure is not None or self._closed.is_set():
                 raise GenerationError(f"the engine has stopped: {self._failure or 'closed'}")
             if self._pending >= self.max_pending:
                 raise queue.Full(f"{self._pending} requests are already waiting or running")
             self._pending += 1
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((request, future))
+            self._inbox.put((request, future))
         return future
 
     def cancel(self, future: concurrent.futures.Future) -> None:
@@ -655,8 +656,13 @@ class EngineLoop:
             error = failure
             raise
         finally:
-            with self._lock:
+            with self._lock:  # no submit puts after this: those still in the inbox are failed with the rest
                 self._failure = error
-            for future in indices:
+                waiting = []
+                while not self._inbox.empty():
+                    item = self._inbox.get()
+                    if item is not None and item[0] != "cancel":
+                        waiting.append(item[1])
+            for future in [*indices, *waiting]:
                 if not future.done():
                     future.set_exception(GenerationError(f"the engine stopped: {error}"))

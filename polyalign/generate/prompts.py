@@ -56,7 +56,7 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
                   per_bucket: int | None = None, max_prompt_tokens: int | str | None = "auto",
                   max_new_tokens: int | str | None = None,
                   budget_records: Path | None = None, budget_quantile: float = 0.99, budget_margin: float = 1.2,
-                  budget_ceiling: int = BUDGET_CEILING, overwrite: bool = False) -> dict[str, Any]:
+                  budget_ceiling: int | None = None, overwrite: bool = False) -> dict[str, Any]:
     """`max_prompt_tokens`: the prompt budget, chosen as generate chooses it by default ("auto":
     run.default_prompt_budget; None: whole prompts, no prompt_token_ids). `max_new_tokens`: each row's
     `max_tokens`, a number or "auto" (its bucket's budget from the answers of `budget_records`, as
@@ -75,10 +75,13 @@ def write_prompts(checkpoint, records_path: Path, out: Path, *, profile: str | N
     records_path, out = Path(records_path), Path(out)
     fitted: list[str] = []  # what was chosen or changed to fit the model's positions, as generate does
     auto = max_new_tokens == "auto"
+    ceiling_chosen = budget_ceiling is None  # not given: a from-scratch model's trained length may lower it
+    budget_ceiling = BUDGET_CEILING if budget_ceiling is None else budget_ceiling
     if max_prompt_tokens is not None:
         answers = (budget_ceiling if auto else SamplingConfig().max_new_tokens if max_new_tokens is None
                    else int(max_new_tokens))
-        max_prompt_tokens, answers, fitted = default_budgets(checkpoint, max_prompt_tokens, answers, auto)
+        max_prompt_tokens, answers, fitted = default_budgets(checkpoint, max_prompt_tokens, answers, auto,
+                                                             ceiling_chosen)
         budget_ceiling = answers if auto else budget_ceiling
     if max_prompt_tokens is not None and max_new_tokens is not None:
         room, changed = answer_room(checkpoint, max_prompt_tokens, budget_ceiling if auto else int(max_new_tokens),

@@ -68,6 +68,9 @@ class GenerateOptions:
     budget_quantile: float = 0.99
     budget_margin: float = 1.2
     dtype: str = "auto"
+    # the ceiling (sampling.max_new_tokens under budget_records) is BUDGET_CEILING, not given: a from-scratch
+    # model's trained length may lower it (default_budgets). Not a setting of the answers: not recorded.
+    budget_ceiling_chosen: bool = False
 
 
 def stop_ids_of(tokenizer, chat) -> list[int]:
@@ -109,13 +112,15 @@ def generate_predictions(checkpoint: Path, records_path: Path, out: Path, option
     options = dataclasses.replace(options, dtype=compute_dtype(options.dtype))  # the one used, in the manifest
     budgeted = options.budget_records is not None
     prompt_tokens, answers, chosen = default_budgets(checkpoint, options.max_prompt_tokens,
-                                                     options.sampling.max_new_tokens, budgeted)
+                                                     options.sampling.max_new_tokens, budgeted,
+                                                     options.budget_ceiling_chosen)
     options = dataclasses.replace(options, max_prompt_tokens=prompt_tokens,
                                   sampling=dataclasses.replace(options.sampling, max_new_tokens=answers))
     options, fitted = fitted_to_positions(checkpoint, options)
     fitted = [*chosen, *fitted]
     settings = {"checkpoint": recorded_path(checkpoint), "records": str(Path(records_path).resolve()),
                 **asdict(options)}
+    del settings["budget_ceiling_chosen"]  # how the ceiling came about; the ceiling itself is recorded
     # penalties and min_p recorded when asked for: predictions of earlier versions, made without them, match
     settings["sampling"] = asked_for(settings["sampling"])
     if options.per_bucket is None:  # predictions made before --per-bucket existed keep their settings
@@ -165,15 +170,15 @@ def resumed_answers(partial: Path, identity: dict, ids: set[str], notes: list[st
     return kept
 
 
-def default_budgets(checkpoint, asked: int | str, answers: int, budgeted: bool = False
+def default_budgets(checkpoint, asked: int | str, answers: int, budgeted: bool = False, ceiling_chosen: bool = False
                     ) -> tuple[int, int, list[str]]:
     """The prompt budget and the answer budget, with a note for what was chosen here (default_prompt_budget).
-    Per-bucket budgets whose ceiling is the default (BUDGET_CEILING, not given) beside a chosen prompt budget
-    share a from-scratch model's trained length with it: the ceiling is what the prompt leaves, said in the
-    same note, rather than a ceiling that a second note then says runs past the positions the model learned."""
+    Per-bucket budgets whose ceiling was not given (`ceiling_chosen`) beside a chosen prompt budget share a
+    from-scratch model's trained length with it: the ceiling is what the prompt leaves, said in the same note,
+    rather than a ceiling that a second note then says runs past the positions the model learned."""
     prompt, notes = default_prompt_budget(checkpoint, asked, answers, budgeted)
     trained = trained_length(checkpoint)
-    if not (budgeted and notes and answers == BUDGET_CEILING and trained is not None and prompt + answers > trained):
+    if not (budgeted and ceiling_chosen and notes and trained is not None and prompt + answers > trained):
         return prompt, answers, notes
     ceiling = trained - prompt
     where = never_trained_past(checkpoint, trained)

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import os
 import queue
 import socket
 import time
@@ -102,6 +103,8 @@ def _models():
     class StreamOptions(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         include_usage: bool = False  # a last chunk with the request's usage, as OpenAI sends it
+        # OpenAI pads chunks against length side channels; on this server's own machine there is none to close
+        include_obfuscation: bool | None = None
 
     class Sampling(BaseModel):
         # strict: "10" is not a number and true is not 1; fields polyalign cannot honour are refused below
@@ -198,21 +201,32 @@ class _StreamedText:
 
     def update(self, tokens: list[int]) -> str:
         text, stopped = _cut_at_stop(self.text_of(tokens), self.stops)
-        if not stopped and self.hold:
+        if not stopped:
+            # a character still arriving is only ever at the end (a U+FFFD inside is the model's own); the stop
+            # string's possible beginning is held back from what is left, real characters
+            text = text.rstrip("\ufffd")
             text = text[:max(len(text) - self.hold, 0)]
-        if "\ufffd" in text[len(self.sent):]:
-            text = text[:text.index("\ufffd", len(self.sent))]
         return self._send(text.rstrip())
 
     def finish(self, answer: str) -> str:
-        # what was sent is the answer's beginning (update sends nothing later tokens change), so the rest follows
-        return answer[len(self.sent):]
+        # what was sent is the answer's beginning (update sends nothing later tokens change), so the rest follows;
+        # were it not, the rest after what they share, rather than repeating text the client has
+        shared = len(self.sent) if answer.startswith(self.sent) else len(os.path.commonprefix([answer, self.sent]))
+        return answer[shared:]
 
     def _send(self, text: str) -> str:
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed answer: its server-sent events, and what drops its requests from the engine."""
+
+    events: Any
+    cancel: Callable[[], None]
 
 
 class Service:
@@ -278,7 +292,8 @@ class Service:
             asked = f"{prompt_tokens} prompt tokens + {budget} new tokens exceed" if budget >= 1 else (
                 f"{prompt_tokens} prompt tokens leave no room for an answer in")  # no max_tokens: what is left
             room = self.engine.config.max_sequence - prompt_tokens
-            fix = (f" (max_tokens {room} at most with this prompt; left unset, it takes what is left)"
+            fix = (f" (max_tokens {room} at most with this prompt; left unset, the server's --max-new-tokens, cut to "
+                   "what is left)"
                    if budget >= 1 and room >= 1 else "")
             raise _ApiError(400, f"{asked} this server's {self.engine.config.max_sequence}-token context{fix}",
                             param=prompt_param if too_long else "max_tokens")
@@ -350,7 +365,8 @@ class Service:
                 loop.call_soon_threadsafe(updates.put_nowait, (job * n + sample, news))
 
         futures = self._submit(jobs, n, stops, told)
-        return self._events(futures, updates, jobs, n, stops, client, chat, include_usage)
+        return Streamed(self._events(futures, updates, jobs, n, stops, client, chat, include_usage),
+                        functools.partial(self._cancel, futures))
 
     async def _events(self, futures, updates: asyncio.Queue, jobs, n: int, stops: list[str], client, chat: bool,
                       include_usage: bool):
@@ -413,6 +429,10 @@ class Service:
                 yield _event({**head, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
             ended = True
+        except Exception:  # a fault of the server's own: the log says 500, not that the client left
+            _set_state(client, status=500)
+            ended = True
+            raise
         finally:
             if getter is not None:
                 getter.cancel()
@@ -602,11 +622,23 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
                             kind="not_found_error", param="model")
         return service.models()["data"][0]
 
+    class EventStream(StreamingResponse):
+        """A stream whose requests leave the engine however the response ends: its events' own ending does it,
+        but a client gone before the first event never starts them."""
+
+        def __init__(self, streamed: Streamed):
+            super().__init__(streamed.events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            self.cancel = streamed.cancel
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.cancel()
+
     def answered(answer):
-        if isinstance(answer, dict):
-            return answer
-        # a stream: its events set the usage (or the status of one cut short) as they end
-        return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        # a stream's events set the usage (or the status of one cut short) as they end
+        return EventStream(answer) if isinstance(answer, Streamed) else answer
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: chat_request, client: fastapi.Request):

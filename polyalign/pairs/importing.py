@@ -326,6 +326,7 @@ def import_pairs(input_path: Path, out: Path, fmt: str, *, dataset: str | None =
                    "system_is_profile_prompt": tally.system_messages["system_is_profile_prompt"],
                    "languages_detected": dict(tally.detected_languages),
                    "language_mismatches": dict(tally.language_mismatches),
+                   "mojibake": tally.mojibake,  # pairs whose prompt or chosen answer holds some, kept as read
                    "buckets": dict(sorted(Counter(p["bucket_id"] for p in pairs).items())),
                    # the family of the conversations (earlier turns in the prompt): the default's fit is worth a word
                    "multi_turn_families": dict(Counter(p["record"]["family"] for p in pairs

@@ -39,7 +39,7 @@ def source_files(path: Path, patterns: Sequence[str]) -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
     elif path.is_dir():
         files = sorted({f for pattern in patterns for f in path.rglob(pattern)
-                        if f.is_file() and not _DOCUMENTATION.match(f.name)})
+                        if f.is_file() and not _DOCUMENTATION.match(f.name) and not _hidden(f.relative_to(path))})
     elif path.is_file():
         files = [path]
     elif path.is_symlink():
@@ -59,8 +59,13 @@ def unread_files(path: Path, files: Sequence[Path]) -> list[str]:
         return []
     read = set(files)
     return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f not in read
-                  and not _DOCUMENTATION.match(f.name)
-                  and not any(part.startswith(".") for part in f.relative_to(path).parts))
+                  and not _DOCUMENTATION.match(f.name) and not _hidden(f.relative_to(path)))
+
+
+def _hidden(relative: Path) -> bool:
+    """A file no export meant as data: hidden ones (.DS_Store, macOS's "._chats.json" beside each file it
+    copies, .ipynb_checkpoints/) and what a Mac's zip adds (__MACOSX/)."""
+    return any(part.startswith(".") or part == "__MACOSX" for part in relative.parts)
 
 
 def _line_of_offset(data: bytes, offset: int) -> int:
@@ -68,28 +73,44 @@ def _line_of_offset(data: bytes, offset: int) -> int:
 
 
 # What a Windows "ANSI" export is in, by the language of the machine that saved it: GBK on a Chinese one,
-# Windows-1252 on a Western one.
+# Windows-1252 on a Western one. Only a guess from the bytes' shape: the hint shows the words it reads, for the
+# user to judge, and says nothing where neither shape fits.
 _HIGH_RUN = re.compile(rb"[\x80-\xff]+")
-_CJK = re.compile("[\u3400-\u9fff]")
+_CJK_PAIR = re.compile("[\u3400-\u9fff]{2}")  # a Chinese word; "ção" read as GBK is one ideograph between letters
+_HINT_BYTES = 4096  # a document's first bytes are enough to guess from
 
 
 def encoding_hint(raw: bytes) -> str:
-    """For bytes that are not UTF-8: the legacy encoding they read as, with the words it gives and how to convert
-    the file; "" when none reads them. GBK writes a Chinese character as two high bytes, so runs of them; a
-    Western text in Windows-1252 has a high byte here and there between ASCII letters (which GBK would also
-    decode, pairing "é" with the "s" after it)."""
+    """For bytes that are not UTF-8: what they most likely are, with the words that reading gives and how to
+    convert the file; "" where no guess is safe.
+    - Mostly UTF-8 (its multi-byte characters decode, a byte or two do not): a line cut inside a character or
+      joined from two files. Converting the file would double-encode its good lines, so no iconv line.
+    - GBK: it decodes, into two Chinese characters in a row somewhere (Portuguese "ção" in Windows-1252 also
+      decodes as GBK, into one ideograph between Latin letters).
+    - Windows-1252: a Western text's accented letters stand alone or in pairs between ASCII letters (a
+      Cyrillic or Greek Windows encoding fills whole words with high bytes, and gets no hint)."""
+    raw = raw[:_HINT_BYTES]
     runs = _HIGH_RUN.findall(raw)
-    paired = sum(len(run) >= 2 for run in runs) * 2 >= len(runs)
-    for codec, name in (("gbk", "GBK"), ("cp1252", "WINDOWS-1252")) if paired else (("cp1252", "WINDOWS-1252"),):
+    if not runs:
+        return ""
+    utf8 = raw.decode("utf-8", errors="replace")
+    bad, good = utf8.count("\ufffd"), sum(ord(c) > 127 for c in utf8) - utf8.count("\ufffd")
+    if good >= 2 * bad:
+        return ("; the rest of it is UTF-8, so a few bytes are not (a line cut inside a character, or text joined "
+                "from two files): mend those lines")
+    candidates = [("gbk", "GBK", "a Chinese Windows encoding")]
+    if max(map(len, runs)) <= 3:
+        candidates.append(("cp1252", "WINDOWS-1252", "a Western Windows encoding"))
+    for codec, name, what in candidates:
         try:
             text = raw.decode(codec)
         except UnicodeDecodeError:
             continue
-        if codec == "gbk" and not _CJK.search(text):
+        if codec == "gbk" and not _CJK_PAIR.search(text):
             continue
         at = next((i for i, c in enumerate(text) if ord(c) > 127), 0)
         snippet = " ".join(text[max(at - 12, 0):at + 12].split())  # one line, whatever the file's lines
-        return (f"; it reads as {name} (\"{snippet}\"), as a Windows program saves text: save the file as UTF-8 "
+        return (f"; read as {name}, {what}, it says \"{snippet}\": if that is the text, save the file as UTF-8 "
                 f"(iconv -f {name} -t UTF-8 FILE > FILE.utf8)")
     return ""
 
