@@ -193,6 +193,8 @@ def test_malformed_requests_get_4xx_answers_and_the_server_keeps_serving(checkpo
         ("post", "/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
         ("post", "/chat/completions", {"messages": chat, "temperature": 5}, 400, "temperature"),
         ("post", "/chat/completions", {"messages": chat, "n": 0}, 400, "n"),
+        ("post", "/chat/completions", {"messages": chat, "n": 17}, 400,
+         "n: at most 16 samples a request, and no more than this server's --slots"),
         ("post", "/chat/completions", {"messages": chat, "max_tokens": 0}, 400, "max_tokens"),
         ("post", "/chat/completions", {"messages": chat, "max_tokens": 10_000}, 400, "context"),
         ("post", "/chat/completions", {"messages": chat, "stream_options": {"include_usage": True}}, 400,

@@ -598,6 +598,8 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
         union = next((i for i, p in enumerate(where) if p in UNION_SHAPES), None)
         if union is not None and len(where) > union + 1:  # one of a union's forms: said as the field's shapes
             return f"{'.'.join(where[:union + 1])} must be {UNION_SHAPES[where[union]]}"
+        if where == ["n"] and e.get("type") == "less_than_equal":  # a bound of the API's, and the server's slots
+            return f"n: at most {e['ctx']['le']} samples a request, and no more than this server's --slots"
         return f"{'.'.join(where) or 'body'}: {e['msg']}"
 
     @app.exception_handler(RequestValidationError)
