@@ -1140,6 +1140,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="a request's budget when it names no max_tokens (default 256), cut to what --max-sequence "
                         "leaves after its prompt, as vLLM cuts it (a max_tokens past that is answered 400)")
+    p.add_argument("--steps-per-sync", type=int, default=8,
+                   help="tokens each sequence decodes between two visits of the scheduler (default 8): a streamed "
+                        "answer arrives in pieces of about that many, and a new request joins after at most that "
+                        "many; 1 streams token by token, at some cost in throughput")
     p.add_argument("--model-name", help="the model's name in /v1/models and responses (default: the run folder)")
     p.add_argument("--no-request-log", dest="log_requests", action="store_false",
                    help="no line per request (by default: time, method, path, status, seconds, prompt + completion "
@@ -1153,7 +1157,7 @@ def _run_serve(args) -> int:
     serve(args.checkpoint, ServeOptions(host=args.host, port=args.port, slots=args.slots,
                                         max_sequence=args.max_sequence, max_pending=args.max_pending,
                                         max_new_tokens=args.max_new_tokens, model_name=args.model_name,
-                                        log_requests=args.log_requests),
+                                        log_requests=args.log_requests, steps_per_sync=args.steps_per_sync),
           template=args.template)
     return 0
 
@@ -1598,7 +1602,7 @@ NUMBER_RANGES: dict[str, dict[str, Range]] = {
     "prompts": {"--limit": COUNT, "--sample": COUNT, "--per-bucket": COUNT, "--seed": SEED,
                 "--max-prompt-tokens": HEADER_ROOM, **BUDGET_RANGES},
     "serve": {"--port": Range(1, 65535), "--slots": COUNT, "--max-sequence": Range(2, optional=True),
-              "--max-pending": COUNT, "--max-new-tokens": COUNT},
+              "--max-pending": COUNT, "--max-new-tokens": COUNT, "--steps-per-sync": COUNT},
     "pairs import": {"--val-fraction": Range(0.0, 1.0, low_open=True, high_open=True), "--seed": SEED},
     "pairs accuracy": {"--beta": Range(0.0, low_open=True), "--max-length": HEADER_ROOM,
                        "--batch-size": COUNT},

@@ -657,6 +657,13 @@ def test_a_streamed_answer_joins_into_the_answer_the_same_request_gets_unstreame
         pieces = [c.choices[0].delta.content for c in client.chat.completions.create(
             model="sft", messages=messages, max_tokens=80, temperature=0, stream=True) if c.choices[0].delta.content]
         assert "".join(pieces) == content and len(pieces) >= 5, pieces
+        # served with --steps-per-sync 1, the same answer streams token by token: in several times the pieces
+        fine = Server(checkpoint, slots=6, max_sequence=512, steps_per_sync=1)
+        with fine:
+            finer = [c.choices[0].delta.content for c in openai.OpenAI(base_url=fine.url, api_key="unused")
+                     .chat.completions.create(model="sft", messages=messages, max_tokens=80, temperature=0,
+                                              stream=True) if c.choices[0].delta.content]
+        assert "".join(finer) == content and len(finer) >= 3 * len(pieces), (len(finer), len(pieces))
         # without stream_options, no usage anywhere and no usage chunk
         plain = list(client.completions.create(model="sft", prompt=prompts[0], max_tokens=5, stream=True))
         assert all(c.usage is None and c.choices for c in plain)

@@ -64,7 +64,8 @@ class ServeOptions:
     """host, port; slots and max_sequence of the engine; max_pending: requests waiting or running at
     once (more are answered 429); max_new_tokens: a request's budget when it names none; model_name:
     what /v1/models lists (default: the checkpoint's run folder); log_requests: a line per request on
-    standard output (time, method, path, status, seconds, prompt + completion tokens)."""
+    standard output (time, method, path, status, seconds, prompt + completion tokens); steps_per_sync: tokens
+    each sequence decodes between two visits of the scheduler (EngineConfig), so the size of a streamed piece."""
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -74,6 +75,7 @@ class ServeOptions:
     max_new_tokens: int = 256
     model_name: str | None = None
     log_requests: bool = True
+    steps_per_sync: int = 8  # the engine's decoding steps between scheduler visits: a stream's piece size
 
 
 class _ApiError(PolyalignError):
@@ -744,7 +746,8 @@ def load_service(checkpoint, options: ServeOptions, template: str | None = None)
     template; a context longer than the model's positions is refused before the weights load."""
     options = with_max_sequence(options, checkpoint)
     engine, tokenizer, chat = open_checkpoint(checkpoint, template,
-                                              EngineConfig(slots=options.slots, max_sequence=options.max_sequence))
+                                              EngineConfig(slots=options.slots, max_sequence=options.max_sequence,
+                                                           steps_per_sync=options.steps_per_sync))
     weights = sorted(Path(str(checkpoint)).glob("*.safetensors"))  # a local folder; 0 where it cannot be told
     created = int(max(w.stat().st_mtime for w in weights)) if weights else 0
     return Service(engine, tokenizer, chat, options.model_name or run_name(checkpoint), options, created,
