@@ -26,7 +26,7 @@ from polyalign.core.scores import interval_text
 from polyalign.core.version import polyalign_version
 from polyalign.core.wording import counted, listed
 from polyalign.data.layout import quarantined_records
-from polyalign.data.notes import language_mismatch_warning, mojibake_line
+from polyalign.data.notes import MOJIBAKE, language_mismatch_warning, mojibake_line
 from polyalign.demo import STAGES, parse_stages, run_demo
 from polyalign.mesh import supervisor
 from polyalign.mesh.launch import (
@@ -906,9 +906,8 @@ def _run_pairs_import(args) -> int:
     _warn_language_mismatches(summary.get("language_mismatches", {}), str(args.input), "--language", "pair")
     if summary.get("mojibake"):  # prepare's fix_encoding has no pairs counterpart: the file is the place to mend
         print(f"warning: {args.input}: {counted(summary['mojibake'], 'pair')} held mojibake in the prompt or the "
-              "chosen answer (UTF-8 text read as Windows-1252: \"1944â€“46\" for \"1944–46\"), kept as read; repair "
-              "the file's texts first (ftfy.fix_encoding on each string; ftfy is installed with polyalign)",
-              file=sys.stderr)
+              f"chosen answer ({MOJIBAKE}), kept as read; repair the file's texts first (ftfy.fix_encoding on each "
+              "string; ftfy is installed with polyalign)", file=sys.stderr)
     conversations = summary["multi_turn_families"].get("assistant", 0)
     if args.family is None and conversations:
         print(f"note: {conversations} multi-turn pairs are labelled family assistant, --family's default; "

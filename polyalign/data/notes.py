@@ -7,6 +7,8 @@ from typing import Any
 
 from polyalign.core.wording import counted
 
+MOJIBAKE = "UTF-8 text read as Windows-1252: \"1944â€“46\" for \"1944–46\""  # what mojibake is, by example
+
 
 def mojibake_line(source: dict[str, Any]) -> str | None:
     """Records whose text was decoded with the wrong encoding somewhere before polyalign read it: a model
@@ -14,8 +16,7 @@ def mojibake_line(source: dict[str, Any]) -> str | None:
     count = source.get("mojibake")
     if not count:
         return None
-    what = (f"source {source['name']!r}: {counted(count, 'record')} held mojibake (UTF-8 text read as Windows-1252: "
-            "\"1944â€“46\" for \"1944–46\")")
+    what = f"source {source['name']!r}: {counted(count, 'record')} held mojibake ({MOJIBAKE})"
     if source.get("fix_encoding"):
         lost = source.get("mojibake_lost")
         lost = (f"; {lost} of them still hold U+FFFD (�) where characters were lost before polyalign read them, a "

@@ -373,8 +373,8 @@ class Service:
     async def _events(self, futures, updates: asyncio.Queue, jobs, n: int, stops: list[str], client, chat: bool,
                       include_usage: bool):
         """Server-sent events of OpenAI's chunks: a chat choice opens with its role; each choice's text as it is
-        decoded, then its finish reason; the usage when asked; `data: [DONE]`. A client that hangs up drops
-        the request from the engine; the request log says 499."""
+        decoded, then its finish reason; the usage when asked; `data: [DONE]`. However they end, the response
+        (EventStream) drops the request from the engine, and the request log says 499 of a stream cut short."""
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name}
@@ -390,7 +390,7 @@ class Service:
         texts = [_StreamedText(text_of, stops) for *_, text_of in jobs for _ in range(n)]
         answers = [asyncio.wrap_future(future) for future in futures]
         finished: set[int] = set()  # the choices whose last chunk went
-        made, ended, getter = 0, False, None
+        made, getter = 0, None
         try:
             if chat:
                 for index in range(len(texts)):
@@ -405,7 +405,6 @@ class Service:
                     _set_state(client, status=error.status)
                     yield _event(error.body())  # then [DONE], as vLLM ends a stream that failed
                     yield "data: [DONE]\n\n"
-                    ended = True
                     return
                 getter = getter or asyncio.ensure_future(updates.get())
                 # an answer's end comes after its choices' last news (both leave the engine's thread in that order)
@@ -430,17 +429,12 @@ class Service:
             if include_usage:
                 yield _event({**head, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
-            ended = True
         except Exception:  # a fault of the server's own: the log says 500, not that the client left
             _set_state(client, status=500)
-            ended = True
             raise
         finally:
             if getter is not None:
                 getter.cancel()
-            self._cancel(futures)
-            if not ended:  # the client hung up (the response's task was cancelled)
-                _set_state(client, status=499)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt's token ids: ids as given (each checked against the vocabulary), or the text's
@@ -627,8 +621,8 @@ def build_app(service: Service, log: Callable[[str], None] | None = None) -> Any
         return service.models()["data"][0]
 
     class EventStream(StreamingResponse):
-        """A stream whose requests leave the engine however the response ends: its events' own ending does it,
-        but a client gone before the first event never starts them."""
+        """A stream whose requests leave the engine however the response ends: finished, failed, cut short by
+        the client, or left before its first event (which never starts the events at all)."""
 
         def __init__(self, streamed: Streamed):
             super().__init__(streamed.events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

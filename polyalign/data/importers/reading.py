@@ -38,8 +38,7 @@ def source_files(path: Path, patterns: Sequence[str]) -> list[Path]:
     if any(ch in str(path) for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
     elif path.is_dir():
-        files = sorted({f for pattern in patterns for f in path.rglob(pattern)
-                        if f.is_file() and not _DOCUMENTATION.match(f.name) and not _hidden(f.relative_to(path))})
+        files = [f for f in _folder_files(path) if any(f.match(pattern) for pattern in patterns)]
     elif path.is_file():
         files = [path]
     elif path.is_symlink():
@@ -58,14 +57,15 @@ def unread_files(path: Path, files: Sequence[Path]) -> list[str]:
     if any(ch in str(path) for ch in "*?[") or not path.is_dir():
         return []
     read = set(files)
-    return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f not in read
-                  and not _DOCUMENTATION.match(f.name) and not _hidden(f.relative_to(path)))
+    return [str(f.relative_to(path)) for f in _folder_files(path) if f not in read]
 
 
-def _hidden(relative: Path) -> bool:
-    """A file no export meant as data: hidden ones (.DS_Store, macOS's "._chats.json" beside each file it
-    copies, .ipynb_checkpoints/) and what a Mac's zip adds (__MACOSX/)."""
-    return any(part.startswith(".") or part == "__MACOSX" for part in relative.parts)
+def _folder_files(path: Path) -> list[Path]:
+    """Every file under a source's folder that may be data, sorted: documentation (README, LICENSE, ...) aside,
+    and what no export meant as data: hidden files (.DS_Store, macOS's "._chats.json" beside each file it copies,
+    .ipynb_checkpoints/) and what a Mac's zip adds (__MACOSX/)."""
+    return sorted(f for f in path.rglob("*") if f.is_file() and not _DOCUMENTATION.match(f.name)
+                  and not any(part.startswith(".") or part == "__MACOSX" for part in f.relative_to(path).parts))
 
 
 def _line_of_offset(data: bytes, offset: int) -> int:
